@@ -1,0 +1,16 @@
+"""decodert: export LLM checkpoints to prefill/decode ONNX graphs and TensorRT engines, run them lean."""
+
+__version__ = "0.1.0"
+
+from decodert.errors import DecodertError  # noqa: E402
+
+__all__ = ["DecodertError", "LLM", "__version__"]
+
+
+def __getattr__(name: str):
+    # `from decodert import LLM` without importing onnxruntime at package import time.
+    if name == "LLM":
+        from decodert.runtime.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

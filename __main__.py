@@ -1,0 +1,3 @@
+from decodert.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""The frozen model description every other part of decodert reads.
+
+A family file (``models/llama.py`` ...) turns a Hugging Face ``config.json`` dict or GGUF
+metadata into a :class:`ModelSpec` and declares where each *canonical* weight comes from.
+Graph code only ever sees canonical names (see ``CANONICAL`` below), never checkpoint keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding (rotate-half / NeoX layout, as in transformers)."""
+
+    theta: float = 10000.0
+    scaling: str | None = None  # None | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position: int = 8192  # llama3
+    rotary_dim: int | None = None  # None = the whole head
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """[rot_dim/2] float64 inverse frequencies after scaling."""
+        dim = self.rotary_dim or head_dim
+        inv = 1.0 / (self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        if self.scaling == "linear":
+            inv = inv / self.factor
+        elif self.scaling == "llama3":
+            low_wavelen = self.original_max_position / self.low_freq_factor
+            high_wavelen = self.original_max_position / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            inv = np.where(medium, smoothed, scaled)
+        return inv
+
+    def cos_sin(self, head_dim: int, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin tables [max_pos, rot_dim/2] in float32 (computed in float64)."""
+        angles = np.outer(np.arange(max_pos, dtype=np.float64), self.inv_freq(head_dim))
+        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the graph recipe needs about a decoder-only transformer."""
+
+    family: str  # models/<family>.py
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    max_position: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None  # Mistral (None = full attention)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def qkv_size(self) -> int:
+        """Rows of the fused qkv weight: (H + 2 H_kv) * D."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        d = dict(d)
+        d["rope"] = RopeSpec(**d["rope"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+def canonical_names(spec: ModelSpec) -> list[str]:
+    """Canonical weight names, in the order they are written to weights.bin.
+
+    Layout is the checkpoint's [out_features, in_features] for every linear weight.
+
+    - ``embed``                     [V, hidden]
+    - ``layers.{i}.input_norm``     [hidden]
+    - ``layers.{i}.qkv``            [(H + 2 H_kv) * D, hidden]   rows: q heads, k heads, v heads
+    - ``layers.{i}.qkv_bias``       [(H + 2 H_kv) * D]           (qkv_bias only)
+    - ``layers.{i}.q_norm``         [D]                          (qk_norm only)
+    - ``layers.{i}.k_norm``         [D]                          (qk_norm only)
+    - ``layers.{i}.o``              [hidden, H * D]
+    - ``layers.{i}.post_norm``      [hidden]
+    - ``layers.{i}.gate_up``        [2 * I, hidden]              rows: gate, then up
+    - ``layers.{i}.down``           [hidden, I]
+    - ``final_norm``                [hidden]
+    - ``lm_head``                   [V, hidden]                  (absent when tied)
+    """
+    names = ["embed"]
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        names += [p + "input_norm", p + "qkv"]
+        if spec.qkv_bias:
+            names.append(p + "qkv_bias")
+        if spec.qk_norm:
+            names += [p + "q_norm", p + "k_norm"]
+        names += [p + "o", p + "post_norm", p + "gate_up", p + "down"]
+    names.append("final_norm")
+    if not spec.tie_word_embeddings:
+        names.append("lm_head")
+    return names
+
+
+def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
+    """The expected shape of a canonical weight (used to validate checkpoints)."""
+    h, d = spec.hidden_size, spec.head_dim
+    leaf = name.rsplit(".", 1)[-1]
+    shapes = {
+        "embed": (spec.vocab_size, h),
+        "lm_head": (spec.vocab_size, h),
+        "final_norm": (h,),
+        "input_norm": (h,),
+        "post_norm": (h,),
+        "qkv": (spec.qkv_size, h),
+        "qkv_bias": (spec.qkv_size,),
+        "q_norm": (d,),
+        "k_norm": (d,),
+        "o": (h, spec.num_heads * d),
+        "gate_up": (2 * spec.intermediate_size, h),
+        "down": (h, spec.intermediate_size),
+    }
+    return shapes[leaf]

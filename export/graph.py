@@ -1,0 +1,135 @@
+"""One transformer graph recipe, parameterised by ModelSpec and a target Lowering.
+
+    input_ids [B,S] --Gather(embed)--> x [T=B*S, hidden]
+    per layer i:
+        h      = rmsnorm(x)                                (fused with the residual add below)
+        qkv    = h @ qkv^T (+ bias)                        [T, (H+2Hkv)*D]   (q/k rmsnorm: Qwen3)
+        attn   = CachedAttention(qkv, past/present.i)      [B,S,H*D]  writes K/V in place
+        x, h   = x + attn @ o^T,  rmsnorm(x)
+        x      = x + down(silu(gate) * up)                 gate_up = h @ gate_up^T  [T, 2I]
+    last   = x[b*S + seq_lengths[b] - 1]                   [B, hidden]   (only the last valid token)
+    logits = rmsnorm(last) @ lm_head^T                     [B, V] float32;  next_token = argmax
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import onnx
+
+from decodert.export.lower_ort import OrtLowering
+from decodert.export.lower_trt import TrtLowering
+from decodert.export.lowering import GraphInputs, Lowering
+from decodert.export.onnx_builder import DTYPES, GraphBuilder
+from decodert.models.spec import ModelSpec
+
+LOWERINGS: dict[str, type[Lowering]] = {"portable": Lowering, "ort": OrtLowering, "trt": TrtLowering}
+GraphKind = Literal["prefill", "decode"]
+
+
+def make_lowering(target: str, spec: ModelSpec, dtype: str, max_seq: int) -> Lowering:
+    return LOWERINGS[target](spec, dtype, max_seq)
+
+
+def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind) -> dict[str, list[dict]]:
+    """Names, dtypes and shapes of a graph's inputs and outputs (also written to the manifest)."""
+    seq: int | str = 1 if kind == "decode" else "seq"
+    cache_shape = ["batch", spec.num_kv_heads, max_seq, spec.head_dim]
+    inputs = [
+        {"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
+        {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
+        {"name": "seq_lengths", "dtype": "int64", "shape": ["batch"]},
+    ]
+    outputs = [
+        {"name": "logits", "dtype": "fp32", "shape": ["batch", spec.vocab_size]},
+        {"name": "next_token", "dtype": "int64", "shape": ["batch"]},
+    ]
+    for i in range(spec.num_layers):
+        for kv in ("key", "value"):
+            inputs.append({"name": f"past_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
+            outputs.append({"name": f"present_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
+    return {"inputs": inputs, "outputs": outputs}
+
+
+def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.TensorProto],
+                kind: GraphKind) -> onnx.ModelProto:
+    """The prefill or decode graph; ``weights`` maps canonical names (+ rope caches) to tensors."""
+    g = GraphBuilder(f"decodert_{spec.family}_{kind}", lowering.opsets)
+    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind)
+    for io in contract["inputs"]:
+        g.input(io["name"], io["dtype"], io["shape"])
+    for t in weights.values():
+        g.add_initializer(t)
+    inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin")
+    with g.scope("model"):
+        ctx = lowering.context(g, inp)
+        with g.scope("embed"):
+            x = g.op("Reshape", g.op("Gather", "embed", inp.input_ids, axis=0), g.const([-1, spec.hidden_size]))
+        h = None
+        for i in range(spec.num_layers):
+            with g.scope(f"layers.{i}"):
+                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h)
+        logits = _head(g, lowering, inp, spec, x, h)
+    g.output(logits, "logits", "fp32", ["batch", spec.vocab_size])
+    g.output(g.op("ArgMax", logits, axis=1, keepdims=0), "next_token", "int64", ["batch"])
+    for io in contract["outputs"][2:]:
+        g.outputs.append(onnx.helper.make_tensor_value_info(io["name"], DTYPES[io["dtype"]], io["shape"]))
+    return g.to_model(ir_version=lowering.ir_version)
+
+
+def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int,
+           x: str, prev_mlp: str | None) -> tuple[str, str]:
+    """One decoder layer. Returns (residual stream before the MLP add, MLP output)."""
+    p = f"layers.{i}."
+    with g.scope("input_norm"):
+        h = low.rms_norm(g, x, p + "input_norm") if prev_mlp is None else None
+        if prev_mlp is not None:
+            h, x = low.add_rms_norm(g, prev_mlp, x, p + "input_norm")
+    with g.scope("attn"):
+        with g.scope("qkv"):
+            qkv = low.linear(g, h, p + "qkv", p + "qkv_bias" if spec.qkv_bias else None)
+        if spec.qk_norm:
+            with g.scope("qk_norm"):
+                qkv = _qk_norm(g, low, spec, qkv, p)
+        qkv3 = g.op("Reshape", qkv, g.op("Concat", g.op("Shape", inp.input_ids), g.const([spec.qkv_size]), axis=0))
+        cache = (f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}")
+        attn = low.attention(g, ctx, qkv3, cache)
+        with g.scope("o"):
+            o = low.linear(g, g.op("Reshape", attn, g.const([-1, spec.num_heads * spec.head_dim])), p + "o")
+    with g.scope("post_norm"):
+        h, x = low.add_rms_norm(g, o, x, p + "post_norm")
+    with g.scope("mlp"):
+        with g.scope("gate_up"):
+            gate, up = g.op("Split", low.linear(g, h, p + "gate_up"), g.const([spec.intermediate_size] * 2),
+                            axis=1, outputs=2)
+        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)  # silu(gate) * up
+        with g.scope("down"):
+            down = low.linear(g, act, p + "down")
+    return x, down
+
+
+def _qk_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, qkv: str, p: str) -> str:
+    """Qwen3: RMSNorm over head_dim on every q and k head (v untouched). qkv [T, (H+2Hkv)*D]."""
+    d, h, hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=1, outputs=3)
+    q = g.op("Reshape", low.rms_norm(g, g.op("Reshape", q, g.const([0, h, d])), p + "q_norm"), g.const([0, h * d]))
+    k = g.op("Reshape", low.rms_norm(g, g.op("Reshape", k, g.const([0, hkv, d])), p + "k_norm"), g.const([0, hkv * d]))
+    return g.op("Concat", q, k, v, axis=1)
+
+
+def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str) -> str:
+    """Residual add, gather the last valid token of each row, final norm, lm_head -> fp32 logits."""
+    with g.scope("last_token"):
+        shape = g.op("Shape", inp.input_ids)
+        batch = g.op("Gather", shape, g.const(np.int64(0)), axis=0)
+        seq = g.op("Gather", shape, g.const(np.int64(1)), axis=0)
+        rows = g.op("Mul", g.op("Range", g.const(np.int64(0)), batch, g.const(np.int64(1))), seq)
+        idx = g.op("Sub", g.op("Add", rows, inp.seq_lengths), g.const(np.int64(1)))  # [B]
+        x_last, mlp_last = g.op("Gather", x, idx, axis=0), g.op("Gather", mlp, idx, axis=0)
+    with g.scope("final_norm"):
+        h, _ = low.add_rms_norm(g, mlp_last, x_last, "final_norm")
+    with g.scope("lm_head"):
+        logits = low.linear(g, h, "embed" if spec.tie_word_embeddings else "lm_head")
+    return logits if low.dtype == "fp32" else g.op("Cast", logits, to=1)
+

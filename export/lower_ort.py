@@ -1,0 +1,68 @@
+"""The ``ort`` target: ONNX Runtime contrib ops, the fast CPU (and CUDA EP) path.
+
+- RMSNorm          -> SimplifiedLayerNormalization / com.microsoft.SkipSimplifiedLayerNormalization
+- CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
+                      present sharing one buffer (seqlens_k = past + S - 1 per row, so right
+                      padding keeps every valid row's positions exact).
+GQA's CPU kernel needs head_dim % 16 == 0 and full rotary; other models keep the reference
+attention body (still in place: ORT writes ScatterND's output into the bound past buffer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from decodert.export.lowering import GraphInputs, Lowering
+from decodert.export.onnx_builder import GraphBuilder
+from decodert.plugins.cached_attention import AttnContext
+
+
+@dataclass(frozen=True)
+class GqaContext:
+    seqlens_k: str  # [B] int32: past + S - 1
+    total_len: str  # [] int32: max(past) + S
+    cos_cache: str
+    sin_cache: str
+    reference: AttnContext | None  # for the fallback body
+
+
+class OrtLowering(Lowering):
+    target = "ort"
+    opsets = {"": 21, "com.microsoft": 1}
+
+    @property
+    def use_gqa(self) -> bool:
+        return self.spec.head_dim % 16 == 0 and self.rotary_dim == self.spec.head_dim
+
+    def context(self, g: GraphBuilder, inp: GraphInputs) -> Any:
+        if not self.use_gqa:
+            return super().context(g, inp)
+        with g.scope("attn_context"):
+            seq = g.op("Gather", g.op("Shape", inp.input_ids), g.const(np.int64(1)), axis=0)
+            last = g.op("Sub", g.op("Add", inp.past_lengths, seq), g.const(np.int64(1)))
+            total = g.op("Add", g.op("ReduceMax", inp.past_lengths, keepdims=0), seq)
+            return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, None)
+
+    def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
+        return g.op("SimplifiedLayerNormalization", x, weight, axis=-1, epsilon=self.spec.rms_norm_eps, stash_type=1)
+
+    def add_rms_norm(self, g: GraphBuilder, x: str, residual: str, weight: str) -> tuple[str, str]:
+        y, _, _, s = g.op("SkipSimplifiedLayerNormalization", x, residual, weight, domain="com.microsoft",
+                          epsilon=self.spec.rms_norm_eps, outputs=4)
+        return y, s
+
+    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
+        if not isinstance(ctx, GqaContext):
+            return super().attention(g, ctx, qkv, cache)
+        s = self.spec
+        past_key, past_value, present_key, present_value = cache
+        y, _, _ = g.op(
+            "GroupQueryAttention", qkv, "", "", past_key, past_value, ctx.seqlens_k, ctx.total_len,
+            ctx.cos_cache, ctx.sin_cache, domain="com.microsoft", outputs=[None, present_key, present_value],
+            num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+            scale=self.scale, local_window_size=s.sliding_window or None,
+        )
+        return y

@@ -1,0 +1,77 @@
+"""The lowering interface: how each decodert op becomes ONNX nodes for one target.
+
+The base class is the ``portable`` target: every op is its reference body of standard ONNX ops
+(opset 21), so any conformant runtime runs it. ``lower_ort`` and ``lower_trt`` override the ops
+their runtime has fast kernels or native layers for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from decodert.export.onnx_builder import GraphBuilder
+from decodert.models.spec import ModelSpec
+from decodert.plugins import cached_attention as ca
+from decodert.plugins.rms_norm import rms_norm_body
+
+
+@dataclass(frozen=True)
+class GraphInputs:
+    input_ids: str  # [B,S] int64
+    past_lengths: str  # [B] int64
+    seq_lengths: str  # [B] int64
+    cos_cache: str  # [max_seq, R/2] dtype
+    sin_cache: str
+
+
+class Lowering:
+    target = "portable"
+    opsets: dict[str, int] = {"": 21}
+    ir_version = 10
+
+    def __init__(self, spec: ModelSpec, dtype: str, max_seq: int):
+        self.spec, self.dtype, self.max_seq = spec, dtype, max_seq
+        self.rotary_dim = spec.rope.rotary_dim or spec.head_dim
+        self.scale = 1.0 / float(np.sqrt(spec.head_dim))
+
+    # ---- per-graph shared values -------------------------------------------------------------
+    def context(self, g: GraphBuilder, inp: GraphInputs) -> Any:
+        return ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache,
+                               self.max_seq, self.spec.sliding_window or 0)
+
+    # ---- ops ---------------------------------------------------------------------------------
+    def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
+        return rms_norm_body(g, x, weight, epsilon=self.spec.rms_norm_eps, dtype=self.dtype)
+
+    def add_rms_norm(self, g: GraphBuilder, x: str, residual: str, weight: str) -> tuple[str, str]:
+        """(rmsnorm(x + residual), x + residual)."""
+        s = g.op("Add", residual, x)
+        return self.rms_norm(g, s, weight), s
+
+    def linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None = None) -> str:
+        """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out]."""
+        return g.op("Gemm", x, weight, *([bias] if bias else []), transB=1)
+
+    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
+        """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D].
+
+        ``cache`` = (past_key, past_value, present_key, present_value) names; the node that
+        writes the cache must output the present names directly (no Identity), so a runtime can
+        bind one buffer to past and present.
+        """
+        past_key, past_value, present_key, present_value = cache
+        s = self.spec
+        d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+        q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
+        q4 = ca.rope_body(g, g.op("Reshape", q, g.const([0, 0, h, d])), ctx, d, self.rotary_dim)
+        k4 = ca.rope_body(g, g.op("Reshape", k, g.const([0, 0, hkv, d])), ctx, d, self.rotary_dim)
+        v4 = g.op("Reshape", v, g.const([0, 0, hkv, d]))
+        k_new = g.op("Transpose", k4, perm=[0, 2, 1, 3])  # [B,Hkv,S,D]
+        v_new = g.op("Transpose", v4, perm=[0, 2, 1, 3])
+        ca.write_cache_body(g, past_key, k_new, ctx, hkv, present_key)
+        ca.write_cache_body(g, past_value, v_new, ctx, hkv, present_value)
+        return ca.attend_body(g, q4, present_key, present_value, ctx.visible, num_heads=h, kv_heads=hkv,
+                              head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype)

@@ -1,0 +1,123 @@
+"""``decodert export``: checkpoint -> prefill.onnx + decode.onnx + weights.bin + tokenizer + manifest.
+
+Everything is written into a temporary sibling folder and renamed into place at the end, so an
+interrupted or failed export never leaves a folder that looks like an artifact.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import onnx
+from tqdm import tqdm
+
+import decodert
+from decodert.errors import DecodertError
+from decodert.export.checkpoint import open_checkpoint
+from decodert.export.graph import LOWERINGS, build_graph, io_contract, make_lowering
+from decodert.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_record, write_manifest
+from decodert.export.weights import WeightsWriter
+from decodert.models.spec import ModelSpec, canonical_names
+
+DTYPES = ("fp32", "fp16", "bf16")
+WEIGHTS = "weights.bin"
+
+
+def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtype: str = "fp32",
+                 max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None) -> dict[str, Any]:
+    """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest."""
+    if target not in LOWERINGS:
+        raise DecodertError(f"unknown target '{target}'; choose one of: {', '.join(LOWERINGS)}")
+    if dtype not in DTYPES:
+        raise DecodertError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
+    if max_batch < 1:
+        raise DecodertError(f"--max-batch must be >= 1 (got {max_batch})")
+    out_dir = Path(out_dir)
+    _check_destination(out_dir)
+    ckpt = open_checkpoint(src)
+    spec: ModelSpec = ckpt.spec
+    max_seq = max_seq or min(spec.max_position, 2048)
+    if not 2 <= max_seq <= spec.max_position:
+        raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
+    progress = sys.stderr.isatty() if progress is None else progress
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        weights = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress)
+        lowering = make_lowering(target, spec, dtype, max_seq)
+        graphs = {}
+        for kind in ("prefill", "decode"):
+            path = tmp / f"{kind}.onnx"
+            onnx.save_model(build_graph(spec, lowering, weights, kind), path)
+            onnx.checker.check_model(str(path), full_check=True)
+            graphs[kind] = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
+        tokenizer = ckpt.write_tokenizer(tmp)
+        manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)
+        write_manifest(tmp, manifest)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _check_destination(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DecodertError(f"{out_dir}: exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+        raise DecodertError(f"{out_dir}: exists, is not empty and is not a decodert artifact; choose another -o")
+
+
+def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool) -> dict[str, onnx.TensorProto]:
+    """Stream every canonical tensor (one at a time) plus the RoPE tables into weights.bin."""
+    names = canonical_names(spec)
+    with WeightsWriter(path) as w:
+        for name in tqdm(names, desc="export weights", unit="tensor", disable=not progress):
+            w.add(name, ckpt.tensor(name), dtype)
+        cos, sin = spec.rope.cos_sin(spec.head_dim, max_seq)
+        w.add("rope.cos", cos, dtype)
+        w.add("rope.sin", sin, dtype)
+        w.close()
+        return w.tensors
+
+
+def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_batch: int,
+              graphs: dict, tokenizer: dict, folder: Path) -> dict[str, Any]:
+    src = Path(ckpt.source)
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "decodert_version": decodert.__version__,
+        "onnx_version": onnx.__version__,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "source": {"path": str(src.resolve()), "kind": "gguf" if src.suffix == ".gguf" else "hf"},
+        "model": spec.to_dict(),
+        "target": target,
+        "dtype": dtype,
+        "max_seq": max_seq,
+        "max_batch": max_batch,
+        "kv": {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+               "dtype": dtype, "shape": ["batch", spec.num_kv_heads, max_seq, spec.head_dim], "inplace": True},
+        "graphs": graphs,
+        "weights": {"file": WEIGHTS, "bytes": (folder / WEIGHTS).stat().st_size},
+        "tokenizer": {"file": "tokenizer.json", **tokenizer},
+        "files": {p.name: file_record(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST},
+    }
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    """Move the finished folder into place; an old artifact there is replaced only at the end."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,53 @@
+"""Stream tensors into one external-data file that both graphs reference.
+
+Each tensor is converted to the target dtype and written as soon as it is produced, so export
+holds one tensor at a time, never the whole model. Offsets are aligned for mmap-friendly reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from decodert.export.onnx_builder import DTYPES
+
+NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
+ALIGN = 64
+
+
+class WeightsWriter:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.location = self.path.name
+        self._f = open(self.path, "wb")
+        self.offset = 0
+        self.tensors: dict[str, TensorProto] = {}
+
+    def add(self, name: str, array: np.ndarray, dtype: str) -> TensorProto:
+        data = np.ascontiguousarray(array.astype(NUMPY_DTYPES[dtype], copy=False))
+        pad = -self.offset % ALIGN
+        if pad:
+            self._f.write(b"\0" * pad)
+            self.offset += pad
+        data.tofile(self._f) if data.nbytes else None
+        t = TensorProto(name=name, data_type=DTYPES[dtype], dims=list(data.shape))
+        onnx.external_data_helper.set_external_data(t, location=self.location, offset=self.offset, length=data.nbytes)
+        t.data_location = TensorProto.EXTERNAL
+        self.offset += data.nbytes
+        self.tensors[name] = t
+        return t
+
+    def close(self) -> int:
+        self._f.close()
+        return self.offset
+
+    def __enter__(self) -> "WeightsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._f.closed:
+            self._f.close()

@@ -1,0 +1,59 @@
+"""The small interface between the generate loop and an execution backend (ort | trt).
+
+The loop owns *what* to run (which slots, which tokens); a backend owns *how* (bound buffers,
+sessions or engines). Nothing here imports onnxruntime or tensorrt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+@dataclass
+class StepOutput:
+    """Result of one prefill or decode call, rows in the order of the ``slots`` argument."""
+
+    next_token: np.ndarray  # [n] int64, argmax of the logits (computed on the graph / device)
+    logits: np.ndarray | None = None  # [n, V] float32, only when asked for
+
+
+class KVCache(Protocol):
+    """Per-slot cache state owned by a backend: buffers [slots, H_kv, max_seq, D] per layer."""
+
+    slots: int
+    max_seq: int
+    lengths: np.ndarray  # [slots] int64 tokens already cached per slot (= next write index)
+
+    def reset(self, slot: int | None = None) -> None:
+        """Forget the cached tokens of one slot (or all); buffers are kept, not freed."""
+        ...
+
+
+class Backend(Protocol):
+    name: str  # "ort" | "trt"
+    max_batch: int  # slots one cache can hold
+    max_seq: int  # tokens one slot can hold (prompt + generated)
+    vocab_size: int
+
+    def allocate(self, slots: int) -> KVCache:
+        """Allocate the cache once (raises DecodertError naming --max-seq/--max-batch if it won't fit)."""
+        ...
+
+    def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
+        """Append each row's new tokens ``ids[j]`` (1-D int64) to slot ``slots[j]``.
+
+        Writes at ``cache.lengths[slot]`` and advances it by ``len(ids[j])``; returns the output
+        for each row's last token. Rows may have different lengths (the backend pads).
+        """
+        ...
+
+    def decode(self, cache: KVCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
+        """One token per slot (``ids`` [n] int64); advances each slot's length by one."""
+        ...
+
+    def move_slot(self, cache: KVCache, src: int, dst: int) -> None:
+        """Copy slot ``src``'s cached tokens and length into ``dst`` (to keep active rows compact)."""
+        ...

@@ -1,0 +1,382 @@
+"""ONNX artifact -> TensorRT engines: ``decodert build OUT``.
+
+Reads OUT/manifest.json, parses OUT/prefill.onnx and OUT/decode.onnx from their paths (so the
+shared external data ``weights.bin`` resolves), builds one strongly typed engine per graph with
+one optimization profile sized from the manifest, writes OUT/{prefill,decode}.engine atomically
+and records each engine in manifest["engines"] (docs/TENSORRT.md describes the record).
+
+Profiles (B = max batch, S = max seq; KV inputs are [batch, H_kv, S_max, D], S_max static):
+    prefill: batch 1 .. B (opt max(B // 2, 1)), seq 1 .. S (opt min(S, 256))
+    decode:  batch 1 .. B (opt B),               seq 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from decodert.errors import DecodertError
+from decodert.export.trt_compat import TrtInfo, load_trt
+
+GRAPHS = ("prefill", "decode")
+PRECISIONS = ("fp16", "bf16", "fp32")
+_DTYPE_NAMES = {"HALF": "fp16", "BF16": "bf16", "FLOAT": "float32", "INT64": "int64", "INT32": "int32",
+                "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
+_KV_DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "float32"}
+
+
+# ---------------------------------------------------------------- small helpers
+def read_manifest(out_dir: Path) -> dict[str, Any]:
+    path = Path(out_dir) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DecodertError(f"{path} not found: export the model first (decodert export ... --target trt)") from None
+    except json.JSONDecodeError as e:
+        raise DecodertError(f"{path} is not valid JSON: {e}") from None
+    if manifest.get("format") != "decodert-artifact":
+        raise DecodertError(f"{path} is not a decodert artifact manifest")
+    if manifest.get("target") == "ort":
+        raise DecodertError(f"{path}: the graphs were exported for --target ort (ONNX Runtime contrib ops); "
+                            "re-export with --target trt to build TensorRT engines")
+    return manifest
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temp file beside ``path`` and rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def trt_dtype_name(dtype: Any) -> str:
+    """tensorrt DataType -> manifest dtype string ("fp16", "bf16", "float32", "int64", ...)."""
+    name = getattr(dtype, "name", str(dtype).split(".")[-1])
+    return _DTYPE_NAMES.get(name, name.lower())
+
+
+def network_layer_types(network: Any) -> Counter[str]:
+    """Counter of LayerType names in a parsed network, e.g. {"KV_CACHE_UPDATE": 2, ...}."""
+    return Counter(network.get_layer(i).type.name for i in range(network.num_layers))
+
+
+def resolve_precision(manifest: dict[str, Any], precision: str | None) -> str:
+    dtype = manifest.get("dtype")
+    if dtype not in PRECISIONS:
+        raise DecodertError(f"manifest.json dtype '{dtype}' cannot be built; expected one of {PRECISIONS}")
+    if precision is not None and precision != dtype:
+        raise DecodertError(f"--{precision} does not match the exported dtype '{dtype}' (graphs are strongly "
+                            f"typed); build with --{dtype} or re-export with --dtype {precision}")
+    return dtype
+
+
+def resolve_limits(manifest: dict[str, Any], max_batch: int | None, max_seq: int | None) -> tuple[int, int]:
+    exported_seq = int(manifest["max_seq"])
+    batch = int(max_batch or manifest.get("max_batch") or 1)
+    seq = int(max_seq or exported_seq)
+    if batch < 1:
+        raise DecodertError(f"--max-batch must be >= 1 (got {batch})")
+    if not 1 <= seq <= exported_seq:
+        raise DecodertError(f"--max-seq {seq} must be between 1 and the exported max_seq {exported_seq} "
+                            "(the KV cache length is static in the graphs; re-export with a larger --max-seq)")
+    return batch, seq
+
+
+def profile_shapes(graph: dict[str, Any], name: str, batch: int, seq: int) -> dict[str, tuple[list[int], ...]]:
+    """Input name -> (min, opt, max) dims from the manifest's symbolic dims ("batch", "seq")."""
+    opt_batch = batch if name == "decode" else max(batch // 2, 1)
+    ranges = {"batch": (1, opt_batch, batch), "seq": (1, min(seq, 256), seq)}
+    shapes = {}
+    for inp in graph["inputs"]:
+        dims = [ranges[d] if isinstance(d, str) else (int(d),) * 3 for d in inp["shape"]]
+        shapes[inp["name"]] = tuple([d[k] for d in dims] for k in range(3))
+    return shapes
+
+
+# ---------------------------------------------------------------- parse
+def parse_onnx(trt: ModuleType, builder: Any, logger: Any, path: Path) -> tuple[Any, Any]:
+    """Parse ``path`` into a strongly typed network; DecodertError lists the parser's errors."""
+    if not path.is_file():
+        raise DecodertError(f"{path} not found (manifest.json names it)")
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    network = builder.create_network(0 if flag is None else 1 << int(flag))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(path)):
+        errors = [parser.get_error(i) for i in range(parser.num_errors)]
+        listed = "; ".join(f"node '{e.node_name()}' ({e.node_operator()}): {e.desc()}" for e in errors)
+        raise DecodertError(f"{path}: TensorRT could not parse the graph: {listed or 'no error reported'}")
+    return network, parser
+
+
+def is_strongly_typed(trt: ModuleType, network: Any) -> bool:
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    return flag is not None and bool(network.get_flag(flag))
+
+
+def network_io(network: Any, graph: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The network's I/O in manifest form; dynamic dims take the manifest's symbolic names."""
+    symbolic = {t["name"]: t["shape"] for t in graph["inputs"] + graph["outputs"]}
+
+    def entry(t: Any) -> dict[str, Any]:
+        names = symbolic.get(t.name, [])
+        dims = [names[i] if d < 0 and i < len(names) else int(d) for i, d in enumerate(t.shape)]
+        return {"name": t.name, "dtype": trt_dtype_name(t.dtype), "shape": dims}
+
+    return {"inputs": [entry(network.get_input(i)) for i in range(network.num_inputs)],
+            "outputs": [entry(network.get_output(i)) for i in range(network.num_outputs)]}
+
+
+def engine_io(trt: ModuleType, engine: Any, graph: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The deserialized engine's I/O in manifest form, with the input each output aliases."""
+    symbolic = {t["name"]: t["shape"] for t in graph["inputs"] + graph["outputs"]}
+    io: dict[str, list[dict[str, Any]]] = {"inputs": [], "outputs": []}
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        names = symbolic.get(name, [])
+        shape = [names[k] if d < 0 and k < len(names) else int(d) for k, d in enumerate(engine.get_tensor_shape(name))]
+        rec: dict[str, Any] = {"name": name, "dtype": trt_dtype_name(engine.get_tensor_dtype(name)), "shape": shape}
+        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
+            io["inputs"].append(rec)
+        else:
+            if hasattr(engine, "get_aliased_input_tensor"):
+                rec["aliases"] = engine.get_aliased_input_tensor(name)
+            io["outputs"].append(rec)
+    return io
+
+
+def check_io(io: dict[str, list[dict[str, Any]]], graph: dict[str, Any], where: str) -> None:
+    """DecodertError when the network/engine I/O disagrees with the manifest's graph contract."""
+    problems = []
+    for kind in ("inputs", "outputs"):
+        got = {t["name"]: (t["dtype"], list(t["shape"])) for t in io[kind]}
+        want = {t["name"]: (t["dtype"], list(t["shape"])) for t in graph[kind]}
+        for name in sorted(set(got) | set(want)):
+            if got.get(name) != want.get(name):
+                problems.append(f"{name}: manifest {want.get(name)} vs engine {got.get(name)}")
+    if problems:
+        raise DecodertError(f"{where}: I/O does not match manifest.json: {'; '.join(problems)}")
+
+
+# ---------------------------------------------------------------- build settings
+def make_config(trt: ModuleType, info: TrtInfo, builder: Any, network: Any,
+                shapes: dict[str, tuple[list[int], ...]], settings: dict[str, Any]) -> Any:
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        name = network.get_input(i).name
+        if name not in shapes:
+            raise DecodertError(f"graph input '{name}' is not in manifest.json; re-export the artifact")
+        profile.set_shape(name, *shapes[name])
+    config.add_optimization_profile(profile)
+    if settings["version_compatible"]:
+        if not info.has_version_compatible:
+            raise DecodertError(f"--version-compatible is not supported by {info.describe()}")
+        config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
+    if settings.get("timing_cache_obj") is not None:
+        config.set_timing_cache(settings["timing_cache_obj"], False)
+    if settings.get("monitor") is not None:
+        config.progress_monitor = settings["monitor"]
+    return config
+
+
+def target_record(trt: ModuleType, info: TrtInfo, config: Any) -> dict[str, Any]:
+    """What the builder targets: compute capabilities (RTX AOT list or "any") and the hardware level."""
+    rec: dict[str, Any] = {}
+    if info.has_compute_capability:
+        ccs = [config.get_compute_capability(i).name for i in range(config.num_compute_capabilities)]
+        # RTX with no explicit target: portable across the supported GPUs, kernels JIT-compiled at load
+        rec["compute_capability"] = ccs or "any"
+    else:
+        from decodert.runtime.cuda_mem import device_info, gpu_count
+
+        rec["compute_capability"] = device_info()["compute_capability"] if gpu_count() else "unknown"
+        rec["hardware_compatibility_level"] = config.hardware_compatibility_level.name
+    return rec
+
+
+def config_flags(trt: ModuleType, config: Any) -> list[str]:
+    members = [m for m in dir(trt.BuilderFlag) if m.isupper()]
+    return sorted(m for m in members if config.get_flag(getattr(trt.BuilderFlag, m)))
+
+
+def make_progress(trt: ModuleType, label: str, enabled: bool) -> Any:
+    """An IProgressMonitor drawing a tqdm bar over the top-level build phase (stderr terminals only)."""
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    class _Progress(trt.IProgressMonitor):  # type: ignore[name-defined,misc]
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self.bar: Any = None
+            self.top: str | None = None
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            if parent_phase is None and self.bar is None:
+                self.top = phase_name
+                self.bar = tqdm(total=num_steps, desc=f"{label}: {phase_name}", leave=False, file=sys.stderr)
+            elif self.bar is not None:
+                self.bar.set_postfix_str(phase_name[:40], refresh=True)
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            if self.bar is not None and phase_name == self.top:
+                self.bar.update(1)
+            return True
+
+        def phase_finish(self, phase_name: str) -> None:
+            if self.bar is not None and phase_name == self.top:
+                self.bar.close()
+                self.bar, self.top = None, None
+
+    return _Progress()
+
+
+# ---------------------------------------------------------------- build
+def _logger(trt: ModuleType) -> Any:
+    level = trt.Logger.INFO if os.environ.get("DECODERT_TRT_VERBOSE") else trt.Logger.ERROR
+    return trt.Logger(level)
+
+
+def _deserialized_io(trt: ModuleType, logger: Any, blob: bytes, graph: dict[str, Any]) -> dict[str, Any] | None:
+    """Engine I/O read back from the plan when this machine can deserialize it (needs a GPU)."""
+    from decodert.runtime.cuda_mem import gpu_count
+
+    if gpu_count() == 0:
+        return None
+    engine = trt.Runtime(logger).deserialize_cuda_engine(blob)
+    if engine is None:
+        return None
+    return {**engine_io(trt, engine, graph), "engine_layers": int(engine.num_layers)}
+
+
+def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest: dict[str, Any],
+              settings: dict[str, Any]) -> dict[str, Any]:
+    """Parse, build and write OUT/<name>.engine; return its manifest record."""
+    graph = manifest["graphs"][name]
+    logger = settings["logger"]
+    builder = trt.Builder(logger)
+    network, _parser = parse_onnx(trt, builder, logger, out_dir / graph["file"])
+    check_io(network_io(network, graph), graph, f"{graph['file']} (parsed)")
+    shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"])
+    config = make_config(trt, info, builder, network, shapes, {**settings, "monitor": make_progress(
+        trt, name, settings["progress"])})
+    t0 = time.perf_counter()
+    plan = builder.build_serialized_network(network, config)
+    seconds = time.perf_counter() - t0
+    if plan is None:
+        raise DecodertError(f"TensorRT failed to build {graph['file']} (set DECODERT_TRT_VERBOSE=1 for the log)")
+    blob = bytes(plan)
+    path = out_dir / f"{name}.engine"
+    write_atomic(path, blob)
+    io = _deserialized_io(trt, logger, blob, graph)
+    if io is not None:
+        check_io(io, graph, path.name)  # extra keys (aliases, engine_layers) are ignored
+    return {
+        "file": path.name, "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
+        "tensorrt": {"flavour": info.flavour, "version": info.version_str, "module": info.module_name},
+        "precision": settings["precision"], "strongly_typed": is_strongly_typed(trt, network),
+        "flags": config_flags(trt, config), "version_compatible": settings["version_compatible"],
+        "max_batch": settings["max_batch"], "max_seq": settings["max_seq"],
+        "profile": {k: {"min": v[0], "opt": v[1], "max": v[2]} for k, v in shapes.items()},
+        "target": target_record(trt, info, config), "timing_cache": settings["timing_cache_note"],
+        "layers": dict(sorted(network_layer_types(network).items())),
+        "io": io or network_io(network, graph), "io_source": "engine" if io is not None else "network",
+        "build_seconds": round(seconds, 3), "built": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tuple[Any, str]:
+    """(ITimingCache or None, a note for the manifest)."""
+    if path is None:
+        return None, "none"
+    if not info.has_timing_cache:
+        return None, f"ignored: timing caches are a no-op in {info.describe()}"
+    data = path.read_bytes() if path.is_file() else b""
+    config = trt.Builder(_logger(trt)).create_builder_config()
+    cache = config.create_timing_cache(data)
+    if cache is None:
+        raise DecodertError(f"--timing-cache {path} could not be loaded (delete it to start a new one)")
+    return cache, str(path)
+
+
+def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: int | None = None,
+                  max_seq: int | None = None, version_compatible: bool = False,
+                  timing_cache: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """Build OUT/prefill.engine and OUT/decode.engine; update and return manifest["engines"]."""
+    out = Path(out_dir)
+    manifest = read_manifest(out)
+    trt, info = load_trt(need_builder=True)
+    batch, seq = resolve_limits(manifest, max_batch, max_seq)
+    cache_path = Path(timing_cache) if timing_cache else None
+    cache, note = _open_timing_cache(info, trt, cache_path)
+    settings = {"precision": resolve_precision(manifest, precision), "max_batch": batch, "max_seq": seq,
+                "version_compatible": version_compatible, "timing_cache_obj": cache, "timing_cache_note": note,
+                "progress": progress, "logger": _logger(trt)}
+    engines = {name: build_one(trt, info, out, name, manifest, settings) for name in GRAPHS}
+    if cache is not None and cache_path is not None:
+        write_atomic(cache_path, bytes(cache.serialize()))
+    manifest["engines"] = engines
+    write_atomic(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    return engines
+
+
+# ---------------------------------------------------------------- CLI
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``decodert build OUT [--fp16|--bf16] [--max-batch N] [--max-seq N] ...``."""
+    p = subparsers.add_parser("build", help="build TensorRT engines from an exported artifact folder",
+                              description="Build OUT/prefill.engine and OUT/decode.engine (TensorRT or TensorRT-RTX).")
+    p.add_argument("out", type=Path, help="artifact folder (exported with --target trt)")
+    prec = p.add_mutually_exclusive_group()
+    prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="expect fp16 graphs")
+    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="expect bf16 graphs")
+    p.add_argument("--max-batch", type=int, default=None, help="largest batch (default: manifest max_batch)")
+    p.add_argument("--max-seq", type=int, default=None, help="longest prefill (default: manifest max_seq)")
+    p.add_argument("--version-compatible", action="store_true", help="engines a newer TensorRT of the same major can run")
+    p.add_argument("--timing-cache", type=Path, default=None, help="load/save the builder timing cache here")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=run_build)
+    return p
+
+
+def run_build(args: argparse.Namespace) -> int:
+    engines = build_engines(args.out, precision=args.precision, max_batch=args.max_batch, max_seq=args.max_seq,
+                            version_compatible=args.version_compatible, timing_cache=args.timing_cache,
+                            progress=args.progress)
+    for name, rec in engines.items():
+        print(f"{rec['file']}: {rec['size'] / 2**20:.1f} MiB in {rec['build_seconds']:.1f} s "
+              f"({rec['tensorrt']['flavour']} {rec['tensorrt']['version']}, {rec['precision']}, "
+              f"target {rec['target']['compute_capability']})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m decodert.export.trt_build OUT ...`` (the same as ``decodert build``)."""
+    parser = argparse.ArgumentParser(prog="decodert")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["build", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args))
+    except DecodertError as e:
+        print(f"decodert: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

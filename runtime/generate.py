@@ -1,0 +1,138 @@
+"""The decode loop's verbs: a sequence's state, choosing tokens, prefill and one decode step.
+
+The loop itself (which slots run when) is the generator in runtime/scheduler.py. Nothing here
+imports onnxruntime or tensorrt: a backend is anything that follows runtime/backend.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence as Seq
+
+import numpy as np
+
+from decodert.runtime.backend import Backend, KVCache, StepOutput
+from decodert.runtime.metrics import Metrics, Timer
+from decodert.runtime.sampling import SamplingParams, apply_processors, make_logits_processors, make_sampler
+from decodert.runtime.text import Decoder, IncrementalDetokenizer, StopMatcher
+
+
+@dataclass
+class GenerationResult:
+    """One finished request."""
+
+    text: str  # generated text, stop string excluded
+    token_ids: list[int]  # generated ids, including a final stop/eos token
+    finish_reason: str  # "stop" | "length"
+    metrics: Metrics
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "metrics": self.metrics.to_dict()}
+
+
+class Sequence:
+    """One request in flight: prompt, sampler state, text state; ``result()`` once ``done``.
+
+    Capacity: prompt + generated tokens never exceed ``max_seq`` (the last token need not be
+    cached, every earlier one is); reaching it ends the request with "length".
+    """
+
+    def __init__(self, prompt: np.ndarray, params: SamplingParams, tokenizer: Decoder,
+                 eos_token_ids: Iterable[int], max_seq: int) -> None:
+        self.prompt = np.asarray(prompt, dtype=np.int64)  # [L]
+        self.params = params
+        self.sampler = make_sampler(params.temperature, params.top_k, params.top_p, params.min_p,
+                                    np.random.default_rng(params.seed))
+        self.processors = make_logits_processors(params.repetition_penalty, params.presence_penalty,
+                                                 params.frequency_penalty)
+        self.stop_ids = frozenset(params.stop_token_ids) | frozenset(int(t) for t in eos_token_ids)
+        self.max_seq = max_seq
+        self.history = np.zeros(max_seq, dtype=np.int64)  # [max_seq] prompt then generated ids
+        self.history[: len(self.prompt)] = self.prompt
+        self.length = len(self.prompt)
+        self.detok = IncrementalDetokenizer(tokenizer, self.prompt.tolist())
+        self.stopper = StopMatcher(params.stop)
+        self.parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.timer = Timer()
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether choosing this row's token needs the logits (not just the graph's argmax)."""
+        return not self.params.greedy or bool(self.processors)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def generated(self) -> np.ndarray:
+        return self.history[len(self.prompt): self.length]  # [n_generated]
+
+    @property
+    def last_token(self) -> int:
+        return int(self.history[self.length - 1])
+
+    def choose(self, logits: np.ndarray) -> int:
+        """Sample this row's next token from its logits [V]."""
+        row = apply_processors(self.processors, self.history[: self.length], logits[None, :])  # [1, V]
+        return int(self.sampler(row)[0])
+
+    def accept(self, token: int) -> str:
+        """Record a generated token; return the text it makes safe to show, and maybe finish."""
+        self.history[self.length] = token
+        self.length += 1
+        self.timer.token()
+        if token in self.stop_ids:
+            return self._finish("stop", self._safe(self.detok.flush()))
+        text = self._safe(self.detok.push(token))
+        if self.stopper.stopped:
+            return self._finish("stop", text)
+        if len(self.generated) >= self.params.max_new_tokens or self.length >= self.max_seq:
+            return self._finish("length", text + self._safe(self.detok.flush()))
+        self.parts.append(text)
+        return text
+
+    def _safe(self, raw: str) -> str:
+        """The part of ``raw`` that cannot be (the start of) a stop string."""
+        return self.stopper.push(raw)[0]
+
+    def _finish(self, reason: str, text: str) -> str:
+        if not self.stopper.stopped:
+            text += self.stopper.flush()
+        self.finish_reason = "stop" if self.stopper.stopped else reason
+        self.parts.append(text)
+        return text
+
+    def result(self) -> GenerationResult:
+        assert self.done, "result() before the sequence finished"
+        return GenerationResult("".join(self.parts), self.generated.tolist(), self.finish_reason,
+                                self.timer.metrics(len(self.prompt)))
+
+
+def choose_tokens(seqs: Seq[Sequence], step: StepOutput) -> np.ndarray:
+    """Next token per row [n] int64: the graph's argmax, or the row's processors + sampler."""
+    tokens = np.asarray(step.next_token, dtype=np.int64).reshape(-1).copy()  # [n]
+    for j, seq in enumerate(seqs):
+        if seq.needs_logits:
+            tokens[j] = seq.choose(step.logits[j])
+    return tokens
+
+
+def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequence]) -> list[str]:
+    """Reset ``slots``, run all prompts in one call, accept each row's first token -> text deltas."""
+    for slot, seq in zip(slots, seqs):
+        cache.reset(slot)
+        seq.timer.start()
+    want = any(s.needs_logits for s in seqs)
+    step = backend.prefill(cache, list(slots), [s.prompt for s in seqs], want_logits=want)
+    return [s.accept(int(t)) for s, t in zip(seqs, choose_tokens(seqs, step))]
+
+
+def decode_step(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequence]) -> list[str]:
+    """Feed each row's last token, accept the next one -> text deltas."""
+    ids = np.array([s.last_token for s in seqs], dtype=np.int64)  # [n]
+    want = any(s.needs_logits for s in seqs)
+    step = backend.decode(cache, list(slots), ids, want_logits=want)
+    return [s.accept(int(t)) for s, t in zip(seqs, choose_tokens(seqs, step))]

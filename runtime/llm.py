@@ -1,0 +1,254 @@
+"""`LLM`: load an exported artifact folder and generate, stream, chat or batch requests.
+
+    llm = LLM.load("out/smollm2")                      # backend "auto" | "ort" | "trt"
+    llm.generate("Hello", max_new_tokens=32).text
+    for delta in llm.stream("Hello", temperature=0.7, seed=1): print(delta, end="")
+    llm.chat([{"role": "user", "content": "Hi"}])
+    llm.generate_many([Request("a"), Request("b", SamplingParams(max_new_tokens=8))])
+
+One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
+runs one generation at a time (not thread-safe).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence as Seq, Union
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.runtime import scheduler
+from decodert.runtime.chat import Message, render_chat
+from decodert.runtime.generate import GenerationResult, Sequence
+from decodert.runtime.sampling import SamplingParams
+
+Prompt = Union[str, Seq[int], np.ndarray]  # text, or token ids used as they are
+_PARAM_NAMES = tuple(f.name for f in fields(SamplingParams))
+
+
+@dataclass
+class Request:
+    """One request for ``LLM.generate_many``: a prompt (or chat messages) and its own parameters."""
+
+    prompt: Prompt | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    messages: Seq[Message] | None = None  # chat messages instead of a prompt
+
+
+class TextStream:
+    """Iterator of text deltas (str). ``text`` is what was streamed so far; ``result`` is set at the end."""
+
+    def __init__(self, events: Iterator[tuple[int, str]], seq: Sequence) -> None:
+        self._events = events
+        self._seq = seq
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        for _, delta in self._events:
+            if delta:
+                return delta
+        if self.result is None and self._seq.done:
+            self.result = self._seq.result()
+        raise StopIteration
+
+    @property
+    def text(self) -> str:
+        return "".join(self._seq.parts)
+
+    def close(self) -> None:
+        self._events.close()
+
+
+def sampling_params(params: SamplingParams | None = None, **kwargs: Any) -> SamplingParams:
+    """Build validated SamplingParams from keyword arguments (unknown names -> DecodertError)."""
+    unknown = sorted(set(kwargs) - set(_PARAM_NAMES))
+    if unknown:
+        raise DecodertError(f"unknown generation parameter {unknown[0]!r}; expected one of {', '.join(_PARAM_NAMES)}")
+    if params is not None:
+        return SamplingParams(**{**{n: getattr(params, n) for n in _PARAM_NAMES}, **kwargs}).validate()
+    return SamplingParams(**kwargs).validate()
+
+
+class LLM:
+    """A backend (runtime/backend.py), a ``tokenizers.Tokenizer`` and the artifact manifest."""
+
+    def __init__(self, backend: Any, tokenizer: Any, manifest: Mapping[str, Any] | None = None) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.manifest = dict(manifest or {})
+        tok = self.manifest.get("tokenizer") or {}
+        model = self.manifest.get("model") or {}
+        self.eos_token_ids = tuple(int(t) for t in (tok.get("eos_token_ids") or model.get("eos_token_ids") or ()))
+        self.bos_token_id = tok.get("bos_token_id", model.get("bos_token_id"))
+        self.add_bos_token = bool(tok.get("add_bos_token", False))
+        self.chat_template = tok.get("chat_template")
+        self._cache = None
+
+    @classmethod
+    def load(cls, path: str | Path, backend: str = "auto") -> "LLM":
+        """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``)."""
+        path = Path(path)
+        manifest = read_manifest(path)
+        return cls(open_backend(path, manifest, backend), open_tokenizer(path, manifest), manifest)
+
+    # -- prompts -------------------------------------------------------------------------
+    @property
+    def max_seq(self) -> int:
+        return int(self.backend.max_seq)
+
+    def encode(self, prompt: Prompt, add_bos: bool | None = None) -> np.ndarray:
+        """Prompt text (or ids) -> ids [L] int64; adds BOS as the manifest says (add_bos_token)."""
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+            add_bos = self.add_bos_token if add_bos is None else add_bos
+            if add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+                ids.insert(0, int(self.bos_token_id))
+            return np.asarray(ids, dtype=np.int64)
+        return np.asarray(prompt, dtype=np.int64).reshape(-1)
+
+    def apply_chat_template(self, messages: Seq[Message], add_generation_prompt: bool = True) -> str:
+        """Render chat messages with the model's template (sandboxed) -> prompt text."""
+        return render_chat(self.chat_template, messages, bos_token=self._token_str(self.bos_token_id),
+                           eos_token=self._token_str(self.eos_token_ids[0] if self.eos_token_ids else None),
+                           add_generation_prompt=add_generation_prompt)
+
+    def _token_str(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.tokenizer.id_to_token(int(token_id)) or "")
+
+    def _chat_ids(self, messages: Seq[Message]) -> np.ndarray:
+        # The template writes any BOS itself (as transformers' apply_chat_template).
+        return self.encode(self.apply_chat_template(messages), add_bos=False)
+
+    def _sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt") -> Sequence:
+        if ids.size == 0:
+            raise DecodertError(f"{what} is empty")
+        if ids.size > self.max_seq - 1:
+            raise DecodertError(f"{what} has {ids.size} tokens but the model was exported with --max-seq "
+                                f"{self.max_seq}, which leaves no room to generate; re-export with a larger --max-seq")
+        if ids.min() < 0 or ids.max() >= self.backend.vocab_size:
+            raise DecodertError(f"{what} has token ids outside the vocabulary [0, {self.backend.vocab_size})")
+        return Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq)
+
+    # -- running -------------------------------------------------------------------------
+    def _run(self, seqs: list[Sequence]) -> Iterator[tuple[int, str]]:
+        if self._cache is None:
+            self._cache = self.backend.allocate(int(self.backend.max_batch))
+        return scheduler.run(self.backend, self._cache, seqs)
+
+    def _finish(self, seqs: list[Sequence]) -> list[GenerationResult]:
+        for _ in self._run(seqs):
+            pass
+        return [s.result() for s in seqs]
+
+    def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""
+        sp = sampling_params(**params)
+        if _is_single(prompt):
+            return self._finish([self._sequence(self.encode(prompt), sp)])[0]
+        if not prompt:
+            raise DecodertError("the list of prompts is empty")
+        return self._finish([self._sequence(self.encode(p), sp, f"prompt {i}") for i, p in enumerate(prompt)])
+
+    def stream(self, prompt: Prompt, **params: Any) -> TextStream:
+        """Iterate the generated text as deltas (str); see TextStream for the final result."""
+        seq = self._sequence(self.encode(prompt), sampling_params(**params))
+        return TextStream(self._run([seq]), seq)
+
+    def chat(self, messages: Seq[Message], **params: Any) -> GenerationResult:
+        """Apply the chat template (with the generation prompt) and generate the reply."""
+        return self._finish([self._sequence(self._chat_ids(messages), sampling_params(**params))])[0]
+
+    def stream_chat(self, messages: Seq[Message], **params: Any) -> TextStream:
+        """``chat`` as a stream of text deltas."""
+        seq = self._sequence(self._chat_ids(messages), sampling_params(**params))
+        return TextStream(self._run([seq]), seq)
+
+    def generate_many(self, requests: Seq[Request | Mapping[str, Any]]) -> list[GenerationResult]:
+        """Continuous batching: requests take free cache slots as others finish; results in order."""
+        if not requests:
+            raise DecodertError("the list of requests is empty")
+        return self._finish([self._request_sequence(r, i) for i, r in enumerate(requests)])
+
+    def _request_sequence(self, req: Request | Mapping[str, Any], i: int) -> Sequence:
+        if isinstance(req, Mapping):
+            rest = {k: v for k, v in req.items() if k not in ("prompt", "messages")}
+            req = Request(req.get("prompt"), sampling_params(**rest), req.get("messages"))
+        else:
+            sampling_params(req.params)  # validate
+        if (req.prompt is None) == (req.messages is None):
+            raise DecodertError(f"request {i} needs exactly one of 'prompt' or 'messages'")
+        ids = self.encode(req.prompt) if req.messages is None else self._chat_ids(req.messages)
+        return self._sequence(ids, req.params, f"request {i}")
+
+
+def _is_single(prompt: Any) -> bool:
+    """A str, or a flat sequence of token ids, is one prompt; a list of those is a batch."""
+    if isinstance(prompt, str):
+        return True
+    if isinstance(prompt, np.ndarray):
+        return prompt.ndim == 1
+    return bool(prompt) and all(isinstance(t, (int, np.integer)) for t in prompt)
+
+
+# -- loading an artifact folder ----------------------------------------------------------------
+def read_manifest(path: Path) -> dict:
+    """``path/manifest.json`` as a dict (DecodertError if missing or not a decodert artifact)."""
+    file = path / "manifest.json"
+    if not file.is_file():
+        raise DecodertError(f"{file} not found; export a model first with `decodert export`")
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise DecodertError(f"cannot read {file}: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "decodert-artifact":
+        raise DecodertError(f"{file} is not a decodert artifact manifest (format != 'decodert-artifact')")
+    return manifest
+
+
+def open_tokenizer(path: Path, manifest: Mapping[str, Any]) -> Any:
+    """The artifact's ``tokenizers.Tokenizer``."""
+    from tokenizers import Tokenizer
+
+    file = path / ((manifest.get("tokenizer") or {}).get("file") or "tokenizer.json")
+    if not file.is_file():
+        raise DecodertError(f"{file} not found (tokenizer of the artifact)")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise DecodertError(f"cannot load tokenizer {file}: {e}") from None
+
+
+def open_backend(path: Path, manifest: Mapping[str, Any], choice: str = "auto") -> Any:
+    """Create the ort or trt backend ("auto": trt when the folder has engines and TensorRT works)."""
+    if choice not in ("auto", "ort", "trt"):
+        raise DecodertError(f"unknown backend {choice!r}; expected auto, ort or trt (--backend)")
+    if choice == "auto":
+        choice = "trt" if manifest.get("engines") and _trt_usable() else "ort"
+    if choice == "trt":
+        if not manifest.get("engines"):
+            raise DecodertError(f"{path} has no TensorRT engines; run `decodert build {path}` or use --backend ort")
+        from decodert.runtime.trt_backend import TrtBackend
+
+        return TrtBackend(path, manifest)
+    from decodert.runtime.ort_backend import OrtBackend
+
+    return OrtBackend(path, manifest)
+
+
+def _trt_usable() -> bool:
+    """An NVIDIA GPU is visible and the TensorRT backend imports."""
+    if not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")):
+        return False
+    try:
+        importlib.import_module("decodert.runtime.trt_backend")
+    except (ImportError, OSError, DecodertError):
+        return False
+    return True

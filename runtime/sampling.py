@@ -1,0 +1,176 @@
+"""Sampling parameters, samplers and logits processors: plain callables over numpy arrays.
+
+A sampler maps logits [n, V] float32 to token ids [n] int64. A logits processor maps
+``(token_history [T] int64, logits [..., V] float32) -> logits``. Both are vectorised over
+the vocabulary; nothing here loops over tokens in Python.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from decodert.errors import DecodertError
+
+Sampler = Callable[[np.ndarray], np.ndarray]
+LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings (defaults: greedy, 256 new tokens)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off (HF semantics: divide positive, multiply negative)
+    presence_penalty: float = 0.0  # subtracted once from every token already seen
+    frequency_penalty: float = 0.0  # subtracted per occurrence of every token already seen
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        # Accept lists (and a single stop string) from callers; store tuples.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+
+    def validate(self) -> "SamplingParams":
+        """Raise DecodertError with a one-line message for the first invalid setting."""
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+               f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        _check(_finite(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        _check(_finite(self.presence_penalty), f"presence_penalty must be a finite number, got {self.presence_penalty!r}")
+        _check(_finite(self.frequency_penalty), f"frequency_penalty must be a finite number, got {self.frequency_penalty!r}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty strings, got {self.stop!r}")
+        _check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise DecodertError(message)
+
+
+def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 rng: np.random.Generator | None = None) -> Sampler:
+    """Build ``sampler(logits [n, V] float32) -> [n] int64``; greedy (argmax) when temperature == 0."""
+    if temperature == 0:
+        return lambda logits: np.argmax(logits, axis=-1).astype(np.int64)
+    rng = rng if rng is not None else np.random.default_rng()
+
+    def sample(logits: np.ndarray) -> np.ndarray:
+        scores = np.asarray(logits, dtype=np.float32) / np.float32(temperature)  # [n, V]
+        if top_k:
+            scores = _top_k(scores, top_k)
+        probs = _softmax(scores)  # [n, V] float64
+        if min_p > 0:
+            probs = np.where(probs >= min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
+        if top_p < 1:
+            probs = _top_p(probs, top_p)
+        return _draw(probs, rng)
+
+    return sample
+
+
+def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Keep the k largest scores per row ([n, V]); ties with the k-th score are kept too."""
+    if k >= scores.shape[-1]:
+        return scores
+    kth = np.partition(scores, -k, axis=-1)[:, -k, None]  # [n, 1]
+    return np.where(scores >= kth, scores, -np.inf)
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    """Row softmax in float64 ([n, V]); -inf scores get probability 0."""
+    z = scores.astype(np.float64) - scores.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p ([n, V], unnormalised ok)."""
+    probs = probs / probs.sum(axis=-1, keepdims=True)
+    order = np.argsort(-probs, axis=-1, kind="stable")  # [n, V]
+    sorted_p = np.take_along_axis(probs, order, axis=-1)
+    mass_before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass of strictly more likely tokens
+    keep_sorted = mass_before < top_p  # the most likely token is always kept
+    keep = np.empty_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, axis=-1)
+    return np.where(keep, probs, 0.0)
+
+
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One categorical draw per row of probs [n, V] (unnormalised) -> [n] int64."""
+    cdf = np.cumsum(probs, axis=-1)  # [n, V]
+    u = rng.random((probs.shape[0], 1)) * cdf[:, -1:]  # [n, 1]
+    idx = (cdf <= u).sum(axis=-1)  # first index whose cdf exceeds u
+    return np.minimum(idx, probs.shape[-1] - 1).astype(np.int64)
+
+
+def make_logits_processors(repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                           frequency_penalty: float = 0.0) -> list[LogitsProcessor]:
+    """Penalty processors ``(token_history [T] int64, logits [..., V]) -> logits`` (only the active ones).
+
+    The history is every token of the sequence so far (prompt and generated), as in HF
+    ``repetition_penalty`` and llama.cpp's penalties.
+    """
+    processors: list[LogitsProcessor] = []
+    if repetition_penalty != 1.0:
+        processors.append(_repetition(repetition_penalty))
+    if presence_penalty or frequency_penalty:
+        processors.append(_additive(presence_penalty, frequency_penalty))
+    return processors
+
+
+def _repetition(penalty: float) -> LogitsProcessor:
+    def process(history: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        seen = np.unique(history)  # [U]
+        if seen.size == 0:
+            return logits
+        out = np.array(logits, dtype=np.float32, copy=True)
+        s = out[..., seen]
+        out[..., seen] = np.where(s < 0, s * penalty, s / penalty)
+        return out
+
+    return process
+
+
+def _additive(presence: float, frequency: float) -> LogitsProcessor:
+    def process(history: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        seen, counts = np.unique(history, return_counts=True)  # [U], [U]
+        if seen.size == 0:
+            return logits
+        out = np.array(logits, dtype=np.float32, copy=True)
+        out[..., seen] -= (presence + frequency * counts).astype(np.float32)
+        return out
+
+    return process
+
+
+def apply_processors(processors: Sequence[LogitsProcessor], history: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """Run processors in order over logits [..., V]."""
+    for process in processors:
+        logits = process(history, logits)
+    return logits

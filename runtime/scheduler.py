@@ -1,0 +1,49 @@
+"""Continuous batching: admit waiting requests into free cache slots while others keep decoding.
+
+Active rows are kept compact in slots ``0 .. n_active-1``: when a row finishes, the last active
+row is moved into its slot (``backend.move_slot``), so every decode call runs exactly the
+unfinished rows and finished rows cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterator, Sequence as Seq
+
+from decodert.runtime.backend import Backend, KVCache
+from decodert.runtime.generate import Sequence, decode_step, prefill
+
+
+def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence]) -> Iterator[tuple[int, str]]:
+    """Yield ``(request index, text delta)`` once per generated token, until every request is done.
+
+    Each loop turn either prefills the waiting requests that fit into free slots (one call for
+    all of them) or, when none can be admitted, runs one decode step over all active rows.
+    Deltas may be "" (text held back); ``seqs[i].done`` tells when request ``i`` finished.
+    """
+    waiting = deque(range(len(seqs)))
+    active: list[int] = []  # active[slot] = request index; slots 0 .. len(active)-1 are in use
+    while waiting or active:
+        free = cache.slots - len(active)
+        if waiting and free > 0:
+            new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+            slots = range(len(active), len(active) + len(new))
+            active.extend(new)
+            deltas = prefill(backend, cache, slots, [seqs[i] for i in new])
+            rows = new
+        else:
+            deltas = decode_step(backend, cache, range(len(active)), [seqs[i] for i in active])
+            rows = list(active)
+        yield from zip(rows, deltas)
+        _compact(backend, cache, active, seqs)
+
+
+def _compact(backend: Backend, cache: KVCache, active: list[int], seqs: Seq[Sequence]) -> None:
+    """Drop finished rows from ``active`` (in place), filling each hole with the last active row."""
+    finished = [slot for slot, i in enumerate(active) if seqs[i].done]
+    for slot in reversed(finished):  # descending: every slot above ``slot`` is unfinished by now
+        last = len(active) - 1
+        if slot != last:
+            backend.move_slot(cache, last, slot)
+            active[slot] = active[last]
+        active.pop()

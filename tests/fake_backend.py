@@ -1,0 +1,142 @@
+"""A deterministic numpy backend (runtime/backend.py protocol) for testing the loop in isolation.
+
+The "model": the logits after a token sequence ``h`` (length T) are
+
+    W[h[-1]] + P[T-1] + H[sum_t h[t] * (t+1) mod V]        # [V]
+
+so they depend on the last token, its position and the whole history: a slot mixed up, a
+cache length off by one or a row decoded twice changes the output. The cache stores the token
+ids themselves (its "K/V"), so ``reference_tokens`` can recompute everything from scratch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from decodert.runtime.backend import StepOutput
+from decodert.runtime.llm import LLM
+
+CORPUS = [
+    "hello world, this is a tiny test corpus for decodert.",
+    "the quick brown fox jumps over the lazy dog. STOP here.",
+    "héllo wörld: accents and other things, said the user to the assistant.",
+]
+SPECIALS = ["<|eos|>", "<|user|>", "<|assistant|>"]
+
+
+class FakeCache:
+    """Cache of token ids per slot: tokens [slots, max_seq] int64 (-1 = empty), lengths [slots]."""
+
+    def __init__(self, slots: int, max_seq: int) -> None:
+        self.slots = slots
+        self.max_seq = max_seq
+        self.lengths = np.zeros(slots, dtype=np.int64)  # [slots]
+        self.tokens = np.full((slots, max_seq), -1, dtype=np.int64)  # [slots, max_seq]
+
+    def reset(self, slot: int | None = None) -> None:
+        rows = slice(None) if slot is None else slot
+        self.lengths[rows] = 0
+        self.tokens[rows] = -1
+
+
+class FakeBackend:
+    """``rule(history [T]) -> token`` replaces the random model when given (scripted outputs)."""
+
+    name = "fake"
+
+    def __init__(self, vocab_size: int = 97, max_seq: int = 64, max_batch: int = 4, seed: int = 0,
+                 rule: Callable[[np.ndarray], int] | None = None) -> None:
+        self.vocab_size, self.max_seq, self.max_batch = vocab_size, max_seq, max_batch
+        rng = np.random.default_rng(seed)
+        self.W = rng.standard_normal((vocab_size, vocab_size)).astype(np.float32) * 3  # [V, V]
+        self.P = rng.standard_normal((max_seq, vocab_size)).astype(np.float32)  # [max_seq, V]
+        self.H = rng.standard_normal((vocab_size, vocab_size)).astype(np.float32)  # [V, V]
+        self.rule = rule
+        self.calls: list[tuple[str, tuple[int, ...], bool]] = []  # (kind, slots, want_logits)
+
+    # -- the model ------------------------------------------------------------------------
+    def logits_for(self, history: np.ndarray) -> np.ndarray:
+        """Next-token logits [V] float32 after ``history`` [T] (T >= 1)."""
+        if self.rule is not None:
+            out = np.full(self.vocab_size, -10.0, dtype=np.float32)
+            out[self.rule(history)] = 10.0
+            return out
+        t = len(history)
+        mix = int((history * np.arange(1, t + 1)).sum()) % self.vocab_size
+        return self.W[history[-1]] + self.P[t - 1] + self.H[mix]
+
+    # -- the protocol ---------------------------------------------------------------------
+    def allocate(self, slots: int) -> FakeCache:
+        assert 1 <= slots <= self.max_batch, f"allocate({slots}) with max_batch {self.max_batch}"
+        return FakeCache(slots, self.max_seq)
+
+    def prefill(self, cache: FakeCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
+        self.calls.append(("prefill", tuple(slots), want_logits))
+        assert len(slots) == len(ids) and len(set(slots)) == len(slots)
+        for slot, row in zip(slots, ids):
+            self._write(cache, slot, np.asarray(row, dtype=np.int64))
+        return self._output(cache, slots, want_logits)
+
+    def decode(self, cache: FakeCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
+        self.calls.append(("decode", tuple(slots), want_logits))
+        assert ids.shape == (len(slots),) and len(set(slots)) == len(slots)
+        for slot, tok in zip(slots, ids):
+            self._write(cache, slot, np.array([tok], dtype=np.int64))
+        return self._output(cache, slots, want_logits)
+
+    def move_slot(self, cache: FakeCache, src: int, dst: int) -> None:
+        self.calls.append(("move", (src, dst), False))
+        cache.tokens[dst] = cache.tokens[src]
+        cache.lengths[dst] = cache.lengths[src]
+
+    def _write(self, cache: FakeCache, slot: int, row: np.ndarray) -> None:
+        start = int(cache.lengths[slot])
+        assert row.ndim == 1 and row.size >= 1, "empty row"
+        assert start + row.size <= cache.max_seq, f"slot {slot}: {start}+{row.size} tokens > max_seq {cache.max_seq}"
+        cache.tokens[slot, start:start + row.size] = row
+        cache.lengths[slot] = start + row.size
+
+    def _output(self, cache: FakeCache, slots: Sequence[int], want_logits: bool) -> StepOutput:
+        logits = np.stack([self.logits_for(cache.tokens[s, :cache.lengths[s]]) for s in slots])  # [n, V]
+        return StepOutput(next_token=logits.argmax(-1).astype(np.int64), logits=logits if want_logits else None)
+
+    # -- test helpers ---------------------------------------------------------------------
+    def rows_decoded(self) -> int:
+        return sum(len(slots) for kind, slots, _ in self.calls if kind == "decode")
+
+
+def reference_tokens(backend: FakeBackend, prompt: Sequence[int], n: int, stop_ids: Sequence[int] = ()) -> list[int]:
+    """Greedy continuation computed from scratch (no cache), stopping after a stop id."""
+    history = list(prompt)
+    out: list[int] = []
+    while len(out) < n and len(history) < backend.max_seq:
+        tok = int(backend.logits_for(np.array(history, dtype=np.int64)).argmax())
+        out.append(tok)
+        history.append(tok)
+        if tok in stop_ids:
+            break
+    return out
+
+
+def make_tokenizer(vocab_size: int = 300) -> Tokenizer:
+    """A byte-level BPE trained on CORPUS: ids 0..2 are SPECIALS; unseen characters stay byte tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def make_llm(tokenizer: Tokenizer | None = None, eos: Sequence[int] = (), chat_template: str | None = None,
+             add_bos_token: bool = False, **backend_kwargs) -> LLM:
+    """An LLM over a FakeBackend whose vocabulary is the tokenizer's."""
+    tok = tokenizer or make_tokenizer()
+    backend = FakeBackend(vocab_size=tok.get_vocab_size(), **backend_kwargs)
+    manifest = {"tokenizer": {"eos_token_ids": list(eos), "bos_token_id": 1, "add_bos_token": add_bos_token,
+                              "chat_template": chat_template}}
+    return LLM(backend, tok, manifest)

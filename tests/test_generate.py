@@ -1,0 +1,212 @@
+"""The generate loop and continuous batching over the fake backend (runtime/generate.py, scheduler.py, llm.py)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
+from fake_backend import FakeBackend, make_llm, make_tokenizer, reference_tokens  # noqa: E402
+
+from decodert.errors import DecodertError  # noqa: E402
+from decodert.runtime.llm import LLM, Request  # noqa: E402
+from decodert.runtime.sampling import SamplingParams  # noqa: E402
+
+PROMPTS = ["hello world", "the quick brown fox jumps", "a", "héllo wörld: accents", "lazy dog", "STOP here."]
+
+
+def _scripted_llm(text, eos=(0,), **kw):
+    """An LLM whose model writes ``text`` token by token after any prompt, then eos (id 0)."""
+    tok = make_tokenizer()
+    script = tok.encode(text).ids + [0]
+    prompt_len = {}
+
+    def rule(history):
+        start = prompt_len.setdefault(int(history[0]), len(history))  # prompts start with distinct ids
+        return script[min(len(history) - start, len(script) - 1)]
+
+    return make_llm(tok, eos=eos, rule=rule, **kw), script
+
+
+def test_greedy_matches_reference_model():
+    llm = make_llm(max_seq=64)
+    for prompt in PROMPTS[:3]:
+        r = llm.generate(prompt, max_new_tokens=12)
+        assert r.token_ids == reference_tokens(llm.backend, llm.encode(prompt).tolist(), 12)
+        assert r.finish_reason == "length" and len(r.token_ids) == 12
+    assert all(not want for _, _, want in llm.backend.calls), "greedy must not ask for logits"
+
+
+def test_batched_equals_single():
+    llm = make_llm(max_batch=4)
+    singles = [llm.generate(p, max_new_tokens=10) for p in PROMPTS[:4]]
+    llm.backend.calls.clear()
+    batched = llm.generate(PROMPTS[:4], max_new_tokens=10)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in singles]
+    assert [r.text for r in batched] == [r.text for r in singles]
+    assert llm.backend.calls[0] == ("prefill", (0, 1, 2, 3), False)  # one prefill call for all rows
+
+
+def test_continuous_batching_six_requests_two_slots():
+    llm = make_llm(max_batch=2)
+    lengths = [3, 9, 1, 6, 4, 7]
+    singles = [llm.generate(p, max_new_tokens=n) for p, n in zip(PROMPTS, lengths)]
+    llm.backend.calls.clear()
+    results = llm.generate_many([Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS, lengths)])
+    assert [r.token_ids for r in results] == [r.token_ids for r in singles]
+    assert [len(r.token_ids) for r in results] == lengths
+    calls = llm.backend.calls
+    assert max(len(slots) for kind, slots, _ in calls if kind != "move") <= 2
+    assert sum(len(slots) for kind, slots, _ in calls if kind == "prefill") == 6
+    assert any(kind == "move" for kind, _, _ in calls), "finished rows must be compacted away"
+    assert llm.backend.rows_decoded() == sum(n - 1 for n in lengths)  # no row decoded after it finished
+
+
+def test_finished_rows_are_not_decoded():
+    llm = make_llm(max_batch=2)
+    llm.generate_many([{"prompt": "hello", "max_new_tokens": 2}, {"prompt": "a", "max_new_tokens": 10}])
+    decodes = [slots for kind, slots, _ in llm.backend.calls if kind == "decode"]
+    assert decodes[0] == (0, 1) and all(s == (0,) for s in decodes[1:])
+    assert len(decodes) == 9 and llm.backend.rows_decoded() == 10
+    assert ("move", (1, 0), False) in llm.backend.calls  # the long request moved into slot 0
+
+
+def test_mixed_params_per_request():
+    llm = make_llm(max_batch=2)
+    reqs = [{"prompt": "hello", "max_new_tokens": 5},
+            {"prompt": "a", "max_new_tokens": 8, "temperature": 0.9, "seed": 3},
+            {"prompt": "lazy dog", "max_new_tokens": 4, "repetition_penalty": 1.5}]
+    single = [llm.generate(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"}) for r in reqs]
+    many = llm.generate_many(reqs)
+    assert [r.token_ids for r in many] == [r.token_ids for r in single]
+
+
+def test_seeded_sampling_reproducible_and_batch_invariant():
+    llm = make_llm(max_batch=3)
+    a = llm.generate("hello", max_new_tokens=15, temperature=1.0, top_p=0.95, seed=11)
+    b = llm.generate("hello", max_new_tokens=15, temperature=1.0, top_p=0.95, seed=11)
+    c = llm.generate("hello", max_new_tokens=15, temperature=1.0, top_p=0.95, seed=12)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+    batch = llm.generate(["a", "hello", "lazy dog"], max_new_tokens=15, temperature=1.0, top_p=0.95, seed=11)
+    assert batch[1].token_ids == a.token_ids
+    assert all(want for kind, _, want in llm.backend.calls if kind != "move"), "sampling needs logits"
+
+
+def test_repetition_penalty_asks_for_logits_and_changes_greedy():
+    llm = make_llm()
+    plain = llm.generate("hello world", max_new_tokens=20)
+    llm.backend.calls.clear()
+    penalised = llm.generate("hello world", max_new_tokens=20, repetition_penalty=5.0)
+    assert all(want for kind, _, want in llm.backend.calls)
+    assert penalised.token_ids != plain.token_ids
+    assert len(set(penalised.token_ids)) == 20  # a strong penalty forbids repeats
+
+
+def test_cache_full_finishes_with_length():
+    llm = make_llm(max_seq=16)
+    ids = llm.encode("the quick brown fox jumps").tolist()[:10]
+    r = llm.generate(ids, max_new_tokens=100)
+    assert r.finish_reason == "length" and len(ids) + len(r.token_ids) == 16
+    assert r.token_ids == reference_tokens(llm.backend, ids, 100)
+    one = llm.generate(list(range(3, 18)), max_new_tokens=100)  # max_seq - 1 prompt tokens
+    assert len(one.token_ids) == 1 and one.finish_reason == "length"
+
+
+def test_prompt_too_long_names_max_seq_before_any_work():
+    llm = make_llm(max_seq=16)
+    with pytest.raises(DecodertError, match="--max-seq 16"):
+        llm.generate(list(range(3, 19)))
+    with pytest.raises(DecodertError, match="--max-seq"):
+        llm.generate(["hi", list(range(3, 30))])
+    assert llm.backend.calls == []
+
+
+@pytest.mark.parametrize("call", [
+    lambda llm: llm.generate("hi", temperature=-1),
+    lambda llm: llm.generate("hi", top_p=0),
+    lambda llm: llm.generate("hi", top_k=-2),
+    lambda llm: llm.generate("hi", min_p=2),
+    lambda llm: llm.generate("hi", repetition_penalty=0),
+    lambda llm: llm.generate("hi", bogus=1),
+    lambda llm: llm.generate(""),
+    lambda llm: llm.generate([]),
+    lambda llm: llm.generate(["ok", ""]),
+    lambda llm: llm.generate([5, 10**6]),
+    lambda llm: llm.stream("hi", top_p=3),
+    lambda llm: llm.generate_many([{"prompt": "ok"}, {"prompt": "x", "temperature": -1}]),
+    lambda llm: llm.generate_many([Request()]),
+])
+def test_invalid_input_rejected_before_any_work(call):
+    llm = make_llm()
+    with pytest.raises(DecodertError) as info:
+        call(llm)
+    assert "\n" not in str(info.value)
+    assert llm.backend.calls == []
+
+
+def test_eos_and_stop_token_ids_finish_with_stop():
+    llm, script = _scripted_llm("hello world")
+    r = llm.generate("a", max_new_tokens=50)
+    assert r.finish_reason == "stop" and r.text == "hello world" and r.token_ids == script
+    r2 = llm.generate("lazy", max_new_tokens=50, stop_token_ids=[script[1]])
+    assert r2.finish_reason == "stop" and r2.token_ids == script[:2]
+    assert r2.text == llm.tokenizer.decode(script[:1])
+
+
+def test_stop_string_across_tokens_never_streamed():
+    text = "the quick brown fox jumps over"
+    llm, script = _scripted_llm(text)
+    stream = llm.stream("a", max_new_tokens=50, stop=["n fox", "zzz"])
+    deltas = list(stream)
+    assert "".join(deltas) == "the quick brow"
+    assert stream.result.finish_reason == "stop" and stream.result.text == "the quick brow"
+    assert len(stream.result.token_ids) < len(script) - 2  # stopped early
+    pieces = [llm.tokenizer.decode([t]) for t in stream.result.token_ids]
+    assert not any("n fox" in p for p in pieces), "the stop string must span tokens for this test"
+
+
+def test_stream_emoji_byte_tokens_without_replacement_chars():
+    text = "héllo 😀 wörld 🦊!"
+    llm, script = _scripted_llm(text)
+    assert len(llm.tokenizer.encode("😀").ids) == 4
+    stream = llm.stream("a", max_new_tokens=100)
+    deltas = list(stream)
+    assert "".join(deltas) == text == stream.result.text
+    assert not any("\ufffd" in d for d in deltas)
+    assert "😀" in deltas and "🦊" in deltas
+
+
+def test_stream_and_generate_agree_and_metrics_filled():
+    llm = make_llm()
+    r = llm.generate("hello world", max_new_tokens=9)
+    stream = llm.stream("hello world", max_new_tokens=9)
+    text = "".join(stream)
+    assert text == stream.result.text == r.text and stream.result.token_ids == r.token_ids
+    m = r.metrics
+    assert m.prompt_tokens == len(llm.encode("hello world")) and m.generated_tokens == 9
+    assert m.ttft_s > 0 and m.total_s >= m.ttft_s and m.prompt_tps > 0 and m.decode_tps > 0
+    assert m.tpot_ms > 0 and m.peak_rss_mb > 10
+    assert set(r.to_dict()) == {"text", "token_ids", "finish_reason", "metrics"}
+
+
+def test_abandoned_stream_leaves_llm_usable():
+    llm = make_llm(max_batch=1)
+    stream = llm.stream("hello", max_new_tokens=30)
+    next(stream)
+    stream.close()
+    r = llm.generate("hello world", max_new_tokens=5)
+    assert r.token_ids == reference_tokens(llm.backend, llm.encode("hello world").tolist(), 5)
+
+
+def test_bos_added_when_manifest_says_so():
+    llm = make_llm(add_bos_token=True)
+    assert llm.encode("hello")[0] == 1 and llm.encode("hello", add_bos=False)[0] != 1
+    assert llm.encode([5, 6]).tolist() == [5, 6]
+
+
+def test_injected_backend_without_manifest():
+    tok = make_tokenizer()
+    llm = LLM(FakeBackend(vocab_size=tok.get_vocab_size()), tok)
+    assert len(llm.generate("hello", max_new_tokens=3).token_ids) == 3
+    np.testing.assert_array_equal(llm.encode("hello"), tok.encode("hello").ids)

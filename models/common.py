@@ -1,0 +1,170 @@
+"""Helpers shared by the family files: config/metadata fields -> ModelSpec pieces.
+
+Family files stay declarative; anything two families read the same way lives here.
+Errors carry no file name: ``open_checkpoint`` adds it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.models.spec import ModelSpec, RopeSpec
+
+# Config keys that mean "not a plain dense decoder" when set to a truthy value.
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+_GGUF_MOE_KEYS = ("expert_count", "expert_used_count")
+
+
+def reject_unsupported_hf(config: dict) -> None:
+    """Raise for configs decodert cannot run: MoE, non-SiLU MLP, extra biases, encoder-decoder."""
+    for key in _MOE_KEYS:
+        if config.get(key):
+            raise DecodertError(f"mixture-of-experts models are not supported ({key}={config[key]})")
+    if config.get("is_encoder_decoder"):
+        raise DecodertError("encoder-decoder models are not supported (is_encoder_decoder=true)")
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise DecodertError(f"hidden_act '{act}' is not supported (only silu)")
+    if config.get("mlp_bias"):
+        raise DecodertError("mlp_bias=true is not supported")
+
+
+def reject_unsupported_gguf(meta: dict) -> None:
+    arch = meta.get("general.architecture", "?")
+    for key in _GGUF_MOE_KEYS:
+        if meta.get(f"{arch}.{key}"):
+            raise DecodertError(f"mixture-of-experts models are not supported ({arch}.{key})")
+
+
+def hf_rope(config: dict) -> RopeSpec:
+    """RopeSpec from `rope_scaling` (transformers 4.x) and/or `rope_parameters` (5.x)."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return RopeSpec(theta=theta)
+    if kind == "linear":
+        return RopeSpec(theta=theta, scaling="linear", factor=float(rope["factor"]))
+    if kind == "llama3":
+        return RopeSpec(
+            theta=theta,
+            scaling="llama3",
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+        )
+    raise DecodertError(f"rope scaling '{kind}' is not supported yet")
+
+
+def partial_rotary_factor(config: dict) -> float:
+    params = config.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+
+
+def eos_ids(value: Any) -> tuple[int, ...]:
+    """`eos_token_id` as found in configs: None, an int, or a list of ints."""
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(dict.fromkeys(int(v) for v in value))
+    return (int(value),)
+
+
+def _req(source: dict, key: str, what: str) -> Any:
+    if source.get(key) is None:
+        raise DecodertError(f"{what} has no '{key}'")
+    return source[key]
+
+
+def spec_from_hf_config(family: str, config: dict, **extra: Any) -> ModelSpec:
+    """The fields every family reads the same way from config.json; `extra` overrides."""
+    reject_unsupported_hf(config)
+    hidden = int(_req(config, "hidden_size", "config.json"))
+    heads = int(_req(config, "num_attention_heads", "config.json"))
+    fields: dict[str, Any] = dict(
+        family=family,
+        vocab_size=int(_req(config, "vocab_size", "config.json")),
+        hidden_size=hidden,
+        intermediate_size=int(_req(config, "intermediate_size", "config.json")),
+        num_layers=int(_req(config, "num_hidden_layers", "config.json")),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope=hf_rope(config),
+        max_position=int(config.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_ids(config.get("eos_token_id")),
+    )
+    fields.update(extra)
+    return _build(fields)
+
+
+def gguf_key(meta: dict, key: str, default: Any = ...) -> Any:
+    """`{arch}.{key}` from GGUF metadata; required unless a default is given."""
+    arch = meta.get("general.architecture", "?")
+    full = f"{arch}.{key}"
+    if full in meta:
+        return meta[full]
+    if default is ...:
+        raise DecodertError(f"GGUF metadata has no '{full}'")
+    return default
+
+
+def f32(value: Any) -> float:
+    """A GGUF float32 as the short decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def gguf_rope(meta: dict, head_dim: int) -> RopeSpec:
+    """RopeSpec from GGUF metadata (llama3 frequency factors are handled by the loader)."""
+    theta = f32(gguf_key(meta, "rope.freq_base", 10000.0))
+    rot = int(gguf_key(meta, "rope.dimension_count", head_dim))
+    rotary_dim = rot if rot != head_dim else None
+    kind = gguf_key(meta, "rope.scaling.type", "none")
+    if kind == "none":
+        return RopeSpec(theta=theta, rotary_dim=rotary_dim)
+    if kind == "linear":
+        factor = f32(gguf_key(meta, "rope.scaling.factor"))
+        return RopeSpec(theta=theta, scaling="linear", factor=factor, rotary_dim=rotary_dim)
+    raise DecodertError(f"rope scaling '{kind}' is not supported yet")
+
+
+def spec_from_gguf_meta(family: str, meta: dict, **extra: Any) -> ModelSpec:
+    """The fields every family reads the same way from GGUF metadata; `extra` overrides."""
+    reject_unsupported_gguf(meta)
+    hidden = int(gguf_key(meta, "embedding_length"))
+    heads = int(gguf_key(meta, "attention.head_count"))
+    head_dim = int(gguf_key(meta, "attention.key_length", hidden // heads))
+    eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+    fields: dict[str, Any] = dict(
+        family=family,
+        vocab_size=int(gguf_key(meta, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(gguf_key(meta, "feed_forward_length")),
+        num_layers=int(gguf_key(meta, "block_count")),
+        num_heads=heads,
+        num_kv_heads=int(gguf_key(meta, "attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=f32(gguf_key(meta, "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope=gguf_rope(meta, head_dim),
+        max_position=int(gguf_key(meta, "context_length", 4096)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids([e for e in eos if e is not None]),
+    )
+    fields.update(extra)
+    return _build(fields)
+
+
+def _build(fields: dict[str, Any]) -> ModelSpec:
+    if fields["bos_token_id"] is not None:
+        fields["bos_token_id"] = int(fields["bos_token_id"])
+    try:
+        return ModelSpec(**fields)
+    except ValueError as e:
+        raise DecodertError(str(e)) from None

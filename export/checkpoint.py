@@ -1,0 +1,151 @@
+"""Open a checkpoint (Hugging Face folder or GGUF file) and serve canonical float32 tensors.
+
+    ckpt = open_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf")
+    for name in ckpt.names():
+        w = ckpt.tensor(name)          # np.float32, canonical_shape(ckpt.spec, name)
+        ...                            # drop w before asking for the next one
+    info = ckpt.write_tokenizer(out_dir)
+
+Family files declare where each canonical weight comes from (``HF_WEIGHTS`` / ``GGUF_WEIGHTS``);
+this module resolves ``{i}``, validates shapes before reading, fuses parts on axis 0 and applies
+the family's quirk hook (``gguf_fix``) on GGUF tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.models.spec import ModelSpec, canonical_names, canonical_shape
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def source_keys(table: dict[str, str | tuple[str, ...]], name: str) -> tuple[str, ...]:
+    """Checkpoint keys for one canonical name: 'layers.3.qkv' -> ('...3...q', '...3...k', '...3...v')."""
+    m = _LAYER.match(name)
+    template, index = (f"layers.{{i}}.{m.group(2)}", m.group(1)) if m else (name, None)
+    if template not in table:
+        raise KeyError(f"no source for canonical weight '{name}'")
+    keys = table[template]
+    keys = (keys,) if isinstance(keys, str) else keys
+    return tuple(k.format(i=index) for k in keys)
+
+
+def part_shapes(spec: ModelSpec, name: str, n_parts: int) -> list[tuple[int, ...]]:
+    """Expected shape of each checkpoint part that is concatenated (axis 0) into `name`."""
+    full = canonical_shape(spec, name)
+    if n_parts == 1:
+        return [full]
+    leaf = name.rsplit(".", 1)[-1]
+    rest = full[1:]
+    if leaf in ("qkv", "qkv_bias") and n_parts == 3:
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        return [(q, *rest), (kv, *rest), (kv, *rest)]
+    if full[0] % n_parts:
+        raise ValueError(f"cannot split {name} {full} into {n_parts} parts")
+    return [(full[0] // n_parts, *rest)] * n_parts
+
+
+class Checkpoint:
+    """Base class: subclasses provide `_shape(key)`, `_read(key)` and `write_tokenizer(out_dir)`."""
+
+    kind: str = "?"  # "hf" | "gguf"
+
+    def __init__(self, source: Path, spec: ModelSpec, family: ModuleType, table: dict) -> None:
+        self.source = source
+        self.spec = spec
+        self.family = family
+        self.table = table
+
+    # -- subclass hooks --------------------------------------------------------------------------
+    def _shape(self, key: str) -> tuple[int, ...]:
+        """Shape of a checkpoint tensor in canonical orientation; DecodertError when missing."""
+        raise NotImplementedError
+
+    def _read(self, key: str) -> np.ndarray:
+        """The tensor as float32 in canonical orientation (no family quirks applied)."""
+        raise NotImplementedError
+
+    def _check_key(self, key: str) -> object:
+        """Extra per-tensor check before reading (GGUF: quantisation type); raise DecodertError."""
+        return None
+
+    def _fix(self, key: str, w: np.ndarray) -> np.ndarray:
+        return w
+
+    def write_tokenizer(self, out_dir: str | Path) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    # -- public ----------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Canonical weight names, in weights.bin order."""
+        return canonical_names(self.spec)
+
+    def _parts(self, name: str) -> tuple[str, ...]:
+        """Checkpoint keys of `name`, after checking each exists with the expected shape."""
+        keys = source_keys(self.table, name)
+        for key, expected in zip(keys, part_shapes(self.spec, name, len(keys))):
+            shape = self._shape(key)
+            if shape != expected:
+                raise DecodertError(
+                    f"{self.source}: tensor '{key}' has shape {list(shape)}, expected {list(expected)} for '{name}'"
+                )
+            self._check_key(key)
+        return keys
+
+    def validate(self) -> None:
+        """Check every canonical weight is present, well-shaped and readable, without reading data."""
+        for name in self.names():
+            self._parts(name)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Canonical weight `name` as a fresh float32 array of canonical_shape(spec, name)."""
+        if name not in self.names():
+            raise KeyError(f"'{name}' is not a canonical weight of this {self.spec.family} model")
+        parts = [self._fix(key, self._read(key)) for key in self._parts(name)]
+        w = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)  # fused rows: q|k|v, gate|up
+        return np.ascontiguousarray(w, dtype=np.float32)
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.spec.family} {self.source}>"
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """An HF folder (config.json + safetensors) or a .gguf file -> Checkpoint."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DecodertError(f"{p}: no such file or directory")
+    if p.is_file() and p.name == "config.json":
+        p = p.parent
+    if p.is_dir():
+        from decodert.export.checkpoint_hf import open_hf
+
+        return open_hf(p)
+    if p.suffix.lower() == ".gguf" or _is_gguf(p):
+        from decodert.export.checkpoint_gguf import open_gguf
+
+        return open_gguf(p)
+    raise DecodertError(f"{p}: not a Hugging Face checkpoint folder or a GGUF file")
+
+
+def _is_gguf(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError as e:
+        raise DecodertError(f"{p}: cannot read ({e.strerror})") from None

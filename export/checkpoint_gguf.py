@@ -1,0 +1,123 @@
+"""GGUF files: metadata -> ModelSpec, tensors dequantised one at a time with the `gguf` package."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.export.checkpoint import Checkpoint
+from decodert.models import family_for
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# Large tokenizer arrays stay out of `meta` and are read only by write_tokenizer.
+TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                    "tokenizer.ggml.token_type")
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def read_metadata(reader: Any, include_tokenizer_arrays: bool = False) -> dict[str, Any]:
+    """GGUF key -> python value (str, int, float, bool or list)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or (key in TOKENIZER_ARRAYS and not include_tokenizer_arrays):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+class GGUFCheckpoint(Checkpoint):
+    kind = "gguf"
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self.reader = gguf.GGUFReader(path, "r")
+        except Exception as e:  # the reader raises ValueError/IndexError/... on truncated or corrupt files
+            raise DecodertError(f"{path}: not a readable GGUF file, truncated or corrupt ({_one_line(e)})") from None
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._check_sizes(path)
+        self.meta = read_metadata(self.reader)
+        arch = self.meta.get("general.architecture", "<missing general.architecture>")
+        family = family_for(arch, str(path))
+        if "token_embd.weight" in self._tensors:  # vocab_size is optional metadata
+            self.meta.setdefault(f"{arch}.vocab_size", self._shape("token_embd.weight")[0])
+        try:
+            spec = family.spec_from_gguf(self.meta)
+            spec = self._spec_from_tensors(spec, family)
+        except DecodertError as e:
+            raise DecodertError(f"{path}: {e}") from None
+        super().__init__(path, spec, family, family.GGUF_WEIGHTS)
+
+    def _check_sizes(self, path: Path) -> None:
+        size = path.stat().st_size
+        for t in self.reader.tensors:
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > size:
+                raise DecodertError(f"{path}: tensor '{t.name}' ends at byte {end} past the end of the file "
+                                    f"({size} bytes; truncated?)")
+
+    def _spec_from_tensors(self, spec: Any, family: Any) -> Any:
+        """Facts GGUF stores as tensors rather than metadata: tied output, rope frequency factors."""
+        spec = dataclasses.replace(spec, tie_word_embeddings="output.weight" not in self._tensors)
+        if "rope_factors_long.weight" in self._tensors:
+            raise DecodertError("rope scaling 'longrope' is not supported yet")
+        if "rope_freqs.weight" in self._tensors:
+            hook = getattr(family, "gguf_rope_freqs", None)
+            if hook is None:
+                raise DecodertError(f"rope_freqs.weight is not supported for {spec.family}")
+            spec = hook(spec, self.meta, self._read("rope_freqs.weight"))
+        return spec
+
+    def _tensor_info(self, key: str) -> Any:
+        t = self._tensors.get(key)
+        if t is None:
+            raise DecodertError(f"{self.source}: tensor '{key}' not found in the file")
+        return t
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        # GGUF lists ne[0] (the contiguous, inner dim) first: reversed = [out, in].
+        return tuple(int(d) for d in reversed(self._tensor_info(key).shape.tolist()))
+
+    def _check_key(self, key: str) -> gguf.GGMLQuantizationType:
+        qtype = gguf.GGMLQuantizationType(self._tensor_info(key).tensor_type)
+        if qtype.name not in SUPPORTED_TYPES:
+            raise DecodertError(f"{self.source}: tensor '{key}' has type {qtype.name}, which is not supported "
+                                f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        return qtype
+
+    def _read(self, key: str) -> np.ndarray:
+        t, qtype = self._tensor_info(key), self._check_key(key)
+        try:
+            w = gguf.quants.dequantize(np.asarray(t.data), qtype)
+        except Exception as e:
+            raise DecodertError(f"{self.source}: cannot dequantise tensor '{key}' ({_one_line(e)})") from None
+        return np.array(w, dtype=np.float32).reshape(self._shape(key))  # copy: never a view of the mmap
+
+    def _fix(self, key: str, w: np.ndarray) -> np.ndarray:
+        fix = getattr(self.family, "gguf_fix", None)
+        return fix(key, w, self.spec) if fix else w
+
+    def write_tokenizer(self, out_dir: str | Path) -> dict[str, Any]:
+        from decodert.export.gguf_tokenizer import write_gguf_tokenizer
+
+        return write_gguf_tokenizer(read_metadata(self.reader, True), Path(out_dir), self.source)
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
+def open_gguf(path: Path) -> GGUFCheckpoint:
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise DecodertError(f"{path}: not a GGUF file (bad magic)")
+    ckpt = GGUFCheckpoint(path)
+    ckpt.validate()
+    return ckpt

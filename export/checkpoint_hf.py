@@ -1,0 +1,164 @@
+"""Hugging Face checkpoint folders: config.json + model.safetensors (single or sharded)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.export.checkpoint import Checkpoint
+from decodert.export.checkpoint_safetensors import SafetensorsFile
+from decodert.models import family_for
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                    "chat_template.jinja")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise DecodertError(f"{path}: cannot read ({e.strerror})") from None
+    except ValueError as e:
+        raise DecodertError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DecodertError(f"{path}: expected a JSON object")
+    return data
+
+
+def _weight_map(folder: Path) -> dict[str, Path]:
+    """tensor key -> shard file, from the index when sharded."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise DecodertError(f"{index}: no 'weight_map'")
+        return {k: folder / v for k, v in weight_map.items()}
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return {k: single for k in SafetensorsFile(single).keys()}
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise DecodertError(f"{folder}: only safetensors checkpoints are supported (found PyTorch .bin files)")
+    raise DecodertError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+class HFCheckpoint(Checkpoint):
+    kind = "hf"
+
+    def __init__(self, folder: Path) -> None:
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise DecodertError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
+        self.config = read_json(config_path)
+        family = family_for(self.config.get("model_type", "<missing model_type>"), str(config_path))
+        try:
+            spec = family.spec_from_hf(self.config)
+        except DecodertError as e:
+            raise DecodertError(f"{config_path}: {e}") from None
+        super().__init__(folder, spec, family, family.HF_WEIGHTS)
+        self._where = _weight_map(folder)
+        self._files: dict[Path, SafetensorsFile] = {}
+
+    def _file(self, key: str) -> SafetensorsFile:
+        shard = self._where.get(key)
+        if shard is None:
+            raise DecodertError(f"{self.source}: tensor '{key}' not found in the checkpoint")
+        if shard not in self._files:
+            if not shard.is_file():
+                raise DecodertError(f"{shard}: missing shard file (listed in model.safetensors.index.json)")
+            self._files[shard] = SafetensorsFile(shard)
+        f = self._files[shard]
+        if key not in f:
+            raise DecodertError(f"{shard}: tensor '{key}' not found (the index lists it here)")
+        return f
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        return self._file(key).shape(key)
+
+    def _read(self, key: str) -> np.ndarray:
+        return self._file(key).read(key)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def write_tokenizer(self, out_dir: str | Path) -> dict[str, Any]:
+        return write_hf_tokenizer(self.source, self.config, Path(out_dir))
+
+
+def open_hf(folder: Path) -> HFCheckpoint:
+    ckpt = HFCheckpoint(folder)
+    ckpt.validate()
+    return ckpt
+
+
+# -- tokenizer ------------------------------------------------------------------------------------
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config token fields are a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _token_ids(tok: dict) -> dict[str, int]:
+    vocab = (tok.get("model") or {}).get("vocab")
+    ids = dict(vocab) if isinstance(vocab, dict) else {}  # BPE/WordPiece; Unigram vocab is a list
+    ids.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
+    return ids
+
+
+def _chat_template(folder: Path, tok_config: dict) -> str | None:
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    jinja = folder / "chat_template.jinja"
+    if template is None and jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    return template
+
+
+def _adds_bos(tok: dict, bos: str | None) -> bool:
+    """Does tokenizer.json's post-processor put the BOS token in front of a single sequence?"""
+    post = json.dumps(tok.get("post_processor") or {})
+    return bos is not None and json.dumps(bos) in post and '"single"' in post
+
+
+def write_hf_tokenizer(folder: Path, config: dict, out_dir: Path) -> dict[str, Any]:
+    """Copy tokenizer.json and friends to out_dir; return the special-token summary."""
+    tok_path = folder / "tokenizer.json"
+    if not tok_path.is_file():
+        raise DecodertError(f"{folder}: no tokenizer.json (only fast tokenizers are supported)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in _TOKENIZER_FILES:
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, out_dir / name)
+    tok = read_json(tok_path)
+    tok_config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    gen = read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
+    ids = _token_ids(tok)
+    special = {k: _token_text(tok_config.get(f"{k}_token")) for k in ("bos", "eos", "pad")}
+
+    def pick(key: str) -> Any:
+        for source in (gen, config):
+            if source.get(f"{key}_token_id") is not None:
+                return source[f"{key}_token_id"]
+        return ids.get(special[key]) if special[key] else None
+
+    eos = pick("eos")
+    add_bos = tok_config.get("add_bos_token")
+    return {
+        "bos_token_id": pick("bos"),
+        "eos_token_ids": [eos] if isinstance(eos, int) else list(eos or []),
+        "pad_token_id": pick("pad"),
+        "add_bos_token": bool(add_bos) if add_bos is not None else _adds_bos(tok, special["bos"]),
+        "chat_template": _chat_template(folder, tok_config),
+    }

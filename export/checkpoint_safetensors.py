@@ -1,0 +1,89 @@
+"""A minimal lazy safetensors reader: header validated up front, tensors read through mmap.
+
+Own reader instead of ``safetensors.safe_open`` so that bf16 works without torch or ml_dtypes and
+every size in the header is checked against the file before anything is read.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from decodert.errors import DecodertError
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bit patterns -> float32 (bf16 is the top half of an fp32)."""
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+class SafetensorsFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._file = open(path, "rb")
+        except OSError as e:
+            raise DecodertError(f"{path}: cannot open ({e.strerror})") from None
+        size = path.stat().st_size
+        head = self._file.read(8)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (size,)
+        if len(head) < 8 or 8 + n > size:
+            self._file.close()
+            raise DecodertError(f"{path}: truncated safetensors file (header cut off)")
+        try:
+            header = json.loads(self._file.read(n))
+        except (ValueError, UnicodeDecodeError):
+            self._file.close()
+            raise DecodertError(f"{path}: corrupt safetensors header") from None
+        header.pop("__metadata__", None)
+        self._base = 8 + n
+        self._entries = {k: self._check(k, v, size - self._base) for k, v in header.items()}
+        self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size > self._base else None
+
+    def _check(self, key: str, entry: dict, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
+        try:
+            dtype, shape, (start, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise DecodertError(f"{self.path}: corrupt safetensors header entry for '{key}'") from None
+        if dtype not in _DTYPES:
+            raise DecodertError(f"{self.path}: tensor '{key}' has unsupported dtype {dtype}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
+        if not 0 <= start <= end or end - start != nbytes:
+            raise DecodertError(f"{self.path}: tensor '{key}' offsets {start}..{end} do not match its shape {list(shape)}")
+        if end > data_size:
+            raise DecodertError(
+                f"{self.path}: tensor '{key}' ends at byte {self._base + end} past the end of the file "
+                f"({self._base + data_size} bytes; truncated?)"
+            )
+        return dtype, shape, start, end
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._entries[key][1]
+
+    def read(self, key: str) -> np.ndarray:
+        """A fresh float32 copy of tensor `key`."""
+        dtype, shape, start, end = self._entries[key]
+        count = (end - start) // np.dtype(_DTYPES[dtype]).itemsize
+        raw = np.frombuffer(self._mm, dtype=_DTYPES[dtype], count=count, offset=self._base + start) if count else (
+            np.zeros(0, _DTYPES[dtype])
+        )
+        out = bf16_to_f32(raw) if dtype == "BF16" else raw.astype(np.float32)
+        return out.reshape(shape)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        self._file.close()

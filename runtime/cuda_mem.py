@@ -57,6 +57,18 @@ def device_info(device: int = 0) -> dict[str, Any]:
     return {"name": name, "compute_capability": f"sm_{props.major}{props.minor}", "total_bytes": int(props.totalGlobalMem)}
 
 
+def set_device(device: int) -> None:
+    """Select ``device`` and make its primary context current (TensorRT uses the runtime API's context)."""
+    rt = _rt()
+    check(rt.cudaSetDevice(device), "cudaSetDevice")
+    check(rt.cudaFree(0), "CUDA context creation")
+
+
+def clear_last_error() -> None:
+    """Reset the runtime's last (non-sticky) error, e.g. after a failed stream capture."""
+    _rt().cudaGetLastError()
+
+
 def mem_get_info() -> tuple[int, int]:
     """(free, total) device bytes."""
     free, total = check(_rt().cudaMemGetInfo(), "cudaMemGetInfo")

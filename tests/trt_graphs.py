@@ -28,6 +28,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from decodert.export.manifest import file_record
+
 OPSET = 24
 
 
@@ -163,7 +165,7 @@ def io_contract(spec: TinySpec, dtype: str, decode: bool) -> tuple[list[dict], l
     ins = [{"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
            {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
            {"name": "seq_lengths", "dtype": "int64", "shape": ["batch"]}]
-    outs = [{"name": "logits", "dtype": "float32", "shape": ["batch", spec.vocab]},
+    outs = [{"name": "logits", "dtype": "fp32", "shape": ["batch", spec.vocab]},
             {"name": "next_token", "dtype": "int64", "shape": ["batch"]}]
     for i in range(spec.layers):
         ins += [{"name": f"past_{t}.{i}", "dtype": dtype, "shape": kv} for t in ("key", "value")]
@@ -172,7 +174,7 @@ def io_contract(spec: TinySpec, dtype: str, decode: bool) -> tuple[list[dict], l
 
 
 def _value_info(d: dict, dtype: str) -> onnx.ValueInfoProto:
-    elem = {"int64": I64, "float32": TensorProto.FLOAT, dtype: ONNX_DTYPE[dtype]}[d["dtype"]]
+    elem = {"int64": I64, "fp32": TensorProto.FLOAT, dtype: ONNX_DTYPE[dtype]}[d["dtype"]]
     return helper.make_tensor_value_info(d["name"], elem, d["shape"])
 
 
@@ -202,7 +204,9 @@ def write_artifact(out: Path, dtype: str = "fp16", spec: TinySpec = TinySpec()) 
         onnx.save(model, str(out / f"{name}.onnx"))
         ins, outs = io_contract(spec, dtype, name == "decode")
         graphs[name] = {"file": f"{name}.onnx", "inputs": ins, "outputs": outs}
-    (out / "manifest.json").write_text(json.dumps(_manifest(spec, dtype, graphs, weights.offset), indent=2))
+    manifest = _manifest(spec, dtype, graphs, weights.offset)
+    manifest["files"] = {p.name: file_record(p) for p in sorted(out.iterdir()) if p.suffix in (".onnx", ".bin")}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return out
 
 
@@ -216,4 +220,6 @@ def _manifest(spec: TinySpec, dtype: str, graphs: dict, nbytes: int) -> dict:
         "kv": {"num_layers": spec.layers, "num_kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
                "dtype": dtype, "shape": ["batch", spec.kv_heads, spec.max_seq, spec.head_dim], "inplace": True},
         "graphs": graphs, "weights": {"file": "weights.bin", "bytes": nbytes},
+        "tokenizer": {"file": "tokenizer.json", "bos_token_id": None, "eos_token_ids": [0], "pad_token_id": 0,
+                      "add_bos_token": False, "chat_template": None},
     }

@@ -1,0 +1,422 @@
+"""TensorRT backend (runtime/backend.py): prefill/decode engines over an in-place KV cache on the GPU.
+
+    host (pinned staging)                 device (fixed buffers; addresses set once per context)
+    pre_ids  [B*Sp] int64   --h2d-->      input_ids     [n, S]      (prefill)
+    dec_ids  [B]    int64   --h2d-->      input_ids     [n, 1]      (decode)
+    *_len    [B]    int64   --h2d-->      past_lengths  [n]
+    pre_seq  [B]    int64   --h2d-->      seq_lengths   [n]         (decode: ones, written once)
+                                          past_key.i == present_key.i  [slots, Hkv, Smax, D] one buffer
+    next     [B]    int64   <--d2h--      next_token    [n]         (argmax on the GPU)
+    logits   [B, V] f32     <--d2h--      logits        [n, V]      (only when asked for)
+
+Decode over slots 0..n-1 (the scheduler keeps active rows compact) runs in one context per batch
+size n, bound once; its second call captures [h2d ids, h2d lengths, execute_async_v3, d2h
+next_token] into a CUDA graph that later steps replay (the first call runs plainly: TensorRT-RTX
+JIT-compiles its kernels there). Any capture failure falls back to plain execute_async_v3.
+Rows that are not a prefix (prefill of a new slot, or odd decode calls) run per contiguous slot
+run with the KV tensors bound at that run's first row. All contexts share one scratch buffer
+(they run one after another on one stream).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.export.trt_build import check_io, engine_io, write_atomic
+from decodert.export.trt_compat import TrtInfo, engine_version_problem, load_trt
+from decodert.runtime import cuda_mem as cm
+from decodert.runtime.backend import StepOutput
+
+GRAPHS = ("prefill", "decode")
+ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
+RUNTIME_CACHE = "runtime.cache"  # TensorRT-RTX JIT kernel cache, kept beside the engines
+
+
+def read_engine(artifact_dir: Path, manifest: Mapping[str, Any], name: str, info: TrtInfo) -> bytes:
+    """The engine's bytes after the checks that need no GPU: recorded TensorRT version, size, sha256."""
+    rec = (manifest.get("engines") or {}).get(name)
+    if not isinstance(rec, dict):
+        raise DecodertError(f"{artifact_dir / 'manifest.json'} has no '{name}' engine; run `decodert build {artifact_dir}`")
+    path = artifact_dir / rec["file"]
+    problem = engine_version_problem(rec.get("tensorrt", {}), info, bool(rec.get("version_compatible")))
+    if problem:
+        raise DecodertError(f"{path}: {problem}")
+    if not path.is_file():
+        raise DecodertError(f"{path}: missing; run `decodert build {artifact_dir}`")
+    blob: bytes = path.read_bytes()
+    if len(blob) != rec["size"]:
+        raise DecodertError(f"{path}: {len(blob)} bytes but the manifest recorded {rec['size']}: truncated or "
+                            f"damaged; run `decodert build {artifact_dir}` again")
+    if hashlib.sha256(blob).hexdigest() != rec["sha256"]:
+        raise DecodertError(f"{path}: sha256 does not match the manifest: damaged or replaced; rebuild it")
+    return blob
+
+
+def contiguous_runs(slots: Sequence[int]) -> Iterator[list[tuple[int, int]]]:
+    """[(j, slot)] groups with consecutive slot numbers, j = position in ``slots``."""
+    order = sorted(range(len(slots)), key=lambda j: slots[j])
+    run: list[tuple[int, int]] = []
+    for j in order:
+        if run and slots[j] != run[-1][1] + 1:
+            yield run
+            run = []
+        run.append((j, int(slots[j])))
+    if run:
+        yield run
+
+
+@dataclass
+class TrtCache:
+    """KV buffers [slots, Hkv, max_seq, D] per layer, K and V ([k0, v0, k1, v1, ...]), on the GPU."""
+
+    slots: int
+    max_seq: int
+    kv: list[cm.DeviceBuffer]
+    row_bytes: int  # one slot of one buffer: Hkv * max_seq * D * itemsize
+    pos_bytes: int  # one position of one head: D * itemsize
+    lengths: np.ndarray  # [slots] int64 tokens cached per slot
+
+    def reset(self, slot: int | None = None) -> None:
+        self.lengths[slice(None) if slot is None else slot] = 0
+
+    def free(self) -> None:
+        for buf in self.kv:
+            buf.free()
+        self.kv = []
+
+
+class _Engine:
+    """One deserialized engine, the KV tensor names it aliases, and a context factory."""
+
+    def __init__(self, backend: "TrtBackend", name: str, blob: bytes) -> None:
+        trt, info = backend.trt, backend.info
+        self.trt, self.info, self.name = trt, info, name
+        path = backend.dir / backend.manifest["engines"][name]["file"]
+        backend.check_validity(path, blob)
+        self.engine = backend.runtime.deserialize_cuda_engine(blob)
+        if self.engine is None:
+            raise DecodertError(f"{path}: TensorRT could not deserialize the engine (set DECODERT_TRT_VERBOSE=1)")
+        graph = backend.manifest["graphs"][name]
+        check_io(engine_io(trt, self.engine, graph), graph, str(path))
+        self.kv_pairs = [(t["name"], t["name"].replace("past_", "present_", 1))
+                         for t in graph["inputs"] if t["name"].startswith("past_")]  # [(past_key.0, present_key.0)]
+        if info.has_aliased_io:
+            for past, present in self.kv_pairs:
+                if self.engine.get_aliased_input_tensor(present) != past:
+                    raise DecodertError(f"{path}: output {present} is not written in place into {past}; "
+                                        "export with --target trt for TensorRT >= 10.15 / TensorRT-RTX")
+        self.scratch_bytes = int(self.engine.device_memory_size_v2)
+        self.runtime_cache = backend.runtime_cache
+
+    def context(self, scratch: cm.DeviceBuffer) -> Any:
+        trt = self.trt
+        strategy = trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        if self.info.has_runtime_cache:  # TensorRT-RTX: the runtime config carries the JIT cache
+            cfg = self.engine.create_runtime_config()
+            cfg.set_execution_context_allocation_strategy(strategy)
+            if self.runtime_cache is not None:
+                cfg.set_runtime_cache(self.runtime_cache)
+            # compile shape-specialised kernels on first use, so a later CUDA graph captures them
+            cfg.dynamic_shapes_kernel_specialization_strategy = trt.DynamicShapesKernelSpecializationStrategy.EAGER
+            ctx = self.engine.create_execution_context(cfg)
+        else:
+            ctx = self.engine.create_execution_context(strategy)
+        if ctx is None:
+            raise DecodertError(f"TensorRT could not create an execution context for the {self.name} engine")
+        ctx.set_device_memory(scratch.ptr, scratch.nbytes)
+        return ctx
+
+
+def bind(ctx: Any, addresses: Mapping[str, int], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    for name, ptr in addresses.items():
+        if not ctx.set_tensor_address(name, ptr):
+            raise DecodertError(f"TensorRT rejected the address of tensor '{name}'")
+    for name, shape in shapes.items():
+        if not ctx.set_input_shape(name, shape):
+            raise DecodertError(f"input '{name}' shape {shape} is outside the engine's profile "
+                                "(rebuild with a larger --max-batch / --max-seq)")
+
+
+class TrtBackend:
+    """The ``trt`` backend; see the module docstring for the buffer layout."""
+
+    name = "trt"
+
+    def __init__(self, artifact_dir: str | Path, manifest: Mapping[str, Any], cuda_graphs: bool = True,
+                 device: int = 0) -> None:
+        self.dir, self.manifest = Path(artifact_dir), manifest
+        self.trt, self.info = load_trt()
+        blobs = {n: read_engine(self.dir, manifest, n, self.info) for n in GRAPHS}  # CPU checks first
+        kv, recs = manifest["kv"], manifest["engines"]
+        self.layers, self.kv_heads, self.head_dim = int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"])
+        self.itemsize = ITEMSIZE[kv["dtype"]]
+        self.max_seq = int(manifest["max_seq"])  # cache length (static in the graphs)
+        self.max_batch = min(int(recs["decode"]["max_batch"]), int(recs["prefill"]["max_batch"]))
+        self.max_prefill = int(recs["prefill"]["max_seq"])  # longest prefill chunk the profile allows
+        self.vocab_size = int(manifest["model"]["vocab_size"])
+        self.cuda_graphs = cuda_graphs
+        self.stats = {"graph_launches": 0, "plain_runs": 0, "captures": 0, "capture_failures": 0}
+        self._open_device(device)
+        self.stream = cm.Stream()
+        self.runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
+        self.runtime_cache: Any = None
+        self.engines = {n: _Engine(self, n, blobs[n]) for n in GRAPHS}
+        self._load_runtime_cache()
+        self.scratch = cm.DeviceBuffer(max(e.scratch_bytes for e in self.engines.values()))
+        self._alloc_io()
+        self._prefill_ctx = self.engines["prefill"].context(self.scratch)
+        self._runs_ctx = self.engines["decode"].context(self.scratch)  # decode of non-prefix slots
+        self._decode_ctx: dict[int, Any] = {}  # batch size -> context bound once for slots 0..n-1
+        self._graphs: dict[int, cm.CudaGraph | None] = {}  # None: capture failed, run plainly
+        self._warm: set[int] = set()
+        self.cache: TrtCache | None = None
+
+    # ------------------------------------------------------------ setup
+    def _open_device(self, device: int) -> None:
+        if cm.gpu_count() <= device:
+            raise DecodertError(f"no CUDA GPU {device} is visible (nvidia-smi?); use --backend ort on this machine")
+        cm.set_device(device)
+        self.device = cm.device_info(device)
+
+    def check_validity(self, path: Path, blob: bytes) -> None:
+        """TensorRT-RTX can tell whether a plan runs on this GPU/driver before deserializing it."""
+        if not self.info.has_engine_validity:
+            return
+        validity, diagnostics = self.runtime.get_engine_validity(blob)
+        if validity == self.trt.EngineValidity.INVALID:
+            enum = self.trt.EngineInvalidityDiagnostics
+            why = [m for m in dir(enum) if m.isupper() and int(diagnostics) & int(getattr(enum, m))]
+            raise DecodertError(f"{path}: {self.info.describe()} cannot run this engine on {self.device['name']} "
+                                f"({self.device['compute_capability']}): {', '.join(why) or 'invalid'}")
+
+    def _load_runtime_cache(self) -> None:
+        if not self.info.has_runtime_cache:
+            return
+        self.runtime_cache = self.engines["decode"].engine.create_runtime_config().create_runtime_cache()
+        path = self.dir / RUNTIME_CACHE
+        if path.is_file() and not self.runtime_cache.deserialize(path.read_bytes()):
+            warnings.warn(f"{path}: stale runtime cache (other GPU/driver/version) ignored", stacklevel=2)
+        for eng in self.engines.values():
+            eng.runtime_cache = self.runtime_cache
+
+    def _alloc_io(self) -> None:
+        b, sp, v = self.max_batch, self.max_prefill, self.vocab_size
+        host = {"pre_ids": (b * sp,), "pre_len": (b,), "pre_seq": (b,), "dec_ids": (b,), "dec_len": (b,), "next": (b,)}
+        self.h = {k: cm.PinnedArray(shape, np.int64) for k, shape in host.items()}
+        self.h["logits"] = cm.PinnedArray((b, v), np.float32)
+        dev = {"pre_ids": b * sp * 8, "pre_len": b * 8, "pre_seq": b * 8, "dec_ids": b * 8, "dec_len": b * 8,
+               "dec_seq": b * 8, "next": b * 8, "logits": b * v * 4}
+        self.d = {k: cm.DeviceBuffer(n) for k, n in dev.items()}
+        ones = cm.PinnedArray((b,), np.int64)
+        ones.array[:] = 1  # decode seq_lengths: always one new token per row
+        cm.copy_async(self.d["dec_seq"].ptr, ones.ptr, b * 8, self.stream, "h2d")
+        self.stream.sync()
+        ones.free()
+
+    def _io_addresses(self, kind: str) -> dict[str, int]:
+        pre = kind == "prefill"
+        return {"input_ids": self.d["pre_ids" if pre else "dec_ids"].ptr,
+                "past_lengths": self.d["pre_len" if pre else "dec_len"].ptr,
+                "seq_lengths": self.d["pre_seq" if pre else "dec_seq"].ptr,
+                "logits": self.d["logits"].ptr, "next_token": self.d["next"].ptr}
+
+    def _kv_addresses(self, cache: TrtCache, row0: int) -> dict[str, int]:
+        """past_* and present_* of every layer -> the same pointer, at slot ``row0``."""
+        out = {}
+        for buf, (past, present) in zip(cache.kv, self.engines["decode"].kv_pairs):
+            out[past] = out[present] = buf.ptr + row0 * cache.row_bytes
+        return out
+
+    def _shapes(self, n: int, seq: int) -> dict[str, tuple[int, ...]]:
+        kv = (n, self.kv_heads, self.max_seq, self.head_dim)
+        shapes: dict[str, tuple[int, ...]] = {"input_ids": (n, seq), "past_lengths": (n,), "seq_lengths": (n,)}
+        shapes.update({past: kv for past, _ in self.engines["decode"].kv_pairs})
+        return shapes
+
+    # ------------------------------------------------------------ cache
+    def allocate(self, slots: int) -> TrtCache:
+        """Allocate [slots, Hkv, max_seq, D] K and V per layer once; checked against free GPU memory."""
+        if not 1 <= slots <= self.max_batch:
+            raise DecodertError(f"allocate({slots}): slots must be 1..{self.max_batch} (the engines' --max-batch)")
+        row = self.kv_heads * self.max_seq * self.head_dim * self.itemsize
+        need = 2 * self.layers * slots * row
+        free, _ = cm.mem_get_info()
+        if need > 0.9 * free:
+            raise DecodertError(f"the KV cache needs {need / 2**30:.2f} GiB ({slots} slots x {self.max_seq} tokens) but "
+                                f"{free / 2**30:.2f} GiB of GPU memory is free; lower --max-seq or --max-batch")
+        kv = [cm.DeviceBuffer(slots * row) for _ in range(2 * self.layers)]
+        cache = TrtCache(slots, self.max_seq, kv, row, self.head_dim * self.itemsize, np.zeros(slots, np.int64))
+        self._use(cache)
+        return cache
+
+    def _use(self, cache: TrtCache) -> None:
+        """Make ``cache`` the bound one; decode contexts and graphs baked another cache's pointers."""
+        if cache is not self.cache:
+            self._drop_graphs()
+            self.cache = cache
+
+    def _drop_graphs(self) -> None:
+        for graph in self._graphs.values():
+            if graph is not None:
+                graph.destroy()
+        self._graphs, self._warm, self._decode_ctx = {}, set(), {}
+
+    def move_slot(self, cache: TrtCache, src: int, dst: int) -> None:
+        """Copy slot ``src``'s cached positions into ``dst`` ([Hkv] strided rows of length*D per buffer)."""
+        n = int(cache.lengths[src])
+        pitch = self.max_seq * cache.pos_bytes  # bytes between heads
+        for buf in cache.kv:
+            cm.copy_2d_async(buf.ptr + dst * cache.row_bytes, pitch, buf.ptr + src * cache.row_bytes, pitch,
+                             n * cache.pos_bytes, self.kv_heads, self.stream)
+        self.stream.sync()
+        cache.lengths[dst] = n
+
+    def _check_rows(self, cache: TrtCache, slots: Sequence[int], counts: Sequence[int]) -> None:
+        if len(set(slots)) != len(slots) or any(not 0 <= s < cache.slots for s in slots):
+            raise DecodertError(f"slots {list(slots)} must be distinct and within 0..{cache.slots - 1}")
+        for s, k in zip(slots, counts):
+            if k < 1 or cache.lengths[s] + k > self.max_seq:
+                raise DecodertError(f"slot {s}: {int(cache.lengths[s])} cached + {k} new tokens exceed the "
+                                    f"context of {self.max_seq} (--max-seq at export)")
+
+    # ------------------------------------------------------------ steps
+    def prefill(self, cache: TrtCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
+        """Append each row's tokens; prompts longer than the prefill profile run in chunks."""
+        self._use(cache)
+        rows = [np.asarray(r, dtype=np.int64).reshape(-1) for r in ids]
+        self._check_rows(cache, slots, [len(r) for r in rows])
+        n, c = len(slots), self.max_prefill
+        out = StepOutput(np.zeros(n, np.int64), np.zeros((n, self.vocab_size), np.float32) if want_logits else None)
+        for start in range(0, max(len(r) for r in rows), c):
+            live = [j for j in range(n) if len(rows[j]) > start]  # rows with tokens in this chunk
+            chunk = {j: rows[j][start : start + c] for j in live}
+            for run in contiguous_runs([slots[j] for j in live]):
+                self._prefill_run(cache, [(live[i], s) for i, s in run], chunk, out)
+        return out
+
+    def _prefill_run(self, cache: TrtCache, run: list[tuple[int, int]], chunk: dict[int, np.ndarray],
+                     out: StepOutput) -> None:
+        k, row0 = len(run), run[0][1]
+        lens = np.array([len(chunk[j]) for j, _ in run], np.int64)  # [k]
+        seq = int(lens.max())
+        ids = self.h["pre_ids"].array[: k * seq].reshape(k, seq)  # [k, S] right-padded
+        ids[:] = 0
+        for r, (j, _) in enumerate(run):
+            ids[r, : lens[r]] = chunk[j]
+        self.h["pre_len"].array[:k] = cache.lengths[row0 : row0 + k]
+        self.h["pre_seq"].array[:k] = lens
+        for key, nbytes in (("pre_ids", k * seq * 8), ("pre_len", k * 8), ("pre_seq", k * 8)):
+            cm.copy_async(self.d[key].ptr, self.h[key].ptr, nbytes, self.stream, "h2d")
+        ctx = self._prefill_ctx
+        bind(ctx, {**self._io_addresses("prefill"), **self._kv_addresses(cache, row0)}, self._shapes(k, seq))
+        self._execute(ctx, "prefill")
+        cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, k * 8, self.stream, "d2h")
+        self._collect(run, out)
+        cache.lengths[row0 : row0 + k] += lens
+
+    def decode(self, cache: TrtCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
+        """One token per slot; slots 0..n-1 take the bound context / CUDA graph path."""
+        self._use(cache)
+        tokens = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
+        n = len(slots)
+        self._check_rows(cache, slots, [1] * n)
+        out = StepOutput(np.zeros(n, np.int64), np.zeros((n, self.vocab_size), np.float32) if want_logits else None)
+        if list(slots) == list(range(n)):
+            self.h["dec_ids"].array[:n] = tokens
+            self.h["dec_len"].array[:n] = cache.lengths[:n]
+            self._decode_prefix(cache, n)
+            self._collect([(j, j) for j in range(n)], out)
+        else:
+            for run in contiguous_runs(slots):
+                k, row0 = len(run), run[0][1]
+                self.h["dec_ids"].array[:k] = tokens[[j for j, _ in run]]
+                self.h["dec_len"].array[:k] = cache.lengths[row0 : row0 + k]
+                bind(self._runs_ctx, {**self._io_addresses("decode"), **self._kv_addresses(cache, row0)},
+                     self._shapes(k, 1))
+                self._decode_enqueue(self._runs_ctx, k)
+                self._collect(run, out)
+        cache.lengths[list(slots)] += 1
+        return out
+
+    def _decode_prefix(self, cache: TrtCache, n: int) -> None:
+        if n not in self._decode_ctx:
+            ctx = self.engines["decode"].context(self.scratch)
+            bind(ctx, {**self._io_addresses("decode"), **self._kv_addresses(cache, 0)}, self._shapes(n, 1))
+            self._decode_ctx[n] = ctx
+        ctx = self._decode_ctx[n]
+        if self.cuda_graphs and n in self._warm and n not in self._graphs:
+            self._graphs[n] = self._capture(ctx, n)
+        graph = self._graphs.get(n)
+        if graph is not None:
+            graph.launch()
+            self.stats["graph_launches"] += 1
+        else:
+            self._decode_enqueue(ctx, n)
+            self._warm.add(n)
+
+    def _decode_enqueue(self, ctx: Any, n: int) -> None:
+        """[h2d ids, h2d lengths, execute, d2h next_token]: the work a decode graph replays."""
+        cm.copy_async(self.d["dec_ids"].ptr, self.h["dec_ids"].ptr, n * 8, self.stream, "h2d")
+        cm.copy_async(self.d["dec_len"].ptr, self.h["dec_len"].ptr, n * 8, self.stream, "h2d")
+        self._execute(ctx, "decode")
+        cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, n * 8, self.stream, "d2h")
+
+    def _capture(self, ctx: Any, n: int) -> cm.CudaGraph | None:
+        if hasattr(ctx, "is_stream_capturable") and not ctx.is_stream_capturable(self.stream.handle):
+            return None
+        try:
+            graph = cm.CudaGraph(self.stream, lambda: self._decode_enqueue(ctx, n))
+        except DecodertError as e:
+            self.stats["capture_failures"] += 1
+            cm.clear_last_error()  # a failed capture leaves a non-sticky error behind
+            warnings.warn(f"CUDA graph capture of the decode step (batch {n}) failed, running without: {e}",
+                          stacklevel=3)
+            return None
+        self.stats["captures"] += 1
+        return graph
+
+    def _execute(self, ctx: Any, what: str) -> None:
+        if not ctx.execute_async_v3(self.stream.handle):
+            raise DecodertError(f"TensorRT failed to run the {what} engine (set DECODERT_TRT_VERBOSE=1)")
+        self.stats["plain_runs"] += 1
+
+    def _collect(self, run: list[tuple[int, int]], out: StepOutput) -> None:
+        """Wait for the step; copy next_token (and logits when asked) of the run's k rows out."""
+        k = len(run)
+        if out.logits is not None:
+            cm.copy_async(self.h["logits"].ptr, self.d["logits"].ptr, k * self.vocab_size * 4, self.stream, "d2h")
+        self.stream.sync()
+        js = [j for j, _ in run]
+        out.next_token[js] = self.h["next"].array[:k]
+        if out.logits is not None:
+            out.logits[js] = self.h["logits"].array[:k]
+
+    # ------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Free GPU memory; save the TensorRT-RTX runtime cache (JIT kernels) beside the engines."""
+        if self.runtime_cache is not None:
+            try:
+                write_atomic(self.dir / RUNTIME_CACHE, bytes(self.runtime_cache.serialize()))
+            except OSError as e:  # a read-only artifact folder just loses the cache
+                warnings.warn(f"could not save {self.dir / RUNTIME_CACHE}: {e}", stacklevel=2)
+        self._drop_graphs()
+        self._prefill_ctx = self._runs_ctx = None
+        if self.cache is not None:
+            self.cache.free()
+        buffers: list[cm.PinnedArray | cm.DeviceBuffer] = [*self.h.values(), *self.d.values(), self.scratch]
+        for buf in buffers:
+            buf.free()
+        self.stream.destroy()
+
+    def __enter__(self) -> "TrtBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

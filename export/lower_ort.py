@@ -1,6 +1,6 @@
 """The ``ort`` target: ONNX Runtime contrib ops, the fast CPU (and CUDA EP) path.
 
-- RMSNorm          -> SimplifiedLayerNormalization / com.microsoft.SkipSimplifiedLayerNormalization
+- RMSNorm          -> RMSNormalization-23 / com.microsoft.SkipSimplifiedLayerNormalization (fused add)
 - CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
                       present sharing one buffer (seqlens_k = past + S - 1 per row, so right
                       padding keeps every valid row's positions exact).
@@ -31,7 +31,8 @@ class GqaContext:
 
 class OrtLowering(Lowering):
     target = "ort"
-    opsets = {"": 21, "com.microsoft": 1}
+    opsets = {"": 23, "com.microsoft": 1}
+    ir_version = 11
 
     @property
     def use_gqa(self) -> bool:
@@ -47,7 +48,7 @@ class OrtLowering(Lowering):
             return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, None)
 
     def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
-        return g.op("SimplifiedLayerNormalization", x, weight, axis=-1, epsilon=self.spec.rms_norm_eps, stash_type=1)
+        return g.op("RMSNormalization", x, weight, axis=-1, epsilon=self.spec.rms_norm_eps, stash_type=1)
 
     def add_rms_norm(self, g: GraphBuilder, x: str, residual: str, weight: str) -> tuple[str, str]:
         y, _, _, s = g.op("SkipSimplifiedLayerNormalization", x, residual, weight, domain="com.microsoft",

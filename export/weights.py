@@ -10,7 +10,6 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-import onnx
 from onnx import TensorProto
 
 from decodert.export.onnx_builder import DTYPES
@@ -35,8 +34,10 @@ class WeightsWriter:
             self.offset += pad
         data.tofile(self._f) if data.nbytes else None
         t = TensorProto(name=name, data_type=DTYPES[dtype], dims=list(data.shape))
-        onnx.external_data_helper.set_external_data(t, location=self.location, offset=self.offset, length=data.nbytes)
         t.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self.location), ("offset", str(self.offset)), ("length", str(data.nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
         self.offset += data.nbytes
         self.tensors[name] = t
         return t

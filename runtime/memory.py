@@ -1,0 +1,32 @@
+"""Memory checks done before allocating: refuse clearly instead of being killed later."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+from decodert.errors import DecodertError
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    avail = available_bytes()
+    if avail is not None and nbytes > 0.9 * avail:
+        raise DecodertError(f"{what} needs {nbytes / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is available; "
+                            "lower --max-seq or --max-batch")
+
+
+def peak_rss_mb() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024

@@ -1,0 +1,221 @@
+"""ONNX Runtime backend: two sessions over one mmapped weights file, a cache bound in place.
+
+- weights.bin is mmapped once and handed to both sessions as external initializers, so the
+  prefill and decode sessions share the model's bytes instead of loading them twice.
+- The KV cache is one numpy buffer per layer and K/V, [slots, H_kv, max_seq, D], allocated once.
+  A call over slots [a, a+n) binds the views ``buf[a:a+n]`` as both past and present: the graph
+  writes only the new positions, nothing is copied or allocated per step.
+- Decode keeps one IOBinding per slot range with fixed input/output buffers; a step writes the
+  new token ids and lengths into them and runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from decodert.errors import DecodertError
+from decodert.runtime.backend import StepOutput
+from decodert.runtime.memory import check_fits
+
+NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+class OrtKVCache:
+    """Per-layer [slots, H_kv, max_seq, D] buffers; ``buffers[2*i]`` = K, ``buffers[2*i+1]`` = V."""
+
+    def __init__(self, slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int, dtype: type):
+        self.slots, self.max_seq = slots, max_seq
+        self.buffers = [np.zeros((slots, kv_heads, max_seq, head_dim), dtype) for _ in range(2 * layers)]
+        self.lengths = np.zeros(slots, np.int64)
+
+    def reset(self, slot: int | None = None) -> None:
+        if slot is None:
+            self.lengths[:] = 0
+        else:
+            self.lengths[slot] = 0
+
+
+@dataclass
+class _Binding:
+    """An IOBinding for slots [start, start+n) with fixed buffers for the per-step inputs/outputs."""
+
+    io: Any
+    ids: np.ndarray  # [n, S] int64
+    past: np.ndarray  # [n] int64
+    seq: np.ndarray  # [n] int64
+    logits: np.ndarray  # [n, V] float32
+    next_token: np.ndarray  # [n] int64
+
+
+class OrtBackend:
+    name = "ort"
+
+    def __init__(self, artifact_dir: str | Path, manifest: dict[str, Any], threads: int | None = None,
+                 providers: Sequence[str] | None = None):
+        self.dir = Path(artifact_dir)
+        self.manifest = manifest
+        if manifest["dtype"] not in NP_DTYPES:
+            raise DecodertError(f"{self.dir}: dtype {manifest['dtype']} is not supported by ONNX Runtime here; "
+                                "export with --dtype fp32 (or fp16), or run it with TensorRT")
+        self.np_dtype = NP_DTYPES[manifest["dtype"]]
+        kv = manifest["kv"]
+        self.layers, self.kv_heads, self.head_dim = kv["num_layers"], kv["num_kv_heads"], kv["head_dim"]
+        self.max_batch, self.max_seq = manifest["max_batch"], manifest["max_seq"]
+        self.vocab_size = manifest["model"]["vocab_size"]
+        self._weights = _mmap_weights(self.dir, manifest)
+        options = _session_options(self._weights, threads)
+        providers = list(providers or _default_providers())
+        self.sessions = {kind: ort.InferenceSession(str(self.dir / manifest["graphs"][kind]["file"]), options,
+                                                    providers=providers)
+                         for kind in ("prefill", "decode")}
+        # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
+        self._prefill_with_past_batch = 1 if manifest["target"] == "ort" else self.max_batch
+        self._decode_bindings: dict[tuple[int, int, int], _Binding] = {}
+
+    # ---- Backend protocol --------------------------------------------------------------------
+    def allocate(self, slots: int | None = None) -> OrtKVCache:
+        slots = slots or self.max_batch
+        if not 1 <= slots <= self.max_batch:
+            raise DecodertError(f"batch {slots} exceeds the artifact's --max-batch {self.max_batch}")
+        itemsize = np.dtype(self.np_dtype).itemsize
+        check_fits(slots * 2 * self.layers * self.kv_heads * self.max_seq * self.head_dim * itemsize, "KV cache")
+        self._decode_bindings.clear()
+        return OrtKVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype)
+
+    def prefill(self, cache: OrtKVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
+        lens = np.array([len(x) for x in ids], np.int64)
+        if (cache.lengths[list(slots)] + lens > cache.max_seq).any():
+            raise DecodertError(f"prompt does not fit in the cache (max {cache.max_seq} tokens per row); "
+                                "export with a larger --max-seq")
+        out = StepOutput(np.empty(len(slots), np.int64),
+                         np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
+        for rows in self._prefill_groups(cache, slots, lens):
+            start, n = slots[rows[0]], len(rows)
+            width = int(lens[rows].max())
+            b = self._bind(cache, "prefill", start, n, width)
+            b.ids[:] = 0
+            for j, r in enumerate(rows):
+                b.ids[j, : lens[r]] = ids[r]
+            b.past[:] = cache.lengths[start : start + n]
+            b.seq[:] = lens[rows]
+            self.sessions["prefill"].run_with_iobinding(b.io)
+            _gather(out, rows, b, want_logits)
+        cache.lengths[list(slots)] += lens
+        return out
+
+    def decode(self, cache: OrtKVCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
+        slots_arr = np.asarray(slots, np.int64)
+        if (cache.lengths[slots_arr] + 1 > cache.max_seq).any():
+            raise DecodertError(f"the KV cache is full ({cache.max_seq} tokens per row)")
+        out = StepOutput(np.empty(len(slots), np.int64),
+                         np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
+        for rows in _contiguous_runs(slots):
+            start, n = slots[rows[0]], len(rows)
+            key = (id(cache), start, n)
+            b = self._decode_bindings.get(key)
+            if b is None:
+                b = self._decode_bindings[key] = self._bind(cache, "decode", start, n, 1)
+            b.ids[:, 0] = ids[rows]
+            b.past[:] = cache.lengths[start : start + n]
+            self.sessions["decode"].run_with_iobinding(b.io)
+            _gather(out, rows, b, want_logits)
+        cache.lengths[slots_arr] += 1
+        return out
+
+    def move_slot(self, cache: OrtKVCache, src: int, dst: int) -> None:
+        if src == dst:
+            return
+        n = int(cache.lengths[src])
+        for buf in cache.buffers:
+            buf[dst, :, :n] = buf[src, :, :n]
+        cache.lengths[dst] = n
+        cache.lengths[src] = 0
+
+    # ---- binding -----------------------------------------------------------------------------
+    def _prefill_groups(self, cache: OrtKVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:
+        """Runs of contiguous slots; rows one by one where a batched call is not allowed."""
+        groups = []
+        for rows in _contiguous_runs(slots):
+            past = cache.lengths[[slots[r] for r in rows]]
+            width = lens[rows].max()
+            batched_ok = (past.max() == 0 or len(rows) <= self._prefill_with_past_batch) and (past + width <= cache.max_seq).all()
+            groups.extend([rows] if batched_ok else [[r] for r in rows])
+        return groups
+
+    def _bind(self, cache: OrtKVCache, kind: str, start: int, n: int, width: int) -> _Binding:
+        io = self.sessions[kind].io_binding()
+        b = _Binding(io, np.zeros((n, width), np.int64), np.zeros(n, np.int64), np.ones(n, np.int64),
+                     np.empty((n, self.vocab_size), np.float32), np.empty(n, np.int64))
+        for name, arr in (("input_ids", b.ids), ("past_lengths", b.past), ("seq_lengths", b.seq)):
+            io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        for name, arr in (("logits", b.logits), ("next_token", b.next_token)):
+            io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        for i, buf in enumerate(cache.buffers):
+            view = buf[start : start + n]  # contiguous: slots are the outer dim
+            layer, kv = divmod(i, 2)
+            suffix = f"{('key', 'value')[kv]}.{layer}"
+            io.bind_input(f"past_{suffix}", "cpu", 0, view.dtype, view.shape, view.ctypes.data)
+            io.bind_output(f"present_{suffix}", "cpu", 0, view.dtype, view.shape, view.ctypes.data)
+        return b
+
+
+def _gather(out: StepOutput, rows: list[int], b: _Binding, want_logits: bool) -> None:
+    out.next_token[rows] = b.next_token
+    if want_logits and out.logits is not None:
+        out.logits[rows] = b.logits
+
+
+def _contiguous_runs(slots: Sequence[int]) -> list[list[int]]:
+    """Indices into ``slots`` grouped into runs of consecutive slot numbers."""
+    runs: list[list[int]] = []
+    for j, s in enumerate(slots):
+        if runs and slots[runs[-1][-1]] + 1 == s:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    return runs
+
+
+def _mmap_weights(folder: Path, manifest: dict[str, Any]) -> dict[str, ort.OrtValue]:
+    """OrtValues over a read-only mmap of weights.bin, keyed by initializer name."""
+    graph = onnx.load(str(folder / manifest["graphs"]["decode"]["file"]), load_external_data=False)
+    path = folder / manifest["weights"]["file"]
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    values = {}
+    for t in graph.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        if Path(info["location"]).name != info["location"] or info["location"] != path.name:
+            raise DecodertError(f"{folder}: initializer {t.name} points outside the artifact ({info['location']})")
+        offset, length = int(info.get("offset", 0)), int(info["length"])
+        if offset + length > mm.size:
+            raise DecodertError(f"{path}: too short for tensor {t.name} (file damaged or truncated)")
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+        arr = mm[offset : offset + length].view(dtype).reshape(tuple(t.dims))
+        values[t.name] = ort.OrtValue.ortvalue_from_numpy(arr)
+    return values
+
+
+def _session_options(weights: dict[str, ort.OrtValue], threads: int | None) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3  # TensorScatter/ScatterND in-place notices are expected
+    threads = threads or int(os.environ.get("DECODERT_THREADS", "0")) or None
+    if threads:
+        so.intra_op_num_threads = threads
+    so.add_external_initializers(list(weights), list(weights.values()))
+    return so
+
+
+def _default_providers() -> list[str]:
+    # The cache is bound as host memory; a CUDA EP path needs device-resident cache buffers
+    # (see docs/ROADMAP.md), so the default is the CPU provider.
+    return ["CPUExecutionProvider"]

@@ -110,15 +110,26 @@ def _softmax(scores: np.ndarray) -> np.ndarray:
 
 
 def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p ([n, V], unnormalised ok)."""
+    """Keep the smallest set of most likely tokens whose mass reaches top_p ([n, V], unnormalised ok).
+
+    Sorts only the m most likely candidates (m grows x4 until they hold top_p of the mass in
+    every row), not the whole vocabulary.
+    """
     probs = probs / probs.sum(axis=-1, keepdims=True)
-    order = np.argsort(-probs, axis=-1, kind="stable")  # [n, V]
-    sorted_p = np.take_along_axis(probs, order, axis=-1)
-    mass_before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass of strictly more likely tokens
-    keep_sorted = mass_before < top_p  # the most likely token is always kept
-    keep = np.empty_like(keep_sorted)
-    np.put_along_axis(keep, order, keep_sorted, axis=-1)
-    return np.where(keep, probs, 0.0)
+    vocab = probs.shape[-1]
+    m = min(vocab, 128)
+    while True:
+        cand = np.argpartition(-probs, m - 1, axis=-1)[:, :m] if m < vocab else np.argsort(-probs, axis=-1)  # [n, m]
+        cand_p = np.take_along_axis(probs, cand, axis=-1)
+        order = np.argsort(-cand_p, axis=-1, kind="stable")
+        cand, cand_p = np.take_along_axis(cand, order, axis=-1), np.take_along_axis(cand_p, order, axis=-1)
+        if m == vocab or bool((cand_p.sum(axis=-1) >= top_p).all()):
+            break  # every token outside the candidates has at least top_p of mass before it
+        m = min(vocab, m * 4)
+    mass_before = np.cumsum(cand_p, axis=-1) - cand_p  # mass of strictly more likely tokens
+    out = np.zeros_like(probs)
+    np.put_along_axis(out, cand, np.where(mass_before < top_p, cand_p, 0.0), axis=-1)  # most likely always kept
+    return out
 
 
 def _draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:

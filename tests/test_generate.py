@@ -309,3 +309,66 @@ def test_run_prepares_smollm2_from_cached_wheel_and_exports_once(monkeypatch, tm
     assert cli_run.prepare_model(str(first)) == first  # an artifact folder is used as it is
     with pytest.raises(DecodertError, match="unknown model"):
         cli_run.prepare_model(str(tmp_path / "nothing"))
+
+
+# -- end to end: export a tiny model, run it on the ORT backend, compare with transformers ------
+E2E_PROMPTS = ["The quick brown fox", "Hello world! How are", "def add(a, b):", "Once upon a time there", "12, 345 and"]
+
+
+def _export_tiny(tiny_checkpoint, root, family):
+    pytest.importorskip("decodert.runtime.ort_backend", reason="runtime/ort_backend.py not written yet")
+    pytest.importorskip("transformers")
+    from decodert.export.pipeline import export_model
+
+    ckpt = tiny_checkpoint(family)  # tests/conftest.py: made once per session
+    export_model(ckpt, root / "art", target="ort", dtype="fp32", max_seq=64, max_batch=3, progress=False)
+    return ckpt, root / "art"
+
+
+def _transformers_greedy(ckpt, prompts, n):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, pad_token_id=0)
+        out.append(y[0, len(ids):].tolist())
+    return out
+
+
+def _check_against_transformers(ckpt, art):
+    llm = LLM.load(art, backend="ort")
+    assert llm.backend.name == "ort"
+    prompts = [llm.encode(p).tolist() for p in E2E_PROMPTS]
+    expected = _transformers_greedy(ckpt, prompts, 20)
+    singles = [llm.generate(ids, max_new_tokens=20).token_ids for ids in prompts]
+    assert singles == expected
+    assert [r.token_ids for r in llm.generate(prompts[:3], max_new_tokens=20)] == expected[:3]  # one batch
+    many = llm.generate_many([Request(ids, SamplingParams(max_new_tokens=20 - 3 * i)) for i, ids in enumerate(prompts)])
+    assert [r.token_ids for r in many] == [e[: 20 - 3 * i] for i, e in enumerate(expected)]  # 5 through 3 slots
+    return llm
+
+
+def test_e2e_tiny_llama_matches_transformers(tiny_checkpoint, tmp_path):
+    llm = _check_against_transformers(*_export_tiny(tiny_checkpoint, tmp_path, "llama"))
+    text = "".join(llm.stream("Hello world", max_new_tokens=8, temperature=0.8, seed=1))
+    assert text == llm.generate("Hello world", max_new_tokens=8, temperature=0.8, seed=1).text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "phi3", "llama3"])
+def test_e2e_tiny_families_match_transformers(tiny_checkpoint, tmp_path, family):
+    _check_against_transformers(*_export_tiny(tiny_checkpoint, tmp_path, family))
+
+
+@pytest.mark.slow
+def test_e2e_run_smollm2_answers(monkeypatch, capsys):
+    """`decodert run smollm2 --prompt ...`: fetch the GGUF (pip), export once into the cache, answer."""
+    pytest.importorskip("decodert.runtime.ort_backend", reason="runtime/ort_backend.py not written yet")
+    args = _cli(["run", "smollm2", "--prompt", "What is the capital of France?", "--greedy",
+                 "--max-new-tokens", "24", "--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "Paris" in out["text"] and out["metrics"]["decode_tps"] > 0

@@ -130,3 +130,19 @@ def test_valid_params_accepted_and_normalised():
     p = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                        stop="END", stop_token_ids=[3]).validate()
     assert p.stop == ("END",) and p.stop_token_ids == (3,) and not p.greedy
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_candidate_search_equals_full_sort(scale, top_p):
+    from decodert.runtime.sampling import _top_p
+
+    rng = np.random.default_rng(int(scale * 100) + int(top_p * 1000))
+    x = rng.standard_normal((3, 3000)) * scale  # flat to peaked: the candidate set must grow as needed
+    probs = np.exp(x - x.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    order = np.argsort(-probs, axis=-1)
+    ranked = np.take_along_axis(probs, order, axis=-1)
+    keep = np.zeros_like(probs, dtype=bool)
+    np.put_along_axis(keep, order, np.cumsum(ranked, axis=-1) - ranked < top_p, axis=-1)
+    np.testing.assert_allclose(_top_p(probs, top_p), np.where(keep, probs, 0.0))

@@ -59,6 +59,12 @@ def read_engine(artifact_dir: Path, manifest: Mapping[str, Any], name: str, info
     return blob
 
 
+def kv_pairs(graph: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """[("past_key.0", "present_key.0"), ("past_value.0", "present_value.0"), ...] in graph input order."""
+    names = [t["name"] for t in graph["inputs"] if t["name"].startswith(("past_key.", "past_value."))]
+    return [(n, "present_" + n[len("past_"):]) for n in names]
+
+
 def contiguous_runs(slots: Sequence[int]) -> Iterator[list[tuple[int, int]]]:
     """[(j, slot)] groups with consecutive slot numbers, j = position in ``slots``."""
     order = sorted(range(len(slots)), key=lambda j: slots[j])
@@ -105,8 +111,7 @@ class _Engine:
             raise DecodertError(f"{path}: TensorRT could not deserialize the engine (set DECODERT_TRT_VERBOSE=1)")
         graph = backend.manifest["graphs"][name]
         check_io(engine_io(trt, self.engine, graph), graph, str(path))
-        self.kv_pairs = [(t["name"], t["name"].replace("past_", "present_", 1))
-                         for t in graph["inputs"] if t["name"].startswith("past_")]  # [(past_key.0, present_key.0)]
+        self.kv_pairs = kv_pairs(graph)
         if info.has_aliased_io:
             for past, present in self.kv_pairs:
                 if self.engine.get_aliased_input_tensor(present) != past:
@@ -353,7 +358,7 @@ class TrtBackend:
         ctx = self._decode_ctx[n]
         if self.cuda_graphs and n in self._warm and n not in self._graphs:
             self._graphs[n] = self._capture(ctx, n)
-        graph = self._graphs.get(n)
+        graph = self._graphs.get(n) if self.cuda_graphs else None
         if graph is not None:
             graph.launch()
             self.stats["graph_launches"] += 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -161,11 +162,11 @@ def _head(spec: TinySpec, w: _Weights, inits: list, x: str) -> list[onnx.NodePro
 def io_contract(spec: TinySpec, dtype: str, decode: bool) -> tuple[list[dict], list[dict]]:
     """The manifest's inputs/outputs lists for one graph."""
     seq: int | str = 1 if decode else "seq"
-    kv = ["batch", spec.kv_heads, spec.max_seq, spec.head_dim]
-    ins = [{"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
+    kv: list[int | str] = ["batch", spec.kv_heads, spec.max_seq, spec.head_dim]
+    ins: list[dict[str, Any]] = [{"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
            {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
            {"name": "seq_lengths", "dtype": "int64", "shape": ["batch"]}]
-    outs = [{"name": "logits", "dtype": "fp32", "shape": ["batch", spec.vocab]},
+    outs: list[dict[str, Any]] = [{"name": "logits", "dtype": "fp32", "shape": ["batch", spec.vocab]},
             {"name": "next_token", "dtype": "int64", "shape": ["batch"]}]
     for i in range(spec.layers):
         ins += [{"name": f"past_{t}.{i}", "dtype": dtype, "shape": kv} for t in ("key", "value")]

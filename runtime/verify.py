@@ -1,0 +1,200 @@
+"""``decodert verify OUT``: the TensorRT engines against ONNX Runtime (CPU) running the same ONNX graphs.
+
+Teacher-forced greedy: both sides are fed the tokens TensorRT chose, so one near-tie flip does not
+derail the rest of the comparison. Each step counts whether ONNX Runtime's argmax agrees with the
+engine's ``next_token`` and tracks the largest logit difference. ``--bench`` adds decode
+throughput at the given batch sizes with and without CUDA graphs. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.export.manifest import load_manifest
+
+GRAPHS = ("prefill", "decode")
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "1, 2, 3, 4, 5,")
+
+
+class OrtGraphReference:
+    """prefill.onnx / decode.onnx on ONNX Runtime CPU; numpy KV [rows, Hkv, Smax, D]; rows = slots 0..n-1."""
+
+    def __init__(self, artifact_dir: Path, manifest: Mapping[str, Any], rows: int) -> None:
+        import ml_dtypes
+        import onnxruntime as ort
+
+        from decodert.runtime.trt_backend import kv_pairs
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.sessions = {k: ort.InferenceSession(str(artifact_dir / manifest["graphs"][k]["file"]), opts,
+                                                 providers=["CPUExecutionProvider"]) for k in GRAPHS}
+        kv = manifest["kv"]
+        dtype = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32}[kv["dtype"]]
+        shape = (rows, int(kv["num_kv_heads"]), int(manifest["max_seq"]), int(kv["head_dim"]))
+        self.pairs = kv_pairs(manifest["graphs"]["decode"])  # [(past_key.0, present_key.0), ...]
+        self.past = [past for past, _ in self.pairs]
+        self.kv = {name: np.zeros(shape, dtype) for name in self.past}
+        self.lengths = np.zeros(rows, np.int64)  # [rows]
+
+    def _run(self, kind: str, ids: np.ndarray, seq_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = ids.shape[0]  # ids [n, S]
+        feeds = {"input_ids": ids, "past_lengths": self.lengths[:n].copy(), "seq_lengths": seq_lengths,
+                 **{name: buf[:n] for name, buf in self.kv.items()}}
+        names = ["logits", "next_token", *[present for _, present in self.pairs]]
+        logits, next_token, *present = self.sessions[kind].run(names, feeds)
+        for name, value in zip(self.past, present):
+            self.kv[name][:n] = value
+        self.lengths[:n] += seq_lengths
+        return next_token, logits
+
+    def prefill(self, rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        lens = np.array([len(r) for r in rows], np.int64)
+        ids = np.zeros((len(rows), int(lens.max())), np.int64)  # right-padded [n, S]
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+        return self._run("prefill", ids, lens)
+
+    def decode(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._run("decode", tokens.reshape(-1, 1).astype(np.int64), np.ones(len(tokens), np.int64))
+
+
+def default_prompts(artifact_dir: Path, manifest: Mapping[str, Any], n: int) -> list[np.ndarray]:
+    """Token ids of fixed English/code prompts (tokenizer.json), or fixed pseudo-random ids without one."""
+    path = artifact_dir / manifest.get("tokenizer", {}).get("file", "tokenizer.json")
+    if path.is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path))
+        return [np.array(tok.encode(PROMPTS[i % len(PROMPTS)]).ids, np.int64) for i in range(n)]
+    rng = np.random.default_rng(0)
+    vocab = int(manifest["model"]["vocab_size"])
+    return [rng.integers(0, vocab, size=5 + 3 * i).astype(np.int64) for i in range(n)]
+
+
+def verify(artifact_dir: str | Path, steps: int = 16, rows: int = 2, cuda_graphs: bool = True) -> dict[str, Any]:
+    """Prefill ``rows`` prompts and decode ``steps`` tokens on both; return agreement and logit error."""
+    from decodert.runtime.trt_backend import TrtBackend
+
+    folder = Path(artifact_dir)
+    manifest = load_manifest(folder, verify="fast")
+    with TrtBackend(folder, manifest, cuda_graphs=cuda_graphs) as be:
+        rows = min(rows, be.max_batch)
+        prompts = default_prompts(folder, manifest, rows)
+        steps = min(steps, be.max_seq - max(len(p) for p in prompts))
+        ref = OrtGraphReference(folder, manifest, rows)
+        cache, slots = be.allocate(rows), list(range(rows))
+        got, want = be.prefill(cache, slots, prompts, want_logits=True), ref.prefill(prompts)
+        stats = _Compare()
+        stats.add(got.next_token, got.logits, *want)
+        for _ in range(steps):
+            tokens = got.next_token.copy()
+            got, want = be.decode(cache, slots, tokens, want_logits=True), ref.decode(tokens)
+            stats.add(got.next_token, got.logits, *want)
+        return {"rows": rows, "steps": steps + 1, **stats.summary(), "backend_stats": dict(be.stats)}
+
+
+class _Compare:
+    def __init__(self) -> None:
+        self.agree = self.total = 0
+        self.max_abs = self.max_scale = 0.0
+
+    def add(self, trt_next: np.ndarray, trt_logits: Any, ref_next: np.ndarray, ref_logits: np.ndarray) -> None:
+        self.agree += int((trt_next == ref_logits.argmax(-1)).sum())
+        self.total += len(trt_next)
+        self.max_abs = max(self.max_abs, float(np.abs(trt_logits - ref_logits).max()))
+        self.max_scale = max(self.max_scale, float(np.abs(ref_logits).max()))
+
+    def summary(self) -> dict[str, Any]:
+        return {"greedy_agreement": self.agree / max(self.total, 1), "max_abs_logit_err": self.max_abs,
+                "max_rel_logit_err": self.max_abs / max(self.max_scale, 1e-9)}
+
+
+def bench(artifact_dir: str | Path, batches: Sequence[int] = (1, 4), steps: int = 64) -> list[dict[str, Any]]:
+    """Decode tokens/s per batch size, with and without CUDA graphs (greedy, no logits copied)."""
+    from decodert.runtime.trt_backend import TrtBackend
+
+    folder = Path(artifact_dir)
+    manifest = load_manifest(folder, verify="fast")
+    results = []
+    with TrtBackend(folder, manifest) as be:
+        batches = [b for b in batches if b <= be.max_batch]
+        cache = be.allocate(max(batches))
+        steps = min(steps, be.max_seq - 16 - 3)
+        for b in batches:
+            for graphs in (True, False):
+                be.cuda_graphs = graphs
+                results.append({"batch": b, "cuda_graphs": graphs, **_time_decode(be, cache, b, steps)})
+    return results
+
+
+def _time_decode(be: Any, cache: Any, batch: int, steps: int) -> dict[str, float]:
+    cache.reset()
+    slots = list(range(batch))
+    tokens = be.prefill(cache, slots, [np.arange(1, 17, dtype=np.int64)] * batch, want_logits=False).next_token
+    for _ in range(3):  # the first call runs plainly (JIT), the second captures the graph
+        tokens = be.decode(cache, slots, tokens, want_logits=False).next_token
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tokens = be.decode(cache, slots, tokens, want_logits=False).next_token
+    dt = time.perf_counter() - t0
+    return {"ms_per_step": 1e3 * dt / steps, "tokens_per_s": batch * steps / dt}
+
+
+def format_report(result: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
+    lines = []
+    if result is not None:
+        lines.append(f"verify: {result['rows']} rows x {result['steps']} steps  greedy agreement "
+                     f"{result['greedy_agreement']:.3f}  max |logit err| {result['max_abs_logit_err']:.4f} "
+                     f"(rel {result['max_rel_logit_err']:.2e})  {result['backend_stats']}")
+    if rows:
+        lines.append(f"{'batch':>5} {'cuda graphs':>11} {'ms/step':>9} {'tokens/s':>10}")
+        lines += [f"{r['batch']:>5} {str(r['cuda_graphs']):>11} {r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10.1f}"
+                  for r in rows]
+    return "\n".join(lines)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``decodert verify OUT [--steps N] [--rows N] [--bench] [--batches 1,4]``."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "verify", help="compare TensorRT engines with ONNX Runtime on the same graphs (needs a GPU)")
+    p.add_argument("out", type=Path, help="artifact folder with built engines")
+    p.add_argument("--steps", type=int, default=16, help="decode steps to compare")
+    p.add_argument("--rows", type=int, default=2, help="prompts decoded together")
+    p.add_argument("--min-agreement", type=float, default=0.9, help="fail (exit 1) below this greedy agreement")
+    p.add_argument("--bench", action="store_true", help="also time decode with and without CUDA graphs")
+    p.add_argument("--batches", default="1,4", help="batch sizes for --bench")
+    p.add_argument("--bench-steps", type=int, default=64)
+    p.set_defaults(func=run_verify)
+    return p
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    result = verify(args.out, steps=args.steps, rows=args.rows)
+    rows = bench(args.out, [int(b) for b in args.batches.split(",")], args.bench_steps) if args.bench else []
+    print(format_report(result, rows))
+    return 0 if result["greedy_agreement"] >= args.min_agreement else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m decodert.runtime.verify OUT ...`` (the same as ``decodert verify``)."""
+    parser = argparse.ArgumentParser(prog="decodert")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["verify", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args))
+    except DecodertError as e:
+        print(f"decodert: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

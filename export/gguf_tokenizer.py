@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from decodert.errors import DecodertError
 
@@ -105,9 +105,11 @@ def _sentencepiece_bpe(meta: dict, tokens: list[str], types: list[int]) -> Token
                        fuse_unk=True, byte_fallback=True)
     tok = Tokenizer(model)
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    # llama.cpp puts a space before every text fragment that starts the input or follows a special token.
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="always" if prefix else "never",
-                                                 split=False)
+    # Like llama.cpp and SentencePiece: spaces become ▁ and, with add_space_prefix, every text fragment
+    # (the input, or the text after an added token) gets one more ▁ in front, even if it starts with a
+    # space (Metaspace would skip that one). No pre-split: merges may cross word boundaries.
+    space = normalizers.Replace(" ", SPACE)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), space]) if prefix else space
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tok

@@ -66,8 +66,8 @@ def test_spec_values_from_tiny_configs():
 
 def test_llama3_rope_scaling_both_config_styles():
     rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=128)
-    want = RopeSpec(theta=500000.0, scaling="llama3", factor=8.0, original_max_position=128)
+                original_max_position_embeddings=8192)
+    want = RopeSpec(theta=500000.0, scaling="llama3", factor=8.0, original_max_position=8192)
     v4 = llama.spec_from_hf(tiny_config("llama", rope_theta=500000.0, rope_scaling=rope))
     v5 = llama.spec_from_hf(tiny_config("llama", rope_parameters={**rope, "rope_theta": 500000.0}))
     assert v4.rope == want and v5.rope == want and hf("llama3").rope == want

@@ -21,8 +21,9 @@ _BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(model_type="llama", rope_theta=10000.0),
     "llama3": dict(model_type="llama", num_key_value_heads=4, head_dim=32, eos_token_id=[2, 0],
+                   max_position_embeddings=16384,
                    rope_scaling=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                                     high_freq_factor=4.0, original_max_position_embeddings=128)),
+                                     high_freq_factor=4.0, original_max_position_embeddings=8192)),
     "llama_tied": dict(model_type="llama", tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", num_key_value_heads=1, sliding_window=64),
     "qwen2": dict(model_type="qwen2", rope_theta=1000000.0),
@@ -104,4 +105,120 @@ def make_tiny_checkpoint(family: str, path: str | Path, **overrides: Any) -> Pat
                   "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
                   "chat_template": CHAT_TEMPLATE}
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    return path
+
+
+# -- GGUF ---------------------------------------------------------------------------------------------
+
+GGUF_ARCH = {"llama": "llama", "llama3": "llama", "llama_tied": "llama", "mistral": "llama",  # as llama.cpp
+             "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+# HF key suffix -> GGUF tensor suffix, the way llama.cpp's converter names them.
+_GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def _gguf_name(key: str) -> str:
+    if key in _GGUF_TOP:
+        return _GGUF_TOP[key]
+    _, _, layer, rest = key.split(".", 3)  # model.layers.{i}.<rest>
+    return f"blk.{layer}.{_GGUF_NAMES[rest]}"
+
+
+def _interleave_rows(w: Any, n_head: int) -> Any:
+    """llama.cpp's q/k row permutation for its interleaved RoPE (rotate-half -> pairs)."""
+    d = w.shape[0] // n_head
+    return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tokenizer_meta(writer: Any, folder: Path) -> None:
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def _gguf_model_meta(writer: Any, arch: str, cfg: dict) -> None:
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    prf = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", cfg["num_hidden_layers"]), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", heads), ("attention.head_count_kv", kv),
+                       ("attention.key_length", head_dim), ("attention.value_length", head_dim),
+                       ("rope.dimension_count", int(head_dim * prf)), ("vocab_size", cfg["vocab_size"])):
+        writer.add_uint32(f"{arch}.{key}", int(value))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    writer.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _rope_freqs(cfg: dict) -> Any:
+    """llama3 scaling as llama.cpp stores it: per-frequency divisors (rope_freqs.weight)."""
+    from decodert.models.common import hf_rope
+
+    rope = hf_rope(cfg)
+    plain = type(rope)(theta=rope.theta)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return (plain.inv_freq(head_dim) / rope.inv_freq(head_dim)).astype("float32")
+
+
+def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict | None = None,
+                   drop: tuple = (), **overrides: Any) -> Path:
+    """A tiny GGUF of `family` converted from make_tiny_checkpoint's weights, llama.cpp style.
+
+    `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) applies to 2-D weights; norms stay F32.
+    `raw` maps GGUF tensor names to (qtype_name, uint8 bytes) written as-is; `drop` leaves tensors out.
+    """
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    hf_dir = make_tiny_checkpoint(family, path.with_suffix(".hf"), **overrides)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = GGUF_ARCH[family]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _gguf_model_meta(writer, arch, cfg)
+    _gguf_tokenizer_meta(writer, hf_dir)
+    qt = gguf.GGMLQuantizationType[qtype]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    for key, w in load_file(hf_dir / "model.safetensors").items():
+        name = _gguf_name(key)
+        if name in drop:
+            continue
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = _interleave_rows(w, heads if "attn_q" in name else kv)
+        if raw and name in raw:
+            kind, data = raw[name]
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif w.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(w, qt), raw_dtype=qt)  # uint8 rows: byte shape
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    if (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _rope_freqs(cfg))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return path

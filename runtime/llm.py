@@ -13,7 +13,6 @@ runs one generation at a time (not thread-safe).
 from __future__ import annotations
 
 import importlib
-import json
 import shutil
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -97,7 +96,21 @@ class LLM:
         """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``)."""
         path = Path(path)
         manifest = read_manifest(path)
-        return cls(open_backend(path, manifest, backend), open_tokenizer(path, manifest), manifest)
+        tokenizer = open_tokenizer(path, manifest)  # cheap checks before the backend loads weights
+        return cls(open_backend(path, manifest, backend), tokenizer, manifest)
+
+    def close(self) -> None:
+        """Release the backend's resources (GPU memory for trt) when it has a ``close``."""
+        close = getattr(self.backend, "close", None)
+        self._cache = None
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- prompts -------------------------------------------------------------------------
     @property
@@ -200,17 +213,10 @@ def _is_single(prompt: Any) -> bool:
 
 # -- loading an artifact folder ----------------------------------------------------------------
 def read_manifest(path: Path) -> dict:
-    """``path/manifest.json`` as a dict (DecodertError if missing or not a decodert artifact)."""
-    file = path / "manifest.json"
-    if not file.is_file():
-        raise DecodertError(f"{file} not found; export a model first with `decodert export`")
-    try:
-        manifest = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise DecodertError(f"cannot read {file}: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != "decodert-artifact":
-        raise DecodertError(f"{file} is not a decodert artifact manifest (format != 'decodert-artifact')")
-    return manifest
+    """``path/manifest.json``, validated (export/manifest.py; sizes and edge hashes of the files checked)."""
+    from decodert.export.manifest import load_manifest
+
+    return load_manifest(path, verify="fast")
 
 
 def open_tokenizer(path: Path, manifest: Mapping[str, Any]) -> Any:
@@ -244,11 +250,11 @@ def open_backend(path: Path, manifest: Mapping[str, Any], choice: str = "auto") 
 
 
 def _trt_usable() -> bool:
-    """An NVIDIA GPU is visible and the TensorRT backend imports."""
+    """An NVIDIA GPU is visible (cuda-python) and the TensorRT backend imports."""
     if not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")):
-        return False
+        return False  # cheap check first: no driver, no GPU
     try:
         importlib.import_module("decodert.runtime.trt_backend")
+        return importlib.import_module("decodert.runtime.cuda_mem").gpu_count() > 0
     except (ImportError, OSError, DecodertError):
         return False
-    return True

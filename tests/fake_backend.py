@@ -140,3 +140,19 @@ def make_llm(tokenizer: Tokenizer | None = None, eos: Sequence[int] = (), chat_t
     manifest = {"tokenizer": {"eos_token_ids": list(eos), "bos_token_id": 1, "add_bos_token": add_bos_token,
                               "chat_template": chat_template}}
     return LLM(backend, tok, manifest)
+
+
+def scripted_llm(text: str, eos: Sequence[int] = (0,), **kw) -> tuple[LLM, list[int]]:
+    """An LLM whose model writes ``text`` token by token after any prompt, then eos (id 0).
+
+    Prompts must start with distinct token ids (the rule finds a prompt's length by its first id).
+    """
+    tok = make_tokenizer()
+    script = tok.encode(text).ids + [0]
+    prompt_len: dict[int, int] = {}
+
+    def rule(history: np.ndarray) -> int:
+        start = prompt_len.setdefault(int(history[0]), len(history))
+        return script[min(len(history) - start, len(script) - 1)]
+
+    return make_llm(tok, eos=eos, rule=rule, **kw), script

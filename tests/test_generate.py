@@ -8,26 +8,13 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
-from fake_backend import FakeBackend, make_llm, make_tokenizer, reference_tokens  # noqa: E402
+from fake_backend import FakeBackend, make_llm, make_tokenizer, reference_tokens, scripted_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a", "héllo wörld: accents", "lazy dog", "STOP here."]
-
-
-def _scripted_llm(text, eos=(0,), **kw):
-    """An LLM whose model writes ``text`` token by token after any prompt, then eos (id 0)."""
-    tok = make_tokenizer()
-    script = tok.encode(text).ids + [0]
-    prompt_len = {}
-
-    def rule(history):
-        start = prompt_len.setdefault(int(history[0]), len(history))  # prompts start with distinct ids
-        return script[min(len(history) - start, len(script) - 1)]
-
-    return make_llm(tok, eos=eos, rule=rule, **kw), script
 
 
 def test_greedy_matches_reference_model():
@@ -147,7 +134,7 @@ def test_invalid_input_rejected_before_any_work(call):
 
 
 def test_eos_and_stop_token_ids_finish_with_stop():
-    llm, script = _scripted_llm("hello world")
+    llm, script = scripted_llm("hello world")
     r = llm.generate("a", max_new_tokens=50)
     assert r.finish_reason == "stop" and r.text == "hello world" and r.token_ids == script
     r2 = llm.generate("lazy", max_new_tokens=50, stop_token_ids=[script[1]])
@@ -157,7 +144,7 @@ def test_eos_and_stop_token_ids_finish_with_stop():
 
 def test_stop_string_across_tokens_never_streamed():
     text = "the quick brown fox jumps over"
-    llm, script = _scripted_llm(text)
+    llm, script = scripted_llm(text)
     stream = llm.stream("a", max_new_tokens=50, stop=["n fox", "zzz"])
     deltas = list(stream)
     assert "".join(deltas) == "the quick brow"
@@ -169,7 +156,7 @@ def test_stop_string_across_tokens_never_streamed():
 
 def test_stream_emoji_byte_tokens_without_replacement_chars():
     text = "héllo 😀 wörld 🦊!"
-    llm, script = _scripted_llm(text)
+    llm, script = scripted_llm(text)
     assert len(llm.tokenizer.encode("😀").ids) == 4
     stream = llm.stream("a", max_new_tokens=100)
     deltas = list(stream)
@@ -206,6 +193,34 @@ def test_bos_added_when_manifest_says_so():
     assert llm.encode([5, 6]).tolist() == [5, 6]
 
 
+def test_load_errors_are_one_line(tmp_path):
+    from decodert.runtime.llm import open_backend, open_tokenizer
+
+    with pytest.raises(DecodertError, match="manifest.json"):
+        LLM.load(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(DecodertError, match="JSON"):
+        LLM.load(tmp_path)
+    with pytest.raises(DecodertError, match="tokenizer.json not found"):
+        open_tokenizer(tmp_path, {"tokenizer": {"file": "tokenizer.json"}})
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(DecodertError, match="cannot load tokenizer"):
+        open_tokenizer(tmp_path, {})
+    with pytest.raises(DecodertError, match="no TensorRT engines"):
+        open_backend(tmp_path, {}, "trt")
+    with pytest.raises(DecodertError, match="unknown backend"):
+        open_backend(tmp_path, {}, "cuda")
+
+
+def test_close_closes_the_backend():
+    llm = make_llm()
+    closed = []
+    llm.backend.close = lambda: closed.append(True)
+    with llm:
+        llm.generate("hi", max_new_tokens=2)
+    assert closed == [True]
+
+
 def test_injected_backend_without_manifest():
     tok = make_tokenizer()
     llm = LLM(FakeBackend(vocab_size=tok.get_vocab_size()), tok)
@@ -227,7 +242,7 @@ def _cli(argv):
 def test_cli_generate_json_and_stream(monkeypatch, capsys, tmp_path):
     from decodert.runtime import cli_run
 
-    llm, _ = _scripted_llm("hello world", chat_template="{{ messages[0]['content'] }}!")
+    llm, _ = scripted_llm("hello world", chat_template="{{ messages[0]['content'] }}!")
     monkeypatch.setattr(cli_run, "_load", lambda path, backend: llm)
     args = _cli(["generate", str(tmp_path), "--prompt", "a", "--greedy", "--stop", "xyz", "o w", "--json"])
     assert args.temperature == 0.7 and cli_run.sampling_kwargs(args)["temperature"] == 0.0
@@ -339,7 +354,7 @@ def _transformers_greedy(ckpt, prompts, n):
 
 
 def _check_against_transformers(ckpt, art):
-    llm = LLM.load(art, backend="ort")
+    llm = LLM.load(art)  # auto: no engines in the folder -> ort
     assert llm.backend.name == "ort"
     prompts = [llm.encode(p).tolist() for p in E2E_PROMPTS]
     expected = _transformers_greedy(ckpt, prompts, 20)
@@ -361,6 +376,31 @@ def test_e2e_tiny_llama_matches_transformers(tiny_checkpoint, tmp_path):
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "phi3", "llama3"])
 def test_e2e_tiny_families_match_transformers(tiny_checkpoint, tmp_path, family):
     _check_against_transformers(*_export_tiny(tiny_checkpoint, tmp_path, family))
+
+
+@pytest.mark.gpu
+@pytest.mark.trt
+def test_e2e_tiny_llama_on_tensorrt(tiny_checkpoint, tmp_path):
+    """The loop over TrtBackend (fp16 engines): agrees with transformers, continuous batching == single."""
+    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
+    from decodert.export.pipeline import export_model
+    from decodert.export.trt_build import build_engines
+    from decodert.runtime import cuda_mem
+
+    if cuda_mem.gpu_count() == 0:
+        pytest.skip("needs an NVIDIA GPU")
+    ckpt = tiny_checkpoint("llama")
+    export_model(ckpt, tmp_path / "art", target="trt", dtype="fp16", max_seq=64, max_batch=3, progress=False)
+    build_engines(tmp_path / "art", progress=False)
+    with LLM.load(tmp_path / "art") as llm:  # auto: engines + GPU -> trt
+        assert llm.backend.name == "trt"
+        prompts = [llm.encode(p).tolist() for p in E2E_PROMPTS]
+        expected = _transformers_greedy(ckpt, prompts, 12)
+        singles = [llm.generate(ids, max_new_tokens=12).token_ids for ids in prompts]
+        agree = np.mean([a == b for s, e in zip(singles, expected) for a, b in zip(s, e)])
+        assert agree >= 0.8, (singles, expected)  # fp16 may flip a near-tie, then diverge
+        many = llm.generate_many([Request(ids, SamplingParams(max_new_tokens=12 - 2 * i)) for i, ids in enumerate(prompts)])
+        assert [r.token_ids for r in many] == [s[: 12 - 2 * i] for i, s in enumerate(singles)]
 
 
 @pytest.mark.slow

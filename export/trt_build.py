@@ -242,7 +242,8 @@ def make_progress(trt: ModuleType, label: str, enabled: bool) -> Any:
 
 
 # ---------------------------------------------------------------- build
-def _logger(trt: ModuleType) -> Any:
+def make_logger(trt: ModuleType) -> Any:
+    """A TensorRT logger: errors only, everything with DECODERT_TRT_VERBOSE=1."""
     level = trt.Logger.INFO if os.environ.get("DECODERT_TRT_VERBOSE") else trt.Logger.ERROR
     return trt.Logger(level)
 
@@ -302,7 +303,7 @@ def _open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tup
     if not info.has_timing_cache:
         return None, f"ignored: timing caches are a no-op in {info.describe()}"
     data = path.read_bytes() if path.is_file() else b""
-    config = trt.Builder(_logger(trt)).create_builder_config()
+    config = trt.Builder(make_logger(trt)).create_builder_config()
     cache = config.create_timing_cache(data)
     if cache is None:
         raise DecodertError(f"--timing-cache {path} could not be loaded (delete it to start a new one)")
@@ -321,7 +322,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     cache, note = _open_timing_cache(info, trt, cache_path)
     settings = {"precision": resolve_precision(manifest, precision), "max_batch": batch, "max_seq": seq,
                 "version_compatible": version_compatible, "timing_cache_obj": cache, "timing_cache_note": note,
-                "progress": progress, "logger": _logger(trt)}
+                "progress": progress, "logger": make_logger(trt)}
     engines = {name: build_one(trt, info, out, name, manifest, settings) for name in GRAPHS}
     if cache is not None and cache_path is not None:
         write_atomic(cache_path, bytes(cache.serialize()))

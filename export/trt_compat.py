@@ -16,11 +16,13 @@ RotaryEmbedding 10.15; weakly typed networks removed in 11.0).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Mapping
 
 from decodert.errors import DecodertError
 
@@ -162,3 +164,23 @@ def engine_version_problem(built: dict[str, Any], info: TrtInfo, version_compati
     if version[:3] != info.version[:3]:
         return f"engine built with {flavour} {text} but {have}; rebuild with `decodert build` or install {flavour} {text}"
     return None
+
+
+def read_engine(artifact_dir: Path, manifest: Mapping[str, Any], name: str, info: TrtInfo) -> bytes:
+    """The engine's bytes after the checks that need no GPU: recorded TensorRT version, size, sha256."""
+    rec = (manifest.get("engines") or {}).get(name)
+    if not isinstance(rec, dict):
+        raise DecodertError(f"{artifact_dir / 'manifest.json'} has no '{name}' engine; run `decodert build {artifact_dir}`")
+    path = artifact_dir / rec["file"]
+    problem = engine_version_problem(rec.get("tensorrt", {}), info, bool(rec.get("version_compatible")))
+    if problem:
+        raise DecodertError(f"{path}: {problem}")
+    if not path.is_file():
+        raise DecodertError(f"{path}: missing; run `decodert build {artifact_dir}`")
+    blob: bytes = path.read_bytes()
+    if len(blob) != rec["size"]:
+        raise DecodertError(f"{path}: {len(blob)} bytes but the manifest recorded {rec['size']}: truncated or "
+                            f"damaged; run `decodert build {artifact_dir}` again")
+    if hashlib.sha256(blob).hexdigest() != rec["sha256"]:
+        raise DecodertError(f"{path}: sha256 does not match the manifest: damaged or replaced; rebuild it")
+    return blob

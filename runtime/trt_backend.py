@@ -20,7 +20,6 @@ run with the KV tensors bound at that run's first row. All contexts share one sc
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,34 +28,14 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.trt_build import check_io, engine_io, write_atomic
-from decodert.export.trt_compat import TrtInfo, engine_version_problem, load_trt
+from decodert.export.trt_build import check_io, engine_io, make_logger, write_atomic
+from decodert.export.trt_compat import load_trt, read_engine
 from decodert.runtime import cuda_mem as cm
 from decodert.runtime.backend import StepOutput
 
 GRAPHS = ("prefill", "decode")
 ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 RUNTIME_CACHE = "runtime.cache"  # TensorRT-RTX JIT kernel cache, kept beside the engines
-
-
-def read_engine(artifact_dir: Path, manifest: Mapping[str, Any], name: str, info: TrtInfo) -> bytes:
-    """The engine's bytes after the checks that need no GPU: recorded TensorRT version, size, sha256."""
-    rec = (manifest.get("engines") or {}).get(name)
-    if not isinstance(rec, dict):
-        raise DecodertError(f"{artifact_dir / 'manifest.json'} has no '{name}' engine; run `decodert build {artifact_dir}`")
-    path = artifact_dir / rec["file"]
-    problem = engine_version_problem(rec.get("tensorrt", {}), info, bool(rec.get("version_compatible")))
-    if problem:
-        raise DecodertError(f"{path}: {problem}")
-    if not path.is_file():
-        raise DecodertError(f"{path}: missing; run `decodert build {artifact_dir}`")
-    blob: bytes = path.read_bytes()
-    if len(blob) != rec["size"]:
-        raise DecodertError(f"{path}: {len(blob)} bytes but the manifest recorded {rec['size']}: truncated or "
-                            f"damaged; run `decodert build {artifact_dir}` again")
-    if hashlib.sha256(blob).hexdigest() != rec["sha256"]:
-        raise DecodertError(f"{path}: sha256 does not match the manifest: damaged or replaced; rebuild it")
-    return blob
 
 
 def kv_pairs(graph: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -128,8 +107,9 @@ class _Engine:
             cfg.set_execution_context_allocation_strategy(strategy)
             if self.runtime_cache is not None:
                 cfg.set_runtime_cache(self.runtime_cache)
-            # compile shape-specialised kernels on first use, so a later CUDA graph captures them
-            cfg.dynamic_shapes_kernel_specialization_strategy = trt.DynamicShapesKernelSpecializationStrategy.EAGER
+            if hasattr(cfg, "dynamic_shapes_kernel_specialization_strategy"):  # compile shape-specialised
+                eager = trt.DynamicShapesKernelSpecializationStrategy.EAGER  # kernels on first use, so a
+                cfg.dynamic_shapes_kernel_specialization_strategy = eager  # later CUDA graph captures them
             ctx = self.engine.create_execution_context(cfg)
         else:
             ctx = self.engine.create_execution_context(strategy)
@@ -170,7 +150,7 @@ class TrtBackend:
         self.stats = {"graph_launches": 0, "plain_runs": 0, "captures": 0, "capture_failures": 0}
         self._open_device(device)
         self.stream = cm.Stream()
-        self.runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
+        self.runtime = self.trt.Runtime(make_logger(self.trt))
         self.runtime_cache: Any = None
         self.engines = {n: _Engine(self, n, blobs[n]) for n in GRAPHS}
         self._load_runtime_cache()
@@ -322,6 +302,7 @@ class TrtBackend:
         ctx = self._prefill_ctx
         bind(ctx, {**self._io_addresses("prefill"), **self._kv_addresses(cache, row0)}, self._shapes(k, seq))
         self._execute(ctx, "prefill")
+        self.stats["plain_runs"] += 1
         cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, k * 8, self.stream, "d2h")
         self._collect(run, out)
         cache.lengths[row0 : row0 + k] += lens
@@ -346,6 +327,7 @@ class TrtBackend:
                 bind(self._runs_ctx, {**self._io_addresses("decode"), **self._kv_addresses(cache, row0)},
                      self._shapes(k, 1))
                 self._decode_enqueue(self._runs_ctx, k)
+                self.stats["plain_runs"] += 1
                 self._collect(run, out)
         cache.lengths[list(slots)] += 1
         return out
@@ -364,6 +346,7 @@ class TrtBackend:
             self.stats["graph_launches"] += 1
         else:
             self._decode_enqueue(ctx, n)
+            self.stats["plain_runs"] += 1
             self._warm.add(n)
 
     def _decode_enqueue(self, ctx: Any, n: int) -> None:
@@ -390,7 +373,6 @@ class TrtBackend:
     def _execute(self, ctx: Any, what: str) -> None:
         if not ctx.execute_async_v3(self.stream.handle):
             raise DecodertError(f"TensorRT failed to run the {what} engine (set DECODERT_TRT_VERBOSE=1)")
-        self.stats["plain_runs"] += 1
 
     def _collect(self, run: list[tuple[int, int]], out: StepOutput) -> None:
         """Wait for the step; copy next_token (and logits when asked) of the run's k rows out."""

@@ -25,9 +25,9 @@ import trt_graphs  # noqa: E402  (tests/ is on sys.path via conftest)
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export import trt_build  # noqa: E402
 from decodert.export.manifest import file_record  # noqa: E402
-from decodert.export.trt_compat import engine_version_problem, load_trt, parse_version  # noqa: E402
+from decodert.export.trt_compat import engine_version_problem, load_trt, parse_version, read_engine  # noqa: E402
 from decodert.runtime import cuda_mem  # noqa: E402
-from decodert.runtime.trt_backend import contiguous_runs, kv_pairs, read_engine  # noqa: E402
+from decodert.runtime.trt_backend import contiguous_runs, kv_pairs  # noqa: E402
 
 pytestmark = pytest.mark.trt
 gpu = pytest.mark.skipif(cuda_mem.gpu_count() == 0, reason="needs an NVIDIA GPU (cuda-python found none)")

@@ -39,7 +39,8 @@ def add_parsers(subparsers: Any) -> None:
     p.set_defaults(func=run_generate)
 
     p = subparsers.add_parser("chat", help="interactive chat with an exported model",
-                              description="Streaming chat REPL: Ctrl-C stops an answer, /reset forgets, /exit or EOF quits.")
+                              description="Streaming chat REPL: Ctrl-C stops an answer, /reset forgets, "
+                                          "/exit or EOF quits.")
     p.add_argument("out", type=Path, help="artifact folder written by `decodert export`")
     p.add_argument("--system", help="system message")
     _add_common(p, json_flag=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -43,20 +43,10 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         """Raise DecodertError with a one-line message for the first invalid setting."""
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-               f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        _check(_finite(self.temperature) and self.temperature >= 0,
-               f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        _check(_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
-        _check(_finite(self.presence_penalty), f"presence_penalty must be a finite number, got {self.presence_penalty!r}")
-        _check(_finite(self.frequency_penalty), f"frequency_penalty must be a finite number, got {self.frequency_penalty!r}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty strings, got {self.stop!r}")
-        _check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        for name, ok, rule in _RULES:
+            value = getattr(self, name)
+            if not ok(value):
+                raise DecodertError(f"{name} must be {rule}, got {value!r}")
         return self
 
     @property
@@ -65,12 +55,26 @@ class SamplingParams:
 
 
 def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise DecodertError(message)
+def _integer(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (  # (field, valid?, what valid means)
+    ("max_new_tokens", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    ("temperature", lambda v: _finite(v) and v >= 0, ">= 0 (0 = greedy)"),
+    ("top_k", lambda v: _integer(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    ("top_p", lambda v: _finite(v) and 0 < v <= 1, "in (0, 1]"),
+    ("min_p", lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
+    ("repetition_penalty", lambda v: _finite(v) and v > 0, "> 0 (1 = off)"),
+    ("presence_penalty", _finite, "a finite number"),
+    ("frequency_penalty", _finite, "a finite number"),
+    ("seed", lambda v: v is None or (_integer(v) and v >= 0), "an integer >= 0"),
+    ("stop", lambda v: all(isinstance(s, str) and s for s in v), "non-empty strings"),
+    ("stop_token_ids", lambda v: all(t >= 0 for t in v), "token ids >= 0"),
+)
 
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,

@@ -11,6 +11,7 @@ from typing import Protocol, Sequence
 
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 6  # prompt tokens decoded ahead of the first generated one (leading-space rules)
+MAX_HELD_TOKENS = 8  # a UTF-8 character spans <= 4 byte tokens: longer holds are invalid bytes, emitted
 
 
 class Decoder(Protocol):
@@ -41,7 +42,8 @@ class IncrementalDetokenizer:
         """Add one token; return the text that is now complete ("" while a character is split)."""
         self._ids.append(int(token_id))
         done, full = self._window_texts()
-        if len(full) <= len(done) or full.endswith(REPLACEMENT):
+        held_too_long = len(self._ids) - self._read > MAX_HELD_TOKENS
+        if len(full) <= len(done) or (full.endswith(REPLACEMENT) and not held_too_long):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return full[len(done):]

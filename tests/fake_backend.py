@@ -73,7 +73,8 @@ class FakeBackend:
         assert 1 <= slots <= self.max_batch, f"allocate({slots}) with max_batch {self.max_batch}"
         return FakeCache(slots, self.max_seq)
 
-    def prefill(self, cache: FakeCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
+    def prefill(self, cache: FakeCache, slots: Sequence[int], ids: Sequence[np.ndarray],
+                want_logits: bool) -> StepOutput:
         self.calls.append(("prefill", tuple(slots), want_logits))
         assert len(slots) == len(ids) and len(set(slots)) == len(slots)
         for slot, row in zip(slots, ids):

@@ -399,7 +399,8 @@ def test_e2e_tiny_llama_on_tensorrt(tiny_checkpoint, tmp_path):
         singles = [llm.generate(ids, max_new_tokens=12).token_ids for ids in prompts]
         agree = np.mean([a == b for s, e in zip(singles, expected) for a, b in zip(s, e)])
         assert agree >= 0.8, (singles, expected)  # fp16 may flip a near-tie, then diverge
-        many = llm.generate_many([Request(ids, SamplingParams(max_new_tokens=12 - 2 * i)) for i, ids in enumerate(prompts)])
+        reqs = [Request(ids, SamplingParams(max_new_tokens=12 - 2 * i)) for i, ids in enumerate(prompts)]
+        many = llm.generate_many(reqs)
         assert [r.token_ids for r in many] == [s[: 12 - 2 * i] for i, s in enumerate(singles)]
 
 

@@ -61,6 +61,14 @@ def test_flush_emits_incomplete_character():
     assert detok.flush() == "\ufffd"
 
 
+def test_invalid_bytes_are_not_held_forever():
+    tok = make_tokenizer()
+    cont = tok.encode("😀").ids[1]  # a UTF-8 continuation byte: never completes a character
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.push(cont) for _ in range(30)]
+    assert any(deltas) and "".join(deltas).count("\ufffd") >= 20
+
+
 def test_stop_string_across_deltas():
     m = StopMatcher(["STOP"])
     assert m.push("hello S") == ("hello ", False)  # "S" held: could start STOP

@@ -62,6 +62,7 @@ class Checkpoint:
         self.spec = spec
         self.family = family
         self.table = table
+        self._names = canonical_names(spec)
 
     # -- subclass hooks --------------------------------------------------------------------------
     def _shape(self, key: str) -> tuple[int, ...]:
@@ -88,7 +89,7 @@ class Checkpoint:
     # -- public ----------------------------------------------------------------------------------
     def names(self) -> list[str]:
         """Canonical weight names, in weights.bin order."""
-        return canonical_names(self.spec)
+        return list(self._names)
 
     def _parts(self, name: str) -> tuple[str, ...]:
         """Checkpoint keys of `name`, after checking each exists with the expected shape."""
@@ -109,7 +110,7 @@ class Checkpoint:
 
     def tensor(self, name: str) -> np.ndarray:
         """Canonical weight `name` as a fresh float32 array of canonical_shape(spec, name)."""
-        if name not in self.names():
+        if name not in self._names:
             raise KeyError(f"'{name}' is not a canonical weight of this {self.spec.family} model")
         parts = [self._fix(key, self._read(key)) for key in self._parts(name)]
         w = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)  # fused rows: q|k|v, gate|up

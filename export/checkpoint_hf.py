@@ -31,20 +31,15 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def _weight_map(folder: Path) -> dict[str, Path]:
-    """tensor key -> shard file, from the index when sharded."""
+def _index(folder: Path) -> dict[str, Path] | None:
+    """tensor key -> shard file from model.safetensors.index.json, or None when not sharded."""
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise DecodertError(f"{index}: no 'weight_map'")
-        return {k: folder / v for k, v in weight_map.items()}
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return {k: single for k in SafetensorsFile(single).keys()}
-    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
-        raise DecodertError(f"{folder}: only safetensors checkpoints are supported (found PyTorch .bin files)")
-    raise DecodertError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    if not index.is_file():
+        return None
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise DecodertError(f"{index}: no 'weight_map'")
+    return {k: folder / v for k, v in weight_map.items()}
 
 
 class HFCheckpoint(Checkpoint):
@@ -61,8 +56,17 @@ class HFCheckpoint(Checkpoint):
         except DecodertError as e:
             raise DecodertError(f"{config_path}: {e}") from None
         super().__init__(folder, spec, family, family.HF_WEIGHTS)
-        self._where = _weight_map(folder)
         self._files: dict[Path, SafetensorsFile] = {}
+        self._where = _index(folder) or self._single_file(folder)
+
+    def _single_file(self, folder: Path) -> dict[str, Path]:
+        single = folder / "model.safetensors"
+        if single.is_file():
+            self._files[single] = SafetensorsFile(single)
+            return {k: single for k in self._files[single].keys()}
+        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+            raise DecodertError(f"{folder}: only safetensors checkpoints are supported (found PyTorch .bin files)")
+        raise DecodertError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
     def _file(self, key: str) -> SafetensorsFile:
         shard = self._where.get(key)
@@ -110,7 +114,10 @@ def _token_text(value: Any) -> str | None:
 
 def _token_ids(tok: dict) -> dict[str, int]:
     vocab = (tok.get("model") or {}).get("vocab")
-    ids = dict(vocab) if isinstance(vocab, dict) else {}  # BPE/WordPiece; Unigram vocab is a list
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        ids = {entry[0]: i for i, entry in enumerate(vocab)}
+    else:  # BPE / WordPiece: {token: id}
+        ids = dict(vocab or {})
     ids.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
     return ids
 

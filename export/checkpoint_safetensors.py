@@ -26,25 +26,35 @@ def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
 class SafetensorsFile:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._mm: mmap.mmap | None = None
         try:
             self._file = open(path, "rb")
         except OSError as e:
             raise DecodertError(f"{path}: cannot open ({e.strerror})") from None
-        size = path.stat().st_size
-        head = self._file.read(8)
-        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (size,)
-        if len(head) < 8 or 8 + n > size:
+        try:
+            size = path.stat().st_size
+            self._base, header = self._read_header(size)
+            self._entries = {k: self._check(k, v, size - self._base) for k, v in header.items()}
+            if size > self._base:
+                self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        except BaseException:
             self._file.close()
-            raise DecodertError(f"{path}: truncated safetensors file (header cut off)")
+            raise
+
+    def _read_header(self, size: int) -> tuple[int, dict]:
+        """(offset of the data section, {key: entry}) from the 8-byte length + JSON header."""
+        head = self._file.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+        if 8 + n > size:
+            raise DecodertError(f"{self.path}: truncated safetensors file (header cut off)")
         try:
             header = json.loads(self._file.read(n))
         except (ValueError, UnicodeDecodeError):
-            self._file.close()
-            raise DecodertError(f"{path}: corrupt safetensors header") from None
+            header = None
+        if not isinstance(header, dict):
+            raise DecodertError(f"{self.path}: corrupt safetensors header")
         header.pop("__metadata__", None)
-        self._base = 8 + n
-        self._entries = {k: self._check(k, v, size - self._base) for k, v in header.items()}
-        self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size > self._base else None
+        return 8 + n, header
 
     def _check(self, key: str, entry: dict, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
         try:
@@ -55,7 +65,9 @@ class SafetensorsFile:
             raise DecodertError(f"{self.path}: tensor '{key}' has unsupported dtype {dtype}")
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
         if not 0 <= start <= end or end - start != nbytes:
-            raise DecodertError(f"{self.path}: tensor '{key}' offsets {start}..{end} do not match its shape {list(shape)}")
+            raise DecodertError(
+                f"{self.path}: tensor '{key}' offsets {start}..{end} do not match its shape {list(shape)}"
+            )
         if end > data_size:
             raise DecodertError(
                 f"{self.path}: tensor '{key}' ends at byte {self._base + end} past the end of the file "
@@ -76,9 +88,10 @@ class SafetensorsFile:
         """A fresh float32 copy of tensor `key`."""
         dtype, shape, start, end = self._entries[key]
         count = (end - start) // np.dtype(_DTYPES[dtype]).itemsize
-        raw = np.frombuffer(self._mm, dtype=_DTYPES[dtype], count=count, offset=self._base + start) if count else (
-            np.zeros(0, _DTYPES[dtype])
-        )
+        if count == 0 or self._mm is None:
+            raw = np.zeros(0, _DTYPES[dtype])
+        else:
+            raw = np.frombuffer(self._mm, dtype=_DTYPES[dtype], count=count, offset=self._base + start)
         out = bf16_to_f32(raw) if dtype == "BF16" else raw.astype(np.float32)
         return out.reshape(shape)
 

@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of every supported family, made with transformers (test-only helper).
+"""Tiny random checkpoints (HF and GGUF) of every supported family, and checks on them (test-only helper).
 
     path = make_tiny_checkpoint("qwen3", tmp_path / "qwen3")     # config.json, model.safetensors,
                                                                  # tokenizer.json, tokenizer_config.json
@@ -222,3 +222,71 @@ def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# -- assertions shared by the checkpoint tests ----------------------------------------------------------
+
+
+def torch_weights(model, spec) -> dict:
+    """Canonical name -> np.float32, read from a transformers model's modules (not its state-dict keys)."""
+    import torch
+
+    def arr(*ts):
+        return torch.cat([t.detach().float() for t in ts], 0).numpy()
+
+    m = model.model
+    out = {"embed": arr(m.embed_tokens.weight), "final_norm": arr(m.norm.weight)}
+    if not spec.tie_word_embeddings:
+        out["lm_head"] = arr(model.lm_head.weight)
+    for i, layer in enumerate(m.layers):
+        a, mlp, p = layer.self_attn, layer.mlp, f"layers.{i}."
+        out[p + "input_norm"] = arr(layer.input_layernorm.weight)
+        out[p + "post_norm"] = arr(layer.post_attention_layernorm.weight)
+        out[p + "o"] = arr(a.o_proj.weight)
+        out[p + "down"] = arr(mlp.down_proj.weight)
+        if hasattr(a, "qkv_proj"):
+            out[p + "qkv"] = arr(a.qkv_proj.weight)
+        else:
+            out[p + "qkv"] = arr(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+        if spec.qkv_bias:
+            out[p + "qkv_bias"] = arr(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+        if spec.qk_norm:
+            out[p + "q_norm"], out[p + "k_norm"] = arr(a.q_norm.weight), arr(a.k_norm.weight)
+        out[p + "gate_up"] = (arr(mlp.gate_up_proj.weight) if hasattr(mlp, "gate_up_proj")
+                              else arr(mlp.gate_proj.weight, mlp.up_proj.weight))
+    return out
+
+
+def load_torch(path):
+    """The transformers model of an HF folder, float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+
+
+def assert_matches(ckpt, expected, atol=0.0):
+    """Every canonical tensor of `ckpt`: float32, canonical shape, fresh and equal to expected[name]."""
+    import numpy as np
+
+    from decodert.models.spec import canonical_shape
+
+    assert set(ckpt.names()) == set(expected)
+    for name in ckpt.names():
+        w = ckpt.tensor(name)
+        assert w.dtype == np.float32 and w.shape == canonical_shape(ckpt.spec, name), name
+        assert w.flags.c_contiguous and w.flags.writeable
+        np.testing.assert_allclose(w, expected[name], atol=atol, rtol=0, err_msg=name)
+
+
+def one_line_error(path, match) -> str:
+    """open_checkpoint(path) raises a one-line DecodertError containing `match`; returns the message."""
+    import pytest
+
+    from decodert.errors import DecodertError
+    from decodert.export.checkpoint import open_checkpoint
+
+    with pytest.raises(DecodertError) as e:
+        open_checkpoint(path)
+    msg = str(e.value)
+    assert "\n" not in msg and match in msg, msg
+    return msg

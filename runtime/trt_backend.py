@@ -91,11 +91,10 @@ class _Engine:
         graph = backend.manifest["graphs"][name]
         check_io(engine_io(trt, self.engine, graph), graph, str(path))
         self.kv_pairs = kv_pairs(graph)
-        if info.has_aliased_io:
-            for past, present in self.kv_pairs:
-                if self.engine.get_aliased_input_tensor(present) != past:
-                    raise DecodertError(f"{path}: output {present} is not written in place into {past}; "
-                                        "export with --target trt for TensorRT >= 10.15 / TensorRT-RTX")
+        for past, present in self.kv_pairs if info.has_aliased_io else []:
+            alias = self.engine.get_aliased_input_tensor(present)  # None: TensorRT does not say
+            if alias not in (None, past):
+                raise DecodertError(f"{path}: output {present} aliases {alias}, not {past}; re-export and rebuild")
         self.scratch_bytes = int(self.engine.device_memory_size_v2)
         self.runtime_cache = backend.runtime_cache
 

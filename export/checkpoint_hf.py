@@ -146,8 +146,9 @@ def write_hf_tokenizer(folder: Path, config: dict, out_dir: Path) -> dict[str, A
         raise DecodertError(f"{folder}: no tokenizer.json (only fast tokenizers are supported)")
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in _TOKENIZER_FILES:
-        if (folder / name).is_file():
-            shutil.copyfile(folder / name, out_dir / name)
+        src, dst = folder / name, out_dir / name
+        if src.is_file() and not (dst.exists() and dst.samefile(src)):
+            shutil.copyfile(src, dst)
     tok = read_json(tok_path)
     tok_config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
     gen = read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}

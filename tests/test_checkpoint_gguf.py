@@ -257,3 +257,18 @@ def test_gguf_tokenizer_rejects_unknown_model(tmp_path):
         build_tokenizer({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]}, "x.gguf")
     with pytest.raises(DecodertError, match="x.gguf: no tokenizer"):
         build_tokenizer({"tokenizer.ggml.model": "gpt2"}, "x.gguf")
+
+
+@pytest.mark.parametrize("pre,digits", [("smollm", ["1", "2", "3", "4", "5"]), ("qwen2", ["1", "2", "3", "4", "5"]),
+                                        ("llama-bpe", ["123", "45"]), ("default", ["Ġ12345"])])
+def test_gguf_byte_level_pre_tokenizers(pre, digits):
+    """tokenizer.ggml.pre picks the split the vocabulary was trained with (digits show the difference)."""
+    from decodert.export.gguf_tokenizer import build_tokenizer
+
+    tokens = ["<|endoftext|>", *"abcdefghijklmnopqrstuvwxyzĠ0123456789", "ab"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3] + [1] * (len(tokens) - 1), "tokenizer.ggml.merges": ["a b"]}
+    tok = build_tokenizer(meta)
+    pieces = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("abc 12345")]
+    assert pieces[0] == "abc" and [p for p in pieces[1:] if p != "Ġ"] == digits
+    assert tok.decode(tok.encode("abc 12345").ids) == "abc 12345"

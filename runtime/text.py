@@ -49,10 +49,10 @@ class IncrementalDetokenizer:
         return full[len(done):]
 
     def flush(self) -> str:
-        """Return whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        """Return what is still held back, less a trailing incomplete character (it can never complete)."""
         done, full = self._window_texts()
         self._prefix = self._read = len(self._ids)
-        return full[len(done):] if len(full) > len(done) else ""
+        return full[len(done):].rstrip(REPLACEMENT) if len(full) > len(done) else ""
 
 
 class StopMatcher:

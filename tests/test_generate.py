@@ -413,3 +413,28 @@ def test_e2e_run_smollm2_answers(monkeypatch, capsys):
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert "Paris" in out["text"] and out["metrics"]["decode_tps"] > 0
+
+
+@pytest.mark.slow
+def test_e2e_smollm2_matches_transformers(smollm2_gguf, smollm2_hf_model, tmp_path):
+    """The real SmolLM2-135M-Instruct: chat template, prompt ids and 32 greedy tokens as transformers."""
+    pytest.importorskip("decodert.runtime.ort_backend", reason="runtime/ort_backend.py not written yet")
+    import torch
+
+    from decodert.export.pipeline import export_model
+
+    model, hf_tok = smollm2_hf_model
+    export_model(smollm2_gguf, tmp_path / "art", target="ort", dtype="fp32", max_seq=256, max_batch=2, progress=False)
+    llm = LLM.load(tmp_path / "art")
+    chats = [[{"role": "user", "content": q}] for q in ("List three fruits with emoji 🍎.", "What is 2+2?")]
+    results = llm.generate_many([Request(messages=m, params=SamplingParams(max_new_tokens=32)) for m in chats])
+    for messages, result in zip(chats, results):
+        text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert llm.apply_chat_template(messages) == text
+        ids = hf_tok(text, add_special_tokens=False).input_ids
+        assert llm.encode(text, add_bos=False).tolist() == ids
+        x = torch.tensor([ids])
+        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=32)
+        assert result.token_ids == y[0, len(ids):].tolist()
+        deltas = list(llm.stream_chat(messages, max_new_tokens=32))
+        assert "".join(deltas) == result.text and not any("\ufffd" in d for d in deltas)

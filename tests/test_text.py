@@ -53,12 +53,15 @@ def test_leading_space_kept_with_prompt_context():
     assert deltas[:3] == [" world", "!", " again"]
 
 
-def test_flush_emits_incomplete_character():
+def test_flush_drops_an_incomplete_character():
     tok = make_tokenizer()
-    ids = tok.encode("😀").ids
+    ids = tok.encode("a😀").ids
     detok = IncrementalDetokenizer(tok)
-    assert [detok.push(t) for t in ids[:2]] == ["", ""]
-    assert detok.flush() == "\ufffd"
+    assert [detok.push(t) for t in ids[:3]] == ["a", "", ""]
+    assert detok.flush() == ""
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push(ids[1]) == ""  # a lone lead byte: held
+    assert detok.push(ids[0]) == "\ufffda"  # then "a": an invalid byte inside the text stays visible
 
 
 def test_invalid_bytes_are_not_held_forever():

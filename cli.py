@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_inspect)
 
     for module, attr in (("decodert.export.trt_build", "add_parser"), ("decodert.runtime.cli_run", "add_parsers"),
-                         ("decodert.runtime.bench", "add_parser")):
+                         ("decodert.runtime.verify", "add_parser"), ("decodert.runtime.bench", "add_parser")):
         try:
             mod = __import__(module, fromlist=[attr])
         except ModuleNotFoundError as err:

@@ -1,0 +1,154 @@
+"""Export parity: every family x every target against transformers, and the real SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import transformers
+
+from decodert.cli import main as cli_main
+from decodert.export.manifest import load_manifest
+from decodert.export.pipeline import export_model
+from parity import backend, decodert_greedy, hf_reference, logits_parity
+from tiny import FAMILIES
+
+TARGETS = ("ort", "trt", "portable")
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_checkpoint, tmp_path_factory):
+    made = {}
+
+    def get(family: str, target: str):
+        if (family, target) not in made:
+            src = tiny_checkpoint(family)
+            out = tmp_path_factory.mktemp(f"{family}-{target}") / "artifact"
+            export_model(src, out, target=target, dtype="fp32", max_seq=128, max_batch=4, progress=False)
+            model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+            made[family, target] = (out, model)
+        return made[family, target]
+
+    return get
+
+
+def _prompts(vocab: int, lengths, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).astype(np.int64) for n in lengths]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_logits_match_transformers(exported, family, target):
+    out, model = exported(family, target)
+    # mistral's sliding window is 64: the long row crosses it
+    lengths = (70, 9, 33) if family == "mistral" else (11, 4, 7)
+    prompts = _prompts(model.config.vocab_size, lengths)
+    refs = [hf_reference(model, p, 17) for p in prompts]
+    assert logits_parity(out, refs[:1], prompts[:1], steps=16) < TOL  # batch 1
+    assert logits_parity(out, refs, prompts, steps=16) < TOL  # ragged batch of 3
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_tiny_greedy_64_and_batched_equals_single(exported, target):
+    out, model = exported("llama", target)
+    prompts = _prompts(model.config.vocab_size, (5, 12, 8), seed=3)
+    be = backend(out)
+    batched = decodert_greedy(be, prompts, 64)
+    for p, row in zip(prompts, batched):
+        assert decodert_greedy(be, [p], 64)[0] == row
+        assert hf_reference(model, p, 64)[0] == row
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_graphs_check_and_manifest(exported, target):
+    out, _ = exported("qwen3", target)
+    m = load_manifest(out, verify="full")
+    assert m["target"] == target and m["kv"]["inplace"] is True
+    for kind in ("prefill", "decode"):
+        onnx.checker.check_model(str(out / m["graphs"][kind]["file"]), full_check=True)
+        graph = onnx.load(str(out / m["graphs"][kind]["file"]), load_external_data=False).graph
+        assert [i.name for i in graph.input] == [i["name"] for i in m["graphs"][kind]["inputs"]]
+        assert [o.name for o in graph.output] == [o["name"] for o in m["graphs"][kind]["outputs"]]
+        # both graphs share weights.bin; nothing is embedded twice
+        locations = {e.value for t in graph.initializer for e in t.external_data if e.key == "location"}
+        assert locations == {"weights.bin"}
+    assert set(m["files"]) >= {"prefill.onnx", "decode.onnx", "weights.bin", "tokenizer.json"}
+
+
+def test_target_ops(exported):
+    """Each target lowers attention and norms to the ops it promises."""
+    expect = {"ort": {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"},
+              "trt": {"TensorScatter", "RotaryEmbedding", "Attention", "RMSNormalization"},
+              "portable": {"ScatterND", "Softmax"}}
+    for target, ops in expect.items():
+        out, _ = exported("llama", target)
+        graph = onnx.load(str(out / "decode.onnx"), load_external_data=False).graph
+        used = {n.op_type for n in graph.node}
+        assert ops <= used, (target, ops - used)
+        if target == "portable":
+            assert {n.domain for n in graph.node} == {""}
+
+
+def test_export_cli_bad_inputs(tmp_path, tiny_checkpoint, capsys):
+    out = tmp_path / "out"
+    assert cli_main(["export", str(tmp_path / "missing"), "-o", str(out)]) == 2
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt_bigcode_xl"}))
+    assert cli_main(["export", str(bad), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("decodert: error: ") for line in err)
+    assert "unknown architecture" in err[1]
+    src = tiny_checkpoint("llama")
+    assert cli_main(["export", str(src), "-o", str(out), "--max-seq", "100000"]) == 2
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_export_replaces_artifact_atomically(tmp_path, tiny_checkpoint):
+    src, out = tiny_checkpoint("llama"), tmp_path / "art"
+    export_model(src, out, target="ort", max_seq=32, progress=False)
+    export_model(src, out, target="portable", max_seq=32, progress=False)
+    assert load_manifest(out)["target"] == "portable"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(Exception, match="not a decodert artifact"):
+        export_model(src, tmp_path / "other", progress=False)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+# ---- the real model ------------------------------------------------------------------------
+SMOL_TEXTS = ["The capital of France is", "Write a short poem about the sea and the wind.", "def fib(n):"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_hf_model):
+    """Prompts and transformers' greedy tokens + logits for 64 steps, computed once."""
+    model, hf_tok = smollm2_hf_model
+    prompts = [np.array(hf_tok(t)["input_ids"], np.int64) for t in SMOL_TEXTS]
+    return prompts, [hf_reference(model, p, 64) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def smollm2_exports(smollm2_gguf, tmp_path_factory):
+    outs = {}
+    for target in TARGETS:
+        out = tmp_path_factory.mktemp(f"smollm2-{target}") / "artifact"
+        export_model(smollm2_gguf, out, target=target, dtype="fp32", max_seq=256, max_batch=4, progress=False)
+        outs[target] = out
+    return outs
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_smollm2_logits_and_greedy_match_transformers(smollm2_exports, smollm2_reference, target):
+    prompts, refs = smollm2_reference
+    out = smollm2_exports[target]
+    assert logits_parity(out, refs, prompts, steps=16) < TOL  # ragged batch of 3
+    batched = decodert_greedy(backend(out), prompts, 64)
+    assert batched == [toks for toks, _ in refs]  # greedy 64, every row
+    assert decodert_greedy(backend(out), prompts[1:2], 64)[0] == batched[1]  # batched == single

@@ -7,7 +7,7 @@
     llm.generate_many([Request("a"), Request("b", SamplingParams(max_new_tokens=8))])
 
 One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
-runs one generation at a time (not thread-safe).
+runs one generation at a time (not thread-safe): starting one ends an unfinished stream.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import importlib
 import shutil
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence as Seq, Union
+from typing import Any, Generator, Mapping, Sequence as Seq, Union
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class Request:
 class TextStream:
     """Iterator of text deltas (str). ``text`` is what was streamed so far; ``result`` is set at the end."""
 
-    def __init__(self, events: Iterator[tuple[int, str]], seq: Sequence) -> None:
+    def __init__(self, events: Generator[tuple[int, str], None, None], seq: Sequence) -> None:
         self._events = events
         self._seq = seq
         self.result: GenerationResult | None = None
@@ -90,6 +90,7 @@ class LLM:
         self.add_bos_token = bool(tok.get("add_bos_token", False))
         self.chat_template = tok.get("chat_template")
         self._cache = None
+        self._live: Generator | None = None  # the run using the cache; a newer run ends it
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto") -> "LLM":
@@ -151,10 +152,14 @@ class LLM:
         return Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq)
 
     # -- running -------------------------------------------------------------------------
-    def _run(self, seqs: list[Sequence]) -> Iterator[tuple[int, str]]:
+    def _run(self, seqs: list[Sequence]) -> Generator[tuple[int, str], None, None]:
+        """Start a run over the one cache; an unfinished earlier run (an abandoned stream) is closed."""
+        if self._live is not None:
+            self._live.close()
         if self._cache is None:
             self._cache = self.backend.allocate(int(self.backend.max_batch))
-        return scheduler.run(self.backend, self._cache, seqs)
+        self._live = scheduler.run(self.backend, self._cache, seqs)
+        return self._live
 
     def _finish(self, seqs: list[Sequence]) -> list[GenerationResult]:
         for _ in self._run(seqs):

@@ -185,6 +185,11 @@ def test_abandoned_stream_leaves_llm_usable():
     stream.close()
     r = llm.generate("hello world", max_new_tokens=5)
     assert r.token_ids == reference_tokens(llm.backend, llm.encode("hello world").tolist(), 5)
+    stream = llm.stream("hello", max_new_tokens=30)
+    next(stream)
+    r = llm.generate("a", max_new_tokens=5)  # ends the unfinished stream: it must not touch the cache again
+    assert r.token_ids == reference_tokens(llm.backend, llm.encode("a").tolist(), 5)
+    assert list(stream) == [] and stream.result is None
 
 
 def test_bos_added_when_manifest_says_so():

@@ -77,7 +77,12 @@ def sampling_params(params: SamplingParams | None = None, **kwargs: Any) -> Samp
 
 
 class LLM:
-    """A backend (runtime/backend.py), a ``tokenizers.Tokenizer`` and the artifact manifest."""
+    """A backend (runtime/backend.py), a ``tokenizers.Tokenizer`` and the artifact manifest.
+
+    Generation keyword arguments are the SamplingParams fields: max_new_tokens=256,
+    temperature=0.0 (greedy), top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+    presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(), stop_token_ids=().
+    """
 
     def __init__(self, backend: Any, tokenizer: Any, manifest: Mapping[str, Any] | None = None) -> None:
         self.backend = backend

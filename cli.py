@@ -15,8 +15,14 @@ from decodert.errors import DecodertError
 def _export(args: argparse.Namespace) -> int:
     from decodert.export.pipeline import export_model
 
+    from decodert.export.quant import QuantConfig
+
+    quant = None
+    if args.quant:
+        quant = QuantConfig(bits=int(args.quant[3:]), block_size=args.block_size, accuracy_level=args.accuracy_level,
+                            symmetric=args.symmetric, lm_head=not args.no_quant_lm_head)
     m = export_model(args.src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
-                     max_batch=args.max_batch)
+                     max_batch=args.max_batch, quant=quant)
     print(f"exported {m['model']['family']} ({m['target']}, {m['dtype']}, max_seq {m['max_seq']}) to {args.out}")
     return 0
 
@@ -40,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
     e.add_argument("--max-seq", type=int, default=None, help="tokens per sequence the cache holds (default: min(context, 2048))")
     e.add_argument("--max-batch", type=int, default=4, help="sequences decoded together")
+    e.add_argument("--quant", choices=["int4", "int8"], help="weight-only block quantization of the linear layers")
+    e.add_argument("--block-size", type=int, default=32, help="quantization block along the input dim (default 32)")
+    e.add_argument("--accuracy-level", type=int, default=0, choices=[0, 1, 2, 3, 4],
+                   help="ort target: 0 = fp32 compute, 4 = int8 activations (faster; may flip near-tie tokens)")
+    e.add_argument("--symmetric", action="store_true", help="no zero points (always on for --target trt)")
+    e.add_argument("--no-quant-lm-head", action="store_true", help="keep the output projection in float")
     e.set_defaults(func=_export)
 
     i = sub.add_parser("inspect", help="print an artifact's manifest and graph summary")

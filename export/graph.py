@@ -22,14 +22,16 @@ from decodert.export.lower_ort import OrtLowering
 from decodert.export.lower_trt import TrtLowering
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.export.onnx_builder import DTYPES, GraphBuilder
+from decodert.export.quant import QuantConfig
 from decodert.models.spec import ModelSpec
 
 LOWERINGS: dict[str, type[Lowering]] = {"portable": Lowering, "ort": OrtLowering, "trt": TrtLowering}
 GraphKind = Literal["prefill", "decode"]
 
 
-def make_lowering(target: str, spec: ModelSpec, dtype: str, max_seq: int) -> Lowering:
-    return LOWERINGS[target](spec, dtype, max_seq)
+def make_lowering(target: str, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
+                  quantized: frozenset[str] = frozenset()) -> Lowering:
+    return LOWERINGS[target](spec, dtype, max_seq, quant, quantized)
 
 
 def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind) -> dict[str, list[dict]]:
@@ -130,6 +132,7 @@ def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: 
     with g.scope("final_norm"):
         h, _ = low.add_rms_norm(g, mlp_last, x_last, "final_norm")
     with g.scope("lm_head"):
-        logits = low.linear(g, h, "embed" if spec.tie_word_embeddings else "lm_head")
+        tied = spec.tie_word_embeddings and "lm_head" not in low.quantized  # a quantized copy when tied
+        logits = low.linear(g, h, "embed" if tied else "lm_head")
     return logits if low.dtype == "fp32" else g.op("Cast", logits, to=1)
 

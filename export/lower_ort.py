@@ -1,6 +1,7 @@
 """The ``ort`` target: ONNX Runtime contrib ops, the fast CPU (and CUDA EP) path.
 
 - RMSNorm          -> RMSNormalization-23 / com.microsoft.SkipSimplifiedLayerNormalization (fused add)
+- int4/int8 linear -> com.microsoft.MatMulNBits (block-wise weights, accuracy_level as exported)
 - CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
                       present sharing one buffer (seqlens_k = past + S - 1 per row, so right
                       padding keeps every valid row's positions exact).
@@ -17,6 +18,7 @@ import numpy as np
 
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.export.onnx_builder import GraphBuilder
+from decodert.models.spec import canonical_shape
 from decodert.plugins.cached_attention import AttnContext
 
 
@@ -31,6 +33,7 @@ class GqaContext:
 
 class OrtLowering(Lowering):
     target = "ort"
+    quant_layout = "nbits"
     opsets = {"": 23, "com.microsoft": 1}
     ir_version = 11
 
@@ -54,6 +57,14 @@ class OrtLowering(Lowering):
         y, _, _, s = g.op("SkipSimplifiedLayerNormalization", x, residual, weight, domain="com.microsoft",
                           epsilon=self.spec.rms_norm_eps, outputs=4)
         return y, s
+
+    def quantized_linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None) -> str:
+        assert self.quant is not None
+        n, k = canonical_shape(self.spec, weight)
+        zp = "" if self.quant.symmetric else f"{weight}.zero_points"
+        return g.op("MatMulNBits", x, f"{weight}.q", f"{weight}.scales", zp, "", bias or "", domain="com.microsoft",
+                    K=k, N=n, bits=self.quant.bits, block_size=self.quant.block_size,
+                    accuracy_level=self.quant.accuracy_level)
 
     def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
         if not isinstance(ctx, GqaContext):

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from decodert.export.onnx_builder import GraphBuilder
-from decodert.models.spec import ModelSpec
+from decodert.export.quant import QuantConfig
+from decodert.models.spec import ModelSpec, canonical_shape
 from decodert.plugins import cached_attention as ca
 from decodert.plugins.rms_norm import rms_norm_body
 
@@ -31,9 +32,12 @@ class Lowering:
     target = "portable"
     opsets: dict[str, int] = {"": 21}
     ir_version = 10
+    quant_layout = "qdq"  # how quantized weights are stored for this target (export/quant.py)
 
-    def __init__(self, spec: ModelSpec, dtype: str, max_seq: int):
+    def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
+                 quantized: frozenset[str] = frozenset()):
         self.spec, self.dtype, self.max_seq = spec, dtype, max_seq
+        self.quant, self.quantized = quant, quantized
         self.rotary_dim = spec.rope.rotary_dim or spec.head_dim
         self.scale = 1.0 / float(np.sqrt(spec.head_dim))
 
@@ -53,7 +57,19 @@ class Lowering:
 
     def linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None = None) -> str:
         """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out]."""
+        if weight in self.quantized:
+            return self.quantized_linear(g, x, weight, bias)
         return g.op("Gemm", x, weight, *([bias] if bias else []), transB=1)
+
+    def quantized_linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None) -> str:
+        """Block DequantizeLinear of the [N, Kp] weight (axis 1), then the same Gemm."""
+        assert self.quant is not None
+        n, k = canonical_shape(self.spec, weight)
+        zp = [] if self.quant.symmetric else [f"{weight}.zero_points"]
+        w = g.op("DequantizeLinear", f"{weight}.q", f"{weight}.scales", *zp, axis=1, block_size=self.quant.block_size)
+        if k % self.quant.block_size:
+            w = g.op("Slice", w, g.const([0]), g.const([k]), g.const([1]))
+        return g.op("Gemm", x, w, *([bias] if bias else []), transB=1)
 
     def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
         """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D].

@@ -69,6 +69,9 @@ class GraphBuilder:
         derived = [f"{node_name}_out{k}" if count > 1 else f"{node_name}_out" for k in range(count)]
         names = derived if isinstance(outputs, int) else [n if n is not None else d for n, d in zip(outputs, derived)]
         attrs = {k: v for k, v in attrs.items() if v is not None}
+        inputs = list(inputs)
+        while inputs and inputs[-1] == "":  # trailing optional inputs left out
+            inputs.pop()
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=node_name, domain=domain, **attrs))
         return names[0] if len(names) == 1 and isinstance(outputs, int) else names
 

@@ -6,6 +6,7 @@ interrupted or failed export never leaves a folder that looks like an artifact.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 import shutil
@@ -21,6 +22,7 @@ import decodert
 from decodert.errors import DecodertError
 from decodert.export.checkpoint import open_checkpoint
 from decodert.export.graph import LOWERINGS, build_graph, io_contract, make_lowering
+from decodert.export.quant import QuantConfig, quantize, write_quantized
 from decodert.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_record, write_manifest
 from decodert.export.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names
@@ -30,8 +32,13 @@ WEIGHTS = "weights.bin"
 
 
 def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtype: str = "fp32",
-                 max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None) -> dict[str, Any]:
-    """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest."""
+                 max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None,
+                 quant: QuantConfig | None = None) -> dict[str, Any]:
+    """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
+
+    ``quant`` stores the linear weights block-quantized (export/quant.py); the trt target needs
+    symmetric quantization (TensorRT's int4 weights have no zero point) and gets it.
+    """
     if target not in LOWERINGS:
         raise DecodertError(f"unknown target '{target}'; choose one of: {', '.join(LOWERINGS)}")
     if dtype not in DTYPES:
@@ -46,12 +53,15 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
     progress = sys.stderr.isatty() if progress is None else progress
+    if quant is not None and target == "trt" and not quant.symmetric:
+        quant = dataclasses.replace(quant, symmetric=True)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        weights = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress)
-        lowering = make_lowering(target, spec, dtype, max_seq)
+        layout = LOWERINGS[target].quant_layout
+        weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout)
+        lowering = make_lowering(target, spec, dtype, max_seq, quant, quantized)
         graphs = {}
         for kind in ("prefill", "decode"):
             path = tmp / f"{kind}.onnx"
@@ -60,6 +70,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
             graphs[kind] = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
         tokenizer = ckpt.write_tokenizer(tmp)
         manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)
+        manifest["quant"] = None if quant is None else {**quant.to_dict(), "layout": layout, "weights": sorted(quantized)}
         write_manifest(tmp, manifest)
         _replace_dir(tmp, out_dir)
     except BaseException:
@@ -75,17 +86,30 @@ def _check_destination(out_dir: Path) -> None:
         raise DecodertError(f"{out_dir}: exists, is not empty and is not a decodert artifact; choose another -o")
 
 
-def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool) -> dict[str, onnx.TensorProto]:
-    """Stream every canonical tensor (one at a time) plus the RoPE tables into weights.bin."""
-    names = canonical_names(spec)
+def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool,
+                   quant: QuantConfig | None, layout: str) -> tuple[dict[str, onnx.TensorProto], frozenset[str]]:
+    """Stream every canonical tensor (one at a time) plus the RoPE tables into weights.bin.
+
+    Returns the initializers and the names of the weights stored quantized.
+    """
+    quantized = set()
     with WeightsWriter(path) as w:
-        for name in tqdm(names, desc="export weights", unit="tensor", disable=not progress):
-            w.add(name, ckpt.tensor(name), dtype)
+        for name in tqdm(canonical_names(spec), desc="export weights", unit="tensor", disable=not progress):
+            tensor = ckpt.tensor(name)
+            if quant is not None and quant.applies_to(name):
+                write_quantized(w, name, quantize(tensor, quant), quant, dtype, layout)
+                quantized.add(name)
+            else:
+                w.add(name, tensor, dtype)
+            if name == "embed" and spec.tie_word_embeddings and quant is not None and quant.lm_head:
+                write_quantized(w, "lm_head", quantize(tensor, quant), quant, dtype, layout)  # tied: a quantized copy
+                quantized.add("lm_head")
+            del tensor
         cos, sin = spec.rope.cos_sin(spec.head_dim, max_seq)
         w.add("rope.cos", cos, dtype)
         w.add("rope.sin", sin, dtype)
         w.close()
-        return w.tensors
+        return w.tensors, frozenset(quantized)
 
 
 def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_batch: int,

@@ -27,13 +27,19 @@ class WeightsWriter:
         self.tensors: dict[str, TensorProto] = {}
 
     def add(self, name: str, array: np.ndarray, dtype: str) -> TensorProto:
+        """A float tensor converted to ``dtype`` (fp32 | fp16 | bf16)."""
         data = np.ascontiguousarray(array.astype(NUMPY_DTYPES[dtype], copy=False))
+        return self.add_raw(name, data, DTYPES[dtype], data.shape)
+
+    def add_raw(self, name: str, data: np.ndarray, data_type: int, dims: tuple[int, ...]) -> TensorProto:
+        """Bytes as they are (e.g. packed int4), declared with an ONNX ``data_type`` and ``dims``."""
+        data = np.ascontiguousarray(data)
         pad = -self.offset % ALIGN
         if pad:
             self._f.write(b"\0" * pad)
             self.offset += pad
         data.tofile(self._f) if data.nbytes else None
-        t = TensorProto(name=name, data_type=DTYPES[dtype], dims=list(data.shape))
+        t = TensorProto(name=name, data_type=data_type, dims=list(dims))
         t.data_location = TensorProto.EXTERNAL
         for key, value in (("location", self.location), ("offset", str(self.offset)), ("length", str(data.nbytes))):
             entry = t.external_data.add()

@@ -1,0 +1,137 @@
+"""Weight-only block quantization (int4 / int8) of the linear weights at export.
+
+A weight W [N, K] (checkpoint layout: out, in) is cut into blocks of ``block_size`` along K
+(K padded with zeros to a whole number of blocks) and stored as
+
+    q            uint8 values [N, Kp]      int4: two per byte, even element in the low nibble
+    scales       [N, Kp / block]           model dtype
+    zero_points  uint8 [N, Kp / block]     int4: two per byte (per row, padded to whole bytes)
+
+    W[n, k] ~= (q[n, k] - zero_points[n, k // block]) * scales[n, k // block]
+
+These bytes are exactly what ONNX Runtime's com.microsoft.MatMulNBits reads (B [N, blocks,
+block/2]) and, for int4 with an even number of blocks, what a standard block-wise
+DequantizeLinear of a UINT4 [N, Kp] tensor reads, so every target shares one layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from decodert.errors import DecodertError
+
+QUANTIZABLE = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    bits: int = 4  # 4 | 8
+    block_size: int = 32  # 16 | 32 | 64 | 128 | 256
+    accuracy_level: int = 0  # MatMulNBits: 0 = fp32 compute, 4 = int8 activations (faster, less exact)
+    symmetric: bool = False  # True: zero point fixed at the midpoint (8 / 128)
+    lm_head: bool = True  # quantize the output projection too (a large share of a small model)
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise DecodertError(f"--quant must be int4 or int8 (got {self.bits} bits)")
+        if self.block_size not in (16, 32, 64, 128, 256):
+            raise DecodertError(f"--block-size must be one of 16, 32, 64, 128, 256 (got {self.block_size})")
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise DecodertError(f"--accuracy-level must be 0..4 (got {self.accuracy_level})")
+
+    def applies_to(self, name: str) -> bool:
+        return name == "lm_head" and self.lm_head or name.rsplit(".", 1)[-1] in QUANTIZABLE
+
+    def to_dict(self) -> dict:
+        return {"bits": self.bits, "block_size": self.block_size, "accuracy_level": self.accuracy_level,
+                "symmetric": self.symmetric, "lm_head": self.lm_head}
+
+
+@dataclass
+class QuantizedWeight:
+    q: np.ndarray  # uint8 [N, Kp * bits / 8] packed
+    scales: np.ndarray  # float32 [N, blocks]
+    zero_points: np.ndarray  # uint8 [N, ceil(blocks * bits / 8)] packed
+    n: int
+    k: int
+    blocks: int
+
+
+def quantize(w: np.ndarray, cfg: QuantConfig) -> QuantizedWeight:
+    """Round-to-nearest block quantization of W [N, K] (float) -> packed q, scales, zero points."""
+    n, k = w.shape
+    bs, qmax = cfg.block_size, (1 << cfg.bits) - 1
+    blocks = -(-k // bs)
+    wp = np.zeros((n, blocks * bs), np.float32)
+    wp[:, :k] = w
+    wb = wp.reshape(n, blocks, bs)
+    if cfg.symmetric:
+        mid = 1 << (cfg.bits - 1)
+        absmax = np.abs(wb).max(-1)
+        scales = absmax / (mid - 1)  # [-absmax, absmax] -> mid +- (mid - 1): no clipping
+        zp = np.full((n, blocks), mid, np.float32)
+    else:
+        lo, hi = np.minimum(wb.min(-1), 0.0), np.maximum(wb.max(-1), 0.0)
+        scales = (hi - lo) / qmax
+        zp = np.clip(np.round(-lo / np.where(scales == 0, 1, scales)), 0, qmax)
+    safe = np.where(scales == 0, 1.0, scales)[..., None]
+    q = np.clip(np.round(wb / safe + zp[..., None]), 0, qmax).astype(np.uint8).reshape(n, blocks * bs)
+    zp8 = zp.astype(np.uint8)
+    if cfg.bits == 4:
+        q = pack_nibbles(q)
+        zp8 = pack_nibbles(np.pad(zp8, ((0, 0), (0, blocks % 2))))
+    return QuantizedWeight(q, scales.astype(np.float32), zp8, n, k, blocks)
+
+
+def dequantize(qw: QuantizedWeight, cfg: QuantConfig) -> np.ndarray:
+    """The float weight the quantized one stands for (reference for tests and error reports)."""
+    q, zp = qw.q, qw.zero_points
+    if cfg.bits == 4:
+        q, zp = unpack_nibbles(q), unpack_nibbles(zp)[:, : qw.blocks]
+    wb = (q.reshape(qw.n, qw.blocks, cfg.block_size).astype(np.float32) - zp[..., None]) * qw.scales[..., None]
+    return wb.reshape(qw.n, -1)[:, : qw.k]
+
+
+def pack_nibbles(v: np.ndarray) -> np.ndarray:
+    """uint8 values < 16 [..., 2m] -> bytes [..., m], even element in the low nibble."""
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_nibbles(b: np.ndarray) -> np.ndarray:
+    out = np.empty(b.shape[:-1] + (b.shape[-1] * 2,), np.uint8)
+    out[..., 0::2], out[..., 1::2] = b & 0xF, b >> 4
+    return out
+
+
+def write_quantized(writer, name: str, qw: QuantizedWeight, cfg: QuantConfig, dtype: str, layout: str) -> None:
+    """Write ``name.q``, ``name.scales`` (and ``name.zero_points``) in the layout a target reads.
+
+    layout "nbits": com.microsoft.MatMulNBits — B uint8 [N, blocks, block*bits/8], scales [N*blocks],
+                    zero points uint8 [N * ceil(blocks*bits/8)].
+    layout "qdq":   standard block DequantizeLinear (axis 1) of a [N, Kp] tensor — UINT4/UINT8 with
+                    zero points, or INT4/INT8 without (symmetric; what TensorRT accepts).
+    """
+    from onnx import TensorProto
+
+    n, blocks, bs = qw.n, qw.blocks, cfg.block_size
+    scales = qw.scales
+    if layout == "nbits":
+        writer.add_raw(f"{name}.q", qw.q, TensorProto.UINT8, (n, blocks, bs * cfg.bits // 8))
+        writer.add(f"{name}.scales", scales.reshape(-1), dtype)
+        if not cfg.symmetric:
+            writer.add_raw(f"{name}.zero_points", qw.zero_points, TensorProto.UINT8, (qw.zero_points.size,))
+        return
+    kp = blocks * bs
+    writer.add(f"{name}.scales", scales, dtype)
+    if cfg.symmetric:  # signed values: q - midpoint, i.e. flip the top bit of every field
+        flip = 0x88 if cfg.bits == 4 else 0x80
+        writer.add_raw(f"{name}.q", qw.q ^ np.uint8(flip), TensorProto.INT4 if cfg.bits == 4 else TensorProto.INT8, (n, kp))
+        return
+    zp = qw.zero_points
+    if cfg.bits == 4:  # ONNX packs int4 continuously across rows, not per row
+        zp = pack_nibbles(np.pad(unpack_nibbles(zp)[:, :blocks].reshape(-1), (0, (n * blocks) % 2)))
+    kind = TensorProto.UINT4 if cfg.bits == 4 else TensorProto.UINT8
+    writer.add_raw(f"{name}.q", qw.q, kind, (n, kp))
+    writer.add_raw(f"{name}.zero_points", zp, kind, (n, blocks))

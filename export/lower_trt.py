@@ -4,8 +4,17 @@
 - CachedAttention  -> RotaryEmbedding-23 (q, k)  -> ROTARY_EMBEDDING
                       TensorScatter-24 into past  -> KV_CACHE_UPDATE (in place)
                       Attention-23 over the whole [B,Hkv,Smax,D] cache with a bool mask
-                      [B,1,S,Smax] built from past_lengths (no past inputs: TensorRT rejects them)
+                      [B,1,S,Smax] built from past_lengths (no past inputs: TensorRT rejects them);
+                      fp32 graphs use the decomposed attention body instead (see below)
 The same graph runs on ONNX Runtime CPU in tests.
+
+With ``plugins`` (``--plugins always``, or ``auto`` for a TensorRT without those layers, e.g.
+Jetson JetPack 6 = 10.3 / JetPack 7.1 = 10.13), the ops listed become ``decodert::`` plugin nodes
+served by TensorRT plugins (plugins/trt_plugins.py) and the graph drops to opset 17:
+- RMSNorm          -> decodert::RMSNorm (x, weight[, residual]) -> (y[, sum])
+- CachedAttention  -> decodert::CachedAttention (q, k, v, past_key, past_value, past_lengths,
+                      cos, sin) -> (y, present_key, present_value): its outputs are the graph's
+                      present_* outputs, in place (the plugin aliases them to the past inputs).
 """
 
 from __future__ import annotations
@@ -15,7 +24,13 @@ from typing import Any
 
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.export.onnx_builder import GraphBuilder
-from decodert.plugins.cached_attention import positions_and_visibility
+from decodert.export.quant import QuantConfig
+from decodert.models.spec import ModelSpec
+from decodert.plugins.cached_attention import attend_body, positions_and_visibility
+from decodert.plugins.registry import DOMAIN, OPSET_VERSION
+from decodert.plugins.selection import PLUGIN_OPS  # the ops the trt target can emit as plugin nodes
+
+PLUGIN_OPSET = 17  # what TensorRT 8.6 .. 10.x parsers all read; the rest of the graph needs no more
 
 
 @dataclass(frozen=True)
@@ -32,14 +47,35 @@ class TrtLowering(Lowering):
     opsets = {"": 24}
     ir_version = 11
 
-    def context(self, g: GraphBuilder, inp: GraphInputs) -> TrtContext:
+    def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
+                 quantized: frozenset[str] = frozenset(), plugins: tuple[str, ...] = ()):
+        super().__init__(spec, dtype, max_seq, quant, quantized)
+        unknown = set(plugins) - set(PLUGIN_OPS)
+        if unknown:
+            raise ValueError(f"no trt plugin lowering for {sorted(unknown)}; known: {PLUGIN_OPS}")
+        self.plugins = tuple(op for op in PLUGIN_OPS if op in plugins)
+        if self.plugins:  # block DequantizeLinear (quantized weights) needs opset 21
+            self.opsets = {"": 21 if quantized else PLUGIN_OPSET, DOMAIN: OPSET_VERSION}
+            self.ir_version = 10 if quantized else 8
+
+    def context(self, g: GraphBuilder, inp: GraphInputs) -> TrtContext | GraphInputs:
+        if "CachedAttention" in self.plugins:
+            return inp  # the plugin derives positions and the mask from past_lengths itself
         with g.scope("attn_context"):
             pos, visible = positions_and_visibility(g, inp.past_lengths, inp.input_ids, self.max_seq,
                                                     self.spec.sliding_window or 0)
         return TrtContext(pos, inp.past_lengths, visible, inp.cos_cache, inp.sin_cache)
 
     def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
+        if "RMSNorm" in self.plugins:
+            return g.op("RMSNorm", x, weight, domain=DOMAIN, epsilon=self.spec.rms_norm_eps)
         return g.op("RMSNormalization", x, weight, axis=-1, epsilon=self.spec.rms_norm_eps, stash_type=1)
+
+    def add_rms_norm(self, g: GraphBuilder, x: str, residual: str, weight: str) -> tuple[str, str]:
+        if "RMSNorm" not in self.plugins:
+            return super().add_rms_norm(g, x, residual, weight)
+        y, s = g.op("RMSNorm", x, weight, residual, domain=DOMAIN, epsilon=self.spec.rms_norm_eps, outputs=2)
+        return y, s
 
     def _rope(self, g: GraphBuilder, x: str, heads: int, ctx: TrtContext) -> str:
         return g.op("RotaryEmbedding", x, ctx.cos_cache, ctx.sin_cache, ctx.positions, num_heads=heads, interleaved=0,
@@ -50,10 +86,20 @@ class TrtLowering(Lowering):
         past_key, past_value, present_key, present_value = cache
         d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
         q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
+        if "CachedAttention" in self.plugins:  # [B,S,H*D], present_* written in place
+            return g.op("CachedAttention", q, k, v, past_key, past_value, ctx.past_lengths, ctx.cos_cache,
+                        ctx.sin_cache, domain=DOMAIN, outputs=[None, present_key, present_value],
+                        num_heads=h, kv_num_heads=hkv, scale=self.scale, sliding_window=s.sliding_window or 0)[0]
         q = self._rope(g, q, h, ctx)
         k = self._rope(g, k, hkv, ctx)
         to_bhsd = lambda x, n: g.op("Transpose", g.op("Reshape", x, g.const([0, 0, n, d])), perm=[0, 2, 1, 3])  # noqa: E731
         g.op("TensorScatter", past_key, to_bhsd(k, hkv), ctx.write_index, axis=2, outputs=[present_key])
         g.op("TensorScatter", past_value, to_bhsd(v, hkv), ctx.write_index, axis=2, outputs=[present_value])
+        if self.dtype == "fp32":
+            # TensorRT has no dedicated fp32 attention kernel and rejects Attention-23 unless it carries
+            # a TensorRT-only attribute ONNX Runtime refuses; the decomposed body builds (and fuses).
+            q4 = g.op("Reshape", q, g.const([0, 0, h, d]))
+            return attend_body(g, q4, present_key, present_value, ctx.visible, num_heads=h, kv_heads=hkv,
+                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype)
         y = g.op("Attention", to_bhsd(q, h), present_key, present_value, ctx.visible, scale=self.scale)
         return g.op("Reshape", g.op("Transpose", y, perm=[0, 2, 1, 3]), g.const([0, 0, h * d]))

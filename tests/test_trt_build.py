@@ -249,6 +249,21 @@ def test_export_and_build_bf16(tiny_checkpoint, tmp_path):
     assert {t["dtype"] for t in engines["decode"]["io"]["inputs"] if t["name"].startswith("past_key")} == {"bf16"}
 
 
+def test_export_and_build_fp32_and_int4(tiny_checkpoint, tmp_path):
+    """fp32 uses the decomposed attention (no Attention layer); int4 weights build as block dequantize."""
+    from decodert.export.pipeline import export_model
+    from decodert.export.quant import QuantConfig
+
+    src = tiny_checkpoint("llama")
+    export_model(src, tmp_path / "f32", target="trt", dtype="fp32", max_seq=32, progress=False)
+    engines = trt_build.build_engines(tmp_path / "f32", progress=False)
+    assert engines["decode"]["layers"]["KV_CACHE_UPDATE"] == 4 and "ATTENTION_INPUT" not in engines["decode"]["layers"]
+    export_model(src, tmp_path / "q4", target="trt", dtype="fp16", max_seq=32, progress=False,
+                 quant=QuantConfig(bits=4, block_size=32))
+    engines = trt_build.build_engines(tmp_path / "q4", progress=False)
+    assert engines["decode"]["layers"]["DEQUANTIZE"] >= 8 and engines["decode"]["layers"]["ATTENTION_INPUT"] == 2
+
+
 @pytest.mark.slow
 def test_build_smollm2(request, tmp_path):
     """SmolLM2-135M (30 layers) fp16: about 35 s of building and 1.5 GB of RAM here."""

@@ -22,7 +22,7 @@ def _export(args: argparse.Namespace) -> int:
         quant = QuantConfig(bits=int(args.quant[3:]), block_size=args.block_size, accuracy_level=args.accuracy_level,
                             symmetric=args.symmetric, lm_head=not args.no_quant_lm_head)
     m = export_model(args.src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
-                     max_batch=args.max_batch, quant=quant)
+                     max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version)
     print(f"exported {m['model']['family']} ({m['target']}, {m['dtype']}, max_seq {m['max_seq']}) to {args.out}")
     return 0
 
@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ort target: 0 = fp32 compute, 4 = int8 activations (faster; may flip near-tie tokens)")
     e.add_argument("--symmetric", action="store_true", help="no zero points (always on for --target trt)")
     e.add_argument("--no-quant-lm-head", action="store_true", help="keep the output projection in float")
+    e.add_argument("--plugins", choices=["auto", "always", "never"], default="auto",
+                   help="trt target: decodert plugin nodes (CachedAttention, RMSNorm) instead of native layers; "
+                        "auto = plugins only for a TensorRT without them (< 10.15, e.g. Jetson)")
+    e.add_argument("--trt-version", default=None,
+                   help="trt target: the TensorRT the engines are built with, e.g. 10.3 (default: the installed one)")
     e.set_defaults(func=_export)
 
     i = sub.add_parser("inspect", help="print an artifact's manifest and graph summary")

@@ -30,7 +30,10 @@ GraphKind = Literal["prefill", "decode"]
 
 
 def make_lowering(target: str, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
-                  quantized: frozenset[str] = frozenset()) -> Lowering:
+                  quantized: frozenset[str] = frozenset(), plugins: tuple[str, ...] = ()) -> Lowering:
+    """``plugins``: decodert ops to emit as plugin nodes (trt target only; see lower_trt.py)."""
+    if plugins:
+        return TrtLowering(spec, dtype, max_seq, quant, quantized, plugins=plugins)
     return LOWERINGS[target](spec, dtype, max_seq, quant, quantized)
 
 

@@ -26,6 +26,7 @@ from decodert.export.quant import QuantConfig, quantize, write_quantized
 from decodert.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_record, write_manifest
 from decodert.export.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names
+from decodert.plugins.selection import choose_plugins
 
 DTYPES = ("fp32", "fp16", "bf16")
 WEIGHTS = "weights.bin"
@@ -33,8 +34,11 @@ WEIGHTS = "weights.bin"
 
 def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtype: str = "fp32",
                  max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None,
-                 quant: QuantConfig | None = None) -> dict[str, Any]:
+                 quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None) -> dict[str, Any]:
     """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
+
+    ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
+    TensorRT layers (plugins/selection.py decides ``auto`` from ``trt_version`` or the installed TensorRT).
 
     ``quant`` stores the linear weights block-quantized (export/quant.py); the trt target needs
     symmetric quantization (TensorRT's int4 weights have no zero point) and gets it.
@@ -53,6 +57,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
     progress = sys.stderr.isatty() if progress is None else progress
+    plugin_record = choose_plugins(plugins, target, trt_version)
     if quant is not None and target == "trt" and not quant.symmetric:
         quant = dataclasses.replace(quant, symmetric=True)
 
@@ -61,7 +66,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     try:
         layout = LOWERINGS[target].quant_layout
         weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout)
-        lowering = make_lowering(target, spec, dtype, max_seq, quant, quantized)
+        lowering = make_lowering(target, spec, dtype, max_seq, quant, quantized,
+                                 plugins=tuple(plugin_record["ops"]) if plugin_record else ())
         graphs = {}
         for kind in ("prefill", "decode"):
             path = tmp / f"{kind}.onnx"
@@ -70,6 +76,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
             graphs[kind] = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
         tokenizer = ckpt.write_tokenizer(tmp)
         manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)
+        if plugin_record is not None:
+            manifest["plugins"] = plugin_record
         manifest["quant"] = None if quant is None else {**quant.to_dict(), "layout": layout, "weights": sorted(quantized)}
         write_manifest(tmp, manifest)
         _replace_dir(tmp, out_dir)

@@ -64,21 +64,6 @@ def cached_attention_ref(q, k, v, past_key, past_value, past_lengths, cos_cache,
     return y.astype(q.dtype), pk, pv
 
 
-CACHED_ATTENTION = register(
-    OpDef(
-        name="CachedAttention",
-        inputs=("q: T [B,S,H*D]", "k: T [B,S,Hkv*D]", "v: T [B,S,Hkv*D]",
-                "past_key: T [B,Hkv,Smax,D]", "past_value: T [B,Hkv,Smax,D]", "past_lengths: int64 [B]",
-                "cos_cache: T [Smax,R/2]", "sin_cache: T [Smax,R/2]"),
-        outputs=("y: T [B,S,H*D]", "present_key: T [B,Hkv,Smax,D] (aliases past_key)",
-                 "present_value: T [B,Hkv,Smax,D] (aliases past_value)"),
-        attributes={"num_heads": None, "kv_num_heads": None, "scale": 0.0, "sliding_window": 0},
-        numpy_ref=cached_attention_ref,
-        doc=__doc__ or "",
-    )
-)
-
-
 # ---- reference body (standard ONNX ops, opset >= 18) -------------------------------------
 @dataclass(frozen=True)
 class AttnContext:
@@ -139,7 +124,7 @@ def write_cache_body(g: GraphBuilder, past: str, new_bhsd: str, ctx: AttnContext
 
 
 def attend_body(g: GraphBuilder, q4: str, key: str, value: str, visible: str, *, num_heads: int,
-                kv_heads: int, head_dim: int, max_seq: int, scale: float, dtype: str) -> str:
+                kv_heads: int, head_dim: int, max_seq: int, scale: float, dtype: str, out: str | None = None) -> str:
     """q4 [B,S,H,D] roped; key/value [B,Hkv,Smax,D] -> y [B,S,H*D] (GQA without repeating K/V)."""
     group = num_heads // kv_heads
     qg = g.op("Reshape", g.op("Transpose", q4, perm=[0, 2, 1, 3]), g.const([0, kv_heads, -1, head_dim]))
@@ -155,4 +140,51 @@ def attend_body(g: GraphBuilder, q4: str, key: str, value: str, visible: str, *,
         probs = g.op("Cast", probs, to=DTYPES[dtype])
     y = g.op("MatMul", probs, value)  # [B,Hkv,G*S,D]
     y = g.op("Transpose", g.op("Reshape", y, g.const([0, num_heads, -1, head_dim])), perm=[0, 2, 1, 3])
-    return g.op("Reshape", y, g.const([0, 0, num_heads * head_dim]))
+    return g.op("Reshape", y, g.const([0, 0, num_heads * head_dim]), outputs=[out])[0]
+
+
+# ---- the op: shape rule, expansion body, registration --------------------------------------
+def cached_attention_shapes(ins: list, attrs: dict, const) -> list:
+    """y = q's shape [B,S,H*D]; present_key/value = past_key/value's [B,Hkv,Smax,D]."""
+    return [list(ins[0]), list(ins[3]), list(ins[4])]
+
+
+def cached_attention_expand(g: GraphBuilder, inputs, outputs, attrs: dict, ctx) -> None:
+    """decodert::CachedAttention -> the reference body above (static D, Smax, R from the I/O)."""
+    q, k, v, past_key, past_value, past_lengths, cos, sin = inputs
+    y, present_key, present_value = outputs
+    h, hkv = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
+    smax, d = ctx.static_dim(past_key, 2), ctx.static_dim(past_key, 3)
+    rotary = 2 * ctx.static_dim(cos, 1)
+    if h % hkv or rotary > d:
+        raise ctx.error(f"num_heads {h} must be a multiple of kv_num_heads {hkv} and rotary dim {rotary} <= head dim {d}")
+    dtype = ctx.dtype(past_key)
+    actx = make_context(g, past_lengths, q, cos, sin, smax, int(attrs["sliding_window"]))
+    q4 = rope_body(g, g.op("Reshape", q, g.const([0, 0, h, d])), actx, d, rotary)
+    k4 = rope_body(g, g.op("Reshape", k, g.const([0, 0, hkv, d])), actx, d, rotary)
+    v4 = g.op("Reshape", v, g.const([0, 0, hkv, d]))
+    key = write_cache_body(g, past_key, g.op("Transpose", k4, perm=[0, 2, 1, 3]), actx, hkv, present_key)
+    value = write_cache_body(g, past_value, g.op("Transpose", v4, perm=[0, 2, 1, 3]), actx, hkv, present_value)
+    scale = float(attrs["scale"]) or 1.0 / float(np.sqrt(d))
+    attend_body(g, q4, key, value, actx.visible, num_heads=h, kv_heads=hkv, head_dim=d, max_seq=smax, scale=scale,
+                dtype=dtype, out=y)
+
+
+CACHED_ATTENTION = register(
+    OpDef(
+        name="CachedAttention",
+        inputs=("q: T [B,S,H*D]", "k: T [B,S,Hkv*D]", "v: T [B,S,Hkv*D]",
+                "past_key: T [B,Hkv,Smax,D]", "past_value: T [B,Hkv,Smax,D]", "past_lengths: int64 [B]",
+                "cos_cache: T [Smax,R/2]", "sin_cache: T [Smax,R/2]"),
+        outputs=("y: T [B,S,H*D]", "present_key: T [B,Hkv,Smax,D] (aliases past_key)",
+                 "present_value: T [B,Hkv,Smax,D] (aliases past_value)"),
+        attributes={"num_heads": None, "kv_num_heads": None, "scale": 0.0, "sliding_window": 0},
+        numpy_ref=cached_attention_ref,
+        shape_rule=cached_attention_shapes,
+        body=cached_attention_expand,
+        type_input=3,
+        min_outputs=3,
+        aliases={1: 3, 2: 4},
+        doc=__doc__ or "",
+    )
+)

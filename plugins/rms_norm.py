@@ -20,19 +20,7 @@ def rms_norm_ref(x: np.ndarray, weight: np.ndarray, residual: np.ndarray | None 
     return (y,) if residual is None else (y, s)
 
 
-RMS_NORM = register(
-    OpDef(
-        name="RMSNorm",
-        inputs=("x: T [..., N]", "weight: T [N]", "residual: T [..., N] (optional)"),
-        outputs=("y: T [..., N]", "sum: T [..., N] (x + residual, when residual is given)"),
-        attributes={"epsilon": 1e-6},
-        numpy_ref=rms_norm_ref,
-        doc=__doc__ or "",
-    )
-)
-
-
-def rms_norm_body(g: GraphBuilder, x: str, weight: str, *, epsilon: float, dtype: str) -> str:
+def rms_norm_body(g: GraphBuilder, x: str, weight: str, *, epsilon: float, dtype: str, out: str | None = None) -> str:
     """Standard ONNX ops (opset >= 18), float32 inside."""
     xf = g.op("Cast", x, to=1) if dtype != "fp32" else x
     ms = g.op("ReduceMean", g.op("Mul", xf, xf), g.const(np.array([-1], np.int64)), keepdims=1)
@@ -40,5 +28,36 @@ def rms_norm_body(g: GraphBuilder, x: str, weight: str, *, epsilon: float, dtype
     y = g.op("Mul", xf, inv)
     if dtype != "fp32":
         y = g.op("Cast", y, to=DTYPES[dtype])
-    return g.op("Mul", y, weight)
+    return g.op("Mul", y, weight, outputs=[out])[0]
 
+
+
+def rms_norm_shapes(ins: list, attrs: dict, const) -> list:
+    """y and sum have x's shape."""
+    return [list(ins[0]), list(ins[0])]
+
+
+def rms_norm_expand(g: GraphBuilder, inputs, outputs, attrs: dict, ctx) -> None:
+    """decodert::RMSNorm -> (Add) + the body above; ``sum`` is the Add's output."""
+    x, weight = inputs[0], inputs[1]
+    residual = inputs[2] if len(inputs) > 2 and inputs[2] else None
+    if residual is None and len(outputs) > 1 and outputs[1]:
+        raise ctx.error("output 'sum' needs the 'residual' input")
+    if residual is not None:
+        x = g.op("Add", x, residual, outputs=[outputs[1] if len(outputs) > 1 and outputs[1] else None])[0]
+    rms_norm_body(g, x, weight, epsilon=float(attrs["epsilon"]), dtype=ctx.dtype(weight), out=outputs[0])
+
+
+RMS_NORM = register(
+    OpDef(
+        name="RMSNorm",
+        inputs=("x: T [..., N]", "weight: T [N]", "residual: T [..., N] (optional)"),
+        outputs=("y: T [..., N]", "sum: T [..., N] (x + residual, when residual is given)"),
+        attributes={"epsilon": 1e-6},
+        numpy_ref=rms_norm_ref,
+        shape_rule=rms_norm_shapes,
+        body=rms_norm_expand,
+        type_input=1,
+        doc=__doc__ or "",
+    )
+)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -152,3 +154,16 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2_exports, smollm2_r
     batched = decodert_greedy(backend(out), prompts, 64)
     assert batched == [toks for toks, _ in refs]  # greedy 64, every row
     assert decodert_greedy(backend(out), prompts[1:2], 64)[0] == batched[1]  # batched == single
+
+
+def test_smollm2_export_streams_weights(smollm2_gguf, tmp_path):
+    """Peak RSS of a whole export stays under 1.5x the fp32 weights it writes (not the model twice)."""
+    out = tmp_path / "art"
+    code = ("import resource, sys; from decodert.cli import main; "
+            f"rc = main(['export', {str(smollm2_gguf)!r}, '-o', {str(out)!r}, '--max-seq', '256']); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024); sys.exit(rc)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    peak = int(res.stdout.strip().splitlines()[-1])
+    weights = load_manifest(out)["weights"]["bytes"]
+    assert weights > 500e6 and peak < 1.5 * weights, (peak / 2**20, weights / 2**20)

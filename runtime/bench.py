@@ -1,0 +1,359 @@
+"""``decodert bench OUT``: prefill and decode speed of an artifact, with the hardware numbers.
+
+Drives the backend directly (no tokenizer, no EOS): each run prefills ``--prompt-len`` fixed
+pseudo-random token ids per row and decodes greedily until ``--gen`` tokens per row exist, so
+every run does the same work. After ``--warmup`` untimed runs, ``--repeats`` timed runs give the
+median and the min-max of
+
+    ttft_ms      prefill call (prompt -> first token)
+    prompt_tps   prompt tokens (all rows) / prefill time
+    decode_tps   generated tokens after the first (all rows) / decode time
+    tpot_ms      mean time of one decode step
+    gbps         weight bytes read per decode step / step time (the achieved bandwidth)
+
+Bytes per step are the weights the decode graph reads: every initializer in full, except tables
+only read by Gather (the embedding when the output projection is a separate or quantized copy,
+the RoPE tables), which read one row per token. ``copy_gbps`` is a measured memory copy
+(numpy, 256 MiB, bytes read + bytes written), and ``floor_tps`` = copy_gbps / bytes per step is
+the decode speed a memory-bound batch-1 step would reach at that bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.runtime.metrics import peak_rss_mb
+
+
+@dataclass
+class Spread:
+    """Median and range of one measure over the repeats."""
+
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Spread":
+        return cls(float(statistics.median(values)), float(min(values)), float(max(values)))
+
+    def fmt(self, digits: int = 1) -> str:
+        return f"{self.median:.{digits}f} ({self.min:.{digits}f}-{self.max:.{digits}f})"
+
+
+@dataclass
+class RunTiming:
+    """One run: the prefill call and every decode step, in seconds."""
+
+    prefill_s: float
+    step_s: np.ndarray  # [gen - 1]
+
+
+@dataclass
+class BatchResult:
+    batch: int
+    ttft_ms: Spread
+    prompt_tps: Spread
+    decode_tps: Spread  # all rows together
+    tpot_ms: Spread  # one decode step (all rows)
+    gbps: Spread  # weight bytes per step / step time
+    step_ms: list[float]  # median time of the decode step at each context position (prompt_len + 1 ...)
+
+
+@dataclass
+class BenchResult:
+    artifact: str
+    model: str
+    dtype: str
+    quant: dict | None
+    backend: str
+    threads: int | None
+    prompt_len: int
+    gen: int
+    warmup: int
+    repeats: int
+    weights_file_bytes: int  # weights.bin as written
+    bytes_per_step: int  # weights a batch-1 decode step reads
+    copy_gbps: float  # measured memory copy bandwidth (read + write)
+    floor_tps: float  # copy_gbps / bytes_per_step: memory-bound batch-1 decode speed
+    peak_rss_mb: float
+    load_s: float
+    machine: dict = field(default_factory=dict)
+    results: list[BatchResult] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        return format_table(self)
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+def memcopy_gbps(mib: int = 256, tries: int = 5) -> float:
+    """Best of ``tries`` numpy copies of a ``mib`` MiB buffer, counted as bytes read + written."""
+    src = np.ones(mib * 2**20 // 8, np.float64)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best / 1e9
+
+
+def bytes_per_step(artifact_dir: Path, manifest: Mapping[str, Any], rows: int = 1) -> int:
+    """Weight bytes one decode step reads: Gather-only tables count ``rows`` rows, the rest in full."""
+    import onnx
+
+    graph = onnx.load(str(artifact_dir / manifest["graphs"]["decode"]["file"]), load_external_data=False).graph
+    uses: dict[str, list[tuple[str, int]]] = {}
+    for node in graph.node:
+        for pos, name in enumerate(node.input):
+            uses.setdefault(name, []).append((node.op_type, pos))
+    total = 0
+    for t in graph.initializer:
+        size = _initializer_bytes(t)
+        consumers = uses.get(t.name, [])
+        if consumers and all(op == "Gather" and pos == 0 for op, pos in consumers) and t.dims:
+            size = size // int(t.dims[0]) * rows
+        total += size
+    return total
+
+
+def _initializer_bytes(t: Any) -> int:
+    info = {e.key: e.value for e in t.external_data}
+    if "length" in info:
+        return int(info["length"])
+    return len(t.raw_data) if t.raw_data else 0
+
+
+def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> np.ndarray:
+    """Fixed pseudo-random prompt ids [length] int64 (the same for every runtime that is compared)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, min(vocab_size, 32000), size=length).astype(np.int64)
+
+
+class BackendRunner:
+    """Runs one greedy request of ``batch`` rows straight on a decodert backend."""
+
+    def __init__(self, backend: Any, batch: int) -> None:
+        self.backend, self.batch = backend, batch
+        self.cache = backend.allocate(batch)
+
+    def run(self, ids: np.ndarray, gen: int) -> RunTiming:
+        be, cache, slots = self.backend, self.cache, list(range(self.batch))
+        cache.reset()
+        clock = time.perf_counter
+        t0 = clock()
+        tokens = be.prefill(cache, slots, [ids] * self.batch, want_logits=False).next_token
+        prefill_s = clock() - t0
+        steps = np.empty(gen - 1)
+        for i in range(gen - 1):
+            t0 = clock()
+            tokens = be.decode(cache, slots, tokens, want_logits=False).next_token
+            steps[i] = clock() - t0
+        return RunTiming(prefill_s, steps)
+
+
+def summarize(batch: int, prompt_len: int, runs: Sequence[RunTiming], step_bytes: int) -> BatchResult:
+    """Medians and ranges over the runs of one batch size."""
+    decode_s = [float(r.step_s.sum()) for r in runs]
+    n_steps = len(runs[0].step_s)
+    per_pos = np.median(np.stack([r.step_s for r in runs]), axis=0) if n_steps else np.empty(0)
+    safe = [max(s, 1e-12) for s in decode_s]
+    return BatchResult(
+        batch=batch,
+        ttft_ms=Spread.of([1e3 * r.prefill_s for r in runs]),
+        prompt_tps=Spread.of([batch * prompt_len / r.prefill_s for r in runs]),
+        decode_tps=Spread.of([batch * n_steps / s for s in safe]),
+        tpot_ms=Spread.of([1e3 * s / max(n_steps, 1) for s in decode_s]),
+        gbps=Spread.of([step_bytes * n_steps / s / 1e9 for s in safe]),
+        step_ms=[round(1e3 * float(x), 4) for x in per_pos],
+    )
+
+
+def time_runs(run: Callable[[], RunTiming], warmup: int, repeats: int) -> list[RunTiming]:
+    for _ in range(warmup):
+        run()
+    return [run() for _ in range(repeats)]
+
+
+# ---- the command -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchConfig:
+    prompt_len: int = 128
+    gen: int = 128
+    batches: tuple[int, ...] = (1,)
+    repeats: int = 5
+    warmup: int = 1
+    threads: int | None = None
+    backend: str = "auto"
+
+
+def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig()) -> BenchResult:
+    """Load the artifact, check the arguments against it, time every batch size."""
+    from decodert.runtime.llm import open_backend, read_manifest
+
+    folder = Path(artifact_dir)
+    manifest = read_manifest(folder)
+    check_config(cfg, manifest)
+    if cfg.threads:
+        os.environ["DECODERT_THREADS"] = str(cfg.threads)  # read by the ORT backend's session options
+    t0 = time.perf_counter()
+    backend = open_backend(folder, manifest, cfg.backend)
+    load_s = time.perf_counter() - t0
+    step_bytes = bytes_per_step(folder, manifest)
+    copy = memcopy_gbps()
+    ids = prompt_ids(int(manifest["model"]["vocab_size"]), cfg.prompt_len)
+    results = []
+    for batch in cfg.batches:
+        runner = BackendRunner(backend, batch)
+        runs = time_runs(lambda: runner.run(ids, cfg.gen), cfg.warmup, cfg.repeats)
+        results.append(summarize(batch, cfg.prompt_len, runs, step_bytes))
+        del runner
+    close = getattr(backend, "close", None)
+    if close is not None:
+        close()
+    return BenchResult(
+        artifact=str(folder), model=_model_name(manifest), dtype=manifest["dtype"], quant=manifest.get("quant"),
+        backend=backend.name, threads=cfg.threads, prompt_len=cfg.prompt_len, gen=cfg.gen, warmup=cfg.warmup,
+        repeats=cfg.repeats, weights_file_bytes=int(manifest["weights"]["bytes"]), bytes_per_step=step_bytes,
+        copy_gbps=copy, floor_tps=copy * 1e9 / step_bytes if step_bytes else 0.0, peak_rss_mb=peak_rss_mb(),
+        load_s=load_s, machine=machine_info(), results=results)
+
+
+def check_config(cfg: BenchConfig, manifest: Mapping[str, Any]) -> None:
+    """One-line errors for arguments the artifact cannot run."""
+    max_batch, max_seq = int(manifest["max_batch"]), int(manifest["max_seq"])
+    for name, value, low in (("--prompt-len", cfg.prompt_len, 1), ("--gen", cfg.gen, 1),
+                             ("--repeats", cfg.repeats, 1), ("--warmup", cfg.warmup, 0)):
+        if value < low:
+            raise DecodertError(f"{name} must be >= {low} (got {value})")
+    if not cfg.batches or min(cfg.batches) < 1:
+        raise DecodertError(f"--batch sizes must be >= 1 (got {','.join(map(str, cfg.batches))})")
+    if max(cfg.batches) > max_batch:
+        raise DecodertError(f"--batch {max(cfg.batches)} exceeds the artifact's --max-batch {max_batch}")
+    if cfg.prompt_len + cfg.gen > max_seq:
+        raise DecodertError(f"--prompt-len {cfg.prompt_len} + --gen {cfg.gen} = {cfg.prompt_len + cfg.gen} "
+                            f"exceeds the artifact's --max-seq {max_seq}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise DecodertError(f"--threads must be >= 1 (got {cfg.threads})")
+
+
+def machine_info() -> dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "loadavg_1m": round(load[0], 2),
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _model_name(manifest: Mapping[str, Any]) -> str:
+    return Path(str((manifest.get("source") or {}).get("path", "?"))).stem
+
+
+def format_table(r: BenchResult) -> str:
+    quant = "" if not r.quant else f" int{r.quant['bits']} acc{r.quant['accuracy_level']}"
+    lines = [f"{r.model} {r.dtype}{quant} ({r.backend}, threads {r.threads or 'default'}): prompt {r.prompt_len}, "
+             f"gen {r.gen}, {r.repeats} repeats after {r.warmup} warm-up; median (min-max)",
+             f"{'batch':>5} {'ttft ms':>20} {'prompt tok/s':>22} {'decode tok/s':>20} {'tpot ms':>18} {'GB/s':>17}"]
+    for b in r.results:
+        lines.append(f"{b.batch:>5} {b.ttft_ms.fmt():>20} {b.prompt_tps.fmt(0):>22} {b.decode_tps.fmt():>20} "
+                     f"{b.tpot_ms.fmt(2):>18} {b.gbps.fmt(1):>17}")
+    lines.append(f"weights read per step {r.bytes_per_step / 1e6:.1f} MB (file {r.weights_file_bytes / 1e6:.1f} MB) | "
+                 f"memcopy {r.copy_gbps:.1f} GB/s -> floor {r.floor_tps:.1f} tok/s at batch 1 | "
+                 f"peak rss {r.peak_rss_mb:.0f} MB | load {r.load_s:.2f} s | load avg {r.machine.get('loadavg_1m')}")
+    return "\n".join(lines)
+
+
+def plot(r: BenchResult, path: str | Path) -> None:
+    """Per-token decode time against context position, one line per batch size (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DecodertError("--plot needs matplotlib (pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for b in r.results:
+        positions = np.arange(len(b.step_ms)) + r.prompt_len + 1
+        ax.plot(positions, b.step_ms, label=f"batch {b.batch}", linewidth=1)
+    ax.set_xlabel("context position (tokens in the cache)")
+    ax.set_ylabel("decode step (ms, median of repeats)")
+    ax.set_title(f"{r.model} {r.dtype}{'' if not r.quant else ' int' + str(r.quant['bits'])}: decode time per token")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_batches(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4 (got {text!r})") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one batch size")
+    return values
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``decodert bench OUT [--prompt-len N] [--gen N] [--batch 1,4] ...``."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "bench", help="time prefill and greedy decode of an artifact (tok/s, TPOT, GB/s, bandwidth floor)")
+    p.add_argument("out", type=Path, help="artifact folder")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row (default 128)")
+    p.add_argument("--gen", type=int, default=128, help="tokens generated per row, the first included (default 128)")
+    p.add_argument("--batch", type=parse_batches, default=(1,), help="batch sizes, e.g. 1,4 (default 1)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per batch size (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the runtime's own)")
+    p.add_argument("--backend", choices=["auto", "ort", "trt"], default="auto")
+    p.add_argument("--json", type=Path, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, help="write a PNG of decode time per token against context position")
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    cfg = BenchConfig(prompt_len=args.prompt_len, gen=args.gen, batches=args.batch, repeats=args.repeats,
+                      warmup=args.warmup, threads=args.threads, backend=args.backend)
+    if args.plot is not None:
+        _check_plot_possible()
+    result = bench(args.out, cfg)
+    print(result.table())
+    if args.json is not None:
+        args.json.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+    if args.plot is not None:
+        plot(result, args.plot)
+    return 0
+
+
+def _check_plot_possible() -> None:
+    """Fail before a long run, not after it, when --plot cannot be drawn."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise DecodertError("--plot needs matplotlib (pip install matplotlib)")

@@ -1,0 +1,105 @@
+"""`decodert bench` on tiny exported models: it runs, writes the documented JSON, refuses bad arguments.
+
+No timing assertions: the numbers depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from decodert.cli import main
+from decodert.export.manifest import load_manifest
+from decodert.export.pipeline import export_model
+from decodert.export.quant import QuantConfig
+from decodert.runtime.bench import bytes_per_step
+
+SPREAD = {"median", "min", "max"}
+BATCH_FIELDS = {"batch", "ttft_ms", "prompt_tps", "decode_tps", "tpot_ms", "gbps", "step_ms"}
+TOP_FIELDS = {"artifact", "model", "dtype", "quant", "backend", "threads", "prompt_len", "gen", "warmup", "repeats",
+              "weights_file_bytes", "bytes_per_step", "copy_gbps", "floor_tps", "peak_rss_mb", "load_s", "machine",
+              "results"}
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "tied"
+    export_model(tiny_checkpoint("llama_tied"), out, max_seq=64, max_batch=2, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_int4_artifact(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "tied-int4"
+    export_model(tiny_checkpoint("llama_tied"), out, max_seq=64, max_batch=2, progress=False,
+                 quant=QuantConfig(bits=4, accuracy_level=4))
+    return out
+
+
+def _bench(out, *extra: str) -> int:
+    return main(["bench", str(out), "--prompt-len", "8", "--gen", "5", "--repeats", "2", "--warmup", "1", *extra])
+
+
+def test_bench_runs_and_writes_json(tiny_artifact, tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    assert _bench(tiny_artifact, "--batch", "1,2", "--threads", "1", "--json", str(report)) == 0
+    table = capsys.readouterr().out
+    assert "decode tok/s" in table and "floor" in table
+    data = json.loads(report.read_text())
+    assert TOP_FIELDS <= set(data)
+    assert (data["prompt_len"], data["gen"], data["repeats"], data["threads"]) == (8, 5, 2, 1)
+    assert [r["batch"] for r in data["results"]] == [1, 2]
+    for r in data["results"]:
+        assert BATCH_FIELDS <= set(r)
+        for name in ("ttft_ms", "prompt_tps", "decode_tps", "tpot_ms", "gbps"):
+            assert set(r[name]) == SPREAD
+            assert 0 < r[name]["min"] <= r[name]["median"] <= r[name]["max"]
+        assert len(r["step_ms"]) == 4  # gen - 1 decode steps
+    assert data["copy_gbps"] > 0 and data["floor_tps"] > 0 and data["peak_rss_mb"] > 0
+
+
+def test_bench_plot_is_a_png(tiny_artifact, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "steps.png"
+    assert _bench(tiny_artifact, "--plot", str(png)) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "3"], "exceeds the artifact's --max-batch 2"),
+    (["--prompt-len", "60", "--gen", "5"], "exceeds the artifact's --max-seq 64"),
+    (["--gen", "0"], "--gen must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--batch", "0"], "--batch sizes must be >= 1"),
+])
+def test_bench_rejects_bad_arguments(tiny_artifact, capsys, args, message):
+    assert main(["bench", str(tiny_artifact), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("decodert: error:") and message in err and "\n" not in err
+
+
+def test_bench_unparsable_batch_exits_2(tiny_artifact, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", str(tiny_artifact), "--batch", "one"])
+    assert e.value.code == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_bench_missing_artifact_exits_2(tmp_path, capsys):
+    assert main(["bench", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.startswith("decodert: error:")
+
+
+def test_bytes_per_step_counts_one_embedding_row_when_the_head_is_a_copy(tiny_artifact, tiny_int4_artifact):
+    tied = load_manifest(tiny_artifact)
+    embed_bytes = 512 * 64 * 4  # tiny vocab x hidden, fp32
+    # fp32 tied: the output projection reads the whole table, so it counts in full
+    full = bytes_per_step(tiny_artifact, tied)
+    assert full > embed_bytes
+    assert full <= tied["weights"]["bytes"] + 1024  # + small inline constants; RoPE tables count one row
+    # int4 with a quantized head copy: the float table is only gathered (one row per token)
+    q = load_manifest(tiny_int4_artifact)
+    per_step = bytes_per_step(tiny_int4_artifact, q)
+    assert per_step <= q["weights"]["bytes"] - embed_bytes + 64 * 4 + 1024
+    assert bytes_per_step(tiny_int4_artifact, q, rows=2) == per_step + 64 * 4

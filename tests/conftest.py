@@ -84,3 +84,18 @@ def smollm2_hf_model(smollm2_gguf):
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32").eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
+
+
+SMOL_TEXTS = ["The capital of France is", "Write a short poem about the sea and the wind.", "def fib(n):"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_hf_model):
+    """Three prompts (ids) and transformers' greedy tokens + logits for 64 steps each, computed once."""
+    import numpy as np
+
+    from parity import hf_reference
+
+    model, hf_tok = smollm2_hf_model
+    prompts = [np.array(hf_tok(t)["input_ids"], np.int64) for t in SMOL_TEXTS]
+    return prompts, [hf_reference(model, p, 64) for p in prompts]

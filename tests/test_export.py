@@ -125,17 +125,6 @@ def test_export_replaces_artifact_atomically(tmp_path, tiny_checkpoint):
 
 
 # ---- the real model ------------------------------------------------------------------------
-SMOL_TEXTS = ["The capital of France is", "Write a short poem about the sea and the wind.", "def fib(n):"]
-
-
-@pytest.fixture(scope="module")
-def smollm2_reference(smollm2_hf_model):
-    """Prompts and transformers' greedy tokens + logits for 64 steps, computed once."""
-    model, hf_tok = smollm2_hf_model
-    prompts = [np.array(hf_tok(t)["input_ids"], np.int64) for t in SMOL_TEXTS]
-    return prompts, [hf_reference(model, p, 64) for p in prompts]
-
-
 @pytest.fixture(scope="module")
 def smollm2_exports(smollm2_gguf, tmp_path_factory):
     outs = {}

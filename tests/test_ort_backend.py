@@ -1,0 +1,104 @@
+"""The ONNX Runtime backend: in-place cache, no per-step allocation, the API on the real model,
+and the chat CLI in a real terminal."""
+
+from __future__ import annotations
+
+import gc
+import resource
+import sys
+
+import numpy as np
+import pytest
+
+from decodert import LLM
+from decodert.export.manifest import load_manifest
+from decodert.export.pipeline import export_model
+from decodert.runtime.ort_backend import OrtBackend
+
+
+@pytest.fixture(scope="module")
+def tiny_art(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ortb") / "art"
+    export_model(tiny_checkpoint("llama"), out, target="ort", max_seq=1024, max_batch=2, progress=False)
+    return out
+
+
+def test_cache_buffers_stay_put_and_are_written_in_place(tiny_art):
+    be = OrtBackend(tiny_art, load_manifest(tiny_art))
+    cache = be.allocate(2)
+    ids = [id(b) for b in cache.buffers]
+    addrs = [b.ctypes.data for b in cache.buffers]
+    step = be.prefill(cache, [0, 1], [np.arange(3, 10), np.arange(3, 6)], want_logits=False)
+    for _ in range(100):
+        step = be.decode(cache, [0, 1], step.next_token.copy(), want_logits=False)
+    assert [id(b) for b in cache.buffers] == ids and [b.ctypes.data for b in cache.buffers] == addrs
+    assert cache.lengths.tolist() == [107, 103]
+    k0 = cache.buffers[0]
+    assert np.abs(k0[0, :, :107]).sum(-1).min() > 0  # every written position is non-zero
+    assert not k0[0, :, 107:].any() and not k0[1, :, 103:].any()  # nothing past the lengths
+
+
+def test_rss_flat_over_2000_tokens(tiny_art):
+    be = OrtBackend(tiny_art, load_manifest(tiny_art))
+    cache = be.allocate(2)
+
+    def run(n):
+        cache.reset()
+        step = be.prefill(cache, [0, 1], [np.arange(3, 7), np.arange(3, 5)], want_logits=False)
+        for _ in range(n - 1):
+            step = be.decode(cache, [0, 1], step.next_token.copy(), want_logits=False)
+
+    run(200)  # warm-up: sessions, arenas, bindings
+    gc.collect()
+    before = _rss_kb()
+    for _ in range(5):
+        run(200)  # 5 x 200 steps x 2 rows = 2,000 tokens
+    assert _rss_kb() - before < 8 * 1024  # KiB: no per-step growth
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+@pytest.fixture(scope="module")
+def smollm2_art(smollm2_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smol-api") / "art"
+    export_model(smollm2_gguf, out, target="ort", max_seq=256, max_batch=3, progress=False)
+    return out
+
+
+def test_smollm2_api_greedy_matches_transformers(smollm2_art, smollm2_reference):
+    """LLM.generate, greedy, 64 tokens, as one batch of 3 different-length prompts and singly."""
+    prompts, refs = smollm2_reference
+    llm = LLM.load(smollm2_art)
+    eos = set(load_manifest(smollm2_art)["tokenizer"]["eos_token_ids"])
+    batch = llm.generate([p.tolist() for p in prompts], max_new_tokens=64)
+    for result, (ref_tokens, _) in zip(batch, refs):
+        n = len(result.token_ids)
+        assert result.token_ids == ref_tokens[:n]
+        assert n == 64 and result.finish_reason == "length" or ref_tokens[n - 1] in eos
+    for p, result in zip(prompts, batch):
+        assert llm.generate(p.tolist(), max_new_tokens=64).token_ids == result.token_ids
+
+
+def test_chat_in_a_terminal_answers_two_turns(smollm2_art):
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-m", "decodert", "chat", str(smollm2_art), "--greedy",
+                                           "--max-new-tokens", "24", "--no-stats"], encoding="utf-8", timeout=120)
+    try:
+        child.expect_exact(">>> ")
+        child.sendline("What is the capital of France?")
+        child.expect_exact(">>> ")
+        assert "Paris" in child.before
+        child.sendline("And of Italy?")
+        child.expect_exact(">>> ")
+        assert "Rome" in child.before
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0

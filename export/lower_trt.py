@@ -68,7 +68,8 @@ class TrtLowering(Lowering):
 
     def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
         if "RMSNorm" in self.plugins:
-            return g.op("RMSNorm", x, weight, domain=DOMAIN, epsilon=self.spec.rms_norm_eps)
+            # two outputs always (the second is x here): a TensorRT plugin's output count is fixed
+            return g.op("RMSNorm", x, weight, domain=DOMAIN, epsilon=self.spec.rms_norm_eps, outputs=2)[0]
         return g.op("RMSNormalization", x, weight, axis=-1, epsilon=self.spec.rms_norm_eps, stash_type=1)
 
     def add_rms_norm(self, g: GraphBuilder, x: str, residual: str, weight: str) -> tuple[str, str]:

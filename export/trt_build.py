@@ -186,6 +186,10 @@ def make_config(trt: ModuleType, info: TrtInfo, builder: Any, network: Any,
         config.set_timing_cache(settings["timing_cache_obj"], False)
     if settings.get("monitor") is not None:
         config.progress_monitor = settings["monitor"]
+    if settings.get("plugins"):  # decodert plugins write the KV cache in place (aliased plugin I/O)
+        from decodert.plugins.trt_plugins import enable_plugin_features
+
+        enable_plugin_features(trt, config)
     return config
 
 
@@ -317,12 +321,17 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     out = Path(out_dir)
     manifest = read_manifest(out)
     trt, info = load_trt(need_builder=True)
+    if (manifest.get("plugins") or {}).get("ops"):  # decodert:: plugin nodes: the parser needs the creators
+        from decodert.plugins.trt_plugins import register_plugins
+
+        register_plugins(trt, info)
     batch, seq = resolve_limits(manifest, max_batch, max_seq)
     cache_path = Path(timing_cache) if timing_cache else None
     cache, note = _open_timing_cache(info, trt, cache_path)
     settings = {"precision": resolve_precision(manifest, precision), "max_batch": batch, "max_seq": seq,
                 "version_compatible": version_compatible, "timing_cache_obj": cache, "timing_cache_note": note,
-                "progress": progress, "logger": make_logger(trt)}
+                "progress": progress, "logger": make_logger(trt),
+                "plugins": bool((manifest.get("plugins") or {}).get("ops"))}
     engines = {name: build_one(trt, info, out, name, manifest, settings) for name in GRAPHS}
     if cache is not None and cache_path is not None:
         write_atomic(cache_path, bytes(cache.serialize()))

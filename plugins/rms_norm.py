@@ -2,6 +2,8 @@
 
     y = x / sqrt(mean(x^2, axis=-1) + eps) * weight         (computed in float32)
     fused:  s = x + residual;  y = rmsnorm(s);  outputs (y, s)
+    unfused: the optional second output is x itself (s = x), so a node may always declare two
+    outputs: TensorRT plugins have a fixed output count and cannot see how many inputs a node has.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ def rms_norm_ref(x: np.ndarray, weight: np.ndarray, residual: np.ndarray | None 
     xf = s.astype(np.float32)
     y = xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + epsilon)
     y = (y.astype(x.dtype) * weight).astype(x.dtype)
-    return (y,) if residual is None else (y, s)
+    return y, s
 
 
 def rms_norm_body(g: GraphBuilder, x: str, weight: str, *, epsilon: float, dtype: str, out: str | None = None) -> str:
@@ -41,10 +43,11 @@ def rms_norm_expand(g: GraphBuilder, inputs, outputs, attrs: dict, ctx) -> None:
     """decodert::RMSNorm -> (Add) + the body above; ``sum`` is the Add's output."""
     x, weight = inputs[0], inputs[1]
     residual = inputs[2] if len(inputs) > 2 and inputs[2] else None
-    if residual is None and len(outputs) > 1 and outputs[1]:
-        raise ctx.error("output 'sum' needs the 'residual' input")
+    total = outputs[1] if len(outputs) > 1 and outputs[1] else None
     if residual is not None:
-        x = g.op("Add", x, residual, outputs=[outputs[1] if len(outputs) > 1 and outputs[1] else None])[0]
+        x = g.op("Add", x, residual, outputs=[total])[0]
+    elif total is not None:
+        g.op("Identity", x, outputs=[total])
     rms_norm_body(g, x, weight, epsilon=float(attrs["epsilon"]), dtype=ctx.dtype(weight), out=outputs[0])
 
 
@@ -52,7 +55,7 @@ RMS_NORM = register(
     OpDef(
         name="RMSNorm",
         inputs=("x: T [..., N]", "weight: T [N]", "residual: T [..., N] (optional)"),
-        outputs=("y: T [..., N]", "sum: T [..., N] (x + residual, when residual is given)"),
+        outputs=("y: T [..., N]", "sum: T [..., N] (x + residual; x without residual)"),
         attributes={"epsilon": 1e-6},
         numpy_ref=rms_norm_ref,
         shape_rule=rms_norm_shapes,

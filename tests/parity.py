@@ -25,8 +25,8 @@ def hf_reference(model, prompt: np.ndarray, n: int) -> tuple[list[int], np.ndarr
     toks, logits, past = [], [], None
     with torch.no_grad():
         for _ in range(n):
-            res = model(ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(ids, cache=past, use_cache=True)
+            past = res.cache
             row = res.logits[0, -1].float().numpy()
             logits.append(row)
             toks.append(int(row.argmax()))

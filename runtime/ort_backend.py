@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from decodert.errors import DecodertError
+from decodert.export.onnx_check import check_external_data, check_session_io
 from decodert.runtime.backend import StepOutput
 from decodert.runtime.memory import check_fits
 
@@ -30,12 +30,31 @@ NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
 class OrtKVCache:
-    """Per-layer [slots, H_kv, max_seq, D] buffers; ``buffers[2*i]`` = K, ``buffers[2*i+1]`` = V."""
+    """Per-layer [slots, H_kv, max_seq, D] buffers; ``buffers[2*i]`` = K, ``buffers[2*i+1]`` = V.
 
-    def __init__(self, slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int, dtype: type):
-        self.slots, self.max_seq = slots, max_seq
-        self.buffers = [np.zeros((slots, kv_heads, max_seq, head_dim), dtype) for _ in range(2 * layers)]
+    On the CPU the buffers are numpy arrays; with the CUDA execution provider they are zeroed
+    device allocations (runtime/cuda_mem.py) and ``buffers`` holds their DeviceBuffer objects.
+    """
+
+    def __init__(self, slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int, dtype: type,
+                 device: str = "cpu"):
+        self.slots, self.max_seq, self.device = slots, max_seq, device
+        self.slot_shape = (kv_heads, max_seq, head_dim)
+        self.slot_bytes = kv_heads * max_seq * head_dim * np.dtype(dtype).itemsize
+        self.dtype = np.dtype(dtype)
+        if device == "cpu":
+            self.buffers: list[Any] = [np.zeros((slots, *self.slot_shape), dtype) for _ in range(2 * layers)]
+        else:
+            from decodert.runtime.cuda_mem import DeviceBuffer
+
+            self.buffers = [DeviceBuffer(slots * self.slot_bytes) for _ in range(2 * layers)]
         self.lengths = np.zeros(slots, np.int64)
+
+    def pointer(self, i: int, slot: int) -> int:
+        """Address of slot ``slot`` in buffer ``i`` (slots are the outer, contiguous dim)."""
+        buf = self.buffers[i]
+        base = buf.ctypes.data if self.device == "cpu" else buf.ptr
+        return base + slot * self.slot_bytes
 
     def reset(self, slot: int | None = None) -> None:
         if slot is None:
@@ -73,12 +92,15 @@ class OrtBackend:
         self.vocab_size = manifest["model"]["vocab_size"]
         options = _session_options(threads)
         providers = list(providers or _default_providers())
+        self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
+        self._stream: Any = None
         kinds = ("prefill", "decode") if separate_decode else ("prefill",)
         self.sessions = {}
         for kind in kinds:
             path = self.dir / manifest["graphs"][kind]["file"]
             check_external_data(path)
-            self.sessions[kind] = ort.InferenceSession(str(path), options, providers=providers)
+            self.sessions[kind] = _open_session(path, options, providers)
+            check_session_io(self.sessions[kind], manifest["graphs"][kind], path)
         self.sessions.setdefault("decode", self.sessions["prefill"])
         # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
         self._prefill_with_past_batch = 1 if manifest["target"] == "ort" else self.max_batch
@@ -92,7 +114,7 @@ class OrtBackend:
         itemsize = np.dtype(self.np_dtype).itemsize
         check_fits(slots * 2 * self.layers * self.kv_heads * self.max_seq * self.head_dim * itemsize, "KV cache")
         self._decode_bindings.clear()
-        return OrtKVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype)
+        return OrtKVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype, self.device)
 
     def prefill(self, cache: OrtKVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         lens = np.array([len(x) for x in ids], np.int64)
@@ -138,8 +160,16 @@ class OrtBackend:
         if src == dst:
             return
         n = int(cache.lengths[src])
-        for buf in cache.buffers:
-            buf[dst, :, :n] = buf[src, :, :n]
+        if cache.device == "cpu":
+            for buf in cache.buffers:
+                buf[dst, :, :n] = buf[src, :, :n]
+        else:
+            from decodert.runtime.cuda_mem import Stream, copy_async
+
+            self._stream = self._stream or Stream()
+            for i in range(len(cache.buffers)):
+                copy_async(cache.pointer(i, dst), cache.pointer(i, src), cache.slot_bytes, self._stream, "d2d")
+            self._stream.sync()
         cache.lengths[dst] = n
         cache.lengths[src] = 0
 
@@ -162,12 +192,13 @@ class OrtBackend:
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for name, arr in (("logits", b.logits), ("next_token", b.next_token)):
             io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        for i, buf in enumerate(cache.buffers):
-            view = buf[start : start + n]  # contiguous: slots are the outer dim
+        shape = (n, *cache.slot_shape)
+        for i in range(len(cache.buffers)):
+            ptr = cache.pointer(i, start)  # slots [start, start+n) are one contiguous view
             layer, kv = divmod(i, 2)
             suffix = f"{('key', 'value')[kv]}.{layer}"
-            io.bind_input(f"past_{suffix}", "cpu", 0, view.dtype, view.shape, view.ctypes.data)
-            io.bind_output(f"present_{suffix}", "cpu", 0, view.dtype, view.shape, view.ctypes.data)
+            io.bind_input(f"past_{suffix}", cache.device, 0, cache.dtype, shape, ptr)
+            io.bind_output(f"present_{suffix}", cache.device, 0, cache.dtype, shape, ptr)
         return b
 
 
@@ -188,23 +219,12 @@ def _contiguous_runs(slots: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-def check_external_data(path: Path) -> None:
-    """Refuse graphs whose external data points outside their folder or past the file's end."""
+def _open_session(path: Path, options: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
     try:
-        graph = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # protobuf DecodeError and friends: a damaged file
-        raise DecodertError(f"{path}: not a readable ONNX file ({type(e).__name__})") from None
-    folder = path.parent.resolve()
-    for t in graph.graph.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        info = {e.key: e.value for e in t.external_data}
-        target = (folder / info.get("location", "")).resolve()
-        if target.parent != folder or not target.is_file():
-            raise DecodertError(f"{path}: initializer {t.name} points outside the artifact folder ({info.get('location')})")
-        end = int(info.get("offset", 0)) + int(info.get("length", 0))
-        if end > target.stat().st_size:
-            raise DecodertError(f"{target}: too short for tensor {t.name} (file damaged or truncated)")
+        return ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as e:  # onnxruntime's Fail / InvalidGraph / InvalidProtobuf on a damaged graph
+        text = (str(e).strip().splitlines() or [""])[0][:300]
+        raise DecodertError(f"{path}: ONNX Runtime cannot load the graph ({type(e).__name__}: {text})") from None
 
 
 def _session_options(threads: int | None) -> ort.SessionOptions:
@@ -218,6 +238,13 @@ def _session_options(threads: int | None) -> ort.SessionOptions:
 
 
 def _default_providers() -> list[str]:
-    # The cache is bound as host memory; a CUDA EP path needs device-resident cache buffers
-    # (see docs/ROADMAP.md), so the default is the CPU provider.
+    """CUDA EP when onnxruntime-gpu is installed, cuda-python can see a GPU; else the CPU."""
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        try:
+            from decodert.runtime.cuda_mem import gpu_count
+
+            if gpu_count() > 0:
+                return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        except (ImportError, DecodertError):
+            pass
     return ["CPUExecutionProvider"]

@@ -102,3 +102,27 @@ def test_chat_in_a_terminal_answers_two_turns(smollm2_art):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+@pytest.mark.gpu
+def test_cuda_execution_provider_matches_cpu(tiny_art):
+    """With onnxruntime-gpu and a GPU: device-resident cache, same greedy tokens as the CPU."""
+    import onnxruntime as ort
+
+    from decodert.runtime.cuda_mem import gpu_count
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers() or gpu_count() == 0:
+        pytest.skip("needs onnxruntime-gpu and an NVIDIA GPU")
+    m = load_manifest(tiny_art)
+    runs = []
+    for providers in (["CPUExecutionProvider"], ["CUDAExecutionProvider", "CPUExecutionProvider"]):
+        be = OrtBackend(tiny_art, m, providers=providers)
+        cache = be.allocate(2)
+        step = be.prefill(cache, [0, 1], [np.arange(3, 10), np.arange(3, 6)], want_logits=False)
+        toks = [step.next_token.tolist()]
+        for _ in range(20):
+            step = be.decode(cache, [0, 1], step.next_token.copy(), want_logits=False)
+            toks.append(step.next_token.tolist())
+        be.move_slot(cache, 1, 0)
+        runs.append((toks, cache.lengths.tolist()))
+    assert runs[0] == runs[1]

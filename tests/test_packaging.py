@@ -1,0 +1,17 @@
+"""Every package folder ships in the wheel (the package is the repository root)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"decodert"}
+    for top in ("export", "runtime", "plugins", "models"):
+        for init in (ROOT / top).rglob("__init__.py"):
+            found.add(".".join(["decodert", *init.parent.relative_to(ROOT).parts]))
+    assert listed == found

@@ -157,7 +157,8 @@ def cached_attention_expand(g: GraphBuilder, inputs, outputs, attrs: dict, ctx) 
     smax, d = ctx.static_dim(past_key, 2), ctx.static_dim(past_key, 3)
     rotary = 2 * ctx.static_dim(cos, 1)
     if h % hkv or rotary > d:
-        raise ctx.error(f"num_heads {h} must be a multiple of kv_num_heads {hkv} and rotary dim {rotary} <= head dim {d}")
+        raise ctx.error(f"num_heads {h} must be a multiple of kv_num_heads {hkv} and rotary dim {rotary} "
+                        f"<= head dim {d}")
     dtype = ctx.dtype(past_key)
     actx = make_context(g, past_lengths, q, cos, sin, smax, int(attrs["sliding_window"]))
     q4 = rope_body(g, g.op("Reshape", q, g.const([0, 0, h, d])), actx, d, rotary)

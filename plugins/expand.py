@@ -13,6 +13,7 @@ opset import is dropped. Unknown ops or attributes raise DecodertError naming th
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -137,7 +138,8 @@ def expand_plugin_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
         start = len(g.nodes)
         _expand_node(g, node, ctx)
         new_nodes.extend(g.nodes[start:])
-    taken = {i.name for i in graph.initializer} | {i.name for i in graph.input} | {o for n in new_nodes for o in n.output}
+    taken = {i.name for i in graph.initializer} | {i.name for i in graph.input}
+    taken |= {o for n in new_nodes for o in n.output}
     renames = _unique_constants(g, taken)
     for n in g.nodes:  # only the bodies' nodes refer to the builder's constants
         for i, name in enumerate(n.input):
@@ -163,3 +165,17 @@ def expand_file(src: str, dst: str) -> None:
     """Expand an ONNX file whose weights stay in external data next to it (``dst`` beside ``src``)."""
     model = onnx.load(src, load_external_data=False)
     onnx.save(expand_plugin_nodes(model), dst)
+
+
+def expand_artifact(folder: str | Path) -> None:
+    """Rewrite an artifact's graphs without plugin nodes (weights.bin untouched), e.g. so ONNX
+    Runtime can run a ``--plugins`` export as the reference for its TensorRT engines."""
+    from decodert.export.manifest import file_record, load_manifest, write_manifest
+
+    folder = Path(folder)
+    m = load_manifest(folder)
+    for kind in ("prefill", "decode"):
+        path = folder / m["graphs"][kind]["file"]
+        expand_file(str(path), str(path))
+        m["files"][path.name] = file_record(path)
+    write_manifest(folder, m)

@@ -63,8 +63,9 @@ class OpDef:
         """Input/output counts against the schema (optional inputs may be "" or left off)."""
         n = self.required_inputs
         if not n <= len(inputs) <= len(self.inputs) or not all(inputs[:n]):
-            raise DecodertError(f"node {node_name}: {DOMAIN}::{self.name} takes inputs ({', '.join(self.input_names)}), "
-                                f"the first {n} required; got {list(inputs)}")
+            names = ", ".join(self.input_names)
+            raise DecodertError(f"node {node_name}: {DOMAIN}::{self.name} takes inputs ({names}), the first {n} "
+                                f"required; got {list(inputs)}")
         if not self.min_outputs <= len(outputs) <= len(self.outputs):
             raise DecodertError(f"node {node_name}: {DOMAIN}::{self.name} has {self.min_outputs}..{len(self.outputs)} "
                                 f"outputs; got {len(outputs)}")

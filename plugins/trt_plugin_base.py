@@ -58,7 +58,8 @@ def make_plugin_class(trt: ModuleType) -> type:
 
         def get_output_shapes(self, inputs: list, shape_inputs: list, exprs: Any) -> list:
             dims = [[d[i] for i in range(len(d))] for d in inputs]
-            return [trt.DimsExprs(s) for s in self.op.output_shapes(dims, self.attrs, exprs.constant)[: self.num_outputs]]
+            shapes = self.op.output_shapes(dims, self.attrs, exprs.constant)
+            return [trt.DimsExprs(s) for s in shapes[: self.num_outputs]]
 
         def supports_format_combination(self, pos: int, in_out: list, num_inputs: int) -> bool:
             desc = in_out[pos].desc

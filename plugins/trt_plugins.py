@@ -124,8 +124,8 @@ def enable_plugin_features(trt: ModuleType, config: Any) -> None:
     """Builder settings the decodert plugins need: aliased plugin I/O (present_* = past_* buffers)."""
     feature = getattr(getattr(trt, "PreviewFeature", None), "ALIASED_PLUGIN_IO_10_03", None)
     if feature is None:
-        raise DecodertError("this TensorRT cannot alias plugin outputs to inputs (PreviewFeature.ALIASED_PLUGIN_IO_10_03, "
-                            "TensorRT >= 10.3): the in-place KV cache plugin needs it")
+        raise DecodertError("this TensorRT cannot alias plugin outputs to inputs (PreviewFeature."
+                            "ALIASED_PLUGIN_IO_10_03, TensorRT >= 10.3): the in-place KV cache plugin needs it")
     config.set_preview_feature(feature, True)
 
 

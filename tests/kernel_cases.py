@@ -44,7 +44,8 @@ def attention_case(spec: tuple, device: str, seed: int = 0) -> list[float]:
     def rand(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(dtype)
 
-    q, k, v, pk, pv = rand(b, s, h * d), rand(b, s, hkv * d), rand(b, s, hkv * d), rand(b, hkv, smax, d), rand(b, hkv, smax, d)
+    q, k, v = rand(b, s, h * d), rand(b, s, hkv * d), rand(b, s, hkv * d)
+    pk, pv = rand(b, hkv, smax, d), rand(b, hkv, smax, d)
     cos, sin = rand(smax, r // 2), rand(smax, r // 2)
     pl = np.array(past, np.int64)
     ref = cached_attention_ref(q, k, v, pk, pv, pl, cos, sin, num_heads=h, kv_num_heads=hkv, sliding_window=window)
@@ -73,10 +74,22 @@ def rms_case(spec: tuple, device: str, seed: int = 0) -> list[float]:
     x, res, w = (rng.standard_normal(shape).astype(dtype) for shape in ((rows, n), (rows, n), (n,)))
     ref = rms_norm_ref(x, w, res if fused else None, epsilon=1e-5)
     t = lambda a: torch.from_numpy(a.copy()).to(device)  # noqa: E731
-    y, total = torch.empty(rows, n, dtype=getattr(torch, dtype), device=device), torch.zeros(rows, n, dtype=getattr(torch, dtype), device=device)
+    y = torch.empty(rows, n, dtype=getattr(torch, dtype), device=device)
+    total = torch.zeros_like(y)
     rms_norm(t(x), t(w), y, t(res) if fused else None, total if fused else None, rows=rows, n=n, eps=1e-5)
     got = [y, total] if fused else [y]
     return [float(np.abs(g.float().cpu().numpy() - e.astype(np.float32)).max()) for g, e in zip(got, ref)]
+
+
+def cuda_available() -> bool:
+    """A GPU for compiled Triton kernels (not the CPU interpreter)."""
+    import os
+
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available()) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def run_case(name: str, device: str = "cpu", seed: int = 0) -> list[float]:

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +23,10 @@ from onnx import helper, numpy_helper
 import kernel_cases
 from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
-from decodert.export.manifest import file_record, load_manifest, write_manifest
+from decodert.export.manifest import load_manifest
 from decodert.export.onnx_builder import DTYPES
 from decodert.export.pipeline import export_model
-from decodert.plugins.expand import expand_plugin_nodes
+from decodert.plugins.expand import expand_artifact, expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN, get_op, load_all
 from decodert.plugins.selection import choose_plugins
 from decodert.plugins.weight_gemm import dequantize_ref, quantize_blockwise
@@ -79,7 +78,8 @@ def test_cached_attention_body_matches_numpy(case):
     past_lengths = np.minimum(np.array(past) + rng.integers(0, 3, b), smax - s).astype(np.int64)  # ragged
     arrays = [("q", rand(b, s, h * d), False), ("k", rand(b, s, hkv * d), False), ("v", rand(b, s, hkv * d), False),
               ("past_key", rand(b, hkv, smax, d), False), ("past_value", rand(b, hkv, smax, d), False),
-              ("past_lengths", past_lengths, False), ("cos", rand(smax, r // 2), True), ("sin", rand(smax, r // 2), True)]
+              ("past_lengths", past_lengths, False), ("cos", rand(smax, r // 2), True),
+              ("sin", rand(smax, r // 2), True)]
     attrs = dict(num_heads=h, kv_num_heads=hkv, sliding_window=window)
     got = run_op("CachedAttention", arrays, 3, **attrs)
     want = get_op("CachedAttention").numpy_ref(*[a for _, a, _ in arrays], **attrs)
@@ -122,7 +122,8 @@ def test_matmul_nbits_body_matches_numpy(bits, k, n, block, symmetric, a_shape):
     deq = dequantize_ref(b, scales, zp, K=k, N=n, bits=bits, block_size=block)
     assert np.abs(deq - w).max() <= scales.max() * (0.5 if not symmetric else 1.0) + 1e-6  # quantization error
     a = rng.standard_normal((*a_shape, k)).astype(np.float32)
-    arrays = [("a", a, False), ("b", b, True), ("scales", scales, True)] + ([("zp", zp, True)] if zp is not None else [])
+    arrays = [("a", a, False), ("b", b, True), ("scales", scales, True)]
+    arrays += [("zp", zp, True)] if zp is not None else []
     attrs = dict(K=k, N=n, bits=bits, block_size=block)
     got = run_op("MatMulNBits", arrays, 1, **attrs)
     want = get_op("MatMulNBits").numpy_ref(*[x for _, x, _ in arrays], **attrs)
@@ -148,7 +149,8 @@ def test_matmul_nbits_layout_is_onnxruntime_and_export_quant():
     graph = helper.make_graph([node], "t", [_value_info("a", a)], [helper.make_tensor_value_info("y", 1, [3, n])],
                               [numpy_helper.from_array(x, name) for x, name in ((b, "b"), (qw.scales, "s"),
                                                                                  (qw.zero_points, "z"))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
     want = get_op("MatMulNBits").numpy_ref(a, b, qw.scales, qw.zero_points, K=k, N=n, bits=4, block_size=block)[0]
     assert_close(y, want, 1e-5, "MatMulNBits")
@@ -163,12 +165,14 @@ def _one_node_model(node: onnx.NodeProto) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("node,match", [
-    (helper.make_node("FlashAttention", ["x"], ["y"], name="/m/fa", domain=DOMAIN), r"node /m/fa: unknown op decodert::FlashAttention"),
+    (helper.make_node("FlashAttention", ["x"], ["y"], name="/m/fa", domain=DOMAIN),
+     r"node /m/fa: unknown op decodert::FlashAttention"),
     (helper.make_node("RMSNorm", ["x", "w"], ["y"], name="/m/n1", domain=DOMAIN, epsilon=1e-5, gamma=2.0),
      r"node /m/n1: unknown attribute\(s\) \['gamma'\]"),
     (helper.make_node("CachedAttention", ["x"] * 8, ["y", "a", "b"], name="/m/att", domain=DOMAIN, num_heads=2),
      r"node /m/att: missing attribute\(s\) \['kv_num_heads'\]"),
-    (helper.make_node("RMSNorm", ["x"], ["y"], name="/m/n2", domain=DOMAIN), r"node /m/n2: decodert::RMSNorm takes inputs"),
+    (helper.make_node("RMSNorm", ["x"], ["y"], name="/m/n2", domain=DOMAIN),
+     r"node /m/n2: decodert::RMSNorm takes inputs"),
 ])
 def test_expand_errors_name_the_node(node, match):
     with pytest.raises(DecodertError, match=match):
@@ -221,16 +225,6 @@ def test_export_plugins_always_writes_plugin_nodes(tiny_checkpoint, tmp_path):
     assert cli_main(["export", str(tiny_checkpoint("llama")), "-o", str(tmp_path / "c"), "--plugins", "always"]) == 2
 
 
-def expand_artifact(out: Path) -> None:
-    """Replace the plugin nodes of both graphs by their bodies (weights stay in weights.bin)."""
-    m = load_manifest(out)
-    for kind in ("prefill", "decode"):
-        path = out / m["graphs"][kind]["file"]
-        onnx.save(expand_plugin_nodes(onnx.load(str(path), load_external_data=False)), str(path))
-        m["files"][path.name] = file_record(path)
-    write_manifest(out, m)
-
-
 @pytest.mark.parametrize("family", ["llama", "phi3", "mistral", "qwen3"])  # GQA, partial rotary, window, qk-norm
 def test_plugin_export_expanded_matches_transformers(tiny_checkpoint, tmp_path, family):
     import torch
@@ -249,89 +243,6 @@ def test_plugin_export_expanded_matches_transformers(tiny_checkpoint, tmp_path, 
     refs = [hf_reference(model, p, 9) for p in prompts]
     assert logits_parity(out, refs[:1], prompts[:1], steps=8) < 1e-4
     assert logits_parity(out, refs, prompts, steps=8) < 1e-4
-
-
-# ---------------------------------------------------------------- TensorRT-RTX
-_TRT_SCRIPT = textwrap.dedent("""
-    import json, sys
-    from pathlib import Path
-    sys.path.insert(0, {tests!r})
-    from tiny import make_tiny_checkpoint
-    from decodert.errors import DecodertError
-    from decodert.export import trt_build
-    from decodert.export.pipeline import export_model
-    from decodert.export.trt_compat import load_trt
-    from decodert.plugins.trt_plugins import register_plugins
-    tmp, result = Path({tmp!r}), {{}}
-    trt, info = load_trt(need_builder=True)
-    out = tmp / "llama"
-    export_model(make_tiny_checkpoint("llama", tmp / "ck-llama"), out, target="trt", dtype="fp16", max_seq=64,
-                 max_batch=2, progress=False, plugins="always")
-    logger = trt.Logger(trt.Logger.ERROR)
-    try:  # before registration: the parser names the plugin node it cannot import
-        trt_build.parse_onnx(trt, trt.Builder(logger), logger, out / "decode.onnx")
-    except DecodertError as e:
-        result["unregistered"] = str(e)
-    result["registered"] = register_plugins(trt, info)
-    result["llama"] = {{k: r["layers"] for k, r in trt_build.build_engines(out, progress=False).items()}}
-    out = tmp / "qwen3"
-    export_model(make_tiny_checkpoint("qwen3", tmp / "ck-qwen3"), out, target="trt", dtype="fp32", max_seq=32,
-                 max_batch=2, progress=False, plugins="always")
-    result["qwen3"] = {{k: r["layers"] for k, r in trt_build.build_engines(out, progress=False).items()}}
-    print("RESULT" + json.dumps(result))
-""")
-
-
-@pytest.mark.trt
-def test_tensorrt_rtx_parses_and_builds_plugin_graphs(tmp_path):
-    """Registered decodert plugins: TensorRT-RTX parses plugin nodes and builds engines on CPU.
-
-    Runs in a child process with LD_LIBRARY_PATH naming a libtensorrt_rtx.so link: TensorRT-RTX
-    1.7's parser dlopens that unversioned name when it imports a plugin node (the wheel ships only
-    libtensorrt_rtx.so.1) and aborts the process when it is missing (docs/PLUGINS.md).
-    """
-    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed: pip install "
-                        "tensorrt-rtx-cu13-libs tensorrt-rtx-cu13-bindings")
-    from decodert.plugins.trt_plugins import rtx_alias_dir
-
-    env = {**os.environ, "LD_LIBRARY_PATH": f"{rtx_alias_dir(tmp_path)}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    script = _TRT_SCRIPT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    res = json.loads(lines[-1][len("RESULT"):])
-    assert "node '/model/layers.0/input_norm/RMSNorm' (RMSNorm)" in res["unregistered"]
-    assert "decodert::CachedAttention" in res["registered"] and "::RMSNorm" in res["registered"]
-    for family, per_layer in (("llama", 3), ("qwen3", 5)):  # attention + 2 norms (+ q/k norms)
-        for kind, layers in res[family].items():
-            assert layers["PLUGIN_V3"] == 2 * per_layer + 1, (family, kind, layers)  # 2 layers + final norm
-            assert "KV_CACHE_UPDATE" not in layers and "ROTARY_EMBEDDING" not in layers
-
-
-@pytest.mark.trt
-def test_plugin_registration_refuses_a_parser_that_would_abort(monkeypatch, tmp_path):
-    """Without the libtensorrt_rtx.so link, registering refuses with the fix instead of letting the
-    parser abort the process later; with it, registration succeeds."""
-    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
-    import ctypes
-
-    from decodert.export.trt_compat import load_trt
-    from decodert.plugins import trt_plugins
-
-    trt, info = load_trt()
-    monkeypatch.setenv("DECODERT_CACHE", str(tmp_path))
-    libs = Path(__import__("tensorrt_rtx_libs").__file__).parent
-    try:
-        ctypes.CDLL("libtensorrt_rtx.so")
-        linked = True
-    except OSError:
-        linked = (libs / "libtensorrt_rtx.so").exists()
-    if linked:
-        assert "decodert::RMSNorm" in trt_plugins.register_plugins(trt, info)
-    else:
-        with pytest.raises(DecodertError, match=f"LD_LIBRARY_PATH={tmp_path}/trt-rtx-alias"):
-            trt_plugins.register_plugins(trt, info)
-        assert (tmp_path / "trt-rtx-alias" / "libtensorrt_rtx.so").resolve() == (libs / "libtensorrt_rtx.so.1").resolve()
 
 
 # ---------------------------------------------------------------- Triton kernels
@@ -381,16 +292,9 @@ def test_triton_prefill_many_tiles_interpreted():
         assert max(errs) <= _kernel_tol(case) * 8, (case, errs)
 
 
-def _cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available()) and os.environ.get("TRITON_INTERPRET") != "1"
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU with torch CUDA (Triton kernels compiled for it)")
+@pytest.mark.skipif(not kernel_cases.cuda_available(),
+                    reason="needs an NVIDIA GPU with torch CUDA (Triton kernels compiled for it)")
 @pytest.mark.parametrize("case", [*kernel_cases.ATTENTION, *kernel_cases.SLOW_ATTENTION, *kernel_cases.RMS])
 def test_triton_kernels_on_gpu_match_numpy(case):
     errs = kernel_cases.run_case(case, "cuda", SEED)

@@ -23,8 +23,8 @@ from decodert.plugins.kernels.dtypes import precision
 
 @triton.jit
 def decode_partial_kernel(q_rot, key_cache, value_cache, past_lengths, part_acc, part_ml,
-                          scale, H, HKV, SMAX, NSPLIT,
-                          WINDOW: tl.constexpr, PRECISION: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                          scale, H, HKV, SMAX, NSPLIT, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                          G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_N: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
@@ -44,7 +44,7 @@ def decode_partial_kernel(q_rot, key_cache, value_cache, past_lengths, part_acc,
     heads = hk * G + g  # the q heads of this kv head
     q = tl.load(q_rot + (b * H + heads)[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    den = tl.zeros([BLOCK_G], tl.float32)  # softmax denominators
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     base = (b * HKV + hk) * SMAX * D
     for start in range(lo, hi, BLOCK_N):
@@ -57,14 +57,14 @@ def decode_partial_kernel(q_rot, key_cache, value_cache, past_lengths, part_acc,
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        den = den * alpha + tl.sum(p, 1)
         vt = tl.load(value_cache + base + n[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         m = m_new
     row = (b * H + heads) * NSPLIT + sp  # [BLOCK_G]
     tl.store(part_acc + row[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
     tl.store(part_ml + row * 2, m, mask=gmask)
-    tl.store(part_ml + row * 2 + 1, l, mask=gmask)
+    tl.store(part_ml + row * 2 + 1, den, mask=gmask)
 
 
 @triton.jit
@@ -76,11 +76,11 @@ def decode_reduce_kernel(part_acc, part_ml, out, H, NSPLIT,
     smask, dmask = s < NSPLIT, d < D
     row = bh * NSPLIT + s
     m = tl.load(part_ml + row * 2, mask=smask, other=float("-inf"))
-    l = tl.load(part_ml + row * 2 + 1, mask=smask, other=0.0)
+    den = tl.load(part_ml + row * 2 + 1, mask=smask, other=0.0)
     big = tl.max(m, 0)
     w = tl.where(m > float("-inf"), tl.exp(m - big), 0.0)  # empty splits weigh nothing
     acc = tl.load(part_acc + row[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
-    y = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    y = tl.sum(acc * w[:, None], 0) / tl.sum(den * w, 0)
     tl.store(out + bh * D + d, y.to(out.dtype.element_ty), mask=dmask)
 
 
@@ -96,7 +96,8 @@ def decode_attention(q_rot, key_cache, value_cache, past_lengths, out, part_acc,
     g = H // HKV
     block_d = triton.next_power_of_2(D)
     decode_partial_kernel[(B, HKV, nsplit)](q_rot, key_cache, value_cache, past_lengths, part_acc, part_ml,
-                                            scale, H, HKV, SMAX, nsplit, WINDOW=window, PRECISION=precision(key_cache), G=g, D=D,
+                                            scale, H, HKV, SMAX, nsplit, WINDOW=window,
+                                            PRECISION=precision(key_cache), G=g, D=D,
                                             BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=max(16, block_d),
                                             BLOCK_N=block_n)
     decode_reduce_kernel[(B, H)](part_acc, part_ml, out, H, nsplit, D=D,

@@ -18,8 +18,8 @@ from decodert.plugins.kernels.dtypes import precision
 
 @triton.jit
 def prefill_attention_kernel(q_rot, key_cache, value_cache, past_lengths, out,
-                             scale, S, H, HKV, SMAX,
-                             WINDOW: tl.constexpr, PRECISION: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             scale, S, H, HKV, SMAX, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                             G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_D: tl.constexpr):
     mb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -36,7 +36,7 @@ def prefill_attention_kernel(q_rot, key_cache, value_cache, past_lengths, out,
     if WINDOW > 0:
         lo = tl.maximum(past + mb * BLOCK_M - WINDOW + 1, 0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)  # softmax denominators
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     base = (b * HKV + h // G) * SMAX * D
     for start in range(lo, hi, BLOCK_N):
@@ -52,11 +52,11 @@ def prefill_attention_kernel(q_rot, key_cache, value_cache, past_lengths, out,
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing visible yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
+        den = den * alpha + tl.sum(p, 1)
         vt = tl.load(value_cache + base + n[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         m = m_new
-    y = acc / tl.where(l > 0, l, 1.0)[:, None]
+    y = acc / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(out + q_off, y.to(out.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 

@@ -19,10 +19,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from decodert.errors import DecodertError
 from decodert.export.onnx_check import check_external_data, check_session_io
+from decodert.plugins.expand import expand_plugin_nodes
+from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
 from decodert.runtime.backend import StepOutput
 from decodert.runtime.memory import check_fits
 
@@ -220,8 +223,21 @@ def _contiguous_runs(slots: Sequence[int]) -> list[list[int]]:
 
 
 def _open_session(path: Path, options: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
+    """A session for the graph at ``path``; decodert plugin nodes (``--plugins``) are expanded into
+    their reference bodies first, with external data still read from the artifact folder."""
+    source: str | bytes = str(path)
+    graph = onnx.load(str(path), load_external_data=False)
+    if any(n.domain == PLUGIN_DOMAIN for n in graph.graph.node):
+        source = expand_plugin_nodes(graph).SerializeToString()
+        key = "session.model_external_initializers_file_folder_path"
+        try:
+            known = options.get_session_config_entry(key)
+        except RuntimeError:  # not set yet
+            known = None
+        if known != str(path.parent):
+            options.add_session_config_entry(key, str(path.parent))
     try:
-        return ort.InferenceSession(str(path), options, providers=providers)
+        return ort.InferenceSession(source, options, providers=providers)
     except Exception as e:  # onnxruntime's Fail / InvalidGraph / InvalidProtobuf on a damaged graph
         text = (str(e).strip().splitlines() or [""])[0][:300]
         raise DecodertError(f"{path}: ONNX Runtime cannot load the graph ({type(e).__name__}: {text})") from None

@@ -85,7 +85,8 @@ def test_graphs_check_and_manifest(exported, target):
 def test_target_ops(exported):
     """Each target lowers attention and norms to the ops it promises."""
     expect = {"ort": {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"},
-              "trt": {"TensorScatter", "RotaryEmbedding", "Attention", "RMSNormalization"},
+              # fp32: TensorRT has no fp32 Attention kernel, so the trt graph decomposes attention
+              "trt": {"TensorScatter", "RotaryEmbedding", "RMSNormalization", "Softmax"},
               "portable": {"ScatterND", "Softmax"}}
     for target, ops in expect.items():
         out, _ = exported("llama", target)
@@ -94,6 +95,25 @@ def test_target_ops(exported):
         assert ops <= used, (target, ops - used)
         if target == "portable":
             assert {n.domain for n in graph.node} == {""}
+        if target == "trt":
+            assert "Attention" not in used
+
+
+def test_trt_fp16_uses_the_attention_op(tiny_checkpoint, tmp_path):
+    export_model(tiny_checkpoint("llama"), tmp_path / "a", target="trt", dtype="fp16", max_seq=32, progress=False)
+    graph = onnx.load(str(tmp_path / "a" / "decode.onnx"), load_external_data=False).graph
+    assert {"Attention", "TensorScatter", "RotaryEmbedding"} <= {n.op_type for n in graph.node}
+
+
+def test_plugin_export_runs_on_onnx_runtime(exported, tiny_checkpoint, tmp_path):
+    """A --plugins always artifact (decodert::CachedAttention nodes) runs through OrtBackend as is."""
+    _, model = exported("llama", "trt")
+    out = tmp_path / "plug"
+    export_model(tiny_checkpoint("llama"), out, target="trt", max_seq=64, progress=False, plugins="always")
+    graph = onnx.load(str(out / "decode.onnx"), load_external_data=False).graph
+    assert "CachedAttention" in {n.op_type for n in graph.node if n.domain == "decodert"}
+    prompts = _prompts(model.config.vocab_size, (6, 3))
+    assert logits_parity(out, [hf_reference(model, p, 5) for p in prompts], prompts, steps=4) < TOL
 
 
 def test_export_cli_bad_inputs(tmp_path, tiny_checkpoint, capsys):

@@ -137,6 +137,10 @@ class TrtBackend:
                  device: int = 0) -> None:
         self.dir, self.manifest = Path(artifact_dir), manifest
         self.trt, self.info = load_trt()
+        if (manifest.get("plugins") or {}).get("ops"):  # engines built with decodert plugin layers
+            from decodert.plugins.trt_plugins import register_plugins
+
+            register_plugins(self.trt, self.info)
         blobs = {n: read_engine(self.dir, manifest, n, self.info) for n in GRAPHS}  # CPU checks first
         kv, recs = manifest["kv"], manifest["engines"]
         self.layers, self.kv_heads, self.head_dim = int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"])

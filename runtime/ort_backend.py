@@ -102,7 +102,7 @@ class OrtBackend:
         for kind in kinds:
             path = self.dir / manifest["graphs"][kind]["file"]
             check_external_data(path)
-            self.sessions[kind] = _open_session(path, options, providers)
+            self.sessions[kind] = open_session(path, options, providers)
             check_session_io(self.sessions[kind], manifest["graphs"][kind], path)
         self.sessions.setdefault("decode", self.sessions["prefill"])
         # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
@@ -222,7 +222,7 @@ def _contiguous_runs(slots: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-def _open_session(path: Path, options: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
+def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
     """A session for the graph at ``path``; decodert plugin nodes (``--plugins``) are expanded into
     their reference bodies first, with external data still read from the artifact folder."""
     source: str | bytes = str(path)

@@ -35,8 +35,10 @@ class OrtGraphReference:
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        self.sessions = {k: ort.InferenceSession(str(artifact_dir / manifest["graphs"][k]["file"]), opts,
-                                                 providers=["CPUExecutionProvider"]) for k in GRAPHS}
+        from decodert.runtime.ort_backend import open_session  # expands --plugins nodes
+
+        self.sessions = {k: open_session(artifact_dir / manifest["graphs"][k]["file"], opts, ["CPUExecutionProvider"])
+                         for k in GRAPHS}
         kv = manifest["kv"]
         dtype = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32}[kv["dtype"]]
         shape = (rows, int(kv["num_kv_heads"]), int(manifest["max_seq"]), int(kv["head_dim"]))

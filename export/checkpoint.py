@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -24,6 +24,40 @@ from decodert.errors import DecodertError
 from decodert.models.spec import ModelSpec, canonical_names, canonical_shape
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+# What a family's spec_from_* raises on a value of the wrong type or range (metadata is untrusted).
+_BAD_VALUE = (TypeError, ValueError, OverflowError, ZeroDivisionError, KeyError, IndexError, AttributeError)
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+             "max_position")
+
+
+def one_line(e: BaseException) -> str:
+    """``TypeName: first line of the message`` for wrapping third-party errors into DecodertError."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def build_spec(make: Callable[[], ModelSpec], where: Path | str, n_tensors: int) -> ModelSpec:
+    """Run a family's ``spec_from_*`` on untrusted settings; every failure is a DecodertError naming ``where``.
+
+    The spec is also checked against the file: sizes positive, the RoPE head dim even, and no more
+    layers than the checkpoint has tensors (a huge declared layer count must not make a huge name list).
+    """
+    try:
+        spec = make()
+        for name in _POSITIVE:
+            value = getattr(spec, name)
+            if not isinstance(value, int) or value < 1:
+                raise DecodertError(f"{name} {value!r} must be a positive integer")
+    except DecodertError as e:
+        raise DecodertError(f"{where}: {e}") from None
+    except _BAD_VALUE as e:
+        raise DecodertError(f"{where}: invalid model settings ({one_line(e)})") from None
+    rot = spec.rope.rotary_dim or spec.head_dim
+    if spec.head_dim % 2 or rot % 2 or not 2 <= rot <= spec.head_dim:
+        raise DecodertError(f"{where}: head_dim {spec.head_dim} and rotary dim {rot} must be even, rotary <= head_dim")
+    if spec.num_layers > n_tensors:
+        raise DecodertError(f"{where}: declares {spec.num_layers} layers but holds only {n_tensors} tensors")
+    return spec
 
 
 def source_keys(table: dict[str, str | tuple[str, ...]], name: str) -> tuple[str, ...]:
@@ -58,6 +92,7 @@ class Checkpoint:
     kind: str = "?"  # "hf" | "gguf"
 
     def __init__(self, source: Path, spec: ModelSpec, family: ModuleType, table: dict) -> None:
+        """``spec`` must come from ``build_spec`` (checked against the file)."""
         self.source = source
         self.spec = spec
         self.family = family

@@ -10,7 +10,8 @@ import gguf
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.checkpoint import Checkpoint
+from decodert.export.checkpoint import Checkpoint, build_spec, one_line
+from decodert.export.gguf_header import check_gguf
 from decodert.models import family_for
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -19,18 +20,16 @@ TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer
                     "tokenizer.ggml.token_type")
 
 
-def _one_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
 def read_metadata(reader: Any, include_tokenizer_arrays: bool = False) -> dict[str, Any]:
     """GGUF key -> python value (str, int, float, bool or list)."""
     meta = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or (key in TOKENIZER_ARRAYS and not include_tokenizer_arrays):
             continue
-        meta[key] = field.contents()
+        try:
+            meta[key] = field.contents()
+        except UnicodeDecodeError:
+            raise DecodertError(f"metadata '{key}' holds text that is not valid UTF-8") from None
     return meta
 
 
@@ -38,31 +37,24 @@ class GGUFCheckpoint(Checkpoint):
     kind = "gguf"
 
     def __init__(self, path: Path) -> None:
+        self.source = path
+        check_gguf(path)  # every declared count and size against the file, before GGUFReader trusts them
         try:
             self.reader = gguf.GGUFReader(path, "r")
-        except Exception as e:  # the reader raises ValueError/IndexError/... on truncated or corrupt files
-            raise DecodertError(f"{path}: not a readable GGUF file, truncated or corrupt ({_one_line(e)})") from None
+        except Exception as e:  # anything the walk let through is still a damaged file, not a crash
+            raise DecodertError(f"{path}: not a readable GGUF file, truncated or corrupt ({one_line(e)})") from None
         self._tensors = {t.name: t for t in self.reader.tensors}
-        self._check_sizes(path)
-        self.meta = read_metadata(self.reader)
+        try:
+            self.meta = read_metadata(self.reader)
+        except DecodertError as e:
+            raise DecodertError(f"{path}: {e}") from None
         arch = self.meta.get("general.architecture", "<missing general.architecture>")
         family = family_for(arch, str(path))
         if "token_embd.weight" in self._tensors:  # vocab_size is optional metadata
             self.meta.setdefault(f"{arch}.vocab_size", self._shape("token_embd.weight")[0])
-        try:
-            spec = family.spec_from_gguf(self.meta)
-            spec = self._spec_from_tensors(spec, family)
-        except DecodertError as e:
-            raise DecodertError(f"{path}: {e}") from None
+        spec = build_spec(lambda: self._spec_from_tensors(family.spec_from_gguf(self.meta), family), path,
+                          len(self._tensors))
         super().__init__(path, spec, family, family.GGUF_WEIGHTS)
-
-    def _check_sizes(self, path: Path) -> None:
-        size = path.stat().st_size
-        for t in self.reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise DecodertError(f"{path}: tensor '{t.name}' ends at byte {end} past the end of the file "
-                                    f"({size} bytes; truncated?)")
 
     def _spec_from_tensors(self, spec: Any, family: Any) -> Any:
         """Facts GGUF stores as tensors rather than metadata: tied output, rope frequency factors."""
@@ -98,7 +90,7 @@ class GGUFCheckpoint(Checkpoint):
         try:
             w = gguf.quants.dequantize(np.asarray(t.data), qtype)
         except Exception as e:
-            raise DecodertError(f"{self.source}: cannot dequantise tensor '{key}' ({_one_line(e)})") from None
+            raise DecodertError(f"{self.source}: cannot dequantise tensor '{key}' ({one_line(e)})") from None
         return np.array(w, dtype=np.float32).reshape(self._shape(key))  # copy: never a view of the mmap
 
     def _fix(self, key: str, w: np.ndarray) -> np.ndarray:
@@ -108,7 +100,11 @@ class GGUFCheckpoint(Checkpoint):
     def write_tokenizer(self, out_dir: str | Path) -> dict[str, Any]:
         from decodert.export.gguf_tokenizer import write_gguf_tokenizer
 
-        return write_gguf_tokenizer(read_metadata(self.reader, True), Path(out_dir), self.source)
+        try:
+            meta = read_metadata(self.reader, True)
+        except DecodertError as e:
+            raise DecodertError(f"{self.source}: {e}") from None
+        return write_gguf_tokenizer(meta, Path(out_dir), self.source)
 
     def close(self) -> None:
         self._tensors = {}

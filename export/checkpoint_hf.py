@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.checkpoint import Checkpoint
+from decodert.export.checkpoint import Checkpoint, build_spec
 from decodert.export.checkpoint_safetensors import SafetensorsFile
 from decodert.models import family_for
 
@@ -39,6 +39,9 @@ def _index(folder: Path) -> dict[str, Path] | None:
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise DecodertError(f"{index}: no 'weight_map'")
+    bad = [v for v in weight_map.values() if not isinstance(v, str) or Path(v).name != v or v in ("", ".", "..")]
+    if bad:  # a shard must be a plain file name in this folder: no ../, no absolute paths
+        raise DecodertError(f"{index}: weight_map names {bad[0]!r}, which is not a file in {folder}")
     return {k: folder / v for k, v in weight_map.items()}
 
 
@@ -51,13 +54,14 @@ class HFCheckpoint(Checkpoint):
             raise DecodertError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
         self.config = read_json(config_path)
         family = family_for(self.config.get("model_type", "<missing model_type>"), str(config_path))
-        try:
-            spec = family.spec_from_hf(self.config)
-        except DecodertError as e:
-            raise DecodertError(f"{config_path}: {e}") from None
-        super().__init__(folder, spec, family, family.HF_WEIGHTS)
         self._files: dict[Path, SafetensorsFile] = {}
         self._where = _index(folder) or self._single_file(folder)
+        try:
+            spec = build_spec(lambda: family.spec_from_hf(self.config), config_path, len(self._where))
+        except DecodertError:
+            self.close()
+            raise
+        super().__init__(folder, spec, family, family.HF_WEIGHTS)
 
     def _single_file(self, folder: Path) -> dict[str, Path]:
         single = folder / "model.safetensors"

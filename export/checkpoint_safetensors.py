@@ -7,9 +7,11 @@ every size in the header is checked against the file before anything is read.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +23,11 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.u
 def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     """uint16 bfloat16 bit patterns -> float32 (bf16 is the top half of an fp32)."""
     return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def _int_list(value: Any) -> bool:
+    """A list of non-negative ints (bools, floats and huge JSON numbers as strings are not)."""
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
 
 
 class SafetensorsFile:
@@ -49,22 +56,25 @@ class SafetensorsFile:
             raise DecodertError(f"{self.path}: truncated safetensors file (header cut off)")
         try:
             header = json.loads(self._file.read(n))
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
             header = None
         if not isinstance(header, dict):
             raise DecodertError(f"{self.path}: corrupt safetensors header")
         header.pop("__metadata__", None)
         return 8 + n, header
 
-    def _check(self, key: str, entry: dict, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
-        try:
-            dtype, shape, (start, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise DecodertError(f"{self.path}: corrupt safetensors header entry for '{key}'") from None
+    def _check(self, key: str, entry: Any, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
+        """Validate one header entry: known dtype, non-negative int shape and offsets, inside the file."""
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (_int_list(shape) and _int_list(offsets) and len(offsets) == 2 and isinstance(dtype, str)):
+            raise DecodertError(f"{self.path}: corrupt safetensors header entry for '{key}'")
         if dtype not in _DTYPES:
             raise DecodertError(f"{self.path}: tensor '{key}' has unsupported dtype {dtype}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
-        if not 0 <= start <= end or end - start != nbytes:
+        start, end = offsets
+        nbytes = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize  # python ints: no overflow
+        if not start <= end or end - start != nbytes:
             raise DecodertError(
                 f"{self.path}: tensor '{key}' offsets {start}..{end} do not match its shape {list(shape)}"
             )
@@ -73,7 +83,7 @@ class SafetensorsFile:
                 f"{self.path}: tensor '{key}' ends at byte {self._base + end} past the end of the file "
                 f"({self._base + data_size} bytes; truncated?)"
             )
-        return dtype, shape, start, end
+        return dtype, tuple(shape), start, end
 
     def keys(self) -> list[str]:
         return list(self._entries)

@@ -134,21 +134,56 @@ def add_bos_token(meta: dict) -> bool:
     return bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"))
 
 
-def build_tokenizer(meta: dict, source: Path | str = "the GGUF file") -> Tokenizer:
-    """A `tokenizers.Tokenizer` equivalent to the GGUF's (meta must include the tokenizer arrays)."""
-    kind = meta.get("tokenizer.ggml.model")
+def _is_list(value: Any, kind: type | tuple[type, ...], n: int | None = None) -> bool:
+    return (isinstance(value, list) and (n is None or len(value) == n)
+            and all(isinstance(v, kind) and not isinstance(v, bool) for v in value))
+
+
+def check_tokenizer_meta(meta: dict, source: Path | str) -> None:
+    """Types, lengths and id ranges of the tokenizer metadata (it comes from an untrusted file)."""
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
         raise DecodertError(f"{source}: no tokenizer in the GGUF metadata (tokenizer.ggml.tokens)")
+    n = len(tokens)
+    checks = {"tokens": _is_list(tokens, str), "token_type": _is_list(meta.get("tokenizer.ggml.token_type", []), int),
+              "scores": _is_list(meta.get("tokenizer.ggml.scores", []), (int, float)),
+              "merges": _is_list(meta.get("tokenizer.ggml.merges", []), str),
+              "pre": isinstance(meta.get("tokenizer.ggml.pre", ""), str)}
+    for key in ("token_type", "scores"):
+        checks[key] = checks[key] and len(meta.get(f"tokenizer.ggml.{key}") or tokens) == n
+    for key in ("bos", "eos", "eot", "eom", "unknown", "padding"):
+        value = meta.get(f"tokenizer.ggml.{key}_token_id")
+        checks[f"{key}_token_id"] = value is None or (type(value) is int and 0 <= value < n)
+    template = meta.get("tokenizer.chat_template")
+    checks["chat_template"] = template is None or isinstance(template, str)
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise DecodertError(f"{source}: tokenizer.ggml metadata is malformed ({', '.join(bad)}: wrong type, "
+                            f"length or an id outside the {n} tokens)")
+
+
+def build_tokenizer(meta: dict, source: Path | str = "the GGUF file") -> Tokenizer:
+    """A `tokenizers.Tokenizer` equivalent to the GGUF's (meta must include the tokenizer arrays)."""
+    check_tokenizer_meta(meta, source)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise DecodertError(f"{source}: tokenizer model '{kind}' is not supported (supported: gpt2, llama)")
+    try:
+        return _assemble(meta, kind)
+    except Exception as e:  # the tokenizers library raises a bare Exception (e.g. a merge of unknown tokens)
+        text = (str(e).strip().splitlines() or [""])[0]
+        raise DecodertError(f"{source}: cannot rebuild the tokenizer from the GGUF metadata ({text})") from None
+
+
+def _assemble(meta: dict, kind: str) -> Tokenizer:
+    tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if kind == "gpt2":
         tok = _byte_level_bpe(meta, tokens, types)
         fallback = processors.ByteLevel(trim_offsets=False)
-    elif kind == "llama":
+    else:
         tok = _sentencepiece_bpe(meta, tokens, types)
         fallback = None
-    else:
-        raise DecodertError(f"{source}: tokenizer model '{kind}' is not supported (supported: gpt2, llama)")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)

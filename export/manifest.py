@@ -18,6 +18,7 @@ FORMAT = "decodert-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _EDGE = 1 << 20  # fast verification hashes the first and last MiB
+VERIFY_MODES = ("fast", "full", "none")
 
 _REQUIRED = {
     "format": str, "format_version": int, "model": dict, "target": str, "dtype": str, "max_seq": int,
@@ -60,6 +61,8 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> Path:
 
 def load_manifest(folder: Path | str, verify: str = "fast") -> dict[str, Any]:
     """Read and validate ``folder/manifest.json``; verify files: "none" | "fast" | "full"."""
+    if verify not in VERIFY_MODES:
+        raise DecodertError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
     folder = Path(folder)
     path = folder / MANIFEST
     if not folder.is_dir():
@@ -67,9 +70,11 @@ def load_manifest(folder: Path | str, verify: str = "fast") -> dict[str, Any]:
     if not path.is_file():
         raise DecodertError(f"{path}: missing; {folder} is not a decodert artifact (run 'decodert export' first)")
     try:
-        manifest = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DecodertError(f"{path}: not valid JSON ({e})") from None
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, absurd nesting
+        raise DecodertError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
+    except OSError as e:
+        raise DecodertError(f"{path}: cannot read ({e.strerror})") from None
     validate_manifest(manifest, path)
     if verify != "none":
         verify_files(folder, manifest, full=verify == "full")
@@ -77,22 +82,112 @@ def load_manifest(folder: Path | str, verify: str = "fast") -> dict[str, Any]:
 
 
 def validate_manifest(m: Any, path: Path) -> None:
+    """Check every field the loaders read has the right type and range; DecodertError names it."""
     if not isinstance(m, dict):
         raise DecodertError(f"{path}: expected a JSON object")
     for key, typ in _REQUIRED.items():
-        if not isinstance(m.get(key), typ):
+        if not isinstance(m.get(key), typ) or isinstance(m.get(key), bool):
             raise DecodertError(f"{path}: field '{key}' is missing or not a {typ.__name__}")
     if m["format"] != FORMAT or m["format_version"] != FORMAT_VERSION:
         raise DecodertError(f"{path}: format {m['format']!r} v{m['format_version']} is not {FORMAT} v{FORMAT_VERSION}")
+    for name, rec in m["files"].items():
+        _need(safe_name(name), path, f"file entry {name!r} points outside the artifact folder")
+        _need(isinstance(rec, dict) and _count(rec.get("size"), 0) and _hex(rec.get("sha256"))
+              and (rec.get("edge_sha256") is None or _hex(rec["edge_sha256"])), path, f"files.{name} is malformed")
+    _need(_count(m["max_seq"], 2) and _count(m["max_batch"], 1), path, "max_seq and max_batch must be integers >= 2 / >= 1")
+    _need(_count(m["model"].get("vocab_size"), 1), path, "model.vocab_size must be a positive integer")
+    kv = m["kv"]
+    _need(all(_count(kv.get(k), 1) for k in ("num_layers", "num_kv_heads", "head_dim")), path,
+          "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
     for kind in ("prefill", "decode"):
         g = m["graphs"].get(kind)
-        if not isinstance(g, dict) or not isinstance(g.get("file"), str) or not isinstance(g.get("inputs"), list):
-            raise DecodertError(f"{path}: graphs.{kind} is missing or malformed")
-    for name, rec in m["files"].items():
-        if not isinstance(rec, dict) or not isinstance(rec.get("size"), int) or not isinstance(rec.get("sha256"), str):
-            raise DecodertError(f"{path}: files.{name} is malformed")
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise DecodertError(f"{path}: file entry '{name}' points outside the artifact folder")
+        _need(isinstance(g, dict) and _io_list(g.get("inputs")) and _io_list(g.get("outputs", [])), path,
+              f"graphs.{kind} is missing or malformed")
+        _listed(m, g.get("file"), path, f"graphs.{kind}.file")
+    _check_contract(m, path)
+    _listed(m, m["weights"].get("file"), path, "weights.file")
+    _check_tokenizer(m["tokenizer"], m, path)
+    engines = m.get("engines")
+    _need(engines is None or isinstance(engines, dict), path, "engines is malformed")
+    for name, rec in (engines or {}).items():
+        _need(isinstance(rec, dict) and safe_name(rec.get("file")) and _count(rec.get("size"), 0)
+              and _hex(rec.get("sha256")), path, f"engines.{name} is malformed")
+
+
+def runtime_io(m: dict) -> dict[str, tuple[str, list | None]]:
+    """name -> (dtype, shape or None) of every graph input/output a backend binds."""
+    kv = m["kv"]
+    dtype = kv.get("dtype", m["dtype"])
+    cache = ["batch", kv["num_kv_heads"], m["max_seq"], kv["head_dim"]]
+    io: dict[str, tuple[str, list | None]] = {
+        "input_ids": ("int64", None), "past_lengths": ("int64", ["batch"]), "seq_lengths": ("int64", ["batch"]),
+        "logits": ("fp32", ["batch", m["model"]["vocab_size"]]), "next_token": ("int64", ["batch"])}
+    for i in range(kv["num_layers"]):
+        for name in ("past_key", "past_value", "present_key", "present_value"):
+            io[f"{name}.{i}"] = (dtype, cache)
+    return io
+
+
+def _check_contract(m: dict, path: Path) -> None:
+    """Each graph lists what the backends bind, with the dtypes and cache shapes kv/max_seq/vocab imply."""
+    for kind in ("prefill", "decode"):
+        g = m["graphs"][kind]
+        listed = {t["name"]: t for t in g["inputs"] + g.get("outputs", [])}
+        _need(2 * m["kv"]["num_layers"] + 3 <= len(g["inputs"]), path,
+              f"kv.num_layers {m['kv']['num_layers']} does not match graphs.{kind}.inputs")
+        for name, (dtype, shape) in runtime_io(m).items():
+            t = listed.get(name)
+            ok = t is not None and t["dtype"] == dtype and (shape is None or t["shape"] == shape)
+            _need(ok, path, f"graphs.{kind}: {name!r} is missing or disagrees with kv/max_seq/model.vocab_size")
+
+
+def safe_name(name: Any) -> bool:
+    """A plain file name inside the artifact folder: no folders, no '..', not absolute, no NUL."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and Path(name).name == name
+
+
+def _need(ok: bool, path: Path, what: str) -> None:
+    if not ok:
+        raise DecodertError(f"{path}: {what}")
+
+
+def _count(value: Any, low: int) -> bool:
+    return type(value) is int and value >= low
+
+
+def _hex(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _io_list(value: Any) -> bool:
+    """[{"name": str, "dtype": str, "shape": [int | str, ...]}, ...]"""
+    return isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
+        and isinstance(t.get("shape"), list) and all(isinstance(d, (int, str)) for d in t["shape"]) for t in value)
+
+
+def _listed(m: dict, name: Any, path: Path, what: str) -> None:
+    """A file the loaders open must be a plain name that ``files`` lists (so it is verified)."""
+    _need(safe_name(name), path, f"{what} {name!r} is not a file name inside the artifact folder")
+    _need(name in m["files"], path, f"{what} {name!r} is not listed in 'files' (it could not be verified)")
+
+
+def tokenizer_file(m: dict, folder: Path) -> Path:
+    """The tokenizer file a runtime opens: it must be listed in ``files`` (so it was verified)."""
+    name = m["tokenizer"].get("file") or "tokenizer.json"
+    _listed(m, name, folder / MANIFEST, "tokenizer.file")
+    return folder / name
+
+
+def _check_tokenizer(tok: dict, m: dict, path: Path) -> None:
+    # listed in files is checked where it is opened (tokenizer_file): `decodert build` needs no tokenizer
+    _need(safe_name(tok.get("file", "tokenizer.json")), path, "tokenizer.file is not a file name in the artifact folder")
+    ids = [tok.get("bos_token_id"), tok.get("pad_token_id")]
+    eos = tok.get("eos_token_ids", [])
+    ok = (isinstance(eos, list) and all(_count(t, 0) for t in eos) and all(t is None or _count(t, 0) for t in ids)
+          and isinstance(tok.get("add_bos_token", False), bool)
+          and (tok.get("chat_template") is None or isinstance(tok["chat_template"], str)))
+    _need(ok, path, "tokenizer token ids / add_bos_token / chat_template are malformed")
 
 
 def verify_files(folder: Path, manifest: dict[str, Any], full: bool = False) -> None:

@@ -69,6 +69,8 @@ def _add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
     g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     g.add_argument("--stop", action="extend", nargs="+", default=[], metavar="S", help="stop strings")
     p.add_argument("--backend", choices=("auto", "ort", "trt"), default="auto", help="execution backend")
+    p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
+                   help="check the whole sha256 of every artifact file (default: size + first/last MiB)")
     if json_flag:
         p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--no-stats", dest="stats", action="store_false", help="no metrics line on stderr")
@@ -81,10 +83,10 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "repetition_penalty": args.repetition_penalty, "seed": args.seed, "stop": list(args.stop)}
 
 
-def _load(path: Path, backend: str):
+def _load(path: Path, backend: str, verify: str = "fast"):
     from decodert.runtime.llm import LLM
 
-    return LLM.load(path, backend=backend)
+    return LLM.load(path, backend=backend, verify=verify)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -100,7 +102,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
-    llm = _load(args.out, args.backend)
+    llm = _load(args.out, args.backend, args.verify)
     messages = [{"role": "user", "content": prompt}] if args.chat else None
     return _answer(llm, prompt, messages, args)
 
@@ -128,7 +130,7 @@ def _print_stream(stream, out: TextIO) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    return chat_loop(_load(args.out, args.backend), args)
+    return chat_loop(_load(args.out, args.backend, args.verify), args)
 
 
 def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] = input, out: TextIO | None = None) -> int:
@@ -171,7 +173,7 @@ def _chat_turn(llm, messages: list[dict], args: argparse.Namespace, out: TextIO)
 
 
 def run_run(args: argparse.Namespace) -> int:
-    llm = _load(prepare_model(args.model), args.backend)
+    llm = _load(prepare_model(args.model), args.backend, args.verify)
     if args.prompt is None:
         return chat_loop(llm, args)
     if args.raw or not llm.chat_template:

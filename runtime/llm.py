@@ -7,13 +7,19 @@
     llm.generate_many([Request("a"), Request("b", SamplingParams(max_new_tokens=8))])
 
 One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
-runs one generation at a time (not thread-safe): starting one ends an unfinished stream.
+runs one generation at a time. Starting one ends an unfinished stream of the same thread. From
+several threads, generate/chat/generate_many serialise (a lock: one runs, the others wait); a
+stream ended by a run from another thread raises DecodertError on its next step (use one LLM
+per thread for concurrent streams). A KeyboardInterrupt inside a step ends that run only: its
+slots are freed and the next call works normally.
 """
 
 from __future__ import annotations
 
 import importlib
 import shutil
+import threading
+import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Generator, Mapping, Sequence as Seq, Union
@@ -96,19 +102,37 @@ class LLM:
         self.chat_template = tok.get("chat_template")
         self._cache = None
         self._live: Generator | None = None  # the run using the cache; a newer run ends it
+        self._live_thread: int | None = None  # the thread that started it
+        self._taken: weakref.WeakSet = weakref.WeakSet()  # runs that a run from another thread ended
+        self._active: list[int] = []  # the scheduler's slot table (request index per busy slot)
+        self._lock = threading.RLock()  # one run touches the cache at a time
 
     @classmethod
-    def load(cls, path: str | Path, backend: str = "auto") -> "LLM":
-        """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``)."""
+    def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast") -> "LLM":
+        """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``).
+
+        ``verify``: "fast" (sizes + sha256 of each file's first and last MiB), "full" (the whole
+        sha256 of every file, as ``--full-verify``) or "none"; a mismatch names the file.
+        """
+        from decodert.export.manifest import tokenizer_file
+
         path = Path(path)
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, verify)
+        tokenizer_file(manifest, path)  # the tokenizer must be one of the verified files
         tokenizer = open_tokenizer(path, manifest)  # cheap checks before the backend loads weights
         return cls(open_backend(path, manifest, backend), tokenizer, manifest)
+
+    @property
+    def slots_in_use(self) -> int:
+        """Cache slots held by the current run (0 whenever no run is in progress)."""
+        return len(self._active)
 
     def close(self) -> None:
         """Release the backend's resources (GPU memory for trt) when it has a ``close``."""
         close = getattr(self.backend, "close", None)
-        self._cache = None
+        with self._lock:
+            self._end_live()
+            self._cache = None
         if close is not None:
             close()
 
@@ -157,19 +181,53 @@ class LLM:
         return Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq)
 
     # -- running -------------------------------------------------------------------------
-    def _run(self, seqs: list[Sequence]) -> Generator[tuple[int, str], None, None]:
-        """Start a run over the one cache; an unfinished earlier run (an abandoned stream) is closed."""
+    def _end_live(self) -> None:
+        """Close the unfinished run (its slots are freed); remember it if another thread started it."""
         if self._live is not None:
+            if self._live_thread != threading.get_ident():
+                self._taken.add(self._live)
             self._live.close()
+            self._live = None
+
+    def _run(self, seqs: list[Sequence]) -> Generator[tuple[int, str], None, None]:
+        """Start a run over the one cache (call with the lock held); an unfinished earlier run is closed."""
+        self._end_live()
         if self._cache is None:
             self._cache = self.backend.allocate(int(self.backend.max_batch))
-        self._live = scheduler.run(self.backend, self._cache, seqs)
+        self._live = scheduler.run(self.backend, self._cache, seqs, self._active)
+        self._live_thread = threading.get_ident()
         return self._live
 
     def _finish(self, seqs: list[Sequence]) -> list[GenerationResult]:
-        for _ in self._run(seqs):
-            pass
+        with self._lock:
+            try:
+                for _ in self._run(seqs):
+                    pass
+            finally:
+                self._live = None
         return [s.result() for s in seqs]
+
+    def _stream(self, seqs: list[Sequence]) -> Generator[tuple[int, str], None, None]:
+        """The run's events, one locked step at a time, so other threads' runs can go in between."""
+        with self._lock:
+            run = self._run(seqs)
+        try:
+            while True:
+                with self._lock:
+                    if self._live is not run:  # a newer run ended this one
+                        if run in self._taken:
+                            raise DecodertError("this stream was ended by a generation started from another "
+                                                "thread on the same LLM; use one LLM per thread for concurrent streams")
+                        return
+                    item = next(run, None)
+                    if item is None:
+                        self._live = None
+                        return
+                yield item
+        finally:
+            with self._lock:
+                if self._live is run:  # closed early (stream.close(), Ctrl-C): free the slots now
+                    self._end_live()
 
     def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""
@@ -183,7 +241,7 @@ class LLM:
     def stream(self, prompt: Prompt, **params: Any) -> TextStream:
         """Iterate the generated text as deltas (str); see TextStream for the final result."""
         seq = self._sequence(self.encode(prompt), sampling_params(**params))
-        return TextStream(self._run([seq]), seq)
+        return TextStream(self._stream([seq]), seq)
 
     def chat(self, messages: Seq[Message], **params: Any) -> GenerationResult:
         """Apply the chat template (with the generation prompt) and generate the reply."""
@@ -192,7 +250,7 @@ class LLM:
     def stream_chat(self, messages: Seq[Message], **params: Any) -> TextStream:
         """``chat`` as a stream of text deltas."""
         seq = self._sequence(self._chat_ids(messages), sampling_params(**params))
-        return TextStream(self._run([seq]), seq)
+        return TextStream(self._stream([seq]), seq)
 
     def generate_many(self, requests: Seq[Request | Mapping[str, Any]]) -> list[GenerationResult]:
         """Continuous batching: requests take free cache slots as others finish; results in order."""
@@ -222,11 +280,11 @@ def _is_single(prompt: Any) -> bool:
 
 
 # -- loading an artifact folder ----------------------------------------------------------------
-def read_manifest(path: Path) -> dict:
-    """``path/manifest.json``, validated (export/manifest.py; sizes and edge hashes of the files checked)."""
+def read_manifest(path: Path, verify: str = "fast") -> dict:
+    """``path/manifest.json``, validated (export/manifest.py) and its files verified ("fast" | "full" | "none")."""
     from decodert.export.manifest import load_manifest
 
-    return load_manifest(path, verify="fast")
+    return load_manifest(path, verify=verify)
 
 
 def open_tokenizer(path: Path, manifest: Mapping[str, Any]) -> Any:

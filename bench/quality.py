@@ -3,8 +3,8 @@
     python bench/quality.py [--gguf SmolLM2-135M-Instruct.Q4_1.gguf] [--work /tmp/decodert-compare]
                             [--tokens 128] [--json quality.json]
 
-Exports (into ``--work``, kept between runs) fp32, int8, int4 accuracy level 0 and int4 accuracy
-level 4, then for each:
+Exports (into ``--work``, kept between runs) fp32, int8 (accuracy level 0 and 4), int4 accuracy
+level 0 and int4 accuracy level 4, then for each:
 
 - perplexity over bench/fixed_text.txt, teacher-forced token by token: the prefill graph outputs
   only the last position's logits, so the first token is prefilled and every next token is fed
@@ -34,7 +34,8 @@ from compare import DEFAULT_GGUF
 TEXT = Path(__file__).with_name("fixed_text.txt")
 VARIANTS = {
     "fp32": None,
-    "int8": QuantConfig(bits=8),
+    "int8": QuantConfig(bits=8),  # accuracy level 0 (fp32 compute)
+    "int8 acc4": QuantConfig(bits=8, accuracy_level=4),
     "int4 acc0": QuantConfig(bits=4, accuracy_level=0),
     "int4 acc4": QuantConfig(bits=4, accuracy_level=4),
 }

@@ -24,8 +24,8 @@ def read_json(path: Path) -> dict:
             data = json.load(f)
     except OSError as e:
         raise DecodertError(f"{path}: cannot read ({e.strerror})") from None
-    except ValueError as e:
-        raise DecodertError(f"{path}: invalid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+        raise DecodertError(f"{path}: invalid JSON ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(data, dict):
         raise DecodertError(f"{path}: expected a JSON object")
     return data

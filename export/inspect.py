@@ -6,33 +6,38 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import onnx
-
 from decodert.export.manifest import load_manifest
+from decodert.export.onnx_check import load_graph
 
 
 def graph_summary(path: Path) -> dict[str, Any]:
-    model = onnx.load(str(path), load_external_data=False)
-    ops = Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for n in model.graph.node)
+    model = load_graph(path)  # DecodertError for a damaged file
+    ops = Counter(f"{n.domain}::{n.op_type}" if n.domain else str(n.op_type) for n in model.graph.node)
     weight_bytes = 0
     for t in model.graph.initializer:
         info = {e.key: e.value for e in t.external_data}
-        weight_bytes += int(info["length"]) if "length" in info else len(t.raw_data)
-    return {"opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+        length = str(info.get("length", ""))
+        weight_bytes += int(length) if length.isdigit() else len(t.raw_data)
+    return {"opsets": {str(o.domain) or "ai.onnx": o.version for o in model.opset_import},
             "nodes": len(model.graph.node), "ops": dict(sorted(ops.items())), "weight_bytes": weight_bytes}
+
+
+def _mib(n: Any) -> str:
+    return f"{n / 2**20:.1f} MiB" if isinstance(n, (int, float)) else f"{n!r} bytes"
 
 
 def inspect_artifact(folder: str | Path) -> str:
     folder = Path(folder)
     m = load_manifest(folder, verify="fast")
-    spec = m["model"]
+    spec = m["model"]  # validated: a dict with vocab_size; the rest is shown as found
+    source = m.get("source") if isinstance(m.get("source"), dict) else {}
     lines = [
         f"artifact   {folder}",
-        f"model      {spec['family']}: {spec['num_layers']} layers, hidden {spec['hidden_size']}, "
-        f"heads {spec['num_heads']}/{spec['num_kv_heads']} x {spec['head_dim']}, vocab {spec['vocab_size']}",
+        f"model      {spec.get('family')}: {spec.get('num_layers')} layers, hidden {spec.get('hidden_size')}, "
+        f"heads {spec.get('num_heads')}/{spec.get('num_kv_heads')} x {spec.get('head_dim')}, vocab {spec['vocab_size']}",
         f"target     {m['target']}  dtype {m['dtype']}  max_seq {m['max_seq']}  max_batch {m['max_batch']}",
-        f"weights    {m['weights']['file']}  {m['weights']['bytes'] / 2**20:.1f} MiB",
-        f"source     {m['source']['kind']}: {m['source']['path']}",
+        f"weights    {m['weights']['file']}  {_mib(m['weights'].get('bytes'))}",
+        f"source     {source.get('kind')}: {source.get('path')}",
         f"made by    decodert {m.get('decodert_version')} onnx {m.get('onnx_version')} on {m.get('created')}",
     ]
     for kind in ("prefill", "decode"):

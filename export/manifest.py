@@ -95,7 +95,10 @@ def validate_manifest(m: Any, path: Path) -> None:
         _need(isinstance(rec, dict) and _count(rec.get("size"), 0) and _hex(rec.get("sha256"))
               and (rec.get("edge_sha256") is None or _hex(rec["edge_sha256"])), path, f"files.{name} is malformed")
     _need(_count(m["max_seq"], 2) and _count(m["max_batch"], 1), path, "max_seq and max_batch must be integers >= 2 / >= 1")
-    _need(_count(m["model"].get("vocab_size"), 1), path, "model.vocab_size must be a positive integer")
+    model = m["model"]
+    _need(_count(model.get("vocab_size"), 1), path, "model.vocab_size must be a positive integer")
+    _need(_id_list(model.get("eos_token_ids", [])) and _opt_id(model.get("bos_token_id")), path,
+          "model.eos_token_ids / model.bos_token_id are malformed")
     kv = m["kv"]
     _need(all(_count(kv.get(k), 1) for k in ("num_layers", "num_kv_heads", "head_dim")), path,
           "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
@@ -111,7 +114,8 @@ def validate_manifest(m: Any, path: Path) -> None:
     _need(engines is None or isinstance(engines, dict), path, "engines is malformed")
     for name, rec in (engines or {}).items():
         _need(isinstance(rec, dict) and safe_name(rec.get("file")) and _count(rec.get("size"), 0)
-              and _hex(rec.get("sha256")), path, f"engines.{name} is malformed")
+              and _hex(rec.get("sha256")) and isinstance(rec.get("tensorrt", {}), dict), path,
+              f"engines.{name} is malformed")
 
 
 def runtime_io(m: dict) -> dict[str, tuple[str, list | None]]:
@@ -155,6 +159,14 @@ def _count(value: Any, low: int) -> bool:
     return type(value) is int and value >= low
 
 
+def _opt_id(value: Any) -> bool:
+    return value is None or _count(value, 0)
+
+
+def _id_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_count(t, 0) for t in value)
+
+
 def _hex(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
@@ -182,9 +194,7 @@ def tokenizer_file(m: dict, folder: Path) -> Path:
 def _check_tokenizer(tok: dict, m: dict, path: Path) -> None:
     # listed in files is checked where it is opened (tokenizer_file): `decodert build` needs no tokenizer
     _need(safe_name(tok.get("file", "tokenizer.json")), path, "tokenizer.file is not a file name in the artifact folder")
-    ids = [tok.get("bos_token_id"), tok.get("pad_token_id")]
-    eos = tok.get("eos_token_ids", [])
-    ok = (isinstance(eos, list) and all(_count(t, 0) for t in eos) and all(t is None or _count(t, 0) for t in ids)
+    ok = (_id_list(tok.get("eos_token_ids", [])) and _opt_id(tok.get("bos_token_id")) and _opt_id(tok.get("pad_token_id"))
           and isinstance(tok.get("add_bos_token", False), bool)
           and (tok.get("chat_template") is None or isinstance(tok["chat_template"], str)))
     _need(ok, path, "tokenizer token ids / add_bos_token / chat_template are malformed")

@@ -36,9 +36,9 @@ _DTYPE_NAMES = {"HALF": "fp16", "BF16": "bf16", "FLOAT": "fp32", "INT64": "int64
 
 
 # ---------------------------------------------------------------- small helpers
-def read_manifest(out_dir: Path) -> dict[str, Any]:
-    """Load and validate OUT/manifest.json (sizes + edge hashes of the files it lists)."""
-    manifest = load_manifest(out_dir, verify="fast")
+def read_manifest(out_dir: Path, verify: str = "fast") -> dict[str, Any]:
+    """Load and validate OUT/manifest.json and verify its files ("fast": sizes + edge hashes, "full": sha256)."""
+    manifest = load_manifest(out_dir, verify=verify)
     if manifest.get("target") == "ort":
         raise DecodertError(f"{Path(out_dir) / MANIFEST}: the graphs were exported for --target ort (ONNX Runtime "
                             "contrib ops); re-export with --target trt to build TensorRT engines")
@@ -57,6 +57,11 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def staged(path: Path) -> Path:
+    """Where a new ``path`` is written before it replaces the old one."""
+    return path.with_name(f".{path.name}.new")
 
 
 def trt_dtype_name(dtype: Any) -> str:
@@ -282,7 +287,7 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
         raise DecodertError(f"TensorRT failed to build {graph['file']} (set DECODERT_TRT_VERBOSE=1 for the log)")
     blob = bytes(plan)
     path = out_dir / f"{name}.engine"
-    write_atomic(path, blob)
+    write_atomic(staged(path), blob)  # renamed into place by build_engines once every engine is built
     io = _deserialized_io(trt, logger, blob, graph)
     if io is not None:
         check_io(io, graph, path.name)  # extra keys (aliases, engine_layers) are ignored
@@ -316,10 +321,11 @@ def _open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tup
 
 def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: int | None = None,
                   max_seq: int | None = None, version_compatible: bool = False,
-                  timing_cache: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Build OUT/prefill.engine and OUT/decode.engine; update and return manifest["engines"]."""
+                  timing_cache: str | Path | None = None, progress: bool = True, verify: str = "fast") -> dict[str, Any]:
+    """Build OUT/prefill.engine and OUT/decode.engine; update and return manifest["engines"].
+    Engines are renamed into place only once all are built: an interrupted build changes nothing."""
     out = Path(out_dir)
-    manifest = read_manifest(out)
+    manifest = read_manifest(out, verify)
     trt, info = load_trt(need_builder=True)
     if (manifest.get("plugins") or {}).get("ops"):  # decodert:: plugin nodes: the parser needs the creators
         from decodert.plugins.trt_plugins import register_plugins
@@ -332,7 +338,13 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
                 "version_compatible": version_compatible, "timing_cache_obj": cache, "timing_cache_note": note,
                 "progress": progress, "logger": make_logger(trt),
                 "plugins": bool((manifest.get("plugins") or {}).get("ops"))}
-    engines = {name: build_one(trt, info, out, name, manifest, settings) for name in GRAPHS}
+    try:
+        engines = {name: build_one(trt, info, out, name, manifest, settings) for name in GRAPHS}
+        for rec in engines.values():
+            os.replace(staged(out / rec["file"]), out / rec["file"])
+    finally:
+        for name in GRAPHS:
+            staged(out / f"{name}.engine").unlink(missing_ok=True)
     if cache is not None and cache_path is not None:
         write_atomic(cache_path, bytes(cache.serialize()))
     manifest["engines"] = engines
@@ -354,6 +366,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--version-compatible", action="store_true", help="engines a newer TensorRT of the same major can run")
     p.add_argument("--timing-cache", type=Path, default=None, help="load/save the builder timing cache here")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
+                   help="check the whole sha256 of every artifact file first (default: size + first/last MiB)")
     p.set_defaults(func=run_build)
     return p
 
@@ -361,7 +375,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_build(args: argparse.Namespace) -> int:
     engines = build_engines(args.out, precision=args.precision, max_batch=args.max_batch, max_seq=args.max_seq,
                             version_compatible=args.version_compatible, timing_cache=args.timing_cache,
-                            progress=args.progress)
+                            progress=args.progress, verify=args.verify)
     for name, rec in engines.items():
         print(f"{rec['file']}: {rec['size'] / 2**20:.1f} MiB in {rec['build_seconds']:.1f} s "
               f"({rec['tensorrt']['flavour']} {rec['tensorrt']['version']}, {rec['precision']}, "

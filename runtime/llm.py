@@ -8,10 +8,9 @@
 
 One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
 runs one generation at a time. Starting one ends an unfinished stream of the same thread. From
-several threads, generate/chat/generate_many serialise (a lock: one runs, the others wait); a
-stream ended by a run from another thread raises DecodertError on its next step (use one LLM
-per thread for concurrent streams). A KeyboardInterrupt inside a step ends that run only: its
-slots are freed and the next call works normally.
+several threads, runs serialise: a call waits while another thread's generation or open stream
+holds the cache (``busy_timeout`` seconds at most, then DecodertError; default: no limit). A
+KeyboardInterrupt inside a step ends that run only: its slots are freed and the next call works.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from __future__ import annotations
 import importlib
 import shutil
 import threading
-import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Generator, Mapping, Sequence as Seq, Union
@@ -101,11 +99,12 @@ class LLM:
         self.add_bos_token = bool(tok.get("add_bos_token", False))
         self.chat_template = tok.get("chat_template")
         self._cache = None
-        self._live: Generator | None = None  # the run using the cache; a newer run ends it
+        self._live: Generator | None = None  # the run holding the cache; a newer run of the same thread ends it
         self._live_thread: int | None = None  # the thread that started it
-        self._taken: weakref.WeakSet = weakref.WeakSet()  # runs that a run from another thread ended
         self._active: list[int] = []  # the scheduler's slot table (request index per busy slot)
         self._lock = threading.RLock()  # one run touches the cache at a time
+        self._free = threading.Condition(self._lock)  # notified when the live run ends
+        self.busy_timeout: float | None = None  # seconds to wait for another thread's stream (None: as long as it takes)
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast") -> "LLM":
@@ -182,51 +181,53 @@ class LLM:
 
     # -- running -------------------------------------------------------------------------
     def _end_live(self) -> None:
-        """Close the unfinished run (its slots are freed); remember it if another thread started it."""
+        """Close the unfinished run (its slots are freed) and wake threads waiting for the cache."""
         if self._live is not None:
-            if self._live_thread != threading.get_ident():
-                self._taken.add(self._live)
             self._live.close()
             self._live = None
+            self._free.notify_all()
 
     def _run(self, seqs: list[Sequence]) -> Generator[tuple[int, str], None, None]:
-        """Start a run over the one cache (call with the lock held); an unfinished earlier run is closed."""
+        """Start a run over the one cache (lock held): wait while another thread's stream holds it;
+        an unfinished run of this thread (an abandoned stream) is ended."""
+        me = threading.get_ident()
+        if not self._free.wait_for(lambda: self._live is None or self._live_thread == me, self.busy_timeout):
+            raise DecodertError(f"this LLM is busy: a stream of another thread is still open after "
+                                f"{self.busy_timeout} s (busy_timeout); finish or close it, or use one LLM per thread")
         self._end_live()
         if self._cache is None:
             self._cache = self.backend.allocate(int(self.backend.max_batch))
         self._live = scheduler.run(self.backend, self._cache, seqs, self._active)
-        self._live_thread = threading.get_ident()
+        self._live_thread = me
         return self._live
 
     def _finish(self, seqs: list[Sequence]) -> list[GenerationResult]:
         with self._lock:
+            run = self._run(seqs)
             try:
-                for _ in self._run(seqs):
+                for _ in run:
                     pass
             finally:
-                self._live = None
+                if self._live is run:
+                    self._end_live()
         return [s.result() for s in seqs]
 
     def _stream(self, seqs: list[Sequence]) -> Generator[tuple[int, str], None, None]:
-        """The run's events, one locked step at a time, so other threads' runs can go in between."""
+        """The run's events, one locked step at a time; the run holds the cache until it ends."""
         with self._lock:
             run = self._run(seqs)
         try:
             while True:
                 with self._lock:
-                    if self._live is not run:  # a newer run ended this one
-                        if run in self._taken:
-                            raise DecodertError("this stream was ended by a generation started from another "
-                                                "thread on the same LLM; use one LLM per thread for concurrent streams")
+                    if self._live is not run:  # a newer run of this thread, or close(), ended it
                         return
                     item = next(run, None)
-                    if item is None:
-                        self._live = None
-                        return
+                if item is None:
+                    return
                 yield item
         finally:
             with self._lock:
-                if self._live is run:  # closed early (stream.close(), Ctrl-C): free the slots now
+                if self._live is run:  # done, closed early (stream.close(), Ctrl-C) or garbage: free the slots
                     self._end_live()
 
     def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:

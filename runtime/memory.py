@@ -21,10 +21,20 @@ def available_bytes() -> int | None:
 
 
 def check_fits(nbytes: int, what: str) -> None:
+    """Refuse (before allocating) what would take more than 90% of the memory available now."""
     avail = available_bytes()
     if avail is not None and nbytes > 0.9 * avail:
         raise DecodertError(f"{what} needs {nbytes / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is available; "
-                            "lower --max-seq or --max-batch")
+                            "export with a lower --max-seq or --max-batch")
+
+
+def current_rss_bytes() -> int | None:
+    """Resident set size now (Linux /proc/self/statm), None where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def peak_rss_mb() -> float:

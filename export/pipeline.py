@@ -150,6 +150,11 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:  # put the old artifact back: a failed swap must not leave no artifact
+        if old is not None:
+            os.replace(old, out_dir)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -360,21 +360,32 @@ def _interrupt(monkeypatch, module, name, when=lambda *a, **k: True):
     monkeypatch.setattr(module, name, fake)
 
 
-@pytest.mark.parametrize("step", ["build_graph", "write_manifest"])
+def _export_steps():
+    import os
+
+    from decodert.export import pipeline
+
+    return {"build_graph": (pipeline, "build_graph", lambda *a, **k: a[3] == "decode"),  # after weights.bin
+            "write_manifest": (pipeline, "write_manifest", lambda *a, **k: True),
+            "swap": (os, "replace", lambda src, dst: Path(src).name.startswith(".out.tmp-"))}  # the final rename
+
+
+@pytest.mark.parametrize("step", ["build_graph", "write_manifest", "swap"])
 def test_interrupted_export_leaves_no_artifact_or_the_old_one(samples, tmp_path, monkeypatch, step):
     from decodert.export import pipeline
 
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        _interrupt(m, pipeline, step, lambda *a, **k: step != "build_graph" or a[3] == "decode")
+        _interrupt(m, *_export_steps()[step])
         with pytest.raises(KeyboardInterrupt):
             pipeline.export_model(samples["hf"], out, max_seq=64, max_batch=2, progress=False)
     assert list(tmp_path.iterdir()) == []  # no folder, no temp folder left behind
     pipeline.export_model(samples["hf"], out, max_seq=64, max_batch=2, progress=False)
     before = _tree(out)
-    _interrupt(monkeypatch, pipeline, step, lambda *a, **k: step != "build_graph" or a[3] == "decode")
-    with pytest.raises(KeyboardInterrupt):
-        pipeline.export_model(samples["hf"], out, max_seq=128, max_batch=1, progress=False)
+    with monkeypatch.context() as m:
+        _interrupt(m, *_export_steps()[step])
+        with pytest.raises(KeyboardInterrupt):
+            pipeline.export_model(samples["hf"], out, max_seq=128, max_batch=1, progress=False)
     assert _tree(out) == before and [p.name for p in tmp_path.iterdir()] == ["out"]
     assert LLM.load(out, verify="full").max_seq == 64
 

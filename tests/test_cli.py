@@ -119,3 +119,15 @@ def test_e2e_run_smollm2_answers(monkeypatch, capsys):
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert "Paris" in out["text"] and out["metrics"]["decode_tps"] > 0
+
+
+def test_full_verify_flag_on_generate_chat_and_run(monkeypatch, tmp_path):
+    from decodert.runtime import cli_run
+
+    seen = []
+    llm, _ = scripted_llm("hello world")
+    monkeypatch.setattr(cli_run, "_load", lambda path, backend, verify="fast": seen.append(verify) or llm)
+    for argv in (["generate", str(tmp_path), "--prompt", "a", "--json"], ["chat", str(tmp_path)], ["run", "x"]):
+        assert _cli(argv).verify == "fast" and _cli(argv + ["--full-verify"]).verify == "full"
+    args = _cli(["generate", str(tmp_path), "--prompt", "a", "--json", "--full-verify"])
+    assert args.func(args) == 0 and seen == ["full"]

@@ -34,7 +34,7 @@ from compare import DEFAULT_GGUF
 TEXT = Path(__file__).with_name("fixed_text.txt")
 VARIANTS = {
     "fp32": None,
-    "int8": QuantConfig(bits=8),  # accuracy level 0 (fp32 compute)
+    "int8": QuantConfig(bits=8),  # accuracy level 0 (fp32 compute): slow on ORT CPU, see docs/BENCHMARKS.md
     "int8 acc4": QuantConfig(bits=8, accuracy_level=4),
     "int4 acc0": QuantConfig(bits=4, accuracy_level=0),
     "int4 acc4": QuantConfig(bits=4, accuracy_level=4),
@@ -97,12 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     p.add_argument("--work", type=Path, default=Path("/tmp/decodert-compare"))
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of: {', '.join(VARIANTS)} (fp32 first: the reference)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    labels = [v.strip() for v in args.variants.split(",")]
+    if labels[0] != "fp32" or not set(labels) <= set(VARIANTS):
+        p.error(f"--variants must start with fp32 and name only: {', '.join(VARIANTS)}")
     args.work.mkdir(parents=True, exist_ok=True)
     text = TEXT.read_text()
     rows, reference = [], None
-    for label in VARIANTS:
+    for label in labels:
         backend, tokenizer = load(args.gguf, args.work, label)
         ids = np.array(tokenizer.encode(text).ids, np.int64)
         prompt = np.array(tokenizer.encode(text.split(". ")[0] + ".").ids, np.int64)

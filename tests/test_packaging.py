@@ -15,3 +15,17 @@ def test_every_package_folder_is_listed_in_pyproject():
         for init in (ROOT / top).rglob("__init__.py"):
             found.add(".".join(["decodert", *init.parent.relative_to(ROOT).parts]))
     assert listed == found
+
+
+def test_lint_clean():
+    """ruff (pyflakes + pycodestyle rules, settings in pyproject.toml) finds nothing."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    res = subprocess.run([ruff, "check", "--quiet", str(ROOT)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-3000:]

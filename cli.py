@@ -19,7 +19,10 @@ def _export(args: argparse.Namespace) -> int:
 
     quant = None
     if args.quant:
-        quant = QuantConfig(bits=int(args.quant[3:]), block_size=args.block_size, accuracy_level=args.accuracy_level,
+        bits = int(args.quant[3:])
+        # ONNX Runtime 1.32 has no fast fp32-compute int8 MatMulNBits kernel on CPU (~2 s/step), so int8 defaults to 4
+        level = args.accuracy_level if args.accuracy_level is not None else (4 if bits == 8 else 0)
+        quant = QuantConfig(bits=bits, block_size=args.block_size, accuracy_level=level,
                             symmetric=args.symmetric, lm_head=not args.no_quant_lm_head)
     m = export_model(args.src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version)
@@ -48,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-batch", type=int, default=4, help="sequences decoded together")
     e.add_argument("--quant", choices=["int4", "int8"], help="weight-only block quantization of the linear layers")
     e.add_argument("--block-size", type=int, default=32, help="quantization block along the input dim (default 32)")
-    e.add_argument("--accuracy-level", type=int, default=0, choices=[0, 1, 2, 3, 4],
-                   help="ort target: 0 = fp32 compute, 4 = int8 activations (faster; may flip near-tie tokens)")
+    e.add_argument("--accuracy-level", type=int, default=None, choices=[0, 1, 2, 3, 4],
+                   help="ort target: 0 = fp32 compute, 4 = int8 activations (faster; may flip near-tie tokens); "
+                        "default 0 for int4, 4 for int8")
     e.add_argument("--symmetric", action="store_true", help="no zero points (always on for --target trt)")
     e.add_argument("--no-quant-lm-head", action="store_true", help="keep the output projection in float")
     e.add_argument("--plugins", choices=["auto", "always", "never"], default="auto",

@@ -5,9 +5,11 @@
 
 Phase 1 streams and generates ``--tokens`` tokens (sampled, varied prompts, one request at a time)
 and compares the resident set size after a warm-up pass over the same prompts with the RSS at the
-end: growth must stay under ``--max-growth`` (5%). Phase 2 sends ``--requests`` short requests
-through continuous batching (``LLM.generate_many``, the artifact's max_batch slots) and checks that
-every request finished, no slot is still held (``LLM.slots_in_use``) and every cache length is 0.
+end: growth must stay under ``--max-growth`` (5%). Phase 2 sends ``--rounds`` x ``--requests`` short
+requests through continuous batching (``LLM.generate_many``, the artifact's max_batch slots) and
+checks that every request finished, no slot is still held (``LLM.slots_in_use``), every cache
+length is 0 after each round, and RSS after the last round is within 5% of RSS after the first
+(the first round is the batched shapes' warm-up).
 Prints a summary (``--json``: one JSON object); exit code 1 when a check fails.
 """
 
@@ -62,17 +64,25 @@ def tokens_phase(llm: LLM, target: int, max_new: int) -> dict:
             "rss_growth": round((end - start) / start, 4)}
 
 
-def batching_phase(llm: LLM, n: int) -> dict:
-    """``n`` short requests (4..40 tokens) through continuous batching; slots and cache lengths after."""
-    requests = [Request(PROMPTS[i % len(PROMPTS)], SamplingParams(max_new_tokens=4 + (i * 7) % 37, temperature=0.7,
-                                                                  seed=i)) for i in range(n)]
-    before, t0 = _rss_mb(), time.perf_counter()
-    results = llm.generate_many(requests)
-    lengths = [int(x) for x in llm._cache.lengths] if llm._cache is not None else []
-    return {"requests": n, "finished": sum(r.finish_reason in ("stop", "length") for r in results),
-            "tokens": sum(len(r.token_ids) for r in results), "seconds": round(time.perf_counter() - t0, 1),
-            "slots": int(llm.backend.max_batch), "slots_in_use_after": llm.slots_in_use,
-            "cache_lengths_after": lengths, "rss_before_mb": round(before, 1), "rss_after_mb": round(_rss_mb(), 1)}
+def batching_phase(llm: LLM, n: int, rounds: int) -> dict:
+    """``rounds`` x ``n`` short requests (4..40 tokens, prompts of varied length) through continuous batching;
+    finished requests, slots held and cache lengths after each round, RSS after each round."""
+    finished = tokens = 0
+    rss, held, lengths, t0 = [round(_rss_mb(), 1)], [], [], time.perf_counter()
+    for r in range(rounds):
+        requests = [Request(PROMPTS[i % len(PROMPTS)] + " Be brief." * (i % 5),
+                            SamplingParams(max_new_tokens=4 + (i * 7) % 37, temperature=0.7, seed=r * n + i))
+                    for i in range(n)]
+        results = llm.generate_many(requests)
+        finished += sum(res.finish_reason in ("stop", "length") for res in results)
+        tokens += sum(len(res.token_ids) for res in results)
+        held.append(llm.slots_in_use)
+        lengths.append([int(x) for x in llm._cache.lengths] if llm._cache is not None else [])
+        rss.append(round(_rss_mb(), 1))
+    return {"requests": n * rounds, "rounds": rounds, "finished": finished, "tokens": tokens,
+            "seconds": round(time.perf_counter() - t0, 1), "slots": int(llm.backend.max_batch),
+            "slots_in_use_after": held, "cache_lengths_after": lengths, "rss_before_and_after_rounds_mb": rss,
+            "rss_growth_after_round_1": round((rss[-1] - rss[1]) / rss[1], 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--artifact", type=Path, help="artifact folder (default: SmolLM2 exported once into the cache)")
     p.add_argument("--tokens", type=int, default=20_000, help="tokens in phase 1 (default 20000)")
     p.add_argument("--max-new-tokens", type=int, default=400, help="per request in phase 1 (default 400)")
-    p.add_argument("--requests", type=int, default=200, help="requests in phase 2 (default 200)")
+    p.add_argument("--requests", type=int, default=200, help="requests per round in phase 2 (default 200)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of phase 2; RSS after round 1 must stay flat (default 3)")
     p.add_argument("--max-growth", type=float, default=0.05, help="allowed RSS growth after warm-up (default 0.05)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -89,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
 
         args.artifact = prepare_model("smollm2")
     llm = LLM.load(args.artifact, backend="ort")
-    report = {"artifact": str(args.artifact), "tokens_phase": tokens_phase(llm, args.tokens, args.max_new_tokens),
-              "batching_phase": batching_phase(llm, args.requests)}
-    b = report["batching_phase"]
-    report["ok"] = (report["tokens_phase"]["rss_growth"] < args.max_growth and b["finished"] == args.requests
-                    and b["slots_in_use_after"] == 0 and not any(b["cache_lengths_after"]))
+    report: dict = {"artifact": str(args.artifact)}
+    if args.tokens:
+        report["tokens_phase"] = tokens_phase(llm, args.tokens, args.max_new_tokens)
+    b = report["batching_phase"] = batching_phase(llm, args.requests, args.rounds)
+    report["ok"] = (report.get("tokens_phase", {}).get("rss_growth", 0) < args.max_growth
+                    and b["finished"] == b["requests"] and not any(b["slots_in_use_after"])
+                    and not any(map(any, b["cache_lengths_after"])) and b["rss_growth_after_round_1"] < args.max_growth)
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
 

@@ -415,11 +415,12 @@ def test_interrupted_build_leaves_the_old_engines(trt_artifact, monkeypatch):
 # -- soak (short): the full run is `python scripts/soak.py` --------------------------------------
 def test_soak_short_memory_flat_and_no_slot_leaked(samples):
     cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--artifact", str(samples["art"]), "--tokens", "2000",
-           "--max-new-tokens", "200", "--requests", "40", "--json"]
+           "--max-new-tokens", "200", "--requests", "40", "--rounds", "2", "--json"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     report = json.loads(res.stdout)
     tokens, batching = report["tokens_phase"], report["batching_phase"]
     assert tokens["tokens"] >= 2000 and tokens["rss_growth"] < 0.05, tokens
-    assert batching["slots"] == 2 and batching["finished"] == 40, batching
-    assert batching["slots_in_use_after"] == 0 and batching["cache_lengths_after"] == [0, 0], batching
+    assert batching["slots"] == 2 and batching["finished"] == 80, batching
+    assert batching["slots_in_use_after"] == [0, 0] and batching["cache_lengths_after"] == [[0, 0]] * 2, batching
+    assert batching["rss_growth_after_round_1"] < 0.05, batching
     assert res.returncode == 0 and report["ok"]

@@ -132,6 +132,9 @@ def load_trt(prefer: str | None = None, need_builder: bool = False) -> tuple[Mod
             except (ImportError, OSError) as e:  # OSError: wheel present but its libraries are not
                 tried.append(f"{name} ({type(e).__name__})")
                 continue
+            if not hasattr(trt, "Runtime"):  # e.g. a stubs-only or namespace 'tensorrt' package
+                tried.append(f"{name} (not a TensorRT module)")
+                continue
             info = _probe(trt, flavour, name)
             if need_builder and not info.can_build:
                 tried.append(f"{name} (runtime only)")

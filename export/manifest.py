@@ -139,10 +139,13 @@ def _check_contract(m: dict, path: Path) -> None:
         listed = {t["name"]: t for t in g["inputs"] + g.get("outputs", [])}
         _need(2 * m["kv"]["num_layers"] + 3 <= len(g["inputs"]), path,
               f"kv.num_layers {m['kv']['num_layers']} does not match graphs.{kind}.inputs")
-        for name, (dtype, shape) in runtime_io(m).items():
+        bound = runtime_io(m)
+        for name, (dtype, shape) in bound.items():
             t = listed.get(name)
             ok = t is not None and t["dtype"] == dtype and (shape is None or t["shape"] == shape)
             _need(ok, path, f"graphs.{kind}: {name!r} is missing or disagrees with kv/max_seq/model.vocab_size")
+        extra = [t["name"] for t in g["inputs"] if t["name"] not in bound]  # an input nobody binds
+        _need(not extra, path, f"graphs.{kind}: input {extra[:1]} is not one the runtime binds (kv.num_layers?)")
 
 
 def safe_name(name: Any) -> bool:

@@ -83,6 +83,11 @@ def check_external_data(path: Path) -> onnx.ModelProto:
 
 def check_session_io(session: Any, graph: Mapping[str, Any], path: Path) -> None:
     """The session has the manifest graph's inputs/outputs, with the same element types and static dims."""
+    listed = {t["name"] for t in graph.get("inputs", [])}
+    unlisted = [a.name for a in session.get_inputs() if a.name not in listed]
+    if unlisted:  # the runtime binds the listed inputs only
+        raise DecodertError(f"{path}: graph input {unlisted[0]!r} is not in manifest.json; the file is damaged "
+                            "or does not belong to this manifest")
     have = {a.name: a for a in [*session.get_inputs(), *session.get_outputs()]}
     for t in [*graph.get("inputs", []), *graph.get("outputs", [])]:
         arg = have.get(t["name"])

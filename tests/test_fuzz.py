@@ -151,7 +151,7 @@ def test_config_json_regressions(fuzzer, change):
 
 
 @pytest.mark.parametrize("path, value, expected", [
-    (("kv", "num_layers"), 10**9, "error"), (("max_seq",), True, "error"),
+    (("kv", "num_layers"), 10**9, "error"), (("kv", "num_layers"), 1, "error"), (("max_seq",), True, "error"),
     (("graphs", "prefill", "file"), "../hf/model.safetensors", "error"), (("tokenizer", "file"), "/etc/passwd", "error"),
     (("model", "vocab_size"), 10**6, "error"), (("graphs", "decode", "inputs", 0, "shape"), "x", "error"),
     (("files",), "__deeply_nested__", "error"), (("model", "eos_token_ids"), 1.5, "error"),

@@ -102,6 +102,7 @@ def validate_manifest(m: Any, path: Path) -> None:
     kv = m["kv"]
     _need(all(_count(kv.get(k), 1) for k in ("num_layers", "num_kv_heads", "head_dim")), path,
           "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
+    _need(kv.get("dtype", m["dtype"]) == m["dtype"], path, "kv.dtype differs from dtype")
     for kind in ("prefill", "decode"):
         g = m["graphs"].get(kind)
         _need(isinstance(g, dict) and _io_list(g.get("inputs")) and _io_list(g.get("outputs", [])), path,
@@ -121,7 +122,7 @@ def validate_manifest(m: Any, path: Path) -> None:
 def runtime_io(m: dict) -> dict[str, tuple[str, list | None]]:
     """name -> (dtype, shape or None) of every graph input/output a backend binds."""
     kv = m["kv"]
-    dtype = kv.get("dtype", m["dtype"])
+    dtype = m["dtype"]  # what the backends allocate the cache in
     cache = ["batch", kv["num_kv_heads"], m["max_seq"], kv["head_dim"]]
     io: dict[str, tuple[str, list | None]] = {
         "input_ids": ("int64", None), "past_lengths": ("int64", ["batch"]), "seq_lengths": ("int64", ["batch"]),

@@ -155,7 +155,7 @@ def test_config_json_regressions(fuzzer, change):
     (("graphs", "prefill", "file"), "../hf/model.safetensors", "error"), (("tokenizer", "file"), "/etc/passwd", "error"),
     (("model", "vocab_size"), 10**6, "error"), (("graphs", "decode", "inputs", 0, "shape"), "x", "error"),
     (("files",), "__deeply_nested__", "error"), (("model", "eos_token_ids"), 1.5, "error"),
-    (("model", "bos_token_id"), "1", "error"),
+    (("model", "bos_token_id"), "1", "error"), (("dtype",), "fp16", "error"), (("kv", "dtype"), "fp16", "error"),
     (("source",), None, "ok"), (("model", "family"), None, "ok"),  # only shown by inspect: was a KeyError there
 ])
 def test_manifest_regressions(fuzzer, path, value, expected):

@@ -7,6 +7,7 @@
 - ``art/``: ``hf/`` exported for the ORT target (fp32, max_seq 256, max_batch 2).
 - ``eng/``: ``art/`` plus two fake TensorRT engine files recorded in manifest["engines"] (the checks
   ``read_engine`` does before TensorRT sees a plan need no GPU); ``ENGINE_TRT`` is their TensorRT.
+``add_listed_file`` and ``flip_byte`` damage an artifact for the integrity tests.
 """
 
 from __future__ import annotations
@@ -164,3 +165,23 @@ def make_samples(root: Path) -> dict[str, Path]:
         shutil.copytree(art, eng)
         add_fake_engines(eng)
     return {"gguf": make_gguf(root / "mini.gguf"), "hf": hf, "art": art, "eng": eng}
+
+
+def add_listed_file(art: Path, name: str, data: bytes) -> Path:
+    """Put ``name`` into the artifact and record it (size + hashes) in the manifest."""
+    from decodert.export.manifest import file_record, write_manifest
+
+    (art / name).write_bytes(data)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["files"][name] = file_record(art / name)
+    write_manifest(art, manifest)
+    return art / name
+
+
+def flip_byte(path: Path, at: int) -> None:
+    """Invert the byte at offset ``at``."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))

@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import make_llm, scripted_llm  # noqa: E402
+from fuzz_samples import add_listed_file, flip_byte  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 
@@ -131,3 +132,48 @@ def test_full_verify_flag_on_generate_chat_and_run(monkeypatch, tmp_path):
         assert _cli(argv).verify == "fast" and _cli(argv + ["--full-verify"]).verify == "full"
     args = _cli(["generate", str(tmp_path), "--prompt", "a", "--json", "--full-verify"])
     assert args.func(args) == 0 and seen == ["full"]
+
+
+# -- --full-verify on a real (tiny) artifact -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory):
+    from fuzz_samples import make_samples
+
+    return make_samples(tmp_path_factory.mktemp("samples"))
+
+
+@pytest.fixture
+def art(samples, tmp_path):
+    import shutil
+
+    return shutil.copytree(samples["art"], tmp_path / "art")
+
+
+@pytest.fixture
+def trt_artifact(tmp_path):
+    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
+    import trt_graphs
+
+    return trt_graphs.write_artifact(tmp_path / "trt", "fp16")
+
+
+def test_cli_full_verify_on_generate(art, capsys):
+    from decodert.cli import main
+
+    flip_byte(add_listed_file(art, "blob.bin", bytes(3 << 20)), 3 << 19)
+    argv = ["generate", str(art), "--prompt", "hello", "--max-new-tokens", "2", "--no-stats"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv + ["--full-verify"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("decodert: error: ") and "blob.bin" in err and err.count("\n") == 1
+
+
+def test_cli_full_verify_on_build(trt_artifact, capsys):
+    from decodert.cli import main
+
+    flip_byte(add_listed_file(trt_artifact, "blob.bin", bytes(3 << 20)), 3 << 19)
+    assert main(["build", str(trt_artifact), "--full-verify", "--no-progress"]) == 2
+    assert "blob.bin: sha256 does not match" in capsys.readouterr().err
+    assert not list(trt_artifact.glob("*.engine"))
+    assert main(["build", str(trt_artifact), "--no-progress"]) == 0  # the fast check passes

@@ -135,7 +135,7 @@ class OrtBackend:
                 b.ids[j, : lens[r]] = ids[r]
             b.past[:] = cache.lengths[start : start + n]
             b.seq[:] = lens[rows]
-            self.sessions["prefill"].run_with_iobinding(b.io)
+            _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
             _gather(out, rows, b, want_logits)
         cache.lengths[list(slots)] += lens
         return out
@@ -154,7 +154,7 @@ class OrtBackend:
                 b = self._decode_bindings[key] = self._bind(cache, "decode", start, n, 1)
             b.ids[:, 0] = ids[rows]
             b.past[:] = cache.lengths[start : start + n]
-            self.sessions["decode"].run_with_iobinding(b.io)
+            _run_bound(self.sessions["decode"], b.io, self.dir, "decode")
             _gather(out, rows, b, want_logits)
         cache.lengths[slots_arr] += 1
         return out
@@ -220,6 +220,15 @@ def _contiguous_runs(slots: Sequence[int]) -> list[list[int]]:
         else:
             runs.append([j])
     return runs
+
+
+def _run_bound(session: ort.InferenceSession, io: Any, folder: Path, kind: str) -> None:
+    try:
+        session.run_with_iobinding(io)
+    except Exception as e:  # onnxruntime Fail/RuntimeError: a graph that loads but cannot run (damaged)
+        text = (str(e).strip().splitlines() or [""])[0][:300]
+        raise DecodertError(f"{folder}: ONNX Runtime failed running the {kind} graph ({text}); the artifact may be "
+                            "damaged (load it with verify='full' / --full-verify)") from None
 
 
 def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:

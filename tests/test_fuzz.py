@@ -181,6 +181,27 @@ def test_onnx_damage_reaches_inspect_and_runtime_as_errors(fuzzer):
         assert out.status == "error", out.report()
 
 
+def test_a_graph_that_loads_but_cannot_run_is_a_one_line_error(fuzzer):
+    """Bit flips in constants (a Split size of 2**61, a bad Reshape) load fine and fail in onnxruntime's run."""
+    from decodert.runtime.llm import LLM
+
+    class Failing:
+        def __init__(self, session):
+            self.session = session
+
+        def __getattr__(self, name):
+            return getattr(self.session, name)
+
+        def run_with_iobinding(self, io):
+            raise RuntimeError("Error in execution: Non-zero status code returned while running Split node.\nmore")
+
+    llm = LLM.load(fuzzer.samples["art"])
+    llm.backend.sessions = {k: Failing(v) for k, v in llm.backend.sessions.items()}
+    with pytest.raises(DecodertError, match="failed running the prefill graph .*Split node") as e:
+        llm.generate("hello", max_new_tokens=2)
+    assert "\n" not in str(e.value) and llm.slots_in_use == 0
+
+
 # -- the CLI: exit code 2, one line on stderr, no traceback ---------------------------------------------
 def test_cli_export_of_a_damaged_gguf_exits_2_without_traceback(fuzzer, tmp_path):
     bad = tmp_path / "bad.gguf"

@@ -58,6 +58,8 @@ def _extent(info: Mapping[str, str], key: str) -> int:
 
 def _check_one(t: onnx.TensorProto, folder: Path, path: Path) -> None:
     info = {e.key: e.value for e in t.external_data}
+    if not all(isinstance(v, str) for kv in info.items() for v in kv):  # protobuf gives bytes for bad UTF-8
+        raise DecodertError(f"{path}: tensor {t.name!r} has external-data entries that are not text (damaged file)")
     location = info.get("location", "")
     target = folder / location
     inside = location and Path(location).name == location and "\0" not in location

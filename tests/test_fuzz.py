@@ -181,6 +181,12 @@ def test_onnx_damage_reaches_inspect_and_runtime_as_errors(fuzzer):
         assert out.status == "error", out.report()
 
 
+def test_external_data_location_that_is_not_utf8(fuzzer):
+    data = (fuzzer.samples["art"] / "prefill.onnx").read_bytes()
+    out = fuzzer.run_bytes("onnx", "prefill.onnx", data.replace(b"weights.bin", b"weights\xaebin", 1))
+    assert out.status == "error" and "not text" in out.message, out.report()  # was a TypeError (bytes path)
+
+
 def test_a_graph_that_loads_but_cannot_run_is_a_one_line_error(fuzzer):
     """Bit flips in constants (a Split size of 2**61, a bad Reshape) load fine and fail in onnxruntime's run."""
     from decodert.runtime.llm import LLM

@@ -385,14 +385,9 @@ def run_build(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m decodert.export.trt_build OUT ...`` (the same as ``decodert build``)."""
-    parser = argparse.ArgumentParser(prog="decodert")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["build", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args))
-    except DecodertError as e:
-        print(f"decodert: error: {e}", file=sys.stderr)
-        return e.exit_code
+    from decodert.cli import main as cli_main
+
+    return cli_main(["build", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

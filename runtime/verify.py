@@ -16,7 +16,6 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from decodert.errors import DecodertError
 from decodert.export.manifest import load_manifest
 
 GRAPHS = ("prefill", "decode")
@@ -188,14 +187,9 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m decodert.runtime.verify OUT ...`` (the same as ``decodert verify``)."""
-    parser = argparse.ArgumentParser(prog="decodert")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["verify", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args))
-    except DecodertError as e:
-        print(f"decodert: error: {e}", file=sys.stderr)
-        return e.exit_code
+    from decodert.cli import main as cli_main
+
+    return cli_main(["verify", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
     with g.scope("model"):
         ctx = lowering.context(g, inp)
         with g.scope("embed"):
-            x = g.op("Reshape", g.op("Gather", "embed", inp.input_ids, axis=0), g.const([-1, spec.hidden_size]))
+            x = lowering.embed(g, inp.input_ids)
         h = None
         for i in range(spec.num_layers):
             with g.scope(f"layers.{i}"):

@@ -2,6 +2,7 @@
 
 - RMSNorm          -> RMSNormalization-23 / com.microsoft.SkipSimplifiedLayerNormalization (fused add)
 - int4/int8 linear -> com.microsoft.MatMulNBits (block-wise weights, accuracy_level as exported)
+- tied embedding   -> com.microsoft.GatherBlockQuantized on the quantized head (no float table kept)
 - CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
                       present sharing one buffer (seqlens_k = past + S - 1 per row, so right
                       padding keeps every valid row's positions exact).
@@ -18,6 +19,7 @@ import numpy as np
 
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.export.onnx_builder import GraphBuilder
+from decodert.export.quant import quantized_embedding
 from decodert.models.spec import canonical_shape
 from decodert.plugins.cached_attention import AttnContext
 
@@ -49,6 +51,18 @@ class OrtLowering(Lowering):
             last = g.op("Sub", g.op("Add", inp.past_lengths, seq), g.const(np.int64(1)))
             total = g.op("Add", g.op("ReduceMax", inp.past_lengths, keepdims=0), seq)
             return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, None)
+
+    def embed(self, g: GraphBuilder, ids: str) -> str:
+        if not quantized_embedding(self.spec, self.quant, self.quant_layout):
+            return super().embed(g, ids)
+        assert self.quant is not None  # tied and quantized: gather dequantized rows of the head
+        q = self.quant
+        zp = () if q.symmetric else ("lm_head.gather_zero_points",)
+        rows = g.op("GatherBlockQuantized", "lm_head.q", ids, "lm_head.gather_scales", *zp, domain="com.microsoft",
+                    bits=q.bits, block_size=q.block_size, quantize_axis=2, gather_axis=0)  # [B,S,blocks,block]
+        hidden = self.spec.hidden_size
+        x = g.op("Reshape", rows, g.const([-1, -(-hidden // q.block_size) * q.block_size]))
+        return x if hidden % q.block_size == 0 else g.op("Slice", x, g.const([0]), g.const([hidden]), g.const([1]))
 
     def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
         return g.op("RMSNormalization", x, weight, axis=-1, epsilon=self.spec.rms_norm_eps, stash_type=1)

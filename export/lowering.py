@@ -47,6 +47,10 @@ class Lowering:
                                self.max_seq, self.spec.sliding_window or 0)
 
     # ---- ops ---------------------------------------------------------------------------------
+    def embed(self, g: GraphBuilder, ids: str) -> str:
+        """input_ids [B,S] -> rows of the embedding table [B*S, hidden]."""
+        return g.op("Reshape", g.op("Gather", "embed", ids, axis=0), g.const([-1, self.spec.hidden_size]))
+
     def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
         return rms_norm_body(g, x, weight, epsilon=self.spec.rms_norm_eps, dtype=self.dtype)
 

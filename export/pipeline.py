@@ -22,7 +22,7 @@ import decodert
 from decodert.errors import DecodertError
 from decodert.export.checkpoint import open_checkpoint
 from decodert.export.graph import LOWERINGS, build_graph, io_contract, make_lowering
-from decodert.export.quant import QuantConfig, quantize, write_quantized
+from decodert.export.quant import QuantConfig, quantize, quantized_embedding, write_gather_tables, write_quantized
 from decodert.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_record, write_manifest
 from decodert.export.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names
@@ -101,15 +101,21 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
     Returns the initializers and the names of the weights stored quantized.
     """
     quantized = set()
+    gather_quantized = quantized_embedding(spec, quant, layout)
     with WeightsWriter(path) as w:
         for name in tqdm(canonical_names(spec), desc="export weights", unit="tensor", disable=not progress):
             tensor = ckpt.tensor(name)
             if quant is not None and quant.applies_to(name):
                 write_quantized(w, name, quantize(tensor, quant), quant, dtype, layout)
                 quantized.add(name)
+            elif name == "embed" and gather_quantized:
+                head = quantize(tensor, quant)  # tied: the graph gathers rows from the quantized head
+                write_quantized(w, "lm_head", head, quant, dtype, layout)
+                write_gather_tables(w, "lm_head", head, quant, dtype)
+                quantized.add("lm_head")
             else:
                 w.add(name, tensor, dtype)
-            if name == "embed" and spec.tie_word_embeddings and quant is not None and quant.lm_head:
+            if name == "embed" and spec.tie_word_embeddings and quant is not None and quant.lm_head and not gather_quantized:
                 write_quantized(w, "lm_head", quantize(tensor, quant), quant, dtype, layout)  # tied: a quantized copy
                 quantized.add("lm_head")
             del tensor

@@ -105,6 +105,31 @@ def unpack_nibbles(b: np.ndarray) -> np.ndarray:
     return out
 
 
+def quantized_embedding(spec, cfg: QuantConfig | None, layout: str) -> bool:
+    """Whether a tied embedding is stored only once, quantized, as the output projection.
+
+    On the ``nbits`` layout (ONNX Runtime) the graph gathers embedding rows straight from the
+    quantized head with com.microsoft.GatherBlockQuantized, so the float table is not written:
+    SmolLM2-135M int4 drops from 200 MB to about 90 MB.
+    """
+    return bool(spec.tie_word_embeddings and cfg is not None and cfg.lm_head and layout == "nbits")
+
+
+def write_gather_tables(writer, name: str, qw: QuantizedWeight, cfg: QuantConfig, dtype: str) -> None:
+    """``name.gather_scales`` (and ``name.gather_zero_points``) [N, blocks, 1] for GatherBlockQuantized.
+
+    It reads ``name.q`` [N, blocks, block*bits/8] as MatMulNBits does, but wants scales and zero
+    points with the same rank as the data (one unpacked zero point per block); these copies are
+    small (a 1/32 of the weights' element count).
+    """
+    from onnx import TensorProto
+
+    writer.add(f"{name}.gather_scales", qw.scales.reshape(qw.n, qw.blocks, 1), dtype)
+    if not cfg.symmetric:
+        zp = unpack_nibbles(qw.zero_points)[:, : qw.blocks] if cfg.bits == 4 else qw.zero_points
+        writer.add_raw(f"{name}.gather_zero_points", np.ascontiguousarray(zp), TensorProto.UINT8, (qw.n, qw.blocks, 1))
+
+
 def write_quantized(writer, name: str, qw: QuantizedWeight, cfg: QuantConfig, dtype: str, layout: str) -> None:
     """Write ``name.q``, ``name.scales`` (and ``name.zero_points``) in the layout a target reads.
 

@@ -4,6 +4,7 @@ dequantized weights (so the comparison is exact, not 'close enough for int4').""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import transformers
@@ -39,22 +40,30 @@ def test_nibble_packing_low_first():
     assert (unpack_nibbles(packed) == v).all()
 
 
-def _dequantized_hf_model(src, cfg: QuantConfig):
-    """The transformers model with every quantized weight replaced by what the artifact stores."""
+def _dequantized_hf_model(src, cfg: QuantConfig, target: str):
+    """The transformers model with every quantized weight replaced by what the artifact stores.
+
+    A tied head on the ort target is stored once, quantized, and the embedding rows are gathered
+    from it (GatherBlockQuantized); elsewhere the embedding stays float and the head is a copy.
+    """
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         for layer in model.model.layers:
             for lin in [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]:
                 lin.weight.copy_(torch.from_numpy(dequantize(quantize(lin.weight.numpy(), cfg), cfg)))
         if cfg.lm_head:
-            w = dequantize(quantize(model.lm_head.weight.detach().numpy(), cfg), cfg)
-            model.lm_head.weight = torch.nn.Parameter(torch.from_numpy(w))  # unties a tied head
+            w = torch.from_numpy(dequantize(quantize(model.lm_head.weight.detach().numpy(), cfg), cfg))
+            if model.config.tie_word_embeddings and target == "ort":
+                model.lm_head.weight.copy_(w)  # the shared parameter: embedding and head both change
+            else:
+                model.lm_head.weight = torch.nn.Parameter(w)  # unties a tied head
     return model
 
 
 @pytest.mark.parametrize("target", ["ort", "portable", "trt"])
 @pytest.mark.parametrize("family,bits,block,symmetric", [
-    ("llama", 4, 32, False), ("llama_tied", 4, 16, True), ("qwen2", 8, 32, False), ("llama3", 4, 128, False)])
+    ("llama", 4, 32, False), ("llama_tied", 4, 16, True), ("llama_tied", 4, 32, False), ("llama_tied", 8, 32, True),
+    ("qwen2", 8, 32, False), ("llama3", 4, 128, False)])
 def test_quantized_export_matches_dequantized_reference(tiny_checkpoint, tmp_path, target, family, bits, block, symmetric):
     src = tiny_checkpoint(family)
     cfg = QuantConfig(bits=bits, block_size=block, symmetric=symmetric or target == "trt")
@@ -62,7 +71,11 @@ def test_quantized_export_matches_dequantized_reference(tiny_checkpoint, tmp_pat
     export_model(src, out, target=target, max_seq=64, progress=False, quant=cfg)
     m = load_manifest(out)
     assert m["quant"]["bits"] == bits and "lm_head" in m["quant"]["weights"]
-    model = _dequantized_hf_model(src, cfg)
+    tied_gather = family == "llama_tied" and target == "ort"
+    graph = onnx.load(out / "decode.onnx", load_external_data=False).graph
+    assert any(n.op_type == "GatherBlockQuantized" for n in graph.node) == tied_gather
+    assert ("embed" in {t.name for t in graph.initializer}) != tied_gather  # no float table kept
+    model = _dequantized_hf_model(src, cfg, target)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, 512, n).astype(np.int64) for n in (9, 4)]
     refs = [hf_reference(model, p, 9) for p in prompts]

@@ -9,6 +9,11 @@
 Family files declare where each canonical weight comes from (``HF_WEIGHTS`` / ``GGUF_WEIGHTS``);
 this module resolves ``{i}``, validates shapes before reading, fuses parts on axis 0 and applies
 the family's quirk hook (``gguf_fix``) on GGUF tensors.
+
+GGUF weights stored in Q4_0 / Q8_0 blocks can also be read without dequantizing them:
+``ckpt.block_type(name)`` names the type and ``ckpt.blocks(name)`` transcodes the blocks into
+export/quant.py's layout exactly (fused parts concatenated, a quirk that reorders rows applied
+to the quantized rows).
 """
 
 from __future__ import annotations
@@ -142,6 +147,15 @@ class Checkpoint:
         """Check every canonical weight is present, well-shaped and readable, without reading data."""
         for name in self.names():
             self._parts(name)
+
+    def block_type(self, name: str) -> str | None:
+        """The block quantization type (GGUF's name, e.g. "Q4_0") every part of `name` is stored in,
+        or None: a float checkpoint, parts of different types, or a quirk that is not a row reorder."""
+        return None
+
+    def blocks(self, name: str) -> Any:
+        """`name` transcoded from its stored blocks (export/quant_gguf.py); only when block_type(name) is set."""
+        raise NotImplementedError(f"{name} is not stored in blocks decodert transcodes")
 
     def tensor(self, name: str) -> np.ndarray:
         """Canonical weight `name` as a fresh float32 array of canonical_shape(spec, name)."""

@@ -12,6 +12,8 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.export.checkpoint import Checkpoint, build_spec, one_line
 from decodert.export.gguf_header import check_gguf
+from decodert.export.quant import QuantizedWeight
+from decodert.export.quant_gguf import EXACT_BITS, concat_rows, take_rows, transcode
 from decodert.models import family_for
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -96,6 +98,36 @@ class GGUFCheckpoint(Checkpoint):
     def _fix(self, key: str, w: np.ndarray) -> np.ndarray:
         fix = getattr(self.family, "gguf_fix", None)
         return fix(key, w, self.spec) if fix else w
+
+    def _row_order(self, key: str) -> np.ndarray | None:
+        """The family quirk as a row order (row i of the fixed tensor = stored row order[i]),
+        found by fixing a column of row numbers; None when the quirk does more than reorder rows."""
+        rows = self._shape(key)[0]
+        order = np.asarray(self._fix(key, np.arange(rows).reshape(rows, 1))).reshape(-1)
+        return order if np.array_equal(np.sort(order), np.arange(rows)) else None
+
+    def block_type(self, name: str) -> str | None:
+        keys = self._parts(name)
+        types = {self._check_key(key).name for key in keys}
+        kind = types.pop() if len(types) == 1 else None
+        if kind not in EXACT_BITS or any(self._row_order(key) is None for key in keys):
+            return None
+        return kind
+
+    def blocks(self, name: str) -> QuantizedWeight:
+        kind = self.block_type(name)
+        if kind is None:
+            return super().blocks(name)
+        parts = []
+        for key in self._parts(name):
+            n, k = self._shape(key)
+            try:
+                qw = transcode(np.asarray(self._tensor_info(key).data), kind, n, k)
+            except ValueError as e:
+                raise DecodertError(f"{self.source}: cannot read the {kind} blocks of tensor '{key}' ({one_line(e)})") from None
+            order = self._row_order(key)
+            parts.append(qw if order is None or (order == np.arange(n)).all() else take_rows(qw, order))
+        return concat_rows(parts)  # fused rows: q|k|v, gate|up
 
     def write_tokenizer(self, out_dir: str | Path) -> dict[str, Any]:
         from decodert.export.gguf_tokenizer import write_gguf_tokenizer

@@ -12,6 +12,19 @@ A weight W [N, K] (checkpoint layout: out, in) is cut into blocks of ``block_siz
 These bytes are exactly what ONNX Runtime's com.microsoft.MatMulNBits reads (B [N, blocks,
 block/2]) and, for int4 with an even number of blocks, what a standard block-wise
 DequantizeLinear of a UINT4 [N, Kp] tensor reads, so every target shares one layout.
+
+How each weight is stored is a per-weight record (``WeightQuant``: bits, block size, symmetric,
+source), carried from the export to the lowering and the manifest, because a weight is either
+rounded to nearest from float (``rtn``, the QuantConfig's settings) or, from a GGUF file,
+transcoded exactly from its blocks (``transcoded``, export/quant_gguf.py). The rule:
+
+- with block size 32, a Q4_0 weight is transcoded to int4 and a Q8_0 weight to int8, symmetric
+  (no zero points) even when the export asks for asymmetric quantization;
+- a Q4_0 weight stays 4-bit in an int8 export too (smaller and exact);
+- a Q8_0 weight in an int4 export is rounded to 4 bits like a float weight, unless
+  ``keep_q8`` (``--keep-q8``) keeps it 8-bit and exact;
+- everything else (other block sizes, other GGUF types, fused weights whose parts differ in
+  type, Hugging Face checkpoints) is dequantized to float and rounded to nearest.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ class QuantConfig:
     accuracy_level: int = 0  # MatMulNBits: 0 = fp32 compute, 4 = int8 activations (faster, less exact)
     symmetric: bool = False  # True: zero point fixed at the midpoint (8 / 128)
     lm_head: bool = True  # quantize the output projection too (a large share of a small model)
+    keep_q8: bool = False  # int4 export of a GGUF: keep Q8_0 weights 8-bit (exact) instead of rounding to 4 bits
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -46,7 +60,24 @@ class QuantConfig:
 
     def to_dict(self) -> dict:
         return {"bits": self.bits, "block_size": self.block_size, "accuracy_level": self.accuracy_level,
-                "symmetric": self.symmetric, "lm_head": self.lm_head}
+                "symmetric": self.symmetric, "lm_head": self.lm_head, "keep_q8": self.keep_q8}
+
+    def rtn(self) -> WeightQuant:
+        """How a weight rounded to nearest from float under this config is stored."""
+        return WeightQuant(self.bits, self.block_size, self.symmetric, "rtn")
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How one quantized weight is stored: what its lowering and the manifest need."""
+
+    bits: int  # 4 | 8
+    block_size: int
+    symmetric: bool  # True: no zero points (fixed at 8 / 128)
+    source: str  # "rtn": rounded to nearest from float; "transcoded": copied exactly from GGUF blocks
+
+    def to_dict(self) -> dict:
+        return {"bits": self.bits, "block_size": self.block_size, "symmetric": self.symmetric, "source": self.source}
 
 
 @dataclass
@@ -85,12 +116,12 @@ def quantize(w: np.ndarray, cfg: QuantConfig) -> QuantizedWeight:
     return QuantizedWeight(q, scales.astype(np.float32), zp8, n, k, blocks)
 
 
-def dequantize(qw: QuantizedWeight, cfg: QuantConfig) -> np.ndarray:
+def dequantize(qw: QuantizedWeight, wq: WeightQuant | QuantConfig) -> np.ndarray:
     """The float weight the quantized one stands for (reference for tests and error reports)."""
     q, zp = qw.q, qw.zero_points
-    if cfg.bits == 4:
+    if wq.bits == 4:
         q, zp = unpack_nibbles(q), unpack_nibbles(zp)[:, : qw.blocks]
-    wb = (q.reshape(qw.n, qw.blocks, cfg.block_size).astype(np.float32) - zp[..., None]) * qw.scales[..., None]
+    wb = (q.reshape(qw.n, qw.blocks, wq.block_size).astype(np.float32) - zp[..., None]) * qw.scales[..., None]
     return wb.reshape(qw.n, -1)[:, : qw.k]
 
 
@@ -115,22 +146,24 @@ def quantized_embedding(spec, cfg: QuantConfig | None, layout: str) -> bool:
     return bool(spec.tie_word_embeddings and cfg is not None and cfg.lm_head and layout == "nbits")
 
 
-def write_gather_tables(writer, name: str, qw: QuantizedWeight, cfg: QuantConfig, dtype: str) -> None:
+def write_gather_tables(writer, name: str, qw: QuantizedWeight, wq: WeightQuant, dtype: str) -> None:
     """``name.gather_scales`` (and ``name.gather_zero_points``) [N, blocks, 1] for GatherBlockQuantized.
 
     It reads ``name.q`` [N, blocks, block*bits/8] as MatMulNBits does, but wants scales and zero
     points with the same rank as the data (one unpacked zero point per block); these copies are
-    small (a 1/32 of the weights' element count).
+    small (a 1/32 of the weights' element count). A symmetric weight gets none: without them
+    GatherBlockQuantized takes the midpoint of uint8 data, 8 for 4 bits and 128 for 8 bits
+    (ONNX Runtime 1.32; tests/test_gguf_transcode.py checks it against numpy).
     """
     from onnx import TensorProto
 
     writer.add(f"{name}.gather_scales", qw.scales.reshape(qw.n, qw.blocks, 1), dtype)
-    if not cfg.symmetric:
-        zp = unpack_nibbles(qw.zero_points)[:, : qw.blocks] if cfg.bits == 4 else qw.zero_points
+    if not wq.symmetric:
+        zp = unpack_nibbles(qw.zero_points)[:, : qw.blocks] if wq.bits == 4 else qw.zero_points
         writer.add_raw(f"{name}.gather_zero_points", np.ascontiguousarray(zp), TensorProto.UINT8, (qw.n, qw.blocks, 1))
 
 
-def write_quantized(writer, name: str, qw: QuantizedWeight, cfg: QuantConfig, dtype: str, layout: str) -> None:
+def write_quantized(writer, name: str, qw: QuantizedWeight, wq: WeightQuant, dtype: str, layout: str) -> None:
     """Write ``name.q``, ``name.scales`` (and ``name.zero_points``) in the layout a target reads.
 
     layout "nbits": com.microsoft.MatMulNBits — B uint8 [N, blocks, block*bits/8], scales [N*blocks],
@@ -140,23 +173,23 @@ def write_quantized(writer, name: str, qw: QuantizedWeight, cfg: QuantConfig, dt
     """
     from onnx import TensorProto
 
-    n, blocks, bs = qw.n, qw.blocks, cfg.block_size
+    n, blocks, bs = qw.n, qw.blocks, wq.block_size
     scales = qw.scales
     if layout == "nbits":
-        writer.add_raw(f"{name}.q", qw.q, TensorProto.UINT8, (n, blocks, bs * cfg.bits // 8))
+        writer.add_raw(f"{name}.q", qw.q, TensorProto.UINT8, (n, blocks, bs * wq.bits // 8))
         writer.add(f"{name}.scales", scales.reshape(-1), dtype)
-        if not cfg.symmetric:
+        if not wq.symmetric:
             writer.add_raw(f"{name}.zero_points", qw.zero_points, TensorProto.UINT8, (qw.zero_points.size,))
         return
     kp = blocks * bs
     writer.add(f"{name}.scales", scales, dtype)
-    if cfg.symmetric:  # signed values: q - midpoint, i.e. flip the top bit of every field
-        flip = 0x88 if cfg.bits == 4 else 0x80
-        writer.add_raw(f"{name}.q", qw.q ^ np.uint8(flip), TensorProto.INT4 if cfg.bits == 4 else TensorProto.INT8, (n, kp))
+    if wq.symmetric:  # signed values: q - midpoint, i.e. flip the top bit of every field
+        flip = 0x88 if wq.bits == 4 else 0x80
+        writer.add_raw(f"{name}.q", qw.q ^ np.uint8(flip), TensorProto.INT4 if wq.bits == 4 else TensorProto.INT8, (n, kp))
         return
     zp = qw.zero_points
-    if cfg.bits == 4:  # ONNX packs int4 continuously across rows, not per row
+    if wq.bits == 4:  # ONNX packs int4 continuously across rows, not per row
         zp = pack_nibbles(np.pad(unpack_nibbles(zp)[:, :blocks].reshape(-1), (0, (n * blocks) % 2)))
-    kind = TensorProto.UINT4 if cfg.bits == 4 else TensorProto.UINT8
+    kind = TensorProto.UINT4 if wq.bits == 4 else TensorProto.UINT8
     writer.add_raw(f"{name}.q", qw.q, kind, (n, kp))
     writer.add_raw(f"{name}.zero_points", zp, kind, (n, blocks))

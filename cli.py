@@ -23,10 +23,15 @@ def _export(args: argparse.Namespace) -> int:
         # ONNX Runtime 1.32 has no fast fp32-compute int8 MatMulNBits kernel on CPU (~2 s/step), so int8 defaults to 4
         level = args.accuracy_level if args.accuracy_level is not None else (4 if bits == 8 else 0)
         quant = QuantConfig(bits=bits, block_size=args.block_size, accuracy_level=level,
-                            symmetric=args.symmetric, lm_head=not args.no_quant_lm_head)
+                            symmetric=args.symmetric, lm_head=not args.no_quant_lm_head, keep_q8=args.keep_q8)
     m = export_model(args.src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version)
     print(f"exported {m['model']['family']} ({m['target']}, {m['dtype']}, max_seq {m['max_seq']}) to {args.out}")
+    if m["quant"]:
+        stored = m["quant"]["per_weight"].values()
+        exact = sum(w["source"] == "transcoded" for w in stored)
+        print(f"quantized {len(stored)} weights: {exact} transcoded exactly from GGUF blocks, "
+              f"{len(stored) - exact} rounded to nearest")
     return 0
 
 
@@ -49,13 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
     e.add_argument("--max-seq", type=int, default=None, help="tokens per sequence the cache holds (default: min(context, 2048))")
     e.add_argument("--max-batch", type=int, default=4, help="sequences decoded together")
-    e.add_argument("--quant", choices=["int4", "int8"], help="weight-only block quantization of the linear layers")
+    e.add_argument("--quant", choices=["int4", "int8"],
+                   help="weight-only block quantization of the linear layers. From a GGUF with --block-size 32, "
+                        "Q4_0 weights are transcoded exactly to symmetric int4 (in int8 exports too: smaller and exact) "
+                        "and Q8_0 weights to symmetric int8 (in int4 exports only with --keep-q8); every other "
+                        "weight is dequantized and rounded to nearest")
     e.add_argument("--block-size", type=int, default=32, help="quantization block along the input dim (default 32)")
     e.add_argument("--accuracy-level", type=int, default=None, choices=[0, 1, 2, 3, 4],
                    help="ort target: 0 = fp32 compute, 4 = int8 activations (faster; may flip near-tie tokens); "
                         "default 0 for int4, 4 for int8")
     e.add_argument("--symmetric", action="store_true", help="no zero points (always on for --target trt)")
     e.add_argument("--no-quant-lm-head", action="store_true", help="keep the output projection in float")
+    e.add_argument("--keep-q8", action="store_true",
+                   help="--quant int4 from a GGUF: keep Q8_0 weights 8-bit and exact instead of rounding them to 4 bits")
     e.add_argument("--plugins", choices=["auto", "always", "never"], default="auto",
                    help="trt target: decodert plugin nodes (CachedAttention, RMSNorm) instead of native layers; "
                         "auto = plugins only for a TensorRT without them (< 10.15, e.g. Jetson)")

@@ -55,8 +55,7 @@ class OrtLowering(Lowering):
     def embed(self, g: GraphBuilder, ids: str) -> str:
         if not quantized_embedding(self.spec, self.quant, self.quant_layout):
             return super().embed(g, ids)
-        assert self.quant is not None  # tied and quantized: gather dequantized rows of the head
-        q = self.quant
+        q = self.quantized["lm_head"]  # tied and quantized: gather dequantized rows of the head
         zp = () if q.symmetric else ("lm_head.gather_zero_points",)
         rows = g.op("GatherBlockQuantized", "lm_head.q", ids, "lm_head.gather_scales", *zp, domain="com.microsoft",
                     bits=q.bits, block_size=q.block_size, quantize_axis=2, gather_axis=0)  # [B,S,blocks,block]
@@ -73,12 +72,12 @@ class OrtLowering(Lowering):
         return y, s
 
     def quantized_linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None) -> str:
-        assert self.quant is not None
+        assert self.quant is not None  # accuracy_level is the export's; bits, block and zero points the weight's
+        wq = self.quantized[weight]
         n, k = canonical_shape(self.spec, weight)
-        zp = "" if self.quant.symmetric else f"{weight}.zero_points"
+        zp = "" if wq.symmetric else f"{weight}.zero_points"
         return g.op("MatMulNBits", x, f"{weight}.q", f"{weight}.scales", zp, "", bias or "", domain="com.microsoft",
-                    K=k, N=n, bits=self.quant.bits, block_size=self.quant.block_size,
-                    accuracy_level=self.quant.accuracy_level)
+                    K=k, N=n, bits=wq.bits, block_size=wq.block_size, accuracy_level=self.quant.accuracy_level)
 
     def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
         if not isinstance(ctx, GqaContext):

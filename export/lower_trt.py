@@ -19,12 +19,13 @@ served by TensorRT plugins (plugins/trt_plugins.py) and the graph drops to opset
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.export.onnx_builder import GraphBuilder
-from decodert.export.quant import QuantConfig
+from decodert.export.quant import QuantConfig, WeightQuant
 from decodert.models.spec import ModelSpec
 from decodert.plugins.cached_attention import attend_body, positions_and_visibility
 from decodert.plugins.registry import DOMAIN, OPSET_VERSION
@@ -48,7 +49,7 @@ class TrtLowering(Lowering):
     ir_version = 11
 
     def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
-                 quantized: frozenset[str] = frozenset(), plugins: tuple[str, ...] = ()):
+                 quantized: Mapping[str, WeightQuant] | None = None, plugins: tuple[str, ...] = ()):
         super().__init__(spec, dtype, max_seq, quant, quantized)
         unknown = set(plugins) - set(PLUGIN_OPS)
         if unknown:

@@ -7,13 +7,14 @@ their runtime has fast kernels or native layers for.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from decodert.export.onnx_builder import GraphBuilder
-from decodert.export.quant import QuantConfig
+from decodert.export.quant import QuantConfig, WeightQuant
 from decodert.models.spec import ModelSpec, canonical_shape
 from decodert.plugins import cached_attention as ca
 from decodert.plugins.rms_norm import rms_norm_body
@@ -35,9 +36,10 @@ class Lowering:
     quant_layout = "qdq"  # how quantized weights are stored for this target (export/quant.py)
 
     def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
-                 quantized: frozenset[str] = frozenset()):
+                 quantized: Mapping[str, WeightQuant] | None = None):
+        """``quantized``: how each weight stored quantized is stored (bits, block, symmetric), by name."""
         self.spec, self.dtype, self.max_seq = spec, dtype, max_seq
-        self.quant, self.quantized = quant, quantized
+        self.quant, self.quantized = quant, dict(quantized or {})
         self.rotary_dim = spec.rope.rotary_dim or spec.head_dim
         self.scale = 1.0 / float(np.sqrt(spec.head_dim))
 
@@ -67,11 +69,11 @@ class Lowering:
 
     def quantized_linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None) -> str:
         """Block DequantizeLinear of the [N, Kp] weight (axis 1), then the same Gemm."""
-        assert self.quant is not None
+        wq = self.quantized[weight]
         n, k = canonical_shape(self.spec, weight)
-        zp = [] if self.quant.symmetric else [f"{weight}.zero_points"]
-        w = g.op("DequantizeLinear", f"{weight}.q", f"{weight}.scales", *zp, axis=1, block_size=self.quant.block_size)
-        if k % self.quant.block_size:
+        zp = [] if wq.symmetric else [f"{weight}.zero_points"]
+        w = g.op("DequantizeLinear", f"{weight}.q", f"{weight}.scales", *zp, axis=1, block_size=wq.block_size)
+        if k % wq.block_size:
             w = g.op("Slice", w, g.const([0]), g.const([k]), g.const([1]))
         return g.op("Gemm", x, w, *([bias] if bias else []), transB=1)
 

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 from tqdm import tqdm
 
@@ -22,7 +23,8 @@ import decodert
 from decodert.errors import DecodertError
 from decodert.export.checkpoint import open_checkpoint
 from decodert.export.graph import LOWERINGS, build_graph, io_contract, make_lowering
-from decodert.export.quant import QuantConfig, quantize, quantized_embedding, write_gather_tables, write_quantized
+from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables, write_quantized
+from decodert.export.quant_gguf import transcoded_as
 from decodert.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_record, write_manifest
 from decodert.export.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names
@@ -41,7 +43,9 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     TensorRT layers (plugins/selection.py decides ``auto`` from ``trt_version`` or the installed TensorRT).
 
     ``quant`` stores the linear weights block-quantized (export/quant.py); the trt target needs
-    symmetric quantization (TensorRT's int4 weights have no zero point) and gets it.
+    symmetric quantization (TensorRT's int4 weights have no zero point) and gets it. GGUF Q4_0 /
+    Q8_0 weights that match the config are transcoded exactly instead (the rule: export/quant.py);
+    ``manifest["quant"]["per_weight"]`` records how each weight is stored.
     """
     if target not in LOWERINGS:
         raise DecodertError(f"unknown target '{target}'; choose one of: {', '.join(LOWERINGS)}")
@@ -78,7 +82,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)
         if plugin_record is not None:
             manifest["plugins"] = plugin_record
-        manifest["quant"] = None if quant is None else {**quant.to_dict(), "layout": layout, "weights": sorted(quantized)}
+        manifest["quant"] = _quant_record(quant, layout, quantized)
         write_manifest(tmp, manifest)
         _replace_dir(tmp, out_dir)
     except BaseException:
@@ -95,35 +99,55 @@ def _check_destination(out_dir: Path) -> None:
 
 
 def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool,
-                   quant: QuantConfig | None, layout: str) -> tuple[dict[str, onnx.TensorProto], frozenset[str]]:
+                   quant: QuantConfig | None, layout: str) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
     """Stream every canonical tensor (one at a time) plus the RoPE tables into weights.bin.
 
-    Returns the initializers and the names of the weights stored quantized.
+    Returns the initializers and how each weight stored quantized is stored (by name).
     """
-    quantized = set()
+    quantized: dict[str, WeightQuant] = {}
     gather_quantized = quantized_embedding(spec, quant, layout)
+    tied_head = spec.tie_word_embeddings and quant is not None and quant.lm_head
     with WeightsWriter(path) as w:
         for name in tqdm(canonical_names(spec), desc="export weights", unit="tensor", disable=not progress):
-            tensor = ckpt.tensor(name)
+            tensor = None
             if quant is not None and quant.applies_to(name):
-                write_quantized(w, name, quantize(tensor, quant), quant, dtype, layout)
-                quantized.add(name)
-            elif name == "embed" and gather_quantized:
-                head = quantize(tensor, quant)  # tied: the graph gathers rows from the quantized head
-                write_quantized(w, "lm_head", head, quant, dtype, layout)
-                write_gather_tables(w, "lm_head", head, quant, dtype)
-                quantized.add("lm_head")
-            else:
+                quantized[name] = _store_quantized(w, ckpt, name, name, quant, dtype, layout)
+            elif not (name == "embed" and gather_quantized):  # else the graph gathers rows from the quantized head
+                tensor = ckpt.tensor(name)
                 w.add(name, tensor, dtype)
-            if name == "embed" and spec.tie_word_embeddings and quant is not None and quant.lm_head and not gather_quantized:
-                write_quantized(w, "lm_head", quantize(tensor, quant), quant, dtype, layout)  # tied: a quantized copy
-                quantized.add("lm_head")
+            if name == "embed" and tied_head:  # tied: the head is a quantized copy of the embedding
+                assert quant is not None
+                quantized["lm_head"] = _store_quantized(w, ckpt, "embed", "lm_head", quant, dtype, layout,
+                                                        gather=gather_quantized, tensor=tensor)
             del tensor
         cos, sin = spec.rope.cos_sin(spec.head_dim, max_seq)
         w.add("rope.cos", cos, dtype)
         w.add("rope.sin", sin, dtype)
         w.close()
-        return w.tensors, frozenset(quantized)
+        return w.tensors, quantized
+
+
+def _store_quantized(w: WeightsWriter, ckpt, src: str, name: str, quant: QuantConfig, dtype: str, layout: str,
+                     gather: bool = False, tensor: np.ndarray | None = None) -> WeightQuant:
+    """Store canonical weight ``src`` quantized as ``name``: GGUF blocks transcoded where that is
+    exact (export/quant_gguf.py), else rounded to nearest from float (``tensor``, if already read)."""
+    wq = transcoded_as(ckpt.block_type(src), quant)
+    if wq is not None:
+        qw = ckpt.blocks(src)
+    else:
+        qw, wq = quantize(ckpt.tensor(src) if tensor is None else tensor, quant), quant.rtn()
+    write_quantized(w, name, qw, wq, dtype, layout)
+    if gather:  # GatherBlockQuantized reads the same q with its own scale (and zero point) tables
+        write_gather_tables(w, name, qw, wq, dtype)
+    return wq
+
+
+def _quant_record(quant: QuantConfig | None, layout: str, quantized: dict[str, WeightQuant]) -> dict | None:
+    """manifest["quant"]: the export's settings, the quantized weights' names and how each is stored."""
+    if quant is None:
+        return None
+    return {**quant.to_dict(), "layout": layout, "weights": sorted(quantized),
+            "per_weight": {name: quantized[name].to_dict() for name in sorted(quantized)}}
 
 
 def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_batch: int,

@@ -10,8 +10,10 @@
    decodert export fp32 and int4 (accuracy level 4); onnxruntime-genai's model builder fp32 and
    int4 (its CPU default: accuracy level 4, symmetric, block 32); for llama.cpp the Q4_1 GGUF as
    is and an F32 GGUF (bench/competitors.py).
-3. Loads every runtime into this process and times the same greedy workload (fixed prompt ids,
-   ``--gen`` new tokens, EOS ignored) on each, alternating between runtimes within every repeat.
+3. Times the same greedy workload (fixed prompt ids, ``--gen`` new tokens, EOS ignored) on each,
+   alternating between runtimes within every repeat. Every repeat of every runtime runs in a fresh
+   worker process (load, ``--warmup`` untimed runs, one timed run), so no runtime's idle threads
+   (ONNX Runtime's spinning pool, llama.cpp's OpenMP team) or memory share the CPU with another's.
 4. Prints the table and decodert's decode/prefill speed ratio against each runtime at the
    matching precision (fp32 vs fp32, int4 vs int4 / Q4_1). A runtime that cannot be installed,
    converted or loaded is reported and skipped.
@@ -23,11 +25,14 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import numpy as np
 
 from install import ensure
 
@@ -41,7 +46,7 @@ class Contender:
     runtime: str  # decodert | onnxruntime-genai | llama.cpp
     precision: str  # fp32 | int4
     batch: int
-    run: Callable[[], B.RunTiming]
+    path: str  # what the worker loads: an artifact folder, a genai folder or a GGUF file
     step_bytes: int = 0  # weight bytes per decode step, where known (decodert)
     note: str = ""
 
@@ -63,81 +68,113 @@ def timed(what: str, fn: Callable[[], Any]) -> Any:
 
 
 # ---- preparing each runtime --------------------------------------------------------------------
-def decodert_contenders(args: argparse.Namespace, ids: Any) -> list[Contender]:
+def decodert_contenders(args: argparse.Namespace) -> list[Contender]:
     from decodert.export.pipeline import export_model
     from decodert.export.quant import QuantConfig
-    from decodert.runtime.llm import open_backend, read_manifest
+    from decodert.runtime.llm import read_manifest
 
-    os.environ["DECODERT_THREADS"] = str(args.threads)
     out = []
-    for precision, quant in (("fp32", None), ("int4", QuantConfig(bits=4, accuracy_level=4))):
-        folder = args.work / f"decodert_{precision}"
+    int4 = QuantConfig(bits=4, block_size=args.block_size, accuracy_level=4)
+    for precision, quant in (("fp32", None), ("int4", int4)):
+        folder = args.work / (f"decodert_{precision}" + (f"_b{args.block_size}" if quant else ""))
         if not (folder / "manifest.json").is_file():
             if timed(f"decodert export {precision}", lambda: export_model(
                     args.gguf, folder, max_seq=512, max_batch=4, progress=False, quant=quant)) is None:
                 continue
-        manifest = read_manifest(folder)
-        backend = timed(f"decodert load {precision}", lambda: open_backend(folder, manifest, "ort"))
-        if backend is None:
-            continue
-        step_bytes = B.bytes_per_step(folder, manifest)
+        step_bytes = B.bytes_per_step(folder, read_manifest(folder))
         for batch in args.batches:
-            runner = B.BackendRunner(backend, batch)
-            out.append(Contender("decodert", precision, batch, _bind(runner, ids, args.gen), step_bytes))
+            out.append(Contender("decodert", precision, batch, str(folder), step_bytes))
     return out
 
 
-def ortgenai_contenders(args: argparse.Namespace, ids: Any) -> list[Contender]:
-    from competitors import OrtGenaiRunner, build_ortgenai, make_hf_folder
+def ortgenai_contenders(args: argparse.Namespace) -> list[Contender]:
+    from competitors import build_ortgenai, make_hf_folder
 
     hf = timed("HF folder from the GGUF (transformers)", lambda: make_hf_folder(args.gguf, args.work / "hf"))
     if hf is None:
         return []
     out = []
     for precision in ("fp32", "int4"):
+        name = f"ortgenai_{precision}" + (f"_b{args.block_size}" if precision == "int4" else "")
         folder = timed(f"onnxruntime-genai builder {precision}",
-                       lambda: build_ortgenai(hf, args.work / f"ortgenai_{precision}", precision, args.threads))
+                       lambda: build_ortgenai(hf, args.work / name, precision, args.threads, args.block_size))
         for batch in args.batches if folder is not None else ():
-            runner = timed(f"onnxruntime-genai load {precision} batch {batch}", lambda: OrtGenaiRunner(folder, batch))
-            if runner is not None:
-                out.append(Contender("onnxruntime-genai", precision, batch, _bind(runner, ids, args.gen)))
+            out.append(Contender("onnxruntime-genai", precision, batch, str(folder)))
     return out
 
 
-def llamacpp_contenders(args: argparse.Namespace, ids: Any) -> list[Contender]:
-    from competitors import LlamaCppRunner, make_f32_gguf
+def llamacpp_contenders(args: argparse.Namespace) -> list[Contender]:
+    from competitors import make_f32_gguf
 
     f32 = timed("F32 GGUF (gguf package)", lambda: make_f32_gguf(args.gguf, args.work / "llamacpp_f32.gguf"))
     out = []
     for precision, path, label in (("fp32", f32, "F32"), ("int4", args.gguf, "Q4_1")):
-        if path is None:
-            continue
-        runner = timed(f"llama.cpp load {label}", lambda: LlamaCppRunner(path, 512, args.threads))
-        if runner is not None:
-            out.append(Contender("llama.cpp", precision, 1, _bind(runner, ids, args.gen), note=label))
+        if path is not None:
+            out.append(Contender("llama.cpp", precision, 1, str(path), note=label))
     if 4 in args.batches:
         log("  llama.cpp batch 4: skipped (llama-cpp-python's Llama API decodes one sequence at a time)")
     return out
 
 
-def _bind(runner: Any, ids: Any, gen: int) -> Callable[[], B.RunTiming]:
-    return lambda: runner.run(ids, gen)
+# ---- timing (each run in a fresh worker process) ------------------------------------------------
+def load_runner(c: Contender, threads: int) -> Any:
+    """In the worker: the runtime's runner for ``c`` (same timing contract: run(ids, gen) -> RunTiming)."""
+    if c.runtime == "decodert":
+        from decodert.runtime.llm import open_backend, read_manifest
+
+        os.environ["DECODERT_THREADS"] = str(threads)
+        folder = Path(c.path)
+        return B.BackendRunner(open_backend(folder, read_manifest(folder), "ort"), c.batch)
+    from competitors import LlamaCppRunner, OrtGenaiRunner
+
+    if c.runtime == "onnxruntime-genai":
+        return OrtGenaiRunner(Path(c.path), c.batch)
+    return LlamaCppRunner(Path(c.path), 512, threads)
 
 
-# ---- timing and reporting ----------------------------------------------------------------------
-def measure(contenders: list[Contender], warmup: int, repeats: int) -> dict[int, list[B.RunTiming]]:
-    """Warm every runtime up, then run each once per repeat, rotating who goes first."""
-    for c in contenders:
-        for _ in range(warmup):
-            c.run()
+def worker(spec: str) -> int:
+    """``--worker JSON``: load one runtime, warm up, time one run; print the timing as JSON."""
+    job = json.loads(spec)
+    c = Contender(**job["contender"])
+    runner = load_runner(c, job["threads"])
+    ids = B.prompt_ids(49152, job["prompt_len"])
+    for _ in range(job["warmup"]):
+        runner.run(ids, job["gen"])
+    t = runner.run(ids, job["gen"])
+    print(json.dumps({"prefill_s": t.prefill_s, "step_s": t.step_s.tolist()}))
+    return 0
+
+
+def run_in_worker(c: Contender, args: argparse.Namespace) -> B.RunTiming:
+    job = {"contender": dataclasses.asdict(c), "threads": args.threads, "prompt_len": args.prompt_len,
+           "gen": args.gen, "warmup": args.warmup}
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
+                          timeout=1800)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{c.runtime} {c.precision} batch {c.batch} worker failed: {tail[:300]}")
+    out = json.loads(lines[-1])
+    return B.RunTiming(out["prefill_s"], np.asarray(out["step_s"]))
+
+
+def measure(contenders: list[Contender], args: argparse.Namespace) -> dict[int, list[B.RunTiming]]:
+    """Each contender once per repeat, each run in a fresh worker, rotating who goes first.
+
+    A contender whose worker fails is reported and dropped."""
     runs: dict[int, list[B.RunTiming]] = {i: [] for i in range(len(contenders))}
-    for r in range(repeats):
+    failed: set[int] = set()
+    for r in range(args.repeats):
         order = list(range(len(contenders)))
         order = order[r % len(order):] + order[: r % len(order)]
-        for i in order:
-            runs[i].append(contenders[i].run())
-        log(f"  repeat {r + 1}/{repeats} done (load avg {os.getloadavg()[0]:.2f})")
-    return runs
+        for i in (i for i in order if i not in failed):
+            try:
+                runs[i].append(run_in_worker(contenders[i], args))
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+                log(f"  {e}")
+                failed.add(i)
+        log(f"  repeat {r + 1}/{args.repeats} done (load avg {os.getloadavg()[0]:.2f})")
+    return {i: v for i, v in runs.items() if i not in failed}
 
 
 def wait_for_quiet(max_load: float, wait_s: float) -> float:
@@ -182,6 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--block-size", type=int, default=32, choices=(32, 64, 128),
+                   help="int4 block size, the same for decodert and onnxruntime-genai (llama.cpp Q4_1 is 32)")
     p.add_argument("--batch4", action="store_true", help="also batch 4 (total decode tok/s) where supported")
     p.add_argument("--max-load", type=float, default=0.8, help="wait until the 1-min load average is below this")
     p.add_argument("--wait", type=float, default=600, help="seconds to wait for --max-load before measuring anyway")
@@ -193,6 +232,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1])
     args = parse_args(argv)
     if not args.gguf.is_file():
         log(f"compare: error: {args.gguf} not found (--gguf)")
@@ -207,26 +249,27 @@ def main(argv: list[str] | None = None) -> int:
             r = ensure(module)
             log(f"  {r.package}: {'ok' if r.ok else 'FAILED'} in {r.seconds:.0f} s ({r.note})")
             available[name] = available[name] and r.ok
-    ids = B.prompt_ids(49152, args.prompt_len)
     log("prepare:")
-    contenders = decodert_contenders(args, ids)
+    contenders = decodert_contenders(args)
     for name, prepare in (("onnxruntime-genai", ortgenai_contenders), ("llama.cpp", llamacpp_contenders)):
         if available[name]:
-            contenders += timed(f"{name} (all)", lambda: prepare(args, ids)) or []
+            contenders += timed(f"{name} (all)", lambda: prepare(args)) or []
         else:
             log(f"  {name}: not installed, skipped")
     wait_for_quiet(args.max_load, args.wait)
     copy = B.memcopy_gbps()
     log(f"measure ({len(contenders)} runtimes x {args.repeats} repeats, load avg {os.getloadavg()[0]:.2f}):")
-    runs = measure(contenders, args.warmup, args.repeats)
-    results = [B.summarize(c.batch, args.prompt_len, runs[i], c.step_bytes) for i, c in enumerate(contenders)]
+    runs = measure(contenders, args)
+    contenders = [c for i, c in enumerate(contenders) if i in runs]
+    results = [B.summarize(c.batch, args.prompt_len, timings, c.step_bytes)
+               for c, timings in zip(contenders, runs.values())]
     log("")
     log(report(contenders, results))
     fp32 = next((c for c in contenders if c.runtime == "decodert" and c.precision == "fp32"), None)
     if fp32 is not None:
         log(f"memcopy {copy:.1f} GB/s; decodert fp32 reads {fp32.step_bytes / 1e6:.0f} MB per step -> bandwidth "
             f"floor {copy * 1e9 / fp32.step_bytes:.1f} tok/s at batch 1")
-    log(f"peak rss {B.peak_rss_mb():.0f} MB (all runtimes in one process); load avg {os.getloadavg()}")
+    log(f"load avg {os.getloadavg()}")
     if args.json:
         rows = [{"runtime": c.runtime, "precision": c.precision, "note": c.note, "batch": c.batch,
                  "bytes_per_step": c.step_bytes, **dataclasses.asdict(r)} for c, r in zip(contenders, results)]

@@ -47,11 +47,15 @@ def make_hf_folder(gguf_path: Path, folder: Path) -> Path:
     return folder
 
 
-def build_ortgenai(hf_folder: Path, out: Path, precision: str, threads: int, timeout_s: int = 1800) -> Path:
-    """Run onnxruntime-genai's model builder (CPU, ``precision`` fp32 | int4), pin its thread count."""
+def build_ortgenai(hf_folder: Path, out: Path, precision: str, threads: int, block_size: int = 32,
+                   timeout_s: int = 1800) -> Path:
+    """Run onnxruntime-genai's model builder (CPU, ``precision`` fp32 | int4 at ``block_size``, its
+    CPU default accuracy level 4), pin its thread count."""
     if not (out / "genai_config.json").is_file():
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out),
                "-p", precision, "-e", "cpu", "-c", str(out.parent / "ortgenai_cache")]
+        if precision == "int4":
+            cmd += ["--extra_options", f"int4_block_size={block_size}", "int4_accuracy_level=4"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0 or not (out / "genai_config.json").is_file():
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]

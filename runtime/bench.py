@@ -13,7 +13,7 @@ median and the min-max of
 
 Bytes per step are the weights the decode graph reads: every initializer in full, except tables
 only read by Gather (the embedding when the output projection is a separate or quantized copy,
-the RoPE tables), which read one row per token. ``copy_gbps`` is a measured memory copy
+the RoPE tables, the scales GatherBlockQuantized uses), which read one row per token. ``copy_gbps`` is a measured memory copy
 (numpy, 256 MiB split over all cores, bytes read + bytes written), and ``floor_tps`` = copy_gbps / bytes per step is
 the decode speed a memory-bound batch-1 step would reach at that bandwidth.
 """
@@ -119,6 +119,9 @@ def memcopy_gbps(mib: int = 256, tries: int = 5, threads: int | None = None) -> 
     return 2 * src.nbytes / best / 1e9
 
 
+GATHERS = ("Gather", "GatherBlockQuantized")  # ops that read rows of their tables (input 1: the indices)
+
+
 def bytes_per_step(artifact_dir: Path, manifest: Mapping[str, Any], rows: int = 1) -> int:
     """Weight bytes one decode step reads: Gather-only tables count ``rows`` rows, the rest in full."""
     import onnx
@@ -132,7 +135,7 @@ def bytes_per_step(artifact_dir: Path, manifest: Mapping[str, Any], rows: int = 
     for t in graph.initializer:
         size = _initializer_bytes(t)
         consumers = uses.get(t.name, [])
-        if consumers and all(op == "Gather" and pos == 0 for op, pos in consumers) and t.dims:
+        if consumers and all(op in GATHERS and pos != 1 for op, pos in consumers) and t.dims:
             size = size // int(t.dims[0]) * rows
         total += size
     return total

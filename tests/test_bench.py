@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import onnx
 import pytest
 
 from decodert.cli import main
@@ -98,8 +99,12 @@ def test_bytes_per_step_counts_one_embedding_row_when_the_head_is_a_copy(tiny_ar
     full = bytes_per_step(tiny_artifact, tied)
     assert full > embed_bytes
     assert full <= tied["weights"]["bytes"] + 1024  # + small inline constants; RoPE tables count one row
-    # int4 with a quantized head copy: the float table is only gathered (one row per token)
+    # int4, tied: the quantized head is read in full, its gather-only scale tables one row per token,
+    # and no float table is stored at all
     q = load_manifest(tiny_int4_artifact)
     per_step = bytes_per_step(tiny_int4_artifact, q)
-    assert per_step <= q["weights"]["bytes"] - embed_bytes + 64 * 4 + 1024
-    assert bytes_per_step(tiny_int4_artifact, q, rows=2) == per_step + 64 * 4
+    names = {t.name for t in onnx.load(tiny_int4_artifact / "decode.onnx", load_external_data=False).graph.initializer}
+    assert "embed" not in names and q["weights"]["bytes"] < embed_bytes
+    gather_tables = 512 * 2 * 4  # vocab x blocks (64 / 32) fp32 scales, counted one row per token
+    assert per_step <= q["weights"]["bytes"] - gather_tables + 1024
+    assert bytes_per_step(tiny_int4_artifact, q, rows=2) == per_step + 2 * 4 + 2  # a row of scales + zero points

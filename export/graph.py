@@ -1,6 +1,6 @@
 """One transformer graph recipe, parameterised by ModelSpec and a target Lowering.
 
-    input_ids [B,S] --Gather(embed)--> x [T=B*S, hidden]
+    input_ids [B,S] --Gather(embed)--> x [T=B*S, hidden]   ([B,S,hidden] where lowering.flat_tokens is False)
     per layer i:
         h      = rmsnorm(x)                                (fused with the residual add below)
         qkv    = h @ qkv^T (+ bias)                        [T, (H+2Hkv)*D]   (q/k rmsnorm: Qwen3)
@@ -97,17 +97,20 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         if spec.qk_norm:
             with g.scope("qk_norm"):
                 qkv = _qk_norm(g, low, spec, qkv, p)
-        qkv3 = g.op("Reshape", qkv, g.op("Concat", g.op("Shape", inp.input_ids), g.const([spec.qkv_size]), axis=0))
+        if low.flat_tokens:  # [T, qkv] -> [B, S, qkv]
+            qkv = g.op("Reshape", qkv, g.op("Concat", g.op("Shape", inp.input_ids), g.const([spec.qkv_size]), axis=0))
         cache = (f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}")
-        attn = low.attention(g, ctx, qkv3, cache)
+        attn = low.attention(g, ctx, qkv, cache)  # [B, S, H*D]
+        if low.flat_tokens:
+            attn = g.op("Reshape", attn, g.const([-1, spec.num_heads * spec.head_dim]))
         with g.scope("o"):
-            o = low.linear(g, g.op("Reshape", attn, g.const([-1, spec.num_heads * spec.head_dim])), p + "o")
+            o = low.linear(g, attn, p + "o")
     with g.scope("post_norm"):
         h, x = low.add_rms_norm(g, o, x, p + "post_norm")
     with g.scope("mlp"):
         with g.scope("gate_up"):
             gate, up = g.op("Split", low.linear(g, h, p + "gate_up"), g.const([spec.intermediate_size] * 2),
-                            axis=1, outputs=2)
+                            axis=-1, outputs=2)
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)  # silu(gate) * up
         with g.scope("down"):
             down = low.linear(g, act, p + "down")
@@ -115,12 +118,14 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
 
 
 def _qk_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, qkv: str, p: str) -> str:
-    """Qwen3: RMSNorm over head_dim on every q and k head (v untouched). qkv [T, (H+2Hkv)*D]."""
+    """Qwen3: RMSNorm over head_dim on every q and k head (v untouched). qkv [T or B,S, (H+2Hkv)*D]."""
     d, h, hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
-    q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=1, outputs=3)
-    q = g.op("Reshape", low.rms_norm(g, g.op("Reshape", q, g.const([0, h, d])), p + "q_norm"), g.const([0, h * d]))
-    k = g.op("Reshape", low.rms_norm(g, g.op("Reshape", k, g.const([0, hkv, d])), p + "k_norm"), g.const([0, hkv * d]))
-    return g.op("Concat", q, k, v, axis=1)
+    lead = [0] if low.flat_tokens else [0, 0]  # Reshape's 0 keeps the leading dims
+    q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=-1, outputs=3)
+    q = g.op("Reshape", low.rms_norm(g, g.op("Reshape", q, g.const(lead + [h, d])), p + "q_norm"), g.const(lead + [h * d]))
+    k = g.op("Reshape", low.rms_norm(g, g.op("Reshape", k, g.const(lead + [hkv, d])), p + "k_norm"),
+             g.const(lead + [hkv * d]))
+    return g.op("Concat", q, k, v, axis=-1)
 
 
 def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str) -> str:
@@ -131,6 +136,7 @@ def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: 
         seq = g.op("Gather", shape, g.const(np.int64(1)), axis=0)
         rows = g.op("Mul", g.op("Range", g.const(np.int64(0)), batch, g.const(np.int64(1))), seq)
         idx = g.op("Sub", g.op("Add", rows, inp.seq_lengths), g.const(np.int64(1)))  # [B]
+        x, mlp = low.tokens(g, x, spec.hidden_size), low.tokens(g, mlp, spec.hidden_size)
         x_last, mlp_last = g.op("Gather", x, idx, axis=0), g.op("Gather", mlp, idx, axis=0)
     with g.scope("final_norm"):
         h, _ = low.add_rms_norm(g, mlp_last, x_last, "final_norm")

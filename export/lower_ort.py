@@ -2,6 +2,8 @@
 
 - RMSNorm          -> RMSNormalization-23 / com.microsoft.SkipSimplifiedLayerNormalization (fused add)
 - int4/int8 linear -> com.microsoft.MatMulNBits (block-wise weights, accuracy_level as exported)
+- float linear     -> com.microsoft.FusedMatMul (transB): activations stay [B, S, hidden], so no
+                      layer needs a Reshape
 - tied embedding   -> com.microsoft.GatherBlockQuantized on the quantized head (no float table kept)
 - CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
                       present sharing one buffer (seqlens_k = past + S - 1 per row, so right
@@ -38,6 +40,7 @@ class OrtLowering(Lowering):
     quant_layout = "nbits"
     opsets = {"": 23, "com.microsoft": 1}
     ir_version = 11
+    flat_tokens = False  # MatMulNBits, FusedMatMul, the norms and GQA all take [B, S, hidden]
 
     @property
     def use_gqa(self) -> bool:
@@ -54,14 +57,21 @@ class OrtLowering(Lowering):
 
     def embed(self, g: GraphBuilder, ids: str) -> str:
         if not quantized_embedding(self.spec, self.quant, self.quant_layout):
-            return super().embed(g, ids)
+            return g.op("Gather", "embed", ids, axis=0)  # [B,S,hidden]
         q = self.quantized["lm_head"]  # tied and quantized: gather dequantized rows of the head
         zp = () if q.symmetric else ("lm_head.gather_zero_points",)
         rows = g.op("GatherBlockQuantized", "lm_head.q", ids, "lm_head.gather_scales", *zp, domain="com.microsoft",
                     bits=q.bits, block_size=q.block_size, quantize_axis=2, gather_axis=0)  # [B,S,blocks,block]
         hidden = self.spec.hidden_size
-        x = g.op("Reshape", rows, g.const([-1, -(-hidden // q.block_size) * q.block_size]))
-        return x if hidden % q.block_size == 0 else g.op("Slice", x, g.const([0]), g.const([hidden]), g.const([1]))
+        x = g.op("Reshape", rows, g.const([0, 0, -(-hidden // q.block_size) * q.block_size]))
+        return x if hidden % q.block_size == 0 else g.op("Slice", x, g.const([0]), g.const([hidden]), g.const([2]))
+
+    def linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None = None) -> str:
+        """x [..., in] @ weight[out, in]^T (+ bias): FusedMatMul reads the weight transposed, in N-D."""
+        if weight in self.quantized:
+            return self.quantized_linear(g, x, weight, bias)
+        y = g.op("FusedMatMul", x, weight, domain="com.microsoft", transB=1)
+        return g.op("Add", y, bias) if bias else y
 
     def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
         return g.op("RMSNormalization", x, weight, axis=-1, epsilon=self.spec.rms_norm_eps, stash_type=1)

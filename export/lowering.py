@@ -34,6 +34,9 @@ class Lowering:
     opsets: dict[str, int] = {"": 21}
     ir_version = 10
     quant_layout = "qdq"  # how quantized weights are stored for this target (export/quant.py)
+    # Activations between ops: [T=B*S, hidden] (Gemm takes 2-D inputs only), or [B, S, hidden]
+    # where every op takes 3-D inputs: then no Reshape is needed around attention in any layer.
+    flat_tokens = True
 
     def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
                  quantized: Mapping[str, WeightQuant] | None = None):
@@ -50,8 +53,12 @@ class Lowering:
 
     # ---- ops ---------------------------------------------------------------------------------
     def embed(self, g: GraphBuilder, ids: str) -> str:
-        """input_ids [B,S] -> rows of the embedding table [B*S, hidden]."""
+        """input_ids [B,S] -> rows of the embedding table [B*S, hidden] (or [B,S,hidden])."""
         return g.op("Reshape", g.op("Gather", "embed", ids, axis=0), g.const([-1, self.spec.hidden_size]))
+
+    def tokens(self, g: GraphBuilder, x: str, width: int) -> str:
+        """An activation as [T, width], whichever layout the lowering keeps."""
+        return x if self.flat_tokens else g.op("Reshape", x, g.const([-1, width]))
 
     def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
         return rms_norm_body(g, x, weight, epsilon=self.spec.rms_norm_eps, dtype=self.dtype)

@@ -7,15 +7,17 @@
 1. pip-installs onnxruntime-genai (+ onnx-ir for its builder) and llama-cpp-python by name when
    missing (bench/install.py; llama.cpp builds from source, the time is printed).
 2. Converts the checkpoint with each runtime's own tools into ``--work`` (kept between runs):
-   decodert export fp32 and int4 (accuracy level 4); onnxruntime-genai's model builder fp32 and
-   int4 (its CPU default: accuracy level 4, symmetric, block 32); for llama.cpp the Q4_1 GGUF as
-   is and an F32 GGUF (bench/competitors.py).
+   decodert export fp32 and int4 (accuracy level 4, ``--block-size``); onnxruntime-genai's model
+   builder fp32 and int4 (accuracy level 4, symmetric, ``--block-size``); for llama.cpp the Q4_1
+   GGUF as is and an F32 GGUF (bench/competitors.py). Also a Q4_0 GGUF (the Q4_1 matrices
+   requantized with the gguf package): llama.cpp runs it as is and decodert transcodes every block
+   exactly, so that pair ("q4_0") computes with bit-identical weights.
 3. Times the same greedy workload (fixed prompt ids, ``--gen`` new tokens, EOS ignored) on each,
    alternating between runtimes within every repeat. Every repeat of every runtime runs in a fresh
    worker process (load, ``--warmup`` untimed runs, one timed run), so no runtime's idle threads
    (ONNX Runtime's spinning pool, llama.cpp's OpenMP team) or memory share the CPU with another's.
 4. Prints the table and decodert's decode/prefill speed ratio against each runtime at the
-   matching precision (fp32 vs fp32, int4 vs int4 / Q4_1). A runtime that cannot be installed,
+   matching precision (fp32 vs fp32, int4 vs int4 / Q4_1, q4_0 vs Q4_0). A runtime that cannot be installed,
    converted or loaded is reported and skipped.
 """
 
@@ -74,12 +76,20 @@ def decodert_contenders(args: argparse.Namespace) -> list[Contender]:
     from decodert.runtime.llm import read_manifest
 
     out = []
+    from competitors import make_q4_0_gguf
+
     int4 = QuantConfig(bits=4, block_size=args.block_size, accuracy_level=4)
-    for precision, quant in (("fp32", None), ("int4", int4)):
-        folder = args.work / (f"decodert_{precision}" + (f"_b{args.block_size}" if quant else ""))
+    exact = QuantConfig(bits=4, block_size=32, accuracy_level=4, keep_q8=True)  # every block transcoded
+    q4_0 = args.work / "smollm2_q4_0.gguf"
+    if timed("Q4_0 GGUF (gguf package)", lambda: make_q4_0_gguf(args.gguf, q4_0)) is None:
+        q4_0 = None
+    for precision, quant, src in (("fp32", None, args.gguf), ("int4", int4, args.gguf), ("q4_0", exact, q4_0)):
+        folder = args.work / (f"decodert_{precision}" + (f"_b{args.block_size}" if precision == "int4" else ""))
+        if src is None:
+            continue
         if not (folder / "manifest.json").is_file():
             if timed(f"decodert export {precision}", lambda: export_model(
-                    args.gguf, folder, max_seq=512, max_batch=4, progress=False, quant=quant)) is None:
+                    src, folder, max_seq=512, max_batch=4, progress=False, quant=quant)) is None:
                 continue
         step_bytes = B.bytes_per_step(folder, read_manifest(folder))
         for batch in args.batches:
@@ -107,8 +117,10 @@ def llamacpp_contenders(args: argparse.Namespace) -> list[Contender]:
     from competitors import make_f32_gguf
 
     f32 = timed("F32 GGUF (gguf package)", lambda: make_f32_gguf(args.gguf, args.work / "llamacpp_f32.gguf"))
+    q4_0 = args.work / "smollm2_q4_0.gguf"  # written by decodert_contenders
     out = []
-    for precision, path, label in (("fp32", f32, "F32"), ("int4", args.gguf, "Q4_1")):
+    for precision, path, label in (("fp32", f32, "F32"), ("int4", args.gguf, "Q4_1"),
+                                   ("q4_0", q4_0 if q4_0.is_file() else None, "Q4_0")):
         if path is not None:
             out.append(Contender("llama.cpp", precision, 1, str(path), note=label))
     if 4 in args.batches:

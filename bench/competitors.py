@@ -20,12 +20,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
 from decodert.runtime.bench import RunTiming
 
-GGUF_ALL_F32 = 0  # general.file_type value for an all-F32 file
+GGUF_ALL_F32 = 0  # general.file_type values: an all-F32 file
+GGUF_MOSTLY_Q4_0 = 2  # and a mostly-Q4_0 one
 
 
 # ---- conversions -------------------------------------------------------------------------------
@@ -70,6 +72,26 @@ def build_ortgenai(hf_folder: Path, out: Path, precision: str, threads: int, blo
 
 def make_f32_gguf(src: Path, dst: Path) -> Path:
     """Copy of ``src`` with every tensor dequantized to F32 (llama.cpp runs it like an F32 conversion)."""
+    return _rewrite_gguf(src, dst, GGUF_ALL_F32, lambda t: None)
+
+
+def make_q4_0_gguf(src: Path, dst: Path) -> Path:
+    """Copy of ``src`` with the Q4_1 matrices requantized to Q4_0 (the Q8_0 embedding and F32 norms
+    copied as they are): llama.cpp runs it as is, and decodert transcodes every block of it exactly
+    (``--quant int4 --keep-q8``), so both runtimes compute with bit-identical weights."""
+    import gguf
+
+    def q4_0(t: Any) -> Any:
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+            return t.data  # raw bytes as stored
+        return gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), gguf.GGMLQuantizationType.Q4_0)
+
+    return _rewrite_gguf(src, dst, GGUF_MOSTLY_Q4_0, q4_0)
+
+
+def _rewrite_gguf(src: Path, dst: Path, file_type: int, convert: Callable[[Any], Any]) -> Path:
+    """``src`` with its metadata and each tensor either ``convert(t)`` (raw GGUF data, same type as the
+    result's) or, where that is None, dequantized to F32."""
     if dst.is_file():
         return dst
     import gguf
@@ -83,10 +105,15 @@ def make_f32_gguf(src: Path, dst: Path) -> Path:
             continue
         sub = field.types[1] if len(field.types) > 1 else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    writer.add_file_type(GGUF_ALL_F32)
+    writer.add_file_type(file_type)
     for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
+        data = convert(t)
+        if data is None:
+            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
+            continue
+        qtype = gguf.GGMLQuantizationType.Q4_0 if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else t.tensor_type
+        writer.add_tensor(t.name, np.asarray(data), raw_shape=np.asarray(data).shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Mapping
 
 import numpy as np
 import onnx
@@ -22,7 +22,7 @@ from decodert.export.lower_ort import OrtLowering
 from decodert.export.lower_trt import TrtLowering
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.export.onnx_builder import DTYPES, GraphBuilder
-from decodert.export.quant import QuantConfig
+from decodert.export.quant import QuantConfig, WeightQuant
 from decodert.models.spec import ModelSpec
 
 LOWERINGS: dict[str, type[Lowering]] = {"portable": Lowering, "ort": OrtLowering, "trt": TrtLowering}
@@ -30,7 +30,7 @@ GraphKind = Literal["prefill", "decode"]
 
 
 def make_lowering(target: str, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
-                  quantized: frozenset[str] = frozenset(), plugins: tuple[str, ...] = ()) -> Lowering:
+                  quantized: Mapping[str, WeightQuant] | None = None, plugins: tuple[str, ...] = ()) -> Lowering:
     """``plugins``: decodert ops to emit as plugin nodes (trt target only; see lower_trt.py)."""
     if plugins:
         return TrtLowering(spec, dtype, max_seq, quant, quantized, plugins=plugins)

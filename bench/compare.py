@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log(f"  {name}: not installed, skipped")
     wait_for_quiet(args.max_load, args.wait)
-    copy = B.memcopy_gbps()
+    copy, read = B.memcopy_gbps(), B.memread_gbps()
     log(f"measure ({len(contenders)} runtimes x {args.repeats} repeats, load avg {os.getloadavg()[0]:.2f}):")
     runs = measure(contenders, args)
     contenders = [c for i, c in enumerate(contenders) if i in runs]
@@ -279,13 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     log(report(contenders, results))
     fp32 = next((c for c in contenders if c.runtime == "decodert" and c.precision == "fp32"), None)
     if fp32 is not None:
-        log(f"memcopy {copy:.1f} GB/s; decodert fp32 reads {fp32.step_bytes / 1e6:.0f} MB per step -> bandwidth "
-            f"floor {copy * 1e9 / fp32.step_bytes:.1f} tok/s at batch 1")
+        log(f"memory read {read:.1f} GB/s (copy {copy:.1f}); decodert fp32 reads {fp32.step_bytes / 1e6:.0f} MB per "
+            f"step -> bandwidth floor {read * 1e9 / fp32.step_bytes:.1f} tok/s at batch 1")
     log(f"load avg {os.getloadavg()}")
     if args.json:
         rows = [{"runtime": c.runtime, "precision": c.precision, "note": c.note, "batch": c.batch,
                  "bytes_per_step": c.step_bytes, **dataclasses.asdict(r)} for c, r in zip(contenders, results)]
-        args.json.write_text(json.dumps({"machine": B.machine_info(), "copy_gbps": copy, "args": {
+        args.json.write_text(json.dumps({"machine": B.machine_info(), "copy_gbps": copy, "read_gbps": read, "args": {
             k: str(v) for k, v in vars(args).items()}, "results": rows}, indent=1) + "\n")
     return 0
 

@@ -13,9 +13,10 @@ median and the min-max of
 
 Bytes per step are the weights the decode graph reads: every initializer in full, except tables
 only read by Gather (the embedding when the output projection is a separate or quantized copy,
-the RoPE tables, the scales GatherBlockQuantized uses), which read one row per token. ``copy_gbps`` is a measured memory copy
-(numpy, 256 MiB split over all cores, bytes read + bytes written), and ``floor_tps`` = copy_gbps / bytes per step is
-the decode speed a memory-bound batch-1 step would reach at that bandwidth.
+the RoPE tables, the scales GatherBlockQuantized uses), which read one row per token. ``read_gbps`` is a measured memory
+read (numpy sum of 256 MiB split over all cores; ``copy_gbps`` the same for a copy, bytes read + bytes
+written), and ``floor_tps`` = read_gbps / bytes per step is the decode speed a memory-bound batch-1
+step would reach if it only streamed its weights at that bandwidth.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class BenchResult:
     weights_file_bytes: int  # weights.bin as written
     bytes_per_step: int  # weights a batch-1 decode step reads
     copy_gbps: float  # measured memory copy bandwidth (read + write)
-    floor_tps: float  # copy_gbps / bytes_per_step: memory-bound batch-1 decode speed
+    read_gbps: float  # measured memory read bandwidth
+    floor_tps: float  # read_gbps / bytes_per_step: memory-bound batch-1 decode speed
     peak_rss_mb: float
     load_s: float
     machine: dict = field(default_factory=dict)
@@ -103,20 +105,31 @@ class BenchResult:
 def memcopy_gbps(mib: int = 256, tries: int = 5, threads: int | None = None) -> float:
     """Best of ``tries`` numpy copies of a ``mib`` MiB buffer, split over ``threads`` (default: all
     cores; one thread does not saturate memory), counted as bytes read + bytes written."""
-    from concurrent.futures import ThreadPoolExecutor
-
     src = np.ones(mib * 2**20 // 8, np.float64)
     dst = np.empty_like(src)
+    return 2 * src.nbytes / _best_split(lambda a, b: np.copyto(dst[a:b], src[a:b]), src.size, tries, threads) / 1e9
+
+
+def memread_gbps(mib: int = 256, tries: int = 5, threads: int | None = None) -> float:
+    """Like ``memcopy_gbps`` but only reading (a float32 sum): what a decode step does to its weights."""
+    src = np.ones(mib * 2**20 // 4, np.float32)
+    return src.nbytes / _best_split(lambda a, b: np.add.reduce(src[a:b]), src.size, tries, threads) / 1e9
+
+
+def _best_split(work: Callable[[int, int], Any], size: int, tries: int, threads: int | None) -> float:
+    """Best wall time of ``work`` over [0, size) split into one part per thread (numpy releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     threads = threads or os.cpu_count() or 1
-    edges = np.linspace(0, src.size, threads + 1).astype(int)
-    parts = [(dst[a:b], src[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+    edges = np.linspace(0, size, threads + 1).astype(int)
+    parts = list(zip(edges[:-1], edges[1:]))
     best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:  # np.copyto releases the GIL
+    with ThreadPoolExecutor(threads) as pool:
         for _ in range(tries):
             t0 = time.perf_counter()
-            list(pool.map(lambda p: np.copyto(*p), parts))
+            list(pool.map(lambda p: work(*p), parts))
             best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / best / 1e9
+    return best
 
 
 GATHERS = ("Gather", "GatherBlockQuantized")  # ops that read rows of their tables (input 1: the indices)
@@ -224,7 +237,7 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig()) -> BenchRe
     backend = open_backend(folder, manifest, cfg.backend)
     load_s = time.perf_counter() - t0
     step_bytes = bytes_per_step(folder, manifest)
-    copy = memcopy_gbps()
+    copy, read = memcopy_gbps(), memread_gbps()
     ids = prompt_ids(int(manifest["model"]["vocab_size"]), cfg.prompt_len)
     results = []
     for batch in cfg.batches:
@@ -238,7 +251,8 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig()) -> BenchRe
         artifact=str(folder), model=_model_name(manifest), dtype=manifest["dtype"], quant=manifest.get("quant"),
         backend=backend.name, threads=cfg.threads, prompt_len=cfg.prompt_len, gen=cfg.gen, warmup=cfg.warmup,
         repeats=cfg.repeats, weights_file_bytes=int(manifest["weights"]["bytes"]), bytes_per_step=step_bytes,
-        copy_gbps=copy, floor_tps=copy * 1e9 / step_bytes if step_bytes else 0.0, peak_rss_mb=peak_rss_mb(),
+        copy_gbps=copy, read_gbps=read, floor_tps=read * 1e9 / step_bytes if step_bytes else 0.0,
+        peak_rss_mb=peak_rss_mb(),
         load_s=load_s, machine=machine_info(), results=results)
 
 
@@ -290,7 +304,7 @@ def format_table(r: BenchResult) -> str:
         lines.append(f"{b.batch:>5} {b.ttft_ms.fmt():>20} {b.prompt_tps.fmt(0):>22} {b.decode_tps.fmt():>20} "
                      f"{b.tpot_ms.fmt(2):>18} {b.gbps.fmt(1):>17}")
     lines.append(f"weights read per step {r.bytes_per_step / 1e6:.1f} MB (file {r.weights_file_bytes / 1e6:.1f} MB) | "
-                 f"memcopy {r.copy_gbps:.1f} GB/s -> floor {r.floor_tps:.1f} tok/s at batch 1 | "
+                 f"memread {r.read_gbps:.1f} GB/s (copy {r.copy_gbps:.1f}) -> floor {r.floor_tps:.1f} tok/s at batch 1 | "
                  f"peak rss {r.peak_rss_mb:.0f} MB | load {r.load_s:.2f} s | load avg {r.machine.get('loadavg_1m')}")
     return "\n".join(lines)
 

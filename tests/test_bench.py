@@ -19,7 +19,7 @@ from decodert.runtime.bench import bytes_per_step
 SPREAD = {"median", "min", "max"}
 BATCH_FIELDS = {"batch", "ttft_ms", "prompt_tps", "decode_tps", "tpot_ms", "gbps", "step_ms"}
 TOP_FIELDS = {"artifact", "model", "dtype", "quant", "backend", "threads", "prompt_len", "gen", "warmup", "repeats",
-              "weights_file_bytes", "bytes_per_step", "copy_gbps", "floor_tps", "peak_rss_mb", "load_s", "machine",
+              "weights_file_bytes", "bytes_per_step", "copy_gbps", "read_gbps", "floor_tps", "peak_rss_mb", "load_s", "machine",
               "results"}
 
 
@@ -57,7 +57,7 @@ def test_bench_runs_and_writes_json(tiny_artifact, tmp_path, capsys):
             assert set(r[name]) == SPREAD
             assert 0 < r[name]["min"] <= r[name]["median"] <= r[name]["max"]
         assert len(r["step_ms"]) == 4  # gen - 1 decode steps
-    assert data["copy_gbps"] > 0 and data["floor_tps"] > 0 and data["peak_rss_mb"] > 0
+    assert data["copy_gbps"] > 0 and data["read_gbps"] > 0 and data["floor_tps"] > 0 and data["peak_rss_mb"] > 0
 
 
 def test_bench_plot_is_a_png(tiny_artifact, tmp_path):

@@ -237,13 +237,14 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig()) -> BenchRe
     backend = open_backend(folder, manifest, cfg.backend)
     load_s = time.perf_counter() - t0
     step_bytes = bytes_per_step(folder, manifest)
-    copy, read = memcopy_gbps(), memread_gbps()
     ids = prompt_ids(int(manifest["model"]["vocab_size"]), cfg.prompt_len)
     results = []
     for batch in cfg.batches:
         runner = BackendRunner(backend, batch)
         runs = time_runs(lambda: runner.run(ids, cfg.gen), cfg.warmup, cfg.repeats)
         results.append(summarize(batch, cfg.prompt_len, runs, step_bytes))
+    rss = peak_rss_mb()  # before the bandwidth tests, whose 0.5 GiB of buffers would count as peak
+    copy, read = memcopy_gbps(), memread_gbps()
     close = getattr(backend, "close", None)
     if close is not None:
         close()
@@ -252,7 +253,7 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig()) -> BenchRe
         backend=backend.name, threads=cfg.threads, prompt_len=cfg.prompt_len, gen=cfg.gen, warmup=cfg.warmup,
         repeats=cfg.repeats, weights_file_bytes=int(manifest["weights"]["bytes"]), bytes_per_step=step_bytes,
         copy_gbps=copy, read_gbps=read, floor_tps=read * 1e9 / step_bytes if step_bytes else 0.0,
-        peak_rss_mb=peak_rss_mb(),
+        peak_rss_mb=rss,
         load_s=load_s, machine=machine_info(), results=results)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -99,3 +100,18 @@ def smollm2_reference(smollm2_hf_model):
     model, hf_tok = smollm2_hf_model
     prompts = [np.array(hf_tok(t)["input_ids"], np.int64) for t in SMOL_TEXTS]
     return prompts, [hf_reference(model, p, 64) for p in prompts]
+
+
+@pytest.fixture(scope="session")
+def samples(tmp_path_factory):
+    """Tiny artifacts and checkpoints for the damage tests (tests/fuzz_samples.py), made once per
+    session: copy one (see ``art``) before changing it."""
+    from fuzz_samples import make_samples
+
+    return make_samples(tmp_path_factory.mktemp("samples"))
+
+
+@pytest.fixture
+def art(samples, tmp_path):
+    """A private copy of the tiny ORT artifact."""
+    return shutil.copytree(samples["art"], tmp_path / "art")

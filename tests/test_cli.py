@@ -135,20 +135,6 @@ def test_full_verify_flag_on_generate_chat_and_run(monkeypatch, tmp_path):
 
 
 # -- --full-verify on a real (tiny) artifact -----------------------------------------------------------
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory):
-    from fuzz_samples import make_samples
-
-    return make_samples(tmp_path_factory.mktemp("samples"))
-
-
-@pytest.fixture
-def art(samples, tmp_path):
-    import shutil
-
-    return shutil.copytree(samples["art"], tmp_path / "art")
-
-
 @pytest.fixture
 def trt_artifact(tmp_path):
     pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")

@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import FakeBackend, make_llm, reference_tokens  # noqa: E402
-from fuzz_samples import add_listed_file, flip_byte, make_samples  # noqa: E402
+from fuzz_samples import add_listed_file, flip_byte  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.manifest import file_record, load_manifest, write_manifest  # noqa: E402
@@ -29,17 +29,6 @@ from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.sampling import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory):
-    return make_samples(tmp_path_factory.mktemp("samples"))
-
-
-@pytest.fixture
-def art(samples, tmp_path):
-    """A private copy of the tiny ORT artifact."""
-    return shutil.copytree(samples["art"], tmp_path / "art")
 
 
 # -- no code execution from files ------------------------------------------------------------------

@@ -23,7 +23,8 @@ def _export(args: argparse.Namespace) -> int:
         # ONNX Runtime 1.32 has no fast fp32-compute int8 MatMulNBits kernel on CPU (~2 s/step), so int8 defaults to 4
         level = args.accuracy_level if args.accuracy_level is not None else (4 if bits == 8 else 0)
         quant = QuantConfig(bits=bits, block_size=args.block_size, accuracy_level=level,
-                            symmetric=args.symmetric, lm_head=not args.no_quant_lm_head, keep_q8=args.keep_q8)
+                            symmetric=args.symmetric, lm_head=not args.no_quant_lm_head, keep_q8=args.keep_q8,
+                            scale_search=not args.no_scale_search)
     m = export_model(args.src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version)
     print(f"exported {m['model']['family']} ({m['target']}, {m['dtype']}, max_seq {m['max_seq']}) to {args.out}")
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ort target: 0 = fp32 compute, 4 = int8 activations (faster; may flip near-tie tokens); "
                         "default 0 for int4, 4 for int8")
     e.add_argument("--symmetric", action="store_true", help="no zero points (always on for --target trt)")
+    e.add_argument("--no-scale-search", action="store_true",
+                   help="block scales from min/max only (faster export; by default a least-squares search "
+                        "lowers the rounding error, SmolLM2 int4 perplexity 46.9 -> 43.0)")
     e.add_argument("--no-quant-lm-head", action="store_true", help="keep the output projection in float")
     e.add_argument("--keep-q8", action="store_true",
                    help="--quant int4 from a GGUF: keep Q8_0 weights 8-bit and exact instead of rounding them to 4 bits")

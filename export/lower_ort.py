@@ -86,8 +86,16 @@ class OrtLowering(Lowering):
         wq = self.quantized[weight]
         n, k = canonical_shape(self.spec, weight)
         zp = "" if wq.symmetric else f"{weight}.zero_points"
-        return g.op("MatMulNBits", x, f"{weight}.q", f"{weight}.scales", zp, "", bias or "", domain="com.microsoft",
-                    K=k, N=n, bits=wq.bits, block_size=wq.block_size, accuracy_level=self.quant.accuracy_level)
+        y = g.op("MatMulNBits", x, f"{weight}.q", f"{weight}.scales", zp, "", bias or "", domain="com.microsoft",
+                 K=k, N=n, bits=wq.bits, block_size=wq.block_size, accuracy_level=self.quant.accuracy_level)
+        if not wq.block_min:
+            return y
+        # GGUF Q4_1: W[n, k] = d*q + m[n, k // block], so x @ W^T adds (block sums of x) @ mins [blocks, N].
+        # The output projection reads [B, hidden] rows; every layer's linears read [B, S, in].
+        lead = [0] if weight in ("lm_head", "embed") else [0, 0]
+        blocks = g.op("Reshape", x, g.const(lead + [k // wq.block_size, wq.block_size]))
+        sums = g.op("ReduceSum", blocks, g.const([-1]), keepdims=0)
+        return g.op("Add", y, g.op("MatMul", sums, f"{weight}.mins"))
 
     def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
         if not isinstance(ctx, GqaContext):

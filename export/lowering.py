@@ -77,6 +77,7 @@ class Lowering:
     def quantized_linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None) -> str:
         """Block DequantizeLinear of the [N, Kp] weight (axis 1), then the same Gemm."""
         wq = self.quantized[weight]
+        assert not wq.block_min, "block minimums (GGUF Q4_1) are transcoded for the ort target only"
         n, k = canonical_shape(self.spec, weight)
         zp = [] if wq.symmetric else [f"{weight}.zero_points"]
         w = g.op("DequantizeLinear", f"{weight}.q", f"{weight}.scales", *zp, axis=1, block_size=wq.block_size)

@@ -131,7 +131,7 @@ def _store_quantized(w: WeightsWriter, ckpt, src: str, name: str, quant: QuantCo
                      gather: bool = False, tensor: np.ndarray | None = None) -> WeightQuant:
     """Store canonical weight ``src`` quantized as ``name``: GGUF blocks transcoded where that is
     exact (export/quant_gguf.py), else rounded to nearest from float (``tensor``, if already read)."""
-    wq = transcoded_as(ckpt.block_type(src), quant)
+    wq = transcoded_as(ckpt.block_type(src), quant, layout, gathered=gather)
     if wq is not None:
         qw = ckpt.blocks(src)
     else:

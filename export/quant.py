@@ -23,6 +23,10 @@ transcoded exactly from its blocks (``transcoded``, export/quant_gguf.py). The r
 - a Q4_0 weight stays 4-bit in an int8 export too (smaller and exact);
 - a Q8_0 weight in an int4 export is rounded to 4 bits like a float weight, unless
   ``keep_q8`` (``--keep-q8``) keeps it 8-bit and exact;
+- a Q4_1 weight (w = d*q + m) is rounded to 4 bits like a float weight, unless ``keep_q4_1``
+  (``--keep-q4-1``, ort target, asymmetric) keeps its blocks exactly with zero points 0 and its
+  float minimum per block, which the graph adds as (block sums of x) @ mins: exact, but four more
+  small ops per linear (SmolLM2 decode about 20% slower);
 - everything else (other block sizes, other GGUF types, fused weights whose parts differ in
   type, Hugging Face checkpoints) is dequantized to float and rounded to nearest.
 """
@@ -46,6 +50,7 @@ class QuantConfig:
     symmetric: bool = False  # True: zero point fixed at the midpoint (8 / 128)
     lm_head: bool = True  # quantize the output projection too (a large share of a small model)
     keep_q8: bool = False  # int4 export of a GGUF: keep Q8_0 weights 8-bit (exact) instead of rounding to 4 bits
+    keep_q4_1: bool = False  # ort target, GGUF Q4_1 weights: exact, plus a per-block minimum term (slower decode)
     scale_search: bool = True  # pick each block's scale (and zero point) by least squared error, not min/max
 
     def __post_init__(self) -> None:
@@ -62,7 +67,7 @@ class QuantConfig:
     def to_dict(self) -> dict:
         return {"bits": self.bits, "block_size": self.block_size, "accuracy_level": self.accuracy_level,
                 "symmetric": self.symmetric, "lm_head": self.lm_head, "keep_q8": self.keep_q8,
-                "scale_search": self.scale_search}
+                "keep_q4_1": self.keep_q4_1, "scale_search": self.scale_search}
 
     def rtn(self) -> WeightQuant:
         """How a weight rounded to nearest from float under this config is stored."""
@@ -77,9 +82,11 @@ class WeightQuant:
     block_size: int
     symmetric: bool  # True: no zero points (fixed at 8 / 128)
     source: str  # "rtn": rounded to nearest from float; "transcoded": copied exactly from GGUF blocks
+    block_min: bool = False  # + a float minimum per block (GGUF Q4_1: w = d*q + m); ort target only
 
     def to_dict(self) -> dict:
-        return {"bits": self.bits, "block_size": self.block_size, "symmetric": self.symmetric, "source": self.source}
+        return {"bits": self.bits, "block_size": self.block_size, "symmetric": self.symmetric, "source": self.source,
+                "block_min": self.block_min}
 
 
 @dataclass
@@ -90,6 +97,7 @@ class QuantizedWeight:
     n: int
     k: int
     blocks: int
+    mins: np.ndarray | None = None  # float32 [N, blocks], added to every value of a block (block_min)
 
 
 def quantize(w: np.ndarray, cfg: QuantConfig) -> QuantizedWeight:
@@ -172,6 +180,8 @@ def dequantize(qw: QuantizedWeight, wq: WeightQuant | QuantConfig) -> np.ndarray
     if wq.bits == 4:
         q, zp = unpack_nibbles(q), unpack_nibbles(zp)[:, : qw.blocks]
     wb = (q.reshape(qw.n, qw.blocks, wq.block_size).astype(np.float32) - zp[..., None]) * qw.scales[..., None]
+    if qw.mins is not None:
+        wb = wb + qw.mins[..., None]
     return wb.reshape(qw.n, -1)[:, : qw.k]
 
 
@@ -230,7 +240,11 @@ def write_quantized(writer, name: str, qw: QuantizedWeight, wq: WeightQuant, dty
         writer.add(f"{name}.scales", scales.reshape(-1), dtype)
         if not wq.symmetric:
             writer.add_raw(f"{name}.zero_points", qw.zero_points, TensorProto.UINT8, (qw.zero_points.size,))
+        if wq.block_min:  # [blocks, N]: the graph multiplies the activations' block sums by it
+            assert qw.mins is not None
+            writer.add(f"{name}.mins", np.ascontiguousarray(qw.mins.T), dtype)
         return
+    assert not wq.block_min, "block minimums are stored for the nbits layout only"
     kp = blocks * bs
     writer.add(f"{name}.scales", scales, dtype)
     if wq.symmetric:  # signed values: q - midpoint, i.e. flip the top bit of every field

@@ -108,6 +108,40 @@ def test_which_weights_are_transcoded(block_type, bits, block, keep_q8, want):
     assert wq is None or (wq.symmetric and wq.block_size == 32 and wq.source == "transcoded")
 
 
+def test_q4_1_transcode_is_bit_exact_with_its_block_minimum():
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((8, 96)) * rng.uniform(1e-3, 10, (8, 1)) + rng.uniform(-3, 3, (8, 1))).astype(np.float32)
+    raw = gguf.quants.quantize(w, Q.Q4_1)
+    qw = transcode(raw, "Q4_1", 8, 96)
+    assert qw.mins is not None and qw.mins.shape == (8, 3)
+    wq = WeightQuant(4, 32, False, "transcoded", block_min=True)
+    np.testing.assert_array_equal(dequantize(qw, wq), gguf.quants.dequantize(raw, Q.Q4_1).reshape(8, 96))
+
+
+@pytest.mark.parametrize("layout,gathered,symmetric,keep,want", [
+    ("nbits", False, False, True, True), ("nbits", False, False, False, False),  # only when asked
+    ("qdq", False, False, True, False),  # trt / portable: DequantizeLinear has no minimum
+    ("nbits", True, False, True, False),  # a table GatherBlockQuantized reads: no minimum either
+    ("nbits", False, True, True, False)])
+def test_when_q4_1_is_kept_exact(layout, gathered, symmetric, keep, want):
+    cfg = QuantConfig(bits=4, block_size=32, symmetric=symmetric, keep_q4_1=keep)
+    wq = transcoded_as("Q4_1", cfg, layout, gathered=gathered)
+    assert (wq is not None) == want and (wq is None or (wq.block_min and not wq.symmetric))
+
+
+@pytest.mark.parametrize("target", ["ort", "portable"])
+def test_q4_1_export_matches_gguf_reference(tiny_gguf, tmp_path, target):
+    """ort: every Q4_1 weight exact (block sums x mins in the graph); portable: rounded to nearest."""
+    path = tiny_gguf("llama", "Q4_1")
+    cfg = QuantConfig(bits=4, block_size=32, keep_q4_1=True)
+    export_model(path, tmp_path / "a", target=target, max_seq=64, progress=False, quant=cfg)
+    per_weight = load_manifest(tmp_path / "a")["quant"]["per_weight"]
+    layers = {k: v for k, v in per_weight.items() if k.startswith("layers.")}
+    assert all(v["block_min"] == (target == "ort") for v in layers.values())
+    if target == "ort":  # the head is Q4_1 too in this tiny file and stays exact; only tests the layers here
+        assert _parity(tmp_path / "a", _gguf_model(path)) < TOL
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_checkpoint_blocks_equal_dequantized_tensors(tiny_gguf, family, qtype):
@@ -147,7 +181,7 @@ def test_transcoded_export_matches_gguf_reference(tiny_gguf, tmp_path, target, f
     export_model(path, tmp_path / "a", target=target, max_seq=64, progress=False, quant=cfg)
     record = load_manifest(tmp_path / "a")["quant"]
     assert record["bits"] == bits and "lm_head" in record["weights"] and set(record["per_weight"]) == set(record["weights"])
-    assert {tuple(w.values()) for w in record["per_weight"].values()} == {(BITS[qtype], 32, True, "transcoded")}
+    assert {tuple(w.values()) for w in record["per_weight"].values()} == {(BITS[qtype], 32, True, "transcoded", False)}
     assert _parity(tmp_path / "a", _gguf_model(path)) < TOL
 
 
@@ -157,7 +191,8 @@ def test_mixed_fused_weight_is_requantized_in_the_same_graph(tiny_gguf, tmp_path
     cfg = QuantConfig(bits=4, block_size=32)
     export_model(path, tmp_path / "a", target="ort", max_seq=64, progress=False, quant=cfg)
     per_weight = load_manifest(tmp_path / "a")["quant"]["per_weight"]
-    assert per_weight["layers.0.qkv"] == {"bits": 4, "block_size": 32, "symmetric": False, "source": "rtn"}
+    assert per_weight["layers.0.qkv"] == {"bits": 4, "block_size": 32, "symmetric": False, "source": "rtn",
+                                          "block_min": False}
     assert {n for n, w in per_weight.items() if w["source"] == "rtn"} == {"layers.0.qkv"}
     model = _gguf_model(path)
     attn = model.model.layers[0].self_attn

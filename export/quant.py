@@ -152,13 +152,11 @@ def _grid(wb: np.ndarray, cfg: QuantConfig) -> tuple[np.ndarray, np.ndarray]:
 def _search(wb: np.ndarray, base: np.ndarray, zp_of, qmax: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
     """Least-squares grid per block: the best of ``SCALE_FACTORS`` x the min/max scale, then two
     rounds of refitting the scale (and zero point) to the rounded values."""
-    best_s, best_z, best_e = base, zp_of(base), None
+    best_s, best_z, best_e = base, zp_of(base), np.full(base.shape, np.inf)
     for f in SCALE_FACTORS:
         s = base * f
         z = zp_of(s)
         e = (((_round(wb, s, z, qmax) - z[..., None]) * s[..., None] - wb) ** 2).sum(-1)
-        if best_e is None:
-            best_e = e
         better = e < best_e
         best_s, best_z, best_e = np.where(better, s, best_s), np.where(better, z, best_z), np.minimum(e, best_e)
     s, z = best_s, best_z

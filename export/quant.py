@@ -128,9 +128,18 @@ ROWS_PER_CHUNK = 4096
 SCALE_FACTORS = np.linspace(0.7, 1.0, 7)  # candidate shrinkings of the min/max scale (more clipping, finer steps)
 
 
+def _safe(scales: np.ndarray) -> np.ndarray:
+    """Scales usable as divisors (an all-zero block has scale 0)."""
+    return np.where(scales == 0, 1.0, scales)
+
+
 def _round(wb: np.ndarray, scales: np.ndarray, zp: np.ndarray, qmax: int) -> np.ndarray:
-    safe = np.where(scales == 0, 1.0, scales)[..., None]
-    return np.clip(np.round(wb / safe + zp[..., None]), 0, qmax)
+    return np.clip(np.round(wb / _safe(scales)[..., None] + zp[..., None]), 0, qmax)
+
+
+def _error(wb: np.ndarray, scales: np.ndarray, zp: np.ndarray, qmax: int) -> np.ndarray:
+    """Squared rounding error per block of blocks wb [rows, blocks, block] on the grid (scales, zp)."""
+    return (((_round(wb, scales, zp, qmax) - zp[..., None]) * scales[..., None] - wb) ** 2).sum(-1)
 
 
 def _grid(wb: np.ndarray, cfg: QuantConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -143,7 +152,7 @@ def _grid(wb: np.ndarray, cfg: QuantConfig) -> tuple[np.ndarray, np.ndarray]:
     else:
         lo, hi = np.minimum(wb.min(-1), 0.0), np.maximum(wb.max(-1), 0.0)
         base = (hi - lo) / qmax
-        zp_of = lambda s: np.clip(np.round(-lo / np.where(s == 0, 1, s)), 0, qmax)  # noqa: E731
+        zp_of = lambda s: np.clip(np.round(-lo / _safe(s)), 0, qmax)  # noqa: E731
     if not cfg.scale_search:
         return base, zp_of(base)
     return _search(wb, base, zp_of, qmax, cfg.symmetric)
@@ -152,24 +161,27 @@ def _grid(wb: np.ndarray, cfg: QuantConfig) -> tuple[np.ndarray, np.ndarray]:
 def _search(wb: np.ndarray, base: np.ndarray, zp_of, qmax: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
     """Least-squares grid per block: the best of ``SCALE_FACTORS`` x the min/max scale, then two
     rounds of refitting the scale (and zero point) to the rounded values."""
-    best_s, best_z, best_e = base, zp_of(base), np.full(base.shape, np.inf)
+    s, z, best_e = base, zp_of(base), np.full(base.shape, np.inf)
     for f in SCALE_FACTORS:
-        s = base * f
-        z = zp_of(s)
-        e = (((_round(wb, s, z, qmax) - z[..., None]) * s[..., None] - wb) ** 2).sum(-1)
-        better = e < best_e
-        best_s, best_z, best_e = np.where(better, s, best_s), np.where(better, z, best_z), np.minimum(e, best_e)
-    s, z = best_s, best_z
+        s_new = base * f
+        z_new = zp_of(s_new)
+        s, z, best_e = _keep_better(wb, s, z, best_e, s_new, z_new, qmax)
     for _ in range(2):
         d = _round(wb, s, z, qmax) - z[..., None]
         fit = (wb * d).sum(-1) / np.maximum((d * d).sum(-1), 1e-30)
         s_new = np.where(fit > 0, fit, s)
-        z_new = z if symmetric else np.clip(np.round((_round(wb, s_new, z, qmax) - wb / np.where(
-            s_new == 0, 1, s_new)[..., None]).mean(-1)), 0, qmax)
-        e = (((_round(wb, s_new, z_new, qmax) - z_new[..., None]) * s_new[..., None] - wb) ** 2).sum(-1)
-        better = e < best_e
-        s, z, best_e = np.where(better, s_new, s), np.where(better, z_new, z), np.minimum(e, best_e)
+        z_new = z if symmetric else np.clip(np.round(
+            (_round(wb, s_new, z, qmax) - wb / _safe(s_new)[..., None]).mean(-1)), 0, qmax)
+        s, z, best_e = _keep_better(wb, s, z, best_e, s_new, z_new, qmax)
     return s.astype(np.float32), z.astype(np.float32)
+
+
+def _keep_better(wb: np.ndarray, s: np.ndarray, z: np.ndarray, best_e: np.ndarray, s_new: np.ndarray,
+                 z_new: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per block, the grid (s_new, z_new) where it has a strictly smaller error, else (s, z)."""
+    e = _error(wb, s_new, z_new, qmax)
+    better = e < best_e
+    return np.where(better, s_new, s), np.where(better, z_new, z), np.minimum(e, best_e)
 
 
 def dequantize(qw: QuantizedWeight, wq: WeightQuant | QuantConfig) -> np.ndarray:

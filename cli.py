@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--keep-q4-1", action="store_true",
                    help="ort target, int4: keep GGUF Q4_1 weights exact (zero point 0 + a per-block minimum "
                         "term in the graph; SmolLM2 perplexity 37.6, with --keep-q8 34.6, instead of 44.0; decode "
-                        "about 20%% slower)")
+                        "23-34%% slower)")
     e.add_argument("--no-scale-search", action="store_true",
                    help="block scales from min/max only (faster export; by default a least-squares search "
                         "lowers the rounding error, SmolLM2 int4 perplexity 46.9 -> 44.0)")

@@ -22,6 +22,7 @@ import numpy as np
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.export.onnx_builder import GraphBuilder
 from decodert.export.quant import quantized_embedding
+from decodert.export.weights import NUMPY_DTYPES
 from decodert.models.spec import canonical_shape
 from decodert.plugins.cached_attention import AttnContext
 
@@ -91,10 +92,9 @@ class OrtLowering(Lowering):
         if not wq.block_min:
             return y
         # GGUF Q4_1: W[n, k] = d*q + m[n, k // block], so x @ W^T adds (block sums of x) @ mins [blocks, N].
-        # The output projection reads [B, hidden] rows; every layer's linears read [B, S, in].
-        lead = [0] if weight in ("lm_head", "embed") else [0, 0]
-        blocks = g.op("Reshape", x, g.const(lead + [k // wq.block_size, wq.block_size]))
-        sums = g.op("ReduceSum", blocks, g.const([-1]), keepdims=0)
+        # The block sums are x @ a 0/1 block indicator [K, blocks]: any rank of x, one constant per K.
+        indicator = np.repeat(np.eye(k // wq.block_size), wq.block_size, axis=0)
+        sums = g.op("MatMul", x, g.const(indicator, dtype=NUMPY_DTYPES[self.dtype]))
         return g.op("Add", y, g.op("MatMul", sums, f"{weight}.mins"))
 
     def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:

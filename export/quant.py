@@ -25,8 +25,8 @@ transcoded exactly from its blocks (``transcoded``, export/quant_gguf.py). The r
   ``keep_q8`` (``--keep-q8``) keeps it 8-bit and exact;
 - a Q4_1 weight (w = d*q + m) is rounded to 4 bits like a float weight, unless ``keep_q4_1``
   (``--keep-q4-1``, ort target, asymmetric) keeps its blocks exactly with zero points 0 and its
-  float minimum per block, which the graph adds as (block sums of x) @ mins: exact, but four more
-  small ops per linear (SmolLM2 decode about 20% slower);
+  float minimum per block, which the graph adds as (block sums of x) @ mins: exact, but three
+  more small ops per linear (SmolLM2 decode 23-34% slower);
 - everything else (other block sizes, other GGUF types, fused weights whose parts differ in
   type, Hugging Face checkpoints) is dequantized to float and rounded to nearest.
 """

@@ -81,17 +81,18 @@ def make_q4_0_gguf(src: Path, dst: Path) -> Path:
     (``--quant int4 --keep-q8``), so both runtimes compute with bit-identical weights."""
     import gguf
 
-    def q4_0(t: Any) -> Any:
+    def q4_0(t: Any) -> tuple[np.ndarray, Any]:
         if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
-            return t.data  # raw bytes as stored
-        return gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), gguf.GGMLQuantizationType.Q4_0)
+            return np.asarray(t.data), t.tensor_type  # raw bytes as stored
+        q4 = gguf.GGMLQuantizationType.Q4_0
+        return gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), q4), q4
 
     return _rewrite_gguf(src, dst, GGUF_MOSTLY_Q4_0, q4_0)
 
 
-def _rewrite_gguf(src: Path, dst: Path, file_type: int, convert: Callable[[Any], Any]) -> Path:
-    """``src`` with its metadata and each tensor either ``convert(t)`` (raw GGUF data, same type as the
-    result's) or, where that is None, dequantized to F32."""
+def _rewrite_gguf(src: Path, dst: Path, file_type: int, convert: Callable[[Any], tuple[np.ndarray, Any] | None]) -> Path:
+    """``src`` with its metadata and each tensor either ``convert(t)`` = (raw GGUF bytes, their
+    quantization type) or, where that is None, dequantized to F32."""
     if dst.is_file():
         return dst
     import gguf
@@ -107,13 +108,12 @@ def _rewrite_gguf(src: Path, dst: Path, file_type: int, convert: Callable[[Any],
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     writer.add_file_type(file_type)
     for t in reader.tensors:
-        data = convert(t)
-        if data is None:
+        raw = convert(t)
+        if raw is None:
             data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
             writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
-            continue
-        qtype = gguf.GGMLQuantizationType.Q4_0 if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else t.tensor_type
-        writer.add_tensor(t.name, np.asarray(data), raw_shape=np.asarray(data).shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, raw[0], raw_shape=raw[0].shape, raw_dtype=raw[1])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

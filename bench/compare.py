@@ -76,14 +76,9 @@ def decodert_contenders(args: argparse.Namespace) -> list[Contender]:
     from decodert.runtime.llm import read_manifest
 
     out = []
-    from competitors import make_q4_0_gguf
-
     int4 = QuantConfig(bits=4, block_size=args.block_size, accuracy_level=4)
     exact = QuantConfig(bits=4, block_size=32, accuracy_level=4, keep_q8=True)  # every block transcoded
-    q4_0 = args.work / "smollm2_q4_0.gguf"
-    if timed("Q4_0 GGUF (gguf package)", lambda: make_q4_0_gguf(args.gguf, q4_0)) is None:
-        q4_0 = None
-    for precision, quant, src in (("fp32", None, args.gguf), ("int4", int4, args.gguf), ("q4_0", exact, q4_0)):
+    for precision, quant, src in (("fp32", None, args.gguf), ("int4", int4, args.gguf), ("q4_0", exact, args.q4_0)):
         folder = args.work / (f"decodert_{precision}" + (f"_b{args.block_size}" if precision == "int4" else ""))
         if src is None:
             continue
@@ -117,10 +112,9 @@ def llamacpp_contenders(args: argparse.Namespace) -> list[Contender]:
     from competitors import make_f32_gguf
 
     f32 = timed("F32 GGUF (gguf package)", lambda: make_f32_gguf(args.gguf, args.work / "llamacpp_f32.gguf"))
-    q4_0 = args.work / "smollm2_q4_0.gguf"  # written by decodert_contenders
     out = []
     for precision, path, label in (("fp32", f32, "F32"), ("int4", args.gguf, "Q4_1"),
-                                   ("q4_0", q4_0 if q4_0.is_file() else None, "Q4_0")):
+                                   ("q4_0", args.q4_0, "Q4_0")):
         if path is not None:
             out.append(Contender("llama.cpp", precision, 1, str(path), note=label))
     if 4 in args.batches:
@@ -262,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  {r.package}: {'ok' if r.ok else 'FAILED'} in {r.seconds:.0f} s ({r.note})")
             available[name] = available[name] and r.ok
     log("prepare:")
+    from competitors import make_q4_0_gguf
+
+    # one file for both runtimes of the q4_0 pair; None (that pair skipped) if it cannot be written
+    args.q4_0 = timed("Q4_0 GGUF (gguf package)",
+                      lambda: make_q4_0_gguf(args.gguf, args.work / f"{args.gguf.stem}-as-Q4_0.gguf"))
     contenders = decodert_contenders(args)
     for name, prepare in (("onnxruntime-genai", ortgenai_contenders), ("llama.cpp", llamacpp_contenders)):
         if available[name]:

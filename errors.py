@@ -9,3 +9,9 @@ class DecodertError(Exception):
     """
 
     exit_code = 2
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of a third-party exception's message ('' if it has none), to quote in a
+    one-line DecodertError."""
+    return (str(e).strip().splitlines() or [""])[0]

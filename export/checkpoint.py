@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from decodert.errors import DecodertError
+from decodert.errors import DecodertError, first_line
 from decodert.models.spec import ModelSpec, canonical_names, canonical_shape
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -37,8 +37,7 @@ _POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "nu
 
 def one_line(e: BaseException) -> str:
     """``TypeName: first line of the message`` for wrapping third-party errors into DecodertError."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+    return f"{type(e).__name__}: {first_line(e)}"
 
 
 def build_spec(make: Callable[[], ModelSpec], where: Path | str, n_tensors: int) -> ModelSpec:

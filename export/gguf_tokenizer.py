@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from decodert.errors import DecodertError
+from decodert.errors import DecodertError, first_line
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPACE = "\u2581"  # SentencePiece's visible space
@@ -171,8 +171,7 @@ def build_tokenizer(meta: dict, source: Path | str = "the GGUF file") -> Tokeniz
     try:
         return _assemble(meta, kind)
     except Exception as e:  # the tokenizers library raises a bare Exception (e.g. a merge of unknown tokens)
-        text = (str(e).strip().splitlines() or [""])[0]
-        raise DecodertError(f"{source}: cannot rebuild the tokenizer from the GGUF metadata ({text})") from None
+        raise DecodertError(f"{source}: cannot rebuild the tokenizer from the GGUF metadata ({first_line(e)})") from None
 
 
 def _assemble(meta: dict, kind: str) -> Tokenizer:

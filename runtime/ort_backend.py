@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from decodert.errors import DecodertError
+from decodert.errors import DecodertError, first_line
 from decodert.export.onnx_check import check_external_data, check_session_io
 from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
@@ -226,7 +226,7 @@ def _run_bound(session: ort.InferenceSession, io: Any, folder: Path, kind: str) 
     try:
         session.run_with_iobinding(io)
     except Exception as e:  # onnxruntime Fail/RuntimeError: a graph that loads but cannot run (damaged)
-        text = (str(e).strip().splitlines() or [""])[0][:300]
+        text = first_line(e)[:300]
         raise DecodertError(f"{folder}: ONNX Runtime failed running the {kind} graph ({text}); the artifact may be "
                             "damaged (load it with verify='full' / --full-verify)") from None
 
@@ -248,7 +248,7 @@ def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) 
     try:
         return ort.InferenceSession(source, options, providers=providers)
     except Exception as e:  # onnxruntime's Fail / InvalidGraph / InvalidProtobuf on a damaged graph
-        text = (str(e).strip().splitlines() or [""])[0][:300]
+        text = first_line(e)[:300]
         raise DecodertError(f"{path}: ONNX Runtime cannot load the graph ({type(e).__name__}: {text})") from None
 
 

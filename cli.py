@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--symmetric", action="store_true", help="no zero points (always on for --target trt)")
     e.add_argument("--keep-q4-1", action="store_true",
                    help="ort target, int4: keep GGUF Q4_1 weights exact (zero point 0 + a per-block minimum "
-                        "term in the graph; SmolLM2 perplexity 37.6, with --keep-q8 34.6, instead of 44.0; decode "
+                        "term in the graph; SmolLM2 perplexity 37.5, with --keep-q8 35.4, instead of 44.0; decode "
                         "23-34%% slower)")
     e.add_argument("--no-scale-search", action="store_true",
                    help="block scales from min/max only (faster export; by default a least-squares search "

@@ -6,6 +6,9 @@ No timing assertions: the numbers depend on the machine and its load.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import onnx
 import pytest
@@ -108,3 +111,24 @@ def test_bytes_per_step_counts_one_embedding_row_when_the_head_is_a_copy(tiny_ar
     gather_tables = 512 * 2 * 4  # vocab x blocks (64 / 32) fp32 scales, counted one row per token
     assert per_step <= q["weights"]["bytes"] - gather_tables + 1024
     assert bytes_per_step(tiny_int4_artifact, q, rows=2) == per_step + 2 * 4 + 2  # a row of scales + zero points
+
+
+def _bench_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    script = Path(__file__).resolve().parents[1] / "bench" / name
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_kernel_ceiling_times_the_artifacts_matmulnbits(tiny_int4_artifact):
+    proc = _bench_script("kernel_ceiling.py", "--artifact", str(tiny_int4_artifact), "--iters", "3")
+    assert proc.returncode == 0, proc.stderr
+    n = sum(node.op_type == "MatMulNBits"
+            for node in onnx.load(tiny_int4_artifact / "decode.onnx", load_external_data=False).graph.node)
+    assert proc.stdout.startswith(f"{n} MatMulNBits (int4, block 32, accuracy level 4, batch 1") and "tok/s" in proc.stdout
+
+
+def test_ab_alternates_artifacts_in_workers(tiny_artifact, tiny_int4_artifact):
+    proc = _bench_script("ab.py", str(tiny_artifact), str(tiny_int4_artifact), "--rounds", "2", "--prompt-len", "4",
+                         "--gen", "4")
+    assert proc.returncode == 0, proc.stderr
+    summary = [line for line in proc.stdout.splitlines() if "median of medians" in line]
+    assert len(summary) == 2 and all("(rounds: " in line and line.count(".") >= 3 for line in summary)

@@ -1,17 +1,15 @@
 """``decodert export``: checkpoint -> prefill.onnx + decode.onnx + weights.bin + tokenizer + manifest.
 
-Everything is written into a temporary sibling folder and renamed into place at the end, so an
-interrupted or failed export never leaves a folder that looks like an artifact.
+Everything is written into a temporary sibling folder and swapped into place at the end
+(export/destination.py), so an interrupted or failed export leaves the old artifact or none.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from tqdm import tqdm
 
 import decodert
 from decodert.errors import DecodertError
+from decodert.export import destination
 from decodert.export.checkpoint import open_checkpoint
 from decodert.export.graph import LOWERINGS, build_graph, io_contract, make_lowering
 from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables, write_quantized
@@ -53,11 +52,12 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         raise DecodertError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
     if max_batch < 1:
         raise DecodertError(f"--max-batch must be >= 1 (got {max_batch})")
-    out_dir = Path(out_dir)
-    _check_destination(out_dir)
+    if max_seq is not None and (not isinstance(max_seq, int) or max_seq < 2):
+        raise DecodertError(f"--max-seq must be an integer >= 2 (got {max_seq!r})")
+    out_dir = destination.prepare(out_dir)
     ckpt = open_checkpoint(src)
     spec: ModelSpec = ckpt.spec
-    max_seq = max_seq or min(spec.max_position, 2048)
+    max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
     progress = sys.stderr.isatty() if progress is None else progress
@@ -65,8 +65,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     if quant is not None and target == "trt" and not quant.symmetric:
         quant = dataclasses.replace(quant, symmetric=True)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = destination.make_temp(out_dir)
     try:
         layout = LOWERINGS[target].quant_layout
         weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout)
@@ -84,18 +83,14 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
             manifest["plugins"] = plugin_record
         manifest["quant"] = _quant_record(quant, layout, quantized)
         write_manifest(tmp, manifest)
-        _replace_dir(tmp, out_dir)
+        destination.swap_in(tmp, out_dir)
+    except OSError as e:  # disk full, permissions, a file system that went away
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DecodertError(f"-o {out_dir}: writing the artifact failed ({e.strerror or e})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
-
-
-def _check_destination(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DecodertError(f"{out_dir}: exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
-        raise DecodertError(f"{out_dir}: exists, is not empty and is not a decodert artifact; choose another -o")
 
 
 def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool,
@@ -172,19 +167,3 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_
         "tokenizer": {"file": "tokenizer.json", **tokenizer},
         "files": {p.name: file_record(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST},
     }
-
-
-def _replace_dir(tmp: Path, out_dir: Path) -> None:
-    """Move the finished folder into place; an old artifact there is replaced only at the end."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.replace(out_dir, old)
-    try:
-        os.replace(tmp, out_dir)
-    except BaseException:  # put the old artifact back: a failed swap must not leave no artifact
-        if old is not None:
-            os.replace(old, out_dir)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

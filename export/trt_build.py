@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from decodert.errors import DecodertError
+from decodert.export.destination import file_mode
 from decodert.export.manifest import MANIFEST, load_manifest
 from decodert.export.trt_compat import TrtInfo, load_trt
 
@@ -49,6 +50,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to a temp file beside ``path`` and rename it over ``path``."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, file_mode())  # mkstemp makes 0600; the artifact's files follow the umask
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

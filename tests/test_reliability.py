@@ -311,13 +311,11 @@ def _interrupt(monkeypatch, module, name, when=lambda *a, **k: True):
 
 
 def _export_steps():
-    import os
-
-    from decodert.export import pipeline
+    from decodert.export import destination, pipeline
 
     return {"build_graph": (pipeline, "build_graph", lambda *a, **k: a[3] == "decode"),  # after weights.bin
             "write_manifest": (pipeline, "write_manifest", lambda *a, **k: True),
-            "swap": (os, "replace", lambda src, dst: Path(src).name.startswith(".out.tmp-"))}  # the final rename
+            "swap": (destination, "swap_in", lambda tmp, out: True)}  # the final swap (tests/test_destination.py: each rename)
 
 
 @pytest.mark.parametrize("step", ["build_graph", "write_manifest", "swap"])

@@ -55,8 +55,9 @@ class HFCheckpoint(Checkpoint):
         self.config = read_json(config_path)
         family = family_for(self.config.get("model_type", "<missing model_type>"), str(config_path))
         self._files: dict[Path, SafetensorsFile] = {}
-        self._where = _index(folder) or self._single_file(folder)
+        stored = _index(folder) or self._single_file(folder)
         try:
+            self._where, self._stored = _sanitized(folder, stored, getattr(family, "sanitize", None))
             spec = build_spec(lambda: family.spec_from_hf(self.config), config_path, len(self._where))
         except DecodertError:
             self.close()
@@ -81,15 +82,19 @@ class HFCheckpoint(Checkpoint):
                 raise DecodertError(f"{shard}: missing shard file (listed in model.safetensors.index.json)")
             self._files[shard] = SafetensorsFile(shard)
         f = self._files[shard]
-        if key not in f:
-            raise DecodertError(f"{shard}: tensor '{key}' not found (the index lists it here)")
+        if self._stored.get(key, key) not in f:
+            raise DecodertError(f"{shard}: tensor '{self._stored.get(key, key)}' not found (the index lists it here)")
         return f
 
     def _shape(self, key: str) -> tuple[int, ...]:
-        return self._file(key).shape(key)
+        return self._file(key).shape(self._stored.get(key, key))
 
     def _read(self, key: str) -> np.ndarray:
-        return self._file(key).read(key)
+        return self._file(key).read(self._stored.get(key, key))
+
+    def _fix(self, key: str, w: np.ndarray) -> np.ndarray:
+        fix = getattr(self.family, "hf_fix", None)
+        return fix(key, w, self.spec) if fix else w
 
     def close(self) -> None:
         for f in self._files.values():
@@ -98,6 +103,27 @@ class HFCheckpoint(Checkpoint):
 
     def write_tokenizer(self, out_dir: str | Path) -> dict[str, Any]:
         return write_hf_tokenizer(self.source, self.config, Path(out_dir))
+
+
+def _sanitized(folder: Path, where: dict[str, Path], sanitize) -> tuple[dict[str, Path], dict[str, str]]:
+    """The family's ``sanitize(key) -> name | None`` over the stored keys (None drops a key).
+
+    Returns (name -> shard, name -> stored key for each renamed one).
+    """
+    if sanitize is None:
+        return where, {}
+    named: dict[str, Path] = {}
+    stored: dict[str, str] = {}
+    for key, shard in where.items():
+        name = sanitize(key)
+        if name is None:
+            continue
+        if name in named:
+            raise DecodertError(f"{folder}: tensors '{stored.get(name, name)}' and '{key}' both load as '{name}'")
+        named[name] = shard
+        if name != key:
+            stored[name] = key
+    return named, stored
 
 
 def open_hf(folder: Path) -> HFCheckpoint:

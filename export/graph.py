@@ -1,18 +1,24 @@
 """One transformer graph recipe, parameterised by ModelSpec and a target Lowering.
 
     input_ids [B,S] --Gather(embed)--> x [T=B*S, hidden]   ([B,S,hidden] where lowering.flat_tokens is False)
+                          x * embed_scale                  (Gemma: sqrt(hidden) in the graph dtype)
     per layer i:
         h      = rmsnorm(x)                                (fused with the residual add below)
-        qkv    = h @ qkv^T (+ bias)                        [T, (H+2Hkv)*D]   (q/k rmsnorm: Qwen3)
-        attn   = CachedAttention(qkv, past/present.i)      [B,S,H*D]  writes K/V in place
-        x, h   = x + attn @ o^T,  rmsnorm(x)
-        x      = x + down(silu(gate) * up)                 gate_up = h @ gate_up^T  [T, 2I]
+        qkv    = h @ qkv^T (+ bias)                        [T, (H+2Hkv)*D]   (q/k rmsnorm: Qwen3, Gemma 3)
+        attn   = CachedAttention(qkv, past/present.i)      [B,S,H*D]  writes K/V in place; the layer's
+                                                           window and RoPE table (spec.layer_window/_rope)
+        a      = attn @ o^T                                (sandwich_norm: a = rmsnorm(a))
+        x, h   = x + a,  rmsnorm(x + a)
+        m      = down(act(gate) * up)                      gate_up = h @ gate_up^T [T, 2I]; act = spec.activation
+        x      = x + m                                     (sandwich_norm: m = rmsnorm(m) first)
     last   = x[b*S + seq_lengths[b] - 1]                   [B, hidden]   (only the last valid token)
-    logits = rmsnorm(last) @ lm_head^T                     [B, V] float32;  next_token = argmax
+    logits = rmsnorm(last) @ lm_head^T                     [B, V] float32 (final_softcap: cap*tanh(l/cap))
+    next_token = argmax(logits)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal, Mapping
 
 import numpy as np
@@ -23,7 +29,8 @@ from decodert.export.lower_trt import TrtLowering
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.export.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quant import QuantConfig, WeightQuant
-from decodert.models.spec import ModelSpec
+from decodert.export.weights import NUMPY_DTYPES
+from decodert.models.spec import ModelSpec, rope_table_of
 
 LOWERINGS: dict[str, type[Lowering]] = {"portable": Lowering, "ort": OrtLowering, "trt": TrtLowering}
 GraphKind = Literal["prefill", "decode"]
@@ -68,12 +75,15 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         g.add_initializer(t)
     inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin")
     with g.scope("model"):
-        ctx = lowering.context(g, inp)
+        contexts = _attention_contexts(g, lowering, inp, spec)
         with g.scope("embed"):
             x = lowering.embed(g, inp.input_ids)
+            if spec.embed_scale is not None:  # transformers rounds the factor to the weights' dtype
+                x = g.op("Mul", x, g.const(np.array(spec.embed_scale, NUMPY_DTYPES[lowering.dtype])))
         h = None
         for i in range(spec.num_layers):
             with g.scope(f"layers.{i}"):
+                ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
                 x, h = _layer(g, lowering, ctx, inp, spec, i, x, h)
         logits = _head(g, lowering, inp, spec, x, h)
     g.output(logits, "logits", "fp32", ["batch", spec.vocab_size])
@@ -81,6 +91,20 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
     for io in contract["outputs"][2:]:
         g.outputs.append(onnx.helper.make_tensor_value_info(io["name"], DTYPES[io["dtype"]], io["shape"]))
     return g.to_model(ir_version=lowering.ir_version)
+
+
+def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec) -> dict:
+    """(window, rope table) -> the lowering's per-graph attention values, one per kind of layer.
+
+    Llama: one kind; Gemma: sliding layers (window, local RoPE) and full layers (global RoPE).
+    """
+    contexts: dict = {}
+    for i in range(spec.num_layers):
+        key = (spec.layer_window(i), rope_table_of(spec, i))
+        if key not in contexts:
+            table = dataclasses.replace(inp, cos_cache=f"{key[1]}.cos", sin_cache=f"{key[1]}.sin")
+            contexts[key] = low.context(g, table, key[0] or 0)
+    return contexts
 
 
 def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int,
@@ -105,15 +129,21 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
             attn = g.op("Reshape", attn, g.const([-1, spec.num_heads * spec.head_dim]))
         with g.scope("o"):
             o = low.linear(g, attn, p + "o")
+    if spec.sandwich_norm:
+        with g.scope("attn_out_norm"):
+            o = low.rms_norm(g, o, p + "attn_out_norm")
     with g.scope("post_norm"):
         h, x = low.add_rms_norm(g, o, x, p + "post_norm")
     with g.scope("mlp"):
         with g.scope("gate_up"):
             gate, up = g.op("Split", low.linear(g, h, p + "gate_up"), g.const([spec.intermediate_size] * 2),
                             axis=-1, outputs=2)
-        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)  # silu(gate) * up
+        act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up
         with g.scope("down"):
             down = low.linear(g, act, p + "down")
+    if spec.sandwich_norm:
+        with g.scope("mlp_out_norm"):
+            down = low.rms_norm(g, down, p + "mlp_out_norm")
     return x, down
 
 
@@ -143,5 +173,14 @@ def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: 
     with g.scope("lm_head"):
         tied = spec.tie_word_embeddings and "lm_head" not in low.quantized  # a quantized copy when tied
         logits = low.linear(g, h, "embed" if tied else "lm_head")
-    return logits if low.dtype == "fp32" else g.op("Cast", logits, to=1)
+    logits = logits if low.dtype == "fp32" else g.op("Cast", logits, to=1)
+    if spec.final_softcap is not None:
+        with g.scope("final_softcap"):
+            logits = softcap(g, logits, spec.final_softcap)
+    return logits
+
+
+def softcap(g: GraphBuilder, x: str, cap: float) -> str:
+    """cap * tanh(x / cap), float32 x."""
+    return g.op("Mul", g.op("Tanh", g.op("Div", x, g.const(np.float32(cap)))), g.const(np.float32(cap)))
 

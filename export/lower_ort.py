@@ -24,7 +24,6 @@ from decodert.export.onnx_builder import GraphBuilder
 from decodert.export.quant import quantized_embedding
 from decodert.export.weights import NUMPY_DTYPES
 from decodert.models.spec import canonical_shape
-from decodert.plugins.cached_attention import AttnContext
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class GqaContext:
     total_len: str  # [] int32: max(past) + S
     cos_cache: str
     sin_cache: str
-    reference: AttnContext | None  # for the fallback body
+    window: int  # local_window_size (0 = full attention)
 
 
 class OrtLowering(Lowering):
@@ -47,14 +46,14 @@ class OrtLowering(Lowering):
     def use_gqa(self) -> bool:
         return self.spec.head_dim % 16 == 0 and self.rotary_dim == self.spec.head_dim
 
-    def context(self, g: GraphBuilder, inp: GraphInputs) -> Any:
+    def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
         if not self.use_gqa:
-            return super().context(g, inp)
+            return super().context(g, inp, window)
         with g.scope("attn_context"):
             seq = g.op("Gather", g.op("Shape", inp.input_ids), g.const(np.int64(1)), axis=0)
             last = g.op("Sub", g.op("Add", inp.past_lengths, seq), g.const(np.int64(1)))
             total = g.op("Add", g.op("ReduceMax", inp.past_lengths, keepdims=0), seq)
-            return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, None)
+            return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, window)
 
     def embed(self, g: GraphBuilder, ids: str) -> str:
         if not quantized_embedding(self.spec, self.quant, self.quant_layout):
@@ -106,6 +105,6 @@ class OrtLowering(Lowering):
             "GroupQueryAttention", qkv, "", "", past_key, past_value, ctx.seqlens_k, ctx.total_len,
             ctx.cos_cache, ctx.sin_cache, domain="com.microsoft", outputs=[None, present_key, present_value],
             num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1, rotary_interleaved=0,
-            scale=self.scale, local_window_size=s.sliding_window or None,
+            scale=self.scale, local_window_size=ctx.window or None, softcap=self.softcap or None,
         )
         return y

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from decodert.errors import DecodertError
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.export.onnx_builder import GraphBuilder
 from decodert.export.quant import QuantConfig, WeightQuant
@@ -43,6 +44,16 @@ class TrtContext:
     sin_cache: str
 
 
+@dataclass(frozen=True)
+class PluginContext:
+    """The plugin derives positions and the mask from past_lengths itself; it needs the names and window."""
+
+    past_lengths: str  # [B] int64
+    cos_cache: str  # [max_seq, R/2]
+    sin_cache: str
+    window: int  # 0 = full attention
+
+
 class TrtLowering(Lowering):
     target = "trt"
     opsets = {"": 24}
@@ -55,16 +66,19 @@ class TrtLowering(Lowering):
         if unknown:
             raise ValueError(f"no trt plugin lowering for {sorted(unknown)}; known: {PLUGIN_OPS}")
         self.plugins = tuple(op for op in PLUGIN_OPS if op in plugins)
+        if "CachedAttention" in self.plugins and self.softcap:
+            raise DecodertError(f"{spec.family}'s attention soft-capping has no CachedAttention plugin kernel; "
+                                "export it for a TensorRT with native attention layers (>= 10.15, --plugins never) "
+                                "or for --target ort")
         if self.plugins:  # block DequantizeLinear (quantized weights) needs opset 21
             self.opsets = {"": 21 if quantized else PLUGIN_OPSET, DOMAIN: OPSET_VERSION}
             self.ir_version = 10 if quantized else 8
 
-    def context(self, g: GraphBuilder, inp: GraphInputs) -> TrtContext | GraphInputs:
+    def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> TrtContext | PluginContext:
         if "CachedAttention" in self.plugins:
-            return inp  # the plugin derives positions and the mask from past_lengths itself
+            return PluginContext(inp.past_lengths, inp.cos_cache, inp.sin_cache, window)
         with g.scope("attn_context"):
-            pos, visible = positions_and_visibility(g, inp.past_lengths, inp.input_ids, self.max_seq,
-                                                    self.spec.sliding_window or 0)
+            pos, visible = positions_and_visibility(g, inp.past_lengths, inp.input_ids, self.max_seq, window)
         return TrtContext(pos, inp.past_lengths, visible, inp.cos_cache, inp.sin_cache)
 
     def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
@@ -91,7 +105,7 @@ class TrtLowering(Lowering):
         if "CachedAttention" in self.plugins:  # [B,S,H*D], present_* written in place
             return g.op("CachedAttention", q, k, v, past_key, past_value, ctx.past_lengths, ctx.cos_cache,
                         ctx.sin_cache, domain=DOMAIN, outputs=[None, present_key, present_value],
-                        num_heads=h, kv_num_heads=hkv, scale=self.scale, sliding_window=s.sliding_window or 0)[0]
+                        num_heads=h, kv_num_heads=hkv, scale=self.scale, sliding_window=ctx.window)[0]
         q = self._rope(g, q, h, ctx)
         k = self._rope(g, k, hkv, ctx)
         to_bhsd = lambda x, n: g.op("Transpose", g.op("Reshape", x, g.const([0, 0, n, d])), perm=[0, 2, 1, 3])  # noqa: E731
@@ -102,6 +116,8 @@ class TrtLowering(Lowering):
             # a TensorRT-only attribute ONNX Runtime refuses; the decomposed body builds (and fuses).
             q4 = g.op("Reshape", q, g.const([0, 0, h, d]))
             return attend_body(g, q4, present_key, present_value, ctx.visible, num_heads=h, kv_heads=hkv,
-                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype)
-        y = g.op("Attention", to_bhsd(q, h), present_key, present_value, ctx.visible, scale=self.scale)
+                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
+                               softcap=self.softcap)
+        y = g.op("Attention", to_bhsd(q, h), present_key, present_value, ctx.visible, scale=self.scale,
+                 softcap=self.softcap or None)
         return g.op("Reshape", g.op("Transpose", y, perm=[0, 2, 1, 3]), g.const([0, 0, h * d]))

@@ -15,6 +15,7 @@ import numpy as np
 
 from decodert.export.onnx_builder import GraphBuilder
 from decodert.export.quant import QuantConfig, WeightQuant
+from decodert.export.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, canonical_shape
 from decodert.plugins import cached_attention as ca
 from decodert.plugins.rms_norm import rms_norm_body
@@ -44,12 +45,14 @@ class Lowering:
         self.spec, self.dtype, self.max_seq = spec, dtype, max_seq
         self.quant, self.quantized = quant, dict(quantized or {})
         self.rotary_dim = spec.rope.rotary_dim or spec.head_dim
-        self.scale = 1.0 / float(np.sqrt(spec.head_dim))
+        self.scale = spec.softmax_scale
+        self.softcap = spec.attn_softcap or 0.0  # 0 = none (the ONNX / ORT attribute convention)
 
     # ---- per-graph shared values -------------------------------------------------------------
-    def context(self, g: GraphBuilder, inp: GraphInputs) -> Any:
+    def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
+        """What every layer of one kind shares: ``window`` (0 = full) and the RoPE tables in ``inp``."""
         return ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache,
-                               self.max_seq, self.spec.sliding_window or 0)
+                               self.max_seq, window)
 
     # ---- ops ---------------------------------------------------------------------------------
     def embed(self, g: GraphBuilder, ids: str) -> str:
@@ -67,6 +70,14 @@ class Lowering:
         """(rmsnorm(x + residual), x + residual)."""
         s = g.op("Add", residual, x)
         return self.rms_norm(g, s, weight), s
+
+    def activation(self, g: GraphBuilder, x: str) -> str:
+        """The MLP gate's activation (spec.activation), elementwise."""
+        if self.spec.activation == "gelu_tanh":
+            if self.opsets.get("", 0) >= 20:
+                return g.op("Gelu", x, approximate="tanh")
+            return gelu_tanh_body(g, x, self.dtype)
+        return g.op("Mul", x, g.op("Sigmoid", x))  # silu
 
     def linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None = None) -> str:
         """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out]."""
@@ -104,4 +115,13 @@ class Lowering:
         ca.write_cache_body(g, past_key, k_new, ctx, hkv, present_key)
         ca.write_cache_body(g, past_value, v_new, ctx, hkv, present_value)
         return ca.attend_body(g, q4, present_key, present_value, ctx.visible, num_heads=h, kv_heads=hkv,
-                              head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype)
+                              head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
+                              softcap=self.softcap)
+
+
+def gelu_tanh_body(g: GraphBuilder, x: str, dtype: str) -> str:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) in standard ops older than Gelu-20."""
+    c = lambda v: g.const(np.array(v, NUMPY_DTYPES[dtype]))  # noqa: E731
+    inner = g.op("Mul", g.op("Add", x, g.op("Mul", g.op("Mul", g.op("Mul", x, x), x), c(0.044715))),
+                 c(np.sqrt(2.0 / np.pi)))
+    return g.op("Mul", g.op("Mul", x, c(0.5)), g.op("Add", g.op("Tanh", inner), c(1.0)))

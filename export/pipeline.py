@@ -26,7 +26,7 @@ from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_
 from decodert.export.quant_gguf import transcoded_as
 from decodert.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_record, write_manifest
 from decodert.export.weights import WeightsWriter
-from decodert.models.spec import ModelSpec, canonical_names
+from decodert.models.spec import ModelSpec, canonical_names, rope_tables
 from decodert.plugins.selection import choose_plugins
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -115,9 +115,10 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
                 quantized["lm_head"] = _store_quantized(w, ckpt, "embed", "lm_head", quant, dtype, layout,
                                                         gather=gather_quantized, tensor=tensor)
             del tensor
-        cos, sin = spec.rope.cos_sin(spec.head_dim, max_seq)
-        w.add("rope.cos", cos, dtype)
-        w.add("rope.sin", sin, dtype)
+        for prefix, rope in rope_tables(spec).items():  # "rope" (+ "rope_local": Gemma 3's sliding layers)
+            cos, sin = rope.cos_sin(spec.head_dim, max_seq)
+            w.add(f"{prefix}.cos", cos, dtype)
+            w.add(f"{prefix}.sin", sin, dtype)
         w.close()
         return w.tensors, quantized
 

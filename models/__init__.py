@@ -1,29 +1,47 @@
-"""Model families: one small file each, looked up by HF `model_type` or GGUF `general.architecture`."""
+"""Model families: one small file each, looked up by HF `model_type` or GGUF `general.architecture`.
+
+A family file is any module here that declares ``MODEL_TYPES`` (config.json ``model_type`` values)
+and ``GGUF_ARCHITECTURES`` (GGUF ``general.architecture`` values); the registry below is built
+from those declarations, so adding a family is adding its file (docs/ARCHITECTURE.md).
+"""
 
 from __future__ import annotations
 
+import functools
 import importlib
+import pkgutil
 from types import ModuleType
 
 from decodert.errors import DecodertError
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_HELPERS = ("common", "spec")  # modules here that are not families
 
-# Other spellings of the same families (GGUF Mistral files usually say "llama" already).
-ALIASES = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "phi3": "phi3",
-}
+
+@functools.cache
+def registry() -> dict[str, ModuleType]:
+    """Every declared name (lower case) -> its family module; a name two families claim is a bug."""
+    names: dict[str, ModuleType] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name in _HELPERS or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for name in (*module.MODEL_TYPES, *module.GGUF_ARCHITECTURES):
+            other = names.setdefault(name.lower(), module)
+            if other is not module:
+                raise RuntimeError(f"'{name}' is declared by both {other.__name__} and {module.__name__}")
+    return names
+
+
+def families() -> tuple[str, ...]:
+    """The family names (file names), sorted."""
+    return tuple(sorted({m.__name__.rsplit(".", 1)[-1] for m in registry().values()}))
 
 
 def family_for(model_type: str, source: str = "the checkpoint") -> ModuleType:
     """The family module (``decodert.models.<family>``) for a model_type / GGUF architecture."""
-    name = ALIASES.get(str(model_type).lower())
-    if name is None:
+    module = registry().get(str(model_type).lower())
+    if module is None:
         raise DecodertError(
-            f"unknown architecture '{model_type}' in {source}; supported: {', '.join(FAMILIES)}"
+            f"unknown architecture '{model_type}' in {source}; supported: {', '.join(families())}"
         )
-    return importlib.import_module(f"decodert.models.{name}")
+    return module

@@ -11,6 +11,7 @@ from decodert.models.common import spec_from_gguf_meta, spec_from_hf_config
 from decodert.models.spec import ModelSpec, RopeSpec
 
 MODEL_TYPES = ("llama",)
+GGUF_ARCHITECTURES = ("llama",)
 
 _L = "model.layers.{i}."
 HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {

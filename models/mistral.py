@@ -8,6 +8,7 @@ from decodert.models.common import gguf_key, spec_from_gguf_meta, spec_from_hf_c
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("mistral",)
+GGUF_ARCHITECTURES = ("mistral",)
 HF_WEIGHTS = llama.HF_WEIGHTS
 GGUF_WEIGHTS = llama.GGUF_WEIGHTS
 gguf_fix = llama.gguf_fix  # llama.cpp's converter permutes q/k for Mistral too

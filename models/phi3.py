@@ -9,6 +9,7 @@ from decodert.models.common import gguf_key, partial_rotary_factor, spec_from_gg
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("phi3",)
+GGUF_ARCHITECTURES = ("phi3",)
 
 _L = "model.layers.{i}."
 HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {

@@ -8,6 +8,7 @@ from decodert.models.common import spec_from_gguf_meta, spec_from_hf_config
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("qwen2",)
+GGUF_ARCHITECTURES = ("qwen2",)
 
 _L = "model.layers.{i}.self_attn."
 HF_WEIGHTS = {

@@ -9,6 +9,7 @@ from decodert.models.qwen2 import reject_sliding_layers
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("qwen3",)
+GGUF_ARCHITECTURES = ("qwen3",)
 
 _L = "model.layers.{i}.self_attn."
 HF_WEIGHTS = {

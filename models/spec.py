@@ -2,7 +2,9 @@
 
 A family file (``models/llama.py`` ...) turns a Hugging Face ``config.json`` dict or GGUF
 metadata into a :class:`ModelSpec` and declares where each *canonical* weight comes from.
-Graph code only ever sees canonical names (see ``CANONICAL`` below), never checkpoint keys.
+Graph code only ever sees canonical names (see ``canonical_names`` below), never checkpoint keys.
+Norm weights are canonical as the factor that multiplies: a checkpoint that stores ``w`` for a
+``(1 + w)`` norm (Gemma) is shifted when it is read, as llama.cpp's converter does for GGUF.
 """
 
 from __future__ import annotations
@@ -70,13 +72,51 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    sliding_window: int | None = None  # Mistral (None = full attention)
+    sliding_window: int | None = None  # window of the sliding layers (Mistral: every layer; None = none)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # -- what a family changes beyond Llama; the defaults are Llama's -------------------------------
+    activation: str = "silu"  # MLP gate: "silu" | "gelu_tanh" (Gemma's gelu_pytorch_tanh)
+    sandwich_norm: bool = False  # Gemma 2/3: RMSNorm on the attention and MLP outputs before each residual add
+    embed_scale: float | None = None  # Gemma: embeddings x sqrt(hidden), the factor rounded to the graph dtype
+    layer_types: tuple[str, ...] = ()  # per layer "sliding" | "full"; () = all sliding iff sliding_window
+    local_rope: RopeSpec | None = None  # RoPE of the sliding layers when it differs (Gemma 3: local base)
+    attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar**-0.5)
+    attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap), before the causal mask
+    final_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation '{self.activation}' is not one of {', '.join(ACTIVATIONS)}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+                raise ValueError(f"layer_types must name {self.num_layers} layers, each one of {', '.join(LAYER_TYPES)}")
+            if "sliding" in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding layers need a sliding_window")
+        if self.local_rope is not None and self.local_rope.rotary_dim != self.rope.rotary_dim:
+            raise ValueError("the local and global RoPE must rotate the same dims")
+        for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} {value!r} must be positive")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Does layer ``layer`` attend over a sliding window (the rest see the whole prefix)?"""
+        if self.layer_types:
+            return self.layer_types[layer] == "sliding"
+        return self.sliding_window is not None
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def layer_rope(self, layer: int) -> RopeSpec:
+        return self.local_rope if self.local_rope is not None and self.is_sliding(layer) else self.rope
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     @property
     def group_size(self) -> int:
@@ -90,14 +130,36 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_types"] = list(self.layer_types)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        """The inverse of to_dict; a dict written before a field existed gets that field's default."""
         d = dict(d)
         d["rope"] = RopeSpec(**d["rope"])
+        if d.get("local_rope") is not None:
+            d["local_rope"] = RopeSpec(**d["local_rope"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("sliding", "full")
+
+
+def rope_tables(spec: ModelSpec) -> dict[str, RopeSpec]:
+    """The RoPE tables a model's graphs read, by weight-name prefix: ``rope`` (+ ``rope_local``)."""
+    tables = {"rope": spec.rope}
+    if spec.local_rope is not None and any(spec.is_sliding(i) for i in range(spec.num_layers)):
+        tables["rope_local"] = spec.local_rope
+    return tables
+
+
+def rope_table_of(spec: ModelSpec, layer: int) -> str:
+    """The rope_tables prefix layer ``layer`` reads."""
+    return "rope_local" if spec.local_rope is not None and spec.is_sliding(layer) else "rope"
 
 
 def canonical_names(spec: ModelSpec) -> list[str]:
@@ -112,9 +174,11 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     - ``layers.{i}.q_norm``         [D]                          (qk_norm only)
     - ``layers.{i}.k_norm``         [D]                          (qk_norm only)
     - ``layers.{i}.o``              [hidden, H * D]
-    - ``layers.{i}.post_norm``      [hidden]
+    - ``layers.{i}.attn_out_norm``  [hidden]                     (sandwich_norm only: on the attention output)
+    - ``layers.{i}.post_norm``      [hidden]                     the norm in front of the MLP
     - ``layers.{i}.gate_up``        [2 * I, hidden]              rows: gate, then up
     - ``layers.{i}.down``           [hidden, I]
+    - ``layers.{i}.mlp_out_norm``   [hidden]                     (sandwich_norm only: on the MLP output)
     - ``final_norm``                [hidden]
     - ``lm_head``                   [V, hidden]                  (absent when tied)
     """
@@ -126,7 +190,12 @@ def canonical_names(spec: ModelSpec) -> list[str]:
             names.append(p + "qkv_bias")
         if spec.qk_norm:
             names += [p + "q_norm", p + "k_norm"]
-        names += [p + "o", p + "post_norm", p + "gate_up", p + "down"]
+        names.append(p + "o")
+        if spec.sandwich_norm:
+            names.append(p + "attn_out_norm")
+        names += [p + "post_norm", p + "gate_up", p + "down"]
+        if spec.sandwich_norm:
+            names.append(p + "mlp_out_norm")
     names.append("final_norm")
     if not spec.tie_word_embeddings:
         names.append("lm_head")
@@ -143,6 +212,8 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         "final_norm": (h,),
         "input_norm": (h,),
         "post_norm": (h,),
+        "attn_out_norm": (h,),
+        "mlp_out_norm": (h,),
         "qkv": (spec.qkv_size, h),
         "qkv_bias": (spec.qkv_size,),
         "q_norm": (d,),

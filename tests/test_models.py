@@ -13,7 +13,7 @@ from tiny import FAMILIES, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.checkpoint import source_keys  # noqa: E402
-from decodert.models import family_for, llama, mistral, phi3, qwen2, qwen3  # noqa: E402
+from decodert.models import families, family_for, llama, mistral, phi3, qwen2, qwen3, registry  # noqa: E402
 from decodert.models.spec import ModelSpec, RopeSpec, canonical_names  # noqa: E402
 
 MODULES = (llama, mistral, qwen2, qwen3, phi3)
@@ -26,14 +26,27 @@ def hf(family: str, **overrides) -> ModelSpec:
 
 def test_family_for_known_and_unknown():
     for module in MODULES:
-        for t in module.MODEL_TYPES:
+        for t in (*module.MODEL_TYPES, *module.GGUF_ARCHITECTURES):
             assert family_for(t) is module
     assert family_for("LLAMA") is llama
     with pytest.raises(DecodertError) as e:
         family_for("gpt_neox", "/x/config.json")
     assert str(e.value) == (
-        "unknown architecture 'gpt_neox' in /x/config.json; supported: llama, mistral, qwen2, qwen3, phi3"
+        f"unknown architecture 'gpt_neox' in /x/config.json; supported: {', '.join(families())}"
     )
+    assert {"llama", "mistral", "phi3", "qwen2", "qwen3"} <= set(families())
+
+
+def test_registry_is_built_from_the_declarations():
+    """Every file in models/ that declares MODEL_TYPES is found, under each name it declares, and only there."""
+    reg = registry()
+    modules = set(reg.values())
+    assert set(MODULES) <= modules
+    for module in modules:
+        declared = {n.lower() for n in (*module.MODEL_TYPES, *module.GGUF_ARCHITECTURES)}
+        assert {name for name, m in reg.items() if m is module} == declared
+        assert callable(module.spec_from_hf) and callable(module.spec_from_gguf)
+        assert module.HF_WEIGHTS and module.GGUF_WEIGHTS
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
@@ -184,3 +197,36 @@ def test_tiny_configs_cover_every_family():
     assert {hf(f).family for f in FAMILIES} == {"llama", "mistral", "qwen2", "qwen3", "phi3"}
     assert {hf(f).group_size for f in FAMILIES} >= {1, 2, 4}
     assert {hf(f).head_dim for f in FAMILIES} == {16, 32}
+
+
+def test_family_declarations_default_to_llama_and_round_trip():
+    s = hf("llama")
+    assert (s.activation, s.sandwich_norm, s.embed_scale, s.layer_types, s.local_rope) == ("silu", False, None, (), None)
+    assert (s.attn_softcap, s.final_softcap, s.softmax_scale) == (None, None, 0.25)
+    assert [s.layer_window(i) for i in range(2)] == [None, None] and s.layer_rope(1) is s.rope
+    m = hf("mistral")
+    assert [m.is_sliding(i) for i in range(2)] == [True, True] and m.layer_window(0) == 64
+    mixed = ModelSpec("x", 32, 16, 24, 2, 4, 2, 4, 1e-6, sliding_window=8, layer_types=("sliding", "full"),
+                      local_rope=RopeSpec(theta=10.0), attn_scale=0.5, attn_softcap=50.0, final_softcap=30.0,
+                      activation="gelu_tanh", sandwich_norm=True, embed_scale=4.0)
+    assert [mixed.layer_window(i) for i in range(2)] == [8, None]
+    assert mixed.layer_rope(0).theta == 10.0 and mixed.layer_rope(1).theta == 10000.0
+    assert ModelSpec.from_dict(mixed.to_dict()) == mixed
+    old = {k: v for k, v in s.to_dict().items() if k not in ("activation", "layer_types", "local_rope")}
+    assert ModelSpec.from_dict(old) == s  # a manifest written before these fields existed
+    names = canonical_names(mixed)
+    assert names[names.index("layers.0.o") + 1] == "layers.0.attn_out_norm"
+    assert names[names.index("layers.0.down") + 1] == "layers.0.mlp_out_norm"
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(activation="relu"), "activation 'relu'"),
+    (dict(layer_types=("sliding",)), "layer_types must name 2 layers"),
+    (dict(layer_types=("sliding", "global")), "layer_types must name 2 layers"),
+    (dict(layer_types=("sliding", "full")), "need a sliding_window"),
+    (dict(attn_softcap=0.0), "attn_softcap 0.0 must be positive"),
+    (dict(local_rope=RopeSpec(rotary_dim=2)), "same dims"),
+])
+def test_bad_declarations_are_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        ModelSpec("x", 32, 16, 24, 2, 4, 2, 4, 1e-6, **fields)

@@ -187,9 +187,9 @@ class LLM:
             self._live = None
             self._free.notify_all()
 
-    def _run(self, seqs: list[Sequence]) -> Generator[tuple[int, str], None, None]:
+    def _run(self, seqs: list[Sequence], admit: Any = None) -> Generator[tuple[int, str], None, None]:
         """Start a run over the one cache (lock held): wait while another thread's stream holds it;
-        an unfinished run of this thread (an abandoned stream) is ended."""
+        an unfinished run of this thread (an abandoned stream) is ended. ``admit``: see scheduler.run."""
         me = threading.get_ident()
         if not self._free.wait_for(lambda: self._live is None or self._live_thread == me, self.busy_timeout):
             raise DecodertError(f"this LLM is busy: a stream of another thread is still open after "
@@ -197,7 +197,7 @@ class LLM:
         self._end_live()
         if self._cache is None:
             self._cache = self.backend.allocate(int(self.backend.max_batch))
-        self._live = scheduler.run(self.backend, self._cache, seqs, self._active)
+        self._live = scheduler.run(self.backend, self._cache, seqs, self._active, admit)
         self._live_thread = me
         return self._live
 
@@ -212,10 +212,10 @@ class LLM:
                     self._end_live()
         return [s.result() for s in seqs]
 
-    def _stream(self, seqs: list[Sequence]) -> Generator[tuple[int, str], None, None]:
+    def _stream(self, seqs: list[Sequence], admit: Any = None) -> Generator[tuple[int, str], None, None]:
         """The run's events, one locked step at a time; the run holds the cache until it ends."""
         with self._lock:
-            run = self._run(seqs)
+            run = self._run(seqs, admit)
         try:
             while True:
                 with self._lock:

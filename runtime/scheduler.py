@@ -8,14 +8,15 @@ unfinished rows and finished rows cost nothing.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator, Sequence as Seq
+from typing import Callable, Iterable, Iterator, Mapping, Sequence as Seq
 
 from decodert.runtime.backend import Backend, KVCache
 from decodert.runtime.generate import Sequence, decode_step, prefill
 
 
-def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence],
-        active: list[int] | None = None) -> Iterator[tuple[int, str]]:
+def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence] | Mapping[int, Sequence],
+        active: list[int] | None = None,
+        admit: Callable[[], Iterable[int]] | None = None) -> Iterator[tuple[int, str]]:
     """Yield ``(request index, text delta)`` once per generated token, until every request is done.
 
     Each loop turn either prefills the waiting requests that fit into free slots (one call for
@@ -25,31 +26,51 @@ def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence],
     ``active`` (``active[slot]`` = request index; slots ``0 .. len(active)-1`` are in use) is the
     slot table; pass a list to watch it. However the run ends (done, closed, or an exception such
     as KeyboardInterrupt from a step), every slot it used is reset and the table is left empty.
+
+    ``admit`` makes the run open to new requests (runtime/engine.py): called at the start of every
+    turn, it returns the indices of requests it has just put into ``seqs`` (then a dict), and it may
+    finish any request (a cancel): a finished request is never prefilled, and its slot is freed
+    before the turn's step. By the time ``admit`` runs, every request yielded as done (or finished
+    by an earlier call) has left its slot, so ``admit`` may delete it from ``seqs``.
     """
     active = [] if active is None else active
     assert not active, "the slot table of a new run must be empty"
     waiting = deque(range(len(seqs)))
     try:
-        while waiting or active:
-            free = cache.slots - len(active)
-            if waiting and free > 0:
-                new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+        while True:
+            _compact(backend, cache, active, seqs)
+            if admit is not None:
+                waiting.extend(admit())
+                _compact(backend, cache, active, seqs)  # the rows admit finished (cancelled)
+            new = _take(waiting, seqs, cache.slots - len(active))
+            if new:
                 slots = range(len(active), len(active) + len(new))
                 active.extend(new)
                 deltas = prefill(backend, cache, slots, [seqs[i] for i in new])
                 rows = new
-            else:
+            elif active:
                 deltas = decode_step(backend, cache, range(len(active)), [seqs[i] for i in active])
                 rows = list(active)
+            else:
+                return
             yield from zip(rows, deltas)
-            _compact(backend, cache, active, seqs)
     finally:
         for slot in range(len(active)):
             cache.reset(slot)
         active.clear()
 
 
-def _compact(backend: Backend, cache: KVCache, active: list[int], seqs: Seq[Sequence]) -> None:
+def _take(waiting: deque, seqs: Seq[Sequence] | Mapping[int, Sequence], free: int) -> list[int]:
+    """Pop up to ``free`` unfinished requests from ``waiting`` (finished ones are dropped)."""
+    new: list[int] = []
+    while waiting and len(new) < free:
+        i = waiting.popleft()
+        if not seqs[i].done:
+            new.append(i)
+    return new
+
+
+def _compact(backend: Backend, cache: KVCache, active: list[int], seqs: Seq[Sequence] | Mapping[int, Sequence]) -> None:
     """Drop finished rows from ``active`` (in place), filling each hole with the last active row."""
     finished = [slot for slot, i in enumerate(active) if seqs[i].done]
     for slot in reversed(finished):  # descending: every slot above ``slot`` is unfinished by now

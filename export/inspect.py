@@ -8,6 +8,7 @@ from typing import Any
 
 from decodert.export.manifest import load_manifest
 from decodert.export.onnx_check import load_graph
+from decodert.export.sampling_defaults import describe
 
 
 def graph_summary(path: Path) -> dict[str, Any]:
@@ -38,6 +39,7 @@ def inspect_artifact(folder: str | Path) -> str:
         f"target     {m['target']}  dtype {m['dtype']}  max_seq {m['max_seq']}  max_batch {m['max_batch']}",
         f"weights    {m['weights']['file']}  {_mib(m['weights'].get('bytes'))}",
         f"source     {source.get('kind')}: {source.get('path')}",
+        f"sampling   {describe(m.get('sampling'))}",
         f"made by    decodert {m.get('decodert_version')} onnx {m.get('onnx_version')} on {m.get('created')}",
     ]
     for kind in ("prefill", "decode"):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from decodert.errors import DecodertError
+from decodert.export.sampling_defaults import check_record
 
 FORMAT = "decodert-artifact"
 FORMAT_VERSION = 1
@@ -111,6 +112,9 @@ def validate_manifest(m: Any, path: Path) -> None:
     _check_contract(m, path)
     _listed(m, m["weights"].get("file"), path, "weights.file")
     _check_tokenizer(m["tokenizer"], m, path)
+    if "sampling" in m:
+        problem = check_record(m["sampling"])
+        _need(problem is None, path, str(problem))
     engines = m.get("engines")
     _need(engines is None or isinstance(engines, dict), path, "engines is malformed")
     for name, rec in (engines or {}).items():

@@ -24,6 +24,7 @@ from decodert.export.checkpoint import open_checkpoint
 from decodert.export.graph import LOWERINGS, build_graph, io_contract, make_lowering
 from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables, write_quantized
 from decodert.export.quant_gguf import transcoded_as
+from decodert.export.sampling_defaults import sampling_record
 from decodert.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_record, write_manifest
 from decodert.export.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names, rope_tables
@@ -79,6 +80,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
             graphs[kind] = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
         tokenizer = ckpt.write_tokenizer(tmp)
         manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)
+        manifest["sampling"] = sampling_record(ckpt, tokenizer.get("chat_template"))
         if plugin_record is not None:
             manifest["plugins"] = plugin_record
         manifest["quant"] = _quant_record(quant, layout, quantized)

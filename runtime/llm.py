@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import shutil
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Generator, Mapping, Sequence as Seq, Union
 
@@ -39,7 +39,7 @@ class Request:
     """One request for ``LLM.generate_many``: a prompt (or chat messages) and its own parameters."""
 
     prompt: Prompt | None = None
-    params: SamplingParams = field(default_factory=SamplingParams)
+    params: SamplingParams | None = None  # None: the model's sampling defaults; an object is used as it is
     messages: Seq[Message] | None = None  # chat messages instead of a prompt
 
 
@@ -84,8 +84,11 @@ class LLM:
     """A backend (runtime/backend.py), a ``tokenizers.Tokenizer`` and the artifact manifest.
 
     Generation keyword arguments are the SamplingParams fields: max_new_tokens=256,
-    temperature=0.0 (greedy), top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-    presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=(), stop_token_ids=().
+    temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+    seed=None, stop=(), stop_token_ids=(). A parameter you do not pass takes the model's
+    default (``sampling_defaults``: manifest["sampling"], export/sampling_defaults.py; e.g.
+    SmolLM2-Instruct: temperature 0.2, top_p 0.9), else SamplingParams' (greedy). Explicit
+    arguments always override, one parameter at a time: ``temperature=0`` is greedy.
     """
 
     def __init__(self, backend: Any, tokenizer: Any, manifest: Mapping[str, Any] | None = None) -> None:
@@ -98,6 +101,7 @@ class LLM:
         self.bos_token_id = tok.get("bos_token_id", model.get("bos_token_id"))
         self.add_bos_token = bool(tok.get("add_bos_token", False))
         self.chat_template = tok.get("chat_template")
+        self.sampling_defaults = model_defaults(self.manifest)
         self._cache = None
         self._live: Generator | None = None  # the run holding the cache; a newer run of the same thread ends it
         self._live_thread: int | None = None  # the thread that started it
@@ -120,6 +124,10 @@ class LLM:
         tokenizer_file(manifest, path)  # the tokenizer must be one of the verified files
         tokenizer = open_tokenizer(path, manifest)  # cheap checks before the backend loads weights
         return cls(open_backend(path, manifest, backend), tokenizer, manifest)
+
+    def params(self, **params: Any) -> SamplingParams:
+        """Validated SamplingParams: ``params`` over the model's ``sampling_defaults``."""
+        return sampling_params(**{**self.sampling_defaults, **params})
 
     @property
     def slots_in_use(self) -> int:
@@ -232,7 +240,7 @@ class LLM:
 
     def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""
-        sp = sampling_params(**params)
+        sp = self.params(**params)
         if _is_single(prompt):
             return self._finish([self._sequence(self.encode(prompt), sp)])[0]
         if not prompt:
@@ -241,16 +249,16 @@ class LLM:
 
     def stream(self, prompt: Prompt, **params: Any) -> TextStream:
         """Iterate the generated text as deltas (str); see TextStream for the final result."""
-        seq = self._sequence(self.encode(prompt), sampling_params(**params))
+        seq = self._sequence(self.encode(prompt), self.params(**params))
         return TextStream(self._stream([seq]), seq)
 
     def chat(self, messages: Seq[Message], **params: Any) -> GenerationResult:
         """Apply the chat template (with the generation prompt) and generate the reply."""
-        return self._finish([self._sequence(self._chat_ids(messages), sampling_params(**params))])[0]
+        return self._finish([self._sequence(self._chat_ids(messages), self.params(**params))])[0]
 
     def stream_chat(self, messages: Seq[Message], **params: Any) -> TextStream:
         """``chat`` as a stream of text deltas."""
-        seq = self._sequence(self._chat_ids(messages), sampling_params(**params))
+        seq = self._sequence(self._chat_ids(messages), self.params(**params))
         return TextStream(self._stream([seq]), seq)
 
     def generate_many(self, requests: Seq[Request | Mapping[str, Any]]) -> list[GenerationResult]:
@@ -262,7 +270,9 @@ class LLM:
     def _request_sequence(self, req: Request | Mapping[str, Any], i: int) -> Sequence:
         if isinstance(req, Mapping):
             rest = {k: v for k, v in req.items() if k not in ("prompt", "messages")}
-            req = Request(req.get("prompt"), sampling_params(**rest), req.get("messages"))
+            req = Request(req.get("prompt"), self.params(**rest), req.get("messages"))
+        elif req.params is None:
+            req = Request(req.prompt, self.params(), req.messages)
         else:
             sampling_params(req.params)  # validate
         if (req.prompt is None) == (req.messages is None):
@@ -281,6 +291,17 @@ def _is_single(prompt: Any) -> bool:
 
 
 # -- loading an artifact folder ----------------------------------------------------------------
+def model_defaults(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """manifest["sampling"]["defaults"], checked as SamplingParams (a bad value names the manifest field)."""
+    record = manifest.get("sampling")
+    defaults = dict(record.get("defaults") or {}) if isinstance(record, Mapping) else {}
+    try:
+        sampling_params(**defaults)
+    except DecodertError as e:
+        raise DecodertError(f"manifest sampling.defaults: {e}") from None
+    return defaults
+
+
 def read_manifest(path: Path, verify: str = "fast") -> dict:
     """``path/manifest.json``, validated (export/manifest.py) and its files verified ("fast" | "full" | "none")."""
     from decodert.export.manifest import load_manifest

@@ -183,11 +183,12 @@ def _rope_freqs(cfg: dict) -> Any:
 
 
 def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict | None = None,
-                   drop: tuple = (), **overrides: Any) -> Path:
+                   drop: tuple = (), meta: dict | None = None, **overrides: Any) -> Path:
     """A tiny GGUF of `family` converted from make_tiny_checkpoint's weights, llama.cpp style.
 
     `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) applies to 2-D weights; norms stay F32.
-    `raw` maps GGUF tensor names to (qtype_name, uint8 bytes) written as-is; `drop` leaves tensors out.
+    `raw` maps GGUF tensor names to (qtype_name, uint8 bytes) written as-is; `drop` leaves tensors out;
+    `meta` adds metadata keys (float -> float32, int -> uint32, str -> string).
     """
     import gguf
     import numpy as np
@@ -200,6 +201,9 @@ def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict 
     writer = gguf.GGUFWriter(str(path), arch)
     _gguf_model_meta(writer, arch, cfg)
     _gguf_tokenizer_meta(writer, hf_dir)
+    for key, value in (meta or {}).items():
+        add = {float: writer.add_float32, int: writer.add_uint32, str: writer.add_string}[type(value)]
+        add(key, value)
     qt = gguf.GGMLQuantizationType[qtype]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     for key, w in load_file(hf_dir / "model.safetensors").items():

@@ -12,6 +12,7 @@ from typing import Iterable, Sequence as Seq
 import numpy as np
 
 from decodert.runtime.backend import Backend, KVCache, StepOutput
+from decodert.runtime.constraints import Guide, masks_ahead
 from decodert.runtime.metrics import Metrics, Timer
 from decodert.runtime.sampling import SamplingParams, apply_processors, make_logits_processors, make_sampler
 from decodert.runtime.text import Decoder, IncrementalDetokenizer, StopMatcher
@@ -39,7 +40,7 @@ class Sequence:
     """
 
     def __init__(self, prompt: np.ndarray, params: SamplingParams, tokenizer: Decoder,
-                 eos_token_ids: Iterable[int], max_seq: int) -> None:
+                 eos_token_ids: Iterable[int], max_seq: int, guide: Guide | None = None) -> None:
         self.prompt = np.asarray(prompt, dtype=np.int64)  # [L]
         self.params = params
         self.sampler = make_sampler(params.temperature, params.top_k, params.top_p, params.min_p,
@@ -56,11 +57,12 @@ class Sequence:
         self.parts: list[str] = []
         self.finish_reason: str | None = None
         self.timer = Timer()
+        self.guide = guide  # structured output (runtime/constraints.py): masks the logits, ends at the grammar's end
 
     @property
     def needs_logits(self) -> bool:
         """Whether choosing this row's token needs the logits (not just the graph's argmax)."""
-        return not self.params.greedy or bool(self.processors)
+        return not self.params.greedy or bool(self.processors) or self.guide is not None
 
     @property
     def done(self) -> bool:
@@ -74,8 +76,12 @@ class Sequence:
     def last_token(self) -> int:
         return int(self.history[self.length - 1])
 
-    def choose(self, logits: np.ndarray) -> int:
-        """Sample this row's next token from its logits [V]."""
+    def choose(self, logits: np.ndarray, argmax: int | None = None) -> int:
+        """Sample this row's next token from its logits [V] (``argmax``: the graph's, if known)."""
+        if self.guide is not None:
+            if argmax is not None and self.params.greedy and not self.processors and self.guide.allows(argmax):
+                return argmax  # the unconstrained choice is allowed: no [V] work
+            logits = self.guide.mask_logits(logits)  # before penalties and sampling transforms
         row = apply_processors(self.processors, self.history[: self.length], logits[None, :])  # [1, V]
         return int(self.sampler(row)[0])
 
@@ -84,11 +90,15 @@ class Sequence:
         self.history[self.length] = token
         self.length += 1
         self.timer.token()
+        if self.guide is not None:
+            self.guide.advance(token)
         if token in self.stop_ids:
             return self._finish("stop", self._safe(self.detok.flush()))
         text = self._safe(self.detok.push(token))
         if self.stopper.stopped:
             return self._finish("stop", text)
+        if self.guide is not None and self.guide.finished:  # complete: only eos could follow
+            return self._finish("stop", text + self._safe(self.detok.flush()))
         if len(self.generated) >= self.params.max_new_tokens or self.length >= self.max_seq:
             return self._finish("length", text + self._safe(self.detok.flush()))
         self.parts.append(text)
@@ -116,7 +126,7 @@ def choose_tokens(seqs: Seq[Sequence], step: StepOutput) -> np.ndarray:
     tokens = np.asarray(step.next_token, dtype=np.int64).reshape(-1).copy()  # [n]
     for j, seq in enumerate(seqs):
         if seq.needs_logits:
-            tokens[j] = seq.choose(step.logits[j])
+            tokens[j] = seq.choose(step.logits[j], int(tokens[j]))
     return tokens
 
 
@@ -126,7 +136,8 @@ def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequenc
         cache.reset(slot)
         seq.timer.start()
     want = any(s.needs_logits for s in seqs)
-    step = backend.prefill(cache, list(slots), [s.prompt for s in seqs], want_logits=want)
+    with masks_ahead(seqs):
+        step = backend.prefill(cache, list(slots), [s.prompt for s in seqs], want_logits=want)
     return [s.accept(int(t)) for s, t in zip(seqs, choose_tokens(seqs, step))]
 
 
@@ -134,5 +145,6 @@ def decode_step(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Seq
     """Feed each row's last token, accept the next one -> text deltas."""
     ids = np.array([s.last_token for s in seqs], dtype=np.int64)  # [n]
     want = any(s.needs_logits for s in seqs)
-    step = backend.decode(cache, list(slots), ids, want_logits=want)
+    with masks_ahead(seqs):
+        step = backend.decode(cache, list(slots), ids, want_logits=want)
     return [s.accept(int(t)) for s, t in zip(seqs, choose_tokens(seqs, step))]

@@ -5,6 +5,7 @@
     for delta in llm.stream("Hello", temperature=0.7, seed=1): print(delta, end="")
     llm.chat([{"role": "user", "content": "Hi"}])
     llm.generate_many([Request("a"), Request("b", SamplingParams(max_new_tokens=8))])
+    llm.generate("A person as JSON:", json_schema={...})  # or regex=..., grammar=... (Lark): docs/STRUCTURED.md
 
 One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
 runs one generation at a time. Starting one ends an unfinished stream of the same thread. From
@@ -27,11 +28,13 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.runtime import scheduler
 from decodert.runtime.chat import Message, render_chat
+from decodert.runtime.constraints import Constraint, Guidance
 from decodert.runtime.generate import GenerationResult, Sequence
 from decodert.runtime.sampling import SamplingParams
 
 Prompt = Union[str, Seq[int], np.ndarray]  # text, or token ids used as they are
 _PARAM_NAMES = tuple(f.name for f in fields(SamplingParams))
+CONSTRAINT_ARGS = ("json_schema", "regex", "grammar")  # structured-output keyword arguments (runtime/constraints.py)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Request:
     prompt: Prompt | None = None
     params: SamplingParams | None = None  # None: the model's sampling defaults; an object is used as it is
     messages: Seq[Message] | None = None  # chat messages instead of a prompt
+    constraint: Constraint | None = None  # structured output: Constraint.of(json_schema=... | regex=... | grammar=...)
 
 
 class TextStream:
@@ -89,6 +93,8 @@ class LLM:
     default (``sampling_defaults``: manifest["sampling"], export/sampling_defaults.py; e.g.
     SmolLM2-Instruct: temperature 0.2, top_p 0.9), else SamplingParams' (greedy). Explicit
     arguments always override, one parameter at a time: ``temperature=0`` is greedy.
+    Structured output: at most one of json_schema= (dict or JSON text), regex=, grammar= (Lark);
+    the output then matches it, unless cut short by max_new_tokens (finish_reason "length").
     """
 
     def __init__(self, backend: Any, tokenizer: Any, manifest: Mapping[str, Any] | None = None) -> None:
@@ -109,6 +115,7 @@ class LLM:
         self._lock = threading.RLock()  # one run touches the cache at a time
         self._free = threading.Condition(self._lock)  # notified when the live run ends
         self.busy_timeout: float | None = None  # seconds to wait for another thread's stream (None: as long as it takes)
+        self._guidance: Guidance | None = None  # llguidance tokenizer, made on the first constrained request
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast") -> "LLM":
@@ -128,6 +135,12 @@ class LLM:
     def params(self, **params: Any) -> SamplingParams:
         """Validated SamplingParams: ``params`` over the model's ``sampling_defaults``."""
         return sampling_params(**{**self.sampling_defaults, **params})
+
+    def split_params(self, params: Mapping[str, Any]) -> tuple[SamplingParams, Constraint | None]:
+        """Generation keyword arguments -> (``self.params(...)``, the json_schema / regex / grammar constraint or None)."""
+        rest = dict(params)
+        constraint = Constraint.of(**{k: rest.pop(k) for k in CONSTRAINT_ARGS if k in rest})
+        return self.params(**rest), constraint
 
     @property
     def slots_in_use(self) -> int:
@@ -177,7 +190,16 @@ class LLM:
         # The template writes any BOS itself (as transformers' apply_chat_template).
         return self.encode(self.apply_chat_template(messages), add_bos=False)
 
-    def _sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt") -> Sequence:
+    @property
+    def guidance(self) -> Guidance:
+        """Structured-output compiler for this model's tokenizer (built once, ~0.2 s)."""
+        with self._lock:
+            if self._guidance is None:
+                self._guidance = Guidance.for_tokenizer(self.tokenizer, self.backend.vocab_size, self.eos_token_ids)
+            return self._guidance
+
+    def _sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt",
+                  constraint: Constraint | None = None) -> Sequence:
         if ids.size == 0:
             raise DecodertError(f"{what} is empty")
         if ids.size > self.max_seq - 1:
@@ -185,7 +207,13 @@ class LLM:
                                 f"{self.max_seq}, which leaves no room to generate; re-export with a larger --max-seq")
         if ids.min() < 0 or ids.max() >= self.backend.vocab_size:
             raise DecodertError(f"{what} has token ids outside the vocabulary [0, {self.backend.vocab_size})")
-        return Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq)
+        guide = None
+        if constraint is not None:
+            try:
+                guide = self.guidance.guide(constraint)
+            except DecodertError as e:
+                raise (DecodertError(f"{what}: {e}") if what != "prompt" else e) from None
+        return Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq, guide)
 
     # -- running -------------------------------------------------------------------------
     def _end_live(self) -> None:
@@ -240,25 +268,28 @@ class LLM:
 
     def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""
-        sp = self.params(**params)
+        sp, c = self.split_params(params)
         if _is_single(prompt):
-            return self._finish([self._sequence(self.encode(prompt), sp)])[0]
+            return self._finish([self._sequence(self.encode(prompt), sp, constraint=c)])[0]
         if not prompt:
             raise DecodertError("the list of prompts is empty")
-        return self._finish([self._sequence(self.encode(p), sp, f"prompt {i}") for i, p in enumerate(prompt)])
+        return self._finish([self._sequence(self.encode(p), sp, f"prompt {i}", c) for i, p in enumerate(prompt)])
 
     def stream(self, prompt: Prompt, **params: Any) -> TextStream:
         """Iterate the generated text as deltas (str); see TextStream for the final result."""
-        seq = self._sequence(self.encode(prompt), self.params(**params))
+        sp, c = self.split_params(params)
+        seq = self._sequence(self.encode(prompt), sp, constraint=c)
         return TextStream(self._stream([seq]), seq)
 
     def chat(self, messages: Seq[Message], **params: Any) -> GenerationResult:
         """Apply the chat template (with the generation prompt) and generate the reply."""
-        return self._finish([self._sequence(self._chat_ids(messages), self.params(**params))])[0]
+        sp, c = self.split_params(params)
+        return self._finish([self._sequence(self._chat_ids(messages), sp, constraint=c)])[0]
 
     def stream_chat(self, messages: Seq[Message], **params: Any) -> TextStream:
         """``chat`` as a stream of text deltas."""
-        seq = self._sequence(self._chat_ids(messages), self.params(**params))
+        sp, c = self.split_params(params)
+        seq = self._sequence(self._chat_ids(messages), sp, constraint=c)
         return TextStream(self._stream([seq]), seq)
 
     def generate_many(self, requests: Seq[Request | Mapping[str, Any]]) -> list[GenerationResult]:
@@ -269,16 +300,19 @@ class LLM:
 
     def _request_sequence(self, req: Request | Mapping[str, Any], i: int) -> Sequence:
         if isinstance(req, Mapping):
-            rest = {k: v for k, v in req.items() if k not in ("prompt", "messages")}
-            req = Request(req.get("prompt"), self.params(**rest), req.get("messages"))
+            sp, c = self.split_params({k: v for k, v in req.items() if k not in ("prompt", "messages")})
+            req = Request(req.get("prompt"), sp, req.get("messages"), c)
         elif req.params is None:
-            req = Request(req.prompt, self.params(), req.messages)
+            req = Request(req.prompt, self.params(), req.messages, req.constraint)
         else:
             sampling_params(req.params)  # validate
+        if req.constraint is not None and not isinstance(req.constraint, Constraint):
+            raise DecodertError(f"request {i}: constraint must be a Constraint (Constraint.of(json_schema=...)), "
+                                f"got {type(req.constraint).__name__}")
         if (req.prompt is None) == (req.messages is None):
             raise DecodertError(f"request {i} needs exactly one of 'prompt' or 'messages'")
         ids = self.encode(req.prompt) if req.messages is None else self._chat_ids(req.messages)
-        return self._sequence(ids, req.params, f"request {i}")
+        return self._sequence(ids, req.params, f"request {i}", req.constraint)
 
 
 def _is_single(prompt: Any) -> bool:

@@ -1,0 +1,312 @@
+"""Structured output: JSON-schema, regex and Lark-grammar constraints, through llguidance.
+
+    c = Constraint.of(json_schema={"type": "object", ...})   # or regex=..., grammar=... (Lark)
+    guide = Guidance.for_tokenizer(tokenizer, vocab, eos).guide(c)   # one per sequence
+    logits = guide.mask_logits(logits)      # [V]: tokens the grammar forbids -> -inf
+    guide.advance(token)                    # after the token is chosen; guide.finished at the end
+
+- ``Constraint`` is the request-level spec (frozen, hashable, no tokenizer): the API, the CLI and
+  the server build one from json_schema / regex / grammar / an OpenAI ``response_format``.
+- ``Guidance`` holds the ``llguidance.LLTokenizer`` built once from the artifact's tokenizer.json
+  (with the logits' width as its vocabulary and the artifact's eos ids) and compiles
+  constraints into matchers; a compiled matcher is kept per constraint and copied per row.
+- ``Guide`` is one row's state: its ``LLMatcher`` and its allowed-token bitmask for the next
+  step, ``mask`` [ceil(V/32)] int32, bit t = token t allowed. ``masks_ahead(seqs)`` fills the
+  bitmasks of a batch on a worker thread while the backend's step runs (ONNX Runtime and the
+  llguidance mask computation both release the GIL); a guide whose mask is stale computes it
+  when it is needed, so the overlap is a speed-up only, never a condition for correctness.
+- Speculative decoding: ``guide.check(tokens)`` says how many tokens of a draft run the grammar
+  accepts (the rest is cut before verification); ``advance_many`` / ``rollback`` move the state.
+
+JSON whitespace: by default each place where JSON allows whitespace takes ``JSON_WHITESPACE``:
+one line break and an indentation of up to 24 spaces or 6 tabs, or 1-2 spaces, so a small model
+cannot loop on blank lines or tabs (seen with SmolLM2 under llguidance's default, any whitespace). A
+schema's top-level ``"x-guidance"`` key overrides it (llguidance's options, docs/STRUCTURED.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from decodert.errors import DecodertError, first_line
+
+KINDS = ("json_schema", "regex", "grammar")
+JSON_WHITESPACE = r"(?:\r?\n(?: {1,24}|\t{1,6})?| {1,2})"  # one line break (+ indentation), or 1-2 spaces
+_COMPILED_KEEP = 32  # compiled matchers kept per Guidance (one per distinct constraint)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match: ``kind`` is "json_schema" | "regex" | "grammar"."""
+
+    kind: str
+    text: str  # the schema as JSON text, the regex, or the Lark grammar
+
+    @classmethod
+    def of(cls, json_schema: Mapping[str, Any] | str | bool | None = None, regex: str | None = None,
+           grammar: str | None = None) -> "Constraint | None":
+        """The constraint the keyword arguments ask for (None when none is given; one at most)."""
+        given = [(k, v) for k, v in zip(KINDS, (json_schema, regex, grammar)) if v is not None]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise DecodertError(f"give at most one of json_schema, regex or grammar (got {', '.join(k for k, _ in given)})")
+        kind, value = given[0]
+        if kind == "json_schema":
+            return cls("json_schema", _schema_text(value))
+        if not isinstance(value, str) or not value:
+            raise DecodertError(f"{kind} must be a non-empty string, got {type(value).__name__} {value!r:.40}")
+        return cls(kind, value)
+
+    @classmethod
+    def json_object(cls) -> "Constraint":
+        """Any JSON object (OpenAI ``response_format={"type": "json_object"}``)."""
+        return cls("json_schema", '{"type": "object"}')
+
+    @classmethod
+    def from_response_format(cls, fmt: Mapping[str, Any] | None) -> "Constraint | None":
+        """An OpenAI ``response_format``: {"type": "text"} | {"type": "json_object"} |
+        {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object()
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, Mapping) or "schema" not in spec:
+                raise DecodertError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+            return cls.of(json_schema=spec["schema"])
+        raise DecodertError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar (JSON text) for this constraint; not yet checked."""
+        import llguidance
+
+        if self.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(self.text, defaults={"whitespace_pattern": JSON_WHITESPACE})
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.text)
+        return llguidance.LLMatcher.grammar_from_lark(self.text)
+
+
+def _schema_text(value: Any) -> str:
+    """A JSON schema (dict, bool, or JSON text of one) -> canonical JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DecodertError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(value, (Mapping, bool)):
+        raise DecodertError(f"json_schema must be a JSON object (a schema), got {type(value).__name__}")
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise DecodertError(f"json_schema cannot be written as JSON: {e}") from None
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise DecodertError("structured output (json_schema / regex / grammar) needs llguidance: "
+                            "pip install 'decodert[structured]'") from None
+    return llguidance
+
+
+def _describe_error(c: Constraint, message: str) -> str:
+    """llguidance's (multi-line) compile error -> one line naming what was wrong."""
+    lines = [" ".join(x.split()) for x in message.splitlines() if x.strip()] or ["unknown error"]
+    line = lines[0]
+    detail = next((x[len("error:"):].strip() for x in lines if x.startswith("error:")), None)  # regex crate's reason
+    if detail:
+        line = re.sub(r":? ?regex parse error:?$", "", line)
+        line = f"{line}: {detail}" if line else f"regex parse error: {detail}"
+    if c.kind == "regex":  # drop the position in llguidance's wrapper grammar and the repeated 'invalid regex'
+        line = re.sub(r'^(at \d+\(\d+\): )?invalid regex (".*") \(in regex\)', r"\2", line)
+    remote = re.search(r"Resource '(.*?)' is not present in a registry", line)
+    if remote:
+        return f"unsupported JSON schema: $ref to {remote.group(1)} (only references inside the schema, like #/$defs/x, are resolved)"
+    unimplemented = re.search(r"Unimplemented keys: \[(.*?)\]", message)
+    if unimplemented:
+        return f"unsupported JSON schema: llguidance does not implement the keyword(s) {unimplemented.group(1)}"
+    if c.kind == "json_schema" and "Unknown format" in line:
+        return f"unsupported JSON schema: {line}"
+    what = {"json_schema": "JSON schema", "regex": "regex", "grammar": "Lark grammar"}[c.kind]
+    return f"invalid {what}: {line}"
+
+
+class Guidance:
+    """The llguidance tokenizer of one model, and the constraints compiled for it."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        llg = _llguidance()
+        if not eos_token_ids:
+            raise DecodertError("structured output needs the model's eos token, and the artifact's manifest lists none")
+        try:
+            self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=int(vocab_size), eos_token=[int(t) for t in eos_token_ids])
+        except Exception as e:  # llguidance raises ValueError/RuntimeError on tokenizers it cannot read
+            raise DecodertError(f"llguidance cannot use this model's tokenizer: {first_line(e)}") from None
+        self.vocab_size = int(vocab_size)
+        self.words = (self.vocab_size + 31) // 32  # int32 words per bitmask
+        self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> "Guidance":
+        """From a ``tokenizers.Tokenizer`` (its JSON without padding or truncation)."""
+        from tokenizers import Tokenizer
+
+        copy = Tokenizer.from_str(tokenizer.to_str())
+        copy.no_padding()
+        copy.no_truncation()
+        return cls(copy.to_str(), vocab_size, eos_token_ids)
+
+    def compile(self, c: Constraint) -> Any:
+        """A fresh ``LLMatcher`` at the start of ``c``; DecodertError (one line) if ``c`` is invalid."""
+        with self._lock:
+            base = self._compiled.get(c)
+            if base is not None:
+                self._compiled.move_to_end(c)
+                return base.deep_copy()
+        llg = _llguidance()
+        try:
+            grammar = c.grammar_text()
+        except ValueError as e:
+            raise DecodertError(_describe_error(c, str(e))) from None
+        base = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if base.is_error():
+            raise DecodertError(_describe_error(c, base.get_error()))
+        with self._lock:
+            self._compiled[c] = base
+            while len(self._compiled) > _COMPILED_KEEP:
+                self._compiled.popitem(last=False)
+        return base.deep_copy()
+
+    def guide(self, c: Constraint) -> "Guide":
+        return Guide(self.compile(c), self.vocab_size)
+
+
+class Guide:
+    """One row's constraint state: the matcher, and the allowed-token bitmask for its next token."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.mask = np.zeros((vocab_size + 31) // 32, np.int32)  # [words] bit t of word t//32 = token t allowed
+        self.stale = True  # the mask is not yet computed for the current state
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: nothing but eos may follow (the row can end here)."""
+        return bool(self.matcher.is_stopped())
+
+    def compute_mask(self) -> None:
+        """Fill ``mask`` for the current state (releases the GIL while it runs)."""
+        self.matcher.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
+        self.stale = False
+        self._raise_if_error()
+
+    def allowed(self) -> np.ndarray:
+        """[V] bool: tokens the grammar allows next."""
+        if self.stale:
+            self.compute_mask()
+        bits = np.unpackbits(self.mask.view(np.uint8), bitorder="little")  # [32 * words] 0/1
+        return bits[: self.vocab_size].astype(bool)
+
+    def allows(self, token: int) -> bool:
+        """Whether one token is allowed next (a bit test, no [V] work)."""
+        if self.stale:
+            self.compute_mask()
+        return 0 <= token < self.vocab_size and bool((int(self.mask[token >> 5]) >> (token & 31)) & 1)
+
+    def mask_logits(self, logits: np.ndarray) -> np.ndarray:
+        """logits [V] (or [n, V]) with the forbidden tokens set to -inf (a new array)."""
+        return np.where(self.allowed(), logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def advance(self, token: int) -> None:
+        """Consume the chosen token (it must be allowed: the mask was applied)."""
+        if not self.matcher.consume_token(int(token)):
+            self._raise_if_error()
+            raise DecodertError(f"the constraint rejected token {token}")
+        self.stale = True
+
+    # -- speculative decoding: check a draft run, commit or take back tokens --------------------
+    def check(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of a candidate run the grammar accepts (state unchanged)."""
+        return int(self.matcher.validate_tokens([int(t) for t in tokens]))
+
+    def advance_many(self, tokens: Sequence[int]) -> None:
+        """Consume a run of tokens ``check`` accepted."""
+        for t in tokens:
+            self.advance(t)
+
+    def rollback(self, n: int) -> None:
+        """Take back the last ``n`` consumed tokens (rejected draft tokens)."""
+        if n and not self.matcher.rollback(int(n)):
+            raise DecodertError(f"the constraint cannot take back {n} tokens")
+        self.stale = True
+
+    def _raise_if_error(self) -> None:
+        if self.matcher.is_error():
+            raise DecodertError(f"structured output failed: {first_line(RuntimeError(self.matcher.get_error()))}")
+
+
+# -- computing the masks of a batch, overlapped with the backend's step ------------------------
+_pool: ThreadPoolExecutor | None = None
+_executor: Any = None
+_pool_lock = threading.Lock()
+OVERLAP = True  # compute next-step masks on a worker thread while the backend runs (bench/structured.py)
+
+
+def _workers() -> tuple[ThreadPoolExecutor, Any]:
+    global _pool, _executor
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decodert-masks")
+            _executor = _llguidance().LLExecutor()
+        return _pool, _executor
+
+
+def compute_masks(guides: Sequence[Guide]) -> None:
+    """Fill the stale masks of several rows (in parallel over rows for more than one)."""
+    stale = [g for g in guides if g.stale]
+    if len(stale) == 1:
+        stale[0].compute_mask()
+    elif stale:
+        words = stale[0].mask.size
+        masks = np.zeros((len(stale), words), np.int32)  # [rows, words], one buffer for the executor
+        _workers()[1].unsafe_compute_mask_ptr([(g.matcher, k) for k, g in enumerate(stale)],
+                                              masks.ctypes.data, words * 4, len(stale))
+        for k, g in enumerate(stale):
+            g.mask, g.stale = masks[k], False
+            g._raise_if_error()
+
+
+@contextmanager
+def masks_ahead(seqs: Iterable[Any]) -> Iterator[None]:
+    """Around a backend step: the guided rows' next masks are computed on a worker thread meanwhile.
+
+    ``seqs`` are objects with a ``guide`` attribute (Guide or None). On exit the worker is
+    joined (also when the step raised), so the masks are ready and no thread touches a matcher.
+    """
+    guides = [s.guide for s in seqs if getattr(s, "guide", None) is not None and s.guide.stale]
+    if not guides or not OVERLAP:
+        yield
+        return
+    job = _workers()[0].submit(compute_masks, guides)
+    try:
+        yield
+    finally:
+        job.result()

@@ -1,0 +1,187 @@
+"""Structured output (runtime/constraints.py) in the loop, over the fake backend's random model.
+
+A random model writes anything the mask lets through, so these tests exercise the constraint
+machinery hard and fast: every output must still match its schema / regex / grammar. The real
+model (SmolLM2) is in tests/test_constraints_smollm2.py.
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
+from fake_backend import make_llm  # noqa: E402
+from structured_schemas import SCHEMAS  # noqa: E402
+
+from decodert.errors import DecodertError  # noqa: E402
+from decodert.runtime import constraints  # noqa: E402
+from decodert.runtime.constraints import Constraint  # noqa: E402
+from decodert.runtime.llm import Request  # noqa: E402
+from decodert.runtime.sampling import SamplingParams  # noqa: E402
+
+EOS = 0
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm(eos=[EOS], max_seq=256, max_batch=4)
+
+
+def _valid(schema, text):
+    jsonschema.validate(json.loads(text), schema)  # raises on a parse or validation failure
+    return True
+
+
+def test_every_schema_holds_for_a_random_model_greedy_and_sampled(llm):
+    reqs = [{"prompt": f"hello {i}", "json_schema": s, "max_new_tokens": 200, "temperature": t, "seed": i}
+            for t in (0.0, 1.0) for i, (_, s) in enumerate(SCHEMAS)]
+    results = llm.generate_many(reqs)
+    for r, req in zip(results, reqs):
+        assert r.finish_reason == "stop", (req, r.text)
+        assert _valid(req["json_schema"], r.text), r.text
+
+
+def test_greedy_constrained_rows_ask_for_logits_and_follow_the_mask(llm):
+    llm.backend.calls.clear()
+    r = llm.generate("hello", regex=r"[0-9]{3}-[0-9]{4}", max_new_tokens=20)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.text) and r.finish_reason == "stop"
+    assert all(want for kind, _, want in llm.backend.calls if kind != "move"), "a constrained row needs logits"
+    plain = llm.generate("hello", max_new_tokens=8)
+    assert not re.fullmatch(r"[0-9-]*", plain.text), "the unconstrained model writes something else"
+
+
+def test_lark_grammar(llm):
+    grammar = 'start: pair ("," pair)*\npair: KEY "=" VALUE\nKEY: /[a-z]{1,6}/\nVALUE: /[0-9]{1,3}/'
+    for seed in range(3):
+        r = llm.generate("the quick", grammar=grammar, max_new_tokens=60, temperature=1.0, seed=seed)
+        assert r.finish_reason in ("stop", "length")
+        if r.finish_reason == "stop":
+            assert re.fullmatch(r"[a-z]{1,6}=[0-9]{1,3}(,[a-z]{1,6}=[0-9]{1,3})*", r.text), r.text
+        else:  # the grammar never ends by itself: a cut output is a prefix of a valid one
+            assert re.fullmatch(r"([a-z]{1,6}=[0-9]{1,3},)*[a-z]{0,6}(=[0-9]{0,3})?", r.text), r.text
+
+
+def test_batch_rows_with_different_constraints_equal_their_solo_runs(llm):
+    schema_a, schema_b = dict(SCHEMAS)["nested_objects"], dict(SCHEMAS)["int_array_bounds"]
+    reqs = [Request("hello", SamplingParams(max_new_tokens=200), constraint=Constraint.of(json_schema=schema_a)),
+            Request("the quick", SamplingParams(max_new_tokens=30)),
+            Request("a", SamplingParams(max_new_tokens=30, temperature=0.8, seed=3), constraint=Constraint.of(regex=r"[a-z]{2,5}!")),
+            {"prompt": "lazy dog", "json_schema": schema_b, "max_new_tokens": 80}]
+    batched = llm.generate_many(reqs)
+    solo = [llm.generate("hello", json_schema=schema_a, max_new_tokens=200), llm.generate("the quick", max_new_tokens=30),
+            llm.generate("a", regex=r"[a-z]{2,5}!", max_new_tokens=30, temperature=0.8, seed=3),
+            llm.generate("lazy dog", json_schema=schema_b, max_new_tokens=80)]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in solo]
+    assert _valid(schema_a, batched[0].text) and _valid(schema_b, batched[3].text)
+    assert re.fullmatch(r"[a-z]{2,5}!", batched[2].text)
+
+
+def test_max_new_tokens_cut_gives_length_and_a_valid_prefix(llm):
+    schema = dict(SCHEMAS)["nested_objects"]
+    r = llm.generate("hello", json_schema=schema, max_new_tokens=4)
+    assert r.finish_reason == "length" and len(r.token_ids) == 4
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(r.text)
+    guide = llm.guidance.guide(Constraint.of(json_schema=schema))
+    assert guide.check(r.token_ids) == 4 and not guide.finished
+
+
+def test_eos_only_when_the_grammar_allows_it(llm):
+    # "yes" or "yes please": after "yes" the grammar may end, so eos is allowed there and only there
+    seen_eos = False
+    for seed in range(8):
+        r = llm.generate("hello", regex=r"(yes|no)( please)?", max_new_tokens=10, temperature=1.5, seed=seed)
+        assert r.finish_reason == "stop" and re.fullmatch(r"(yes|no)( please)?", r.text), r.text
+        seen_eos |= r.token_ids[-1] == EOS
+    assert seen_eos, "a random model should pick eos at least once when it is allowed"
+
+
+def test_stop_string_still_ends_the_output(llm):
+    r = llm.generate("hello", json_schema={"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+                     stop=['"'], max_new_tokens=30)
+    assert r.finish_reason == "stop" and r.text.startswith("{") and '"' not in r.text
+
+
+def test_stream_and_chat_apis(llm):
+    schema = dict(SCHEMAS)["flat_required"]
+    stream = llm.stream("hello", json_schema=schema, max_new_tokens=60)
+    text = "".join(stream)
+    assert text == stream.result.text and _valid(schema, text)
+    llm_chat = make_llm(eos=[EOS], max_seq=256, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    msgs = [{"role": "user", "content": "hello"}]
+    assert _valid(schema, llm_chat.chat(msgs, json_schema=json.dumps(schema), max_new_tokens=60).text)
+    stream = llm_chat.stream_chat(msgs, regex=r"[0-9]{4}", max_new_tokens=10)
+    assert re.fullmatch(r"[0-9]{4}", "".join(stream))
+
+
+def test_overlapped_masks_give_the_same_tokens(llm, monkeypatch):
+    reqs = [{"prompt": f"hello {i}", "json_schema": s, "max_new_tokens": 120, "temperature": 0.7, "seed": i}
+            for i, (_, s) in enumerate(SCHEMAS[:6])]
+    overlapped = llm.generate_many(reqs)
+    monkeypatch.setattr(constraints, "OVERLAP", False)
+    inline = llm.generate_many(reqs)
+    assert [r.token_ids for r in overlapped] == [r.token_ids for r in inline]
+
+
+def test_draft_checks_for_speculative_decoding(llm):
+    guide = llm.guidance.guide(Constraint.of(regex=r"[0-9]{3}-[0-9]{4}"))
+    good = llm.tokenizer.encode("123-4567", add_special_tokens=False).ids
+    bad = llm.tokenizer.encode("12a", add_special_tokens=False).ids
+    assert guide.check(good) == len(good)
+    assert guide.check(good[:1] + bad) < 1 + len(bad)  # the run is cut at the first rejected token
+    guide.advance_many(good[:2])
+    before = guide.allowed().copy()
+    guide.advance_many(good[2:])
+    assert guide.finished
+    guide.rollback(len(good) - 2)
+    assert not guide.finished and np.array_equal(guide.allowed(), before)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"regex": "a(b"}, r"^invalid regex: \"a\(b\": unclosed group$"),
+    ({"grammar": "start: foo"}, r"^invalid Lark grammar: .*unknown name"),
+    ({"grammar": "start: ("}, r"^invalid Lark grammar"),
+    ({"json_schema": {"type": "foo"}}, r"^invalid JSON schema: Invalid type"),
+    ({"json_schema": {"type": "object", "not": {"type": "string"}}}, r"^unsupported JSON schema: .*\"not\""),
+    ({"json_schema": {"type": "array", "uniqueItems": True}}, r"^unsupported JSON schema: .*uniqueItems"),
+    ({"json_schema": {"$ref": "https://example.com/s.json"}}, r"^unsupported JSON schema: \$ref to https://example.com/s.json"),
+    ({"json_schema": {"type": "string", "format": "weird"}}, r"^unsupported JSON schema: Unknown format"),
+    ({"json_schema": "{bad"}, r"^json_schema is not valid JSON"),
+    ({"json_schema": [1, 2]}, r"^json_schema must be a JSON object"),
+    ({"regex": ""}, r"^regex must be a non-empty string"),
+    ({"grammar": 3}, r"^grammar must be a non-empty string"),
+    ({"regex": "a", "grammar": "start: \"a\""}, r"^give at most one of json_schema, regex or grammar"),
+])
+def test_bad_constraints_are_one_line_errors(llm, kwargs, message):
+    with pytest.raises(DecodertError, match=message) as e:
+        llm.generate("hello", max_new_tokens=4, **kwargs)
+    assert "\n" not in str(e.value)
+    assert llm.slots_in_use == 0
+
+
+def test_bad_constraint_in_a_batch_names_the_request(llm):
+    with pytest.raises(DecodertError, match=r"^request 1: invalid regex"):
+        llm.generate_many([{"prompt": "a", "regex": "[0-9]"}, {"prompt": "b", "regex": "(("}])
+    with pytest.raises(DecodertError, match=r"^request 0: constraint must be a Constraint"):
+        llm.generate_many([Request("a", constraint={"type": "object"})])
+
+
+def test_response_format():
+    assert Constraint.from_response_format(None) is None
+    assert Constraint.from_response_format({"type": "text"}) is None
+    assert Constraint.from_response_format({"type": "json_object"}) == Constraint("json_schema", '{"type": "object"}')
+    c = Constraint.from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}})
+    assert c == Constraint("json_schema", '{"type": "integer"}')
+    for bad in ({"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "x"}}, "json"):
+        with pytest.raises(DecodertError):
+            Constraint.from_response_format(bad)
+
+
+def test_model_without_eos_is_refused():
+    with pytest.raises(DecodertError, match="eos"):
+        make_llm(eos=[]).generate("hello", regex="[a-z]", max_new_tokens=2)

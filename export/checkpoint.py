@@ -173,28 +173,3 @@ class Checkpoint:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec.family} {self.source}>"
 
-
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """An HF folder (config.json + safetensors) or a .gguf file -> Checkpoint."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise DecodertError(f"{p}: no such file or directory")
-    if p.is_file() and p.name == "config.json":
-        p = p.parent
-    if p.is_dir():
-        from decodert.export.checkpoint_hf import open_hf
-
-        return open_hf(p)
-    if p.suffix.lower() == ".gguf" or _is_gguf(p):
-        from decodert.export.checkpoint_gguf import open_gguf
-
-        return open_gguf(p)
-    raise DecodertError(f"{p}: not a Hugging Face checkpoint folder or a GGUF file")
-
-
-def _is_gguf(p: Path) -> bool:
-    try:
-        with open(p, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError as e:
-        raise DecodertError(f"{p}: cannot read ({e.strerror})") from None

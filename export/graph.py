@@ -27,7 +27,7 @@ import onnx
 from decodert.export.lower_ort import OrtLowering
 from decodert.export.lower_trt import TrtLowering
 from decodert.export.lowering import GraphInputs, Lowering
-from decodert.export.onnx_builder import DTYPES, GraphBuilder
+from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quant import QuantConfig, WeightQuant
 from decodert.export.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, rope_table_of

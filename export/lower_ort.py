@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from decodert.export.lowering import GraphInputs, Lowering
-from decodert.export.onnx_builder import GraphBuilder
+from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quant import quantized_embedding
 from decodert.export.weights import NUMPY_DTYPES
 from decodert.models.spec import canonical_shape

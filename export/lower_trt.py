@@ -25,7 +25,7 @@ from typing import Any
 
 from decodert.errors import DecodertError
 from decodert.export.lowering import GraphInputs, Lowering
-from decodert.export.onnx_builder import GraphBuilder
+from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quant import QuantConfig, WeightQuant
 from decodert.models.spec import ModelSpec
 from decodert.plugins.cached_attention import attend_body, positions_and_visibility

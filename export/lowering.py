@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from decodert.export.onnx_builder import GraphBuilder
+from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quant import QuantConfig, WeightQuant
 from decodert.export.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, canonical_shape

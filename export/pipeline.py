@@ -20,7 +20,7 @@ from tqdm import tqdm
 import decodert
 from decodert.errors import DecodertError
 from decodert.export import destination
-from decodert.export.checkpoint import open_checkpoint
+from decodert.export.checkpoint_open import open_checkpoint
 from decodert.export.graph import LOWERINGS, build_graph, io_contract, make_lowering
 from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables, write_quantized
 from decodert.export.quant_gguf import transcoded_as

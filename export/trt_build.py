@@ -12,7 +12,6 @@ Profiles (B = max batch, S = max seq; KV inputs are [batch, H_kv, S_max, D], S_m
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import hashlib
 import json
@@ -28,7 +27,7 @@ from typing import Any
 from decodert.errors import DecodertError
 from decodert.export.destination import file_mode
 from decodert.export.manifest import MANIFEST, load_manifest
-from decodert.export.trt_compat import TrtInfo, load_trt
+from decodert.plugins.trt_compat import TrtInfo, load_trt
 
 GRAPHS = ("prefill", "decode")
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -208,7 +207,7 @@ def target_record(trt: ModuleType, info: TrtInfo, config: Any) -> dict[str, Any]
         # RTX with no explicit target: portable across the supported GPUs, kernels JIT-compiled at load
         rec["compute_capability"] = ccs or "any"
     else:
-        from decodert.runtime.cuda_mem import device_info, gpu_count
+        from decodert.plugins.cuda_mem import device_info, gpu_count
 
         rec["compute_capability"] = device_info()["compute_capability"] if gpu_count() else "unknown"
         rec["hardware_compatibility_level"] = config.hardware_compatibility_level.name
@@ -261,7 +260,7 @@ def make_logger(trt: ModuleType) -> Any:
 
 def _deserialized_io(trt: ModuleType, logger: Any, blob: bytes, graph: dict[str, Any]) -> dict[str, Any] | None:
     """Engine I/O read back from the plan when this machine can deserialize it (needs a GPU)."""
-    from decodert.runtime.cuda_mem import gpu_count
+    from decodert.plugins.cuda_mem import gpu_count
 
     if gpu_count() == 0:
         return None
@@ -352,45 +351,3 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     manifest["engines"] = engines
     write_atomic(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
     return engines
-
-
-# ---------------------------------------------------------------- CLI
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``decodert build OUT [--fp16|--bf16] [--max-batch N] [--max-seq N] ...``."""
-    p: argparse.ArgumentParser = subparsers.add_parser("build", help="build TensorRT engines from an exported artifact folder",
-                              description="Build OUT/prefill.engine and OUT/decode.engine (TensorRT or TensorRT-RTX).")
-    p.add_argument("out", type=Path, help="artifact folder (exported with --target trt)")
-    prec = p.add_mutually_exclusive_group()
-    prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="expect fp16 graphs")
-    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="expect bf16 graphs")
-    p.add_argument("--max-batch", type=int, default=None, help="largest batch (default: manifest max_batch)")
-    p.add_argument("--max-seq", type=int, default=None, help="longest prefill (default: manifest max_seq)")
-    p.add_argument("--version-compatible", action="store_true", help="engines a newer TensorRT of the same major can run")
-    p.add_argument("--timing-cache", type=Path, default=None, help="load/save the builder timing cache here")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
-                   help="check the whole sha256 of every artifact file first (default: size + first/last MiB)")
-    p.set_defaults(func=run_build)
-    return p
-
-
-def run_build(args: argparse.Namespace) -> int:
-    engines = build_engines(args.out, precision=args.precision, max_batch=args.max_batch, max_seq=args.max_seq,
-                            version_compatible=args.version_compatible, timing_cache=args.timing_cache,
-                            progress=args.progress, verify=args.verify)
-    for name, rec in engines.items():
-        print(f"{rec['file']}: {rec['size'] / 2**20:.1f} MiB in {rec['build_seconds']:.1f} s "
-              f"({rec['tensorrt']['flavour']} {rec['tensorrt']['version']}, {rec['precision']}, "
-              f"target {rec['target']['compute_capability']})")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m decodert.export.trt_build OUT ...`` (the same as ``decodert build``)."""
-    from decodert.cli import main as cli_main
-
-    return cli_main(["build", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from decodert.export.onnx_builder import DTYPES
+from decodert.plugins.onnx_builder import DTYPES
 
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 ALIGN = 64

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from decodert.export.onnx_builder import DTYPES, GraphBuilder
+from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.plugins.registry import OpDef, register
 
 

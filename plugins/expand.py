@@ -13,14 +13,13 @@ opset import is dropped. Unknown ops or attributes raise DecodertError naming th
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import onnx
 from onnx import helper
 
 from decodert.errors import DecodertError
-from decodert.export.onnx_builder import DTYPE_NAMES, GraphBuilder
+from decodert.plugins.onnx_builder import DTYPE_NAMES, GraphBuilder
 from decodert.plugins.registry import DOMAIN, get_op
 
 BODY_OPSET = 18  # ReduceMean/Split with axes/split inputs, Shape start/end
@@ -166,16 +165,3 @@ def expand_file(src: str, dst: str) -> None:
     model = onnx.load(src, load_external_data=False)
     onnx.save(expand_plugin_nodes(model), dst)
 
-
-def expand_artifact(folder: str | Path) -> None:
-    """Rewrite an artifact's graphs without plugin nodes (weights.bin untouched), e.g. so ONNX
-    Runtime can run a ``--plugins`` export as the reference for its TensorRT engines."""
-    from decodert.export.manifest import file_record, load_manifest, write_manifest
-
-    folder = Path(folder)
-    m = load_manifest(folder)
-    for kind in ("prefill", "decode"):
-        path = folder / m["graphs"][kind]["file"]
-        expand_file(str(path), str(path))
-        m["files"][path.name] = file_record(path)
-    write_manifest(folder, m)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from decodert.export.onnx_builder import DTYPES, GraphBuilder
+from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.plugins.registry import OpDef, register
 
 

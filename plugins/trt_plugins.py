@@ -132,7 +132,7 @@ def enable_plugin_features(trt: ModuleType, config: Any) -> None:
 def register_plugins(trt: ModuleType | None = None, info: Any = None) -> list[str]:
     """Register every TRT_OPS creator once per process; returns "namespace::name" of each registered."""
     if trt is None or info is None:
-        from decodert.export.trt_compat import load_trt
+        from decodert.plugins.trt_compat import load_trt
 
         trt, info = load_trt()
     check_plugin_loader(info)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from decodert.export.onnx_builder import GraphBuilder
+from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.plugins.registry import OpDef, register
 
 BITS = (4, 8)

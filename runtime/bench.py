@@ -21,8 +21,6 @@ step would reach if it only streamed its weights at that bandwidth.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
@@ -331,53 +329,3 @@ def plot(r: BenchResult, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def parse_batches(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4 (got {text!r})") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one batch size")
-    return values
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``decodert bench OUT [--prompt-len N] [--gen N] [--batch 1,4] ...``."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "bench", help="time prefill and greedy decode of an artifact (tok/s, TPOT, GB/s, bandwidth floor)")
-    p.add_argument("out", type=Path, help="artifact folder")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row (default 128)")
-    p.add_argument("--gen", type=int, default=128, help="tokens generated per row, the first included (default 128)")
-    p.add_argument("--batch", type=parse_batches, default=(1,), help="batch sizes, e.g. 1,4 (default 1)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per batch size (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the runtime's own)")
-    p.add_argument("--backend", choices=["auto", "ort", "trt"], default="auto")
-    p.add_argument("--json", type=Path, help="write the results as JSON here")
-    p.add_argument("--plot", type=Path, help="write a PNG of decode time per token against context position")
-    p.set_defaults(func=run_bench)
-    return p
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    cfg = BenchConfig(prompt_len=args.prompt_len, gen=args.gen, batches=args.batch, repeats=args.repeats,
-                      warmup=args.warmup, threads=args.threads, backend=args.backend)
-    if args.plot is not None:
-        _check_plot_possible()
-    result = bench(args.out, cfg)
-    print(result.table())
-    if args.json is not None:
-        args.json.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
-    if args.plot is not None:
-        plot(result, args.plot)
-    return 0
-
-
-def _check_plot_possible() -> None:
-    """Fail before a long run, not after it, when --plot cannot be drawn."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        raise DecodertError("--plot needs matplotlib (pip install matplotlib)")

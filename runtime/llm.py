@@ -379,6 +379,6 @@ def _trt_usable() -> bool:
         return False  # cheap check first: no driver, no GPU
     try:
         importlib.import_module("decodert.runtime.trt_backend")
-        return importlib.import_module("decodert.runtime.cuda_mem").gpu_count() > 0
+        return importlib.import_module("decodert.plugins.cuda_mem").gpu_count() > 0
     except (ImportError, OSError, DecodertError):
         return False

@@ -36,7 +36,7 @@ class OrtKVCache:
     """Per-layer [slots, H_kv, max_seq, D] buffers; ``buffers[2*i]`` = K, ``buffers[2*i+1]`` = V.
 
     On the CPU the buffers are numpy arrays; with the CUDA execution provider they are zeroed
-    device allocations (runtime/cuda_mem.py) and ``buffers`` holds their DeviceBuffer objects.
+    device allocations (plugins/cuda_mem.py) and ``buffers`` holds their DeviceBuffer objects.
     """
 
     def __init__(self, slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int, dtype: type,
@@ -48,7 +48,7 @@ class OrtKVCache:
         if device == "cpu":
             self.buffers: list[Any] = [np.zeros((slots, *self.slot_shape), dtype) for _ in range(2 * layers)]
         else:
-            from decodert.runtime.cuda_mem import DeviceBuffer
+            from decodert.plugins.cuda_mem import DeviceBuffer
 
             self.buffers = [DeviceBuffer(slots * self.slot_bytes) for _ in range(2 * layers)]
         self.lengths = np.zeros(slots, np.int64)
@@ -167,7 +167,7 @@ class OrtBackend:
             for buf in cache.buffers:
                 buf[dst, :, :n] = buf[src, :, :n]
         else:
-            from decodert.runtime.cuda_mem import Stream, copy_async
+            from decodert.plugins.cuda_mem import Stream, copy_async
 
             self._stream = self._stream or Stream()
             for i in range(len(cache.buffers)):
@@ -266,7 +266,7 @@ def _default_providers() -> list[str]:
     """CUDA EP when onnxruntime-gpu is installed, cuda-python can see a GPU; else the CPU."""
     if "CUDAExecutionProvider" in ort.get_available_providers():
         try:
-            from decodert.runtime.cuda_mem import gpu_count
+            from decodert.plugins.cuda_mem import gpu_count
 
             if gpu_count() > 0:
                 return ["CUDAExecutionProvider", "CPUExecutionProvider"]

@@ -29,8 +29,8 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.export.trt_build import check_io, engine_io, make_logger, write_atomic
-from decodert.export.trt_compat import load_trt, read_engine
-from decodert.runtime import cuda_mem as cm
+from decodert.plugins.trt_compat import load_trt, read_engine
+from decodert.plugins import cuda_mem as cm
 from decodert.runtime.backend import StepOutput
 
 GRAPHS = ("prefill", "decode")

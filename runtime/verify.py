@@ -8,8 +8,6 @@ throughput at the given batch sizes with and without CUDA graphs. Needs a GPU.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -161,36 +159,3 @@ def format_report(result: dict[str, Any] | None, rows: list[dict[str, Any]]) -> 
         lines += [f"{r['batch']:>5} {str(r['cuda_graphs']):>11} {r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10.1f}"
                   for r in rows]
     return "\n".join(lines)
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``decodert verify OUT [--steps N] [--rows N] [--bench] [--batches 1,4]``."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "verify", help="compare TensorRT engines with ONNX Runtime on the same graphs (needs a GPU)")
-    p.add_argument("out", type=Path, help="artifact folder with built engines")
-    p.add_argument("--steps", type=int, default=16, help="decode steps to compare")
-    p.add_argument("--rows", type=int, default=2, help="prompts decoded together")
-    p.add_argument("--min-agreement", type=float, default=0.9, help="fail (exit 1) below this greedy agreement")
-    p.add_argument("--bench", action="store_true", help="also time decode with and without CUDA graphs")
-    p.add_argument("--batches", default="1,4", help="batch sizes for --bench")
-    p.add_argument("--bench-steps", type=int, default=64)
-    p.set_defaults(func=run_verify)
-    return p
-
-
-def run_verify(args: argparse.Namespace) -> int:
-    result = verify(args.out, steps=args.steps, rows=args.rows)
-    rows = bench(args.out, [int(b) for b in args.batches.split(",")], args.bench_steps) if args.bench else []
-    print(format_report(result, rows))
-    return 0 if result["greedy_agreement"] >= args.min_agreement else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m decodert.runtime.verify OUT ...`` (the same as ``decodert verify``)."""
-    from decodert.cli import main as cli_main
-
-    return cli_main(["verify", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -95,12 +95,12 @@ main() {
   echo "model: $model" >&2
   rm -rf "$OUT"
   step export "$PY" -c "$EXPORT_PY" "$model" "$OUT" "$MAX_SEQ" "$MAX_BATCH"
-  step build "$PY" -m decodert.export.trt_build "$OUT" --fp16 --no-progress
-  step verify+bench bash -o pipefail -c "'$PY' -m decodert.runtime.verify '$OUT' --steps 32 --rows 2 --bench --batches 1,4 \
+  step build "$PY" -m decodert build "$OUT" --fp16 --no-progress
+  step verify+bench bash -o pipefail -c "'$PY' -m decodert verify '$OUT' --steps 32 --rows 2 --bench --batches 1,4 \
     --bench-steps 128 | tee '$OUT/gpu_check.txt'"
   echo
   echo "================ decodert gpu_check: $(date -u +%FT%TZ) ================"
-  "$PY" -c "from decodert.export.trt_compat import load_trt; print('tensorrt:', load_trt()[1].describe())"
+  "$PY" -c "from decodert.plugins.trt_compat import load_trt; print('tensorrt:', load_trt()[1].describe())"
   cat "$OUT/gpu_check.txt"
   printf '%-14s %8s\n' step seconds
   local t

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.artifact is None:
-        from decodert.runtime.cli_run import prepare_model
+        from decodert.export.prepare import prepare_model
 
         args.artifact = prepare_model("smollm2")
     llm = LLM.load(args.artifact, backend="ort")

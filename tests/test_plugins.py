@@ -24,9 +24,10 @@ import kernel_cases
 from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
 from decodert.export.manifest import load_manifest
-from decodert.export.onnx_builder import DTYPES
+from decodert.plugins.onnx_builder import DTYPES
 from decodert.export.pipeline import export_model
-from decodert.plugins.expand import expand_artifact, expand_plugin_nodes
+from decodert.export.expand_artifact import expand_artifact
+from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN, get_op, load_all
 from decodert.plugins.selection import choose_plugins
 from decodert.plugins.weight_gemm import dequantize_ref, quantize_blockwise

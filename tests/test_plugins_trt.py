@@ -26,7 +26,7 @@ _TRT_SCRIPT = textwrap.dedent("""
     from decodert.errors import DecodertError
     from decodert.export import trt_build
     from decodert.export.pipeline import export_model
-    from decodert.export.trt_compat import load_trt
+    from decodert.plugins.trt_compat import load_trt
     from decodert.plugins.trt_plugins import register_plugins
     tmp, result = Path({tmp!r}), {{}}
     trt, info = load_trt(need_builder=True)
@@ -81,7 +81,7 @@ def test_plugin_registration_refuses_a_parser_that_would_abort(monkeypatch, tmp_
     pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
     import ctypes
 
-    from decodert.export.trt_compat import load_trt
+    from decodert.plugins.trt_compat import load_trt
     from decodert.plugins import trt_plugins
 
     trt, info = load_trt()
@@ -112,8 +112,8 @@ _GPU_SCRIPT = textwrap.dedent("""
     from decodert.export import trt_build
     from decodert.export.manifest import load_manifest
     from decodert.export.pipeline import export_model
-    from decodert.export.trt_compat import load_trt
-    from decodert.plugins.expand import expand_artifact
+    from decodert.plugins.trt_compat import load_trt
+    from decodert.export.expand_artifact import expand_artifact
     from decodert.plugins.trt_plugins import register_plugins
     from decodert.runtime.trt_backend import TrtBackend
     tmp = Path({tmp!r})

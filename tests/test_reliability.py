@@ -149,7 +149,7 @@ def test_kv_cache_too_big_is_refused_before_allocating(art, monkeypatch):
 def test_tensors_larger_than_the_file_are_refused_before_allocating(samples, tmp_path):
     import struct
 
-    from decodert.export.checkpoint import open_checkpoint
+    from decodert.export.checkpoint_open import open_checkpoint
     from test_fuzz import _gguf_field
 
     hf = shutil.copytree(samples["hf"], tmp_path / "hf")
@@ -340,7 +340,7 @@ def test_interrupted_export_leaves_no_artifact_or_the_old_one(samples, tmp_path,
 
 def test_interrupted_build_leaves_the_old_engines(trt_artifact, monkeypatch):
     from decodert.export import trt_build
-    from decodert.export.trt_compat import load_trt, read_engine
+    from decodert.plugins.trt_compat import load_trt, read_engine
 
     def interrupted_build():
         with monkeypatch.context() as m:

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_tiny_gguf  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.checkpoint import open_checkpoint  # noqa: E402
+from decodert.export.checkpoint_open import open_checkpoint  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.export.sampling_defaults import sampling_record  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402

@@ -22,11 +22,12 @@ pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed:
 
 import trt_graphs  # noqa: E402  (tests/ is on sys.path via conftest)
 
+from decodert.cli import main as cli_main  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export import trt_build  # noqa: E402
 from decodert.export.manifest import file_record  # noqa: E402
-from decodert.export.trt_compat import engine_version_problem, load_trt, parse_version, read_engine  # noqa: E402
-from decodert.runtime import cuda_mem  # noqa: E402
+from decodert.plugins.trt_compat import engine_version_problem, load_trt, parse_version, read_engine  # noqa: E402
+from decodert.plugins import cuda_mem  # noqa: E402
 from decodert.runtime.trt_backend import contiguous_runs, kv_pairs  # noqa: E402
 
 pytestmark = pytest.mark.trt
@@ -183,7 +184,7 @@ def test_unparsable_graph_names_the_node(tmp_path, capsys):
     (out / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(DecodertError, match="node '/model/layers.0/residual' \\(NoSuchOp\\)"):
         trt_build.build_engines(out, progress=False)
-    assert trt_build.main([str(out), "--no-progress"]) == 2  # the CLI path: one line, exit 2
+    assert cli_main(["build", str(out), "--no-progress"]) == 2  # the CLI path: one line, exit 2
     assert capsys.readouterr().err.startswith("decodert: error: ")
 
 

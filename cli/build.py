@@ -1,0 +1,39 @@
+"""``decodert build OUT``: TensorRT engines (prefill.engine, decode.engine) from an exported artifact folder."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``decodert build OUT [--fp16|--bf16] [--max-batch N] [--max-seq N] ...``."""
+    p: argparse.ArgumentParser = subparsers.add_parser("build", help="build TensorRT engines from an exported artifact folder",
+                              description="Build OUT/prefill.engine and OUT/decode.engine (TensorRT or TensorRT-RTX).")
+    p.add_argument("out", type=Path, help="artifact folder (exported with --target trt)")
+    prec = p.add_mutually_exclusive_group()
+    prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="expect fp16 graphs")
+    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="expect bf16 graphs")
+    p.add_argument("--max-batch", type=int, default=None, help="largest batch (default: manifest max_batch)")
+    p.add_argument("--max-seq", type=int, default=None, help="longest prefill (default: manifest max_seq)")
+    p.add_argument("--version-compatible", action="store_true", help="engines a newer TensorRT of the same major can run")
+    p.add_argument("--timing-cache", type=Path, default=None, help="load/save the builder timing cache here")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
+                   help="check the whole sha256 of every artifact file first (default: size + first/last MiB)")
+    p.set_defaults(func=run_build)
+    return p
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from decodert.export.trt_build import build_engines
+
+    engines = build_engines(args.out, precision=args.precision, max_batch=args.max_batch, max_seq=args.max_seq,
+                            version_compatible=args.version_compatible, timing_cache=args.timing_cache,
+                            progress=args.progress, verify=args.verify)
+    for name, rec in engines.items():
+        print(f"{rec['file']}: {rec['size'] / 2**20:.1f} MiB in {rec['build_seconds']:.1f} s "
+              f"({rec['tensorrt']['flavour']} {rec['tensorrt']['version']}, {rec['precision']}, "
+              f"target {rec['target']['compute_capability']})")
+    return 0

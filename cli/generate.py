@@ -1,0 +1,57 @@
+"""``decodert generate OUT --prompt TEXT``: stream a completion to stdout (or print --json)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from decodert.cli import common
+from decodert.errors import DecodertError
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("generate", help="generate text from an exported model",
+                              description="Stream a completion of --prompt to stdout (or print --json).")
+    p.add_argument("out", type=Path, help="artifact folder written by `decodert export`")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file ('-' = stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    common.add_common(p)
+    p.set_defaults(func=run_generate)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if str(args.prompt_file) == "-":
+        return sys.stdin.read()
+    try:
+        return args.prompt_file.read_text()
+    except OSError as e:
+        raise DecodertError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from None
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
+    llm = common.load(args.out, args.backend, args.verify)
+    messages = [{"role": "user", "content": prompt}] if args.chat else None
+    return answer(llm, prompt, messages, args)
+
+
+def answer(llm, prompt: str, messages: list | None, args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Generate once: print JSON, or stream text to stdout and a metrics line to stderr."""
+    out = out or sys.stdout
+    kw = common.sampling_kwargs(args)
+    if args.json:
+        result = llm.chat(messages, **kw) if messages else llm.generate(prompt, **kw)
+        print(json.dumps(result.to_dict(), ensure_ascii=False), file=out)
+        return 0
+    stream = llm.stream_chat(messages, **kw) if messages else llm.stream(prompt, **kw)
+    common.print_stream(stream, out)
+    out.write("\n")
+    common.print_stats(args, stream)
+    return 0

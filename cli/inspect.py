@@ -1,0 +1,19 @@
+"""``decodert inspect OUT``: print an artifact's manifest and graph summary."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    i = sub.add_parser("inspect", help="print an artifact's manifest and graph summary")
+    i.add_argument("out")
+    i.set_defaults(func=run_inspect)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from decodert.export.inspect import inspect_artifact
+
+    print(inspect_artifact(args.out))
+    return 0

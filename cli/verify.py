@@ -1,0 +1,31 @@
+"""``decodert verify OUT``: compare TensorRT engines with ONNX Runtime on the same graphs (needs a GPU)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``decodert verify OUT [--steps N] [--rows N] [--bench] [--batches 1,4]``."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "verify", help="compare TensorRT engines with ONNX Runtime on the same graphs (needs a GPU)")
+    p.add_argument("out", type=Path, help="artifact folder with built engines")
+    p.add_argument("--steps", type=int, default=16, help="decode steps to compare")
+    p.add_argument("--rows", type=int, default=2, help="prompts decoded together")
+    p.add_argument("--min-agreement", type=float, default=0.9, help="fail (exit 1) below this greedy agreement")
+    p.add_argument("--bench", action="store_true", help="also time decode with and without CUDA graphs")
+    p.add_argument("--batches", default="1,4", help="batch sizes for --bench")
+    p.add_argument("--bench-steps", type=int, default=64)
+    p.set_defaults(func=run_verify)
+    return p
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from decodert.runtime.verify import bench, format_report, verify
+
+    result = verify(args.out, steps=args.steps, rows=args.rows)
+    rows = bench(args.out, [int(b) for b in args.batches.split(",")], args.bench_steps) if args.bench else []
+    print(format_report(result, rows))
+    return 0 if result["greedy_agreement"] >= args.min_agreement else 1

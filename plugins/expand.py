@@ -20,7 +20,8 @@ from onnx import helper
 
 from decodert.errors import DecodertError
 from decodert.plugins.onnx_builder import DTYPE_NAMES, GraphBuilder
-from decodert.plugins.registry import DOMAIN, get_op
+from decodert.plugins.catalog import get_op
+from decodert.plugins.registry import DOMAIN
 
 BODY_OPSET = 18  # ReduceMean/Split with axes/split inputs, Shape start/end
 

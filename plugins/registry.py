@@ -92,16 +92,3 @@ def register(op: OpDef) -> OpDef:
     OPS[op.name] = op
     return op
 
-
-def get_op(name: str, node_name: str = "?") -> OpDef:
-    load_all()
-    if name not in OPS:
-        raise DecodertError(f"node {node_name}: unknown op {DOMAIN}::{name}; known: {', '.join(sorted(OPS))}")
-    return OPS[name]
-
-
-def load_all() -> dict[str, OpDef]:
-    """Import every op module so OPS is complete (they register themselves on import)."""
-    from decodert.plugins import cached_attention, rms_norm, weight_gemm  # noqa: F401
-
-    return OPS

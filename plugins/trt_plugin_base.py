@@ -14,6 +14,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from decodert.plugins.registry import OpDef
 
 
@@ -48,9 +50,7 @@ def make_plugin_class(trt: ModuleType) -> type:
             return self.clone()
 
         def get_fields_to_serialize(self) -> Any:
-            from decodert.plugins.trt_plugins import _fields
-
-            return _fields(trt, self.op, self.attrs)
+            return plugin_fields(trt, self.op, self.attrs)
 
         # ---- build
         def get_output_data_types(self, input_types: list) -> list:
@@ -99,3 +99,25 @@ def make_plugin_class(trt: ModuleType) -> type:
             enqueue(trt, self.op.name, self.attrs, input_desc, output_desc, inputs, outputs, workspace, stream)
 
     return DecodertPlugin
+
+
+# ---------------------------------------------------------------- fields <-> attributes
+def plugin_fields(trt: ModuleType, op: OpDef, attrs: dict[str, Any] | None) -> Any:
+    """A PluginFieldCollection of the op's attributes (values, or empty ones naming the types)."""
+    fields = []
+    for name in op.attributes:
+        typ = op.attr_type(name)
+        if typ is float:
+            data, kind = np.array([] if attrs is None else [attrs[name]], np.float32), trt.PluginFieldType.FLOAT32
+        else:
+            data, kind = np.array([] if attrs is None else [attrs[name]], np.int32), trt.PluginFieldType.INT32
+        fields.append(trt.PluginField(name, data, kind))
+    return trt.PluginFieldCollection(fields)
+
+
+def attrs_from_fields(op: OpDef, node_name: str, fc: Any) -> dict[str, Any]:
+    given = {}
+    for f in fc:
+        if f.name in op.attributes and len(f.data):
+            given[f.name] = op.attr_type(f.name)(f.data[0])
+    return op.check_attributes(node_name, given)

@@ -24,10 +24,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from decodert.errors import DecodertError
-from decodert.plugins.registry import DOMAIN, OpDef, get_op
+from decodert.plugins.catalog import get_op
+from decodert.plugins.registry import DOMAIN, OpDef
+from decodert.plugins.trt_plugin_base import attrs_from_fields, make_plugin_class, plugin_fields
 
 TRT_OPS = ("CachedAttention", "RMSNorm")  # MatMulNBits: TensorRT >= 10.0 has int4 block DequantizeLinear natively
 NAMESPACES = ("", DOMAIN)
@@ -71,35 +71,11 @@ def check_plugin_loader(info: Any) -> None:
                         f"link there) or link it once: ln -s libtensorrt_rtx.so.1 {libs / 'libtensorrt_rtx.so'}")
 
 
-# ---------------------------------------------------------------- fields <-> attributes
-def _fields(trt: ModuleType, op: OpDef, attrs: dict[str, Any] | None) -> Any:
-    """A PluginFieldCollection of the op's attributes (values, or empty ones naming the types)."""
-    fields = []
-    for name in op.attributes:
-        typ = op.attr_type(name)
-        if typ is float:
-            data, kind = np.array([] if attrs is None else [attrs[name]], np.float32), trt.PluginFieldType.FLOAT32
-        else:
-            data, kind = np.array([] if attrs is None else [attrs[name]], np.int32), trt.PluginFieldType.INT32
-        fields.append(trt.PluginField(name, data, kind))
-    return trt.PluginFieldCollection(fields)
-
-
-def _attrs_from_fields(op: OpDef, node_name: str, fc: Any) -> dict[str, Any]:
-    given = {}
-    for f in fc:
-        if f.name in op.attributes and len(f.data):
-            given[f.name] = op.attr_type(f.name)(f.data[0])
-    return op.check_attributes(node_name, given)
-
-
 # ---------------------------------------------------------------- the plugin
 def _plugin_class(trt: ModuleType) -> type:
     """DecodertPlugin for this TensorRT module (the bases come from the module)."""
     if id(trt) in _CLASSES:
         return _CLASSES[id(trt)]
-    from decodert.plugins.trt_plugin_base import make_plugin_class
-
     _CLASSES[id(trt)] = make_plugin_class(trt)
     return _CLASSES[id(trt)]
 
@@ -111,10 +87,10 @@ def _creator(trt: ModuleType, op: OpDef, namespace: str) -> Any:
         def __init__(self) -> None:
             trt.IPluginCreatorV3One.__init__(self)
             self.name, self.plugin_namespace, self.plugin_version = op.name, namespace, VERSION
-            self.field_names = _fields(trt, op, None)
+            self.field_names = plugin_fields(trt, op, None)
 
         def create_plugin(self, name: str, fc: Any, phase: Any) -> Any:
-            attrs = _attrs_from_fields(op, name, fc)
+            attrs = attrs_from_fields(op, name, fc)
             return plugin_class(trt, op, attrs, namespace)
 
     return Creator()

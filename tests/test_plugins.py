@@ -28,7 +28,8 @@ from decodert.plugins.onnx_builder import DTYPES
 from decodert.export.pipeline import export_model
 from decodert.export.expand_artifact import expand_artifact
 from decodert.plugins.expand import expand_plugin_nodes
-from decodert.plugins.registry import DOMAIN, get_op, load_all
+from decodert.plugins.catalog import get_op, load_all
+from decodert.plugins.registry import DOMAIN
 from decodert.plugins.selection import choose_plugins
 from decodert.plugins.weight_gemm import dequantize_ref, quantize_blockwise
 

@@ -14,6 +14,13 @@
     last   = x[b*S + seq_lengths[b] - 1]                   [B, hidden]   (only the last valid token)
     logits = rmsnorm(last) @ lm_head^T                     [B, V] float32 (final_softcap: cap*tanh(l/cap))
     next_token = argmax(logits)
+
+The ``verify`` graph (speculative decoding) is the same body over k+1 tokens of a row that already
+has a cache; its head runs on every position instead of the last one only:
+    seq_logits  = rmsnorm(x) @ lm_head^T                   [B, S, V] float32
+    next_tokens = argmax(seq_logits)                       [B, S]  (next_tokens[b, j] follows token j)
+It is a separate graph so that prefill keeps its one-token head (a head over a whole prompt would
+cost a [S, V] GEMM per prompt); it reads the same weights.bin.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from decodert.export.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, rope_table_of
 
 LOWERINGS: dict[str, type[Lowering]] = {"portable": Lowering, "ort": OrtLowering, "trt": TrtLowering}
-GraphKind = Literal["prefill", "decode"]
+GraphKind = Literal["prefill", "decode", "verify"]
+VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 
 def make_lowering(target: str, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
@@ -53,9 +61,14 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind) -> d
         {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
         {"name": "seq_lengths", "dtype": "int64", "shape": ["batch"]},
     ]
+    if kind == "verify":  # every position is an output: no last valid token to pick
+        inputs.pop()
     outputs = [
         {"name": "logits", "dtype": "fp32", "shape": ["batch", spec.vocab_size]},
         {"name": "next_token", "dtype": "int64", "shape": ["batch"]},
+    ] if kind != "verify" else [
+        {"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "seq", spec.vocab_size]},
+        {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "seq"]},
     ]
     for i in range(spec.num_layers):
         for kv in ("key", "value"):
@@ -85,9 +98,12 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
             with g.scope(f"layers.{i}"):
                 ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
                 x, h = _layer(g, lowering, ctx, inp, spec, i, x, h)
-        logits = _head(g, lowering, inp, spec, x, h)
-    g.output(logits, "logits", "fp32", ["batch", spec.vocab_size])
-    g.output(g.op("ArgMax", logits, axis=1, keepdims=0), "next_token", "int64", ["batch"])
+        if kind == "verify":
+            logits = _verify_head(g, lowering, inp, spec, x, h)
+        else:
+            logits = _head(g, lowering, inp, spec, x, h)
+    for io, value in zip(contract["outputs"][:2], (logits, g.op("ArgMax", logits, axis=-1, keepdims=0))):
+        g.output(value, io["name"], io["dtype"], io["shape"])
     for io in contract["outputs"][2:]:
         g.outputs.append(onnx.helper.make_tensor_value_info(io["name"], DTYPES[io["dtype"]], io["shape"]))
     return g.to_model(ir_version=lowering.ir_version)
@@ -168,8 +184,21 @@ def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: 
         idx = g.op("Sub", g.op("Add", rows, inp.seq_lengths), g.const(np.int64(1)))  # [B]
         x, mlp = low.tokens(g, x, spec.hidden_size), low.tokens(g, mlp, spec.hidden_size)
         x_last, mlp_last = g.op("Gather", x, idx, axis=0), g.op("Gather", mlp, idx, axis=0)
+    return _final_norm_head(g, low, spec, x_last, mlp_last)
+
+
+def _verify_head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str) -> str:
+    """Residual add, final norm and lm_head on every token -> fp32 logits [B, S, V]."""
+    x, mlp = low.tokens(g, x, spec.hidden_size), low.tokens(g, mlp, spec.hidden_size)  # [T, hidden]
+    logits = _final_norm_head(g, low, spec, x, mlp)  # [T, V]
+    with g.scope("per_position"):
+        return g.op("Reshape", logits, g.op("Concat", g.op("Shape", inp.input_ids), g.const([spec.vocab_size]), axis=0))
+
+
+def _final_norm_head(g: GraphBuilder, low: Lowering, spec: ModelSpec, x: str, mlp: str) -> str:
+    """rmsnorm(x + mlp) @ lm_head^T over rows [N, hidden] -> fp32 logits [N, V]."""
     with g.scope("final_norm"):
-        h, _ = low.add_rms_norm(g, mlp_last, x_last, "final_norm")
+        h, _ = low.add_rms_norm(g, mlp, x, "final_norm")
     with g.scope("lm_head"):
         tied = spec.tie_word_embeddings and "lm_head" not in low.quantized  # a quantized copy when tied
         logits = low.linear(g, h, "embed" if tied else "lm_head")

@@ -110,6 +110,7 @@ def validate_manifest(m: Any, path: Path) -> None:
               f"graphs.{kind} is missing or malformed")
         _listed(m, g.get("file"), path, f"graphs.{kind}.file")
     _check_contract(m, path)
+    _check_verify(m, path)
     _listed(m, m["weights"].get("file"), path, "weights.file")
     _check_tokenizer(m["tokenizer"], m, path)
     if "sampling" in m:
@@ -151,6 +152,28 @@ def _check_contract(m: dict, path: Path) -> None:
             _need(ok, path, f"graphs.{kind}: {name!r} is missing or disagrees with kv/max_seq/model.vocab_size")
         extra = [t["name"] for t in g["inputs"] if t["name"] not in bound]  # an input nobody binds
         _need(not extra, path, f"graphs.{kind}: input {extra[:1]} is not one the runtime binds (kv.num_layers?)")
+
+
+def _check_verify(m: dict, path: Path) -> None:
+    """graphs.verify (speculative decoding; artifacts exported before it have none): the prefill
+    contract without seq_lengths, per-position outputs, and its width per call."""
+    g = m["graphs"].get("verify")
+    if g is None:
+        return
+    _need(isinstance(g, dict) and _io_list(g.get("inputs")) and _io_list(g.get("outputs", []))
+          and _count(g.get("max_tokens"), 1), path, "graphs.verify is malformed")
+    _listed(m, g.get("file"), path, "graphs.verify.file")
+    bound = runtime_io(m)
+    bound.pop("seq_lengths"), bound.pop("logits"), bound.pop("next_token")
+    bound["seq_logits"] = ("fp32", ["batch", "seq", m["model"]["vocab_size"]])
+    bound["next_tokens"] = ("int64", ["batch", "seq"])
+    listed = {t["name"]: t for t in g["inputs"] + g["outputs"]}
+    for name, (dtype, shape) in bound.items():
+        t = listed.get(name)
+        ok = t is not None and t["dtype"] == dtype and (shape is None or t["shape"] == shape)
+        _need(ok, path, f"graphs.verify: {name!r} is missing or disagrees with kv/max_seq/model.vocab_size")
+    extra = [t["name"] for t in g["inputs"] if t["name"] not in bound]
+    _need(not extra, path, f"graphs.verify: input {extra[:1]} is not one the runtime binds")
 
 
 def safe_name(name: Any) -> bool:

@@ -21,7 +21,7 @@ import decodert
 from decodert.errors import DecodertError
 from decodert.export import destination
 from decodert.export.checkpoint_open import open_checkpoint
-from decodert.export.graph import LOWERINGS, build_graph, io_contract, make_lowering
+from decodert.export.graph import LOWERINGS, VERIFY_WIDTH, build_graph, io_contract, make_lowering
 from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables, write_quantized
 from decodert.export.quant_gguf import transcoded_as
 from decodert.export.sampling_defaults import sampling_record
@@ -73,11 +73,12 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         lowering = make_lowering(target, spec, dtype, max_seq, quant, quantized,
                                  plugins=tuple(plugin_record["ops"]) if plugin_record else ())
         graphs = {}
-        for kind in ("prefill", "decode"):
+        for kind in ("prefill", "decode", "verify"):
             path = tmp / f"{kind}.onnx"
             onnx.save_model(build_graph(spec, lowering, weights, kind), path)
             onnx.checker.check_model(str(path), full_check=True)
             graphs[kind] = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
+        graphs["verify"]["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
         tokenizer = ckpt.write_tokenizer(tmp)
         manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)
         manifest["sampling"] = sampling_record(ckpt, tokenizer.get("chat_template"))

@@ -102,6 +102,9 @@ def profile_shapes(graph: dict[str, Any], name: str, batch: int, seq: int) -> di
     """Input name -> (min, opt, max) dims from the manifest's symbolic dims ("batch", "seq")."""
     opt_batch = batch if name == "decode" else max(batch // 2, 1)
     ranges = {"batch": (1, opt_batch, batch), "seq": (1, min(seq, 256), seq)}
+    if name == "verify":  # speculative decoding: 1 .. max_tokens per row, at every batch size
+        width = min(int(graph["max_tokens"]), seq)
+        ranges = {"batch": (1, batch, batch), "seq": (1, min(width, 8), width)}
     shapes = {}
     for inp in graph["inputs"]:
         dims = [ranges[d] if isinstance(d, str) else (int(d),) * 3 for d in inp["shape"]]
@@ -323,7 +326,8 @@ def _open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tup
 def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: int | None = None,
                   max_seq: int | None = None, version_compatible: bool = False,
                   timing_cache: str | Path | None = None, progress: bool = True, verify: str = "fast") -> dict[str, Any]:
-    """Build OUT/prefill.engine and OUT/decode.engine; update and return manifest["engines"].
+    """Build OUT/prefill.engine and OUT/decode.engine (and OUT/verify.engine when the artifact has a
+    verify graph); update and return manifest["engines"].
     Engines are renamed into place only once all are built: an interrupted build changes nothing."""
     out = Path(out_dir)
     manifest = read_manifest(out, verify)
@@ -340,11 +344,12 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
                 "progress": progress, "logger": make_logger(trt),
                 "plugins": bool((manifest.get("plugins") or {}).get("ops"))}
     try:
-        engines = {name: build_one(trt, info, out, name, manifest, settings) for name in GRAPHS}
+        names = [n for n in (*GRAPHS, "verify") if n in manifest["graphs"]]  # older artifacts have no verify graph
+        engines = {name: build_one(trt, info, out, name, manifest, settings) for name in names}
         for rec in engines.values():
             os.replace(staged(out / rec["file"]), out / rec["file"])
     finally:
-        for name in GRAPHS:
+        for name in (*GRAPHS, "verify"):
             staged(out / f"{name}.engine").unlink(missing_ok=True)
     if cache is not None and cache_path is not None:
         write_atomic(cache_path, bytes(cache.serialize()))

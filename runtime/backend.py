@@ -20,6 +20,14 @@ class StepOutput:
     logits: np.ndarray | None = None  # [n, V] float32, only when asked for
 
 
+@dataclass
+class VerifyOutput:
+    """Result of one verify call (speculative decoding), rows in the order of the ``slots`` argument."""
+
+    next_tokens: np.ndarray  # [n, W] int64: next_tokens[j, i] is the argmax after row j's token i
+    logits: np.ndarray | None = None  # [n, W, V] float32, only when asked for
+
+
 class KVCache(Protocol):
     """Per-slot cache state owned by a backend: buffers [slots, H_kv, max_seq, D] per layer."""
 
@@ -52,6 +60,15 @@ class Backend(Protocol):
 
     def decode(self, cache: KVCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
         """One token per slot (``ids`` [n] int64); advances each slot's length by one."""
+        ...
+
+    def verify(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
+        """Append each row's tokens ``ids[j]`` (1-D, 1..verify_width) like prefill, but return the
+        output after every one of them (W = the longest row; a shorter row's tail is padding).
+
+        Optional (speculative decoding); rejected tokens are dropped by setting ``cache.lengths``
+        back: the next write overwrites them, nothing is copied.
+        """
         ...
 
     def move_slot(self, cache: KVCache, src: int, dst: int) -> None:

@@ -26,7 +26,7 @@ from decodert.errors import DecodertError, first_line
 from decodert.export.onnx_check import check_external_data, check_session_io
 from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
-from decodert.runtime.backend import StepOutput
+from decodert.runtime.backend import StepOutput, VerifyOutput
 from decodert.runtime.memory import check_fits
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -108,6 +108,8 @@ class OrtBackend:
         # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
         self._prefill_with_past_batch = 1 if manifest["target"] == "ort" else self.max_batch
         self._decode_bindings: dict[tuple[int, int, int], _Binding] = {}
+        self._options, self._providers = options, providers
+        self._verify: _VerifyState | None = None  # opened on the first verify call (speculative decoding)
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> OrtKVCache:
@@ -117,6 +119,8 @@ class OrtBackend:
         itemsize = np.dtype(self.np_dtype).itemsize
         check_fits(slots * 2 * self.layers * self.kv_heads * self.max_seq * self.head_dim * itemsize, "KV cache")
         self._decode_bindings.clear()
+        if self._verify is not None:
+            self._verify.bindings.clear()
         return OrtKVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype, self.device)
 
     def prefill(self, cache: OrtKVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
@@ -159,6 +163,48 @@ class OrtBackend:
         cache.lengths[slots_arr] += 1
         return out
 
+    @property
+    def verify_width(self) -> int:
+        """Tokens one verify call checks per row (0: the artifact has no verify graph)."""
+        graph = self.manifest["graphs"].get("verify")
+        return int(graph.get("max_tokens", 0)) if graph else 0
+
+    def verify(self, cache: OrtKVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
+        state = self._verify or self._open_verify()
+        lens = np.array([len(x) for x in ids], np.int64)  # [n]
+        width = int(lens.max())
+        if not 1 <= lens.min() or width > self.verify_width:
+            raise DecodertError(f"verify takes 1..{self.verify_width} tokens per row, got {lens.tolist()}")
+        if (cache.lengths[list(slots)] + lens > cache.max_seq).any():
+            raise DecodertError(f"the KV cache is full ({cache.max_seq} tokens per row)")
+        out = VerifyOutput(np.zeros((len(slots), width), np.int64),
+                           np.zeros((len(slots), width, self.vocab_size), np.float32) if want_logits else None)
+        for rows in self._prefill_groups(cache, slots, lens):
+            start, n, w = slots[rows[0]], len(rows), int(lens[rows].max())
+            io, ids_buf, past_buf, logits_buf, next_buf = state.binding(self, cache, start, n, w)
+            ids_buf[:] = 0
+            for j, r in enumerate(rows):
+                ids_buf[j, : lens[r]] = ids[r]
+            past_buf[:] = cache.lengths[start : start + n]
+            _run_bound(state.session, io, self.dir, "verify")
+            out.next_tokens[rows, :w] = next_buf
+            if out.logits is not None:
+                out.logits[rows, :w] = logits_buf
+        cache.lengths[list(slots)] += lens
+        return out
+
+    def _open_verify(self) -> "_VerifyState":
+        graph = self.manifest["graphs"].get("verify")
+        if not graph:
+            raise DecodertError(f"{self.dir} has no verify graph (exported before speculative decoding); "
+                                "re-export it to use speculative decoding")
+        path = self.dir / graph["file"]
+        check_external_data(path)
+        session = open_session(path, self._options, self._providers)
+        check_session_io(session, graph, path)
+        self._verify = _VerifyState(session, self.max_batch, self.verify_width, self.vocab_size)
+        return self._verify
+
     def move_slot(self, cache: OrtKVCache, src: int, dst: int) -> None:
         if src == dst:
             return
@@ -195,14 +241,48 @@ class OrtBackend:
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for name, arr in (("logits", b.logits), ("next_token", b.next_token)):
             io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        shape = (n, *cache.slot_shape)
-        for i in range(len(cache.buffers)):
-            ptr = cache.pointer(i, start)  # slots [start, start+n) are one contiguous view
-            layer, kv = divmod(i, 2)
-            suffix = f"{('key', 'value')[kv]}.{layer}"
-            io.bind_input(f"past_{suffix}", cache.device, 0, cache.dtype, shape, ptr)
-            io.bind_output(f"present_{suffix}", cache.device, 0, cache.dtype, shape, ptr)
+        _bind_cache(io, cache, start, n)
         return b
+
+
+class _VerifyState:
+    """The verify session and its IOBindings per (cache, first slot, rows, width); every binding
+    views one set of per-call buffers (calls run one at a time and are copied out right away)."""
+
+    def __init__(self, session: ort.InferenceSession, batch: int, width: int, vocab: int) -> None:
+        self.session = session
+        self.ids = np.zeros(batch * width, np.int64)  # [n*W] input_ids
+        self.past = np.zeros(batch, np.int64)  # [n] past_lengths
+        self.logits = np.empty(batch * width * vocab, np.float32)  # [n*W*V] seq_logits
+        self.next = np.empty(batch * width, np.int64)  # [n*W] next_tokens
+        self.vocab = vocab
+        self.bindings: dict[tuple[int, int, int, int], Any] = {}
+
+    def binding(self, backend: "OrtBackend", cache: OrtKVCache, start: int, n: int, w: int) -> tuple:
+        """(io, ids [n, w], past [n], logits [n, w, V], next_tokens [n, w]) for slots [start, start+n)."""
+        views = (self.ids[: n * w].reshape(n, w), self.past[:n], self.logits[: n * w * self.vocab].reshape(n, w, -1),
+                 self.next[: n * w].reshape(n, w))
+        key = (id(cache), start, n, w)
+        io = self.bindings.get(key)
+        if io is None:
+            io = self.bindings[key] = self.session.io_binding()
+            for name, arr in (("input_ids", views[0]), ("past_lengths", views[1])):
+                io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+            for name, arr in (("seq_logits", views[2]), ("next_tokens", views[3])):
+                io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+            _bind_cache(io, cache, start, n)
+        return (io, *views)
+
+
+def _bind_cache(io: Any, cache: OrtKVCache, start: int, n: int) -> None:
+    """Bind slots [start, start+n) of every K/V buffer (one contiguous view) as past and present."""
+    shape = (n, *cache.slot_shape)
+    for i in range(len(cache.buffers)):
+        ptr = cache.pointer(i, start)
+        layer, kv = divmod(i, 2)
+        suffix = f"{('key', 'value')[kv]}.{layer}"
+        io.bind_input(f"past_{suffix}", cache.device, 0, cache.dtype, shape, ptr)
+        io.bind_output(f"present_{suffix}", cache.device, 0, cache.dtype, shape, ptr)
 
 
 def _gather(out: StepOutput, rows: list[int], b: _Binding, want_logits: bool) -> None:

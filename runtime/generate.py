@@ -43,8 +43,8 @@ class Sequence:
                  eos_token_ids: Iterable[int], max_seq: int, guide: Guide | None = None) -> None:
         self.prompt = np.asarray(prompt, dtype=np.int64)  # [L]
         self.params = params
-        self.sampler = make_sampler(params.temperature, params.top_k, params.top_p, params.min_p,
-                                    np.random.default_rng(params.seed))
+        self.rng = np.random.default_rng(params.seed)
+        self.sampler = make_sampler(params.temperature, params.top_k, params.top_p, params.min_p, self.rng)
         self.processors = make_logits_processors(params.repetition_penalty, params.presence_penalty,
                                                  params.frequency_penalty)
         self.stop_ids = frozenset(params.stop_token_ids) | frozenset(int(t) for t in eos_token_ids)
@@ -58,6 +58,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.timer = Timer()
         self.guide = guide  # structured output (runtime/constraints.py): masks the logits, ends at the grammar's end
+        self.spec = None  # speculative decoding state (runtime/speculative.py), when asked for
 
     @property
     def needs_logits(self) -> bool:
@@ -117,8 +118,10 @@ class Sequence:
 
     def result(self) -> GenerationResult:
         assert self.done, "result() before the sequence finished"
-        return GenerationResult("".join(self.parts), self.generated.tolist(), self.finish_reason,
-                                self.timer.metrics(len(self.prompt)))
+        metrics = self.timer.metrics(len(self.prompt))
+        if self.spec is not None:
+            metrics = self.spec.annotate(metrics)
+        return GenerationResult("".join(self.parts), self.generated.tolist(), self.finish_reason, metrics)
 
 
 def choose_tokens(seqs: Seq[Sequence], step: StepOutput) -> np.ndarray:

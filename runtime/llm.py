@@ -31,6 +31,7 @@ from decodert.runtime.chat import Message, render_chat
 from decodert.runtime.constraints import Constraint, Guidance
 from decodert.runtime.generate import GenerationResult, Sequence
 from decodert.runtime.sampling import SamplingParams
+from decodert.runtime.speculative import Speculator, resolve as resolve_speculative
 
 Prompt = Union[str, Seq[int], np.ndarray]  # text, or token ids used as they are
 _PARAM_NAMES = tuple(f.name for f in fields(SamplingParams))
@@ -45,6 +46,7 @@ class Request:
     params: SamplingParams | None = None  # None: the model's sampling defaults; an object is used as it is
     messages: Seq[Message] | None = None  # chat messages instead of a prompt
     constraint: Constraint | None = None  # structured output: Constraint.of(json_schema=... | regex=... | grammar=...)
+    speculative: Any = None  # "ngram" | "draft" | SpeculativeConfig (runtime/speculative.py)
 
 
 class TextStream:
@@ -97,8 +99,11 @@ class LLM:
     the output then matches it, unless cut short by max_new_tokens (finish_reason "length").
     """
 
-    def __init__(self, backend: Any, tokenizer: Any, manifest: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, backend: Any, tokenizer: Any, manifest: Mapping[str, Any] | None = None,
+                 draft: "LLM | None" = None) -> None:
         self.backend = backend
+        self.draft = draft  # the draft model of speculative="draft"
+        self.speculator = Speculator(draft.backend if draft is not None else None)
         self.tokenizer = tokenizer
         self.manifest = dict(manifest or {})
         tok = self.manifest.get("tokenizer") or {}
@@ -118,11 +123,13 @@ class LLM:
         self._guidance: Guidance | None = None  # llguidance tokenizer, made on the first constrained request
 
     @classmethod
-    def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast") -> "LLM":
+    def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
+             draft: str | Path | None = None) -> "LLM":
         """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``).
 
         ``verify``: "fast" (sizes + sha256 of each file's first and last MiB), "full" (the whole
         sha256 of every file, as ``--full-verify``) or "none"; a mismatch names the file.
+        ``draft``: a second artifact with the same tokenizer, the drafter of ``speculative="draft"``.
         """
         from decodert.export.manifest import tokenizer_file
 
@@ -130,7 +137,13 @@ class LLM:
         manifest = read_manifest(path, verify)
         tokenizer_file(manifest, path)  # the tokenizer must be one of the verified files
         tokenizer = open_tokenizer(path, manifest)  # cheap checks before the backend loads weights
-        return cls(open_backend(path, manifest, backend), tokenizer, manifest)
+        drafter = None
+        if draft is not None:
+            drafter = cls.load(draft, backend, verify)
+            if drafter.tokenizer.get_vocab(with_added_tokens=True) != tokenizer.get_vocab(with_added_tokens=True):
+                raise DecodertError(f"draft model {draft} has another tokenizer than {path}; "
+                                    "speculative decoding needs the same vocabulary")
+        return cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter)
 
     def params(self, **params: Any) -> SamplingParams:
         """Validated SamplingParams: ``params`` over the model's ``sampling_defaults``."""
@@ -199,7 +212,7 @@ class LLM:
             return self._guidance
 
     def _sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt",
-                  constraint: Constraint | None = None) -> Sequence:
+                  constraint: Constraint | None = None, speculative: Any = None) -> Sequence:
         if ids.size == 0:
             raise DecodertError(f"{what} is empty")
         if ids.size > self.max_seq - 1:
@@ -213,7 +226,22 @@ class LLM:
                 guide = self.guidance.guide(constraint)
             except DecodertError as e:
                 raise (DecodertError(f"{what}: {e}") if what != "prompt" else e) from None
-        return Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq, guide)
+        seq = Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq, guide)
+        config = resolve_speculative(speculative)
+        if config is not None:
+            self._check_speculation(guide)
+            seq.spec = self.speculator.state(config, seq)
+        return seq
+
+    def _check_speculation(self, guide: Any) -> None:
+        if not hasattr(self.backend, "verify"):
+            raise DecodertError(f"the {self.backend.name} backend has no verify pass yet; speculative decoding "
+                                "runs on the ort backend (--backend ort)")
+        if not getattr(self.backend, "verify_width", 0):
+            raise DecodertError("this artifact has no verify graph (exported before speculative decoding); "
+                                "re-export it to use speculative decoding")
+        if guide is not None:
+            raise DecodertError("speculative decoding does not combine with json_schema / regex / grammar yet")
 
     # -- running -------------------------------------------------------------------------
     def _end_live(self) -> None:
@@ -268,28 +296,32 @@ class LLM:
 
     def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""
+        spec = params.pop("speculative", None)
         sp, c = self.split_params(params)
         if _is_single(prompt):
-            return self._finish([self._sequence(self.encode(prompt), sp, constraint=c)])[0]
+            return self._finish([self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec)])[0]
         if not prompt:
             raise DecodertError("the list of prompts is empty")
-        return self._finish([self._sequence(self.encode(p), sp, f"prompt {i}", c) for i, p in enumerate(prompt)])
+        return self._finish([self._sequence(self.encode(p), sp, f"prompt {i}", c, spec) for i, p in enumerate(prompt)])
 
     def stream(self, prompt: Prompt, **params: Any) -> TextStream:
         """Iterate the generated text as deltas (str); see TextStream for the final result."""
+        spec = params.pop("speculative", None)
         sp, c = self.split_params(params)
-        seq = self._sequence(self.encode(prompt), sp, constraint=c)
+        seq = self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec)
         return TextStream(self._stream([seq]), seq)
 
     def chat(self, messages: Seq[Message], **params: Any) -> GenerationResult:
         """Apply the chat template (with the generation prompt) and generate the reply."""
+        spec = params.pop("speculative", None)
         sp, c = self.split_params(params)
-        return self._finish([self._sequence(self._chat_ids(messages), sp, constraint=c)])[0]
+        return self._finish([self._sequence(self._chat_ids(messages), sp, constraint=c, speculative=spec)])[0]
 
     def stream_chat(self, messages: Seq[Message], **params: Any) -> TextStream:
         """``chat`` as a stream of text deltas."""
+        spec = params.pop("speculative", None)
         sp, c = self.split_params(params)
-        seq = self._sequence(self._chat_ids(messages), sp, constraint=c)
+        seq = self._sequence(self._chat_ids(messages), sp, constraint=c, speculative=spec)
         return TextStream(self._stream([seq]), seq)
 
     def generate_many(self, requests: Seq[Request | Mapping[str, Any]]) -> list[GenerationResult]:
@@ -300,10 +332,10 @@ class LLM:
 
     def _request_sequence(self, req: Request | Mapping[str, Any], i: int) -> Sequence:
         if isinstance(req, Mapping):
-            sp, c = self.split_params({k: v for k, v in req.items() if k not in ("prompt", "messages")})
-            req = Request(req.get("prompt"), sp, req.get("messages"), c)
+            sp, c = self.split_params({k: v for k, v in req.items() if k not in ("prompt", "messages", "speculative")})
+            req = Request(req.get("prompt"), sp, req.get("messages"), c, req.get("speculative"))
         elif req.params is None:
-            req = Request(req.prompt, self.params(), req.messages, req.constraint)
+            req = Request(req.prompt, self.params(), req.messages, req.constraint, req.speculative)
         else:
             sampling_params(req.params)  # validate
         if req.constraint is not None and not isinstance(req.constraint, Constraint):
@@ -312,7 +344,7 @@ class LLM:
         if (req.prompt is None) == (req.messages is None):
             raise DecodertError(f"request {i} needs exactly one of 'prompt' or 'messages'")
         ids = self.encode(req.prompt) if req.messages is None else self._chat_ids(req.messages)
-        return self._sequence(ids, req.params, f"request {i}", req.constraint)
+        return self._sequence(ids, req.params, f"request {i}", req.constraint, req.speculative)
 
 
 def _is_single(prompt: Any) -> bool:

@@ -20,6 +20,10 @@ class Metrics:
     tpot_ms: float  # mean time per output token after the first
     peak_rss_mb: float  # process peak resident set size
     total_s: float
+    # speculative decoding (0 without it): tokens committed per target pass after the first token,
+    # and the share of drafted tokens the target accepted
+    accepted_per_step: float = 0.0
+    acceptance_rate: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -28,7 +32,9 @@ class Metrics:
         """One line for stderr, e.g. ``prompt 12 tok @ 850.1 tok/s | ...``."""
         return (f"prompt {self.prompt_tokens} tok @ {self.prompt_tps:.1f} tok/s | ttft {self.ttft_s * 1000:.1f} ms | "
                 f"gen {self.generated_tokens} tok @ {self.decode_tps:.1f} tok/s ({self.tpot_ms:.2f} ms/tok) | "
-                f"peak rss {self.peak_rss_mb:.0f} MB")
+                f"peak rss {self.peak_rss_mb:.0f} MB"
+                + (f" | spec {self.accepted_per_step:.2f} tok/step, {100 * self.acceptance_rate:.0f}% accepted"
+                   if self.accepted_per_step else ""))
 
 
 def peak_rss_mb() -> float:

@@ -83,8 +83,16 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
     if temperature == 0:
         return lambda logits: np.argmax(logits, axis=-1).astype(np.int64)
     rng = rng if rng is not None else np.random.default_rng()
+    distribution = make_distribution(temperature, top_k, top_p, min_p)
+    return lambda logits: _draw(distribution(logits), rng)
 
-    def sample(logits: np.ndarray) -> np.ndarray:
+
+def make_distribution(temperature: float, top_k: int = 0, top_p: float = 1.0,
+                      min_p: float = 0.0) -> Callable[[np.ndarray], np.ndarray]:
+    """``probs(logits [n, V]) -> [n, V]`` float64, unnormalised: what a sampler draws from
+    (temperature > 0). Speculative sampling (runtime/speculative.py) accepts drafts against it."""
+
+    def distribution(logits: np.ndarray) -> np.ndarray:
         scores = np.asarray(logits, dtype=np.float32) / np.float32(temperature)  # [n, V]
         if top_k:
             scores = _top_k(scores, top_k)
@@ -93,9 +101,14 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
             probs = np.where(probs >= min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
         if top_p < 1:
             probs = _top_p(probs, top_p)
-        return _draw(probs, rng)
+        return probs
 
-    return sample
+    return distribution
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One categorical draw per row of probs [n, V] (unnormalised) -> [n] int64."""
+    return _draw(probs, rng)
 
 
 def _top_k(scores: np.ndarray, k: int) -> np.ndarray:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Iterable, Iterator, Mapping, Sequence as Seq
 
+from decodert.runtime import speculative
 from decodert.runtime.backend import Backend, KVCache
 from decodert.runtime.generate import Sequence, decode_step, prefill
 
@@ -49,7 +50,9 @@ def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence] | Mapping[int, Seq
                 deltas = prefill(backend, cache, slots, [seqs[i] for i in new])
                 rows = new
             elif active:
-                deltas = decode_step(backend, cache, range(len(active)), [seqs[i] for i in active])
+                rows_now = [seqs[i] for i in active]
+                step = speculative.step if any(s.spec is not None for s in rows_now) else decode_step
+                deltas = step(backend, cache, range(len(active)), rows_now)
                 rows = list(active)
             else:
                 return

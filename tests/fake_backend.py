@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from decodert.runtime.backend import StepOutput
+from decodert.runtime.backend import StepOutput, VerifyOutput
 from decodert.runtime.llm import LLM
 
 CORPUS = [
@@ -87,6 +87,21 @@ class FakeBackend:
         for slot, tok in zip(slots, ids):
             self._write(cache, slot, np.array([tok], dtype=np.int64))
         return self._output(cache, slots, want_logits)
+
+    verify_width = 16
+
+    def verify(self, cache: FakeCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
+        self.calls.append(("verify", tuple(slots), want_logits))
+        assert len(slots) == len(ids) and len(set(slots)) == len(slots)
+        width = max(len(r) for r in ids)
+        assert 1 <= min(len(r) for r in ids) and width <= self.verify_width
+        logits = np.zeros((len(slots), width, self.vocab_size), np.float32)  # [n, W, V]
+        for j, (slot, row) in enumerate(zip(slots, ids)):
+            start = int(cache.lengths[slot])
+            self._write(cache, slot, np.asarray(row, dtype=np.int64))
+            for i in range(len(row)):
+                logits[j, i] = self.logits_for(cache.tokens[slot, : start + i + 1])
+        return VerifyOutput(logits.argmax(-1).astype(np.int64), logits if want_logits else None)
 
     def move_slot(self, cache: FakeCache, src: int, dst: int) -> None:
         self.calls.append(("move", (src, dst), False))

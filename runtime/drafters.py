@@ -1,0 +1,152 @@
+"""Drafters for speculative decoding: who proposes the tokens the target model then verifies.
+
+One small interface (``Drafter``): ``propose(seqs, limits)`` returns up to ``limits[j]`` draft
+ids per row (may be empty) and a key naming the kind of proposal (the acceptance of each kind
+is tracked apart: a 4-token n-gram match is right more often than a 1-token one);
+``commit(seq, accepted)`` tells the drafter how many of its drafts the target kept, so state of
+its own (a draft model's cache) stays in step; ``release(seq)`` forgets a finished row.
+
+- ``NgramDrafter`` (prompt lookup): the longest suffix of the row's tokens (prompt + generated,
+  ``max_ngram`` down to ``min_ngram`` tokens) that occurred before; the tokens that followed its
+  most recent occurrence are the draft. No model, no state.
+- ``DraftModelDrafter``: a second decodert artifact with the same tokenizer proposes its greedy
+  tokens (q one-hot, so the acceptance rule is the same as for prompt lookup). It keeps one
+  cache slot per row; rejected drafts are dropped by setting its length back, and tokens it has
+  not seen (the target's correction) are fed on the next proposal.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Protocol, Sequence as Seq
+
+import numpy as np
+
+from decodert.errors import DecodertError
+
+
+class Drafter(Protocol):
+    seconds_per_token: float  # measured cost of drafting one token (0 for prompt lookup)
+
+    def propose(self, seqs: Seq[Any], limits: Seq[int]) -> tuple[list[np.ndarray], list[int]]:
+        """(drafts: [k_j] int64 per row with k_j <= limits[j], key per row for acceptance stats)."""
+        ...
+
+    def commit(self, seq: Any, proposed: int, accepted: int) -> None:
+        ...
+
+    def release(self, seq: Any) -> None:
+        ...
+
+
+def longest_suffix_match(history: np.ndarray, max_n: int, min_n: int) -> tuple[int, int]:
+    """(start of the continuation, n) of the longest earlier occurrence of the last n tokens of
+    ``history`` [L] (n <= max_n; the most recent occurrence among equally long ones); (-1, 0) if
+    no occurrence of at least ``min_n`` tokens exists."""
+    length = len(history)
+    if length < 2:
+        return -1, 0
+    ends = np.flatnonzero(history[: length - 1] == history[length - 1]) + 1  # [c] continuation starts
+    if ends.size == 0:
+        return -1, 0
+    n = np.ones(ends.size, np.int64)  # [c] matched tokens so far
+    alive = np.ones(ends.size, bool)
+    for t in range(1, min(max_n, length - 1)):
+        back = ends - 1 - t  # [c] position compared with history[length - 1 - t]
+        ok = alive & (back >= 0)
+        ok[ok] = history[back[ok]] == history[length - 1 - t]
+        n += ok
+        alive = ok
+        if not alive.any():
+            break
+    best = int(n.max())
+    if best < min_n:
+        return -1, 0
+    return int(ends[np.flatnonzero(n == best)[-1]]), best
+
+
+class NgramDrafter:
+    """Prompt lookup: the continuation of the longest earlier match of the row's last tokens."""
+
+    seconds_per_token = 0.0
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, seqs: Seq[Any], limits: Seq[int]) -> tuple[list[np.ndarray], list[int]]:
+        drafts, keys = [], []
+        for seq, limit in zip(seqs, limits):
+            history = seq.history[: seq.length]  # [L] prompt + generated
+            start, n = longest_suffix_match(history, self.max_ngram, self.min_ngram) if limit > 0 else (-1, 0)
+            drafts.append(history[start : start + limit].copy() if start >= 0 else np.zeros(0, np.int64))
+            keys.append(n)
+        return drafts, keys
+
+    def commit(self, seq: Any, proposed: int, accepted: int) -> None:
+        pass
+
+    def release(self, seq: Any) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """Greedy drafts from a second (smaller, or more quantized) model with the same tokenizer."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.cache = backend.allocate(int(backend.max_batch))
+        self.slot_of: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.seconds_per_token = 0.0  # EMA, measured
+
+    def _slot(self, seq: Any) -> int:
+        slot = self.slot_of.get(seq)
+        if slot is None:
+            for done in [s for s in self.slot_of if s.done]:
+                self.release(done)
+            free = sorted(set(range(self.cache.slots)) - set(self.slot_of.values()))
+            if not free:
+                raise DecodertError(f"the draft model has {self.cache.slots} cache slots (its --max-batch); "
+                                    "export it with at least the target's --max-batch")
+            slot = self.slot_of[seq] = free[0]
+            self.cache.reset(slot)
+        return slot
+
+    def propose(self, seqs: Seq[Any], limits: Seq[int]) -> tuple[list[np.ndarray], list[int]]:
+        room = self.backend.max_seq  # the draft cache holds the row's tokens but the last, then k - 1 drafts
+        limits = [min(k, room - seq.length) for seq, k in zip(seqs, limits)]
+        rows = [j for j, k in enumerate(limits) if k > 0]
+        drafts = [np.zeros(0, np.int64) for _ in seqs]
+        if not rows:
+            return drafts, [0] * len(seqs)
+        t0 = time.perf_counter()
+        slots = [self._slot(seqs[j]) for j in rows]
+        # Feed what the draft cache lacks (the target's last tokens), ending with the row's last token.
+        feed = [seqs[j].history[int(self.cache.lengths[s]) : seqs[j].length] for j, s in zip(rows, slots)]
+        out = self.backend.prefill(self.cache, slots, feed, want_logits=False)
+        tokens = [[int(t)] for t in out.next_token]
+        live = [i for i, j in enumerate(rows) if limits[j] > 1]
+        while live:
+            step = self.backend.decode(self.cache, [slots[i] for i in live],
+                                       np.array([tokens[i][-1] for i in live], np.int64), want_logits=False)
+            for i, t in zip(live, step.next_token):
+                tokens[i].append(int(t))
+            live = [i for i in live if len(tokens[i]) < limits[rows[i]]]
+        for i, j in enumerate(rows):
+            drafts[j] = np.array(tokens[i], np.int64)
+        made = sum(len(t) for t in tokens)
+        per_token = (time.perf_counter() - t0) / max(made, 1)
+        self.seconds_per_token = per_token if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per_token
+        return drafts, [1] * len(seqs)
+
+    def commit(self, seq: Any, proposed: int, accepted: int) -> None:
+        """The draft cache holds the row's last token and drafts 1..proposed-1: keep what was accepted."""
+        slot = self.slot_of.get(seq)
+        if slot is None or proposed == 0:
+            return
+        self.cache.lengths[slot] -= (proposed - 1) - min(accepted, proposed - 1)
+
+    def release(self, seq: Any) -> None:
+        slot = self.slot_of.pop(seq, None)
+        if slot is not None:
+            self.cache.reset(slot)

@@ -1,0 +1,318 @@
+"""Speculative decoding: a drafter proposes tokens, one verify pass of the target checks them all.
+
+    row b:  last token t, drafts d1..dk  ->  verify([t, d1..dk])  ->  target choice after each
+            accept d1..dm while they equal the target's choice, then the target's own token
+            -> m + 1 tokens for one target pass; the cache is set back to length + 1 + m (no copy)
+
+Exactness:
+- greedy (with or without penalties): the target's choice at each position is what plain
+  decoding would choose there (same logits, same history), so the output is token-for-token the
+  same;
+- sampling: standard speculative sampling with a one-hot proposal q (both drafters propose one
+  token per position): accept d with probability min(1, p(d) / q(d)) = p(d), else draw from the
+  normalised residual max(0, p - q) = p without d. p is the target's distribution after the
+  same penalties and temperature / top-k / top-p / min-p as plain sampling (runtime/sampling.py),
+  so every emitted token has plain sampling's distribution.
+
+Adaptivity (``adaptive=True``): each row keeps an acceptance estimate per kind of proposal (the
+n-gram length for prompt lookup); a shared cost table holds the measured seconds of a target
+pass per (rows, width). Each step picks the verify width with the most expected tokens per
+second, where width 1 is a plain decode step: when acceptance collapses (free-form text),
+speculation stops costing anything but the n-gram search, and a row's estimate drifts back to
+its prior while it is not speculating, so it is tried again later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.runtime.drafters import Drafter, NgramDrafter
+from decodert.runtime.generate import Sequence, decode_step
+from decodert.runtime.metrics import Metrics
+from decodert.runtime.sampling import apply_processors, draw, make_distribution
+
+METHODS = ("ngram", "draft")
+PRIOR = 0.5  # acceptance a row starts from (and drifts back to while it does not speculate)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method``: "ngram" (prompt lookup) | "draft" (LLM.load(..., draft=ARTIFACT)); ``draft_len``:
+    most tokens drafted per step; ``max_ngram`` / ``min_ngram``: the match lengths prompt lookup
+    tries; ``adaptive``: pick the draft length from measured acceptance and step costs."""
+
+    method: str = "ngram"
+    draft_len: int = 8
+    max_ngram: int = 4
+    min_ngram: int = 1
+    adaptive: bool = True
+
+    def validate(self) -> "SpeculativeConfig":
+        if self.method not in METHODS:
+            raise DecodertError(f"speculative must be one of {', '.join(METHODS)} (or a SpeculativeConfig), "
+                                f"got {self.method!r}")
+        for name, low in (("draft_len", 1), ("max_ngram", 1), ("min_ngram", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise DecodertError(f"speculative {name} must be an integer >= {low}, got {value!r}")
+        if self.min_ngram > self.max_ngram:
+            raise DecodertError(f"speculative min_ngram {self.min_ngram} exceeds max_ngram {self.max_ngram}")
+        return self
+
+
+def resolve(value: Any) -> SpeculativeConfig | None:
+    """``speculative=`` argument -> config (None, False or "" -> off)."""
+    if value is None or value is False or value == "":
+        return None
+    if isinstance(value, SpeculativeConfig):
+        return value.validate()
+    if isinstance(value, str):
+        return SpeculativeConfig(method=value).validate()
+    raise DecodertError(f"speculative must be 'ngram', 'draft' or a SpeculativeConfig, got {type(value).__name__}")
+
+
+class StepCosts:
+    """Measured seconds of one target pass per (rows, width), as moving averages; width 1 = decode.
+
+    The first pass of each shape is not recorded (it pays for warm-up: session creation, JIT)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[int, int], float] = {}
+        self._seen: set[tuple[int, int]] = set()
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        key = (rows, width)
+        if key not in self._seen:
+            self._seen.add(key)
+            return
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def estimate(self, rows: int, width: int) -> float | None:
+        """Seconds, or None when nothing of this row count was measured. Unmeasured widths scale
+        the nearest measured one by a prior of +4% per extra token (weights are read once)."""
+        if (rows, width) in self.seconds:
+            return self.seconds[(rows, width)]
+        known = [w for r, w in self.seconds if r == rows]
+        if not known:
+            return None
+        near = min(known, key=lambda w: abs(w - width))
+        return self.seconds[(rows, near)] * (1 + 0.04 * (width - 1)) / (1 + 0.04 * (near - 1))
+
+
+class Speculator:
+    """What the rows of one LLM share: the cost table and the drafters."""
+
+    def __init__(self, draft_backend: Any = None) -> None:
+        self.costs = StepCosts()
+        self._draft_backend = draft_backend
+        self._draft: Drafter | None = None
+        self._ngram: dict[tuple[int, int], NgramDrafter] = {}
+
+    def drafter(self, config: SpeculativeConfig) -> Drafter:
+        if config.method == "ngram":
+            key = (config.max_ngram, config.min_ngram)
+            return self._ngram.setdefault(key, NgramDrafter(*key))
+        if self._draft_backend is None:
+            raise DecodertError("speculative='draft' needs a draft model: LLM.load(path, draft=ARTIFACT) (--draft)")
+        if self._draft is None:
+            from decodert.runtime.drafters import DraftModelDrafter
+
+            self._draft = DraftModelDrafter(self._draft_backend)
+        return self._draft
+
+    def state(self, config: SpeculativeConfig, seq: Sequence) -> "RowState":
+        return RowState(self, config, self.drafter(config), seq)
+
+
+class RowState:
+    """One row's speculation: its config, drafter, acceptance estimates and counters (``seq.spec``)."""
+
+    def __init__(self, speculator: Speculator, config: SpeculativeConfig, drafter: Drafter, seq: Sequence) -> None:
+        self.speculator, self.config, self.drafter = speculator, config, drafter
+        p = seq.params
+        self.distribution = None if p.greedy else make_distribution(p.temperature, p.top_k, p.top_p, p.min_p)
+        self.stats: dict[int, list[float]] = {}  # proposal kind -> [accepted, evaluated] (decayed sums)
+        self.passes = self.proposed = self.accepted = 0
+
+    def acceptance(self, key: int) -> float:
+        acc, seen = self.stats.get(key, (PRIOR, 1.0))
+        return acc / seen
+
+    def learn(self, key: int, proposed: int, accepted: int) -> None:
+        acc, seen = self.stats.get(key, [PRIOR, 1.0])
+        evaluated = accepted + (accepted < proposed)  # drafts compared up to the first rejection
+        self.stats[key] = [0.7 * acc + accepted, 0.7 * seen + evaluated]
+
+    def idle(self, key: int) -> None:
+        """A draft of this kind was available but not verified: drift towards the prior."""
+        acc, seen = self.stats.get(key, [PRIOR, 1.0])
+        self.stats[key] = [0.97 * acc + 0.03 * PRIOR, 0.97 * seen + 0.03]
+
+    def annotate(self, metrics: Metrics) -> Metrics:
+        per_step = (metrics.generated_tokens - 1) / self.passes if self.passes else 0.0
+        rate = self.accepted / self.proposed if self.proposed else 0.0
+        return dataclasses.replace(metrics, accepted_per_step=per_step, acceptance_rate=rate)
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one verify of k drafts commits when each is accepted with probability a: sum a^i, i=0..k."""
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+# ---- the step ----------------------------------------------------------------------------------
+def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence]) -> list[str]:
+    """One decode step of rows that may speculate (``seq.spec``) -> one text delta per row (all
+    the tokens the row committed in this step)."""
+    spec_rows = [j for j, s in enumerate(seqs) if s.spec is not None]
+    speculator: Speculator = seqs[spec_rows[0]].spec.speculator
+    width_max = int(getattr(backend, "verify_width", 0) or 0)
+    limits = [_row_limit(s, width_max) if s.spec is not None else 0 for s in seqs]
+    drafts, keys = _look(seqs, limits)
+    width = _plan(speculator.costs, seqs, drafts, keys, limits)
+    n = len(seqs)
+    if width == 1:  # plain decode step
+        for j in spec_rows:
+            seqs[j].spec.passes += 1
+            if len(drafts[j]) or (keys[j] is None and limits[j]):
+                seqs[j].spec.idle(1 if keys[j] is None else keys[j])
+        t0 = time.perf_counter()
+        deltas = decode_step(backend, cache, slots, seqs)
+        speculator.costs.record(n, 1, time.perf_counter() - t0)
+        return deltas
+    drafts = _draft(seqs, drafts, keys, limits, width)
+    ids = [np.concatenate([[s.last_token], d]).astype(np.int64) for s, d in zip(seqs, drafts)]
+    want = any(s.needs_logits for s in seqs)
+    t0 = time.perf_counter()
+    out = backend.verify(cache, list(slots), ids, want_logits=want)
+    speculator.costs.record(n, max(len(x) for x in ids), time.perf_counter() - t0)
+    deltas = []
+    for j, (slot, seq) in enumerate(zip(slots, seqs)):
+        logits = out.logits[j] if out.logits is not None else None
+        text, accepted = _commit(seq, drafts[j], out.next_tokens[j], logits)
+        deltas.append(text)
+        if not seq.done:
+            cache.lengths[slot] = seq.length - 1  # rewind: rejected drafts are overwritten later
+        if seq.spec is not None:
+            _learn(seq, keys[j], len(drafts[j]), accepted)
+    return deltas
+
+
+def _row_limit(seq: Sequence, width_max: int) -> int:
+    """Most drafts worth verifying for ``seq``: the config, the verify width, the cache room
+    (positions length-1 .. length-1+k are written) and the tokens still to generate."""
+    left = seq.params.max_new_tokens - len(seq.generated) - 1
+    return max(0, min(seq.spec.config.draft_len, width_max - 1, seq.max_seq - seq.length, left))
+
+
+def _look(seqs: Seq[Sequence], limits: list[int]) -> tuple[list[np.ndarray], list[int | None]]:
+    """Drafts of the drafters that cost nothing to ask (prompt lookup); None keys: ask later."""
+    drafts = [np.zeros(0, np.int64) for _ in seqs]
+    keys: list[int | None] = [0] * len(seqs)
+    for drafter, rows in _by_drafter(seqs, limits).items():
+        if isinstance(drafter, NgramDrafter):  # free to ask before planning
+            got, kinds = drafter.propose([seqs[j] for j in rows], [limits[j] for j in rows])
+            for j, d, kind in zip(rows, got, kinds):
+                drafts[j], keys[j] = d, kind
+        else:
+            for j in rows:
+                keys[j] = None
+    return drafts, keys
+
+
+def _by_drafter(seqs: Seq[Sequence], limits: list[int]) -> dict[Any, list[int]]:
+    groups: dict[Any, list[int]] = {}
+    for j, s in enumerate(seqs):
+        if s.spec is not None and limits[j] > 0:
+            groups.setdefault(s.spec.drafter, []).append(j)
+    return groups
+
+
+def _plan(costs: StepCosts, seqs: Seq[Sequence], drafts: list[np.ndarray], keys: list[int | None],
+          limits: list[int]) -> int:
+    """Verify width (1 = plain decode) with the most expected tokens per second."""
+    avail = [len(d) if keys[j] is not None else limits[j] for j, d in enumerate(drafts)]  # [n]
+    if max(avail, default=0) == 0:
+        return 1
+    if not all(s.spec.config.adaptive for s in seqs if s.spec is not None):
+        return max(avail) + 1
+    n = len(seqs)
+    base = costs.estimate(n, 1)
+    if base is None:
+        return max(avail) + 1  # nothing measured yet: speculate (the step measures itself)
+    acc = [s.spec.acceptance(keys[j] if keys[j] is not None else 1) if s.spec is not None else 0.0
+           for j, s in enumerate(seqs)]
+    draft_cost = [s.spec.drafter.seconds_per_token if s.spec is not None else 0.0 for s in seqs]
+    best, best_rate = 1, n / base
+    for width in range(2, max(avail) + 2):
+        ks = [min(a, width - 1) for a in avail]
+        tokens = sum(expected_tokens(a, k) for a, k in zip(acc, ks))
+        seconds = (costs.estimate(n, width) or base) + sum(c * k for c, k in zip(draft_cost, ks))
+        if tokens / seconds > best_rate:
+            best, best_rate = width, tokens / seconds
+    return best
+
+
+def _draft(seqs: Seq[Sequence], drafts: list[np.ndarray], keys: list[int | None], limits: list[int],
+           width: int) -> list[np.ndarray]:
+    """Cut looked-up drafts to the width; ask the model drafters for theirs."""
+    out = [d[: width - 1] for d in drafts]
+    for drafter, rows in _by_drafter(seqs, limits).items():
+        rows = [j for j in rows if keys[j] is None]
+        if rows:
+            got, _ = drafter.propose([seqs[j] for j in rows], [min(limits[j], width - 1) for j in rows])
+            for j, d in zip(rows, got):
+                out[j] = d
+    return out
+
+
+def _commit(seq: Sequence, drafts: np.ndarray, next_tokens: np.ndarray, logits: np.ndarray | None) -> tuple[str, int]:
+    """Accept ``seq``'s drafts [k] against the target's output at each position (next_tokens
+    [W], logits [W, V]) -> (text delta, drafts accepted). Stops at the first rejection, a stop or
+    eos token, a stop string, max_new_tokens or a full cache (seq.accept decides)."""
+    text, k = "", len(drafts)
+    for i in range(k + 1):
+        draft = int(drafts[i]) if i < k else None
+        token = _choose(seq, int(next_tokens[i]), None if logits is None else logits[i], draft)
+        text += seq.accept(token)
+        if seq.done or token != draft:
+            return text, i + (token == draft)
+    return text, k
+
+
+def _choose(seq: Sequence, argmax: int, logits: np.ndarray | None, draft: int | None) -> int:
+    """The target's token at one position: plain decoding's choice (greedy), or speculative
+    sampling's (draft accepted with probability p(draft), else a draw from p without it)."""
+    if not seq.needs_logits:
+        return argmax
+    assert logits is not None
+    spec = seq.spec
+    if seq.params.greedy or spec is None or spec.distribution is None:
+        return seq.choose(logits, argmax)
+    row = apply_processors(seq.processors, seq.history[: seq.length], logits[None, :])  # [1, V]
+    probs = spec.distribution(row)  # [1, V] unnormalised
+    if draft is not None:
+        p_draft = probs[0, draft] / probs[0].sum()
+        if seq.rng.random() < p_draft:
+            return draft
+        probs = probs.copy()
+        probs[0, draft] = 0.0  # the residual max(0, p - onehot(draft)), normalised by the draw
+    return int(draw(probs, seq.rng)[0])
+
+
+def _learn(seq: Sequence, key: int | None, proposed: int, accepted: int) -> None:
+    spec = seq.spec
+    spec.passes += 1
+    spec.proposed += proposed
+    spec.accepted += accepted
+    if proposed:
+        spec.learn(key if key is not None else 1, proposed, accepted)
+    spec.drafter.commit(seq, proposed, accepted)
+    if seq.done:
+        spec.drafter.release(seq)

@@ -1,0 +1,234 @@
+"""Speculative decoding in the loop (runtime/speculative.py, runtime/drafters.py) over the fake backend.
+
+Every test compares against plain decoding of the same model: greedy must be token-for-token
+identical, whatever the drafts; sampling must have plain sampling's distribution (checked
+against the exact distribution of a small Markov model).
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_backend import FakeBackend, make_llm, make_tokenizer, scripted_llm  # noqa: E402
+
+from decodert.errors import DecodertError  # noqa: E402
+from decodert.runtime.drafters import longest_suffix_match  # noqa: E402
+from decodert.runtime.llm import LLM, Request  # noqa: E402
+from decodert.runtime.sampling import SamplingParams, make_distribution  # noqa: E402
+from decodert.runtime.speculative import SpeculativeConfig, expected_tokens  # noqa: E402
+
+TOK = make_tokenizer()
+PROMPTS = ["hello world, this is a tiny test", "the quick brown fox jumps over the lazy dog", "a",
+           "héllo wörld: accents and other things"]
+
+
+def copy_rule(history: np.ndarray) -> int:
+    """A model that mostly copies its context (period 7) and breaks the pattern every 13th position:
+    prompt lookup drafts are often right and sometimes wrong."""
+    t = len(history)
+    return int(history[(t - 7) % t]) if t % 13 else int((history[-1] * 3 + 1) % 200 + 3)
+
+
+def noisy_rule(history: np.ndarray) -> int:
+    """Effectively random among 5 tokens: n-gram matches are everywhere and right 1 time in 5."""
+    mix = int((history * np.arange(1, len(history) + 1)).sum()) * 2654435761 % 2**32
+    return 40 + (mix >> 7) % 5
+
+
+def llm_for(rule=copy_rule, **kw) -> LLM:
+    return make_llm(TOK, rule=rule, **{"max_seq": 96, "max_batch": 4, **kw})
+
+
+def kinds(llm: LLM) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for kind, _, _ in llm.backend.calls:
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+def test_longest_suffix_match():
+    h = np.array([5, 6, 7, 8, 1, 6, 7, 9, 5, 6, 7])
+    assert longest_suffix_match(h, 4, 1) == (3, 3)  # "5 6 7" at 0..2 beats "6 7" at 5..6
+    assert longest_suffix_match(h, 2, 1) == (7, 2)  # capped at 2: the most recent "6 7"
+    assert longest_suffix_match(h, 4, 4) == (-1, 0)
+    assert longest_suffix_match(np.array([3, 4]), 3, 1) == (-1, 0)
+    assert longest_suffix_match(np.array([4, 4]), 3, 1) == (1, 1)
+
+
+@pytest.mark.parametrize("rule", [copy_rule, None], ids=["copying", "random"])
+def test_greedy_identical_batch_1_and_4(rule):
+    llm = llm_for(rule)
+    plain = [llm.generate(p, max_new_tokens=40) for p in PROMPTS]
+    spec = [llm.generate(p, max_new_tokens=40, speculative="ngram") for p in PROMPTS]
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert [r.text for r in spec] == [r.text for r in plain]
+    batch = llm.generate(PROMPTS, max_new_tokens=40, speculative="ngram")
+    assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
+    if rule is copy_rule:
+        assert kinds(llm)["verify"] > 0 and min(r.metrics.accepted_per_step for r in spec if len(r.token_ids) > 8) > 1.5
+        assert all(0 < r.metrics.acceptance_rate <= 1 for r in spec[:2])
+
+
+def test_continuous_batching_rows_accept_different_counts():
+    llm = llm_for(max_batch=2)
+    reqs = [Request(p, SamplingParams(max_new_tokens=n), speculative=s)
+            for p, n, s in zip(PROMPTS * 2, [30, 5, 17, 40, 9, 23, 1, 12], ["ngram", None] * 4)]
+    plain = [llm.generate(r.prompt, max_new_tokens=r.params.max_new_tokens).token_ids for r in reqs]
+    llm.backend.calls.clear()
+    assert [r.token_ids for r in llm.generate_many(reqs)] == plain
+    assert max(len(slots) for kind, slots, _ in llm.backend.calls if kind == "verify") == 2
+    mapping = [{"prompt": p, "max_new_tokens": 20, "speculative": "ngram"} for p in PROMPTS]
+    assert [r.token_ids for r in llm.generate_many(mapping)] == [x[:20] for x in
+                                                                  [llm.generate(p, max_new_tokens=20).token_ids for p in PROMPTS]]
+
+
+def test_stop_string_and_eos_inside_an_accepted_run():
+    text = "one two three one two three one two three STOP one two three"
+    llm, script = scripted_llm(text, max_seq=128, max_batch=2)
+    llm.backend.calls.clear()
+    for stop in (["STOP"], ["three one"], []):
+        plain = llm.generate("x", max_new_tokens=60, stop=stop)
+        spec = llm.generate("x", max_new_tokens=60, stop=stop, speculative="ngram")
+        assert (spec.text, spec.token_ids, spec.finish_reason) == (plain.text, plain.token_ids, plain.finish_reason)
+    assert spec.token_ids[-1] == 0 and spec.finish_reason == "stop"  # eos (id 0) ended it
+    assert kinds(llm)["verify"] > 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 9, 26])
+def test_max_new_tokens_landing_mid_run(n):
+    llm = llm_for()
+    for p in PROMPTS[:2]:
+        plain = llm.generate(p, max_new_tokens=n)
+        spec = llm.generate(p, max_new_tokens=n, speculative=SpeculativeConfig(draft_len=8, adaptive=False))
+        assert spec.token_ids == plain.token_ids and len(spec.token_ids) == n and spec.finish_reason == "length"
+
+
+def test_cache_full_mid_run():
+    llm = llm_for(max_seq=40)
+    for p in PROMPTS:
+        plain = llm.generate(p, max_new_tokens=100)
+        spec = llm.generate(p, max_new_tokens=100, speculative=SpeculativeConfig(adaptive=False, draft_len=15))
+        assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason == "length"
+        assert len(llm.encode(p)) + len(spec.token_ids) == 40
+
+
+def test_stream_chat_and_penalties():
+    llm = make_llm(TOK, rule=copy_rule, max_seq=96, chat_template=(
+        "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>"))
+    plain = llm.generate(PROMPTS[1], max_new_tokens=30)
+    stream = llm.stream(PROMPTS[1], max_new_tokens=30, speculative="ngram")
+    deltas = list(stream)
+    assert "".join(deltas) == plain.text and stream.result.token_ids == plain.token_ids
+    assert len(deltas) < len(plain.token_ids)  # several tokens arrive per step
+    msgs = [{"role": "user", "content": "hello world"}]
+    assert llm.chat(msgs, max_new_tokens=25, speculative="ngram").token_ids == llm.chat(msgs, max_new_tokens=25).token_ids
+    assert "".join(llm.stream_chat(msgs, max_new_tokens=25, speculative="ngram")) == llm.chat(msgs, max_new_tokens=25).text
+    random_llm = llm_for(None)
+    for kw in ({"repetition_penalty": 1.3}, {"presence_penalty": 0.5, "frequency_penalty": 0.2}):
+        want = random_llm.generate(PROMPTS[0], max_new_tokens=30, **kw).token_ids
+        assert random_llm.generate(PROMPTS[0], max_new_tokens=30, speculative="ngram", **kw).token_ids == want
+
+
+def fixed_costs(llm: LLM, per_token: float) -> None:
+    """Step costs as given instead of measured (fake steps take microseconds): decode 1, a verify
+    of w tokens 1 + per_token * (w - 1)."""
+    llm.speculator.costs.record = lambda *a: None
+    llm.speculator.costs.seconds = {(1, w): 1 + per_token * (w - 1) for w in range(1, 17)}
+
+
+def test_fallback_when_acceptance_collapses():
+    """A noisy model: drafts are mostly wrong, so after a few tries most steps are plain decodes;
+    a copying model under the same costs verifies most steps."""
+    llm = llm_for(noisy_rule, max_seq=256)
+    fixed_costs(llm, 0.3)
+    llm.generate(PROMPTS[0], max_new_tokens=200, speculative="ngram")
+    assert kinds(llm)["decode"] > 4 * kinds(llm).get("verify", 0)
+    copying = llm_for(max_seq=256)
+    fixed_costs(copying, 0.3)
+    copying.generate(PROMPTS[0], max_new_tokens=200, speculative="ngram")
+    assert kinds(copying)["verify"] > 2 * kinds(copying).get("decode", 0)
+    llm.backend.calls.clear()
+    llm.generate(PROMPTS[0], max_new_tokens=50, speculative=SpeculativeConfig(adaptive=False))
+    assert kinds(llm)["verify"] > kinds(llm).get("decode", 0)  # without adaptivity every match is verified
+
+
+def test_bad_arguments():
+    llm = llm_for()
+    with pytest.raises(DecodertError, match="speculative must be one of ngram, draft"):
+        llm.generate("a", speculative="medusa")
+    with pytest.raises(DecodertError, match="draft_len must be an integer >= 1"):
+        llm.generate("a", speculative=SpeculativeConfig(draft_len=0))
+    with pytest.raises(DecodertError, match="min_ngram 3 exceeds max_ngram 2"):
+        llm.generate("a", speculative=SpeculativeConfig(max_ngram=2, min_ngram=3))
+    with pytest.raises(DecodertError, match="needs a draft model"):
+        llm.generate("a", speculative="draft")
+    with pytest.raises(DecodertError, match="speculative must be 'ngram', 'draft' or a SpeculativeConfig"):
+        llm.generate("a", speculative=3)
+    old = llm_for()
+    old.backend.verify_width = 0
+    with pytest.raises(DecodertError, match="no verify graph"):
+        old.generate("a", speculative="ngram")
+
+
+def test_draft_model_greedy_identical_and_in_step():
+    """The draft model is the target itself with another seed's weights mixed in: right often, not always."""
+    target = llm_for(None, max_seq=96)
+    draft_backend = FakeBackend(vocab_size=target.backend.vocab_size, max_seq=96, max_batch=4, seed=0)
+    draft_backend.H = draft_backend.H + np.random.default_rng(9).standard_normal(draft_backend.H.shape).astype(np.float32)
+    llm = LLM(target.backend, TOK, target.manifest, draft=LLM(draft_backend, TOK, target.manifest))
+    plain = [llm.generate(p, max_new_tokens=30).token_ids for p in PROMPTS]
+    assert [llm.generate(p, max_new_tokens=30, speculative="draft").token_ids for p in PROMPTS] == plain
+    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=30, speculative="draft")] == plain
+    r = llm.generate(PROMPTS[1], max_new_tokens=30, speculative=SpeculativeConfig("draft", adaptive=False))
+    assert r.token_ids == plain[1] and r.metrics.acceptance_rate > 0.2
+
+
+class MarkovBackend(FakeBackend):
+    """Logits depend on the last token only (table L [V, V]): the exact distribution of a
+    continuation is a product of rows of softmax(L)."""
+
+    def __init__(self, vocab_size: int, table: np.ndarray) -> None:
+        super().__init__(vocab_size=vocab_size, max_seq=64, max_batch=1)
+        self.table = table
+
+    def logits_for(self, history: np.ndarray) -> np.ndarray:
+        return self.table[history[-1]]
+
+
+def test_speculative_sampling_has_plain_sampling_distribution():
+    """4000 seeds; the three generated tokens (the last two come from one verify pass: a draft
+    accepted or rejected, then a bonus or resampled token) of speculative sampling against the
+    exact joint distribution, and plain sampling as a control."""
+    vocab = TOK.get_vocab_size()
+    rng = np.random.default_rng(0)
+    hot = [40, 41, 42, 43, 44]  # the likely tokens (top-k 4 of them per row), so drafts are often right
+    table = np.full((vocab, vocab), -8.0, np.float32)
+    table[:, hot] = rng.normal(0, 1, (vocab, len(hot))).astype(np.float32)
+    llm = LLM(MarkovBackend(vocab, table), TOK, {"tokenizer": {"eos_token_ids": []}})
+    prompt = [40, 41, 42, 43, 44, 40, 41, 42, 43, 44, 40]
+    dist = make_distribution(0.9, top_k=4)
+    step = np.stack([dist(table[t][None])[0, hot] for t in hot])  # [5, 5] p(next | last), over hot
+    step /= step.sum(-1, keepdims=True)
+    exact = step[0][:, None, None] * step[:, :, None] * step[None, :, :]  # [5, 5, 5] p(t1) p(t2|t1) p(t3|t2)
+    counts = {"plain": np.zeros((5, 5, 5)), "ngram": np.zeros((5, 5, 5))}
+    for seed in range(4000):
+        for name, spec in (("plain", None), ("ngram", SpeculativeConfig(adaptive=False))):
+            ids = llm.generate(prompt, seed=seed, speculative=spec, max_new_tokens=3, temperature=0.9, top_k=4).token_ids
+            counts[name][tuple(hot.index(t) for t in ids)] += 1
+    assert kinds(llm)["verify"] == 4000
+    keep = exact * 4000 >= 5  # cells expected to hold >= 5 draws; the rest is pooled into one
+    for name, c in counts.items():
+        assert c.sum() == 4000, name
+        seen = np.append(c[keep], c[~keep].sum())
+        e = np.append(exact[keep], exact[~keep].sum()) * 4000
+        chi2 = float(((seen - e) ** 2 / e).sum())
+        assert chi2 < 1.5 * len(e) + 25, (name, chi2, len(e))  # about the cell count if exact
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1 and expected_tokens(1.0, 3) == 4
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+

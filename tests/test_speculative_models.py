@@ -1,0 +1,83 @@
+"""Speculative decoding on exported models: tiny random checkpoints of every family and SmolLM2.
+
+Greedy speculative output must be token-for-token the plain greedy output of the same artifact
+(itself checked against transformers in tests/test_export.py), at batch 1 and batch 4.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny import FAMILIES  # noqa: E402
+
+from decodert.export.pipeline import export_model  # noqa: E402
+from decodert.runtime.llm import LLM, Request  # noqa: E402
+from decodert.runtime.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.speculative import SpeculativeConfig  # noqa: E402
+
+GROUNDED = ("Fix the spelling: 'The quick brown fox jumsp over the lazzy dog.' Corrected: "
+            "'The quick brown fox jumps over the lazy dog.'")
+
+
+def prompts(llm: LLM) -> list[np.ndarray]:
+    rng = np.random.default_rng(4)
+    repeat = rng.integers(3, llm.backend.vocab_size, 6)
+    return [llm.encode("Hello world! How are you today?"), llm.encode(GROUNDED),
+            np.tile(repeat, 4), rng.integers(3, llm.backend.vocab_size, 9)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identical_every_family(tiny_checkpoint, tmp_path, family):
+    out = tmp_path / "art"
+    export_model(tiny_checkpoint(family), out, target="ort", max_seq=128, max_batch=4, progress=False)
+    llm = LLM.load(out, backend="ort")
+    ps = prompts(llm)
+    plain = [llm.generate(p, max_new_tokens=48) for p in ps]
+    spec = [llm.generate(p, max_new_tokens=48, speculative="ngram") for p in ps]
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    fixed = SpeculativeConfig(adaptive=False, draft_len=6)
+    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=48), speculative=fixed) for p in ps])
+    assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
+    assert max(r.metrics.accepted_per_step for r in batch) > 1.0  # some drafts were accepted
+    tail = [llm.generate(p, max_new_tokens=200, speculative=fixed) for p in ps[2:]]  # into max_seq (or eos)
+    want = [llm.generate(p, max_new_tokens=200) for p in ps[2:]]
+    assert [(r.token_ids, r.finish_reason) for r in tail] == [(r.token_ids, r.finish_reason) for r in want]
+
+
+def test_sampling_runs_on_a_real_model(tiny_checkpoint, tmp_path):
+    out = tmp_path / "art"
+    export_model(tiny_checkpoint("qwen2"), out, target="ort", max_seq=64, max_batch=4, progress=False)
+    llm = LLM.load(out, backend="ort")
+    kw = dict(max_new_tokens=20, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
+    fixed = SpeculativeConfig(adaptive=False)  # adaptive steps depend on timings, so on the draws made
+    a = llm.generate(GROUNDED, seed=3, speculative=fixed, **kw)
+    b = llm.generate(GROUNDED, seed=3, speculative=fixed, **kw)
+    assert a.token_ids == b.token_ids and 1 <= len(a.token_ids) <= 20  # seeded: reproducible
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32(smollm2_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2-spec") / "fp32"
+    export_model(smollm2_gguf, out, target="ort", max_seq=512, max_batch=4, progress=False)
+    return LLM.load(out, backend="ort")
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identical(smollm2_fp32):
+    llm = smollm2_fp32
+    chats = [[{"role": "user", "content": GROUNDED}],
+             [{"role": "user", "content": "Add a docstring:\ndef area(w, h):\n    return w * h\n"}],
+             [{"role": "user", "content": "List three colours."}],
+             [{"role": "user", "content": "Extract the names: Ann (34, Paris), Bob (29, Rome), Cy (41, Oslo)."}]]
+    plain = [llm.chat(m, max_new_tokens=64, temperature=0.0) for m in chats]
+    spec = [llm.chat(m, max_new_tokens=64, temperature=0.0, speculative="ngram") for m in chats]
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    batch = llm.generate_many([Request(messages=m, params=SamplingParams(max_new_tokens=64), speculative="ngram")
+                               for m in chats])
+    assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
+    assert max(r.metrics.accepted_per_step for r in spec) > 1.2

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from decodert.errors import DecodertError, first_line
+from decodert.export.semantics import check_finite, check_spec
 from decodert.models.spec import ModelSpec, canonical_names, canonical_shape
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -56,6 +57,7 @@ def build_spec(make: Callable[[], ModelSpec], where: Path | str, n_tensors: int)
         raise DecodertError(f"{where}: {e}") from None
     except _BAD_VALUE as e:
         raise DecodertError(f"{where}: invalid model settings ({one_line(e)})") from None
+    check_spec(spec, where)  # finite, positive float settings (RoPE base, RMS epsilon)
     rot = spec.rope.rotary_dim or spec.head_dim
     if spec.head_dim % 2 or rot % 2 or not 2 <= rot <= spec.head_dim:
         raise DecodertError(f"{where}: head_dim {spec.head_dim} and rotary dim {rot} must be even, rotary <= head_dim")
@@ -147,6 +149,10 @@ class Checkpoint:
         for name in self.names():
             self._parts(name)
 
+    def used_keys(self) -> set[str]:
+        """The checkpoint keys the canonical weights are read from."""
+        return {key for name in self.names() for key in source_keys(self.table, name)}
+
     def block_type(self, name: str) -> str | None:
         """The block quantization type (GGUF's name, e.g. "Q4_0") every part of `name` is stored in,
         or None: a float checkpoint, parts of different types, or a quirk that is not a row reorder."""
@@ -161,6 +167,8 @@ class Checkpoint:
         if name not in self._names:
             raise KeyError(f"'{name}' is not a canonical weight of this {self.spec.family} model")
         parts = [self._fix(key, self._read(key)) for key in self._parts(name)]
+        for key, part in zip(source_keys(self.table, name), parts):
+            check_finite([part], key, self.source)
         w = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)  # fused rows: q|k|v, gate|up
         return np.ascontiguousarray(w, dtype=np.float32)
 
@@ -172,4 +180,3 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec.family} {self.source}>"
-

@@ -14,6 +14,7 @@ from decodert.export.checkpoint import Checkpoint, build_spec, one_line
 from decodert.export.gguf_header import check_gguf
 from decodert.export.quant import QuantizedWeight
 from decodert.export.quant_gguf import EXACT_BITS, concat_rows, take_rows, transcode
+from decodert.export.semantics import check_finite, check_tensors_used
 from decodert.models import family_for
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -125,6 +126,7 @@ class GGUFCheckpoint(Checkpoint):
                 qw = transcode(np.asarray(self._tensor_info(key).data), kind, n, k)
             except ValueError as e:
                 raise DecodertError(f"{self.source}: cannot read the {kind} blocks of tensor '{key}' ({one_line(e)})") from None
+            check_finite([qw.scales, qw.mins], key, self.source)
             order = self._row_order(key)
             parts.append(qw if order is None or (order == np.arange(n)).all() else take_rows(qw, order))
         return concat_rows(parts)  # fused rows: q|k|v, gate|up
@@ -148,4 +150,6 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
             raise DecodertError(f"{path}: not a GGUF file (bad magic)")
     ckpt = GGUFCheckpoint(path)
     ckpt.validate()
+    used = ckpt.used_keys() | {"rope_freqs.weight"}  # rope_freqs is read into the spec
+    check_tensors_used(ckpt._tensors, used, ckpt.spec.num_layers, path, getattr(ckpt.family, "GGUF_UNUSED", ()))
     return ckpt

@@ -12,6 +12,7 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.export.checkpoint import Checkpoint, build_spec
 from decodert.export.checkpoint_safetensors import SafetensorsFile
+from decodert.export.semantics import check_tensors_used
 from decodert.models import family_for
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
@@ -129,6 +130,8 @@ def _sanitized(folder: Path, where: dict[str, Path], sanitize) -> tuple[dict[str
 def open_hf(folder: Path) -> HFCheckpoint:
     ckpt = HFCheckpoint(folder)
     ckpt.validate()
+    check_tensors_used(ckpt._where, ckpt.used_keys(), ckpt.spec.num_layers, folder,
+                       getattr(ckpt.family, "HF_UNUSED", ()), strict=False)  # layers past num_hidden_layers
     return ckpt
 
 
@@ -153,10 +156,16 @@ def _token_ids(tok: dict) -> dict[str, int]:
 
 
 def _chat_template(folder: Path, tok_config: dict) -> str | None:
+    """tokenizer_config's chat_template (a string, or [{"name", "template"}, ...]: "default" or the
+    first), else chat_template.jinja; any other type is refused (the artifact could never load)."""
     template = tok_config.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
+    if isinstance(template, list) and template and all(
+            isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+        named = {t.get("name"): t["template"] for t in template}
+        template = named.get("default") or next(iter(named.values()))
+    elif template is not None and not isinstance(template, str):
+        raise DecodertError(f"{folder / 'tokenizer_config.json'}: chat_template is a {type(template).__name__} "
+                            "that is not a string or a list of {name, template} strings")
     jinja = folder / "chat_template.jinja"
     if template is None and jinja.is_file():
         template = jinja.read_text(encoding="utf-8")

@@ -19,6 +19,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         p = p.parent
     if p.is_dir():
         return open_hf(p)
+    if not p.is_file():  # a FIFO would block open() forever; a device is endless
+        raise DecodertError(f"{p}: not a regular file or a folder (a FIFO, device or socket)")
     if p.suffix.lower() == ".gguf" or _is_gguf(p):
         return open_gguf(p)
     raise DecodertError(f"{p}: not a Hugging Face checkpoint folder or a GGUF file")

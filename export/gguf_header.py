@@ -162,9 +162,14 @@ def walk_gguf(buf: Any, size: int, record: bool = False) -> GGUFLayout:
     names: set[str] = set()
     tensors = [_tensor_info(cur, names) for _ in range(layout.n_tensors)]
     layout.data_offset = -(-cur.pos // layout.alignment) * layout.alignment
+    expected = 0  # as in ggml: each tensor's data starts where the previous one's (padded) ends
     for name, offset, nbytes in tensors:
         if offset % layout.alignment:
             raise DecodertError(f"tensor '{name}' data offset {offset} is not aligned to {layout.alignment}")
+        if offset != expected:
+            raise DecodertError(f"tensor '{name}' data offset {offset} is not {expected}, where the previous tensor's "
+                                "data ends (tensor data overlaps, is shared or leaves a gap)")
+        expected = offset + -(-nbytes // layout.alignment) * layout.alignment
         end = layout.data_offset + offset + nbytes
         if end > size:
             raise DecodertError(f"tensor '{name}' ends at byte {end} past the end of the file ({size} bytes; truncated?)")

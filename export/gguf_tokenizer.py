@@ -157,6 +157,9 @@ def check_tokenizer_meta(meta: dict, source: Path | str) -> None:
     template = meta.get("tokenizer.chat_template")
     checks["chat_template"] = template is None or isinstance(template, str)
     bad = [k for k, ok in checks.items() if not ok]
+    if not bad and meta.get("tokenizer.ggml.model") == "gpt2" and not meta.get("tokenizer.ggml.merges"):
+        raise DecodertError(f"{source}: a gpt2 (byte-level BPE) tokenizer without tokenizer.ggml.merges would "
+                            "split every text into single bytes; the file is incomplete")
     if bad:
         raise DecodertError(f"{source}: tokenizer.ggml metadata is malformed ({', '.join(bad)}: wrong type, "
                             f"length or an id outside the {n} tokens)")

@@ -227,8 +227,9 @@ def _check_tokenizer(tok: dict, m: dict, path: Path) -> None:
     _need(safe_name(tok.get("file", "tokenizer.json")), path, "tokenizer.file is not a file name in the artifact folder")
     ok = (_id_list(tok.get("eos_token_ids", [])) and _opt_id(tok.get("bos_token_id")) and _opt_id(tok.get("pad_token_id"))
           and isinstance(tok.get("add_bos_token", False), bool)
-          and (tok.get("chat_template") is None or isinstance(tok["chat_template"], str)))
-    _need(ok, path, "tokenizer token ids / add_bos_token / chat_template are malformed")
+          and (tok.get("chat_template") is None or isinstance(tok["chat_template"], str))
+          and (tok.get("vocab_size") is None or _count(tok["vocab_size"], 1)))
+    _need(ok, path, "tokenizer token ids / add_bos_token / chat_template / vocab_size are malformed")
 
 
 def verify_files(folder: Path, manifest: dict[str, Any], full: bool = False) -> None:

@@ -26,6 +26,7 @@ from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_
 from decodert.export.quant_gguf import transcoded_as
 from decodert.export.sampling_defaults import sampling_record
 from decodert.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_record, write_manifest
+from decodert.export.semantics import tokenizer_vocab
 from decodert.export.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names, rope_tables
 from decodert.plugins.selection import choose_plugins
@@ -80,6 +81,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
             graphs[kind] = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
         graphs["verify"]["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
         tokenizer = ckpt.write_tokenizer(tmp)
+        tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
         manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)
         manifest["sampling"] = sampling_record(ckpt, tokenizer.get("chat_template"))
         if plugin_record is not None:

@@ -383,9 +383,14 @@ def open_tokenizer(path: Path, manifest: Mapping[str, Any]) -> Any:
     if not file.is_file():
         raise DecodertError(f"{file} not found (tokenizer of the artifact)")
     try:
-        return Tokenizer.from_file(str(file))
+        tokenizer = Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
         raise DecodertError(f"cannot load tokenizer {file}: {e}") from None
+    n, recorded = tokenizer.get_vocab_size(with_added_tokens=True), (manifest.get("tokenizer") or {}).get("vocab_size")
+    if (recorded is not None and n != recorded) or n > (manifest.get("model") or {}).get("vocab_size", n):
+        raise DecodertError(f"{file}: has {n} tokens but the artifact was exported with {recorded or 'fewer'}; "
+                            "the tokenizer was replaced (re-export the model)")
+    return tokenizer
 
 
 def open_backend(path: Path, manifest: Mapping[str, Any], choice: str = "auto") -> Any:

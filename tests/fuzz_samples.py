@@ -97,7 +97,10 @@ def _random_q4k(shape: tuple[int, int], seed: int) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 144)
 
 
-def make_gguf(path: Path, seed: int = 0) -> Path:
+def make_gguf(path: Path, seed: int = 0, meta: dict | None = None, merges: bool = True,
+              extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """The mini llama GGUF; ``meta`` adds float32 metadata (``{"llama.rope.freq_base": nan}``),
+    ``merges=False`` leaves the BPE merges out, ``extra_tensors`` adds F32 tensors."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), "llama")
@@ -106,13 +109,16 @@ def make_gguf(path: Path, seed: int = 0) -> Path:
                        ("attention.head_count_kv", KV_HEADS), ("rope.dimension_count", HEAD_DIM)):
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, value in (meta or {}).items():
+        w.add_float32(key, value)
     tok = json.loads(make_tokenizer().to_str())
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_types([3 if i < 3 else 1 for i in range(len(tokens))])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    if merges:
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_bos_token_id(0)
     w.add_chat_template(CHAT_TEMPLATE)
     for key, arr in hf_weights(seed).items():
@@ -126,6 +132,8 @@ def make_gguf(path: Path, seed: int = 0) -> Path:
             w.add_tensor(name, _random_q4k(arr.shape, seed), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    for name, arr in (extra_tensors or {}).items():
+        w.add_tensor(name, arr.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -18,15 +18,16 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_expert
 _GGUF_MOE_KEYS = ("expert_count", "expert_used_count")
 
 
-def reject_unsupported_hf(config: dict) -> None:
-    """Raise for configs decodert cannot run: MoE, non-SiLU MLP, extra biases, encoder-decoder."""
+def reject_unsupported_hf(config: dict, check_activation: bool = True) -> None:
+    """Raise for configs decodert cannot run: MoE, non-SiLU MLP (unless the family reads its own
+    activation), extra biases, encoder-decoder."""
     for key in _MOE_KEYS:
         if config.get(key):
             raise DecodertError(f"mixture-of-experts models are not supported ({key}={config[key]})")
     if config.get("is_encoder_decoder"):
         raise DecodertError("encoder-decoder models are not supported (is_encoder_decoder=true)")
     act = config.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
+    if check_activation and act not in ("silu", "swish"):
         raise DecodertError(f"hidden_act '{act}' is not supported (only silu)")
     if config.get("mlp_bias"):
         raise DecodertError("mlp_bias=true is not supported")
@@ -82,7 +83,7 @@ def _req(source: dict, key: str, what: str) -> Any:
 
 def spec_from_hf_config(family: str, config: dict, **extra: Any) -> ModelSpec:
     """The fields every family reads the same way from config.json; `extra` overrides."""
-    reject_unsupported_hf(config)
+    reject_unsupported_hf(config, check_activation="activation" not in extra)
     hidden = int(_req(config, "hidden_size", "config.json"))
     heads = int(_req(config, "num_attention_heads", "config.json"))
     fields: dict[str, Any] = dict(

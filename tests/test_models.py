@@ -49,10 +49,10 @@ def test_registry_is_built_from_the_declarations():
         assert module.HF_WEIGHTS and module.GGUF_WEIGHTS
 
 
-@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
-def test_every_canonical_name_has_a_source(module):
-    spec = ModelSpec(module.__name__.rsplit(".", 1)[-1], 32, 16, 24, 2, 4, 2, 4, 1e-6,
-                     qkv_bias=module is qwen2, qk_norm=module is qwen3)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_canonical_name_has_a_source(family):
+    spec = hf(family)
+    module = family_for(spec.family)
     for table in (module.HF_WEIGHTS, module.GGUF_WEIGHTS):
         for name in canonical_names(spec):
             keys = source_keys(table, name)
@@ -193,8 +193,8 @@ def test_llama3_rope_from_gguf_frequency_factors():
 
 
 def test_tiny_configs_cover_every_family():
-    assert set(FAMILIES) == {"llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "phi3"}
-    assert {hf(f).family for f in FAMILIES} == {"llama", "mistral", "qwen2", "qwen3", "phi3"}
+    assert set(FAMILIES) == {"llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "phi3", "gemma3"}
+    assert {hf(f).family for f in FAMILIES} == set(families())
     assert {hf(f).group_size for f in FAMILIES} >= {1, 2, 4}
     assert {hf(f).head_dim for f in FAMILIES} == {16, 32}
 

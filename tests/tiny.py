@@ -30,6 +30,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3": dict(model_type="qwen3", num_key_value_heads=4, head_dim=32),
     "phi3": dict(model_type="phi3", num_key_value_heads=4, head_dim=None, partial_rotary_factor=0.5,
                  original_max_position_embeddings=1024),
+    # a window of 4 so prompts and decode steps cross it; one sliding and one full layer, two RoPE bases,
+    # a softmax scale that is not 1/sqrt(head_dim)
+    "gemma3": dict(model_type="gemma3_text", tie_word_embeddings=True, sliding_window=4, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh",
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 FAMILIES = tuple(CONFIGS)
 
@@ -111,7 +117,7 @@ def make_tiny_checkpoint(family: str, path: str | Path, **overrides: Any) -> Pat
 # -- GGUF ---------------------------------------------------------------------------------------------
 
 GGUF_ARCH = {"llama": "llama", "llama3": "llama", "llama_tied": "llama", "mistral": "llama",  # as llama.cpp
-             "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+             "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3"}
 # HF key suffix -> GGUF tensor suffix, the way llama.cpp's converter names them.
 _GGUF_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -123,15 +129,35 @@ _GGUF_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma's four norms per layer (llama.cpp's tensor_mapping: ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM).
+_GGUF_NAMES_GEMMA = {**_GGUF_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                     "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 _GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
 
 
-def _gguf_name(key: str) -> str:
+def _gguf_name(key: str, arch: str) -> str:
     if key in _GGUF_TOP:
         return _GGUF_TOP[key]
     _, _, layer, rest = key.split(".", 3)  # model.layers.{i}.<rest>
-    return f"blk.{layer}.{_GGUF_NAMES[rest]}"
+    return f"blk.{layer}.{(_GGUF_NAMES_GEMMA if arch.startswith('gemma') else _GGUF_NAMES)[rest]}"
+
+
+def _gguf_gemma_meta(writer: Any, cfg: dict) -> None:
+    """What llama.cpp's Gemma converters store, plus the keys it leaves to fixed rules (pattern, local
+    base, softmax scale) written out, since a 2-layer model does not follow those rules."""
+    writer.add_sliding_window(cfg["sliding_window"])
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if cfg["query_pre_attn_scalar"] != head_dim:
+        writer.add_attention_scale(cfg["query_pre_attn_scalar"] ** -0.5)
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    if local:
+        writer.add_rope_freq_base_swa(local["rope_theta"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key):
+            writer.add_float32(f"{writer.arch}.{key}", cfg[key])
 
 
 def _interleave_rows(w: Any, n_head: int) -> Any:
@@ -169,7 +195,10 @@ def _gguf_model_meta(writer: Any, arch: str, cfg: dict) -> None:
                        ("rope.dimension_count", int(head_dim * prf)), ("vocab_size", cfg["vocab_size"])):
         writer.add_uint32(f"{arch}.{key}", int(value))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-    writer.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    full = rope.get("full_attention") or rope  # Gemma 3: per-layer-type rope_parameters
+    writer.add_float32(f"{arch}.rope.freq_base", full.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if arch.startswith("gemma"):
+        _gguf_gemma_meta(writer, cfg)
 
 
 def _rope_freqs(cfg: dict) -> Any:
@@ -207,11 +236,13 @@ def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict 
     qt = gguf.GGMLQuantizationType[qtype]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     for key, w in load_file(hf_dir / "model.safetensors").items():
-        name = _gguf_name(key)
+        name = _gguf_name(key, arch)
         if name in drop:
             continue
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _interleave_rows(w, heads if "attn_q" in name else kv)
+        if arch.startswith("gemma") and key.endswith("norm.weight"):
+            w = w + np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) norm factor
         if raw and name in raw:
             kind, data = raw[name]
             writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
@@ -233,19 +264,30 @@ def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict 
 
 def torch_weights(model, spec) -> dict:
     """Canonical name -> np.float32, read from a transformers model's modules (not its state-dict keys)."""
+    import numpy as np
     import torch
 
     def arr(*ts):
         return torch.cat([t.detach().float() for t in ts], 0).numpy()
 
     m = model.model
-    out = {"embed": arr(m.embed_tokens.weight), "final_norm": arr(m.norm.weight)}
+    shift = 1.0 if type(m.norm).__name__.startswith("Gemma") else 0.0  # Gemma's norm multiplies by 1 + w
+
+    def norm(module):
+        return arr(module.weight) + np.float32(shift)
+
+    out = {"embed": arr(m.embed_tokens.weight), "final_norm": norm(m.norm)}
     if not spec.tie_word_embeddings:
         out["lm_head"] = arr(model.lm_head.weight)
     for i, layer in enumerate(m.layers):
         a, mlp, p = layer.self_attn, layer.mlp, f"layers.{i}."
-        out[p + "input_norm"] = arr(layer.input_layernorm.weight)
-        out[p + "post_norm"] = arr(layer.post_attention_layernorm.weight)
+        out[p + "input_norm"] = norm(layer.input_layernorm)
+        if spec.sandwich_norm:
+            out[p + "attn_out_norm"] = norm(layer.post_attention_layernorm)
+            out[p + "post_norm"] = norm(layer.pre_feedforward_layernorm)
+            out[p + "mlp_out_norm"] = norm(layer.post_feedforward_layernorm)
+        else:
+            out[p + "post_norm"] = norm(layer.post_attention_layernorm)
         out[p + "o"] = arr(a.o_proj.weight)
         out[p + "down"] = arr(mlp.down_proj.weight)
         if hasattr(a, "qkv_proj"):
@@ -255,7 +297,7 @@ def torch_weights(model, spec) -> dict:
         if spec.qkv_bias:
             out[p + "qkv_bias"] = arr(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
         if spec.qk_norm:
-            out[p + "q_norm"], out[p + "k_norm"] = arr(a.q_norm.weight), arr(a.k_norm.weight)
+            out[p + "q_norm"], out[p + "k_norm"] = norm(a.q_norm), norm(a.k_norm)
         out[p + "gate_up"] = (arr(mlp.gate_up_proj.weight) if hasattr(mlp, "gate_up_proj")
                               else arr(mlp.gate_proj.weight, mlp.up_proj.weight))
     return out

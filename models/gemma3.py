@@ -1,0 +1,182 @@
+"""Gemma 3 (text): Llama plus GELU-tanh gate, (1 + w) RMSNorms around both blocks, embeddings x
+sqrt(hidden), q/k norm, and sliding layers (local RoPE base) between full ones (global base).
+
+    config.json  model_type gemma3_text, or gemma3 (a multimodal checkpoint: its text_config and
+                 its language-model weights; the vision tower is left out)
+    GGUF         general.architecture gemma3 (llama.cpp's converter: norms stored as 1 + w already;
+                 the pattern, local base and softmax scale are llama.cpp's fixed rules unless stored)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.models.common import f32, gguf_key, hf_rope, spec_from_gguf_meta, spec_from_hf_config
+from decodert.models.spec import ModelSpec, RopeSpec
+
+MODEL_TYPES = ("gemma3_text", "gemma3")
+GGUF_ARCHITECTURES = ("gemma3",)
+
+_L = "model.layers.{i}."
+HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
+    "embed": "model.embed_tokens.weight",
+    "layers.{i}.input_norm": _L + "input_layernorm.weight",
+    "layers.{i}.qkv": (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
+    "layers.{i}.q_norm": _L + "self_attn.q_norm.weight",
+    "layers.{i}.k_norm": _L + "self_attn.k_norm.weight",
+    "layers.{i}.o": _L + "self_attn.o_proj.weight",
+    "layers.{i}.attn_out_norm": _L + "post_attention_layernorm.weight",
+    "layers.{i}.post_norm": _L + "pre_feedforward_layernorm.weight",
+    "layers.{i}.gate_up": (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+    "layers.{i}.down": _L + "mlp.down_proj.weight",
+    "layers.{i}.mlp_out_norm": _L + "post_feedforward_layernorm.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+}
+
+_B = "blk.{i}."
+GGUF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
+    "embed": "token_embd.weight",
+    "layers.{i}.input_norm": _B + "attn_norm.weight",
+    "layers.{i}.qkv": (_B + "attn_q.weight", _B + "attn_k.weight", _B + "attn_v.weight"),
+    "layers.{i}.q_norm": _B + "attn_q_norm.weight",
+    "layers.{i}.k_norm": _B + "attn_k_norm.weight",
+    "layers.{i}.o": _B + "attn_output.weight",
+    "layers.{i}.attn_out_norm": _B + "post_attention_norm.weight",
+    "layers.{i}.post_norm": _B + "ffn_norm.weight",
+    "layers.{i}.gate_up": (_B + "ffn_gate.weight", _B + "ffn_up.weight"),
+    "layers.{i}.down": _B + "ffn_down.weight",
+    "layers.{i}.mlp_out_norm": _B + "post_ffw_norm.weight",
+    "final_norm": "output_norm.weight",
+    "lm_head": "output.weight",
+}
+
+# transformers' Gemma3TextConfig defaults: a multimodal config.json lists only what differs.
+HF_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+    sliding_window_pattern=6,
+)
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # transformers' names of the tanh approximation
+_MULTIMODAL = {"model.language_model.": "model.", "language_model.model.": "model.",
+               "language_model.lm_head.": "lm_head."}
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def sanitize(key: str) -> str | None:
+    """A multimodal checkpoint's language-model keys -> the text model's names; vision keys dropped."""
+    if key.startswith(_VISION):
+        return None
+    for prefix, plain in _MULTIMODAL.items():
+        if key.startswith(prefix):
+            return plain + key[len(prefix):]
+    return key
+
+
+def hf_fix(key: str, w: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """Gemma's RMSNorm multiplies by (1 + w): canonical norm weights are that factor."""
+    return w + np.float32(1.0) if key.endswith("norm.weight") else w
+
+
+def text_config(config: dict, defaults: dict[str, Any]) -> dict:
+    """The language model's settings: defaults, then text_config (gemma3) or the config itself."""
+    if config.get("model_type") != "gemma3":
+        return {**defaults, **config}
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise DecodertError("a gemma3 config.json needs a 'text_config' object")
+    top = {k: config[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in config}
+    return {**defaults, **text, **top}
+
+
+def hf_gemma_fields(family: str, config: dict) -> dict[str, Any]:
+    """What Gemma 2 and 3 read alike: activation, norms, embed scale, layer pattern, scale, soft-caps."""
+    if config.get("use_bidirectional_attention"):
+        raise DecodertError("use_bidirectional_attention=true is not supported (decodert is causal)")
+    if config.get("attention_bias"):
+        raise DecodertError(f"attention_bias=true is not supported for {family}")
+    act = config.get("hidden_activation") or config.get("hidden_act")
+    if act not in GELU_TANH:
+        raise DecodertError(f"hidden_activation '{act}' is not supported for {family} (only gelu_pytorch_tanh)")
+    layers = int(config["num_hidden_layers"])
+    kinds = config.get("layer_types")
+    if kinds is None:  # transformers' rule: every pattern-th layer is full
+        pattern = int(config["sliding_window_pattern"])
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    names = {"sliding_attention": "sliding", "full_attention": "full"}
+    if not isinstance(kinds, list) or any(k not in names for k in kinds):
+        raise DecodertError(f"layer_types must list sliding_attention / full_attention per layer (got {kinds!r})")
+    window = config.get("sliding_window")
+    return dict(
+        activation="gelu_tanh", sandwich_norm=True, embed_scale=math.sqrt(int(config["hidden_size"])),
+        layer_types=tuple(names[k] for k in kinds), sliding_window=int(window) if window else None,
+        attn_scale=float(config["query_pre_attn_scalar"]) ** -0.5,
+        attn_softcap=_positive(config.get("attn_logit_softcapping")),
+        final_softcap=_positive(config.get("final_logit_softcapping")),
+    )
+
+
+def _positive(value: Any) -> float | None:
+    return float(value) if value else None
+
+
+def hf_ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
+    """(full layers' RoPE, sliding layers' RoPE), from transformers 5's per-layer-type rope_parameters
+    or 4.x's rope_theta + rope_scaling (full layers only) + rope_local_base_freq."""
+    params = config.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = hf_rope({"rope_parameters": params.get("full_attention") or {}, "rope_theta": config["rope_theta"]})
+        local = hf_rope({"rope_parameters": params.get("sliding_attention") or {},
+                         "rope_theta": config["rope_local_base_freq"]})
+        return full, local
+    full = hf_rope({"rope_scaling": config.get("rope_scaling"), "rope_parameters": params,
+                    "rope_theta": config["rope_theta"]})
+    return full, RopeSpec(theta=float(config["rope_local_base_freq"]))
+
+
+def spec_from_hf(config: dict) -> ModelSpec:
+    config = text_config(config, HF_DEFAULTS)
+    full, local = hf_ropes(config)
+    return spec_from_hf_config("gemma3", config, qk_norm=True, rope=full, local_rope=local,
+                               **hf_gemma_fields("gemma3", config))
+
+
+def gguf_layer_types(meta: dict, layers: int, pattern: int) -> tuple[str, ...]:
+    """From `attention.sliding_window_pattern` (an int n: every n-th layer full; or one bool per
+    layer, true = sliding), else llama.cpp's fixed pattern for the architecture."""
+    value = gguf_key(meta, "attention.sliding_window_pattern", pattern)
+    if isinstance(value, list):
+        if len(value) != layers:
+            raise DecodertError(f"attention.sliding_window_pattern lists {len(value)} layers, not {layers}")
+        return tuple("sliding" if v else "full" for v in value)
+    n = int(value)
+    return tuple("sliding" if n < 1 or (i + 1) % n else "full" for i in range(layers))
+
+
+def gguf_gemma_fields(meta: dict, pattern: int, large_layers: int) -> dict[str, Any]:
+    """Gemma 2 and 3 from llama.cpp metadata. llama.cpp's softmax scale: 1/sqrt(hidden / heads) for the
+    27B model (``large_layers`` blocks), else 1/sqrt(head_dim); `attention.scale` wins when stored."""
+    hidden, heads = int(gguf_key(meta, "embedding_length")), int(gguf_key(meta, "attention.head_count"))
+    layers, head_dim = int(gguf_key(meta, "block_count")), int(gguf_key(meta, "attention.key_length", hidden // heads))
+    stored = gguf_key(meta, "attention.scale", None)
+    scale = f32(stored) if stored is not None else (hidden / heads if layers == large_layers else head_dim) ** -0.5
+    window = gguf_key(meta, "attention.sliding_window", None)
+    return dict(
+        activation="gelu_tanh", sandwich_norm=True, embed_scale=math.sqrt(hidden), attn_scale=scale,
+        layer_types=gguf_layer_types(meta, layers, pattern), sliding_window=int(window) if window else None,
+        attn_softcap=_positive(f32(gguf_key(meta, "attn_logit_softcapping", 0.0))),
+        final_softcap=_positive(f32(gguf_key(meta, "final_logit_softcapping", 0.0))),
+    )
+
+
+def spec_from_gguf(meta: dict) -> ModelSpec:
+    spec = spec_from_gguf_meta("gemma3", meta, qk_norm=True, **gguf_gemma_fields(meta, pattern=6, large_layers=62))
+    local = RopeSpec(theta=f32(gguf_key(meta, "rope.freq_base_swa", 10_000.0)), rotary_dim=spec.rope.rotary_dim)
+    return dataclasses.replace(spec, local_rope=local)

@@ -19,7 +19,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from decodert.errors import DecodertError
-from decodert.export.checkpoint import open_checkpoint
+from decodert.export.checkpoint_open import open_checkpoint
 from decodert.export.pipeline import export_model
 from decodert.models import family_for, gemma3
 from decodert.models.spec import RopeSpec

@@ -25,6 +25,7 @@ import numpy as np
 
 from decodert.errors import DecodertError, first_line
 from decodert.runtime.chat import Message
+from decodert.runtime.constraints import Constraint
 from decodert.runtime.generate import GenerationResult, Sequence
 from decodert.runtime.sampling import SamplingParams
 
@@ -129,9 +130,11 @@ class Engine:
         """Requests waiting for a slot."""
         return max(0, len(self._pending) - self.llm.slots_in_use)
 
-    def sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt") -> Sequence:
-        """A validated Sequence for prompt ids [L] (DecodertError: empty, too long, ids outside the vocabulary)."""
-        return self.llm._sequence(np.asarray(ids, dtype=np.int64).reshape(-1), params.validate(), what)
+    def sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt",
+                 constraint: Constraint | None = None) -> Sequence:
+        """A validated Sequence for prompt ids [L] (DecodertError: empty, too long, ids outside the
+        vocabulary, an invalid structured-output ``constraint``)."""
+        return self.llm._sequence(np.asarray(ids, dtype=np.int64).reshape(-1), params.validate(), what, constraint)
 
     def chat_ids(self, messages: Seq[Message]) -> np.ndarray:
         """Chat messages -> prompt ids [L] through the model's chat template."""

@@ -1,0 +1,187 @@
+"""The OpenAI-compatible ASGI app over one Engine (FastAPI routes, SSE streams, a guard middleware).
+
+    app = build_app(engine, ServeConfig(model_name="smollm2", api_key="..."))
+
+Handlers never run a model step: they validate, tokenize (in a worker thread), submit every
+choice to the engine and await its events. A client that disconnects cancels its requests, which
+leave their slots before the engine's next step. The app's lifespan starts the engine and, at
+shutdown (after uvicorn has drained the connections), stops it, cancelling what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+
+from decodert.runtime.engine import CANCELLED, Engine
+from decodert.serve.guard import Guard
+from decodert.serve.jobs import COMPLETION_DEFAULT_MAX_TOKENS, Job, encode_chat, encode_prompts, prepare
+from decodert.serve.metrics import CONTENT_TYPE, ServerMetrics
+from decodert.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from decodert.serve.responses import Reply, usage
+
+SHUTDOWN = "the server is shutting down"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_name: str
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
+    max_body_bytes: int = 4 << 20
+    drain_s: float = 30.0  # SIGTERM: seconds streams may still run before they are cancelled
+
+
+def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
+    metrics = ServerMetrics(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await run_in_threadpool(engine.stop, 0.0)
+
+    app = FastAPI(title="decodert", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = engine.alive
+        return JSONResponse({"status": "ok" if ok else "unavailable", "slots": engine.slots,
+                             "slots_in_use": engine.llm.slots_in_use, "queued": engine.queued},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(engine, config)]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str) -> dict[str, Any]:
+        if name != config.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
+                           param="model", code="model_not_found")
+        return _model_card(engine, config)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        received = time.perf_counter()
+        req = parse(CompletionRequest, await request.body())
+        _check_model(req.model, config)
+        prompts = await run_in_threadpool(encode_prompts, engine, req.prompts())
+        choices = await run_in_threadpool(prepare, engine, prompts, req, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        return await _respond(request, Job(engine, choices, received, metrics.observe), req,
+                              Reply("completion", config.model_name), [len(p) for p in prompts], config)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        received = time.perf_counter()
+        req = parse(ChatCompletionRequest, await request.body())
+        _check_model(req.model, config)
+        prompts = await run_in_threadpool(encode_chat, engine, req.message_dicts())
+        choices = await run_in_threadpool(prepare, engine, prompts, req, req.limit, None)
+        return await _respond(request, Job(engine, choices, received, metrics.observe), req,
+                              Reply("chat", config.model_name), [len(p) for p in prompts], config)
+
+    return app
+
+
+def _model_card(engine: Engine, config: ServeConfig) -> dict[str, Any]:
+    return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "decodert",
+            "max_model_len": engine.llm.max_seq}
+
+
+def _check_model(name: str, config: ServeConfig) -> None:
+    if name != config.model_name:
+        raise ApiError(400, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+async def _respond(request: Request, job: Job, req, reply: Reply, prompt_lengths: list[int],
+                   config: ServeConfig) -> Response:
+    if req.stream:
+        return EventSourceResponse(_stream(job, req, reply, prompt_lengths), sep="\n", ping=15,
+                                   shutdown_grace_period=config.drain_s)
+    results = await _collect(request, job)
+    return JSONResponse(reply.body(results, usage(prompt_lengths, results)))
+
+
+async def _collect(request: Request, job: Job) -> list:
+    """Every choice's result; a client that goes away first cancels them (ApiError 499, never sent)."""
+    results: list = [None] * len(job.choices)
+
+    async def gather() -> None:
+        async for j, event in job.events():
+            if event.last:
+                results[j] = _finished(job, event)
+
+    gathering = asyncio.ensure_future(gather())
+    watching = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({gathering, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not gathering.done():
+            job.cancel()
+            gathering.cancel()
+    if not gathering.done() or gathering.cancelled():
+        raise ApiError(499, "the client closed the connection")
+    gathering.result()
+    return results
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _finished(job: Job, event):
+    """A choice's result from its last event; an engine error or a shutdown cancel becomes an ApiError."""
+    if event.error is not None:
+        job.cancel()
+        raise ApiError(500, event.error, type="server_error", code="generation_failed")
+    result = event.result
+    if result.finish_reason == CANCELLED:
+        job.cancel()
+        raise ApiError(503, SHUTDOWN, type="server_error", code="unavailable")
+    return result
+
+
+async def _stream(job: Job, req, reply: Reply, prompt_lengths: list[int]) -> AsyncIterator[str]:
+    """SSE data: chunks per choice as tokens arrive, finish reasons, usage if asked, then [DONE]."""
+    results: list = [None] * len(job.choices)
+    want_usage = req.include_usage
+    try:
+        if reply.chat:
+            for j in range(len(job.choices)):
+                yield json.dumps(reply.chunk(j, role=True, usage=want_usage))
+        async for j, event in job.events():
+            if event.text:
+                yield json.dumps(reply.chunk(j, event.text, usage=want_usage))
+            if event.last:
+                results[j] = _finished(job, event)
+                yield json.dumps(reply.chunk(j, finish_reason=results[j].finish_reason, usage=want_usage))
+        if want_usage:
+            yield json.dumps(reply.usage_chunk(usage(prompt_lengths, results)))
+        yield "[DONE]"
+    except ApiError as e:
+        yield json.dumps(e.body())
+        yield "[DONE]"
+    finally:  # done, failed, or cancelled by a disconnect / the shutdown grace period
+        job.cancel()

@@ -1,0 +1,143 @@
+"""One HTTP request's generations: prompts -> validated Sequences -> engine requests -> an asyncio stream.
+
+``prepare`` runs in a worker thread (tokenizing and the chat template take milliseconds, which
+the event loop must not spend); ``Job`` submits every choice to the engine at once (all or
+none) and turns the engine thread's events into ``(choice index, Event)`` on an asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence as Seq, Union
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.runtime.engine import Engine, EngineClosed, Event, Handle, QueueFull
+from decodert.runtime.generate import Sequence
+from decodert.runtime.sampling import SamplingParams
+from decodert.serve.protocol import ApiError
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the rest of the context
+
+
+@dataclass
+class Choice:
+    seq: Sequence
+    prompt_index: int  # which prompt of the request (usage counts each prompt once)
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty")
+
+
+def sampling(engine: Engine, req, max_new_tokens: int, seed: int | None) -> SamplingParams:
+    """SamplingParams of one choice: the fields the request set, over the model's sampling defaults
+    (manifest["sampling"], as ``LLM.generate``; greedy when the model has none)."""
+    given = {name: getattr(req, name) for name in _SAMPLING_FIELDS
+             if name in req.model_fields_set and getattr(req, name) is not None}
+    try:
+        return engine.llm.params(max_new_tokens=max_new_tokens, seed=seed, stop=req.stops, **given)
+    except DecodertError as e:
+        raise ApiError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, default: int | None) -> list[Choice]:
+    """Sequences for ``req.n`` choices of every prompt (ids [L] each); ApiError 400 when one cannot run.
+
+    ``limit`` is the requested max_tokens (None: ``default``, or the rest of the context when
+    that is None too); prompt + limit must fit the context (the artifact's max_seq).
+    """
+    max_seq = engine.llm.max_seq
+    if req.constraint is not None:
+        try:
+            engine.llm.guidance.guide(req.constraint)  # compiled once here (cached), so a bad schema is its own 400
+        except DecodertError as e:
+            raise ApiError(400, str(e), param="response_format") from None
+    choices = []
+    for p, ids in enumerate(prompts):
+        room = max_seq - len(ids)
+        if limit is not None and len(ids) + limit > max_seq or room < 1:
+            asked = limit if limit is not None else 1
+            raise ApiError(400, f"the context is {max_seq} tokens, but the prompt has {len(ids)} and max_tokens "
+                                f"asks for {asked} more; shorten the prompt or lower max_tokens",
+                           param="messages" if hasattr(req, "messages") else "prompt", code="context_length_exceeded")
+        n_new = limit if limit is not None else min(room, default) if default is not None else room
+        for j in range(req.n):
+            seed = None if req.seed is None else req.seed + j
+            try:
+                seq = engine.sequence(ids, sampling(engine, req, n_new, seed),
+                                      "prompt" if len(prompts) == 1 else f"prompt {p}", req.constraint)
+            except DecodertError as e:
+                raise ApiError(400, str(e), param="prompt") from None
+            choices.append(Choice(seq, p))
+    return choices
+
+
+def encode_prompts(engine: Engine, prompts: Seq[Union[str, list[int]]]) -> list[np.ndarray]:
+    llm = engine.llm
+    try:
+        return [llm.encode(p) for p in prompts]
+    except DecodertError as e:
+        raise ApiError(400, str(e), param="prompt") from None
+
+
+def encode_chat(engine: Engine, messages: list[dict]) -> list[np.ndarray]:
+    try:
+        return [engine.chat_ids(messages)]
+    except DecodertError as e:
+        raise ApiError(400, str(e), param="messages") from None
+
+
+class Job:
+    """The engine requests of one HTTP request; ``events()`` yields ``(choice index, Event)`` until all ended."""
+
+    def __init__(self, engine: Engine, choices: list[Choice], received: float, observe=None) -> None:
+        self.choices = choices
+        self.received = received  # time.perf_counter() when the request arrived
+        self._observe = observe  # observe(result, ttft_s) on the engine thread for every finished choice
+        self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._handles: list[Handle] = []
+        try:
+            for j, choice in enumerate(choices):
+                self._handles.append(engine.submit(choice.seq, self._sink(loop, j)))
+        except QueueFull as e:
+            self.cancel()
+            raise ApiError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from None
+        except EngineClosed as e:
+            self.cancel()
+            raise ApiError(503, str(e), type="server_error", code="unavailable") from None
+        self._open = len(choices)
+
+    def _sink(self, loop: asyncio.AbstractEventLoop, j: int):
+        def put(event: Event) -> None:  # engine thread: hand over to the event loop, never block
+            if event.result is not None and self._observe is not None:  # counted even if nobody reads it
+                self._observe(event.result, self.ttft(j))
+            loop.call_soon_threadsafe(self._queue.put_nowait, (j, event))
+        return put
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        while self._open:
+            j, event = await self._queue.get()
+            if event.last:
+                self._open -= 1
+            yield j, event
+
+    def cancel(self) -> None:
+        """Cancel every choice still running (a disconnect, a failed sibling); finished ones are left alone."""
+        for handle in self._handles:
+            handle.cancel()
+
+    def ttft(self, j: int) -> float | None:
+        """Request received -> first token of choice ``j`` (queueing included), or None."""
+        timer = self.choices[j].seq.timer
+        return timer.t_first - self.received if timer.tokens else None
+
+
+def now() -> float:
+    return time.perf_counter()
+

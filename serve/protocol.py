@@ -1,0 +1,227 @@
+"""The OpenAI request bodies the server accepts, validated strictly, and its error JSON.
+
+Types are strict (a string where a number belongs is a 400, not coerced); fields the server
+does not know are ignored, as many clients send extras (``user``, ``metadata``). Fields it knows
+but cannot honour (``logprobs``, ``tools``, ``echo``, ``suffix``) are a 400 rather than silently
+dropped. Extensions beyond the OpenAI API, as in vLLM: ``top_k``, ``min_p``, ``repetition_penalty``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
+
+from decodert.errors import DecodertError
+from decodert.runtime.constraints import Constraint
+
+MAX_STOPS = 16  # stop strings per request
+MAX_CHOICES = 16  # prompts x n per request
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self, i: int) -> str:
+        """The message's text: a string, or its text parts joined (other parts are a 400)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported, got type {part.type!r}",
+                               param=f"messages[{i}].content")
+        return "".join(part.text or "" for part in self.content)
+
+
+class _Sampling(_Strict):
+    """The fields both endpoints share."""
+
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None  # text | json_object | json_schema (runtime/constraints.py)
+    _constraint: Optional[Constraint] = PrivateAttr(default=None)
+
+    def check(self) -> None:
+        """Ranges the OpenAI API documents, and fields this server does not implement -> ApiError 400."""
+        ranges = (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
+                  ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0))
+        for name, low, high in ranges:
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                raise ApiError(400, f"{name} must be between {low:g} and {high:g}, got {value!r}", param=name)
+        if self.top_p is not None and self.top_p == 0:
+            raise ApiError(400, "top_p must be > 0", param="top_p")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ApiError(400, f"n must be between 1 and {MAX_CHOICES}, got {self.n}", param="n")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ApiError(400, f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
+        if self.seed is not None and self.seed < 0:
+            raise ApiError(400, f"seed must be >= 0, got {self.seed}", param="seed")
+        if len(self.stops) > MAX_STOPS or not all(self.stops):
+            raise ApiError(400, f"stop must be at most {MAX_STOPS} non-empty strings", param="stop")
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+        try:
+            self._constraint = Constraint.from_response_format(self.response_format)
+        except DecodertError as e:
+            raise ApiError(400, str(e), param="response_format") from None
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+    @property
+    def constraint(self) -> Optional[Constraint]:
+        """The structured-output constraint response_format asks for (set by ``check``)."""
+        return self._constraint
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def check(self) -> None:
+        super().check()
+        if self.echo or self.logprobs is not None or self.suffix or (self.best_of or 1) != 1:
+            name = "echo" if self.echo else "logprobs" if self.logprobs is not None else "suffix" if self.suffix else "best_of"
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ApiError(400, "prompt must not be an empty list", param="prompt")
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """One entry per prompt: text, or token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+
+    def check(self) -> None:
+        super().check()
+        if not self.messages:
+            raise ApiError(400, "messages must be a non-empty list", param="messages")
+        if self.logprobs or self.top_logprobs:
+            raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
+        if self.tools:
+            raise ApiError(400, "tools are not supported by this server", param="tools")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise ApiError(400, f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}",
+                           param="max_completion_tokens")
+
+    @property
+    def limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+
+_UNION_HELP = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of {'type': 'text', 'text': ...} parts",
+}
+
+
+def parse(model: type[_Strict], body: bytes) -> Any:
+    """Validate a JSON body as ``model`` -> the request object, or ApiError 400 naming the first bad field."""
+    if not body.strip():
+        raise ApiError(400, "the request body is empty; expected a JSON object")
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    request.check()
+    return request
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    err = e.errors()[0]
+    if err["type"] == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {err['msg']}")
+    if err["type"] == "model_type":
+        return ApiError(400, "the request body must be a JSON object")
+    loc = _field_path(err["loc"])
+    field = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc))
+    name = next((p for p in reversed(loc) if isinstance(p, str)), "")
+    if err["type"] == "missing":
+        return ApiError(400, f"{field} is required", param=field)
+    if name in _UNION_HELP and _is_union_error(e, loc):
+        return ApiError(400, f"{field} must be {_UNION_HELP[name]}", param=field)
+    got = err.get("input")
+    return ApiError(400, f"{field}: {err['msg']} (got {_short(got)})", param=field)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "ChatMessage"}
+
+
+def _field_path(loc: tuple) -> list:
+    """A pydantic error location without its union-branch tags ('str', 'list[int]', ...)."""
+    return [p for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+
+
+def _is_union_error(e: ValidationError, loc: list) -> bool:
+    return sum(1 for err in e.errors() if _field_path(err["loc"])[: len(loc)] == loc) > 1
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

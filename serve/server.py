@@ -1,0 +1,83 @@
+"""Run the app on uvicorn: bind (127.0.0.1 unless told otherwise), serve, and on SIGTERM/SIGINT drain.
+
+Shutdown order: uvicorn stops accepting connections and waits up to ``drain_s`` for the requests
+in flight (streams run to their end); then the app's lifespan stops the engine, which cancels
+whatever is still running; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from decodert.errors import DecodertError
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    artifact: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int = 64
+    max_body_bytes: int = 4 << 20
+    drain_s: float = 30.0
+    backend: str = "auto"
+    verify: str = "fast"
+    log_level: str = "warning"
+
+
+def model_name(options: ServeOptions) -> str:
+    return options.model_name or Path(options.artifact).resolve().name
+
+
+def make_app(options: ServeOptions):
+    """Load the artifact and build the app (the engine starts with the app's lifespan)."""
+    from decodert.runtime.engine import Engine
+    from decodert.runtime.llm import LLM
+    from decodert.serve.app import ServeConfig, build_app
+
+    llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify)
+    engine = Engine(llm, max_queue=options.max_queue)
+    config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s)
+    return build_app(engine, config)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: any free port); DecodertError naming --host/--port on failure."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise DecodertError(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise DecodertError(f"cannot listen on {host}:{port}: {e.strerror} (--host/--port)") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(options: ServeOptions) -> int:
+    """Serve until SIGTERM/SIGINT; print the address (with the real port when --port 0) first."""
+    import uvicorn
+
+    app = make_app(options)
+    sock = bind(options.host, options.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    config = uvicorn.Config(app, log_level=options.log_level, timeout_graceful_shutdown=max(1, int(options.drain_s)),
+                            lifespan="on", access_log=False)
+    server = uvicorn.Server(config)
+    print(f"decodert: serving {app.state.config.model_name!r} on http://{shown}:{port}/v1 "
+          f"({app.state.engine.slots} slots, queue {options.max_queue}); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    print("decodert: server stopped", file=sys.stderr, flush=True)
+    return 0

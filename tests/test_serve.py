@@ -1,0 +1,281 @@
+"""`decodert serve` (serve/): a real server on loopback, driven by the official openai client and raw httpx."""
+
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the serve extra: pip install .[serve]")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
+from serve_helpers import export_tiny, running  # noqa: E402
+
+from decodert.runtime.llm import LLM  # noqa: E402
+
+PROMPTS = ["the quick brown fox", "hello world, a tiny", "numbers 12 345", "jumps over the lazy dog",
+           "a tiny model for", "punctuation: ; , ."]
+CHAT = [{"role": "user", "content": "hello world"}]
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    return export_tiny(tmp_path_factory.mktemp("serve"), max_batch=4, max_seq=256)
+
+
+@pytest.fixture(scope="module")
+def llm(art):
+    return LLM.load(art)
+
+
+class Slow:
+    """A backend whose decode steps take at least ``delay`` seconds (keeps requests in flight for a while)."""
+
+    def __init__(self, inner, delay: float) -> None:
+        self._inner, self.delay = inner, delay
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def decode(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return self._inner.decode(*args, **kwargs)
+
+
+def slow_llm(llm, delay=0.02):
+    return LLM(Slow(llm.backend, delay), llm.tokenizer, llm.manifest)
+
+
+def client(url, key="none"):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def scrape(url) -> dict[str, float]:
+    """The /metrics samples as {name{labels}: value}."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_openai_client_sync_and_streaming(llm):
+    want = llm.generate(PROMPTS[0], max_new_tokens=12, temperature=0.0)
+    want_chat = llm.chat(CHAT, max_new_tokens=10, temperature=0.0)
+    with running(llm) as (url, _):
+        c = client(url)
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+        r = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(llm.encode(PROMPTS[0])), 12)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        r = c.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=10, temperature=0)
+        assert r.choices[0].message.content == want_chat.text and r.choices[0].message.role == "assistant"
+
+        chunks = list(c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == want.text
+        assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 2
+        chunks = list(c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want_chat.text
+        assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].choices == []
+        assert chunks[-1].usage.completion_tokens == 10 and all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_raw_stream_ends_with_done(llm):
+    with running(llm) as (url, _):
+        body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 5, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and json.loads(data[-2])["choices"][0]["finish_reason"] == "length"
+
+
+def test_sampling_fields_match_offline(llm):
+    base = llm.generate(PROMPTS[2], max_new_tokens=30, temperature=0.0).text
+    stop = base[8:11]
+    cases = [  # (request fields, offline keyword arguments)
+        ({"temperature": 1.0, "top_p": 0.9, "seed": 7}, {"temperature": 1.0, "top_p": 0.9, "seed": 7}),
+        ({"temperature": 0, "presence_penalty": 1.5, "frequency_penalty": 0.5},
+         {"temperature": 0.0, "presence_penalty": 1.5, "frequency_penalty": 0.5}),
+        ({"temperature": 0, "stop": [stop, "zzz"]}, {"temperature": 0.0, "stop": [stop, "zzz"]}),
+    ]
+    wants = [llm.generate(PROMPTS[2], max_new_tokens=30, **kw) for _, kw in cases]
+    with running(llm) as (url, _):
+        c = client(url)
+        for (fields, _), want in zip(cases, wants):
+            r = c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=30, **fields)
+            assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, want.finish_reason), fields
+        assert wants[2].finish_reason == "stop" and stop not in wants[2].text
+        r = c.completions.create(model="tiny", prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=6, temperature=1, seed=3, n=2)
+        assert [ch.index for ch in r.choices] == [0, 1, 2, 3] and r.usage.completion_tokens == 24
+        assert r.choices[0].text == llm.generate(PROMPTS[0], max_new_tokens=6, temperature=1.0, seed=3).text
+        assert r.choices[1].text == llm.generate(PROMPTS[0], max_new_tokens=6, temperature=1.0, seed=4).text
+
+
+def test_concurrent_clients_share_the_batch_and_match_offline(llm):
+    jobs = [(i % 3, PROMPTS[i % len(PROMPTS)], 8 + (i * 5) % 17) for i in range(24)]  # (kind, prompt, max_tokens)
+
+    def offline(kind, prompt, n):
+        if kind == 2:
+            return llm.chat([{"role": "user", "content": prompt}], max_new_tokens=n, temperature=0.0).text
+        return llm.generate(prompt, max_new_tokens=n, temperature=0.0).text
+
+    wants = [offline(*job) for job in jobs]
+    with running(llm) as (url, _):
+        c = client(url)
+
+        def ask(job):
+            kind, prompt, n = job
+            if kind == 0:
+                return c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0).choices[0].text
+            if kind == 1:
+                stream = c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True)
+                return "".join(ch.choices[0].text for ch in stream)
+            stream = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=n, temperature=0, stream=True)
+            return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            got = list(pool.map(ask, jobs))
+        m = scrape(url)
+    assert got == wants
+    tokens = sum(n for _, _, n in jobs)
+    assert m["decodert_generation_tokens_total"] == tokens and m["decodert_engine_rows"] == tokens
+    # one request at a time needs one step per token; 8 clients over 4 slots share steps
+    assert m["decodert_engine_steps"] <= 0.6 * tokens, m
+    assert m['decodert_requests_total{endpoint="/v1/completions",status="200"}'] == 16
+
+
+def test_disconnect_mid_stream_frees_the_slot(llm):
+    with running(slow_llm(llm)) as (url, app):
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert app.state.engine.llm.slots_in_use == 1
+        deadline = time.time() + 5
+        while app.state.engine.in_flight and time.time() < deadline:
+            time.sleep(0.01)
+        m = scrape(url)
+        assert m['decodert_request_finished_total{reason="cancelled"}'] == 1
+        assert m["decodert_slots_in_use"] == 0 and m["decodert_generation_tokens_total"] < 60
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        r = client(url).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0)
+        assert r.choices[0].finish_reason == "length"
+
+
+def test_full_queue_answers_429(llm):
+    with running(slow_llm(llm), max_queue=1) as (url, app):
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=30) as h:
+            streams = [h.stream("POST", f"{url}/v1/completions", json=body) for _ in range(5)]  # 4 slots + 1 queued
+            opened = [s.__enter__() for s in streams]
+            try:
+                lines = [r.iter_lines() for r in opened]  # kept: a dropped iterator closes its connection
+                for it in lines[:4]:
+                    next(it)  # admitted: its first chunk came
+                assert app.state.engine.in_flight == 5 and app.state.engine.queued == 1
+                r = httpx.post(f"{url}/v1/completions", json={**body, "stream": False})
+                assert r.status_code == 429 and r.headers["retry-after"] == "1"
+                assert r.json()["error"]["code"] == "rate_limit_exceeded" and "--max-queue 1" in r.json()["error"]["message"]
+                with pytest.raises(openai.RateLimitError):
+                    client(url).completions.create(model="tiny", prompt="a", max_tokens=2)
+            finally:
+                for s in streams:
+                    s.__exit__(None, None, None)
+        deadline = time.time() + 5
+        while app.state.engine.in_flight and time.time() < deadline:
+            time.sleep(0.01)
+        assert client(url).completions.create(model="tiny", prompt="a", max_tokens=2).choices[0].text is not None
+
+
+def test_api_key(llm):
+    with running(llm, api_key="s3cret") as (url, _):
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+        with pytest.raises(openai.AuthenticationError):
+            client(url, key="nope").models.list()
+        assert client(url, key="s3cret").completions.create(**body).choices[0].finish_reason == "length"
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+
+
+BAD = [  # (path, body, status, param or a word of the message)
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": [True]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 400, "model"),
+    ("/v1/completions", {"prompt": "a"}, 400, "model"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 300}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a " * 300, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": 3}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+]
+
+
+def test_bad_requests_get_openai_errors(llm):
+    with running(llm, max_body_bytes=4000) as (url, _):
+        for path, body, status, param in BAD:
+            r = httpx.post(url + path, json=body)
+            err = r.json()["error"]
+            assert r.status_code == status and err["type"] == "invalid_request_error", (body, r.text)
+            assert err["param"] == param and err["message"], (body, err)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 300})
+        assert r.json()["error"]["code"] == "context_length_exceeded" and "256" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x" * 5000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunks():
+            yield b'{"model": "tiny", "prompt": "'
+            for _ in range(10):
+                yield b"x" * 1000  # chunked: no Content-Length, the limit is counted as the bytes arrive
+            yield b'"}'
+
+        assert httpx.post(f"{url}/v1/completions", content=chunks()).status_code == 413
+        assert httpx.get(f"{url}/v1/models/gpt-4").status_code == 404
+        assert client(url).completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens == 2
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_structured_output(llm):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    with running(llm) as (url, _):  # the mini model's manifest has no eos: structured output cannot end
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "response_format": fmt})
+        assert r.status_code == 400 and "eos" in r.json()["error"]["message"]
+    tok = {**llm.manifest["tokenizer"], "eos_token_ids": [0]}
+    llm = LLM(llm.backend, llm.tokenizer, {**llm.manifest, "tokenizer": tok})
+    want = llm.chat(CHAT, max_new_tokens=60, temperature=0.0, json_schema=SCHEMA)
+    with running(llm) as (url, _):
+        c = client(url)
+        r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, temperature=0, response_format=fmt)
+        assert r.choices[0].message.content == want.text
+        if r.choices[0].finish_reason == "stop":
+            assert set(json.loads(r.choices[0].message.content)) == {"name", "age"}
+        r = c.completions.create(model="tiny", prompt="a", max_tokens=40, temperature=0,
+                                 extra_body={"response_format": {"type": "json_object"}})
+        assert r.choices[0].text.lstrip().startswith("{")
+        for bad in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+                    {"type": "json_schema"}, {"type": "xml"}):
+            r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "response_format": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -60,7 +61,7 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = engine.alive
-        return JSONResponse({"status": "ok" if ok else "unavailable", "slots": engine.slots,
+        return JSONResponse({"status": "ok" if ok else "unavailable", "pid": os.getpid(), "slots": engine.slots,
                              "slots_in_use": engine.llm.slots_in_use, "queued": engine.queued},
                             status_code=200 if ok else 503)
 

@@ -7,6 +7,7 @@ whatever is still running; the process exits 0.
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -69,8 +70,8 @@ def serve(options: ServeOptions) -> int:
     """Serve until SIGTERM/SIGINT; print the address (with the real port when --port 0) first."""
     import uvicorn
 
+    sock = bind(options.host, options.port)  # a taken port fails before the model loads
     app = make_app(options)
-    sock = bind(options.host, options.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(app, log_level=options.log_level, timeout_graceful_shutdown=max(1, int(options.drain_s)),
@@ -78,6 +79,10 @@ def serve(options: ServeOptions) -> int:
     server = uvicorn.Server(config)
     print(f"decodert: serving {app.state.config.model_name!r} on http://{shown}:{port}/v1 "
           f"({app.state.engine.slots} slots, queue {options.max_queue}); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
+    # uvicorn handles SIGTERM/SIGINT while it runs, then re-raises the signal under the handler it
+    # found: a no-op one here, so a drained server exits 0 instead of dying of the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
     print("decodert: server stopped", file=sys.stderr, flush=True)
     return 0

@@ -55,9 +55,9 @@ def running(llm, model_name: str = "tiny", **config):
         sock.close()
 
 
-def start_cli(art: Path, *args: str) -> tuple[subprocess.Popen, str]:
+def start_cli(art: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`python -m decodert serve ART --port 0 ...` in a subprocess; returns (process, base_url)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "decodert", "serve", str(art), "--port", "0", *args],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     deadline = time.time() + 120

@@ -1,0 +1,104 @@
+"""``decodert serve ARTIFACT``: an OpenAI-compatible HTTP server (serve/), or N replicas on Ray Serve (--ray)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from decodert.errors import DecodertError
+
+API_KEY_ENV = "DECODERT_API_KEY"
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve an exported model over an OpenAI-compatible HTTP API",
+        description="POST /v1/completions and /v1/chat/completions (streamed over SSE with stream: true), "
+                    "GET /v1/models, /health and /metrics (Prometheus). One engine thread batches the requests "
+                    "of every client; SIGTERM drains them (see docs/SERVING.md).")
+    p.add_argument("artifact", type=Path, help="artifact folder written by `decodert export`")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port, printed)")
+    p.add_argument("--model-name", help="the model id clients send (default: the artifact folder's name)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a free slot; beyond that the server answers 429 (default 64)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests may take to finish before they are cancelled (default 30)")
+    p.add_argument("--backend", choices=("auto", "ort", "trt"), default="auto", help="execution backend")
+    p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
+                   help="check the whole sha256 of every artifact file at load")
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
+    r = p.add_argument_group("Ray Serve (pip install .[ray]; docs/SERVING.md)")
+    r.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead: replicas each own an LLM")
+    r.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray instance)")
+    r.add_argument("--replicas", type=int, default=1, help="fixed number of replicas (default 1)")
+    r.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (with --max-replicas)")
+    r.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas")
+    r.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscaling: requests per replica to aim for (default: the artifact's max batch)")
+    r.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (default 1)")
+    r.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per replica (default 0; 1 for trt)")
+    p.set_defaults(func=run_serve)
+
+
+def options(args: argparse.Namespace):
+    """Checked ServeOptions from the parsed arguments (DecodertError naming the flag)."""
+    from decodert.serve.server import ServeOptions
+
+    if not 0 <= args.port <= 65535:
+        raise DecodertError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise DecodertError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_body_bytes < 1024:
+        raise DecodertError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if not args.drain_timeout >= 0:
+        raise DecodertError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not args.artifact.is_dir():
+        raise DecodertError(f"{args.artifact} is not an artifact folder (written by `decodert export`)")
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise DecodertError("--api-key is empty")
+    return ServeOptions(args.artifact, args.host, args.port, args.model_name, key, args.max_queue, args.max_body_bytes,
+                        args.drain_timeout, args.backend, args.verify, args.log_level)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    opts = options(args)
+    if opts.api_key is None and not _loopback(opts.host):
+        print(f"decodert: warning: listening on {opts.host} without an API key (--api-key or ${API_KEY_ENV})",
+              file=sys.stderr)
+    if args.ray:
+        from decodert.serve.ray_app import RayOptions, run_on_ray
+
+        return run_on_ray(opts, RayOptions(args.ray_address, args.replicas, args.min_replicas, args.max_replicas,
+                                           args.target_ongoing_requests, args.replica_cpus, args.replica_gpus))
+    _check_serve_extra()
+    from decodert.serve.server import serve
+
+    return serve(opts)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _check_serve_extra() -> None:
+    missing = [m for m in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client") if not _importable(m)]
+    if missing:
+        raise DecodertError(f"`decodert serve` needs {', '.join(missing)}: pip install 'decodert[serve]'")
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None

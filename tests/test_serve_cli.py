@@ -1,0 +1,81 @@
+"""`decodert serve` as a command: a subprocess on loopback, SIGTERM drains, flag errors, and Ray Serve (slow)."""
+
+import json
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the serve extra: pip install .[serve]")
+httpx = pytest.importorskip("httpx")
+sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
+from serve_helpers import export_tiny, start_cli  # noqa: E402
+
+from decodert.runtime.llm import LLM  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    return export_tiny(tmp_path_factory.mktemp("serve-cli"), max_batch=2, max_seq=256)
+
+
+def _sse(url, body, out, started):
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+                started.set()
+
+
+def test_sigterm_drains_the_stream_in_flight_then_exits(art):
+    proc, url = start_cli(art, "--drain-timeout", "30")
+    try:
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        out, started = [], threading.Event()
+        body = {"model": "art", "prompt": "the quick brown fox", "max_tokens": 200, "temperature": 0}
+        reader = threading.Thread(target=_sse, args=(url, body, out, started))
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+    assert out[-1] == "[DONE]" and json.loads(out[-2])["choices"][0]["finish_reason"] == "length"
+    text = "".join(json.loads(d)["choices"][0]["text"] for d in out[:-1])
+    assert text == LLM.load(art).generate(body["prompt"], max_new_tokens=200, temperature=0.0).text
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health")
+
+
+def test_api_key_from_the_environment(art):
+    proc, url = start_cli(art, "--model-name", "mini", env={"DECODERT_API_KEY": "k1"})
+    try:
+        body = {"model": "mini", "prompt": "hello", "max_tokens": 3}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer k1"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_flag_errors_are_one_line(art, tmp_path, capsys):
+    from decodert.cli import main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    cases = [((art, "--port", "70000"), "--port must be in 0..65535"), ((tmp_path / "nope",), "is not an artifact folder"),
+             ((art, "--max-queue", "-1"), "--max-queue must be >= 0"), ((art, "--api-key", " "), "--api-key is empty"),
+             ((art, "--port", str(taken.getsockname()[1])), "cannot listen on 127.0.0.1"),
+             ((art, "--ray", "--replicas", "0"), "--replicas must be >= 1"),
+             ((art, "--ray", "--min-replicas", "1"), "needs both --min-replicas and --max-replicas")]
+    for args, message in cases:
+        assert main(["serve", *map(str, args)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("decodert: error: ") and message in err and len(err.strip().splitlines()) == 1, (args, err)
+    taken.close()

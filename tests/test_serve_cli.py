@@ -79,3 +79,39 @@ def test_flag_errors_are_one_line(art, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("decodert: error: ") and message in err and len(err.strip().splitlines()) == 1, (args, err)
     taken.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ray_serve_two_replicas(art):
+    """A local Ray instance, two replicas each with its own LLM: every answer equals offline, both replicas serve."""
+    pytest.importorskip("ray.serve", reason="needs the ray extra: pip install .[ray]")
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = _free_port()
+    prompts = ["the quick brown fox", "hello world, a tiny", "numbers 12 345", "jumps over the lazy dog"] * 2
+    llm = LLM.load(art)
+    wants = [llm.generate(p, max_new_tokens=24, temperature=0.0).text for p in prompts]
+    proc, url = start_cli(art, "--ray", "--replicas", "2", "--port", str(port), "--replica-cpus", "0.5",
+                          pattern=r"on (http://127\.0\.0\.1:\d+)/v1 through Ray Serve", timeout=600)
+    try:
+        def ask(prompt):
+            body = {"model": "art", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            assert list(pool.map(ask, prompts)) == wants
+        pids = {httpx.get(f"{url}/health", timeout=30).json()["pid"] for _ in range(40)}
+        assert len(pids) == 2, pids
+        stream = httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                            json={"model": "art", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                                  "stream": True}).text
+        assert stream.rstrip().endswith("data: [DONE]")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0

@@ -13,8 +13,9 @@
 - ``Guide`` is one row's state: its ``LLMatcher`` and its allowed-token bitmask for the next
   step, ``mask`` [ceil(V/32)] int32, bit t = token t allowed. ``masks_ahead(seqs)`` fills the
   bitmasks of a batch on a worker thread while the backend's step runs (ONNX Runtime and the
-  llguidance mask computation both release the GIL); a guide whose mask is stale computes it
-  when it is needed, so the overlap is a speed-up only, never a condition for correctness.
+  llguidance mask computation both release the GIL) when the last step's masks took at least
+  ``OVERLAP_MIN_S`` (cheaper ones are not worth the thread hand-off); a guide whose mask is stale
+  computes it when it is needed, so the overlap is a speed-up only, never a condition for correctness.
 - Speculative decoding: ``guide.check(tokens)`` says how many tokens of a draft run the grammar
   accepts (the rest is cut before verification); ``advance_many`` / ``rollback`` move the state.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -206,6 +208,7 @@ class Guide:
         self.vocab_size = vocab_size
         self.mask = np.zeros((vocab_size + 31) // 32, np.int32)  # [words] bit t of word t//32 = token t allowed
         self.stale = True  # the mask is not yet computed for the current state
+        self.mask_s = float("inf")  # how long the last mask took (s); unknown at first: overlap it
 
     @property
     def finished(self) -> bool:
@@ -214,8 +217,9 @@ class Guide:
 
     def compute_mask(self) -> None:
         """Fill ``mask`` for the current state (releases the GIL while it runs)."""
+        start = time.perf_counter()
         self.matcher.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
-        self.stale = False
+        self.stale, self.mask_s = False, time.perf_counter() - start
         self._raise_if_error()
 
     def allowed(self) -> np.ndarray:
@@ -268,6 +272,9 @@ _pool: ThreadPoolExecutor | None = None
 _executor: Any = None
 _pool_lock = threading.Lock()
 OVERLAP = True  # compute next-step masks on a worker thread while the backend runs (bench/structured.py)
+# Masks that took less than this (all rows together, last step) are computed inline after the
+# step instead: handing work to the thread costs ~15 us here, as much as a typical JSON mask.
+OVERLAP_MIN_S = 100e-6
 
 
 def _workers() -> tuple[ThreadPoolExecutor, Any]:
@@ -287,10 +294,12 @@ def compute_masks(guides: Sequence[Guide]) -> None:
     elif stale:
         words = stale[0].mask.size
         masks = np.zeros((len(stale), words), np.int32)  # [rows, words], one buffer for the executor
+        start = time.perf_counter()
         _workers()[1].unsafe_compute_mask_ptr([(g.matcher, k) for k, g in enumerate(stale)],
                                               masks.ctypes.data, words * 4, len(stale))
+        share = (time.perf_counter() - start) / len(stale)
         for k, g in enumerate(stale):
-            g.mask, g.stale = masks[k], False
+            g.mask, g.stale, g.mask_s = masks[k], False, share
             g._raise_if_error()
 
 
@@ -302,7 +311,7 @@ def masks_ahead(seqs: Iterable[Any]) -> Iterator[None]:
     joined (also when the step raised), so the masks are ready and no thread touches a matcher.
     """
     guides = [s.guide for s in seqs if getattr(s, "guide", None) is not None and s.guide.stale]
-    if not guides or not OVERLAP:
+    if not guides or not OVERLAP or sum(g.mask_s for g in guides) < OVERLAP_MIN_S:
         yield
         return
     job = _workers()[0].submit(compute_masks, guides)

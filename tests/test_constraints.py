@@ -8,6 +8,7 @@ model (SmolLM2) is in tests/test_constraints_smollm2.py.
 import json
 import re
 import sys
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -122,7 +123,17 @@ def test_stream_and_chat_apis(llm):
 def test_overlapped_masks_give_the_same_tokens(llm, monkeypatch):
     reqs = [{"prompt": f"hello {i}", "json_schema": s, "max_new_tokens": 120, "temperature": 0.7, "seed": i}
             for i, (_, s) in enumerate(SCHEMAS[:6])]
+    threads = []
+    real = constraints.compute_masks
+
+    def spy(guides):
+        threads.append(threading.current_thread().name)
+        real(guides)
+
+    monkeypatch.setattr(constraints, "compute_masks", spy)
+    monkeypatch.setattr(constraints, "OVERLAP_MIN_S", 0.0)  # overlap every step, however cheap
     overlapped = llm.generate_many(reqs)
+    assert threads and all(t.startswith("decodert-masks") for t in threads), "masks must be made on the worker"
     monkeypatch.setattr(constraints, "OVERLAP", False)
     inline = llm.generate_many(reqs)
     assert [r.token_ids for r in overlapped] == [r.token_ids for r in inline]

@@ -97,6 +97,10 @@ class Constraint:
         import llguidance
 
         if self.kind == "json_schema":
+            schema = json.loads(self.text)
+            own = schema.get("x-guidance") if isinstance(schema, dict) else None
+            if isinstance(own, dict) and ("whitespace_flexible" in own or "whitespace_pattern" in own):
+                return llguidance.LLMatcher.grammar_from_json_schema(self.text)  # the schema's own whitespace rule
             return llguidance.LLMatcher.grammar_from_json_schema(self.text, defaults={"whitespace_pattern": JSON_WHITESPACE})
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.text)

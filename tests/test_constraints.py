@@ -196,3 +196,74 @@ def test_response_format():
 def test_model_without_eos_is_refused():
     with pytest.raises(DecodertError, match="eos"):
         make_llm(eos=[]).generate("hello", regex="[a-z]", max_new_tokens=2)
+
+
+# -- CLI: --json-schema FILE, --regex R, --grammar FILE ------------------------------------------
+def _cli_llm(monkeypatch, llm):
+    from decodert.cli import common
+
+    monkeypatch.setattr(common, "load", lambda path, backend, verify="fast": llm)
+
+
+def test_cli_flags(llm, monkeypatch, capsys, tmp_path):
+    from decodert.cli import main
+
+    _cli_llm(monkeypatch, llm)
+    schema = dict(SCHEMAS)["array_of_objects"]
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    assert main(["generate", str(tmp_path), "--prompt", "hi", "--json-schema", str(tmp_path / "s.json"),
+                 "--max-new-tokens", "200", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "stop" and _valid(schema, out["text"])
+    assert main(["generate", str(tmp_path), "--prompt", "hi", "--regex", "[0-9]{2}:[0-9]{2}", "--no-stats"]) == 0
+    assert re.fullmatch(r"[0-9]{2}:[0-9]{2}\n", capsys.readouterr().out)
+    (tmp_path / "g.lark").write_text('start: "ok" | "no"\n')
+    import decodert.export.prepare
+
+    monkeypatch.setattr(decodert.export.prepare, "prepare_model", lambda model: tmp_path)
+    assert main(["run", str(tmp_path), "--prompt", "hi", "--raw", "--grammar", str(tmp_path / "g.lark"), "--no-stats"]) == 0
+    assert capsys.readouterr().out in ("ok\n", "no\n")
+
+
+def test_cli_chat_answers_follow_the_schema(llm, monkeypatch, tmp_path):
+    import argparse
+    import io
+
+    from decodert.cli.chat import chat_loop
+
+    llm_chat = make_llm(eos=[EOS], max_seq=256, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    schema = {**dict(SCHEMAS)["flat_required"], "x-guidance": {"whitespace_flexible": False}}  # compact: one line per answer
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    from decodert.cli import build_parser
+
+    args = build_parser().parse_args(["chat", str(tmp_path), "--json-schema", str(tmp_path / "s.json"), "--greedy",
+                                      "--max-new-tokens", "100", "--no-stats"])
+    assert isinstance(args, argparse.Namespace)
+    lines = iter(["hello", "the quick"])
+    out = io.StringIO()
+
+    def read(_prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    assert chat_loop(llm_chat, args, read=read, out=out) == 0
+    answers = [x for x in out.getvalue().splitlines() if x.strip()]
+    assert len(answers) == 2 and all(_valid(schema, a) and " " not in a.split('"name":"')[0] for a in answers), answers
+
+
+def test_cli_bad_constraint_flags(llm, monkeypatch, capsys, tmp_path):
+    from decodert.cli import main
+
+    _cli_llm(monkeypatch, llm)
+    (tmp_path / "bad.json").write_text("{not json")
+    for flags, message in ((["--json-schema", str(tmp_path / "missing.json")], "cannot read --json-schema"),
+                           (["--json-schema", str(tmp_path / "bad.json")], "json_schema is not valid JSON"),
+                           (["--regex", "(("], "invalid regex"),
+                           (["--grammar", str(tmp_path / "bad.json")], "invalid Lark grammar")):
+        assert main(["generate", str(tmp_path), "--prompt", "hi", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"decodert: error: {message}") and err.count("\n") == 1, err
+    with pytest.raises(SystemExit):
+        main(["generate", str(tmp_path), "--prompt", "hi", "--regex", "a", "--grammar", str(tmp_path / "bad.json")])

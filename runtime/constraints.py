@@ -17,7 +17,8 @@
   ``OVERLAP_MIN_S`` (cheaper ones are not worth the thread hand-off); a guide whose mask is stale
   computes it when it is needed, so the overlap is a speed-up only, never a condition for correctness.
 - Speculative decoding: ``guide.check(tokens)`` says how many tokens of a draft run the grammar
-  accepts (the rest is cut before verification); ``advance_many`` / ``rollback`` move the state.
+  accepts (the rest is cut before verification); ``draft_masks(tokens)`` gives the mask at every
+  verified position; ``advance_many`` / ``rollback`` move the state.
 
 JSON whitespace: by default each place where JSON allows whitespace takes ``JSON_WHITESPACE``:
 one line break and an indentation of up to 24 spaces or 6 tabs, or 1-2 spaces, so a small model
@@ -254,6 +255,20 @@ class Guide:
     def check(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of a candidate run the grammar accepts (state unchanged)."""
         return int(self.matcher.validate_tokens([int(t) for t in tokens]))
+
+    def draft_masks(self, tokens: Sequence[int]) -> np.ndarray:
+        """[k+1, words] int32: the mask before each of the k draft tokens and after the last, for
+        choosing each verified position's token under the grammar (state unchanged). The tokens
+        must be ones ``check`` accepted."""
+        out = np.zeros((len(tokens) + 1, self.mask.size), np.int32)  # [k+1, words]
+        for i in range(len(tokens) + 1):
+            if i:
+                self.advance(tokens[i - 1])
+            self.compute_mask()
+            out[i] = self.mask
+        self.rollback(len(tokens))
+        self.mask[:], self.stale = out[0], False  # back at the first position, whose mask is known
+        return out
 
     def advance_many(self, tokens: Sequence[int]) -> None:
         """Consume a run of tokens ``check`` accepted."""

@@ -151,6 +151,12 @@ def test_draft_checks_for_speculative_decoding(llm):
     assert guide.finished
     guide.rollback(len(good) - 2)
     assert not guide.finished and np.array_equal(guide.allowed(), before)
+    masks = guide.draft_masks(good[2:])  # [k+1, words]: one mask per verified position
+    assert masks.shape[0] == len(good) - 1 and np.array_equal(masks[0], guide.mask)
+    for i, t in enumerate(good[2:]):
+        assert (int(masks[i][t >> 5]) >> (t & 31)) & 1, "each draft token is allowed by its position's mask"
+    guide.advance_many(good[2:])
+    assert np.array_equal(masks[-1], (guide.compute_mask(), guide.mask)[1]) and guide.finished
 
 
 @pytest.mark.parametrize("kwargs, message", [

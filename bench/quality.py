@@ -25,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from decodert.export.checkpoint_open import open_checkpoint
 from decodert.export.pipeline import export_model
+from decodert.export.source_precision import keep_precision
 from decodert.export.quant import QuantConfig
 from decodert.runtime.llm import open_backend, open_tokenizer, read_manifest
 
@@ -44,13 +46,18 @@ VARIANTS = {
     "int4 acc4 float head": QuantConfig(bits=4, accuracy_level=4, lm_head=False),
     "int4 acc4 keep-q4-1": QuantConfig(bits=4, accuracy_level=4, keep_q4_1=True),  # Q4_1 layers exact
     "int4 acc4 keep-q4-1 keep-q8": QuantConfig(bits=4, accuracy_level=4, keep_q4_1=True, keep_q8=True),  # all exact
+    "run default": None,  # what `decodert run` exports from this GGUF (export/source_precision.py)
 }
 
 
 def load(gguf: Path, work: Path, label: str):
     folder = work / f"quality_{label.replace(' ', '_')}"
     if not (folder / "manifest.json").is_file():
-        export_model(gguf, folder, max_seq=512, max_batch=1, progress=False, quant=VARIANTS[label])
+        quant = VARIANTS[label]
+        if label == "run default":
+            with open_checkpoint(gguf) as ckpt:
+                quant = keep_precision(ckpt)[0]
+        export_model(gguf, folder, max_seq=512, max_batch=1, progress=False, quant=quant)
     manifest = read_manifest(folder)
     return open_backend(folder, manifest, "ort"), open_tokenizer(folder, manifest)
 

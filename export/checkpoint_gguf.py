@@ -107,6 +107,11 @@ class GGUFCheckpoint(Checkpoint):
         order = np.asarray(self._fix(key, np.arange(rows).reshape(rows, 1))).reshape(-1)
         return order if np.array_equal(np.sort(order), np.arange(rows)) else None
 
+    def stored_type(self, name: str) -> str:
+        """GGUF's type name of every part of canonical weight ``name`` ("Q4_1", "F32"...), or "mixed"."""
+        types = {self._check_key(key).name for key in self._parts(name)}
+        return types.pop() if len(types) == 1 else "mixed"
+
     def block_type(self, name: str) -> str | None:
         keys = self._parts(name)
         types = {self._check_key(key).name for key in keys}

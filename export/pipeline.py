@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import math
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-from tqdm import tqdm
 
 import decodert
 from decodert.errors import DecodertError
@@ -26,9 +25,10 @@ from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_
 from decodert.export.quant_gguf import transcoded_as
 from decodert.export.sampling_defaults import sampling_record
 from decodert.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_record, write_manifest
+from decodert.export.progress import Stage
 from decodert.export.semantics import tokenizer_vocab
 from decodert.export.weights import WeightsWriter
-from decodert.models.spec import ModelSpec, canonical_names, rope_tables
+from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables
 from decodert.plugins.selection import choose_plugins
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -48,21 +48,15 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     Q8_0 weights that match the config are transcoded exactly instead (the rule: export/quant.py);
     ``manifest["quant"]["per_weight"]`` records how each weight is stored.
     """
-    if target not in LOWERINGS:
-        raise DecodertError(f"unknown target '{target}'; choose one of: {', '.join(LOWERINGS)}")
-    if dtype not in DTYPES:
-        raise DecodertError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
-    if max_batch < 1:
-        raise DecodertError(f"--max-batch must be >= 1 (got {max_batch})")
-    if max_seq is not None and (not isinstance(max_seq, int) or max_seq < 2):
-        raise DecodertError(f"--max-seq must be an integer >= 2 (got {max_seq!r})")
+    _check_settings(target, dtype, max_seq, max_batch, quant)
     out_dir = destination.prepare(out_dir)
-    ckpt = open_checkpoint(src)
+    progress = True if progress is None else progress  # export/progress.py: a bar on a terminal, else lines
+    with Stage(f"reading {Path(src).name}", enabled=progress):
+        ckpt = open_checkpoint(src)
     spec: ModelSpec = ckpt.spec
     max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
-    progress = sys.stderr.isatty() if progress is None else progress
     plugin_record = choose_plugins(plugins, target, trt_version)
     if quant is not None and target == "trt" and not quant.symmetric:
         quant = dataclasses.replace(quant, symmetric=True)
@@ -73,22 +67,19 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout)
         lowering = make_lowering(target, spec, dtype, max_seq, quant, quantized,
                                  plugins=tuple(plugin_record["ops"]) if plugin_record else ())
-        graphs = {}
-        for kind in ("prefill", "decode", "verify"):
-            path = tmp / f"{kind}.onnx"
-            onnx.save_model(build_graph(spec, lowering, weights, kind), path)
-            onnx.checker.check_model(str(path), full_check=True)
-            graphs[kind] = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
-        graphs["verify"]["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
-        tokenizer = ckpt.write_tokenizer(tmp)
-        tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
-        manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)
-        manifest["sampling"] = sampling_record(ckpt, tokenizer.get("chat_template"))
-        if plugin_record is not None:
-            manifest["plugins"] = plugin_record
-        manifest["quant"] = _quant_record(quant, layout, quantized)
-        write_manifest(tmp, manifest)
-        destination.swap_in(tmp, out_dir)
+        with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
+            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar)
+            tokenizer = ckpt.write_tokenizer(tmp)
+            tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
+            manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
+            bar.update()
+            manifest["sampling"] = sampling_record(ckpt, tokenizer.get("chat_template"))
+            if plugin_record is not None:
+                manifest["plugins"] = plugin_record
+            manifest["quant"] = _quant_record(quant, layout, quantized)
+            write_manifest(tmp, manifest)
+            destination.swap_in(tmp, out_dir)
+            bar.update()
     except OSError as e:  # disk full, permissions, a file system that went away
         shutil.rmtree(tmp, ignore_errors=True)
         raise DecodertError(f"-o {out_dir}: writing the artifact failed ({e.strerror or e})") from None
@@ -96,6 +87,42 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _check_settings(target: str, dtype: str, max_seq: int | None, max_batch: int, quant: QuantConfig | None) -> None:
+    if target not in LOWERINGS:
+        raise DecodertError(f"unknown target '{target}'; choose one of: {', '.join(LOWERINGS)}")
+    if dtype not in DTYPES:
+        raise DecodertError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
+    if max_batch < 1:
+        raise DecodertError(f"--max-batch must be >= 1 (got {max_batch})")
+    if max_seq is not None and (not isinstance(max_seq, int) or max_seq < 2):
+        raise DecodertError(f"--max-seq must be an integer >= 2 (got {max_seq!r})")
+    if quant is not None and quant.keep_q4_1 and target != "ort":
+        raise DecodertError(f"--keep-q4-1 works on the ort target only (its per-block minimum needs MatMulNBits), "
+                            f"not --target {target}; drop --keep-q4-1 or use --target ort")
+
+
+def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max_seq: int, tmp: Path,
+                  bar: Stage) -> dict[str, dict]:
+    """prefill.onnx, decode.onnx and verify.onnx (checked) -> their manifest records."""
+    graphs = {}
+    for kind in ("prefill", "decode", "verify"):
+        path = tmp / f"{kind}.onnx"
+        onnx.save_model(build_graph(spec, lowering, weights, kind), path)
+        onnx.checker.check_model(str(path), full_check=True)
+        graphs[kind] = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
+        bar.update()
+    graphs["verify"]["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
+    return graphs
+
+
+def _weights_stage(spec: ModelSpec, dtype: str, quant: QuantConfig | None, progress: bool) -> Stage:
+    """The progress of the weights loop, counted in weights (elements) so big tensors weigh more."""
+    total = sum(math.prod(canonical_shape(spec, n)) for n in canonical_names(spec))
+    what = f"converting weights to {dtype}" if quant is None else f"quantizing weights to int{quant.bits}"
+    return Stage(what + (" (scale search)" if quant is not None and quant.scale_search else ""), total=total,
+                 unit="weights", unit_scale=True, enabled=progress)
 
 
 def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool,
@@ -107,8 +134,8 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
     quantized: dict[str, WeightQuant] = {}
     gather_quantized = quantized_embedding(spec, quant, layout)
     tied_head = spec.tie_word_embeddings and quant is not None and quant.lm_head
-    with WeightsWriter(path) as w:
-        for name in tqdm(canonical_names(spec), desc="export weights", unit="tensor", disable=not progress):
+    with WeightsWriter(path) as w, _weights_stage(spec, dtype, quant, progress) as bar:
+        for name in canonical_names(spec):
             tensor = None
             if quant is not None and quant.applies_to(name):
                 quantized[name] = _store_quantized(w, ckpt, name, name, quant, dtype, layout)
@@ -120,6 +147,7 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
                 quantized["lm_head"] = _store_quantized(w, ckpt, "embed", "lm_head", quant, dtype, layout,
                                                         gather=gather_quantized, tensor=tensor)
             del tensor
+            bar.update(math.prod(canonical_shape(spec, name)))
         for prefix, rope in rope_tables(spec).items():  # "rope" (+ "rope_local": Gemma 3's sliding layers)
             cos, sin = rope.cos_sin(spec.head_dim, max_seq)
             w.add(f"{prefix}.cos", cos, dtype)

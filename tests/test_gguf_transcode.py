@@ -15,6 +15,7 @@ import torch
 from onnx import TensorProto, helper
 
 from decodert.cli import main as cli_main
+from decodert.errors import DecodertError
 from decodert.export.checkpoint_open import open_checkpoint
 from decodert.export.manifest import load_manifest
 from decodert.export.pipeline import export_model
@@ -129,17 +130,18 @@ def test_when_q4_1_is_kept_exact(layout, gathered, symmetric, keep, want):
     assert (wq is not None) == want and (wq is None or (wq.block_min and not wq.symmetric))
 
 
-@pytest.mark.parametrize("target", ["ort", "portable"])
-def test_q4_1_export_matches_gguf_reference(tiny_gguf, tmp_path, target):
-    """ort: every Q4_1 weight exact (block sums x mins in the graph); portable: rounded to nearest."""
+def test_q4_1_export_matches_gguf_reference(tiny_gguf, tmp_path):
+    """ort: every Q4_1 weight exact (block sums x mins in the graph); other targets refuse --keep-q4-1."""
     path = tiny_gguf("llama", "Q4_1")
     cfg = QuantConfig(bits=4, block_size=32, keep_q4_1=True)
-    export_model(path, tmp_path / "a", target=target, max_seq=64, progress=False, quant=cfg)
+    with pytest.raises(DecodertError, match="--keep-q4-1 works on the ort target only"):
+        export_model(path, tmp_path / "p", target="portable", max_seq=64, progress=False, quant=cfg)
+    export_model(path, tmp_path / "a", target="ort", max_seq=64, progress=False, quant=cfg)
     per_weight = load_manifest(tmp_path / "a")["quant"]["per_weight"]
     layers = {k: v for k, v in per_weight.items() if k.startswith("layers.")}
-    assert all(v["block_min"] == (target == "ort") for v in layers.values())
-    if target == "ort":  # the head is Q4_1 too in this tiny file and stays exact; only tests the layers here
-        assert _parity(tmp_path / "a", _gguf_model(path)) < TOL
+    assert layers and all(v["block_min"] for v in layers.values())
+    # the head is Q4_1 too in this tiny file and stays exact; only tests the layers here
+    assert _parity(tmp_path / "a", _gguf_model(path)) < TOL
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])

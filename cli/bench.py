@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from decodert.cli import inputs
 from decodert.errors import DecodertError
 
 
@@ -43,6 +44,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(prompt_len=args.prompt_len, gen=args.gen, batches=args.batch, repeats=args.repeats,
                       warmup=args.warmup, threads=args.threads, backend=args.backend)
+    inputs.check_output_path(args.json, "--json")
+    inputs.check_output_path(args.plot, "--plot")
     if args.plot is not None:
         _check_plot_possible()
     result = bench(args.out, cfg)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from decodert.cli import common
+from decodert.cli import common, inputs
 
 
 def add_parser(subparsers: Any) -> None:
@@ -27,7 +27,7 @@ def run_chat(args: argparse.Namespace) -> int:
 def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] = input, out: TextIO | None = None) -> int:
     """The REPL: keeps the history; Ctrl-C stops the current answer; /reset forgets; /exit or EOF quits."""
     out = out or sys.stdout
-    system = [{"role": "system", "content": args.system}] if getattr(args, "system", None) else []
+    system = [{"role": "system", "content": inputs.argv_text(args.system, "--system")}] if getattr(args, "system", None) else []
     history: list[dict] = []
     while True:
         try:

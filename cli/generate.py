@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from decodert.cli import common
-from decodert.errors import DecodertError
+from decodert.cli import common, inputs
 
 
 def add_parser(subparsers: Any) -> None:
@@ -24,20 +23,11 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run_generate)
 
 
-def _read_prompt(args: argparse.Namespace) -> str:
-    if args.prompt is not None:
-        return args.prompt
-    if str(args.prompt_file) == "-":
-        return sys.stdin.read()
-    try:
-        return args.prompt_file.read_text()
-    except OSError as e:
-        raise DecodertError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from None
-
-
 def run_generate(args: argparse.Namespace) -> int:
-    prompt = _read_prompt(args)
+    prompt = inputs.argv_text(args.prompt, "--prompt")
     llm = common.load(args.out, args.backend, args.verify)
+    if prompt is None:  # bounded by the artifact's max_seq, so it is read after loading
+        prompt = inputs.read_prompt_file(args.prompt_file, llm.max_seq)
     messages = [{"role": "user", "content": prompt}] if args.chat else None
     return answer(llm, prompt, messages, args)
 

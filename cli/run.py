@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from decodert.cli import common
+from decodert.cli import common, inputs
 from decodert.cli.chat import chat_loop
 from decodert.cli.generate import answer
 
@@ -29,6 +29,8 @@ def add_parser(subparsers: Any) -> None:
 def run_run(args: argparse.Namespace) -> int:
     from decodert.export.prepare import prepare_model
 
+    inputs.argv_text(args.prompt, "--prompt")
+    inputs.argv_text(args.system, "--system")
     llm = common.load(prepare_model(args.model), args.backend, args.verify)
     if args.prompt is None:
         return chat_loop(llm, args)

@@ -10,7 +10,8 @@
 One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
 runs one generation at a time. Starting one ends an unfinished stream of the same thread. From
 several threads, runs serialise: a call waits while another thread's generation or open stream
-holds the cache (``busy_timeout`` seconds at most, then DecodertError; default: no limit). A
+holds the cache (``busy_timeout`` seconds at most, then DecodertError; default: no limit); a
+stream left open by a thread that has exited no longer counts (the next run ends it). A
 KeyboardInterrupt inside a step ends that run only: its slots are freed and the next call works.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import importlib
 import shutil
 import threading
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Generator, Mapping, Sequence as Seq, Union
@@ -26,7 +28,7 @@ from typing import Any, Generator, Mapping, Sequence as Seq, Union
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.runtime import scheduler
+from decodert.runtime import scheduler, validate
 from decodert.runtime.chat import Message, render_chat
 from decodert.runtime.constraints import Constraint, Guidance
 from decodert.runtime.generate import GenerationResult, Sequence
@@ -115,7 +117,7 @@ class LLM:
         self.sampling_defaults = model_defaults(self.manifest)
         self._cache = None
         self._live: Generator | None = None  # the run holding the cache; a newer run of the same thread ends it
-        self._live_thread: int | None = None  # the thread that started it
+        self._live_thread: threading.Thread | None = None  # the thread that started it
         self._active: list[int] = []  # the scheduler's slot table (request index per busy slot)
         self._lock = threading.RLock()  # one run touches the cache at a time
         self._free = threading.Condition(self._lock)  # notified when the live run ends
@@ -180,15 +182,17 @@ class LLM:
     def max_seq(self) -> int:
         return int(self.backend.max_seq)
 
-    def encode(self, prompt: Prompt, add_bos: bool | None = None) -> np.ndarray:
-        """Prompt text (or ids) -> ids [L] int64; adds BOS as the manifest says (add_bos_token)."""
+    def encode(self, prompt: Prompt, add_bos: bool | None = None, what: str = "prompt") -> np.ndarray:
+        """Prompt text (or ids) -> ids [L] int64; adds BOS as the manifest says (add_bos_token).
+        Types are checked first (runtime/validate.py): DecodertError naming ``what``."""
+        prompt = validate.check_prompt(prompt, what)
         if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+            ids = validate.encode_text(self.tokenizer, prompt, self.max_seq, what)
             add_bos = self.add_bos_token if add_bos is None else add_bos
             if add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
                 ids.insert(0, int(self.bos_token_id))
             return np.asarray(ids, dtype=np.int64)
-        return np.asarray(prompt, dtype=np.int64).reshape(-1)
+        return prompt
 
     def apply_chat_template(self, messages: Seq[Message], add_generation_prompt: bool = True) -> str:
         """Render chat messages with the model's template (sandboxed) -> prompt text."""
@@ -254,8 +258,8 @@ class LLM:
     def _run(self, seqs: list[Sequence], admit: Any = None) -> Generator[tuple[int, str], None, None]:
         """Start a run over the one cache (lock held): wait while another thread's stream holds it;
         an unfinished run of this thread (an abandoned stream) is ended. ``admit``: see scheduler.run."""
-        me = threading.get_ident()
-        if not self._free.wait_for(lambda: self._live is None or self._live_thread == me, self.busy_timeout):
+        me = threading.current_thread()
+        if not self._wait_free(me):
             raise DecodertError(f"this LLM is busy: a stream of another thread is still open after "
                                 f"{self.busy_timeout} s (busy_timeout); finish or close it, or use one LLM per thread")
         self._end_live()
@@ -264,6 +268,18 @@ class LLM:
         self._live = scheduler.run(self.backend, self._cache, seqs, self._active, admit)
         self._live_thread = me
         return self._live
+
+    def _wait_free(self, me: threading.Thread) -> bool:
+        """Wait (lock held) until no other thread's run holds the cache; the run of a thread that has
+        exited (a stream it left open) counts as free. False after ``busy_timeout`` seconds."""
+        end = None if self.busy_timeout is None else time.monotonic() + self.busy_timeout
+        while not (self._live is None or self._live_thread is me
+                   or (self._live_thread is not None and not self._live_thread.is_alive())):
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._free.wait(0.05 if left is None else min(0.05, left))  # polls: a dead thread notifies nobody
+        return True
 
     def _finish(self, seqs: list[Sequence]) -> list[GenerationResult]:
         with self._lock:
@@ -298,14 +314,15 @@ class LLM:
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""
         spec = params.pop("speculative", None)
         sp, c = self.split_params(params)
-        if _is_single(prompt):
+        if not validate.is_batch(prompt):
             return self._finish([self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec)])[0]
-        if not prompt:
-            raise DecodertError("the list of prompts is empty")
-        return self._finish([self._sequence(self.encode(p), sp, f"prompt {i}", c, spec) for i, p in enumerate(prompt)])
+        return self._finish([self._sequence(self.encode(p, what=f"prompt {i}"), sp, f"prompt {i}", c, spec)
+                             for i, p in enumerate(prompt)])
 
     def stream(self, prompt: Prompt, **params: Any) -> TextStream:
         """Iterate the generated text as deltas (str); see TextStream for the final result."""
+        if validate.is_batch(prompt):
+            raise DecodertError(f"stream takes one prompt, got a batch of {len(prompt)}; use generate or generate_many")
         spec = params.pop("speculative", None)
         sp, c = self.split_params(params)
         seq = self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec)
@@ -326,11 +343,13 @@ class LLM:
 
     def generate_many(self, requests: Seq[Request | Mapping[str, Any]]) -> list[GenerationResult]:
         """Continuous batching: requests take free cache slots as others finish; results in order."""
+        validate.check_sequence_arg(requests, "requests")
         if not requests:
             raise DecodertError("the list of requests is empty")
         return self._finish([self._request_sequence(r, i) for i, r in enumerate(requests)])
 
     def _request_sequence(self, req: Request | Mapping[str, Any], i: int) -> Sequence:
+        validate.check_request(req, i, Request)
         if isinstance(req, Mapping):
             sp, c = self.split_params({k: v for k, v in req.items() if k not in ("prompt", "messages", "speculative")})
             req = Request(req.get("prompt"), sp, req.get("messages"), c, req.get("speculative"))
@@ -343,17 +362,8 @@ class LLM:
                                 f"got {type(req.constraint).__name__}")
         if (req.prompt is None) == (req.messages is None):
             raise DecodertError(f"request {i} needs exactly one of 'prompt' or 'messages'")
-        ids = self.encode(req.prompt) if req.messages is None else self._chat_ids(req.messages)
+        ids = self.encode(req.prompt, what=f"request {i}") if req.messages is None else self._chat_ids(req.messages)
         return self._sequence(ids, req.params, f"request {i}", req.constraint, req.speculative)
-
-
-def _is_single(prompt: Any) -> bool:
-    """A str, or a flat sequence of token ids, is one prompt; a list of those is a batch."""
-    if isinstance(prompt, str):
-        return True
-    if isinstance(prompt, np.ndarray):
-        return prompt.ndim == 1
-    return bool(prompt) and all(isinstance(t, (int, np.integer)) for t in prompt)
 
 
 # -- loading an artifact folder ----------------------------------------------------------------

@@ -15,6 +15,8 @@ import numpy as np
 
 from decodert.errors import DecodertError
 
+GREEDY_EPS = 1e-5  # a temperature below this is greedy (argmax), as in vLLM: dividing by it would
+#                   overflow the scores (1e-300: inf/NaN) and sampling that sharp is argmax anyway
 Sampler = Callable[[np.ndarray], np.ndarray]
 LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -36,10 +38,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        # Accept lists (and a single stop string) from callers; store tuples.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        # Accept lists (and a single stop string) from callers; store tuples. Other types are kept
+        # as given for validate() to name (stop=5, stop_token_ids=["a"]); ids are not rounded.
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
 
     def validate(self) -> "SamplingParams":
         """Raise DecodertError with a one-line message for the first invalid setting."""
@@ -51,7 +54,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_EPS
+
+
+def _as_tuple(value: object) -> object:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple, set, frozenset, range)) else value
 
 
 def _finite(x: object) -> bool:
@@ -64,24 +73,30 @@ def _integer(x: object) -> bool:
 
 _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (  # (field, valid?, what valid means)
     ("max_new_tokens", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
-    ("temperature", lambda v: _finite(v) and v >= 0, ">= 0 (0 = greedy)"),
+    ("temperature", lambda v: _finite(v) and v >= 0, f"a number >= 0 (below {GREEDY_EPS:g} = greedy)"),
     ("top_k", lambda v: _integer(v) and v >= 0, "an integer >= 0 (0 = off)"),
-    ("top_p", lambda v: _finite(v) and 0 < v <= 1, "in (0, 1]"),
-    ("min_p", lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
-    ("repetition_penalty", lambda v: _finite(v) and v > 0, "> 0 (1 = off)"),
+    ("top_p", lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]"),
+    ("min_p", lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    ("repetition_penalty", lambda v: _finite(v) and v > 0, "a number > 0 (1 = off)"),
     ("presence_penalty", _finite, "a finite number"),
     ("frequency_penalty", _finite, "a finite number"),
-    ("seed", lambda v: v is None or (_integer(v) and v >= 0), "an integer >= 0"),
-    ("stop", lambda v: all(isinstance(s, str) and s for s in v), "non-empty strings"),
-    ("stop_token_ids", lambda v: all(t >= 0 for t in v), "token ids >= 0"),
+    ("seed", lambda v: v is None or (_integer(v) and v >= 0), "None or an integer >= 0"),
+    ("stop", lambda v: isinstance(v, tuple) and all(isinstance(s, str) and s for s in v),
+     "a string or a list of non-empty strings"),
+    ("stop_token_ids", lambda v: isinstance(v, tuple) and all(_integer(t) and 0 <= t < 2**63 for t in v),
+     "a list of token ids (ints >= 0)"),
 )
 
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  rng: np.random.Generator | None = None) -> Sampler:
-    """Build ``sampler(logits [n, V] float32) -> [n] int64``; greedy (argmax) when temperature == 0."""
-    if temperature == 0:
-        return lambda logits: np.argmax(logits, axis=-1).astype(np.int64)
+    """Build ``sampler(logits [n, V]) -> [n] int64``; greedy (argmax) when temperature < GREEDY_EPS.
+
+    Never draws from NaN: a NaN score is never chosen, and a +inf score (a penalty at an extreme)
+    wins outright (the tokens at +inf share the mass); a row with no finite or +inf score is an error.
+    """
+    if temperature < GREEDY_EPS:
+        return greedy
     rng = rng if rng is not None else np.random.default_rng()
     distribution = make_distribution(temperature, top_k, top_p, min_p)
     return lambda logits: _draw(distribution(logits), rng)
@@ -93,9 +108,10 @@ def make_distribution(temperature: float, top_k: int = 0, top_p: float = 1.0,
     (temperature > 0). Speculative sampling (runtime/speculative.py) accepts drafts against it."""
 
     def distribution(logits: np.ndarray) -> np.ndarray:
-        scores = np.asarray(logits, dtype=np.float32) / np.float32(temperature)  # [n, V]
+        scores = _sane(np.asarray(logits, dtype=np.float64))  # [n, V] float64
         if top_k:
             scores = _top_k(scores, top_k)
+        scores = (scores - scores.max(axis=-1, keepdims=True)) / temperature  # differences first: no overflow
         probs = _softmax(scores)  # [n, V] float64
         if min_p > 0:
             probs = np.where(probs >= min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
@@ -109,6 +125,25 @@ def make_distribution(temperature: float, top_k: int = 0, top_p: float = 1.0,
 def draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """One categorical draw per row of probs [n, V] (unnormalised) -> [n] int64."""
     return _draw(probs, rng)
+
+
+def greedy(logits: np.ndarray) -> np.ndarray:
+    """argmax per row of logits [n, V] -> [n] int64, NaN never chosen."""
+    return np.argmax(_sane(np.asarray(logits, dtype=np.float64)), axis=-1).astype(np.int64)
+
+
+def _sane(scores: np.ndarray) -> np.ndarray:
+    """Scores [n, V] float64 with NaN -> -inf, and rows holding +inf -> 0 at the +inf tokens, -inf
+    elsewhere (the limit of the distribution); DecodertError for a row with nothing to choose."""
+    scores = np.where(np.isnan(scores), -np.inf, scores)
+    top = scores.max(axis=-1)  # [n]
+    if np.isneginf(top).any():
+        raise DecodertError("no token has a finite score (the logits are NaN or -inf: a damaged model, "
+                            "or penalties that ruled out every token)")
+    if np.isposinf(top).any():
+        inf_rows = np.isposinf(top)[:, None]  # [n, 1]
+        scores = np.where(inf_rows, np.where(np.isposinf(scores), 0.0, -np.inf), scores)
+    return scores
 
 
 def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
@@ -177,9 +212,10 @@ def _repetition(penalty: float) -> LogitsProcessor:
         seen = np.unique(history)  # [U]
         if seen.size == 0:
             return logits
-        out = np.array(logits, dtype=np.float32, copy=True)
+        out = np.array(logits, dtype=np.float64, copy=True)  # float64: s / 1e-300 must not be float32 inf
         s = out[..., seen]
-        out[..., seen] = np.where(s < 0, s * penalty, s / penalty)
+        with np.errstate(over="ignore"):  # s / 1e-300 -> +inf: the token then wins (_sane)
+            out[..., seen] = np.where(s < 0, s * penalty, s / penalty)
         return out
 
     return process
@@ -190,8 +226,9 @@ def _additive(presence: float, frequency: float) -> LogitsProcessor:
         seen, counts = np.unique(history, return_counts=True)  # [U], [U]
         if seen.size == 0:
             return logits
-        out = np.array(logits, dtype=np.float32, copy=True)
-        out[..., seen] -= (presence + frequency * counts).astype(np.float32)
+        out = np.array(logits, dtype=np.float64, copy=True)  # float64: -1e38 * 4 is no float32 inf
+        with np.errstate(over="ignore", invalid="ignore"):  # +-inf at 1e308 penalties: handled by _sane
+            out[..., seen] -= presence + frequency * counts.astype(np.float64)
         return out
 
     return process

@@ -136,9 +136,44 @@ def onnx_external(data: bytes, c: Chooser) -> bytes:
     return model.SerializeToString()
 
 
+# Chat-template pieces: time, memory and output-size bombs, sandbox escapes, plain template code.
+_N = ("0", "1", "7", "1000", "100000", "100001", "10**6", "2**31", "4000000000", "-1", "messages|length")
+_PIECES = (
+    "{{ 'a' * N }}", "{{ ['ab'] * N }}", "{{ lipsum(N) }}", "{{ range(N)|list|length }}", "{{ range(N)|join('xy') }}",
+    "{% set ns.x = ns.x ~ ns.x %}", "{% set ns.x = ns.x + ns.x %}", "{{ ns.x|length }}", "{{ N ** N }}",
+    "{{ '%Nd' % 1 }}", "{{ '{:>N}'.format(1) }}", "{{ 'x'|center(N) }}", "{{ 'x'.ljust(N) }}", "{{ '%s'|format(N) }}",
+    "{{ 'x'|indent(N) }}", "{{ 'ab'|wordwrap(N) }}", "{{ messages|tojson }}", "{{ messages[0]['content'] * N }}",
+    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "{{ raise_exception('no') }}", "{{ undefined_name.x }}",
+    "{{ cycler.__init__.__globals__ }}", "{{ ''.__class__.__mro__[1].__subclasses__() }}", "{{ ''|attr('__class__') }}",
+    "{{ joiner.__init__.__globals__['os'] }}", "{{ namespace.__init__.__globals__ }}", "{{ (1).__class__ }}",
+    "{{ self.__init__.__globals__ }}", "{{ config }}", "{{ request }}", "{{ strftime_now('%Y') }}",
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}", "{{ bos_token }}{{ eos_token }}",
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}", "{{ dict(a=N) }}", "{{ 1/0 }}", "{{ 'é' * 3 }}",
+    "{% for i in range(N) %}{% for j in range(N) %}{{ i }}{% endfor %}{% endfor %}", "{% raw %}{{ x }}{% endraw %}",
+)
+
+
+def template_bomb(data: bytes, c: Chooser) -> bytes:
+    """A chat template made of 1-6 pieces (bombs, escapes, normal code), some inside loops."""
+    parts = ["{% set ns = namespace(x='ab') %}"]
+    for _ in range(c.integer(1, 6)):
+        piece = choose(c, _PIECES).replace("N", choose(c, _N))
+        for _ in range(c.integer(0, 2)):  # nested loops around it
+            piece = "{% for _ in range(" + choose(c, _N) + ") %}" + piece + "{% endfor %}"
+        parts.append(piece)
+    return "".join(parts).encode()
+
+
+def template_splice(data: bytes, c: Chooser) -> bytes:
+    """A piece spliced into the sample's template at a random place (may break its syntax)."""
+    i = c.integer(0, len(data))
+    return data[:i] + choose(c, _PIECES).replace("N", choose(c, _N)).encode() + data[i:]
+
+
 MUTATORS: dict[str, Callable[[bytes, Chooser], bytes]] = {
     "truncate": truncate, "flip": flip_bits, "int": overwrite_int, "extend": extend, "gguf-field": gguf_field,
-    "json": json_tree, "st-header": safetensors_header, "onnx-extdata": onnx_external}
+    "json": json_tree, "st-header": safetensors_header, "onnx-extdata": onnx_external,
+    "template-bomb": template_bomb, "template-splice": template_splice}
 
 # target -> sample, the files it damages and with which mutators
 PLANS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
@@ -149,6 +184,7 @@ PLANS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "onnx": ("art", {"prefill.onnx": ("truncate", "flip", "int", "onnx-extdata", "onnx-extdata")}),
     "weights": ("art", {"weights.bin": ("truncate", "extend", "flip")}),
     "engine": ("eng", {"prefill.engine": ("truncate", "flip", "extend"), "manifest.json": ("json",)}),
+    "template": ("template", {"chat_template.jinja": ("template-bomb", "template-bomb", "template-splice", "flip")}),
 }
 
 

@@ -172,7 +172,9 @@ def make_samples(root: Path) -> dict[str, Path]:
     if not eng.is_dir():
         shutil.copytree(art, eng)
         add_fake_engines(eng)
-    return {"gguf": make_gguf(root / "mini.gguf"), "hf": hf, "art": art, "eng": eng}
+    template = root / "chat_template.jinja"  # the "template" fuzz target's sample
+    template.write_text("{{ bos_token }}" + CHAT_TEMPLATE)
+    return {"gguf": make_gguf(root / "mini.gguf"), "hf": hf, "art": art, "eng": eng, "template": template}
 
 
 def add_listed_file(art: Path, name: str, data: bytes) -> Path:

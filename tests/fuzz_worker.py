@@ -63,6 +63,16 @@ def _engine(path: Path) -> None:
         read_engine(path, manifest, name, info)
 
 
+def _template(path: Path) -> None:
+    """Render a chat template from a model file (bytes that are not UTF-8 replaced, as a reader would)."""
+    from decodert.runtime.chat import render_chat
+    from decodert.runtime.template_sandbox import Limits
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi " * 50}]
+    render_chat(path.read_bytes().decode("utf-8", "replace"), messages, bos_token="<s>", eos_token="</s>",
+                limits=Limits(seconds=0.5))  # shorter than the default 2 s: many cases per second
+
+
 def _selftest(path: Path) -> None:
     """Failures the harness must notice (tests/test_fuzz.py): path.name says which."""
     import numpy as np
@@ -78,7 +88,7 @@ def _selftest(path: Path) -> None:
 
 
 TARGETS = {"gguf": _checkpoint, "safetensors": _checkpoint, "manifest": _manifest, "onnx": _onnx,
-           "weights": lambda p: _generate(p, "none"), "engine": _engine, "selftest": _selftest}
+           "weights": lambda p: _generate(p, "none"), "engine": _engine, "template": _template, "selftest": _selftest}
 
 
 def run_case(target: str, path: Path) -> dict:

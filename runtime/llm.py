@@ -233,19 +233,17 @@ class LLM:
         seq = Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq, guide)
         config = resolve_speculative(speculative)
         if config is not None:
-            self._check_speculation(guide)
+            self._check_speculation()
             seq.spec = self.speculator.state(config, seq)
         return seq
 
-    def _check_speculation(self, guide: Any) -> None:
+    def _check_speculation(self) -> None:
         if not hasattr(self.backend, "verify"):
             raise DecodertError(f"the {self.backend.name} backend has no verify pass yet; speculative decoding "
                                 "runs on the ort backend (--backend ort)")
         if not getattr(self.backend, "verify_width", 0):
             raise DecodertError("this artifact has no verify graph (exported before speculative decoding); "
                                 "re-export it to use speculative decoding")
-        if guide is not None:
-            raise DecodertError("speculative decoding does not combine with json_schema / regex / grammar yet")
 
     # -- running -------------------------------------------------------------------------
     def _end_live(self) -> None:

@@ -187,6 +187,8 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence]) -> list
         speculator.costs.record(n, 1, time.perf_counter() - t0)
         return deltas
     drafts = _draft(seqs, drafts, keys, limits, width)
+    drafts = [d[: s.guide.check(d)] if s.guide is not None and len(d) else d  # cut what the grammar rejects
+              for s, d in zip(seqs, drafts)]
     ids = [np.concatenate([[s.last_token], d]).astype(np.int64) for s, d in zip(seqs, drafts)]
     want = any(s.needs_logits for s in seqs)
     t0 = time.perf_counter()
@@ -295,6 +297,8 @@ def _choose(seq: Sequence, argmax: int, logits: np.ndarray | None, draft: int | 
     spec = seq.spec
     if seq.params.greedy or spec is None or spec.distribution is None:
         return seq.choose(logits, argmax)
+    if seq.guide is not None:  # structured output: the mask at this position (the guide has advanced to it)
+        logits = seq.guide.mask_logits(logits)
     row = apply_processors(seq.processors, seq.history[: seq.length], logits[None, :])  # [1, V]
     probs = spec.distribution(row)  # [1, V] unnormalised
     if draft is not None:

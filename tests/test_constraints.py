@@ -273,3 +273,19 @@ def test_cli_bad_constraint_flags(llm, monkeypatch, capsys, tmp_path):
         assert err.startswith(f"decodert: error: {message}") and err.count("\n") == 1, err
     with pytest.raises(SystemExit):
         main(["generate", str(tmp_path), "--prompt", "hi", "--regex", "a", "--grammar", str(tmp_path / "bad.json")])
+
+
+def test_speculative_decoding_keeps_the_constraint(llm, monkeypatch):
+    reqs = [(f"hello {i}", s) for i, (_, s) in enumerate(SCHEMAS[:8])]
+    plain = [llm.generate(p, json_schema=s, max_new_tokens=200) for p, s in reqs]
+    cut = []
+    real = constraints.Guide.check
+    monkeypatch.setattr(constraints.Guide, "check", lambda g, toks: cut.append((len(toks), n := real(g, toks))) or n)
+    llm.backend.calls.clear()
+    spec = [llm.generate(p, json_schema=s, max_new_tokens=200, speculative="ngram") for p, s in reqs]
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain], "greedy: token-for-token plain decoding"
+    assert any(kind == "verify" for kind, _, _ in llm.backend.calls)
+    assert any(kept < drafted for drafted, kept in cut), "some drafts must have been cut by the grammar"
+    sampled = llm.generate_many([{"prompt": p, "json_schema": s, "max_new_tokens": 200, "temperature": 1.0, "seed": 5,
+                                  "speculative": "ngram"} for p, s in reqs])
+    assert all(r.finish_reason == "stop" and _valid(s, r.text) for r, (_, s) in zip(sampled, reqs))

@@ -76,13 +76,14 @@ def mem_get_info() -> tuple[int, int]:
 
 
 class DeviceBuffer:
-    """``nbytes`` of device memory at ``ptr`` (int), zeroed; freed by ``free()``."""
+    """``nbytes`` of device memory at ``ptr`` (int), zeroed unless ``zero=False``; freed by ``free()``."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, zero: bool = True) -> None:
         rt = _rt()
         self.nbytes = max(int(nbytes), 1)
         self.ptr = int(check(rt.cudaMalloc(self.nbytes), f"cudaMalloc({self.nbytes} bytes)"))
-        check(rt.cudaMemset(self.ptr, 0, self.nbytes), "cudaMemset")
+        if zero:
+            check(rt.cudaMemset(self.ptr, 0, self.nbytes), "cudaMemset")
 
     def free(self) -> None:
         if self.ptr:

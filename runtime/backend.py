@@ -7,7 +7,7 @@ sessions or engines). Nothing here imports onnxruntime or tensorrt.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -73,4 +73,21 @@ class Backend(Protocol):
 
     def move_slot(self, cache: KVCache, src: int, dst: int) -> None:
         """Copy slot ``src``'s cached tokens and length into ``dst`` (to keep active rows compact)."""
+        ...
+
+    # -- KV blocks (runtime/kv_blocks.py): what the prefix cache keeps between requests ----------
+    def kv_bytes(self, n: int) -> int:
+        """Bytes of the K/V of ``n`` positions over all layers (one block of ``n`` tokens)."""
+        ...
+
+    def read_kv(self, cache: KVCache, slot: int, start: int, n: int) -> Any:
+        """A copy of positions [start, start+n) of ``slot``, kept where the cache lives (host or device)."""
+        ...
+
+    def write_kv(self, cache: KVCache, slot: int, start: int, block: Any) -> None:
+        """Copy a block from ``read_kv`` into positions [start, start+n) of ``slot`` (lengths unchanged)."""
+        ...
+
+    def free_kv(self, block: Any) -> None:
+        """Release a block's memory now (device memory; a host block just loses its reference)."""
         ...

@@ -7,7 +7,7 @@ imports onnxruntime or tensorrt: a backend is anything that follows runtime/back
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence as Seq
+from typing import Any, Generator, Iterable, Sequence as Seq
 
 import numpy as np
 
@@ -56,6 +56,7 @@ class Sequence:
         self.stopper = StopMatcher(params.stop)
         self.parts: list[str] = []
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens whose K/V was reused, not prefilled (set by prefill)
         self.timer = Timer()
         self.guide = guide  # structured output (runtime/constraints.py): masks the logits, ends at the grammar's end
         self.spec = None  # speculative decoding state (runtime/speculative.py), when asked for
@@ -118,10 +119,37 @@ class Sequence:
 
     def result(self) -> GenerationResult:
         assert self.done, "result() before the sequence finished"
-        metrics = self.timer.metrics(len(self.prompt))
+        metrics = self.timer.metrics(len(self.prompt), self.cached_tokens)
         if self.spec is not None:
             metrics = self.spec.annotate(metrics)
         return GenerationResult("".join(self.parts), self.generated.tolist(), self.finish_reason, metrics)
+
+
+class TextStream:
+    """Iterator of text deltas (str). ``text`` is what was streamed so far; ``result`` is set at the end."""
+
+    def __init__(self, events: Generator[tuple[int, str], None, None], seq: Sequence) -> None:
+        self._events = events
+        self._seq = seq
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        for _, delta in self._events:
+            if delta:
+                return delta
+        if self.result is None and self._seq.done:
+            self.result = self._seq.result()
+        raise StopIteration
+
+    @property
+    def text(self) -> str:
+        return "".join(self._seq.parts)
+
+    def close(self) -> None:
+        self._events.close()
 
 
 def choose_tokens(seqs: Seq[Sequence], step: StepOutput) -> np.ndarray:
@@ -133,14 +161,25 @@ def choose_tokens(seqs: Seq[Sequence], step: StepOutput) -> np.ndarray:
     return tokens
 
 
-def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequence]) -> list[str]:
-    """Reset ``slots``, run all prompts in one call, accept each row's first token -> text deltas."""
+def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequence], prefix: Any = None) -> list[str]:
+    """Run all prompts in one call, accept each row's first token -> text deltas.
+
+    Each slot continues after its ``cache.lengths[slot]`` cached tokens, which must be the
+    prompt's first ones (0 for a new row; a session's row keeps its conversation). ``prefix``
+    (runtime/prefix_cache.py) first loads the longest cached prefix, and keeps the prompt's
+    whole blocks after the call; ``seq.cached_tokens`` counts the tokens not prefilled.
+    """
     for slot, seq in zip(slots, seqs):
-        cache.reset(slot)
         seq.timer.start()
+        if prefix is not None:
+            prefix.load(cache, slot, seq.prompt)
+        seq.cached_tokens = int(cache.lengths[slot])
     want = any(s.needs_logits for s in seqs)
     with masks_ahead(seqs):
-        step = backend.prefill(cache, list(slots), [s.prompt for s in seqs], want_logits=want)
+        step = backend.prefill(cache, list(slots), [s.prompt[s.cached_tokens:] for s in seqs], want_logits=want)
+    if prefix is not None:
+        for slot, seq in zip(slots, seqs):
+            prefix.store(cache, slot, seq.prompt)
     return [s.accept(int(t)) for s, t in zip(seqs, choose_tokens(seqs, step))]
 
 

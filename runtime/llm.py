@@ -6,6 +6,7 @@
     llm.chat([{"role": "user", "content": "Hi"}])
     llm.generate_many([Request("a"), Request("b", SamplingParams(max_new_tokens=8))])
     llm.generate("A person as JSON:", json_schema={...})  # or regex=..., grammar=... (Lark): docs/STRUCTURED.md
+    chat = llm.session(system="Be brief."); chat.chat("Hi"); chat.chat("And then?")   # runtime/session.py
 
 One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
 runs one generation at a time. Starting one ends an unfinished stream of the same thread. From
@@ -13,6 +14,10 @@ several threads, runs serialise: a call waits while another thread's generation 
 holds the cache (``busy_timeout`` seconds at most, then DecodertError; default: no limit); a
 stream left open by a thread that has exited no longer counts (the next run ends it). A
 KeyboardInterrupt inside a step ends that run only: its slots are freed and the next call works.
+
+Prompts that start like an earlier one reuse its K/V (runtime/prefix_cache.py): ``prefix_cache_mb``
+bounds that cache (default: room for two full contexts, at most a quarter of the free memory;
+0 = off), and ``result.metrics.cached_tokens`` says how many prompt tokens were not prefilled.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import importlib
 import shutil
 import threading
 import time
+import weakref
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Generator, Mapping, Sequence as Seq, Union
+from typing import TYPE_CHECKING, Any, Generator, Mapping, Sequence as Seq, Union
 
 import numpy as np
 
@@ -31,9 +37,14 @@ from decodert.errors import DecodertError
 from decodert.runtime import scheduler, validate
 from decodert.runtime.chat import Message, render_chat
 from decodert.runtime.constraints import Constraint, Guidance
-from decodert.runtime.generate import GenerationResult, Sequence
+from decodert.runtime.generate import GenerationResult, Sequence, TextStream
+from decodert.runtime.memory import available_bytes
+from decodert.runtime.prefix_cache import PrefixCache
 from decodert.runtime.sampling import SamplingParams
 from decodert.runtime.speculative import Speculator, resolve as resolve_speculative
+
+if TYPE_CHECKING:
+    from decodert.runtime.session import Session
 
 Prompt = Union[str, Seq[int], np.ndarray]  # text, or token ids used as they are
 _PARAM_NAMES = tuple(f.name for f in fields(SamplingParams))
@@ -49,33 +60,6 @@ class Request:
     messages: Seq[Message] | None = None  # chat messages instead of a prompt
     constraint: Constraint | None = None  # structured output: Constraint.of(json_schema=... | regex=... | grammar=...)
     speculative: Any = None  # "ngram" | "draft" | SpeculativeConfig (runtime/speculative.py)
-
-
-class TextStream:
-    """Iterator of text deltas (str). ``text`` is what was streamed so far; ``result`` is set at the end."""
-
-    def __init__(self, events: Generator[tuple[int, str], None, None], seq: Sequence) -> None:
-        self._events = events
-        self._seq = seq
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> "TextStream":
-        return self
-
-    def __next__(self) -> str:
-        for _, delta in self._events:
-            if delta:
-                return delta
-        if self.result is None and self._seq.done:
-            self.result = self._seq.result()
-        raise StopIteration
-
-    @property
-    def text(self) -> str:
-        return "".join(self._seq.parts)
-
-    def close(self) -> None:
-        self._events.close()
 
 
 def sampling_params(params: SamplingParams | None = None, **kwargs: Any) -> SamplingParams:
@@ -102,7 +86,7 @@ class LLM:
     """
 
     def __init__(self, backend: Any, tokenizer: Any, manifest: Mapping[str, Any] | None = None,
-                 draft: "LLM | None" = None) -> None:
+                 draft: "LLM | None" = None, prefix_cache_mb: float | None = None) -> None:
         self.backend = backend
         self.draft = draft  # the draft model of speculative="draft"
         self.speculator = Speculator(draft.backend if draft is not None else None)
@@ -123,15 +107,18 @@ class LLM:
         self._free = threading.Condition(self._lock)  # notified when the live run ends
         self.busy_timeout: float | None = None  # seconds to wait for another thread's stream (None: as long as it takes)
         self._guidance: Guidance | None = None  # llguidance tokenizer, made on the first constrained request
+        self.prefix_cache = make_prefix_cache(backend, prefix_cache_mb)  # None: off
+        self._sessions: weakref.WeakSet = weakref.WeakSet()  # closed with the LLM
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
-             draft: str | Path | None = None) -> "LLM":
+             draft: str | Path | None = None, prefix_cache_mb: float | None = None) -> "LLM":
         """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``).
 
         ``verify``: "fast" (sizes + sha256 of each file's first and last MiB), "full" (the whole
         sha256 of every file, as ``--full-verify``) or "none"; a mismatch names the file.
         ``draft``: a second artifact with the same tokenizer, the drafter of ``speculative="draft"``.
+        ``prefix_cache_mb``: the prefix cache's budget in MiB (None: the default; 0: off).
         """
         from decodert.export.manifest import tokenizer_file
 
@@ -141,11 +128,11 @@ class LLM:
         tokenizer = open_tokenizer(path, manifest)  # cheap checks before the backend loads weights
         drafter = None
         if draft is not None:
-            drafter = cls.load(draft, backend, verify)
+            drafter = cls.load(draft, backend, verify, prefix_cache_mb=0)
             if drafter.tokenizer.get_vocab(with_added_tokens=True) != tokenizer.get_vocab(with_added_tokens=True):
                 raise DecodertError(f"draft model {draft} has another tokenizer than {path}; "
                                     "speculative decoding needs the same vocabulary")
-        return cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter)
+        return cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb)
 
     def params(self, **params: Any) -> SamplingParams:
         """Validated SamplingParams: ``params`` over the model's ``sampling_defaults``."""
@@ -168,6 +155,10 @@ class LLM:
         with self._lock:
             self._end_live()
             self._cache = None
+            for session in list(self._sessions):
+                session.close()
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
         if close is not None:
             close()
 
@@ -253,17 +244,21 @@ class LLM:
             self._live = None
             self._free.notify_all()
 
-    def _run(self, seqs: list[Sequence], admit: Any = None) -> Generator[tuple[int, str], None, None]:
+    def _run(self, seqs: list[Sequence], admit: Any = None,
+             runner: Generator | None = None) -> Generator[tuple[int, str], None, None]:
         """Start a run over the one cache (lock held): wait while another thread's stream holds it;
-        an unfinished run of this thread (an abandoned stream) is ended. ``admit``: see scheduler.run."""
+        an unfinished run of this thread (an abandoned stream) is ended. ``admit``: see scheduler.run.
+        ``runner``: a run of its own (a session's turn) instead of the scheduler over the shared cache."""
         me = threading.current_thread()
         if not self._wait_free(me):
             raise DecodertError(f"this LLM is busy: a stream of another thread is still open after "
                                 f"{self.busy_timeout} s (busy_timeout); finish or close it, or use one LLM per thread")
         self._end_live()
-        if self._cache is None:
-            self._cache = self.backend.allocate(int(self.backend.max_batch))
-        self._live = scheduler.run(self.backend, self._cache, seqs, self._active, admit)
+        if runner is None:
+            if self._cache is None:
+                self._cache = self.backend.allocate(int(self.backend.max_batch))
+            runner = scheduler.run(self.backend, self._cache, seqs, self._active, admit, self.prefix_cache)
+        self._live = runner
         self._live_thread = me
         return self._live
 
@@ -279,9 +274,9 @@ class LLM:
             self._free.wait(0.05 if left is None else min(0.05, left))  # polls: a dead thread notifies nobody
         return True
 
-    def _finish(self, seqs: list[Sequence]) -> list[GenerationResult]:
+    def _finish(self, seqs: list[Sequence], runner: Generator | None = None) -> list[GenerationResult]:
         with self._lock:
-            run = self._run(seqs)
+            run = self._run(seqs, runner=runner)
             try:
                 for _ in run:
                     pass
@@ -290,10 +285,11 @@ class LLM:
                     self._end_live()
         return [s.result() for s in seqs]
 
-    def _stream(self, seqs: list[Sequence], admit: Any = None) -> Generator[tuple[int, str], None, None]:
+    def _stream(self, seqs: list[Sequence], admit: Any = None,
+                runner: Generator | None = None) -> Generator[tuple[int, str], None, None]:
         """The run's events, one locked step at a time; the run holds the cache until it ends."""
         with self._lock:
-            run = self._run(seqs, admit)
+            run = self._run(seqs, admit, runner)
         try:
             while True:
                 with self._lock:
@@ -339,6 +335,16 @@ class LLM:
         seq = self._sequence(self._chat_ids(messages), sp, constraint=c, speculative=spec)
         return TextStream(self._stream([seq]), seq)
 
+    def session(self, system: str | None = None, overflow: str = "truncate") -> "Session":
+        """A conversation whose K/V stays in its own cache row between turns (runtime/session.py):
+        each turn prefills only what the chat template adds. ``overflow``: "truncate" (drop the
+        oldest turns when the context fills) or "error" (raise DecodertError instead)."""
+        from decodert.runtime.session import Session
+
+        session = Session(self, system, overflow)
+        self._sessions.add(session)
+        return session
+
     def generate_many(self, requests: Seq[Request | Mapping[str, Any]]) -> list[GenerationResult]:
         """Continuous batching: requests take free cache slots as others finish; results in order."""
         validate.check_sequence_arg(requests, "requests")
@@ -362,6 +368,29 @@ class LLM:
             raise DecodertError(f"request {i} needs exactly one of 'prompt' or 'messages'")
         ids = self.encode(req.prompt, what=f"request {i}") if req.messages is None else self._chat_ids(req.messages)
         return self._sequence(ids, req.params, f"request {i}", req.constraint, req.speculative)
+
+
+def make_prefix_cache(backend: Any, budget_mb: float | None) -> PrefixCache | None:
+    """The prefix cache of ``backend`` under ``budget_mb`` MiB (None: default budget; 0: none).
+
+    Default: the K/V of two full contexts (2 x max_seq tokens), at most a quarter of the memory
+    available now. Off for backends that cannot copy K/V blocks (``read_kv``)."""
+    if budget_mb is not None and (not isinstance(budget_mb, (int, float)) or isinstance(budget_mb, bool)
+                                  or not budget_mb >= 0):
+        raise DecodertError(f"prefix_cache_mb must be a number >= 0 (0 = off), not {budget_mb!r}")
+    if budget_mb == 0 or not hasattr(backend, "read_kv"):
+        return None
+    if budget_mb is None:
+        budget = 2 * backend.kv_bytes(int(backend.max_seq))
+        avail = available_bytes() if getattr(backend, "name", "") != "trt" else None
+        budget = min(budget, avail // 4) if avail else budget
+    else:
+        budget = int(budget_mb * 2**20)
+        avail = available_bytes() if getattr(backend, "name", "") != "trt" else None
+        if avail is not None and budget > 0.9 * avail:
+            raise DecodertError(f"prefix_cache_mb={budget_mb:g} is more than the {avail / 2**20:.0f} MiB of memory "
+                                "available now; give a smaller budget (0 = off)")
+    return PrefixCache(backend, budget)
 
 
 # -- loading an artifact folder ----------------------------------------------------------------

@@ -24,13 +24,15 @@ class Metrics:
     # and the share of drafted tokens the target accepted
     accepted_per_step: float = 0.0
     acceptance_rate: float = 0.0
+    cached_tokens: int = 0  # prompt tokens reused from a session's row or the prefix cache (not prefilled)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
         """One line for stderr, e.g. ``prompt 12 tok @ 850.1 tok/s | ...``."""
-        return (f"prompt {self.prompt_tokens} tok @ {self.prompt_tps:.1f} tok/s | ttft {self.ttft_s * 1000:.1f} ms | "
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        return (f"prompt {self.prompt_tokens} tok{cached} @ {self.prompt_tps:.1f} tok/s | ttft {self.ttft_s * 1000:.1f} ms | "
                 f"gen {self.generated_tokens} tok @ {self.decode_tps:.1f} tok/s ({self.tpot_ms:.2f} ms/tok) | "
                 f"peak rss {self.peak_rss_mb:.0f} MB"
                 + (f" | spec {self.accepted_per_step:.2f} tok/step, {100 * self.acceptance_rate:.0f}% accepted"
@@ -61,7 +63,7 @@ class Timer:
         self.t_last = now
         self.tokens += 1
 
-    def metrics(self, prompt_tokens: int) -> Metrics:
+    def metrics(self, prompt_tokens: int, cached_tokens: int = 0) -> Metrics:
         ttft = self.t_first - self.t_start if self.tokens else 0.0
         decode_s = self.t_last - self.t_first
         after_first = max(self.tokens - 1, 0)
@@ -74,4 +76,5 @@ class Timer:
             tpot_ms=1000 * decode_s / after_first if after_first else 0.0,
             peak_rss_mb=peak_rss_mb(),
             total_s=(self.t_last - self.t_start) if self.tokens else 0.0,
+            cached_tokens=cached_tokens,
         )

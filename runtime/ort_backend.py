@@ -26,6 +26,7 @@ from decodert.errors import DecodertError, first_line
 from decodert.export.onnx_check import check_external_data, check_session_io
 from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
+from decodert.runtime import kv_blocks
 from decodert.runtime.backend import StepOutput, VerifyOutput
 from decodert.runtime.memory import check_fits
 
@@ -213,14 +214,43 @@ class OrtBackend:
             for buf in cache.buffers:
                 buf[dst, :, :n] = buf[src, :, :n]
         else:
-            from decodert.plugins.cuda_mem import Stream, copy_async
+            from decodert.plugins.cuda_mem import copy_async
 
-            self._stream = self._stream or Stream()
+            stream = self._cuda_stream()
             for i in range(len(cache.buffers)):
-                copy_async(cache.pointer(i, dst), cache.pointer(i, src), cache.slot_bytes, self._stream, "d2d")
+                copy_async(cache.pointer(i, dst), cache.pointer(i, src), cache.slot_bytes, stream, "d2d")
             self._stream.sync()
         cache.lengths[dst] = n
         cache.lengths[src] = 0
+
+    # ---- KV blocks (runtime/kv_blocks.py) ----------------------------------------------------
+    def kv_bytes(self, n: int) -> int:
+        return 2 * self.layers * self.kv_heads * n * self.head_dim * np.dtype(self.np_dtype).itemsize
+
+    def read_kv(self, cache: OrtKVCache, slot: int, start: int, n: int) -> Any:
+        if cache.device == "cpu":
+            return kv_blocks.host_read(cache.buffers, slot, start, n)
+        return kv_blocks.device_read(self._geometry(cache), slot, start, n, self._cuda_stream())
+
+    def write_kv(self, cache: OrtKVCache, slot: int, start: int, block: Any) -> None:
+        if cache.device == "cpu":
+            kv_blocks.host_write(cache.buffers, slot, start, block)
+        else:
+            kv_blocks.device_write(self._geometry(cache), slot, start, block, self._cuda_stream())
+
+    def free_kv(self, block: Any) -> None:
+        kv_blocks.free_block(block)
+
+    def _geometry(self, cache: OrtKVCache) -> kv_blocks.DeviceGeometry:
+        pos = self.head_dim * cache.dtype.itemsize
+        return kv_blocks.DeviceGeometry([b.ptr for b in cache.buffers], cache.slot_bytes, pos, self.kv_heads,
+                                        cache.max_seq)
+
+    def _cuda_stream(self) -> Any:
+        from decodert.plugins.cuda_mem import Stream
+
+        self._stream = self._stream or Stream()
+        return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
     def _prefill_groups(self, cache: OrtKVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:

@@ -8,7 +8,7 @@ unfinished rows and finished rows cost nothing.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Iterable, Iterator, Mapping, Sequence as Seq
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence as Seq
 
 from decodert.runtime import speculative
 from decodert.runtime.backend import Backend, KVCache
@@ -17,7 +17,7 @@ from decodert.runtime.generate import Sequence, decode_step, prefill
 
 def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence] | Mapping[int, Sequence],
         active: list[int] | None = None,
-        admit: Callable[[], Iterable[int]] | None = None) -> Iterator[tuple[int, str]]:
+        admit: Callable[[], Iterable[int]] | None = None, prefix: Any = None) -> Iterator[tuple[int, str]]:
     """Yield ``(request index, text delta)`` once per generated token, until every request is done.
 
     Each loop turn either prefills the waiting requests that fit into free slots (one call for
@@ -33,30 +33,37 @@ def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence] | Mapping[int, Seq
     finish any request (a cancel): a finished request is never prefilled, and its slot is freed
     before the turn's step. By the time ``admit`` runs, every request yielded as done (or finished
     by an earlier call) has left its slot, so ``admit`` may delete it from ``seqs``.
+
+    ``prefix`` (runtime/prefix_cache.py): prompts start from their longest cached prefix, and a
+    finished row's whole blocks (prompt and generated) are kept before its slot is reused. New
+    rows that share an uncached prefix are prefilled after the first of them, so it runs once.
     """
     active = [] if active is None else active
     assert not active, "the slot table of a new run must be empty"
     waiting = deque(range(len(seqs)))
     try:
         while True:
-            _compact(backend, cache, active, seqs)
+            _compact(backend, cache, active, seqs, prefix)
             if admit is not None:
                 waiting.extend(admit())
-                _compact(backend, cache, active, seqs)  # the rows admit finished (cancelled)
+                _compact(backend, cache, active, seqs, prefix)  # the rows admit finished (cancelled)
             new = _take(waiting, seqs, cache.slots - len(active))
             if new:
-                slots = range(len(active), len(active) + len(new))
+                first = len(active)
                 active.extend(new)
-                deltas = prefill(backend, cache, slots, [seqs[i] for i in new])
-                rows = new
+                for group in _admission_groups([seqs[i] for i in new], prefix):
+                    slots = [first + j for j in group]
+                    for slot in slots:
+                        cache.reset(slot)
+                    deltas = prefill(backend, cache, slots, [seqs[new[j]] for j in group], prefix)
+                    yield from zip([new[j] for j in group], deltas)
             elif active:
                 rows_now = [seqs[i] for i in active]
                 step = speculative.step if any(s.spec is not None for s in rows_now) else decode_step
                 deltas = step(backend, cache, range(len(active)), rows_now)
-                rows = list(active)
+                yield from zip(list(active), deltas)
             else:
                 return
-            yield from zip(rows, deltas)
     finally:
         for slot in range(len(active)):
             cache.reset(slot)
@@ -73,9 +80,22 @@ def _take(waiting: deque, seqs: Seq[Sequence] | Mapping[int, Sequence], free: in
     return new
 
 
-def _compact(backend: Backend, cache: KVCache, active: list[int], seqs: Seq[Sequence] | Mapping[int, Sequence]) -> None:
+def _admission_groups(new: Seq[Sequence], prefix: Any) -> list[list[int]]:
+    """Positions in ``new`` to prefill together: one call, or two when some prompts share an
+    uncached first block with an earlier one (those wait one call and load it from the cache)."""
+    if prefix is None or len(new) < 2:
+        return [list(range(len(new)))]
+    leaders, followers = prefix.split_shared([s.prompt for s in new])
+    return [leaders, followers] if followers else [leaders]
+
+
+def _compact(backend: Backend, cache: KVCache, active: list[int], seqs: Seq[Sequence] | Mapping[int, Sequence],
+             prefix: Any = None) -> None:
     """Drop finished rows from ``active`` (in place), filling each hole with the last active row."""
     finished = [slot for slot, i in enumerate(active) if seqs[i].done]
+    if prefix is not None:
+        for slot in finished:  # before any move overwrites a finished row
+            prefix.store(cache, slot, seqs[active[slot]].history[: cache.lengths[slot]])
     for slot in reversed(finished):  # descending: every slot above ``slot`` is unfinished by now
         last = len(active) - 1
         if slot != last:

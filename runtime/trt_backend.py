@@ -31,6 +31,7 @@ from decodert.errors import DecodertError
 from decodert.export.trt_build import check_io, engine_io, make_logger, write_atomic
 from decodert.plugins.trt_compat import load_trt, read_engine
 from decodert.plugins import cuda_mem as cm
+from decodert.runtime import kv_blocks
 from decodert.runtime.backend import StepOutput
 
 GRAPHS = ("prefill", "decode")
@@ -265,6 +266,24 @@ class TrtBackend:
                              n * cache.pos_bytes, self.kv_heads, self.stream)
         self.stream.sync()
         cache.lengths[dst] = n
+
+    # ------------------------------------------------------------ KV blocks (runtime/kv_blocks.py)
+    def kv_bytes(self, n: int) -> int:
+        return 2 * self.layers * self.kv_heads * n * self.head_dim * self.itemsize
+
+    def read_kv(self, cache: TrtCache, slot: int, start: int, n: int) -> kv_blocks.DeviceBlock:
+        """Positions [start, start+n) of ``slot`` copied into a new device block (stays on the GPU)."""
+        return kv_blocks.device_read(self._geometry(cache), slot, start, n, self.stream)
+
+    def write_kv(self, cache: TrtCache, slot: int, start: int, block: kv_blocks.DeviceBlock) -> None:
+        kv_blocks.device_write(self._geometry(cache), slot, start, block, self.stream)
+
+    def free_kv(self, block: kv_blocks.DeviceBlock) -> None:
+        block.free()
+
+    def _geometry(self, cache: TrtCache) -> kv_blocks.DeviceGeometry:
+        return kv_blocks.DeviceGeometry([b.ptr for b in cache.kv], cache.row_bytes, cache.pos_bytes,
+                                        self.kv_heads, self.max_seq)
 
     def _check_rows(self, cache: TrtCache, slots: Sequence[int], counts: Sequence[int]) -> None:
         if len(set(slots)) != len(slots) or any(not 0 <= s < cache.slots for s in slots):

@@ -108,6 +108,22 @@ class FakeBackend:
         cache.tokens[dst] = cache.tokens[src]
         cache.lengths[dst] = cache.lengths[src]
 
+    # the K/V blocks of runtime/kv_blocks.py: here a block is the token ids themselves
+    def kv_bytes(self, n: int) -> int:
+        return 8 * n
+
+    def read_kv(self, cache: FakeCache, slot: int, start: int, n: int) -> np.ndarray:
+        self.calls.append(("read_kv", (slot, start, n), False))
+        assert start + n <= cache.lengths[slot], f"read_kv past slot {slot}'s {cache.lengths[slot]} tokens"
+        return cache.tokens[slot, start:start + n].copy()  # [n]
+
+    def write_kv(self, cache: FakeCache, slot: int, start: int, block: np.ndarray) -> None:
+        self.calls.append(("write_kv", (slot, start, len(block)), False))
+        cache.tokens[slot, start:start + len(block)] = block
+
+    def free_kv(self, block: np.ndarray) -> None:
+        pass
+
     def _write(self, cache: FakeCache, slot: int, row: np.ndarray) -> None:
         start = int(cache.lengths[slot])
         assert row.ndim == 1 and row.size >= 1, "empty row"
@@ -149,13 +165,13 @@ def make_tokenizer(vocab_size: int = 300) -> Tokenizer:
 
 
 def make_llm(tokenizer: Tokenizer | None = None, eos: Sequence[int] = (), chat_template: str | None = None,
-             add_bos_token: bool = False, **backend_kwargs) -> LLM:
+             add_bos_token: bool = False, prefix_cache_mb: float | None = None, **backend_kwargs) -> LLM:
     """An LLM over a FakeBackend whose vocabulary is the tokenizer's."""
     tok = tokenizer or make_tokenizer()
     backend = FakeBackend(vocab_size=tok.get_vocab_size(), **backend_kwargs)
     manifest = {"tokenizer": {"eos_token_ids": list(eos), "bos_token_id": 1, "add_bos_token": add_bos_token,
                               "chat_template": chat_template}}
-    return LLM(backend, tok, manifest)
+    return LLM(backend, tok, manifest, prefix_cache_mb=prefix_cache_mb)
 
 
 def scripted_llm(text: str, eos: Sequence[int] = (0,), **kw) -> tuple[LLM, list[int]]:

@@ -2,6 +2,7 @@
 parameter: only a one-line DecodertError or a correct result passes, and an independent oracle
 says which of the two each input must give (valid inputs are never refused)."""
 
+import collections
 import math
 import os
 import sys
@@ -20,6 +21,7 @@ LLM_ = make_llm(chat_template="{% for m in messages %}{{ m['content'] }}{% endfo
 V = LLM_.backend.vocab_size
 EXAMPLES = int(os.environ.get("DECODERT_API_FUZZ", "300"))  # default run ~4 s; set it for long random runs
 
+OUTCOMES: collections.Counter = collections.Counter()  # "error" / "correct" per entry point (long runs print it)
 ODD = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
                 st.text(max_size=8), st.binary(max_size=8), st.just(bytearray(b"ab")), st.lists(st.integers(-5, 400), max_size=4),
                 st.lists(st.text(max_size=3), max_size=3), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
@@ -109,8 +111,15 @@ def test_public_api_over_random_values(prompt, params, how):
     except DecodertError as e:
         assert "\n" not in str(e) and str(e)
         assert not valid, f"a valid input was refused: {e}"
+        OUTCOMES[f"{how} error"] += 1
         return
     assert valid, "an invalid input was accepted"
     for r in out if isinstance(out, list) else [out]:
         _check_result(r, max_new)
     assert LLM_.slots_in_use == 0
+    OUTCOMES[f"{how} correct"] += 1
+
+
+def teardown_module():
+    if "DECODERT_API_FUZZ" in os.environ:
+        print("\napi fuzz outcomes:", dict(sorted(OUTCOMES.items())))

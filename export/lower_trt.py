@@ -5,7 +5,8 @@
                       TensorScatter-24 into past  -> KV_CACHE_UPDATE (in place)
                       Attention-23 over the whole [B,Hkv,Smax,D] cache with a bool mask
                       [B,1,S,Smax] built from past_lengths (no past inputs: TensorRT rejects them);
-                      fp32 graphs use the decomposed attention body instead (see below)
+                      fp32 graphs and soft-capped attention (Gemma 2) use the decomposed attention
+                      body instead (see below)
 The same graph runs on ONNX Runtime CPU in tests.
 
 With ``plugins`` (``--plugins always``, or ``auto`` for a TensorRT without those layers, e.g.
@@ -111,13 +112,13 @@ class TrtLowering(Lowering):
         to_bhsd = lambda x, n: g.op("Transpose", g.op("Reshape", x, g.const([0, 0, n, d])), perm=[0, 2, 1, 3])  # noqa: E731
         g.op("TensorScatter", past_key, to_bhsd(k, hkv), ctx.write_index, axis=2, outputs=[present_key])
         g.op("TensorScatter", past_value, to_bhsd(v, hkv), ctx.write_index, axis=2, outputs=[present_value])
-        if self.dtype == "fp32":
+        if self.dtype == "fp32" or self.softcap:
             # TensorRT has no dedicated fp32 attention kernel and rejects Attention-23 unless it carries
-            # a TensorRT-only attribute ONNX Runtime refuses; the decomposed body builds (and fuses).
+            # a TensorRT-only attribute ONNX Runtime refuses; its Attention also rejects softcap (Gemma 2,
+            # TensorRT-RTX 1.7). The decomposed body builds (and fuses).
             q4 = g.op("Reshape", q, g.const([0, 0, h, d]))
             return attend_body(g, q4, present_key, present_value, ctx.visible, num_heads=h, kv_heads=hkv,
                                head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
                                softcap=self.softcap)
-        y = g.op("Attention", to_bhsd(q, h), present_key, present_value, ctx.visible, scale=self.scale,
-                 softcap=self.softcap or None)
+        y = g.op("Attention", to_bhsd(q, h), present_key, present_value, ctx.visible, scale=self.scale)
         return g.op("Reshape", g.op("Transpose", y, perm=[0, 2, 1, 3]), g.const([0, 0, h * d]))

@@ -1,5 +1,5 @@
 """Gemma 3 / Gemma 2 families: config and GGUF readings against transformers and llama.cpp's rules,
-multimodal checkpoint names, greedy tokens against transformers past the sliding window.
+multimodal checkpoint names, greedy tokens against transformers past the sliding window, soft-capping.
 
 The logits of every target are checked by the generic runner (test_export.py over tiny.FAMILIES);
 the TensorRT-RTX builds by test_trt_build.py.
@@ -21,13 +21,13 @@ from safetensors.numpy import load_file, save_file
 from decodert.errors import DecodertError
 from decodert.export.checkpoint_open import open_checkpoint
 from decodert.export.pipeline import export_model
-from decodert.models import family_for, gemma3
+from decodert.models import family_for, gemma2, gemma3
 from decodert.models.spec import RopeSpec
 from parity import backend, decodert_greedy, hf_reference, logits_parity
 from test_models import gguf_meta
 from tiny import make_tiny_gguf, tiny_config
 
-GEMMAS = ("gemma3",)
+GEMMAS = ("gemma3", "gemma2")
 
 
 def _spec(family: str, **overrides):
@@ -63,6 +63,40 @@ def test_gemma3_defaults_are_transformers_defaults():
     assert mine.rope.theta == ref.rope_parameters["full_attention"]["rope_theta"] and mine.rope.factor == 8.0
     assert mine.local_rope == RopeSpec(theta=ref.rope_parameters["sliding_attention"]["rope_theta"])
     assert mine.eos_token_ids == (1, 106) and mine.tie_word_embeddings and mine.max_position == 131072
+
+
+def test_gemma2_declarations_and_transformers_defaults():
+    s = _spec("gemma2")
+    assert (s.family, s.activation, s.sandwich_norm, s.qk_norm, s.local_rope) == ("gemma2", "gelu_tanh", True, False, None)
+    assert s.layer_types == ("sliding", "full") and s.sliding_window == 4 and s.rope == RopeSpec(theta=10000.0)
+    assert (s.attn_softcap, s.final_softcap, s.attn_scale, s.tie_word_embeddings) == (0.5, 0.5, 32 ** -0.5, False)
+    assert "layers.{i}.q_norm" not in gemma2.HF_WEIGHTS and "layers.{i}.attn_out_norm" in gemma2.GGUF_WEIGHTS
+    bare = {"model_type": "gemma2", "hidden_size": 3584, "num_hidden_layers": 42, "num_attention_heads": 16,
+            "num_key_value_heads": 8}
+    mine, ref = gemma2.spec_from_hf(bare), transformers.Gemma2Config(**{k: v for k, v in bare.items() if k != "model_type"})
+    assert (mine.attn_softcap, mine.final_softcap) == (ref.attn_logit_softcapping, ref.final_logit_softcapping)
+    assert mine.layer_types == tuple(t.split("_")[0] for t in ref.layer_types) and mine.sliding_window == ref.sliding_window
+    assert mine.attn_scale == ref.query_pre_attn_scalar ** -0.5 and mine.head_dim == ref.head_dim
+    assert mine.rope.theta == ref.rope_parameters["rope_theta"] and mine.vocab_size == ref.vocab_size
+    assert gemma2.spec_from_hf({**tiny_config("gemma2"), "attn_logit_softcapping": None}).attn_softcap is None  # null: off
+
+
+def test_gemma2_gguf_follows_llama_cpp_rules():
+    """gemma2 GGUFs store both soft-caps and the window; layers alternate sliding/full; the 46-layer 27B
+    scales by 1/sqrt(hidden/heads)."""
+    keys = {"block_count": 4, "attention.key_length": 32, "attention.sliding_window": 4096,
+            "attn_logit_softcapping": np.float32(50.0), "final_logit_softcapping": np.float32(30.0)}
+    s = gemma2.spec_from_gguf(gguf_meta("gemma2", **keys))
+    assert s.layer_types == ("sliding", "full") * 2 and (s.attn_softcap, s.final_softcap) == (50.0, 30.0)
+    assert s.attn_scale == 32 ** -0.5 and s.local_rope is None and not s.qk_norm
+    assert gemma2.spec_from_gguf(gguf_meta("gemma2", **{**keys, "block_count": 46})).attn_scale == 16 ** -0.5
+
+
+def test_softcapped_attention_has_no_plugin(tiny_checkpoint, tmp_path):
+    with pytest.raises(DecodertError, match="soft-capping has no CachedAttention plugin kernel"):
+        export_model(tiny_checkpoint("gemma2"), tmp_path / "p", target="trt", max_seq=32, progress=False,
+                     plugins="always")
+    assert not (tmp_path / "p").exists()
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -36,6 +36,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
                    layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh",
                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # small caps, so that soft-capping changes the tiny model's scores and logits; untied head
+    "gemma2": dict(model_type="gemma2", sliding_window=4, query_pre_attn_scalar=32, attn_logit_softcapping=0.5,
+                   final_logit_softcapping=0.5, layer_types=["sliding_attention", "full_attention"]),
 }
 FAMILIES = tuple(CONFIGS)
 
@@ -117,7 +120,7 @@ def make_tiny_checkpoint(family: str, path: str | Path, **overrides: Any) -> Pat
 # -- GGUF ---------------------------------------------------------------------------------------------
 
 GGUF_ARCH = {"llama": "llama", "llama3": "llama", "llama_tied": "llama", "mistral": "llama",  # as llama.cpp
-             "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3"}
+             "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3", "gemma2": "gemma2"}
 # HF key suffix -> GGUF tensor suffix, the way llama.cpp's converter names them.
 _GGUF_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",

@@ -24,9 +24,11 @@ def run_chat(args: argparse.Namespace) -> int:
     return chat_loop(common.load(args.out, args.backend, args.verify), args)
 
 
-def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] = input, out: TextIO | None = None) -> int:
-    """The REPL: keeps the history; Ctrl-C stops the current answer; /reset forgets; /exit or EOF quits."""
+def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] | None = None, out: TextIO | None = None) -> int:
+    """The REPL: keeps the history; Ctrl-C stops the current answer; /reset forgets; /exit or EOF quits.
+    ``read``: how a line is read (default: stdin, bounded by the model's max_seq; cli/inputs.py)."""
     out = out or sys.stdout
+    read = read or inputs.line_reader(llm.max_seq)
     system = [{"role": "system", "content": inputs.argv_text(args.system, "--system")}] if getattr(args, "system", None) else []
     history: list[dict] = []
     while True:

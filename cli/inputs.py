@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from decodert.errors import DecodertError
 
@@ -39,6 +40,35 @@ def read_prompt_file(path: Path, max_seq: int, flag: str = "--prompt-file") -> s
     except UnicodeDecodeError as e:
         raise DecodertError(f"{flag} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
                             "convert it, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def line_reader(max_seq: int) -> Callable[[str], str]:
+    """``input`` for the chat REPL, bounded: from a pipe or file a line is read up to ``max_seq *
+    BYTES_PER_TOKEN`` bytes (``decodert chat < /dev/zero`` no longer grows without end), decoded
+    as UTF-8 with a clear error; a terminal uses ``input`` (a person types the line)."""
+    limit = max_seq * BYTES_PER_TOKEN
+
+    def read(prompt: str) -> str:
+        if sys.stdin.isatty():
+            try:
+                return argv_text(input(prompt), "the chat line") or ""
+            except UnicodeDecodeError as e:
+                raise DecodertError(f"the chat line is not UTF-8 text (byte 0x{e.object[e.start]:02x})") from None
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        raw = sys.stdin.buffer.readline(limit + 1)
+        if not raw:
+            raise EOFError
+        if len(raw) > limit:
+            raise DecodertError(f"a chat line on stdin is longer than {limit:,} bytes, more than a prompt of at most "
+                                f"{max_seq} tokens can hold")
+        try:
+            return raw.decode("utf-8").rstrip("\n")
+        except UnicodeDecodeError as e:
+            raise DecodertError(f"a chat line on stdin is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                                f"{e.start})") from None
+
+    return read
 
 
 def argv_text(text: str | None, flag: str) -> str | None:

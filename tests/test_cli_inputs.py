@@ -91,3 +91,15 @@ def test_long_text_is_tokenized_in_pieces_with_the_same_ids(monkeypatch):
     whole = tok.encode(text, add_special_tokens=False).ids
     monkeypatch.setattr(validate, "PIECE", 50)
     assert validate.encode_text(tok, text, max_seq=10_000) == whole
+
+
+@pytest.mark.parametrize("data,match", [(b"x" * 70000, "longer than 65,536 bytes"),
+                                        (b"caf\xe9\n", "not UTF-8 text (byte 0xe9 at offset 3)")])
+def test_chat_lines_from_a_pipe_are_bounded_and_decoded(samples, capsys, monkeypatch, data, match):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    _one_line_error(capsys, ["chat", str(samples["art"]), "--max-new-tokens", "2"], match)
+
+
+def test_chat_from_a_pipe_still_answers(samples, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n/exit\n")))
+    assert cli_main(["chat", str(samples["art"]), "--max-new-tokens", "2", "--greedy", "--no-stats"]) == 0

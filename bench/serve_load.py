@@ -1,7 +1,7 @@
 """`decodert serve` under a bounded load on loopback, against offline ``generate_many`` on the same requests.
 
     python bench/serve_load.py [--gguf SmolLM2-135M-Instruct.Q4_1.gguf] [--work /tmp/decodert-serve-load]
-                               [--requests 16] [--gen 64] [--concurrency 1,4,8] [--variants fp32,int4]
+                               [--requests 16] [--gen 64] [--concurrency 1,4,8] [--variants fp32,int4] [--repeats 2]
                                [--json serve_load.json]
 
 1. Exports the GGUF once per variant into ``--work`` (fp32; int4 = block 32, accuracy level 4),
@@ -12,7 +12,8 @@
    flight. Per request: TTFT (request sent -> first text chunk) and TPOT ((last chunk - first
    chunk) / (tokens - 1)); per run: aggregate throughput (completion tokens / wall time).
 3. Stops the server, then in this process runs the same requests offline: ``generate_many``
-   (all slots) for throughput and one ``generate`` per request for TTFT, to compare with.
+   (all slots) for throughput and one ``generate`` for each of 4 requests for TTFT, to compare with.
+   ``--repeats`` rounds alternate the order (online first, offline first); medians are reported.
 Greedy answers are the same tokens online and offline (checked), so the token counts match.
 """
 
@@ -125,27 +126,47 @@ def offline(art: Path, texts: list[str], gen: int) -> dict:
 
 
 def run_variant(art: Path, args: argparse.Namespace, texts: list[str]) -> dict:
-    proc, url = start_server(art)
-    try:
-        online = {c: asyncio.run(load(url, texts, args.gen, c)) for c in args.concurrency}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    ref = offline(art, texts, args.gen)
-    for c, s in online.items():
-        s["matches_offline"] = s.pop("texts") == ref["texts"]
-    ref.pop("texts")
-    return {"online": online, "offline": ref}
+    """``--repeats`` rounds; each round runs the server at every concurrency and the offline
+    reference, in an order that alternates between rounds (the machine's load drifts)."""
+    rounds = []
+    for r in range(args.repeats):
+        online, ref = {}, None
+        for part in (("online", "offline") if r % 2 == 0 else ("offline", "online")):
+            if part == "offline":
+                ref = offline(art, texts, args.gen)
+                continue
+            proc, url = start_server(art)
+            try:
+                online = {c: asyncio.run(load(url, texts, args.gen, c)) for c in args.concurrency}
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+        for s in online.values():
+            s["matches_offline"] = s.pop("texts") == ref["texts"]
+        ref.pop("texts")
+        rounds.append({"online": online, "offline": ref, "load_avg_1m": os.getloadavg()[0]})
+    return {"rounds": rounds, "median": _median(rounds)}
+
+
+def _median(rounds: list[dict]) -> dict:
+    def med(values):
+        return statistics.median(values)
+
+    off = {k: med([r["offline"][k] for r in rounds]) for k in rounds[0]["offline"]}
+    online = {c: {k: (all(r["online"][c][k] for r in rounds) if k == "matches_offline" else med([r["online"][c][k] for r in rounds]))
+                  for k in rounds[0]["online"][c]} for c in rounds[0]["online"]}
+    return {"online": online, "offline": off}
 
 
 def report(name: str, res: dict) -> None:
-    off = res["offline"]
-    print(f"\n{name}: offline generate_many {off['tok_s']:.1f} tok/s ({off['tokens']} tokens in {off['wall_s']:.1f} s); "
+    off, loads = res["median"]["offline"], [r["load_avg_1m"] for r in res["rounds"]]
+    print(f"\n{name} (median of {len(res['rounds'])} rounds; 1-min load average {', '.join(f'{x:.1f}' for x in loads)}): "
+          f"offline generate_many {off['tok_s']:.1f} tok/s ({off['tokens']:.0f} tokens in {off['wall_s']:.1f} s); "
           f"offline TTFT {off['ttft_c1_ms']:.1f} ms, TPOT {off['tpot_c1_ms']:.2f} ms at batch 1")
     print("  conc  tok/s  vs offline  TTFT p50  TTFT p95   TPOT  same text")
-    for c, s in res["online"].items():
+    for c, s in res["median"]["online"].items():
         print(f"  {c:>4} {s['tok_s']:6.1f}     x{s['tok_s'] / off['tok_s']:.2f}  {s['ttft_p50_ms']:6.1f} ms "
-              f"{s['ttft_p95_ms']:6.1f} ms {s['tpot_ms']:5.2f} ms  {s['matches_offline']}")
+              f"{s['ttft_p95_ms']:6.1f} ms {s['tpot_ms']:5.2f} ms  {s['matches_offline']}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
     p.add_argument("--variants", type=lambda s: s.split(","), default=["fp32", "int4"])
+    p.add_argument("--repeats", type=int, default=2, help="rounds per variant, online/offline order alternating")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if not args.gguf.is_file():
@@ -167,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         results[variant] = run_variant(art, args, texts)
         report(variant, results[variant])
     if args.json:
-        args.json.write_text(json.dumps({"load_avg": os.getloadavg(), "results": results}, indent=1))
+        args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -34,6 +34,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--backend", choices=("auto", "ort", "trt"), default="auto", help="execution backend")
     p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
                    help="check the whole sha256 of every artifact file at load")
+    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding for every request that does not set its own 'speculative' "
+                        "(ngram: prompt lookup; draft: a draft model, --draft)")
+    p.add_argument("--draft", type=Path, default=None, help="the draft model's artifact (same tokenizer) for --speculative draft")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
     r = p.add_argument_group("Ray Serve (pip install .[ray]; docs/SERVING.md)")
     r.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead: replicas each own an LLM")
@@ -65,8 +69,10 @@ def options(args: argparse.Namespace):
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and not key.strip():
         raise DecodertError("--api-key is empty")
+    if args.speculative == "draft" and args.draft is None:
+        raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
     return ServeOptions(args.artifact, args.host, args.port, args.model_name, key, args.max_queue, args.max_body_bytes,
-                        args.drain_timeout, args.backend, args.verify, args.log_level)
+                        args.drain_timeout, args.backend, args.verify, args.log_level, args.speculative, args.draft)
 
 
 def run_serve(args: argparse.Namespace) -> int:

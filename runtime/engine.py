@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Callable, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from decodert.runtime.chat import Message
 from decodert.runtime.constraints import Constraint
 from decodert.runtime.generate import GenerationResult, Sequence
 from decodert.runtime.sampling import SamplingParams
+from decodert.runtime.speculative import SpeculativeConfig, resolve as resolve_speculative
 
 CANCELLED = "cancelled"  # finish_reason of a request cancelled before it finished
 
@@ -131,10 +132,20 @@ class Engine:
         return max(0, len(self._pending) - self.llm.slots_in_use)
 
     def sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt",
-                 constraint: Constraint | None = None) -> Sequence:
+                 constraint: Constraint | None = None, speculative: Any = None) -> Sequence:
         """A validated Sequence for prompt ids [L] (DecodertError: empty, too long, ids outside the
-        vocabulary, an invalid structured-output ``constraint``)."""
-        return self.llm._sequence(np.asarray(ids, dtype=np.int64).reshape(-1), params.validate(), what, constraint)
+        vocabulary, an invalid structured-output ``constraint``, speculation this LLM cannot do)."""
+        return self.llm._sequence(np.asarray(ids, dtype=np.int64).reshape(-1), params.validate(), what, constraint,
+                                  speculative)
+
+    def speculation(self, value: Any) -> SpeculativeConfig | None:
+        """A ``speculative=`` value ("ngram" | "draft" | None) checked against this LLM (DecodertError:
+        unknown method, no verify graph, no draft model)."""
+        config = resolve_speculative(value)
+        if config is not None:
+            self.llm._check_speculation()
+            self.llm.speculator.drafter(config)
+        return config
 
     def chat_ids(self, messages: Seq[Message]) -> np.ndarray:
         """Chat messages -> prompt ids [L] through the model's chat template."""

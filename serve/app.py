@@ -22,7 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from decodert.errors import first_line
 from decodert.runtime.engine import CANCELLED, Engine
 from decodert.serve.guard import Guard
 from decodert.serve.jobs import COMPLETION_DEFAULT_MAX_TOKENS, Job, encode_chat, encode_prompts, prepare
@@ -39,6 +41,7 @@ class ServeConfig:
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
     max_body_bytes: int = 4 << 20
     drain_s: float = 30.0  # SIGTERM: seconds streams may still run before they are cancelled
+    speculative: str | None = None  # speculative decoding for requests that do not choose ("ngram" | "draft")
 
 
 def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
@@ -57,6 +60,17 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405 in OpenAI's shape
+        what = {404: f"no such endpoint: {request.method} {request.url.path}",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return await api_error(request, ApiError(e.status_code, what, code="not_found" if e.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        message = f"internal error: {type(e).__name__}: {first_line(e)}"
+        return JSONResponse(ApiError(500, message, type="server_error").body(), status_code=500)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -86,7 +100,8 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
         req = parse(CompletionRequest, await request.body())
         _check_model(req.model, config)
         prompts = await run_in_threadpool(encode_prompts, engine, req.prompts())
-        choices = await run_in_threadpool(prepare, engine, prompts, req, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        choices = await run_in_threadpool(prepare, engine, prompts, req, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
+                                          config.speculative)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
                               Reply("completion", config.model_name), [len(p) for p in prompts], config)
 
@@ -96,7 +111,7 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
         req = parse(ChatCompletionRequest, await request.body())
         _check_model(req.model, config)
         prompts = await run_in_threadpool(encode_chat, engine, req.message_dicts())
-        choices = await run_in_threadpool(prepare, engine, prompts, req, req.limit, None)
+        choices = await run_in_threadpool(prepare, engine, prompts, req, req.limit, None, config.speculative)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
                               Reply("chat", config.model_name), [len(p) for p in prompts], config)
 

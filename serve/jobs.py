@@ -44,13 +44,21 @@ def sampling(engine: Engine, req, max_new_tokens: int, seed: int | None) -> Samp
         raise ApiError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
 
-def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, default: int | None) -> list[Choice]:
+def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, default: int | None,
+            speculative: str | None = None) -> list[Choice]:
     """Sequences for ``req.n`` choices of every prompt (ids [L] each); ApiError 400 when one cannot run.
 
     ``limit`` is the requested max_tokens (None: ``default``, or the rest of the context when
     that is None too); prompt + limit must fit the context (the artifact's max_seq).
+    ``speculative``: the server's default method, used unless the request sets its own ("off": none).
     """
     max_seq = engine.llm.max_seq
+    spec = req.speculative if req.speculative is not None else speculative
+    spec = None if spec == "off" else spec
+    try:
+        engine.speculation(spec)
+    except DecodertError as e:
+        raise ApiError(400, str(e), param="speculative") from None
     if req.constraint is not None:
         try:
             engine.llm.guidance.guide(req.constraint)  # compiled once here (cached), so a bad schema is its own 400
@@ -69,7 +77,7 @@ def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, de
             seed = None if req.seed is None else req.seed + j
             try:
                 seq = engine.sequence(ids, sampling(engine, req, n_new, seed),
-                                      "prompt" if len(prompts) == 1 else f"prompt {p}", req.constraint)
+                                      "prompt" if len(prompts) == 1 else f"prompt {p}", req.constraint, spec)
             except DecodertError as e:
                 raise ApiError(400, str(e), param="prompt") from None
             choices.append(Choice(seq, p))

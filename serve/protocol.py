@@ -3,7 +3,8 @@
 Types are strict (a string where a number belongs is a 400, not coerced); fields the server
 does not know are ignored, as many clients send extras (``user``, ``metadata``). Fields it knows
 but cannot honour (``logprobs``, ``tools``, ``echo``, ``suffix``) are a 400 rather than silently
-dropped. Extensions beyond the OpenAI API, as in vLLM: ``top_k``, ``min_p``, ``repetition_penalty``.
+dropped. Extensions beyond the OpenAI API, as in vLLM: ``top_k``, ``min_p``, ``repetition_penalty``; and
+``speculative`` ("ngram" | "draft" | "off": speculative decoding for this request).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class _Sampling(_Strict):
     repetition_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[dict[str, Any]] = None  # text | json_object | json_schema (runtime/constraints.py)
+    speculative: Optional[str] = None  # decodert extension: "ngram" | "draft" | "off" (default: the server's --speculative)
     _constraint: Optional[Constraint] = PrivateAttr(default=None)
 
     def check(self) -> None:

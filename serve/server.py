@@ -29,6 +29,8 @@ class ServeOptions:
     backend: str = "auto"
     verify: str = "fast"
     log_level: str = "warning"
+    speculative: str | None = None  # default speculative decoding: "ngram" | "draft" (requests may override)
+    draft: Path | None = None  # the draft model's artifact (speculative "draft")
 
 
 def model_name(options: ServeOptions) -> str:
@@ -41,9 +43,14 @@ def make_app(options: ServeOptions):
     from decodert.runtime.llm import LLM
     from decodert.serve.app import ServeConfig, build_app
 
-    llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify)
+    llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify, draft=options.draft)
     engine = Engine(llm, max_queue=options.max_queue)
-    config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s)
+    try:
+        engine.speculation(options.speculative)  # a default the model cannot do fails now, not per request
+    except DecodertError as e:
+        raise DecodertError(f"--speculative {options.speculative}: {e}") from None
+    config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s,
+                         options.speculative)
     return build_app(engine, config)
 
 

@@ -251,6 +251,9 @@ def test_bad_requests_get_openai_errors(llm):
 
         assert httpx.post(f"{url}/v1/completions", content=chunks()).status_code == 413
         assert httpx.get(f"{url}/v1/models/gpt-4").status_code == 404
+        r = httpx.get(f"{url}/v1/nothing")
+        assert r.status_code == 404 and "no such endpoint" in r.json()["error"]["message"]
+        assert httpx.get(f"{url}/v1/completions").json()["error"]["message"] == "GET is not allowed on /v1/completions"
         assert client(url).completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens == 2
 
 
@@ -279,3 +282,22 @@ def test_response_format_structured_output(llm):
                     {"type": "json_schema"}, {"type": "xml"}):
             r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "response_format": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_speculative_requests_match_plain_greedy(llm):
+    prompt = "the quick brown fox the quick brown fox the quick"
+    want = llm.generate(prompt, max_new_tokens=40, temperature=0.0)
+    with running(llm, speculative="ngram") as (url, app):
+        c = client(url)
+        steps = {}
+        for name, extra in (("default", {}), ("ngram", {"speculative": "ngram"}), ("off", {"speculative": "off"})):
+            before = scrape(url)["decodert_engine_steps"]
+            r = c.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0, extra_body=extra)
+            assert r.choices[0].text == want.text and r.usage.completion_tokens == 40, extra
+            steps[name] = scrape(url)["decodert_engine_steps"] - before
+        # prompt lookup drafts the repeats: fewer steps than one per token (the adaptive width varies)
+        assert steps["off"] == 40 and steps["ngram"] < 40 and steps["default"] < 40, steps
+        for bad, word in (({"speculative": "magic"}, "speculative must be one of"), ({"speculative": "draft"}, "draft model")):
+            r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "a", **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", r.text
+            assert word in r.json()["error"]["message"]

@@ -73,7 +73,8 @@ def test_flag_errors_are_one_line(art, tmp_path, capsys):
              ((art, "--max-queue", "-1"), "--max-queue must be >= 0"), ((art, "--api-key", " "), "--api-key is empty"),
              ((art, "--port", str(taken.getsockname()[1])), "cannot listen on 127.0.0.1"),
              ((art, "--ray", "--replicas", "0"), "--replicas must be >= 1"),
-             ((art, "--ray", "--min-replicas", "1"), "needs both --min-replicas and --max-replicas")]
+             ((art, "--ray", "--min-replicas", "1"), "needs both --min-replicas and --max-replicas"),
+             ((art, "--speculative", "draft"), "--speculative draft needs --draft")]
     for args, message in cases:
         assert main(["serve", *map(str, args)]) == 2
         err = capsys.readouterr().err

@@ -28,7 +28,7 @@ def one_run(artifact: str, batch: int, prompt_len: int, gen: int) -> float:
     folder = Path(artifact)
     manifest = read_manifest(folder)
     runner = B.BackendRunner(open_backend(folder, manifest, "ort"), batch)
-    ids = B.prompt_ids(int(manifest["model"]["vocab_size"]), prompt_len)
+    ids = B.prompt_ids(manifest.model.vocab_size, prompt_len)
     runs = [runner.run(ids, gen) for _ in range(3)][1:]
     return 1e3 * statistics.median([float(s) for r in runs for s in r.step_s])
 

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _weights_mb(backend) -> float:
-    return backend.manifest["weights"]["bytes"] / 1e6
+    return (backend.manifest.weights.bytes or 0) / 1e6
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def run_build(args: argparse.Namespace) -> int:
                             version_compatible=args.version_compatible, timing_cache=args.timing_cache,
                             progress=args.progress, verify=args.verify)
     for name, rec in engines.items():
-        print(f"{rec['file']}: {rec['size'] / 2**20:.1f} MiB in {rec['build_seconds']:.1f} s "
-              f"({rec['tensorrt']['flavour']} {rec['tensorrt']['version']}, {rec['precision']}, "
-              f"target {rec['target']['compute_capability']})")
+        print(f"{rec.file}: {rec.size / 2**20:.1f} MiB in {rec.build_seconds:.1f} s "
+              f"({rec.tensorrt['flavour']} {rec.tensorrt['version']}, {rec.precision}, "
+              f"target {rec.target['compute_capability']})")
     return 0

@@ -44,7 +44,6 @@ def add_parser(sub: Any) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from decodert.export.pipeline import export_model
-
     from decodert.export.quant import QuantConfig
 
     quant = None
@@ -57,10 +56,10 @@ def run_export(args: argparse.Namespace) -> int:
                             keep_q4_1=args.keep_q4_1, scale_search=not args.no_scale_search)
     m = export_model(args.src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version)
-    print(f"exported {m['model']['family']} ({m['target']}, {m['dtype']}, max_seq {m['max_seq']}) to {args.out}")
-    if m["quant"]:
-        stored = m["quant"]["per_weight"].values()
-        exact = sum(w["source"] == "transcoded" for w in stored)
+    print(f"exported {m.model.family} ({m.target}, {m.dtype}, max_seq {m.max_seq}) to {args.out}")
+    if m.quant:
+        stored = m.quant.per_weight.values()
+        exact = sum(w.source == "transcoded" for w in stored)
         print(f"quantized {len(stored)} weights: {exact} transcoded exactly from GGUF blocks, "
               f"{len(stored) - exact} rounded to nearest")
     return 0

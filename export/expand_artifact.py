@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decodert.export.manifest import file_record, load_manifest, write_manifest
+from decodert.export.artifact_files import file_record
+from decodert.export.manifest import GRAPHS, load_manifest, write_manifest
 from decodert.plugins.expand import expand_file
 
 
@@ -13,8 +14,9 @@ def expand_artifact(folder: str | Path) -> None:
     Runtime can run a ``--plugins`` export as the reference for its TensorRT engines."""
     folder = Path(folder)
     m = load_manifest(folder)
-    for kind in ("prefill", "decode"):
-        path = folder / m["graphs"][kind]["file"]
+    files = dict(m.files)
+    for kind in GRAPHS:
+        path = folder / m.graphs[kind].file
         expand_file(str(path), str(path))
-        m["files"][path.name] = file_record(path)
-    write_manifest(folder, m)
+        files[path.name] = file_record(path)
+    write_manifest(folder, m.replace(files=files))

@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from decodert.export.manifest import load_manifest
+from decodert.export.manifest import SourceRecord, load_manifest
 from decodert.export.onnx_check import load_graph
 from decodert.export.sampling_defaults import describe
 
@@ -30,28 +30,28 @@ def _mib(n: Any) -> str:
 def inspect_artifact(folder: str | Path) -> str:
     folder = Path(folder)
     m = load_manifest(folder, verify="fast")
-    spec = m["model"]  # validated: a dict with vocab_size; the rest is shown as found
-    source = m.get("source") if isinstance(m.get("source"), dict) else {}
+    spec = m.model
+    source = m.source or SourceRecord()
     lines = [
         f"artifact   {folder}",
-        f"model      {spec.get('family')}: {spec.get('num_layers')} layers, hidden {spec.get('hidden_size')}, "
-        f"heads {spec.get('num_heads')}/{spec.get('num_kv_heads')} x {spec.get('head_dim')}, vocab {spec['vocab_size']}",
-        f"target     {m['target']}  dtype {m['dtype']}  max_seq {m['max_seq']}  max_batch {m['max_batch']}",
-        f"weights    {m['weights']['file']}  {_mib(m['weights'].get('bytes'))}",
-        f"source     {source.get('kind')}: {source.get('path')}",
-        f"sampling   {describe(m.get('sampling'))}",
-        f"made by    decodert {m.get('decodert_version')} onnx {m.get('onnx_version')} on {m.get('created')}",
+        f"model      {spec.family}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
+        f"heads {spec.num_heads}/{spec.num_kv_heads} x {spec.head_dim}, vocab {spec.vocab_size}",
+        f"target     {m.target}  dtype {m.dtype}  max_seq {m.max_seq}  max_batch {m.max_batch}",
+        f"weights    {m.weights.file}  {_mib(m.weights.bytes)}",
+        f"source     {source.kind}: {source.path}",
+        f"sampling   {describe(m.sampling)}",
+        f"made by    decodert {m.decodert_version} onnx {m.onnx_version} on {m.created}",
     ]
     for kind in ("prefill", "decode"):
-        g = m["graphs"][kind]
-        s = graph_summary(folder / g["file"])
-        lines.append(f"\n{kind}: {g['file']}  {s['nodes']} nodes  opsets {s['opsets']}")
+        g = m.graphs[kind]
+        s = graph_summary(folder / g.file)
+        lines.append(f"\n{kind}: {g.file}  {s['nodes']} nodes  opsets {s['opsets']}")
         lines.append("  ops     " + ", ".join(f"{k} x{v}" for k, v in s["ops"].items()))
-        for io_kind in ("inputs", "outputs"):
-            shown = [io for io in g[io_kind] if not io["name"].startswith(("past_", "present_")) or io["name"].endswith(".0")]
-            text = ", ".join(f"{io['name']} {io['dtype']}{io['shape']}" for io in shown)
-            lines.append(f"  {io_kind:7} {text}" + (f" (+ {len(g[io_kind]) - len(shown)} more per layer)" if len(shown) < len(g[io_kind]) else ""))
-    if m.get("engines"):
-        lines.append("\nengines: " + ", ".join(m["engines"]))
-    lines.append("\nfiles:   " + ", ".join(f"{k} ({v['size']} B)" for k, v in m["files"].items()))
+        for io_kind, tensors in (("inputs", g.inputs), ("outputs", g.outputs)):
+            shown = [io for io in tensors if not io.name.startswith(("past_", "present_")) or io.name.endswith(".0")]
+            text = ", ".join(f"{io.name} {io.dtype}{list(io.shape)}" for io in shown)
+            lines.append(f"  {io_kind:7} {text}" + (f" (+ {len(tensors) - len(shown)} more per layer)" if len(shown) < len(tensors) else ""))
+    if m.engines:
+        lines.append("\nengines: " + ", ".join(m.engines))
+    lines.append("\nfiles:   " + ", ".join(f"{k} ({v.size} B)" for k, v in m.files.items()))
     return "\n".join(lines)

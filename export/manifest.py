@@ -1,66 +1,215 @@
-"""manifest.json: the artifact's contract (model spec, graph I/O, files and their hashes).
+"""manifest.json: the artifact's contract (model, graph I/O, files and their hashes), as typed records.
 
-Written last, atomically, so a folder with a manifest is a complete artifact. Loading validates
-the structure and (by default, cheaply) the files it names.
+This module is the only one that reads, validates or writes manifest.json; everything else gets a
+:class:`Manifest` and uses attributes. Written last, atomically, so a folder with a manifest is a
+complete artifact. Loading checks the schema version, every field's type (``records.py``), the
+ranges and the graph contract below, and (by default, cheaply) the files it names.
+
+Adding a field: one line in the record class, with a default (``sampling: SamplingRecord | None =
+None``) so that artifacts written before it still load; the type is checked on read and the
+value written back by ``to_json``. Bump ``FORMAT_VERSION`` only when an old reader must refuse
+the new files (a field changing meaning); ``load_manifest`` then names the versions it reads.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from decodert.errors import DecodertError
+from decodert.export.artifact_files import FileRecord, verify_files
+from decodert.export.records import R, Record, read_record, to_json
 from decodert.export.sampling_defaults import check_record
 
 FORMAT = "decodert-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the schema version this decodert writes
+READS = (1,)  # schema versions this decodert reads
 MANIFEST = "manifest.json"
-_EDGE = 1 << 20  # fast verification hashes the first and last MiB
 VERIFY_MODES = ("fast", "full", "none")
-
-_REQUIRED = {
-    "format": str, "format_version": int, "model": dict, "target": str, "dtype": str, "max_seq": int,
-    "max_batch": int, "kv": dict, "graphs": dict, "weights": dict, "tokenizer": dict, "files": dict,
-}
+GRAPHS = ("prefill", "decode")
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+@dataclasses.dataclass(frozen=True)
+class TensorInfo(Record):
+    name: str
+    dtype: str  # "fp32", "fp16", "bf16", "int64", ...
+    shape: tuple[int | str, ...]  # str = a symbolic dim ("batch", "seq")
 
 
-def edge_hash(path: Path) -> str:
-    """sha256 of the first and last MiB plus the size: catches truncation and swapped files fast."""
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(_EDGE))
-        if size > _EDGE:
-            f.seek(max(size - _EDGE, _EDGE))
-            h.update(f.read(_EDGE))
-    return h.hexdigest()
+@dataclasses.dataclass(frozen=True)
+class GraphRecord(Record):
+    file: str
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...] = ()
+    max_tokens: int | None = None  # verify graph: tokens per row and call (the TensorRT profile's seq max)
+
+    def io(self) -> dict[str, TensorInfo]:
+        """name -> TensorInfo of every input and output."""
+        return {t.name: t for t in self.inputs + self.outputs}
 
 
-def file_record(path: Path) -> dict[str, Any]:
-    return {"size": path.stat().st_size, "sha256": sha256_file(path), "edge_sha256": edge_hash(path)}
+@dataclasses.dataclass(frozen=True)
+class ModelRecord(Record):
+    """The model spec (models/spec.py ``ModelSpec.to_dict()``); the fields below are typed, the rest kept in ``extra``."""
+    vocab_size: int
+    family: str | None = None
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
 
-def write_manifest(folder: Path, manifest: dict[str, Any]) -> Path:
-    """Atomically write ``folder/manifest.json`` (temp file + rename)."""
+@dataclasses.dataclass(frozen=True)
+class KVRecord(Record):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str | None = None  # the cache's dtype: the manifest's dtype
+    shape: tuple[int | str, ...] = ()  # [batch, num_kv_heads, max_seq, head_dim]
+    inplace: bool = True  # present_* alias past_* (the graphs write the cache in place)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsRecord(Record):
+    file: str
+    bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerRecord(Record):
+    file: str = "tokenizer.json"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    add_bos_token: bool = False
+    chat_template: str | None = None
+    vocab_size: int | None = None  # tokens the tokenizer knows (at most the model's vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceRecord(Record):
+    path: str | None = None
+    kind: str | None = None  # "hf" | "gguf"
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginsRecord(Record):
+    mode: str = "auto"  # --plugins
+    ops: tuple[str, ...] = ()  # decodert ops the graphs contain as plugin nodes
+    tensorrt: str | None = None  # the TensorRT the choice was made for
+    reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightQuantRecord(Record):
+    bits: int
+    block_size: int
+    symmetric: bool
+    source: str  # "rtn" (rounded here) | "transcoded" (GGUF blocks kept exactly)
+    block_min: bool = False  # Q4_1 kept exactly: a per-block minimum term
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRecord(Record):
+    """The export's QuantConfig (its fields, in ``extra`` beyond these), the layout and each weight's storage."""
+    bits: int
+    block_size: int
+    layout: str  # "qdq" | "matmulnbits" (the target's weight layout)
+    symmetric: bool = False
+    accuracy_level: int = 0
+    lm_head: bool = True
+    keep_q8: bool = False
+    keep_q4_1: bool = False
+    scale_search: bool = True
+    weights: tuple[str, ...] = ()
+    per_weight: Mapping[str, WeightQuantRecord] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRecord(Record):
+    """The model's recommended sampling settings (export/sampling_defaults.py)."""
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # SamplingParams field -> value (checked by check_record)
+    source: str | None = None  # where they come from
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRecord(Record):
+    """One TensorRT engine written by ``decodert build`` (docs/TENSORRT.md lists the other keys)."""
+    file: str
+    size: int
+    sha256: str
+    tensorrt: Mapping[str, str] = dataclasses.field(default_factory=dict)  # flavour, version, module
+    precision: str | None = None
+    strongly_typed: bool | None = None
+    version_compatible: bool = False
+    max_batch: int | None = None
+    max_seq: int | None = None
+    profile: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # input -> {"min", "opt", "max"} dims
+    target: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # compute capability, hardware level
+    timing_cache: str | None = None
+    layers: Mapping[str, int] = dataclasses.field(default_factory=dict)  # TensorRT layer type -> count
+    io: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # {"inputs": [...], "outputs": [...]} as built
+    build_seconds: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest(Record):
+    format: str
+    format_version: int
+    model: ModelRecord
+    target: str  # "ort" | "trt" | "portable"
+    dtype: str  # activations and KV cache: "fp32" | "fp16" | "bf16"
+    max_seq: int
+    max_batch: int
+    kv: KVRecord
+    graphs: Mapping[str, GraphRecord]
+    weights: WeightsRecord
+    tokenizer: TokenizerRecord
+    files: Mapping[str, FileRecord]
+    decodert_version: str | None = None
+    onnx_version: str | None = None
+    created: str | None = None
+    source: SourceRecord | None = None
+    plugins: PluginsRecord | None = None
+    quant: QuantRecord | None = None
+    sampling: SamplingRecord | None = None
+    engines: Mapping[str, EngineRecord] | None = None
+
+    def graph(self, kind: str) -> GraphRecord:
+        return self.graphs[kind]
+
+    @property
+    def plugin_ops(self) -> tuple[str, ...]:
+        """The decodert plugin ops in the graphs (none unless exported with --plugins)."""
+        return self.plugins.ops if self.plugins is not None else ()
+
+
+# ---------------------------------------------------------------- read / write
+def from_json(cls: type[R], value: Any, where: str) -> R:
+    """A record from JSON-like values (what the exporter assembles); DecodertError names the field."""
+    return read_record(cls, value, where)
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> Path:
+    """Validate, then atomically write ``folder/manifest.json`` (temp file + fsync + rename)."""
     path = Path(folder) / MANIFEST
+    validate(manifest, path)
     tmp = path.with_name(f".{MANIFEST}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(to_json(manifest), indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
 
 
-def load_manifest(folder: Path | str, verify: str = "fast") -> dict[str, Any]:
+def load_manifest(folder: Path | str, verify: str = "fast") -> Manifest:
     """Read and validate ``folder/manifest.json``; verify files: "none" | "fast" | "full"."""
     if verify not in VERIFY_MODES:
         raise DecodertError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
@@ -71,108 +220,125 @@ def load_manifest(folder: Path | str, verify: str = "fast") -> dict[str, Any]:
     if not path.is_file():
         raise DecodertError(f"{path}: missing; {folder} is not a decodert artifact (run 'decodert export' first)")
     try:
-        manifest = json.loads(path.read_bytes())
+        raw = json.loads(path.read_bytes())
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, absurd nesting
         raise DecodertError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
     except OSError as e:
         raise DecodertError(f"{path}: cannot read ({e.strerror})") from None
-    validate_manifest(manifest, path)
+    manifest = parse_manifest(raw, path)
     if verify != "none":
-        verify_files(folder, manifest, full=verify == "full")
+        verify_files(folder, manifest.files, full=verify == "full")
     return manifest
 
 
-def validate_manifest(m: Any, path: Path) -> None:
-    """Check every field the loaders read has the right type and range; DecodertError names it."""
-    if not isinstance(m, dict):
+def parse_manifest(raw: Any, path: Path) -> Manifest:
+    """Parsed JSON -> a validated Manifest; DecodertError names the file and the field."""
+    _check_version(raw, path)
+    try:
+        m = read_record(Manifest, raw, "manifest")
+    except DecodertError as e:
+        raise DecodertError(f"{path}: {str(e).removeprefix('manifest.')}") from None
+    validate(m, path)
+    return m
+
+
+def _check_version(raw: Any, path: Path) -> None:
+    if not isinstance(raw, dict):
         raise DecodertError(f"{path}: expected a JSON object")
-    for key, typ in _REQUIRED.items():
-        if not isinstance(m.get(key), typ) or isinstance(m.get(key), bool):
-            raise DecodertError(f"{path}: field '{key}' is missing or not a {typ.__name__}")
-    if m["format"] != FORMAT or m["format_version"] != FORMAT_VERSION:
-        raise DecodertError(f"{path}: format {m['format']!r} v{m['format_version']} is not {FORMAT} v{FORMAT_VERSION}")
-    for name, rec in m["files"].items():
+    fmt, version = raw.get("format"), raw.get("format_version")
+    if fmt != FORMAT:
+        raise DecodertError(f"{path}: format {fmt!r} is not {FORMAT!r}; not a decodert artifact")
+    if type(version) is not int:
+        raise DecodertError(f"{path}: format_version is missing or not an integer; re-export with 'decodert export'")
+    if version > max(READS):
+        raise DecodertError(f"{path}: schema v{version} was written by a newer decodert (this one reads "
+                            f"v{', v'.join(map(str, READS))}); upgrade decodert or re-export with this one")
+    if version not in READS:
+        raise DecodertError(f"{path}: schema v{version} is too old for this decodert (reads "
+                            f"v{', v'.join(map(str, READS))}); re-export the model with 'decodert export'")
+
+
+# ---------------------------------------------------------------- validation (beyond the types)
+def validate(m: Manifest, path: Path) -> None:
+    """Ranges, file names and the graph contract; DecodertError names the field."""
+    for name, rec in m.files.items():
         _need(safe_name(name), path, f"file entry {name!r} points outside the artifact folder")
-        _need(isinstance(rec, dict) and _count(rec.get("size"), 0) and _hex(rec.get("sha256"))
-              and (rec.get("edge_sha256") is None or _hex(rec["edge_sha256"])), path, f"files.{name} is malformed")
-    _need(_count(m["max_seq"], 2) and _count(m["max_batch"], 1), path, "max_seq and max_batch must be integers >= 2 / >= 1")
-    model = m["model"]
-    _need(_count(model.get("vocab_size"), 1), path, "model.vocab_size must be a positive integer")
-    _need(_id_list(model.get("eos_token_ids", [])) and _opt_id(model.get("bos_token_id")), path,
+        _need(rec.size >= 0 and _hex(rec.sha256) and (rec.edge_sha256 is None or _hex(rec.edge_sha256)), path,
+              f"files.{name} is malformed")
+    _need(m.max_seq >= 2 and m.max_batch >= 1, path, "max_seq and max_batch must be integers >= 2 / >= 1")
+    _need(m.model.vocab_size >= 1, path, "model.vocab_size must be a positive integer")
+    _need(_ids(m.model.eos_token_ids) and _ids([m.model.bos_token_id]), path,
           "model.eos_token_ids / model.bos_token_id are malformed")
-    kv = m["kv"]
-    _need(all(_count(kv.get(k), 1) for k in ("num_layers", "num_kv_heads", "head_dim")), path,
+    kv = m.kv
+    _need(min(kv.num_layers, kv.num_kv_heads, kv.head_dim) >= 1, path,
           "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
-    _need(kv.get("dtype", m["dtype"]) == m["dtype"], path, "kv.dtype differs from dtype")
-    for kind in ("prefill", "decode"):
-        g = m["graphs"].get(kind)
-        _need(isinstance(g, dict) and _io_list(g.get("inputs")) and _io_list(g.get("outputs", [])), path,
-              f"graphs.{kind} is missing or malformed")
-        _listed(m, g.get("file"), path, f"graphs.{kind}.file")
+    _need(kv.dtype in (None, m.dtype), path, "kv.dtype differs from dtype")
+    for kind in GRAPHS:
+        _need(kind in m.graphs, path, f"graphs.{kind} is missing or malformed")
+        _listed(m, m.graphs[kind].file, path, f"graphs.{kind}.file")
     _check_contract(m, path)
     _check_verify(m, path)
-    _listed(m, m["weights"].get("file"), path, "weights.file")
-    _check_tokenizer(m["tokenizer"], m, path)
-    if "sampling" in m:
-        problem = check_record(m["sampling"])
+    _listed(m, m.weights.file, path, "weights.file")
+    # listed in files is checked where it is opened (tokenizer_file): `decodert build` needs no tokenizer
+    tok = m.tokenizer
+    _need(safe_name(tok.file), path, "tokenizer.file is not a file name in the artifact folder")
+    _need(_ids(tok.eos_token_ids) and _ids([tok.bos_token_id, tok.pad_token_id]) and (tok.vocab_size or 1) >= 1, path,
+          "tokenizer token ids / add_bos_token / chat_template / vocab_size are malformed")
+    if m.sampling is not None:
+        problem = check_record(to_json(m.sampling))
         _need(problem is None, path, str(problem))
-    engines = m.get("engines")
-    _need(engines is None or isinstance(engines, dict), path, "engines is malformed")
-    for name, rec in (engines or {}).items():
-        _need(isinstance(rec, dict) and safe_name(rec.get("file")) and _count(rec.get("size"), 0)
-              and _hex(rec.get("sha256")) and isinstance(rec.get("tensorrt", {}), dict), path,
-              f"engines.{name} is malformed")
+    for name, eng in (m.engines or {}).items():
+        _need(safe_name(eng.file) and eng.size >= 0 and _hex(eng.sha256), path, f"engines.{name} is malformed")
 
 
-def runtime_io(m: dict) -> dict[str, tuple[str, list | None]]:
+def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
     """name -> (dtype, shape or None) of every graph input/output a backend binds."""
-    kv = m["kv"]
-    dtype = m["dtype"]  # what the backends allocate the cache in
-    cache = ["batch", kv["num_kv_heads"], m["max_seq"], kv["head_dim"]]
+    kv = m.kv
+    cache = ["batch", kv.num_kv_heads, m.max_seq, kv.head_dim]  # allocated in m.dtype by the backends
     io: dict[str, tuple[str, list | None]] = {
         "input_ids": ("int64", None), "past_lengths": ("int64", ["batch"]), "seq_lengths": ("int64", ["batch"]),
-        "logits": ("fp32", ["batch", m["model"]["vocab_size"]]), "next_token": ("int64", ["batch"])}
-    for i in range(kv["num_layers"]):
+        "logits": ("fp32", ["batch", m.model.vocab_size]), "next_token": ("int64", ["batch"])}
+    for i in range(kv.num_layers):
         for name in ("past_key", "past_value", "present_key", "present_value"):
-            io[f"{name}.{i}"] = (dtype, cache)
+            io[f"{name}.{i}"] = (m.dtype, cache)
     return io
 
 
-def _check_contract(m: dict, path: Path) -> None:
+def _check_contract(m: Manifest, path: Path) -> None:
     """Each graph lists what the backends bind, with the dtypes and cache shapes kv/max_seq/vocab imply."""
-    for kind in ("prefill", "decode"):
-        g = m["graphs"][kind]
-        listed = {t["name"]: t for t in g["inputs"] + g.get("outputs", [])}
-        _need(2 * m["kv"]["num_layers"] + 3 <= len(g["inputs"]), path,
-              f"kv.num_layers {m['kv']['num_layers']} does not match graphs.{kind}.inputs")
+    for kind in GRAPHS:
+        g = m.graphs[kind]
+        listed = g.io()
+        _need(2 * m.kv.num_layers + 3 <= len(g.inputs), path,  # before runtime_io makes 4 names per layer
+              f"kv.num_layers {m.kv.num_layers} does not match graphs.{kind}.inputs")
         bound = runtime_io(m)
         for name, (dtype, shape) in bound.items():
             t = listed.get(name)
-            ok = t is not None and t["dtype"] == dtype and (shape is None or t["shape"] == shape)
+            ok = t is not None and t.dtype == dtype and (shape is None or list(t.shape) == shape)
             _need(ok, path, f"graphs.{kind}: {name!r} is missing or disagrees with kv/max_seq/model.vocab_size")
-        extra = [t["name"] for t in g["inputs"] if t["name"] not in bound]  # an input nobody binds
+        extra = [t.name for t in g.inputs if t.name not in bound]  # an input nobody binds
         _need(not extra, path, f"graphs.{kind}: input {extra[:1]} is not one the runtime binds (kv.num_layers?)")
 
 
-def _check_verify(m: dict, path: Path) -> None:
+def _check_verify(m: Manifest, path: Path) -> None:
     """graphs.verify (speculative decoding; artifacts exported before it have none): the prefill
     contract without seq_lengths, per-position outputs, and its width per call."""
-    g = m["graphs"].get("verify")
+    g = m.graphs.get("verify")
     if g is None:
         return
-    _need(isinstance(g, dict) and _io_list(g.get("inputs")) and _io_list(g.get("outputs", []))
-          and _count(g.get("max_tokens"), 1), path, "graphs.verify is malformed")
-    _listed(m, g.get("file"), path, "graphs.verify.file")
+    _need(g.max_tokens is not None and g.max_tokens >= 1, path, "graphs.verify is malformed")
+    _listed(m, g.file, path, "graphs.verify.file")
+    _need(2 * m.kv.num_layers + 2 <= len(g.inputs), path, f"kv.num_layers {m.kv.num_layers} does not match graphs.verify.inputs")
     bound = runtime_io(m)
     bound.pop("seq_lengths"), bound.pop("logits"), bound.pop("next_token")
-    bound["seq_logits"] = ("fp32", ["batch", "seq", m["model"]["vocab_size"]])
+    bound["seq_logits"] = ("fp32", ["batch", "seq", m.model.vocab_size])
     bound["next_tokens"] = ("int64", ["batch", "seq"])
-    listed = {t["name"]: t for t in g["inputs"] + g["outputs"]}
+    listed = g.io()
     for name, (dtype, shape) in bound.items():
         t = listed.get(name)
-        ok = t is not None and t["dtype"] == dtype and (shape is None or t["shape"] == shape)
+        ok = t is not None and t.dtype == dtype and (shape is None or list(t.shape) == shape)
         _need(ok, path, f"graphs.verify: {name!r} is missing or disagrees with kv/max_seq/model.vocab_size")
-    extra = [t["name"] for t in g["inputs"] if t["name"] not in bound]
+    extra = [t.name for t in g.inputs if t.name not in bound]
     _need(not extra, path, f"graphs.verify: input {extra[:1]} is not one the runtime binds")
 
 
@@ -181,69 +347,26 @@ def safe_name(name: Any) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and Path(name).name == name
 
 
+def tokenizer_file(m: Manifest, folder: Path) -> Path:
+    """The tokenizer file a runtime opens: it must be listed in ``files`` (so it was verified)."""
+    _listed(m, m.tokenizer.file, folder / MANIFEST, "tokenizer.file")
+    return folder / m.tokenizer.file
+
+
 def _need(ok: bool, path: Path, what: str) -> None:
     if not ok:
         raise DecodertError(f"{path}: {what}")
 
 
-def _count(value: Any, low: int) -> bool:
-    return type(value) is int and value >= low
+def _ids(values: Any) -> bool:
+    return all(v is None or v >= 0 for v in values)
 
 
-def _opt_id(value: Any) -> bool:
-    return value is None or _count(value, 0)
+def _hex(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
-def _id_list(value: Any) -> bool:
-    return isinstance(value, list) and all(_count(t, 0) for t in value)
-
-
-def _hex(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
-
-
-def _io_list(value: Any) -> bool:
-    """[{"name": str, "dtype": str, "shape": [int | str, ...]}, ...]"""
-    return isinstance(value, list) and all(
-        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
-        and isinstance(t.get("shape"), list) and all(isinstance(d, (int, str)) for d in t["shape"]) for t in value)
-
-
-def _listed(m: dict, name: Any, path: Path, what: str) -> None:
+def _listed(m: Manifest, name: str, path: Path, what: str) -> None:
     """A file the loaders open must be a plain name that ``files`` lists (so it is verified)."""
     _need(safe_name(name), path, f"{what} {name!r} is not a file name inside the artifact folder")
-    _need(name in m["files"], path, f"{what} {name!r} is not listed in 'files' (it could not be verified)")
-
-
-def tokenizer_file(m: dict, folder: Path) -> Path:
-    """The tokenizer file a runtime opens: it must be listed in ``files`` (so it was verified)."""
-    name = m["tokenizer"].get("file") or "tokenizer.json"
-    _listed(m, name, folder / MANIFEST, "tokenizer.file")
-    return folder / name
-
-
-def _check_tokenizer(tok: dict, m: dict, path: Path) -> None:
-    # listed in files is checked where it is opened (tokenizer_file): `decodert build` needs no tokenizer
-    _need(safe_name(tok.get("file", "tokenizer.json")), path, "tokenizer.file is not a file name in the artifact folder")
-    ok = (_id_list(tok.get("eos_token_ids", [])) and _opt_id(tok.get("bos_token_id")) and _opt_id(tok.get("pad_token_id"))
-          and isinstance(tok.get("add_bos_token", False), bool)
-          and (tok.get("chat_template") is None or isinstance(tok["chat_template"], str))
-          and (tok.get("vocab_size") is None or _count(tok["vocab_size"], 1)))
-    _need(ok, path, "tokenizer token ids / add_bos_token / chat_template / vocab_size are malformed")
-
-
-def verify_files(folder: Path, manifest: dict[str, Any], full: bool = False) -> None:
-    """Sizes always; then the edge hash (fast) or the whole sha256 (full). Names the bad file."""
-    for name, rec in manifest["files"].items():
-        p = folder / name
-        if not p.is_file():
-            raise DecodertError(f"{p}: missing (listed in the manifest)")
-        size = p.stat().st_size
-        if size != rec["size"]:
-            raise DecodertError(f"{p}: size {size} does not match the manifest ({rec['size']}); the file is damaged")
-        if full:
-            ok = sha256_file(p) == rec["sha256"]
-        else:
-            ok = rec.get("edge_sha256") is None or edge_hash(p) == rec["edge_sha256"]
-        if not ok:
-            raise DecodertError(f"{p}: sha256 does not match the manifest; the file is damaged or was replaced")
+    _need(name in m.files, path, f"{what} {name!r} is not listed in 'files' (it could not be verified)")

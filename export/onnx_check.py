@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping
 import onnx
 
 from decodert.errors import DecodertError
+from decodert.export.manifest import GraphRecord
 
 # manifest dtype -> onnxruntime type string
 ORT_TYPES = {"int64": "tensor(int64)", "int32": "tensor(int32)", "fp32": "tensor(float)", "fp16": "tensor(float16)",
@@ -83,20 +84,20 @@ def check_external_data(path: Path) -> onnx.ModelProto:
     return model
 
 
-def check_session_io(session: Any, graph: Mapping[str, Any], path: Path) -> None:
+def check_session_io(session: Any, graph: GraphRecord, path: Path) -> None:
     """The session has the manifest graph's inputs/outputs, with the same element types and static dims."""
-    listed = {t["name"] for t in graph.get("inputs", [])}
+    listed = {t.name for t in graph.inputs}
     unlisted = [a.name for a in session.get_inputs() if a.name not in listed]
     if unlisted:  # the runtime binds the listed inputs only
         raise DecodertError(f"{path}: graph input {unlisted[0]!r} is not in manifest.json; the file is damaged "
                             "or does not belong to this manifest")
     have = {a.name: a for a in [*session.get_inputs(), *session.get_outputs()]}
-    for t in [*graph.get("inputs", []), *graph.get("outputs", [])]:
-        arg = have.get(t["name"])
-        want = ORT_TYPES.get(t["dtype"])
-        ok = arg is not None and (want is None or arg.type == want) and len(arg.shape) == len(t["shape"])
-        ok = ok and all(not (isinstance(a, int) and isinstance(b, int)) or a == b for a, b in zip(arg.shape, t["shape"]))
+    for t in [*graph.inputs, *graph.outputs]:
+        arg = have.get(t.name)
+        want = ORT_TYPES.get(t.dtype)
+        ok = arg is not None and (want is None or arg.type == want) and len(arg.shape) == len(t.shape)
+        ok = ok and all(not (isinstance(a, int) and isinstance(b, int)) or a == b for a, b in zip(arg.shape, t.shape))
         if not ok:
             found = None if arg is None else f"{arg.type}{list(arg.shape)}"
-            raise DecodertError(f"{path}: graph {t['name']!r} is {found}, manifest.json says {t['dtype']}{t['shape']}; "
+            raise DecodertError(f"{path}: graph {t.name!r} is {found}, manifest.json says {t.dtype}{list(t.shape)}; "
                                 "the file is damaged or does not belong to this manifest")

@@ -11,7 +11,6 @@ import datetime as dt
 import math
 import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -24,7 +23,10 @@ from decodert.export.graph import LOWERINGS, VERIFY_WIDTH, build_graph, io_contr
 from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables, write_quantized
 from decodert.export.quant_gguf import transcoded_as
 from decodert.export.sampling_defaults import sampling_record
-from decodert.export.manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_record, write_manifest
+from decodert.export.artifact_files import file_record
+from decodert.export.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, GraphRecord, KVRecord, Manifest, ModelRecord, PluginsRecord,
+                                      QuantRecord, SamplingRecord, SourceRecord, TokenizerRecord, WeightsRecord, from_json,
+                                      write_manifest)
 from decodert.export.progress import Stage
 from decodert.export.semantics import tokenizer_vocab
 from decodert.export.weights import WeightsWriter
@@ -37,7 +39,7 @@ WEIGHTS = "weights.bin"
 
 def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtype: str = "fp32",
                  max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None,
-                 quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None) -> dict[str, Any]:
+                 quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None) -> Manifest:
     """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
 
     ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
@@ -46,7 +48,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     ``quant`` stores the linear weights block-quantized (export/quant.py); the trt target needs
     symmetric quantization (TensorRT's int4 weights have no zero point) and gets it. GGUF Q4_0 /
     Q8_0 weights that match the config are transcoded exactly instead (the rule: export/quant.py);
-    ``manifest["quant"]["per_weight"]`` records how each weight is stored.
+    ``manifest.quant.per_weight`` records how each weight is stored.
     """
     _check_settings(target, dtype, max_seq, max_batch, quant)
     out_dir = destination.prepare(out_dir)
@@ -73,10 +75,10 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
             tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
             manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
             bar.update()
-            manifest["sampling"] = sampling_record(ckpt, tokenizer.get("chat_template"))
-            if plugin_record is not None:
-                manifest["plugins"] = plugin_record
-            manifest["quant"] = _quant_record(quant, layout, quantized)
+            manifest = manifest.replace(
+                sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
+                plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
+                quant=_quant_record(quant, layout, quantized))
             write_manifest(tmp, manifest)
             destination.swap_in(tmp, out_dir)
             bar.update()
@@ -104,16 +106,18 @@ def _check_settings(target: str, dtype: str, max_seq: int | None, max_batch: int
 
 
 def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max_seq: int, tmp: Path,
-                  bar: Stage) -> dict[str, dict]:
+                  bar: Stage) -> dict[str, GraphRecord]:
     """prefill.onnx, decode.onnx and verify.onnx (checked) -> their manifest records."""
     graphs = {}
     for kind in ("prefill", "decode", "verify"):
         path = tmp / f"{kind}.onnx"
         onnx.save_model(build_graph(spec, lowering, weights, kind), path)
         onnx.checker.check_model(str(path), full_check=True)
-        graphs[kind] = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
+        contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
+        if kind == "verify":
+            contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
+        graphs[kind] = from_json(GraphRecord, contract, f"graphs.{kind}")
         bar.update()
-    graphs["verify"]["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
     return graphs
 
 
@@ -171,33 +175,26 @@ def _store_quantized(w: WeightsWriter, ckpt, src: str, name: str, quant: QuantCo
     return wq
 
 
-def _quant_record(quant: QuantConfig | None, layout: str, quantized: dict[str, WeightQuant]) -> dict | None:
-    """manifest["quant"]: the export's settings, the quantized weights' names and how each is stored."""
+def _quant_record(quant: QuantConfig | None, layout: str, quantized: dict[str, WeightQuant]) -> QuantRecord | None:
+    """manifest.quant: the export's settings, the quantized weights' names and how each is stored."""
     if quant is None:
         return None
-    return {**quant.to_dict(), "layout": layout, "weights": sorted(quantized),
-            "per_weight": {name: quantized[name].to_dict() for name in sorted(quantized)}}
+    return from_json(QuantRecord, {**quant.to_dict(), "layout": layout, "weights": sorted(quantized),
+                                   "per_weight": {name: quantized[name].to_dict() for name in sorted(quantized)}}, "quant")
 
 
 def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_batch: int,
-              graphs: dict, tokenizer: dict, folder: Path) -> dict[str, Any]:
+              graphs: dict[str, GraphRecord], tokenizer: dict, folder: Path) -> Manifest:
     src = Path(ckpt.source)
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "decodert_version": decodert.__version__,
-        "onnx_version": onnx.__version__,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "source": {"path": str(src.resolve()), "kind": "gguf" if src.suffix == ".gguf" else "hf"},
-        "model": spec.to_dict(),
-        "target": target,
-        "dtype": dtype,
-        "max_seq": max_seq,
-        "max_batch": max_batch,
-        "kv": {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-               "dtype": dtype, "shape": ["batch", spec.num_kv_heads, max_seq, spec.head_dim], "inplace": True},
-        "graphs": graphs,
-        "weights": {"file": WEIGHTS, "bytes": (folder / WEIGHTS).stat().st_size},
-        "tokenizer": {"file": "tokenizer.json", **tokenizer},
-        "files": {p.name: file_record(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST},
-    }
+    return Manifest(
+        format=FORMAT, format_version=FORMAT_VERSION, decodert_version=decodert.__version__,
+        onnx_version=onnx.__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        source=SourceRecord(path=str(src.resolve()), kind="gguf" if src.suffix == ".gguf" else "hf"),
+        model=from_json(ModelRecord, spec.to_dict(), "model"), target=target, dtype=dtype,
+        max_seq=max_seq, max_batch=max_batch,
+        kv=KVRecord(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
+                    shape=("batch", spec.num_kv_heads, max_seq, spec.head_dim), inplace=True),
+        graphs=graphs, weights=WeightsRecord(file=WEIGHTS, bytes=(folder / WEIGHTS).stat().st_size),
+        tokenizer=from_json(TokenizerRecord, {"file": "tokenizer.json", **tokenizer}, "tokenizer"),
+        files={p.name: file_record(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST},
+    )

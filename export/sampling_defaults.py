@@ -99,16 +99,16 @@ def _pick(values: dict[str, Any], names: dict[str, str]) -> dict[str, float | in
     return out
 
 
-def describe(record: dict[str, Any] | None) -> str:
-    """One line for ``decodert inspect``: the settings and where they come from."""
-    if not record:
+def describe(record: Any) -> str:
+    """One line for ``decodert inspect``: the settings (a manifest SamplingRecord) and where they come from."""
+    if record is None:
         return "greedy (the artifact records no defaults)"
-    d = record.get("defaults") or {}
+    d = record.defaults
     if d.get("temperature", 0.0) == 0:
         text = "greedy" + "".join(f", {k} {v:g}" for k, v in d.items() if k != "temperature")
     else:
         text = ", ".join(f"{k} {v:g}" for k, v in d.items())
-    return f"{text}  (from {record.get('source')}; explicit arguments override)"
+    return f"{text}  (from {record.source}; explicit arguments override)"
 
 
 def check_record(record: Any) -> str | None:

@@ -3,7 +3,7 @@
 Reads OUT/manifest.json, parses OUT/prefill.onnx and OUT/decode.onnx from their paths (so the
 shared external data ``weights.bin`` resolves), builds one strongly typed engine per graph with
 one optimization profile sized from the manifest, writes OUT/{prefill,decode}.engine atomically
-and records each engine in manifest["engines"] (docs/TENSORRT.md describes the record).
+and records each engine in manifest.engines (docs/TENSORRT.md describes the record).
 
 Profiles (B = max batch, S = max seq; KV inputs are [batch, H_kv, S_max, D], S_max static):
     prefill: batch 1 .. B (opt max(B // 2, 1)), seq 1 .. S (opt min(S, 256))
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -22,11 +21,11 @@ import time
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Mapping
 
 from decodert.errors import DecodertError
 from decodert.export.destination import file_mode
-from decodert.export.manifest import MANIFEST, load_manifest
+from decodert.export.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
 from decodert.plugins.trt_compat import TrtInfo, load_trt
 
 GRAPHS = ("prefill", "decode")
@@ -36,10 +35,10 @@ _DTYPE_NAMES = {"HALF": "fp16", "BF16": "bf16", "FLOAT": "fp32", "INT64": "int64
 
 
 # ---------------------------------------------------------------- small helpers
-def read_manifest(out_dir: Path, verify: str = "fast") -> dict[str, Any]:
+def read_manifest(out_dir: Path, verify: str = "fast") -> Manifest:
     """Load and validate OUT/manifest.json and verify its files ("fast": sizes + edge hashes, "full": sha256)."""
     manifest = load_manifest(out_dir, verify=verify)
-    if manifest.get("target") == "ort":
+    if manifest.target == "ort":
         raise DecodertError(f"{Path(out_dir) / MANIFEST}: the graphs were exported for --target ort (ONNX Runtime "
                             "contrib ops); re-export with --target trt to build TensorRT engines")
     return manifest
@@ -76,8 +75,8 @@ def network_layer_types(network: Any) -> Counter[str]:
     return Counter(network.get_layer(i).type.name for i in range(network.num_layers))
 
 
-def resolve_precision(manifest: dict[str, Any], precision: str | None) -> str:
-    dtype = manifest.get("dtype")
+def resolve_precision(manifest: Manifest, precision: str | None) -> str:
+    dtype = manifest.dtype
     if dtype not in PRECISIONS:
         raise DecodertError(f"manifest.json dtype '{dtype}' cannot be built; expected one of {PRECISIONS}")
     if precision is not None and precision != dtype:
@@ -86,9 +85,9 @@ def resolve_precision(manifest: dict[str, Any], precision: str | None) -> str:
     return str(dtype)
 
 
-def resolve_limits(manifest: dict[str, Any], max_batch: int | None, max_seq: int | None) -> tuple[int, int]:
-    exported_seq = int(manifest["max_seq"])
-    batch = int(max_batch or manifest.get("max_batch") or 1)
+def resolve_limits(manifest: Manifest, max_batch: int | None, max_seq: int | None) -> tuple[int, int]:
+    exported_seq = manifest.max_seq
+    batch = int(max_batch or manifest.max_batch)
     seq = int(max_seq or exported_seq)
     if batch < 1:
         raise DecodertError(f"--max-batch must be >= 1 (got {batch})")
@@ -98,17 +97,17 @@ def resolve_limits(manifest: dict[str, Any], max_batch: int | None, max_seq: int
     return batch, seq
 
 
-def profile_shapes(graph: dict[str, Any], name: str, batch: int, seq: int) -> dict[str, tuple[list[int], ...]]:
+def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int) -> dict[str, tuple[list[int], ...]]:
     """Input name -> (min, opt, max) dims from the manifest's symbolic dims ("batch", "seq")."""
     opt_batch = batch if name == "decode" else max(batch // 2, 1)
     ranges = {"batch": (1, opt_batch, batch), "seq": (1, min(seq, 256), seq)}
     if name == "verify":  # speculative decoding: 1 .. max_tokens per row, at every batch size
-        width = min(int(graph["max_tokens"]), seq)
+        width = min(graph.max_tokens or seq, seq)
         ranges = {"batch": (1, batch, batch), "seq": (1, min(width, 8), width)}
     shapes = {}
-    for inp in graph["inputs"]:
-        dims = [ranges[d] if isinstance(d, str) else (int(d),) * 3 for d in inp["shape"]]
-        shapes[inp["name"]] = tuple([d[k] for d in dims] for k in range(3))
+    for inp in graph.inputs:
+        dims = [ranges[d] if isinstance(d, str) else (int(d),) * 3 for d in inp.shape]
+        shapes[inp.name] = tuple([d[k] for d in dims] for k in range(3))
     return shapes
 
 
@@ -132,12 +131,12 @@ def is_strongly_typed(trt: ModuleType, network: Any) -> bool:
     return flag is not None and bool(network.get_flag(flag))
 
 
-def network_io(network: Any, graph: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+def network_io(network: Any, graph: GraphRecord) -> dict[str, list[dict[str, Any]]]:
     """The network's I/O in manifest form; dynamic dims take the manifest's symbolic names."""
-    symbolic = {t["name"]: t["shape"] for t in graph["inputs"] + graph["outputs"]}
+    symbolic = {name: t.shape for name, t in graph.io().items()}
 
     def entry(t: Any) -> dict[str, Any]:
-        names = symbolic.get(t.name, [])
+        names: tuple[int | str, ...] = symbolic.get(t.name, ())
         dims = [names[i] if d < 0 and i < len(names) else int(d) for i, d in enumerate(t.shape)]
         return {"name": t.name, "dtype": trt_dtype_name(t.dtype), "shape": dims}
 
@@ -145,13 +144,13 @@ def network_io(network: Any, graph: dict[str, Any]) -> dict[str, list[dict[str, 
             "outputs": [entry(network.get_output(i)) for i in range(network.num_outputs)]}
 
 
-def engine_io(trt: ModuleType, engine: Any, graph: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+def engine_io(trt: ModuleType, engine: Any, graph: GraphRecord) -> dict[str, list[dict[str, Any]]]:
     """The deserialized engine's I/O in manifest form, with the input each output aliases."""
-    symbolic = {t["name"]: t["shape"] for t in graph["inputs"] + graph["outputs"]}
+    symbolic = {name: t.shape for name, t in graph.io().items()}
     io: dict[str, list[dict[str, Any]]] = {"inputs": [], "outputs": []}
     for i in range(engine.num_io_tensors):
         name = engine.get_tensor_name(i)
-        names = symbolic.get(name, [])
+        names: tuple[int | str, ...] = symbolic.get(name, ())
         shape = [names[k] if d < 0 and k < len(names) else int(d) for k, d in enumerate(engine.get_tensor_shape(name))]
         rec: dict[str, Any] = {"name": name, "dtype": trt_dtype_name(engine.get_tensor_dtype(name)), "shape": shape}
         if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
@@ -163,12 +162,12 @@ def engine_io(trt: ModuleType, engine: Any, graph: dict[str, Any]) -> dict[str, 
     return io
 
 
-def check_io(io: dict[str, list[dict[str, Any]]], graph: dict[str, Any], where: str) -> None:
-    """DecodertError when the network/engine I/O disagrees with the manifest's graph contract."""
+def check_io(io: Mapping[str, Any], graph: GraphRecord, where: str) -> None:
+    """DecodertError when the network/engine I/O (``network_io`` form) disagrees with the manifest's graph contract."""
     problems = []
-    for kind in ("inputs", "outputs"):
+    for kind, tensors in (("inputs", graph.inputs), ("outputs", graph.outputs)):
         got = {t["name"]: (t["dtype"], list(t["shape"])) for t in io[kind]}
-        want = {t["name"]: (t["dtype"], list(t["shape"])) for t in graph[kind]}
+        want = {t.name: (t.dtype, list(t.shape)) for t in tensors}
         for name in sorted(set(got) | set(want)):
             if got.get(name) != want.get(name):
                 problems.append(f"{name}: manifest {want.get(name)} vs engine {got.get(name)}")
@@ -261,7 +260,7 @@ def make_logger(trt: ModuleType) -> Any:
     return trt.Logger(level)
 
 
-def _deserialized_io(trt: ModuleType, logger: Any, blob: bytes, graph: dict[str, Any]) -> dict[str, Any] | None:
+def _deserialized_io(trt: ModuleType, logger: Any, blob: bytes, graph: GraphRecord) -> dict[str, Any] | None:
     """Engine I/O read back from the plan when this machine can deserialize it (needs a GPU)."""
     from decodert.plugins.cuda_mem import gpu_count
 
@@ -273,14 +272,14 @@ def _deserialized_io(trt: ModuleType, logger: Any, blob: bytes, graph: dict[str,
     return {**engine_io(trt, engine, graph), "engine_layers": int(engine.num_layers)}
 
 
-def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest: dict[str, Any],
-              settings: dict[str, Any]) -> dict[str, Any]:
+def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest: Manifest,
+              settings: dict[str, Any]) -> EngineRecord:
     """Parse, build and write OUT/<name>.engine; return its manifest record."""
-    graph = manifest["graphs"][name]
+    graph = manifest.graphs[name]
     logger = settings["logger"]
     builder = trt.Builder(logger)
-    network, _parser = parse_onnx(trt, builder, logger, out_dir / graph["file"])
-    check_io(network_io(network, graph), graph, f"{graph['file']} (parsed)")
+    network, _parser = parse_onnx(trt, builder, logger, out_dir / graph.file)
+    check_io(network_io(network, graph), graph, f"{graph.file} (parsed)")
     shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"])
     config = make_config(trt, info, builder, network, shapes, {**settings, "monitor": make_progress(
         trt, name, settings["progress"])})
@@ -288,14 +287,14 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
     plan = builder.build_serialized_network(network, config)
     seconds = time.perf_counter() - t0
     if plan is None:
-        raise DecodertError(f"TensorRT failed to build {graph['file']} (set DECODERT_TRT_VERBOSE=1 for the log)")
+        raise DecodertError(f"TensorRT failed to build {graph.file} (set DECODERT_TRT_VERBOSE=1 for the log)")
     blob = bytes(plan)
     path = out_dir / f"{name}.engine"
     write_atomic(staged(path), blob)  # renamed into place by build_engines once every engine is built
     io = _deserialized_io(trt, logger, blob, graph)
     if io is not None:
         check_io(io, graph, path.name)  # extra keys (aliases, engine_layers) are ignored
-    return {
+    return from_json(EngineRecord, {
         "file": path.name, "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
         "tensorrt": {"flavour": info.flavour, "version": info.version_str, "module": info.module_name},
         "precision": settings["precision"], "strongly_typed": is_strongly_typed(trt, network),
@@ -306,7 +305,7 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
         "layers": dict(sorted(network_layer_types(network).items())),
         "io": io or network_io(network, graph), "io_source": "engine" if io is not None else "network",
         "build_seconds": round(seconds, 3), "built": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
+    }, f"engines.{name}")
 
 
 def _open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tuple[Any, str]:
@@ -325,14 +324,14 @@ def _open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tup
 
 def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: int | None = None,
                   max_seq: int | None = None, version_compatible: bool = False,
-                  timing_cache: str | Path | None = None, progress: bool = True, verify: str = "fast") -> dict[str, Any]:
+                  timing_cache: str | Path | None = None, progress: bool = True, verify: str = "fast") -> dict[str, EngineRecord]:
     """Build OUT/prefill.engine and OUT/decode.engine (and OUT/verify.engine when the artifact has a
-    verify graph); update and return manifest["engines"].
+    verify graph); update and return manifest.engines.
     Engines are renamed into place only once all are built: an interrupted build changes nothing."""
     out = Path(out_dir)
     manifest = read_manifest(out, verify)
     trt, info = load_trt(need_builder=True)
-    if (manifest.get("plugins") or {}).get("ops"):  # decodert:: plugin nodes: the parser needs the creators
+    if manifest.plugin_ops:  # decodert:: plugin nodes: the parser needs the creators
         from decodert.plugins.trt_plugins import register_plugins
 
         register_plugins(trt, info)
@@ -342,17 +341,16 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     settings = {"precision": resolve_precision(manifest, precision), "max_batch": batch, "max_seq": seq,
                 "version_compatible": version_compatible, "timing_cache_obj": cache, "timing_cache_note": note,
                 "progress": progress, "logger": make_logger(trt),
-                "plugins": bool((manifest.get("plugins") or {}).get("ops"))}
+                "plugins": bool(manifest.plugin_ops)}
     try:
-        names = [n for n in (*GRAPHS, "verify") if n in manifest["graphs"]]  # older artifacts have no verify graph
+        names = [n for n in (*GRAPHS, "verify") if n in manifest.graphs]  # older artifacts have no verify graph
         engines = {name: build_one(trt, info, out, name, manifest, settings) for name in names}
         for rec in engines.values():
-            os.replace(staged(out / rec["file"]), out / rec["file"])
+            os.replace(staged(out / rec.file), out / rec.file)
     finally:
         for name in (*GRAPHS, "verify"):
             staged(out / f"{name}.engine").unlink(missing_ok=True)
     if cache is not None and cache_path is not None:
         write_atomic(cache_path, bytes(cache.serialize()))
-    manifest["engines"] = engines
-    write_atomic(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    write_manifest(out, manifest.replace(engines=engines))
     return engines

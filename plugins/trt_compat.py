@@ -144,7 +144,7 @@ def load_trt(prefer: str | None = None, need_builder: bool = False) -> tuple[Mod
     raise DecodertError(f"{what} is not installed (tried {', '.join(tried)}): {INSTALL_HINT}")
 
 
-def engine_version_problem(built: dict[str, Any], info: TrtInfo, version_compatible: bool = False) -> str | None:
+def engine_version_problem(built: Mapping[str, Any], info: TrtInfo, version_compatible: bool = False) -> str | None:
     """Why the installed TensorRT (``info``) cannot load an engine recorded as ``built``
     ({"flavour", "version"} from manifest["engines"][name]["tensorrt"]); None when it can.
 
@@ -169,21 +169,23 @@ def engine_version_problem(built: dict[str, Any], info: TrtInfo, version_compati
     return None
 
 
-def read_engine(artifact_dir: Path, manifest: Mapping[str, Any], name: str, info: TrtInfo) -> bytes:
-    """The engine's bytes after the checks that need no GPU: recorded TensorRT version, size, sha256."""
-    rec = (manifest.get("engines") or {}).get(name)
-    if not isinstance(rec, dict):
+def read_engine(artifact_dir: Path, manifest: Any, name: str, info: TrtInfo) -> bytes:
+    """The engine's bytes after the checks that need no GPU: recorded TensorRT version, size, sha256.
+
+    ``manifest``: an export/manifest.py Manifest (this floor sits below export, so it is not named here)."""
+    rec = (manifest.engines or {}).get(name)
+    if rec is None:
         raise DecodertError(f"{artifact_dir / 'manifest.json'} has no '{name}' engine; run `decodert build {artifact_dir}`")
-    path = artifact_dir / rec["file"]
-    problem = engine_version_problem(rec.get("tensorrt", {}), info, bool(rec.get("version_compatible")))
+    path = artifact_dir / rec.file
+    problem = engine_version_problem(rec.tensorrt, info, rec.version_compatible)
     if problem:
         raise DecodertError(f"{path}: {problem}")
     if not path.is_file():
         raise DecodertError(f"{path}: missing; run `decodert build {artifact_dir}`")
     blob: bytes = path.read_bytes()
-    if len(blob) != rec["size"]:
-        raise DecodertError(f"{path}: {len(blob)} bytes but the manifest recorded {rec['size']}: truncated or "
+    if len(blob) != rec.size:
+        raise DecodertError(f"{path}: {len(blob)} bytes but the manifest recorded {rec.size}: truncated or "
                             f"damaged; run `decodert build {artifact_dir}` again")
-    if hashlib.sha256(blob).hexdigest() != rec["sha256"]:
+    if hashlib.sha256(blob).hexdigest() != rec.sha256:
         raise DecodertError(f"{path}: sha256 does not match the manifest: damaged or replaced; rebuild it")
     return blob

@@ -27,11 +27,13 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from decodert.errors import DecodertError
+from decodert.export.manifest import Manifest
+from decodert.export.records import to_json
 from decodert.runtime.metrics import peak_rss_mb
 
 
@@ -133,11 +135,11 @@ def _best_split(work: Callable[[int, int], Any], size: int, tries: int, threads:
 GATHERS = ("Gather", "GatherBlockQuantized")  # ops that read rows of their tables (input 1: the indices)
 
 
-def bytes_per_step(artifact_dir: Path, manifest: Mapping[str, Any], rows: int = 1) -> int:
+def bytes_per_step(artifact_dir: Path, manifest: Manifest, rows: int = 1) -> int:
     """Weight bytes one decode step reads: Gather-only tables count ``rows`` rows, the rest in full."""
     import onnx
 
-    graph = onnx.load(str(artifact_dir / manifest["graphs"]["decode"]["file"]), load_external_data=False).graph
+    graph = onnx.load(str(artifact_dir / manifest.graphs["decode"].file), load_external_data=False).graph
     uses: dict[str, list[tuple[str, int]]] = {}
     for node in graph.node:
         for pos, name in enumerate(node.input):
@@ -235,7 +237,7 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig()) -> BenchRe
     backend = open_backend(folder, manifest, cfg.backend)
     load_s = time.perf_counter() - t0
     step_bytes = bytes_per_step(folder, manifest)
-    ids = prompt_ids(int(manifest["model"]["vocab_size"]), cfg.prompt_len)
+    ids = prompt_ids(manifest.model.vocab_size, cfg.prompt_len)
     results = []
     for batch in cfg.batches:
         runner = BackendRunner(backend, batch)
@@ -247,17 +249,17 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig()) -> BenchRe
     if close is not None:
         close()
     return BenchResult(
-        artifact=str(folder), model=_model_name(manifest), dtype=manifest["dtype"], quant=manifest.get("quant"),
+        artifact=str(folder), model=_model_name(manifest), dtype=manifest.dtype, quant=to_json(manifest.quant),
         backend=backend.name, threads=cfg.threads, prompt_len=cfg.prompt_len, gen=cfg.gen, warmup=cfg.warmup,
-        repeats=cfg.repeats, weights_file_bytes=int(manifest["weights"]["bytes"]), bytes_per_step=step_bytes,
+        repeats=cfg.repeats, weights_file_bytes=int(manifest.weights.bytes or 0), bytes_per_step=step_bytes,
         copy_gbps=copy, read_gbps=read, floor_tps=read * 1e9 / step_bytes if step_bytes else 0.0,
         peak_rss_mb=rss,
         load_s=load_s, machine=machine_info(), results=results)
 
 
-def check_config(cfg: BenchConfig, manifest: Mapping[str, Any]) -> None:
+def check_config(cfg: BenchConfig, manifest: Manifest) -> None:
     """One-line errors for arguments the artifact cannot run."""
-    max_batch, max_seq = int(manifest["max_batch"]), int(manifest["max_seq"])
+    max_batch, max_seq = manifest.max_batch, manifest.max_seq
     for name, value, low in (("--prompt-len", cfg.prompt_len, 1), ("--gen", cfg.gen, 1),
                              ("--repeats", cfg.repeats, 1), ("--warmup", cfg.warmup, 0)):
         if value < low:
@@ -290,8 +292,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _model_name(manifest: Mapping[str, Any]) -> str:
-    return Path(str((manifest.get("source") or {}).get("path", "?"))).stem
+def _model_name(manifest: Manifest) -> str:
+    return Path((manifest.source.path if manifest.source else None) or "?").stem
 
 
 def format_table(r: BenchResult) -> str:

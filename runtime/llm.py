@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Generator, Mapping, Sequence as Seq, Unio
 import numpy as np
 
 from decodert.errors import DecodertError
+from decodert.export.manifest import Manifest, TokenizerRecord, load_manifest, tokenizer_file
 from decodert.runtime import scheduler, validate
 from decodert.runtime.chat import Message, render_chat
 from decodert.runtime.constraints import Constraint, Guidance
@@ -85,20 +86,20 @@ class LLM:
     the output then matches it, unless cut short by max_new_tokens (finish_reason "length").
     """
 
-    def __init__(self, backend: Any, tokenizer: Any, manifest: Mapping[str, Any] | None = None,
+    def __init__(self, backend: Any, tokenizer: Any, manifest: Manifest | None = None,
                  draft: "LLM | None" = None, prefix_cache_mb: float | None = None) -> None:
         self.backend = backend
         self.draft = draft  # the draft model of speculative="draft"
         self.speculator = Speculator(draft.backend if draft is not None else None)
         self.tokenizer = tokenizer
-        self.manifest = dict(manifest or {})
-        tok = self.manifest.get("tokenizer") or {}
-        model = self.manifest.get("model") or {}
-        self.eos_token_ids = tuple(int(t) for t in (tok.get("eos_token_ids") or model.get("eos_token_ids") or ()))
-        self.bos_token_id = tok.get("bos_token_id", model.get("bos_token_id"))
-        self.add_bos_token = bool(tok.get("add_bos_token", False))
-        self.chat_template = tok.get("chat_template")
-        self.sampling_defaults = model_defaults(self.manifest)
+        self.manifest = manifest
+        tok = manifest.tokenizer if manifest else TokenizerRecord()
+        model_eos, model_bos = (manifest.model.eos_token_ids, manifest.model.bos_token_id) if manifest else ((), None)
+        self.eos_token_ids = tuple(tok.eos_token_ids or model_eos)
+        self.bos_token_id = tok.bos_token_id if tok.bos_token_id is not None else model_bos
+        self.add_bos_token = tok.add_bos_token
+        self.chat_template = tok.chat_template
+        self.sampling_defaults = model_defaults(manifest)
         self._cache = None
         self._live: Generator | None = None  # the run holding the cache; a newer run of the same thread ends it
         self._live_thread: threading.Thread | None = None  # the thread that started it
@@ -120,8 +121,6 @@ class LLM:
         ``draft``: a second artifact with the same tokenizer, the drafter of ``speculative="draft"``.
         ``prefix_cache_mb``: the prefix cache's budget in MiB (None: the default; 0: off).
         """
-        from decodert.export.manifest import tokenizer_file
-
         path = Path(path)
         manifest = read_manifest(path, verify)
         tokenizer_file(manifest, path)  # the tokenizer must be one of the verified files
@@ -394,10 +393,9 @@ def make_prefix_cache(backend: Any, budget_mb: float | None) -> PrefixCache | No
 
 
 # -- loading an artifact folder ----------------------------------------------------------------
-def model_defaults(manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """manifest["sampling"]["defaults"], checked as SamplingParams (a bad value names the manifest field)."""
-    record = manifest.get("sampling")
-    defaults = dict(record.get("defaults") or {}) if isinstance(record, Mapping) else {}
+def model_defaults(manifest: Manifest | None) -> dict[str, Any]:
+    """manifest.sampling.defaults, checked as SamplingParams (a bad value names the manifest field)."""
+    defaults = dict(manifest.sampling.defaults) if manifest and manifest.sampling else {}
     try:
         sampling_params(**defaults)
     except DecodertError as e:
@@ -405,39 +403,38 @@ def model_defaults(manifest: Mapping[str, Any]) -> dict[str, Any]:
     return defaults
 
 
-def read_manifest(path: Path, verify: str = "fast") -> dict:
+def read_manifest(path: Path, verify: str = "fast") -> Manifest:
     """``path/manifest.json``, validated (export/manifest.py) and its files verified ("fast" | "full" | "none")."""
-    from decodert.export.manifest import load_manifest
-
     return load_manifest(path, verify=verify)
 
 
-def open_tokenizer(path: Path, manifest: Mapping[str, Any]) -> Any:
+def open_tokenizer(path: Path, manifest: Manifest | None) -> Any:
     """The artifact's ``tokenizers.Tokenizer``."""
     from tokenizers import Tokenizer
 
-    file = path / ((manifest.get("tokenizer") or {}).get("file") or "tokenizer.json")
+    file = path / (manifest.tokenizer if manifest else TokenizerRecord()).file
     if not file.is_file():
         raise DecodertError(f"{file} not found (tokenizer of the artifact)")
     try:
         tokenizer = Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
         raise DecodertError(f"cannot load tokenizer {file}: {e}") from None
-    n, recorded = tokenizer.get_vocab_size(with_added_tokens=True), (manifest.get("tokenizer") or {}).get("vocab_size")
-    if (recorded is not None and n != recorded) or n > (manifest.get("model") or {}).get("vocab_size", n):
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    recorded, model_vocab = (manifest.tokenizer.vocab_size, manifest.model.vocab_size) if manifest else (None, n)
+    if (recorded is not None and n != recorded) or n > model_vocab:
         raise DecodertError(f"{file}: has {n} tokens but the artifact was exported with {recorded or 'fewer'}; "
                             "the tokenizer was replaced (re-export the model)")
     return tokenizer
 
 
-def open_backend(path: Path, manifest: Mapping[str, Any], choice: str = "auto") -> Any:
+def open_backend(path: Path, manifest: Manifest, choice: str = "auto") -> Any:
     """Create the ort or trt backend ("auto": trt when the folder has engines and TensorRT works)."""
     if choice not in ("auto", "ort", "trt"):
         raise DecodertError(f"unknown backend {choice!r}; expected auto, ort or trt (--backend)")
     if choice == "auto":
-        choice = "trt" if manifest.get("engines") and _trt_usable() else "ort"
+        choice = "trt" if manifest.engines and _trt_usable() else "ort"
     if choice == "trt":
-        if not manifest.get("engines"):
+        if not manifest.engines:
             raise DecodertError(f"{path} has no TensorRT engines; run `decodert build {path}` or use --backend ort")
         from decodert.runtime.trt_backend import TrtBackend
 

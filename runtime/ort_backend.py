@@ -23,6 +23,7 @@ import onnx
 import onnxruntime as ort
 
 from decodert.errors import DecodertError, first_line
+from decodert.export.manifest import Manifest
 from decodert.export.onnx_check import check_external_data, check_session_io
 from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
@@ -82,18 +83,18 @@ class _Binding:
 class OrtBackend:
     name = "ort"
 
-    def __init__(self, artifact_dir: str | Path, manifest: dict[str, Any], threads: int | None = None,
+    def __init__(self, artifact_dir: str | Path, manifest: Manifest, threads: int | None = None,
                  providers: Sequence[str] | None = None, separate_decode: bool = False):
         self.dir = Path(artifact_dir)
         self.manifest = manifest
-        if manifest["dtype"] not in NP_DTYPES:
-            raise DecodertError(f"{self.dir}: dtype {manifest['dtype']} is not supported by ONNX Runtime here; "
+        if manifest.dtype not in NP_DTYPES:
+            raise DecodertError(f"{self.dir}: dtype {manifest.dtype} is not supported by ONNX Runtime here; "
                                 "export with --dtype fp32 (or fp16), or run it with TensorRT")
-        self.np_dtype = NP_DTYPES[manifest["dtype"]]
-        kv = manifest["kv"]
-        self.layers, self.kv_heads, self.head_dim = kv["num_layers"], kv["num_kv_heads"], kv["head_dim"]
-        self.max_batch, self.max_seq = manifest["max_batch"], manifest["max_seq"]
-        self.vocab_size = manifest["model"]["vocab_size"]
+        self.np_dtype = NP_DTYPES[manifest.dtype]
+        kv = manifest.kv
+        self.layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
+        self.max_batch, self.max_seq = manifest.max_batch, manifest.max_seq
+        self.vocab_size = manifest.model.vocab_size
         options = _session_options(threads)
         providers = list(providers or _default_providers())
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
@@ -101,13 +102,13 @@ class OrtBackend:
         kinds = ("prefill", "decode") if separate_decode else ("prefill",)
         self.sessions = {}
         for kind in kinds:
-            path = self.dir / manifest["graphs"][kind]["file"]
+            path = self.dir / manifest.graphs[kind].file
             check_external_data(path)
             self.sessions[kind] = open_session(path, options, providers)
-            check_session_io(self.sessions[kind], manifest["graphs"][kind], path)
+            check_session_io(self.sessions[kind], manifest.graphs[kind], path)
         self.sessions.setdefault("decode", self.sessions["prefill"])
         # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
-        self._prefill_with_past_batch = 1 if manifest["target"] == "ort" else self.max_batch
+        self._prefill_with_past_batch = 1 if manifest.target == "ort" else self.max_batch
         self._decode_bindings: dict[tuple[int, int, int], _Binding] = {}
         self._options, self._providers = options, providers
         self._verify: _VerifyState | None = None  # opened on the first verify call (speculative decoding)
@@ -167,8 +168,8 @@ class OrtBackend:
     @property
     def verify_width(self) -> int:
         """Tokens one verify call checks per row (0: the artifact has no verify graph)."""
-        graph = self.manifest["graphs"].get("verify")
-        return int(graph.get("max_tokens", 0)) if graph else 0
+        graph = self.manifest.graphs.get("verify")
+        return (graph.max_tokens or 0) if graph else 0
 
     def verify(self, cache: OrtKVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
         state = self._verify or self._open_verify()
@@ -195,11 +196,11 @@ class OrtBackend:
         return out
 
     def _open_verify(self) -> "_VerifyState":
-        graph = self.manifest["graphs"].get("verify")
-        if not graph:
+        graph = self.manifest.graphs.get("verify")
+        if graph is None:
             raise DecodertError(f"{self.dir} has no verify graph (exported before speculative decoding); "
                                 "re-export it to use speculative decoding")
-        path = self.dir / graph["file"]
+        path = self.dir / graph.file
         check_external_data(path)
         session = open_session(path, self._options, self._providers)
         check_session_io(session, graph, path)

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from decodert.errors import DecodertError
+from decodert.export.manifest import GraphRecord, Manifest
 from decodert.export.trt_build import check_io, engine_io, make_logger, write_atomic
 from decodert.plugins.trt_compat import load_trt, read_engine
 from decodert.plugins import cuda_mem as cm
@@ -39,9 +40,9 @@ ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 RUNTIME_CACHE = "runtime.cache"  # TensorRT-RTX JIT kernel cache, kept beside the engines
 
 
-def kv_pairs(graph: Mapping[str, Any]) -> list[tuple[str, str]]:
+def kv_pairs(graph: GraphRecord) -> list[tuple[str, str]]:
     """[("past_key.0", "present_key.0"), ("past_value.0", "present_value.0"), ...] in graph input order."""
-    names = [t["name"] for t in graph["inputs"] if t["name"].startswith(("past_key.", "past_value."))]
+    names = [t.name for t in graph.inputs if t.name.startswith(("past_key.", "past_value."))]
     return [(n, "present_" + n[len("past_"):]) for n in names]
 
 
@@ -84,12 +85,12 @@ class _Engine:
     def __init__(self, backend: "TrtBackend", name: str, blob: bytes) -> None:
         trt, info = backend.trt, backend.info
         self.trt, self.info, self.name = trt, info, name
-        path = backend.dir / backend.manifest["engines"][name]["file"]
+        path = backend.dir / (backend.manifest.engines or {})[name].file
         backend.check_validity(path, blob)
         self.engine = backend.runtime.deserialize_cuda_engine(blob)
         if self.engine is None:
             raise DecodertError(f"{path}: TensorRT could not deserialize the engine (set DECODERT_TRT_VERBOSE=1)")
-        graph = backend.manifest["graphs"][name]
+        graph = backend.manifest.graphs[name]
         check_io(engine_io(trt, self.engine, graph), graph, str(path))
         self.kv_pairs = kv_pairs(graph)
         for past, present in self.kv_pairs if info.has_aliased_io else []:
@@ -134,22 +135,22 @@ class TrtBackend:
 
     name = "trt"
 
-    def __init__(self, artifact_dir: str | Path, manifest: Mapping[str, Any], cuda_graphs: bool = True,
+    def __init__(self, artifact_dir: str | Path, manifest: Manifest, cuda_graphs: bool = True,
                  device: int = 0) -> None:
         self.dir, self.manifest = Path(artifact_dir), manifest
         self.trt, self.info = load_trt()
-        if (manifest.get("plugins") or {}).get("ops"):  # engines built with decodert plugin layers
+        if manifest.plugin_ops:  # engines built with decodert plugin layers
             from decodert.plugins.trt_plugins import register_plugins
 
             register_plugins(self.trt, self.info)
         blobs = {n: read_engine(self.dir, manifest, n, self.info) for n in GRAPHS}  # CPU checks first
-        kv, recs = manifest["kv"], manifest["engines"]
-        self.layers, self.kv_heads, self.head_dim = int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"])
-        self.itemsize = ITEMSIZE[kv["dtype"]]
-        self.max_seq = int(manifest["max_seq"])  # cache length (static in the graphs)
-        self.max_batch = min(int(recs["decode"]["max_batch"]), int(recs["prefill"]["max_batch"]))
-        self.max_prefill = int(recs["prefill"]["max_seq"])  # longest prefill chunk the profile allows
-        self.vocab_size = int(manifest["model"]["vocab_size"])
+        kv, recs = manifest.kv, manifest.engines or {}
+        self.layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
+        self.itemsize = ITEMSIZE[manifest.dtype]  # the cache is allocated in the manifest's dtype
+        self.max_seq = manifest.max_seq  # cache length (static in the graphs)
+        self.max_batch = min(recs["decode"].max_batch or manifest.max_batch, recs["prefill"].max_batch or manifest.max_batch)
+        self.max_prefill = recs["prefill"].max_seq or manifest.max_seq  # longest prefill chunk the profile allows
+        self.vocab_size = manifest.model.vocab_size
         self.cuda_graphs = cuda_graphs
         self.stats = {"graph_launches": 0, "plain_runs": 0, "captures": 0, "capture_failures": 0}
         self._open_device(device)

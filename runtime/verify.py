@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from decodert.export.manifest import load_manifest
+from decodert.export.manifest import Manifest, load_manifest
 
 GRAPHS = ("prefill", "decode")
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -24,7 +24,7 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, i
 class OrtGraphReference:
     """prefill.onnx / decode.onnx on ONNX Runtime CPU; numpy KV [rows, Hkv, Smax, D]; rows = slots 0..n-1."""
 
-    def __init__(self, artifact_dir: Path, manifest: Mapping[str, Any], rows: int) -> None:
+    def __init__(self, artifact_dir: Path, manifest: Manifest, rows: int) -> None:
         import ml_dtypes
         import onnxruntime as ort
 
@@ -34,12 +34,12 @@ class OrtGraphReference:
         opts.log_severity_level = 3
         from decodert.runtime.ort_backend import open_session  # expands --plugins nodes
 
-        self.sessions = {k: open_session(artifact_dir / manifest["graphs"][k]["file"], opts, ["CPUExecutionProvider"])
+        self.sessions = {k: open_session(artifact_dir / manifest.graphs[k].file, opts, ["CPUExecutionProvider"])
                          for k in GRAPHS}
-        kv = manifest["kv"]
-        dtype = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32}[kv["dtype"]]
-        shape = (rows, int(kv["num_kv_heads"]), int(manifest["max_seq"]), int(kv["head_dim"]))
-        self.pairs = kv_pairs(manifest["graphs"]["decode"])  # [(past_key.0, present_key.0), ...]
+        kv = manifest.kv
+        dtype = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32}[manifest.dtype]
+        shape = (rows, kv.num_kv_heads, manifest.max_seq, kv.head_dim)
+        self.pairs = kv_pairs(manifest.graphs["decode"])  # [(past_key.0, present_key.0), ...]
         self.past = [past for past, _ in self.pairs]
         self.kv = {name: np.zeros(shape, dtype) for name in self.past}
         self.lengths = np.zeros(rows, np.int64)  # [rows]
@@ -66,16 +66,16 @@ class OrtGraphReference:
         return self._run("decode", tokens.reshape(-1, 1).astype(np.int64), np.ones(len(tokens), np.int64))
 
 
-def default_prompts(artifact_dir: Path, manifest: Mapping[str, Any], n: int) -> list[np.ndarray]:
+def default_prompts(artifact_dir: Path, manifest: Manifest, n: int) -> list[np.ndarray]:
     """Token ids of fixed English/code prompts (tokenizer.json), or fixed pseudo-random ids without one."""
-    path = artifact_dir / manifest.get("tokenizer", {}).get("file", "tokenizer.json")
+    path = artifact_dir / manifest.tokenizer.file
     if path.is_file():
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(path))
         return [np.array(tok.encode(PROMPTS[i % len(PROMPTS)]).ids, np.int64) for i in range(n)]
     rng = np.random.default_rng(0)
-    vocab = int(manifest["model"]["vocab_size"])
+    vocab = manifest.model.vocab_size
     return [rng.integers(0, vocab, size=5 + 3 * i).astype(np.int64) for i in range(n)]
 
 

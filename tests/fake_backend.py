@@ -16,6 +16,8 @@ from typing import Callable, Sequence
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from decodert.export.manifest import (FORMAT, FORMAT_VERSION, KVRecord, Manifest, ModelRecord, SamplingRecord, TokenizerRecord,
+                                      WeightsRecord)
 from decodert.runtime.backend import StepOutput, VerifyOutput
 from decodert.runtime.llm import LLM
 
@@ -169,9 +171,19 @@ def make_llm(tokenizer: Tokenizer | None = None, eos: Sequence[int] = (), chat_t
     """An LLM over a FakeBackend whose vocabulary is the tokenizer's."""
     tok = tokenizer or make_tokenizer()
     backend = FakeBackend(vocab_size=tok.get_vocab_size(), **backend_kwargs)
-    manifest = {"tokenizer": {"eos_token_ids": list(eos), "bos_token_id": 1, "add_bos_token": add_bos_token,
-                              "chat_template": chat_template}}
-    return LLM(backend, tok, manifest, prefix_cache_mb=prefix_cache_mb)
+    return LLM(backend, tok, fake_manifest(backend, eos, add_bos_token, chat_template), prefix_cache_mb=prefix_cache_mb)
+
+
+def fake_manifest(backend: FakeBackend, eos: Sequence[int] = (), add_bos_token: bool = False,
+                  chat_template: str | None = None, sampling: dict | None = None) -> Manifest:
+    """A Manifest for an LLM over ``backend`` (no files: nothing is loaded from disk)."""
+    return Manifest(
+        format=FORMAT, format_version=FORMAT_VERSION, model=ModelRecord(vocab_size=backend.vocab_size), target="ort",
+        dtype="fp32", max_seq=backend.max_seq, max_batch=backend.max_batch,
+        kv=KVRecord(num_layers=1, num_kv_heads=1, head_dim=1), graphs={}, weights=WeightsRecord(file="weights.bin"),
+        tokenizer=TokenizerRecord(eos_token_ids=tuple(eos), bos_token_id=1, add_bos_token=add_bos_token,
+                                  chat_template=chat_template),
+        files={}, sampling=None if sampling is None else SamplingRecord(defaults=sampling, source="test"))
 
 
 def scripted_llm(text: str, eos: Sequence[int] = (0,), **kw) -> tuple[LLM, list[int]]:

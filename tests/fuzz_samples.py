@@ -5,7 +5,7 @@
 - ``hf/``: the same model as an HF folder (config.json, model.safetensors with F32 and F16 tensors,
   tokenizer.json, tokenizer_config.json with a chat template and no EOS: generation runs to length).
 - ``art/``: ``hf/`` exported for the ORT target (fp32, max_seq 256, max_batch 2).
-- ``eng/``: ``art/`` plus two fake TensorRT engine files recorded in manifest["engines"] (the checks
+- ``eng/``: ``art/`` plus two fake TensorRT engine files recorded in manifest.engines (the checks
   ``read_engine`` does before TensorRT sees a plan need no GPU); ``ENGINE_TRT`` is their TensorRT.
 ``add_listed_file`` and ``flip_byte`` damage an artifact for the integrity tests.
 """
@@ -145,7 +145,7 @@ def add_fake_engines(folder: Path) -> Path:
     """Record two random 'engines' in ``folder``'s manifest (read_engine checks them; no GPU needed)."""
     import hashlib
 
-    from decodert.export.manifest import MANIFEST, write_manifest
+    from decodert.export.manifest import MANIFEST
 
     manifest = json.loads((folder / MANIFEST).read_text())
     engines = {}
@@ -155,7 +155,7 @@ def add_fake_engines(folder: Path) -> Path:
         engines[name] = {"file": f"{name}.engine", "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
                          "tensorrt": dict(ENGINE_TRT), "version_compatible": False}
     manifest["engines"] = engines
-    write_manifest(folder, manifest)
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return folder
 
 
@@ -179,12 +179,12 @@ def make_samples(root: Path) -> dict[str, Path]:
 
 def add_listed_file(art: Path, name: str, data: bytes) -> Path:
     """Put ``name`` into the artifact and record it (size + hashes) in the manifest."""
-    from decodert.export.manifest import file_record, write_manifest
+    from decodert.export.artifact_files import file_record
+    from decodert.export.manifest import load_manifest, write_manifest
 
     (art / name).write_bytes(data)
-    manifest = json.loads((art / "manifest.json").read_text())
-    manifest["files"][name] = file_record(art / name)
-    write_manifest(art, manifest)
+    manifest = load_manifest(art, verify="none")
+    write_manifest(art, manifest.replace(files={**manifest.files, name: file_record(art / name)}))
     return art / name
 
 

@@ -101,15 +101,15 @@ def test_bytes_per_step_counts_one_embedding_row_when_the_head_is_a_copy(tiny_ar
     # fp32 tied: the output projection reads the whole table, so it counts in full
     full = bytes_per_step(tiny_artifact, tied)
     assert full > embed_bytes
-    assert full <= tied["weights"]["bytes"] + 1024  # + small inline constants; RoPE tables count one row
+    assert full <= tied.weights.bytes + 1024  # + small inline constants; RoPE tables count one row
     # int4, tied: the quantized head is read in full, its gather-only scale tables one row per token,
     # and no float table is stored at all
     q = load_manifest(tiny_int4_artifact)
     per_step = bytes_per_step(tiny_int4_artifact, q)
     names = {t.name for t in onnx.load(tiny_int4_artifact / "decode.onnx", load_external_data=False).graph.initializer}
-    assert "embed" not in names and q["weights"]["bytes"] < embed_bytes
+    assert "embed" not in names and q.weights.bytes < embed_bytes
     gather_tables = 512 * 2 * 4  # vocab x blocks (64 / 32) fp32 scales, counted one row per token
-    assert per_step <= q["weights"]["bytes"] - gather_tables + 1024
+    assert per_step <= q.weights.bytes - gather_tables + 1024
     assert bytes_per_step(tiny_int4_artifact, q, rows=2) == per_step + 2 * 4 + 2  # a row of scales + zero points
 
 

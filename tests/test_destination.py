@@ -76,12 +76,12 @@ def test_an_artifact_with_other_files_is_not_replaced(old, extra, samples, capsy
 def test_an_artifact_and_an_empty_folder_are_replaced(old, samples, tmp_path):
     out, _ = old
     (out / ".manifest.json.tmp").write_text("left by an interrupted write")  # staged files belong to it
-    assert _export(samples["hf"], out, max_seq=32)["max_seq"] == 32
-    assert load_manifest(out, verify="full")["max_seq"] == 32 and _siblings(out) == ["out"]
+    assert _export(samples["hf"], out, max_seq=32).max_seq == 32
+    assert load_manifest(out, verify="full").max_seq == 32 and _siblings(out) == ["out"]
     empty = tmp_path / "empty"
     empty.mkdir()
     _export(samples["hf"], empty)
-    assert load_manifest(empty)["max_seq"] == 64
+    assert load_manifest(empty).max_seq == 64
 
 
 def test_bad_destinations_are_one_line_errors(samples, tmp_path, monkeypatch, capsys):
@@ -96,7 +96,7 @@ def test_bad_destinations_are_one_line_errors(samples, tmp_path, monkeypatch, ca
     assert "--max-seq must be an integer >= 2" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     assert cli_main(["export", src, "-o", "a/sub/..", "--max-seq", "32"]) == 0  # the same as -o a
-    assert load_manifest(tmp_path / "a")["max_seq"] == 32 and sorted(p.name for p in tmp_path.iterdir()) == ["a", "file"]
+    assert load_manifest(tmp_path / "a").max_seq == 32 and sorted(p.name for p in tmp_path.iterdir()) == ["a", "file"]
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
@@ -156,7 +156,7 @@ def test_interrupt_at_each_rename_leaves_the_old_or_the_new_artifact(old, sample
     assert _siblings(out) == ["out"]  # no temp or moved-aside folder left
     manifest = load_manifest(out, verify="full")
     swapped = (mode == "exchange" and after) or (n == 2 and after)
-    assert manifest["max_seq"] == (32 if swapped else 64)
+    assert manifest.max_seq == (32 if swapped else 64)
     if not swapped:
         assert _tree(out) == before
 
@@ -207,7 +207,7 @@ def test_sigkill_at_a_rename_then_the_next_run_recovers(old, samples, mode, name
     assert _siblings(out) == ["out"]
     manifest = load_manifest(out, verify="full")
     if name == "_exchange" or (name == "rename" and n == 2 and after):
-        assert manifest["max_seq"] == 32  # swapped: the new artifact is complete
+        assert manifest.max_seq == 32  # swapped: the new artifact is complete
     else:
         assert _tree(out) == before  # the old artifact, byte for byte
 

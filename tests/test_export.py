@@ -70,16 +70,16 @@ def test_tiny_greedy_64_and_batched_equals_single(exported, target):
 def test_graphs_check_and_manifest(exported, target):
     out, _ = exported("qwen3", target)
     m = load_manifest(out, verify="full")
-    assert m["target"] == target and m["kv"]["inplace"] is True
+    assert m.target == target and m.kv.inplace is True
     for kind in ("prefill", "decode"):
-        onnx.checker.check_model(str(out / m["graphs"][kind]["file"]), full_check=True)
-        graph = onnx.load(str(out / m["graphs"][kind]["file"]), load_external_data=False).graph
-        assert [i.name for i in graph.input] == [i["name"] for i in m["graphs"][kind]["inputs"]]
-        assert [o.name for o in graph.output] == [o["name"] for o in m["graphs"][kind]["outputs"]]
+        onnx.checker.check_model(str(out / m.graphs[kind].file), full_check=True)
+        graph = onnx.load(str(out / m.graphs[kind].file), load_external_data=False).graph
+        assert [i.name for i in graph.input] == [i.name for i in m.graphs[kind].inputs]
+        assert [o.name for o in graph.output] == [o.name for o in m.graphs[kind].outputs]
         # both graphs share weights.bin; nothing is embedded twice
         locations = {e.value for t in graph.initializer for e in t.external_data if e.key == "location"}
         assert locations == {"weights.bin"}
-    assert set(m["files"]) >= {"prefill.onnx", "decode.onnx", "weights.bin", "tokenizer.json"}
+    assert set(m.files) >= {"prefill.onnx", "decode.onnx", "weights.bin", "tokenizer.json"}
 
 
 def test_target_ops(exported):
@@ -135,7 +135,7 @@ def test_export_replaces_artifact_atomically(tmp_path, tiny_checkpoint):
     src, out = tiny_checkpoint("llama"), tmp_path / "art"
     export_model(src, out, target="ort", max_seq=32, progress=False)
     export_model(src, out, target="portable", max_seq=32, progress=False)
-    assert load_manifest(out)["target"] == "portable"
+    assert load_manifest(out).target == "portable"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
@@ -177,5 +177,5 @@ def test_smollm2_export_streams_weights(smollm2_gguf, tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     peak = int(res.stdout.strip().splitlines()[-1])
-    weights = load_manifest(out)["weights"]["bytes"]
+    weights = load_manifest(out).weights.bytes
     assert weights > 500e6 and peak < 1.5 * weights, (peak / 2**20, weights / 2**20)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
-from fake_backend import FakeBackend, make_llm, make_tokenizer, reference_tokens, scripted_llm  # noqa: E402
+from fake_backend import FakeBackend, fake_manifest, make_llm, make_tokenizer, reference_tokens, scripted_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
@@ -206,14 +206,14 @@ def test_load_errors_are_one_line(tmp_path):
     with pytest.raises(DecodertError, match="JSON"):
         LLM.load(tmp_path)
     with pytest.raises(DecodertError, match="tokenizer.json not found"):
-        open_tokenizer(tmp_path, {"tokenizer": {"file": "tokenizer.json"}})
+        open_tokenizer(tmp_path, fake_manifest(FakeBackend()))
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(DecodertError, match="cannot load tokenizer"):
-        open_tokenizer(tmp_path, {})
+        open_tokenizer(tmp_path, None)
     with pytest.raises(DecodertError, match="no TensorRT engines"):
-        open_backend(tmp_path, {}, "trt")
+        open_backend(tmp_path, fake_manifest(FakeBackend()), "trt")
     with pytest.raises(DecodertError, match="unknown backend"):
-        open_backend(tmp_path, {}, "cuda")
+        open_backend(tmp_path, fake_manifest(FakeBackend()), "cuda")
 
 
 def test_close_closes_the_backend():

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
 from decodert.export.checkpoint_open import open_checkpoint
-from decodert.export.manifest import load_manifest
+from decodert.export.manifest import WeightQuantRecord, load_manifest
 from decodert.export.pipeline import export_model
 from decodert.export.quant import QuantConfig, WeightQuant, dequantize, quantize
 from decodert.export.quant_gguf import transcode, transcoded_as
@@ -137,9 +137,9 @@ def test_q4_1_export_matches_gguf_reference(tiny_gguf, tmp_path):
     with pytest.raises(DecodertError, match="--keep-q4-1 works on the ort target only"):
         export_model(path, tmp_path / "p", target="portable", max_seq=64, progress=False, quant=cfg)
     export_model(path, tmp_path / "a", target="ort", max_seq=64, progress=False, quant=cfg)
-    per_weight = load_manifest(tmp_path / "a")["quant"]["per_weight"]
+    per_weight = load_manifest(tmp_path / "a").quant.per_weight
     layers = {k: v for k, v in per_weight.items() if k.startswith("layers.")}
-    assert layers and all(v["block_min"] for v in layers.values())
+    assert layers and all(v.block_min for v in layers.values())
     # the head is Q4_1 too in this tiny file and stays exact; only tests the layers here
     assert _parity(tmp_path / "a", _gguf_model(path)) < TOL
 
@@ -181,9 +181,10 @@ def test_transcoded_export_matches_gguf_reference(tiny_gguf, tmp_path, target, f
     path = tiny_gguf(family, qtype)
     cfg = QuantConfig(bits=bits, block_size=32, keep_q8=keep_q8)  # asymmetric asked: transcoded ones are symmetric
     export_model(path, tmp_path / "a", target=target, max_seq=64, progress=False, quant=cfg)
-    record = load_manifest(tmp_path / "a")["quant"]
-    assert record["bits"] == bits and "lm_head" in record["weights"] and set(record["per_weight"]) == set(record["weights"])
-    assert {tuple(w.values()) for w in record["per_weight"].values()} == {(BITS[qtype], 32, True, "transcoded", False)}
+    record = load_manifest(tmp_path / "a").quant
+    assert record.bits == bits and "lm_head" in record.weights and set(record.per_weight) == set(record.weights)
+    assert {(w.bits, w.block_size, w.symmetric, w.source, w.block_min) for w in record.per_weight.values()} == {
+        (BITS[qtype], 32, True, "transcoded", False)}
     assert _parity(tmp_path / "a", _gguf_model(path)) < TOL
 
 
@@ -192,10 +193,9 @@ def test_mixed_fused_weight_is_requantized_in_the_same_graph(tiny_gguf, tmp_path
     path = tiny_gguf("llama", "Q4_0", mixed=True)
     cfg = QuantConfig(bits=4, block_size=32)
     export_model(path, tmp_path / "a", target="ort", max_seq=64, progress=False, quant=cfg)
-    per_weight = load_manifest(tmp_path / "a")["quant"]["per_weight"]
-    assert per_weight["layers.0.qkv"] == {"bits": 4, "block_size": 32, "symmetric": False, "source": "rtn",
-                                          "block_min": False}
-    assert {n for n, w in per_weight.items() if w["source"] == "rtn"} == {"layers.0.qkv"}
+    per_weight = load_manifest(tmp_path / "a").quant.per_weight
+    assert per_weight["layers.0.qkv"] == WeightQuantRecord(bits=4, block_size=32, symmetric=False, source="rtn", block_min=False)
+    assert {n for n, w in per_weight.items() if w.source == "rtn"} == {"layers.0.qkv"}
     model = _gguf_model(path)
     attn = model.model.layers[0].self_attn
     w = dequantize(quantize(open_checkpoint(path).tensor("layers.0.qkv"), cfg), cfg)
@@ -212,8 +212,8 @@ def test_cli_reports_transcoded_weights(tiny_gguf, tmp_path, capsys):
     assert "quantized 9 weights: 0 transcoded exactly from GGUF blocks, 9 rounded to nearest" in capsys.readouterr().out
     assert cli_main(["export", str(path), "-o", str(tmp_path / "b"), "--max-seq", "32", "--quant", "int4", "--keep-q8"]) == 0
     assert "quantized 9 weights: 9 transcoded exactly" in capsys.readouterr().out
-    record = load_manifest(tmp_path / "b")["quant"]
-    assert record["keep_q8"] and record["bits"] == 4 and record["per_weight"]["layers.1.down"]["bits"] == 8
+    record = load_manifest(tmp_path / "b").quant
+    assert record.keep_q8 and record.bits == 4 and record.per_weight["layers.1.down"].bits == 8
 
 
 @pytest.mark.trt
@@ -225,9 +225,9 @@ def test_trt_builds_mixed_int4_and_int8_weights(tiny_gguf, tmp_path):
     out = tmp_path / "t"
     export_model(tiny_gguf("llama", "Q4_0", mixed=True), out, target="trt", dtype="fp16", max_seq=32, progress=False,
                  quant=QuantConfig(bits=8, block_size=32))
-    per_weight = load_manifest(out)["quant"]["per_weight"]
-    assert per_weight["layers.0.qkv"]["bits"] == 8 and per_weight["layers.0.o"]["bits"] == 4
+    per_weight = load_manifest(out).quant.per_weight
+    assert per_weight["layers.0.qkv"].bits == 8 and per_weight["layers.0.o"].bits == 4
     kinds = {t.name: t.data_type for t in onnx.load(out / "decode.onnx", load_external_data=False).graph.initializer}
     assert kinds["layers.0.qkv.q"] == TensorProto.INT8 and kinds["layers.0.o.q"] == TensorProto.INT4
     engines = trt_build.build_engines(out, progress=False)
-    assert engines["decode"]["layers"]["DEQUANTIZE"] >= 9
+    assert engines["decode"].layers["DEQUANTIZE"] >= 9

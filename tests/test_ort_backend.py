@@ -75,7 +75,7 @@ def test_smollm2_api_greedy_matches_transformers(smollm2_art, smollm2_reference)
     """LLM.generate, greedy, 64 tokens, as one batch of 3 different-length prompts and singly."""
     prompts, refs = smollm2_reference
     llm = LLM.load(smollm2_art)
-    eos = set(load_manifest(smollm2_art)["tokenizer"]["eos_token_ids"])
+    eos = set(load_manifest(smollm2_art).tokenizer.eos_token_ids)
     batch = llm.generate([p.tolist() for p in prompts], max_new_tokens=64, temperature=0)  # the card's default is 0.2
     for result, (ref_tokens, _) in zip(batch, refs):
         n = len(result.token_ids)

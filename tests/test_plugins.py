@@ -211,8 +211,8 @@ def test_export_plugins_always_writes_plugin_nodes(tiny_checkpoint, tmp_path):
     assert cli_main(["export", str(tiny_checkpoint("llama")), "-o", str(out), "--target", "trt", "--plugins", "always",
                      "--max-seq", "64"]) == 0
     m = load_manifest(out)
-    assert m["plugins"]["mode"] == "always" and m["plugins"]["ops"] == ["CachedAttention", "RMSNorm"]
-    layers = m["model"]["num_layers"]
+    assert m.plugins.mode == "always" and m.plugins.ops == ("CachedAttention", "RMSNorm")
+    layers = m.model.num_layers
     for kind in ("prefill", "decode"):
         graph = _graph(out / f"{kind}.onnx")
         ops = [n.op_type for n in graph.node]
@@ -223,7 +223,7 @@ def test_export_plugins_always_writes_plugin_nodes(tiny_checkpoint, tmp_path):
         assert ops.count("RMSNorm") == 2 * layers + 1
     assert cli_main(["export", str(tiny_checkpoint("llama")), "-o", str(tmp_path / "b"), "--target", "trt",
                      "--trt-version", "10.3", "--max-seq", "64"]) == 0
-    assert load_manifest(tmp_path / "b")["plugins"]["ops"] == ["CachedAttention", "RMSNorm"]  # auto for JetPack 6
+    assert load_manifest(tmp_path / "b").plugins.ops == ("CachedAttention", "RMSNorm")  # auto for JetPack 6
     assert cli_main(["export", str(tiny_checkpoint("llama")), "-o", str(tmp_path / "c"), "--plugins", "always"]) == 2
 
 
@@ -237,7 +237,7 @@ def test_plugin_export_expanded_matches_transformers(tiny_checkpoint, tmp_path, 
     out = tmp_path / family
     export_model(src, out, target="trt", dtype="fp32", max_seq=128, max_batch=4, progress=False, plugins="always")
     expand_artifact(out)
-    assert load_manifest(out)["plugins"]["ops"]
+    assert load_manifest(out).plugins.ops
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     rng = np.random.default_rng(SEED)
     lengths = (70, 9, 33) if family == "mistral" else (11, 4, 7)  # mistral's window is 64

@@ -39,11 +39,11 @@ _TRT_SCRIPT = textwrap.dedent("""
     except DecodertError as e:
         result["unregistered"] = str(e)
     result["registered"] = register_plugins(trt, info)
-    result["llama"] = {{k: r["layers"] for k, r in trt_build.build_engines(out, progress=False).items()}}
+    result["llama"] = {{k: dict(r.layers) for k, r in trt_build.build_engines(out, progress=False).items()}}
     out = tmp / "qwen3"
     export_model(make_tiny_checkpoint("qwen3", tmp / "ck-qwen3"), out, target="trt", dtype="fp32", max_seq=32,
                  max_batch=2, progress=False, plugins="always")
-    result["qwen3"] = {{k: r["layers"] for k, r in trt_build.build_engines(out, progress=False).items()}}
+    result["qwen3"] = {{k: dict(r.layers) for k, r in trt_build.build_engines(out, progress=False).items()}}
     print("RESULT" + json.dumps(result))
 """)
 

@@ -83,7 +83,7 @@ def test_quantized_export_matches_dequantized_reference(tiny_checkpoint, tmp_pat
     out = tmp_path / "q"
     export_model(src, out, target=target, max_seq=64, progress=False, quant=cfg)
     m = load_manifest(out)
-    assert m["quant"]["bits"] == bits and "lm_head" in m["quant"]["weights"]
+    assert m.quant.bits == bits and "lm_head" in m.quant.weights
     tied_gather = family == "llama_tied" and target == "ort"
     graph = onnx.load(out / "decode.onnx", load_external_data=False).graph
     assert any(n.op_type == "GatherBlockQuantized" for n in graph.node) == tied_gather
@@ -99,7 +99,7 @@ def test_int4_artifact_is_smaller_and_cli_validates(tiny_checkpoint, tmp_path, c
     src = tiny_checkpoint("llama")
     assert cli_main(["export", str(src), "-o", str(tmp_path / "f"), "--max-seq", "32"]) == 0
     assert cli_main(["export", str(src), "-o", str(tmp_path / "q"), "--max-seq", "32", "--quant", "int4"]) == 0
-    full, q4 = (load_manifest(tmp_path / n)["weights"]["bytes"] for n in ("f", "q"))
+    full, q4 = (load_manifest(tmp_path / n).weights.bytes for n in ("f", "q"))
     assert q4 < 0.5 * full  # the fp32 embedding (a quarter of this tiny model) stays float
     assert cli_main(["export", str(src), "-o", str(tmp_path / "x"), "--quant", "int4", "--block-size", "48"]) == 2
     assert "block-size" in capsys.readouterr().err

@@ -24,7 +24,8 @@ from fake_backend import FakeBackend, make_llm, reference_tokens  # noqa: E402
 from fuzz_samples import add_listed_file, flip_byte  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.manifest import file_record, load_manifest, write_manifest  # noqa: E402
+from decodert.export.artifact_files import file_record  # noqa: E402
+from decodert.export.manifest import load_manifest, write_manifest  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -100,8 +101,8 @@ def test_external_data_outside_the_artifact_is_refused(art, tmp_path, location):
     with pytest.raises(DecodertError, match="outside the artifact folder"):
         check_external_data(art / "prefill.onnx")
     manifest = load_manifest(art, verify="none")
-    manifest["files"]["prefill.onnx"] = file_record(art / "prefill.onnx")  # hashes agree: only the location is bad
-    write_manifest(art, manifest)
+    # hashes agree: only the location is bad
+    write_manifest(art, manifest.replace(files={**manifest.files, "prefill.onnx": file_record(art / "prefill.onnx")}))
     with pytest.raises(DecodertError, match="outside the artifact folder"):
         LLM.load(art, backend="ort", verify="full")
 

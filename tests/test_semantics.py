@@ -156,7 +156,8 @@ def test_a_tokenizer_larger_than_the_model_is_refused(samples, tmp_path):
 def test_a_replaced_smaller_tokenizer_is_refused_at_load(samples, tmp_path):
     from tokenizers import Tokenizer
 
-    from decodert.export.manifest import MANIFEST, file_record, write_manifest
+    from decodert.export.artifact_files import file_record
+    from decodert.export.manifest import MANIFEST, load_manifest, write_manifest
     from decodert.runtime.llm import LLM
 
     art = shutil.copytree(samples["art"], tmp_path / "art")
@@ -166,8 +167,7 @@ def test_a_replaced_smaller_tokenizer_is_refused_at_load(samples, tmp_path):
     tok["model"]["vocab"] = {k: v for k, v in tok["model"]["vocab"].items() if v < 250}
     tok["model"]["merges"] = []
     (art / "tokenizer.json").write_text(json.dumps(tok))
-    manifest = json.loads((art / MANIFEST).read_text())
-    manifest["files"]["tokenizer.json"] = file_record(art / "tokenizer.json")  # hashes re-recorded
-    write_manifest(art, manifest)
+    manifest = load_manifest(art, verify="none")
+    write_manifest(art, manifest.replace(files={**manifest.files, "tokenizer.json": file_record(art / "tokenizer.json")}))
     with pytest.raises(DecodertError, match="tokenizer was replaced"):
         LLM.load(art)

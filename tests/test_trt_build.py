@@ -25,7 +25,9 @@ import trt_graphs  # noqa: E402  (tests/ is on sys.path via conftest)
 from decodert.cli import main as cli_main  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export import trt_build  # noqa: E402
-from decodert.export.manifest import file_record  # noqa: E402
+from decodert.export.artifact_files import file_record  # noqa: E402
+from decodert.export.manifest import Manifest, load_manifest  # noqa: E402
+from decodert.export.records import to_json  # noqa: E402
 from decodert.plugins.trt_compat import engine_version_problem, load_trt, parse_version, read_engine  # noqa: E402
 from decodert.plugins import cuda_mem  # noqa: E402
 from decodert.runtime.trt_backend import contiguous_runs, kv_pairs  # noqa: E402
@@ -55,7 +57,13 @@ def copy_artifact(src: Path, dst: Path) -> Path:
 
 
 def manifest_of(out: Path) -> dict:
+    """manifest.json as written (plain JSON, to check or to damage on purpose)."""
     return json.loads((out / "manifest.json").read_text())
+
+
+def typed_of(out: Path) -> Manifest:
+    """The Manifest the runtime reads (export/manifest.py)."""
+    return load_manifest(out, verify="none")
 
 
 # ---------------------------------------------------------------- trt_compat
@@ -105,7 +113,7 @@ def test_build_tiny_graphs(built, dtype):
         assert rec["layers"]["KV_CACHE_UPDATE"] == 2 and rec["layers"]["ROTARY_EMBEDDING"] == 2
         assert rec["layers"]["ATTENTION_INPUT"] == 1
         assert rec["target"]["compute_capability"] == "any"
-        graph = m["graphs"][name]
+        graph = typed_of(out).graphs[name]
         trt_build.check_io(rec["io"], graph, name)  # the engine I/O is the manifest's contract
         kv = next(t for t in rec["io"]["inputs"] if t["name"] == "past_key.0")
         assert kv == {"name": "past_key.0", "dtype": dtype, "shape": ["batch", 2, 64, 16]}
@@ -121,7 +129,7 @@ def test_network_layer_types_of_the_decode_graph(built):
     network, _parser = trt_build.parse_onnx(trt, trt.Builder(logger), logger, out / "decode.onnx")
     types = trt_build.network_layer_types(network)
     assert types["KV_CACHE_UPDATE"] == 2 and types["ROTARY_EMBEDDING"] == 2 and types["TOPK"] == 1
-    io_ = trt_build.network_io(network, manifest_of(out)["graphs"]["decode"])
+    io_ = trt_build.network_io(network, typed_of(out).graphs["decode"])
     assert [t["name"] for t in io_["outputs"]][:2] == ["logits", "next_token"]
 
 
@@ -143,10 +151,10 @@ def test_timing_cache_is_recorded(tmp_path):
     engines = trt_build.build_engines(out, timing_cache=cache, progress=False, max_batch=2, max_seq=32)
     _, info = load_trt()
     if info.has_timing_cache:
-        assert cache.is_file() and engines["decode"]["timing_cache"] == str(cache)
+        assert cache.is_file() and engines["decode"].timing_cache == str(cache)
     else:  # a no-op in TensorRT-RTX: say so instead of writing an empty file
-        assert not cache.exists() and engines["decode"]["timing_cache"].startswith("ignored")
-    assert engines["prefill"]["profile"]["input_ids"]["max"] == [2, 32]
+        assert not cache.exists() and engines["decode"].timing_cache.startswith("ignored")
+    assert engines["prefill"].profile["input_ids"]["max"] == [2, 32]
 
 
 # ---------------------------------------------------------------- bad input
@@ -180,7 +188,7 @@ def test_unparsable_graph_names_the_node(tmp_path, capsys):
     model.opset_import.append(onnx.helper.make_opsetid("decodert", 1))
     onnx.save(model, str(out / "decode.onnx"))
     m = manifest_of(out)
-    m["files"]["decode.onnx"] = file_record(out / "decode.onnx")
+    m["files"]["decode.onnx"] = to_json(file_record(out / "decode.onnx"))
     (out / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(DecodertError, match="node '/model/layers.0/residual' \\(NoSuchOp\\)"):
         trt_build.build_engines(out, progress=False)
@@ -194,29 +202,29 @@ def test_truncated_engine_is_refused(built, tmp_path):
     (out / "decode.engine").write_bytes(blob[: len(blob) // 2])
     _, info = load_trt()
     with pytest.raises(DecodertError, match="truncated or damaged") as e:
-        read_engine(out, manifest_of(out), "decode", info)
+        read_engine(out, typed_of(out), "decode", info)
     assert e.value.exit_code == 2
     (out / "decode.engine").write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))  # same size, one bit off
     with pytest.raises(DecodertError, match="sha256 does not match"):
-        read_engine(out, manifest_of(out), "decode", info)
+        read_engine(out, typed_of(out), "decode", info)
 
 
 def test_engine_from_another_tensorrt_version_is_refused(built, tmp_path):
     out = copy_artifact(built("fp16"), tmp_path / "a")
     m = manifest_of(out)
     m["engines"]["prefill"]["tensorrt"]["version"] = "1.5.0.1"
+    (out / "manifest.json").write_text(json.dumps(m))
     _, info = load_trt()
     with pytest.raises(DecodertError, match=f"built with tensorrt_rtx 1.5.0.1 but tensorrt_rtx {info.version_str}"):
-        read_engine(out, m, "prefill", info)
-    (out / "manifest.json").write_text(json.dumps(m))
+        read_engine(out, typed_of(out), "prefill", info)
     from decodert.runtime.trt_backend import TrtBackend
 
     with pytest.raises(DecodertError, match="1.5.0.1"):  # refused before any GPU work
-        TrtBackend(out, m)
+        TrtBackend(out, typed_of(out))
 
 
 def test_kv_pairs_are_only_the_cache_tensors(built):
-    pairs = kv_pairs(manifest_of(built("fp16"))["graphs"]["decode"])
+    pairs = kv_pairs(typed_of(built("fp16")).graphs["decode"])
     assert pairs == [("past_key.0", "present_key.0"), ("past_value.0", "present_value.0")]  # not past_lengths
 
 
@@ -233,16 +241,17 @@ def test_export_and_build_every_family(tiny_checkpoint, tmp_path, family):
     out = tmp_path / family
     export_model(tiny_checkpoint(family), out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False)
     engines = trt_build.build_engines(out, progress=False)
-    m = manifest_of(out)
-    layers = m["model"]["num_layers"]
+    m = typed_of(out)
+    layers = m.model.num_layers
     for name, rec in engines.items():
-        assert rec["layers"]["KV_CACHE_UPDATE"] == 2 * layers, (family, name)
-        assert rec["layers"]["ROTARY_EMBEDDING"] == 2 * layers, (family, name)
-        if m["model"]["attn_softcap"] is None:
-            assert rec["layers"]["ATTENTION_INPUT"] == layers, (family, name)
+        assert rec.layers["KV_CACHE_UPDATE"] == 2 * layers, (family, name)
+        assert rec.layers["ROTARY_EMBEDDING"] == 2 * layers, (family, name)
+        if m.model.spec().attn_softcap is None:
+            assert rec.layers["ATTENTION_INPUT"] == layers, (family, name)
         else:  # TensorRT's attention layer has no soft-capping: the decomposed body, no attention layer
-            assert "ATTENTION_INPUT" not in rec["layers"], (family, name)
-        trt_build.check_io(rec["io"], m["graphs"][name], name)
+            assert "ATTENTION_INPUT" not in rec.layers, (family, name)
+        assert m.engines[name] == rec  # what build_engines returns is what the manifest records
+        trt_build.check_io(rec.io, m.graphs[name], name)
 
 
 def test_export_and_build_bf16(tiny_checkpoint, tmp_path):
@@ -250,7 +259,7 @@ def test_export_and_build_bf16(tiny_checkpoint, tmp_path):
 
     export_model(tiny_checkpoint("qwen3"), tmp_path / "q", target="trt", dtype="bf16", max_seq=32, progress=False)
     engines = trt_build.build_engines(tmp_path / "q", precision="bf16", progress=False)
-    assert {t["dtype"] for t in engines["decode"]["io"]["inputs"] if t["name"].startswith("past_key")} == {"bf16"}
+    assert {t["dtype"] for t in engines["decode"].io["inputs"] if t["name"].startswith("past_key")} == {"bf16"}
 
 
 def test_export_and_build_fp32_and_int4(tiny_checkpoint, tmp_path):
@@ -261,11 +270,11 @@ def test_export_and_build_fp32_and_int4(tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("llama")
     export_model(src, tmp_path / "f32", target="trt", dtype="fp32", max_seq=32, progress=False)
     engines = trt_build.build_engines(tmp_path / "f32", progress=False)
-    assert engines["decode"]["layers"]["KV_CACHE_UPDATE"] == 4 and "ATTENTION_INPUT" not in engines["decode"]["layers"]
+    assert engines["decode"].layers["KV_CACHE_UPDATE"] == 4 and "ATTENTION_INPUT" not in engines["decode"].layers
     export_model(src, tmp_path / "q4", target="trt", dtype="fp16", max_seq=32, progress=False,
                  quant=QuantConfig(bits=4, block_size=32))
     engines = trt_build.build_engines(tmp_path / "q4", progress=False)
-    assert engines["decode"]["layers"]["DEQUANTIZE"] >= 8 and engines["decode"]["layers"]["ATTENTION_INPUT"] == 2
+    assert engines["decode"].layers["DEQUANTIZE"] >= 8 and engines["decode"].layers["ATTENTION_INPUT"] == 2
 
 
 @pytest.mark.slow
@@ -278,7 +287,7 @@ def test_build_smollm2(request, tmp_path):
     smollm2_gguf = request.getfixturevalue("smollm2_gguf")
     export_model(smollm2_gguf, tmp_path / "s", target="trt", dtype="fp16", max_seq=512, max_batch=4, progress=False)
     engines = trt_build.build_engines(tmp_path / "s", progress=False)
-    assert engines["decode"]["layers"]["KV_CACHE_UPDATE"] == 60 and engines["prefill"]["layers"]["ATTENTION_INPUT"] == 30
+    assert engines["decode"].layers["KV_CACHE_UPDATE"] == 60 and engines["prefill"].layers["ATTENTION_INPUT"] == 30
 
 
 # ---------------------------------------------------------------- running engines (GPU)
@@ -287,7 +296,7 @@ def test_ort_reference_decode_equals_longer_prefill(built):
     from decodert.runtime.verify import OrtGraphReference
 
     out = built("fp16")
-    m = manifest_of(out)
+    m = typed_of(out)
     a = OrtGraphReference(out, m, 2)
     first, _ = a.prefill([np.array([5, 6, 7, 8, 9]), np.array([10, 11, 12])])
     nxt, logits = a.decode(first)
@@ -315,7 +324,7 @@ def test_slot_placement_and_move_slot(built):
 
     out = built("fp16")
     prompts = [np.array([5, 6, 7, 8, 9]), np.array([10, 11, 12])]
-    with TrtBackend(out, manifest_of(out)) as be:
+    with TrtBackend(out, typed_of(out)) as be:
         cache = be.allocate(4)
         a = be.prefill(cache, [0, 1], prompts, want_logits=True)
         b = be.prefill(cache, [3, 2], prompts, want_logits=True)  # other slots, reversed: offset-bound run
@@ -340,7 +349,7 @@ def test_long_prompt_prefills_in_chunks(tmp_path):
 
     out = trt_graphs.write_artifact(tmp_path / "a", "fp16")
     trt_build.build_engines(out, max_seq=16, progress=False)  # prefill profile: at most 16 tokens a call
-    m = manifest_of(out)
+    m = typed_of(out)
     prompt = (np.arange(40) * 7 % 128).astype(np.int64)
     with TrtBackend(out, m) as be:
         assert be.max_prefill == 16

@@ -94,7 +94,7 @@ def test_rewind_is_only_the_length(artifact):
 def test_verify_limits_and_old_artifacts(artifact):
     out = artifact("llama")
     manifest = load_manifest(out)
-    assert manifest["graphs"]["verify"]["max_tokens"] == 16 and (out / "verify.onnx").is_file()
+    assert manifest.graphs["verify"].max_tokens == 16 and (out / "verify.onnx").is_file()
     be = OrtBackend(out, manifest)
     cache = be.allocate(1)
     be.prefill(cache, [0], [np.arange(3, 60)], want_logits=False)
@@ -102,7 +102,7 @@ def test_verify_limits_and_old_artifacts(artifact):
         be.verify(cache, [0], [np.arange(3, 20)], want_logits=False)
     with pytest.raises(DecodertError, match="KV cache is full"):
         be.verify(cache, [0], [np.arange(3, 11)], want_logits=False)
-    old = {**manifest, "graphs": {k: v for k, v in manifest["graphs"].items() if k != "verify"}}
+    old = manifest.replace(graphs={k: v for k, v in manifest.graphs.items() if k != "verify"})
     be = OrtBackend(out, old)
     assert be.verify_width == 0
     with pytest.raises(DecodertError, match="no verify graph.*re-export"):
@@ -117,6 +117,6 @@ def test_trt_profile_covers_the_verify_shapes(tiny_checkpoint, tmp_path):
     export_model(tiny_checkpoint("llama"), out, target="trt", dtype="fp16", max_seq=32, max_batch=2, progress=False)
     engines = trt_build.build_engines(out, progress=False)
     rec = engines["verify"]
-    assert rec["profile"]["input_ids"] == {"min": [1, 1], "opt": [2, 8], "max": [2, 16]}
-    assert rec["layers"]["KV_CACHE_UPDATE"] == 4 and "seq_lengths" not in rec["profile"]
-    trt_build.check_io(rec["io"], load_manifest(out)["graphs"]["verify"], "verify")
+    assert rec.profile["input_ids"] == {"min": [1, 1], "opt": [2, 8], "max": [2, 16]}
+    assert rec.layers["KV_CACHE_UPDATE"] == 4 and "seq_lengths" not in rec.profile
+    trt_build.check_io(rec.io, load_manifest(out).graphs["verify"], "verify")

@@ -29,7 +29,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from decodert.export.manifest import file_record
+from decodert.export.artifact_files import file_record
+from decodert.export.records import to_json
 
 OPSET = 24
 
@@ -206,7 +207,7 @@ def write_artifact(out: Path, dtype: str = "fp16", spec: TinySpec = TinySpec()) 
         ins, outs = io_contract(spec, dtype, name == "decode")
         graphs[name] = {"file": f"{name}.onnx", "inputs": ins, "outputs": outs}
     manifest = _manifest(spec, dtype, graphs, weights.offset)
-    manifest["files"] = {p.name: file_record(p) for p in sorted(out.iterdir()) if p.suffix in (".onnx", ".bin")}
+    manifest["files"] = {p.name: to_json(file_record(p)) for p in sorted(out.iterdir()) if p.suffix in (".onnx", ".bin")}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return out
 

@@ -70,7 +70,10 @@ def read_value(tp: Any, value: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        for option in (a for a in args if a is not type(None)):
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # X | None: X's own error names the field inside it
+            return read_value(options[0], value, where)
+        for option in options:
             try:
                 return read_value(option, value, where)
             except DecodertError:

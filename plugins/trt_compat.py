@@ -146,7 +146,7 @@ def load_trt(prefer: str | None = None, need_builder: bool = False) -> tuple[Mod
 
 def engine_version_problem(built: Mapping[str, Any], info: TrtInfo, version_compatible: bool = False) -> str | None:
     """Why the installed TensorRT (``info``) cannot load an engine recorded as ``built``
-    ({"flavour", "version"} from manifest["engines"][name]["tensorrt"]); None when it can.
+    ({"flavour", "version"}: manifest.engines[name].tensorrt); None when it can.
 
     Plans are tied to the TensorRT that built them: the same flavour and major.minor.patch, or,
     for engines built with --version-compatible, the same major and an equal or newer runtime

@@ -79,7 +79,7 @@ class LLM:
     Generation keyword arguments are the SamplingParams fields: max_new_tokens=256,
     temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
     seed=None, stop=(), stop_token_ids=(). A parameter you do not pass takes the model's
-    default (``sampling_defaults``: manifest["sampling"], export/sampling_defaults.py; e.g.
+    default (``sampling_defaults``: manifest.sampling, export/sampling_defaults.py; e.g.
     SmolLM2-Instruct: temperature 0.2, top_p 0.9), else SamplingParams' (greedy). Explicit
     arguments always override, one parameter at a time: ``temperature=0`` is greedy.
     Structured output: at most one of json_schema= (dict or JSON text), regex=, grammar= (Lark);

@@ -121,8 +121,8 @@ def bench(artifact: str, batches: list[int], steps: int, rounds: int) -> list[di
     from decodert.runtime.llm import LLM
 
     llm = LLM.load(artifact)
-    quant = (llm.manifest.get("quant") or {}).get("bits")
-    label = f"{Path(artifact).name} ({'int%d' % quant if quant else llm.manifest.get('dtype')})"
+    quant = llm.manifest.quant.bits if llm.manifest.quant else None
+    label = f"{Path(artifact).name} ({'int%d' % quant if quant else llm.manifest.dtype})"
     rows = []
     for batch in batches:
         time_steps(llm, batch, "overlap", 4)  # warm-up (sessions, bindings, compiled schemas)

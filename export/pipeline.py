@@ -11,6 +11,7 @@ import datetime as dt
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx

@@ -35,7 +35,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 
 def sampling(engine: Engine, req, max_new_tokens: int, seed: int | None) -> SamplingParams:
     """SamplingParams of one choice: the fields the request set, over the model's sampling defaults
-    (manifest["sampling"], as ``LLM.generate``; greedy when the model has none)."""
+    (manifest.sampling, as ``LLM.generate``; greedy when the model has none)."""
     given = {name: getattr(req, name) for name in _SAMPLING_FIELDS
              if name in req.model_fields_set and getattr(req, name) is not None}
     try:

@@ -34,8 +34,8 @@ def test_run_keeps_the_gguf_precision(ggufs, tmp_path, qtype, bits, exact):
         return
     assert quant.accuracy_level == 4  # the fast MatMulNBits kernels
     m = export_model(ggufs[qtype], tmp_path / "a", max_seq=32, max_batch=1, progress=False, quant=quant)
-    layers = {n: w for n, w in m["quant"]["per_weight"].items() if n != "lm_head"}
-    assert layers and all(w["source"] == exact for w in layers.values())  # every linear layer kept exact
+    layers = {n: w for n, w in m.quant.per_weight.items() if n != "lm_head"}
+    assert layers and all(w.source == exact for w in layers.values())  # every linear layer kept exact
 
 
 def test_hf_folder_stays_fp32(tiny_checkpoint):

@@ -266,8 +266,7 @@ def test_response_format_structured_output(llm):
     with running(llm) as (url, _):  # the mini model's manifest has no eos: structured output cannot end
         r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "response_format": fmt})
         assert r.status_code == 400 and "eos" in r.json()["error"]["message"]
-    tok = {**llm.manifest["tokenizer"], "eos_token_ids": [0]}
-    llm = LLM(llm.backend, llm.tokenizer, {**llm.manifest, "tokenizer": tok})
+    llm = LLM(llm.backend, llm.tokenizer, llm.manifest.replace(tokenizer=llm.manifest.tokenizer.replace(eos_token_ids=(0,))))
     want = llm.chat(CHAT, max_new_tokens=60, temperature=0.0, json_schema=SCHEMA)
     with running(llm) as (url, _):
         c = client(url)

@@ -207,7 +207,7 @@ def test_speculative_sampling_has_plain_sampling_distribution():
     hot = [40, 41, 42, 43, 44]  # the likely tokens (top-k 4 of them per row), so drafts are often right
     table = np.full((vocab, vocab), -8.0, np.float32)
     table[:, hot] = rng.normal(0, 1, (vocab, len(hot))).astype(np.float32)
-    llm = LLM(MarkovBackend(vocab, table), TOK, {"tokenizer": {"eos_token_ids": []}})
+    llm = LLM(MarkovBackend(vocab, table), TOK, None)
     prompt = [40, 41, 42, 43, 44, 40, 41, 42, 43, 44, 40]
     dist = make_distribution(0.9, top_k=4)
     step = np.stack([dist(table[t][None])[0, hot] for t in hot])  # [5, 5] p(next | last), over hot

@@ -71,7 +71,7 @@ def test_bad_defaults_in_a_manifest_fail_at_load(sampled_art, tmp_path):
 
     art = shutil.copytree(sampled_art, tmp_path / "art")
     manifest = json.loads((art / "manifest.json").read_text())
-    for bad, message in (({"temperature": -1.0}, "manifest sampling.defaults: temperature must be >= 0"),
+    for bad, message in (({"temperature": -1.0}, "manifest sampling.defaults: temperature must be a number >= 0"),
                          ({"temperature": "hot"}, "sampling.defaults.temperature must be a finite number"),
                          ({"beam_width": 4}, "sampling.defaults.beam_width is not a generation parameter")):
         (art / "manifest.json").write_text(json.dumps({**manifest, "sampling": {"defaults": bad, "source": "x"}}))

@@ -23,6 +23,7 @@ from decodert.errors import DecodertError
 from decodert.export.artifact_files import FileRecord, verify_files
 from decodert.export.records import R, Record, read_record, to_json
 from decodert.export.sampling_defaults import check_record
+from decodert.models.spec import ModelSpec
 
 FORMAT = "decodert-artifact"
 FORMAT_VERSION = 1  # the schema version this decodert writes
@@ -63,6 +64,10 @@ class ModelRecord(Record):
     head_dim: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    def spec(self) -> ModelSpec:
+        """The whole ModelSpec the artifact was exported from (its fields beyond these are in ``extra``)."""
+        return ModelSpec.from_dict(to_json(self))
 
 
 @dataclasses.dataclass(frozen=True)

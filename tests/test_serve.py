@@ -45,6 +45,21 @@ class Slow:
         return self._inner.decode(*args, **kwargs)
 
 
+class Gated(Slow):
+    """A backend whose decode steps wait until ``gate`` is set."""
+
+    def __init__(self, inner) -> None:
+        import threading
+
+        super().__init__(inner, 0.0)
+        self.gate, self.waiting = threading.Event(), threading.Event()
+
+    def decode(self, *args, **kwargs):
+        self.waiting.set()
+        assert self.gate.wait(30), "test gate never opened"
+        return self._inner.decode(*args, **kwargs)
+
+
 def slow_llm(llm, delay=0.02):
     return LLM(Slow(llm.backend, delay), llm.tokenizer, llm.manifest)
 
@@ -169,6 +184,29 @@ def test_disconnect_mid_stream_frees_the_slot(llm):
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
         r = client(url).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0)
         assert r.choices[0].finish_reason == "length"
+
+        with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
+            httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(5, read=0.5))
+        deadline = time.time() + 5
+        while app.state.engine.in_flight and time.time() < deadline:
+            time.sleep(0.01)
+        m = scrape(url)
+        assert m['decodert_request_finished_total{reason="cancelled"}'] == 2 and m["decodert_slots_in_use"] == 0
+        assert m["decodert_generation_tokens_total"] < 4 + 2 * 100  # both stopped long before 200 tokens
+
+
+def test_event_loop_answers_while_a_step_runs(llm):
+    gated = Gated(llm.backend)
+    with running(LLM(gated, llm.tokenizer, llm.manifest)) as (url, _):
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client(url).completions.create, model="tiny", prompt="hello", max_tokens=5, temperature=0)
+            assert gated.waiting.wait(30)  # the engine thread is inside a decode step, and stays there
+            assert httpx.get(f"{url}/health", timeout=5).json()["slots_in_use"] == 1
+            assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 200
+            r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "a", "temperature": "x"}, timeout=5)
+            assert r.status_code == 400  # requests are parsed and answered meanwhile
+            gated.gate.set()
+            assert pending.result(30).usage.completion_tokens == 5
 
 
 def test_full_queue_answers_429(llm):

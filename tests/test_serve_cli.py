@@ -116,3 +116,21 @@ def test_ray_serve_two_replicas(art):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
+
+
+def test_ray_application_options(art):
+    """What `--ray` asks Ray Serve for (no cluster needed to build the application)."""
+    pytest.importorskip("ray.serve", reason="needs the ray extra: pip install .[ray]")
+    from decodert.serve.ray_app import RayOptions, application, build
+    from decodert.serve.server import ServeOptions
+
+    opts = ServeOptions(art, model_name="m", max_queue=10, drain_s=5)
+    fixed = application(opts, RayOptions(replicas=3, replica_gpus=1))._bound_deployment
+    assert fixed.num_replicas == 3 and fixed.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 1}
+    assert fixed.max_ongoing_requests == 2 + 10  # the artifact's slots + the engine's queue
+    auto = application(opts, RayOptions(min_replicas=1, max_replicas=4))._bound_deployment._deployment_config
+    a = auto.autoscaling_config
+    assert (a.min_replicas, a.max_replicas, a.target_ongoing_requests) == (1, 4, 2)
+    assert auto.graceful_shutdown_timeout_s == 5
+    built = build({"artifact": str(art), "replicas": "2", "model_name": "x"})._bound_deployment
+    assert built.num_replicas == 2 and built.init_args[0].model_name == "x"

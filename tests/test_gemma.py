@@ -21,6 +21,7 @@ from safetensors.numpy import load_file, save_file
 from decodert.errors import DecodertError
 from decodert.export.checkpoint_open import open_checkpoint
 from decodert.export.pipeline import export_model
+from decodert.export.quant import QuantConfig, dequantize, quantize
 from decodert.models import family_for, gemma2, gemma3
 from decodert.models.spec import RopeSpec
 from parity import backend, decodert_greedy, hf_reference, logits_parity
@@ -216,3 +217,21 @@ def test_tiny_gguf_export_matches_transformers(family, tmp_path):
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, 512, n).astype(np.int64) for n in (8, 5)]
     assert logits_parity(tmp_path / "a", [hf_reference(model, p, 11) for p in prompts], prompts, steps=10) < 1e-4
+
+
+def test_int4_export_equals_transformers_with_the_rounded_weights(tiny_checkpoint, tmp_path):
+    """Quantized Gemma 3 (tied: the embedding is gathered from the int4 head, then scaled) is exact to
+    its rounded weights: transformers with every Linear replaced by dequantize(quantize(w))."""
+    cfg = QuantConfig(bits=4, block_size=32)
+    src = tiny_checkpoint("gemma3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):  # lm_head is the embedding (tied): both rounded
+                module.weight.copy_(torch.from_numpy(dequantize(quantize(module.weight.numpy(), cfg), cfg)))
+    export_model(src, tmp_path / "q", target="ort", max_seq=64, progress=False, quant=cfg)
+    graph = onnx.load(str(tmp_path / "q" / "decode.onnx"), load_external_data=False).graph
+    assert {"GatherBlockQuantized", "MatMulNBits"} <= {n.op_type for n in graph.node}
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, 512, n).astype(np.int64) for n in (10, 4)]
+    assert logits_parity(tmp_path / "q", [hf_reference(model, p, 9) for p in prompts], prompts, steps=8) < 1e-4

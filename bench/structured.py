@@ -7,10 +7,12 @@ For each artifact and batch size, one round runs the real loop verbs (runtime/ge
 ``prefill`` then ``decode_step``) over the same chat prompt in three ways and times every decode
 step while all rows are still running:
   plain     greedy, unconstrained (eos ignored, so rows run the whole time): the graph-argmax path;
-  overlap   greedy, each row under its own JSON schema, masks computed while the step runs;
+  auto      greedy, each row under its own JSON schema, the default rule (overlap only masks that
+            took >= constraints.OVERLAP_MIN_S);
+  overlap   the same, masks always computed on the worker while the step runs;
   inline    the same with ``constraints.OVERLAP = False`` (masks computed after the step).
 The schemas force long outputs (minItems / minLength), so every row runs ``--steps`` steps.
-Rounds alternate the three; the summary is the median over rounds of each round's median step.
+Rounds alternate the four; the summary is the median over rounds of each round's median step.
 ``mask_ms`` / ``guide_ms``: the constraint work of one step for all rows alone, without the model
 (``guide_cost``), robust to a noisy machine; ``guide_pct`` relates it to the plain step.
 """
@@ -56,7 +58,7 @@ def _sequences(llm, batch: int, constrained: bool, steps: int) -> list:
 
 
 def time_steps(llm, batch: int, mode: str, steps: int) -> list[float]:
-    """Seconds per decode step (all rows running) for one run in ``mode``: plain | overlap | inline."""
+    """Seconds per decode step (all rows running) for one run in ``mode``: plain | auto | overlap | inline."""
     from decodert.runtime import constraints
     from decodert.runtime.generate import decode_step, prefill
 
@@ -64,6 +66,9 @@ def time_steps(llm, batch: int, mode: str, steps: int) -> list[float]:
     cache = llm._cache = llm._cache or llm.backend.allocate(int(llm.backend.max_batch))
     slots = list(range(batch))
     constraints.OVERLAP = mode != "inline"
+    default_min = constraints.OVERLAP_MIN_S
+    if mode == "overlap":
+        constraints.OVERLAP_MIN_S = 0.0
     try:
         prefill(llm.backend, cache, slots, seqs)
         out = []
@@ -72,7 +77,7 @@ def time_steps(llm, batch: int, mode: str, steps: int) -> list[float]:
             decode_step(llm.backend, cache, slots, seqs)
             out.append(time.perf_counter() - t)
     finally:
-        constraints.OVERLAP = True
+        constraints.OVERLAP, constraints.OVERLAP_MIN_S = True, default_min
         cache.reset()
     if len(out) < steps:
         raise SystemExit(f"a row finished after {len(out)} of {steps} steps; lower --steps")
@@ -125,15 +130,14 @@ def bench(artifact: str, batches: list[int], steps: int, rounds: int) -> list[di
     label = f"{Path(artifact).name} ({'int%d' % quant if quant else llm.manifest.dtype})"
     rows = []
     for batch in batches:
-        time_steps(llm, batch, "overlap", 4)  # warm-up (sessions, bindings, compiled schemas)
-        per = {m: [] for m in ("plain", "overlap", "inline")}
+        time_steps(llm, batch, "auto", 4)  # warm-up (sessions, bindings, compiled schemas)
+        per = {m: [] for m in ("plain", "auto", "overlap", "inline")}
         for _ in range(rounds):
             for mode in per:
                 per[mode].append(statistics.median(time_steps(llm, batch, mode, steps)))
         med = {m: 1e3 * statistics.median(v) for m, v in per.items()}
         row = {"artifact": label, "batch": batch, **{f"{m}_ms": round(v, 3) for m, v in med.items()},
-               "overlap_pct": round(100 * (med["overlap"] / med["plain"] - 1), 1),
-               "inline_pct": round(100 * (med["inline"] / med["plain"] - 1), 1),
+               **{f"{m}_pct": round(100 * (med[m] / med["plain"] - 1), 1) for m in ("auto", "overlap", "inline")},
                **{k: round(1e3 * v, 3) for k, v in zip(("mask_ms", "guide_ms"), guide_cost(llm, batch, steps))}}
         row["guide_pct"] = round(100 * row["guide_ms"] / med["plain"], 1)
         print(json.dumps(row), flush=True)

@@ -14,8 +14,9 @@
   step, ``mask`` [ceil(V/32)] int32, bit t = token t allowed. ``masks_ahead(seqs)`` fills the
   bitmasks of a batch on a worker thread while the backend's step runs (ONNX Runtime and the
   llguidance mask computation both release the GIL) when the last step's masks took at least
-  ``OVERLAP_MIN_S`` (cheaper ones are not worth the thread hand-off); a guide whose mask is stale
-  computes it when it is needed, so the overlap is a speed-up only, never a condition for correctness.
+  ``OVERLAP_MIN_S`` (1 ms: cheaper ones are not worth running beside the backend); a guide whose
+  mask is stale computes it when it is needed, so the overlap is a speed-up only, never a
+  condition for correctness.
 - Speculative decoding: ``guide.check(tokens)`` says how many tokens of a draft run the grammar
   accepts (the rest is cut before verification); ``draft_masks(tokens)`` gives the mask at every
   verified position; ``advance_many`` / ``rollback`` move the state.
@@ -44,6 +45,7 @@ from decodert.errors import DecodertError, first_line
 
 KINDS = ("json_schema", "regex", "grammar")
 JSON_WHITESPACE = r"(?:\r?\n(?: {1,24}|\t{1,6})?| {1,2})"  # one line break (+ indentation), or 1-2 spaces
+MAX_MESSAGE = 300  # characters of llguidance's message quoted in an error (it may quote a whole schema)
 _COMPILED_KEEP = 32  # compiled matchers kept per Guidance (one per distinct constraint)
 
 
@@ -53,6 +55,12 @@ class Constraint:
 
     kind: str
     text: str  # the schema as JSON text, the regex, or the Lark grammar
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise DecodertError(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not isinstance(self.text, str) or not self.text:
+            raise DecodertError(f"a {self.kind} constraint needs non-empty text, got {self.text!r:.40}")
 
     @classmethod
     def of(cls, json_schema: Mapping[str, Any] | str | bool | None = None, regex: str | None = None,
@@ -151,7 +159,7 @@ def _describe_error(c: Constraint, message: str) -> str:
     if c.kind == "json_schema" and "Unknown format" in line:
         return f"unsupported JSON schema: {line}"
     what = {"json_schema": "JSON schema", "regex": "regex", "grammar": "Lark grammar"}[c.kind]
-    return f"invalid {what}: {line}"
+    return f"invalid {what}: {line if len(line) <= MAX_MESSAGE else line[:MAX_MESSAGE] + '...'}"
 
 
 class Guidance:
@@ -292,8 +300,10 @@ _executor: Any = None
 _pool_lock = threading.Lock()
 OVERLAP = True  # compute next-step masks on a worker thread while the backend runs (bench/structured.py)
 # Masks that took less than this (all rows together, last step) are computed inline after the
-# step instead: handing work to the thread costs ~15 us here, as much as a typical JSON mask.
-OVERLAP_MIN_S = 100e-6
+# step instead. Measured (docs/BENCHMARKS.md): a JSON mask takes 10-20 us per row, so overlapping
+# it could save < 0.1% of a step, less than the thread hand-off (~15 us) and the risk of taking a
+# core from ONNX Runtime's threads; a fresh grammar's first masks (up to ~6 ms) are overlapped.
+OVERLAP_MIN_S = 1e-3
 
 
 def _workers() -> tuple[ThreadPoolExecutor, Any]:

@@ -131,12 +131,15 @@ def test_overlapped_masks_give_the_same_tokens(llm, monkeypatch):
         real(guides)
 
     monkeypatch.setattr(constraints, "compute_masks", spy)
+    auto = llm.generate_many(reqs)  # default rule: the first (unknown-cost) masks overlap, cheap ones run inline
+    assert 1 <= len(threads) < sum(len(r.token_ids) for r in auto) / 4
+    threads.clear()
     monkeypatch.setattr(constraints, "OVERLAP_MIN_S", 0.0)  # overlap every step, however cheap
     overlapped = llm.generate_many(reqs)
     assert threads and all(t.startswith("decodert-masks") for t in threads), "masks must be made on the worker"
     monkeypatch.setattr(constraints, "OVERLAP", False)
     inline = llm.generate_many(reqs)
-    assert [r.token_ids for r in overlapped] == [r.token_ids for r in inline]
+    assert [r.token_ids for r in overlapped] == [r.token_ids for r in inline] == [r.token_ids for r in auto]
 
 
 def test_draft_checks_for_speculative_decoding(llm):
@@ -186,6 +189,13 @@ def test_bad_constraint_in_a_batch_names_the_request(llm):
         llm.generate_many([{"prompt": "a", "regex": "[0-9]"}, {"prompt": "b", "regex": "(("}])
     with pytest.raises(DecodertError, match=r"^request 0: constraint must be a Constraint"):
         llm.generate_many([Request("a", constraint={"type": "object"})])
+
+
+def test_constraint_objects_are_checked():
+    for kind, text in (("yaml", "a: 1"), ("regex", ""), ("grammar", None)):
+        with pytest.raises(DecodertError, match="constraint"):
+            Constraint(kind, text)
+    assert Constraint.of() is None and hash(Constraint.of(regex="a")) == hash(Constraint("regex", "a"))
 
 
 def test_response_format():

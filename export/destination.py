@@ -14,6 +14,10 @@ The protocol (crash-safe at every step, SIGKILL included):
    SIGINT/SIGTERM/SIGHUP are held back during the swap (main thread) and delivered after it.
 
 A leftover ``.DIR.tmp-PID-*`` or ``.DIR.old-PID`` is stale when process PID is gone.
+
+``decodert build`` uses the same swap: ``linked_copy`` makes the temp folder from hard links to
+the artifact's files, the engines and the new manifest are written there, and the folder is
+swapped in whole, so a build killed at any point leaves the old engines and manifest.
 """
 
 from __future__ import annotations
@@ -120,6 +124,28 @@ def make_temp(out: Path) -> Path:
         except OSError as e:
             raise DecodertError(f"-o {out}: cannot create a folder in {out.parent} ({e.strerror or e})") from None
     raise DecodertError(f"-o {out}: could not pick a free temporary folder name in {out.parent}")
+
+
+def linked_copy(out: Path) -> Path | None:
+    """A temp sibling of artifact folder ``out`` holding hard links to its files (no data copied),
+    to update and then ``swap_in`` whole (``decodert build``); None where that cannot be done (hard
+    links refused by the file system, a sub-folder or symlink inside, ``out`` holding the working
+    folder): the caller then updates ``out`` in place."""
+    out = out.resolve()
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents or out == Path(out.anchor):
+        return None
+    recover(out)
+    tmp = make_temp(out)
+    try:
+        for p in out.iterdir():
+            if p.is_symlink() or not p.is_file():
+                raise OSError(f"{p.name} is not a plain file")
+            os.link(p, tmp / p.name)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    return tmp
 
 
 def swap_in(tmp: Path, out: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -24,7 +25,7 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from decodert.errors import DecodertError
-from decodert.export.destination import file_mode
+from decodert.export.destination import file_mode, linked_copy, swap_in
 from decodert.export.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
 from decodert.plugins.trt_compat import TrtInfo, load_trt
 
@@ -327,7 +328,9 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
                   timing_cache: str | Path | None = None, progress: bool = True, verify: str = "fast") -> dict[str, EngineRecord]:
     """Build OUT/prefill.engine and OUT/decode.engine (and OUT/verify.engine when the artifact has a
     verify graph); update and return manifest.engines.
-    Engines are renamed into place only once all are built: an interrupted build changes nothing."""
+    The engines and the new manifest are written into a hard-linked copy of the folder that is swapped
+    in whole (export/destination.py), so a build interrupted or killed at any point changes nothing;
+    where hard links cannot be made, engines are renamed into place once all are built."""
     out = Path(out_dir)
     manifest = read_manifest(out, verify)
     trt, info = load_trt(need_builder=True)
@@ -342,15 +345,23 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
                 "version_compatible": version_compatible, "timing_cache_obj": cache, "timing_cache_note": note,
                 "progress": progress, "logger": make_logger(trt),
                 "plugins": bool(manifest.plugin_ops)}
+    staging = linked_copy(out)  # hard links to the artifact, swapped in whole at the end (None: in place)
+    work = staging or out
     try:
         names = [n for n in (*GRAPHS, "verify") if n in manifest.graphs]  # older artifacts have no verify graph
-        engines = {name: build_one(trt, info, out, name, manifest, settings) for name in names}
+        engines = {name: build_one(trt, info, work, name, manifest, settings) for name in names}
         for rec in engines.values():
-            os.replace(staged(out / rec.file), out / rec.file)
+            os.replace(staged(work / rec.file), work / rec.file)
+        write_manifest(work, manifest.replace(engines=engines))
+        if staging is not None:
+            swap_in(staging, out.resolve())
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     finally:
         for name in (*GRAPHS, "verify"):
-            staged(out / f"{name}.engine").unlink(missing_ok=True)
+            staged(work / f"{name}.engine").unlink(missing_ok=True)
     if cache is not None and cache_path is not None:
         write_atomic(cache_path, bytes(cache.serialize()))
-    write_manifest(out, manifest.replace(engines=engines))
     return engines

@@ -1,4 +1,4 @@
-"""The ``decodert`` command: export, inspect, build, generate, chat, run, serve, verify, bench.
+"""The ``decodert`` command: export, inspect, build, generate, chat, run, serve, verify, bench, cache.
 
 One module per command in this package; each has ``add_parser(subparsers)``, which sets
 ``func(args) -> int`` (the exit code). Every DecodertError ends as one line on stderr and exit code 2.
@@ -10,14 +10,23 @@ import argparse
 import sys
 
 from decodert import __version__
-from decodert.cli import bench, build, chat, export, generate, inspect, run, serve, verify
+from decodert.cli import bench, build, cache, chat, export, generate, inspect, run, serve, verify
 from decodert.errors import DecodertError
 
-COMMANDS = (export, inspect, build, generate, chat, run, serve, verify, bench)  # the order of `decodert --help`
+COMMANDS = (export, inspect, build, generate, chat, run, serve, verify, bench, cache)  # the order of `decodert --help`
+
+
+DESCRIPTION = "Compile an LLM checkpoint (HF folder or GGUF) to ONNX / TensorRT graphs and run it."
+EPILOG = """first run:
+  decodert run smollm2 --prompt "What is the capital of France?"
+  decodert run smollm2                      (interactive chat)
+  decodert export model.gguf -o out/ && decodert generate out/ --prompt "Hello"
+`decodert COMMAND --help` describes each command."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="decodert", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="decodert", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"decodert {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for command in COMMANDS:

@@ -25,14 +25,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``decodert bench OUT [--prompt-len N] [--gen N] [--batch 1,4] ...``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "bench", help="time prefill and greedy decode of an artifact (tok/s, TPOT, GB/s, bandwidth floor)")
-    p.add_argument("out", type=Path, help="artifact folder")
+    p.add_argument("out", type=Path, help="artifact folder written by `decodert export` (or built by `decodert build`)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row (default 128)")
     p.add_argument("--gen", type=int, default=128, help="tokens generated per row, the first included (default 128)")
     p.add_argument("--batch", type=parse_batches, default=(1,), help="batch sizes, e.g. 1,4 (default 1)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per batch size (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the runtime's own)")
-    p.add_argument("--backend", choices=["auto", "ort", "trt"], default="auto")
+    p.add_argument("--backend", choices=["auto", "ort", "trt"], default="auto", help="execution backend (default auto)")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of decode time per token against context position")
     p.set_defaults(func=run_bench)

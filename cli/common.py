@@ -9,22 +9,29 @@ from typing import Any, TextIO
 
 from decodert.errors import DecodertError
 
-DEFAULT_TEMPERATURE = 0.7
-DEFAULT_TOP_P = 0.9
+MODEL_DEFAULT = "default: the model's (`decodert inspect` shows them)"
 
 
 def add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
-    """Sampling flags, --backend, --full-verify, --json and --no-stats."""
-    g = p.add_argument_group("sampling")
+    """Sampling flags, --backend, --full-verify, --json and --no-stats.
+
+    A sampling flag left out takes the model's default (manifest["sampling"]; SmolLM2-Instruct:
+    temperature 0.2, top_p 0.9), exactly as in the Python API; a flag given overrides it.
+    """
+    g = p.add_argument_group("sampling (a flag left out takes the model's default, as in the Python API)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
-    g.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help=f"default {DEFAULT_TEMPERATURE}")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help=f"nucleus mass (default {DEFAULT_TOP_P})")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob (0 = off)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    g.add_argument("--temperature", type=float, help=f"0 = greedy ({MODEL_DEFAULT}, else greedy)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, help="nucleus mass (1 = off)")
+    g.add_argument("--min-p", type=float, help="drop tokens below min_p * max prob (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, help="divide seen tokens' logits (1 = off)")
+    g.add_argument("--presence-penalty", type=float, help="subtract once from every seen token's logit (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, help="subtract per occurrence of every seen token (0 = off)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     g.add_argument("--stop", action="extend", nargs="+", default=[], metavar="S", help="stop strings")
+    g.add_argument("--stop-token-ids", action="extend", nargs="+", type=int, default=[], metavar="ID",
+                   help="token ids that end the text (besides the model's eos ids)")
     add_constraint(p)
     p.add_argument("--backend", choices=("auto", "ort", "trt"), default="auto", help="execution backend")
     p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
@@ -58,17 +65,28 @@ def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The generation keyword arguments of ``LLM.generate`` from parsed CLI arguments."""
-    return {"max_new_tokens": args.max_new_tokens, "temperature": 0.0 if args.greedy else args.temperature,
-            "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-            "repetition_penalty": args.repetition_penalty, "seed": args.seed, "stop": list(args.stop),
-            **constraint_kwargs(args)}
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None}
+    if args.greedy:
+        given["temperature"] = 0.0
+    return {"max_new_tokens": args.max_new_tokens, **given, "seed": args.seed, "stop": list(args.stop),
+            "stop_token_ids": list(getattr(args, "stop_token_ids", [])), **constraint_kwargs(args)}
+
+
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 def load(path: Path, backend: str, verify: str = "fast"):
-    """``LLM.load`` (imported here so that ``decodert --help`` never loads onnxruntime)."""
+    """``LLM.load`` (imported here so that ``decodert --help`` never loads onnxruntime).
+
+    When ``--backend auto`` falls back to ONNX Runtime for an artifact with TensorRT engines, a
+    line on stderr says so (and why), so the backend that ran is never a guess."""
     from decodert.runtime.llm import LLM
 
-    return LLM.load(path, backend=backend, verify=verify)
+    llm = LLM.load(path, backend=backend, verify=verify)
+    if backend == "auto" and llm.manifest.engines and getattr(llm.backend, "name", None) == "ort":
+        print("decodert: running on ONNX Runtime (CPU), not the TensorRT engines: no usable NVIDIA GPU / TensorRT "
+              "here (--backend trt says why)", file=sys.stderr)
+    return llm
 
 
 def print_stream(stream, out: TextIO) -> None:
@@ -79,4 +97,13 @@ def print_stream(stream, out: TextIO) -> None:
 
 def print_stats(args: argparse.Namespace, stream) -> None:
     if args.stats and stream.result is not None:
-        print(stream.result.metrics.summary(), file=sys.stderr)
+        print(stream.result.metrics.summary() + ended_by(stream.result, args.max_new_tokens), file=sys.stderr)
+
+
+def ended_by(result, max_new_tokens: int) -> str:
+    """' | ended by ...' for a text cut short ("length"): the --max-new-tokens limit, or the full cache."""
+    if result.finish_reason != "length":
+        return ""
+    if len(result.token_ids) >= max_new_tokens:
+        return f" | ended by --max-new-tokens {max_new_tokens}"
+    return " | ended by the full cache (--max-seq tokens of prompt + answer); a larger --max-seq holds more"

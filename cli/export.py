@@ -56,10 +56,23 @@ def run_export(args: argparse.Namespace) -> int:
                             keep_q4_1=args.keep_q4_1, scale_search=not args.no_scale_search)
     m = export_model(args.src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version)
-    print(f"exported {m.model.family} ({m.target}, {m.dtype}, max_seq {m.max_seq}) to {args.out}")
-    if m.quant:
-        stored = m.quant.per_weight.values()
-        exact = sum(w.source == "transcoded" for w in stored)
-        print(f"quantized {len(stored)} weights: {exact} transcoded exactly from GGUF blocks, "
-              f"{len(stored) - exact} rounded to nearest")
+    print(summary(m, args.out))
     return 0
+
+
+def summary(m: Any, out: Any) -> str:
+    """What was written (``m``: the Manifest): the weights' precision (not only the activations'
+    dtype) and, for a quantized export, how many weights were transcoded exactly (GGUF only) or rounded."""
+    stored = list(m.quant.per_weight.values()) if m.quant else []
+    bits = sorted({w.bits for w in stored})
+    weights = "+".join(f"int{b}" for b in bits) + f" ({m.dtype} compute)" if bits else m.dtype
+    lines = [f"exported {m.model.family} ({m.target}, weights {weights}, max_seq {m.max_seq}, "
+             f"{(m.weights.bytes or 0) / 1e6:.0f} MB) to {out}"]
+    if stored:
+        exact = sum(w.source == "transcoded" for w in stored)
+        if m.source is not None and m.source.kind == "gguf":
+            lines.append(f"quantized {len(stored)} weights: {exact} transcoded exactly from GGUF blocks, "
+                         f"{len(stored) - exact} rounded to nearest")
+        else:
+            lines.append(f"quantized {len(stored)} weights, rounded to nearest")
+    return "\n".join(lines)

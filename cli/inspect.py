@@ -8,7 +8,7 @@ from typing import Any
 
 def add_parser(sub: Any) -> None:
     i = sub.add_parser("inspect", help="print an artifact's manifest and graph summary")
-    i.add_argument("out")
+    i.add_argument("out", help="artifact folder written by `decodert export` (manifest, graphs, weights)")
     i.set_defaults(func=run_inspect)
 
 

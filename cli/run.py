@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from decodert.cli import common, inputs
+from decodert.export.prepare import QUANT_CHOICES
 from decodert.cli.chat import chat_loop
 from decodert.cli.generate import answer
 
@@ -22,6 +23,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--prompt", help="answer this prompt and exit (default: interactive chat)")
     p.add_argument("--raw", action="store_true", help="send --prompt as is, without the chat template")
     p.add_argument("--system", help="system message")
+    e = p.add_argument_group("export (a checkpoint is exported once into the cache; `decodert cache list`)")
+    e.add_argument("--max-seq", type=int, default=None,
+                   help="tokens per conversation the cache holds (default: min(the model's context, 2048))")
+    e.add_argument("--quant", choices=QUANT_CHOICES, default="auto",
+                   help="auto (default): keep the checkpoint's precision (a Q4_0/Q4_1/Q8_0 GGUF stays exact "
+                        "int4/int8, float weights fp32); none = fp32; int4 / int8 = round to nearest")
     common.add_common(p)
     p.set_defaults(func=run_run)
 
@@ -31,7 +38,7 @@ def run_run(args: argparse.Namespace) -> int:
 
     inputs.argv_text(args.prompt, "--prompt")
     inputs.argv_text(args.system, "--system")
-    llm = common.load(prepare_model(args.model), args.backend, args.verify)
+    llm = common.load(prepare_model(args.model, max_seq=args.max_seq, quant=args.quant), args.backend, args.verify)
     if args.prompt is None:
         return chat_loop(llm, args)
     if args.raw or not llm.chat_template:

@@ -11,13 +11,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``decodert verify OUT [--steps N] [--rows N] [--bench] [--batches 1,4]``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "verify", help="compare TensorRT engines with ONNX Runtime on the same graphs (needs a GPU)")
-    p.add_argument("out", type=Path, help="artifact folder with built engines")
-    p.add_argument("--steps", type=int, default=16, help="decode steps to compare")
-    p.add_argument("--rows", type=int, default=2, help="prompts decoded together")
-    p.add_argument("--min-agreement", type=float, default=0.9, help="fail (exit 1) below this greedy agreement")
+    p.add_argument("out", type=Path, help="artifact folder exported with --target trt, engines built by `decodert build`")
+    p.add_argument("--steps", type=int, default=16, help="decode steps to compare (default 16)")
+    p.add_argument("--rows", type=int, default=2, help="prompts decoded together (default 2)")
+    p.add_argument("--min-agreement", type=float, default=0.9, help="fail (exit 1) below this greedy agreement (default 0.9)")
     p.add_argument("--bench", action="store_true", help="also time decode with and without CUDA graphs")
-    p.add_argument("--batches", default="1,4", help="batch sizes for --bench")
-    p.add_argument("--bench-steps", type=int, default=64)
+    p.add_argument("--batches", default="1,4", help="batch sizes for --bench (default 1,4)")
+    p.add_argument("--bench-steps", type=int, default=64, help="decode steps timed per batch size (default 64)")
     p.set_defaults(func=run_verify)
     return p
 

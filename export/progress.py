@@ -57,7 +57,8 @@ class Stage:
 
     def _line(self, now: float, done: bool = False) -> None:
         state = "done" if done else "…"
-        print(f"decodert: {self.desc}: {self._count()}, {now - self.start:.1f} s {state}", file=self.stream, flush=True)
+        count = f"{self._count()}, " if self.total is not None or self.n else ""
+        print(f"decodert: {self.desc}: {count}{now - self.start:.1f} s {state}", file=self.stream, flush=True)
         self._last_line = now
 
     def close(self, failed: bool = False) -> None:

@@ -206,10 +206,17 @@ def summarize(batch: int, prompt_len: int, runs: Sequence[RunTiming], step_bytes
     )
 
 
-def time_runs(run: Callable[[], RunTiming], warmup: int, repeats: int) -> list[RunTiming]:
+def time_runs(run: Callable[[], RunTiming], warmup: int, repeats: int,
+              tick: Callable[[], None] = lambda: None) -> list[RunTiming]:
+    """``warmup`` untimed runs, then ``repeats`` timed ones; ``tick()`` after each (progress)."""
     for _ in range(warmup):
         run()
-    return [run() for _ in range(repeats)]
+        tick()
+    timed = []
+    for _ in range(repeats):
+        timed.append(run())
+        tick()
+    return timed
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -224,8 +231,11 @@ class BenchConfig:
     backend: str = "auto"
 
 
-def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig()) -> BenchResult:
-    """Load the artifact, check the arguments against it, time every batch size."""
+def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: bool = True) -> BenchResult:
+    """Load the artifact, check the arguments against it, time every batch size.
+
+    ``progress``: runs done on stderr (export/progress.py: a bar on a terminal, else a line every 10 s)."""
+    from decodert.export.progress import Stage
     from decodert.runtime.llm import open_backend, read_manifest
 
     folder = Path(artifact_dir)
@@ -239,12 +249,16 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig()) -> BenchRe
     step_bytes = bytes_per_step(folder, manifest)
     ids = prompt_ids(manifest.model.vocab_size, cfg.prompt_len)
     results = []
-    for batch in cfg.batches:
-        runner = BackendRunner(backend, batch)
-        runs = time_runs(lambda: runner.run(ids, cfg.gen), cfg.warmup, cfg.repeats)
-        results.append(summarize(batch, cfg.prompt_len, runs, step_bytes))
-    rss = peak_rss_mb()  # before the bandwidth tests, whose 0.5 GiB of buffers would count as peak
-    copy, read = memcopy_gbps(), memread_gbps()
+    total = len(cfg.batches) * (cfg.warmup + cfg.repeats) + 1  # + the bandwidth measurement
+    with Stage(f"bench {folder.name} (batch {','.join(map(str, cfg.batches))})", total=total, unit="run",
+               enabled=progress) as bar:
+        for batch in cfg.batches:
+            runner = BackendRunner(backend, batch)
+            runs = time_runs(lambda: runner.run(ids, cfg.gen), cfg.warmup, cfg.repeats, bar.update)
+            results.append(summarize(batch, cfg.prompt_len, runs, step_bytes))
+        rss = peak_rss_mb()  # before the bandwidth tests, whose 0.5 GiB of buffers would count as peak
+        copy, read = memcopy_gbps(), memread_gbps()
+        bar.update()
     close = getattr(backend, "close", None)
     if close is not None:
         close()

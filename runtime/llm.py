@@ -113,14 +113,24 @@ class LLM:
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
-             draft: str | Path | None = None, prefix_cache_mb: float | None = None) -> "LLM":
-        """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``).
+             draft: str | Path | None = None, prefix_cache_mb: float | None = None,
+             max_seq: int | None = None, quant: str = "auto") -> "LLM":
+        """Open a model: what ``decodert run`` accepts (export/prepare.py).
 
+        ``path``: an artifact folder written by ``decodert export`` (and maybe ``decodert build``),
+        or a checkpoint that is exported once into the cache ($DECODERT_CACHE, ~/.cache/decodert)
+        and reused: "smollm2" (the bundled SmolLM2-135M-Instruct), a .gguf file or an HF folder.
+        ``max_seq`` (default min(context, 2048)) and ``quant`` ("auto": the checkpoint's own
+        precision; "none" = fp32, "int4", "int8") choose that export.
         ``verify``: "fast" (sizes + sha256 of each file's first and last MiB), "full" (the whole
         sha256 of every file, as ``--full-verify``) or "none"; a mismatch names the file.
-        ``draft``: a second artifact with the same tokenizer, the drafter of ``speculative="draft"``.
+        ``draft``: a second model with the same tokenizer, the drafter of ``speculative="draft"``.
         ``prefix_cache_mb``: the prefix cache's budget in MiB (None: the default; 0: off).
         """
+        from decodert.export.prepare import is_checkpoint_source, prepare_model
+
+        if is_checkpoint_source(path) or max_seq is not None or quant != "auto":
+            path = prepare_model(path, max_seq=max_seq, quant=quant)
         path = Path(path)
         manifest = read_manifest(path, verify)
         tokenizer_file(manifest, path)  # the tokenizer must be one of the verified files
@@ -434,6 +444,10 @@ def open_backend(path: Path, manifest: Manifest, choice: str = "auto") -> Any:
     if choice == "auto":
         choice = "trt" if manifest.engines and _trt_usable() else "ort"
     if choice == "trt":
+        if not manifest.engines and manifest.target != "trt":
+            raise DecodertError(f"{path} has no TensorRT engines: it is a --target {manifest.target} artifact, which "
+                                f"runs on ONNX Runtime (--backend ort); for TensorRT export with --target trt, then "
+                                f"`decodert build OUT`")
         if not manifest.engines:
             raise DecodertError(f"{path} has no TensorRT engines; run `decodert build {path}` or use --backend ort")
         from decodert.runtime.trt_backend import TrtBackend

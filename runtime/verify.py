@@ -85,6 +85,7 @@ def verify(artifact_dir: str | Path, steps: int = 16, rows: int = 2, cuda_graphs
 
     folder = Path(artifact_dir)
     manifest = load_manifest(folder, verify="fast")
+    check_verifiable(folder, manifest)
     with TrtBackend(folder, manifest, cuda_graphs=cuda_graphs) as be:
         rows = min(rows, be.max_batch)
         prompts = default_prompts(folder, manifest, rows)
@@ -99,6 +100,21 @@ def verify(artifact_dir: str | Path, steps: int = 16, rows: int = 2, cuda_graphs
             got, want = be.decode(cache, slots, tokens, want_logits=True), ref.decode(tokens)
             stats.add(got.next_token, got.logits, *want)
         return {"rows": rows, "steps": steps + 1, **stats.summary(), "backend_stats": dict(be.stats)}
+
+
+def check_verifiable(folder: Path, manifest: Manifest) -> None:
+    """One-line errors that say the next step: the right target, engines built, a GPU visible."""
+    from decodert.errors import DecodertError
+    from decodert.plugins.cuda_mem import gpu_count
+
+    if manifest.target != "trt":
+        raise DecodertError(f"{folder} is a --target {manifest.target} artifact; verify compares TensorRT engines "
+                            f"with ONNX Runtime: export with --target trt, then `decodert build OUT` and verify that")
+    if not manifest.engines:
+        raise DecodertError(f"{folder} has no TensorRT engines yet; run `decodert build {folder}`, then verify")
+    if gpu_count() == 0:
+        raise DecodertError(f"verify runs the TensorRT engines and needs an NVIDIA GPU, and none is visible here; "
+                            f"on this machine `decodert generate {folder} --backend ort --prompt ...` runs the graphs")
 
 
 class _Compare:

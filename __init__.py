@@ -1,6 +1,6 @@
 """decodert: export LLM checkpoints to prefill/decode ONNX graphs and TensorRT engines, run them lean."""
 
-__version__ = "0.1.0"
+from decodert.export.version import __version__  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 

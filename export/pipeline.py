@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import onnx
 
-import decodert
 from decodert.errors import DecodertError
 from decodert.export import destination
 from decodert.export.checkpoint_open import open_checkpoint
@@ -33,6 +32,7 @@ from decodert.export.semantics import tokenizer_vocab
 from decodert.export.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables
 from decodert.plugins.selection import choose_plugins
+from decodert.export.version import __version__
 
 DTYPES = ("fp32", "fp16", "bf16")
 WEIGHTS = "weights.bin"
@@ -188,7 +188,7 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_
               graphs: dict[str, GraphRecord], tokenizer: dict, folder: Path) -> Manifest:
     src = Path(ckpt.source)
     return Manifest(
-        format=FORMAT, format_version=FORMAT_VERSION, decodert_version=decodert.__version__,
+        format=FORMAT, format_version=FORMAT_VERSION, decodert_version=__version__,
         onnx_version=onnx.__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         source=SourceRecord(path=str(src.resolve()), kind="gguf" if src.suffix == ".gguf" else "hf"),
         model=from_json(ModelRecord, spec.to_dict(), "model"), target=target, dtype=dtype,

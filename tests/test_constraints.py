@@ -299,3 +299,16 @@ def test_speculative_decoding_keeps_the_constraint(llm, monkeypatch):
     sampled = llm.generate_many([{"prompt": p, "json_schema": s, "max_new_tokens": 200, "temperature": 1.0, "seed": 5,
                                   "speculative": "ngram"} for p, s in reqs])
     assert all(r.finish_reason == "stop" and _valid(s, r.text) for r, (_, s) in zip(sampled, reqs))
+
+
+def test_session_turns_follow_their_constraints():
+    llm_chat = make_llm(eos=[EOS], max_seq=256, chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+    session = llm_chat.session()
+    schema = dict(SCHEMAS)["flat_required"]
+    first = session.chat("hello", json_schema=schema, max_new_tokens=100)
+    assert first.finish_reason == "stop" and _valid(schema, first.text)
+    second = "".join(session.stream_chat("the quick", regex=r"[0-9]{3}", max_new_tokens=10))
+    assert re.fullmatch(r"[0-9]{3}", second)
+    free = session.chat("lazy dog", max_new_tokens=5)  # a turn without a constraint is free text again
+    assert free.finish_reason == "length"
+    assert [m["content"] for m in session.history if m["role"] == "assistant"] == [first.text, second, free.text]

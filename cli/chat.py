@@ -1,4 +1,11 @@
-"""``decodert chat OUT``: a streaming chat REPL (Ctrl-C stops an answer, /reset forgets, /exit or EOF quits)."""
+"""``decodert chat OUT``: a streaming chat REPL over a session (runtime/session.py).
+
+The conversation's K/V stays in the session's cache row, so a turn prefills only what it adds.
+It never ends on a full context: by default the oldest turns are dropped, with a one-line
+notice (``--overflow error`` refuses the turn instead, and /undo or /reset go on). Answers go
+to stdout; the banner, notices, command replies and the stats line go to stderr. On a terminal
+the input line has readline editing and a history kept in $DECODERT_CACHE/chat_history.
+"""
 
 from __future__ import annotations
 
@@ -8,57 +15,167 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from decodert.cli import common, inputs
+from decodert.errors import DecodertError
+
+HISTORY_FILE = "chat_history"
+HISTORY_LINES = 1000
+COMMANDS = (("/help", "this help"), ("/reset", "forget the conversation (the system message stays)"),
+            ("/undo", "forget the last message and its answer"), ("/exit", "quit (also /quit, Ctrl-D)"))
+EXIT = ("/exit", "/quit", "/bye")
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("chat", help="interactive chat with an exported model",
-                              description="Streaming chat REPL: Ctrl-C stops an answer, /reset forgets, "
-                                          "/exit or EOF quits.")
+                              description="Streaming chat REPL: Ctrl-C stops an answer, /help lists the commands "
+                                          "(/reset forgets, /undo drops the last turn), /exit or Ctrl-D quits.")
     p.add_argument("out", type=Path, help="artifact folder written by `decodert export`")
-    p.add_argument("--system", help="system message")
+    add_chat_flags(p)
     common.add_common(p, json_flag=False)
     p.set_defaults(func=run_chat)
+
+
+def add_chat_flags(p: argparse.ArgumentParser) -> None:
+    """--system and --overflow (chat and run)."""
+    p.add_argument("--system", help="system message")
+    p.add_argument("--overflow", choices=("truncate", "error"), default="truncate",
+                   help="when the conversation fills the context: drop the oldest turns (default) or refuse the turn")
 
 
 def run_chat(args: argparse.Namespace) -> int:
     return chat_loop(common.load(args.out, args.backend, args.verify), args)
 
 
-def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] | None = None, out: TextIO | None = None) -> int:
-    """The REPL: keeps the history; Ctrl-C stops the current answer; /reset forgets; /exit or EOF quits.
-    ``read``: how a line is read (default: stdin, bounded by the model's max_seq; cli/inputs.py)."""
-    out = out or sys.stdout
+def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] | None = None, out: TextIO | None = None,
+              err: TextIO | None = None) -> int:
+    """The REPL (see the module docstring); returns the exit code. ``read``: how a line is read
+    (default: stdin, bounded by the model's max_seq; cli/inputs.py)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    system = inputs.argv_text(getattr(args, "system", None), "--system")
+    session = llm.session(system=system, overflow=getattr(args, "overflow", "truncate"))
+    history = None if read is not None else LineHistory.open()
     read = read or inputs.line_reader(llm.max_seq)
-    system = [{"role": "system", "content": inputs.argv_text(args.system, "--system")}] if getattr(args, "system", None) else []
-    history: list[dict] = []
-    while True:
-        try:
-            line = read(">>> ")
-        except EOFError:
-            out.write("\n")
-            return 0
-        except KeyboardInterrupt:
-            out.write("\n")
-            continue
-        text = line.strip()
-        if text in ("/exit", "/quit"):
-            return 0
-        if text == "/reset":
-            history.clear()
-            continue
-        if text:
-            history.append({"role": "user", "content": line})
-            history.append({"role": "assistant", "content": _chat_turn(llm, system + history, args, out)})
-
-
-def _chat_turn(llm, messages: list[dict], args: argparse.Namespace, out: TextIO) -> str:
-    """Stream one answer; on Ctrl-C keep what was shown so far and return to the prompt."""
-    stream = llm.stream_chat(messages, **common.sampling_kwargs(args))
+    print(f"decodert chat: context {llm.max_seq} tokens. /help for commands, /reset forgets, /exit or Ctrl-D quits, "
+          "Ctrl-C stops an answer.", file=err)
     try:
+        while True:
+            try:
+                line = read(">>> ")
+            except EOFError:
+                out.write("\n")
+                return 0
+            except KeyboardInterrupt:
+                out.write("\n")
+                continue
+            except DecodertError as e:  # a line that is not UTF-8 text: typed again on a terminal
+                if not sys.stdin.isatty():
+                    raise
+                print(f"decodert: error: {e}", file=err)
+                continue
+            text = line.strip()
+            if text.startswith("/") and not text.startswith("//"):
+                if command(session, text, err):
+                    return 0
+            elif text:
+                turn(session, line.lstrip()[1:] if text.startswith("//") else line, args, out, err)
+    finally:
+        if history is not None:
+            history.save()
+
+
+def command(session, text: str, err: TextIO) -> bool:
+    """Run a /command locally (never sent to the model); True to quit."""
+    name = text.split()[0].lower()
+    if name in EXIT:
+        return True
+    if name == "/help":
+        width = max(len(c) for c, _ in COMMANDS)
+        lines = [f"  {c:<{width}}  {what}" for c, what in COMMANDS]
+        lines += ["  Ctrl-C stops an answer; start a message with // to send one that begins with /"]
+        print("\n".join(lines), file=err)
+    elif name == "/reset":
+        session.reset()
+        print("[conversation cleared]", file=err)
+    elif name == "/undo":
+        try:
+            session.undo()
+            print("[removed the last message and its answer]", file=err)
+        except DecodertError:
+            print("[nothing to undo]", file=err)
+    else:
+        print(f"unknown command {name}; /help lists the commands (// sends a message that begins with /)", file=err)
+    return False
+
+
+def turn(session, message: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
+    """Stream one answer. Ctrl-C keeps what was shown; an error is one line and the chat goes on."""
+    before = session.last_turn
+    stream = None
+    try:
+        stream = session.stream_chat(inputs.argv_text(message, "the message"), **common.sampling_kwargs(args))
         common.print_stream(stream, out)
     except KeyboardInterrupt:
-        stream.close()
+        if stream is not None:
+            stream.close()
         out.write(" [interrupted]")
+    except DecodertError as e:
+        if stream is not None:
+            stream.close()
+            out.write("\n")
+        print(f"decodert: error: {e}", file=err)
+        return
     out.write("\n")
+    info = session.last_turn
+    if info is not None and info is not before:
+        for note in notes(info, session, args):
+            print(note, file=err)
     common.print_stats(args, stream)
-    return stream.text
+
+
+def notes(info, session, args: argparse.Namespace) -> list[str]:
+    """One line per thing the user should know about the turn: turns dropped, an answer cut short."""
+    max_seq = session.llm.max_seq
+    out = []
+    if info.dropped_turns:
+        s = "s" if info.dropped_turns > 1 else ""
+        out.append(f"[the conversation filled the context of {max_seq} tokens: dropped the {info.dropped_turns} "
+                   f"oldest turn{s}]")
+    if info.cut_by == "max_new_tokens":
+        limit = getattr(args, "max_new_tokens", None)
+        out.append(f"[answer cut at --max-new-tokens {limit}]" if limit else "[answer cut by --max-new-tokens]")
+    elif info.cut_by == "context":
+        then = ("the oldest turns are dropped on the next message" if session.overflow == "truncate"
+                else "/undo or /reset to go on")
+        out.append(f"[answer cut: the context of {max_seq} tokens is full; {then}]")
+    return out
+
+
+class LineHistory:
+    """readline editing and a persistent input history, on a terminal only."""
+
+    def __init__(self, readline: Any, path: Path) -> None:
+        self.readline, self.path = readline, path
+
+    @classmethod
+    def open(cls) -> "LineHistory | None":
+        if not sys.stdin.isatty():
+            return None
+        try:
+            import readline  # input() edits lines and recalls history once this is imported
+        except ImportError:  # a Python built without it
+            return None
+        from decodert.export.fetch import cache_dir
+
+        path = cache_dir() / HISTORY_FILE
+        try:
+            readline.read_history_file(str(path))
+        except OSError:  # none yet, or unreadable: start empty
+            pass
+        readline.set_history_length(HISTORY_LINES)
+        return cls(readline, path)
+
+    def save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.readline.write_history_file(str(self.path))
+        except OSError:  # a read-only cache loses the history, not the chat
+            pass

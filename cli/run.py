@@ -11,7 +11,7 @@ from typing import Any
 
 from decodert.cli import common, inputs
 from decodert.export.prepare import QUANT_CHOICES
-from decodert.cli.chat import chat_loop
+from decodert.cli.chat import add_chat_flags, chat_loop
 from decodert.cli.generate import answer
 
 
@@ -22,7 +22,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("model", nargs="?", default="smollm2", help="smollm2 | path (default: smollm2)")
     p.add_argument("--prompt", help="answer this prompt and exit (default: interactive chat)")
     p.add_argument("--raw", action="store_true", help="send --prompt as is, without the chat template")
-    p.add_argument("--system", help="system message")
+    add_chat_flags(p)  # --system, --overflow
     e = p.add_argument_group("export (a checkpoint is exported once into the cache; `decodert cache list`)")
     e.add_argument("--max-seq", type=int, default=None,
                    help="tokens per conversation the cache holds (default: min(the model's context, 2048))")

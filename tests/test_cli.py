@@ -54,9 +54,16 @@ def test_cli_chat_loop_keeps_history_and_survives_ctrl_c(capsys):
 
     llm = make_llm(chat_template="{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}",
                    rule=rule)
-    seen = []
-    real = llm.stream_chat
-    llm.stream_chat = lambda messages, **kw: seen.append([dict(m) for m in messages]) or real(messages, **kw)
+    seen = []  # the conversation each turn starts from (the session's history before it)
+    real = llm.session
+
+    def session(**kw):
+        s = real(**kw)
+        turn = s.stream_chat
+        s.stream_chat = lambda message, **k: seen.append(s.history + [{"role": "user", "content": message}]) or turn(message, **k)
+        return s
+
+    llm.session = session
     inputs = iter(["hi", KeyboardInterrupt, "again", "/reset", "new", "/exit", "never"])
 
     def read(prompt):
@@ -74,6 +81,7 @@ def test_cli_chat_loop_keeps_history_and_survives_ctrl_c(capsys):
     assert partial and out.getvalue().startswith(partial + " [interrupted]") and seen[1][3]["content"] == "again"
     assert [m["role"] for m in seen[2]] == ["system", "user"]  # /reset forgot the history
     assert next(inputs) == "never"  # /exit quit
+    assert "[conversation cleared]" in capsys.readouterr().err
 
 
 # run smollm2 from the wheel cache: tests/test_cli_first_run.py::test_llm_load_of_the_named_model_from_the_wheel_cache

@@ -46,16 +46,18 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] | None = None, out: TextIO | None = None,
-              err: TextIO | None = None) -> int:
+              err: TextIO | None = None, banner: bool | None = None) -> int:
     """The REPL (see the module docstring); returns the exit code. ``read``: how a line is read
-    (default: stdin, bounded by the model's max_seq; cli/inputs.py)."""
+    (default: stdin, bounded by the model's max_seq; cli/inputs.py). ``banner``: print the
+    commands first (default: when stdin is a terminal; piped input gets answers only)."""
     out, err = out or sys.stdout, err or sys.stderr
     system = inputs.argv_text(getattr(args, "system", None), "--system")
     session = llm.session(system=system, overflow=getattr(args, "overflow", "truncate"))
     history = None if read is not None else LineHistory.open()
     read = read or inputs.line_reader(llm.max_seq)
-    print(f"decodert chat: context {llm.max_seq} tokens. /help for commands, /reset forgets, /exit or Ctrl-D quits, "
-          "Ctrl-C stops an answer.", file=err)
+    if (sys.stdin.isatty() if banner is None else banner):
+        print(f"decodert chat: context {llm.max_seq} tokens. /help for commands, /reset forgets, /exit or Ctrl-D quits, "
+              "Ctrl-C stops an answer.", file=err)
     try:
         while True:
             try:

@@ -30,7 +30,7 @@ def _run(llm, lines, *flags):
             raise EOFError from None
 
     out, err = io.StringIO(), io.StringIO()
-    code = chat_loop(llm, args, read=read, out=out, err=err)
+    code = chat_loop(llm, args, read=read, out=out, err=err, banner=True)
     return code, out.getvalue(), err.getvalue()
 
 

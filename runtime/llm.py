@@ -108,6 +108,7 @@ class LLM:
         self._free = threading.Condition(self._lock)  # notified when the live run ends
         self.busy_timeout: float | None = None  # seconds to wait for another thread's stream (None: as long as it takes)
         self._guidance: Guidance | None = None  # llguidance tokenizer, made on the first constrained request
+        self._guidance_lock = threading.Lock()  # not self._lock: building it must not hold up a running step
         self.prefix_cache = make_prefix_cache(backend, prefix_cache_mb)  # None: off
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # closed with the LLM
 
@@ -210,7 +211,7 @@ class LLM:
     @property
     def guidance(self) -> Guidance:
         """Structured-output compiler for this model's tokenizer (built once, ~0.2 s)."""
-        with self._lock:
+        with self._guidance_lock:
             if self._guidance is None:
                 self._guidance = Guidance.for_tokenizer(self.tokenizer, self.backend.vocab_size, self.eos_token_ids)
             return self._guidance

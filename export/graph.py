@@ -26,30 +26,18 @@ cost a [S, V] GEMM per prompt); it reads the same weights.bin.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Mapping
+from typing import Literal
 
 import numpy as np
 import onnx
 
-from decodert.export.lower_ort import OrtLowering
-from decodert.export.lower_trt import TrtLowering
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
-from decodert.export.quant import QuantConfig, WeightQuant
 from decodert.export.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, rope_table_of
 
-LOWERINGS: dict[str, type[Lowering]] = {"portable": Lowering, "ort": OrtLowering, "trt": TrtLowering}
 GraphKind = Literal["prefill", "decode", "verify"]
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
-
-
-def make_lowering(target: str, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
-                  quantized: Mapping[str, WeightQuant] | None = None, plugins: tuple[str, ...] = ()) -> Lowering:
-    """``plugins``: decodert ops to emit as plugin nodes (trt target only; see lower_trt.py)."""
-    if plugins:
-        return TrtLowering(spec, dtype, max_seq, quant, quantized, plugins=plugins)
-    return LOWERINGS[target](spec, dtype, max_seq, quant, quantized)
 
 
 def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind) -> dict[str, list[dict]]:

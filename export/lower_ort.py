@@ -22,6 +22,7 @@ import numpy as np
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quant import quantized_embedding
+from decodert.export.weight_layouts import NBITS
 from decodert.export.weights import NUMPY_DTYPES
 from decodert.models.spec import canonical_shape
 
@@ -37,7 +38,7 @@ class GqaContext:
 
 class OrtLowering(Lowering):
     target = "ort"
-    quant_layout = "nbits"
+    quant_layout = NBITS
     opsets = {"": 23, "com.microsoft": 1}
     ir_version = 11
     flat_tokens = False  # MatMulNBits, FusedMatMul, the norms and GQA all take [B, S, hidden]

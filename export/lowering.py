@@ -15,6 +15,7 @@ import numpy as np
 
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quant import QuantConfig, WeightQuant
+from decodert.export.weight_layouts import QDQ, WeightLayout
 from decodert.export.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, canonical_shape
 from decodert.plugins import cached_attention as ca
@@ -34,7 +35,7 @@ class Lowering:
     target = "portable"
     opsets: dict[str, int] = {"": 21}
     ir_version = 10
-    quant_layout = "qdq"  # how quantized weights are stored for this target (export/quant.py)
+    quant_layout: WeightLayout = QDQ  # how quantized weights are stored for this target (export/weight_layouts.py)
     # Activations between ops: [T=B*S, hidden] (Gemm takes 2-D inputs only), or [B, S, hidden]
     # where every op takes 3-D inputs: then no Reshape is needed around attention in any layer.
     flat_tokens = True

@@ -6,7 +6,6 @@ Everything is written into a temporary sibling folder and swapped into place at 
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import math
 import shutil
@@ -19,10 +18,12 @@ import onnx
 from decodert.errors import DecodertError
 from decodert.export import destination
 from decodert.export.checkpoint_open import open_checkpoint
-from decodert.export.graph import LOWERINGS, VERIFY_WIDTH, build_graph, io_contract, make_lowering
-from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables, write_quantized
+from decodert.export.graph import VERIFY_WIDTH, build_graph, io_contract
+from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
 from decodert.export.quant_gguf import transcoded_as
 from decodert.export.sampling_defaults import sampling_record
+from decodert.export.targets import get_target
+from decodert.export.weight_layouts import WeightLayout
 from decodert.export.artifact_files import file_record
 from decodert.export.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, GraphRecord, KVRecord, Manifest, ModelRecord, PluginsRecord,
                                       QuantRecord, SamplingRecord, SourceRecord, TokenizerRecord, WeightsRecord, from_json,
@@ -51,7 +52,9 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     Q8_0 weights that match the config are transcoded exactly instead (the rule: export/quant.py);
     ``manifest.quant.per_weight`` records how each weight is stored.
     """
-    _check_settings(target, dtype, max_seq, max_batch, quant)
+    tgt = get_target(target)
+    _check_settings(dtype, max_seq, max_batch)
+    quant = tgt.quant_config(quant)  # TensorRT: symmetric; --keep-q4-1 only where the layout keeps block minimums
     out_dir = destination.prepare(out_dir)
     progress = True if progress is None else progress  # export/progress.py: a bar on a terminal, else lines
     with Stage(f"reading {Path(src).name}", enabled=progress):
@@ -60,15 +63,13 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
-    plugin_record = choose_plugins(plugins, target, trt_version)
-    if quant is not None and target == "trt" and not quant.symmetric:
-        quant = dataclasses.replace(quant, symmetric=True)
+    plugin_record = choose_plugins(plugins, tgt, trt_version)
 
     tmp = destination.make_temp(out_dir)
     try:
-        layout = LOWERINGS[target].quant_layout
+        layout = tgt.weight_layout
         weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout)
-        lowering = make_lowering(target, spec, dtype, max_seq, quant, quantized,
+        lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized,
                                  plugins=tuple(plugin_record["ops"]) if plugin_record else ())
         with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
             graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar)
@@ -92,18 +93,13 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     return manifest
 
 
-def _check_settings(target: str, dtype: str, max_seq: int | None, max_batch: int, quant: QuantConfig | None) -> None:
-    if target not in LOWERINGS:
-        raise DecodertError(f"unknown target '{target}'; choose one of: {', '.join(LOWERINGS)}")
+def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:
     if dtype not in DTYPES:
         raise DecodertError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
     if max_batch < 1:
         raise DecodertError(f"--max-batch must be >= 1 (got {max_batch})")
     if max_seq is not None and (not isinstance(max_seq, int) or max_seq < 2):
         raise DecodertError(f"--max-seq must be an integer >= 2 (got {max_seq!r})")
-    if quant is not None and quant.keep_q4_1 and target != "ort":
-        raise DecodertError(f"--keep-q4-1 works on the ort target only (its per-block minimum needs MatMulNBits), "
-                            f"not --target {target}; drop --keep-q4-1 or use --target ort")
 
 
 def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max_seq: int, tmp: Path,
@@ -131,7 +127,7 @@ def _weights_stage(spec: ModelSpec, dtype: str, quant: QuantConfig | None, progr
 
 
 def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool,
-                   quant: QuantConfig | None, layout: str) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
+                   quant: QuantConfig | None, layout: WeightLayout) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
     """Stream every canonical tensor (one at a time) plus the RoPE tables into weights.bin.
 
     Returns the initializers and how each weight stored quantized is stored (by name).
@@ -161,7 +157,7 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
         return w.tensors, quantized
 
 
-def _store_quantized(w: WeightsWriter, ckpt, src: str, name: str, quant: QuantConfig, dtype: str, layout: str,
+def _store_quantized(w: WeightsWriter, ckpt, src: str, name: str, quant: QuantConfig, dtype: str, layout: WeightLayout,
                      gather: bool = False, tensor: np.ndarray | None = None) -> WeightQuant:
     """Store canonical weight ``src`` quantized as ``name``: GGUF blocks transcoded where that is
     exact (export/quant_gguf.py), else rounded to nearest from float (``tensor``, if already read)."""
@@ -170,17 +166,17 @@ def _store_quantized(w: WeightsWriter, ckpt, src: str, name: str, quant: QuantCo
         qw = ckpt.blocks(src)
     else:
         qw, wq = quantize(ckpt.tensor(src) if tensor is None else tensor, quant), quant.rtn()
-    write_quantized(w, name, qw, wq, dtype, layout)
+    layout.write(w, name, qw, wq, dtype)
     if gather:  # GatherBlockQuantized reads the same q with its own scale (and zero point) tables
         write_gather_tables(w, name, qw, wq, dtype)
     return wq
 
 
-def _quant_record(quant: QuantConfig | None, layout: str, quantized: dict[str, WeightQuant]) -> QuantRecord | None:
+def _quant_record(quant: QuantConfig | None, layout: WeightLayout, quantized: dict[str, WeightQuant]) -> QuantRecord | None:
     """manifest.quant: the export's settings, the quantized weights' names and how each is stored."""
     if quant is None:
         return None
-    return from_json(QuantRecord, {**quant.to_dict(), "layout": layout, "weights": sorted(quantized),
+    return from_json(QuantRecord, {**quant.to_dict(), "layout": layout.name, "weights": sorted(quantized),
                                    "per_weight": {name: quantized[name].to_dict() for name in sorted(quantized)}}, "quant")
 
 

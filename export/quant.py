@@ -34,6 +34,7 @@ transcoded exactly from its blocks (``transcoded``, export/quant_gguf.py). The r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -206,14 +207,15 @@ def unpack_nibbles(b: np.ndarray) -> np.ndarray:
     return out
 
 
-def quantized_embedding(spec, cfg: QuantConfig | None, layout: str) -> bool:
+def quantized_embedding(spec, cfg: QuantConfig | None, layout: Any) -> bool:
     """Whether a tied embedding is stored only once, quantized, as the output projection.
 
-    On the ``nbits`` layout (ONNX Runtime) the graph gathers embedding rows straight from the
-    quantized head with com.microsoft.GatherBlockQuantized, so the float table is not written:
-    SmolLM2-135M int4 drops from 200 MB to about 90 MB.
+    On a layout that ``gathers_tied_embedding`` (export/weight_layouts.py: ``nbits``, ONNX Runtime)
+    the graph gathers embedding rows straight from the quantized head with
+    com.microsoft.GatherBlockQuantized, so the float table is not written: SmolLM2-135M int4
+    drops from 200 MB to about 90 MB.
     """
-    return bool(spec.tie_word_embeddings and cfg is not None and cfg.lm_head and layout == "nbits")
+    return bool(spec.tie_word_embeddings and cfg is not None and cfg.lm_head and layout.gathers_tied_embedding)
 
 
 def write_gather_tables(writer, name: str, qw: QuantizedWeight, wq: WeightQuant, dtype: str) -> None:
@@ -232,38 +234,3 @@ def write_gather_tables(writer, name: str, qw: QuantizedWeight, wq: WeightQuant,
         zp = unpack_nibbles(qw.zero_points)[:, : qw.blocks] if wq.bits == 4 else qw.zero_points
         writer.add_raw(f"{name}.gather_zero_points", np.ascontiguousarray(zp), TensorProto.UINT8, (qw.n, qw.blocks, 1))
 
-
-def write_quantized(writer, name: str, qw: QuantizedWeight, wq: WeightQuant, dtype: str, layout: str) -> None:
-    """Write ``name.q``, ``name.scales`` (and ``name.zero_points``) in the layout a target reads.
-
-    layout "nbits": com.microsoft.MatMulNBits — B uint8 [N, blocks, block*bits/8], scales [N*blocks],
-                    zero points uint8 [N * ceil(blocks*bits/8)].
-    layout "qdq":   standard block DequantizeLinear (axis 1) of a [N, Kp] tensor — UINT4/UINT8 with
-                    zero points, or INT4/INT8 without (symmetric; what TensorRT accepts).
-    """
-    from onnx import TensorProto
-
-    n, blocks, bs = qw.n, qw.blocks, wq.block_size
-    scales = qw.scales
-    if layout == "nbits":
-        writer.add_raw(f"{name}.q", qw.q, TensorProto.UINT8, (n, blocks, bs * wq.bits // 8))
-        writer.add(f"{name}.scales", scales.reshape(-1), dtype)
-        if not wq.symmetric:
-            writer.add_raw(f"{name}.zero_points", qw.zero_points, TensorProto.UINT8, (qw.zero_points.size,))
-        if wq.block_min:  # [blocks, N]: the graph multiplies the activations' block sums by it
-            assert qw.mins is not None
-            writer.add(f"{name}.mins", np.ascontiguousarray(qw.mins.T), dtype)
-        return
-    assert not wq.block_min, "block minimums are stored for the nbits layout only"
-    kp = blocks * bs
-    writer.add(f"{name}.scales", scales, dtype)
-    if wq.symmetric:  # signed values: q - midpoint, i.e. flip the top bit of every field
-        flip = 0x88 if wq.bits == 4 else 0x80
-        writer.add_raw(f"{name}.q", qw.q ^ np.uint8(flip), TensorProto.INT4 if wq.bits == 4 else TensorProto.INT8, (n, kp))
-        return
-    zp = qw.zero_points
-    if wq.bits == 4:  # ONNX packs int4 continuously across rows, not per row
-        zp = pack_nibbles(np.pad(unpack_nibbles(zp)[:, :blocks].reshape(-1), (0, (n * blocks) % 2)))
-    kind = TensorProto.UINT4 if wq.bits == 4 else TensorProto.UINT8
-    writer.add_raw(f"{name}.q", qw.q, kind, (n, kp))
-    writer.add_raw(f"{name}.zero_points", zp, kind, (n, blocks))

@@ -21,12 +21,13 @@ from __future__ import annotations
 import numpy as np
 
 from decodert.export.quant import QuantConfig, QuantizedWeight, WeightQuant, pack_nibbles
+from decodert.export.weight_layouts import NBITS, WeightLayout
 
 BLOCK = 32
 EXACT_BITS = {"Q4_0": 4, "Q8_0": 8, "Q4_1": 4}  # GGUF block types decodert's layout holds exactly -> their bits
 
 
-def transcoded_as(block_type: str | None, cfg: QuantConfig, layout: str = "nbits",
+def transcoded_as(block_type: str | None, cfg: QuantConfig, layout: WeightLayout = NBITS,
                   gathered: bool = False) -> WeightQuant | None:
     """How a GGUF weight of ``block_type`` is stored, transcoded, under ``cfg``; None: requantize it.
 
@@ -37,14 +38,14 @@ def transcoded_as(block_type: str | None, cfg: QuantConfig, layout: str = "nbits
 
     Q4_1 (w = d*q + m) is transcoded only with ``cfg.keep_q4_1``: zero points 0 plus its float
     minimum per block, which the ort target adds as (block sums of x) @ mins; only on the
-    ``nbits`` layout, not for a table that GatherBlockQuantized reads (it has no minimum), and
+    layout with a ``block_minimum`` (nbits), not for a table that GatherBlockQuantized reads (it has no minimum), and
     not with ``cfg.symmetric``.
     """
     bits = EXACT_BITS.get(block_type or "")
     if bits is None or cfg.block_size != BLOCK:
         return None
     if block_type == "Q4_1":
-        ok = cfg.keep_q4_1 and layout == "nbits" and not gathered and not cfg.symmetric
+        ok = cfg.keep_q4_1 and layout.block_minimum and not gathered and not cfg.symmetric
         return WeightQuant(4, BLOCK, False, "transcoded", block_min=True) if ok else None
     if bits <= cfg.bits or cfg.keep_q8:
         return WeightQuant(bits, BLOCK, True, "transcoded")

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from decodert.errors import DecodertError
 from decodert.export.destination import file_mode, linked_copy, swap_in
+from decodert.export.targets import get_target
 from decodert.export.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
 from decodert.plugins.trt_compat import TrtInfo, load_trt
 
@@ -39,9 +40,10 @@ _DTYPE_NAMES = {"HALF": "fp16", "BF16": "bf16", "FLOAT": "fp32", "INT64": "int64
 def read_manifest(out_dir: Path, verify: str = "fast") -> Manifest:
     """Load and validate OUT/manifest.json and verify its files ("fast": sizes + edge hashes, "full": sha256)."""
     manifest = load_manifest(out_dir, verify=verify)
-    if manifest.target == "ort":
-        raise DecodertError(f"{Path(out_dir) / MANIFEST}: the graphs were exported for --target ort (ONNX Runtime "
-                            "contrib ops); re-export with --target trt to build TensorRT engines")
+    target = get_target(manifest.target)
+    if not target.runs_on("trt"):
+        raise DecodertError(f"{Path(out_dir) / MANIFEST}: the graphs were exported for --target {target.name} "
+                            f"({target.about}); re-export with --target trt to build TensorRT engines")
     return manifest
 
 

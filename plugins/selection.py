@@ -37,13 +37,15 @@ def _named(trt_version: str) -> tuple[str, bool]:
     return f"tensorrt {trt_version} (--trt-version)", version >= NATIVE_SINCE
 
 
-def choose_plugins(mode: str, target: str, trt_version: str | None = None) -> dict[str, Any] | None:
-    """The manifest record for ``--plugins mode`` (None for targets other than trt)."""
+def choose_plugins(mode: str, target: Any, trt_version: str | None = None) -> dict[str, Any] | None:
+    """The manifest record for ``--plugins mode`` (None for a target without plugin nodes).
+
+    ``target``: an export/targets.py Target (its ``name`` and ``plugin_nodes``; this floor sits below export)."""
     if mode not in MODES:
         raise DecodertError(f"unknown --plugins '{mode}'; choose one of: {', '.join(MODES)}")
-    if target != "trt":
+    if not target.plugin_nodes:
         if mode == "always" or trt_version:
-            raise DecodertError(f"--plugins always / --trt-version apply to --target trt (got --target {target})")
+            raise DecodertError(f"--plugins always / --trt-version apply to --target trt (got --target {target.name})")
         return None
     found = _named(trt_version) if trt_version else _installed()
     tensorrt = found[0] if found else None

@@ -24,6 +24,7 @@ import onnxruntime as ort
 
 from decodert.errors import DecodertError, first_line
 from decodert.export.manifest import Manifest
+from decodert.export.targets import get_target
 from decodert.export.onnx_check import check_external_data, check_session_io
 from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
@@ -108,7 +109,7 @@ class OrtBackend:
             check_session_io(self.sessions[kind], manifest.graphs[kind], path)
         self.sessions.setdefault("decode", self.sessions["prefill"])
         # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
-        self._prefill_with_past_batch = 1 if manifest.target == "ort" else self.max_batch
+        self._prefill_with_past_batch = get_target(manifest.target).multi_token_rows or self.max_batch
         self._decode_bindings: dict[tuple[int, int, int], _Binding] = {}
         self._options, self._providers = options, providers
         self._verify: _VerifyState | None = None  # opened on the first verify call (speculative decoding)

@@ -21,6 +21,7 @@ from decodert.export.manifest import WeightQuantRecord, load_manifest
 from decodert.export.pipeline import export_model
 from decodert.export.quant import QuantConfig, WeightQuant, dequantize, quantize
 from decodert.export.quant_gguf import transcode, transcoded_as
+from decodert.export.weight_layouts import LAYOUTS
 from parity import hf_reference, logits_parity
 from tiny import make_tiny_gguf
 
@@ -126,7 +127,7 @@ def test_q4_1_transcode_is_bit_exact_with_its_block_minimum():
     ("nbits", False, True, True, False)])
 def test_when_q4_1_is_kept_exact(layout, gathered, symmetric, keep, want):
     cfg = QuantConfig(bits=4, block_size=32, symmetric=symmetric, keep_q4_1=keep)
-    wq = transcoded_as("Q4_1", cfg, layout, gathered=gathered)
+    wq = transcoded_as("Q4_1", cfg, LAYOUTS[layout], gathered=gathered)
     assert (wq is not None) == want and (wq is None or (wq.block_min and not wq.symmetric))
 
 

@@ -30,6 +30,7 @@ from decodert.export.expand_artifact import expand_artifact
 from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.catalog import get_op, load_all
 from decodert.plugins.registry import DOMAIN
+from decodert.export.targets import ORT, TRT
 from decodert.plugins.selection import choose_plugins
 from decodert.plugins.weight_gemm import dequantize_ref, quantize_blockwise
 
@@ -188,18 +189,18 @@ def test_registry_lists_every_op():
 
 # ---------------------------------------------------------------- --plugins choice
 def test_plugin_choice_per_tensorrt_version():
-    assert choose_plugins("auto", "trt", "10.3")["ops"] == ["CachedAttention", "RMSNorm"]  # JetPack 6
-    assert choose_plugins("auto", "trt", "10.13.3")["ops"] == ["CachedAttention", "RMSNorm"]  # JetPack 7.1
-    assert choose_plugins("auto", "trt", "10.15")["ops"] == []
-    assert choose_plugins("never", "trt", "10.3")["ops"] == []
-    assert choose_plugins("always", "trt", "11.0")["ops"] == ["CachedAttention", "RMSNorm"]
-    assert choose_plugins("auto", "ort") is None
+    assert choose_plugins("auto", TRT, "10.3")["ops"] == ["CachedAttention", "RMSNorm"]  # JetPack 6
+    assert choose_plugins("auto", TRT, "10.13.3")["ops"] == ["CachedAttention", "RMSNorm"]  # JetPack 7.1
+    assert choose_plugins("auto", TRT, "10.15")["ops"] == []
+    assert choose_plugins("never", TRT, "10.3")["ops"] == []
+    assert choose_plugins("always", TRT, "11.0")["ops"] == ["CachedAttention", "RMSNorm"]
+    assert choose_plugins("auto", ORT) is None
     with pytest.raises(DecodertError, match="--target trt"):
-        choose_plugins("always", "ort")
+        choose_plugins("always", ORT)
     with pytest.raises(DecodertError, match="not a TensorRT version"):
-        choose_plugins("auto", "trt", "jetson")
+        choose_plugins("auto", TRT, "jetson")
     with pytest.raises(DecodertError, match="unknown --plugins"):
-        choose_plugins("sometimes", "trt")
+        choose_plugins("sometimes", TRT)
 
 
 def _graph(path: Path) -> onnx.GraphProto:

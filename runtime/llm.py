@@ -445,7 +445,9 @@ def open_backend(path: Path, manifest: Manifest, choice: str = "auto") -> Any:
     if choice == "auto":
         choice = "trt" if manifest.engines and _trt_usable() else "ort"
     if choice == "trt":
-        if not manifest.engines and manifest.target != "trt":
+        from decodert.export.targets import get_target  # the lowerings import onnx: only when asked for trt
+
+        if not manifest.engines and not get_target(manifest.target).runs_on("trt"):
             raise DecodertError(f"{path} has no TensorRT engines: it is a --target {manifest.target} artifact, which "
                                 f"runs on ONNX Runtime (--backend ort); for TensorRT export with --target trt, then "
                                 f"`decodert build OUT`")

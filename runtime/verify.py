@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from decodert.export.manifest import Manifest, load_manifest
+from decodert.export.targets import get_target
 
 GRAPHS = ("prefill", "decode")
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -107,7 +108,7 @@ def check_verifiable(folder: Path, manifest: Manifest) -> None:
     from decodert.errors import DecodertError
     from decodert.plugins.cuda_mem import gpu_count
 
-    if manifest.target != "trt":
+    if not get_target(manifest.target).runs_on("trt"):  # no TensorRT engines can be built from it
         raise DecodertError(f"{folder} is a --target {manifest.target} artifact; verify compares TensorRT engines "
                             f"with ONNX Runtime: export with --target trt, then `decodert build OUT` and verify that")
     if not manifest.engines:

@@ -168,7 +168,10 @@ def _chat_template(folder: Path, tok_config: dict) -> str | None:
                             "that is not a string or a list of {name, template} strings")
     jinja = folder / "chat_template.jinja"
     if template is None and jinja.is_file():
-        template = jinja.read_text(encoding="utf-8")
+        try:
+            template = jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DecodertError(f"{jinja}: cannot be read as UTF-8 text ({type(e).__name__})") from None
     return template
 
 

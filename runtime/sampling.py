@@ -129,12 +129,18 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 def greedy(logits: np.ndarray) -> np.ndarray:
     """argmax per row of logits [n, V] -> [n] int64, NaN never chosen."""
-    return np.argmax(_sane(np.asarray(logits, dtype=np.float64)), axis=-1).astype(np.int64)
+    logits = np.asarray(logits)
+    idx = np.argmax(logits, axis=-1)  # [n]; np.argmax picks the first NaN, and +inf wins
+    if np.isfinite(np.take_along_axis(logits, idx[:, None], axis=-1)).all():
+        return idx.astype(np.int64)  # a finite maximum: no NaN and no inf in the row
+    return np.argmax(_sane(logits.astype(np.float64)), axis=-1).astype(np.int64)
 
 
 def _sane(scores: np.ndarray) -> np.ndarray:
     """Scores [n, V] float64 with NaN -> -inf, and rows holding +inf -> 0 at the +inf tokens, -inf
     elsewhere (the limit of the distribution); DecodertError for a row with nothing to choose."""
+    if np.isfinite(scores).all():
+        return scores
     scores = np.where(np.isnan(scores), -np.inf, scores)
     top = scores.max(axis=-1)  # [n]
     if np.isneginf(top).any():
@@ -212,7 +218,7 @@ def _repetition(penalty: float) -> LogitsProcessor:
         seen = np.unique(history)  # [U]
         if seen.size == 0:
             return logits
-        out = np.array(logits, dtype=np.float64, copy=True)  # float64: s / 1e-300 must not be float32 inf
+        out = np.array(logits, dtype=_dtype(logits, not 1e-6 <= penalty <= 1e6), copy=True)
         s = out[..., seen]
         with np.errstate(over="ignore"):  # s / 1e-300 -> +inf: the token then wins (_sane)
             out[..., seen] = np.where(s < 0, s * penalty, s / penalty)
@@ -221,14 +227,20 @@ def _repetition(penalty: float) -> LogitsProcessor:
     return process
 
 
+def _dtype(logits: np.ndarray, extreme: bool) -> type:
+    """float32 as the logits come, float64 for penalties far from 1 / 0 (s / 1e-300, -1e38 x 4 would
+    be float32 infinities) or logits already in float64."""
+    return np.float64 if extreme or np.asarray(logits).dtype == np.float64 else np.float32
+
+
 def _additive(presence: float, frequency: float) -> LogitsProcessor:
     def process(history: np.ndarray, logits: np.ndarray) -> np.ndarray:
         seen, counts = np.unique(history, return_counts=True)  # [U], [U]
         if seen.size == 0:
             return logits
-        out = np.array(logits, dtype=np.float64, copy=True)  # float64: -1e38 * 4 is no float32 inf
+        out = np.array(logits, dtype=_dtype(logits, max(abs(presence), abs(frequency)) > 1e6), copy=True)
         with np.errstate(over="ignore", invalid="ignore"):  # +-inf at 1e308 penalties: handled by _sane
-            out[..., seen] -= presence + frequency * counts.astype(np.float64)
+            out[..., seen] -= (presence + frequency * counts.astype(np.float64)).astype(out.dtype)
         return out
 
     return process

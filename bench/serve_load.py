@@ -14,7 +14,9 @@
 3. Stops the server, then runs the same requests offline in a fresh worker process: ``generate_many``
    (all slots) for throughput and one ``generate`` for each of 2 requests for TTFT, to compare with.
    ``--repeats`` rounds alternate the order (online first, offline first); medians are reported.
-Greedy answers are the same tokens online and offline (checked), so the token counts match.
+Greedy answers are the same tokens online and offline (checked), so the token counts match. The
+prefix cache is off on both sides (``--prefix-cache-mb 0``): every run sends the same prompts, and
+a warm cache on one side only would not compare batching with batching.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def export(gguf: Path, work: Path, variant: str) -> Path:
 
 def start_server(art: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "decodert", "serve", str(art), "--port", "0", "--model-name", "m"],
+    proc = subprocess.Popen([sys.executable, "-m", "decodert", "serve", str(art), "--port", "0", "--model-name", "m",
+                             "--prefix-cache-mb", "0"],
                             stderr=subprocess.PIPE, text=True, env=env)
     for line in proc.stderr:
         found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
@@ -123,7 +126,7 @@ def offline(art: Path, texts: list[str], gen: int) -> dict:
 def offline_worker(job: dict) -> dict:
     from decodert.runtime.llm import LLM
 
-    llm, texts, gen = LLM.load(job["art"]), job["texts"], job["gen"]
+    llm, texts, gen = LLM.load(job["art"], prefix_cache_mb=0), job["texts"], job["gen"]
     llm.generate(texts[0], max_new_tokens=4, temperature=0.0)  # warm-up
     t0 = time.perf_counter()
     many = llm.generate_many([{"prompt": p, "max_new_tokens": gen, "temperature": 0.0} for p in texts])

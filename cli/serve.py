@@ -34,6 +34,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--backend", choices=("auto", "ort", "trt"), default="auto", help="execution backend")
     p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
                    help="check the whole sha256 of every artifact file at load")
+    p.add_argument("--prefix-cache-mb", type=float, default=None,
+                   help="prefix cache budget in MiB: prompts that start like an earlier one reuse its K/V "
+                        "(default: room for two full contexts; 0 = off)")
     p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
                    help="speculative decoding for every request that does not set its own 'speculative' "
                         "(ngram: prompt lookup; draft: a draft model, --draft)")
@@ -69,10 +72,13 @@ def options(args: argparse.Namespace):
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and not key.strip():
         raise DecodertError("--api-key is empty")
+    if args.prefix_cache_mb is not None and not args.prefix_cache_mb >= 0:
+        raise DecodertError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
     if args.speculative == "draft" and args.draft is None:
         raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
     return ServeOptions(args.artifact, args.host, args.port, args.model_name, key, args.max_queue, args.max_body_bytes,
-                        args.drain_timeout, args.backend, args.verify, args.log_level, args.speculative, args.draft)
+                        args.drain_timeout, args.backend, args.verify, args.log_level, args.speculative, args.draft,
+                        args.prefix_cache_mb)
 
 
 def run_serve(args: argparse.Namespace) -> int:

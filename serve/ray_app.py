@@ -96,7 +96,8 @@ def build(args: Mapping[str, str]):
     if "artifact" not in args:
         raise DecodertError("serve run decodert.serve.ray_app:build needs artifact=PATH")
     opts = ServeOptions(Path(args["artifact"]), model_name=args.get("model_name"), api_key=args.get("api_key"),
-                        max_queue=int(args.get("max_queue", 64)), backend=args.get("backend", "auto"))
+                        max_queue=int(args.get("max_queue", 64)), backend=args.get("backend", "auto"),
+                        prefix_cache_mb=float(args["prefix_cache_mb"]) if "prefix_cache_mb" in args else None)
     opts = replace(opts, model_name=model_name(opts))
     num = {k: int(args[k]) for k in ("replicas", "min_replicas", "max_replicas") if k in args}
     return application(opts, RayOptions(**num))

@@ -31,6 +31,7 @@ class ServeOptions:
     log_level: str = "warning"
     speculative: str | None = None  # default speculative decoding: "ngram" | "draft" (requests may override)
     draft: Path | None = None  # the draft model's artifact (speculative "draft")
+    prefix_cache_mb: float | None = None  # prefix cache budget in MiB (None: LLM.load's default; 0: off)
 
 
 def model_name(options: ServeOptions) -> str:
@@ -43,7 +44,8 @@ def make_app(options: ServeOptions):
     from decodert.runtime.llm import LLM
     from decodert.serve.app import ServeConfig, build_app
 
-    llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify, draft=options.draft)
+    llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify, draft=options.draft,
+                   prefix_cache_mb=options.prefix_cache_mb)
     engine = Engine(llm, max_queue=options.max_queue)
     try:
         engine.speculation(options.speculative)  # a default the model cannot do fails now, not per request

@@ -338,3 +338,20 @@ def test_speculative_requests_match_plain_greedy(llm):
             r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "a", **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", r.text
             assert word in r.json()["error"]["message"]
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(llm):
+    """A prompt that starts like an earlier one reuses its K/V blocks (runtime/prefix_cache.py): same text, cached tokens."""
+    cached_llm = LLM(llm.backend, llm.tokenizer, llm.manifest, prefix_cache_mb=8)
+    shared = "the quick brown fox jumps over the lazy dog, hello world, a tiny model for fuzzing decodert. " * 2
+    want = [llm.generate(shared + tail, max_new_tokens=8, temperature=0.0).text for tail in ("12", "345")]
+    with running(cached_llm) as (url, _):
+        c = client(url)
+        first = c.completions.create(model="tiny", prompt=shared + "12", max_tokens=8, temperature=0)
+        second = c.completions.create(model="tiny", prompt=shared + "345", max_tokens=8, temperature=0)
+        m = scrape(url)
+    assert [first.choices[0].text, second.choices[0].text] == want
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    hit = second.usage.prompt_tokens_details.cached_tokens
+    assert hit >= 64 and hit < second.usage.prompt_tokens  # whole 32-token blocks of the shared start
+    assert m["decodert_prefix_cache_hit_tokens_total"] == hit and m["decodert_prefix_cache_hits_total"] == 1

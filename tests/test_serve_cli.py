@@ -74,7 +74,8 @@ def test_flag_errors_are_one_line(art, tmp_path, capsys):
              ((art, "--port", str(taken.getsockname()[1])), "cannot listen on 127.0.0.1"),
              ((art, "--ray", "--replicas", "0"), "--replicas must be >= 1"),
              ((art, "--ray", "--min-replicas", "1"), "needs both --min-replicas and --max-replicas"),
-             ((art, "--speculative", "draft"), "--speculative draft needs --draft")]
+             ((art, "--speculative", "draft"), "--speculative draft needs --draft"),
+             ((art, "--prefix-cache-mb", "-1"), "--prefix-cache-mb must be >= 0")]
     for args, message in cases:
         assert main(["serve", *map(str, args)]) == 2
         err = capsys.readouterr().err

@@ -19,6 +19,7 @@ from decodert.runtime.generate import GenerationResult  # noqa: E402
 
 LLM_ = make_llm(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
 V = LLM_.backend.vocab_size
+ROOM = LLM_.max_seq  # a prompt leaves room for one new token: at most max_seq - 1 ids
 EXAMPLES = int(os.environ.get("DECODERT_API_FUZZ", "300"))  # default run ~4 s; set it for long random runs
 
 OUTCOMES: collections.Counter = collections.Counter()  # "error" / "correct" per entry point (long runs print it)
@@ -50,13 +51,13 @@ def _valid_text(t):
         t.encode("utf-8")
     except UnicodeEncodeError:
         return False
-    return bool(LLM_.tokenizer.encode(t, add_special_tokens=False).ids)
+    return 0 < len(LLM_.tokenizer.encode(t, add_special_tokens=False).ids) < ROOM
 
 
 def _valid_ids(p):
     if isinstance(p, np.ndarray):
-        return p.ndim == 1 and p.size > 0 and np.issubdtype(p.dtype, np.integer) and 0 <= p.min() and p.max() < V
-    return isinstance(p, (list, tuple)) and len(p) > 0 and all(_is_int(t) and 0 <= t < V for t in p)
+        return p.ndim == 1 and 0 < p.size < ROOM and np.issubdtype(p.dtype, np.integer) and 0 <= p.min() and p.max() < V
+    return isinstance(p, (list, tuple)) and 0 < len(p) < ROOM and all(_is_int(t) and 0 <= t < V for t in p)
 
 
 def _valid_prompt(p):

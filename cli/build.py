@@ -19,6 +19,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-seq", type=int, default=None, help="longest prefill (default: manifest max_seq)")
     p.add_argument("--version-compatible", action="store_true", help="engines a newer TensorRT of the same major can run")
     p.add_argument("--timing-cache", type=Path, default=None, help="load/save the builder timing cache here")
+    p.add_argument("--self-contained", action="store_true",
+                   help="embed the weights in every engine (each engine then holds a copy of weights.bin); by "
+                        "default engines are weight-stripped where TensorRT can (a GPU present) and refitted from "
+                        "the ONNX graphs' weights.bin at load")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
                    help="check the whole sha256 of every artifact file first (default: size + first/last MiB)")
@@ -29,11 +33,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_build(args: argparse.Namespace) -> int:
     from decodert.export.trt_build import build_engines
 
+    from decodert.export.trt_build import load_trt, strip_problem
+
     engines = build_engines(args.out, precision=args.precision, max_batch=args.max_batch, max_seq=args.max_seq,
                             version_compatible=args.version_compatible, timing_cache=args.timing_cache,
-                            progress=args.progress, verify=args.verify)
+                            progress=args.progress, verify=args.verify, self_contained=args.self_contained)
     for name, rec in engines.items():
         print(f"{rec.file}: {rec.size / 2**20:.1f} MiB in {rec.build_seconds:.1f} s "
               f"({rec.tensorrt['flavour']} {rec.tensorrt['version']}, {rec.precision}, "
-              f"target {rec.target['compute_capability']})")
+              f"target {rec.target['compute_capability']}, "
+              f"{'weights stripped' if rec.weights_stripped else 'weights embedded'})")
+    weights = (args.out / "weights.bin").stat().st_size
+    total = sum(rec.size for rec in engines.values())
+    print(f"engines {total / 2**20:.1f} MiB + weights.bin {weights / 2**20:.1f} MiB = {(total + weights) / 2**20:.1f} MiB")
+    if not args.self_contained and not any(rec.weights_stripped for rec in engines.values()):
+        why = strip_problem(load_trt(need_builder=True)[0])
+        print(f"weights embedded in each engine: {why}" if why else "weights embedded in each engine")
     return 0

@@ -161,6 +161,7 @@ class EngineRecord(Record):
     layers: Mapping[str, int] = dataclasses.field(default_factory=dict)  # TensorRT layer type -> count
     io: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # {"inputs": [...], "outputs": [...]} as built
     build_seconds: float | None = None
+    weights_stripped: bool = False  # STRIP_PLAN: the backend refits the weights from the ONNX graph at load
 
 
 @dataclasses.dataclass(frozen=True)

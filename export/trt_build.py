@@ -197,6 +197,9 @@ def make_config(trt: ModuleType, info: TrtInfo, builder: Any, network: Any,
         config.set_timing_cache(settings["timing_cache_obj"], False)
     if settings.get("monitor") is not None:
         config.progress_monitor = settings["monitor"]
+    if settings.get("strip"):  # weights stay in weights.bin; the backend refits them from the ONNX at load
+        config.set_flag(trt.BuilderFlag.STRIP_PLAN)
+        config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)  # the refit brings the build's own weights back
     if settings.get("plugins"):  # decodert plugins write the KV cache in place (aliased plugin I/O)
         from decodert.plugins.trt_plugins import enable_plugin_features
 
@@ -290,7 +293,8 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
     plan = builder.build_serialized_network(network, config)
     seconds = time.perf_counter() - t0
     if plan is None:
-        raise DecodertError(f"TensorRT failed to build {graph.file} (set DECODERT_TRT_VERBOSE=1 for the log)")
+        retry = "; or build self-contained engines with --self-contained" if settings.get("strip") else ""
+        raise DecodertError(f"TensorRT failed to build {graph.file} (set DECODERT_TRT_VERBOSE=1 for the log){retry}")
     blob = bytes(plan)
     path = out_dir / f"{name}.engine"
     write_atomic(staged(path), blob)  # renamed into place by build_engines once every engine is built
@@ -308,6 +312,7 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
         "layers": dict(sorted(network_layer_types(network).items())),
         "io": io or network_io(network, graph), "io_source": "engine" if io is not None else "network",
         "build_seconds": round(seconds, 3), "built": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "weights_stripped": bool(settings.get("strip")),
     }, f"engines.{name}")
 
 
@@ -325,11 +330,29 @@ def _open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tup
     return cache, str(path)
 
 
+def strip_problem(trt: ModuleType) -> str | None:
+    """None when this TensorRT can build weight-stripped engines here, else why not (one clause)."""
+    from decodert.plugins.cuda_mem import gpu_count
+
+    missing = [n for n in ("STRIP_PLAN", "REFIT_IDENTICAL") if not hasattr(trt.BuilderFlag, n)]
+    if missing or not hasattr(trt, "OnnxParserRefitter"):
+        return f"this TensorRT has no {', '.join(missing) or 'OnnxParserRefitter'}"
+    if gpu_count() == 0:  # measured with TensorRT-RTX 1.7: REFIT / STRIP_PLAN builds fail in Myelin's JIT without CUDA
+        return "TensorRT builds refittable (weight-stripped) engines only with a GPU present"
+    return None
+
+
 def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: int | None = None,
                   max_seq: int | None = None, version_compatible: bool = False,
-                  timing_cache: str | Path | None = None, progress: bool = True, verify: str = "fast") -> dict[str, EngineRecord]:
+                  timing_cache: str | Path | None = None, progress: bool = True, verify: str = "fast",
+                  self_contained: bool = False) -> dict[str, EngineRecord]:
     """Build OUT/prefill.engine and OUT/decode.engine (and OUT/verify.engine when the artifact has a
     verify graph); update and return manifest.engines.
+
+    Engines are weight-stripped where ``strip_problem`` allows (STRIP_PLAN + REFIT_IDENTICAL: the
+    weights stay only in weights.bin and the backend refits each engine from its ONNX graph at
+    load); ``self_contained`` (``--self-contained``) embeds them in every engine instead.
+    ``EngineRecord.weights_stripped`` says which.
     The engines and the new manifest are written into a hard-linked copy of the folder that is swapped
     in whole (export/destination.py), so a build interrupted or killed at any point changes nothing;
     where hard links cannot be made, engines are renamed into place once all are built."""
@@ -346,7 +369,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     settings = {"precision": resolve_precision(manifest, precision), "max_batch": batch, "max_seq": seq,
                 "version_compatible": version_compatible, "timing_cache_obj": cache, "timing_cache_note": note,
                 "progress": progress, "logger": make_logger(trt),
-                "plugins": bool(manifest.plugin_ops)}
+                "plugins": bool(manifest.plugin_ops), "strip": not self_contained and strip_problem(trt) is None}
     staging = linked_copy(out)  # hard links to the artifact, swapped in whole at the end (None: in place)
     work = staging or out
     try:

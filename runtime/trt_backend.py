@@ -28,6 +28,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from decodert.errors import DecodertError
+from decodert.runtime.trt_refit import refit_from_onnx
 from decodert.export.manifest import GraphRecord, Manifest
 from decodert.export.trt_build import check_io, engine_io, make_logger, write_atomic
 from decodert.plugins.trt_compat import load_trt, read_engine
@@ -91,6 +92,8 @@ class _Engine:
         if self.engine is None:
             raise DecodertError(f"{path}: TensorRT could not deserialize the engine (set DECODERT_TRT_VERBOSE=1)")
         graph = backend.manifest.graphs[name]
+        if (backend.manifest.engines or {})[name].weights_stripped:  # weights only in weights.bin: refit them
+            refit_from_onnx(trt, self.engine, backend.dir / graph.file, backend.logger, path)
         check_io(engine_io(trt, self.engine, graph), graph, str(path))
         self.kv_pairs = kv_pairs(graph)
         for past, present in self.kv_pairs if info.has_aliased_io else []:
@@ -155,7 +158,8 @@ class TrtBackend:
         self.stats = {"graph_launches": 0, "plain_runs": 0, "captures": 0, "capture_failures": 0}
         self._open_device(device)
         self.stream = cm.Stream()
-        self.runtime = self.trt.Runtime(make_logger(self.trt))
+        self.logger = make_logger(self.trt)
+        self.runtime = self.trt.Runtime(self.logger)
         self.runtime_cache: Any = None
         self.engines = {n: _Engine(self, n, blobs[n]) for n in GRAPHS}
         self._load_runtime_cache()

@@ -14,6 +14,11 @@
 3. Stops the server, then runs the same requests offline in a fresh worker process: ``generate_many``
    (all slots) for throughput and one ``generate`` for each of 2 requests for TTFT, to compare with.
    ``--repeats`` rounds alternate the order (online first, offline first); medians are reported.
+4. With ``--llama-python PY`` (an interpreter with ``llama-cpp-python[server]``), each round also
+   runs ``PY -m llama_cpp.server`` on the same GGUF (its own Q4_1 weights for both variants: it has
+   no fp32 export of its own here) with the same requests, concurrency and client, at the same
+   place in the alternating order; ``--interrupt_requests False`` so a new request queues behind
+   the one in flight instead of cutting it off (its default).
 Greedy answers are the same tokens online and offline (checked), so the token counts match. The
 prefix cache is off on both sides (``--prefix-cache-mb 0``): every run sends the same prompts, and
 a warm cache on one side only would not compare batching with batching.
@@ -27,6 +32,7 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -66,12 +72,38 @@ def start_server(art: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"decodert serve did not start (exit {proc.wait()})")
 
 
+def start_llama(python: str, gguf: Path) -> tuple[subprocess.Popen, str]:
+    """``python -m llama_cpp.server`` on a free loopback port, with every core, answering when up."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = len(os.sched_getaffinity(0))
+    proc = subprocess.Popen([python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "m",
+                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "512", "--n_threads", str(threads),
+                             "--n_threads_batch", str(threads), "--interrupt_requests", "False", "--verbose", "False"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"llama_cpp.server did not start (exit {proc.returncode})")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("llama_cpp.server did not answer within 120 s")
+
+
 async def one(client, url: str, prompt: str, gen: int) -> dict:
     body = {"model": "m", "prompt": prompt, "max_tokens": gen, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
-    text, tokens = [], 0
+    text, tokens, chunks = [], 0, 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -81,9 +113,11 @@ async def one(client, url: str, prompt: str, gen: int) -> dict:
                 tokens = chunk["usage"]["completion_tokens"]
             for c in chunk["choices"]:
                 if c["text"]:
+                    chunks += 1
                     last = time.perf_counter()
                     first = first or last
                     text.append(c["text"])
+    tokens = tokens or chunks  # llama_cpp.server sends no usage chunk: one text chunk per token there
     tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
     return {"ttft_s": first - t0, "tpot_s": tpot, "tokens": tokens, "text": "".join(text)}
 
@@ -138,26 +172,40 @@ def offline_worker(job: dict) -> dict:
             "tpot_c1_ms": statistics.mean(r.metrics.tpot_ms for r in singles)}
 
 
+def serve_all(proc: subprocess.Popen, url: str, texts: list[str], args: argparse.Namespace) -> dict:
+    try:
+        return {c: asyncio.run(load(url, texts, args.gen, c)) for c in args.concurrency}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def run_variant(art: Path, args: argparse.Namespace, texts: list[str]) -> dict:
-    """``--repeats`` rounds; each round runs the server at every concurrency and the offline
-    reference, in an order that alternates between rounds (the machine's load drifts)."""
+    """``--repeats`` rounds; each round runs the server at every concurrency, the offline
+    reference and (with ``--llama-python``) llama_cpp.server, in an order that rotates between
+    rounds (the machine's load drifts)."""
     rounds = []
+    parts = ["online", "offline"] + (["llama"] if args.llama_python else [])
     for r in range(args.repeats):
-        online, ref = {}, None
-        for part in (("online", "offline") if r % 2 == 0 else ("offline", "online")):
+        got: dict = {}
+        for part in parts[r % len(parts):] + parts[:r % len(parts)]:
             if part == "offline":
-                ref = offline(art, texts, args.gen)
-                continue
-            proc, url = start_server(art)
-            try:
-                online = {c: asyncio.run(load(url, texts, args.gen, c)) for c in args.concurrency}
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(60)
-        for s in online.values():
+                got["offline"] = offline(art, texts, args.gen)
+            elif part == "online":
+                got["online"] = serve_all(*start_server(art), texts, args)
+            else:
+                got["llama"] = serve_all(*start_llama(args.llama_python, args.gguf), texts, args)
+        ref = got["offline"]
+        for s in got["online"].values():
+            s["matches_offline"] = s.pop("texts") == ref["texts"]
+        for s in got.get("llama", {}).values():
             s["matches_offline"] = s.pop("texts") == ref["texts"]
         ref.pop("texts")
-        rounds.append({"online": online, "offline": ref, "load_avg_1m": os.getloadavg()[0]})
+        rounds.append({**got, "load_avg_1m": os.getloadavg()[0]})
     return {"rounds": rounds, "median": _median(rounds)}
 
 
@@ -166,9 +214,11 @@ def _median(rounds: list[dict]) -> dict:
         return statistics.median(values)
 
     off = {k: med([r["offline"][k] for r in rounds]) for k in rounds[0]["offline"]}
-    online = {c: {k: (all(r["online"][c][k] for r in rounds) if k == "matches_offline" else med([r["online"][c][k] for r in rounds]))
-                  for k in rounds[0]["online"][c]} for c in rounds[0]["online"]}
-    return {"online": online, "offline": off}
+    def served(name):
+        return {c: {k: (all(r[name][c][k] for r in rounds) if k == "matches_offline" else med([r[name][c][k] for r in rounds]))
+                    for k in rounds[0][name][c]} for c in rounds[0][name]}
+
+    return {"online": served("online"), "offline": off, **({"llama": served("llama")} if "llama" in rounds[0] else {})}
 
 
 def report(name: str, res: dict) -> None:
@@ -176,10 +226,14 @@ def report(name: str, res: dict) -> None:
     print(f"\n{name} (median of {len(res['rounds'])} rounds; 1-min load average {', '.join(f'{x:.1f}' for x in loads)}): "
           f"offline generate_many {off['tok_s']:.1f} tok/s ({off['tokens']:.0f} tokens in {off['wall_s']:.1f} s); "
           f"offline TTFT {off['ttft_c1_ms']:.1f} ms, TPOT {off['tpot_c1_ms']:.2f} ms at batch 1")
-    print("  conc  tok/s  vs offline  TTFT p50  TTFT p95   TPOT  same text")
-    for c, s in res["median"]["online"].items():
-        print(f"  {c:>4} {s['tok_s']:6.1f}     x{s['tok_s'] / off['tok_s']:.2f}  {s['ttft_p50_ms']:6.1f} ms "
-              f"{s['ttft_p95_ms']:6.1f} ms {s['tpot_ms']:5.2f} ms  {s['matches_offline']}", flush=True)
+    llama = res["median"].get("llama", {})
+    print("  server            conc  tok/s  vs offline  vs llama  TTFT p50  TTFT p95   TPOT  same text")
+    for name, table in (("decodert serve", res["median"]["online"]), ("llama_cpp.server", llama)):
+        for c, s in table.items():
+            vs = f"x{s['tok_s'] / llama[c]['tok_s']:.2f}" if c in llama else "-"
+            print(f"  {name:<16} {c:>4} {s['tok_s']:6.1f}     x{s['tok_s'] / off['tok_s']:.2f}  {vs:>8}  "
+                  f"{s['ttft_p50_ms']:6.1f} ms {s['ttft_p95_ms']:6.1f} ms {s['tpot_ms']:5.2f} ms  {s['matches_offline']}",
+                  flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
     p.add_argument("--variants", type=lambda s: s.split(","), default=["fp32", "int4"])
     p.add_argument("--repeats", type=int, default=2, help="rounds per variant, online/offline order alternating")
+    p.add_argument("--llama-python", help="an interpreter with llama-cpp-python[server]: adds llama_cpp.server as a contender")
     p.add_argument("--json", type=Path)
     p.add_argument("--offline-worker", help=argparse.SUPPRESS)  # internal: one offline reference run (JSON job)
     args = p.parse_args(argv)

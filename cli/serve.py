@@ -31,6 +31,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are cancelled (default 30)")
+    p.add_argument("--client-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive (then 408), and a stream reader may take no "
+                        "bytes before it is dropped (slow clients; default 30)")
     p.add_argument("--backend", choices=("auto", "ort", "trt"), default="auto", help="execution backend")
     p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
                    help="check the whole sha256 of every artifact file at load")
@@ -67,6 +70,8 @@ def options(args: argparse.Namespace):
         raise DecodertError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     if not args.drain_timeout >= 0:
         raise DecodertError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not args.client_timeout > 0:
+        raise DecodertError(f"--client-timeout must be > 0 seconds, got {args.client_timeout}")
     if not args.artifact.is_dir():
         raise DecodertError(f"{args.artifact} is not an artifact folder (written by `decodert export`)")
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -78,7 +83,7 @@ def options(args: argparse.Namespace):
         raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
     return ServeOptions(args.artifact, args.host, args.port, args.model_name, key, args.max_queue, args.max_body_bytes,
                         args.drain_timeout, args.backend, args.verify, args.log_level, args.speculative, args.draft,
-                        args.prefix_cache_mb)
+                        args.prefix_cache_mb, args.client_timeout)
 
 
 def run_serve(args: argparse.Namespace) -> int:

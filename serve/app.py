@@ -42,6 +42,7 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     drain_s: float = 30.0  # SIGTERM: seconds streams may still run before they are cancelled
     speculative: str | None = None  # speculative decoding for requests that do not choose ("ngram" | "draft")
+    client_timeout_s: float = 30.0  # a body must arrive, and each stream write be taken, within this (slow clients)
 
 
 def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
@@ -55,7 +56,8 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="decodert", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
-    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics,
+                       body_timeout_s=config.client_timeout_s)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -132,8 +134,9 @@ def _check_model(name: str, config: ServeConfig) -> None:
 async def _respond(request: Request, job: Job, req, reply: Reply, prompt_lengths: list[int],
                    config: ServeConfig) -> Response:
     if req.stream:
+        # a reader that takes no bytes for client_timeout_s is dropped (its generator closes: the job is cancelled)
         return EventSourceResponse(_stream(job, req, reply, prompt_lengths), sep="\n", ping=15,
-                                   shutdown_grace_period=config.drain_s)
+                                   shutdown_grace_period=config.drain_s, send_timeout=config.client_timeout_s)
     results = await _collect(request, job)
     return JSONResponse(reply.body(results, usage(prompt_lengths, results)))
 

@@ -33,6 +33,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("decodert_generation_tokens", "Generated tokens", registry=r)
         self.cached_tokens = Counter("decodert_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                      registry=r)
+        self.stalled_readers = Counter("decodert_stalled_readers", "Streams dropped: the client took no bytes for "
+                                       "--client-timeout seconds", registry=r)
         self.cache_hits = Counter("decodert_prefix_cache_hits", "Generations that reused a cached prefix", registry=r)
         stats = engine.stats
         for name, doc, read in (

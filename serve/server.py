@@ -32,6 +32,7 @@ class ServeOptions:
     speculative: str | None = None  # default speculative decoding: "ngram" | "draft" (requests may override)
     draft: Path | None = None  # the draft model's artifact (speculative "draft")
     prefix_cache_mb: float | None = None  # prefix cache budget in MiB (None: LLM.load's default; 0: off)
+    client_timeout_s: float = 30.0  # slow clients: body arrival deadline and stream write timeout
 
 
 def model_name(options: ServeOptions) -> str:
@@ -52,7 +53,7 @@ def make_app(options: ServeOptions):
     except DecodertError as e:
         raise DecodertError(f"--speculative {options.speculative}: {e}") from None
     config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s,
-                         options.speculative)
+                         options.speculative, options.client_timeout_s)
     return build_app(engine, config)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -36,8 +37,11 @@ def running(llm, model_name: str = "tiny", **config):
     from decodert.serve.server import bind
 
     max_queue = config.pop("max_queue", 64)
+    sndbuf = config.pop("sndbuf", None)  # SO_SNDBUF of the listening socket (accepted ones inherit it)
     app = build_app(Engine(llm, max_queue=max_queue), ServeConfig(model_name, **config))
     sock = bind("127.0.0.1", 0)
+    if sndbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

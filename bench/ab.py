@@ -23,7 +23,7 @@ from pathlib import Path
 def one_run(artifact: str, batch: int, prompt_len: int, gen: int) -> float:
     """In the worker: median decode step (ms) over the timed requests."""
     from decodert.runtime import bench as B
-    from decodert.runtime.llm import open_backend, read_manifest
+    from decodert.runtime.loading import open_backend, read_manifest
 
     folder = Path(artifact)
     manifest = read_manifest(folder)

@@ -29,7 +29,7 @@ from decodert.export.checkpoint_open import open_checkpoint
 from decodert.export.pipeline import export_model
 from decodert.export.source_precision import keep_precision
 from decodert.export.quant import QuantConfig
-from decodert.runtime.llm import open_backend, open_tokenizer, read_manifest
+from decodert.runtime.loading import open_backend, open_tokenizer, read_manifest
 
 from compare import DEFAULT_GGUF
 

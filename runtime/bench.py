@@ -236,7 +236,7 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: 
 
     ``progress``: runs done on stderr (export/progress.py: a bar on a terminal, else a line every 10 s)."""
     from decodert.export.progress import Stage
-    from decodert.runtime.llm import open_backend, read_manifest
+    from decodert.runtime.loading import open_backend, read_manifest
 
     folder = Path(artifact_dir)
     manifest = read_manifest(folder)

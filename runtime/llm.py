@@ -18,37 +18,36 @@ KeyboardInterrupt inside a step ends that run only: its slots are freed and the 
 Prompts that start like an earlier one reuse its K/V (runtime/prefix_cache.py): ``prefix_cache_mb``
 bounds that cache (default: room for two full contexts, at most a quarter of the free memory;
 0 = off), and ``result.metrics.cached_tokens`` says how many prompt tokens were not prefilled.
+
+Opening the folder (manifest, tokenizer, backend choice, prefix-cache budget) is runtime/loading.py.
 """
 
 from __future__ import annotations
 
-import importlib
-import shutil
 import threading
 import time
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generator, Mapping, Sequence as Seq, Union
 
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.manifest import Manifest, TokenizerRecord, load_manifest, tokenizer_file
+from decodert.export.manifest import Manifest, TokenizerRecord, tokenizer_file
 from decodert.runtime import scheduler, validate
 from decodert.runtime.chat import Message, render_chat
 from decodert.runtime.constraints import Constraint, Guidance
 from decodert.runtime.generate import GenerationResult, Sequence, TextStream
-from decodert.runtime.memory import available_bytes
-from decodert.runtime.prefix_cache import PrefixCache
-from decodert.runtime.sampling import SamplingParams
+from decodert.runtime.loading import (  # noqa: F401  (open_tokenizer, read_manifest: re-exported)
+    make_prefix_cache, model_defaults, open_backend, open_tokenizer, read_manifest)
+from decodert.runtime.sampling import SamplingParams, sampling_params
 from decodert.runtime.speculative import Speculator, resolve as resolve_speculative
 
 if TYPE_CHECKING:
     from decodert.runtime.session import Session
 
 Prompt = Union[str, Seq[int], np.ndarray]  # text, or token ids used as they are
-_PARAM_NAMES = tuple(f.name for f in fields(SamplingParams))
 CONSTRAINT_ARGS = ("json_schema", "regex", "grammar")  # structured-output keyword arguments (runtime/constraints.py)
 
 
@@ -61,16 +60,6 @@ class Request:
     messages: Seq[Message] | None = None  # chat messages instead of a prompt
     constraint: Constraint | None = None  # structured output: Constraint.of(json_schema=... | regex=... | grammar=...)
     speculative: Any = None  # "ngram" | "draft" | SpeculativeConfig (runtime/speculative.py)
-
-
-def sampling_params(params: SamplingParams | None = None, **kwargs: Any) -> SamplingParams:
-    """Build validated SamplingParams from keyword arguments (unknown names -> DecodertError)."""
-    unknown = sorted(set(kwargs) - set(_PARAM_NAMES))
-    if unknown:
-        raise DecodertError(f"unknown generation parameter {unknown[0]!r}; expected one of {', '.join(_PARAM_NAMES)}")
-    if params is not None:
-        return SamplingParams(**{**{n: getattr(params, n) for n in _PARAM_NAMES}, **kwargs}).validate()
-    return SamplingParams(**kwargs).validate()
 
 
 class LLM:
@@ -378,95 +367,3 @@ class LLM:
             raise DecodertError(f"request {i} needs exactly one of 'prompt' or 'messages'")
         ids = self.encode(req.prompt, what=f"request {i}") if req.messages is None else self._chat_ids(req.messages)
         return self._sequence(ids, req.params, f"request {i}", req.constraint, req.speculative)
-
-
-def make_prefix_cache(backend: Any, budget_mb: float | None) -> PrefixCache | None:
-    """The prefix cache of ``backend`` under ``budget_mb`` MiB (None: default budget; 0: none).
-
-    Default: the K/V of two full contexts (2 x max_seq tokens), at most a quarter of the memory
-    available now. Off for backends that cannot copy K/V blocks (``read_kv``)."""
-    if budget_mb is not None and (not isinstance(budget_mb, (int, float)) or isinstance(budget_mb, bool)
-                                  or not budget_mb >= 0):
-        raise DecodertError(f"prefix_cache_mb must be a number >= 0 (0 = off), not {budget_mb!r}")
-    if budget_mb == 0 or not hasattr(backend, "read_kv"):
-        return None
-    if budget_mb is None:
-        budget = 2 * backend.kv_bytes(int(backend.max_seq))
-        avail = available_bytes() if getattr(backend, "name", "") != "trt" else None
-        budget = min(budget, avail // 4) if avail else budget
-    else:
-        budget = int(budget_mb * 2**20)
-        avail = available_bytes() if getattr(backend, "name", "") != "trt" else None
-        if avail is not None and budget > 0.9 * avail:
-            raise DecodertError(f"prefix_cache_mb={budget_mb:g} is more than the {avail / 2**20:.0f} MiB of memory "
-                                "available now; give a smaller budget (0 = off)")
-    return PrefixCache(backend, budget)
-
-
-# -- loading an artifact folder ----------------------------------------------------------------
-def model_defaults(manifest: Manifest | None) -> dict[str, Any]:
-    """manifest.sampling.defaults, checked as SamplingParams (a bad value names the manifest field)."""
-    defaults = dict(manifest.sampling.defaults) if manifest and manifest.sampling else {}
-    try:
-        sampling_params(**defaults)
-    except DecodertError as e:
-        raise DecodertError(f"manifest sampling.defaults: {e}") from None
-    return defaults
-
-
-def read_manifest(path: Path, verify: str = "fast") -> Manifest:
-    """``path/manifest.json``, validated (export/manifest.py) and its files verified ("fast" | "full" | "none")."""
-    return load_manifest(path, verify=verify)
-
-
-def open_tokenizer(path: Path, manifest: Manifest | None) -> Any:
-    """The artifact's ``tokenizers.Tokenizer``."""
-    from tokenizers import Tokenizer
-
-    file = path / (manifest.tokenizer if manifest else TokenizerRecord()).file
-    if not file.is_file():
-        raise DecodertError(f"{file} not found (tokenizer of the artifact)")
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-        raise DecodertError(f"cannot load tokenizer {file}: {e}") from None
-    n = tokenizer.get_vocab_size(with_added_tokens=True)
-    recorded, model_vocab = (manifest.tokenizer.vocab_size, manifest.model.vocab_size) if manifest else (None, n)
-    if (recorded is not None and n != recorded) or n > model_vocab:
-        raise DecodertError(f"{file}: has {n} tokens but the artifact was exported with {recorded or 'fewer'}; "
-                            "the tokenizer was replaced (re-export the model)")
-    return tokenizer
-
-
-def open_backend(path: Path, manifest: Manifest, choice: str = "auto") -> Any:
-    """Create the ort or trt backend ("auto": trt when the folder has engines and TensorRT works)."""
-    if choice not in ("auto", "ort", "trt"):
-        raise DecodertError(f"unknown backend {choice!r}; expected auto, ort or trt (--backend)")
-    if choice == "auto":
-        choice = "trt" if manifest.engines and _trt_usable() else "ort"
-    if choice == "trt":
-        from decodert.export.targets import get_target  # the lowerings import onnx: only when asked for trt
-
-        if not manifest.engines and not get_target(manifest.target).runs_on("trt"):
-            raise DecodertError(f"{path} has no TensorRT engines: it is a --target {manifest.target} artifact, which "
-                                f"runs on ONNX Runtime (--backend ort); for TensorRT export with --target trt, then "
-                                f"`decodert build OUT`")
-        if not manifest.engines:
-            raise DecodertError(f"{path} has no TensorRT engines; run `decodert build {path}` or use --backend ort")
-        from decodert.runtime.trt_backend import TrtBackend
-
-        return TrtBackend(path, manifest)
-    from decodert.runtime.ort_backend import OrtBackend
-
-    return OrtBackend(path, manifest)
-
-
-def _trt_usable() -> bool:
-    """An NVIDIA GPU is visible (cuda-python) and the TensorRT backend imports."""
-    if not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")):
-        return False  # cheap check first: no driver, no GPU
-    try:
-        importlib.import_module("decodert.runtime.trt_backend")
-        return importlib.import_module("decodert.plugins.cuda_mem").gpu_count() > 0
-    except (ImportError, OSError, DecodertError):
-        return False

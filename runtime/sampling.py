@@ -8,7 +8,7 @@ the vocabulary; nothing here loops over tokens in Python.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -251,3 +251,16 @@ def apply_processors(processors: Sequence[LogitsProcessor], history: np.ndarray,
     for process in processors:
         logits = process(history, logits)
     return logits
+
+
+_PARAM_NAMES = tuple(f.name for f in fields(SamplingParams))
+
+
+def sampling_params(params: SamplingParams | None = None, **kwargs: Any) -> SamplingParams:
+    """Build validated SamplingParams from keyword arguments (unknown names -> DecodertError)."""
+    unknown = sorted(set(kwargs) - set(_PARAM_NAMES))
+    if unknown:
+        raise DecodertError(f"unknown generation parameter {unknown[0]!r}; expected one of {', '.join(_PARAM_NAMES)}")
+    if params is not None:
+        return SamplingParams(**{**{n: getattr(params, n) for n in _PARAM_NAMES}, **kwargs}).validate()
+    return SamplingParams(**kwargs).validate()

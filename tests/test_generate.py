@@ -198,7 +198,7 @@ def test_bos_added_when_manifest_says_so():
 
 
 def test_load_errors_are_one_line(tmp_path):
-    from decodert.runtime.llm import open_backend, open_tokenizer
+    from decodert.runtime.loading import open_backend, open_tokenizer
 
     with pytest.raises(DecodertError, match="manifest.json"):
         LLM.load(tmp_path)

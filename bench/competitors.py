@@ -50,11 +50,11 @@ def make_hf_folder(gguf_path: Path, folder: Path) -> Path:
 
 
 def build_ortgenai(hf_folder: Path, out: Path, precision: str, threads: int, block_size: int = 32,
-                   timeout_s: int = 1800) -> Path:
+                   timeout_s: int = 1800, python: str = sys.executable) -> Path:
     """Run onnxruntime-genai's model builder (CPU, ``precision`` fp32 | int4 at ``block_size``, its
-    CPU default accuracy level 4), pin its thread count."""
+    CPU default accuracy level 4) with the interpreter ``python``, pin its thread count."""
     if not (out / "genai_config.json").is_file():
-        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out),
+        cmd = [python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out),
                "-p", precision, "-e", "cpu", "-c", str(out.parent / "ortgenai_cache")]
         if precision == "int4":
             cmd += ["--extra_options", f"int4_block_size={block_size}", "int4_accuracy_level=4"]

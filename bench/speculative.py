@@ -3,7 +3,8 @@ its n-gram speculation) on input-grounded and free-form chat prompts, greedy, on
 
     python bench/speculative.py [--gguf SmolLM2-135M-Instruct.Q4_1.gguf] [--work /tmp/decodert-spec]
                                 [--precisions fp32,int4] [--batches 1,4] [--repeats 3] [--gen 128]
-                                [--threads 2] [--no-ortgenai] [--draft] [--json spec.json]
+                                [--threads 2] [--no-ortgenai] [--genai-python /venv/bin/python] [--draft]
+                                [--json spec.json]
 
 Workloads (chat-templated with the model's template; the ids are made once and every runtime
 gets the same ones): ``grounded`` = two prompts each of: rewrite a text with its mistakes
@@ -17,7 +18,8 @@ Tokens are compared with decodert plain greedy of the same precision (``same``).
 
 onnxruntime-genai (batch 1 only; it refuses speculation at batch > 1) runs with
 ``params.set_speculative_options(ngram_size=3, max_draft_tokens=8)`` for its speculation, from
-the interpreter ``--genai-python`` (a venv holding onnxruntime-genai: bench/install.py).
+the interpreter ``--genai-python`` (a venv holding onnxruntime-genai: bench/install.py; default:
+this interpreter).
 ``--draft`` adds decodert fp32 with the int4 export of the same model as its draft model.
 """
 
@@ -138,7 +140,8 @@ def worker(spec: str) -> int:
 
 def run_in_worker(job: Job, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
     payload = json.dumps({"job": dataclasses.asdict(job), "prompts": prompts, "gen": args.gen, "threads": args.threads})
-    proc = subprocess.run([sys.executable, __file__, "--worker", payload], capture_output=True, text=True, timeout=3600,
+    python = args.genai_python if job.runtime == "onnxruntime-genai" else sys.executable
+    proc = subprocess.run([python, __file__, "--worker", payload], capture_output=True, text=True, timeout=3600,
                           env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -165,16 +168,16 @@ def prepare_decodert(args: argparse.Namespace) -> dict[str, Path]:
 
 
 def prepare_ortgenai(args: argparse.Namespace) -> dict[str, Path]:
-    try:
-        import onnxruntime_genai  # noqa: F401
-    except ImportError:
-        log("  onnxruntime-genai: not importable by this interpreter, skipped (bench/install.py)")
+    probe = subprocess.run([args.genai_python, "-c", "import onnxruntime_genai, onnx_ir"], capture_output=True)
+    if probe.returncode != 0:
+        log(f"  onnxruntime-genai: not importable by {args.genai_python}, skipped (bench/install.py)")
         return {}
     sys.path.insert(0, str(Path(__file__).parent))
     from competitors import build_ortgenai, make_hf_folder
 
     hf = make_hf_folder(args.gguf, args.work / "hf")
-    return {p: build_ortgenai(hf, args.work / f"ortgenai_{p}", p, args.threads) for p in ("fp32", "int4")}
+    return {p: build_ortgenai(hf, args.work / f"ortgenai_{p}", p, args.threads, python=args.genai_python)
+            for p in ("fp32", "int4")}
 
 
 def workloads(folder: Path) -> dict[str, list[list[int]]]:
@@ -259,6 +262,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gen", type=int, default=128, help="most new tokens per prompt (EOS ends a reply)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-ortgenai", action="store_true")
+    p.add_argument("--genai-python", default=sys.executable, help="interpreter holding onnxruntime-genai")
     p.add_argument("--draft", action="store_true", help="also fp32 with the int4 export as draft model")
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", help=argparse.SUPPRESS)

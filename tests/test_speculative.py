@@ -18,7 +18,7 @@ from decodert.errors import DecodertError  # noqa: E402
 from decodert.runtime.drafters import longest_suffix_match  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.sampling import SamplingParams, make_distribution  # noqa: E402
-from decodert.runtime.speculative import SpeculativeConfig, expected_tokens  # noqa: E402
+from decodert.runtime.speculative import SpeculativeConfig, StepCosts, expected_tokens  # noqa: E402
 
 TOK = make_tokenizer()
 PROMPTS = ["hello world, this is a tiny test", "the quick brown fox jumps over the lazy dog", "a",
@@ -38,8 +38,18 @@ def noisy_rule(history: np.ndarray) -> int:
     return 40 + (mix >> 7) % 5
 
 
-def llm_for(rule=copy_rule, **kw) -> LLM:
-    return make_llm(TOK, rule=rule, **{"max_seq": 96, "max_batch": 4, **kw})
+def fixed_costs(llm: LLM, per_token: float) -> LLM:
+    """Step costs as given instead of measured (fake steps take microseconds, and their timings
+    under load would make the adaptive width, so the test, vary): decode 1, a verify of w tokens
+    1 + per_token * (w - 1), for every row count."""
+    llm.speculator.costs.record = lambda *a: None
+    llm.speculator.costs.seconds = {(n, w): 1 + per_token * (w - 1) for n in range(1, 9) for w in range(1, 17)}
+    return llm
+
+
+def llm_for(rule=copy_rule, per_token: float = 0.05, **kw) -> LLM:
+    """The fake model with fixed step costs: adaptive speculation is deterministic."""
+    return fixed_costs(make_llm(TOK, rule=rule, **{"max_seq": 96, "max_batch": 4, **kw}), per_token)
 
 
 def kinds(llm: LLM) -> dict[str, int]:
@@ -116,8 +126,8 @@ def test_cache_full_mid_run():
 
 
 def test_stream_chat_and_penalties():
-    llm = make_llm(TOK, rule=copy_rule, max_seq=96, chat_template=(
-        "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>"))
+    llm = fixed_costs(make_llm(TOK, rule=copy_rule, max_seq=96, chat_template=(
+        "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>")), 0.05)
     plain = llm.generate(PROMPTS[1], max_new_tokens=30)
     stream = llm.stream(PROMPTS[1], max_new_tokens=30, speculative="ngram")
     deltas = list(stream)
@@ -132,27 +142,46 @@ def test_stream_chat_and_penalties():
         assert random_llm.generate(PROMPTS[0], max_new_tokens=30, speculative="ngram", **kw).token_ids == want
 
 
-def fixed_costs(llm: LLM, per_token: float) -> None:
-    """Step costs as given instead of measured (fake steps take microseconds): decode 1, a verify
-    of w tokens 1 + per_token * (w - 1)."""
-    llm.speculator.costs.record = lambda *a: None
-    llm.speculator.costs.seconds = {(1, w): 1 + per_token * (w - 1) for w in range(1, 17)}
-
-
 def test_fallback_when_acceptance_collapses():
     """A noisy model: drafts are mostly wrong, so after a few tries most steps are plain decodes;
     a copying model under the same costs verifies most steps."""
-    llm = llm_for(noisy_rule, max_seq=256)
-    fixed_costs(llm, 0.3)
+    llm = llm_for(noisy_rule, per_token=0.3, max_seq=256)
     llm.generate(PROMPTS[0], max_new_tokens=200, speculative="ngram")
     assert kinds(llm)["decode"] > 4 * kinds(llm).get("verify", 0)
-    copying = llm_for(max_seq=256)
-    fixed_costs(copying, 0.3)
+    copying = llm_for(per_token=0.3, max_seq=256)
     copying.generate(PROMPTS[0], max_new_tokens=200, speculative="ngram")
     assert kinds(copying)["verify"] > 2 * kinds(copying).get("decode", 0)
     llm.backend.calls.clear()
     llm.generate(PROMPTS[0], max_new_tokens=50, speculative=SpeculativeConfig(adaptive=False))
     assert kinds(llm)["verify"] > kinds(llm).get("decode", 0)  # without adaptivity every match is verified
+
+
+def test_step_costs_measured_and_estimated():
+    """The measured cost table the adaptive width reads (real timings feed it; given here)."""
+    costs = StepCosts()
+    assert costs.estimate(1, 1) is None
+    costs.record(1, 1, 9.0)  # the first pass of a shape pays for warm-up: not recorded
+    assert costs.estimate(1, 1) is None
+    costs.record(1, 1, 1.0)
+    costs.record(1, 1, 2.0)
+    assert costs.estimate(1, 1) == pytest.approx(1.2)  # moving average 0.8 old + 0.2 new
+    assert costs.estimate(1, 5) == pytest.approx(1.2 * 1.16)  # unmeasured width: +4% per extra token
+    assert costs.estimate(2, 1) is None
+    costs.record(1, 5, 0.0)
+    costs.record(1, 5, 3.0)
+    assert costs.estimate(1, 4) == pytest.approx(3.0 * 1.12 / 1.16)  # scaled from the nearest width
+
+
+def test_adaptive_width_follows_the_step_costs():
+    """Same model, same prompt: cheap verify passes -> verify most steps; verify passes as dear as
+    several decode steps -> plain decode most steps (deterministic: the costs are given)."""
+    cheap, dear = llm_for(per_token=0.02, max_seq=256), llm_for(per_token=2.0, max_seq=256)
+    a = cheap.generate(PROMPTS[0], max_new_tokens=150, speculative="ngram")
+    b = dear.generate(PROMPTS[0], max_new_tokens=150, speculative="ngram")
+    assert a.token_ids == b.token_ids
+    assert kinds(cheap)["verify"] > 2 * kinds(cheap).get("decode", 0)
+    assert kinds(dear).get("decode", 0) > 2 * kinds(dear).get("verify", 0)
+    assert a.metrics.accepted_per_step > b.metrics.accepted_per_step
 
 
 def test_bad_arguments():

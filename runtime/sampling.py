@@ -111,7 +111,8 @@ def make_distribution(temperature: float, top_k: int = 0, top_p: float = 1.0,
         scores = _sane(np.asarray(logits, dtype=np.float64))  # [n, V] float64
         if top_k:
             scores = _top_k(scores, top_k)
-        scores = (scores - scores.max(axis=-1, keepdims=True)) / temperature  # differences first: no overflow
+        with np.errstate(over="ignore"):  # a difference near -1.8e308 over T < 1 is -inf: probability 0, as meant
+            scores = (scores - scores.max(axis=-1, keepdims=True)) / temperature  # differences first: no +inf
         probs = _softmax(scores)  # [n, V] float64
         if min_p > 0:
             probs = np.where(probs >= min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)

@@ -77,6 +77,18 @@ def test_extreme_penalties(name, i, temperature):
     assert all(0 <= t < V for t in ids)
 
 
+@pytest.mark.parametrize("freq", [-1e308, -1e38, 1e308])
+def test_extreme_penalties_print_no_numpy_warnings(freq):
+    """a score of 1e308 - 0 over T=0.2 used to print 'RuntimeWarning: overflow encountered in divide' on the user's stderr."""
+    import warnings
+
+    logits = np.random.default_rng(3).normal(0, 5, V).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ids = _check(logits, np.array([3, 9]), 0.2, freq=freq)
+    assert all(0 <= t < V for t in ids)
+
+
 @pytest.mark.parametrize("top_k,top_p,min_p", [(1, 1.0, 0.0), (V * 10, 1.0, 0.0), (0, 1e-300, 0.0), (0, 1.0, 1.0),
                                                (0, 1.0, 1e-300), (3, 1e-9, 0.999), (0, np.nextafter(1, 0), 0.0)])
 def test_extreme_filters(top_k, top_p, min_p):

@@ -138,10 +138,11 @@ def test_concurrent_clients_share_the_batch_and_match_offline(llm):
 
     def offline(kind, prompt, n):
         if kind == 2:
-            return llm.chat([{"role": "user", "content": prompt}], max_new_tokens=n, temperature=0.0).text
-        return llm.generate(prompt, max_new_tokens=n, temperature=0.0).text
+            return llm.chat([{"role": "user", "content": prompt}], max_new_tokens=n, temperature=0.0)
+        return llm.generate(prompt, max_new_tokens=n, temperature=0.0)
 
-    wants = [offline(*job) for job in jobs]
+    results = [offline(*job) for job in jobs]
+    wants = [r.text for r in results]
     with running(llm) as (url, _):
         c = client(url)
 
@@ -165,6 +166,12 @@ def test_concurrent_clients_share_the_batch_and_match_offline(llm):
     # one request at a time needs one step per token; 8 clients over 4 slots share steps
     assert m["decodert_engine_steps"] <= 0.6 * tokens, m
     assert m['decodert_requests_total{endpoint="/v1/completions",status="200"}'] == 16
+    # the histograms saw every request once, with plausible times; the queue and the slots are empty again
+    assert m["decodert_time_to_first_token_seconds_count"] == 24 == m["decodert_time_per_output_token_seconds_count"]
+    assert 0 < m["decodert_time_to_first_token_seconds_sum"] < 24 * 60 and m["decodert_time_per_output_token_seconds_sum"] > 0
+    assert m['decodert_request_finished_total{reason="length"}'] == 24
+    assert m["decodert_prompt_tokens_total"] == sum(r.metrics.prompt_tokens for r in results)
+    assert (m["decodert_queue_depth"], m["decodert_slots_in_use"], m["decodert_slots"]) == (0, 0, 4)
 
 
 def test_disconnect_mid_stream_frees_the_slot(llm):

@@ -72,15 +72,30 @@ def start_server(art: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"decodert serve did not start (exit {proc.wait()})")
 
 
-def start_llama(python: str, gguf: Path) -> tuple[subprocess.Popen, str]:
-    """``python -m llama_cpp.server`` on a free loopback port, with every core, answering when up."""
+# ``python -m llama_cpp.server`` with llama.cpp's extra buffer types (weight repacking) off: on this
+# machine's Xeon (AMX) llama-cpp-python 0.3.36 segfaults in llama_decode with them on, for the plain
+# ``Llama`` API too (measured 2026-12-03); off, it runs. Everything else is the stock server.
+_LLAMA_SERVER = """
+import runpy, sys, llama_cpp.llama_cpp as low
+_defaults = low.llama_model_default_params
+def _params():
+    p = _defaults()
+    p.use_extra_bufts = False
+    return p
+low.llama_model_default_params = _params
+sys.argv[0] = "llama_cpp.server"
+runpy.run_module("llama_cpp.server", run_name="__main__")
+"""
+
+
+def start_llama(python: str, gguf: Path, threads: int) -> tuple[subprocess.Popen, str]:
+    """``python -m llama_cpp.server`` on a free loopback port with ``threads`` threads, answering when up."""
     import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    threads = len(os.sched_getaffinity(0))
-    proc = subprocess.Popen([python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "m",
+    proc = subprocess.Popen([python, "-c", _LLAMA_SERVER, "--model", str(gguf), "--model_alias", "m",
                              "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "512", "--n_threads", str(threads),
                              "--n_threads_batch", str(threads), "--interrupt_requests", "False", "--verbose", "False"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -198,7 +213,7 @@ def run_variant(art: Path, args: argparse.Namespace, texts: list[str]) -> dict:
             elif part == "online":
                 got["online"] = serve_all(*start_server(art), texts, args)
             else:
-                got["llama"] = serve_all(*start_llama(args.llama_python, args.gguf), texts, args)
+                got["llama"] = serve_all(*start_llama(args.llama_python, args.gguf, args.llama_threads), texts, args)
         ref = got["offline"]
         for s in got["online"].values():
             s["matches_offline"] = s.pop("texts") == ref["texts"]
@@ -246,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", type=lambda s: s.split(","), default=["fp32", "int4"])
     p.add_argument("--repeats", type=int, default=2, help="rounds per variant, online/offline order alternating")
     p.add_argument("--llama-python", help="an interpreter with llama-cpp-python[server]: adds llama_cpp.server as a contender")
+    p.add_argument("--llama-threads", type=int, default=1,
+                   help="llama.cpp threads (default 1: on a loaded 2-core machine its OpenMP threads spin against "
+                        "each other; 2 threads took 25-45x longer than 1, measured)")
     p.add_argument("--json", type=Path)
     p.add_argument("--offline-worker", help=argparse.SUPPRESS)  # internal: one offline reference run (JSON job)
     args = p.parse_args(argv)

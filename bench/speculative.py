@@ -215,6 +215,8 @@ def measure(jobs: list[Job], loads: dict[str, list[list[int]]], args: argparse.N
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     log(f"  {e}")
         log(f"  repeat {r + 1}/{args.repeats} done (load avg {os.getloadavg()[0]:.2f})")
+        if r + 1 < args.repeats:
+            log(report(jobs, runs, loads)[0])  # figures so far
     return runs
 
 

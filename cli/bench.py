@@ -33,6 +33,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the runtime's own)")
     p.add_argument("--backend", choices=["auto", "ort", "trt"], default="auto", help="execution backend (default auto)")
+    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="time LLM.generate with this speculative decoding (ngram: prompt lookup; draft: --draft) "
+                        "and report tokens per target pass and the acceptance rate")
+    p.add_argument("--draft", type=Path, default=None, help="the draft model's artifact for --speculative draft")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of decode time per token against context position")
     p.set_defaults(func=run_bench)
@@ -43,7 +47,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from decodert.runtime.bench import BenchConfig, bench, plot
 
     cfg = BenchConfig(prompt_len=args.prompt_len, gen=args.gen, batches=args.batch, repeats=args.repeats,
-                      warmup=args.warmup, threads=args.threads, backend=args.backend)
+                      warmup=args.warmup, threads=args.threads, backend=args.backend,
+                      speculative=args.speculative, draft=str(args.draft) if args.draft else None)
     inputs.check_output_path(args.json, "--json")
     inputs.check_output_path(args.plot, "--plot")
     if args.plot is not None:

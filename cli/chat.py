@@ -42,7 +42,7 @@ def add_chat_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    return chat_loop(common.load(args.out, args.backend, args.verify), args)
+    return chat_loop(common.load(args.out, args.backend, args.verify, common.draft_of(args)), args)
 
 
 def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] | None = None, out: TextIO | None = None,

@@ -33,6 +33,7 @@ def add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
     g.add_argument("--stop-token-ids", action="extend", nargs="+", type=int, default=[], metavar="ID",
                    help="token ids that end the text (besides the model's eos ids)")
     add_constraint(p)
+    add_speculative(p)
     p.add_argument("--backend", choices=("auto", "ort", "trt"), default="auto", help="execution backend")
     p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
                    help="check the whole sha256 of every artifact file (default: size + first/last MiB)")
@@ -47,6 +48,43 @@ def add_constraint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json-schema", type=Path, metavar="FILE", help="the output is JSON valid under this JSON schema")
     g.add_argument("--regex", metavar="R", help="the output matches this regular expression")
     g.add_argument("--grammar", type=Path, metavar="FILE", help="the output follows this Lark grammar (llguidance syntax)")
+
+
+def add_speculative(p: argparse.ArgumentParser) -> None:
+    """--speculative ngram|draft, --draft ARTIFACT, --draft-len K (docs: runtime/speculative.py)."""
+    g = p.add_argument_group("speculative decoding (the same output, several tokens per model pass)")
+    g.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="ngram: prompt lookup (drafts from n-grams of the prompt and the answer); "
+                        "draft: a draft model (--draft)")
+    g.add_argument("--draft", type=Path, default=None, metavar="ARTIFACT",
+                   help="the draft model's artifact (same tokenizer); implies --speculative draft")
+    g.add_argument("--draft-len", type=int, default=None, metavar="K",
+                   help="most tokens drafted per step (default 8; the adaptive width stays at or under it)")
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """{"speculative": SpeculativeConfig} | {} from the flags; one-line errors for bad combinations."""
+    method = getattr(args, "speculative", None)
+    draft, draft_len = getattr(args, "draft", None), getattr(args, "draft_len", None)
+    if method is None and draft is not None:
+        method = "draft"
+    if method is None:
+        if draft_len is not None:
+            raise DecodertError("--draft-len needs --speculative ngram|draft")
+        return {}
+    if method == "draft" and draft is None:
+        raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
+    if draft_len is not None and draft_len < 1:
+        raise DecodertError(f"--draft-len must be >= 1 (got {draft_len})")
+    from decodert.runtime.speculative import SpeculativeConfig
+
+    return {"speculative": SpeculativeConfig(method=method, **({"draft_len": draft_len} if draft_len else {}))}
+
+
+def draft_of(args: argparse.Namespace) -> Path | None:
+    """The --draft artifact to load, after checking the speculative flags (before any loading)."""
+    speculative_kwargs(args)
+    return getattr(args, "draft", None)
 
 
 def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,20 +107,21 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.greedy:
         given["temperature"] = 0.0
     return {"max_new_tokens": args.max_new_tokens, **given, "seed": args.seed, "stop": list(args.stop),
-            "stop_token_ids": list(getattr(args, "stop_token_ids", [])), **constraint_kwargs(args)}
+            "stop_token_ids": list(getattr(args, "stop_token_ids", [])), **constraint_kwargs(args),
+            **speculative_kwargs(args)}
 
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
-def load(path: Path, backend: str, verify: str = "fast"):
+def load(path: Path, backend: str, verify: str = "fast", draft: Path | None = None):
     """``LLM.load`` (imported here so that ``decodert --help`` never loads onnxruntime).
 
     When ``--backend auto`` falls back to ONNX Runtime for an artifact with TensorRT engines, a
     line on stderr says so (and why), so the backend that ran is never a guess."""
     from decodert.runtime.llm import LLM
 
-    llm = LLM.load(path, backend=backend, verify=verify)
+    llm = LLM.load(path, backend=backend, verify=verify, draft=draft)
     if backend == "auto" and llm.manifest.engines and getattr(llm.backend, "name", None) == "ort":
         print("decodert: running on ONNX Runtime (CPU), not the TensorRT engines: no usable NVIDIA GPU / TensorRT "
               "here (--backend trt says why)", file=sys.stderr)

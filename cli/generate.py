@@ -25,7 +25,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     prompt = inputs.argv_text(args.prompt, "--prompt")
-    llm = common.load(args.out, args.backend, args.verify)
+    llm = common.load(args.out, args.backend, args.verify, common.draft_of(args))
     if prompt is None:  # bounded by the artifact's max_seq, so it is read after loading
         prompt = inputs.read_prompt_file(args.prompt_file, llm.max_seq)
     messages = [{"role": "user", "content": prompt}] if args.chat else None

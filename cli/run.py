@@ -38,7 +38,7 @@ def run_run(args: argparse.Namespace) -> int:
 
     inputs.argv_text(args.prompt, "--prompt")
     inputs.argv_text(args.system, "--system")
-    llm = common.load(prepare_model(args.model, max_seq=args.max_seq, quant=args.quant), args.backend, args.verify)
+    llm = common.load(prepare_model(args.model, max_seq=args.max_seq, quant=args.quant), args.backend, args.verify, common.draft_of(args))
     if args.prompt is None:
         return chat_loop(llm, args)
     if args.raw or not llm.chat_template:

@@ -11,6 +11,11 @@ median and the min-max of
     tpot_ms      mean time of one decode step
     gbps         weight bytes read per decode step / step time (the achieved bandwidth)
 
+``--speculative ngram|draft`` runs every row through ``LLM.generate`` with that speculation
+instead (greedy, EOS ignored, the same ids), and adds ``accepted_per_step`` (tokens committed per
+target pass) and ``acceptance_rate`` (drafts accepted / drafted); step_ms is then the mean step
+(a pass commits several tokens) and ttft the slowest row's.
+
 Bytes per step are the weights the decode graph reads: every initializer in full, except tables
 only read by Gather (the embedding when the output projection is a separate or quantized copy,
 the RoPE tables, the scales GatherBlockQuantized uses), which read one row per token. ``read_gbps`` is a measured memory
@@ -70,6 +75,8 @@ class BatchResult:
     tpot_ms: Spread  # one decode step (all rows)
     gbps: Spread  # weight bytes per step / step time
     step_ms: list[float]  # median time of the decode step at each context position (prompt_len + 1 ...)
+    accepted_per_step: float = 0.0  # --speculative: tokens committed per target pass (mean over rows)
+    acceptance_rate: float = 0.0  # --speculative: drafts accepted / drafts verified
 
 
 @dataclass
@@ -93,6 +100,7 @@ class BenchResult:
     load_s: float
     machine: dict = field(default_factory=dict)
     results: list[BatchResult] = field(default_factory=list)
+    speculative: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -189,6 +197,24 @@ class BackendRunner:
         return RunTiming(prefill_s, steps)
 
 
+class SpeculativeRunner:
+    """Runs ``batch`` rows through ``LLM.generate`` with ``speculative`` (EOS ignored: same work)."""
+
+    def __init__(self, llm: Any, batch: int, speculative: str) -> None:
+        self.llm, self.batch, self.speculative = llm, batch, speculative
+        llm.eos_token_ids = ()
+        self.stats: list[tuple[float, float]] = []
+
+    def run(self, ids: np.ndarray, gen: int) -> RunTiming:
+        t0 = time.perf_counter()
+        rs = self.llm.generate([ids] * self.batch, max_new_tokens=gen, temperature=0.0, speculative=self.speculative)
+        wall = time.perf_counter() - t0
+        prefill_s = max(r.metrics.ttft_s for r in rs)
+        self.stats.append((statistics.mean(r.metrics.accepted_per_step for r in rs),
+                           statistics.mean(r.metrics.acceptance_rate for r in rs)))
+        return RunTiming(prefill_s, np.full(gen - 1, (wall - prefill_s) / max(gen - 1, 1)))
+
+
 def summarize(batch: int, prompt_len: int, runs: Sequence[RunTiming], step_bytes: int) -> BatchResult:
     """Medians and ranges over the runs of one batch size."""
     decode_s = [float(r.step_s.sum()) for r in runs]
@@ -229,6 +255,8 @@ class BenchConfig:
     warmup: int = 1
     threads: int | None = None
     backend: str = "auto"
+    speculative: str | None = None  # "ngram" | "draft": through LLM.generate (see the module docstring)
+    draft: str | None = None  # the draft model's artifact for speculative="draft"
 
 
 def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: bool = True) -> BenchResult:
@@ -244,7 +272,14 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: 
     if cfg.threads:
         os.environ["DECODERT_THREADS"] = str(cfg.threads)  # read by the ORT backend's session options
     t0 = time.perf_counter()
-    backend = open_backend(folder, manifest, cfg.backend)
+    llm = None
+    if cfg.speculative:
+        from decodert.runtime.llm import LLM
+
+        llm = LLM.load(folder, backend=cfg.backend, draft=cfg.draft)
+        backend = llm.backend
+    else:
+        backend = open_backend(folder, manifest, cfg.backend)
     load_s = time.perf_counter() - t0
     step_bytes = bytes_per_step(folder, manifest)
     ids = prompt_ids(manifest.model.vocab_size, cfg.prompt_len)
@@ -253,9 +288,11 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: 
     with Stage(f"bench {folder.name} (batch {','.join(map(str, cfg.batches))})", total=total, unit="run",
                enabled=progress) as bar:
         for batch in cfg.batches:
-            runner = BackendRunner(backend, batch)
+            runner = SpeculativeRunner(llm, batch, cfg.speculative) if llm is not None else BackendRunner(backend, batch)
             runs = time_runs(lambda: runner.run(ids, cfg.gen), cfg.warmup, cfg.repeats, bar.update)
             results.append(summarize(batch, cfg.prompt_len, runs, step_bytes))
+            if llm is not None:
+                results[-1].accepted_per_step, results[-1].acceptance_rate = runner.stats[-1]
         rss = peak_rss_mb()  # before the bandwidth tests, whose 0.5 GiB of buffers would count as peak
         copy, read = memcopy_gbps(), memread_gbps()
         bar.update()
@@ -268,7 +305,7 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: 
         repeats=cfg.repeats, weights_file_bytes=int(manifest.weights.bytes or 0), bytes_per_step=step_bytes,
         copy_gbps=copy, read_gbps=read, floor_tps=read * 1e9 / step_bytes if step_bytes else 0.0,
         peak_rss_mb=rss,
-        load_s=load_s, machine=machine_info(), results=results)
+        load_s=load_s, machine=machine_info(), results=results, speculative=cfg.speculative)
 
 
 def check_config(cfg: BenchConfig, manifest: Manifest) -> None:
@@ -287,6 +324,12 @@ def check_config(cfg: BenchConfig, manifest: Manifest) -> None:
                             f"exceeds the artifact's --max-seq {max_seq}")
     if cfg.threads is not None and cfg.threads < 1:
         raise DecodertError(f"--threads must be >= 1 (got {cfg.threads})")
+    if cfg.speculative not in (None, "ngram", "draft"):
+        raise DecodertError(f"--speculative must be ngram or draft (got {cfg.speculative})")
+    if cfg.speculative == "draft" and not cfg.draft:
+        raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
+    if cfg.draft and cfg.speculative != "draft":
+        raise DecodertError("--draft is the draft model of --speculative draft; add --speculative draft")
 
 
 def machine_info() -> dict[str, Any]:
@@ -313,11 +356,14 @@ def _model_name(manifest: Manifest) -> str:
 def format_table(r: BenchResult) -> str:
     quant = "" if not r.quant else f" int{r.quant['bits']} acc{r.quant['accuracy_level']}"
     lines = [f"{r.model} {r.dtype}{quant} ({r.backend}, threads {r.threads or 'default'}): prompt {r.prompt_len}, "
-             f"gen {r.gen}, {r.repeats} repeats after {r.warmup} warm-up; median (min-max)",
-             f"{'batch':>5} {'ttft ms':>20} {'prompt tok/s':>22} {'decode tok/s':>20} {'tpot ms':>18} {'GB/s':>17}"]
+             f"gen {r.gen}, {r.repeats} repeats after {r.warmup} warm-up; median (min-max)"
+             + (f"; speculative {r.speculative}" if r.speculative else ""),
+             f"{'batch':>5} {'ttft ms':>20} {'prompt tok/s':>22} {'decode tok/s':>20} {'tpot ms':>18} {'GB/s':>17}"
+             + (f" {'tok/step':>8} {'accepted':>8}" if r.speculative else "")]
     for b in r.results:
         lines.append(f"{b.batch:>5} {b.ttft_ms.fmt():>20} {b.prompt_tps.fmt(0):>22} {b.decode_tps.fmt():>20} "
-                     f"{b.tpot_ms.fmt(2):>18} {b.gbps.fmt(1):>17}")
+                     f"{b.tpot_ms.fmt(2):>18} {b.gbps.fmt(1):>17}"
+                     + (f" {b.accepted_per_step:>8.2f} {b.acceptance_rate:>8.0%}" if r.speculative else ""))
     lines.append(f"weights read per step {r.bytes_per_step / 1e6:.1f} MB (file {r.weights_file_bytes / 1e6:.1f} MB) | "
                  f"memread {r.read_gbps:.1f} GB/s (copy {r.copy_gbps:.1f}) -> floor {r.floor_tps:.1f} tok/s at batch 1 | "
                  f"peak rss {r.peak_rss_mb:.0f} MB | load {r.load_s:.2f} s | load avg {r.machine.get('loadavg_1m')}")

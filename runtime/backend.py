@@ -11,6 +11,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from decodert.runtime.kv_cache import KVCache  # the one cache class every backend allocates (runtime/kv_cache.py)
+
 
 @dataclass
 class StepOutput:
@@ -26,18 +28,6 @@ class VerifyOutput:
 
     next_tokens: np.ndarray  # [n, W] int64: next_tokens[j, i] is the argmax after row j's token i
     logits: np.ndarray | None = None  # [n, W, V] float32, only when asked for
-
-
-class KVCache(Protocol):
-    """Per-slot cache state owned by a backend: buffers [slots, H_kv, max_seq, D] per layer."""
-
-    slots: int
-    max_seq: int
-    lengths: np.ndarray  # [slots] int64 tokens already cached per slot (= next write index)
-
-    def reset(self, slot: int | None = None) -> None:
-        """Forget the cached tokens of one slot (or all); buffers are kept, not freed."""
-        ...
 
 
 class Backend(Protocol):

@@ -30,43 +30,10 @@ from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
 from decodert.runtime import kv_blocks
 from decodert.runtime.backend import StepOutput, VerifyOutput
+from decodert.runtime.kv_cache import KVCache
 from decodert.runtime.memory import check_fits
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
-
-
-class OrtKVCache:
-    """Per-layer [slots, H_kv, max_seq, D] buffers; ``buffers[2*i]`` = K, ``buffers[2*i+1]`` = V.
-
-    On the CPU the buffers are numpy arrays; with the CUDA execution provider they are zeroed
-    device allocations (plugins/cuda_mem.py) and ``buffers`` holds their DeviceBuffer objects.
-    """
-
-    def __init__(self, slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int, dtype: type,
-                 device: str = "cpu"):
-        self.slots, self.max_seq, self.device = slots, max_seq, device
-        self.slot_shape = (kv_heads, max_seq, head_dim)
-        self.slot_bytes = kv_heads * max_seq * head_dim * np.dtype(dtype).itemsize
-        self.dtype = np.dtype(dtype)
-        if device == "cpu":
-            self.buffers: list[Any] = [np.zeros((slots, *self.slot_shape), dtype) for _ in range(2 * layers)]
-        else:
-            from decodert.plugins.cuda_mem import DeviceBuffer
-
-            self.buffers = [DeviceBuffer(slots * self.slot_bytes) for _ in range(2 * layers)]
-        self.lengths = np.zeros(slots, np.int64)
-
-    def pointer(self, i: int, slot: int) -> int:
-        """Address of slot ``slot`` in buffer ``i`` (slots are the outer, contiguous dim)."""
-        buf = self.buffers[i]
-        base = buf.ctypes.data if self.device == "cpu" else buf.ptr
-        return base + slot * self.slot_bytes
-
-    def reset(self, slot: int | None = None) -> None:
-        if slot is None:
-            self.lengths[:] = 0
-        else:
-            self.lengths[slot] = 0
 
 
 @dataclass
@@ -115,7 +82,7 @@ class OrtBackend:
         self._verify: _VerifyState | None = None  # opened on the first verify call (speculative decoding)
 
     # ---- Backend protocol --------------------------------------------------------------------
-    def allocate(self, slots: int | None = None) -> OrtKVCache:
+    def allocate(self, slots: int | None = None) -> KVCache:
         slots = slots or self.max_batch
         if not 1 <= slots <= self.max_batch:
             raise DecodertError(f"batch {slots} exceeds the artifact's --max-batch {self.max_batch}")
@@ -124,9 +91,9 @@ class OrtBackend:
         self._decode_bindings.clear()
         if self._verify is not None:
             self._verify.bindings.clear()
-        return OrtKVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype, self.device)
+        return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype, self.device)
 
-    def prefill(self, cache: OrtKVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
+    def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         lens = np.array([len(x) for x in ids], np.int64)
         if (cache.lengths[list(slots)] + lens > cache.max_seq).any():
             raise DecodertError(f"prompt does not fit in the cache (max {cache.max_seq} tokens per row); "
@@ -147,7 +114,7 @@ class OrtBackend:
         cache.lengths[list(slots)] += lens
         return out
 
-    def decode(self, cache: OrtKVCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
+    def decode(self, cache: KVCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
         slots_arr = np.asarray(slots, np.int64)
         if (cache.lengths[slots_arr] + 1 > cache.max_seq).any():
             raise DecodertError(f"the KV cache is full ({cache.max_seq} tokens per row)")
@@ -172,7 +139,7 @@ class OrtBackend:
         graph = self.manifest.graphs.get("verify")
         return (graph.max_tokens or 0) if graph else 0
 
-    def verify(self, cache: OrtKVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
+    def verify(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
         state = self._verify or self._open_verify()
         lens = np.array([len(x) for x in ids], np.int64)  # [n]
         width = int(lens.max())
@@ -208,7 +175,7 @@ class OrtBackend:
         self._verify = _VerifyState(session, self.max_batch, self.verify_width, self.vocab_size)
         return self._verify
 
-    def move_slot(self, cache: OrtKVCache, src: int, dst: int) -> None:
+    def move_slot(self, cache: KVCache, src: int, dst: int) -> None:
         if src == dst:
             return
         n = int(cache.lengths[src])
@@ -229,24 +196,19 @@ class OrtBackend:
     def kv_bytes(self, n: int) -> int:
         return 2 * self.layers * self.kv_heads * n * self.head_dim * np.dtype(self.np_dtype).itemsize
 
-    def read_kv(self, cache: OrtKVCache, slot: int, start: int, n: int) -> Any:
+    def read_kv(self, cache: KVCache, slot: int, start: int, n: int) -> Any:
         if cache.device == "cpu":
             return kv_blocks.host_read(cache.buffers, slot, start, n)
-        return kv_blocks.device_read(self._geometry(cache), slot, start, n, self._cuda_stream())
+        return kv_blocks.device_read(cache.geometry(), slot, start, n, self._cuda_stream())
 
-    def write_kv(self, cache: OrtKVCache, slot: int, start: int, block: Any) -> None:
+    def write_kv(self, cache: KVCache, slot: int, start: int, block: Any) -> None:
         if cache.device == "cpu":
             kv_blocks.host_write(cache.buffers, slot, start, block)
         else:
-            kv_blocks.device_write(self._geometry(cache), slot, start, block, self._cuda_stream())
+            kv_blocks.device_write(cache.geometry(), slot, start, block, self._cuda_stream())
 
     def free_kv(self, block: Any) -> None:
         kv_blocks.free_block(block)
-
-    def _geometry(self, cache: OrtKVCache) -> kv_blocks.DeviceGeometry:
-        pos = self.head_dim * cache.dtype.itemsize
-        return kv_blocks.DeviceGeometry([b.ptr for b in cache.buffers], cache.slot_bytes, pos, self.kv_heads,
-                                        cache.max_seq)
 
     def _cuda_stream(self) -> Any:
         from decodert.plugins.cuda_mem import Stream
@@ -255,7 +217,7 @@ class OrtBackend:
         return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
-    def _prefill_groups(self, cache: OrtKVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:
+    def _prefill_groups(self, cache: KVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:
         """Runs of contiguous slots; rows one by one where a batched call is not allowed."""
         groups = []
         for rows in _contiguous_runs(slots):
@@ -265,7 +227,7 @@ class OrtBackend:
             groups.extend([rows] if batched_ok else [[r] for r in rows])
         return groups
 
-    def _bind(self, cache: OrtKVCache, kind: str, start: int, n: int, width: int) -> _Binding:
+    def _bind(self, cache: KVCache, kind: str, start: int, n: int, width: int) -> _Binding:
         io = self.sessions[kind].io_binding()
         b = _Binding(io, np.zeros((n, width), np.int64), np.zeros(n, np.int64), np.ones(n, np.int64),
                      np.empty((n, self.vocab_size), np.float32), np.empty(n, np.int64))
@@ -290,7 +252,7 @@ class _VerifyState:
         self.vocab = vocab
         self.bindings: dict[tuple[int, int, int, int], Any] = {}
 
-    def binding(self, backend: "OrtBackend", cache: OrtKVCache, start: int, n: int, w: int) -> tuple:
+    def binding(self, backend: "OrtBackend", cache: KVCache, start: int, n: int, w: int) -> tuple:
         """(io, ids [n, w], past [n], logits [n, w, V], next_tokens [n, w]) for slots [start, start+n)."""
         views = (self.ids[: n * w].reshape(n, w), self.past[:n], self.logits[: n * w * self.vocab].reshape(n, w, -1),
                  self.next[: n * w].reshape(n, w))
@@ -306,7 +268,7 @@ class _VerifyState:
         return (io, *views)
 
 
-def _bind_cache(io: Any, cache: OrtKVCache, start: int, n: int) -> None:
+def _bind_cache(io: Any, cache: KVCache, start: int, n: int) -> None:
     """Bind slots [start, start+n) of every K/V buffer (one contiguous view) as past and present."""
     shape = (n, *cache.slot_shape)
     for i in range(len(cache.buffers)):

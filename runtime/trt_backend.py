@@ -21,7 +21,6 @@ run with the KV tensors bound at that run's first row. All contexts share one sc
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -35,6 +34,7 @@ from decodert.plugins.trt_compat import load_trt, read_engine
 from decodert.plugins import cuda_mem as cm
 from decodert.runtime import kv_blocks
 from decodert.runtime.backend import StepOutput
+from decodert.runtime.kv_cache import KVCache
 
 GRAPHS = ("prefill", "decode")
 ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -58,26 +58,6 @@ def contiguous_runs(slots: Sequence[int]) -> Iterator[list[tuple[int, int]]]:
         run.append((j, int(slots[j])))
     if run:
         yield run
-
-
-@dataclass
-class TrtCache:
-    """KV buffers [slots, Hkv, max_seq, D] per layer, K and V ([k0, v0, k1, v1, ...]), on the GPU."""
-
-    slots: int
-    max_seq: int
-    kv: list[cm.DeviceBuffer]
-    row_bytes: int  # one slot of one buffer: Hkv * max_seq * D * itemsize
-    pos_bytes: int  # one position of one head: D * itemsize
-    lengths: np.ndarray  # [slots] int64 tokens cached per slot
-
-    def reset(self, slot: int | None = None) -> None:
-        self.lengths[slice(None) if slot is None else slot] = 0
-
-    def free(self) -> None:
-        for buf in self.kv:
-            buf.free()
-        self.kv = []
 
 
 class _Engine:
@@ -170,7 +150,7 @@ class TrtBackend:
         self._decode_ctx: dict[int, Any] = {}  # batch size -> context bound once for slots 0..n-1
         self._graphs: dict[int, cm.CudaGraph | None] = {}  # None: capture failed, run plainly
         self._warm: set[int] = set()
-        self.cache: TrtCache | None = None
+        self.cache: KVCache | None = None
 
     # ------------------------------------------------------------ setup
     def _open_device(self, device: int) -> None:
@@ -221,11 +201,11 @@ class TrtBackend:
                 "seq_lengths": self.d["pre_seq" if pre else "dec_seq"].ptr,
                 "logits": self.d["logits"].ptr, "next_token": self.d["next"].ptr}
 
-    def _kv_addresses(self, cache: TrtCache, row0: int) -> dict[str, int]:
+    def _kv_addresses(self, cache: KVCache, row0: int) -> dict[str, int]:
         """past_* and present_* of every layer -> the same pointer, at slot ``row0``."""
         out = {}
-        for buf, (past, present) in zip(cache.kv, self.engines["decode"].kv_pairs):
-            out[past] = out[present] = buf.ptr + row0 * cache.row_bytes
+        for buf, (past, present) in zip(cache.buffers, self.engines["decode"].kv_pairs):
+            out[past] = out[present] = buf.ptr + row0 * cache.slot_bytes
         return out
 
     def _shapes(self, n: int, seq: int) -> dict[str, tuple[int, ...]]:
@@ -235,7 +215,7 @@ class TrtBackend:
         return shapes
 
     # ------------------------------------------------------------ cache
-    def allocate(self, slots: int) -> TrtCache:
+    def allocate(self, slots: int) -> KVCache:
         """Allocate [slots, Hkv, max_seq, D] K and V per layer once; checked against free GPU memory."""
         if not 1 <= slots <= self.max_batch:
             raise DecodertError(f"allocate({slots}): slots must be 1..{self.max_batch} (the engines' --max-batch)")
@@ -245,12 +225,12 @@ class TrtBackend:
         if need > 0.9 * free:
             raise DecodertError(f"the KV cache needs {need / 2**30:.2f} GiB ({slots} slots x {self.max_seq} tokens) but "
                                 f"{free / 2**30:.2f} GiB of GPU memory is free; lower --max-seq or --max-batch")
-        kv = [cm.DeviceBuffer(slots * row) for _ in range(2 * self.layers)]
-        cache = TrtCache(slots, self.max_seq, kv, row, self.head_dim * self.itemsize, np.zeros(slots, np.int64))
+        cache = KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, device="cuda",
+                        itemsize=self.itemsize)
         self._use(cache)
         return cache
 
-    def _use(self, cache: TrtCache) -> None:
+    def _use(self, cache: KVCache) -> None:
         """Make ``cache`` the bound one; decode contexts and graphs baked another cache's pointers."""
         if cache is not self.cache:
             self._drop_graphs()
@@ -262,12 +242,12 @@ class TrtBackend:
                 graph.destroy()
         self._graphs, self._warm, self._decode_ctx = {}, set(), {}
 
-    def move_slot(self, cache: TrtCache, src: int, dst: int) -> None:
+    def move_slot(self, cache: KVCache, src: int, dst: int) -> None:
         """Copy slot ``src``'s cached positions into ``dst`` ([Hkv] strided rows of length*D per buffer)."""
         n = int(cache.lengths[src])
         pitch = self.max_seq * cache.pos_bytes  # bytes between heads
-        for buf in cache.kv:
-            cm.copy_2d_async(buf.ptr + dst * cache.row_bytes, pitch, buf.ptr + src * cache.row_bytes, pitch,
+        for buf in cache.buffers:
+            cm.copy_2d_async(buf.ptr + dst * cache.slot_bytes, pitch, buf.ptr + src * cache.slot_bytes, pitch,
                              n * cache.pos_bytes, self.kv_heads, self.stream)
         self.stream.sync()
         cache.lengths[dst] = n
@@ -276,21 +256,17 @@ class TrtBackend:
     def kv_bytes(self, n: int) -> int:
         return 2 * self.layers * self.kv_heads * n * self.head_dim * self.itemsize
 
-    def read_kv(self, cache: TrtCache, slot: int, start: int, n: int) -> kv_blocks.DeviceBlock:
+    def read_kv(self, cache: KVCache, slot: int, start: int, n: int) -> kv_blocks.DeviceBlock:
         """Positions [start, start+n) of ``slot`` copied into a new device block (stays on the GPU)."""
-        return kv_blocks.device_read(self._geometry(cache), slot, start, n, self.stream)
+        return kv_blocks.device_read(cache.geometry(), slot, start, n, self.stream)
 
-    def write_kv(self, cache: TrtCache, slot: int, start: int, block: kv_blocks.DeviceBlock) -> None:
-        kv_blocks.device_write(self._geometry(cache), slot, start, block, self.stream)
+    def write_kv(self, cache: KVCache, slot: int, start: int, block: kv_blocks.DeviceBlock) -> None:
+        kv_blocks.device_write(cache.geometry(), slot, start, block, self.stream)
 
     def free_kv(self, block: kv_blocks.DeviceBlock) -> None:
         block.free()
 
-    def _geometry(self, cache: TrtCache) -> kv_blocks.DeviceGeometry:
-        return kv_blocks.DeviceGeometry([b.ptr for b in cache.kv], cache.row_bytes, cache.pos_bytes,
-                                        self.kv_heads, self.max_seq)
-
-    def _check_rows(self, cache: TrtCache, slots: Sequence[int], counts: Sequence[int]) -> None:
+    def _check_rows(self, cache: KVCache, slots: Sequence[int], counts: Sequence[int]) -> None:
         if len(set(slots)) != len(slots) or any(not 0 <= s < cache.slots for s in slots):
             raise DecodertError(f"slots {list(slots)} must be distinct and within 0..{cache.slots - 1}")
         for s, k in zip(slots, counts):
@@ -299,7 +275,7 @@ class TrtBackend:
                                     f"context of {self.max_seq} (--max-seq at export)")
 
     # ------------------------------------------------------------ steps
-    def prefill(self, cache: TrtCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
+    def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         """Append each row's tokens; prompts longer than the prefill profile run in chunks."""
         self._use(cache)
         rows = [np.asarray(r, dtype=np.int64).reshape(-1) for r in ids]
@@ -313,7 +289,7 @@ class TrtBackend:
                 self._prefill_run(cache, [(live[i], s) for i, s in run], chunk, out)
         return out
 
-    def _prefill_run(self, cache: TrtCache, run: list[tuple[int, int]], chunk: dict[int, np.ndarray],
+    def _prefill_run(self, cache: KVCache, run: list[tuple[int, int]], chunk: dict[int, np.ndarray],
                      out: StepOutput) -> None:
         k, row0 = len(run), run[0][1]
         lens = np.array([len(chunk[j]) for j, _ in run], np.int64)  # [k]
@@ -334,7 +310,7 @@ class TrtBackend:
         self._collect(run, out)
         cache.lengths[row0 : row0 + k] += lens
 
-    def decode(self, cache: TrtCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
+    def decode(self, cache: KVCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
         """One token per slot; slots 0..n-1 take the bound context / CUDA graph path."""
         self._use(cache)
         tokens = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
@@ -359,7 +335,7 @@ class TrtBackend:
         cache.lengths[list(slots)] += 1
         return out
 
-    def _decode_prefix(self, cache: TrtCache, n: int) -> None:
+    def _decode_prefix(self, cache: KVCache, n: int) -> None:
         if n not in self._decode_ctx:
             ctx = self.engines["decode"].context(self.scratch)
             bind(ctx, {**self._io_addresses("decode"), **self._kv_addresses(cache, 0)}, self._shapes(n, 1))

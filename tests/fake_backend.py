@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from decodert.export.manifest import (FORMAT, FORMAT_VERSION, KVRecord, Manifest, ModelRecord, SamplingRecord, TokenizerRecord,
                                       WeightsRecord)
 from decodert.runtime.backend import StepOutput, VerifyOutput
+from decodert.runtime.kv_cache import KVCache
 from decodert.runtime.llm import LLM
 
 CORPUS = [
@@ -29,13 +30,12 @@ CORPUS = [
 SPECIALS = ["<|eos|>", "<|user|>", "<|assistant|>"]
 
 
-class FakeCache:
-    """Cache of token ids per slot: tokens [slots, max_seq] int64 (-1 = empty), lengths [slots]."""
+class FakeCache(KVCache):
+    """The runtime's KVCache with no K/V buffers; its "K/V" is the token ids: tokens [slots, max_seq]
+    int64 (-1 = empty), lengths [slots]."""
 
     def __init__(self, slots: int, max_seq: int) -> None:
-        self.slots = slots
-        self.max_seq = max_seq
-        self.lengths = np.zeros(slots, dtype=np.int64)  # [slots]
+        super().__init__(slots, max_seq, layers=0, kv_heads=1, head_dim=1, dtype=np.int64)
         self.tokens = np.full((slots, max_seq), -1, dtype=np.int64)  # [slots, max_seq]
 
     def reset(self, slot: int | None = None) -> None:

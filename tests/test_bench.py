@@ -14,6 +14,7 @@ import onnx
 import pytest
 
 from decodert.cli import main
+from decodert.export import progress
 from decodert.export.manifest import load_manifest
 from decodert.export.pipeline import export_model
 from decodert.export.quant import QuantConfig
@@ -111,6 +112,17 @@ def test_bytes_per_step_counts_one_embedding_row_when_the_head_is_a_copy(tiny_ar
     gather_tables = 512 * 2 * 4  # vocab x blocks (64 / 32) fp32 scales, counted one row per token
     assert per_step <= q.weights.bytes - gather_tables + 1024
     assert bytes_per_step(tiny_int4_artifact, q, rows=2) == per_step + 2 * 4 + 2  # a row of scales + zero points
+
+
+def test_bench_reports_progress_on_stderr_when_not_a_terminal(tiny_artifact, monkeypatch, capsys):
+    """`decodert bench` used to be silent for minutes when its output went to a file (issue 17)."""
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)  # a line per run instead of one per 10 s
+    assert _bench(tiny_artifact, "--batch", "1") == 0
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("decodert: bench tied (batch 1): ")]
+    assert [line.split(": ")[2].split(",")[0] for line in lines[:-1]] == [f"{i}/4 run" for i in range(1, 5)]
+    assert lines[-1].endswith(" s done") and "decodert: bench" not in out  # stdout keeps only the report
 
 
 def _bench_script(name: str, *args: str) -> subprocess.CompletedProcess:

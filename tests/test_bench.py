@@ -144,3 +144,25 @@ def test_ab_alternates_artifacts_in_workers(tiny_artifact, tiny_int4_artifact):
     assert proc.returncode == 0, proc.stderr
     summary = [line for line in proc.stdout.splitlines() if "median of medians" in line]
     assert len(summary) == 2 and all("(rounds: " in line and line.count(".") >= 3 for line in summary)
+
+
+def test_prefix_bench_runs_on_a_tiny_artifact(tiny_checkpoint, tmp_path):
+    """bench/prefix.py end to end on a tiny export (no competitors): every part reports, replies match."""
+    art = tmp_path / "prefix"
+    export_model(tiny_checkpoint("llama"), art, max_seq=512, max_batch=2, progress=False)
+    out = tmp_path / "prefix.json"
+    bench = Path(__file__).resolve().parents[1] / "bench" / "prefix.py"
+    proc = subprocess.run([sys.executable, str(bench), "--artifact", str(art), "--small-artifact", str(art),
+                           "--turns", "3", "--reply", "4", "--requests", "3", "--gen", "3", "--system-words", "40", "--rounds", "1",
+                           "--memory-turns", "12", "--threads", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    conv = data["conversation"]
+    assert set(conv["ttft_ms"]) == {"decodert session", "decodert re-prefill"}
+    assert all(len(v) == 3 for v in conv["ttft_ms"].values()) and conv["same_tokens"]
+    assert conv["cached_tokens"][0] == 0 and conv["cached_tokens"][2] > 0
+    assert data["shared"]["same_tokens"] and data["shared"]["cached_tokens"] > 0
+    mem = data["memory"]
+    assert mem["max_held_bytes"] <= mem["budget_bytes"] and mem["peak_bytes"] <= mem["budget_bytes"]
+    assert "goal <= 0.25" in proc.stdout

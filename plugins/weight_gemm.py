@@ -30,15 +30,7 @@ from decodert.plugins.registry import OpDef, register
 BITS = (4, 8)
 
 
-# ---- numpy: pack, unpack, quantize, reference ----------------------------------------------
-def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 codes [..., n] (n even for 4 bits) -> packed bytes [..., n * bits / 8]."""
-    codes = codes.astype(np.uint8)
-    if bits == 8:
-        return codes
-    return (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
-
-
+# ---- numpy: unpack, reference (weights are quantized and packed by export/quant.py) ----------------------------------------------
 def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     """Packed bytes [..., m] -> uint8 codes [..., m * 8 / bits] (low nibble first)."""
     if bits == 8:
@@ -50,34 +42,6 @@ def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
 
 def zero_point_bytes(n_blocks: int, bits: int) -> int:
     return (n_blocks * bits + 7) // 8
-
-
-def quantize_blockwise(w: np.ndarray, bits: int = 4, block_size: int = 32, symmetric: bool = False):
-    """w [N, K] float -> (b [N, K/bs, bs*bits/8] uint8, scales [N, K/bs] float32, zero_points or None).
-
-    Asymmetric: per-block min/max; symmetric: zero point 2^(bits-1) left implicit (None).
-    """
-    n, k = w.shape
-    if k % block_size or bits not in BITS:
-        raise ValueError(f"K={k} must be a multiple of block_size={block_size}; bits in {BITS}")
-    blocks = w.astype(np.float32).reshape(n, k // block_size, block_size)
-    qmax = (1 << bits) - 1
-    if symmetric:
-        zero = np.full(blocks.shape[:2], 1 << (bits - 1), np.float32)
-        scale = np.abs(blocks).max(-1) / (1 << (bits - 1))
-    else:
-        lo, hi = np.minimum(blocks.min(-1), 0.0), np.maximum(blocks.max(-1), 0.0)
-        scale = (hi - lo) / qmax
-        zero = np.clip(np.round(-lo / np.where(scale == 0, 1, scale)), 0, qmax)
-    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
-    codes = np.clip(np.round(blocks / scale[..., None]) + zero[..., None], 0, qmax).astype(np.uint8)
-    b = pack_codes(codes, bits)  # [N, n_blocks, bs*bits/8]
-    if symmetric:
-        return b, scale, None
-    zp = zero.astype(np.uint8)
-    if bits == 4 and zp.shape[1] % 2:
-        zp = np.concatenate([zp, np.zeros((n, 1), np.uint8)], axis=1)  # pad each row to whole bytes
-    return b, scale, pack_codes(zp, bits)
 
 
 def dequantize_ref(b, scales, zero_points=None, *, K: int, N: int, bits: int, block_size: int) -> np.ndarray:

@@ -32,7 +32,7 @@ from decodert.plugins.catalog import get_op, load_all
 from decodert.plugins.registry import DOMAIN
 from decodert.export.targets import ORT, TRT
 from decodert.plugins.selection import choose_plugins
-from decodert.plugins.weight_gemm import dequantize_ref, quantize_blockwise
+from decodert.plugins.weight_gemm import dequantize_ref
 
 SEED = int(os.environ.get("DECODERT_TEST_SEED") or np.random.SeedSequence().entropy % 2**31)
 NP_TO_ONNX = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16"}
@@ -120,7 +120,10 @@ def test_rms_norm_body_matches_numpy(shape, fused, dtype):
 def test_matmul_nbits_body_matches_numpy(bits, k, n, block, symmetric, a_shape):
     rng = np.random.default_rng(SEED)
     w = rng.standard_normal((n, k)).astype(np.float32)
-    b, scales, zp = quantize_blockwise(w, bits, block, symmetric)
+    from decodert.export.quant import QuantConfig, quantize  # the one quantizer and packer
+
+    qw = quantize(w, QuantConfig(bits=bits, block_size=block, symmetric=symmetric, scale_search=False))
+    b, scales, zp = qw.q.reshape(n, k // block, block * bits // 8), qw.scales, qw.zero_points
     assert b.shape == (n, k // block, block * bits // 8) and scales.shape == (n, k // block)
     deq = dequantize_ref(b, scales, zp, K=k, N=n, bits=bits, block_size=block)
     assert np.abs(deq - w).max() <= scales.max() * (0.5 if not symmetric else 1.0) + 1e-6  # quantization error

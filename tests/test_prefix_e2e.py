@@ -5,6 +5,7 @@ sliding window shorter than the prompts) and on SmolLM2."""
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
@@ -98,3 +99,21 @@ def test_reuse_exact_smollm2(smollm2_gguf, tmp_path):
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert all(r.metrics.cached_tokens >= 64 for r in got)
     assert on.prefix_cache.stats.peak_bytes <= on.prefix_cache.budget_bytes
+
+
+def test_tiny_budget_and_different_hit_lengths_exact_on_real_graphs(tiny_checkpoint, tmp_path):
+    """ONNX Runtime graphs: one batch whose rows hit 0..n blocks, then eviction under a 3-block budget."""
+    art = _export(tiny_checkpoint, tmp_path, "qwen2")
+    off, on = LLM.load(art, prefix_cache_mb=0), LLM.load(art)
+    ids = on.encode(SYSTEM + QUESTIONS[0], add_bos=False)
+    on.prefix_cache = PrefixCache(on.backend, 1 << 20, 8)
+    on.generate([ids], max_new_tokens=2)  # caches its whole blocks
+    prompts = [np.r_[ids[:n], ids[:3]] for n in (2, 9, 17, 33)]  # hits of 0, 8, 16 and 32 ids
+    got = on.generate(prompts, max_new_tokens=8)
+    assert [r.metrics.cached_tokens for r in got] == [0, 8, 16, 32]
+    assert [r.token_ids for r in got] == [r.token_ids for r in off.generate(prompts, max_new_tokens=8)]
+    on.prefix_cache = PrefixCache(on.backend, 3 * on.prefix_cache.block_bytes, 8)
+    reqs = [Request(SYSTEM[i * 7 :] + q, SamplingParams(max_new_tokens=6)) for i, q in enumerate(QUESTIONS)] * 2
+    assert [r.token_ids for r in on.generate_many(reqs)] == [r.token_ids for r in off.generate_many(reqs)]
+    stats = on.prefix_cache.stats
+    assert stats.evicted_blocks > 0 and stats.peak_bytes <= on.prefix_cache.budget_bytes

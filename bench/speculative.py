@@ -21,6 +21,11 @@ onnxruntime-genai (batch 1 only; it refuses speculation at batch > 1) runs with
 the interpreter ``--genai-python`` (a venv holding onnxruntime-genai: bench/install.py; default:
 this interpreter).
 ``--draft`` adds decodert fp32 with the int4 export of the same model as its draft model.
+
+``--llamacpp-python PY`` (a venv holding llama-cpp-python) adds llama.cpp at batch 1 on the Q4_1
+GGUF as is (precision ``q4_1``; decodert fp32 is that GGUF dequantised, so its tokens are compared
+with decodert fp32 plain), plain and with ``LlamaPromptLookupDecoding(max_ngram_size=3,
+num_pred_tokens=8)``; greedy via ``Llama.generate(top_k=1)``, EOS or ``--gen`` ends a reply.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ FREE = ["What are some good habits for staying healthy?", "Tell me a short story
 
 @dataclasses.dataclass
 class Job:
-    runtime: str  # decodert | onnxruntime-genai
+    runtime: str  # decodert | onnxruntime-genai | llama.cpp
     precision: str  # fp32 | int4
     batch: int
     mode: str  # plain | ngram | draft
@@ -129,10 +134,35 @@ def run_ortgenai(job: Job, prompts: list[list[int]], gen: int) -> list[dict]:
     return [one(p) for p in prompts]
 
 
+def run_llamacpp(job: Job, prompts: list[list[int]], gen: int, threads: int) -> list[dict]:
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=8) if job.mode == "ngram" else None
+    llm = Llama(model_path=job.path, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False, draft_model=draft)
+    eos = llm.token_eos()
+
+    def one(ids: list[int]) -> dict:
+        tokens, t1 = [], 0.0
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, reset=True):
+            if not tokens:
+                t1 = time.perf_counter()
+            tokens.append(int(tok))
+            if tok == eos or len(tokens) >= gen:
+                break
+        return {"tokens": tokens, "decode_s": time.perf_counter() - t1}
+
+    one(prompts[0])
+    return [one(p) for p in prompts]
+
+
 def worker(spec: str) -> int:
     job_d = json.loads(spec)
     job = Job(**job_d["job"])
     os.environ["DECODERT_THREADS"] = str(job_d["threads"])
+    if job.runtime == "llama.cpp":
+        print(json.dumps(run_llamacpp(job, job_d["prompts"], job_d["gen"], job_d["threads"])))
+        return 0
     run = run_decodert if job.runtime == "decodert" else run_ortgenai
     print(json.dumps(run(job, job_d["prompts"], job_d["gen"])))
     return 0
@@ -140,7 +170,7 @@ def worker(spec: str) -> int:
 
 def run_in_worker(job: Job, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
     payload = json.dumps({"job": dataclasses.asdict(job), "prompts": prompts, "gen": args.gen, "threads": args.threads})
-    python = args.genai_python if job.runtime == "onnxruntime-genai" else sys.executable
+    python = {"onnxruntime-genai": args.genai_python, "llama.cpp": args.llamacpp_python}.get(job.runtime, sys.executable)
     proc = subprocess.run([python, __file__, "--worker", payload], capture_output=True, text=True, timeout=3600,
                           env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     lines = proc.stdout.strip().splitlines()
@@ -198,6 +228,8 @@ def jobs_for(args: argparse.Namespace, ours: dict[str, Path], genai: dict[str, P
                 jobs.append(Job("decodert", precision, batch, mode, str(ours[precision])))
             if precision in genai and batch == 1:
                 jobs += [Job("onnxruntime-genai", precision, 1, m, str(genai[precision])) for m in ("plain", "ngram")]
+        if args.llamacpp_python and precision == "fp32" and 1 in args.batches:
+            jobs += [Job("llama.cpp", "q4_1", 1, m, str(args.gguf)) for m in ("plain", "ngram")]
         if args.draft and precision == "fp32":
             jobs.append(Job("decodert", "fp32", 1, "draft", str(ours["fp32"]), str(ours["int4"])))
     return jobs
@@ -237,7 +269,8 @@ def report(jobs: list[Job], runs: dict, loads: dict) -> tuple[str, list[dict]]:
             rates = [rate(job, rows) for rows in reps]
             base_i = next((k for k, j in enumerate(jobs) if (j.runtime, j.precision, j.batch, j.mode) ==
                            (job.runtime, job.precision, job.batch, "plain")), None)
-            ref_i = next(k for k, j in enumerate(jobs) if (j.runtime, j.precision, j.mode) == ("decodert", job.precision,
+            ref_prec = "fp32" if job.precision == "q4_1" else job.precision
+            ref_i = next(k for k, j in enumerate(jobs) if (j.runtime, j.precision, j.mode) == ("decodert", ref_prec,
                                                                                                 "plain"))
             base = statistics.median(rate(jobs[base_i], rows) for rows in runs[(base_i, name)]) if base_i is not None else 0
             same = [x["tokens"] for x in reps[0]] == [x["tokens"] for x in runs[(ref_i, name)][0]]
@@ -265,6 +298,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-ortgenai", action="store_true")
     p.add_argument("--genai-python", default=sys.executable, help="interpreter holding onnxruntime-genai")
+    p.add_argument("--llamacpp-python", default="", help="interpreter holding llama-cpp-python (adds llama.cpp)")
     p.add_argument("--draft", action="store_true", help="also fp32 with the int4 export as draft model")
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", help=argparse.SUPPRESS)

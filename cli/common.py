@@ -16,7 +16,7 @@ def add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
     """Sampling flags, --backend, --full-verify, --json and --no-stats.
 
     A sampling flag left out takes the model's default (manifest["sampling"]; SmolLM2-Instruct:
-    temperature 0.2, top_p 0.9), exactly as in the Python API; a flag given overrides it.
+    temperature 0.2, top_p 0.5), exactly as in the Python API; a flag given overrides it.
     """
     g = p.add_argument_group("sampling (a flag left out takes the model's default, as in the Python API)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")

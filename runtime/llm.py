@@ -69,7 +69,7 @@ class LLM:
     temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
     seed=None, stop=(), stop_token_ids=(). A parameter you do not pass takes the model's
     default (``sampling_defaults``: manifest.sampling, export/sampling_defaults.py; e.g.
-    SmolLM2-Instruct: temperature 0.2, top_p 0.9), else SamplingParams' (greedy). Explicit
+    SmolLM2-Instruct: temperature 0.2, top_p 0.5), else SamplingParams' (greedy). Explicit
     arguments always override, one parameter at a time: ``temperature=0`` is greedy.
     Structured output: at most one of json_schema= (dict or JSON text), regex=, grammar= (Lark);
     the output then matches it, unless cut short by max_new_tokens (finish_reason "length").

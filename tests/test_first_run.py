@@ -26,7 +26,7 @@ def ggufs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("qtype, bits, exact", [("F32", None, None), ("F16", None, None), ("Q4_0", 4, "transcoded"),
-                                                ("Q4_1", 4, "transcoded"), ("Q8_0", 8, "transcoded")])
+                                                ("Q4_1", None, None), ("Q8_0", 8, "transcoded")])
 def test_run_keeps_the_gguf_precision(ggufs, tmp_path, qtype, bits, exact):
     quant, what = keep_precision(open_checkpoint(ggufs[qtype]))
     assert (quant and quant.bits) == bits and (what.startswith("fp32") if bits is None else qtype in what)
@@ -42,9 +42,10 @@ def test_hf_folder_stays_fp32(tiny_checkpoint):
     assert keep_precision(open_checkpoint(tiny_checkpoint("llama")))[0] is None
 
 
-def test_smollm2_q4_1_is_kept_exact(smollm2_gguf):
+def test_smollm2_q4_1_runs_in_fp32(smollm2_gguf):
+    # int4 at accuracy level 4 turned "What is the capital of France?" into a wrong answer (issue 17)
     quant, what = keep_precision(open_checkpoint(smollm2_gguf))
-    assert quant == QuantConfig(bits=4, accuracy_level=4, keep_q4_1=True, keep_q8=True) and "Q4_1" in what
+    assert quant is None and what.startswith("fp32") and "Q4_1" in what
 
 
 def test_keep_q4_1_refused_off_the_ort_target(ggufs, tmp_path):

@@ -103,11 +103,11 @@ def test_gguf_general_sampling_keys(tmp_path):
     plain = make_tiny_gguf("llama", tmp_path / "p.gguf")
     assert sampling_record(open_checkpoint(plain), "tpl")["defaults"] == {"temperature": 0.0}
     named = make_tiny_gguf("llama", tmp_path / "n.gguf", meta={"general.basename": "SmolLM2"})
-    assert sampling_record(open_checkpoint(named), "tpl")["defaults"] == {"temperature": 0.2, "top_p": 0.9}
+    assert sampling_record(open_checkpoint(named), "tpl")["defaults"] == {"temperature": 0.2, "top_p": 0.5}
     assert sampling_record(open_checkpoint(named), None)["defaults"] == {"temperature": 0.0}  # base model: no card
 
 
 def test_smollm2_gguf_gets_its_model_card_defaults(smollm2_gguf):
     ckpt = open_checkpoint(smollm2_gguf)
     record = sampling_record(ckpt, ckpt.meta.get("tokenizer.chat_template"))
-    assert record["defaults"] == {"temperature": 0.2, "top_p": 0.9} and "SmolLM2" in record["source"]
+    assert record["defaults"] == {"temperature": 0.2, "top_p": 0.5} and "SmolLM2" in record["source"]

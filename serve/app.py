@@ -101,9 +101,8 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
         received = time.perf_counter()
         req = parse(CompletionRequest, await request.body())
         _check_model(req.model, config)
-        prompts = await run_in_threadpool(encode_prompts, engine, req.prompts())
-        choices = await run_in_threadpool(prepare, engine, prompts, req, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
-                                          config.speculative)
+        prompts, choices = await run_in_threadpool(_encode_and_prepare, encode_prompts, engine, req.prompts(), req,
+                                                   req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, config.speculative)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
                               Reply("completion", config.model_name), [len(p) for p in prompts], config)
 
@@ -112,12 +111,19 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
         received = time.perf_counter()
         req = parse(ChatCompletionRequest, await request.body())
         _check_model(req.model, config)
-        prompts = await run_in_threadpool(encode_chat, engine, req.message_dicts())
-        choices = await run_in_threadpool(prepare, engine, prompts, req, req.limit, None, config.speculative)
+        prompts, choices = await run_in_threadpool(_encode_and_prepare, encode_chat, engine, req.message_dicts(), req,
+                                                   req.limit, None, config.speculative)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
                               Reply("chat", config.model_name), [len(p) for p in prompts], config)
 
     return app
+
+
+def _encode_and_prepare(encode, engine: Engine, inputs, req, limit: int | None, default: int | None,
+                        speculative: str | None):
+    """Tokenize (or render the chat template) and check the request in one thread-pool hop, not two."""
+    prompts = encode(engine, inputs)
+    return prompts, prepare(engine, prompts, req, limit, default, speculative)
 
 
 def _model_card(engine: Engine, config: ServeConfig) -> dict[str, Any]:

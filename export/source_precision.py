@@ -1,9 +1,9 @@
 """What ``decodert run`` (and ``LLM.load`` of a checkpoint) exports: the checkpoint's own precision.
 
-A quantized GGUF is not blown up to fp32 (SmolLM2's 98 MB Q4_1 file made a 538 MB fp32 artifact,
-the slowest variant). The rule, by the block type most of the linear weights are stored in
-(``keep_precision``; every choice uses MatMulNBits accuracy level 4, the fast int8-activation
-kernels of ONNX Runtime CPU):
+A quantized GGUF is not blown up to fp32 where its own precision keeps the answers (Q4_1 is the
+exception, below). The rule, by the block type most of the linear weights are stored in
+(``keep_precision``; every quantized choice uses MatMulNBits accuracy level 4, the fast
+int8-activation kernels of ONNX Runtime CPU):
 
     Q4_0         int4, transcoded exactly (Q8_0 weights such as the head kept exact too)
     Q4_1         fp32, dequantized exactly. Kept as int4 (--keep-q4-1 --keep-q8, perplexity 35.4 vs

@@ -25,7 +25,8 @@ this interpreter).
 ``--llamacpp-python PY`` (a venv holding llama-cpp-python) adds llama.cpp at batch 1 on the Q4_1
 GGUF as is (precision ``q4_1``; decodert fp32 is that GGUF dequantised, so its tokens are compared
 with decodert fp32 plain), plain and with ``LlamaPromptLookupDecoding(max_ngram_size=3,
-num_pred_tokens=8)``; greedy via ``Llama.generate(top_k=1)``, EOS or ``--gen`` ends a reply.
+num_pred_tokens=8)``; greedy via ``Llama.generate(top_k=1)``, EOS or ``--gen`` ends a reply. Its extra
+buffer types are turned off (llama-cpp-python 0.3.36 as built here segfaults in llama_decode with them).
 """
 
 from __future__ import annotations
@@ -135,9 +136,18 @@ def run_ortgenai(job: Job, prompts: list[list[int]], gen: int) -> list[dict]:
 
 
 def run_llamacpp(job: Job, prompts: list[list[int]], gen: int, threads: int) -> list[dict]:
+    import llama_cpp.llama_cpp as low
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+    defaults = low.llama_model_default_params
+
+    def params():  # llama.cpp's extra buffer types off: llama-cpp-python 0.3.36 segfaults with them on here
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
     draft = LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=8) if job.mode == "ngram" else None
     llm = Llama(model_path=job.path, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False, draft_model=draft)
     eos = llm.token_eos()

@@ -68,6 +68,7 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind) -> d
 def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.TensorProto],
                 kind: GraphKind) -> onnx.ModelProto:
     """The prefill or decode graph; ``weights`` maps canonical names (+ rope caches) to tensors."""
+    lowering = lowering.for_graph(kind)
     g = GraphBuilder(f"decodert_{spec.family}_{kind}", lowering.opsets)
     contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind)
     for io in contract["inputs"]:

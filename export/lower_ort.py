@@ -8,17 +8,23 @@
 - CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
                       present sharing one buffer (seqlens_k = past + S - 1 per row, so right
                       padding keeps every valid row's positions exact).
+                      The verify graph attends with standard ops instead (export/verify_attention.py):
+                      GQA refuses several tokens over a non-empty cache in more than one row, and
+                      speculative decoding verifies every row of a batch in one pass
+                      (manifest: graphs.verify.batched_past).
 GQA's CPU kernel needs head_dim % 16 == 0 and full rotary; other models keep the reference
 attention body (still in place: ORT writes ScatterND's output into the bound past buffer).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from decodert.export import verify_attention
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quant import quantized_embedding
@@ -43,11 +49,26 @@ class OrtLowering(Lowering):
     ir_version = 11
     flat_tokens = False  # MatMulNBits, FusedMatMul, the norms and GQA all take [B, S, hidden]
 
+    standard_attention = False  # the verify graph's lowering (for_graph): export/verify_attention.py
+
     @property
     def use_gqa(self) -> bool:
-        return self.spec.head_dim % 16 == 0 and self.rotary_dim == self.spec.head_dim
+        return not self.standard_attention and self.spec.head_dim % 16 == 0 and self.rotary_dim == self.spec.head_dim
+
+    @property
+    def batched_past(self) -> bool:
+        return not self.use_gqa  # GQA: batch 1 when several tokens meet a non-empty cache
+
+    def for_graph(self, kind: str) -> "OrtLowering":
+        if kind != "verify" or not self.use_gqa:  # the reference attention takes any rows already
+            return self
+        low = copy.copy(self)
+        low.standard_attention = True
+        return low
 
     def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
+        if self.standard_attention:
+            return verify_attention.context(g, inp, self.spec.num_kv_heads, self.max_seq, window)
         if not self.use_gqa:
             return super().context(g, inp, window)
         with g.scope("attn_context"):
@@ -98,6 +119,8 @@ class OrtLowering(Lowering):
         return g.op("Add", y, g.op("MatMul", sums, f"{weight}.mins"))
 
     def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
+        if isinstance(ctx, verify_attention.VerifyContext):
+            return verify_attention.attention(g, self, ctx, qkv, cache)
         if not isinstance(ctx, GqaContext):
             return super().attention(g, ctx, qkv, cache)
         s = self.spec

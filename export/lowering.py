@@ -49,6 +49,15 @@ class Lowering:
         self.scale = spec.softmax_scale
         self.softcap = spec.attn_softcap or 0.0  # 0 = none (the ONNX / ORT attribute convention)
 
+    @property
+    def batched_past(self) -> bool:
+        """Whether one call may run several tokens in several rows over non-empty caches."""
+        return True
+
+    def for_graph(self, kind: str) -> "Lowering":
+        """The lowering one graph kind ("prefill" | "decode" | "verify") is built with (default: this one)."""
+        return self
+
     # ---- per-graph shared values -------------------------------------------------------------
     def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
         """What every layer of one kind shares: ``window`` (0 = full) and the RoPE tables in ``inp``."""

@@ -46,6 +46,7 @@ class GraphRecord(Record):
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...] = ()
     max_tokens: int | None = None  # verify graph: tokens per row and call (the TensorRT profile's seq max)
+    batched_past: bool = False  # verify graph: one call may hold several rows over non-empty caches
 
     def io(self) -> dict[str, TensorInfo]:
         """name -> TensorInfo of every input and output."""

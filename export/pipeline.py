@@ -113,6 +113,7 @@ def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max
         contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
         if kind == "verify":
             contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
+            contract["batched_past"] = lowering.for_graph(kind).batched_past
         graphs[kind] = from_json(GraphRecord, contract, f"graphs.{kind}")
         bar.update()
     return graphs

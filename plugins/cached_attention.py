@@ -124,13 +124,21 @@ def write_cache_body(g: GraphBuilder, past: str, new_bhsd: str, ctx: AttnContext
 
 
 def attend_body(g: GraphBuilder, q4: str, key: str, value: str, visible: str, *, num_heads: int,
-                kv_heads: int, head_dim: int, max_seq: int, scale: float, dtype: str, out: str | None = None,
+                kv_heads: int, head_dim: int, max_seq: int | str, scale: float, dtype: str, out: str | None = None,
                 softcap: float = 0.0) -> str:
     """q4 [B,S,H,D] roped; key/value [B,Hkv,Smax,D] -> y [B,S,H*D] (GQA without repeating K/V).
 
-    ``softcap`` > 0: scores = softcap * tanh(scores / softcap) after the scale, before the mask (Gemma 2).
+    ``max_seq``: the keys' count Smax, static, or the name of a [1] int64 tensor (key/value/visible
+    then hold that many keys, e.g. sliced to the longest row). ``softcap`` > 0: scores =
+    softcap * tanh(scores / softcap) after the scale, before the mask (Gemma 2).
     """
     group = num_heads // kv_heads
+
+    def dims(*lead: int) -> str:  # Reshape target [*lead, keys]
+        if isinstance(max_seq, int):
+            return g.const([*lead, max_seq])
+        return g.op("Concat", g.const(list(lead)), max_seq, axis=0)
+
     qg = g.op("Reshape", g.op("Transpose", q4, perm=[0, 2, 1, 3]), g.const([0, kv_heads, -1, head_dim]))
     scores = g.op("MatMul", qg, g.op("Transpose", key, perm=[0, 1, 3, 2]))  # [B,Hkv,G*S,Smax]
     if dtype != "fp32":
@@ -139,10 +147,10 @@ def attend_body(g: GraphBuilder, q4: str, key: str, value: str, visible: str, *,
     if softcap:
         cap = g.const(np.float32(softcap))
         scores = g.op("Mul", g.op("Tanh", g.op("Div", scores, cap)), cap)
-    scores = g.op("Reshape", scores, g.const([0, kv_heads, group, -1, max_seq]))
+    scores = g.op("Reshape", scores, dims(0, kv_heads, group, -1))
     masked = g.op("Where", g.op("Unsqueeze", visible, g.const([1])), scores, g.const(np.float32(-np.inf)))
     probs = g.op("Softmax", masked, axis=-1)
-    probs = g.op("Reshape", probs, g.const([0, kv_heads, -1, max_seq]))
+    probs = g.op("Reshape", probs, dims(0, kv_heads, -1))
     if dtype != "fp32":
         probs = g.op("Cast", probs, to=DTYPES[dtype])
     y = g.op("MatMul", probs, value)  # [B,Hkv,G*S,D]

@@ -149,7 +149,8 @@ class OrtBackend:
             raise DecodertError(f"the KV cache is full ({cache.max_seq} tokens per row)")
         out = VerifyOutput(np.zeros((len(slots), width), np.int64),
                            np.zeros((len(slots), width, self.vocab_size), np.float32) if want_logits else None)
-        for rows in self._prefill_groups(cache, slots, lens):
+        batched = self.manifest.graphs["verify"].batched_past
+        for rows in _contiguous_runs(slots) if batched else self._prefill_groups(cache, slots, lens):
             start, n, w = slots[rows[0]], len(rows), int(lens[rows].max())
             io, ids_buf, past_buf, logits_buf, next_buf = state.binding(self, cache, start, n, w)
             ids_buf[:] = 0

@@ -81,3 +81,35 @@ def test_smollm2_greedy_identical(smollm2_fp32):
                                for m in chats])
     assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
     assert max(r.metrics.accepted_per_step for r in spec) > 1.2
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_ort_verify_takes_every_row_in_one_pass(tiny_checkpoint, tmp_path, family, monkeypatch):
+    """The ort target's verify graph attends with standard ops (GQA refuses several rows of several
+    tokens over a cache): one session run for 4 rows of different lengths and widths, and every
+    position's choice equals what decode steps over the same tokens choose."""
+    from decodert.runtime import ort_backend
+
+    out = tmp_path / "art"
+    m = export_model(tiny_checkpoint(family), out, target="ort", max_seq=64, max_batch=4, progress=False)
+    assert m.graphs["verify"].batched_past
+    be = LLM.load(out, backend="ort").backend
+    cache = be.allocate()
+    rng = np.random.default_rng(7)
+    for slot, n in enumerate((5, 17, 9, 30)):
+        be.prefill(cache, [slot], [rng.integers(3, be.vocab_size, n)], False)
+    start = cache.lengths.copy()
+    drafts = [rng.integers(3, be.vocab_size, w) for w in (4, 2, 6, 3)]
+    runs = []
+    real = ort_backend._run_bound
+    monkeypatch.setattr(ort_backend, "_run_bound", lambda *a: (runs.append(a[3]), real(*a)))
+    got = be.verify(cache, [0, 1, 2, 3], drafts, want_logits=True)
+    assert runs == ["verify"]
+    assert (cache.lengths == start + [4, 2, 6, 3]).all()
+    monkeypatch.setattr(ort_backend, "_run_bound", real)
+    for slot, ids in enumerate(drafts):
+        cache.lengths[slot] = start[slot]
+        for j, tok in enumerate(ids):
+            step = be.decode(cache, [slot], np.array([tok]), want_logits=True)
+            np.testing.assert_allclose(got.logits[slot, j], step.logits[0], atol=1e-4)
+            assert got.next_tokens[slot, j] == step.next_token[0]

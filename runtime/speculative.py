@@ -39,6 +39,7 @@ from decodert.runtime.sampling import apply_processors, draw, make_distribution
 
 METHODS = ("ngram", "draft")
 PRIOR = 0.5  # acceptance a row starts from (and drifts back to while it does not speculate)
+SLOPE_PRIOR = 0.1  # cost of one more verified token per row, in decode steps, before any is measured
 
 
 @dataclass(frozen=True)
@@ -95,15 +96,26 @@ class StepCosts:
         self.seconds[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def estimate(self, rows: int, width: int) -> float | None:
-        """Seconds, or None when nothing of this row count was measured. Unmeasured widths scale
-        the nearest measured one by a prior of +4% per extra token (weights are read once)."""
+        """Seconds, or None when nothing of this row count was measured. An unmeasured width scales
+        the nearest measured one by the measured cost of an extra token (``slope``)."""
         if (rows, width) in self.seconds:
             return self.seconds[(rows, width)]
         known = [w for r, w in self.seconds if r == rows]
         if not known:
             return None
         near = min(known, key=lambda w: abs(w - width))
-        return self.seconds[(rows, near)] * (1 + 0.04 * (width - 1)) / (1 + 0.04 * (near - 1))
+        slope = self.slope(rows)
+        return self.seconds[(rows, near)] * (1 + slope * (width - 1)) / (1 + slope * (near - 1))
+
+    def slope(self, rows: int) -> float:
+        """Cost of one more token per row, as a fraction of a decode step of as many rows: the mean
+        over the measured verify widths of this row count (else of every row count; else a prior:
+        a CPU that is compute-bound pays 0.3-0.5 per token at int4, a bandwidth-bound one less)."""
+        def ratios(same_rows: bool) -> list[float]:
+            return [(s / self.seconds[(n, 1)] - 1) / (w - 1) for (n, w), s in self.seconds.items()
+                    if w > 1 and (n, 1) in self.seconds and (n == rows or not same_rows)]
+        measured = ratios(True) or ratios(False)
+        return max(0.0, sum(measured) / len(measured)) if measured else SLOPE_PRIOR
 
 
 class Speculator:

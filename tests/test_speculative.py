@@ -165,11 +165,16 @@ def test_step_costs_measured_and_estimated():
     costs.record(1, 1, 1.0)
     costs.record(1, 1, 2.0)
     assert costs.estimate(1, 1) == pytest.approx(1.2)  # moving average 0.8 old + 0.2 new
-    assert costs.estimate(1, 5) == pytest.approx(1.2 * 1.16)  # unmeasured width: +4% per extra token
+    assert costs.estimate(1, 5) == pytest.approx(1.2 * 1.4)  # unmeasured width: the prior, +0.1 step per token
     assert costs.estimate(2, 1) is None
     costs.record(1, 5, 0.0)
-    costs.record(1, 5, 3.0)
-    assert costs.estimate(1, 4) == pytest.approx(3.0 * 1.12 / 1.16)  # scaled from the nearest width
+    costs.record(1, 5, 3.0)  # 3.0 s for 5 tokens vs 1.2 s for 1: (3.0 / 1.2 - 1) / 4 = 0.375 per extra token
+    assert costs.slope(1) == pytest.approx(0.375)
+    assert costs.estimate(1, 4) == pytest.approx(3.0 * (1 + 3 * 0.375) / (1 + 4 * 0.375))  # from the nearest width
+    costs.record(4, 1, 0.0)
+    costs.record(4, 1, 2.0)
+    assert costs.slope(4) == pytest.approx(0.375)  # no verify of 4 rows measured yet: every row count's
+    assert costs.estimate(4, 3) == pytest.approx(2.0 * (1 + 2 * 0.375))
 
 
 def test_adaptive_width_follows_the_step_costs():

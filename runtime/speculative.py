@@ -16,8 +16,9 @@ Exactness:
 
 Adaptivity (``adaptive=True``): each row keeps an acceptance estimate per kind of proposal (the
 n-gram length for prompt lookup); a shared cost table holds the measured seconds of a target
-pass per (rows, width). Each step picks the verify width with the most expected tokens per
-second, where width 1 is a plain decode step: when acceptance collapses (free-form text),
+pass per (rows, width) (a row count not measured yet takes a plain step first; a width not
+measured yet is priced by the measured cost of one more token). Each step picks the verify
+width with the most expected tokens per second, where width 1 is a plain decode step: when acceptance collapses (free-form text),
 speculation stops costing anything but the n-gram search, and a row's estimate drifts back to
 its prior while it is not speculating, so it is tried again later.
 """
@@ -259,7 +260,7 @@ def _plan(costs: StepCosts, seqs: Seq[Sequence], drafts: list[np.ndarray], keys:
     n = len(seqs)
     base = costs.estimate(n, 1)
     if base is None:
-        return max(avail) + 1  # nothing measured yet: speculate (the step measures itself)
+        return 1  # no decode step of this many rows measured yet: take one (cheap), then price widths
     acc = [s.spec.acceptance(keys[j] if keys[j] is not None else 1) if s.spec is not None else 0.0
            for j, s in enumerate(seqs)]
     draft_cost = [s.spec.drafter.seconds_per_token if s.spec is not None else 0.0 for s in seqs]

@@ -74,8 +74,11 @@ def test_bench_speculative_reports_tokens_per_step_and_acceptance(art, tmp_path)
     assert "tok/step" in proc.stdout and "speculative draft" in proc.stdout
     data = json.loads(report.read_text())
     assert data["speculative"] == "draft" and [r["batch"] for r in data["results"]] == [1, 2]
-    for r in data["results"]:  # the target drafting for itself: every draft is accepted
-        assert r["accepted_per_step"] > 1.0 and r["acceptance_rate"] > 0.9 and r["decode_tps"]["median"] > 0
+    first, second = data["results"]  # the target drafting for itself: every draft is accepted, and
+    # the adaptive width drafts until it has measured the draft's cost (the target's own), then stops
+    assert first["accepted_per_step"] > 1.0 and first["acceptance_rate"] == 1.0
+    assert second["accepted_per_step"] >= 1.0 and second["acceptance_rate"] in (0.0, 1.0)
+    assert first["decode_tps"]["median"] > 0 and second["decode_tps"]["median"] > 0
     proc = cli("bench", str(art), "--prompt-len", "8", "--gen", "24", "--repeats", "1", "--speculative", "ngram")
     assert proc.returncode == 0 and "tok/step" in proc.stdout, proc.stderr
     bad = cli("bench", str(art), "--prompt-len", "8", "--gen", "24", "--speculative", "draft")

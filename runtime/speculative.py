@@ -15,12 +15,13 @@ Exactness:
   so every emitted token has plain sampling's distribution.
 
 Adaptivity (``adaptive=True``): each row keeps an acceptance estimate per kind of proposal (the
-n-gram length for prompt lookup); a shared cost table holds the measured seconds of a target
-pass per (rows, width) (a row count not measured yet takes a plain step first; a width not
-measured yet is priced by the measured cost of one more token). Each step picks the verify
-width with the most expected tokens per second, where width 1 is a plain decode step: when acceptance collapses (free-form text),
-speculation stops costing anything but the n-gram search, and a row's estimate drifts back to
-its prior while it is not speculating, so it is tried again later.
+n-gram length for prompt lookup), starting from what earlier rows saw for that kind; a shared
+cost table holds the measured seconds of a target pass per (rows, width) (a row count not
+measured yet takes a plain step first; a width not measured yet is priced by the measured cost
+of one more token). Each step picks the verify width with the most expected tokens per second,
+where width 1 is a plain decode step: when acceptance collapses (free-form text), speculation
+stops costing anything but the n-gram search, and a row's estimate drifts back to what all rows
+saw while it is not speculating, so it is tried again later.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from decodert.runtime.metrics import Metrics
 from decodert.runtime.sampling import apply_processors, draw, make_distribution
 
 METHODS = ("ngram", "draft")
-PRIOR = 0.5  # acceptance a row starts from (and drifts back to while it does not speculate)
+PRIOR = 0.5  # acceptance of a kind of proposal nobody has verified yet (one pseudo-observation)
 SLOPE_PRIOR = 0.1  # cost of one more verified token per row, in decode steps, before any is measured
 
 
@@ -120,10 +121,12 @@ class StepCosts:
 
 
 class Speculator:
-    """What the rows of one LLM share: the cost table and the drafters."""
+    """What the rows of one LLM share: the cost table, the drafters and the acceptance seen so far
+    per (drafter, kind of proposal), which is where a new row's estimates start."""
 
     def __init__(self, draft_backend: Any = None) -> None:
         self.costs = StepCosts()
+        self.seen: dict[tuple[int, int], list[float]] = {}  # (id(drafter), kind) -> [accepted, evaluated], decayed
         self._draft_backend = draft_backend
         self._draft: Drafter | None = None
         self._ngram: dict[tuple[int, int], NgramDrafter] = {}
@@ -143,6 +146,15 @@ class Speculator:
     def state(self, config: SpeculativeConfig, seq: Sequence) -> "RowState":
         return RowState(self, config, self.drafter(config), seq)
 
+    def prior(self, drafter: Drafter, key: int) -> float:
+        """Acceptance every row has seen for this kind of proposal (PRIOR counted as one observation)."""
+        acc, seen = self.seen.get((id(drafter), key), (0.0, 0.0))
+        return (acc + PRIOR) / (seen + 1.0)
+
+    def observe(self, drafter: Drafter, key: int, accepted: int, evaluated: int) -> None:
+        acc, seen = self.seen.get((id(drafter), key), (0.0, 0.0))
+        self.seen[(id(drafter), key)] = [0.98 * acc + accepted, 0.98 * seen + evaluated]
+
 
 class RowState:
     """One row's speculation: its config, drafter, acceptance estimates and counters (``seq.spec``)."""
@@ -155,18 +167,20 @@ class RowState:
         self.passes = self.proposed = self.accepted = 0
 
     def acceptance(self, key: int) -> float:
-        acc, seen = self.stats.get(key, (PRIOR, 1.0))
+        acc, seen = self.stats.get(key) or (self.speculator.prior(self.drafter, key), 1.0)
         return acc / seen
 
     def learn(self, key: int, proposed: int, accepted: int) -> None:
-        acc, seen = self.stats.get(key, [PRIOR, 1.0])
+        acc, seen = self.stats.get(key) or [self.speculator.prior(self.drafter, key), 1.0]
         evaluated = accepted + (accepted < proposed)  # drafts compared up to the first rejection
         self.stats[key] = [0.7 * acc + accepted, 0.7 * seen + evaluated]
+        self.speculator.observe(self.drafter, key, accepted, evaluated)
 
     def idle(self, key: int) -> None:
-        """A draft of this kind was available but not verified: drift towards the prior."""
-        acc, seen = self.stats.get(key, [PRIOR, 1.0])
-        self.stats[key] = [0.97 * acc + 0.03 * PRIOR, 0.97 * seen + 0.03]
+        """A draft of this kind was available but not verified: drift towards what all rows saw."""
+        prior = self.speculator.prior(self.drafter, key)
+        acc, seen = self.stats.get(key) or [prior, 1.0]
+        self.stats[key] = [0.97 * acc + 0.03 * prior, 0.97 * seen + 0.03]
 
     def annotate(self, metrics: Metrics) -> Metrics:
         per_step = (metrics.generated_tokens - 1) / self.passes if self.passes else 0.0

@@ -125,6 +125,9 @@ class DraftModelDrafter:
         feed = [seqs[j].history[int(self.cache.lengths[s]) : seqs[j].length] for j, s in zip(rows, slots)]
         out = self.backend.prefill(self.cache, slots, feed, want_logits=False)
         tokens = [[int(t)] for t in out.next_token]
+        catch_up = max(len(f) for f in feed) > 2  # a row's first proposal prefills its whole prompt: once per row
+        if catch_up:
+            t0 = time.perf_counter()
         live = [i for i, j in enumerate(rows) if limits[j] > 1]
         while live:
             step = self.backend.decode(self.cache, [slots[i] for i in live],
@@ -134,9 +137,10 @@ class DraftModelDrafter:
             live = [i for i in live if len(tokens[i]) < limits[rows[i]]]
         for i, j in enumerate(rows):
             drafts[j] = np.array(tokens[i], np.int64)
-        made = sum(len(t) for t in tokens)
-        per_token = (time.perf_counter() - t0) / max(made, 1)
-        self.seconds_per_token = per_token if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per_token
+        made = sum(len(t) for t in tokens) - (len(rows) if catch_up else 0)  # tokens the timed part drafted
+        if made > 0:  # the cost of one drafted token, without a catch-up prefill (the planner's price)
+            per_token = (time.perf_counter() - t0) / made
+            self.seconds_per_token = per_token if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per_token
         return drafts, [1] * len(seqs)
 
     def commit(self, seq: Any, proposed: int, accepted: int) -> None:

@@ -328,37 +328,19 @@ def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) 
 
 
 def _session_options(threads: int | None) -> ort.SessionOptions:
+    """Options of every session. A backend has several (prefill/decode and verify; a draft model
+    its own) that run one after another: each session's pool stops spinning when its run ends,
+    else the pool that just ran keeps its threads spinning on the cores the next session needs
+    (SmolLM2 fp32 on 2 cores, alternating decode and a 5-token verify: 41.1 / 48.9 ms per call
+    with spinning pools, 21.8 / 25.1 ms without; alone 21.5 / 26.8 ms)."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3  # TensorScatter/ScatterND in-place notices are expected
+    so.add_session_config_entry("session.force_spinning_stop", "1")
     threads = threads or int(os.environ.get("DECODERT_THREADS", "0")) or None
-    if _shared_pool(threads or 0):
-        so.use_per_session_threads = False
-    elif threads:
+    if threads:
         so.intra_op_num_threads = threads
     return so
-
-
-_POOL: list[int] = []  # intra-op threads of the process-wide pool set up here (0: ONNX Runtime's default)
-
-
-def _shared_pool(threads: int) -> bool:
-    """Whether a session asking for ``threads`` runs on the one process-wide ONNX Runtime pool.
-
-    A backend has several sessions (prefill/decode and verify; a draft model has its own) that run
-    one after another. With a pool each, the pool that just ran keeps its threads spinning for a
-    while and takes the cores from the next session: alternating decode and verify steps ran at
-    about half speed (SmolLM2 fp32 on 2 cores: decode 21.5 -> 41.1 ms, a 5-token verify 26.8 ->
-    48.9 ms). The first backend's thread count sets the pool; one asking for another count keeps
-    its own pool."""
-    if not _POOL:
-        try:
-            ort.capi._pybind_state.set_global_thread_pool_sizes(threads, 1)
-        except (AttributeError, RuntimeError):  # an onnxruntime without it: a pool per session
-            _POOL.append(-1)
-            return False
-        _POOL.append(threads)
-    return _POOL[0] == threads
 
 
 def _default_providers() -> list[str]:

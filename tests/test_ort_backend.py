@@ -38,19 +38,16 @@ def test_cache_buffers_stay_put_and_are_written_in_place(tiny_art):
     assert not k0[0, :, 107:].any() and not k0[1, :, 103:].any()  # nothing past the lengths
 
 
-def test_sessions_share_one_thread_pool(tiny_art, monkeypatch):
-    """The prefill/decode and verify sessions (and a draft model's) run one after another on one
-    process-wide pool: a pool each left the last one's threads spinning on the next one's cores."""
+def test_session_pools_stop_spinning_after_a_run(tiny_art):
+    """The prefill/decode and verify sessions (and a draft model's) run one after another: a pool
+    left spinning after its run took the cores from the next session's run."""
     from decodert.runtime import ort_backend
 
+    assert ort_backend._session_options(None).get_session_config_entry("session.force_spinning_stop") == "1"
     be = OrtBackend(tiny_art, load_manifest(tiny_art))
-    be.verify(be.allocate(1), [0], [np.arange(3, 6)], want_logits=False)  # opens the verify session
-    assert ort_backend._POOL and ort_backend._POOL[0] >= 0  # this onnxruntime has global pools
-    threads = ort_backend._POOL[0]
-    monkeypatch.delenv("DECODERT_THREADS", raising=False)
-    assert ort_backend._session_options(threads or None).use_per_session_threads is False
-    other = ort_backend._session_options(threads + 3)  # another thread count: a pool of its own
-    assert other.use_per_session_threads is True and other.intra_op_num_threads == threads + 3
+    cache = be.allocate(1)
+    be.prefill(cache, [0], [np.arange(3, 9)], want_logits=False)
+    assert be.verify(cache, [0], [np.arange(3, 6)], want_logits=False).next_tokens.shape == (1, 3)
 
 
 def test_rss_flat_over_2000_tokens(tiny_art):

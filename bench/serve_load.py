@@ -74,17 +74,13 @@ def start_server(art: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"decodert serve did not start (exit {proc.wait()})")
 
 
-# ``python -m llama_cpp.server`` with llama.cpp's extra buffer types (weight repacking) off: on this
-# machine's Xeon (AMX) llama-cpp-python 0.3.36 segfaults in llama_decode with them on, for the plain
-# ``Llama`` API too (measured 2026-12-03); off, it runs. Everything else is the stock server.
-_LLAMA_SERVER = """
-import runpy, sys, llama_cpp.llama_cpp as low
-_defaults = low.llama_model_default_params
-def _params():
-    p = _defaults()
-    p.use_extra_bufts = False
-    return p
-low.llama_model_default_params = _params
+# ``python -m llama_cpp.server`` with llama.cpp's extra buffer types off (bench/llama_workaround.py:
+# it segfaults here with them on). Everything else is the stock server.
+_LLAMA_SERVER = f"""
+import runpy, sys
+sys.path.insert(0, {str(ROOT / "bench")!r})
+from llama_workaround import disable_extra_buffer_types
+disable_extra_buffer_types()
 sys.argv[0] = "llama_cpp.server"
 runpy.run_module("llama_cpp.server", run_name="__main__")
 """

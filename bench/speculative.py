@@ -136,18 +136,11 @@ def run_ortgenai(job: Job, prompts: list[list[int]], gen: int) -> list[dict]:
 
 
 def run_llamacpp(job: Job, prompts: list[list[int]], gen: int, threads: int) -> list[dict]:
-    import llama_cpp.llama_cpp as low
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    from llama_workaround import disable_extra_buffer_types  # bench/ is on sys.path: this script's folder
 
-    defaults = low.llama_model_default_params
-
-    def params():  # llama.cpp's extra buffer types off: llama-cpp-python 0.3.36 segfaults with them on here
-        p = defaults()
-        p.use_extra_bufts = False
-        return p
-
-    low.llama_model_default_params = params
+    disable_extra_buffer_types()
     draft = LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=8) if job.mode == "ngram" else None
     llm = Llama(model_path=job.path, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False, draft_model=draft)
     eos = llm.token_eos()

@@ -25,14 +25,10 @@ from pathlib import Path
 
 WORKER = r"""
 import json, sys, time
-import llama_cpp.llama_cpp as low
 from llama_cpp import Llama, LlamaGrammar
-_defaults = low.llama_model_default_params
-def _params():  # llama.cpp's extra buffer types off: llama-cpp-python 0.3.36 segfaults with them on here
-    p = _defaults()
-    p.use_extra_bufts = False
-    return p
-low.llama_model_default_params = _params
+sys.path.insert(0, sys.argv[3])
+from llama_workaround import disable_extra_buffer_types
+disable_extra_buffer_types()
 llm = Llama(model_path=sys.argv[1], n_ctx=1024, n_threads=int(sys.argv[2]), verbose=False, seed=0)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
@@ -111,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     from decodert.runtime.llm import LLM
 
     llm = LLM.load(args.artifact)
-    proc = subprocess.Popen([args.llama_python, "-c", WORKER, args.gguf, str(args.threads)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    bench_dir = str(Path(__file__).resolve().parent)  # where the worker finds llama_workaround
+    proc = subprocess.Popen([args.llama_python, "-c", WORKER, args.gguf, str(args.threads), bench_dir],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert json.loads(proc.stdout.readline())["ready"]
     reqs = requests(args.max_new_tokens)
     results = {"decodert": [], "llama.cpp": []}

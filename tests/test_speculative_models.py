@@ -113,3 +113,16 @@ def test_ort_verify_takes_every_row_in_one_pass(tiny_checkpoint, tmp_path, famil
             step = be.decode(cache, [slot], np.array([tok]), want_logits=True)
             np.testing.assert_allclose(got.logits[slot, j], step.logits[0], atol=1e-4)
             assert got.next_tokens[slot, j] == step.next_token[0]
+
+
+def test_bench_verify_cost_prints_every_width(tiny_checkpoint, tmp_path, capsys):
+    """bench/verify_cost.py (the verify-cost figures of docs/BENCHMARKS.md) runs on an artifact."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import verify_cost
+
+    out = tmp_path / "art"
+    export_model(tiny_checkpoint("llama"), out, target="ort", max_seq=64, max_batch=2, progress=False)
+    assert verify_cost.main([str(out), "--rows", "1,2", "--widths", "2,4", "--cached", "20", "--repeats", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["rows 1", "rows 1", "rows 2", "rows 2"]
+    assert "w2 " in lines[0] and "w4 " in lines[0] and "alternating decode / verify w5" in lines[1]

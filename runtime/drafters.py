@@ -7,8 +7,9 @@ is tracked apart: a 4-token n-gram match is right more often than a 1-token one)
 its own (a draft model's cache) stays in step; ``release(seq)`` forgets a finished row.
 
 - ``NgramDrafter`` (prompt lookup): the longest suffix of the row's tokens (prompt + generated,
-  ``max_ngram`` down to ``min_ngram`` tokens) that occurred before; the tokens that followed its
-  most recent occurrence are the draft. No model, no state.
+  ``max_ngram`` down to ``min_ngram`` tokens) that occurred before; the tokens that followed it
+  are the draft, voted position by position where it occurred several times (the most recent
+  occurrence on a tie). No model, no state.
 - ``DraftModelDrafter``: a second decodert artifact with the same tokenizer proposes its greedy
   tokens (q one-hot, so the acceptance rule is the same as for prompt lookup). It keeps one
   cache slot per row; rejected drafts are dropped by setting its length back, and tokens it has
@@ -40,16 +41,17 @@ class Drafter(Protocol):
         ...
 
 
-def longest_suffix_match(history: np.ndarray, max_n: int, min_n: int) -> tuple[int, int]:
-    """(start of the continuation, n) of the longest earlier occurrence of the last n tokens of
-    ``history`` [L] (n <= max_n; the most recent occurrence among equally long ones); (-1, 0) if
-    no occurrence of at least ``min_n`` tokens exists."""
+def suffix_matches(history: np.ndarray, max_n: int, min_n: int) -> tuple[np.ndarray, int]:
+    """(continuation starts [c], n) of every earlier occurrence of the last n tokens of ``history``
+    [L], for the longest n <= max_n that occurs; (empty, 0) if no occurrence of at least ``min_n``
+    tokens exists."""
     length = len(history)
+    none = np.zeros(0, np.int64), 0
     if length < 2:
-        return -1, 0
+        return none
     ends = np.flatnonzero(history[: length - 1] == history[length - 1]) + 1  # [c] continuation starts
     if ends.size == 0:
-        return -1, 0
+        return none
     n = np.ones(ends.size, np.int64)  # [c] matched tokens so far
     alive = np.ones(ends.size, bool)
     for t in range(1, min(max_n, length - 1)):
@@ -61,13 +63,39 @@ def longest_suffix_match(history: np.ndarray, max_n: int, min_n: int) -> tuple[i
         if not alive.any():
             break
     best = int(n.max())
-    if best < min_n:
-        return -1, 0
-    return int(ends[np.flatnonzero(n == best)[-1]]), best
+    return (ends[n == best], best) if best >= min_n else none
+
+
+def longest_suffix_match(history: np.ndarray, max_n: int, min_n: int) -> tuple[int, int]:
+    """(start of the continuation, n) of the most recent of the longest earlier occurrences of the
+    last n tokens of ``history`` (n <= max_n); (-1, 0) if none of at least ``min_n`` tokens."""
+    starts, n = suffix_matches(history, max_n, min_n)
+    return (int(starts[-1]), n) if n else (-1, 0)
+
+
+def voted_continuation(history: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
+    """Up to ``k`` tokens continuing the occurrences that start at ``starts`` [c]: at each position
+    the token most of the occurrences still agreeing continue with (the most recent one's on a
+    tie), so three earlier "for i in range(" followed by "n" beat one followed by "len"."""
+    if starts.size == 1:
+        return history[int(starts[0]) : int(starts[0]) + k].copy()
+    out = []
+    for i in range(k):
+        starts = starts[starts + i < len(history)]
+        if starts.size == 0:
+            break
+        tokens, which = np.unique(history[starts + i], return_inverse=True)
+        latest = np.zeros(tokens.size, np.int64)
+        np.maximum.at(latest, which, starts)
+        pick = int(np.lexsort((latest, np.bincount(which)))[-1])  # most votes, then the most recent
+        out.append(tokens[pick])
+        starts = starts[which == pick]
+    return np.array(out, np.int64)
 
 
 class NgramDrafter:
-    """Prompt lookup: the continuation of the longest earlier match of the row's last tokens."""
+    """Prompt lookup: the continuation of the longest earlier match of the row's last tokens (its
+    occurrences vote where there are several)."""
 
     seconds_per_token = 0.0
 
@@ -78,8 +106,8 @@ class NgramDrafter:
         drafts, keys = [], []
         for seq, limit in zip(seqs, limits):
             history = seq.history[: seq.length]  # [L] prompt + generated
-            start, n = longest_suffix_match(history, self.max_ngram, self.min_ngram) if limit > 0 else (-1, 0)
-            drafts.append(history[start : start + limit].copy() if start >= 0 else np.zeros(0, np.int64))
+            starts, n = suffix_matches(history, self.max_ngram, self.min_ngram) if limit > 0 else (None, 0)
+            drafts.append(voted_continuation(history, starts, limit) if n else np.zeros(0, np.int64))
             keys.append(n)
         return drafts, keys
 

@@ -143,6 +143,8 @@ class OrtBackend:
         """A run of one row goes through graphs.verify_row where the artifact has it (the prefill
         graph's attention, cheaper for one row); several rows through graphs.verify at once when
         it takes several rows over caches (batched_past), else row by row."""
+        if "verify" not in self.manifest.graphs:
+            self._open_verify("verify")  # says what to do
         lens = np.array([len(x) for x in ids], np.int64)  # [n]
         width = int(lens.max())
         if not 1 <= lens.min() or width > self.verify_width:

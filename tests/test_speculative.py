@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import FakeBackend, make_llm, make_tokenizer, scripted_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime.drafters import longest_suffix_match  # noqa: E402
+from decodert.runtime.drafters import NgramDrafter, longest_suffix_match, suffix_matches, voted_continuation  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.sampling import SamplingParams, make_distribution  # noqa: E402
 from decodert.runtime.speculative import SpeculativeConfig, StepCosts, expected_tokens  # noqa: E402
@@ -66,6 +66,21 @@ def test_longest_suffix_match():
     assert longest_suffix_match(h, 4, 4) == (-1, 0)
     assert longest_suffix_match(np.array([3, 4]), 3, 1) == (-1, 0)
     assert longest_suffix_match(np.array([4, 4]), 3, 1) == (1, 1)
+
+
+def test_the_occurrences_of_the_longest_match_vote():
+    """Where the longest match occurred several times, each position of the draft is the token
+    most of the occurrences still agreeing continue with; the most recent one's on a tie."""
+    h = np.array([1, 5, 9, 2, 1, 5, 9, 3, 8, 1, 5, 9, 3, 7, 4, 1, 5])
+    starts, n = suffix_matches(h, 4, 1)
+    assert n == 2 and starts.tolist() == [2, 6, 11]  # "1 5" three times (each then "9")
+    assert voted_continuation(h, starts, 4).tolist() == [9, 3, 7, 4]  # "9 3" 2 votes to 1; then a tie: latest
+    assert voted_continuation(h, starts[:1], 3).tolist() == [9, 2, 1]  # one occurrence: its continuation
+    assert voted_continuation(h, starts, 40).tolist() == [9, 3, 7, 4, 1, 5]  # up to the end of the history
+    assert suffix_matches(h, 4, 3)[1] == 0  # no match of 3
+    seq = type("Row", (), {"history": np.concatenate([h, [0] * 8]), "length": len(h)})()
+    drafts, keys = NgramDrafter(4, 1).propose([seq, seq], [3, 0])
+    assert [d.tolist() for d in drafts] == [[9, 3, 7], []] and keys == [2, 0]
 
 
 @pytest.mark.parametrize("rule", [copy_rule, None], ids=["copying", "random"])

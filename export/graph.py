@@ -20,10 +20,7 @@ has a cache; its head runs on every position instead of the last one only:
     seq_logits  = rmsnorm(x) @ lm_head^T                   [B, S, V] float32
     next_tokens = argmax(seq_logits)                       [B, S]  (next_tokens[b, j] follows token j)
 It is a separate graph so that prefill keeps its one-token head (a head over a whole prompt would
-cost a [S, V] GEMM per prompt); it reads the same weights.bin. ``verify_row`` is the same graph
-built with the prefill/decode attention, for targets whose verify graph needs an attention of its
-own to take several rows (ort: GroupQueryAttention takes one row of several tokens over a cache,
-and runs that row cheaper than the standard-op attention of the batched verify graph).
+cost a [S, V] GEMM per prompt); it reads the same weights.bin.
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, rope_table_of
 
-GraphKind = Literal["prefill", "decode", "verify", "verify_row"]
-VERIFY_KINDS = ("verify", "verify_row")  # per-position heads
+GraphKind = Literal["prefill", "decode", "verify"]
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 
@@ -53,12 +49,12 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind) -> d
         {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
         {"name": "seq_lengths", "dtype": "int64", "shape": ["batch"]},
     ]
-    if kind in VERIFY_KINDS:  # every position is an output: no last valid token to pick
+    if kind == "verify":  # every position is an output: no last valid token to pick
         inputs.pop()
     outputs = [
         {"name": "logits", "dtype": "fp32", "shape": ["batch", spec.vocab_size]},
         {"name": "next_token", "dtype": "int64", "shape": ["batch"]},
-    ] if kind not in VERIFY_KINDS else [
+    ] if kind != "verify" else [
         {"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "seq", spec.vocab_size]},
         {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "seq"]},
     ]
@@ -91,7 +87,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
             with g.scope(f"layers.{i}"):
                 ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
                 x, h = _layer(g, lowering, ctx, inp, spec, i, x, h)
-        if kind in VERIFY_KINDS:
+        if kind == "verify":
             logits = _verify_head(g, lowering, inp, spec, x, h)
         else:
             logits = _head(g, lowering, inp, spec, x, h)

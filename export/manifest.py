@@ -328,29 +328,25 @@ def _check_contract(m: Manifest, path: Path) -> None:
 
 
 def _check_verify(m: Manifest, path: Path) -> None:
-    """graphs.verify and graphs.verify_row (speculative decoding; artifacts exported before it have
-    neither, before verify_row no verify_row): the prefill contract without seq_lengths,
-    per-position outputs, and the width per call; verify_row runs one row per call."""
-    for kind in ("verify", "verify_row"):
-        g = m.graphs.get(kind)
-        if g is None:
-            continue
-        _need(kind == "verify" or "verify" in m.graphs, path, "graphs.verify_row without graphs.verify")
-        _need(g.max_tokens is not None and g.max_tokens >= 1, path, f"graphs.{kind} is malformed")
-        _listed(m, g.file, path, f"graphs.{kind}.file")
-        _need(2 * m.kv.num_layers + 2 <= len(g.inputs), path,
-              f"kv.num_layers {m.kv.num_layers} does not match graphs.{kind}.inputs")
-        bound = runtime_io(m)
-        bound.pop("seq_lengths"), bound.pop("logits"), bound.pop("next_token")
-        bound["seq_logits"] = ("fp32", ["batch", "seq", m.model.vocab_size])
-        bound["next_tokens"] = ("int64", ["batch", "seq"])
-        listed = g.io()
-        for name, (dtype, shape) in bound.items():
-            t = listed.get(name)
-            ok = t is not None and t.dtype == dtype and (shape is None or list(t.shape) == shape)
-            _need(ok, path, f"graphs.{kind}: {name!r} is missing or disagrees with kv/max_seq/model.vocab_size")
-        extra = [t.name for t in g.inputs if t.name not in bound]
-        _need(not extra, path, f"graphs.{kind}: input {extra[:1]} is not one the runtime binds")
+    """graphs.verify (speculative decoding; artifacts exported before it have none): the prefill
+    contract without seq_lengths, per-position outputs, and its width per call."""
+    g = m.graphs.get("verify")
+    if g is None:
+        return
+    _need(g.max_tokens is not None and g.max_tokens >= 1, path, "graphs.verify is malformed")
+    _listed(m, g.file, path, "graphs.verify.file")
+    _need(2 * m.kv.num_layers + 2 <= len(g.inputs), path, f"kv.num_layers {m.kv.num_layers} does not match graphs.verify.inputs")
+    bound = runtime_io(m)
+    bound.pop("seq_lengths"), bound.pop("logits"), bound.pop("next_token")
+    bound["seq_logits"] = ("fp32", ["batch", "seq", m.model.vocab_size])
+    bound["next_tokens"] = ("int64", ["batch", "seq"])
+    listed = g.io()
+    for name, (dtype, shape) in bound.items():
+        t = listed.get(name)
+        ok = t is not None and t.dtype == dtype and (shape is None or list(t.shape) == shape)
+        _need(ok, path, f"graphs.verify: {name!r} is missing or disagrees with kv/max_seq/model.vocab_size")
+    extra = [t.name for t in g.inputs if t.name not in bound]
+    _need(not extra, path, f"graphs.verify: input {extra[:1]} is not one the runtime binds")
 
 
 def safe_name(name: Any) -> bool:

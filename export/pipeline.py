@@ -18,7 +18,7 @@ import onnx
 from decodert.errors import DecodertError
 from decodert.export import destination
 from decodert.export.checkpoint_open import open_checkpoint
-from decodert.export.graph import VERIFY_KINDS, VERIFY_WIDTH, build_graph, io_contract
+from decodert.export.graph import VERIFY_WIDTH, build_graph, io_contract
 from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
 from decodert.export.quant_gguf import transcoded_as
 from decodert.export.sampling_defaults import sampling_record
@@ -71,8 +71,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout)
         lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized,
                                  plugins=tuple(plugin_record["ops"]) if plugin_record else ())
-        steps = len(graph_kinds(lowering)) + 2
-        with Stage("writing graphs and manifest", total=steps, unit="step", enabled=progress) as bar:
+        with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
             graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar)
             tokenizer = ckpt.write_tokenizer(tmp)
             tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
@@ -103,25 +102,16 @@ def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:
         raise DecodertError(f"--max-seq must be an integer >= 2 (got {max_seq!r})")
 
 
-def graph_kinds(lowering: Any) -> list[str]:
-    """prefill, decode, verify, and verify_row where the verify graph has an attention of its own
-    for several rows (ort: GroupQueryAttention runs one row of several tokens, cheaper)."""
-    kinds = ["prefill", "decode", "verify"]
-    if lowering.for_graph("verify").batched_past and not lowering.batched_past:
-        kinds.append("verify_row")
-    return kinds
-
-
 def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max_seq: int, tmp: Path,
                   bar: Stage) -> dict[str, GraphRecord]:
-    """Each graph of ``graph_kinds`` as KIND.onnx (checked) -> their manifest records."""
+    """prefill.onnx, decode.onnx and verify.onnx (checked) -> their manifest records."""
     graphs = {}
-    for kind in graph_kinds(lowering):
+    for kind in ("prefill", "decode", "verify"):
         path = tmp / f"{kind}.onnx"
         onnx.save_model(build_graph(spec, lowering, weights, kind), path)
         onnx.checker.check_model(str(path), full_check=True)
         contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
-        if kind in VERIFY_KINDS:
+        if kind == "verify":
             contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
             contract["batched_past"] = lowering.for_graph(kind).batched_past
         graphs[kind] = from_json(GraphRecord, contract, f"graphs.{kind}")

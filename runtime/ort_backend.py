@@ -79,7 +79,7 @@ class OrtBackend:
         self._prefill_with_past_batch = get_target(manifest.target).multi_token_rows or self.max_batch
         self._decode_bindings: dict[tuple[int, int, int], _Binding] = {}
         self._options, self._providers = options, providers
-        self._verify: dict[str, _VerifyState] = {}  # verify / verify_row sessions, opened on first use
+        self._verify: _VerifyState | None = None  # opened on the first verify call (speculative decoding)
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:
@@ -89,8 +89,8 @@ class OrtBackend:
         itemsize = np.dtype(self.np_dtype).itemsize
         check_fits(slots * 2 * self.layers * self.kv_heads * self.max_seq * self.head_dim * itemsize, "KV cache")
         self._decode_bindings.clear()
-        for state in self._verify.values():
-            state.bindings.clear()
+        if self._verify is not None:
+            self._verify.bindings.clear()
         return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype, self.device)
 
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
@@ -140,11 +140,7 @@ class OrtBackend:
         return (graph.max_tokens or 0) if graph else 0
 
     def verify(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
-        """A run of one row goes through graphs.verify_row where the artifact has it (the prefill
-        graph's attention, cheaper for one row); several rows through graphs.verify at once when
-        it takes several rows over caches (batched_past), else row by row."""
-        if "verify" not in self.manifest.graphs:
-            self._open_verify("verify")  # says what to do
+        state = self._verify or self._open_verify()  # says to re-export when there is no verify graph
         lens = np.array([len(x) for x in ids], np.int64)  # [n]
         width = int(lens.max())
         if not 1 <= lens.min() or width > self.verify_width:
@@ -153,26 +149,23 @@ class OrtBackend:
             raise DecodertError(f"the KV cache is full ({cache.max_seq} tokens per row)")
         out = VerifyOutput(np.zeros((len(slots), width), np.int64),
                            np.zeros((len(slots), width, self.vocab_size), np.float32) if want_logits else None)
-        graphs = self.manifest.graphs
-        batched = graphs["verify"].batched_past
+        batched = self.manifest.graphs["verify"].batched_past
         for rows in _contiguous_runs(slots) if batched else self._prefill_groups(cache, slots, lens):
-            kind = "verify_row" if len(rows) == 1 and "verify_row" in graphs else "verify"
-            state = self._verify.get(kind) or self._open_verify(kind)
             start, n, w = slots[rows[0]], len(rows), int(lens[rows].max())
             io, ids_buf, past_buf, logits_buf, next_buf = state.binding(self, cache, start, n, w)
             ids_buf[:] = 0
             for j, r in enumerate(rows):
                 ids_buf[j, : lens[r]] = ids[r]
             past_buf[:] = cache.lengths[start : start + n]
-            _run_bound(state.session, io, self.dir, kind)
+            _run_bound(state.session, io, self.dir, "verify")
             out.next_tokens[rows, :w] = next_buf
             if out.logits is not None:
                 out.logits[rows, :w] = logits_buf
         cache.lengths[list(slots)] += lens
         return out
 
-    def _open_verify(self, kind: str) -> "_VerifyState":
-        graph = self.manifest.graphs.get(kind)
+    def _open_verify(self) -> "_VerifyState":
+        graph = self.manifest.graphs.get("verify")
         if graph is None:
             raise DecodertError(f"{self.dir} has no verify graph (exported before speculative decoding); "
                                 "re-export it to use speculative decoding")
@@ -180,8 +173,8 @@ class OrtBackend:
         check_external_data(path)
         session = open_session(path, self._options, self._providers)
         check_session_io(session, graph, path)
-        self._verify[kind] = _VerifyState(session, self.max_batch, self.verify_width, self.vocab_size)
-        return self._verify[kind]
+        self._verify = _VerifyState(session, self.max_batch, self.verify_width, self.vocab_size)
+        return self._verify
 
     def move_slot(self, cache: KVCache, src: int, dst: int) -> None:
         if src == dst:

@@ -101,27 +101,10 @@ def test_an_artifact_written_before_the_typed_manifest_loads(art):
     for key in ("sampling", "plugins", "engines", "quant", "decodert_version", "onnx_version", "created", "source"):
         raw.pop(key, None)
     raw["graphs"].pop("verify", None)
-    raw["graphs"].pop("verify_row", None)
     raw["tokenizer"].pop("vocab_size", None)
     _rewrite(art, raw)
     m = load_manifest(art, verify="none")
     assert m.sampling is None and m.plugin_ops == () and m.engines is None and "verify" not in m.graphs
-
-
-def test_verify_row_is_checked_like_verify(tiny_checkpoint, tmp_path):
-    """graphs.verify_row (ort: one row per call) needs graphs.verify and the same contract."""
-    from decodert.export.pipeline import export_model
-
-    art = tmp_path / "art"
-    export_model(tiny_checkpoint("llama"), art, target="ort", max_seq=32, max_batch=2, progress=False)
-    raw = _raw(art)
-    row = raw["graphs"]["verify_row"]
-    _rewrite(art, {**raw, "graphs": {**raw["graphs"], "verify_row": {**row, "outputs": row["outputs"][1:]}}})
-    _one_line_error(art, "graphs.verify_row: 'seq_logits' is missing")
-    graphs = dict(raw["graphs"])
-    graphs.pop("verify")
-    _rewrite(art, {**raw, "graphs": graphs})
-    _one_line_error(art, "graphs.verify_row without graphs.verify")
 
 
 @dataclasses.dataclass(frozen=True)

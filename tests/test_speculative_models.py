@@ -115,41 +115,6 @@ def test_ort_verify_takes_every_row_in_one_pass(tiny_checkpoint, tmp_path, famil
             assert got.next_tokens[slot, j] == step.next_token[0]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_ort_verify_of_one_row_runs_the_row_graph(tiny_checkpoint, tmp_path, family, monkeypatch):
-    """One row goes through graphs.verify_row (GroupQueryAttention, as prefill: cheaper for one row
-    than the batched graph's standard ops), several rows through graphs.verify; both choose at
-    every position what decode steps choose."""
-    from decodert.runtime import ort_backend
-
-    out = tmp_path / "art"
-    m = export_model(tiny_checkpoint(family), out, target="ort", max_seq=64, max_batch=4, progress=False)
-    assert not m.graphs["verify_row"].batched_past and (out / m.graphs["verify_row"].file).is_file()
-    be = LLM.load(out, backend="ort").backend
-    cache = be.allocate()
-    rng = np.random.default_rng(8)
-    for slot, n in enumerate((11, 3)):
-        be.prefill(cache, [slot], [rng.integers(3, be.vocab_size, n)], False)
-    start = cache.lengths.copy()
-    drafts = [rng.integers(3, be.vocab_size, w) for w in (5, 1)]
-    runs = []
-    real = ort_backend._run_bound
-    monkeypatch.setattr(ort_backend, "_run_bound", lambda *a: (runs.append(a[3]), real(*a)))
-    got = [be.verify(cache, [slot], [ids], want_logits=True) for slot, ids in enumerate(drafts)]
-    assert runs == ["verify_row", "verify_row"]
-    cache.lengths[:] = start
-    both = be.verify(cache, [0, 1], drafts, want_logits=True)
-    assert runs[2:] == ["verify"]
-    monkeypatch.setattr(ort_backend, "_run_bound", real)
-    for slot, ids in enumerate(drafts):
-        cache.lengths[slot] = start[slot]
-        for j, tok in enumerate(ids):
-            step = be.decode(cache, [slot], np.array([tok]), want_logits=True)
-            for out_ in (got[slot].logits[0, j], both.logits[slot, j]):
-                np.testing.assert_allclose(out_, step.logits[0], atol=1e-4)
-            assert got[slot].next_tokens[0, j] == both.next_tokens[slot, j] == step.next_token[0]
-
-
 def test_bench_verify_cost_prints_every_width(tiny_checkpoint, tmp_path, capsys):
     """bench/verify_cost.py (the verify-cost figures of docs/BENCHMARKS.md) runs on an artifact."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -140,7 +140,7 @@ class OrtBackend:
         return (graph.max_tokens or 0) if graph else 0
 
     def verify(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
-        state = self._verify or self._open_verify()  # says to re-export when there is no verify graph
+        state = self._verify or self._open_verify()
         lens = np.array([len(x) for x in ids], np.int64)  # [n]
         width = int(lens.max())
         if not 1 <= lens.min() or width > self.verify_width:

@@ -126,3 +126,20 @@ def test_bench_verify_cost_prints_every_width(tiny_checkpoint, tmp_path, capsys)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["rows 1", "rows 1", "rows 2", "rows 2"]
     assert "w2 " in lines[0] and "w4 " in lines[0] and "alternating decode / verify w5" in lines[1]
+
+
+def test_bench_ngram_ceiling_prints_every_policy(tiny_checkpoint, tmp_path, capsys):
+    """bench/ngram_ceiling.py (the prompt-lookup ceiling table of docs/BENCHMARKS.md) runs on an
+    artifact, and its oracles are upper bounds of the drafters they are compared with."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import ngram_ceiling
+
+    out = tmp_path / "art"
+    export_model(tiny_checkpoint("llama"), out, target="ort", max_seq=1024, max_batch=1, progress=False)
+    assert ngram_ceiling.main([str(out), "--costs", "1:20,2:21,9:30", "--gen", "12"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["grounded", "free"]
+    for line in lines:
+        items = line.split(": ", 1)[1].split("  ")[1:]  # after "plain N tok/s"
+        rate = {k: float(v) for k, v in (x.rsplit(" ", 1) for x in items)}
+        assert rate["oracle trimmed"] >= rate["oracle choice"] >= max(rate["recent"], rate["voted"]) * 0.999

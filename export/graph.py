@@ -21,6 +21,13 @@ has a cache; its head runs on every position instead of the last one only:
     next_tokens = argmax(seq_logits)                       [B, S]  (next_tokens[b, j] follows token j)
 It is a separate graph so that prefill keeps its one-token head (a head over a whole prompt would
 cost a [S, V] GEMM per prompt); it reads the same weights.bin.
+
+Where the verify graph needs an attention of its own to take several rows over caches (ort:
+GroupQueryAttention takes several tokens over a cache only in a one-row call), the prefill graph
+also serves one-row verify passes, with its own attention (cheaper there) and no second session
+holding the weights: an input ``per_position`` [1] (0 by default: an initializer of that name)
+adds every position's rows to the head's gather when 1, in the same lm_head GEMM:
+    seq_logits  [B, S*per_position, V],  next_tokens [B, S*per_position]
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Literal
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from decodert.export.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
@@ -40,8 +48,17 @@ GraphKind = Literal["prefill", "decode", "verify"]
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 
-def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind) -> dict[str, list[dict]]:
-    """Names, dtypes and shapes of a graph's inputs and outputs (also written to the manifest)."""
+def verifies_rows(lowering: Lowering) -> bool:
+    """Whether the prefill graph also serves one-row verify passes (``per_position``): where the
+    verify graph is built with an attention of its own because the prefill/decode one cannot take
+    several rows of several tokens over caches."""
+    return lowering.for_graph("verify").batched_past and not lowering.batched_past
+
+
+def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
+                per_position: bool = False) -> dict[str, list[dict]]:
+    """Names, dtypes and shapes of a graph's inputs and outputs (also written to the manifest);
+    ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``)."""
     seq: int | str = 1 if kind == "decode" else "seq"
     cache_shape = ["batch", spec.num_kv_heads, max_seq, spec.head_dim]
     inputs = [
@@ -58,6 +75,10 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind) -> d
         {"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "seq", spec.vocab_size]},
         {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "seq"]},
     ]
+    if per_position:
+        inputs.append({"name": "per_position", "dtype": "int64", "shape": [1]})
+        outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
+                    {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "positions"]}]
     for i in range(spec.num_layers):
         for kv in ("key", "value"):
             inputs.append({"name": f"past_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
@@ -68,13 +89,16 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind) -> d
 def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.TensorProto],
                 kind: GraphKind) -> onnx.ModelProto:
     """The prefill or decode graph; ``weights`` maps canonical names (+ rope caches) to tensors."""
+    per_position = kind == "prefill" and verifies_rows(lowering)
     lowering = lowering.for_graph(kind)
     g = GraphBuilder(f"decodert_{spec.family}_{kind}", lowering.opsets)
-    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind)
+    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position)
     for io in contract["inputs"]:
         g.input(io["name"], io["dtype"], io["shape"])
     for t in weights.values():
         g.add_initializer(t)
+    if per_position:  # the input's default: a plain prefill/decode call does not bind it
+        g.add_initializer(numpy_helper.from_array(np.zeros(1, np.int64), "per_position"))
     inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin")
     with g.scope("model"):
         contexts = _attention_contexts(g, lowering, inp, spec)
@@ -88,12 +112,13 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
                 ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
                 x, h = _layer(g, lowering, ctx, inp, spec, i, x, h)
         if kind == "verify":
-            logits = _verify_head(g, lowering, inp, spec, x, h)
+            heads = [_verify_head(g, lowering, inp, spec, x, h)]
         else:
-            logits = _head(g, lowering, inp, spec, x, h)
-    for io, value in zip(contract["outputs"][:2], (logits, g.op("ArgMax", logits, axis=-1, keepdims=0))):
+            heads = list(_head(g, lowering, inp, spec, x, h, "per_position" if per_position else None))
+    values = [v for logits in heads for v in (logits, g.op("ArgMax", logits, axis=-1, keepdims=0))]
+    for io, value in zip(contract["outputs"], values):
         g.output(value, io["name"], io["dtype"], io["shape"])
-    for io in contract["outputs"][2:]:
+    for io in contract["outputs"][len(values):]:
         g.outputs.append(onnx.helper.make_tensor_value_info(io["name"], DTYPES[io["dtype"]], io["shape"]))
     return g.to_model(ir_version=lowering.ir_version)
 
@@ -163,17 +188,33 @@ def _qk_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, qkv: str, p: str) 
     return g.op("Concat", q, k, v, axis=-1)
 
 
-def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str) -> str:
-    """Residual add, gather the last valid token of each row, final norm, lm_head -> fp32 logits."""
+def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str,
+          per_position: str | None) -> tuple[str, ...]:
+    """Residual add, gather the last valid token of each row, final norm, lm_head -> fp32 logits
+    [B, V]; with ``per_position`` (an input [1]: 0 or 1) also every position's [B, S*p, V], their
+    rows appended to the same gather and GEMM."""
     with g.scope("last_token"):
         shape = g.op("Shape", inp.input_ids)
         batch = g.op("Gather", shape, g.const(np.int64(0)), axis=0)
         seq = g.op("Gather", shape, g.const(np.int64(1)), axis=0)
         rows = g.op("Mul", g.op("Range", g.const(np.int64(0)), batch, g.const(np.int64(1))), seq)
         idx = g.op("Sub", g.op("Add", rows, inp.seq_lengths), g.const(np.int64(1)))  # [B]
+        if per_position is not None:
+            on = g.op("Gather", per_position, g.const(np.int64(0)), axis=0)  # 0 | 1
+            every = g.op("Range", g.const(np.int64(0)), g.op("Mul", g.op("Mul", batch, seq), on), g.const(np.int64(1)))
+            idx = g.op("Concat", idx, every, axis=0)  # [B + B*S*p]
         x, mlp = low.tokens(g, x, spec.hidden_size), low.tokens(g, mlp, spec.hidden_size)
         x_last, mlp_last = g.op("Gather", x, idx, axis=0), g.op("Gather", mlp, idx, axis=0)
-    return _final_norm_head(g, low, spec, x_last, mlp_last)
+    logits = _final_norm_head(g, low, spec, x_last, mlp_last)
+    if per_position is None:
+        return (logits,)
+    with g.scope("per_position"):
+        b1 = g.op("Unsqueeze", batch, g.const([0]))
+        last = g.op("Slice", logits, g.const([0]), b1, g.const([0]))
+        every = g.op("Slice", logits, b1, g.const([np.iinfo(np.int64).max]), g.const([0]))
+        positions = g.op("Unsqueeze", g.op("Mul", seq, on), g.const([0]))
+        every = g.op("Reshape", every, g.op("Concat", b1, positions, g.const([spec.vocab_size]), axis=0), allowzero=1)
+    return last, every
 
 
 def _verify_head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str) -> str:

@@ -52,6 +52,11 @@ class GraphRecord(Record):
         """name -> TensorInfo of every input and output."""
         return {t.name: t for t in self.inputs + self.outputs}
 
+    @property
+    def verifies_rows(self) -> bool:
+        """prefill graph: it also runs one-row verify passes (input ``per_position``; export/graph.py)."""
+        return any(t.name == "per_position" for t in self.inputs)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelRecord(Record):
@@ -323,8 +328,23 @@ def _check_contract(m: Manifest, path: Path) -> None:
             t = listed.get(name)
             ok = t is not None and t.dtype == dtype and (shape is None or list(t.shape) == shape)
             _need(ok, path, f"graphs.{kind}: {name!r} is missing or disagrees with kv/max_seq/model.vocab_size")
+        if kind == "prefill" and g.verifies_rows:
+            _check_per_position(m, listed, path)
+            bound["per_position"] = ("int64", [1])
         extra = [t.name for t in g.inputs if t.name not in bound]  # an input nobody binds
         _need(not extra, path, f"graphs.{kind}: input {extra[:1]} is not one the runtime binds (kv.num_layers?)")
+
+
+def _check_per_position(m: Manifest, listed: dict, path: Path) -> None:
+    """graphs.prefill's one-row verify input comes with its outputs and a verify graph beside it."""
+    _need("verify" in m.graphs, path, "graphs.prefill takes per_position but there is no graphs.verify")
+    vocab = m.model.vocab_size
+    want = {"per_position": ("int64", [1]), "seq_logits": ("fp32", ["batch", "positions", vocab]),
+            "next_tokens": ("int64", ["batch", "positions"])}
+    for name, (dtype, shape) in want.items():
+        t = listed.get(name)
+        _need(t is not None and t.dtype == dtype and list(t.shape) == shape, path,
+              f"graphs.prefill: {name!r} is missing or disagrees with model.vocab_size")
 
 
 def _check_verify(m: Manifest, path: Path) -> None:

@@ -91,7 +91,8 @@ def check_session_io(session: Any, graph: GraphRecord, path: Path) -> None:
     if unlisted:  # the runtime binds the listed inputs only
         raise DecodertError(f"{path}: graph input {unlisted[0]!r} is not in manifest.json; the file is damaged "
                             "or does not belong to this manifest")
-    have = {a.name: a for a in [*session.get_inputs(), *session.get_outputs()]}
+    defaults = session.get_overridable_initializers()  # inputs with a default (an initializer of that name)
+    have = {a.name: a for a in [*session.get_inputs(), *defaults, *session.get_outputs()]}
     for t in [*graph.inputs, *graph.outputs]:
         arg = have.get(t.name)
         want = ORT_TYPES.get(t.dtype)

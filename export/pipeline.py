@@ -18,7 +18,7 @@ import onnx
 from decodert.errors import DecodertError
 from decodert.export import destination
 from decodert.export.checkpoint_open import open_checkpoint
-from decodert.export.graph import VERIFY_WIDTH, build_graph, io_contract
+from decodert.export.graph import VERIFY_WIDTH, build_graph, io_contract, verifies_rows
 from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
 from decodert.export.quant_gguf import transcoded_as
 from decodert.export.sampling_defaults import sampling_record
@@ -110,7 +110,8 @@ def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max
         path = tmp / f"{kind}.onnx"
         onnx.save_model(build_graph(spec, lowering, weights, kind), path)
         onnx.checker.check_model(str(path), full_check=True)
-        contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind)}
+        per_position = kind == "prefill" and verifies_rows(lowering)  # one-row verify passes too
+        contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind, per_position)}
         if kind == "verify":
             contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
             contract["batched_past"] = lowering.for_graph(kind).batched_past

@@ -79,7 +79,9 @@ class OrtBackend:
         self._prefill_with_past_batch = get_target(manifest.target).multi_token_rows or self.max_batch
         self._decode_bindings: dict[tuple[int, int, int], _Binding] = {}
         self._options, self._providers = options, providers
-        self._verify: _VerifyState | None = None  # opened on the first verify call (speculative decoding)
+        # verify passes (speculative decoding): "verify" opened on first use; "prefill" (one-row passes
+        # where the prefill graph takes per_position) is the prefill session itself
+        self._verify: dict[str, _VerifyState] = {}
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:
@@ -89,8 +91,8 @@ class OrtBackend:
         itemsize = np.dtype(self.np_dtype).itemsize
         check_fits(slots * 2 * self.layers * self.kv_heads * self.max_seq * self.head_dim * itemsize, "KV cache")
         self._decode_bindings.clear()
-        if self._verify is not None:
-            self._verify.bindings.clear()
+        for state in self._verify.values():
+            state.bindings.clear()
         return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype, self.device)
 
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
@@ -140,7 +142,11 @@ class OrtBackend:
         return (graph.max_tokens or 0) if graph else 0
 
     def verify(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
-        state = self._verify or self._open_verify()
+        """Rows over their caches; a one-row run through the prefill session where its graph verifies
+        rows (GroupQueryAttention, no second copy of the weights), else through graphs.verify: several
+        rows at once where it takes several rows over caches (batched_past), else row by row."""
+        if "verify" not in self.manifest.graphs:
+            self._open_verify()  # says what to do
         lens = np.array([len(x) for x in ids], np.int64)  # [n]
         width = int(lens.max())
         if not 1 <= lens.min() or width > self.verify_width:
@@ -151,20 +157,29 @@ class OrtBackend:
                            np.zeros((len(slots), width, self.vocab_size), np.float32) if want_logits else None)
         batched = self.manifest.graphs["verify"].batched_past
         for rows in _contiguous_runs(slots) if batched else self._prefill_groups(cache, slots, lens):
+            state = self._verify_state(len(rows) == 1)
             start, n, w = slots[rows[0]], len(rows), int(lens[rows].max())
-            io, ids_buf, past_buf, logits_buf, next_buf = state.binding(self, cache, start, n, w)
+            io, ids_buf, past_buf, logits_buf, next_buf = state.binding(cache, start, n, w)
             ids_buf[:] = 0
             for j, r in enumerate(rows):
                 ids_buf[j, : lens[r]] = ids[r]
             past_buf[:] = cache.lengths[start : start + n]
-            _run_bound(state.session, io, self.dir, "verify")
+            _run_bound(state.session, io, self.dir, state.kind)
             out.next_tokens[rows, :w] = next_buf
             if out.logits is not None:
                 out.logits[rows, :w] = logits_buf
         cache.lengths[list(slots)] += lens
         return out
 
-    def _open_verify(self) -> "_VerifyState":
+    def _verify_state(self, one_row: bool) -> "_VerifyState":
+        kind = "prefill" if one_row and self.manifest.graphs["prefill"].verifies_rows else "verify"
+        state = self._verify.get(kind)
+        if state is None:
+            session = self.sessions["prefill"] if kind == "prefill" else self._open_verify()
+            state = self._verify[kind] = _VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size)
+        return state
+
+    def _open_verify(self) -> ort.InferenceSession:
         graph = self.manifest.graphs.get("verify")
         if graph is None:
             raise DecodertError(f"{self.dir} has no verify graph (exported before speculative decoding); "
@@ -173,8 +188,7 @@ class OrtBackend:
         check_external_data(path)
         session = open_session(path, self._options, self._providers)
         check_session_io(session, graph, path)
-        self._verify = _VerifyState(session, self.max_batch, self.verify_width, self.vocab_size)
-        return self._verify
+        return session
 
     def move_slot(self, cache: KVCache, src: int, dst: int) -> None:
         if src == dst:
@@ -241,19 +255,23 @@ class OrtBackend:
 
 
 class _VerifyState:
-    """The verify session and its IOBindings per (cache, first slot, rows, width); every binding
-    views one set of per-call buffers (calls run one at a time and are copied out right away)."""
+    """A session running verify passes and its IOBindings per (cache, first slot, rows, width);
+    every binding views one set of per-call buffers (calls run one at a time, copied out at once).
+    kind "prefill": the prefill graph with per_position=1 (one row, its last-token outputs unused)."""
 
-    def __init__(self, session: ort.InferenceSession, batch: int, width: int, vocab: int) -> None:
-        self.session = session
+    def __init__(self, session: ort.InferenceSession, kind: str, batch: int, width: int, vocab: int) -> None:
+        self.session, self.kind, self.vocab = session, kind, vocab
         self.ids = np.zeros(batch * width, np.int64)  # [n*W] input_ids
         self.past = np.zeros(batch, np.int64)  # [n] past_lengths
         self.logits = np.empty(batch * width * vocab, np.float32)  # [n*W*V] seq_logits
         self.next = np.empty(batch * width, np.int64)  # [n*W] next_tokens
-        self.vocab = vocab
+        if kind == "prefill":
+            self.seq = np.zeros(batch, np.int64)  # [n] seq_lengths (= w: one row, unpadded)
+            self.on = np.ones(1, np.int64)  # per_position
+            self.last = (np.empty((batch, vocab), np.float32), np.empty(batch, np.int64))  # logits, next_token
         self.bindings: dict[tuple[int, int, int, int], Any] = {}
 
-    def binding(self, backend: "OrtBackend", cache: KVCache, start: int, n: int, w: int) -> tuple:
+    def binding(self, cache: KVCache, start: int, n: int, w: int) -> tuple:
         """(io, ids [n, w], past [n], logits [n, w, V], next_tokens [n, w]) for slots [start, start+n)."""
         views = (self.ids[: n * w].reshape(n, w), self.past[:n], self.logits[: n * w * self.vocab].reshape(n, w, -1),
                  self.next[: n * w].reshape(n, w))
@@ -261,11 +279,18 @@ class _VerifyState:
         io = self.bindings.get(key)
         if io is None:
             io = self.bindings[key] = self.session.io_binding()
-            for name, arr in (("input_ids", views[0]), ("past_lengths", views[1])):
+            inputs = [("input_ids", views[0]), ("past_lengths", views[1])]
+            outputs = [("seq_logits", views[2]), ("next_tokens", views[3])]
+            if self.kind == "prefill":
+                inputs += [("seq_lengths", self.seq[:n]), ("per_position", self.on)]
+                outputs += [("logits", self.last[0][:n]), ("next_token", self.last[1][:n])]
+            for name, arr in inputs:
                 io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-            for name, arr in (("seq_logits", views[2]), ("next_tokens", views[3])):
+            for name, arr in outputs:
                 io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
             _bind_cache(io, cache, start, n)
+        if self.kind == "prefill":
+            self.seq[:n] = w
         return (io, *views)
 
 

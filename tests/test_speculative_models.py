@@ -115,6 +115,41 @@ def test_ort_verify_takes_every_row_in_one_pass(tiny_checkpoint, tmp_path, famil
             assert got.next_tokens[slot, j] == step.next_token[0]
 
 
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_ort_one_row_verify_runs_in_the_prefill_session(tiny_checkpoint, tmp_path, family, monkeypatch):
+    """A one-row verify pass goes through the prefill graph (per_position=1, its own attention):
+    verify.onnx is never opened, and every position's logits equal the batched verify graph's and
+    those of decode steps over the same tokens; plain prefill/decode leave per_position unbound."""
+    from decodert.runtime import ort_backend
+
+    out = tmp_path / "art"
+    m = export_model(tiny_checkpoint(family), out, target="ort", max_seq=64, max_batch=4, progress=False)
+    assert m.graphs["prefill"].verifies_rows
+    be = LLM.load(out, backend="ort").backend
+    cache = be.allocate()
+    rng = np.random.default_rng(11)
+    be.prefill(cache, [0], [rng.integers(3, be.vocab_size, 13)], False)
+    start = int(cache.lengths[0])
+    draft = rng.integers(3, be.vocab_size, 5)
+    runs = []
+    real = ort_backend._run_bound
+    monkeypatch.setattr(ort_backend, "_run_bound", lambda *a: (runs.append(a[3]), real(*a)))
+    got = be.verify(cache, [0], [draft], want_logits=True)
+    assert runs == ["prefill"] and list(be._verify) == ["prefill"]
+    assert cache.lengths[0] == start + 5
+    cache.lengths[0] = start
+    batched = be._verify_state(one_row=False)  # the verify graph over the same row
+    io, ids_buf, past_buf, logits_buf, next_buf = batched.binding(cache, 0, 1, 5)
+    ids_buf[0], past_buf[0] = draft, start
+    real(batched.session, io, be.dir, "verify")
+    np.testing.assert_allclose(got.logits[0], logits_buf[0], atol=1e-4)
+    monkeypatch.setattr(ort_backend, "_run_bound", real)
+    for j, tok in enumerate(draft):
+        step = be.decode(cache, [0], np.array([tok]), want_logits=True)
+        np.testing.assert_allclose(got.logits[0, j], step.logits[0], atol=1e-4)
+        assert got.next_tokens[0, j] == step.next_token[0]
+
 def test_bench_verify_cost_prints_every_width(tiny_checkpoint, tmp_path, capsys):
     """bench/verify_cost.py (the verify-cost figures of docs/BENCHMARKS.md) runs on an artifact."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -48,11 +48,11 @@ GraphKind = Literal["prefill", "decode", "verify"]
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 
-def verifies_rows(lowering: Lowering) -> bool:
-    """Whether the prefill graph also serves one-row verify passes (``per_position``): where the
-    verify graph is built with an attention of its own because the prefill/decode one cannot take
-    several rows of several tokens over caches."""
-    return lowering.for_graph("verify").batched_past and not lowering.batched_past
+def verifies_rows(lowering: Lowering, kind: GraphKind) -> bool:
+    """Whether graph ``kind`` takes ``per_position`` (one-row verify passes): the prefill graph, where
+    the verify graph is built with an attention of its own because the prefill/decode one cannot
+    take several rows of several tokens over caches."""
+    return kind == "prefill" and lowering.for_graph("verify").batched_past and not lowering.batched_past
 
 
 def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
@@ -89,7 +89,7 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
 def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.TensorProto],
                 kind: GraphKind) -> onnx.ModelProto:
     """The prefill or decode graph; ``weights`` maps canonical names (+ rope caches) to tensors."""
-    per_position = kind == "prefill" and verifies_rows(lowering)
+    per_position = verifies_rows(lowering, kind)
     lowering = lowering.for_graph(kind)
     g = GraphBuilder(f"decodert_{spec.family}_{kind}", lowering.opsets)
     contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position)

@@ -324,15 +324,20 @@ def _check_contract(m: Manifest, path: Path) -> None:
         _need(2 * m.kv.num_layers + 3 <= len(g.inputs), path,  # before runtime_io makes 4 names per layer
               f"kv.num_layers {m.kv.num_layers} does not match graphs.{kind}.inputs")
         bound = runtime_io(m)
-        for name, (dtype, shape) in bound.items():
-            t = listed.get(name)
-            ok = t is not None and t.dtype == dtype and (shape is None or list(t.shape) == shape)
-            _need(ok, path, f"graphs.{kind}: {name!r} is missing or disagrees with kv/max_seq/model.vocab_size")
+        _check_tensors(listed, bound, path, f"graphs.{kind}", "kv/max_seq/model.vocab_size")
         if kind == "prefill" and g.verifies_rows:
             _check_per_position(m, listed, path)
             bound["per_position"] = ("int64", [1])
         extra = [t.name for t in g.inputs if t.name not in bound]  # an input nobody binds
         _need(not extra, path, f"graphs.{kind}: input {extra[:1]} is not one the runtime binds (kv.num_layers?)")
+
+
+def _check_tensors(listed: dict, want: dict[str, tuple[str, list | None]], path: Path, where: str, source: str) -> None:
+    """Each wanted name is listed with its dtype and (unless None) its shape; ``source``: what implies them."""
+    for name, (dtype, shape) in want.items():
+        t = listed.get(name)
+        ok = t is not None and t.dtype == dtype and (shape is None or list(t.shape) == shape)
+        _need(ok, path, f"{where}: {name!r} is missing or disagrees with {source}")
 
 
 def _check_per_position(m: Manifest, listed: dict, path: Path) -> None:
@@ -341,10 +346,7 @@ def _check_per_position(m: Manifest, listed: dict, path: Path) -> None:
     vocab = m.model.vocab_size
     want = {"per_position": ("int64", [1]), "seq_logits": ("fp32", ["batch", "positions", vocab]),
             "next_tokens": ("int64", ["batch", "positions"])}
-    for name, (dtype, shape) in want.items():
-        t = listed.get(name)
-        _need(t is not None and t.dtype == dtype and list(t.shape) == shape, path,
-              f"graphs.prefill: {name!r} is missing or disagrees with model.vocab_size")
+    _check_tensors(listed, want, path, "graphs.prefill", "model.vocab_size")
 
 
 def _check_verify(m: Manifest, path: Path) -> None:
@@ -361,10 +363,7 @@ def _check_verify(m: Manifest, path: Path) -> None:
     bound["seq_logits"] = ("fp32", ["batch", "seq", m.model.vocab_size])
     bound["next_tokens"] = ("int64", ["batch", "seq"])
     listed = g.io()
-    for name, (dtype, shape) in bound.items():
-        t = listed.get(name)
-        ok = t is not None and t.dtype == dtype and (shape is None or list(t.shape) == shape)
-        _need(ok, path, f"graphs.verify: {name!r} is missing or disagrees with kv/max_seq/model.vocab_size")
+    _check_tensors(listed, bound, path, "graphs.verify", "kv/max_seq/model.vocab_size")
     extra = [t.name for t in g.inputs if t.name not in bound]
     _need(not extra, path, f"graphs.verify: input {extra[:1]} is not one the runtime binds")
 

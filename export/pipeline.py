@@ -110,8 +110,7 @@ def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max
         path = tmp / f"{kind}.onnx"
         onnx.save_model(build_graph(spec, lowering, weights, kind), path)
         onnx.checker.check_model(str(path), full_check=True)
-        per_position = kind == "prefill" and verifies_rows(lowering)  # one-row verify passes too
-        contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind, per_position)}
+        contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind))}
         if kind == "verify":
             contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
             contract["batched_past"] = lowering.for_graph(kind).batched_past

@@ -82,6 +82,7 @@ class OrtBackend:
         # verify passes (speculative decoding): "verify" opened on first use; "prefill" (one-row passes
         # where the prefill graph takes per_position) is the prefill session itself
         self._verify: dict[str, _VerifyState] = {}
+        self._prefill_verifies = manifest.graphs["prefill"].verifies_rows
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:
@@ -172,7 +173,7 @@ class OrtBackend:
         return out
 
     def _verify_state(self, one_row: bool) -> "_VerifyState":
-        kind = "prefill" if one_row and self.manifest.graphs["prefill"].verifies_rows else "verify"
+        kind = "prefill" if one_row and self._prefill_verifies else "verify"
         state = self._verify.get(kind)
         if state is None:
             session = self.sessions["prefill"] if kind == "prefill" else self._open_verify()

@@ -90,11 +90,8 @@ def test_ort_verify_takes_every_row_in_one_pass(tiny_checkpoint, tmp_path, famil
     position's choice equals what decode steps over the same tokens choose."""
     from decodert.runtime import ort_backend
 
-    out = tmp_path / "art"
-    m = export_model(tiny_checkpoint(family), out, target="ort", max_seq=64, max_batch=4, progress=False)
+    m, be, cache = _ort_tiny(tiny_checkpoint, tmp_path, family)
     assert m.graphs["verify"].batched_past
-    be = LLM.load(out, backend="ort").backend
-    cache = be.allocate()
     rng = np.random.default_rng(7)
     for slot, n in enumerate((5, 17, 9, 30)):
         be.prefill(cache, [slot], [rng.integers(3, be.vocab_size, n)], False)
@@ -115,7 +112,6 @@ def test_ort_verify_takes_every_row_in_one_pass(tiny_checkpoint, tmp_path, famil
             assert got.next_tokens[slot, j] == step.next_token[0]
 
 
-
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_ort_one_row_verify_runs_in_the_prefill_session(tiny_checkpoint, tmp_path, family, monkeypatch):
     """A one-row verify pass goes through the prefill graph (per_position=1, its own attention):
@@ -123,11 +119,8 @@ def test_ort_one_row_verify_runs_in_the_prefill_session(tiny_checkpoint, tmp_pat
     those of decode steps over the same tokens; plain prefill/decode leave per_position unbound."""
     from decodert.runtime import ort_backend
 
-    out = tmp_path / "art"
-    m = export_model(tiny_checkpoint(family), out, target="ort", max_seq=64, max_batch=4, progress=False)
+    m, be, cache = _ort_tiny(tiny_checkpoint, tmp_path, family)
     assert m.graphs["prefill"].verifies_rows
-    be = LLM.load(out, backend="ort").backend
-    cache = be.allocate()
     rng = np.random.default_rng(11)
     be.prefill(cache, [0], [rng.integers(3, be.vocab_size, 13)], False)
     start = int(cache.lengths[0])
@@ -149,6 +142,15 @@ def test_ort_one_row_verify_runs_in_the_prefill_session(tiny_checkpoint, tmp_pat
         step = be.decode(cache, [0], np.array([tok]), want_logits=True)
         np.testing.assert_allclose(got.logits[0, j], step.logits[0], atol=1e-4)
         assert got.next_tokens[0, j] == step.next_token[0]
+
+
+def _ort_tiny(tiny_checkpoint, tmp_path, family):
+    """(manifest, ort backend, its cache) of a tiny checkpoint exported for the ort target, 4 slots."""
+    out = tmp_path / "art"
+    m = export_model(tiny_checkpoint(family), out, target="ort", max_seq=64, max_batch=4, progress=False)
+    be = LLM.load(out, backend="ort").backend
+    return m, be, be.allocate()
+
 
 def test_bench_verify_cost_prints_every_width(tiny_checkpoint, tmp_path, capsys):
     """bench/verify_cost.py (the verify-cost figures of docs/BENCHMARKS.md) runs on an artifact."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -128,3 +129,38 @@ def test_adding_a_field_is_one_line():
         read_record(Rec, {"name": "a", "new_field": [1, "2"]}, "rec")
     with pytest.raises(DecodertError, match=r"^rec\.sub\.n is missing$"):
         read_record(Rec, {"name": "a", "sub": {}}, "rec")
+
+
+@pytest.fixture(scope="module")
+def gqa_art(tiny_checkpoint, tmp_path_factory):
+    """An ort artifact whose prefill graph also runs one-row verify passes (GroupQueryAttention)."""
+    from decodert.export.pipeline import export_model
+
+    out = tmp_path_factory.mktemp("gqa") / "art"
+    m = export_model(tiny_checkpoint("llama"), out, target="ort", max_seq=64, max_batch=2, progress=False)
+    assert m.graphs["prefill"].verifies_rows
+    return out
+
+
+def _io_entry(raw: dict, kind: str, name: str) -> dict:
+    return next(t for t in raw["graphs"][kind]["inputs"] + raw["graphs"][kind]["outputs"] if t["name"] == name)
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda raw: raw["graphs"].pop("verify"), r"graphs\.prefill takes per_position but there is no graphs\.verify"),
+    (lambda raw: _io_entry(raw, "prefill", "per_position").update(dtype="int32"),
+     r"graphs\.prefill: 'per_position' is missing or disagrees with model\.vocab_size"),
+    (lambda raw: _io_entry(raw, "prefill", "seq_logits").update(shape=["batch", "positions", 7]),
+     r"graphs\.prefill: 'seq_logits' is missing"),
+    (lambda raw: raw["graphs"]["prefill"]["outputs"].remove(_io_entry(raw, "prefill", "next_tokens")),
+     r"graphs\.prefill: 'next_tokens' is missing"),
+])
+def test_a_damaged_one_row_verify_contract_is_one_line(gqa_art, tmp_path, damage, match):
+    """The prefill graph's per_position input comes with its outputs and a verify graph beside it:
+    a manifest that says otherwise is refused before any session opens."""
+    art = shutil.copytree(gqa_art, tmp_path / "art")
+    load_manifest(art, verify="none")  # intact, it loads
+    raw = _raw(art)
+    damage(raw)
+    _rewrite(art, raw)
+    _one_line_error(art, match)

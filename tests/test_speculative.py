@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import FakeBackend, make_llm, make_tokenizer, scripted_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime.drafters import NgramDrafter, longest_suffix_match, suffix_matches, voted_continuation  # noqa: E402
+from decodert.runtime.drafters import (NgramDrafter, longest_suffix_match, ngram_kind, suffix_matches,  # noqa: E402
+                                       voted_continuation)
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.sampling import SamplingParams, make_distribution  # noqa: E402
 from decodert.runtime.speculative import SpeculativeConfig, StepCosts, expected_tokens  # noqa: E402
@@ -80,7 +81,18 @@ def test_the_occurrences_of_the_longest_match_vote():
     assert suffix_matches(h, 4, 3)[1] == 0  # no match of 3
     seq = type("Row", (), {"history": np.concatenate([h, [0] * 8]), "length": len(h)})()
     drafts, keys = NgramDrafter(4, 1).propose([seq, seq], [3, 0])
-    assert [d.tolist() for d in drafts] == [[9, 3, 7], []] and keys == [2, 0]
+    assert [d.tolist() for d in drafts] == [[9, 3, 7], []] and keys == [4 * 2 + 3, 0]  # three agree on 9
+
+
+def test_the_kind_of_a_proposal_says_how_its_occurrences_agree():
+    """Prompt lookup's proposal kinds (acceptance is tracked per kind): match length and agreement."""
+    h = np.array([1, 5, 9, 2, 1, 5, 8, 3, 1, 5])
+    starts, n = suffix_matches(h, 4, 1)  # "1 5" then 9, then 8: split
+    assert n == 2 and ngram_kind(h, starts, n, voted_continuation(h, starts, 2)) == 4 * 2 + 2
+    once = np.array([4, 6, 1, 5, 9, 7, 1, 5])
+    starts, n = suffix_matches(once, 4, 1)
+    assert ngram_kind(once, starts, n, voted_continuation(once, starts, 2)) == 4 * 2 + 1
+    assert ngram_kind(once, starts, 0, np.zeros(0, np.int64)) == 0
 
 
 @pytest.mark.parametrize("rule", [copy_rule, None], ids=["copying", "random"])

@@ -344,8 +344,9 @@ def _check_per_position(m: Manifest, listed: dict, path: Path) -> None:
     """graphs.prefill's one-row verify input comes with its outputs and a verify graph beside it."""
     _need("verify" in m.graphs, path, "graphs.prefill takes per_position but there is no graphs.verify")
     vocab = m.model.vocab_size
-    want = {"per_position": ("int64", [1]), "seq_logits": ("fp32", ["batch", "positions", vocab]),
-            "next_tokens": ("int64", ["batch", "positions"])}
+    want: dict[str, tuple[str, list | None]] = {
+        "per_position": ("int64", [1]), "seq_logits": ("fp32", ["batch", "positions", vocab]),
+        "next_tokens": ("int64", ["batch", "positions"])}
     _check_tensors(listed, want, path, "graphs.prefill", "model.vocab_size")
 
 

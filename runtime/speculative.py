@@ -81,33 +81,45 @@ def resolve(value: Any) -> SpeculativeConfig | None:
 
 
 class StepCosts:
-    """Measured seconds of one target pass per (rows, width), as moving averages; width 1 = decode.
+    """Measured seconds of one target pass per (rows, width); width 1 = decode.
 
-    The first pass of each shape is not recorded (it pays for warm-up: session creation, JIT)."""
+    The estimate of a shape is the lower quartile of its last ``WINDOW`` passes: on a shared
+    machine the noise only ever adds time, and a moving average kept one slow decode step for
+    the rest of a batch (speculation then ran every step, so decode steps, the only ones that
+    could correct it, never came back). The first pass of each shape is not recorded (it pays
+    for warm-up: session creation, JIT)."""
+
+    WINDOW = 8
 
     def __init__(self) -> None:
-        self.seconds: dict[tuple[int, int], float] = {}
-        self._seen: set[tuple[int, int]] = set()
+        self.seconds: dict[tuple[int, int], float] = {}  # (rows, width) -> the estimate
+        self._recent: dict[tuple[int, int], list[float]] = {}
 
     def record(self, rows: int, width: int, seconds: float) -> None:
         key = (rows, width)
-        if key not in self._seen:
-            self._seen.add(key)
+        recent = self._recent.get(key)
+        if recent is None:
+            self._recent[key] = []
             return
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        recent.append(seconds)
+        del recent[: -self.WINDOW]
+        self.seconds[key] = sorted(recent)[(len(recent) - 1) // 4]
 
     def estimate(self, rows: int, width: int) -> float | None:
         """Seconds, or None when nothing of this row count was measured. An unmeasured width scales
-        the nearest measured one by the measured cost of an extra token (``slope``)."""
-        if (rows, width) in self.seconds:
-            return self.seconds[(rows, width)]
+        the nearest measured one by the measured cost of an extra token (``slope``). A wider pass
+        is never priced below a decode step of as many rows."""
         known = [w for r, w in self.seconds if r == rows]
         if not known:
             return None
-        near = min(known, key=lambda w: abs(w - width))
-        slope = self.slope(rows)
-        return self.seconds[(rows, near)] * (1 + slope * (width - 1)) / (1 + slope * (near - 1))
+        if (rows, width) in self.seconds:
+            got = self.seconds[(rows, width)]
+        else:
+            near = min(known, key=lambda w: abs(w - width))
+            slope = self.slope(rows)
+            got = self.seconds[(rows, near)] * (1 + slope * (width - 1)) / (1 + slope * (near - 1))
+        decode = self.seconds.get((rows, 1))
+        return got if decode is None or width == 1 else max(got, decode)
 
     def slope(self, rows: int) -> float:
         """Cost of one more token per row, as a fraction of a decode step of as many rows: the mean
@@ -126,7 +138,7 @@ class Speculator:
 
     def __init__(self, draft_backend: Any = None) -> None:
         self.costs = StepCosts()
-        self.seen: dict[tuple[int, int], list[float]] = {}  # (id(drafter), kind) -> [accepted, evaluated], decayed
+        self.seen: dict[tuple[int, int | None], list[float]] = {}  # (id(drafter), kind or None: all) -> [accepted, evaluated], decayed
         self._draft_backend = draft_backend
         self._draft: Drafter | None = None
         self._ngram: dict[tuple[int, int], NgramDrafter] = {}
@@ -147,13 +159,18 @@ class Speculator:
         return RowState(self, config, self.drafter(config), seq)
 
     def prior(self, drafter: Drafter, key: int) -> float:
-        """Acceptance every row has seen for this kind of proposal (PRIOR counted as one observation)."""
+        """Acceptance every row has seen for this kind of proposal, with what they saw for every
+        kind of this drafter counted as one observation (and PRIOR as one of that): a kind not
+        verified yet starts from the drafter's record, so on free-form text, where every kind
+        fails, a new kind is not tried as if it were right half the time."""
+        pooled_acc, pooled_seen = self.seen.get((id(drafter), None), (0.0, 0.0))
         acc, seen = self.seen.get((id(drafter), key), (0.0, 0.0))
-        return (acc + PRIOR) / (seen + 1.0)
+        return (acc + (pooled_acc + PRIOR) / (pooled_seen + 1.0)) / (seen + 1.0)
 
     def observe(self, drafter: Drafter, key: int, accepted: int, evaluated: int) -> None:
-        acc, seen = self.seen.get((id(drafter), key), (0.0, 0.0))
-        self.seen[(id(drafter), key)] = [0.98 * acc + accepted, 0.98 * seen + evaluated]
+        for k in (key, None):  # None: every kind of this drafter
+            acc, seen = self.seen.get((id(drafter), k), (0.0, 0.0))
+            self.seen[(id(drafter), k)] = [0.98 * acc + accepted, 0.98 * seen + evaluated]
 
 
 class RowState:

@@ -191,17 +191,26 @@ def test_step_costs_measured_and_estimated():
     assert costs.estimate(1, 1) is None
     costs.record(1, 1, 1.0)
     costs.record(1, 1, 2.0)
-    assert costs.estimate(1, 1) == pytest.approx(1.2)  # moving average 0.8 old + 0.2 new
-    assert costs.estimate(1, 5) == pytest.approx(1.2 * 1.4)  # unmeasured width: the prior, +0.1 step per token
+    assert costs.estimate(1, 1) == pytest.approx(1.0)  # the lower quartile of the recent passes
+    assert costs.estimate(1, 5) == pytest.approx(1.0 * 1.4)  # unmeasured width: the prior, +0.1 step per token
     assert costs.estimate(2, 1) is None
     costs.record(1, 5, 0.0)
-    costs.record(1, 5, 3.0)  # 3.0 s for 5 tokens vs 1.2 s for 1: (3.0 / 1.2 - 1) / 4 = 0.375 per extra token
-    assert costs.slope(1) == pytest.approx(0.375)
-    assert costs.estimate(1, 4) == pytest.approx(3.0 * (1 + 3 * 0.375) / (1 + 4 * 0.375))  # from the nearest width
+    costs.record(1, 5, 3.0)  # 3.0 s for 5 tokens vs 1.0 s for 1: (3.0 / 1.0 - 1) / 4 = 0.5 per extra token
+    assert costs.slope(1) == pytest.approx(0.5)
+    assert costs.estimate(1, 4) == pytest.approx(3.0 * (1 + 3 * 0.5) / (1 + 4 * 0.5))  # from the nearest width
     costs.record(4, 1, 0.0)
     costs.record(4, 1, 2.0)
-    assert costs.slope(4) == pytest.approx(0.375)  # no verify of 4 rows measured yet: every row count's
-    assert costs.estimate(4, 3) == pytest.approx(2.0 * (1 + 2 * 0.375))
+    assert costs.slope(4) == pytest.approx(0.5)  # no verify of 4 rows measured yet: every row count's
+    assert costs.estimate(4, 3) == pytest.approx(2.0 * (1 + 2 * 0.5))
+    for seconds in (9.0, 2.5, 2.5, 2.5, 2.5):  # one slow decode step (a neighbour's burst) does not stick
+        costs.record(4, 1, seconds)
+    assert costs.estimate(4, 1) == pytest.approx(2.5)
+    for seconds in (0.0, 1.5, 1.5):  # a verify timed below a decode step of as many rows (noise)
+        costs.record(4, 3, seconds)
+    assert costs.estimate(4, 3) == pytest.approx(2.5)  # is priced as the decode step
+    for seconds in [1.0] * 8 + [3.0] * 8:  # only the last WINDOW passes count
+        costs.record(2, 1, seconds)
+    assert costs.estimate(2, 1) == pytest.approx(3.0)
 
 
 def test_adaptive_width_follows_the_step_costs():

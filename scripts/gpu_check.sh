@@ -96,7 +96,7 @@ main() {
   rm -rf "$OUT"
   step export "$PY" -c "$EXPORT_PY" "$model" "$OUT" "$MAX_SEQ" "$MAX_BATCH"
   step build "$PY" -m decodert build "$OUT" --fp16 --no-progress
-  step verify+bench bash -o pipefail -c "'$PY' -m decodert verify '$OUT' --steps 32 --rows 2 --bench --batches 1,4 \
+  step verify+bench bash -o pipefail -c "'$PY' -m decodert verify '$OUT' --steps 64 --rows 2 --bench --batches 1,4 \
     --bench-steps 128 | tee '$OUT/gpu_check.txt'"
   echo
   echo "================ decodert gpu_check: $(date -u +%FT%TZ) ================"

@@ -60,7 +60,10 @@ def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence] | Mapping[int, Seq
             elif active:
                 rows_now = [seqs[i] for i in active]
                 step = speculative.step if any(s.spec is not None for s in rows_now) else decode_step
-                deltas = step(backend, cache, range(len(active)), rows_now)
+                if step is decode_step:
+                    deltas = step(backend, cache, range(len(active)), rows_now)
+                else:  # with nobody waiting (generate_many's last rows), speculate for the batch's end
+                    deltas = step(backend, cache, range(len(active)), rows_now, drain=admit is None and not waiting)
                 yield from zip(list(active), deltas)
             else:
                 return

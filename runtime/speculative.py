@@ -211,15 +211,16 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 # ---- the step ----------------------------------------------------------------------------------
-def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence]) -> list[str]:
+def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: bool = False) -> list[str]:
     """One decode step of rows that may speculate (``seq.spec``) -> one text delta per row (all
-    the tokens the row committed in this step)."""
+    the tokens the row committed in this step). ``drain``: no request waits for a slot, so the
+    step that matters is the one that brings the last row's end nearer (see ``_plan``)."""
     spec_rows = [j for j, s in enumerate(seqs) if s.spec is not None]
     speculator: Speculator = seqs[spec_rows[0]].spec.speculator
     width_max = int(getattr(backend, "verify_width", 0) or 0)
     limits = [_row_limit(s, width_max) if s.spec is not None else 0 for s in seqs]
     drafts, keys = _look(seqs, limits)
-    width = _plan(speculator.costs, seqs, drafts, keys, limits)
+    width = _plan(speculator.costs, seqs, drafts, keys, limits, drain)
     n = len(seqs)
     if width == 1:  # plain decode step
         for j in spec_rows:
@@ -281,8 +282,13 @@ def _by_drafter(seqs: Seq[Sequence], limits: list[int]) -> dict[Any, list[int]]:
 
 
 def _plan(costs: StepCosts, seqs: Seq[Sequence], drafts: list[np.ndarray], keys: list[int | None],
-          limits: list[int]) -> int:
-    """Verify width (1 = plain decode) with the most expected tokens per second."""
+          limits: list[int], drain: bool = False) -> int:
+    """Verify width (1 = plain decode) with the most expected tokens per second, or, when
+    ``drain`` (nothing waits for a slot), the one that ends the batch soonest: the rows' time to
+    their token limit at this step's rate is ``seconds * max(left / tokens)``. A row that races
+    ahead then frees a slot nobody takes, so its tokens are only worth a wider pass when it is
+    the one the batch waits for (free-form rows beside one that repeats itself: batch 4 spent 37
+    of 126 passes verifying for the one row and finished no sooner)."""
     avail = [len(d) if keys[j] is not None else limits[j] for j, d in enumerate(drafts)]  # [n]
     if max(avail, default=0) == 0:
         return 1
@@ -295,13 +301,18 @@ def _plan(costs: StepCosts, seqs: Seq[Sequence], drafts: list[np.ndarray], keys:
     acc = [s.spec.acceptance(keys[j] if keys[j] is not None else 1) if s.spec is not None else 0.0
            for j, s in enumerate(seqs)]
     draft_cost = [s.spec.drafter.seconds_per_token if s.spec is not None else 0.0 for s in seqs]
-    best, best_rate = 1, n / base
+    left = [max(1, s.params.max_new_tokens - len(s.generated)) for s in seqs] if drain and n > 1 else None
+
+    def rate(tokens: list[float], seconds: float) -> float:
+        return sum(tokens) / seconds if left is None else 1 / (seconds * max(r / t for r, t in zip(left, tokens)))
+
+    best, best_rate = 1, rate([1.0] * n, base)
     for width in range(2, max(avail) + 2):
         ks = [min(a, width - 1) for a in avail]
-        tokens = sum(expected_tokens(a, k) for a, k in zip(acc, ks))
+        tokens = [expected_tokens(a, k) for a, k in zip(acc, ks)]
         seconds = (costs.estimate(n, width) or base) + sum(c * k for c, k in zip(draft_cost, ks))
-        if tokens / seconds > best_rate:
-            best, best_rate = width, tokens / seconds
+        if rate(tokens, seconds) > best_rate:
+            best, best_rate = width, rate(tokens, seconds)
     return best
 
 

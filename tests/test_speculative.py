@@ -225,6 +225,30 @@ def test_adaptive_width_follows_the_step_costs():
     assert a.metrics.accepted_per_step > b.metrics.accepted_per_step
 
 
+def test_with_nobody_waiting_only_the_row_the_batch_waits_for_is_worth_a_wider_pass():
+    """generate_many's last rows: speculating for one row beside rows that cannot speculate ends
+    the batch no sooner (every row runs to its limit), so it is not done; when that row has the
+    most tokens left, the batch waits for it, and it speculates (identical tokens either way)."""
+    first = TOK.encode(PROMPTS[1]).ids[0]
+
+    def mixed(history: np.ndarray) -> int:  # PROMPTS[1] copies its context, the others are noise
+        return copy_rule(history) if history[0] == first else noisy_rule(history)
+
+    def run(limits: list[int]) -> list:
+        llm = llm_for(mixed, per_token=0.3, max_seq=256)
+        reqs = [Request(p, SamplingParams(max_new_tokens=n), speculative="ngram") for p, n in zip(PROMPTS, limits)]
+        plain = [llm.generate(r.prompt, max_new_tokens=r.params.max_new_tokens).token_ids for r in reqs]
+        llm.backend.calls.clear()
+        assert [r.token_ids for r in llm.generate_many(reqs)] == plain
+        return llm.backend.calls
+
+    calls = run([60, 60, 60, 60])
+    assert sum(kind == "verify" for kind, slots, _ in calls) <= 6  # a few tries (31 without the drain rule)
+    calls = run([30, 150, 30, 30])
+    verifies = [slots for kind, slots, _ in calls if kind == "verify"]
+    assert sum(len(slots) == 4 for slots in verifies) > 5  # the copying row speculates beside the others
+
+
 def test_bad_arguments():
     llm = llm_for()
     with pytest.raises(DecodertError, match="speculative must be one of ngram, draft"):

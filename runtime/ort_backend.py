@@ -79,8 +79,8 @@ class OrtBackend:
         self._prefill_with_past_batch = get_target(manifest.target).multi_token_rows or self.max_batch
         self._decode_bindings: dict[tuple[int, int, int], _Binding] = {}
         self._options, self._providers = options, providers
-        # verify passes (speculative decoding): "verify" opened on first use; "prefill" (one-row passes
-        # where the prefill graph takes per_position) is the prefill session itself
+        # verify passes (speculative decoding): "verify" opened on first use or by prepare_verify;
+        # "prefill" (one-row passes where the prefill graph takes per_position) is the prefill session
         self._verify: dict[str, _VerifyState] = {}
         self._prefill_verifies = manifest.graphs["prefill"].verifies_rows
 
@@ -171,6 +171,10 @@ class OrtBackend:
                 out.logits[rows, :w] = logits_buf
         cache.lengths[list(slots)] += lens
         return out
+
+    def prepare_verify(self, rows: int) -> None:
+        if "verify" in self.manifest.graphs:
+            self._verify_state(rows == 1)
 
     def _verify_state(self, one_row: bool) -> "_VerifyState":
         kind = "prefill" if one_row and self._prefill_verifies else "verify"

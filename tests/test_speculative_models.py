@@ -144,6 +144,25 @@ def test_ort_one_row_verify_runs_in_the_prefill_session(tiny_checkpoint, tmp_pat
         assert got.next_tokens[0, j] == step.next_token[0]
 
 
+def test_ort_several_speculative_rows_open_the_verify_session_before_the_plan_needs_it(tiny_checkpoint, tmp_path,
+                                                                                      monkeypatch):
+    """The first step of several speculative rows opens verify.onnx (1.5-1.8 s for SmolLM2 fp32)
+    although it decodes (no step of that many rows measured yet), so the first verify pass the plan
+    picks later does not stall a stream or a timed run; one row never opens it (prefill session)."""
+    _ort_tiny(tiny_checkpoint, tmp_path, "llama")
+    llm = LLM.load(tmp_path / "art", backend="ort")
+    verifies = []
+    real = llm.backend.verify
+    monkeypatch.setattr(llm.backend, "verify", lambda cache, slots, *a, **k: (verifies.append(len(slots)),
+                                                                              real(cache, slots, *a, **k))[1])
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    llm.generate(prompt, max_new_tokens=12, temperature=0.0, speculative="ngram")
+    assert "verify" not in llm.backend._verify
+    llm.generate_many([Request(prompt, SamplingParams(max_new_tokens=2), speculative="ngram")] * 2)
+    assert all(n == 1 for n in verifies)  # the two-row run only decoded ...
+    assert "verify" in llm.backend._verify  # ... and opened the session its verify passes need
+
+
 def _ort_tiny(tiny_checkpoint, tmp_path, family):
     """(manifest, ort backend, its cache) of a tiny checkpoint exported for the ort target, 4 slots."""
     out = tmp_path / "art"

@@ -77,9 +77,40 @@ def longest_suffix_match(history: np.ndarray, max_n: int, min_n: int) -> tuple[i
 def voted_continuation(history: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
     """Up to ``k`` tokens continuing the occurrences that start at ``starts`` [c]: at each position
     the token most of the occurrences still agreeing continue with (the most recent one's on a
-    tie), so three earlier "for i in range(" followed by "n" beat one followed by "len"."""
+    tie), so three earlier "for i in range(" followed by "n" beat one followed by "len".
+
+    Plain Python over the few occurrences a match usually has (a numpy pass per position cost
+    ~140 us per row and step at k=8, 2.4% of a batch-4 decode step); numpy past ``_VOTE_NUMPY``."""
     if starts.size == 1:
         return history[int(starts[0]) : int(starts[0]) + k].copy()
+    if starts.size > _VOTE_NUMPY:
+        return _voted_numpy(history, starts, k)
+    length = len(history)
+    alive = sorted(starts.tolist())  # ascending: the last vote for a token is its latest start
+    base = alive[0]
+    window = history[base : min(alive[-1] + k, length)].tolist()
+    out: list[int] = []
+    for i in range(k):
+        alive = [s for s in alive if s + i < length]
+        if len(alive) <= 1:
+            if alive:
+                out += window[alive[0] + i - base : alive[0] + k - base]
+            break
+        votes: dict[int, tuple[int, int]] = {}  # token -> (occurrences, the latest one's start)
+        for s in alive:
+            token = window[s + i - base]
+            count, _ = votes.get(token, (0, 0))
+            votes[token] = (count + 1, s)  # ascending starts: s is the latest so far
+        pick = max(votes, key=votes.__getitem__)  # most votes, then the most recent
+        out.append(pick)
+        alive = [s for s in alive if window[s + i - base] == pick]
+    return np.array(out, np.int64)
+
+
+_VOTE_NUMPY = 256  # occurrences past which the vote runs in numpy
+
+
+def _voted_numpy(history: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
     out = []
     for i in range(k):
         starts = starts[starts + i < len(history)]

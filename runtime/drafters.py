@@ -74,6 +74,9 @@ def longest_suffix_match(history: np.ndarray, max_n: int, min_n: int) -> tuple[i
     return (int(starts[-1]), n) if n else (-1, 0)
 
 
+_VOTE_NUMPY = 256  # occurrences past which the vote runs in numpy
+
+
 def voted_continuation(history: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
     """Up to ``k`` tokens continuing the occurrences that start at ``starts`` [c]: at each position
     the token most of the occurrences still agreeing continue with (the most recent one's on a
@@ -105,9 +108,6 @@ def voted_continuation(history: np.ndarray, starts: np.ndarray, k: int) -> np.nd
         out.append(pick)
         alive = [s for s in alive if window[s + i - base] == pick]
     return np.array(out, np.int64)
-
-
-_VOTE_NUMPY = 256  # occurrences past which the vote runs in numpy
 
 
 def _voted_numpy(history: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:

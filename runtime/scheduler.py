@@ -59,11 +59,11 @@ def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence] | Mapping[int, Seq
                     yield from zip([new[j] for j in group], deltas)
             elif active:
                 rows_now = [seqs[i] for i in active]
-                step = speculative.step if any(s.spec is not None for s in rows_now) else decode_step
-                if step is decode_step:
-                    deltas = step(backend, cache, range(len(active)), rows_now)
-                else:  # with nobody waiting (generate_many's last rows), speculate for the batch's end
-                    deltas = step(backend, cache, range(len(active)), rows_now, drain=admit is None and not waiting)
+                if any(s.spec is not None for s in rows_now):  # drain: nobody waits for a slot
+                    deltas = speculative.step(backend, cache, range(len(active)), rows_now,
+                                              drain=admit is None and not waiting)
+                else:
+                    deltas = decode_step(backend, cache, range(len(active)), rows_now)
                 yield from zip(list(active), deltas)
             else:
                 return

@@ -313,8 +313,8 @@ def _plan(costs: StepCosts, seqs: Seq[Sequence], drafts: list[np.ndarray], keys:
         ks = [min(a, width - 1) for a in avail]
         tokens = [expected_tokens(a, k) for a, k in zip(acc, ks)]
         seconds = (costs.estimate(n, width) or base) + sum(c * k for c, k in zip(draft_cost, ks))
-        if rate(tokens, seconds) > best_rate:
-            best, best_rate = width, rate(tokens, seconds)
+        if (got := rate(tokens, seconds)) > best_rate:
+            best, best_rate = width, got
     return best
 
 

@@ -84,7 +84,6 @@ def test_the_occurrences_of_the_longest_match_vote():
     assert [d.tolist() for d in drafts] == [[9, 3, 7], []] and keys == [4 * 2 + 3, 0]  # three agree on 9
 
 
-
 def test_the_python_vote_equals_the_numpy_vote_on_random_histories():
     """voted_continuation's plain-Python vote (few occurrences) picks what the numpy one does."""
     from decodert.runtime.drafters import _voted_numpy
@@ -96,6 +95,7 @@ def test_the_python_vote_equals_the_numpy_vote_on_random_histories():
         if n:
             for k in (1, 3, 8):
                 assert voted_continuation(h, starts, k).tolist() == _voted_numpy(h, starts, k).tolist()
+
 
 def test_the_kind_of_a_proposal_says_how_its_occurrences_agree():
     """Prompt lookup's proposal kinds (acceptance is tracked per kind): match length and agreement."""

@@ -184,6 +184,19 @@ def test_bench_verify_cost_prints_every_width(tiny_checkpoint, tmp_path, capsys)
     assert "w2 " in lines[0] and "w4 " in lines[0] and "alternating decode / verify w5" in lines[1]
 
 
+def test_bench_drafter_cost_checks_both_votes(tiny_checkpoint, tmp_path, capsys):
+    """bench/drafter_cost.py (the drafter figures of docs/BENCHMARKS.md) runs on an artifact, and
+    the plain-Python vote and the numpy one draft the same on every step it replays."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import drafter_cost
+
+    out = tmp_path / "art"
+    export_model(tiny_checkpoint("llama"), out, target="ort", max_seq=1024, max_batch=1, progress=False)
+    assert drafter_cost.main([str(out), "--gen", "12"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["grounded", "free"] and all("same drafts" in x for x in lines)
+
+
 def test_bench_ngram_ceiling_prints_every_policy(tiny_checkpoint, tmp_path, capsys):
     """bench/ngram_ceiling.py (the prompt-lookup ceiling table of docs/BENCHMARKS.md) runs on an
     artifact, and its oracles are upper bounds of the drafters they are compared with."""

@@ -62,9 +62,9 @@ class Backend(Protocol):
         ...
 
     def prepare_verify(self, rows: int) -> None:
-        """Optional, with ``verify``: open what a verify pass of ``rows`` rows needs (ONNX Runtime:
-        the multi-row verify session, 1.5-1.8 s for SmolLM2 fp32), so that a pass the speculation
-        planner chooses later does not stall a stream or a timed run. Idempotent."""
+        """With ``verify``: open what a verify pass of ``rows`` rows needs (ONNX Runtime: the multi-row
+        verify session, 1.5-1.8 s for SmolLM2 fp32; TensorRT: the verify engine), so that a pass the
+        speculation planner chooses later does not stall a stream or a timed run. Idempotent."""
         ...
 
     def move_slot(self, cache: KVCache, src: int, dst: int) -> None:

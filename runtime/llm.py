@@ -229,9 +229,12 @@ class LLM:
 
     def _check_speculation(self) -> None:
         if not hasattr(self.backend, "verify"):
-            raise DecodertError(f"the {self.backend.name} backend has no verify pass yet; speculative decoding "
-                                "runs on the ort backend (--backend ort)")
+            raise DecodertError(f"the {self.backend.name} backend has no verify pass; speculative decoding "
+                                "runs on the ort and trt backends")
         if not getattr(self.backend, "verify_width", 0):
+            if self.manifest is not None and "verify" in self.manifest.graphs:  # trt: engines built before it
+                raise DecodertError("this artifact has no verify engine (built before speculative decoding); "
+                                    "run `decodert build` on it again to use speculative decoding")
             raise DecodertError("this artifact has no verify graph (exported before speculative decoding); "
                                 "re-export it to use speculative decoding")
 

@@ -218,7 +218,7 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
     spec_rows = [j for j, s in enumerate(seqs) if s.spec is not None]
     speculator: Speculator = seqs[spec_rows[0]].spec.speculator
     width_max = int(getattr(backend, "verify_width", 0) or 0)
-    if width_max and hasattr(backend, "prepare_verify"):
+    if width_max:
         backend.prepare_verify(len(seqs))  # open it now, not inside the first pass the plan picks
     limits = [_row_limit(s, width_max) if s.spec is not None else 0 for s in seqs]
     drafts, keys = _look(seqs, limits)

@@ -14,103 +14,34 @@ size n, bound once; its second call captures [h2d ids, h2d lengths, execute_asyn
 next_token] into a CUDA graph that later steps replay (the first call runs plainly: TensorRT-RTX
 JIT-compiles its kernels there). Any capture failure falls back to plain execute_async_v3.
 Rows that are not a prefix (prefill of a new slot, or odd decode calls) run per contiguous slot
-run with the KV tensors bound at that run's first row. All contexts share one scratch buffer
-(they run one after another on one stream).
+run with the KV tensors bound at that run's first row; a row whose right-padded chunk would pass the
+end of its context runs alone (runtime/trt_engine.py). All contexts share one scratch buffer (they
+run one after another on one stream). Verify passes (speculative decoding): runtime/trt_verify.py.
+Without a GPU, tests/trt_emulator.py runs all of this on the CPU.
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.runtime.trt_refit import refit_from_onnx
-from decodert.export.manifest import GraphRecord, Manifest
-from decodert.export.trt_build import check_io, engine_io, make_logger, write_atomic
+from decodert.export.manifest import Manifest
+from decodert.export.trt_build import make_logger, write_atomic
 from decodert.plugins.trt_compat import load_trt, read_engine
 from decodert.plugins import cuda_mem as cm
 from decodert.runtime import kv_blocks
-from decodert.runtime.backend import StepOutput
+from decodert.runtime.backend import StepOutput, VerifyOutput
 from decodert.runtime.kv_cache import KVCache
+from decodert.runtime.trt_engine import Engine, bind, contiguous_runs, fitting_runs
+from decodert.runtime.trt_verify import TrtVerifier
 
 GRAPHS = ("prefill", "decode")
 ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 RUNTIME_CACHE = "runtime.cache"  # TensorRT-RTX JIT kernel cache, kept beside the engines
-
-
-def kv_pairs(graph: GraphRecord) -> list[tuple[str, str]]:
-    """[("past_key.0", "present_key.0"), ("past_value.0", "present_value.0"), ...] in graph input order."""
-    names = [t.name for t in graph.inputs if t.name.startswith(("past_key.", "past_value."))]
-    return [(n, "present_" + n[len("past_"):]) for n in names]
-
-
-def contiguous_runs(slots: Sequence[int]) -> Iterator[list[tuple[int, int]]]:
-    """[(j, slot)] groups with consecutive slot numbers, j = position in ``slots``."""
-    order = sorted(range(len(slots)), key=lambda j: slots[j])
-    run: list[tuple[int, int]] = []
-    for j in order:
-        if run and slots[j] != run[-1][1] + 1:
-            yield run
-            run = []
-        run.append((j, int(slots[j])))
-    if run:
-        yield run
-
-
-class _Engine:
-    """One deserialized engine, the KV tensor names it aliases, and a context factory."""
-
-    def __init__(self, backend: "TrtBackend", name: str, blob: bytes) -> None:
-        trt, info = backend.trt, backend.info
-        self.trt, self.info, self.name = trt, info, name
-        path = backend.dir / (backend.manifest.engines or {})[name].file
-        backend.check_validity(path, blob)
-        self.engine = backend.runtime.deserialize_cuda_engine(blob)
-        if self.engine is None:
-            raise DecodertError(f"{path}: TensorRT could not deserialize the engine (set DECODERT_TRT_VERBOSE=1)")
-        graph = backend.manifest.graphs[name]
-        if (backend.manifest.engines or {})[name].weights_stripped:  # weights only in weights.bin: refit them
-            refit_from_onnx(trt, self.engine, backend.dir / graph.file, backend.logger, path)
-        check_io(engine_io(trt, self.engine, graph), graph, str(path))
-        self.kv_pairs = kv_pairs(graph)
-        for past, present in self.kv_pairs if info.has_aliased_io else []:
-            alias = self.engine.get_aliased_input_tensor(present)  # None: TensorRT does not say
-            if alias not in (None, past):
-                raise DecodertError(f"{path}: output {present} aliases {alias}, not {past}; re-export and rebuild")
-        self.scratch_bytes = int(self.engine.device_memory_size_v2)
-        self.runtime_cache = backend.runtime_cache
-
-    def context(self, scratch: cm.DeviceBuffer) -> Any:
-        trt = self.trt
-        strategy = trt.ExecutionContextAllocationStrategy.USER_MANAGED
-        if self.info.has_runtime_cache:  # TensorRT-RTX: the runtime config carries the JIT cache
-            cfg = self.engine.create_runtime_config()
-            cfg.set_execution_context_allocation_strategy(strategy)
-            if self.runtime_cache is not None:
-                cfg.set_runtime_cache(self.runtime_cache)
-            if hasattr(cfg, "dynamic_shapes_kernel_specialization_strategy"):  # compile shape-specialised
-                eager = trt.DynamicShapesKernelSpecializationStrategy.EAGER  # kernels on first use, so a
-                cfg.dynamic_shapes_kernel_specialization_strategy = eager  # later CUDA graph captures them
-            ctx = self.engine.create_execution_context(cfg)
-        else:
-            ctx = self.engine.create_execution_context(strategy)
-        if ctx is None:
-            raise DecodertError(f"TensorRT could not create an execution context for the {self.name} engine")
-        ctx.set_device_memory(scratch.ptr, scratch.nbytes)
-        return ctx
-
-
-def bind(ctx: Any, addresses: Mapping[str, int], shapes: Mapping[str, tuple[int, ...]]) -> None:
-    for name, ptr in addresses.items():
-        if not ctx.set_tensor_address(name, ptr):
-            raise DecodertError(f"TensorRT rejected the address of tensor '{name}'")
-    for name, shape in shapes.items():
-        if not ctx.set_input_shape(name, shape):
-            raise DecodertError(f"input '{name}' shape {shape} is outside the engine's profile "
-                                "(rebuild with a larger --max-batch / --max-seq)")
 
 
 class TrtBackend:
@@ -135,13 +66,13 @@ class TrtBackend:
         self.max_prefill = recs["prefill"].max_seq or manifest.max_seq  # longest prefill chunk the profile allows
         self.vocab_size = manifest.model.vocab_size
         self.cuda_graphs = cuda_graphs
-        self.stats = {"graph_launches": 0, "plain_runs": 0, "captures": 0, "capture_failures": 0}
+        self.stats = {"graph_launches": 0, "plain_runs": 0, "captures": 0, "capture_failures": 0, "verify_runs": 0}
         self._open_device(device)
         self.stream = cm.Stream()
         self.logger = make_logger(self.trt)
         self.runtime = self.trt.Runtime(self.logger)
         self.runtime_cache: Any = None
-        self.engines = {n: _Engine(self, n, blobs[n]) for n in GRAPHS}
+        self.engines = {n: Engine(self, n, blobs[n]) for n in GRAPHS}
         self._load_runtime_cache()
         self.scratch = cm.DeviceBuffer(max(e.scratch_bytes for e in self.engines.values()))
         self._alloc_io()
@@ -151,6 +82,7 @@ class TrtBackend:
         self._graphs: dict[int, cm.CudaGraph | None] = {}  # None: capture failed, run plainly
         self._warm: set[int] = set()
         self.cache: KVCache | None = None
+        self.verifier = TrtVerifier(self)  # opens the verify engine at the first verify pass
 
     # ------------------------------------------------------------ setup
     def _open_device(self, device: int) -> None:
@@ -201,14 +133,14 @@ class TrtBackend:
                 "seq_lengths": self.d["pre_seq" if pre else "dec_seq"].ptr,
                 "logits": self.d["logits"].ptr, "next_token": self.d["next"].ptr}
 
-    def _kv_addresses(self, cache: KVCache, row0: int) -> dict[str, int]:
+    def kv_addresses(self, cache: KVCache, row0: int) -> dict[str, int]:
         """past_* and present_* of every layer -> the same pointer, at slot ``row0``."""
         out = {}
         for buf, (past, present) in zip(cache.buffers, self.engines["decode"].kv_pairs):
             out[past] = out[present] = buf.ptr + row0 * cache.slot_bytes
         return out
 
-    def _shapes(self, n: int, seq: int) -> dict[str, tuple[int, ...]]:
+    def io_shapes(self, n: int, seq: int) -> dict[str, tuple[int, ...]]:
         kv = (n, self.kv_heads, self.max_seq, self.head_dim)
         shapes: dict[str, tuple[int, ...]] = {"input_ids": (n, seq), "past_lengths": (n,), "seq_lengths": (n,)}
         shapes.update({past: kv for past, _ in self.engines["decode"].kv_pairs})
@@ -266,7 +198,7 @@ class TrtBackend:
     def free_kv(self, block: kv_blocks.DeviceBlock) -> None:
         block.free()
 
-    def _check_rows(self, cache: KVCache, slots: Sequence[int], counts: Sequence[int]) -> None:
+    def check_rows(self, cache: KVCache, slots: Sequence[int], counts: Sequence[int]) -> None:
         if len(set(slots)) != len(slots) or any(not 0 <= s < cache.slots for s in slots):
             raise DecodertError(f"slots {list(slots)} must be distinct and within 0..{cache.slots - 1}")
         for s, k in zip(slots, counts):
@@ -279,13 +211,14 @@ class TrtBackend:
         """Append each row's tokens; prompts longer than the prefill profile run in chunks."""
         self._use(cache)
         rows = [np.asarray(r, dtype=np.int64).reshape(-1) for r in ids]
-        self._check_rows(cache, slots, [len(r) for r in rows])
+        self.check_rows(cache, slots, [len(r) for r in rows])
         n, c = len(slots), self.max_prefill
         out = StepOutput(np.zeros(n, np.int64), np.zeros((n, self.vocab_size), np.float32) if want_logits else None)
         for start in range(0, max(len(r) for r in rows), c):
             live = [j for j in range(n) if len(rows[j]) > start]  # rows with tokens in this chunk
             chunk = {j: rows[j][start : start + c] for j in live}
-            for run in contiguous_runs([slots[j] for j in live]):
+            counts = [len(chunk[j]) for j in live]
+            for run in fitting_runs([slots[j] for j in live], cache.lengths, counts, self.max_seq):
                 self._prefill_run(cache, [(live[i], s) for i, s in run], chunk, out)
         return out
 
@@ -303,8 +236,8 @@ class TrtBackend:
         for key, nbytes in (("pre_ids", k * seq * 8), ("pre_len", k * 8), ("pre_seq", k * 8)):
             cm.copy_async(self.d[key].ptr, self.h[key].ptr, nbytes, self.stream, "h2d")
         ctx = self._prefill_ctx
-        bind(ctx, {**self._io_addresses("prefill"), **self._kv_addresses(cache, row0)}, self._shapes(k, seq))
-        self._execute(ctx, "prefill")
+        bind(ctx, {**self._io_addresses("prefill"), **self.kv_addresses(cache, row0)}, self.io_shapes(k, seq))
+        self.execute(ctx, "prefill")
         self.stats["plain_runs"] += 1
         cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, k * 8, self.stream, "d2h")
         self._collect(run, out)
@@ -315,7 +248,7 @@ class TrtBackend:
         self._use(cache)
         tokens = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
         n = len(slots)
-        self._check_rows(cache, slots, [1] * n)
+        self.check_rows(cache, slots, [1] * n)
         out = StepOutput(np.zeros(n, np.int64), np.zeros((n, self.vocab_size), np.float32) if want_logits else None)
         if list(slots) == list(range(n)):
             self.h["dec_ids"].array[:n] = tokens
@@ -327,18 +260,33 @@ class TrtBackend:
                 k, row0 = len(run), run[0][1]
                 self.h["dec_ids"].array[:k] = tokens[[j for j, _ in run]]
                 self.h["dec_len"].array[:k] = cache.lengths[row0 : row0 + k]
-                bind(self._runs_ctx, {**self._io_addresses("decode"), **self._kv_addresses(cache, row0)},
-                     self._shapes(k, 1))
+                bind(self._runs_ctx, {**self._io_addresses("decode"), **self.kv_addresses(cache, row0)},
+                     self.io_shapes(k, 1))
                 self._decode_enqueue(self._runs_ctx, k)
                 self.stats["plain_runs"] += 1
                 self._collect(run, out)
         cache.lengths[list(slots)] += 1
         return out
 
+    @property
+    def verify_width(self) -> int:
+        """Tokens one verify call checks per row (0: no verify graph or engine)."""
+        return self.verifier.width
+
+    def verify(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
+        """Each row's tokens over its cache, the output after every one (runtime/trt_verify.py)."""
+        self._use(cache)
+        return self.verifier.verify(cache, slots, ids, want_logits)
+
+    def prepare_verify(self, rows: int) -> None:
+        """Deserialize the verify engine now, not inside the first pass the speculation planner picks."""
+        if self.verifier.width:
+            self.verifier.open()
+
     def _decode_prefix(self, cache: KVCache, n: int) -> None:
         if n not in self._decode_ctx:
             ctx = self.engines["decode"].context(self.scratch)
-            bind(ctx, {**self._io_addresses("decode"), **self._kv_addresses(cache, 0)}, self._shapes(n, 1))
+            bind(ctx, {**self._io_addresses("decode"), **self.kv_addresses(cache, 0)}, self.io_shapes(n, 1))
             self._decode_ctx[n] = ctx
         ctx = self._decode_ctx[n]
         if self.cuda_graphs and n in self._warm and n not in self._graphs:
@@ -356,7 +304,7 @@ class TrtBackend:
         """[h2d ids, h2d lengths, execute, d2h next_token]: the work a decode graph replays."""
         cm.copy_async(self.d["dec_ids"].ptr, self.h["dec_ids"].ptr, n * 8, self.stream, "h2d")
         cm.copy_async(self.d["dec_len"].ptr, self.h["dec_len"].ptr, n * 8, self.stream, "h2d")
-        self._execute(ctx, "decode")
+        self.execute(ctx, "decode")
         cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, n * 8, self.stream, "d2h")
 
     def _capture(self, ctx: Any, n: int) -> cm.CudaGraph | None:
@@ -373,7 +321,7 @@ class TrtBackend:
         self.stats["captures"] += 1
         return graph
 
-    def _execute(self, ctx: Any, what: str) -> None:
+    def execute(self, ctx: Any, what: str) -> None:
         if not ctx.execute_async_v3(self.stream.handle):
             raise DecodertError(f"TensorRT failed to run the {what} engine (set DECODERT_TRT_VERBOSE=1)")
 
@@ -397,6 +345,7 @@ class TrtBackend:
             except OSError as e:  # a read-only artifact folder just loses the cache
                 warnings.warn(f"could not save {self.dir / RUNTIME_CACHE}: {e}", stacklevel=2)
         self._drop_graphs()
+        self.verifier.close()
         self._prefill_ctx = self._runs_ctx = None
         if self.cache is not None:
             self.cache.free()

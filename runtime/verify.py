@@ -29,7 +29,7 @@ class OrtGraphReference:
         import ml_dtypes
         import onnxruntime as ort
 
-        from decodert.runtime.trt_backend import kv_pairs
+        from decodert.runtime.trt_engine import kv_pairs
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 3

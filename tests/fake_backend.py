@@ -92,6 +92,9 @@ class FakeBackend:
 
     verify_width = 16
 
+    def prepare_verify(self, rows: int) -> None:
+        pass  # nothing to open
+
     def verify(self, cache: FakeCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
         self.calls.append(("verify", tuple(slots), want_logits))
         assert len(slots) == len(ids) and len(set(slots)) == len(slots)

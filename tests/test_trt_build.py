@@ -30,7 +30,7 @@ from decodert.export.manifest import Manifest, load_manifest  # noqa: E402
 from decodert.export.records import to_json  # noqa: E402
 from decodert.plugins.trt_compat import engine_version_problem, load_trt, parse_version, read_engine  # noqa: E402
 from decodert.plugins import cuda_mem  # noqa: E402
-from decodert.runtime.trt_backend import contiguous_runs, kv_pairs  # noqa: E402
+from decodert.runtime.trt_engine import contiguous_runs, kv_pairs  # noqa: E402
 
 pytestmark = pytest.mark.trt
 gpu = pytest.mark.skipif(cuda_mem.gpu_count() == 0, reason="needs an NVIDIA GPU (cuda-python found none)")

@@ -1,0 +1,210 @@
+"""runtime/trt_backend.py on the CPU, through tests/trt_emulator.py (CUDA memory, streams, graphs and
+TensorRT contexts emulated; the graphs run on ONNX Runtime): the same tokens as the ort backend on
+the same trt-target artifact, every path of the backend, and the misuse the emulator catches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import trt_emulator  # noqa: E402
+from tiny import FAMILIES  # noqa: E402
+
+from decodert.errors import DecodertError  # noqa: E402
+from decodert.export.pipeline import export_model  # noqa: E402
+from decodert.runtime.llm import LLM, Request  # noqa: E402
+from decodert.runtime.sampling import SamplingParams  # noqa: E402
+
+MAX_SEQ = 48
+
+
+@pytest.fixture(scope="module")
+def trt_artifact(tmp_path_factory, tiny_checkpoint):
+    """A tiny llama trt-target fp32 artifact with emulated engines (prefill profile: 16 tokens a chunk)."""
+    out = tmp_path_factory.mktemp("trt-emu") / "art"
+    export_model(tiny_checkpoint("llama"), out, target="trt", dtype="fp32", max_seq=MAX_SEQ, max_batch=4, progress=False)
+    trt_emulator.emulate_engines(out, max_seq=16, scratch={"prefill": 8192, "decode": 4096, "verify": 16384})
+    return out
+
+
+@pytest.fixture
+def emulator(monkeypatch):
+    return trt_emulator.install(monkeypatch)
+
+
+def prompts(llm: LLM) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    v = llm.backend.vocab_size
+    return [rng.integers(3, v, n) for n in (5, 23, 9, 2)]  # 23: two prefill chunks of the 16-token profile
+
+
+def test_same_tokens_as_ort(trt_artifact, emulator):
+    device, _ = emulator
+    with LLM.load(trt_artifact, backend="ort") as ref, LLM.load(trt_artifact, backend="trt") as llm:
+        assert llm.backend.name == "trt"
+        ps = prompts(ref)
+        want = [ref.generate(p, max_new_tokens=12, temperature=0).token_ids for p in ps]
+        got = [llm.generate(p, max_new_tokens=12, temperature=0).token_ids for p in ps]
+        assert got == want
+        batch = llm.generate(ps, max_new_tokens=12, temperature=0)  # one batch: rows of different lengths
+        assert [r.token_ids for r in batch] == want
+        stats = llm.backend.stats
+    assert stats["captures"] >= 1 and stats["graph_launches"] > 0  # decode steps replayed a CUDA graph
+    assert device.counts["replays"] == stats["graph_launches"]
+
+
+def test_continuous_batching_moves_slots(trt_artifact, emulator):
+    with LLM.load(trt_artifact, backend="ort") as ref, LLM.load(trt_artifact, backend="trt") as llm:
+        ps = prompts(ref) * 2
+        lens = [3, 14, 6, 9, 11, 2, 8, 5]
+        reqs = [Request(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in zip(ps, lens)]
+        want = [r.token_ids for r in ref.generate_many(reqs)]
+        got = [r.token_ids for r in llm.generate_many(reqs)]
+    assert got == want
+
+
+def test_context_fills_up(trt_artifact, emulator):
+    with LLM.load(trt_artifact, backend="ort") as ref, LLM.load(trt_artifact, backend="trt") as llm:
+        p = prompts(ref)[1]
+        want = ref.generate(p, max_new_tokens=100, temperature=0)
+        got = llm.generate(p, max_new_tokens=100, temperature=0)
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "length"
+
+
+def test_emulator_catches_an_overrun(emulator):
+    device, _ = emulator
+    from decodert.plugins import cuda_mem as cm
+
+    stream, a, b = cm.Stream(), cm.DeviceBuffer(16), cm.PinnedArray((2,), np.int64)
+    with pytest.raises(trt_emulator.EmulatorError, match="overrun"):
+        cm.copy_async(a.ptr, b.ptr, 32, stream, "h2d")
+    with pytest.raises(trt_emulator.EmulatorError, match="memory, expected"):
+        cm.copy_async(b.ptr, a.ptr, 16, stream, "h2d")
+
+
+def test_missing_engine_is_one_line(trt_artifact, emulator, tmp_path):
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(trt_artifact, art)
+    (art / "decode.engine").unlink()
+    with pytest.raises(DecodertError, match="decode.engine: missing"):
+        LLM.load(art, backend="trt")
+
+
+def test_padded_prefill_stays_inside_the_context(trt_artifact, emulator):
+    """A short row near the end of its context beside a longer one: padding the short row to the
+    call's width would write K/V past max_seq (on a GPU, into the next head's cache), so it runs alone."""
+    rng = np.random.default_rng(0)
+    a, b, c = rng.integers(3, 60, 40), rng.integers(3, 60, 5), rng.integers(3, 60, 16)
+    got = {}
+    for name in ("ort", "trt"):
+        with LLM.load(trt_artifact, backend=name) as llm:
+            cache = llm.backend.allocate(2)
+            llm.backend.prefill(cache, [0], [a], want_logits=False)
+            out = llm.backend.prefill(cache, [0, 1], [b, c], want_logits=True)
+            got[name] = (out.next_token, out.logits, cache.lengths.copy())
+    assert (got["trt"][0] == got["ort"][0]).all() and (got["trt"][2] == [45, 16]).all()
+    np.testing.assert_allclose(got["trt"][1], got["ort"][1], atol=1e-5)
+
+
+def test_verify_equals_decode_steps(trt_artifact, emulator):
+    """One verify call of rows over their caches returns what decoding the same tokens one by one does."""
+    rng = np.random.default_rng(1)
+    with LLM.load(trt_artifact, backend="trt") as llm:
+        be = llm.backend
+        assert be.verify_width == 16
+        cache = be.allocate(3)
+        prompts_ = [rng.integers(3, 60, n) for n in (7, 12, 3)]
+        be.prefill(cache, [0, 1, 2], prompts_, want_logits=False)
+        drafts = [rng.integers(3, 60, n) for n in (5, 1, 16)]
+        start = cache.lengths.copy()
+        out = be.verify(cache, [0, 1, 2], drafts, want_logits=True)
+        assert (cache.lengths == start + [5, 1, 16]).all() and out.next_tokens.shape == (3, 16)
+        for j, d in enumerate(drafts):  # decode the same tokens one at a time from the same cache state
+            cache.lengths[j] = start[j]
+            for i, t in enumerate(d):
+                step = be.decode(cache, [j], np.array([t]), want_logits=True)
+                assert step.next_token[0] == out.next_tokens[j, i]
+                np.testing.assert_allclose(step.logits[0], out.logits[j, i], atol=2e-5)
+        assert be.stats["verify_runs"] == 1  # three rows, one call
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_speculative_greedy_is_plain_greedy(trt_artifact, emulator, batch):
+    from decodert.runtime.speculative import SpeculativeConfig
+
+    _, trt = emulator
+    with LLM.load(trt_artifact, backend="trt") as llm:
+        rng = np.random.default_rng(4)
+        ps = [np.tile(rng.integers(3, 60, 5), 3), rng.integers(3, 60, 9), np.tile(rng.integers(3, 60, 3), 4),
+              rng.integers(3, 60, 4)][:batch]
+        plain = [llm.generate(p, max_new_tokens=30, temperature=0).token_ids for p in ps]
+        assert "verify.onnx" not in trt.deserialized  # plain decoding never opens the verify engine
+        fixed = SpeculativeConfig(adaptive=False, draft_len=6)
+        reqs = [Request(p, SamplingParams(max_new_tokens=30, temperature=0), speculative=fixed) for p in ps]
+        spec = llm.generate_many(reqs)
+        assert [r.token_ids for r in spec] == plain
+        assert "verify.onnx" in trt.deserialized and llm.backend.stats["verify_runs"] > 0
+        assert max(r.metrics.accepted_per_step for r in spec) > 1.0
+
+
+def test_speculative_sampling_runs(trt_artifact, emulator):
+    from decodert.runtime.speculative import SpeculativeConfig
+
+    with LLM.load(trt_artifact, backend="trt") as llm:
+        p = np.tile(np.arange(10, 16), 3)
+        fixed = SpeculativeConfig(adaptive=False)
+        a = llm.generate(p, max_new_tokens=20, temperature=0.8, top_p=0.9, seed=3, speculative=fixed)
+        b = llm.generate(p, max_new_tokens=20, temperature=0.8, top_p=0.9, seed=3, speculative=fixed)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 20
+
+
+def test_engines_built_before_verify(trt_artifact, emulator, tmp_path):
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(trt_artifact, art)
+    trt_emulator.emulate_engines(art, max_seq=16, graphs=("prefill", "decode"))
+    with LLM.load(art, backend="trt") as llm:
+        assert llm.generate([5, 6, 7], max_new_tokens=3, temperature=0).token_ids
+        with pytest.raises(DecodertError, match="no verify engine.*decodert build"):
+            llm.generate([5, 6, 7], max_new_tokens=3, speculative="ngram")
+
+
+def test_prefix_cache_reuses_device_blocks(trt_artifact, emulator):
+    """A prompt that starts like an earlier one loads the cached K/V blocks (device copies,
+    runtime/kv_blocks.py) instead of prefilling them, and answers as the ort backend does."""
+    rng = np.random.default_rng(5)
+    first = rng.integers(3, 60, 34)
+    second = np.concatenate([first, rng.integers(3, 60, 6)])
+    got = {}
+    for name in ("ort", "trt"):
+        with LLM.load(trt_artifact, backend=name) as llm:
+            got[name] = [llm.generate(p, max_new_tokens=6, temperature=0).token_ids for p in (first, second)]
+            if name == "trt":
+                assert llm.prefix_cache is not None and llm.prefix_cache.stats.hit_tokens >= 32
+    assert got["trt"] == got["ort"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_fp16(tiny_checkpoint, tmp_path, emulator, family):
+    """fp16 engines (the trt default) of every family: the ort backend's tokens on the same graphs,
+    plainly and with speculation at batch 2 (one verify call for both rows)."""
+    from decodert.runtime.speculative import SpeculativeConfig
+
+    out = tmp_path / "art"
+    export_model(tiny_checkpoint(family), out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False)
+    trt_emulator.emulate_engines(out)
+    rng = np.random.default_rng(2)
+    with LLM.load(out, backend="ort") as ref, LLM.load(out, backend="trt") as llm:
+        ps = [np.tile(rng.integers(3, ref.backend.vocab_size, 5), 3), rng.integers(3, ref.backend.vocab_size, 9)]
+        want = [ref.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps]
+        assert [llm.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps] == want
+        fixed = SpeculativeConfig(adaptive=False, draft_len=6)
+        reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps]
+        assert [r.token_ids for r in llm.generate_many(reqs)] == want

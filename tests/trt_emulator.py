@@ -1,0 +1,397 @@
+"""A CPU stand-in for CUDA and a TensorRT runtime, so runtime/trt_backend.py runs in tests on a machine
+without a GPU (no GPU is lent to CI; the backend's logic is otherwise never executed).
+
+What is emulated, and what it checks:
+
+- **Memory** (plugins/cuda_mem.py): device buffers and pinned host buffers are numpy allocations with
+  real addresses. Every copy and every tensor an engine reads or writes must lie inside one live
+  allocation of the right kind (h2d: pinned host -> device, d2h, d2d), or the emulator raises: an
+  address bound at the wrong slot, a length past a buffer, a freed buffer.
+- **Streams and CUDA graphs**: work enqueued on a stream runs at once, unless the stream is being
+  captured; then it is recorded, and ``CudaGraph.launch`` replays it, reading the pinned host
+  buffers at replay time as a real graph does (so a value written after capture is seen, and a
+  pointer baked into a graph must still be right).
+- **TensorRT**: an engine file written by ``emulate_engines`` names the artifact's ONNX graph and the
+  build profile (export/trt_build.py ``profile_shapes``, as ``decodert build`` uses). Its execution
+  context checks that an input shape lies in the profile (``set_input_shape`` returns False
+  outside, as TensorRT does), that scratch memory and every I/O address were set, reads the inputs
+  from their addresses, runs the graph with ONNX Runtime and writes each output at its address:
+  ``present_*`` over ``past_*`` in place.
+
+Not emulated: kernels (the numbers are ONNX Runtime's), timing, asynchrony between the host and the
+device (a missing stream sync is not caught), TensorRT-RTX's JIT and runtime cache.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from decodert.export.manifest import EngineRecord, load_manifest, write_manifest
+from decodert.export.trt_build import profile_shapes
+
+VERSION = "1.7.1.116"  # what the emulated engines say built them (a TensorRT-RTX version)
+_TRT_DTYPES = {onnx.TensorProto.FLOAT: "FLOAT", onnx.TensorProto.FLOAT16: "HALF", onnx.TensorProto.BFLOAT16: "BF16",
+               onnx.TensorProto.INT64: "INT64", onnx.TensorProto.INT32: "INT32", onnx.TensorProto.BOOL: "BOOL"}
+MAGIC = "decodert-emulated-engine"
+
+
+class EmulatorError(AssertionError):
+    """A misuse of CUDA or TensorRT that the real thing would crash on, or silently get wrong."""
+
+
+# ---------------------------------------------------------------- memory
+class Memory:
+    """Live allocations: address -> (kind, bytes). Views are bounds-checked against them."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []  # sorted addresses
+        self.blocks: dict[int, tuple[str, np.ndarray]] = {}
+
+    def alloc(self, nbytes: int, kind: str) -> tuple[int, np.ndarray]:
+        raw = np.zeros(max(int(nbytes), 1), np.uint8)
+        ptr = raw.ctypes.data
+        bisect.insort(self.starts, ptr)
+        self.blocks[ptr] = (kind, raw)
+        return ptr, raw
+
+    def free(self, ptr: int) -> None:
+        if ptr not in self.blocks:
+            raise EmulatorError(f"free of {ptr:#x}: not a live allocation")
+        del self.blocks[ptr]
+        self.starts.remove(ptr)
+
+    def view(self, ptr: int, nbytes: int, kind: str, what: str) -> np.ndarray:
+        """The ``nbytes`` at ``ptr`` (uint8, writable) inside one live allocation of ``kind``."""
+        i = bisect.bisect_right(self.starts, ptr) - 1
+        if i < 0:
+            raise EmulatorError(f"{what}: {ptr:#x} is not inside any live allocation")
+        start = self.starts[i]
+        got, raw = self.blocks[start]
+        off = ptr - start
+        if off + nbytes > raw.nbytes:
+            raise EmulatorError(f"{what}: {nbytes} bytes at offset {off} overrun a {raw.nbytes}-byte {got} buffer")
+        if got != kind:
+            raise EmulatorError(f"{what}: {ptr:#x} is {got} memory, expected {kind}")
+        return raw[off : off + nbytes]
+
+
+class Device:
+    """The emulated GPU: memory, streams, captures; ``api()`` is what replaces plugins/cuda_mem.py's names."""
+
+    def __init__(self, free_bytes: int = 8 << 30) -> None:
+        self.mem = Memory()
+        self.free_bytes = free_bytes
+        self.capturing: dict[int, list[Callable[[], None]]] = {}  # stream handle -> recorded work
+        self.next_handle = 1
+        self.live_streams: set[int] = set()
+        self.counts = {"copies": 0, "engine_runs": 0, "replays": 0}
+
+    def enqueue(self, handle: int, work: Callable[[], None]) -> None:
+        if handle not in self.live_streams:
+            raise EmulatorError(f"work enqueued on stream {handle}, which is not a live stream")
+        if handle in self.capturing:
+            self.capturing[handle].append(work)
+        else:
+            work()
+
+    def copy(self, dst: int, src: int, nbytes: int, kind: str) -> None:
+        kinds = {"h2d": ("device", "host"), "d2h": ("host", "device"), "d2d": ("device", "device")}
+        if kind not in kinds:
+            raise EmulatorError(f"copy kind {kind!r}")
+        dk, sk = kinds[kind]
+        self.mem.view(dst, nbytes, dk, f"{kind} copy destination")[:] = self.mem.view(src, nbytes, sk, f"{kind} copy source")
+        self.counts["copies"] += 1
+
+    def api(self) -> dict[str, Any]:
+        dev = self
+
+        class DeviceBuffer:
+            def __init__(self, nbytes: int, zero: bool = True) -> None:
+                self.nbytes = max(int(nbytes), 1)
+                self.ptr, _ = dev.mem.alloc(self.nbytes, "device")
+                if not zero:  # uninitialised device memory: make a read before a write visible
+                    _.fill(0xA5)
+
+            def free(self) -> None:
+                if self.ptr:
+                    dev.mem.free(self.ptr)
+                    self.ptr = 0
+
+        class PinnedArray:
+            def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+                self.dtype = np.dtype(dtype)
+                n = int(np.prod(shape)) * self.dtype.itemsize
+                self.nbytes = max(n, 1)
+                self.ptr, raw = dev.mem.alloc(self.nbytes, "host")
+                self.array = raw[:n].view(self.dtype).reshape(shape)
+
+            def free(self) -> None:
+                if self.ptr:
+                    self.array = np.empty(0, self.dtype)
+                    dev.mem.free(self.ptr)
+                    self.ptr = 0
+
+        class Stream:
+            def __init__(self) -> None:
+                self.handle = dev.next_handle
+                dev.next_handle += 1
+                dev.live_streams.add(self.handle)
+
+            def sync(self) -> None:
+                if self.handle in dev.capturing:
+                    raise EmulatorError("stream synchronize during a CUDA graph capture")
+
+            def destroy(self) -> None:
+                dev.live_streams.discard(self.handle)
+                self.handle = 0
+
+        def copy_async(dst: int, src: int, nbytes: int, stream: Stream, kind: str) -> None:
+            if nbytes > 0:
+                dev.enqueue(stream.handle, lambda: dev.copy(dst, src, nbytes, kind))
+
+        def copy_2d_async(dst: int, dpitch: int, src: int, spitch: int, width: int, rows: int, stream: Stream) -> None:
+            def work() -> None:
+                for r in range(rows):
+                    dev.copy(dst + r * dpitch, src + r * spitch, width, "d2d")
+
+            if width > 0 and rows > 0:
+                dev.enqueue(stream.handle, work)
+
+        class CudaGraph:
+            def __init__(self, stream: Stream, enqueue: Any) -> None:
+                if stream.handle in dev.capturing:
+                    raise EmulatorError("nested capture")
+                self.stream = stream
+                dev.capturing[stream.handle] = []
+                try:
+                    enqueue()
+                finally:
+                    self.work = dev.capturing.pop(stream.handle)
+
+            def launch(self) -> None:
+                if self.work is None:
+                    raise EmulatorError("launch of a destroyed CUDA graph")
+                dev.counts["replays"] += 1
+                for w in self.work:
+                    dev.enqueue(self.stream.handle, w)
+
+            def destroy(self) -> None:
+                self.work = None
+
+        return {"DeviceBuffer": DeviceBuffer, "PinnedArray": PinnedArray, "Stream": Stream, "CudaGraph": CudaGraph,
+                "copy_async": copy_async, "copy_2d_async": copy_2d_async,
+                "gpu_count": lambda: 1, "set_device": lambda device: None, "clear_last_error": lambda: None,
+                "device_info": lambda device=0: {"name": "emulated", "compute_capability": "sm_89",
+                                                 "total_bytes": dev.free_bytes},
+                "mem_get_info": lambda: (dev.free_bytes, dev.free_bytes)}
+
+
+# ---------------------------------------------------------------- TensorRT
+class _DType:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class Engine:
+    """An emulated engine: the ONNX graph the blob names, its I/O and its build profile."""
+
+    def __init__(self, trt: "EmulatedTensorRT", blob: dict[str, Any]) -> None:
+        self.trt, self.path = trt, Path(blob["graph"])
+        self.profile: dict[str, dict[str, list[int]]] = blob["profile"]
+        model = onnx.load(str(self.path), load_external_data=False)
+        inits = {t.name for t in model.graph.initializer}
+        self.io: dict[str, tuple[bool, str, tuple[int, ...]]] = {}  # name -> (is input, TRT dtype, dims (-1 dynamic))
+        for is_input, values in ((True, model.graph.input), (False, model.graph.output)):
+            for v in values:
+                if v.name in inits:
+                    continue  # an overridable initializer, not an engine input
+                t = v.type.tensor_type
+                dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
+                self.io[v.name] = (is_input, _TRT_DTYPES[t.elem_type], dims)
+        self.names = list(self.io)
+        self.num_io_tensors = len(self.names)
+        self.device_memory_size_v2 = int(blob.get("scratch", 1 << 12))
+        self.num_layers = 1
+
+    def get_tensor_name(self, i: int) -> str:
+        return self.names[i]
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self.io[name][2]
+
+    def get_tensor_dtype(self, name: str) -> _DType:
+        return _DType(self.io[name][1])
+
+    def get_tensor_mode(self, name: str) -> str:
+        return "INPUT" if self.io[name][0] else "OUTPUT"
+
+    def get_aliased_input_tensor(self, name: str) -> str | None:
+        alias = "past_" + name[len("present_"):] if name.startswith("present_") else None
+        return alias if alias in self.io else None
+
+    def create_execution_context(self, strategy: Any = None) -> "Context":
+        return Context(self)
+
+    def session(self) -> ort.InferenceSession:
+        return self.trt.session(self.path)
+
+
+class Context:
+    """An execution context: addresses and input shapes set by the backend, run on ``execute_async_v3``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.addresses: dict[str, int] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.scratch: tuple[int, int] | None = None
+
+    def set_device_memory(self, ptr: int, nbytes: int) -> None:
+        if nbytes < self.engine.device_memory_size_v2:
+            raise EmulatorError(f"scratch of {nbytes} bytes < the engine's {self.engine.device_memory_size_v2}")
+        self.engine.trt.device.mem.view(ptr, nbytes, "device", "scratch memory")
+        self.scratch = (ptr, nbytes)
+
+    def set_tensor_address(self, name: str, ptr: int) -> bool:
+        if name not in self.engine.io:
+            return False
+        self.addresses[name] = ptr
+        return True
+
+    def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
+        io = self.engine.io.get(name)
+        if io is None or not io[0] or len(shape) != len(io[2]):
+            return False
+        lo, hi = self.engine.profile[name]["min"], self.engine.profile[name]["max"]
+        if any(not a <= d <= b for d, a, b in zip(shape, lo, hi)):
+            return False
+        self.shapes[name] = tuple(int(d) for d in shape)
+        return True
+
+    def execute_async_v3(self, stream_handle: int) -> bool:
+        eng = self.engine
+        if self.scratch is None:
+            raise EmulatorError("execute without scratch memory (USER_MANAGED contexts need set_device_memory)")
+        missing = [n for n in eng.names if n not in self.addresses] + [n for n, io in eng.io.items()
+                                                                       if io[0] and n not in self.shapes]
+        if missing:
+            raise EmulatorError(f"execute with no address or shape for {missing[:3]}")
+        addresses, shapes = dict(self.addresses), dict(self.shapes)  # what a capture bakes in
+        eng.trt.device.enqueue(stream_handle, lambda: self._run(addresses, shapes))
+        return True
+
+    def _run(self, addresses: dict[str, int], shapes: dict[str, tuple[int, ...]]) -> None:
+        eng, mem = self.engine, self.engine.trt.device.mem
+        session = eng.session()
+        feeds = {}
+        for name, shape in shapes.items():
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(_onnx_type(eng.io[name][1])))
+            n = int(np.prod(shape)) * dtype.itemsize
+            feeds[name] = mem.view(addresses[name], n, "device", f"input {name}").view(dtype).reshape(shape).copy()
+        outs = session.run(None, feeds)
+        for meta, value in zip(session.get_outputs(), outs):
+            if meta.name not in addresses:
+                continue
+            value = np.ascontiguousarray(value)
+            alias = eng.get_aliased_input_tensor(meta.name)
+            if alias is not None and addresses[meta.name] != addresses[alias]:
+                raise EmulatorError(f"{meta.name} is not bound at its past tensor's address (in-place cache)")
+            mem.view(addresses[meta.name], value.nbytes, "device", f"output {meta.name}")[:] = value.view(np.uint8).reshape(-1)
+        eng.trt.device.counts["engine_runs"] += 1
+
+
+def _onnx_type(trt_name: str) -> int:
+    return {v: k for k, v in _TRT_DTYPES.items()}[trt_name]
+
+
+class EmulatedTensorRT:
+    """What ``load_trt()`` returns in the emulator: (module, TrtInfo)."""
+
+    def __init__(self, device: Device) -> None:
+        from decodert.plugins.trt_compat import TrtInfo
+
+        self.device = device
+        self._sessions: dict[Path, ort.InferenceSession] = {}
+        self.deserialized: list[str] = []  # graph file names, in order
+        trt = self
+
+        class Runtime:
+            def __init__(self, logger: Any) -> None:
+                pass
+
+            def deserialize_cuda_engine(self, blob: bytes) -> Engine | None:
+                data = json.loads(bytes(blob).decode())
+                if data.get("magic") != MAGIC:
+                    return None
+                trt.deserialized.append(Path(data["graph"]).name)
+                return Engine(trt, data)
+
+        class Logger:
+            INFO, ERROR = 1, 3
+
+            def __init__(self, level: int) -> None:
+                self.level = level
+
+        self.module = types.SimpleNamespace(
+            __version__=VERSION, Runtime=Runtime, Logger=Logger,
+            ExecutionContextAllocationStrategy=types.SimpleNamespace(USER_MANAGED="USER_MANAGED"),
+            TensorIOMode=types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT"))
+        self.info = TrtInfo(flavour="tensorrt_rtx", module_name="emulated", version=(1, 7, 1, 116), can_build=False,
+                            has_kv_cache_update_layer=True, has_rotary_layer=True, has_attention_layer=True,
+                            weakly_typed_allowed=False, has_timing_cache=False, has_runtime_cache=False,
+                            has_engine_validity=False, has_aliased_io=True, has_version_compatible=False,
+                            has_compute_capability=False)
+
+    def session(self, path: Path) -> ort.InferenceSession:
+        if path not in self._sessions:
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = 1
+            opts.log_severity_level = 3  # TensorScatter says it copies the cache (the emulator writes it back in place)
+            self._sessions[path] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        return self._sessions[path]
+
+
+# ---------------------------------------------------------------- setup
+def install(monkeypatch: Any, free_bytes: int = 8 << 30) -> tuple[Device, EmulatedTensorRT]:
+    """Point plugins/cuda_mem.py and the trt backend's TensorRT at the emulator (undone by ``monkeypatch``)."""
+    from decodert.plugins import cuda_mem
+    from decodert.runtime import trt_backend
+
+    device = Device(free_bytes)
+    for name, value in device.api().items():
+        monkeypatch.setattr(cuda_mem, name, value)
+    trt = EmulatedTensorRT(device)
+    monkeypatch.setattr(trt_backend, "load_trt", lambda *a, **k: (trt.module, trt.info))
+    return device, trt
+
+
+def emulate_engines(folder: Path, max_batch: int | None = None, max_seq: int | None = None,
+                    graphs: tuple[str, ...] = ("prefill", "decode", "verify"), scratch: dict[str, int] | None = None) -> None:
+    """Write an emulated ``<graph>.engine`` per graph and record them in manifest.engines, with the
+    profiles ``decodert build --max-batch/--max-seq`` would give."""
+    folder = Path(folder)
+    m = load_manifest(folder, verify="none")
+    batch, seq = max_batch or m.max_batch, max_seq or m.max_seq
+    records = {}
+    for name in graphs:
+        if name not in m.graphs:
+            continue
+        graph = m.graphs[name]
+        shapes = profile_shapes(graph, name, batch, seq)
+        profile = {k: {"min": v[0], "opt": v[1], "max": v[2]} for k, v in shapes.items()}
+        blob = json.dumps({"magic": MAGIC, "graph": str((folder / graph.file).resolve()), "profile": profile,
+                           "scratch": (scratch or {}).get(name, 1 << 12)}).encode()
+        (folder / f"{name}.engine").write_bytes(blob)
+        records[name] = EngineRecord(file=f"{name}.engine", size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
+                                     tensorrt={"flavour": "tensorrt_rtx", "version": VERSION, "module": "emulated"},
+                                     precision=m.dtype, strongly_typed=True, max_batch=batch, max_seq=seq,
+                                     profile=profile)
+    write_manifest(folder, m.replace(engines=records))

@@ -28,4 +28,5 @@ def run_verify(args: argparse.Namespace) -> int:
     result = verify(args.out, steps=args.steps, rows=args.rows)
     rows = bench(args.out, [int(b) for b in args.batches.split(",")], args.bench_steps) if args.bench else []
     print(format_report(result, rows))
-    return 0 if result["greedy_agreement"] >= args.min_agreement else 1
+    agreement = min(result["greedy_agreement"], result.get("verify_agreement", 1.0))
+    return 0 if agreement >= args.min_agreement else 1

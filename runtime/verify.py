@@ -2,7 +2,9 @@
 
 Teacher-forced greedy: both sides are fed the tokens TensorRT chose, so one near-tie flip does not
 derail the rest of the comparison. Each step counts whether ONNX Runtime's argmax agrees with the
-engine's ``next_token`` and tracks the largest logit difference. ``--bench`` adds decode
+engine's ``next_token`` and tracks the largest logit difference. Where the engines include a
+verify engine (speculative decoding), one verify call over the tokens the decode steps were fed
+must return what those steps did. ``--bench`` adds decode
 throughput at the given batch sizes with and without CUDA graphs. Needs a GPU.
 """
 
@@ -96,11 +98,30 @@ def verify(artifact_dir: str | Path, steps: int = 16, rows: int = 2, cuda_graphs
         got, want = be.prefill(cache, slots, prompts, want_logits=True), ref.prefill(prompts)
         stats = _Compare()
         stats.add(got.next_token, got.logits, *want)
+        prompt_end, decoded = cache.lengths.copy(), []
         for _ in range(steps):
             tokens = got.next_token.copy()
             got, want = be.decode(cache, slots, tokens, want_logits=True), ref.decode(tokens)
             stats.add(got.next_token, got.logits, *want)
-        return {"rows": rows, "steps": steps + 1, **stats.summary(), "backend_stats": dict(be.stats)}
+            decoded.append((tokens, got.next_token.copy(), got.logits.copy()))
+        summary = {"rows": rows, "steps": steps + 1, **stats.summary()}
+        if be.verify_width and decoded:  # the verify engine over the same tokens (speculative decoding)
+            cache.lengths[:] = prompt_end
+            summary.update(_verify_pass(be, cache, slots, decoded[: be.verify_width]))
+        return {**summary, "backend_stats": dict(be.stats)}
+
+
+def _verify_pass(be: Any, cache: Any, slots: list[int], decoded: Sequence[tuple[np.ndarray, ...]]) -> dict[str, Any]:
+    """One verify call over the tokens the decode steps were fed, from the same cache state:
+    its output after each must be the decode step's (what makes speculative greedy exact)."""
+    fed = np.stack([tokens for tokens, _, _ in decoded], axis=1)  # [rows, w]
+    out = be.verify(cache, slots, list(fed), want_logits=True)
+    stats = _Compare()
+    for i, (_, next_token, logits) in enumerate(decoded):
+        stats.add(out.next_tokens[:, i], out.logits[:, i], next_token, logits)
+    s = stats.summary()
+    return {"verify_width": fed.shape[1], "verify_agreement": s["greedy_agreement"],
+            "verify_max_abs_logit_err": s["max_abs_logit_err"]}
 
 
 def check_verifiable(folder: Path, manifest: Manifest) -> None:
@@ -171,6 +192,9 @@ def format_report(result: dict[str, Any] | None, rows: list[dict[str, Any]]) -> 
         lines.append(f"verify: {result['rows']} rows x {result['steps']} steps  greedy agreement "
                      f"{result['greedy_agreement']:.3f}  max |logit err| {result['max_abs_logit_err']:.4f} "
                      f"(rel {result['max_rel_logit_err']:.2e})  {result['backend_stats']}")
+        if "verify_width" in result:
+            lines.append(f"verify pass: {result['verify_width']} tokens a row vs the decode steps  agreement "
+                         f"{result['verify_agreement']:.3f}  max |logit err| {result['verify_max_abs_logit_err']:.4f}")
     if rows:
         lines.append(f"{'batch':>5} {'cuda graphs':>11} {'ms/step':>9} {'tokens/s':>10}")
         lines += [f"{r['batch']:>5} {str(r['cuda_graphs']):>11} {r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10.1f}"

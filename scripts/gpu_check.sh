@@ -10,7 +10,8 @@
 # onnx, onnxruntime, tokenizers, gguf, ...) are installed from $WHEELS too when missing.
 #
 # Steps: install -> export (target trt, fp16) -> decodert build -> decodert verify (engines vs ONNX
-# Runtime CPU on the same graphs: greedy agreement, max logit error) -> decode benchmark at batch 1
+# Runtime CPU on the same graphs: greedy agreement, max logit error; the verify engine against the
+# decode steps) -> decode benchmark at batch 1
 # and 4 with and without CUDA graphs. Prints one table at the end. Exit code: first failing step.
 set -euo pipefail
 

@@ -242,3 +242,17 @@ def test_slot_placement_and_move_slot(trt_artifact, emulator):
         y = be.decode(cache, [0], da.next_token[:1], want_logits=True)
         np.testing.assert_array_equal(x.next_token, y.next_token)
         np.testing.assert_allclose(x.logits, y.logits, atol=1e-5)
+
+
+def test_draft_model_on_trt(trt_artifact, emulator):
+    """A draft model (here the artifact itself) on the trt backend too: its own cache slot per row,
+    set back on rejection; greedy output is plain greedy's."""
+    from decodert.runtime.speculative import SpeculativeConfig
+
+    with LLM.load(trt_artifact, backend="trt", draft=trt_artifact) as llm:
+        assert llm.backend.name == "trt"
+        p = np.random.default_rng(6).integers(3, 60, 11)
+        want = llm.generate(p, max_new_tokens=24, temperature=0).token_ids
+        got = llm.generate(p, max_new_tokens=24, temperature=0,
+                           speculative=SpeculativeConfig(method="draft", adaptive=False, draft_len=4))
+        assert got.token_ids == want and got.metrics.accepted_per_step > 2.0  # a self-draft is always right

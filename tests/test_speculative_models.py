@@ -212,3 +212,21 @@ def test_bench_ngram_ceiling_prints_every_policy(tiny_checkpoint, tmp_path, caps
         items = line.split(": ", 1)[1].split("  ")[1:]  # after "plain N tok/s"
         rate = {k: float(v) for k, v in (x.rsplit(" ", 1) for x in items)}
         assert rate["oracle trimmed"] >= rate["oracle choice"] >= max(rate["recent"], rate["voted"]) * 0.999
+
+
+def test_bench_speculative_report_counts_every_repeat():
+    """bench/speculative.py's table: tok/step and acceptance are means over every repeat, and a
+    row is "same" only when every repeat gave the reference's tokens (the first repeat alone
+    once decided both, so a repeat that never speculated set tok/step 1.00 beside a 1.23x median)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import speculative as bench
+
+    jobs = [bench.Job("decodert", "fp32", 1, "plain", "p"), bench.Job("decodert", "fp32", 1, "ngram", "p")]
+    reply = {"tokens": [1, 2, 3, 4, 5], "decode_s": 0.1}
+    runs = {(0, "grounded"): [[reply], [reply]],
+            (1, "grounded"): [[{**reply, "accepted_per_step": 1.0, "acceptance_rate": 0.0}],
+                              [{**reply, "tokens": [1, 2, 3, 4, 6], "accepted_per_step": 3.0, "acceptance_rate": 0.5}]]}
+    _, rows = bench.report(jobs, runs, {"grounded": None})
+    plain, ngram = rows
+    assert plain["same_tokens"] and not ngram["same_tokens"]
+    assert ngram["accepted_per_step"] == 2.0 and ngram["acceptance"] == 0.25

@@ -132,6 +132,7 @@ def test_verify_equals_decode_steps(trt_artifact, emulator):
                 assert step.next_token[0] == out.next_tokens[j, i]
                 np.testing.assert_allclose(step.logits[0], out.logits[j, i], atol=2e-5)
         assert be.stats["verify_runs"] == 1  # three rows, one call
+        assert be.verifier.own_scratch is not None  # its engine wants more scratch than prefill/decode share
 
 
 @pytest.mark.parametrize("batch", [1, 4])

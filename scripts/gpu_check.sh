@@ -11,8 +11,8 @@
 #
 # Steps: install -> export (target trt, fp16) -> decodert build -> decodert verify (engines vs ONNX
 # Runtime CPU on the same graphs: greedy agreement, max logit error; the verify engine against the
-# decode steps) -> decode benchmark at batch 1
-# and 4 with and without CUDA graphs. Prints one table at the end. Exit code: first failing step.
+# decode steps) -> decode benchmark at batch 1 and 4 with and without CUDA graphs -> the same with
+# prompt lookup (tok/step, acceptance). Prints one table at the end. Exit code: first failing step.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -99,6 +99,8 @@ main() {
   step build "$PY" -m decodert build "$OUT" --fp16 --no-progress
   step verify+bench bash -o pipefail -c "'$PY' -m decodert verify '$OUT' --steps 64 --rows 2 --bench --batches 1,4 \
     --bench-steps 128 | tee '$OUT/gpu_check.txt'"
+  step speculative bash -o pipefail -c "'$PY' -m decodert bench '$OUT' --backend trt --speculative ngram \
+    --prompt-len 128 --gen 128 --batch 1,4 --repeats 1 | tee -a '$OUT/gpu_check.txt'"
   echo
   echo "================ decodert gpu_check: $(date -u +%FT%TZ) ================"
   "$PY" -c "from decodert.plugins.trt_compat import load_trt; print('tensorrt:', load_trt()[1].describe())"

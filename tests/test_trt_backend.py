@@ -257,3 +257,15 @@ def test_draft_model_on_trt(trt_artifact, emulator):
         got = llm.generate(p, max_new_tokens=24, temperature=0,
                            speculative=SpeculativeConfig(method="draft", adaptive=False, draft_len=4))
         assert got.token_ids == want and got.metrics.accepted_per_step > 2.0  # a self-draft is always right
+
+
+def test_bench_command_on_trt(trt_artifact, emulator, capsys):
+    """`decodert bench --backend trt`, plainly and with prompt lookup (the figures a GPU run records)."""
+    from decodert.cli import main
+
+    args = ["bench", str(trt_artifact), "--backend", "trt", "--prompt-len", "8", "--gen", "8", "--batch", "1,2",
+            "--repeats", "1"]
+    assert main(args) == 0
+    assert main([*args, "--speculative", "ngram"]) == 0
+    out = capsys.readouterr().out
+    assert "(trt," in out and "tok/step" in out, out

@@ -269,3 +269,39 @@ def test_bench_command_on_trt(trt_artifact, emulator, capsys):
     assert main([*args, "--speculative", "ngram"]) == 0
     out = capsys.readouterr().out
     assert "(trt," in out and "tok/step" in out, out
+
+
+def test_capture_failure_falls_back_to_plain_runs(trt_artifact, emulator, monkeypatch):
+    """A CUDA graph capture that fails warns once and leaves decode on execute_async_v3, same tokens."""
+    from decodert.plugins import cuda_mem
+
+    with LLM.load(trt_artifact, backend="ort") as ref:
+        want = ref.generate([5, 6, 7, 8], max_new_tokens=10, temperature=0).token_ids
+
+    def broken(stream, enqueue):
+        raise DecodertError("cudaStreamBeginCapture failed: cudaErrorStreamCaptureUnsupported")
+
+    monkeypatch.setattr(cuda_mem, "CudaGraph", broken)
+    with LLM.load(trt_artifact, backend="trt") as llm:
+        with pytest.warns(UserWarning, match="CUDA graph capture of the decode step .* failed"):
+            got = llm.generate([5, 6, 7, 8], max_new_tokens=10, temperature=0).token_ids
+        assert got == want
+        assert llm.backend.stats["capture_failures"] == 1 and llm.backend.stats["graph_launches"] == 0
+
+
+def test_engine_failure_is_one_line(trt_artifact, emulator, monkeypatch):
+    with LLM.load(trt_artifact, backend="trt") as llm:
+        monkeypatch.setattr(trt_emulator.Context, "execute_async_v3", lambda self, stream: False)
+        with pytest.raises(DecodertError, match="TensorRT failed to run the prefill engine"):
+            llm.generate([5, 6, 7], max_new_tokens=2, temperature=0)
+
+
+def test_shape_outside_the_profile_names_the_fix(trt_artifact, emulator):
+    """A verify call wider than the engine's profile (a hand-edited manifest) is refused by the context."""
+    with LLM.load(trt_artifact, backend="trt") as llm:
+        be = llm.backend
+        be.verifier.width = 17  # past the profile's 16
+        cache = be.allocate(1)
+        be.prefill(cache, [0], [np.arange(3, 8)], want_logits=False)
+        with pytest.raises(DecodertError, match="outside the engine's profile"):
+            be.verify(cache, [0], [np.arange(3, 20)], want_logits=False)

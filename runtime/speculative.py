@@ -20,8 +20,10 @@ cost table holds the measured seconds of a target pass per (rows, width) (a row 
 measured yet takes a plain step first; a width not measured yet is priced by the measured cost
 of one more token). Each step picks the verify width with the most expected tokens per second,
 where width 1 is a plain decode step: when acceptance collapses (free-form text), speculation
-stops costing anything but the n-gram search, and a row's estimate drifts back to what all rows
-saw while it is not speculating, so it is tried again later.
+stops costing anything but the n-gram search. A prompt-lookup draft a plain step did not verify
+is judged in hindsight against the tokens generated next, so estimates keep learning while a row
+decodes plainly and speculation resumes when the text starts repeating; a draft model's row,
+whose drafts cost a pass to ask, drifts back to what all rows saw instead.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from decodert.runtime.sampling import apply_processors, draw, make_distribution
 METHODS = ("ngram", "draft")
 PRIOR = 0.5  # acceptance of a kind of proposal nobody has verified yet (one pseudo-observation)
 SLOPE_PRIOR = 0.1  # cost of one more verified token per row, in decode steps, before any is measured
+HINDSIGHT = 0.25  # weight of a draft judged in hindsight (not verified) against a verified one
 
 
 @dataclass(frozen=True)
@@ -167,10 +170,12 @@ class Speculator:
         acc, seen = self.seen.get((id(drafter), key), (0.0, 0.0))
         return (acc + (pooled_acc + PRIOR) / (pooled_seen + 1.0)) / (seen + 1.0)
 
-    def observe(self, drafter: Drafter, key: int, accepted: int, evaluated: int) -> None:
+    def observe(self, drafter: Drafter, key: int, accepted: float, evaluated: float, weight: float = 1.0) -> None:
+        """Add one outcome (``weight``: a hindsight one counts less, and ages the record less)."""
+        keep = 1 - 0.02 * weight
         for k in (key, None):  # None: every kind of this drafter
             acc, seen = self.seen.get((id(drafter), k), (0.0, 0.0))
-            self.seen[(id(drafter), k)] = [0.98 * acc + accepted, 0.98 * seen + evaluated]
+            self.seen[(id(drafter), k)] = [keep * acc + weight * accepted, keep * seen + weight * evaluated]
 
 
 class RowState:
@@ -182,16 +187,44 @@ class RowState:
         self.distribution = None if p.greedy else make_distribution(p.temperature, p.top_k, p.top_p, p.min_p)
         self.stats: dict[int, list[float]] = {}  # proposal kind -> [accepted, evaluated] (decayed sums)
         self.passes = self.proposed = self.accepted = 0
+        self.pending: list[tuple[int, int, list[int]]] = []  # (kind, first position, draft) not verified yet
 
     def acceptance(self, key: int) -> float:
         acc, seen = self.stats.get(key) or (self.speculator.prior(self.drafter, key), 1.0)
         return acc / seen
 
-    def learn(self, key: int, proposed: int, accepted: int) -> None:
+    def learn(self, key: int, proposed: int, accepted: int, weight: float = 1.0) -> None:
+        """Add a verified outcome (``weight`` 1), or a hindsight one (``HINDSIGHT``): those come at
+        every plain step and overlap (step t's draft and step t+1's share tokens), so each counts
+        for less and the row's record forgets more slowly (at a verified pass's weight its estimate
+        jumped with every lucky match, and a noisy row verified one step in four)."""
         acc, seen = self.stats.get(key) or [self.speculator.prior(self.drafter, key), 1.0]
         evaluated = accepted + (accepted < proposed)  # drafts compared up to the first rejection
-        self.stats[key] = [0.7 * acc + accepted, 0.7 * seen + evaluated]
-        self.speculator.observe(self.drafter, key, accepted, evaluated)
+        keep = 1 - 0.3 * weight
+        self.stats[key] = [keep * acc + weight * accepted, keep * seen + weight * evaluated]
+        self.speculator.observe(self.drafter, key, accepted, evaluated, weight)
+
+    def remember(self, key: int, start: int, draft: np.ndarray) -> None:
+        """A prompt-lookup draft for positions ``start``.. that this step did not verify: judged in
+        hindsight (``hindsight``) once the row has generated those positions."""
+        self.pending.append((key, start, draft.tolist()))
+
+    def hindsight(self, seq: Sequence) -> None:
+        """Learn from the remembered drafts the generated tokens now settle: how many of each a
+        verify pass would have kept (greedy: exactly; sampling: a draft token equals the sampled
+        one with the probability speculative sampling accepts it). So a row that decodes plainly
+        keeps learning, and a kind of proposal that failed on earlier text is drafted again as
+        soon as it starts to be right (before, its estimate stayed where it was, and a reply that
+        repeated itself was decoded plainly to the end)."""
+        keep = []
+        for key, start, draft in self.pending:
+            known = seq.history[start : min(seq.length, start + len(draft))].tolist()
+            hit = next((i for i, (a, b) in enumerate(zip(known, draft)) if a != b), len(known))
+            if hit < len(known) or len(known) == len(draft):
+                self.learn(key, len(draft), hit, HINDSIGHT)
+            elif not seq.done:
+                keep.append((key, start, draft))
+        self.pending = keep
 
     def idle(self, key: int) -> None:
         """A draft of this kind was available but not verified: drift towards what all rows saw."""
@@ -217,6 +250,9 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
     step that matters is the one that brings the last row's end nearer (see ``_plan``)."""
     spec_rows = [j for j, s in enumerate(seqs) if s.spec is not None]
     speculator: Speculator = seqs[spec_rows[0]].spec.speculator
+    for j in spec_rows:
+        if seqs[j].spec.pending:
+            seqs[j].spec.hindsight(seqs[j])
     width_max = int(getattr(backend, "verify_width", 0) or 0)
     if width_max:
         backend.prepare_verify(len(seqs))  # open it now, not inside the first pass the plan picks
@@ -227,8 +263,10 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
     if width == 1:  # plain decode step
         for j in spec_rows:
             seqs[j].spec.passes += 1
-            if len(drafts[j]) or (keys[j] is None and limits[j]):
-                seqs[j].spec.idle(1 if keys[j] is None else keys[j])
+            if keys[j] is not None and len(drafts[j]):  # prompt lookup: judged once the tokens are known
+                seqs[j].spec.remember(keys[j], seqs[j].length, drafts[j])
+            elif keys[j] is None and limits[j]:  # a model drafter was not asked: drift to what rows saw
+                seqs[j].spec.idle(1)
         t0 = time.perf_counter()
         deltas = decode_step(backend, cache, slots, seqs)
         speculator.costs.record(n, 1, time.perf_counter() - t0)

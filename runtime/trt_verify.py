@@ -75,13 +75,13 @@ class TrtVerifier:
 
     def verify(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
         b = self.backend
+        self.open()  # first: without a verify engine, say which re-export or rebuild gives one
         rows = [np.asarray(r, dtype=np.int64).reshape(-1) for r in ids]
         lens = [len(r) for r in rows]
         width = max(lens, default=0)
         if not rows or min(lens) < 1 or width > self.width:
             raise DecodertError(f"verify takes 1..{self.width} tokens per row, got {lens}")
         b.check_rows(cache, slots, lens)
-        self.open()
         n = len(slots)
         out = VerifyOutput(np.zeros((n, width), np.int64),
                            np.zeros((n, width, b.vocab_size), np.float32) if want_logits else None)

@@ -175,6 +175,9 @@ def test_engines_built_before_verify(trt_artifact, emulator, tmp_path):
         assert llm.generate([5, 6, 7], max_new_tokens=3, temperature=0).token_ids
         with pytest.raises(DecodertError, match="no verify engine.*decodert build"):
             llm.generate([5, 6, 7], max_new_tokens=3, speculative="ngram")
+        cache = llm.backend.allocate(1)
+        with pytest.raises(DecodertError, match="has no verify engine .*run `decodert build"):  # the backend says it too
+            llm.backend.verify(cache, [0], [np.array([5, 6])], want_logits=False)
 
 
 def test_prefix_cache_reuses_device_blocks(trt_artifact, emulator):

@@ -57,6 +57,7 @@ class Engine:
         model = onnx.load(str(self.path), load_external_data=False)
         inits = {t.name for t in model.graph.initializer}
         self.io: dict[str, tuple[bool, str, tuple[int, ...]]] = {}  # name -> (is input, TRT dtype, dims (-1 dynamic))
+        self.np_dtypes: dict[str, np.dtype] = {}  # name -> what its bytes hold
         for is_input, values in ((True, model.graph.input), (False, model.graph.output)):
             for v in values:
                 if v.name in inits:
@@ -64,6 +65,7 @@ class Engine:
                 t = v.type.tensor_type
                 dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
                 self.io[v.name] = (is_input, _TRT_DTYPES[t.elem_type], dims)
+                self.np_dtypes[v.name] = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
         self.names = list(self.io)
         self.num_io_tensors = len(self.names)
         self.device_memory_size_v2 = int(blob.get("scratch", 1 << 12))
@@ -140,7 +142,7 @@ class Context:
         session = eng.session()
         feeds = {}
         for name, shape in shapes.items():
-            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(_onnx_type(eng.io[name][1])))
+            dtype = eng.np_dtypes[name]
             n = int(np.prod(shape)) * dtype.itemsize
             feeds[name] = mem.view(addresses[name], n, "device", f"input {name}").view(dtype).reshape(shape).copy()
         outs = session.run(None, feeds)
@@ -153,10 +155,6 @@ class Context:
                 raise EmulatorError(f"{meta.name} is not bound at its past tensor's address (in-place cache)")
             mem.view(addresses[meta.name], value.nbytes, "device", f"output {meta.name}")[:] = value.view(np.uint8).reshape(-1)
         eng.trt.device.counts["engine_runs"] += 1
-
-
-def _onnx_type(trt_name: str) -> int:
-    return {v: k for k, v in _TRT_DTYPES.items()}[trt_name]
 
 
 class EmulatedTensorRT:

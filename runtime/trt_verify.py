@@ -117,6 +117,8 @@ class TrtVerifier:
 
     def close(self) -> None:
         self.ctx = None
-        for buf in [*self.h.values(), *self.d.values(), *([self.own_scratch] if self.own_scratch else [])]:
+        for pinned in self.h.values():
+            pinned.free()
+        for buf in [*self.d.values(), *([self.own_scratch] if self.own_scratch else [])]:
             buf.free()
         self.h, self.d, self.own_scratch = {}, {}, None

@@ -103,6 +103,8 @@ def verify(artifact_dir: str | Path, steps: int = 16, rows: int = 2, cuda_graphs
             tokens = got.next_token.copy()
             got, want = be.decode(cache, slots, tokens, want_logits=True), ref.decode(tokens)
             stats.add(got.next_token, got.logits, *want)
+            if got.logits is None:  # asked for above: a backend that drops them is a bug, not a mismatch
+                raise RuntimeError("the backend returned no logits from a decode step asked for them")
             decoded.append((tokens, got.next_token.copy(), got.logits.copy()))
         summary = {"rows": rows, "steps": steps + 1, **stats.summary()}
         if be.verify_width and decoded:  # the verify engine over the same tokens (speculative decoding)

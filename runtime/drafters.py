@@ -3,8 +3,7 @@
 One small interface (``Drafter``): ``propose(seqs, limits)`` returns up to ``limits[j]`` draft
 ids per row (may be empty) and a key naming the kind of proposal (the acceptance of each kind
 is tracked apart: a 4-token n-gram match is right more often than a 1-token one);
-``commit(seq, accepted)`` tells the drafter how many of its drafts the target kept, so state of
-its own (a draft model's cache) stays in step; ``release(seq)`` forgets a finished row.
+``release(seq)`` forgets a finished row.
 
 - ``NgramDrafter`` (prompt lookup): the longest suffix of the row's tokens (prompt + generated,
   ``max_ngram`` down to ``min_ngram`` tokens) that occurred before; the tokens that followed it
@@ -13,8 +12,8 @@ its own (a draft model's cache) stays in step; ``release(seq)`` forgets a finish
   agree (``ngram_kind``). No model, no state.
 - ``DraftModelDrafter``: a second decodert artifact with the same tokenizer proposes its greedy
   tokens (q one-hot, so the acceptance rule is the same as for prompt lookup). It keeps one
-  cache slot per row; rejected drafts are dropped by setting its length back, and tokens it has
-  not seen (the target's correction) are fed on the next proposal.
+  cache slot per row; at each proposal that row is rewound to the longest beginning of the row's
+  history it holds (its rejected drafts go) and fed the rest (the target's correction).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from typing import Any, Protocol, Sequence as Seq
 import numpy as np
 
 from decodert.errors import DecodertError
+from decodert.runtime.kv_cache import common_prefix
 
 
 class Drafter(Protocol):
@@ -33,9 +33,6 @@ class Drafter(Protocol):
 
     def propose(self, seqs: Seq[Any], limits: Seq[int]) -> tuple[list[np.ndarray], list[int]]:
         """(drafts: [k_j] int64 per row with k_j <= limits[j], key per row for acceptance stats)."""
-        ...
-
-    def commit(self, seq: Any, proposed: int, accepted: int) -> None:
         ...
 
     def release(self, seq: Any) -> None:
@@ -157,9 +154,6 @@ class NgramDrafter:
             keys.append(ngram_kind(history, starts, n, draft) if n else 0)
         return drafts, keys
 
-    def commit(self, seq: Any, proposed: int, accepted: int) -> None:
-        pass
-
     def release(self, seq: Any) -> None:
         pass
 
@@ -195,8 +189,13 @@ class DraftModelDrafter:
             return drafts, [0] * len(seqs)
         t0 = time.perf_counter()
         slots = [self._slot(seqs[j]) for j in rows]
-        # Feed what the draft cache lacks (the target's last tokens), ending with the row's last token.
-        feed = [seqs[j].history[int(self.cache.lengths[s]) : seqs[j].length] for j, s in zip(rows, slots)]
+        # The draft row keeps the longest beginning of the row's history it holds (its accepted drafts
+        # too), at most all but the last token; it is fed the rest, ending with the row's last token.
+        feed = []
+        for j, s in zip(rows, slots):
+            history = seqs[j].history[: seqs[j].length]
+            self.cache.rewind(s, common_prefix(self.cache.held(s), history, len(history) - 1))
+            feed.append(history[int(self.cache.lengths[s]) :])
         out = self.backend.prefill(self.cache, slots, feed, want_logits=False)
         tokens = [[int(t)] for t in out.next_token]
         catch_up = max(len(f) for f in feed) > 2  # a row's first proposal prefills its whole prompt: once per row
@@ -216,13 +215,6 @@ class DraftModelDrafter:
             per_token = (time.perf_counter() - t0) / made
             self.seconds_per_token = per_token if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per_token
         return drafts, [1] * len(seqs)
-
-    def commit(self, seq: Any, proposed: int, accepted: int) -> None:
-        """The draft cache holds the row's last token and drafts 1..proposed-1: keep what was accepted."""
-        slot = self.slot_of.get(seq)
-        if slot is None or proposed == 0:
-            return
-        self.cache.lengths[slot] -= (proposed - 1) - min(accepted, proposed - 1)
 
     def release(self, seq: Any) -> None:
         slot = self.slot_of.pop(seq, None)

@@ -12,6 +12,7 @@ from typing import Any, Generator, Iterable, Sequence as Seq
 import numpy as np
 
 from decodert.runtime.backend import Backend, KVCache, StepOutput
+from decodert.runtime.kv_cache import common_prefix
 from decodert.runtime.constraints import Guide, masks_ahead
 from decodert.runtime.metrics import Metrics, Timer
 from decodert.runtime.sampling import SamplingParams, apply_processors, make_logits_processors, make_sampler
@@ -164,13 +165,15 @@ def choose_tokens(seqs: Seq[Sequence], step: StepOutput) -> np.ndarray:
 def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequence], prefix: Any = None) -> list[str]:
     """Run all prompts in one call, accept each row's first token -> text deltas.
 
-    Each slot continues after its ``cache.lengths[slot]`` cached tokens, which must be the
-    prompt's first ones (0 for a new row; a session's row keeps its conversation). ``prefix``
-    (runtime/prefix_cache.py) first loads the longest cached prefix, and keeps the prompt's
-    whole blocks after the call; ``seq.cached_tokens`` counts the tokens not prefilled.
+    Each slot continues after the longest beginning of its prompt that the row holds (nothing for a
+    new row; a session's row keeps its conversation): the row is rewound to that first, and at least
+    the prompt's last token is run (its logits choose the first new token). ``prefix``
+    (runtime/prefix_cache.py) then loads the longest cached prefix, and keeps the prompt's whole
+    blocks after the call; ``seq.cached_tokens`` counts the tokens not prefilled.
     """
     for slot, seq in zip(slots, seqs):
         seq.timer.start()
+        cache.rewind(slot, common_prefix(cache.held(slot), seq.prompt, len(seq.prompt) - 1))
         if prefix is not None:
             prefix.load(cache, slot, seq.prompt)
         seq.cached_tokens = int(cache.lengths[slot])
@@ -179,7 +182,7 @@ def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequenc
         step = backend.prefill(cache, list(slots), [s.prompt[s.cached_tokens:] for s in seqs], want_logits=want)
     if prefix is not None:
         for slot, seq in zip(slots, seqs):
-            prefix.store(cache, slot, seq.prompt)
+            prefix.store(cache, slot)
     return [s.accept(int(t)) for s, t in zip(seqs, choose_tokens(seqs, step))]
 
 

@@ -30,7 +30,7 @@ from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
 from decodert.runtime import kv_blocks
 from decodert.runtime.backend import StepOutput, VerifyOutput
-from decodert.runtime.kv_cache import KVCache
+from decodert.runtime.kv_cache import KVCache, contiguous_runs, fitting_runs
 from decodert.runtime.memory import check_fits
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -98,9 +98,7 @@ class OrtBackend:
 
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         lens = np.array([len(x) for x in ids], np.int64)
-        if (cache.lengths[list(slots)] + lens > cache.max_seq).any():
-            raise DecodertError(f"prompt does not fit in the cache (max {cache.max_seq} tokens per row); "
-                                "export with a larger --max-seq")
+        cache.check_room(slots, lens, "the prompt's tokens")
         out = StepOutput(np.empty(len(slots), np.int64),
                          np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
         for rows in self._prefill_groups(cache, slots, lens):
@@ -114,16 +112,14 @@ class OrtBackend:
             b.seq[:] = lens[rows]
             _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
             _gather(out, rows, b, want_logits)
-        cache.lengths[list(slots)] += lens
+        cache.commit(slots, ids)
         return out
 
     def decode(self, cache: KVCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
-        slots_arr = np.asarray(slots, np.int64)
-        if (cache.lengths[slots_arr] + 1 > cache.max_seq).any():
-            raise DecodertError(f"the KV cache is full ({cache.max_seq} tokens per row)")
+        cache.check_room(slots, [1] * len(slots), "the next tokens")
         out = StepOutput(np.empty(len(slots), np.int64),
                          np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
-        for rows in _contiguous_runs(slots):
+        for rows in contiguous_runs(slots):
             start, n = slots[rows[0]], len(rows)
             key = (id(cache), start, n)
             b = self._decode_bindings.get(key)
@@ -133,7 +129,7 @@ class OrtBackend:
             b.past[:] = cache.lengths[start : start + n]
             _run_bound(self.sessions["decode"], b.io, self.dir, "decode")
             _gather(out, rows, b, want_logits)
-        cache.lengths[slots_arr] += 1
+        cache.commit(slots, ids.reshape(-1, 1))
         return out
 
     @property
@@ -152,12 +148,12 @@ class OrtBackend:
         width = int(lens.max())
         if not 1 <= lens.min() or width > self.verify_width:
             raise DecodertError(f"verify takes 1..{self.verify_width} tokens per row, got {lens.tolist()}")
-        if (cache.lengths[list(slots)] + lens > cache.max_seq).any():
-            raise DecodertError(f"the KV cache is full ({cache.max_seq} tokens per row)")
+        cache.check_room(slots, lens, "the verified tokens")
         out = VerifyOutput(np.zeros((len(slots), width), np.int64),
                            np.zeros((len(slots), width, self.vocab_size), np.float32) if want_logits else None)
         batched = self.manifest.graphs["verify"].batched_past
-        for rows in _contiguous_runs(slots) if batched else self._prefill_groups(cache, slots, lens):
+        runs = fitting_runs(slots, cache.lengths, lens, cache.max_seq) if batched else self._prefill_groups(cache, slots, lens)
+        for rows in runs:  # a padded run never writes past the end of a row's context
             state = self._verify_state(len(rows) == 1)
             start, n, w = slots[rows[0]], len(rows), int(lens[rows].max())
             io, ids_buf, past_buf, logits_buf, next_buf = state.binding(cache, start, n, w)
@@ -169,7 +165,7 @@ class OrtBackend:
             out.next_tokens[rows, :w] = next_buf
             if out.logits is not None:
                 out.logits[rows, :w] = logits_buf
-        cache.lengths[list(slots)] += lens
+        cache.commit(slots, ids)
         return out
 
     def prepare_verify(self, rows: int) -> None:
@@ -209,8 +205,7 @@ class OrtBackend:
             for i in range(len(cache.buffers)):
                 copy_async(cache.pointer(i, dst), cache.pointer(i, src), cache.slot_bytes, stream, "d2d")
             self._stream.sync()
-        cache.lengths[dst] = n
-        cache.lengths[src] = 0
+        cache.move(src, dst)
 
     # ---- KV blocks (runtime/kv_blocks.py) ----------------------------------------------------
     def kv_bytes(self, n: int) -> int:
@@ -240,10 +235,8 @@ class OrtBackend:
     def _prefill_groups(self, cache: KVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:
         """Runs of contiguous slots; rows one by one where a batched call is not allowed."""
         groups = []
-        for rows in _contiguous_runs(slots):
-            past = cache.lengths[[slots[r] for r in rows]]
-            width = lens[rows].max()
-            batched_ok = (past.max() == 0 or len(rows) <= self._prefill_with_past_batch) and (past + width <= cache.max_seq).all()
+        for rows in fitting_runs(slots, cache.lengths, lens, cache.max_seq):
+            batched_ok = cache.lengths[[slots[r] for r in rows]].max() == 0 or len(rows) <= self._prefill_with_past_batch
             groups.extend([rows] if batched_ok else [[r] for r in rows])
         return groups
 
@@ -314,17 +307,6 @@ def _gather(out: StepOutput, rows: list[int], b: _Binding, want_logits: bool) ->
     out.next_token[rows] = b.next_token
     if want_logits and out.logits is not None:
         out.logits[rows] = b.logits
-
-
-def _contiguous_runs(slots: Sequence[int]) -> list[list[int]]:
-    """Indices into ``slots`` grouped into runs of consecutive slot numbers."""
-    runs: list[list[int]] = []
-    for j, s in enumerate(slots):
-        if runs and slots[runs[-1][-1]] + 1 == s:
-            runs[-1].append(j)
-        else:
-            runs.append([j])
-    return runs
 
 
 def _run_bound(session: ort.InferenceSession, io: Any, folder: Path, kind: str) -> None:

@@ -4,7 +4,9 @@ Prompts are cut into blocks of ``block_tokens`` ids. Block k is keyed by a hash 
 ``key_k = blake2b(key_{k-1} + ids of block k)``, so one key names a whole prefix; each entry also
 keeps its ids and they are compared on lookup, so a hash collision can never return wrong K/V.
 An entry holds a copy of that block's K/V made by the backend (``backend.read_kv``): host arrays
-for ONNX Runtime on the CPU, device memory for TensorRT (runtime/kv_blocks.py).
+for ONNX Runtime on the CPU, device memory for TensorRT (runtime/kv_blocks.py). What is stored is
+what the row holds, ids and K/V together, as the cache records them (``KVCache.held``): the caller
+never says which ids a row's K/V belongs to, so it cannot say it wrongly.
 
 Only whole blocks are cached; the partial block at the end of a prompt is always prefilled.
 Because K/V at position p depends only on ids 0..p (causal attention, absolute positions; a
@@ -16,11 +18,11 @@ and eviction never leaves a block that no lookup can reach.
 
 How a loop uses it, per admitted request (the scheduler here, and a server's engine loop):
 
-    cached = prefix.load(cache, slot, prompt)           # K/V copied into the slot, lengths[slot] set
+    cached = prefix.load(cache, slot, prompt)           # K/V copied into the slot, committed there
     backend.prefill(cache, [slot], [prompt[cached:]])   # only the rest
-    prefix.store(cache, slot, prompt)                   # new whole blocks of the prompt kept
+    prefix.store(cache, slot)                           # new whole blocks of what the row holds
     ...                                                  # when the request ends, before the slot
-    prefix.store(cache, slot, history[:lengths[slot]])  # is reused: its generated blocks too
+    prefix.store(cache, slot)                           # is reused: its generated blocks too
 
 Not thread-safe: the one thread that runs the loop (holding the LLM's lock) uses it.
 """
@@ -101,15 +103,17 @@ class PrefixCache:
         return chain
 
     def load(self, cache: Any, slot: int, ids: np.ndarray, limit: int | None = None) -> int:
-        """Copy the longest cached prefix of ``ids`` into ``slot`` and set ``cache.lengths[slot]`` to it.
+        """Copy the longest cached prefix of ``ids`` into ``slot`` (committed there) -> the slot's cached length.
 
         At most ``limit`` tokens (default ``len(ids) - 1``: the last prompt token is always run, its
-        logits choose the first new token). The slot's first ``cache.lengths[slot]`` tokens must
-        already be ``ids``' (0 for a fresh slot); blocks before that are not copied again, and a
-        hit shorter than what the slot holds changes nothing. Returns the slot's cached length.
+        logits choose the first new token). What the slot holds must be a prefix of ``ids`` (nothing,
+        for a fresh slot; ``generate.prefill`` rewinds a row to that): blocks it holds are not copied
+        again, and a hit shorter than what the slot holds changes nothing.
         """
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         have = int(cache.lengths[slot])
+        if not np.array_equal(cache.held(slot), ids[:have]):
+            raise DecodertError(f"prefix cache: slot {slot} holds ids that do not begin {len(ids)} prompt ids")
         limit = len(ids) - 1 if limit is None else limit
         self.stats.lookups += 1
         chain = self.match(ids, limit)
@@ -117,9 +121,10 @@ class PrefixCache:
         if hit <= have:
             return have
         b = self.block_tokens
+        cache.rewind(slot, have // b * b)  # the partial block the slot holds is copied again, whole
         for k in range(have // b, len(chain)):
             self.backend.write_kv(cache, slot, k * b, chain[k].kv)
-        cache.lengths[slot] = hit
+            cache.commit([slot], [chain[k].ids])
         self.stats.hits += 1
         self.stats.hit_tokens += hit - have
         return hit
@@ -139,13 +144,10 @@ class PrefixCache:
         return leaders, followers
 
     # -- stores ----------------------------------------------------------------------------------
-    def store(self, cache: Any, slot: int, ids: np.ndarray) -> int:
-        """Keep every whole block of ``ids`` not cached yet; ``ids`` are the ids whose K/V ``slot``
-        holds (its first ``len(ids)`` positions, ``len(ids) <= cache.lengths[slot]``).
-        Returns the number of new blocks stored."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if len(ids) > int(cache.lengths[slot]):
-            raise DecodertError(f"prefix cache: slot {slot} holds {int(cache.lengths[slot])} tokens, not {len(ids)}")
+    def store(self, cache: Any, slot: int) -> int:
+        """Keep every whole block of what ``slot`` holds (``cache.held(slot)`` and its K/V) not cached
+        yet. Returns the number of new blocks stored."""
+        ids = cache.held(slot)
         if self.block_bytes > self.budget_bytes:
             return 0
         chain = self.match(ids)
@@ -228,5 +230,5 @@ class LookupOnly:
     def load(self, cache: Any, slot: int, ids: np.ndarray, limit: int | None = None) -> int:
         return self.prefix.load(cache, slot, ids, limit)
 
-    def store(self, cache: Any, slot: int, ids: np.ndarray) -> int:
+    def store(self, cache: Any, slot: int) -> int:
         return 0

@@ -98,7 +98,7 @@ def _compact(backend: Backend, cache: KVCache, active: list[int], seqs: Seq[Sequ
     finished = [slot for slot, i in enumerate(active) if seqs[i].done]
     if prefix is not None:
         for slot in finished:  # before any move overwrites a finished row
-            prefix.store(cache, slot, seqs[active[slot]].history[: cache.lengths[slot]])
+            prefix.store(cache, slot)  # what the row holds, as the cache records it
     for slot in reversed(finished):  # descending: every slot above ``slot`` is unfinished by now
         last = len(active) - 1
         if slot != last:

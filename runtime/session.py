@@ -24,17 +24,24 @@ tokens (max_seq: the context the model was exported with). When that does not fi
 
 The answer of a turn that hits the end of the context ends with finish_reason "length";
 ``last_turn.cut_by`` tells "context" from "max_new_tokens".
+
+State. The row's cache (runtime/kv_cache.py) records which ids its K/V holds; the session keeps no
+copy of its own, so the turns and the row cannot disagree. ``reset``, ``undo`` or ``close`` while a
+``stream_chat`` is running cancel that turn: the stream ends (its result's finish_reason is
+"cancelled"), nothing of it is kept in the history, and the row is not touched by it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Generator, Mapping
+from typing import Any, Generator, Iterator, Mapping
 
 import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.runtime.chat import Message, check_messages
+from decodert.runtime.engine import CANCELLED
 from decodert.runtime.generate import GenerationResult, Sequence, TextStream, decode_step, prefill
 from decodert.runtime import speculative
 from decodert.runtime.prefix_cache import LookupOnly
@@ -66,7 +73,7 @@ class Session:
         self._system = [{"role": "system", "content": system}] if system else []
         self._turns: list[dict] = []  # user / assistant messages after the system message
         self._cache: Any = None  # the session's own one-slot KV cache, allocated on the first turn
-        self._ids = np.zeros(0, np.int64)  # [n] the ids whose K/V the row holds (n = cache.lengths[0])
+        self._running: _Running | None = None  # the turn in flight (a stream not finished yet)
         self.last_turn: TurnInfo | None = None
 
     # -- the conversation ------------------------------------------------------------------------
@@ -78,7 +85,7 @@ class Session:
     @property
     def cached_tokens(self) -> int:
         """Tokens whose K/V the session's row holds now."""
-        return len(self._ids)
+        return 0 if self._cache is None else int(self._cache.lengths[0])
 
     def chat(self, message: str | Message, **params: Any) -> GenerationResult:
         """Add a user message (text, or a message dict), generate the reply and keep both.
@@ -92,24 +99,48 @@ class Session:
         return TextStream(self.llm._stream([seq], runner=self._turn(seq, turns, dropped)), seq)
 
     def undo(self) -> list[dict]:
-        """Remove the last turn (the last user message and the replies after it); returns it."""
-        starts = [i for i, m in enumerate(self._turns) if m.get("role") == "user"]
-        if not starts:
-            raise DecodertError("nothing to undo: the conversation has no user message yet")
-        removed, self._turns = self._turns[starts[-1]:], self._turns[: starts[-1]]
-        return removed  # the row is rewound on the next turn (common prefix)
+        """Remove the last turn (the last user message and the replies after it); returns it.
+        While a stream runs, its turn is the last one: it is cancelled and returned (the reply so far)."""
+        with self._quiet():
+            running = self._cancel()
+            if running is not None:
+                return [dict(running.message), {"role": "assistant", "content": "".join(running.seq.parts)}]
+            starts = [i for i, m in enumerate(self._turns) if m.get("role") == "user"]
+            if not starts:
+                raise DecodertError("nothing to undo: the conversation has no user message yet")
+            removed, self._turns = self._turns[starts[-1]:], self._turns[: starts[-1]]
+            return removed  # the row is rewound on the next turn (common prefix)
 
     def reset(self) -> None:
-        """Forget every turn (the system message stays); the row is kept, emptied."""
-        self._turns = []
-        self._forget_row()
+        """Forget every turn (the system message stays); the row is kept, emptied. Cancels a running stream."""
+        with self._quiet():
+            self._cancel()
+            self._turns = []
+            if self._cache is not None:
+                self._cache.reset(0)
 
     def close(self) -> None:
-        """Free the session's cache row now (the session stays usable: a later turn allocates again)."""
-        cache, self._cache = self._cache, None
-        self._ids = np.zeros(0, np.int64)
-        if cache is not None and hasattr(cache, "free"):
-            cache.free()
+        """Free the session's cache row now (the session stays usable: a later turn allocates again).
+        Cancels a running stream."""
+        with self._quiet():
+            self._cancel()
+            cache, self._cache = self._cache, None
+            if cache is not None and hasattr(cache, "free"):
+                cache.free()
+
+    @contextlib.contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """Hold the LLM's lock: a step of a stream on another thread finishes before the row changes."""
+        lock = getattr(self.llm, "_lock", None)
+        with lock if lock is not None else contextlib.nullcontext():
+            yield
+
+    def _cancel(self) -> "_Running | None":
+        """End the turn in flight, if any: its stream stops at its next step and writes nothing back."""
+        running, self._running = self._running, None
+        if running is not None and not running.seq.done:
+            running.seq.finish_reason = CANCELLED
+        return running
 
     # -- one turn --------------------------------------------------------------------------------
     def _begin(self, message: str | Message, params: Mapping[str, Any]) -> tuple[Sequence, list[dict], int]:
@@ -148,19 +179,14 @@ class Session:
     def _row(self) -> Any:
         if self._cache is None:
             self._cache = self.llm.backend.allocate(1)
-            self._ids = np.zeros(0, np.int64)
         return self._cache
 
-    def _forget_row(self) -> None:
-        self._ids = np.zeros(0, np.int64)
-        if self._cache is not None:
-            self._cache.reset(0)
-
     def _turn(self, seq: Sequence, turns: list[dict], dropped: int) -> Generator[tuple[int, str], None, None]:
-        """Run one turn on the session's row: rewind to the common prefix, prefill the rest, decode."""
+        """Run one turn on the session's row: prefill what the row does not hold yet (generate.prefill
+        rewinds it to the longest common prefix), decode; keep the turn unless it was cancelled."""
+        self._cancel()  # a turn left running (an abandoned stream) is over
+        me = self._running = _Running(turns[-1], seq)
         backend, cache = self.llm.backend, self._row()
-        keep = common_prefix(self._ids, seq.prompt, len(seq.prompt) - 1)
-        cache.lengths[0] = keep
         prefix = self.llm.prefix_cache
         if prefix is not None and self._turns:  # only the first turn stores (its system prompt's blocks)
             prefix = LookupOnly(prefix)
@@ -177,17 +203,19 @@ class Session:
             finished = started  # a stopped turn keeps the reply shown so far
             raise
         finally:
-            self._ids = seq.history[: int(cache.lengths[0])].copy()  # what the row holds, however it ended
-            if finished:
+            if finished and self._running is me:  # not cancelled by reset / undo / close
                 self._turns = turns + [{"role": "assistant", "content": "".join(seq.parts)}]
                 self.last_turn = TurnInfo(len(seq.prompt), seq.cached_tokens, dropped, _cut_by(seq))
+            if self._running is me:
+                self._running = None
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray, limit: int) -> int:
-    """Length of the longest common prefix of id arrays ``a`` and ``b``, at most ``limit``."""
-    n = min(len(a), len(b), max(limit, 0))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
+@dataclass
+class _Running:
+    """The turn in flight: its user message and its sequence."""
+
+    message: dict
+    seq: Sequence
 
 
 def _first_turn_end(turns: list[dict]) -> int | None:

@@ -284,8 +284,7 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
         logits = out.logits[j] if out.logits is not None else None
         text, accepted = _commit(seq, drafts[j], out.next_tokens[j], logits)
         deltas.append(text)
-        if not seq.done:
-            cache.lengths[slot] = seq.length - 1  # rewind: rejected drafts are overwritten later
+        cache.rewind(slot, seq.length - 1)  # rejected drafts (finished or not): the row holds history[:length - 1]
         if seq.spec is not None:
             _learn(seq, keys[j], len(drafts[j]), accepted)
     return deltas
@@ -412,6 +411,5 @@ def _learn(seq: Sequence, key: int | None, proposed: int, accepted: int) -> None
     spec.accepted += accepted
     if proposed:
         spec.learn(key if key is not None else 1, proposed, accepted)
-    spec.drafter.commit(seq, proposed, accepted)
     if seq.done:
         spec.drafter.release(seq)

@@ -182,7 +182,7 @@ class TrtBackend:
             cm.copy_2d_async(buf.ptr + dst * cache.slot_bytes, pitch, buf.ptr + src * cache.slot_bytes, pitch,
                              n * cache.pos_bytes, self.kv_heads, self.stream)
         self.stream.sync()
-        cache.lengths[dst] = n
+        cache.move(src, dst)
 
     # ------------------------------------------------------------ KV blocks (runtime/kv_blocks.py)
     def kv_bytes(self, n: int) -> int:
@@ -241,7 +241,7 @@ class TrtBackend:
         self.stats["plain_runs"] += 1
         cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, k * 8, self.stream, "d2h")
         self._collect(run, out)
-        cache.lengths[row0 : row0 + k] += lens
+        cache.commit([s for _, s in run], [chunk[j] for j, _ in run])
 
     def decode(self, cache: KVCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
         """One token per slot; slots 0..n-1 take the bound context / CUDA graph path."""
@@ -265,7 +265,7 @@ class TrtBackend:
                 self._decode_enqueue(self._runs_ctx, k)
                 self.stats["plain_runs"] += 1
                 self._collect(run, out)
-        cache.lengths[list(slots)] += 1
+        cache.commit(slots, tokens.reshape(-1, 1))
         return out
 
     @property

@@ -15,6 +15,7 @@ from decodert.export.manifest import GraphRecord, Manifest
 from decodert.export.trt_build import check_io, engine_io
 from decodert.plugins import cuda_mem as cm
 from decodert.plugins.trt_compat import TrtInfo
+from decodert.runtime import kv_cache
 from decodert.runtime.kv_cache import KVCache
 from decodert.runtime.trt_refit import refit_from_onnx
 
@@ -54,16 +55,9 @@ def kv_pairs(graph: GraphRecord) -> list[tuple[str, str]]:
 
 
 def contiguous_runs(slots: Sequence[int]) -> Iterator[list[tuple[int, int]]]:
-    """[(j, slot)] groups with consecutive slot numbers, j = position in ``slots``."""
-    order = sorted(range(len(slots)), key=lambda j: slots[j])
-    run: list[tuple[int, int]] = []
-    for j in order:
-        if run and slots[j] != run[-1][1] + 1:
-            yield run
-            run = []
-        run.append((j, int(slots[j])))
-    if run:
-        yield run
+    """[(j, slot)] groups with consecutive slot numbers, j = position in ``slots`` (runtime/kv_cache.py)."""
+    for run in kv_cache.contiguous_runs(slots):
+        yield [(j, int(slots[j])) for j in run]
 
 
 class Engine:
@@ -120,14 +114,6 @@ def bind(ctx: Any, addresses: Mapping[str, int], shapes: Mapping[str, tuple[int,
 
 
 def fitting_runs(slots: Sequence[int], lengths: np.ndarray, counts: Sequence[int], max_seq: int) -> Iterator[list[tuple[int, int]]]:
-    """``contiguous_runs`` of the rows, split so that each run's padded call stays inside the cache.
-
-    A run is one call of width max(counts) over rows right-padded to it, and a call writes K/V (and
-    takes RoPE positions) at past .. past + width - 1 of every row; a row with less room than that
-    (a short row near the end of its context beside a longer one) runs alone, at its own width."""
-    for run in contiguous_runs(slots):
-        width = max(counts[j] for j, _ in run)
-        if all(lengths[s] + width <= max_seq for _, s in run):
-            yield run
-        else:
-            yield from ([row] for row in run)
+    """runtime/kv_cache.py ``fitting_runs`` as (row, slot) pairs: runs whose padded call stays inside the cache."""
+    for run in kv_cache.fitting_runs(slots, lengths, counts, max_seq):
+        yield [(j, slots[j]) for j in run]

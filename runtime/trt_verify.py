@@ -10,7 +10,7 @@
 Rows run per contiguous slot run in one call (the trt target's verify graph takes several rows over
 caches), KV bound at the run's first slot as prefill does; a row whose padded width would pass the
 end of its context runs alone (runtime/trt_engine.py ``fitting_runs``). Rejected tokens are dropped
-by the caller setting ``cache.lengths`` back, as on every backend.
+by the caller rewinding the cache (``KVCache.rewind``), as on every backend.
 
 The engine is deserialized at the first ``prepare_verify`` or ``verify``, not at load: it holds its
 own copy of the weights on the GPU unless the engines are weight-stripped, and plain decoding never
@@ -87,7 +87,7 @@ class TrtVerifier:
                            np.zeros((n, width, b.vocab_size), np.float32) if want_logits else None)
         for run in fitting_runs(slots, cache.lengths, lens, b.max_seq):
             self._run(cache, run, rows, out)
-        cache.lengths[list(slots)] += lens
+        cache.commit(slots, rows)
         return out
 
     def _run(self, cache: KVCache, run: list[tuple[int, int]], rows: list[np.ndarray], out: VerifyOutput) -> None:

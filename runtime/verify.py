@@ -108,7 +108,8 @@ def verify(artifact_dir: str | Path, steps: int = 16, rows: int = 2, cuda_graphs
             decoded.append((tokens, got.next_token.copy(), got.logits.copy()))
         summary = {"rows": rows, "steps": steps + 1, **stats.summary()}
         if be.verify_width and decoded:  # the verify engine over the same tokens (speculative decoding)
-            cache.lengths[:] = prompt_end
+            for s in slots:
+                cache.rewind(s, int(prompt_end[s]))
             summary.update(_verify_pass(be, cache, slots, decoded[: be.verify_width]))
         return {**summary, "backend_stats": dict(be.stats)}
 

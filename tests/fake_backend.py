@@ -36,12 +36,7 @@ class FakeCache(KVCache):
 
     def __init__(self, slots: int, max_seq: int) -> None:
         super().__init__(slots, max_seq, layers=0, kv_heads=1, head_dim=1, dtype=np.int64)
-        self.tokens = np.full((slots, max_seq), -1, dtype=np.int64)  # [slots, max_seq]
-
-    def reset(self, slot: int | None = None) -> None:
-        rows = slice(None) if slot is None else slot
-        self.lengths[rows] = 0
-        self.tokens[rows] = -1
+        self.tokens = np.full((slots, max_seq), -1, dtype=np.int64)  # [slots, max_seq] the "K/V"; stale past lengths, as real K/V
 
 
 class FakeBackend:
@@ -111,7 +106,7 @@ class FakeBackend:
     def move_slot(self, cache: FakeCache, src: int, dst: int) -> None:
         self.calls.append(("move", (src, dst), False))
         cache.tokens[dst] = cache.tokens[src]
-        cache.lengths[dst] = cache.lengths[src]
+        cache.move(src, dst)
 
     # the K/V blocks of runtime/kv_blocks.py: here a block is the token ids themselves
     def kv_bytes(self, n: int) -> int:
@@ -134,7 +129,7 @@ class FakeBackend:
         assert row.ndim == 1 and row.size >= 1, "empty row"
         assert start + row.size <= cache.max_seq, f"slot {slot}: {start}+{row.size} tokens > max_seq {cache.max_seq}"
         cache.tokens[slot, start:start + row.size] = row
-        cache.lengths[slot] = start + row.size
+        cache.commit([slot], [row])
 
     def _output(self, cache: FakeCache, slots: Sequence[int], want_logits: bool) -> StepOutput:
         logits = np.stack([self.logits_for(cache.tokens[s, :cache.lengths[s]]) for s in slots])  # [n, V]

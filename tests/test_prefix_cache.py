@@ -39,7 +39,7 @@ def test_store_then_load_whole_blocks_only():
     backend = FakeBackend(max_seq=64)
     prefix = PrefixCache(backend, budget_bytes=1 << 20, block_tokens=B)
     ids = np.arange(10, 21)  # 11 ids: 2 whole blocks + 3
-    assert prefix.store(_filled(backend, ids), 0, ids) == 2
+    assert prefix.store(_filled(backend, ids), 0) == 2
     cache = backend.allocate(2)
     assert prefix.load(cache, 1, np.r_[ids[:9], 99, 98]) == 8  # 2 blocks reused, 3 ids left to prefill
     np.testing.assert_array_equal(cache.tokens[1, :8], ids[:8])
@@ -53,7 +53,7 @@ def test_load_leaves_the_last_prompt_token_to_run():
     backend = FakeBackend(max_seq=64)
     prefix = PrefixCache(backend, budget_bytes=1 << 20, block_tokens=B)
     ids = np.arange(30, 38)  # exactly 2 blocks
-    prefix.store(_filled(backend, ids), 0, ids)
+    prefix.store(_filled(backend, ids), 0)
     assert prefix.load(backend.allocate(1), 0, ids) == 4  # not 8: the last token's logits are needed
     assert prefix.load(backend.allocate(1), 0, np.r_[ids, 5]) == 8
 
@@ -62,7 +62,7 @@ def test_load_after_a_partial_row_copies_only_what_is_missing():
     backend = FakeBackend(max_seq=64)
     prefix = PrefixCache(backend, budget_bytes=1 << 20, block_tokens=B)
     ids = np.arange(40, 53)  # 3 blocks + 1
-    prefix.store(_filled(backend, ids), 0, ids)
+    prefix.store(_filled(backend, ids), 0)
     cache = _filled(backend, ids[:6])  # the row already holds 6 of them
     backend.calls.clear()
     assert prefix.load(cache, 0, ids) == 12
@@ -74,10 +74,10 @@ def test_eviction_under_a_tiny_budget_keeps_bytes_in_budget_and_chains_whole():
     backend = FakeBackend(max_seq=64)
     prefix = PrefixCache(backend, budget_bytes=3 * backend.kv_bytes(B), block_tokens=B)
     a = np.arange(1, 21)  # 5 blocks
-    assert prefix.store(_filled(backend, a), 0, a) == 3  # a chain is never evicted by itself
+    assert prefix.store(_filled(backend, a), 0) == 3  # a chain is never evicted by itself
     _check_invariants(prefix)
     b = np.arange(50, 62)  # 3 other blocks: evicts a's blocks, deepest first
-    assert prefix.store(_filled(backend, b), 0, b) == 3
+    assert prefix.store(_filled(backend, b), 0) == 3
     _check_invariants(prefix)
     assert prefix.stats.evicted_blocks == 3 and len(prefix) == 3 and prefix.stats.peak_bytes <= prefix.budget_bytes
     assert prefix.load(backend.allocate(1), 0, np.r_[a, 0]) == 0
@@ -89,9 +89,9 @@ def test_lru_evicts_the_least_recently_used_chain():
     prefix = PrefixCache(backend, budget_bytes=4 * backend.kv_bytes(B), block_tokens=B)
     a, b, c = np.arange(1, 9), np.arange(20, 28), np.arange(40, 48)  # 2 blocks each
     for ids in (a, b):
-        prefix.store(_filled(backend, ids), 0, ids)
+        prefix.store(_filled(backend, ids), 0)
     prefix.load(backend.allocate(1), 0, np.r_[a, 0])  # a is now the most recent
-    prefix.store(_filled(backend, c), 0, c)
+    prefix.store(_filled(backend, c), 0)
     _check_invariants(prefix)
     assert prefix.load(backend.allocate(1), 0, np.r_[a, 0]) == 8
     assert prefix.load(backend.allocate(1), 0, np.r_[b, 0]) == 0
@@ -102,7 +102,7 @@ def test_zero_budget_or_oversized_block_stores_nothing():
     backend = FakeBackend(max_seq=64)
     prefix = PrefixCache(backend, budget_bytes=backend.kv_bytes(B) - 1, block_tokens=B)
     ids = np.arange(12)
-    assert prefix.store(_filled(backend, ids), 0, ids) == 0 and prefix.nbytes == 0
+    assert prefix.store(_filled(backend, ids), 0) == 0 and prefix.nbytes == 0
 
 
 def test_a_hash_collision_never_returns_other_ids(monkeypatch):
@@ -110,16 +110,24 @@ def test_a_hash_collision_never_returns_other_ids(monkeypatch):
     backend = FakeBackend(max_seq=64)
     prefix = PrefixCache(backend, budget_bytes=1 << 20, block_tokens=B)
     a = np.arange(1, 10)
-    prefix.store(_filled(backend, a), 0, a)
+    prefix.store(_filled(backend, a), 0)
     assert prefix.load(backend.allocate(1), 0, np.arange(60, 70)) == 0  # ids compared, not just keys
     assert prefix.load(backend.allocate(1), 0, a) == 4
 
 
-def test_store_refuses_ids_the_slot_does_not_hold():
+def test_store_keeps_what_the_row_holds_and_load_refuses_a_row_that_holds_other_ids():
+    """store takes no ids: the blocks it keeps are the row's K/V with the ids the cache recorded for them
+    (a row rewound after drafts keeps only what it still holds). load needs the row to hold a prefix of the prompt."""
     backend = FakeBackend(max_seq=64)
     prefix = PrefixCache(backend, budget_bytes=1 << 20, block_tokens=B)
-    with pytest.raises(DecodertError, match="holds 3 tokens"):
-        prefix.store(_filled(backend, [1, 2, 3]), 0, np.arange(8))
+    ids = np.arange(10, 10 + 3 * B, dtype=np.int64)
+    cache = _filled(backend, ids)
+    cache.rewind(0, 2 * B + 1)  # the third block's K/V is still in the buffers, but no longer held
+    assert prefix.store(cache, 0) == 2
+    assert all(np.array_equal(e.ids, e.kv) for e in prefix._entries.values())  # the fake's K/V are ids
+    assert prefix.load(backend.allocate(1), 0, ids) == 2 * B
+    with pytest.raises(DecodertError, match="do not begin"):
+        prefix.load(_filled(backend, [1, 2, 3]), 0, ids)
 
 
 # -- through the LLM: generate / generate_many --------------------------------------------------------

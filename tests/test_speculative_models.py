@@ -105,7 +105,7 @@ def test_ort_verify_takes_every_row_in_one_pass(tiny_checkpoint, tmp_path, famil
     assert (cache.lengths == start + [4, 2, 6, 3]).all()
     monkeypatch.setattr(ort_backend, "_run_bound", real)
     for slot, ids in enumerate(drafts):
-        cache.lengths[slot] = start[slot]
+        cache.rewind(slot, int(start[slot]))
         for j, tok in enumerate(ids):
             step = be.decode(cache, [slot], np.array([tok]), want_logits=True)
             np.testing.assert_allclose(got.logits[slot, j], step.logits[0], atol=1e-4)
@@ -131,7 +131,7 @@ def test_ort_one_row_verify_runs_in_the_prefill_session(tiny_checkpoint, tmp_pat
     got = be.verify(cache, [0], [draft], want_logits=True)
     assert runs == ["prefill"] and list(be._verify) == ["prefill"]
     assert cache.lengths[0] == start + 5
-    cache.lengths[0] = start
+    cache.rewind(0, start)
     batched = be._verify_state(one_row=False)  # the verify graph over the same row
     io, ids_buf, past_buf, logits_buf, next_buf = batched.binding(cache, 0, 1, 5)
     ids_buf[0], past_buf[0] = draft, start

@@ -126,7 +126,7 @@ def test_verify_equals_decode_steps(trt_artifact, emulator):
         out = be.verify(cache, [0, 1, 2], drafts, want_logits=True)
         assert (cache.lengths == start + [5, 1, 16]).all() and out.next_tokens.shape == (3, 16)
         for j, d in enumerate(drafts):  # decode the same tokens one at a time from the same cache state
-            cache.lengths[j] = start[j]
+            cache.rewind(j, int(start[j]))
             for i, t in enumerate(d):
                 step = be.decode(cache, [j], np.array([t]), want_logits=True)
                 assert step.next_token[0] == out.next_tokens[j, i]
@@ -241,7 +241,8 @@ def test_slot_placement_and_move_slot(trt_artifact, emulator):
         np.testing.assert_array_equal(da.next_token, db.next_token)
         np.testing.assert_allclose(da.logits, db.logits, atol=1e-5)
         be.move_slot(cache, 3, 1)
-        assert cache.lengths[1] == cache.lengths[3] == 6
+        assert cache.lengths[1] == 6 and cache.lengths[3] == 0  # a moved row leaves its slot empty
+        np.testing.assert_array_equal(cache.held(1), cache.held(0))
         x = be.decode(cache, [1], da.next_token[:1], want_logits=True)
         y = be.decode(cache, [0], da.next_token[:1], want_logits=True)
         np.testing.assert_array_equal(x.next_token, y.next_token)

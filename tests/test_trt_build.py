@@ -334,7 +334,8 @@ def test_slot_placement_and_move_slot(built):
         db = be.decode(cache, [3, 2], b.next_token, want_logits=True)  # non-prefix: runs
         np.testing.assert_array_equal(da.next_token, db.next_token)
         be.move_slot(cache, 3, 1)  # slot 1 now holds slot 3's row (= prompt 0 + one token)
-        assert cache.lengths[1] == cache.lengths[3] == 6
+        assert cache.lengths[1] == 6 and cache.lengths[3] == 0  # a moved row leaves its slot empty
+        np.testing.assert_array_equal(cache.held(1), cache.held(0))
         x = be.decode(cache, [1], da.next_token[:1], want_logits=True)
         y = be.decode(cache, [0], da.next_token[:1], want_logits=True)
         np.testing.assert_array_equal(x.next_token, y.next_token)

@@ -85,7 +85,7 @@ def test_rewind_is_only_the_length(artifact):
     cache = be.allocate(1)
     be.prefill(cache, [0], [prompt], want_logits=False)
     be.verify(cache, [0], [wrong], want_logits=False)
-    cache.lengths[0] -= 4  # keep wrong[0] only
+    cache.rewind(0, int(cache.lengths[0]) - 4)  # keep wrong[0] only
     out = be.verify(cache, [0], [right], want_logits=True)
     check_rows(be, [np.concatenate([prompt, wrong[:1]])], [right], out)
     assert be.verify(cache, [0], [right[:1]], want_logits=False).logits is None  # greedy: ids only

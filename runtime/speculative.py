@@ -29,6 +29,7 @@ whose drafts cost a pass to ask, drifts back to what all rows saw instead.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence as Seq
@@ -145,18 +146,22 @@ class Speculator:
         self._draft_backend = draft_backend
         self._draft: Drafter | None = None
         self._ngram: dict[tuple[int, int], NgramDrafter] = {}
+        self._making = threading.Lock()  # requests on server threads ask at once: one drafter (one draft cache) each kind
 
     def drafter(self, config: SpeculativeConfig) -> Drafter:
-        if config.method == "ngram":
-            key = (config.max_ngram, config.min_ngram)
-            return self._ngram.setdefault(key, NgramDrafter(*key))
-        if self._draft_backend is None:
-            raise DecodertError("speculative='draft' needs a draft model: LLM.load(path, draft=ARTIFACT) (--draft)")
-        if self._draft is None:
-            from decodert.runtime.drafters import DraftModelDrafter
+        with self._making:
+            if config.method == "ngram":
+                key = (config.max_ngram, config.min_ngram)
+                if key not in self._ngram:
+                    self._ngram[key] = NgramDrafter(*key)
+                return self._ngram[key]
+            if self._draft_backend is None:
+                raise DecodertError("speculative='draft' needs a draft model: LLM.load(path, draft=ARTIFACT) (--draft)")
+            if self._draft is None:
+                from decodert.runtime.drafters import DraftModelDrafter
 
-            self._draft = DraftModelDrafter(self._draft_backend)
-        return self._draft
+                self._draft = DraftModelDrafter(self._draft_backend)
+            return self._draft
 
     def state(self, config: SpeculativeConfig, seq: Sequence) -> "RowState":
         return RowState(self, config, self.drafter(config), seq)

@@ -230,3 +230,29 @@ def test_bench_speculative_report_counts_every_repeat():
     plain, ngram = rows
     assert plain["same_tokens"] and not ngram["same_tokens"]
     assert ngram["accepted_per_step"] == 2.0 and ngram["acceptance"] == 0.25
+
+
+def test_ort_verify_never_pads_a_row_past_its_context(tiny_checkpoint, tmp_path, monkeypatch):
+    """A short row near the end of its context beside a longer one: one padded call would write K/V and
+    take RoPE positions past max_seq for the short row, so it runs alone; every position still equals
+    decode steps over the same tokens."""
+    from decodert.runtime import ort_backend
+
+    m, be, cache = _ort_tiny(tiny_checkpoint, tmp_path, "llama")
+    rng = np.random.default_rng(3)
+    be.prefill(cache, [0], [rng.integers(3, be.vocab_size, 62)], False)  # 2 positions left
+    be.prefill(cache, [1], [rng.integers(3, be.vocab_size, 10)], False)
+    start = cache.lengths.copy()
+    drafts = [rng.integers(3, be.vocab_size, 2), rng.integers(3, be.vocab_size, 6)]
+    runs = []
+    real = ort_backend._run_bound
+    monkeypatch.setattr(ort_backend, "_run_bound", lambda *a: (runs.append(a[3]), real(*a)))
+    got = be.verify(cache, [0, 1], drafts, want_logits=True)
+    assert len(runs) == 2  # the rows apart: 62 + 6 > 64
+    monkeypatch.setattr(ort_backend, "_run_bound", real)
+    assert cache.lengths.tolist()[:2] == [64, 16]
+    for slot, ids in enumerate(drafts):
+        cache.rewind(slot, int(start[slot]))
+        for j, tok in enumerate(ids):
+            step = be.decode(cache, [slot], np.array([tok]), want_logits=True)
+            np.testing.assert_allclose(got.logits[slot, j], step.logits[0], atol=1e-4)

@@ -153,10 +153,14 @@ class CudaGraph:
         mode = rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
         check(rt.cudaStreamBeginCapture(stream.handle, mode), "cudaStreamBeginCapture")
         try:
-            enqueue()
-        finally:  # always end the capture, or the stream stays unusable
-            self._graph = check(rt.cudaStreamEndCapture(stream.handle), "cudaStreamEndCapture")
-        self._exec = check(rt.cudaGraphInstantiate(self._graph, 0), "cudaGraphInstantiate")
+            try:
+                enqueue()
+            finally:  # always end the capture, or the stream stays unusable
+                self._graph = check(rt.cudaStreamEndCapture(stream.handle), "cudaStreamEndCapture")
+            self._exec = check(rt.cudaGraphInstantiate(self._graph, 0), "cudaGraphInstantiate")
+        except BaseException:
+            self.destroy()  # a failed capture frees what it made
+            raise
 
     def launch(self) -> None:
         check(_rt().cudaGraphLaunch(self._exec, self.stream.handle), "cudaGraphLaunch")
@@ -169,22 +173,3 @@ class CudaGraph:
         if self._graph is not None:
             check(rt.cudaGraphDestroy(self._graph), "cudaGraphDestroy")
             self._graph = None
-
-
-class EventTimer:
-    """Milliseconds between ``start()`` and ``stop()`` on a stream, measured by CUDA events."""
-
-    def __init__(self, stream: Stream) -> None:
-        rt = _rt()
-        self.stream = stream
-        self._a = check(rt.cudaEventCreate(), "cudaEventCreate")
-        self._b = check(rt.cudaEventCreate(), "cudaEventCreate")
-
-    def start(self) -> None:
-        check(_rt().cudaEventRecord(self._a, self.stream.handle), "cudaEventRecord")
-
-    def stop(self) -> float:
-        rt = _rt()
-        check(rt.cudaEventRecord(self._b, self.stream.handle), "cudaEventRecord")
-        check(rt.cudaEventSynchronize(self._b), "cudaEventSynchronize")
-        return float(check(rt.cudaEventElapsedTime(self._a, self._b), "cudaEventElapsedTime"))

@@ -49,8 +49,7 @@ class TrtBackend:
 
     name = "trt"
 
-    def __init__(self, artifact_dir: str | Path, manifest: Manifest, cuda_graphs: bool = True,
-                 device: int = 0) -> None:
+    def __init__(self, artifact_dir: str | Path, manifest: Manifest, cuda_graphs: bool = True) -> None:
         self.dir, self.manifest = Path(artifact_dir), manifest
         self.trt, self.info = load_trt()
         if manifest.plugin_ops:  # engines built with decodert plugin layers
@@ -67,7 +66,7 @@ class TrtBackend:
         self.vocab_size = manifest.model.vocab_size
         self.cuda_graphs = cuda_graphs
         self.stats = {"graph_launches": 0, "plain_runs": 0, "captures": 0, "capture_failures": 0, "verify_runs": 0}
-        self._open_device(device)
+        self._open_device(0)  # the first visible GPU (CUDA_VISIBLE_DEVICES picks another)
         self.stream = cm.Stream()
         self.logger = make_logger(self.trt)
         self.runtime = self.trt.Runtime(self.logger)

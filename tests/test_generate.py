@@ -237,7 +237,6 @@ E2E_PROMPTS = ["The quick brown fox", "Hello world! How are", "def add(a, b):", 
 
 
 def _export_tiny(tiny_checkpoint, root, family):
-    pytest.importorskip("decodert.runtime.ort_backend", reason="runtime/ort_backend.py not written yet")
     pytest.importorskip("transformers")
     from decodert.export.pipeline import export_model
 
@@ -313,7 +312,6 @@ def test_e2e_tiny_llama_on_tensorrt(tiny_checkpoint, tmp_path):
 @pytest.mark.slow
 def test_e2e_smollm2_matches_transformers(smollm2_gguf, smollm2_hf_model, tmp_path):
     """The real SmolLM2-135M-Instruct: chat template, prompt ids and 32 greedy tokens as transformers."""
-    pytest.importorskip("decodert.runtime.ort_backend", reason="runtime/ort_backend.py not written yet")
     import torch
 
     from decodert.export.pipeline import export_model

@@ -22,8 +22,8 @@ from pathlib import Path
 
 def one_run(artifact: str, batch: int, prompt_len: int, gen: int) -> float:
     """In the worker: median decode step (ms) over the timed requests."""
-    from decodert.runtime import bench as B
-    from decodert.runtime.loading import open_backend, read_manifest
+    from decodert.tools import bench as B
+    from decodert.runtime.backends.loading import open_backend, read_manifest
 
     folder = Path(artifact)
     manifest = read_manifest(folder)

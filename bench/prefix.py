@@ -118,7 +118,7 @@ def w_llama(job: dict) -> dict:
 
 def w_shared(job: dict) -> dict:
     from decodert.runtime.llm import LLM, Request
-    from decodert.runtime.sampling import SamplingParams
+    from decodert.runtime.decoding.sampling import SamplingParams
 
     llm = LLM.load(job["artifact"], backend="ort", prefix_cache_mb=None if job["cache"] else 0)
     llm.generate("Warm up.", max_new_tokens=4, temperature=0)

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from decodert.export.checkpoint_open import open_checkpoint
+from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 from decodert.export.pipeline import export_model
-from decodert.export.source_precision import keep_precision
-from decodert.export.quant import QuantConfig
-from decodert.runtime.loading import open_backend, open_tokenizer, read_manifest
+from decodert.export.checkpoints.source_precision import keep_precision
+from decodert.export.quantize.quant import QuantConfig
+from decodert.runtime.backends.loading import open_backend, open_tokenizer, read_manifest
 
 from compare import DEFAULT_GGUF
 
@@ -46,7 +46,7 @@ VARIANTS = {
     "int4 acc4 float head": QuantConfig(bits=4, accuracy_level=4, lm_head=False),
     "int4 acc4 keep-q4-1": QuantConfig(bits=4, accuracy_level=4, keep_q4_1=True),  # Q4_1 layers exact
     "int4 acc4 keep-q4-1 keep-q8": QuantConfig(bits=4, accuracy_level=4, keep_q4_1=True, keep_q8=True),  # all exact
-    "run default": None,  # what `decodert run` exports from this GGUF (export/source_precision.py)
+    "run default": None,  # what `decodert run` exports from this GGUF (export/checkpoints/source_precision.py)
 }
 
 

@@ -1,9 +1,9 @@
-"""Per-token cost of the sampling path on the host (runtime/sampling.py): penalties + sampler on
+"""Per-token cost of the sampling path on the host (runtime/decoding/sampling.py): penalties + sampler on
 one row of logits [1, V], as the loop runs them when the graph's argmax cannot be used.
 
     python bench/sampling.py [--vocab 49152] [--module path/to/other/sampling.py]
 
-``--module`` times another version of the file (e.g. ``git show REV:runtime/sampling.py``) with
+``--module`` times another version of the file (e.g. ``git show REV:runtime/decoding/sampling.py``) with
 the same cases, for before/after figures (docs/BENCHMARKS.md).
 """
 
@@ -27,7 +27,7 @@ CASES = {  # name -> (make_sampler args, make_logits_processors args)
 
 def load(path: str | None) -> types.ModuleType:
     if path is None:
-        from decodert.runtime import sampling
+        from decodert.runtime.decoding import sampling
 
         return sampling
     spec = importlib.util.spec_from_file_location("sampling_under_test", path)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     logits = rng.normal(0, 5, (1, args.vocab)).astype(np.float32)  # [1, V]
     history = rng.integers(0, args.vocab, 300)  # [300]
-    print(f"{args.module or 'runtime/sampling.py'}, V = {args.vocab}: microseconds per token (best of {args.repeats})")
+    print(f"{args.module or 'runtime/decoding/sampling.py'}, V = {args.vocab}: microseconds per token (best of {args.repeats})")
     for name, (s_args, p_args) in CASES.items():
         sampler = mod.make_sampler(*s_args, rng=np.random.default_rng(1))
         procs = mod.make_logits_processors(*p_args)

@@ -53,7 +53,7 @@ def prompts(n: int) -> list[str]:
 
 def export(gguf: Path, work: Path, variant: str) -> Path:
     from decodert.export.pipeline import export_model
-    from decodert.export.quant import QuantConfig
+    from decodert.export.quantize.quant import QuantConfig
 
     out = work / variant
     if not (out / "manifest.json").is_file():

@@ -93,7 +93,7 @@ def log(msg: str) -> None:
 # ---- workers ----------------------------------------------------------------------------------
 def run_decodert(job: Job, prompts: list[list[int]], gen: int) -> list[dict]:
     from decodert.runtime.llm import LLM, Request
-    from decodert.runtime.sampling import SamplingParams
+    from decodert.runtime.decoding.sampling import SamplingParams
 
     llm = LLM.load(job.path, backend="ort", draft=job.draft or None)
     spec = None if job.mode == "plain" else job.mode
@@ -188,7 +188,7 @@ def run_in_worker(job: Job, prompts: list[list[int]], args: argparse.Namespace) 
 # ---- preparing ------------------------------------------------------------------------------------
 def prepare_decodert(args: argparse.Namespace) -> dict[str, Path]:
     from decodert.export.pipeline import export_model
-    from decodert.export.quant import QuantConfig
+    from decodert.export.quantize.quant import QuantConfig
 
     folders = {}
     for precision in ("fp32", "int4"):
@@ -216,7 +216,7 @@ def prepare_ortgenai(args: argparse.Namespace) -> dict[str, Path]:
 
 
 def workloads(folder: Path) -> dict[str, list[list[int]]]:
-    from decodert.runtime import bench as B
+    from decodert.tools import bench as B
     from decodert.runtime.llm import LLM
 
     llm = LLM.load(folder, backend="ort")

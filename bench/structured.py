@@ -3,7 +3,7 @@
     python bench/structured.py ART [ART ...] [--batch 1 4] [--steps 48] [--rounds 5]
     python bench/structured.py --from-gguf model.gguf --work /tmp/sb   # exports fp32 and int4 first
 
-For each artifact and batch size, one round runs the real loop verbs (runtime/generate.py:
+For each artifact and batch size, one round runs the real loop verbs (runtime/decoding/generate.py:
 ``prefill`` then ``decode_step``) over the same chat prompt in three ways and times every decode
 step while all rows are still running:
   plain     greedy, unconstrained (eos ignored, so rows run the whole time): the graph-argmax path;
@@ -60,7 +60,7 @@ def _sequences(llm, batch: int, constrained: bool, steps: int) -> list:
 def time_steps(llm, batch: int, mode: str, steps: int) -> list[float]:
     """Seconds per decode step (all rows running) for one run in ``mode``: plain | auto | overlap | inline."""
     from decodert.runtime import constraints
-    from decodert.runtime.generate import decode_step, prefill
+    from decodert.runtime.decoding.generate import decode_step, prefill
 
     seqs = _sequences(llm, batch, mode != "plain", steps)
     cache = llm._cache = llm._cache or llm.backend.allocate(int(llm.backend.max_batch))
@@ -148,7 +148,7 @@ def bench(artifact: str, batches: list[int], steps: int, rounds: int) -> list[di
 
 def export_pair(gguf: str, work: Path) -> list[str]:
     from decodert.export.pipeline import export_model
-    from decodert.export.quant import QuantConfig
+    from decodert.export.quantize.quant import QuantConfig
 
     out = []
     for name, quant in (("fp32", None), ("int4", QuantConfig(bits=4))):

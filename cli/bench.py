@@ -1,4 +1,4 @@
-"""``decodert bench OUT``: time prefill and greedy decode of an artifact (runtime/bench.py)."""
+"""``decodert bench OUT``: time prefill and greedy decode of an artifact (tools/bench.py)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from decodert.runtime.bench import BenchConfig, bench, plot
+    from decodert.tools.bench import BenchConfig, bench, plot
 
     cfg = BenchConfig(prompt_len=args.prompt_len, gen=args.gen, batches=args.batch, repeats=args.repeats,
                       warmup=args.warmup, threads=args.threads, backend=args.backend,

@@ -1,4 +1,4 @@
-"""``decodert chat OUT``: a streaming chat REPL over a session (runtime/session.py).
+"""``decodert chat OUT``: a streaming chat REPL over a session (runtime/chat/session.py).
 
 The conversation's K/V stays in the session's cache row, so a turn prefills only what it adds.
 It never ends on a full context: by default the oldest turns are dropped, with a one-line

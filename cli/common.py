@@ -51,7 +51,7 @@ def add_constraint(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculative(p: argparse.ArgumentParser) -> None:
-    """--speculative ngram|draft, --draft ARTIFACT, --draft-len K (docs: runtime/speculative.py)."""
+    """--speculative ngram|draft, --draft ARTIFACT, --draft-len K (docs: runtime/speculation/speculative.py)."""
     g = p.add_argument_group("speculative decoding (the same output, several tokens per model pass)")
     g.add_argument("--speculative", choices=("ngram", "draft"), default=None,
                    help="ngram: prompt lookup (drafts from n-grams of the prompt and the answer); "
@@ -76,7 +76,7 @@ def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
     if draft_len is not None and draft_len < 1:
         raise DecodertError(f"--draft-len must be >= 1 (got {draft_len})")
-    from decodert.runtime.speculative import SpeculativeConfig
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
 
     return {"speculative": SpeculativeConfig(method=method, **({"draft_len": draft_len} if draft_len else {}))}
 

@@ -44,7 +44,7 @@ def add_parser(sub: Any) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from decodert.export.pipeline import export_model
-    from decodert.export.quant import QuantConfig
+    from decodert.export.quantize.quant import QuantConfig
 
     quant = None
     if args.quant:

@@ -13,7 +13,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from decodert.export.inspect import inspect_artifact
+    from decodert.export.artifact.inspect import inspect_artifact
 
     print(inspect_artifact(args.out))
     return 0

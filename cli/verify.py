@@ -23,7 +23,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from decodert.runtime.verify import bench, format_report, verify
+    from decodert.tools.verify import bench, format_report, verify
 
     result = verify(args.out, steps=args.steps, rows=args.rows)
     rows = bench(args.out, [int(b) for b in args.batches.split(",")], args.bench_steps) if args.bench else []

@@ -1,7 +1,7 @@
 """``decodert export``: checkpoint -> prefill.onnx + decode.onnx + weights.bin + tokenizer + manifest.
 
 Everything is written into a temporary sibling folder and swapped into place at the end
-(export/destination.py), so an interrupted or failed export leaves the old artifact or none.
+(export/artifact/destination.py), so an interrupted or failed export leaves the old artifact or none.
 """
 
 from __future__ import annotations
@@ -16,24 +16,24 @@ import numpy as np
 import onnx
 
 from decodert.errors import DecodertError
-from decodert.export import destination
-from decodert.export.checkpoint_open import open_checkpoint
-from decodert.export.graph import VERIFY_WIDTH, build_graph, io_contract, verifies_rows
-from decodert.export.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
-from decodert.export.quant_gguf import transcoded_as
-from decodert.export.sampling_defaults import sampling_record
-from decodert.export.targets import get_target
-from decodert.export.weight_layouts import WeightLayout
-from decodert.export.artifact_files import file_record
-from decodert.export.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, GraphRecord, KVRecord, Manifest, ModelRecord, PluginsRecord,
+from decodert.export.artifact import destination
+from decodert.export.checkpoints.checkpoint_open import open_checkpoint
+from decodert.export.lowering.graph import VERIFY_WIDTH, build_graph, io_contract, verifies_rows
+from decodert.export.quantize.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
+from decodert.export.quantize.quant_gguf import transcoded_as
+from decodert.export.checkpoints.sampling_defaults import sampling_record
+from decodert.export.lowering.targets import get_target
+from decodert.export.quantize.weight_layouts import WeightLayout
+from decodert.export.artifact.artifact_files import file_record
+from decodert.export.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, GraphRecord, KVRecord, Manifest, ModelRecord, PluginsRecord,
                                       QuantRecord, SamplingRecord, SourceRecord, TokenizerRecord, WeightsRecord, from_json,
                                       write_manifest)
 from decodert.export.progress import Stage
-from decodert.export.semantics import tokenizer_vocab
-from decodert.export.weights import WeightsWriter
+from decodert.export.lowering.semantics import tokenizer_vocab
+from decodert.export.artifact.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables
 from decodert.plugins.selection import choose_plugins
-from decodert.export.version import __version__
+from decodert.export.artifact.version import __version__
 
 DTYPES = ("fp32", "fp16", "bf16")
 WEIGHTS = "weights.bin"
@@ -47,9 +47,9 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
     TensorRT layers (plugins/selection.py decides ``auto`` from ``trt_version`` or the installed TensorRT).
 
-    ``quant`` stores the linear weights block-quantized (export/quant.py); the trt target needs
+    ``quant`` stores the linear weights block-quantized (export/quantize/quant.py); the trt target needs
     symmetric quantization (TensorRT's int4 weights have no zero point) and gets it. GGUF Q4_0 /
-    Q8_0 weights that match the config are transcoded exactly instead (the rule: export/quant.py);
+    Q8_0 weights that match the config are transcoded exactly instead (the rule: export/quantize/quant.py);
     ``manifest.quant.per_weight`` records how each weight is stored.
     """
     tgt = get_target(target)
@@ -161,7 +161,7 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
 def _store_quantized(w: WeightsWriter, ckpt, src: str, name: str, quant: QuantConfig, dtype: str, layout: WeightLayout,
                      gather: bool = False, tensor: np.ndarray | None = None) -> WeightQuant:
     """Store canonical weight ``src`` quantized as ``name``: GGUF blocks transcoded where that is
-    exact (export/quant_gguf.py), else rounded to nearest from float (``tensor``, if already read)."""
+    exact (export/quantize/quant_gguf.py), else rounded to nearest from float (``tensor``, if already read)."""
     wq = transcoded_as(ckpt.block_type(src), quant, layout, gathered=gather)
     if wq is not None:
         qw = ckpt.blocks(src)

@@ -3,7 +3,7 @@
 ``decodert run MODEL`` and ``LLM.load(MODEL)`` share it. A checkpoint is exported once (ort
 target) into the cache, ``$DECODERT_CACHE/artifacts`` (default ``~/.cache/decodert``); later
 calls with the same file and settings reuse that export. By default (``quant="auto"``) the
-export keeps the checkpoint's own precision (export/source_precision.py: a Q4_1 GGUF stays
+export keeps the checkpoint's own precision (export/checkpoints/source_precision.py: a Q4_1 GGUF stays
 exact int4, a float checkpoint fp32) and ``max_seq`` is min(the model's context, 2048).
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from decodert.errors import DecodertError
 from decodert.export.fetch import SMOLLM2, cache_dir, smollm2_gguf
-from decodert.export.manifest import MANIFEST
+from decodert.export.artifact.manifest import MANIFEST
 
 QUANT_CHOICES = ("auto", "none", "int4", "int8")  # auto: keep the checkpoint's precision; none: fp32
 ARTIFACTS = "artifacts"  # the cache's folder of exports
@@ -56,7 +56,7 @@ def _check_artifact(path: Path, max_seq: int | None, quant: str) -> None:
         raise DecodertError(f"--quant {quant}: {path} is already exported; --quant applies to a checkpoint "
                             f"(re-export it with `decodert export SRC -o OUT --quant ...`)")
     if max_seq is not None:
-        from decodert.export.manifest import load_manifest
+        from decodert.export.artifact.manifest import load_manifest
 
         exported = load_manifest(path, verify="none").max_seq
         if exported != max_seq:
@@ -66,8 +66,8 @@ def _check_artifact(path: Path, max_seq: int | None, quant: str) -> None:
 
 def export_choice(ckpt, quant: str) -> tuple[Any, str]:
     """(QuantConfig or None for fp32, a description) for ``quant`` = auto | none | int4 | int8."""
-    from decodert.export.quant import QuantConfig
-    from decodert.export.source_precision import keep_precision
+    from decodert.export.quantize.quant import QuantConfig
+    from decodert.export.checkpoints.source_precision import keep_precision
 
     if quant == "auto":
         return keep_precision(ckpt)
@@ -80,7 +80,7 @@ def export_choice(ckpt, quant: str) -> tuple[Any, str]:
 
 def export_once(src: Path, max_seq: int | None = None, quant: str = "auto", progress: bool | None = None) -> Path:
     """Export ``src`` into the cache unless an earlier call did with the same settings; return the artifact folder."""
-    from decodert.export.checkpoint_open import open_checkpoint
+    from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 
     src = src.resolve()
     with open_checkpoint(src) as ckpt:

@@ -25,9 +25,9 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from decodert.errors import DecodertError
-from decodert.export.destination import file_mode, linked_copy, swap_in
-from decodert.export.targets import get_target
-from decodert.export.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
+from decodert.export.artifact.destination import file_mode, linked_copy, swap_in
+from decodert.export.lowering.targets import get_target
+from decodert.export.artifact.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
 from decodert.plugins.trt_compat import TrtInfo, load_trt
 
 GRAPHS = ("prefill", "decode")
@@ -354,7 +354,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     load); ``self_contained`` (``--self-contained``) embeds them in every engine instead.
     ``EngineRecord.weights_stripped`` says which.
     The engines and the new manifest are written into a hard-linked copy of the folder that is swapped
-    in whole (export/destination.py), so a build interrupted or killed at any point changes nothing;
+    in whole (export/artifact/destination.py), so a build interrupted or killed at any point changes nothing;
     where hard links cannot be made, engines are renamed into place once all are built."""
     out = Path(out_dir)
     manifest = read_manifest(out, verify)

@@ -40,7 +40,7 @@ def _named(trt_version: str) -> tuple[str, bool]:
 def choose_plugins(mode: str, target: Any, trt_version: str | None = None) -> dict[str, Any] | None:
     """The manifest record for ``--plugins mode`` (None for a target without plugin nodes).
 
-    ``target``: an export/targets.py Target (its ``name`` and ``plugin_nodes``; this floor sits below export)."""
+    ``target``: an export/lowering/targets.py Target (its ``name`` and ``plugin_nodes``; this floor sits below export)."""
     if mode not in MODES:
         raise DecodertError(f"unknown --plugins '{mode}'; choose one of: {', '.join(MODES)}")
     if not target.plugin_nodes:

@@ -30,7 +30,7 @@ from decodert.plugins.registry import OpDef, register
 BITS = (4, 8)
 
 
-# ---- numpy: unpack, reference (weights are quantized and packed by export/quant.py) ----------------------------------------------
+# ---- numpy: unpack, reference (weights are quantized and packed by export/quantize/quant.py) ----------------------------------------------
 def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     """Packed bytes [..., m] -> uint8 codes [..., m * 8 / bits] (low nibble first)."""
     if bits == 8:

@@ -6,7 +6,7 @@
     llm.chat([{"role": "user", "content": "Hi"}])
     llm.generate_many([Request("a"), Request("b", SamplingParams(max_new_tokens=8))])
     llm.generate("A person as JSON:", json_schema={...})  # or regex=..., grammar=... (Lark): docs/STRUCTURED.md
-    chat = llm.session(system="Be brief."); chat.chat("Hi"); chat.chat("And then?")   # runtime/session.py
+    chat = llm.session(system="Be brief."); chat.chat("Hi"); chat.chat("And then?")   # runtime/chat/session.py
 
 One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
 runs one generation at a time. Starting one ends an unfinished stream of the same thread. From
@@ -19,7 +19,7 @@ Prompts that start like an earlier one reuse its K/V (runtime/prefix_cache.py): 
 bounds that cache (default: room for two full contexts, at most a quarter of the free memory;
 0 = off), and ``result.metrics.cached_tokens`` says how many prompt tokens were not prefilled.
 
-Opening the folder (manifest, tokenizer, backend choice, prefix-cache budget) is runtime/loading.py.
+Opening the folder (manifest, tokenizer, backend choice, prefix-cache budget) is runtime/backends/loading.py.
 """
 
 from __future__ import annotations
@@ -34,18 +34,19 @@ from typing import TYPE_CHECKING, Any, Generator, Mapping, Sequence as Seq, Unio
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.manifest import Manifest, TokenizerRecord, tokenizer_file
-from decodert.runtime import scheduler, validate
-from decodert.runtime.chat import Message, render_chat
+from decodert.export.artifact.manifest import Manifest, TokenizerRecord, tokenizer_file
+from decodert.runtime.decoding import scheduler
+from decodert.runtime import validate
+from decodert.runtime.chat.chat import Message, render_chat
 from decodert.runtime.constraints import Constraint, Guidance
-from decodert.runtime.generate import GenerationResult, Sequence, TextStream
-from decodert.runtime.loading import (  # noqa: F401  (open_tokenizer, read_manifest: re-exported)
+from decodert.runtime.decoding.generate import GenerationResult, Sequence, TextStream
+from decodert.runtime.backends.loading import (  # noqa: F401  (open_tokenizer, read_manifest: re-exported)
     make_prefix_cache, model_defaults, open_backend, open_tokenizer, read_manifest)
-from decodert.runtime.sampling import SamplingParams, sampling_params
-from decodert.runtime.speculative import Speculator, resolve as resolve_speculative
+from decodert.runtime.decoding.sampling import SamplingParams, sampling_params
+from decodert.runtime.speculation.speculative import Speculator, resolve as resolve_speculative
 
 if TYPE_CHECKING:
-    from decodert.runtime.session import Session
+    from decodert.runtime.chat.session import Session
 
 Prompt = Union[str, Seq[int], np.ndarray]  # text, or token ids used as they are
 CONSTRAINT_ARGS = ("json_schema", "regex", "grammar")  # structured-output keyword arguments (runtime/constraints.py)
@@ -59,16 +60,16 @@ class Request:
     params: SamplingParams | None = None  # None: the model's sampling defaults; an object is used as it is
     messages: Seq[Message] | None = None  # chat messages instead of a prompt
     constraint: Constraint | None = None  # structured output: Constraint.of(json_schema=... | regex=... | grammar=...)
-    speculative: Any = None  # "ngram" | "draft" | SpeculativeConfig (runtime/speculative.py)
+    speculative: Any = None  # "ngram" | "draft" | SpeculativeConfig (runtime/speculation/speculative.py)
 
 
 class LLM:
-    """A backend (runtime/backend.py), a ``tokenizers.Tokenizer`` and the artifact manifest.
+    """A backend (runtime/backends/backend.py), a ``tokenizers.Tokenizer`` and the artifact manifest.
 
     Generation keyword arguments are the SamplingParams fields: max_new_tokens=256,
     temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
     seed=None, stop=(), stop_token_ids=(). A parameter you do not pass takes the model's
-    default (``sampling_defaults``: manifest.sampling, export/sampling_defaults.py; e.g.
+    default (``sampling_defaults``: manifest.sampling, export/checkpoints/sampling_defaults.py; e.g.
     SmolLM2-Instruct: temperature 0.2, top_p 0.5), else SamplingParams' (greedy). Explicit
     arguments always override, one parameter at a time: ``temperature=0`` is greedy.
     Structured output: at most one of json_schema= (dict or JSON text), regex=, grammar= (Lark);
@@ -338,10 +339,10 @@ class LLM:
         return TextStream(self._stream([seq]), seq)
 
     def session(self, system: str | None = None, overflow: str = "truncate") -> "Session":
-        """A conversation whose K/V stays in its own cache row between turns (runtime/session.py):
+        """A conversation whose K/V stays in its own cache row between turns (runtime/chat/session.py):
         each turn prefills only what the chat template adds. ``overflow``: "truncate" (drop the
         oldest turns when the context fills) or "error" (raise DecodertError instead)."""
-        from decodert.runtime.session import Session
+        from decodert.runtime.chat.session import Session
 
         session = Session(self, system, overflow)
         self._sessions.add(session)

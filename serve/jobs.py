@@ -15,9 +15,9 @@ from typing import AsyncIterator, Sequence as Seq, Union
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.runtime.engine import Engine, EngineClosed, Event, Handle, QueueFull
-from decodert.runtime.generate import Sequence
-from decodert.runtime.sampling import SamplingParams
+from decodert.runtime.decoding.engine import Engine, EngineClosed, Event, Handle, QueueFull
+from decodert.runtime.decoding.generate import Sequence
+from decodert.runtime.decoding.sampling import SamplingParams
 from decodert.serve.protocol import ApiError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the rest of the context

@@ -11,8 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from decodert.runtime.engine import Engine
-from decodert.runtime.generate import GenerationResult
+from decodert.runtime.decoding.engine import Engine
+from decodert.runtime.decoding.generate import GenerationResult
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Sequence as Seq
 
-from decodert.runtime.generate import GenerationResult
+from decodert.runtime.decoding.generate import GenerationResult
 
 
 class Reply:

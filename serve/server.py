@@ -41,7 +41,7 @@ def model_name(options: ServeOptions) -> str:
 
 def make_app(options: ServeOptions):
     """Load the artifact and build the app (the engine starts with the app's lifespan)."""
-    from decodert.runtime.engine import Engine
+    from decodert.runtime.decoding.engine import Engine
     from decodert.runtime.llm import LLM
     from decodert.serve.app import ServeConfig, build_app
 

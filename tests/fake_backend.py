@@ -1,4 +1,4 @@
-"""A deterministic numpy backend (runtime/backend.py protocol) for testing the loop in isolation.
+"""A deterministic numpy backend (runtime/backends/backend.py protocol) for testing the loop in isolation.
 
 The "model": the logits after a token sequence ``h`` (length T) are
 
@@ -16,10 +16,10 @@ from typing import Callable, Sequence
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from decodert.export.manifest import (FORMAT, FORMAT_VERSION, KVRecord, Manifest, ModelRecord, SamplingRecord, TokenizerRecord,
+from decodert.export.artifact.manifest import (FORMAT, FORMAT_VERSION, KVRecord, Manifest, ModelRecord, SamplingRecord, TokenizerRecord,
                                       WeightsRecord)
-from decodert.runtime.backend import StepOutput, VerifyOutput
-from decodert.runtime.kv_cache import KVCache
+from decodert.runtime.backends.backend import StepOutput, VerifyOutput
+from decodert.runtime.backends.kv_cache import KVCache
 from decodert.runtime.llm import LLM
 
 CORPUS = [
@@ -108,7 +108,7 @@ class FakeBackend:
         cache.tokens[dst] = cache.tokens[src]
         cache.move(src, dst)
 
-    # the K/V blocks of runtime/kv_blocks.py: here a block is the token ids themselves
+    # the K/V blocks of runtime/backends/kv_blocks.py: here a block is the token ids themselves
     def kv_bytes(self, n: int) -> int:
         return 8 * n
 

@@ -69,7 +69,7 @@ def extend(data: bytes, c: Chooser) -> bytes:
 
 def gguf_field(data: bytes, c: Chooser) -> bytes:
     """An interesting value in one header number (a count, string length, type id, dim or offset)."""
-    from decodert.export.gguf_header import walk_gguf
+    from decodert.export.checkpoints.gguf_header import walk_gguf
 
     fields = walk_gguf(data, len(data), record=True).fields or []
     offset, code, _ = choose(c, fields)

@@ -28,7 +28,7 @@ def _generate(path: Path, verify: str) -> None:
 
 
 def _checkpoint(path: Path) -> None:
-    from decodert.export.checkpoint_open import open_checkpoint
+    from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 
     with open_checkpoint(path) as ckpt:
         for name in ckpt.names():
@@ -37,21 +37,21 @@ def _checkpoint(path: Path) -> None:
 
 
 def _manifest(path: Path) -> None:
-    from decodert.export.inspect import inspect_artifact
+    from decodert.export.artifact.inspect import inspect_artifact
 
     inspect_artifact(path)
     _generate(path, "fast")
 
 
 def _onnx(path: Path) -> None:
-    from decodert.export.inspect import graph_summary
+    from decodert.export.artifact.inspect import graph_summary
 
     graph_summary(path / "prefill.onnx")
     _generate(path, "none")
 
 
 def _engine(path: Path) -> None:
-    from decodert.export.manifest import load_manifest
+    from decodert.export.artifact.manifest import load_manifest
     from decodert.plugins.trt_compat import TrtInfo, parse_version, read_engine
 
     flags = dict.fromkeys(("can_build", "has_kv_cache_update_layer", "has_rotary_layer", "has_attention_layer",
@@ -65,8 +65,8 @@ def _engine(path: Path) -> None:
 
 def _template(path: Path) -> None:
     """Render a chat template from a model file (bytes that are not UTF-8 replaced, as a reader would)."""
-    from decodert.runtime.chat import render_chat
-    from decodert.runtime.template_sandbox import Limits
+    from decodert.runtime.chat.chat import render_chat
+    from decodert.runtime.chat.template_sandbox import Limits
 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi " * 50}]
     render_chat(path.read_bytes().decode("utf-8", "replace"), messages, bos_token="<s>", eos_token="</s>",

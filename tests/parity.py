@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decodert.export.manifest import load_manifest
-from decodert.runtime.ort_backend import OrtBackend
+from decodert.export.artifact.manifest import load_manifest
+from decodert.runtime.backends.ort_backend import OrtBackend
 
 
 def backend(out: Path) -> OrtBackend:

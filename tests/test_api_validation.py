@@ -12,7 +12,7 @@ from fake_backend import make_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.runtime.llm import Request  # noqa: E402
-from decodert.runtime.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 BAD_CALLS = {
     "lone surrogate": (lambda llm: llm.generate("ab\ud800c"), "lone surrogate"),

@@ -15,10 +15,10 @@ import pytest
 
 from decodert.cli import main
 from decodert.export import progress
-from decodert.export.manifest import load_manifest
+from decodert.export.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
-from decodert.export.quant import QuantConfig
-from decodert.runtime.bench import bytes_per_step
+from decodert.export.quantize.quant import QuantConfig
+from decodert.tools.bench import bytes_per_step
 
 SPREAD = {"median", "min", "max"}
 BATCH_FIELDS = {"batch", "ttft_ms", "prompt_tps", "decode_tps", "tpot_ms", "gbps", "step_ms"}

@@ -14,8 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from decodert.export import destination  # noqa: E402
-from decodert.export.manifest import load_manifest  # noqa: E402
+from decodert.export.artifact import destination  # noqa: E402
+from decodert.export.artifact.manifest import load_manifest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,8 @@ def _fresh(built, tmp_path):
 
 KILL = textwrap.dedent("""
     import os, signal, sys
-    from decodert.export import destination, trt_build
+    from decodert.export.artifact import destination
+    from decodert.export import trt_build
     where, n, art = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     obj, name = {"engine-rename": (os, "replace"), "manifest": (trt_build, "write_manifest"),
                  "exchange": (destination, "_exchange")}[where]

@@ -1,7 +1,7 @@
 """What a cache row holds, model-checked: random interleavings of everything that writes cache rows.
 
 The fake backend (tests/fake_backend.py) stores the token ids themselves as its "K/V", so after
-every operation the state can be checked against the rule of runtime/kv_cache.py:
+every operation the state can be checked against the rule of runtime/backends/kv_cache.py:
 
 - every row of the shared cache, of each session and of the draft model holds K/V equal to the
   ids its cache says it holds (``held``), and no row of the shared cache is left in use;
@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import FakeBackend, fake_manifest, make_tokenizer, reference_tokens  # noqa: E402
 
-from decodert.runtime.engine import CANCELLED  # noqa: E402
+from decodert.runtime.decoding.engine import CANCELLED  # noqa: E402
 from decodert.runtime.llm import LLM  # noqa: E402
 from decodert.runtime.prefix_cache import PrefixCache  # noqa: E402
-from decodert.runtime.speculative import SpeculativeConfig  # noqa: E402
+from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
 
 TOK = make_tokenizer()
 V = TOK.get_vocab_size()

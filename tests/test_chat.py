@@ -1,4 +1,4 @@
-"""Chat templates: rendering, the sandbox, and LLM.chat over the fake backend (runtime/chat.py)."""
+"""Chat templates: rendering, the sandbox, and LLM.chat over the fake backend (runtime/chat/chat.py)."""
 
 import sys
 from pathlib import Path
@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-
 from fake_backend import make_llm, make_tokenizer  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime.chat import render_chat  # noqa: E402
+from decodert.runtime.chat.chat import render_chat  # noqa: E402
 
 CHATML = (
     "{% for message in messages %}"

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import CHAT_TEMPLATE, FAMILIES, assert_matches, load_torch, one_line_error, torch_weights  # noqa: E402
 
-from decodert.export.checkpoint_open import open_checkpoint  # noqa: E402
+from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402
 from decodert.models import families  # noqa: E402
 
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import CHAT_TEMPLATE, FAMILIES, assert_matches, make_tiny_gguf, one_line_error, torch_weights  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.checkpoint_open import open_checkpoint  # noqa: E402
+from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402
 from decodert.models import families  # noqa: E402
 
 
@@ -236,7 +236,7 @@ SPM_TEXTS = ["Hello world!", "The quick brown fox", "  two leading spaces and tr
 
 
 def test_gguf_sentencepiece_tokenizer_matches_sentencepiece(spm_meta):
-    from decodert.export.gguf_tokenizer import build_tokenizer, tokenizer_info
+    from decodert.export.checkpoints.gguf_tokenizer import build_tokenizer, tokenizer_info
 
     sp, meta = spm_meta
     tok = build_tokenizer(meta)
@@ -252,7 +252,7 @@ def test_gguf_sentencepiece_tokenizer_matches_sentencepiece(spm_meta):
 
 
 def test_gguf_tokenizer_rejects_unknown_model(tmp_path):
-    from decodert.export.gguf_tokenizer import build_tokenizer
+    from decodert.export.checkpoints.gguf_tokenizer import build_tokenizer
 
     with pytest.raises(DecodertError, match="tokenizer model 'bert' is not supported"):
         build_tokenizer({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]}, "x.gguf")
@@ -264,7 +264,7 @@ def test_gguf_tokenizer_rejects_unknown_model(tmp_path):
                                         ("llama-bpe", ["123", "45"]), ("default", ["Ġ12345"])])
 def test_gguf_byte_level_pre_tokenizers(pre, digits):
     """tokenizer.ggml.pre picks the split the vocabulary was trained with (digits show the difference)."""
-    from decodert.export.gguf_tokenizer import build_tokenizer
+    from decodert.export.checkpoints.gguf_tokenizer import build_tokenizer
 
     tokens = ["<|endoftext|>", *"abcdefghijklmnopqrstuvwxyzĠ0123456789", "ab"]
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,

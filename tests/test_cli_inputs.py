@@ -69,7 +69,7 @@ def test_a_valid_prompt_file_still_works(samples, tmp_path, capsys):
 
 @pytest.mark.parametrize("flag", ["--json", "--plot"])
 def test_bench_output_paths_are_checked_before_the_work(samples, tmp_path, capsys, monkeypatch, flag):
-    from decodert.runtime import bench
+    from decodert.tools import bench
 
     monkeypatch.setattr(bench, "bench", lambda *a, **k: pytest.fail("the benchmark ran"))
     _one_line_error(capsys, ["bench", str(samples["art"]), flag, "/nonexistent/dir/x.out"],

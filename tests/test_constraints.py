@@ -23,7 +23,7 @@ from decodert.errors import DecodertError  # noqa: E402
 from decodert.runtime import constraints  # noqa: E402
 from decodert.runtime.constraints import Constraint  # noqa: E402
 from decodert.runtime.llm import Request  # noqa: E402
-from decodert.runtime.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 EOS = 0
 

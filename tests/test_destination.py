@@ -1,5 +1,5 @@
 """`decodert export -o DIR`: what may be replaced, and a swap that leaves the old artifact or the
-new one (never none) when interrupted or killed at any rename (export/destination.py)."""
+new one (never none) when interrupted or killed at any rename (export/artifact/destination.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 
 from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
-from decodert.export import destination
-from decodert.export.manifest import load_manifest
+from decodert.export.artifact import destination
+from decodert.export.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder holding the decodert package
@@ -175,7 +175,8 @@ def test_a_failing_exchange_is_a_one_line_error(old, samples, monkeypatch):
 
 KILLED = textwrap.dedent("""
     import os, signal, sys
-    from decodert.export import destination, pipeline
+    from decodert.export.artifact import destination
+    from decodert.export import pipeline
     mode, name, n, after, src, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5], sys.argv[6]
     if mode == "renames":
         destination._exchange = lambda a, b: False

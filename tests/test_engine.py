@@ -1,4 +1,4 @@
-"""The engine thread (runtime/engine.py): requests from many threads join one continuous batch between steps."""
+"""The engine thread (runtime/decoding/engine.py): requests from many threads join one continuous batch between steps."""
 
 import sys
 import threading
@@ -10,8 +10,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-
 from fake_backend import FakeBackend, make_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime.engine import CANCELLED, Engine, EngineClosed, QueueFull  # noqa: E402
-from decodert.runtime.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.decoding.engine import CANCELLED, Engine, EngineClosed, QueueFull  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a", "héllo wörld: accents", "lazy dog", "STOP here."]
 

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from decodert.cli import main as cli_main
-from decodert.export.manifest import load_manifest
+from decodert.export.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
 from parity import backend, decodert_greedy, hf_reference, logits_parity
 from tiny import FAMILIES

@@ -13,10 +13,10 @@ from tiny import make_tiny_gguf  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export import progress  # noqa: E402
-from decodert.export.checkpoint_open import open_checkpoint  # noqa: E402
+from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
-from decodert.export.quant import QuantConfig  # noqa: E402
-from decodert.export.source_precision import keep_precision  # noqa: E402
+from decodert.export.quantize.quant import QuantConfig  # noqa: E402
+from decodert.export.checkpoints.source_precision import keep_precision  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from fuzz_harness import GOOD, PLANS, Fuzzer, dump_json  # noqa: E402
 from fuzz_samples import make_samples  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.gguf_header import walk_gguf  # noqa: E402
+from decodert.export.checkpoints.gguf_header import walk_gguf  # noqa: E402
 
 EXAMPLES = 60  # per format (~5 s each on 2 cores); scripts/fuzz.py runs thousands
 
@@ -111,7 +111,7 @@ def test_gguf_deeply_nested_arrays_and_bad_utf8(fuzzer):
 
 
 def test_gguf_tokenizer_metadata_of_wrong_shape():
-    from decodert.export.gguf_tokenizer import build_tokenizer
+    from decodert.export.checkpoints.gguf_tokenizer import build_tokenizer
 
     base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"]}
     for extra in ({"tokenizer.ggml.merges": ["zz qq"]}, {"tokenizer.ggml.bos_token_id": 10**6, "tokenizer.ggml.add_bos_token": True},

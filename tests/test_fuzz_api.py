@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import make_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime.generate import GenerationResult  # noqa: E402
+from decodert.runtime.decoding.generate import GenerationResult  # noqa: E402
 
 LLM_ = make_llm(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
 V = LLM_.backend.vocab_size

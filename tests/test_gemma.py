@@ -19,9 +19,9 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from decodert.errors import DecodertError
-from decodert.export.checkpoint_open import open_checkpoint
+from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 from decodert.export.pipeline import export_model
-from decodert.export.quant import QuantConfig, dequantize, quantize
+from decodert.export.quantize.quant import QuantConfig, dequantize, quantize
 from decodert.models import family_for, gemma2, gemma3
 from decodert.models.spec import RopeSpec
 from parity import backend, decodert_greedy, hf_reference, logits_parity

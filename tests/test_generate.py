@@ -1,4 +1,4 @@
-"""The generate loop and continuous batching over the fake backend (runtime/generate.py, scheduler.py, llm.py)."""
+"""The generate loop and continuous batching over the fake backend (runtime/decoding/generate.py, scheduler.py, llm.py)."""
 
 import sys
 from pathlib import Path
@@ -11,7 +11,7 @@ from fake_backend import FakeBackend, fake_manifest, make_llm, make_tokenizer, r
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
-from decodert.runtime.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a", "héllo wörld: accents", "lazy dog", "STOP here."]
 
@@ -198,7 +198,7 @@ def test_bos_added_when_manifest_says_so():
 
 
 def test_load_errors_are_one_line(tmp_path):
-    from decodert.runtime.loading import open_backend, open_tokenizer
+    from decodert.runtime.backends.loading import open_backend, open_tokenizer
 
     with pytest.raises(DecodertError, match="manifest.json"):
         LLM.load(tmp_path)

@@ -1,4 +1,4 @@
-"""GGUF Q4_0 / Q8_0 weights transcoded exactly into decodert's int4 / int8 blocks (export/quant_gguf.py):
+"""GGUF Q4_0 / Q8_0 weights transcoded exactly into decodert's int4 / int8 blocks (export/quantize/quant_gguf.py):
 the blocks bit for bit, the rule deciding which weights are transcoded, fused and mixed-type weights,
 the manifest record, and exported artifacts against transformers running GGUF's dequantized weights."""
 
@@ -16,12 +16,12 @@ from onnx import TensorProto, helper
 
 from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
-from decodert.export.checkpoint_open import open_checkpoint
-from decodert.export.manifest import WeightQuantRecord, load_manifest
+from decodert.export.checkpoints.checkpoint_open import open_checkpoint
+from decodert.export.artifact.manifest import WeightQuantRecord, load_manifest
 from decodert.export.pipeline import export_model
-from decodert.export.quant import QuantConfig, WeightQuant, dequantize, quantize
-from decodert.export.quant_gguf import transcode, transcoded_as
-from decodert.export.weight_layouts import LAYOUTS
+from decodert.export.quantize.quant import QuantConfig, WeightQuant, dequantize, quantize
+from decodert.export.quantize.quant_gguf import transcode, transcoded_as
+from decodert.export.quantize.weight_layouts import LAYOUTS
 from parity import hf_reference, logits_parity
 from tiny import make_tiny_gguf
 

@@ -1,11 +1,11 @@
-"""The device path of runtime/kv_blocks.py (TensorRT's prefix-cache blocks) on a fake cuda_mem whose
+"""The device path of runtime/backends/kv_blocks.py (TensorRT's prefix-cache blocks) on a fake cuda_mem whose
 "device memory" is one host byte array: the strided 2-D copies land where host_read/host_write put them."""
 
 import numpy as np
 import pytest
 
 from decodert.plugins import cuda_mem
-from decodert.runtime import kv_blocks
+from decodert.runtime.backends import kv_blocks
 
 MEM = np.zeros(1 << 20, np.uint8)
 

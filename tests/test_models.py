@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import FAMILIES, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.checkpoint import source_keys  # noqa: E402
+from decodert.export.checkpoints.checkpoint import source_keys  # noqa: E402
 from decodert.models import families, family_for, llama, mistral, phi3, qwen2, qwen3, registry  # noqa: E402
 from decodert.models.spec import ModelSpec, RopeSpec, canonical_names  # noqa: E402
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from decodert import LLM
-from decodert.export.manifest import load_manifest
+from decodert.export.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
-from decodert.runtime.ort_backend import OrtBackend
+from decodert.runtime.backends.ort_backend import OrtBackend
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_cache_buffers_stay_put_and_are_written_in_place(tiny_art):
 def test_session_pools_stop_spinning_after_a_run(tiny_art):
     """The prefill/decode and verify sessions (and a draft model's) run one after another: a pool
     left spinning after its run took the cores from the next session's run."""
-    from decodert.runtime import ort_backend
+    from decodert.runtime.backends import ort_backend
 
     assert ort_backend._session_options(None).get_session_config_entry("session.force_spinning_stop") == "1"
     be = OrtBackend(tiny_art, load_manifest(tiny_art))

@@ -45,9 +45,9 @@ def test_tensorrt_code_type_checks(tmp_path):
 
     (tmp_path / "decodert").symlink_to(ROOT, target_is_directory=True)
 
-    files = ["plugins/trt_compat.py", "export/trt_build.py", "runtime/trt_backend.py", "runtime/trt_engine.py",
-             "runtime/trt_verify.py", "plugins/cuda_mem.py", "export/manifest.py",
-             "runtime/verify.py"]
+    files = ["plugins/trt_compat.py", "export/trt_build.py", "runtime/backends/trt_backend.py", "runtime/backends/trt_engine.py",
+             "runtime/backends/trt_verify.py", "plugins/cuda_mem.py", "export/artifact/manifest.py",
+             "tools/verify.py"]
     res = subprocess.run([*_checker("mypy"), "--no-incremental", "--ignore-missing-imports", "--follow-imports=silent", *files],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "MYPYPATH": str(tmp_path)})
     assert res.returncode == 0, res.stdout[-3000:]

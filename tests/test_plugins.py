@@ -23,14 +23,14 @@ from onnx import helper, numpy_helper
 import kernel_cases
 from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
-from decodert.export.manifest import load_manifest
+from decodert.export.artifact.manifest import load_manifest
 from decodert.plugins.onnx_builder import DTYPES
 from decodert.export.pipeline import export_model
-from decodert.export.expand_artifact import expand_artifact
+from decodert.export.artifact.expand_artifact import expand_artifact
 from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.catalog import get_op, load_all
 from decodert.plugins.registry import DOMAIN
-from decodert.export.targets import ORT, TRT
+from decodert.export.lowering.targets import ORT, TRT
 from decodert.plugins.selection import choose_plugins
 from decodert.plugins.weight_gemm import dequantize_ref
 
@@ -120,7 +120,7 @@ def test_rms_norm_body_matches_numpy(shape, fused, dtype):
 def test_matmul_nbits_body_matches_numpy(bits, k, n, block, symmetric, a_shape):
     rng = np.random.default_rng(SEED)
     w = rng.standard_normal((n, k)).astype(np.float32)
-    from decodert.export.quant import QuantConfig, quantize  # the one quantizer and packer
+    from decodert.export.quantize.quant import QuantConfig, quantize  # the one quantizer and packer
 
     qw = quantize(w, QuantConfig(bits=bits, block_size=block, symmetric=symmetric, scale_search=False))
     b, scales, zp = qw.q.reshape(n, k // block, block * bits // 8), qw.scales, qw.zero_points
@@ -138,8 +138,8 @@ def test_matmul_nbits_body_matches_numpy(bits, k, n, block, symmetric, a_shape):
 
 
 def test_matmul_nbits_layout_is_onnxruntime_and_export_quant():
-    """The same bytes through com.microsoft.MatMulNBits and export/quant.py's dequantize."""
-    from decodert.export.quant import QuantConfig, dequantize, quantize
+    """The same bytes through com.microsoft.MatMulNBits and export/quantize/quant.py's dequantize."""
+    from decodert.export.quantize.quant import QuantConfig, dequantize, quantize
 
     rng = np.random.default_rng(SEED)
     k, n, block = 96, 10, 32

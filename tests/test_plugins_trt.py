@@ -110,12 +110,12 @@ _GPU_SCRIPT = textwrap.dedent("""
     from tiny import make_tiny_checkpoint
     from parity import backend
     from decodert.export import trt_build
-    from decodert.export.manifest import load_manifest
+    from decodert.export.artifact.manifest import load_manifest
     from decodert.export.pipeline import export_model
     from decodert.plugins.trt_compat import load_trt
-    from decodert.export.expand_artifact import expand_artifact
+    from decodert.export.artifact.expand_artifact import expand_artifact
     from decodert.plugins.trt_plugins import register_plugins
-    from decodert.runtime.trt_backend import TrtBackend
+    from decodert.runtime.backends.trt_backend import TrtBackend
     tmp = Path({tmp!r})
     register_plugins(*load_trt())  # before deserializing: the engines hold plugin layers
     out, ref = tmp / "trt", tmp / "ref"

@@ -15,7 +15,7 @@ from decodert.errors import DecodertError  # noqa: E402
 from decodert.runtime import prefix_cache as pc  # noqa: E402
 from decodert.runtime.llm import Request  # noqa: E402
 from decodert.runtime.prefix_cache import PrefixCache  # noqa: E402
-from decodert.runtime.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 B = 4  # block tokens in these tests
 

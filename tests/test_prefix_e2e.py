@@ -13,7 +13,7 @@ from tiny import FAMILIES  # noqa: E402
 
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.prefix_cache import PrefixCache  # noqa: E402
-from decodert.runtime.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 SYSTEM = ("The cache keeps keys and values of earlier positions so each step only computes one token. "
           "A decoder-only transformer predicts the next token from the tokens before it. ")

@@ -24,10 +24,10 @@ from fake_backend import FakeBackend, make_llm, reference_tokens  # noqa: E402
 from fuzz_samples import add_listed_file, flip_byte  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.artifact_files import file_record  # noqa: E402
-from decodert.export.manifest import load_manifest, write_manifest  # noqa: E402
+from decodert.export.artifact.artifact_files import file_record  # noqa: E402
+from decodert.export.artifact.manifest import load_manifest, write_manifest  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
-from decodert.runtime.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,7 @@ def test_package_source_has_no_pickle_eval_exec(tmp_path):
 def test_chat_templates_run_sandboxed(template):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from decodert.runtime.chat import compile_template, render_chat
+    from decodert.runtime.chat.chat import compile_template, render_chat
 
     assert isinstance(compile_template("{{ 1 }}").environment, ImmutableSandboxedEnvironment)
     with pytest.raises(DecodertError, match="unsafe|failed to render"):
@@ -92,7 +92,7 @@ def _point_external_data(graph: Path, location: str) -> None:
 
 @pytest.mark.parametrize("location", ["../secret", "{abs}", "link.bin", "sub/../../secret"])
 def test_external_data_outside_the_artifact_is_refused(art, tmp_path, location):
-    from decodert.export.onnx_check import check_external_data
+    from decodert.export.lowering.onnx_check import check_external_data
 
     secret = tmp_path / "secret"
     secret.write_bytes(b"s" * (4 << 20))
@@ -136,7 +136,7 @@ def trt_artifact(tmp_path):
 
 # -- resource limits ----------------------------------------------------------------------------
 def test_kv_cache_too_big_is_refused_before_allocating(art, monkeypatch):
-    from decodert.runtime import memory
+    from decodert.runtime.backends import memory
 
     llm = LLM.load(art)
     monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 10)
@@ -150,7 +150,7 @@ def test_kv_cache_too_big_is_refused_before_allocating(art, monkeypatch):
 def test_tensors_larger_than_the_file_are_refused_before_allocating(samples, tmp_path):
     import struct
 
-    from decodert.export.checkpoint_open import open_checkpoint
+    from decodert.export.checkpoints.checkpoint_open import open_checkpoint
     from test_fuzz import _gguf_field
 
     hf = shutil.copytree(samples["hf"], tmp_path / "hf")
@@ -312,7 +312,8 @@ def _interrupt(monkeypatch, module, name, when=lambda *a, **k: True):
 
 
 def _export_steps():
-    from decodert.export import destination, pipeline
+    from decodert.export.artifact import destination
+    from decodert.export import pipeline
 
     return {"build_graph": (pipeline, "build_graph", lambda *a, **k: a[3] == "decode"),  # after weights.bin
             "write_manifest": (pipeline, "write_manifest", lambda *a, **k: True),

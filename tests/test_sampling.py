@@ -1,10 +1,10 @@
-"""Samplers, logits processors and parameter validation (runtime/sampling.py)."""
+"""Samplers, logits processors and parameter validation (runtime/decoding/sampling.py)."""
 
 import numpy as np
 import pytest
 
 from decodert.errors import DecodertError
-from decodert.runtime.sampling import SamplingParams, apply_processors, make_logits_processors, make_sampler
+from decodert.runtime.decoding.sampling import SamplingParams, apply_processors, make_logits_processors, make_sampler
 
 
 def _logits(probs):
@@ -135,7 +135,7 @@ def test_valid_params_accepted_and_normalised():
 @pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
 def test_top_p_candidate_search_equals_full_sort(scale, top_p):
-    from decodert.runtime.sampling import _top_p
+    from decodert.runtime.decoding.sampling import _top_p
 
     rng = np.random.default_rng(int(scale * 100) + int(top_p * 1000))
     x = rng.standard_normal((3, 3000)) * scale  # flat to peaked: the candidate set must grow as needed

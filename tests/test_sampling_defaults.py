@@ -1,4 +1,4 @@
-"""Sampling defaults from the model (export/sampling_defaults.py): found at export, recorded in the
+"""Sampling defaults from the model (export/checkpoints/sampling_defaults.py): found at export, recorded in the
 manifest, used by the API (and the CLI) for every parameter the caller does not pass."""
 
 import json
@@ -11,11 +11,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_tiny_gguf  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.checkpoint_open import open_checkpoint  # noqa: E402
+from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
-from decodert.export.sampling_defaults import sampling_record  # noqa: E402
+from decodert.export.checkpoints.sampling_defaults import sampling_record  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
-from decodert.runtime.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def sampled_art(tiny_checkpoint, tmp_path_factory):
 
 
 def test_generation_config_recorded_and_used_by_the_api(sampled_art, monkeypatch):
-    from decodert.runtime import generate
+    from decodert.runtime.decoding import generate
 
     manifest = json.loads((sampled_art / "manifest.json").read_text())
     # transformers' own defaults fill what the file leaves out (top_k 50 while sampling)
@@ -59,7 +59,7 @@ def test_generation_config_recorded_and_used_by_the_api(sampled_art, monkeypatch
 
 
 def test_inspect_prints_the_defaults(sampled_art):
-    from decodert.export.inspect import inspect_artifact
+    from decodert.export.artifact.inspect import inspect_artifact
 
     line = next(x for x in inspect_artifact(sampled_art).splitlines() if x.startswith("sampling"))
     assert "temperature 0.6, top_k 50, top_p 0.8" in line and "generation_config.json" in line

@@ -1,4 +1,4 @@
-"""Sampling at the edges of every parameter (runtime/sampling.py): a drawn id is always the argmax
+"""Sampling at the edges of every parameter (runtime/decoding/sampling.py): a drawn id is always the argmax
 or a token with non-zero probability under an independent float64 reference; never NaN's pick."""
 
 import sys
@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import make_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime.sampling import (GREEDY_EPS, SamplingParams, apply_processors, make_logits_processors,  # noqa: E402
+from decodert.runtime.decoding.sampling import (GREEDY_EPS, SamplingParams, apply_processors, make_logits_processors,  # noqa: E402
                                        make_sampler)
 
 V = 64

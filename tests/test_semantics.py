@@ -1,5 +1,5 @@
 """Checkpoints that are structurally valid but semantically wrong are refused in one line
-(export/semantics.py, the running-offset rule in export/gguf_header.py), as llama.cpp does."""
+(export/lowering/semantics.py, the running-offset rule in export/checkpoints/gguf_header.py), as llama.cpp does."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
-from decodert.export.checkpoint_open import open_checkpoint
+from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 from fuzz_samples import make_gguf
 from test_fuzz import _gguf_field
 
@@ -156,8 +156,8 @@ def test_a_tokenizer_larger_than_the_model_is_refused(samples, tmp_path):
 def test_a_replaced_smaller_tokenizer_is_refused_at_load(samples, tmp_path):
     from tokenizers import Tokenizer
 
-    from decodert.export.artifact_files import file_record
-    from decodert.export.manifest import MANIFEST, load_manifest, write_manifest
+    from decodert.export.artifact.artifact_files import file_record
+    from decodert.export.artifact.manifest import MANIFEST, load_manifest, write_manifest
     from decodert.runtime.llm import LLM
 
     art = shutil.copytree(samples["art"], tmp_path / "art")

@@ -332,7 +332,7 @@ def test_speculative_requests_match_plain_greedy(llm, monkeypatch):
     """The server's default and a request's own ``speculative`` verify drafts, "off" never does, and
     every reply is plain greedy's text. The planner's step costs are pinned (a verify pass priced as
     a decode step), so whether it speculates does not hang on this machine's timing."""
-    from decodert.runtime import speculative
+    from decodert.runtime.speculation import speculative
 
     prompt = "the quick brown fox the quick brown fox the quick"
     want = llm.generate(prompt, max_new_tokens=40, temperature=0.0)

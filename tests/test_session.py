@@ -1,4 +1,4 @@
-"""Chat sessions (runtime/session.py) over the fake backend: every turn's tokens are checked against
+"""Chat sessions (runtime/chat/session.py) over the fake backend: every turn's tokens are checked against
 the fake model run from scratch on the rendered conversation (tests/fake_backend.py), so a row
 rewound to the wrong length or a prefill of the wrong tokens shows."""
 
@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-
 from fake_backend import make_llm, reference_tokens  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime.kv_cache import common_prefix  # noqa: E402
+from decodert.runtime.backends.kv_cache import common_prefix  # noqa: E402
 
 CHATML = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + eos_token }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")

@@ -1,4 +1,4 @@
-"""Speculative decoding in the loop (runtime/speculative.py, runtime/drafters.py) over the fake backend.
+"""Speculative decoding in the loop (runtime/speculation/speculative.py, runtime/speculation/drafters.py) over the fake backend.
 
 Every test compares against plain decoding of the same model: greedy must be token-for-token
 identical, whatever the drafts; sampling must have plain sampling's distribution (checked
@@ -15,11 +15,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import FakeBackend, make_llm, make_tokenizer, scripted_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime.drafters import (NgramDrafter, longest_suffix_match, ngram_kind, suffix_matches,  # noqa: E402
+from decodert.runtime.speculation.drafters import (NgramDrafter, longest_suffix_match, ngram_kind, suffix_matches,  # noqa: E402
                                        voted_continuation)
 from decodert.runtime.llm import LLM, Request  # noqa: E402
-from decodert.runtime.sampling import SamplingParams, make_distribution  # noqa: E402
-from decodert.runtime.speculative import SpeculativeConfig, StepCosts, expected_tokens  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams, make_distribution  # noqa: E402
+from decodert.runtime.speculation.speculative import SpeculativeConfig, StepCosts, expected_tokens  # noqa: E402
 
 TOK = make_tokenizer()
 PROMPTS = ["hello world, this is a tiny test", "the quick brown fox jumps over the lazy dog", "a",
@@ -86,7 +86,7 @@ def test_the_occurrences_of_the_longest_match_vote():
 
 def test_the_python_vote_equals_the_numpy_vote_on_random_histories():
     """voted_continuation's plain-Python vote (few occurrences) picks what the numpy one does."""
-    from decodert.runtime.drafters import _voted_numpy
+    from decodert.runtime.speculation.drafters import _voted_numpy
 
     rng = np.random.default_rng(5)
     for _ in range(300):

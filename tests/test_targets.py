@@ -1,4 +1,4 @@
-"""export/targets.py: one Target per target holds every per-target decision; nothing else branches on a name."""
+"""export/lowering/targets.py: one Target per target holds every per-target decision; nothing else branches on a name."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from decodert.errors import DecodertError
-from decodert.export.quant import QuantConfig
-from decodert.export.targets import ORT, PORTABLE, TARGETS, TRT, get_target
-from decodert.export.weight_layouts import NBITS, QDQ
+from decodert.export.quantize.quant import QuantConfig
+from decodert.export.lowering.targets import ORT, PORTABLE, TARGETS, TRT, get_target
+from decodert.export.quantize.weight_layouts import NBITS, QDQ
 
 ROOT = Path(__file__).resolve().parent.parent
-ALLOWED = {"export/targets.py", "export/weight_layouts.py", "export/lowering.py", "export/lower_ort.py", "export/lower_trt.py"}
+ALLOWED = {"export/lowering/targets.py", "export/quantize/weight_layouts.py", "export/lowering/lowering.py",
+           "export/lowering/lower_ort.py", "export/lowering/lower_trt.py"}
 NAMES = set(TARGETS) | {NBITS.name, QDQ.name}
 
 
@@ -59,7 +60,7 @@ def _name_branches(path: Path, root: Path = ROOT) -> list[str]:
 def test_no_target_or_layout_branches_outside_the_target_modules():
     files = [f for f in ROOT.rglob("*.py") if f.relative_to(ROOT).parts[0] not in ("tests", "bench", "scripts")]
     hits = [h for f in files if str(f.relative_to(ROOT)) not in ALLOWED for h in _name_branches(f)]
-    assert not hits, "branches on a target/layout name outside export/targets.py and the lowerings: " + ", ".join(hits)
+    assert not hits, "branches on a target/layout name outside export/lowering/targets.py and the lowerings: " + ", ".join(hits)
 
 
 def test_the_branch_finder_finds_one(tmp_path):

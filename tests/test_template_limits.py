@@ -1,5 +1,5 @@
 """Chat templates are code from a model file: rendering is bounded in time, output and value sizes
-(runtime/template_sandbox.py), ends in one line, and is safe from many threads at once."""
+(runtime/chat/template_sandbox.py), ends in one line, and is safe from many threads at once."""
 
 import threading
 import time
@@ -8,8 +8,8 @@ import tracemalloc
 import pytest
 
 from decodert.errors import DecodertError
-from decodert.runtime.chat import render_chat
-from decodert.runtime.template_sandbox import Limits
+from decodert.runtime.chat.chat import render_chat
+from decodert.runtime.chat.template_sandbox import Limits
 
 MSGS = [{"role": "user", "content": "hi"}]
 FAST = Limits(seconds=0.5)

@@ -1,4 +1,4 @@
-"""runtime/trt_backend.py on the CPU, through tests/trt_emulator.py (CUDA memory, streams, graphs and
+"""runtime/backends/trt_backend.py on the CPU, through tests/trt_emulator.py (CUDA memory, streams, graphs and
 TensorRT contexts emulated; the graphs run on ONNX Runtime): the same tokens as the ort backend on
 the same trt-target artifact, every path of the backend, and the misuse the emulator catches."""
 
@@ -17,7 +17,7 @@ from tiny import FAMILIES  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
-from decodert.runtime.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 MAX_SEQ = 48
 
@@ -137,7 +137,7 @@ def test_verify_equals_decode_steps(trt_artifact, emulator):
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_speculative_greedy_is_plain_greedy(trt_artifact, emulator, batch):
-    from decodert.runtime.speculative import SpeculativeConfig
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
 
     _, trt = emulator
     with LLM.load(trt_artifact, backend="trt") as llm:
@@ -155,7 +155,7 @@ def test_speculative_greedy_is_plain_greedy(trt_artifact, emulator, batch):
 
 
 def test_speculative_sampling_runs(trt_artifact, emulator):
-    from decodert.runtime.speculative import SpeculativeConfig
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
 
     with LLM.load(trt_artifact, backend="trt") as llm:
         p = np.tile(np.arange(10, 16), 3)
@@ -182,7 +182,7 @@ def test_engines_built_before_verify(trt_artifact, emulator, tmp_path):
 
 def test_prefix_cache_reuses_device_blocks(trt_artifact, emulator):
     """A prompt that starts like an earlier one loads the cached K/V blocks (device copies,
-    runtime/kv_blocks.py) instead of prefilling them, and answers as the ort backend does."""
+    runtime/backends/kv_blocks.py) instead of prefilling them, and answers as the ort backend does."""
     rng = np.random.default_rng(5)
     first = rng.integers(3, 60, 34)
     second = np.concatenate([first, rng.integers(3, 60, 6)])
@@ -199,7 +199,7 @@ def test_prefix_cache_reuses_device_blocks(trt_artifact, emulator):
 def test_every_family_fp16(tiny_checkpoint, tmp_path, emulator, family):
     """fp16 engines (the trt default) of every family: the ort backend's tokens on the same graphs,
     plainly and with speculation at batch 2 (one verify call for both rows)."""
-    from decodert.runtime.speculative import SpeculativeConfig
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
 
     out = tmp_path / "art"
     export_model(tiny_checkpoint(family), out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False)
@@ -217,7 +217,7 @@ def test_every_family_fp16(tiny_checkpoint, tmp_path, emulator, family):
 def test_decodert_verify_command(trt_artifact, emulator, capsys):
     """`decodert verify` (engines vs ONNX Runtime, then the verify engine vs the decode steps) runs end to end."""
     from decodert.cli import main
-    from decodert.runtime.verify import verify
+    from decodert.tools.verify import verify
 
     res = verify(trt_artifact, steps=8, rows=3)
     assert res["greedy_agreement"] == 1.0 and res["max_abs_logit_err"] < 1e-4, res
@@ -252,7 +252,7 @@ def test_slot_placement_and_move_slot(trt_artifact, emulator):
 def test_draft_model_on_trt(trt_artifact, emulator):
     """A draft model (here the artifact itself) on the trt backend too: its own cache slot per row,
     set back on rejection; greedy output is plain greedy's."""
-    from decodert.runtime.speculative import SpeculativeConfig
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
 
     with LLM.load(trt_artifact, backend="trt", draft=trt_artifact) as llm:
         assert llm.backend.name == "trt"

@@ -25,12 +25,12 @@ import trt_graphs  # noqa: E402  (tests/ is on sys.path via conftest)
 from decodert.cli import main as cli_main  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export import trt_build  # noqa: E402
-from decodert.export.artifact_files import file_record  # noqa: E402
-from decodert.export.manifest import Manifest, load_manifest  # noqa: E402
-from decodert.export.records import to_json  # noqa: E402
+from decodert.export.artifact.artifact_files import file_record  # noqa: E402
+from decodert.export.artifact.manifest import Manifest, load_manifest  # noqa: E402
+from decodert.export.artifact.records import to_json  # noqa: E402
 from decodert.plugins.trt_compat import engine_version_problem, load_trt, parse_version, read_engine  # noqa: E402
 from decodert.plugins import cuda_mem  # noqa: E402
-from decodert.runtime.trt_engine import contiguous_runs, kv_pairs  # noqa: E402
+from decodert.runtime.backends.trt_engine import contiguous_runs, kv_pairs  # noqa: E402
 
 pytestmark = pytest.mark.trt
 gpu = pytest.mark.skipif(cuda_mem.gpu_count() == 0, reason="needs an NVIDIA GPU (cuda-python found none)")
@@ -62,7 +62,7 @@ def manifest_of(out: Path) -> dict:
 
 
 def typed_of(out: Path) -> Manifest:
-    """The Manifest the runtime reads (export/manifest.py)."""
+    """The Manifest the runtime reads (export/artifact/manifest.py)."""
     return load_manifest(out, verify="none")
 
 
@@ -217,7 +217,7 @@ def test_engine_from_another_tensorrt_version_is_refused(built, tmp_path):
     _, info = load_trt()
     with pytest.raises(DecodertError, match=f"built with tensorrt_rtx 1.5.0.1 but tensorrt_rtx {info.version_str}"):
         read_engine(out, typed_of(out), "prefill", info)
-    from decodert.runtime.trt_backend import TrtBackend
+    from decodert.runtime.backends.trt_backend import TrtBackend
 
     with pytest.raises(DecodertError, match="1.5.0.1"):  # refused before any GPU work
         TrtBackend(out, typed_of(out))
@@ -265,7 +265,7 @@ def test_export_and_build_bf16(tiny_checkpoint, tmp_path):
 def test_export_and_build_fp32_and_int4(tiny_checkpoint, tmp_path):
     """fp32 uses the decomposed attention (no Attention layer); int4 weights build as block dequantize."""
     from decodert.export.pipeline import export_model
-    from decodert.export.quant import QuantConfig
+    from decodert.export.quantize.quant import QuantConfig
 
     src = tiny_checkpoint("llama")
     export_model(src, tmp_path / "f32", target="trt", dtype="fp32", max_seq=32, progress=False)
@@ -293,7 +293,7 @@ def test_build_smollm2(request, tmp_path):
 # ---------------------------------------------------------------- running engines (GPU)
 def test_ort_reference_decode_equals_longer_prefill(built):
     """The CPU reference `verify` compares against: decode after prefill == prefill of the longer prompt."""
-    from decodert.runtime.verify import OrtGraphReference
+    from decodert.tools.verify import OrtGraphReference
 
     out = built("fp16")
     m = typed_of(out)
@@ -310,7 +310,7 @@ def test_ort_reference_decode_equals_longer_prefill(built):
 @gpu
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_engines_match_onnxruntime(built, cuda_graphs):
-    from decodert.runtime.verify import verify
+    from decodert.tools.verify import verify
 
     res = verify(built("fp16"), steps=8, rows=3, cuda_graphs=cuda_graphs)
     assert res["greedy_agreement"] == 1.0 and res["max_rel_logit_err"] < 2e-2, res
@@ -320,7 +320,7 @@ def test_engines_match_onnxruntime(built, cuda_graphs):
 @pytest.mark.gpu
 @gpu
 def test_slot_placement_and_move_slot(built):
-    from decodert.runtime.trt_backend import TrtBackend
+    from decodert.runtime.backends.trt_backend import TrtBackend
 
     out = built("fp16")
     prompts = [np.array([5, 6, 7, 8, 9]), np.array([10, 11, 12])]
@@ -345,8 +345,8 @@ def test_slot_placement_and_move_slot(built):
 @pytest.mark.gpu
 @gpu
 def test_long_prompt_prefills_in_chunks(tmp_path):
-    from decodert.runtime.trt_backend import TrtBackend
-    from decodert.runtime.verify import OrtGraphReference
+    from decodert.runtime.backends.trt_backend import TrtBackend
+    from decodert.tools.verify import OrtGraphReference
 
     out = trt_graphs.write_artifact(tmp_path / "a", "fp16")
     trt_build.build_engines(out, max_seq=16, progress=False)  # prefill profile: at most 16 tokens a call

@@ -1,4 +1,4 @@
-"""Weight-stripped TensorRT engines (export/trt_build.py, runtime/trt_refit.py), as far as a machine
+"""Weight-stripped TensorRT engines (export/trt_build.py, runtime/backends/trt_refit.py), as far as a machine
 without a GPU allows: the flags reach the builder, CPU builds fall back to self-contained engines and
 say why, the refit at load calls TensorRT's refitter and turns every failure into one line."""
 
@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime.trt_refit import refit_from_onnx  # noqa: E402
+from decodert.runtime.backends.trt_refit import refit_from_onnx  # noqa: E402
 
 trt = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
 
@@ -41,7 +41,7 @@ def test_strip_flags_reach_the_builder_config():
 
 
 def test_cpu_build_embeds_the_weights_and_says_why(trt_art):
-    from decodert.export.manifest import load_manifest
+    from decodert.export.artifact.manifest import load_manifest
     from decodert.export.trt_build import strip_problem
     from decodert.plugins.cuda_mem import gpu_count
 

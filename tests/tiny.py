@@ -332,7 +332,7 @@ def one_line_error(path, match) -> str:
     import pytest
 
     from decodert.errors import DecodertError
-    from decodert.export.checkpoint_open import open_checkpoint
+    from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 
     with pytest.raises(DecodertError) as e:
         open_checkpoint(path)

@@ -1,4 +1,4 @@
-"""A CPU stand-in for CUDA and a TensorRT runtime, so runtime/trt_backend.py runs in tests on a machine
+"""A CPU stand-in for CUDA and a TensorRT runtime, so runtime/backends/trt_backend.py runs in tests on a machine
 without a GPU (no GPU is lent to CI; the backend's logic is otherwise never executed).
 
 What is emulated, and what it checks:
@@ -31,7 +31,7 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulator import Device, EmulatorError  # noqa: E402
 
-from decodert.export.manifest import EngineRecord, load_manifest, write_manifest  # noqa: E402
+from decodert.export.artifact.manifest import EngineRecord, load_manifest, write_manifest  # noqa: E402
 from decodert.export.trt_build import profile_shapes  # noqa: E402
 
 __all__ = ["Device", "EmulatorError", "EmulatedTensorRT", "emulate_engines", "install"]
@@ -208,7 +208,7 @@ class EmulatedTensorRT:
 def install(monkeypatch: Any, free_bytes: int = 8 << 30) -> tuple[Device, EmulatedTensorRT]:
     """Point plugins/cuda_mem.py and the trt backend's TensorRT at the emulator (undone by ``monkeypatch``)."""
     from decodert.plugins import cuda_mem
-    from decodert.runtime import trt_backend
+    from decodert.runtime.backends import trt_backend
 
     device = Device(free_bytes)
     for name, value in device.api().items():

@@ -1,0 +1,1 @@
+"""The artifact folder: manifest, files and hashes, weights file, atomic destination, inspect."""

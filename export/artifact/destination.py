@@ -1,0 +1,265 @@
+"""Where ``decodert export -o DIR`` writes: the destination check, the temp folder and the swap.
+
+The protocol (crash-safe at every step, SIGKILL included):
+
+1. ``prepare(DIR)`` resolves ``DIR``, refuses a folder that holds anything besides a decodert
+   artifact (a decodert ``manifest.json``, the files it lists, its engines), and cleans what
+   earlier runs that died left beside it (``recover``).
+2. The export writes into ``.DIR.tmp-PID-XXXX`` (a sibling; created with the user's umask).
+3. ``swap_in`` makes it ``DIR``. On Linux that is one ``renameat2(RENAME_EXCHANGE)`` call: at every
+   instant ``DIR`` is the complete old artifact or the complete new one; the old one, now in the
+   temp folder, is deleted after. Where the kernel or file system cannot exchange, the old folder
+   is renamed to ``.DIR.old-PID`` first and back if the second rename fails; a process killed
+   between the two renames leaves it there, and the next export (``recover``) renames it back.
+   SIGINT/SIGTERM/SIGHUP are held back during the swap (main thread) and delivered after it.
+
+A leftover ``.DIR.tmp-PID-*`` or ``.DIR.old-PID`` is stale when process PID is gone.
+
+``decodert build`` uses the same swap: ``linked_copy`` makes the temp folder from hard links to
+the artifact's files, the engines and the new manifest are written there, and the folder is
+swapped in whole, so a build killed at any point leaves the old engines and manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import secrets
+import shutil
+import signal
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from decodert.errors import DecodertError
+from decodert.export.artifact.manifest import FORMAT, MANIFEST
+
+_TMP, _OLD = ".tmp-", ".old-"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_DEFERRED = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, s))
+_SHOWN = 5  # names listed in the "files in the way" error
+
+
+def prepare(out: str | Path) -> Path:
+    """Check that ``out`` may be written or replaced; return it resolved (absolute, no ``..``)."""
+    given = str(out)
+    try:
+        path = Path(out).resolve()
+        cwd = Path.cwd().resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop, a deleted working folder
+        raise DecodertError(f"-o {given}: cannot resolve the path ({e})") from None
+    if path == Path(path.anchor) or path == cwd or path in cwd.parents:
+        raise DecodertError(f"-o {given}: is the current folder or contains it; name the artifact folder, e.g. -o ./model")
+    if path.exists() and not path.is_dir():
+        raise DecodertError(f"-o {given}: exists and is not a folder")
+    if path.is_dir():
+        _check_replaceable(path, given)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DecodertError(f"-o {given}: cannot create {path.parent} ({e.strerror or e})") from None
+    recover(path)
+    return path
+
+
+def _check_replaceable(path: Path, given: str) -> None:
+    """A folder is replaced only if it is empty or holds a decodert artifact and nothing else."""
+    try:
+        entries = sorted(path.iterdir())
+    except OSError as e:
+        raise DecodertError(f"-o {given}: cannot list the folder ({e.strerror or e})") from None
+    if not entries:
+        return
+    owned = _artifact_files(path / MANIFEST)
+    if owned is None:
+        names = ", ".join(p.name for p in entries[:_SHOWN]) + (", ..." if len(entries) > _SHOWN else "")
+        raise DecodertError(f"-o {given}: exists, is not empty and is not a decodert artifact ({names}); "
+                            "choose another -o")
+    extra = [p for p in entries if (p.name not in owned and not _staged(p.name)) or p.is_symlink() or not p.is_file()]
+    if extra:
+        names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in extra[:_SHOWN])
+        more = f" and {len(extra) - _SHOWN} more" if len(extra) > _SHOWN else ""
+        raise DecodertError(f"-o {given}: holds files that are not part of the decodert artifact ({names}{more}); "
+                            "move them away or choose another -o")
+
+
+def _artifact_files(manifest: Path) -> set[str] | None:
+    """The names a decodert manifest owns (itself, ``files``, engines); None if it is not one."""
+    try:
+        if not manifest.is_file() or manifest.is_symlink() or manifest.stat().st_size > 64 << 20:
+            return None
+        m = json.loads(manifest.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        return None
+    owned = {MANIFEST}
+    if isinstance(m.get("files"), dict):
+        owned.update(k for k in m["files"] if isinstance(k, str))
+    engines = m.get("engines")
+    for rec in (engines.values() if isinstance(engines, dict) else ()):
+        if isinstance(rec, dict) and isinstance(rec.get("file"), str):
+            owned.add(rec["file"])
+    return owned
+
+
+def _staged(name: str) -> bool:
+    """Files an interrupted ``write_manifest`` / ``decodert build`` may leave inside an artifact."""
+    return name.startswith(".") and name.endswith((".tmp", ".new"))
+
+
+def make_temp(out: Path) -> Path:
+    """Create ``.NAME.tmp-PID-XXXX`` beside ``out`` with the user's umask (not 0700)."""
+    for _ in range(100):
+        tmp = out.with_name(f".{out.name}{_TMP}{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(tmp, 0o777)
+            return tmp
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise DecodertError(f"-o {out}: cannot create a folder in {out.parent} ({e.strerror or e})") from None
+    raise DecodertError(f"-o {out}: could not pick a free temporary folder name in {out.parent}")
+
+
+def linked_copy(out: Path) -> Path | None:
+    """A temp sibling of artifact folder ``out`` holding hard links to its files (no data copied),
+    to update and then ``swap_in`` whole (``decodert build``); None where that cannot be done (hard
+    links refused by the file system, a sub-folder or symlink inside, ``out`` holding the working
+    folder): the caller then updates ``out`` in place."""
+    out = out.resolve()
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents or out == Path(out.anchor):
+        return None
+    recover(out)
+    tmp = make_temp(out)
+    try:
+        for p in out.iterdir():
+            if p.is_symlink() or not p.is_file():
+                raise OSError(f"{p.name} is not a plain file")
+            os.link(p, tmp / p.name)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    return tmp
+
+
+def swap_in(tmp: Path, out: Path) -> None:
+    """Make the finished folder ``tmp`` the artifact ``out`` (see the module docstring)."""
+    with _signals_deferred():
+        try:
+            if not os.path.lexists(out):
+                os.rename(tmp, out)
+            elif _exchange(tmp, out):
+                shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old artifact
+            else:
+                _swap_by_renames(tmp, out)
+        except OSError as e:
+            raise DecodertError(f"-o {out}: cannot move the new artifact into place ({e.strerror or e})") from None
+
+
+def _swap_by_renames(tmp: Path, out: Path) -> None:
+    old = out.with_name(f".{out.name}{_OLD}{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.rename(out, old)
+        os.rename(tmp, out)
+    except BaseException:  # a failed swap must not leave no artifact: put the old one back
+        if os.path.lexists(old) and not os.path.lexists(out):
+            os.rename(old, out)
+        raise
+    finally:
+        if os.path.lexists(out):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two folders (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    fn = getattr(_libc(), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+_LIBC: list[ctypes.CDLL | None] = []
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None)
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]
+
+
+def recover(out: Path) -> None:
+    """Clean up beside ``out`` after export runs whose process is gone: delete their temp folders,
+    and put an old artifact moved aside back in place when ``out`` is missing (else delete it)."""
+    prefix = f".{out.name}"
+    try:
+        siblings = [p for p in out.parent.iterdir() if p.name.startswith(prefix + _TMP) or p.name.startswith(prefix + _OLD)]
+    except OSError:
+        return
+    for p in sorted(siblings, key=lambda p: p.name):
+        kind, _, rest = p.name[len(prefix):].partition("-")
+        pid = rest.split("-")[0]
+        if not pid.isdigit() or _alive(int(pid)) or not p.is_dir() or p.is_symlink():
+            continue
+        if kind + "-" == _OLD and not os.path.lexists(out):
+            with contextlib.suppress(OSError):
+                os.rename(p, out)
+                continue
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def file_mode() -> int:
+    """The mode a new file gets under the user's umask (for files made by mkstemp, which uses 0600)."""
+    try:
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # this process (another thread may be exporting there)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's live process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP during the block (main thread only); deliver them after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {}
+    for sig in _DEFERRED:
+        with contextlib.suppress(ValueError, OSError):
+            previous[sig] = signal.signal(sig, lambda s, _f: caught.append(s))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for sig in dict.fromkeys(caught):
+            signal.raise_signal(sig)

@@ -1,0 +1,57 @@
+"""``decodert inspect OUT``: the manifest and a summary of each graph (ops, I/O, weight bytes)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from decodert.export.artifact.manifest import SourceRecord, load_manifest
+from decodert.export.lowering.onnx_check import load_graph
+from decodert.export.checkpoints.sampling_defaults import describe
+
+
+def graph_summary(path: Path) -> dict[str, Any]:
+    model = load_graph(path)  # DecodertError for a damaged file
+    ops = Counter(f"{n.domain}::{n.op_type}" if n.domain else str(n.op_type) for n in model.graph.node)
+    weight_bytes = 0
+    for t in model.graph.initializer:
+        info = {e.key: e.value for e in t.external_data}
+        length = str(info.get("length", ""))
+        weight_bytes += int(length) if length.isdigit() else len(t.raw_data)
+    return {"opsets": {str(o.domain) or "ai.onnx": o.version for o in model.opset_import},
+            "nodes": len(model.graph.node), "ops": dict(sorted(ops.items())), "weight_bytes": weight_bytes}
+
+
+def _mib(n: Any) -> str:
+    return f"{n / 2**20:.1f} MiB" if isinstance(n, (int, float)) else f"{n!r} bytes"
+
+
+def inspect_artifact(folder: str | Path) -> str:
+    folder = Path(folder)
+    m = load_manifest(folder, verify="fast")
+    spec = m.model
+    source = m.source or SourceRecord()
+    lines = [
+        f"artifact   {folder}",
+        f"model      {spec.family}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
+        f"heads {spec.num_heads}/{spec.num_kv_heads} x {spec.head_dim}, vocab {spec.vocab_size}",
+        f"target     {m.target}  dtype {m.dtype}  max_seq {m.max_seq}  max_batch {m.max_batch}",
+        f"weights    {m.weights.file}  {_mib(m.weights.bytes)}",
+        f"source     {source.kind}: {source.path}",
+        f"sampling   {describe(m.sampling)}",
+        f"made by    decodert {m.decodert_version} onnx {m.onnx_version} on {m.created}",
+    ]
+    for kind in ("prefill", "decode"):
+        g = m.graphs[kind]
+        s = graph_summary(folder / g.file)
+        lines.append(f"\n{kind}: {g.file}  {s['nodes']} nodes  opsets {s['opsets']}")
+        lines.append("  ops     " + ", ".join(f"{k} x{v}" for k, v in s["ops"].items()))
+        for io_kind, tensors in (("inputs", g.inputs), ("outputs", g.outputs)):
+            shown = [io for io in tensors if not io.name.startswith(("past_", "present_")) or io.name.endswith(".0")]
+            text = ", ".join(f"{io.name} {io.dtype}{list(io.shape)}" for io in shown)
+            lines.append(f"  {io_kind:7} {text}" + (f" (+ {len(tensors) - len(shown)} more per layer)" if len(shown) < len(tensors) else ""))
+    if m.engines:
+        lines.append("\nengines: " + ", ".join(m.engines))
+    lines.append("\nfiles:   " + ", ".join(f"{k} ({v.size} B)" for k, v in m.files.items()))
+    return "\n".join(lines)

@@ -1,0 +1,399 @@
+"""manifest.json: the artifact's contract (model, graph I/O, files and their hashes), as typed records.
+
+This module is the only one that reads, validates or writes manifest.json; everything else gets a
+:class:`Manifest` and uses attributes. Written last, atomically, so a folder with a manifest is a
+complete artifact. Loading checks the schema version, every field's type (``records.py``), the
+ranges and the graph contract below, and (by default, cheaply) the files it names.
+
+Adding a field: one line in the record class, with a default (``sampling: SamplingRecord | None =
+None``) so that artifacts written before it still load; the type is checked on read and the
+value written back by ``to_json``. Bump ``FORMAT_VERSION`` only when an old reader must refuse
+the new files (a field changing meaning); ``load_manifest`` then names the versions it reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from decodert.errors import DecodertError
+from decodert.export.artifact.artifact_files import FileRecord, verify_files
+from decodert.export.artifact.records import R, Record, read_record, to_json
+from decodert.export.checkpoints.sampling_defaults import check_record
+from decodert.models.spec import ModelSpec
+
+FORMAT = "decodert-artifact"
+FORMAT_VERSION = 1  # the schema version this decodert writes
+READS = (1,)  # schema versions this decodert reads
+MANIFEST = "manifest.json"
+VERIFY_MODES = ("fast", "full", "none")
+GRAPHS = ("prefill", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo(Record):
+    name: str
+    dtype: str  # "fp32", "fp16", "bf16", "int64", ...
+    shape: tuple[int | str, ...]  # str = a symbolic dim ("batch", "seq")
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphRecord(Record):
+    file: str
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...] = ()
+    max_tokens: int | None = None  # verify graph: tokens per row and call (the TensorRT profile's seq max)
+    batched_past: bool = False  # verify graph: one call may hold several rows over non-empty caches
+
+    def io(self) -> dict[str, TensorInfo]:
+        """name -> TensorInfo of every input and output."""
+        return {t.name: t for t in self.inputs + self.outputs}
+
+    @property
+    def verifies_rows(self) -> bool:
+        """prefill graph: it also runs one-row verify passes (input ``per_position``; export/lowering/graph.py)."""
+        return any(t.name == "per_position" for t in self.inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRecord(Record):
+    """The model spec (models/spec.py ``ModelSpec.to_dict()``); the fields below are typed, the rest kept in ``extra``."""
+    vocab_size: int
+    family: str | None = None
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def spec(self) -> ModelSpec:
+        """The whole ModelSpec the artifact was exported from (its fields beyond these are in ``extra``)."""
+        return ModelSpec.from_dict(to_json(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVRecord(Record):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str | None = None  # the cache's dtype: the manifest's dtype
+    shape: tuple[int | str, ...] = ()  # [batch, num_kv_heads, max_seq, head_dim]
+    inplace: bool = True  # present_* alias past_* (the graphs write the cache in place)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsRecord(Record):
+    file: str
+    bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerRecord(Record):
+    file: str = "tokenizer.json"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    add_bos_token: bool = False
+    chat_template: str | None = None
+    vocab_size: int | None = None  # tokens the tokenizer knows (at most the model's vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceRecord(Record):
+    path: str | None = None
+    kind: str | None = None  # "hf" | "gguf"
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginsRecord(Record):
+    mode: str = "auto"  # --plugins
+    ops: tuple[str, ...] = ()  # decodert ops the graphs contain as plugin nodes
+    tensorrt: str | None = None  # the TensorRT the choice was made for
+    reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightQuantRecord(Record):
+    bits: int
+    block_size: int
+    symmetric: bool
+    source: str  # "rtn" (rounded here) | "transcoded" (GGUF blocks kept exactly)
+    block_min: bool = False  # Q4_1 kept exactly: a per-block minimum term
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRecord(Record):
+    """The export's QuantConfig (its fields, in ``extra`` beyond these), the layout and each weight's storage."""
+    bits: int
+    block_size: int
+    layout: str  # "qdq" | "matmulnbits" (the target's weight layout)
+    symmetric: bool = False
+    accuracy_level: int = 0
+    lm_head: bool = True
+    keep_q8: bool = False
+    keep_q4_1: bool = False
+    scale_search: bool = True
+    weights: tuple[str, ...] = ()
+    per_weight: Mapping[str, WeightQuantRecord] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRecord(Record):
+    """The model's recommended sampling settings (export/checkpoints/sampling_defaults.py)."""
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # SamplingParams field -> value (checked by check_record)
+    source: str | None = None  # where they come from
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRecord(Record):
+    """One TensorRT engine written by ``decodert build`` (docs/TENSORRT.md lists the other keys)."""
+    file: str
+    size: int
+    sha256: str
+    tensorrt: Mapping[str, str] = dataclasses.field(default_factory=dict)  # flavour, version, module
+    precision: str | None = None
+    strongly_typed: bool | None = None
+    version_compatible: bool = False
+    max_batch: int | None = None
+    max_seq: int | None = None
+    profile: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # input -> {"min", "opt", "max"} dims
+    target: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # compute capability, hardware level
+    timing_cache: str | None = None
+    layers: Mapping[str, int] = dataclasses.field(default_factory=dict)  # TensorRT layer type -> count
+    io: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # {"inputs": [...], "outputs": [...]} as built
+    build_seconds: float | None = None
+    weights_stripped: bool = False  # STRIP_PLAN: the backend refits the weights from the ONNX graph at load
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest(Record):
+    format: str
+    format_version: int
+    model: ModelRecord
+    target: str  # "ort" | "trt" | "portable"
+    dtype: str  # activations and KV cache: "fp32" | "fp16" | "bf16"
+    max_seq: int
+    max_batch: int
+    kv: KVRecord
+    graphs: Mapping[str, GraphRecord]
+    weights: WeightsRecord
+    tokenizer: TokenizerRecord
+    files: Mapping[str, FileRecord]
+    decodert_version: str | None = None
+    onnx_version: str | None = None
+    created: str | None = None
+    source: SourceRecord | None = None
+    plugins: PluginsRecord | None = None
+    quant: QuantRecord | None = None
+    sampling: SamplingRecord | None = None
+    engines: Mapping[str, EngineRecord] | None = None
+
+    def graph(self, kind: str) -> GraphRecord:
+        return self.graphs[kind]
+
+    @property
+    def plugin_ops(self) -> tuple[str, ...]:
+        """The decodert plugin ops in the graphs (none unless exported with --plugins)."""
+        return self.plugins.ops if self.plugins is not None else ()
+
+
+# ---------------------------------------------------------------- read / write
+def from_json(cls: type[R], value: Any, where: str) -> R:
+    """A record from JSON-like values (what the exporter assembles); DecodertError names the field."""
+    return read_record(cls, value, where)
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> Path:
+    """Validate, then atomically write ``folder/manifest.json`` (temp file + fsync + rename)."""
+    path = Path(folder) / MANIFEST
+    validate(manifest, path)
+    tmp = path.with_name(f".{MANIFEST}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(to_json(manifest), indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_manifest(folder: Path | str, verify: str = "fast") -> Manifest:
+    """Read and validate ``folder/manifest.json``; verify files: "none" | "fast" | "full"."""
+    if verify not in VERIFY_MODES:
+        raise DecodertError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not folder.is_dir():
+        raise DecodertError(f"{folder}: not a folder (expected an artifact made by 'decodert export')")
+    if not path.is_file():
+        raise DecodertError(f"{path}: missing; {folder} is not a decodert artifact (run 'decodert export' first)")
+    try:
+        raw = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, absurd nesting
+        raise DecodertError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
+    except OSError as e:
+        raise DecodertError(f"{path}: cannot read ({e.strerror})") from None
+    manifest = parse_manifest(raw, path)
+    if verify != "none":
+        verify_files(folder, manifest.files, full=verify == "full")
+    return manifest
+
+
+def parse_manifest(raw: Any, path: Path) -> Manifest:
+    """Parsed JSON -> a validated Manifest; DecodertError names the file and the field."""
+    _check_version(raw, path)
+    try:
+        m = read_record(Manifest, raw, "manifest")
+    except DecodertError as e:
+        raise DecodertError(f"{path}: {str(e).removeprefix('manifest.')}") from None
+    validate(m, path)
+    return m
+
+
+def _check_version(raw: Any, path: Path) -> None:
+    if not isinstance(raw, dict):
+        raise DecodertError(f"{path}: expected a JSON object")
+    fmt, version = raw.get("format"), raw.get("format_version")
+    if fmt != FORMAT:
+        raise DecodertError(f"{path}: format {fmt!r} is not {FORMAT!r}; not a decodert artifact")
+    if type(version) is not int:
+        raise DecodertError(f"{path}: format_version is missing or not an integer; re-export with 'decodert export'")
+    if version > max(READS):
+        raise DecodertError(f"{path}: schema v{version} was written by a newer decodert (this one reads "
+                            f"v{', v'.join(map(str, READS))}); upgrade decodert or re-export with this one")
+    if version not in READS:
+        raise DecodertError(f"{path}: schema v{version} is too old for this decodert (reads "
+                            f"v{', v'.join(map(str, READS))}); re-export the model with 'decodert export'")
+
+
+# ---------------------------------------------------------------- validation (beyond the types)
+def validate(m: Manifest, path: Path) -> None:
+    """Ranges, file names and the graph contract; DecodertError names the field."""
+    for name, rec in m.files.items():
+        _need(safe_name(name), path, f"file entry {name!r} points outside the artifact folder")
+        _need(rec.size >= 0 and _hex(rec.sha256) and (rec.edge_sha256 is None or _hex(rec.edge_sha256)), path,
+              f"files.{name} is malformed")
+    _need(m.max_seq >= 2 and m.max_batch >= 1, path, "max_seq and max_batch must be integers >= 2 / >= 1")
+    _need(m.model.vocab_size >= 1, path, "model.vocab_size must be a positive integer")
+    _need(_ids(m.model.eos_token_ids) and _ids([m.model.bos_token_id]), path,
+          "model.eos_token_ids / model.bos_token_id are malformed")
+    kv = m.kv
+    _need(min(kv.num_layers, kv.num_kv_heads, kv.head_dim) >= 1, path,
+          "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
+    _need(kv.dtype in (None, m.dtype), path, "kv.dtype differs from dtype")
+    for kind in GRAPHS:
+        _need(kind in m.graphs, path, f"graphs.{kind} is missing or malformed")
+        _listed(m, m.graphs[kind].file, path, f"graphs.{kind}.file")
+    _check_contract(m, path)
+    _check_verify(m, path)
+    _listed(m, m.weights.file, path, "weights.file")
+    # listed in files is checked where it is opened (tokenizer_file): `decodert build` needs no tokenizer
+    tok = m.tokenizer
+    _need(safe_name(tok.file), path, "tokenizer.file is not a file name in the artifact folder")
+    _need(_ids(tok.eos_token_ids) and _ids([tok.bos_token_id, tok.pad_token_id]) and (tok.vocab_size or 1) >= 1, path,
+          "tokenizer token ids / add_bos_token / chat_template / vocab_size are malformed")
+    if m.sampling is not None:
+        problem = check_record(to_json(m.sampling))
+        _need(problem is None, path, str(problem))
+    for name, eng in (m.engines or {}).items():
+        _need(safe_name(eng.file) and eng.size >= 0 and _hex(eng.sha256), path, f"engines.{name} is malformed")
+
+
+def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
+    """name -> (dtype, shape or None) of every graph input/output a backend binds."""
+    kv = m.kv
+    cache = ["batch", kv.num_kv_heads, m.max_seq, kv.head_dim]  # allocated in m.dtype by the backends
+    io: dict[str, tuple[str, list | None]] = {
+        "input_ids": ("int64", None), "past_lengths": ("int64", ["batch"]), "seq_lengths": ("int64", ["batch"]),
+        "logits": ("fp32", ["batch", m.model.vocab_size]), "next_token": ("int64", ["batch"])}
+    for i in range(kv.num_layers):
+        for name in ("past_key", "past_value", "present_key", "present_value"):
+            io[f"{name}.{i}"] = (m.dtype, cache)
+    return io
+
+
+def _check_contract(m: Manifest, path: Path) -> None:
+    """Each graph lists what the backends bind, with the dtypes and cache shapes kv/max_seq/vocab imply."""
+    for kind in GRAPHS:
+        g = m.graphs[kind]
+        listed = g.io()
+        _need(2 * m.kv.num_layers + 3 <= len(g.inputs), path,  # before runtime_io makes 4 names per layer
+              f"kv.num_layers {m.kv.num_layers} does not match graphs.{kind}.inputs")
+        bound = runtime_io(m)
+        _check_tensors(listed, bound, path, f"graphs.{kind}", "kv/max_seq/model.vocab_size")
+        if kind == "prefill" and g.verifies_rows:
+            _check_per_position(m, listed, path)
+            bound["per_position"] = ("int64", [1])
+        extra = [t.name for t in g.inputs if t.name not in bound]  # an input nobody binds
+        _need(not extra, path, f"graphs.{kind}: input {extra[:1]} is not one the runtime binds (kv.num_layers?)")
+
+
+def _check_tensors(listed: dict, want: dict[str, tuple[str, list | None]], path: Path, where: str, source: str) -> None:
+    """Each wanted name is listed with its dtype and (unless None) its shape; ``source``: what implies them."""
+    for name, (dtype, shape) in want.items():
+        t = listed.get(name)
+        ok = t is not None and t.dtype == dtype and (shape is None or list(t.shape) == shape)
+        _need(ok, path, f"{where}: {name!r} is missing or disagrees with {source}")
+
+
+def _check_per_position(m: Manifest, listed: dict, path: Path) -> None:
+    """graphs.prefill's one-row verify input comes with its outputs and a verify graph beside it."""
+    _need("verify" in m.graphs, path, "graphs.prefill takes per_position but there is no graphs.verify")
+    vocab = m.model.vocab_size
+    want: dict[str, tuple[str, list | None]] = {
+        "per_position": ("int64", [1]), "seq_logits": ("fp32", ["batch", "positions", vocab]),
+        "next_tokens": ("int64", ["batch", "positions"])}
+    _check_tensors(listed, want, path, "graphs.prefill", "model.vocab_size")
+
+
+def _check_verify(m: Manifest, path: Path) -> None:
+    """graphs.verify (speculative decoding; artifacts exported before it have none): the prefill
+    contract without seq_lengths, per-position outputs, and its width per call."""
+    g = m.graphs.get("verify")
+    if g is None:
+        return
+    _need(g.max_tokens is not None and g.max_tokens >= 1, path, "graphs.verify is malformed")
+    _listed(m, g.file, path, "graphs.verify.file")
+    _need(2 * m.kv.num_layers + 2 <= len(g.inputs), path, f"kv.num_layers {m.kv.num_layers} does not match graphs.verify.inputs")
+    bound = runtime_io(m)
+    bound.pop("seq_lengths"), bound.pop("logits"), bound.pop("next_token")
+    bound["seq_logits"] = ("fp32", ["batch", "seq", m.model.vocab_size])
+    bound["next_tokens"] = ("int64", ["batch", "seq"])
+    listed = g.io()
+    _check_tensors(listed, bound, path, "graphs.verify", "kv/max_seq/model.vocab_size")
+    extra = [t.name for t in g.inputs if t.name not in bound]
+    _need(not extra, path, f"graphs.verify: input {extra[:1]} is not one the runtime binds")
+
+
+def safe_name(name: Any) -> bool:
+    """A plain file name inside the artifact folder: no folders, no '..', not absolute, no NUL."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and Path(name).name == name
+
+
+def tokenizer_file(m: Manifest, folder: Path) -> Path:
+    """The tokenizer file a runtime opens: it must be listed in ``files`` (so it was verified)."""
+    _listed(m, m.tokenizer.file, folder / MANIFEST, "tokenizer.file")
+    return folder / m.tokenizer.file
+
+
+def _need(ok: bool, path: Path, what: str) -> None:
+    if not ok:
+        raise DecodertError(f"{path}: {what}")
+
+
+def _ids(values: Any) -> bool:
+    return all(v is None or v >= 0 for v in values)
+
+
+def _hex(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _listed(m: Manifest, name: str, path: Path, what: str) -> None:
+    """A file the loaders open must be a plain name that ``files`` lists (so it is verified)."""
+    _need(safe_name(name), path, f"{what} {name!r} is not a file name inside the artifact folder")
+    _need(name in m.files, path, f"{what} {name!r} is not listed in 'files' (it could not be verified)")

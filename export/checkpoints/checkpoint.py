@@ -1,0 +1,182 @@
+"""Open a checkpoint (Hugging Face folder or GGUF file) and serve canonical float32 tensors.
+
+    ckpt = open_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf")
+    for name in ckpt.names():
+        w = ckpt.tensor(name)          # np.float32, canonical_shape(ckpt.spec, name)
+        ...                            # drop w before asking for the next one
+    info = ckpt.write_tokenizer(out_dir)
+
+Family files declare where each canonical weight comes from (``HF_WEIGHTS`` / ``GGUF_WEIGHTS``);
+this module resolves ``{i}``, validates shapes before reading, fuses parts on axis 0 and applies
+the family's quirk hook (``gguf_fix``) on GGUF tensors.
+
+GGUF weights stored in Q4_0 / Q8_0 blocks can also be read without dequantizing them:
+``ckpt.block_type(name)`` names the type and ``ckpt.blocks(name)`` transcodes the blocks into
+export/quantize/quant.py's layout exactly (fused parts concatenated, a quirk that reorders rows applied
+to the quantized rows).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import numpy as np
+
+from decodert.errors import DecodertError, first_line
+from decodert.export.lowering.semantics import check_finite, check_spec
+from decodert.models.spec import ModelSpec, canonical_names, canonical_shape
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+# What a family's spec_from_* raises on a value of the wrong type or range (metadata is untrusted).
+_BAD_VALUE = (TypeError, ValueError, OverflowError, ZeroDivisionError, KeyError, IndexError, AttributeError)
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+             "max_position")
+
+
+def one_line(e: BaseException) -> str:
+    """``TypeName: first line of the message`` for wrapping third-party errors into DecodertError."""
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+def build_spec(make: Callable[[], ModelSpec], where: Path | str, n_tensors: int) -> ModelSpec:
+    """Run a family's ``spec_from_*`` on untrusted settings; every failure is a DecodertError naming ``where``.
+
+    The spec is also checked against the file: sizes positive, the RoPE head dim even, and no more
+    layers than the checkpoint has tensors (a huge declared layer count must not make a huge name list).
+    """
+    try:
+        spec = make()
+        for name in _POSITIVE:
+            value = getattr(spec, name)
+            if not isinstance(value, int) or value < 1:
+                raise DecodertError(f"{name} {value!r} must be a positive integer")
+    except DecodertError as e:
+        raise DecodertError(f"{where}: {e}") from None
+    except _BAD_VALUE as e:
+        raise DecodertError(f"{where}: invalid model settings ({one_line(e)})") from None
+    check_spec(spec, where)  # finite, positive float settings (RoPE base, RMS epsilon)
+    rot = spec.rope.rotary_dim or spec.head_dim
+    if spec.head_dim % 2 or rot % 2 or not 2 <= rot <= spec.head_dim:
+        raise DecodertError(f"{where}: head_dim {spec.head_dim} and rotary dim {rot} must be even, rotary <= head_dim")
+    if spec.num_layers > n_tensors:
+        raise DecodertError(f"{where}: declares {spec.num_layers} layers but holds only {n_tensors} tensors")
+    return spec
+
+
+def source_keys(table: dict[str, str | tuple[str, ...]], name: str) -> tuple[str, ...]:
+    """Checkpoint keys for one canonical name: 'layers.3.qkv' -> ('...3...q', '...3...k', '...3...v')."""
+    m = _LAYER.match(name)
+    template, index = (f"layers.{{i}}.{m.group(2)}", m.group(1)) if m else (name, None)
+    if template not in table:
+        raise KeyError(f"no source for canonical weight '{name}'")
+    keys = table[template]
+    keys = (keys,) if isinstance(keys, str) else keys
+    return tuple(k.format(i=index) for k in keys)
+
+
+def part_shapes(spec: ModelSpec, name: str, n_parts: int) -> list[tuple[int, ...]]:
+    """Expected shape of each checkpoint part that is concatenated (axis 0) into `name`."""
+    full = canonical_shape(spec, name)
+    if n_parts == 1:
+        return [full]
+    leaf = name.rsplit(".", 1)[-1]
+    rest = full[1:]
+    if leaf in ("qkv", "qkv_bias") and n_parts == 3:
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        return [(q, *rest), (kv, *rest), (kv, *rest)]
+    if full[0] % n_parts:
+        raise ValueError(f"cannot split {name} {full} into {n_parts} parts")
+    return [(full[0] // n_parts, *rest)] * n_parts
+
+
+class Checkpoint:
+    """Base class: subclasses provide `_shape(key)`, `_read(key)` and `write_tokenizer(out_dir)`."""
+
+    kind: str = "?"  # "hf" | "gguf"
+
+    def __init__(self, source: Path, spec: ModelSpec, family: ModuleType, table: dict) -> None:
+        """``spec`` must come from ``build_spec`` (checked against the file)."""
+        self.source = source
+        self.spec = spec
+        self.family = family
+        self.table = table
+        self._names = canonical_names(spec)
+
+    # -- subclass hooks --------------------------------------------------------------------------
+    def _shape(self, key: str) -> tuple[int, ...]:
+        """Shape of a checkpoint tensor in canonical orientation; DecodertError when missing."""
+        raise NotImplementedError
+
+    def _read(self, key: str) -> np.ndarray:
+        """The tensor as float32 in canonical orientation (no family quirks applied)."""
+        raise NotImplementedError
+
+    def _check_key(self, key: str) -> object:
+        """Extra per-tensor check before reading (GGUF: quantisation type); raise DecodertError."""
+        return None
+
+    def _fix(self, key: str, w: np.ndarray) -> np.ndarray:
+        return w
+
+    def write_tokenizer(self, out_dir: str | Path) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    # -- public ----------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Canonical weight names, in weights.bin order."""
+        return list(self._names)
+
+    def _parts(self, name: str) -> tuple[str, ...]:
+        """Checkpoint keys of `name`, after checking each exists with the expected shape."""
+        keys = source_keys(self.table, name)
+        for key, expected in zip(keys, part_shapes(self.spec, name, len(keys))):
+            shape = self._shape(key)
+            if shape != expected:
+                raise DecodertError(
+                    f"{self.source}: tensor '{key}' has shape {list(shape)}, expected {list(expected)} for '{name}'"
+                )
+            self._check_key(key)
+        return keys
+
+    def validate(self) -> None:
+        """Check every canonical weight is present, well-shaped and readable, without reading data."""
+        for name in self.names():
+            self._parts(name)
+
+    def used_keys(self) -> set[str]:
+        """The checkpoint keys the canonical weights are read from."""
+        return {key for name in self.names() for key in source_keys(self.table, name)}
+
+    def block_type(self, name: str) -> str | None:
+        """The block quantization type (GGUF's name, e.g. "Q4_0") every part of `name` is stored in,
+        or None: a float checkpoint, parts of different types, or a quirk that is not a row reorder."""
+        return None
+
+    def blocks(self, name: str) -> Any:
+        """`name` transcoded from its stored blocks (export/quantize/quant_gguf.py); only when block_type(name) is set."""
+        raise NotImplementedError(f"{name} is not stored in blocks decodert transcodes")
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Canonical weight `name` as a fresh float32 array of canonical_shape(spec, name)."""
+        if name not in self._names:
+            raise KeyError(f"'{name}' is not a canonical weight of this {self.spec.family} model")
+        parts = [self._fix(key, self._read(key)) for key in self._parts(name)]
+        for key, part in zip(source_keys(self.table, name), parts):
+            check_finite([part], key, self.source)
+        w = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)  # fused rows: q|k|v, gate|up
+        return np.ascontiguousarray(w, dtype=np.float32)
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.spec.family} {self.source}>"

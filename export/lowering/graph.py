@@ -1,0 +1,245 @@
+"""One transformer graph recipe, parameterised by ModelSpec and a target Lowering.
+
+    input_ids [B,S] --Gather(embed)--> x [T=B*S, hidden]   ([B,S,hidden] where lowering.flat_tokens is False)
+                          x * embed_scale                  (Gemma: sqrt(hidden) in the graph dtype)
+    per layer i:
+        h      = rmsnorm(x)                                (fused with the residual add below)
+        qkv    = h @ qkv^T (+ bias)                        [T, (H+2Hkv)*D]   (q/k rmsnorm: Qwen3, Gemma 3)
+        attn   = CachedAttention(qkv, past/present.i)      [B,S,H*D]  writes K/V in place; the layer's
+                                                           window and RoPE table (spec.layer_window/_rope)
+        a      = attn @ o^T                                (sandwich_norm: a = rmsnorm(a))
+        x, h   = x + a,  rmsnorm(x + a)
+        m      = down(act(gate) * up)                      gate_up = h @ gate_up^T [T, 2I]; act = spec.activation
+        x      = x + m                                     (sandwich_norm: m = rmsnorm(m) first)
+    last   = x[b*S + seq_lengths[b] - 1]                   [B, hidden]   (only the last valid token)
+    logits = rmsnorm(last) @ lm_head^T                     [B, V] float32 (final_softcap: cap*tanh(l/cap))
+    next_token = argmax(logits)
+
+The ``verify`` graph (speculative decoding) is the same body over k+1 tokens of a row that already
+has a cache; its head runs on every position instead of the last one only:
+    seq_logits  = rmsnorm(x) @ lm_head^T                   [B, S, V] float32
+    next_tokens = argmax(seq_logits)                       [B, S]  (next_tokens[b, j] follows token j)
+It is a separate graph so that prefill keeps its one-token head (a head over a whole prompt would
+cost a [S, V] GEMM per prompt); it reads the same weights.bin.
+
+Where the verify graph needs an attention of its own to take several rows over caches (ort:
+GroupQueryAttention takes several tokens over a cache only in a one-row call), the prefill graph
+also serves one-row verify passes, with its own attention (cheaper there) and no second session
+holding the weights: an input ``per_position`` [1] (0 by default: an initializer of that name)
+adds every position's rows to the head's gather when 1, in the same lm_head GEMM:
+    seq_logits  [B, S*per_position, V],  next_tokens [B, S*per_position]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from decodert.export.lowering.lowering import GraphInputs, Lowering
+from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
+from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.models.spec import ModelSpec, rope_table_of
+
+GraphKind = Literal["prefill", "decode", "verify"]
+VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
+
+
+def verifies_rows(lowering: Lowering, kind: GraphKind) -> bool:
+    """Whether graph ``kind`` takes ``per_position`` (one-row verify passes): the prefill graph, where
+    the verify graph is built with an attention of its own because the prefill/decode one cannot
+    take several rows of several tokens over caches."""
+    return kind == "prefill" and lowering.for_graph("verify").batched_past and not lowering.batched_past
+
+
+def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
+                per_position: bool = False) -> dict[str, list[dict]]:
+    """Names, dtypes and shapes of a graph's inputs and outputs (also written to the manifest);
+    ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``)."""
+    seq: int | str = 1 if kind == "decode" else "seq"
+    cache_shape = ["batch", spec.num_kv_heads, max_seq, spec.head_dim]
+    inputs = [
+        {"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
+        {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
+        {"name": "seq_lengths", "dtype": "int64", "shape": ["batch"]},
+    ]
+    if kind == "verify":  # every position is an output: no last valid token to pick
+        inputs.pop()
+    outputs = [
+        {"name": "logits", "dtype": "fp32", "shape": ["batch", spec.vocab_size]},
+        {"name": "next_token", "dtype": "int64", "shape": ["batch"]},
+    ] if kind != "verify" else [
+        {"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "seq", spec.vocab_size]},
+        {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "seq"]},
+    ]
+    if per_position:
+        inputs.append({"name": "per_position", "dtype": "int64", "shape": [1]})
+        outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
+                    {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "positions"]}]
+    for i in range(spec.num_layers):
+        for kv in ("key", "value"):
+            inputs.append({"name": f"past_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
+            outputs.append({"name": f"present_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
+    return {"inputs": inputs, "outputs": outputs}
+
+
+def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.TensorProto],
+                kind: GraphKind) -> onnx.ModelProto:
+    """The prefill or decode graph; ``weights`` maps canonical names (+ rope caches) to tensors."""
+    per_position = verifies_rows(lowering, kind)
+    lowering = lowering.for_graph(kind)
+    g = GraphBuilder(f"decodert_{spec.family}_{kind}", lowering.opsets)
+    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position)
+    for io in contract["inputs"]:
+        g.input(io["name"], io["dtype"], io["shape"])
+    for t in weights.values():
+        g.add_initializer(t)
+    if per_position:  # the input's default: a plain prefill/decode call does not bind it
+        g.add_initializer(numpy_helper.from_array(np.zeros(1, np.int64), "per_position"))
+    inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin")
+    with g.scope("model"):
+        contexts = _attention_contexts(g, lowering, inp, spec)
+        with g.scope("embed"):
+            x = lowering.embed(g, inp.input_ids)
+            if spec.embed_scale is not None:  # transformers rounds the factor to the weights' dtype
+                x = g.op("Mul", x, g.const(np.array(spec.embed_scale, NUMPY_DTYPES[lowering.dtype])))
+        h = None
+        for i in range(spec.num_layers):
+            with g.scope(f"layers.{i}"):
+                ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
+                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h)
+        if kind == "verify":
+            heads = [_verify_head(g, lowering, inp, spec, x, h)]
+        else:
+            heads = list(_head(g, lowering, inp, spec, x, h, "per_position" if per_position else None))
+    values = [v for logits in heads for v in (logits, g.op("ArgMax", logits, axis=-1, keepdims=0))]
+    for io, value in zip(contract["outputs"], values):
+        g.output(value, io["name"], io["dtype"], io["shape"])
+    for io in contract["outputs"][len(values):]:
+        g.outputs.append(onnx.helper.make_tensor_value_info(io["name"], DTYPES[io["dtype"]], io["shape"]))
+    return g.to_model(ir_version=lowering.ir_version)
+
+
+def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec) -> dict:
+    """(window, rope table) -> the lowering's per-graph attention values, one per kind of layer.
+
+    Llama: one kind; Gemma: sliding layers (window, local RoPE) and full layers (global RoPE).
+    """
+    contexts: dict = {}
+    for i in range(spec.num_layers):
+        key = (spec.layer_window(i), rope_table_of(spec, i))
+        if key not in contexts:
+            table = dataclasses.replace(inp, cos_cache=f"{key[1]}.cos", sin_cache=f"{key[1]}.sin")
+            contexts[key] = low.context(g, table, key[0] or 0)
+    return contexts
+
+
+def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int,
+           x: str, prev_mlp: str | None) -> tuple[str, str]:
+    """One decoder layer. Returns (residual stream before the MLP add, MLP output)."""
+    p = f"layers.{i}."
+    with g.scope("input_norm"):
+        h = low.rms_norm(g, x, p + "input_norm") if prev_mlp is None else None
+        if prev_mlp is not None:
+            h, x = low.add_rms_norm(g, prev_mlp, x, p + "input_norm")
+    with g.scope("attn"):
+        with g.scope("qkv"):
+            qkv = low.linear(g, h, p + "qkv", p + "qkv_bias" if spec.qkv_bias else None)
+        if spec.qk_norm:
+            with g.scope("qk_norm"):
+                qkv = _qk_norm(g, low, spec, qkv, p)
+        if low.flat_tokens:  # [T, qkv] -> [B, S, qkv]
+            qkv = g.op("Reshape", qkv, g.op("Concat", g.op("Shape", inp.input_ids), g.const([spec.qkv_size]), axis=0))
+        cache = (f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}")
+        attn = low.attention(g, ctx, qkv, cache)  # [B, S, H*D]
+        if low.flat_tokens:
+            attn = g.op("Reshape", attn, g.const([-1, spec.num_heads * spec.head_dim]))
+        with g.scope("o"):
+            o = low.linear(g, attn, p + "o")
+    if spec.sandwich_norm:
+        with g.scope("attn_out_norm"):
+            o = low.rms_norm(g, o, p + "attn_out_norm")
+    with g.scope("post_norm"):
+        h, x = low.add_rms_norm(g, o, x, p + "post_norm")
+    with g.scope("mlp"):
+        with g.scope("gate_up"):
+            gate, up = g.op("Split", low.linear(g, h, p + "gate_up"), g.const([spec.intermediate_size] * 2),
+                            axis=-1, outputs=2)
+        act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up
+        with g.scope("down"):
+            down = low.linear(g, act, p + "down")
+    if spec.sandwich_norm:
+        with g.scope("mlp_out_norm"):
+            down = low.rms_norm(g, down, p + "mlp_out_norm")
+    return x, down
+
+
+def _qk_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, qkv: str, p: str) -> str:
+    """Qwen3: RMSNorm over head_dim on every q and k head (v untouched). qkv [T or B,S, (H+2Hkv)*D]."""
+    d, h, hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    lead = [0] if low.flat_tokens else [0, 0]  # Reshape's 0 keeps the leading dims
+    q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=-1, outputs=3)
+    q = g.op("Reshape", low.rms_norm(g, g.op("Reshape", q, g.const(lead + [h, d])), p + "q_norm"), g.const(lead + [h * d]))
+    k = g.op("Reshape", low.rms_norm(g, g.op("Reshape", k, g.const(lead + [hkv, d])), p + "k_norm"),
+             g.const(lead + [hkv * d]))
+    return g.op("Concat", q, k, v, axis=-1)
+
+
+def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str,
+          per_position: str | None) -> tuple[str, ...]:
+    """Residual add, gather the last valid token of each row, final norm, lm_head -> fp32 logits
+    [B, V]; with ``per_position`` (an input [1]: 0 or 1) also every position's [B, S*p, V], their
+    rows appended to the same gather and GEMM."""
+    with g.scope("last_token"):
+        shape = g.op("Shape", inp.input_ids)
+        batch = g.op("Gather", shape, g.const(np.int64(0)), axis=0)
+        seq = g.op("Gather", shape, g.const(np.int64(1)), axis=0)
+        rows = g.op("Mul", g.op("Range", g.const(np.int64(0)), batch, g.const(np.int64(1))), seq)
+        idx = g.op("Sub", g.op("Add", rows, inp.seq_lengths), g.const(np.int64(1)))  # [B]
+        if per_position is not None:
+            on = g.op("Gather", per_position, g.const(np.int64(0)), axis=0)  # 0 | 1
+            every = g.op("Range", g.const(np.int64(0)), g.op("Mul", g.op("Mul", batch, seq), on), g.const(np.int64(1)))
+            idx = g.op("Concat", idx, every, axis=0)  # [B + B*S*p]
+        x, mlp = low.tokens(g, x, spec.hidden_size), low.tokens(g, mlp, spec.hidden_size)
+        x_last, mlp_last = g.op("Gather", x, idx, axis=0), g.op("Gather", mlp, idx, axis=0)
+    logits = _final_norm_head(g, low, spec, x_last, mlp_last)
+    if per_position is None:
+        return (logits,)
+    with g.scope("per_position"):
+        b1 = g.op("Unsqueeze", batch, g.const([0]))
+        last = g.op("Slice", logits, g.const([0]), b1, g.const([0]))
+        every = g.op("Slice", logits, b1, g.const([np.iinfo(np.int64).max]), g.const([0]))
+        positions = g.op("Unsqueeze", g.op("Mul", seq, on), g.const([0]))
+        every = g.op("Reshape", every, g.op("Concat", b1, positions, g.const([spec.vocab_size]), axis=0), allowzero=1)
+    return last, every
+
+
+def _verify_head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str) -> str:
+    """Residual add, final norm and lm_head on every token -> fp32 logits [B, S, V]."""
+    x, mlp = low.tokens(g, x, spec.hidden_size), low.tokens(g, mlp, spec.hidden_size)  # [T, hidden]
+    logits = _final_norm_head(g, low, spec, x, mlp)  # [T, V]
+    with g.scope("per_position"):
+        return g.op("Reshape", logits, g.op("Concat", g.op("Shape", inp.input_ids), g.const([spec.vocab_size]), axis=0))
+
+
+def _final_norm_head(g: GraphBuilder, low: Lowering, spec: ModelSpec, x: str, mlp: str) -> str:
+    """rmsnorm(x + mlp) @ lm_head^T over rows [N, hidden] -> fp32 logits [N, V]."""
+    with g.scope("final_norm"):
+        h, _ = low.add_rms_norm(g, mlp, x, "final_norm")
+    with g.scope("lm_head"):
+        tied = spec.tie_word_embeddings and "lm_head" not in low.quantized  # a quantized copy when tied
+        logits = low.linear(g, h, "embed" if tied else "lm_head")
+    logits = logits if low.dtype == "fp32" else g.op("Cast", logits, to=1)
+    if spec.final_softcap is not None:
+        with g.scope("final_softcap"):
+            logits = softcap(g, logits, spec.final_softcap)
+    return logits
+
+
+def softcap(g: GraphBuilder, x: str, cap: float) -> str:
+    """cap * tanh(x / cap), float32 x."""
+    return g.op("Mul", g.op("Tanh", g.op("Div", x, g.const(np.float32(cap)))), g.const(np.float32(cap)))
+

@@ -1,0 +1,134 @@
+"""The ``ort`` target: ONNX Runtime contrib ops, the fast CPU (and CUDA EP) path.
+
+- RMSNorm          -> RMSNormalization-23 / com.microsoft.SkipSimplifiedLayerNormalization (fused add)
+- int4/int8 linear -> com.microsoft.MatMulNBits (block-wise weights, accuracy_level as exported)
+- float linear     -> com.microsoft.FusedMatMul (transB): activations stay [B, S, hidden], so no
+                      layer needs a Reshape
+- tied embedding   -> com.microsoft.GatherBlockQuantized on the quantized head (no float table kept)
+- CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
+                      present sharing one buffer (seqlens_k = past + S - 1 per row, so right
+                      padding keeps every valid row's positions exact).
+                      The verify graph attends with standard ops instead (export/lowering/verify_attention.py):
+                      GQA refuses several tokens over a non-empty cache in more than one row, and
+                      speculative decoding verifies every row of a batch in one pass
+                      (manifest: graphs.verify.batched_past).
+GQA's CPU kernel needs head_dim % 16 == 0 and full rotary; other models keep the reference
+attention body (still in place: ORT writes ScatterND's output into the bound past buffer).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from decodert.export.lowering import verify_attention
+from decodert.export.lowering.lowering import GraphInputs, Lowering
+from decodert.plugins.onnx_builder import GraphBuilder
+from decodert.export.quantize.quant import quantized_embedding
+from decodert.export.quantize.weight_layouts import NBITS
+from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.models.spec import canonical_shape
+
+
+@dataclass(frozen=True)
+class GqaContext:
+    seqlens_k: str  # [B] int32: past + S - 1
+    total_len: str  # [] int32: max(past) + S
+    cos_cache: str
+    sin_cache: str
+    window: int  # local_window_size (0 = full attention)
+
+
+class OrtLowering(Lowering):
+    target = "ort"
+    quant_layout = NBITS
+    opsets = {"": 23, "com.microsoft": 1}
+    ir_version = 11
+    flat_tokens = False  # MatMulNBits, FusedMatMul, the norms and GQA all take [B, S, hidden]
+
+    standard_attention = False  # the verify graph's lowering (for_graph): export/lowering/verify_attention.py
+
+    @property
+    def use_gqa(self) -> bool:
+        return not self.standard_attention and self.spec.head_dim % 16 == 0 and self.rotary_dim == self.spec.head_dim
+
+    @property
+    def batched_past(self) -> bool:
+        return not self.use_gqa  # GQA: batch 1 when several tokens meet a non-empty cache
+
+    def for_graph(self, kind: str) -> "OrtLowering":
+        if kind != "verify" or not self.use_gqa:  # the reference attention takes any rows already
+            return self
+        low = copy.copy(self)
+        low.standard_attention = True
+        return low
+
+    def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
+        if self.standard_attention:
+            return verify_attention.context(g, inp, self.spec.num_kv_heads, self.max_seq, window)
+        if not self.use_gqa:
+            return super().context(g, inp, window)
+        with g.scope("attn_context"):
+            seq = g.op("Gather", g.op("Shape", inp.input_ids), g.const(np.int64(1)), axis=0)
+            last = g.op("Sub", g.op("Add", inp.past_lengths, seq), g.const(np.int64(1)))
+            total = g.op("Add", g.op("ReduceMax", inp.past_lengths, keepdims=0), seq)
+            return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, window)
+
+    def embed(self, g: GraphBuilder, ids: str) -> str:
+        if not quantized_embedding(self.spec, self.quant, self.quant_layout):
+            return g.op("Gather", "embed", ids, axis=0)  # [B,S,hidden]
+        q = self.quantized["lm_head"]  # tied and quantized: gather dequantized rows of the head
+        zp = () if q.symmetric else ("lm_head.gather_zero_points",)
+        rows = g.op("GatherBlockQuantized", "lm_head.q", ids, "lm_head.gather_scales", *zp, domain="com.microsoft",
+                    bits=q.bits, block_size=q.block_size, quantize_axis=2, gather_axis=0)  # [B,S,blocks,block]
+        hidden = self.spec.hidden_size
+        x = g.op("Reshape", rows, g.const([0, 0, -(-hidden // q.block_size) * q.block_size]))
+        return x if hidden % q.block_size == 0 else g.op("Slice", x, g.const([0]), g.const([hidden]), g.const([2]))
+
+    def linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None = None) -> str:
+        """x [..., in] @ weight[out, in]^T (+ bias): FusedMatMul reads the weight transposed, in N-D."""
+        if weight in self.quantized:
+            return self.quantized_linear(g, x, weight, bias)
+        y = g.op("FusedMatMul", x, weight, domain="com.microsoft", transB=1)
+        return g.op("Add", y, bias) if bias else y
+
+    def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
+        return g.op("RMSNormalization", x, weight, axis=-1, epsilon=self.spec.rms_norm_eps, stash_type=1)
+
+    def add_rms_norm(self, g: GraphBuilder, x: str, residual: str, weight: str) -> tuple[str, str]:
+        y, _, _, s = g.op("SkipSimplifiedLayerNormalization", x, residual, weight, domain="com.microsoft",
+                          epsilon=self.spec.rms_norm_eps, outputs=4)
+        return y, s
+
+    def quantized_linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None) -> str:
+        assert self.quant is not None  # accuracy_level is the export's; bits, block and zero points the weight's
+        wq = self.quantized[weight]
+        n, k = canonical_shape(self.spec, weight)
+        zp = "" if wq.symmetric else f"{weight}.zero_points"
+        y = g.op("MatMulNBits", x, f"{weight}.q", f"{weight}.scales", zp, "", bias or "", domain="com.microsoft",
+                 K=k, N=n, bits=wq.bits, block_size=wq.block_size, accuracy_level=self.quant.accuracy_level)
+        if not wq.block_min:
+            return y
+        # GGUF Q4_1: W[n, k] = d*q + m[n, k // block], so x @ W^T adds (block sums of x) @ mins [blocks, N].
+        # The block sums are x @ a 0/1 block indicator [K, blocks]: any rank of x, one constant per K.
+        indicator = np.repeat(np.eye(k // wq.block_size), wq.block_size, axis=0)
+        sums = g.op("MatMul", x, g.const(indicator, dtype=NUMPY_DTYPES[self.dtype]))
+        return g.op("Add", y, g.op("MatMul", sums, f"{weight}.mins"))
+
+    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
+        if isinstance(ctx, verify_attention.VerifyContext):
+            return verify_attention.attention(g, self, ctx, qkv, cache)
+        if not isinstance(ctx, GqaContext):
+            return super().attention(g, ctx, qkv, cache)
+        s = self.spec
+        past_key, past_value, present_key, present_value = cache
+        y, _, _ = g.op(
+            "GroupQueryAttention", qkv, "", "", past_key, past_value, ctx.seqlens_k, ctx.total_len,
+            ctx.cos_cache, ctx.sin_cache, domain="com.microsoft", outputs=[None, present_key, present_value],
+            num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+            scale=self.scale, local_window_size=ctx.window or None, softcap=self.softcap or None,
+        )
+        return y

@@ -1,0 +1,124 @@
+"""The ``trt`` target: standard ONNX ops TensorRT (>= 10.15, TensorRT-RTX) maps to native layers.
+
+- RMSNorm          -> RMSNormalization-23
+- CachedAttention  -> RotaryEmbedding-23 (q, k)  -> ROTARY_EMBEDDING
+                      TensorScatter-24 into past  -> KV_CACHE_UPDATE (in place)
+                      Attention-23 over the whole [B,Hkv,Smax,D] cache with a bool mask
+                      [B,1,S,Smax] built from past_lengths (no past inputs: TensorRT rejects them);
+                      fp32 graphs and soft-capped attention (Gemma 2) use the decomposed attention
+                      body instead (see below)
+The same graph runs on ONNX Runtime CPU in tests.
+
+With ``plugins`` (``--plugins always``, or ``auto`` for a TensorRT without those layers, e.g.
+Jetson JetPack 6 = 10.3 / JetPack 7.1 = 10.13), the ops listed become ``decodert::`` plugin nodes
+served by TensorRT plugins (plugins/trt_plugins.py) and the graph drops to opset 17:
+- RMSNorm          -> decodert::RMSNorm (x, weight[, residual]) -> (y[, sum])
+- CachedAttention  -> decodert::CachedAttention (q, k, v, past_key, past_value, past_lengths,
+                      cos, sin) -> (y, present_key, present_value): its outputs are the graph's
+                      present_* outputs, in place (the plugin aliases them to the past inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from decodert.errors import DecodertError
+from decodert.export.lowering.lowering import GraphInputs, Lowering
+from decodert.plugins.onnx_builder import GraphBuilder
+from decodert.export.quantize.quant import QuantConfig, WeightQuant
+from decodert.models.spec import ModelSpec
+from decodert.plugins.cached_attention import attend_body, positions_and_visibility
+from decodert.plugins.registry import DOMAIN, OPSET_VERSION
+from decodert.plugins.selection import PLUGIN_OPS  # the ops the trt target can emit as plugin nodes
+
+PLUGIN_OPSET = 17  # what TensorRT 8.6 .. 10.x parsers all read; the rest of the graph needs no more
+
+
+@dataclass(frozen=True)
+class TrtContext:
+    positions: str  # [B,S] int64
+    write_index: str  # [B] int64 (= past_lengths)
+    visible: str  # [B,1,S,Smax] bool
+    cos_cache: str  # [max_seq, R/2]
+    sin_cache: str
+
+
+@dataclass(frozen=True)
+class PluginContext:
+    """The plugin derives positions and the mask from past_lengths itself; it needs the names and window."""
+
+    past_lengths: str  # [B] int64
+    cos_cache: str  # [max_seq, R/2]
+    sin_cache: str
+    window: int  # 0 = full attention
+
+
+class TrtLowering(Lowering):
+    target = "trt"
+    opsets = {"": 24}
+    ir_version = 11
+
+    def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
+                 quantized: Mapping[str, WeightQuant] | None = None, plugins: tuple[str, ...] = ()):
+        super().__init__(spec, dtype, max_seq, quant, quantized)
+        unknown = set(plugins) - set(PLUGIN_OPS)
+        if unknown:
+            raise ValueError(f"no trt plugin lowering for {sorted(unknown)}; known: {PLUGIN_OPS}")
+        self.plugins = tuple(op for op in PLUGIN_OPS if op in plugins)
+        if "CachedAttention" in self.plugins and self.softcap:
+            raise DecodertError(f"{spec.family}'s attention soft-capping has no CachedAttention plugin kernel; "
+                                "export it for a TensorRT with native attention layers (>= 10.15, --plugins never) "
+                                "or for --target ort")
+        if self.plugins:  # block DequantizeLinear (quantized weights) needs opset 21
+            self.opsets = {"": 21 if quantized else PLUGIN_OPSET, DOMAIN: OPSET_VERSION}
+            self.ir_version = 10 if quantized else 8
+
+    def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> TrtContext | PluginContext:
+        if "CachedAttention" in self.plugins:
+            return PluginContext(inp.past_lengths, inp.cos_cache, inp.sin_cache, window)
+        with g.scope("attn_context"):
+            pos, visible = positions_and_visibility(g, inp.past_lengths, inp.input_ids, self.max_seq, window)
+        return TrtContext(pos, inp.past_lengths, visible, inp.cos_cache, inp.sin_cache)
+
+    def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
+        if "RMSNorm" in self.plugins:
+            # two outputs always (the second is x here): a TensorRT plugin's output count is fixed
+            return g.op("RMSNorm", x, weight, domain=DOMAIN, epsilon=self.spec.rms_norm_eps, outputs=2)[0]
+        return g.op("RMSNormalization", x, weight, axis=-1, epsilon=self.spec.rms_norm_eps, stash_type=1)
+
+    def add_rms_norm(self, g: GraphBuilder, x: str, residual: str, weight: str) -> tuple[str, str]:
+        if "RMSNorm" not in self.plugins:
+            return super().add_rms_norm(g, x, residual, weight)
+        y, s = g.op("RMSNorm", x, weight, residual, domain=DOMAIN, epsilon=self.spec.rms_norm_eps, outputs=2)
+        return y, s
+
+    def _rope(self, g: GraphBuilder, x: str, heads: int, ctx: TrtContext) -> str:
+        return g.op("RotaryEmbedding", x, ctx.cos_cache, ctx.sin_cache, ctx.positions, num_heads=heads, interleaved=0,
+                    rotary_embedding_dim=self.rotary_dim if self.rotary_dim != self.spec.head_dim else None)
+
+    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
+        s = self.spec
+        past_key, past_value, present_key, present_value = cache
+        d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+        q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
+        if "CachedAttention" in self.plugins:  # [B,S,H*D], present_* written in place
+            return g.op("CachedAttention", q, k, v, past_key, past_value, ctx.past_lengths, ctx.cos_cache,
+                        ctx.sin_cache, domain=DOMAIN, outputs=[None, present_key, present_value],
+                        num_heads=h, kv_num_heads=hkv, scale=self.scale, sliding_window=ctx.window)[0]
+        q = self._rope(g, q, h, ctx)
+        k = self._rope(g, k, hkv, ctx)
+        to_bhsd = lambda x, n: g.op("Transpose", g.op("Reshape", x, g.const([0, 0, n, d])), perm=[0, 2, 1, 3])  # noqa: E731
+        g.op("TensorScatter", past_key, to_bhsd(k, hkv), ctx.write_index, axis=2, outputs=[present_key])
+        g.op("TensorScatter", past_value, to_bhsd(v, hkv), ctx.write_index, axis=2, outputs=[present_value])
+        if self.dtype == "fp32" or self.softcap:
+            # TensorRT has no dedicated fp32 attention kernel and rejects Attention-23 unless it carries
+            # a TensorRT-only attribute ONNX Runtime refuses; its Attention also rejects softcap (Gemma 2,
+            # TensorRT-RTX 1.7). The decomposed body builds (and fuses).
+            q4 = g.op("Reshape", q, g.const([0, 0, h, d]))
+            return attend_body(g, q4, present_key, present_value, ctx.visible, num_heads=h, kv_heads=hkv,
+                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
+                               softcap=self.softcap)
+        y = g.op("Attention", to_bhsd(q, h), present_key, present_value, ctx.visible, scale=self.scale)
+        return g.op("Reshape", g.op("Transpose", y, perm=[0, 2, 1, 3]), g.const([0, 0, h * d]))

@@ -1,0 +1,137 @@
+"""The lowering interface: how each decodert op becomes ONNX nodes for one target.
+
+The base class is the ``portable`` target: every op is its reference body of standard ONNX ops
+(opset 21), so any conformant runtime runs it. ``lower_ort`` and ``lower_trt`` override the ops
+their runtime has fast kernels or native layers for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from decodert.plugins.onnx_builder import GraphBuilder
+from decodert.export.quantize.quant import QuantConfig, WeightQuant
+from decodert.export.quantize.weight_layouts import QDQ, WeightLayout
+from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.models.spec import ModelSpec, canonical_shape
+from decodert.plugins import cached_attention as ca
+from decodert.plugins.rms_norm import rms_norm_body
+
+
+@dataclass(frozen=True)
+class GraphInputs:
+    input_ids: str  # [B,S] int64
+    past_lengths: str  # [B] int64
+    seq_lengths: str  # [B] int64
+    cos_cache: str  # [max_seq, R/2] dtype
+    sin_cache: str
+
+
+class Lowering:
+    target = "portable"
+    opsets: dict[str, int] = {"": 21}
+    ir_version = 10
+    quant_layout: WeightLayout = QDQ  # how quantized weights are stored for this target (export/quantize/weight_layouts.py)
+    # Activations between ops: [T=B*S, hidden] (Gemm takes 2-D inputs only), or [B, S, hidden]
+    # where every op takes 3-D inputs: then no Reshape is needed around attention in any layer.
+    flat_tokens = True
+
+    def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
+                 quantized: Mapping[str, WeightQuant] | None = None):
+        """``quantized``: how each weight stored quantized is stored (bits, block, symmetric), by name."""
+        self.spec, self.dtype, self.max_seq = spec, dtype, max_seq
+        self.quant, self.quantized = quant, dict(quantized or {})
+        self.rotary_dim = spec.rope.rotary_dim or spec.head_dim
+        self.scale = spec.softmax_scale
+        self.softcap = spec.attn_softcap or 0.0  # 0 = none (the ONNX / ORT attribute convention)
+
+    @property
+    def batched_past(self) -> bool:
+        """Whether one call may run several tokens in several rows over non-empty caches."""
+        return True
+
+    def for_graph(self, kind: str) -> "Lowering":
+        """The lowering one graph kind ("prefill" | "decode" | "verify") is built with (default: this one)."""
+        return self
+
+    # ---- per-graph shared values -------------------------------------------------------------
+    def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
+        """What every layer of one kind shares: ``window`` (0 = full) and the RoPE tables in ``inp``."""
+        return ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache,
+                               self.max_seq, window)
+
+    # ---- ops ---------------------------------------------------------------------------------
+    def embed(self, g: GraphBuilder, ids: str) -> str:
+        """input_ids [B,S] -> rows of the embedding table [B*S, hidden] (or [B,S,hidden])."""
+        return g.op("Reshape", g.op("Gather", "embed", ids, axis=0), g.const([-1, self.spec.hidden_size]))
+
+    def tokens(self, g: GraphBuilder, x: str, width: int) -> str:
+        """An activation as [T, width], whichever layout the lowering keeps."""
+        return x if self.flat_tokens else g.op("Reshape", x, g.const([-1, width]))
+
+    def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
+        return rms_norm_body(g, x, weight, epsilon=self.spec.rms_norm_eps, dtype=self.dtype)
+
+    def add_rms_norm(self, g: GraphBuilder, x: str, residual: str, weight: str) -> tuple[str, str]:
+        """(rmsnorm(x + residual), x + residual)."""
+        s = g.op("Add", residual, x)
+        return self.rms_norm(g, s, weight), s
+
+    def activation(self, g: GraphBuilder, x: str) -> str:
+        """The MLP gate's activation (spec.activation), elementwise."""
+        if self.spec.activation == "gelu_tanh":
+            if self.opsets.get("", 0) >= 20:
+                return g.op("Gelu", x, approximate="tanh")
+            return gelu_tanh_body(g, x, self.dtype)
+        return g.op("Mul", x, g.op("Sigmoid", x))  # silu
+
+    def linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None = None) -> str:
+        """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out]."""
+        if weight in self.quantized:
+            return self.quantized_linear(g, x, weight, bias)
+        return g.op("Gemm", x, weight, *([bias] if bias else []), transB=1)
+
+    def quantized_linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None) -> str:
+        """Block DequantizeLinear of the [N, Kp] weight (axis 1), then the same Gemm."""
+        wq = self.quantized[weight]
+        assert not wq.block_min, "block minimums (GGUF Q4_1) are transcoded for the ort target only"
+        n, k = canonical_shape(self.spec, weight)
+        zp = [] if wq.symmetric else [f"{weight}.zero_points"]
+        w = g.op("DequantizeLinear", f"{weight}.q", f"{weight}.scales", *zp, axis=1, block_size=wq.block_size)
+        if k % wq.block_size:
+            w = g.op("Slice", w, g.const([0]), g.const([k]), g.const([1]))
+        return g.op("Gemm", x, w, *([bias] if bias else []), transB=1)
+
+    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
+        """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D].
+
+        ``cache`` = (past_key, past_value, present_key, present_value) names; the node that
+        writes the cache must output the present names directly (no Identity), so a runtime can
+        bind one buffer to past and present.
+        """
+        past_key, past_value, present_key, present_value = cache
+        s = self.spec
+        d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+        q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
+        q4 = ca.rope_body(g, g.op("Reshape", q, g.const([0, 0, h, d])), ctx, d, self.rotary_dim)
+        k4 = ca.rope_body(g, g.op("Reshape", k, g.const([0, 0, hkv, d])), ctx, d, self.rotary_dim)
+        v4 = g.op("Reshape", v, g.const([0, 0, hkv, d]))
+        k_new = g.op("Transpose", k4, perm=[0, 2, 1, 3])  # [B,Hkv,S,D]
+        v_new = g.op("Transpose", v4, perm=[0, 2, 1, 3])
+        ca.write_cache_body(g, past_key, k_new, ctx, hkv, present_key)
+        ca.write_cache_body(g, past_value, v_new, ctx, hkv, present_value)
+        return ca.attend_body(g, q4, present_key, present_value, ctx.visible, num_heads=h, kv_heads=hkv,
+                              head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
+                              softcap=self.softcap)
+
+
+def gelu_tanh_body(g: GraphBuilder, x: str, dtype: str) -> str:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) in standard ops older than Gelu-20."""
+    c = lambda v: g.const(np.array(v, NUMPY_DTYPES[dtype]))  # noqa: E731
+    inner = g.op("Mul", g.op("Add", x, g.op("Mul", g.op("Mul", g.op("Mul", x, x), x), c(0.044715))),
+                 c(np.sqrt(2.0 / np.pi)))
+    return g.op("Mul", g.op("Mul", x, c(0.5)), g.op("Add", g.op("Tanh", inner), c(1.0)))

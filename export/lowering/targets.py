@@ -1,0 +1,75 @@
+"""The export targets, one ``Target`` each: every decision that differs between targets lives here
+(and in the lowering a target names), so no other module branches on a target's name.
+
+    ort       ONNX Runtime contrib ops (GroupQueryAttention, MatMulNBits, SkipSimplifiedLayerNorm)
+    trt       standard ONNX TensorRT parses (Attention, TensorScatter, RMSNormalization; decodert
+              plugin nodes for a TensorRT without those layers); int4/int8 weights symmetric
+    portable  standard ONNX ops only, decomposed attention: any ONNX runtime
+
+docs/ARCHITECTURE.md ("How to add a target") walks through adding one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from decodert.errors import DecodertError
+from decodert.export.lowering.lower_ort import OrtLowering
+from decodert.export.lowering.lower_trt import TrtLowering
+from decodert.export.lowering.lowering import Lowering
+from decodert.export.quantize.quant import QuantConfig, WeightQuant
+from decodert.export.quantize.weight_layouts import WeightLayout
+from decodert.models.spec import ModelSpec
+from decodert.plugins.selection import NATIVE_SINCE
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    lowering: type[Lowering]  # attention, norm and matmul lowering; the graphs' opsets
+    backends: tuple[str, ...]  # runtime backends that can run its graphs (trt: after `decodert build`)
+    symmetric_weights: bool = False  # quantized weights without zero points (TensorRT's int4/int8)
+    plugin_nodes: bool = False  # may emit decodert plugin nodes (--plugins, --trt-version)
+    tensorrt_native_since: tuple[int, ...] | None = None  # TensorRT with the native layers; older needs plugins
+    multi_token_rows: int | None = None  # rows a multi-token step over a non-empty cache may have (None: any)
+    about: str = ""
+
+    @property
+    def weight_layout(self) -> WeightLayout:
+        return self.lowering.quant_layout
+
+    def quant_config(self, quant: QuantConfig | None) -> QuantConfig | None:
+        """``quant`` as this target can store it (TensorRT: symmetric), or a one-line error."""
+        if quant is None:
+            return None
+        if quant.keep_q4_1 and not self.weight_layout.block_minimum:
+            raise DecodertError(f"--keep-q4-1 works on the ort target only (its per-block minimum needs MatMulNBits), "
+                                f"not --target {self.name}; drop --keep-q4-1 or use --target ort")
+        return replace(quant, symmetric=True) if self.symmetric_weights and not quant.symmetric else quant
+
+    def make_lowering(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
+                      quantized: Mapping[str, WeightQuant] | None = None, plugins: tuple[str, ...] = ()) -> Lowering:
+        """``plugins``: decodert ops to emit as plugin nodes (only a target with ``plugin_nodes``)."""
+        if plugins:
+            if not self.plugin_nodes:
+                raise DecodertError(f"--target {self.name} cannot emit decodert plugin nodes")
+            return TrtLowering(spec, dtype, max_seq, quant, quantized, plugins=plugins)
+        return self.lowering(spec, dtype, max_seq, quant, quantized)
+
+    def runs_on(self, backend: str) -> bool:
+        return backend in self.backends
+
+
+ORT = Target("ort", OrtLowering, backends=("ort",), multi_token_rows=1,  # GroupQueryAttention: batch 1 with a cache
+             about="ONNX Runtime contrib ops")
+TRT = Target("trt", TrtLowering, backends=("trt", "ort"), symmetric_weights=True, plugin_nodes=True,
+             tensorrt_native_since=NATIVE_SINCE, about="standard ONNX TensorRT parses")
+PORTABLE = Target("portable", Lowering, backends=("ort", "trt"), about="standard ONNX ops only")
+TARGETS: dict[str, Target] = {t.name: t for t in (ORT, TRT, PORTABLE)}
+
+
+def get_target(name: str) -> Target:
+    if name not in TARGETS:
+        raise DecodertError(f"unknown target '{name}'; choose one of: {', '.join(TARGETS)}")
+    return TARGETS[name]

@@ -1,0 +1,1 @@
+"""Weight quantization: block int4/int8 rounding, exact GGUF block transcoding, weight layouts."""

@@ -1,0 +1,67 @@
+"""How a target stores block-quantized weights (the bytes of export/quantize/quant.py's QuantizedWeight).
+
+    nbits  com.microsoft.MatMulNBits (ort): B uint8 [N, blocks, block*bits/8], scales [N*blocks],
+           zero points uint8 [N * ceil(blocks*bits/8)]; may keep a per-block minimum (GGUF Q4_1)
+           and lets GatherBlockQuantized read a tied embedding from the quantized head.
+    qdq    standard block DequantizeLinear (axis 1) of a [N, Kp] tensor (trt, portable): UINT4/UINT8
+           with zero points, or INT4/INT8 without (symmetric; what TensorRT accepts).
+
+A target names its layout (export/lowering/targets.py, through its lowering's ``quant_layout``); the
+manifest records ``quant.layout`` = the layout's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from onnx import TensorProto
+
+from decodert.export.quantize.quant import QuantizedWeight, WeightQuant, pack_nibbles, unpack_nibbles
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    name: str
+    gathers_tied_embedding: bool  # a tied embedding is read from the quantized head (no float table)
+    block_minimum: bool  # stores a per-block minimum term (w = d*q + m, GGUF Q4_1 kept exactly)
+
+    def write(self, writer: Any, name: str, qw: QuantizedWeight, wq: WeightQuant, dtype: str) -> None:
+        """Write ``name.q``, ``name.scales`` (and ``name.zero_points``, ``name.mins``) in this layout."""
+        raise NotImplementedError
+
+
+class NbitsLayout(WeightLayout):
+    def write(self, writer: Any, name: str, qw: QuantizedWeight, wq: WeightQuant, dtype: str) -> None:
+        n, blocks, bs = qw.n, qw.blocks, wq.block_size
+        writer.add_raw(f"{name}.q", qw.q, TensorProto.UINT8, (n, blocks, bs * wq.bits // 8))
+        writer.add(f"{name}.scales", qw.scales.reshape(-1), dtype)
+        if not wq.symmetric:
+            writer.add_raw(f"{name}.zero_points", qw.zero_points, TensorProto.UINT8, (qw.zero_points.size,))
+        if wq.block_min:  # [blocks, N]: the graph multiplies the activations' block sums by it
+            assert qw.mins is not None
+            writer.add(f"{name}.mins", np.ascontiguousarray(qw.mins.T), dtype)
+
+
+class QdqLayout(WeightLayout):
+    def write(self, writer: Any, name: str, qw: QuantizedWeight, wq: WeightQuant, dtype: str) -> None:
+        assert not wq.block_min, "block minimums are stored for the nbits layout only"
+        n, blocks = qw.n, qw.blocks
+        kp = blocks * wq.block_size
+        writer.add(f"{name}.scales", qw.scales, dtype)
+        if wq.symmetric:  # signed values: q - midpoint, i.e. flip the top bit of every field
+            flip = 0x88 if wq.bits == 4 else 0x80
+            writer.add_raw(f"{name}.q", qw.q ^ np.uint8(flip), TensorProto.INT4 if wq.bits == 4 else TensorProto.INT8, (n, kp))
+            return
+        zp = qw.zero_points
+        if wq.bits == 4:  # ONNX packs int4 continuously across rows, not per row
+            zp = pack_nibbles(np.pad(unpack_nibbles(zp)[:, :blocks].reshape(-1), (0, (n * blocks) % 2)))
+        kind = TensorProto.UINT4 if wq.bits == 4 else TensorProto.UINT8
+        writer.add_raw(f"{name}.q", qw.q, kind, (n, kp))
+        writer.add_raw(f"{name}.zero_points", zp, kind, (n, blocks))
+
+
+NBITS = NbitsLayout("nbits", gathers_tied_embedding=True, block_minimum=True)
+QDQ = QdqLayout("qdq", gathers_tied_embedding=False, block_minimum=False)
+LAYOUTS = {layout.name: layout for layout in (NBITS, QDQ)}

@@ -1,0 +1,108 @@
+"""Opening an artifact folder for ``LLM.load``: manifest, tokenizer, backend, sampling defaults, prefix cache.
+
+Each step checks what it reads and fails with one DecodertError naming the file or setting.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+from pathlib import Path
+from typing import Any
+
+from decodert.errors import DecodertError
+from decodert.export.artifact.manifest import Manifest, TokenizerRecord, load_manifest
+from decodert.runtime.backends.memory import available_bytes
+from decodert.runtime.prefix_cache import PrefixCache
+from decodert.runtime.decoding.sampling import sampling_params
+
+
+def make_prefix_cache(backend: Any, budget_mb: float | None) -> PrefixCache | None:
+    """The prefix cache of ``backend`` under ``budget_mb`` MiB (None: default budget; 0: none).
+
+    Default: the K/V of two full contexts (2 x max_seq tokens), at most a quarter of the memory
+    available now. Off for backends that cannot copy K/V blocks (``read_kv``)."""
+    if budget_mb is not None and (not isinstance(budget_mb, (int, float)) or isinstance(budget_mb, bool)
+                                  or not budget_mb >= 0):
+        raise DecodertError(f"prefix_cache_mb must be a number >= 0 (0 = off), not {budget_mb!r}")
+    if budget_mb == 0 or not hasattr(backend, "read_kv"):
+        return None
+    if budget_mb is None:
+        budget = 2 * backend.kv_bytes(int(backend.max_seq))
+        avail = available_bytes() if getattr(backend, "name", "") != "trt" else None
+        budget = min(budget, avail // 4) if avail else budget
+    else:
+        budget = int(budget_mb * 2**20)
+        avail = available_bytes() if getattr(backend, "name", "") != "trt" else None
+        if avail is not None and budget > 0.9 * avail:
+            raise DecodertError(f"prefix_cache_mb={budget_mb:g} is more than the {avail / 2**20:.0f} MiB of memory "
+                                "available now; give a smaller budget (0 = off)")
+    return PrefixCache(backend, budget)
+
+
+def model_defaults(manifest: Manifest | None) -> dict[str, Any]:
+    """manifest.sampling.defaults, checked as SamplingParams (a bad value names the manifest field)."""
+    defaults = dict(manifest.sampling.defaults) if manifest and manifest.sampling else {}
+    try:
+        sampling_params(**defaults)
+    except DecodertError as e:
+        raise DecodertError(f"manifest sampling.defaults: {e}") from None
+    return defaults
+
+
+def read_manifest(path: Path, verify: str = "fast") -> Manifest:
+    """``path/manifest.json``, validated (export/artifact/manifest.py) and its files verified ("fast" | "full" | "none")."""
+    return load_manifest(path, verify=verify)
+
+
+def open_tokenizer(path: Path, manifest: Manifest | None) -> Any:
+    """The artifact's ``tokenizers.Tokenizer``."""
+    from tokenizers import Tokenizer
+
+    file = path / (manifest.tokenizer if manifest else TokenizerRecord()).file
+    if not file.is_file():
+        raise DecodertError(f"{file} not found (tokenizer of the artifact)")
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise DecodertError(f"cannot load tokenizer {file}: {e}") from None
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    recorded, model_vocab = (manifest.tokenizer.vocab_size, manifest.model.vocab_size) if manifest else (None, n)
+    if (recorded is not None and n != recorded) or n > model_vocab:
+        raise DecodertError(f"{file}: has {n} tokens but the artifact was exported with {recorded or 'fewer'}; "
+                            "the tokenizer was replaced (re-export the model)")
+    return tokenizer
+
+
+def open_backend(path: Path, manifest: Manifest, choice: str = "auto") -> Any:
+    """Create the ort or trt backend ("auto": trt when the folder has engines and TensorRT works)."""
+    if choice not in ("auto", "ort", "trt"):
+        raise DecodertError(f"unknown backend {choice!r}; expected auto, ort or trt (--backend)")
+    if choice == "auto":
+        choice = "trt" if manifest.engines and _trt_usable() else "ort"
+    if choice == "trt":
+        from decodert.export.lowering.targets import get_target  # the lowerings import onnx: only when asked for trt
+
+        if not manifest.engines and not get_target(manifest.target).runs_on("trt"):
+            raise DecodertError(f"{path} has no TensorRT engines: it is a --target {manifest.target} artifact, which "
+                                f"runs on ONNX Runtime (--backend ort); for TensorRT export with --target trt, then "
+                                f"`decodert build OUT`")
+        if not manifest.engines:
+            raise DecodertError(f"{path} has no TensorRT engines; run `decodert build {path}` or use --backend ort")
+        from decodert.runtime.backends.trt_backend import TrtBackend
+
+        return TrtBackend(path, manifest)
+    from decodert.runtime.backends.ort_backend import OrtBackend
+
+    return OrtBackend(path, manifest)
+
+
+def _trt_usable() -> bool:
+    """An NVIDIA GPU is visible (cuda-python) and the TensorRT backend imports."""
+    if not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")):
+        return False  # cheap check first: no driver, no GPU
+    try:
+        importlib.import_module("decodert.runtime.backends.trt_backend")
+        return importlib.import_module("decodert.plugins.cuda_mem").gpu_count() > 0
+    except (ImportError, OSError, DecodertError):
+        return False

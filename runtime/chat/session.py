@@ -1,0 +1,231 @@
+"""Chat sessions: a conversation bound to its own cache row, so a turn prefills only what is new.
+
+    session = llm.session(system="Be brief.")            # overflow="truncate" (default) | "error"
+    session.chat("Hi").text                              # a GenerationResult
+    for delta in session.stream_chat("And then?"): ...   # text deltas (a TextStream)
+    session.history; session.undo(); session.reset(); session.close()
+
+Reuse. Each turn renders the whole conversation with the chat template and compares its ids with
+the ids whose K/V the row holds. The row is rewound to their longest common prefix and only the
+rest is prefilled: templates may render earlier turns differently once a turn is added (and a
+reply's text need not re-tokenize to the ids that were generated), so nothing is assumed. An
+empty row (first turn, after ``reset``) starts from the LLM's prefix cache when it has the prompt's
+beginning (a shared system prompt); the first turn's prompt blocks are stored there, later turns
+are not (they would fill it with one conversation).
+
+Overflow. A turn needs its prompt plus room for the answer: ``min(max_new_tokens, max_seq // 2)``
+tokens (max_seq: the context the model was exported with). When that does not fit:
+- ``"truncate"``: the oldest turns (a user message and the replies after it; the system message
+  stays) are dropped until the conversation fills at most half the context and leaves that room,
+  then the row is prefilled again. Dropping down to half means that re-prefill happens once in a
+  few turns, not on every turn. ``last_turn.dropped_turns`` says how many were dropped. When the
+  system message and the new message alone leave no room for a single token: DecodertError.
+- ``"error"``: DecodertError naming the sizes; the session is left as it was.
+
+The answer of a turn that hits the end of the context ends with finish_reason "length";
+``last_turn.cut_by`` tells "context" from "max_new_tokens".
+
+State. The row's cache (runtime/backends/kv_cache.py) records which ids its K/V holds; the session keeps no
+copy of its own, so the turns and the row cannot disagree. ``reset``, ``undo`` or ``close`` while a
+``stream_chat`` is running cancel that turn: the stream ends (its result's finish_reason is
+"cancelled"), nothing of it is kept in the history, and the row is not touched by it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Generator, Iterator, Mapping
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.runtime.chat.chat import Message, check_messages
+from decodert.runtime.decoding.engine import CANCELLED
+from decodert.runtime.decoding.generate import GenerationResult, Sequence, TextStream, decode_step, prefill
+from decodert.runtime.speculation import speculative
+from decodert.runtime.prefix_cache import LookupOnly
+
+
+OVERFLOW_POLICIES = ("truncate", "error")
+
+
+@dataclass(frozen=True)
+class TurnInfo:
+    """What the last turn did with the row."""
+
+    prompt_tokens: int  # the rendered conversation
+    reused_tokens: int  # of those, K/V kept from earlier turns or loaded from the prefix cache
+    dropped_turns: int  # oldest turns dropped to fit (overflow="truncate")
+    cut_by: str | None  # None, "max_new_tokens" or "context": why an answer ended early
+
+
+class Session:
+    """One conversation over an LLM (runtime/llm.py, not imported here: it imports this module);
+    see the module docstring. Make it with ``llm.session()``."""
+
+    def __init__(self, llm: Any, system: str | None = None, overflow: str = "truncate") -> None:
+        if overflow not in OVERFLOW_POLICIES:
+            raise DecodertError(f"unknown overflow policy {overflow!r}; expected one of {', '.join(OVERFLOW_POLICIES)}")
+        if system is not None and not isinstance(system, str):
+            raise DecodertError(f"system message must be a string, not {type(system).__name__}")
+        self.llm, self.overflow = llm, overflow
+        self._system = [{"role": "system", "content": system}] if system else []
+        self._turns: list[dict] = []  # user / assistant messages after the system message
+        self._cache: Any = None  # the session's own one-slot KV cache, allocated on the first turn
+        self._running: _Running | None = None  # the turn in flight (a stream not finished yet)
+        self.last_turn: TurnInfo | None = None
+
+    # -- the conversation ------------------------------------------------------------------------
+    @property
+    def history(self) -> list[dict]:
+        """The messages so far (copies), system message first."""
+        return [dict(m) for m in self._system + self._turns]
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose K/V the session's row holds now."""
+        return 0 if self._cache is None else int(self._cache.lengths[0])
+
+    def chat(self, message: str | Message, **params: Any) -> GenerationResult:
+        """Add a user message (text, or a message dict), generate the reply and keep both.
+        ``params``: as ``LLM.chat`` (sampling, json_schema / regex / grammar, speculative)."""
+        seq, turns, dropped = self._begin(message, params)
+        return self.llm._finish([seq], runner=self._turn(seq, turns, dropped))[0]
+
+    def stream_chat(self, message: str | Message, **params: Any) -> TextStream:
+        """``chat`` as a stream of text deltas; closing it early keeps the part of the reply shown."""
+        seq, turns, dropped = self._begin(message, params)
+        return TextStream(self.llm._stream([seq], runner=self._turn(seq, turns, dropped)), seq)
+
+    def undo(self) -> list[dict]:
+        """Remove the last turn (the last user message and the replies after it); returns it.
+        While a stream runs, its turn is the last one: it is cancelled and returned (the reply so far)."""
+        with self._quiet():
+            running = self._cancel()
+            if running is not None:
+                return [dict(running.message), {"role": "assistant", "content": "".join(running.seq.parts)}]
+            starts = [i for i, m in enumerate(self._turns) if m.get("role") == "user"]
+            if not starts:
+                raise DecodertError("nothing to undo: the conversation has no user message yet")
+            removed, self._turns = self._turns[starts[-1]:], self._turns[: starts[-1]]
+            return removed  # the row is rewound on the next turn (common prefix)
+
+    def reset(self) -> None:
+        """Forget every turn (the system message stays); the row is kept, emptied. Cancels a running stream."""
+        with self._quiet():
+            self._cancel()
+            self._turns = []
+            if self._cache is not None:
+                self._cache.reset(0)
+
+    def close(self) -> None:
+        """Free the session's cache row now (the session stays usable: a later turn allocates again).
+        Cancels a running stream."""
+        with self._quiet():
+            self._cancel()
+            cache, self._cache = self._cache, None
+            if cache is not None and hasattr(cache, "free"):
+                cache.free()
+
+    @contextlib.contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """Hold the LLM's lock: a step of a stream on another thread finishes before the row changes."""
+        lock = getattr(self.llm, "_lock", None)
+        with lock if lock is not None else contextlib.nullcontext():
+            yield
+
+    def _cancel(self) -> "_Running | None":
+        """End the turn in flight, if any: its stream stops at its next step and writes nothing back."""
+        running, self._running = self._running, None
+        if running is not None and not running.seq.done:
+            running.seq.finish_reason = CANCELLED
+        return running
+
+    # -- one turn --------------------------------------------------------------------------------
+    def _begin(self, message: str | Message, params: Mapping[str, Any]) -> tuple[Sequence, list[dict], int]:
+        """Validate, fit the conversation into the context -> (sequence, turns it renders, dropped)."""
+        if isinstance(message, str):
+            message = {"role": "user", "content": message}
+        msg = check_messages([message])[0]
+        params = dict(params)
+        spec = params.pop("speculative", None)
+        sp, constraint = self.llm.split_params(params)  # the model's sampling defaults under what was passed
+        turns, ids, dropped = self._fit(self._turns + [msg], sp.max_new_tokens)
+        return self.llm._sequence(ids, sp, constraint=constraint, speculative=spec), turns, dropped
+
+    def _fit(self, turns: list[dict], max_new_tokens: int) -> tuple[list[dict], np.ndarray, int]:
+        max_seq = self.llm.max_seq
+        room = min(max_new_tokens, max_seq // 2)
+        ids = self.llm._chat_ids(self._system + turns)
+        if len(ids) + room <= max_seq:
+            return turns, ids, 0
+        if self.overflow == "error":
+            raise DecodertError(f"the conversation needs {len(ids)} tokens plus {room} for the answer but the context "
+                                f"holds {max_seq}; session.undo() or reset(), lower max_new_tokens, or use "
+                                "overflow='truncate'")
+        dropped = 0
+        while len(ids) + room > max_seq or len(ids) > max_seq // 2:
+            end = _first_turn_end(turns)
+            if end is None:
+                break
+            turns, dropped = turns[end:], dropped + 1
+            ids = self.llm._chat_ids(self._system + turns)
+        if len(ids) >= max_seq:
+            raise DecodertError(f"the message needs {len(ids)} tokens with the system message, but the context holds "
+                                f"{max_seq} (--max-seq at export); send a shorter message")
+        return turns, ids, dropped
+
+    def _row(self) -> Any:
+        if self._cache is None:
+            self._cache = self.llm.backend.allocate(1)
+        return self._cache
+
+    def _turn(self, seq: Sequence, turns: list[dict], dropped: int) -> Generator[tuple[int, str], None, None]:
+        """Run one turn on the session's row: prefill what the row does not hold yet (generate.prefill
+        rewinds it to the longest common prefix), decode; keep the turn unless it was cancelled."""
+        self._cancel()  # a turn left running (an abandoned stream) is over
+        me = self._running = _Running(turns[-1], seq)
+        backend, cache = self.llm.backend, self._row()
+        prefix = self.llm.prefix_cache
+        if prefix is not None and self._turns:  # only the first turn stores (its system prompt's blocks)
+            prefix = LookupOnly(prefix)
+        started = finished = False
+        try:
+            first = prefill(backend, cache, [0], [seq], prefix)[0]
+            started = True
+            yield 0, first
+            step = speculative.step if seq.spec is not None else decode_step
+            while not seq.done:
+                yield 0, step(backend, cache, [0], [seq])[0]
+            finished = True
+        except (GeneratorExit, KeyboardInterrupt):
+            finished = started  # a stopped turn keeps the reply shown so far
+            raise
+        finally:
+            if finished and self._running is me:  # not cancelled by reset / undo / close
+                self._turns = turns + [{"role": "assistant", "content": "".join(seq.parts)}]
+                self.last_turn = TurnInfo(len(seq.prompt), seq.cached_tokens, dropped, _cut_by(seq))
+            if self._running is me:
+                self._running = None
+
+
+@dataclass
+class _Running:
+    """The turn in flight: its user message and its sequence."""
+
+    message: dict
+    seq: Sequence
+
+
+def _first_turn_end(turns: list[dict]) -> int | None:
+    """End (exclusive) of the oldest turn: the next user message after the first one; None when the
+    oldest turn is the last (the new message is never dropped)."""
+    later = [i for i, m in enumerate(turns) if i > 0 and m.get("role") == "user"]
+    return later[0] if later else None
+
+
+def _cut_by(seq: Sequence) -> str | None:
+    if seq.finish_reason != "length":
+        return None
+    return "max_new_tokens" if len(seq.generated) >= seq.params.max_new_tokens else "context"

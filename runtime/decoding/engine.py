@@ -1,0 +1,257 @@
+"""One engine thread owns an LLM; requests from any thread join its continuous batch between steps.
+
+    engine = Engine(llm, max_queue=64).start()
+    seq = engine.sequence(engine.llm.encode("Hello"), SamplingParams(max_new_tokens=32))
+    handle = engine.submit(seq, sink)      # sink(Event) is called on the engine thread
+    handle.cancel()                        # finished "cancelled"; its slot is freed before the next step
+    engine.stop(drain_s=30)                # no new requests; wait for the rest, then cancel them
+
+The thread runs ``scheduler.run`` over the LLM's one cache with an ``admit`` hook: before every
+step (a prefill of newly admitted rows, or one decode step of all active rows) the hook moves the
+submitted requests into the run and applies cancellations. When nothing is left, the run ends and
+the thread sleeps until the next ``submit``. Callers never wait for a step: ``submit`` and
+``cancel`` only take a lock for a few list operations, and a sink must not block either (the
+server's sink hands the event to its asyncio loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence as Seq
+
+import numpy as np
+
+from decodert.errors import DecodertError, first_line
+from decodert.runtime.chat.chat import Message
+from decodert.runtime.constraints import Constraint
+from decodert.runtime.decoding.generate import GenerationResult, Sequence
+from decodert.runtime.decoding.sampling import SamplingParams
+from decodert.runtime.speculation.speculative import SpeculativeConfig, resolve as resolve_speculative
+
+CANCELLED = "cancelled"  # finish_reason of a request cancelled before it finished
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request's sink receives: text deltas, then one last event with ``result`` or ``error``."""
+
+    text: str = ""  # newly generated text ("" on a last event that adds none)
+    result: GenerationResult | None = None  # the finished request (last event)
+    error: str | None = None  # one-line reason the engine failed the request (last event)
+
+    @property
+    def last(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+Sink = Callable[[Event], None]
+
+
+class QueueFull(DecodertError):
+    """Every slot is busy and ``max_queue`` requests already wait (a server answers 429)."""
+
+
+class EngineClosed(DecodertError):
+    """The engine is stopping or stopped and takes no new requests (a server answers 503)."""
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started (read from any thread; written by the engine thread only)."""
+
+    steps: int = 0  # prefill and decode calls
+    rows: int = 0  # rows over all steps: rows / steps is the mean batch occupancy
+    max_rows: int = 0  # most rows one step ran
+    finished: int = 0  # requests that ended (any reason, cancelled included)
+    cancelled: int = 0
+    failed: int = 0  # requests ended by an error of a step
+
+
+@dataclass
+class _Request:
+    id: int
+    seq: Sequence
+    sink: Sink
+
+
+class Handle:
+    """A submitted request: ``cancel()`` it from any thread."""
+
+    def __init__(self, engine: "Engine", rid: int) -> None:
+        self._engine, self.id = engine, rid
+
+    def cancel(self) -> None:
+        self._engine.cancel(self.id)
+
+
+class Engine:
+    """The one thread that runs an LLM for many callers (see the module docstring)."""
+
+    def __init__(self, llm, max_queue: int = 64) -> None:
+        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 0:
+            raise DecodertError(f"max_queue must be an integer >= 0, got {max_queue!r} (--max-queue)")
+        self.llm = llm
+        self.slots = int(llm.backend.max_batch)
+        self.max_queue = max_queue
+        self.stats = EngineStats()
+        self._cond = threading.Condition()
+        self._inbox: list[_Request] = []  # submitted, not yet seen by the run
+        self._cancels: set[int] = set()  # ids to cancel at the next turn
+        self._pending: set[int] = set()  # submitted and not yet given their last event
+        self._ids = itertools.count()
+        self._closed = False  # no new requests
+        self._stopping = False  # the thread ends once the inbox is empty
+        self._thread: threading.Thread | None = None
+        # engine thread only:
+        self._seqs: dict[int, Sequence] = {}  # the scheduler's view: request id -> Sequence
+        self._reqs: dict[int, _Request] = {}  # requests in the run without their last event yet
+        self._retired: list[int] = []  # finished ids still in _seqs (removed at the next turn)
+        self._rows_since_turn = 0
+
+    # -- any thread ------------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="decodert-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished (queued or in a slot)."""
+        return len(self._pending)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return max(0, len(self._pending) - self.llm.slots_in_use)
+
+    def sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt",
+                 constraint: Constraint | None = None, speculative: Any = None) -> Sequence:
+        """A validated Sequence for prompt ids [L] (DecodertError: empty, too long, ids outside the
+        vocabulary, an invalid structured-output ``constraint``, speculation this LLM cannot do)."""
+        return self.llm._sequence(np.asarray(ids, dtype=np.int64).reshape(-1), params.validate(), what, constraint,
+                                  speculative)
+
+    def speculation(self, value: Any) -> SpeculativeConfig | None:
+        """A ``speculative=`` value ("ngram" | "draft" | None) checked against this LLM (DecodertError:
+        unknown method, no verify graph, no draft model)."""
+        config = resolve_speculative(value)
+        if config is not None:
+            self.llm._check_speculation()
+            self.llm.speculator.drafter(config)
+        return config
+
+    def chat_ids(self, messages: Seq[Message]) -> np.ndarray:
+        """Chat messages -> prompt ids [L] through the model's chat template."""
+        return self.llm._chat_ids(messages)
+
+    def submit(self, seq: Sequence, sink: Sink) -> Handle:
+        """Queue a request; its events go to ``sink``. QueueFull / EngineClosed when it cannot be taken."""
+        with self._cond:
+            if self._closed or self._thread is None:
+                raise EngineClosed("the server is shutting down" if self._closed else "the engine is not started")
+            if len(self._pending) >= self.slots + self.max_queue:
+                raise QueueFull(f"all {self.slots} slots are busy and {self.max_queue} requests are waiting "
+                                f"(--max-queue {self.max_queue}); retry later")
+            rid = next(self._ids)
+            self._inbox.append(_Request(rid, seq, sink))
+            self._pending.add(rid)
+            self._cond.notify_all()
+        return Handle(self, rid)
+
+    def cancel(self, rid: int) -> None:
+        """Finish request ``rid`` ("cancelled") before the next step; a finished one is left alone."""
+        with self._cond:
+            if rid in self._pending:
+                self._cancels.add(rid)
+                self._cond.notify_all()
+
+    def stop(self, drain_s: float = 0.0, join_s: float | None = 30.0) -> None:
+        """Refuse new requests, wait up to ``drain_s`` seconds for those in flight, cancel the rest, end the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: not self._pending, timeout=max(0.0, drain_s))
+            self._cancels.update(self._pending)
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(join_s)
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._inbox or self._stopping)
+                if not self._inbox:
+                    return
+            self._busy_period()
+
+    def _busy_period(self) -> None:
+        """One scheduler run: from the first submitted request until nothing is left."""
+        try:
+            for rid, delta in self.llm._stream(self._seqs, admit=self._admit):
+                self._rows_since_turn += 1
+                req = self._reqs[rid]
+                if req.seq.done:
+                    self._finish(req, Event(delta, result=req.seq.result()))
+                elif delta:
+                    self._send(req, Event(delta))
+        except Exception as e:  # a failed step ends every request of the run with its reason
+            reason = f"generation failed: {type(e).__name__}: {first_line(e)}"
+            for req in list(self._reqs.values()):
+                self._finish(req, Event(error=reason))
+                self.stats.failed += 1
+        finally:
+            self._count_step()
+            self._seqs.clear()
+            self._reqs.clear()
+            self._retired.clear()
+
+    def _admit(self) -> list[int]:
+        """The scheduler's hook, once per turn: new requests in, cancelled ones finished."""
+        self._count_step()
+        for rid in self._retired:  # finished earlier: out of their slots by now
+            del self._seqs[rid]
+        self._retired = []
+        with self._cond:
+            new, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+        for req in new:
+            self._seqs[req.id] = req.seq
+            self._reqs[req.id] = req
+        for rid in cancels:
+            req = self._reqs.get(rid)
+            if req is not None and not req.seq.done:
+                req.seq.finish_reason = CANCELLED
+                self.stats.cancelled += 1
+                self._finish(req, Event(result=req.seq.result()))
+        return [req.id for req in new if not req.seq.done]
+
+    def _count_step(self) -> None:
+        rows, self._rows_since_turn = self._rows_since_turn, 0
+        if rows:
+            self.stats.steps += 1
+            self.stats.rows += rows
+            self.stats.max_rows = max(self.stats.max_rows, rows)
+
+    def _send(self, req: _Request, event: Event) -> None:
+        try:
+            req.sink(event)
+        except Exception:  # the receiver is gone (its event loop closed): nobody reads this request
+            if not event.last:
+                self.cancel(req.id)
+
+    def _finish(self, req: _Request, event: Event) -> None:
+        self._reqs.pop(req.id, None)
+        self._retired.append(req.id)
+        self.stats.finished += 1
+        self._send(req, event)
+        with self._cond:
+            self._pending.discard(req.id)
+            self._cond.notify_all()

@@ -1,0 +1,195 @@
+"""The decode loop's verbs: a sequence's state, choosing tokens, prefill and one decode step.
+
+The loop itself (which slots run when) is the generator in runtime/decoding/scheduler.py. Nothing here
+imports onnxruntime or tensorrt: a backend is anything that follows runtime/backends/backend.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generator, Iterable, Sequence as Seq
+
+import numpy as np
+
+from decodert.runtime.backends.backend import Backend, KVCache, StepOutput
+from decodert.runtime.backends.kv_cache import common_prefix
+from decodert.runtime.constraints import Guide, masks_ahead
+from decodert.runtime.decoding.metrics import Metrics, Timer
+from decodert.runtime.decoding.sampling import SamplingParams, apply_processors, make_logits_processors, make_sampler
+from decodert.runtime.chat.text import Decoder, IncrementalDetokenizer, StopMatcher
+
+
+@dataclass
+class GenerationResult:
+    """One finished request."""
+
+    text: str  # generated text, stop string excluded
+    token_ids: list[int]  # generated ids, including a final stop/eos token
+    finish_reason: str  # "stop" | "length"
+    metrics: Metrics
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "metrics": self.metrics.to_dict()}
+
+
+class Sequence:
+    """One request in flight: prompt, sampler state, text state; ``result()`` once ``done``.
+
+    Capacity: prompt + generated tokens never exceed ``max_seq`` (the last token need not be
+    cached, every earlier one is); reaching it ends the request with "length".
+    """
+
+    def __init__(self, prompt: np.ndarray, params: SamplingParams, tokenizer: Decoder,
+                 eos_token_ids: Iterable[int], max_seq: int, guide: Guide | None = None) -> None:
+        self.prompt = np.asarray(prompt, dtype=np.int64)  # [L]
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self.sampler = make_sampler(params.temperature, params.top_k, params.top_p, params.min_p, self.rng)
+        self.processors = make_logits_processors(params.repetition_penalty, params.presence_penalty,
+                                                 params.frequency_penalty)
+        self.stop_ids = frozenset(params.stop_token_ids) | frozenset(int(t) for t in eos_token_ids)
+        self.max_seq = max_seq
+        self.history = np.zeros(max_seq, dtype=np.int64)  # [max_seq] prompt then generated ids
+        self.history[: len(self.prompt)] = self.prompt
+        self.length = len(self.prompt)
+        self.detok = IncrementalDetokenizer(tokenizer, self.prompt.tolist())
+        self.stopper = StopMatcher(params.stop)
+        self.parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens whose K/V was reused, not prefilled (set by prefill)
+        self.timer = Timer()
+        self.guide = guide  # structured output (runtime/constraints.py): masks the logits, ends at the grammar's end
+        self.spec = None  # speculative decoding state (runtime/speculation/speculative.py), when asked for
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether choosing this row's token needs the logits (not just the graph's argmax)."""
+        return not self.params.greedy or bool(self.processors) or self.guide is not None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def generated(self) -> np.ndarray:
+        return self.history[len(self.prompt): self.length]  # [n_generated]
+
+    @property
+    def last_token(self) -> int:
+        return int(self.history[self.length - 1])
+
+    def choose(self, logits: np.ndarray, argmax: int | None = None) -> int:
+        """Sample this row's next token from its logits [V] (``argmax``: the graph's, if known)."""
+        if self.guide is not None:
+            if argmax is not None and self.params.greedy and not self.processors and self.guide.allows(argmax):
+                return argmax  # the unconstrained choice is allowed: no [V] work
+            logits = self.guide.mask_logits(logits)  # before penalties and sampling transforms
+        row = apply_processors(self.processors, self.history[: self.length], logits[None, :])  # [1, V]
+        return int(self.sampler(row)[0])
+
+    def accept(self, token: int) -> str:
+        """Record a generated token; return the text it makes safe to show, and maybe finish."""
+        self.history[self.length] = token
+        self.length += 1
+        self.timer.token()
+        if self.guide is not None:
+            self.guide.advance(token)
+        if token in self.stop_ids:
+            return self._finish("stop", self._safe(self.detok.flush()))
+        text = self._safe(self.detok.push(token))
+        if self.stopper.stopped:
+            return self._finish("stop", text)
+        if self.guide is not None and self.guide.finished:  # complete: only eos could follow
+            return self._finish("stop", text + self._safe(self.detok.flush()))
+        if len(self.generated) >= self.params.max_new_tokens or self.length >= self.max_seq:
+            return self._finish("length", text + self._safe(self.detok.flush()))
+        self.parts.append(text)
+        return text
+
+    def _safe(self, raw: str) -> str:
+        """The part of ``raw`` that cannot be (the start of) a stop string."""
+        return self.stopper.push(raw)[0]
+
+    def _finish(self, reason: str, text: str) -> str:
+        if not self.stopper.stopped:
+            text += self.stopper.flush()
+        self.finish_reason = "stop" if self.stopper.stopped else reason
+        self.parts.append(text)
+        return text
+
+    def result(self) -> GenerationResult:
+        assert self.done, "result() before the sequence finished"
+        metrics = self.timer.metrics(len(self.prompt), self.cached_tokens)
+        if self.spec is not None:
+            metrics = self.spec.annotate(metrics)
+        return GenerationResult("".join(self.parts), self.generated.tolist(), self.finish_reason, metrics)
+
+
+class TextStream:
+    """Iterator of text deltas (str). ``text`` is what was streamed so far; ``result`` is set at the end."""
+
+    def __init__(self, events: Generator[tuple[int, str], None, None], seq: Sequence) -> None:
+        self._events = events
+        self._seq = seq
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        for _, delta in self._events:
+            if delta:
+                return delta
+        if self.result is None and self._seq.done:
+            self.result = self._seq.result()
+        raise StopIteration
+
+    @property
+    def text(self) -> str:
+        return "".join(self._seq.parts)
+
+    def close(self) -> None:
+        self._events.close()
+
+
+def choose_tokens(seqs: Seq[Sequence], step: StepOutput) -> np.ndarray:
+    """Next token per row [n] int64: the graph's argmax, or the row's processors + sampler."""
+    tokens = np.asarray(step.next_token, dtype=np.int64).reshape(-1).copy()  # [n]
+    for j, seq in enumerate(seqs):
+        if seq.needs_logits:
+            tokens[j] = seq.choose(step.logits[j], int(tokens[j]))
+    return tokens
+
+
+def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequence], prefix: Any = None) -> list[str]:
+    """Run all prompts in one call, accept each row's first token -> text deltas.
+
+    Each slot continues after the longest beginning of its prompt that the row holds (nothing for a
+    new row; a session's row keeps its conversation): the row is rewound to that first, and at least
+    the prompt's last token is run (its logits choose the first new token). ``prefix``
+    (runtime/prefix_cache.py) then loads the longest cached prefix, and keeps the prompt's whole
+    blocks after the call; ``seq.cached_tokens`` counts the tokens not prefilled.
+    """
+    for slot, seq in zip(slots, seqs):
+        seq.timer.start()
+        cache.rewind(slot, common_prefix(cache.held(slot), seq.prompt, len(seq.prompt) - 1))
+        if prefix is not None:
+            prefix.load(cache, slot, seq.prompt)
+        seq.cached_tokens = int(cache.lengths[slot])
+    want = any(s.needs_logits for s in seqs)
+    with masks_ahead(seqs):
+        step = backend.prefill(cache, list(slots), [s.prompt[s.cached_tokens:] for s in seqs], want_logits=want)
+    if prefix is not None:
+        for slot, seq in zip(slots, seqs):
+            prefix.store(cache, slot)
+    return [s.accept(int(t)) for s, t in zip(seqs, choose_tokens(seqs, step))]
+
+
+def decode_step(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequence]) -> list[str]:
+    """Feed each row's last token, accept the next one -> text deltas."""
+    ids = np.array([s.last_token for s in seqs], dtype=np.int64)  # [n]
+    want = any(s.needs_logits for s in seqs)
+    with masks_ahead(seqs):
+        step = backend.decode(cache, list(slots), ids, want_logits=want)
+    return [s.accept(int(t)) for s, t in zip(seqs, choose_tokens(seqs, step))]

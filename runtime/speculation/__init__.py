@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters (prompt lookup, a draft model), the planner and its step costs."""

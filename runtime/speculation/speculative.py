@@ -1,0 +1,420 @@
+"""Speculative decoding: a drafter proposes tokens, one verify pass of the target checks them all.
+
+    row b:  last token t, drafts d1..dk  ->  verify([t, d1..dk])  ->  target choice after each
+            accept d1..dm while they equal the target's choice, then the target's own token
+            -> m + 1 tokens for one target pass; the cache is set back to length + 1 + m (no copy)
+
+Exactness:
+- greedy (with or without penalties): the target's choice at each position is what plain
+  decoding would choose there (same logits, same history), so the output is token-for-token the
+  same;
+- sampling: standard speculative sampling with a one-hot proposal q (both drafters propose one
+  token per position): accept d with probability min(1, p(d) / q(d)) = p(d), else draw from the
+  normalised residual max(0, p - q) = p without d. p is the target's distribution after the
+  same penalties and temperature / top-k / top-p / min-p as plain sampling (runtime/decoding/sampling.py),
+  so every emitted token has plain sampling's distribution.
+
+Adaptivity (``adaptive=True``): each row keeps an acceptance estimate per kind of proposal (the
+n-gram length for prompt lookup), starting from what earlier rows saw for that kind; a shared
+cost table holds the measured seconds of a target pass per (rows, width) (a row count not
+measured yet takes a plain step first; a width not measured yet is priced by the measured cost
+of one more token). Each step picks the verify width with the most expected tokens per second,
+where width 1 is a plain decode step: when acceptance collapses (free-form text), speculation
+stops costing anything but the n-gram search. A prompt-lookup draft a plain step did not verify
+is judged in hindsight against the tokens generated next, so estimates keep learning while a row
+decodes plainly and speculation resumes when the text starts repeating; a draft model's row,
+whose drafts cost a pass to ask, drifts back to what all rows saw instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.runtime.speculation.drafters import Drafter, NgramDrafter
+from decodert.runtime.decoding.generate import Sequence, decode_step
+from decodert.runtime.decoding.metrics import Metrics
+from decodert.runtime.decoding.sampling import apply_processors, draw, make_distribution
+
+METHODS = ("ngram", "draft")
+PRIOR = 0.5  # acceptance of a kind of proposal nobody has verified yet (one pseudo-observation)
+SLOPE_PRIOR = 0.1  # cost of one more verified token per row, in decode steps, before any is measured
+HINDSIGHT = 0.25  # weight of a draft judged in hindsight (not verified) against a verified one
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method``: "ngram" (prompt lookup) | "draft" (LLM.load(..., draft=ARTIFACT)); ``draft_len``:
+    most tokens drafted per step; ``max_ngram`` / ``min_ngram``: the match lengths prompt lookup
+    tries; ``adaptive``: pick the draft length from measured acceptance and step costs."""
+
+    method: str = "ngram"
+    draft_len: int = 8
+    max_ngram: int = 4
+    min_ngram: int = 1
+    adaptive: bool = True
+
+    def validate(self) -> "SpeculativeConfig":
+        if self.method not in METHODS:
+            raise DecodertError(f"speculative must be one of {', '.join(METHODS)} (or a SpeculativeConfig), "
+                                f"got {self.method!r}")
+        for name, low in (("draft_len", 1), ("max_ngram", 1), ("min_ngram", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise DecodertError(f"speculative {name} must be an integer >= {low}, got {value!r}")
+        if self.min_ngram > self.max_ngram:
+            raise DecodertError(f"speculative min_ngram {self.min_ngram} exceeds max_ngram {self.max_ngram}")
+        return self
+
+
+def resolve(value: Any) -> SpeculativeConfig | None:
+    """``speculative=`` argument -> config (None, False or "" -> off)."""
+    if value is None or value is False or value == "":
+        return None
+    if isinstance(value, SpeculativeConfig):
+        return value.validate()
+    if isinstance(value, str):
+        return SpeculativeConfig(method=value).validate()
+    raise DecodertError(f"speculative must be 'ngram', 'draft' or a SpeculativeConfig, got {type(value).__name__}")
+
+
+class StepCosts:
+    """Measured seconds of one target pass per (rows, width); width 1 = decode.
+
+    The estimate of a shape is the lower quartile of its last ``WINDOW`` passes: on a shared
+    machine the noise only ever adds time, and a moving average kept one slow decode step for
+    the rest of a batch (speculation then ran every step, so decode steps, the only ones that
+    could correct it, never came back). The first pass of each shape is not recorded (it pays
+    for warm-up: session creation, JIT)."""
+
+    WINDOW = 8
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[int, int], float] = {}  # (rows, width) -> the estimate
+        self._recent: dict[tuple[int, int], list[float]] = {}
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        key = (rows, width)
+        recent = self._recent.get(key)
+        if recent is None:
+            self._recent[key] = []
+            return
+        recent.append(seconds)
+        del recent[: -self.WINDOW]
+        self.seconds[key] = sorted(recent)[(len(recent) - 1) // 4]
+
+    def estimate(self, rows: int, width: int) -> float | None:
+        """Seconds, or None when nothing of this row count was measured. An unmeasured width scales
+        the nearest measured one by the measured cost of an extra token (``slope``). A wider pass
+        is never priced below a decode step of as many rows."""
+        known = [w for r, w in self.seconds if r == rows]
+        if not known:
+            return None
+        if (rows, width) in self.seconds:
+            got = self.seconds[(rows, width)]
+        else:
+            near = min(known, key=lambda w: abs(w - width))
+            slope = self.slope(rows)
+            got = self.seconds[(rows, near)] * (1 + slope * (width - 1)) / (1 + slope * (near - 1))
+        decode = self.seconds.get((rows, 1))
+        return got if decode is None or width == 1 else max(got, decode)
+
+    def slope(self, rows: int) -> float:
+        """Cost of one more token per row, as a fraction of a decode step of as many rows: the mean
+        over the measured verify widths of this row count (else of every row count; else a prior:
+        a CPU that is compute-bound pays 0.3-0.5 per token at int4, a bandwidth-bound one less)."""
+        def ratios(same_rows: bool) -> list[float]:
+            return [(s / self.seconds[(n, 1)] - 1) / (w - 1) for (n, w), s in self.seconds.items()
+                    if w > 1 and (n, 1) in self.seconds and (n == rows or not same_rows)]
+        measured = ratios(True) or ratios(False)
+        return max(0.0, sum(measured) / len(measured)) if measured else SLOPE_PRIOR
+
+
+class Speculator:
+    """What the rows of one LLM share: the cost table, the drafters and the acceptance seen so far
+    per (drafter, kind of proposal), which is where a new row's estimates start."""
+
+    def __init__(self, draft_backend: Any = None) -> None:
+        self.costs = StepCosts()
+        self.seen: dict[tuple[int, int | None], list[float]] = {}  # (id(drafter), kind or None: all) -> [accepted, evaluated], decayed
+        self._draft_backend = draft_backend
+        self._draft: Drafter | None = None
+        self._ngram: dict[tuple[int, int], NgramDrafter] = {}
+        self._making = threading.Lock()  # requests on server threads ask at once: one drafter (one draft cache) each kind
+
+    def drafter(self, config: SpeculativeConfig) -> Drafter:
+        with self._making:
+            if config.method == "ngram":
+                key = (config.max_ngram, config.min_ngram)
+                if key not in self._ngram:
+                    self._ngram[key] = NgramDrafter(*key)
+                return self._ngram[key]
+            if self._draft_backend is None:
+                raise DecodertError("speculative='draft' needs a draft model: LLM.load(path, draft=ARTIFACT) (--draft)")
+            if self._draft is None:
+                from decodert.runtime.speculation.drafters import DraftModelDrafter
+
+                self._draft = DraftModelDrafter(self._draft_backend)
+            return self._draft
+
+    def state(self, config: SpeculativeConfig, seq: Sequence) -> "RowState":
+        return RowState(self, config, self.drafter(config), seq)
+
+    def prior(self, drafter: Drafter, key: int) -> float:
+        """Acceptance every row has seen for this kind of proposal, with what they saw for every
+        kind of this drafter counted as one observation (and PRIOR as one of that): a kind not
+        verified yet starts from the drafter's record, so on free-form text, where every kind
+        fails, a new kind is not tried as if it were right half the time."""
+        pooled_acc, pooled_seen = self.seen.get((id(drafter), None), (0.0, 0.0))
+        acc, seen = self.seen.get((id(drafter), key), (0.0, 0.0))
+        return (acc + (pooled_acc + PRIOR) / (pooled_seen + 1.0)) / (seen + 1.0)
+
+    def observe(self, drafter: Drafter, key: int, accepted: float, evaluated: float, weight: float = 1.0) -> None:
+        """Add one outcome (``weight``: a hindsight one counts less, and ages the record less)."""
+        keep = 1 - 0.02 * weight
+        for k in (key, None):  # None: every kind of this drafter
+            acc, seen = self.seen.get((id(drafter), k), (0.0, 0.0))
+            self.seen[(id(drafter), k)] = [keep * acc + weight * accepted, keep * seen + weight * evaluated]
+
+
+class RowState:
+    """One row's speculation: its config, drafter, acceptance estimates and counters (``seq.spec``)."""
+
+    def __init__(self, speculator: Speculator, config: SpeculativeConfig, drafter: Drafter, seq: Sequence) -> None:
+        self.speculator, self.config, self.drafter = speculator, config, drafter
+        p = seq.params
+        self.distribution = None if p.greedy else make_distribution(p.temperature, p.top_k, p.top_p, p.min_p)
+        self.stats: dict[int, list[float]] = {}  # proposal kind -> [accepted, evaluated] (decayed sums)
+        self.passes = self.proposed = self.accepted = 0
+        self.pending: list[tuple[int, int, list[int]]] = []  # (kind, first position, draft) not verified yet
+
+    def acceptance(self, key: int) -> float:
+        acc, seen = self.stats.get(key) or (self.speculator.prior(self.drafter, key), 1.0)
+        return acc / seen
+
+    def learn(self, key: int, proposed: int, accepted: int, weight: float = 1.0) -> None:
+        """Add a verified outcome (``weight`` 1), or a hindsight one (``HINDSIGHT``): those come at
+        every plain step and overlap (step t's draft and step t+1's share tokens), so each counts
+        for less and the row's record forgets more slowly (at a verified pass's weight its estimate
+        jumped with every lucky match, and a noisy row verified one step in four)."""
+        acc, seen = self.stats.get(key) or [self.speculator.prior(self.drafter, key), 1.0]
+        evaluated = accepted + (accepted < proposed)  # drafts compared up to the first rejection
+        keep = 1 - 0.3 * weight
+        self.stats[key] = [keep * acc + weight * accepted, keep * seen + weight * evaluated]
+        self.speculator.observe(self.drafter, key, accepted, evaluated, weight)
+
+    def remember(self, key: int, start: int, draft: np.ndarray) -> None:
+        """A prompt-lookup draft for positions ``start``.. that this step did not verify: judged in
+        hindsight (``hindsight``) once the row has generated those positions."""
+        self.pending.append((key, start, draft.tolist()))
+
+    def hindsight(self, seq: Sequence) -> None:
+        """Learn from the remembered drafts the generated tokens now settle: how many of each a
+        verify pass would have kept (greedy: exactly; sampling: a draft token equals the sampled
+        one with the probability speculative sampling accepts it). So a row that decodes plainly
+        keeps learning, and a kind of proposal that failed on earlier text is drafted again as
+        soon as it starts to be right (before, its estimate stayed where it was, and a reply that
+        repeated itself was decoded plainly to the end)."""
+        keep = []
+        for key, start, draft in self.pending:
+            known = seq.history[start : min(seq.length, start + len(draft))].tolist()
+            hit = next((i for i, (a, b) in enumerate(zip(known, draft)) if a != b), len(known))
+            if hit < len(known) or len(known) == len(draft):
+                self.learn(key, len(draft), hit, HINDSIGHT)
+            elif not seq.done:
+                keep.append((key, start, draft))
+        self.pending = keep
+
+    def idle(self, key: int) -> None:
+        """A draft of this kind was available but not verified: drift towards what all rows saw."""
+        prior = self.speculator.prior(self.drafter, key)
+        acc, seen = self.stats.get(key) or [prior, 1.0]
+        self.stats[key] = [0.97 * acc + 0.03 * prior, 0.97 * seen + 0.03]
+
+    def annotate(self, metrics: Metrics) -> Metrics:
+        per_step = (metrics.generated_tokens - 1) / self.passes if self.passes else 0.0
+        rate = self.accepted / self.proposed if self.proposed else 0.0
+        return dataclasses.replace(metrics, accepted_per_step=per_step, acceptance_rate=rate)
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one verify of k drafts commits when each is accepted with probability a: sum a^i, i=0..k."""
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+# ---- the step ----------------------------------------------------------------------------------
+def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: bool = False) -> list[str]:
+    """One decode step of rows that may speculate (``seq.spec``) -> one text delta per row (all
+    the tokens the row committed in this step). ``drain``: no request waits for a slot, so the
+    step that matters is the one that brings the last row's end nearer (see ``_plan``)."""
+    spec_rows = [j for j, s in enumerate(seqs) if s.spec is not None]
+    speculator: Speculator = seqs[spec_rows[0]].spec.speculator
+    for j in spec_rows:
+        if seqs[j].spec.pending:
+            seqs[j].spec.hindsight(seqs[j])
+    width_max = int(getattr(backend, "verify_width", 0) or 0)
+    if width_max:
+        backend.prepare_verify(len(seqs))  # open it now, not inside the first pass the plan picks
+    limits = [_row_limit(s, width_max) if s.spec is not None else 0 for s in seqs]
+    drafts, keys = _look(seqs, limits)
+    width = _plan(speculator.costs, seqs, drafts, keys, limits, drain)
+    n = len(seqs)
+    if width == 1:  # plain decode step
+        for j in spec_rows:
+            seqs[j].spec.passes += 1
+            if keys[j] is not None and len(drafts[j]):  # prompt lookup: judged once the tokens are known
+                seqs[j].spec.remember(keys[j], seqs[j].length, drafts[j])
+            elif keys[j] is None and limits[j]:  # a model drafter was not asked: drift to what rows saw
+                seqs[j].spec.idle(1)
+        t0 = time.perf_counter()
+        deltas = decode_step(backend, cache, slots, seqs)
+        speculator.costs.record(n, 1, time.perf_counter() - t0)
+        return deltas
+    drafts = _draft(seqs, drafts, keys, limits, width)
+    drafts = [d[: s.guide.check(d)] if s.guide is not None and len(d) else d  # cut what the grammar rejects
+              for s, d in zip(seqs, drafts)]
+    ids = [np.concatenate([[s.last_token], d]).astype(np.int64) for s, d in zip(seqs, drafts)]
+    want = any(s.needs_logits for s in seqs)
+    t0 = time.perf_counter()
+    out = backend.verify(cache, list(slots), ids, want_logits=want)
+    speculator.costs.record(n, max(len(x) for x in ids), time.perf_counter() - t0)
+    deltas = []
+    for j, (slot, seq) in enumerate(zip(slots, seqs)):
+        logits = out.logits[j] if out.logits is not None else None
+        text, accepted = _commit(seq, drafts[j], out.next_tokens[j], logits)
+        deltas.append(text)
+        cache.rewind(slot, seq.length - 1)  # rejected drafts (finished or not): the row holds history[:length - 1]
+        if seq.spec is not None:
+            _learn(seq, keys[j], len(drafts[j]), accepted)
+    return deltas
+
+
+def _row_limit(seq: Sequence, width_max: int) -> int:
+    """Most drafts worth verifying for ``seq``: the config, the verify width, the cache room
+    (positions length-1 .. length-1+k are written) and the tokens still to generate."""
+    left = seq.params.max_new_tokens - len(seq.generated) - 1
+    return max(0, min(seq.spec.config.draft_len, width_max - 1, seq.max_seq - seq.length, left))
+
+
+def _look(seqs: Seq[Sequence], limits: list[int]) -> tuple[list[np.ndarray], list[int | None]]:
+    """Drafts of the drafters that cost nothing to ask (prompt lookup); None keys: ask later."""
+    drafts = [np.zeros(0, np.int64) for _ in seqs]
+    keys: list[int | None] = [0] * len(seqs)
+    for drafter, rows in _by_drafter(seqs, limits).items():
+        if isinstance(drafter, NgramDrafter):  # free to ask before planning
+            got, kinds = drafter.propose([seqs[j] for j in rows], [limits[j] for j in rows])
+            for j, d, kind in zip(rows, got, kinds):
+                drafts[j], keys[j] = d, kind
+        else:
+            for j in rows:
+                keys[j] = None
+    return drafts, keys
+
+
+def _by_drafter(seqs: Seq[Sequence], limits: list[int]) -> dict[Any, list[int]]:
+    groups: dict[Any, list[int]] = {}
+    for j, s in enumerate(seqs):
+        if s.spec is not None and limits[j] > 0:
+            groups.setdefault(s.spec.drafter, []).append(j)
+    return groups
+
+
+def _plan(costs: StepCosts, seqs: Seq[Sequence], drafts: list[np.ndarray], keys: list[int | None],
+          limits: list[int], drain: bool = False) -> int:
+    """Verify width (1 = plain decode) with the most expected tokens per second, or, when
+    ``drain`` (nothing waits for a slot), the one that ends the batch soonest: the rows' time to
+    their token limit at this step's rate is ``seconds * max(left / tokens)``. A row that races
+    ahead then frees a slot nobody takes, so its tokens are only worth a wider pass when it is
+    the one the batch waits for (free-form rows beside one that repeats itself: batch 4 spent 37
+    of 126 passes verifying for the one row and finished no sooner)."""
+    avail = [len(d) if keys[j] is not None else limits[j] for j, d in enumerate(drafts)]  # [n]
+    if max(avail, default=0) == 0:
+        return 1
+    if not all(s.spec.config.adaptive for s in seqs if s.spec is not None):
+        return max(avail) + 1
+    n = len(seqs)
+    base = costs.estimate(n, 1)
+    if base is None:
+        return 1  # no decode step of this many rows measured yet: take one (cheap), then price widths
+    acc = [s.spec.acceptance(keys[j] if keys[j] is not None else 1) if s.spec is not None else 0.0
+           for j, s in enumerate(seqs)]
+    draft_cost = [s.spec.drafter.seconds_per_token if s.spec is not None else 0.0 for s in seqs]
+    left = [max(1, s.params.max_new_tokens - len(s.generated)) for s in seqs] if drain and n > 1 else None
+
+    def rate(tokens: list[float], seconds: float) -> float:
+        return sum(tokens) / seconds if left is None else 1 / (seconds * max(r / t for r, t in zip(left, tokens)))
+
+    best, best_rate = 1, rate([1.0] * n, base)
+    for width in range(2, max(avail) + 2):
+        ks = [min(a, width - 1) for a in avail]
+        tokens = [expected_tokens(a, k) for a, k in zip(acc, ks)]
+        seconds = (costs.estimate(n, width) or base) + sum(c * k for c, k in zip(draft_cost, ks))
+        if (got := rate(tokens, seconds)) > best_rate:
+            best, best_rate = width, got
+    return best
+
+
+def _draft(seqs: Seq[Sequence], drafts: list[np.ndarray], keys: list[int | None], limits: list[int],
+           width: int) -> list[np.ndarray]:
+    """Cut looked-up drafts to the width; ask the model drafters for theirs."""
+    out = [d[: width - 1] for d in drafts]
+    for drafter, rows in _by_drafter(seqs, limits).items():
+        rows = [j for j in rows if keys[j] is None]
+        if rows:
+            got, _ = drafter.propose([seqs[j] for j in rows], [min(limits[j], width - 1) for j in rows])
+            for j, d in zip(rows, got):
+                out[j] = d
+    return out
+
+
+def _commit(seq: Sequence, drafts: np.ndarray, next_tokens: np.ndarray, logits: np.ndarray | None) -> tuple[str, int]:
+    """Accept ``seq``'s drafts [k] against the target's output at each position (next_tokens
+    [W], logits [W, V]) -> (text delta, drafts accepted). Stops at the first rejection, a stop or
+    eos token, a stop string, max_new_tokens or a full cache (seq.accept decides)."""
+    text, k = "", len(drafts)
+    for i in range(k + 1):
+        draft = int(drafts[i]) if i < k else None
+        token = _choose(seq, int(next_tokens[i]), None if logits is None else logits[i], draft)
+        text += seq.accept(token)
+        if seq.done or token != draft:
+            return text, i + (token == draft)
+    return text, k
+
+
+def _choose(seq: Sequence, argmax: int, logits: np.ndarray | None, draft: int | None) -> int:
+    """The target's token at one position: plain decoding's choice (greedy), or speculative
+    sampling's (draft accepted with probability p(draft), else a draw from p without it)."""
+    if not seq.needs_logits:
+        return argmax
+    assert logits is not None
+    spec = seq.spec
+    if seq.params.greedy or spec is None or spec.distribution is None:
+        return seq.choose(logits, argmax)
+    if seq.guide is not None:  # structured output: the mask at this position (the guide has advanced to it)
+        logits = seq.guide.mask_logits(logits)
+    row = apply_processors(seq.processors, seq.history[: seq.length], logits[None, :])  # [1, V]
+    probs = spec.distribution(row)  # [1, V] unnormalised
+    if draft is not None:
+        p_draft = probs[0, draft] / probs[0].sum()
+        if seq.rng.random() < p_draft:
+            return draft
+        probs = probs.copy()
+        probs[0, draft] = 0.0  # the residual max(0, p - onehot(draft)), normalised by the draw
+    return int(draw(probs, seq.rng)[0])
+
+
+def _learn(seq: Sequence, key: int | None, proposed: int, accepted: int) -> None:
+    spec = seq.spec
+    spec.passes += 1
+    spec.proposed += proposed
+    spec.accepted += accepted
+    if proposed:
+        spec.learn(key if key is not None else 1, proposed, accepted)
+    if seq.done:
+        spec.drafter.release(seq)

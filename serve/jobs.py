@@ -14,7 +14,7 @@ from typing import AsyncIterator, Sequence as Seq, Union
 
 import numpy as np
 
-from decodert.errors import DecodertError
+from decodert.errors import DecodertError, MissingDependencyError
 from decodert.runtime.engine import Engine, EngineClosed, Event, Handle, QueueFull
 from decodert.runtime.generate import Sequence
 from decodert.runtime.sampling import SamplingParams
@@ -62,6 +62,8 @@ def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, de
     if req.constraint is not None:
         try:
             engine.llm.guidance.guide(req.constraint)  # compiled once here (cached), so a bad schema is its own 400
+        except MissingDependencyError as e:  # the server's installation is at fault, not the request
+            raise ApiError(500, str(e), type="server_error", code="missing_dependency") from None
         except DecodertError as e:
             raise ApiError(400, str(e), param="response_format") from None
     choices = []

@@ -370,3 +370,21 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(llm):
     hit = second.usage.prompt_tokens_details.cached_tokens
     assert hit >= 64 and hit < second.usage.prompt_tokens  # whole 32-token blocks of the shared start
     assert m["decodert_prefix_cache_hit_tokens_total"] == hit and m["decodert_prefix_cache_hits_total"] == 1
+
+
+def test_structured_output_without_llguidance_is_a_server_error(art, monkeypatch):
+    """llguidance missing from the server's environment is the server's fault: 500 with the install hint, not 400."""
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` raises ImportError
+    fmt = {"type": "json_object"}
+    with running(LLM.load(art)) as (url, _):  # a fresh LLM: its guidance is not built yet
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "response_format": fmt})
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "server_error" and "pip install" in r.json()["error"]["message"]
+
+
+def test_llguidance_is_a_base_dependency():
+    """The README's json_schema= snippet and serve's response_format work after a plain `pip install .`."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert any(d.replace(" ", "").startswith("llguidance>=") for d in project["dependencies"])

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from decodert.cli import inputs
+from decodert.cli import common, inputs
 from decodert.errors import DecodertError
 
 
@@ -33,10 +33,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the runtime's own)")
     p.add_argument("--backend", choices=["auto", "ort", "trt"], default="auto", help="execution backend (default auto)")
-    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="time LLM.generate with this speculative decoding (ngram: prompt lookup; draft: --draft) "
-                        "and report tokens per target pass and the acceptance rate")
-    p.add_argument("--draft", type=Path, default=None, help="the draft model's artifact for --speculative draft")
+    common.add_speculative(p, help="time LLM.generate with this speculative decoding (ngram: prompt lookup; draft: "
+                                   "--draft) and report tokens per target pass and the acceptance rate")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of decode time per token against context position")
     p.set_defaults(func=run_bench)
@@ -46,9 +44,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_bench(args: argparse.Namespace) -> int:
     from decodert.runtime.bench import BenchConfig, bench, plot
 
+    spec = common.speculative_kwargs(args).get("speculative")  # one-line errors for bad combinations, before loading
     cfg = BenchConfig(prompt_len=args.prompt_len, gen=args.gen, batches=args.batch, repeats=args.repeats,
                       warmup=args.warmup, threads=args.threads, backend=args.backend,
-                      speculative=args.speculative, draft=str(args.draft) if args.draft else None)
+                      speculative=spec.method if spec else None, draft=str(args.draft) if args.draft else None,
+                      draft_len=args.draft_len)
     inputs.check_output_path(args.json, "--json")
     inputs.check_output_path(args.plot, "--plot")
     if args.plot is not None:

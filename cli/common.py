@@ -50,12 +50,14 @@ def add_constraint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar", type=Path, metavar="FILE", help="the output follows this Lark grammar (llguidance syntax)")
 
 
-def add_speculative(p: argparse.ArgumentParser) -> None:
-    """--speculative ngram|draft, --draft ARTIFACT, --draft-len K (docs: runtime/speculative.py)."""
+SPECULATIVE_HELP = "ngram: prompt lookup (drafts from n-grams of the prompt and the answer); draft: a draft model (--draft)"
+
+
+def add_speculative(p: argparse.ArgumentParser, help: str = SPECULATIVE_HELP) -> None:
+    """--speculative ngram|draft, --draft ARTIFACT, --draft-len K (docs: runtime/speculative.py); the
+    same flags on run, generate, chat, serve and bench (``help``: what --speculative does there)."""
     g = p.add_argument_group("speculative decoding (the same output, several tokens per model pass)")
-    g.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="ngram: prompt lookup (drafts from n-grams of the prompt and the answer); "
-                        "draft: a draft model (--draft)")
+    g.add_argument("--speculative", choices=("ngram", "draft"), default=None, help=help)
     g.add_argument("--draft", type=Path, default=None, metavar="ARTIFACT",
                    help="the draft model's artifact (same tokenizer); implies --speculative draft")
     g.add_argument("--draft-len", type=int, default=None, metavar="K",

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from decodert.cli import common
 from decodert.errors import DecodertError
 
 API_KEY_ENV = "DECODERT_API_KEY"
@@ -40,11 +41,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="prefix cache budget in MiB: prompts that start like an earlier one reuse its K/V "
                         "(default: room for two full contexts; 0 = off)")
-    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="speculative decoding for every request that does not set its own 'speculative' "
-                        "(ngram: prompt lookup; draft: a draft model, --draft)")
-    p.add_argument("--draft", type=Path, default=None, help="the draft model's artifact (same tokenizer) for --speculative draft")
-    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
+    common.add_speculative(p, help="speculative decoding for every request that does not set its own 'speculative' "
+                                   "(ngram: prompt lookup; draft: a draft model, --draft)")
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
+                   help="the HTTP server's log level on stderr (default warning; info logs every request)")
     r = p.add_argument_group("Ray Serve (pip install .[ray]; docs/SERVING.md)")
     r.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead: replicas each own an LLM")
     r.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray instance)")
@@ -79,10 +79,9 @@ def options(args: argparse.Namespace):
         raise DecodertError("--api-key is empty")
     if args.prefix_cache_mb is not None and not args.prefix_cache_mb >= 0:
         raise DecodertError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
-    if args.speculative == "draft" and args.draft is None:
-        raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
+    speculative = common.speculative_kwargs(args).get("speculative")  # a SpeculativeConfig or None
     return ServeOptions(args.artifact, args.host, args.port, args.model_name, key, args.max_queue, args.max_body_bytes,
-                        args.drain_timeout, args.backend, args.verify, args.log_level, args.speculative, args.draft,
+                        args.drain_timeout, args.backend, args.verify, args.log_level, speculative, args.draft,
                         args.prefix_cache_mb, args.client_timeout)
 
 

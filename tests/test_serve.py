@@ -388,3 +388,20 @@ def test_llguidance_is_a_base_dependency():
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert any(d.replace(" ", "").startswith("llguidance>=") for d in project["dependencies"])
+
+
+def test_the_servers_draft_len_applies_to_requests_that_pick_a_method(llm, monkeypatch):
+    """`decodert serve --speculative ngram --draft-len 2`: a request's own "ngram" keeps the server's draft length."""
+    from decodert.runtime.engine import Engine
+    from decodert.runtime.speculative import SpeculativeConfig
+
+    seen = []
+    real = Engine.speculation
+    monkeypatch.setattr(Engine, "speculation", lambda self, value: (seen.append(value), real(self, value))[1])
+    prompt = "the quick brown fox the quick brown fox the quick"
+    want = llm.generate(prompt, max_new_tokens=12, temperature=0.0)
+    with running(llm, speculative=SpeculativeConfig(method="ngram", draft_len=2)) as (url, _):
+        for extra in ({}, {"speculative": "ngram"}):
+            r = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+            assert r.choices[0].text == want.text
+    assert [getattr(v, "draft_len", None) for v in seen] == [2, 2], seen

@@ -24,7 +24,10 @@ def parse_batches(text: str) -> tuple[int, ...]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``decodert bench OUT [--prompt-len N] [--gen N] [--batch 1,4] ...``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "bench", help="time prefill and greedy decode of an artifact (tok/s, TPOT, GB/s, bandwidth floor)")
+        "bench", help="time prefill and greedy decode of an artifact (tok/s, TPOT, GB/s, bandwidth floor)",
+        description="Time prefill and greedy decode at each --batch size: --warmup untimed runs, then --repeats "
+                    "timed ones; prints the median and range of TTFT, prompt and decode tok/s, TPOT and the weight "
+                    "bytes read per second against this machine's memory bandwidth.")
     p.add_argument("out", type=Path, help="artifact folder written by `decodert export` (or built by `decodert build`)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row (default 128)")
     p.add_argument("--gen", type=int, default=128, help="tokens generated per row, the first included (default 128)")

@@ -7,13 +7,20 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> None:
-    e = sub.add_parser("export", help="convert a checkpoint (HF folder or .gguf) to prefill/decode ONNX graphs")
+    e = sub.add_parser("export", help="convert a checkpoint (HF folder or .gguf) to prefill/decode ONNX graphs",
+                       description="Write an artifact folder: prefill.onnx, decode.onnx and verify.onnx sharing "
+                                   "weights.bin, the tokenizer and manifest.json.")
     e.add_argument("src", help="Hugging Face model folder or GGUF file")
     e.add_argument("-o", "--out", required=True, help="artifact folder to write")
-    e.add_argument("--target", choices=["ort", "trt", "portable"], default="ort")
-    e.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
+    e.add_argument("--target", choices=["ort", "trt", "portable"], default="ort",
+                   help="what the graphs are lowered for: ort = ONNX Runtime contrib ops, the fast CPU path; trt = "
+                        "TensorRT / TensorRT-RTX (then `decodert build`); portable = standard ONNX ops only "
+                        "(default ort)")
+    e.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="dtype of the activations and of the weights kept in float (default fp32; fp16 / bf16 "
+                        "suit --target trt engines on a GPU)")
     e.add_argument("--max-seq", type=int, default=None, help="tokens per sequence the cache holds (default: min(context, 2048))")
-    e.add_argument("--max-batch", type=int, default=4, help="sequences decoded together")
+    e.add_argument("--max-batch", type=int, default=4, help="sequences decoded together at most (default 4)")
     e.add_argument("--quant", choices=["int4", "int8"],
                    help="weight-only block quantization of the linear layers. From a GGUF with --block-size 32, "
                         "Q4_0 weights are transcoded exactly to symmetric int4 (in int8 exports too: smaller and exact) "

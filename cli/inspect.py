@@ -7,7 +7,10 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> None:
-    i = sub.add_parser("inspect", help="print an artifact's manifest and graph summary")
+    i = sub.add_parser("inspect", help="print an artifact's manifest and graph summary",
+                       description="Print what an artifact holds: the model, target, dtype and quantization (bits, "
+                                   "block size, accuracy level, symmetric), max_seq / max_batch, the sampling "
+                                   "defaults, each graph's ops and I/O, the engines and the files.")
     i.add_argument("out", help="artifact folder written by `decodert export` (manifest, graphs, weights)")
     i.set_defaults(func=run_inspect)
 

@@ -1,0 +1,39 @@
+"""What `decodert COMMAND --help` promises (issue 31): every option described, defaults named, the
+quantization rule of `run --quant auto` as export/source_precision.py applies it."""
+
+from __future__ import annotations
+
+import pytest
+
+from decodert.cli import build_parser
+
+
+def _help(command: str) -> str:
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    return " ".join(sub.format_help().split())  # argparse wraps lines
+
+
+def _options_without_help(command: str) -> list[str]:
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    return [a.option_strings[0] for a in sub._actions if a.option_strings and not a.help]
+
+
+@pytest.mark.parametrize("command", ["export", "inspect", "build", "generate", "chat", "run", "serve", "verify", "bench"])
+def test_every_option_has_help_and_every_command_a_description(command):
+    assert _options_without_help(command) == []
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    assert sub.description, f"`decodert {command} --help` has no description"
+
+
+def test_export_help_names_the_defaults():
+    text = _help("export")
+    for flag, default in (("--target", "default ort"), ("--dtype", "default fp32"), ("--max-batch", "default 4")):
+        assert default in text.split(flag, 2)[-1], flag
+
+
+def test_run_help_says_a_q4_1_gguf_becomes_fp32():
+    from decodert.export.source_precision import POLICY
+
+    assert POLICY["Q4_1"][0] is None  # the rule the help describes: Q4_1 is exported as fp32
+    text = _help("run")
+    assert "Q4_1 GGUF and float weights become fp32" in text and "Q4_1/Q8_0 GGUF stays" not in text

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
+
+from decodert.errors import DecodertError
+from decodert.export.manifest import MANIFEST
 
 
 def add_parser(sub: Any) -> None:
     e = sub.add_parser("export", help="convert a checkpoint (HF folder or .gguf) to prefill/decode ONNX graphs",
                        description="Write an artifact folder: prefill.onnx, decode.onnx and verify.onnx sharing "
-                                   "weights.bin, the tokenizer and manifest.json.")
+                                   "weights.bin, the tokenizer and manifest.json. An artifact already at -o is "
+                                   "replaced only with --force.")
     e.add_argument("src", help="Hugging Face model folder or GGUF file")
     e.add_argument("-o", "--out", required=True, help="artifact folder to write")
+    e.add_argument("--force", action="store_true",
+                   help="replace the artifact already in the -o folder (its engines too; without --force that is an error)")
     e.add_argument("--target", choices=["ort", "trt", "portable"], default="ort",
                    help="what the graphs are lowered for: ort = ONNX Runtime contrib ops, the fast CPU path; trt = "
                         "TensorRT / TensorRT-RTX (then `decodert build`); portable = standard ONNX ops only "
@@ -53,6 +61,7 @@ def run_export(args: argparse.Namespace) -> int:
     from decodert.export.pipeline import export_model
     from decodert.export.quant import QuantConfig
 
+    check_replace(Path(args.out), args.force)
     quant = None
     if args.quant:
         bits = int(args.quant[3:])
@@ -65,6 +74,19 @@ def run_export(args: argparse.Namespace) -> int:
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version)
     print(summary(m, args.out))
     return 0
+
+
+def check_replace(out: Path, force: bool) -> None:
+    """An artifact already in ``out`` is replaced only with --force (and then said so on stderr);
+    a folder holding other files is refused first, --force or not (export/destination.py)."""
+    from decodert.export import destination
+
+    destination.prepare(out)
+    if not (out / MANIFEST).is_file():
+        return
+    if not force:
+        raise DecodertError(f"-o {out} already holds an artifact; add --force to replace it (or choose another -o)")
+    print(f"decodert: replacing the artifact in {out} (--force)", file=sys.stderr)
 
 
 def summary(m: Any, out: Any) -> str:

@@ -37,3 +37,19 @@ def test_run_help_says_a_q4_1_gguf_becomes_fp32():
     assert POLICY["Q4_1"][0] is None  # the rule the help describes: Q4_1 is exported as fp32
     text = _help("run")
     assert "Q4_1 GGUF and float weights become fp32" in text and "Q4_1/Q8_0 GGUF stays" not in text
+
+
+def test_export_onto_an_artifact_needs_force(tiny_checkpoint, tmp_path, capsys):
+    from decodert.cli import main
+
+    out = tmp_path / "out"
+    src = str(tiny_checkpoint("llama"))
+    assert main(["export", src, "-o", str(out), "--max-seq", "32"]) == 0
+    before = (out / "manifest.json").read_bytes()
+    capsys.readouterr()
+    assert main(["export", src, "-o", str(out), "--max-seq", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("decodert: error: ") and "--force" in err and len(err.strip().splitlines()) == 1
+    assert (out / "manifest.json").read_bytes() == before  # nothing lost
+    assert main(["export", src, "-o", str(out), "--max-seq", "64", "--force"]) == 0
+    assert "replacing the artifact" in capsys.readouterr().err and (out / "manifest.json").read_bytes() != before

@@ -92,9 +92,10 @@ def check_replace(out: Path, force: bool) -> None:
 def summary(m: Any, out: Any) -> str:
     """What was written (``m``: the Manifest): the weights' precision (not only the activations'
     dtype) and, for a quantized export, how many weights were transcoded exactly (GGUF only) or rounded."""
+    from decodert.export.inspect import weight_precision
+
     stored = list(m.quant.per_weight.values()) if m.quant else []
-    bits = sorted({w.bits for w in stored})
-    weights = "+".join(f"int{b}" for b in bits) + f" ({m.dtype} compute)" if bits else m.dtype
+    weights = weight_precision(m)
     lines = [f"exported {m.model.family} ({m.target}, weights {weights}, max_seq {m.max_seq}, "
              f"{(m.weights.bytes or 0) / 1e6:.0f} MB) to {out}"]
     if stored:

@@ -217,7 +217,7 @@ def test_cli_uses_the_model_defaults_and_the_api_flags(samples, tmp_path, capsys
 def test_export_summary_names_the_weight_precision(tiny_checkpoint, q4_gguf, tmp_path):
     res = _decodert("export", tiny_checkpoint("llama"), "-o", tmp_path / "hf", "--quant", "int4", "--max-seq", "32")
     assert res.returncode == 0, res.stderr
-    assert "weights int4 (fp32 compute)" in res.stdout and "rounded to nearest" in res.stdout
+    assert "weights int4 (fp32 compute, accuracy level 0)" in res.stdout and "rounded to nearest" in res.stdout
     assert "transcoded" not in res.stdout  # a safetensors source has no GGUF blocks
     res = _decodert("export", q4_gguf, "-o", tmp_path / "g", "--quant", "int4", "--max-seq", "32")
     assert res.returncode == 0 and "transcoded exactly from GGUF blocks" in res.stdout

@@ -53,3 +53,22 @@ def test_export_onto_an_artifact_needs_force(tiny_checkpoint, tmp_path, capsys):
     assert (out / "manifest.json").read_bytes() == before  # nothing lost
     assert main(["export", src, "-o", str(out), "--max-seq", "64", "--force"]) == 0
     assert "replacing the artifact" in capsys.readouterr().err and (out / "manifest.json").read_bytes() != before
+
+
+def test_export_and_inspect_describe_the_quantization(tiny_checkpoint, tmp_path, capsys):
+    """Accuracy level 4 computes with int8 activations (not fp32); inspect shows bits, block, level and zero points."""
+    from decodert.cli import main
+
+    out = tmp_path / "q"
+    assert main(["export", str(tiny_checkpoint("llama")), "-o", str(out), "--max-seq", "32", "--quant", "int4",
+                 "--accuracy-level", "4", "--block-size", "16", "--symmetric"]) == 0
+    text = capsys.readouterr().out
+    assert "weights int4 (int8 activations, accuracy level 4)" in text and "fp32 compute" not in text
+    assert main(["inspect", str(out)]) == 0
+    quant = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("quant "))
+    for part in ("int4", "int8 activations, accuracy level 4", "block 16", "symmetric", "rounded"):
+        assert part in quant, quant
+    assert main(["export", str(tiny_checkpoint("llama")), "-o", str(tmp_path / "f"), "--max-seq", "32"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "f")]) == 0
+    assert "quant      none (fp32 weights)" in capsys.readouterr().out

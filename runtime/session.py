@@ -68,6 +68,7 @@ class Session:
         self._cache: Any = None  # the session's own one-slot KV cache, allocated on the first turn
         self._ids = np.zeros(0, np.int64)  # [n] the ids whose K/V the row holds (n = cache.lengths[0])
         self.last_turn: TurnInfo | None = None
+        self.dropping = 0  # oldest turns the turn being started drops: known before its answer (last_turn: after)
 
     # -- the conversation ------------------------------------------------------------------------
     @property
@@ -121,6 +122,7 @@ class Session:
         spec = params.pop("speculative", None)
         sp, constraint = self.llm.split_params(params)  # the model's sampling defaults under what was passed
         turns, ids, dropped = self._fit(self._turns + [msg], sp.max_new_tokens)
+        self.dropping = dropped
         return self.llm._sequence(ids, sp, constraint=constraint, speculative=spec), turns, dropped
 
     def _fit(self, turns: list[dict], max_new_tokens: int) -> tuple[list[dict], np.ndarray, int]:

@@ -84,22 +84,52 @@ def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def draft_of(args: argparse.Namespace) -> Path | None:
-    """The --draft artifact to load, after checking the speculative flags (before any loading)."""
+    """The --draft artifact to load, after checking the speculative and structured-output flags:
+    a bad flag or file fails here, before the model loads (seconds), not after."""
     speculative_kwargs(args)
+    check_constraint(args)
     return getattr(args, "draft", None)
 
 
+def check_constraint(args: argparse.Namespace) -> None:
+    """Read --json-schema / --grammar and check them and --regex (a one-line error naming the flag)."""
+    kw = constraint_kwargs(args)
+    if not kw:
+        return
+    from decodert.runtime.constraints import Constraint, _describe_error as describe_error, _llguidance
+
+    name, value = next(iter(kw.items()))
+    flag = "--" + name.replace("_", "-")
+    if not value.strip():
+        raise DecodertError(f"{flag} {getattr(args, name)} is empty" if name != "regex" else "--regex is empty")
+    try:
+        c = Constraint.of(**kw)
+    except DecodertError as e:
+        raise DecodertError(f"{flag}: {e}") from None
+    llguidance = _llguidance()  # MissingDependencyError with the install hint
+    try:  # llguidance parses the schema / regex / grammar; the model's tokenizer is not needed for that
+        problem = llguidance.LLMatcher.validate_grammar(c.grammar_text())
+    except Exception as e:  # llguidance raises ValueError / RuntimeError with a multi-line message
+        problem = str(e)
+    if problem:
+        raise DecodertError(f"{flag}: {describe_error(c, problem)}")
+
+
 def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """{"json_schema": text} | {"regex": R} | {"grammar": text} | {} from the flags (files read here)."""
+    """{"json_schema": text} | {"regex": R} | {"grammar": text} | {} from the flags (files read once, here)."""
     if getattr(args, "regex", None) is not None:
         return {"regex": args.regex}
+    cached = getattr(args, "constraint_text", None)
+    if cached is not None:  # a file read before loading (--json-schema /dev/stdin is read once)
+        return dict(cached)
     for flag, name in (("--json-schema", "json_schema"), ("--grammar", "grammar")):
         path = getattr(args, name, None)
         if path is not None:
             try:
-                return {name: path.read_text(encoding="utf-8")}
+                args.constraint_text = {name: path.read_text(encoding="utf-8")}
             except (OSError, UnicodeDecodeError) as e:
                 raise DecodertError(f"cannot read {flag} {path}: {getattr(e, 'strerror', None) or e}") from None
+            return dict(args.constraint_text)
     return {}
 
 

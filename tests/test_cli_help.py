@@ -72,3 +72,30 @@ def test_export_and_inspect_describe_the_quantization(tiny_checkpoint, tmp_path,
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "f")]) == 0
     assert "quant      none (fp32 weights)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "run"])
+@pytest.mark.parametrize("flags,message", [
+    (["--json-schema", "/dev/null"], "--json-schema /dev/null is empty"),
+    (["--json-schema", "SCHEMA"], "--json-schema: invalid JSON schema"),
+    (["--json-schema", "NOTJSON"], "--json-schema: json_schema is not valid JSON"),
+    (["--regex", "(a"], "--regex: invalid regex"),
+    (["--grammar", "GRAMMAR"], "--grammar: invalid Lark grammar"),
+    (["--grammar", "MISSING"], "cannot read --grammar"),
+])
+def test_structured_output_inputs_fail_before_loading(command, flags, message, tmp_path, monkeypatch, capsys):
+    from decodert.cli import common, main
+    from decodert.export import prepare
+
+    files = {"SCHEMA": '{"type": "nonsense"}', "NOTJSON": "{", "GRAMMAR": "x ::= "}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    flags = [str(tmp_path / f) if f in files or f == "MISSING" else f for f in flags]
+    loads = []
+    monkeypatch.setattr(common, "load", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(prepare, "prepare_model", lambda *a, **k: loads.append(a))
+    prompt = ["--prompt", "hi"] if command != "chat" else []
+    assert main([command, str(tmp_path), *prompt, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("decodert: error: ") and message in err and len(err.strip().splitlines()) == 1, err
+    assert loads == []  # nothing was exported or loaded

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Time prefill and greedy decode at each --batch size: --warmup untimed runs, then --repeats "
                     "timed ones; prints the median and range of TTFT, prompt and decode tok/s, TPOT and the weight "
                     "bytes read per second against this machine's memory bandwidth.")
-    p.add_argument("out", type=Path, help="artifact folder written by `decodert export` (or built by `decodert build`)")
+    p.add_argument("out", metavar="MODEL", type=Path, help=common.MODEL_HELP + "; an artifact with engines "
+                   "(`decodert build`) runs on them")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row (default 128)")
     p.add_argument("--gen", type=int, default=128, help="tokens generated per row, the first included (default 128)")
     p.add_argument("--batch", type=parse_batches, default=(1,), help="batch sizes, e.g. 1,4 (default 1)")
@@ -56,7 +58,9 @@ def run_bench(args: argparse.Namespace) -> int:
     inputs.check_output_path(args.plot, "--plot")
     if args.plot is not None:
         _check_plot_possible()
-    result = bench(args.out, cfg)
+    if cfg.draft:
+        cfg = dataclasses.replace(cfg, draft=str(common.artifact_of(cfg.draft)))
+    result = bench(common.artifact_of(args.out), cfg)
     print(result.table())
     if args.json is not None:
         args.json.write_text(json.dumps(result.to_dict(), indent=1) + "\n")

@@ -28,7 +28,7 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("chat", help="interactive chat with an exported model",
                               description="Streaming chat REPL: Ctrl-C stops an answer, /help lists the commands "
                                           "(/reset forgets, /undo drops the last turn), /exit or Ctrl-D quits.")
-    p.add_argument("out", type=Path, help="artifact folder written by `decodert export`")
+    p.add_argument("out", metavar="MODEL", type=Path, help=common.MODEL_HELP)
     add_chat_flags(p)
     common.add_common(p, json_flag=False)
     p.set_defaults(func=run_chat)

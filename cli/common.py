@@ -146,14 +146,39 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
+MODEL_HELP = ("an artifact folder written by `decodert export`, or what `decodert run` takes: 'smollm2', a .gguf file or an "
+              "HF folder, exported once into the cache (`decodert cache list`)")
+
+
+def artifact_of(model: str | Path) -> Path:
+    """What ``decodert run`` takes -> an artifact folder: a checkpoint (the name 'smollm2', a .gguf
+    file, an HF folder) is exported once into the cache (export/prepare.py, as ``run`` does); any
+    other path is returned as it is, for the loader to check (its errors name what is wrong)."""
+    from decodert.export.prepare import is_checkpoint_source, prepare_model
+
+    return prepare_model(model) if is_checkpoint_source(model) else Path(model)
+
+
+def artifact_only(model: str | Path, command: str) -> Path:
+    """For build and verify, which need a --target trt export: a checkpoint is refused with the command to run."""
+    from decodert.export.prepare import is_checkpoint_source
+
+    if is_checkpoint_source(model):
+        raise DecodertError(f"`decodert {command}` needs an artifact exported with --target trt, and {model} is a "
+                            f"checkpoint (the cache's exports of `decodert run` are --target ort): `decodert export "
+                            f"{model} -o OUT --target trt`, then `decodert {command} OUT`")
+    return Path(model)
+
+
 def load(path: Path, backend: str, verify: str = "fast", draft: Path | None = None):
-    """``LLM.load`` (imported here so that ``decodert --help`` never loads onnxruntime).
+    """``LLM.load`` (imported here so that ``decodert --help`` never loads onnxruntime) of
+    ``artifact_of(path)`` (a model name or checkpoint is exported once into the cache).
 
     When ``--backend auto`` falls back to ONNX Runtime for an artifact with TensorRT engines, a
     line on stderr says so (and why), so the backend that ran is never a guess."""
     from decodert.runtime.llm import LLM
 
-    llm = LLM.load(path, backend=backend, verify=verify, draft=draft)
+    llm = LLM.load(artifact_of(path), backend=backend, verify=verify, draft=artifact_of(draft) if draft else None)
     if backend == "auto" and llm.manifest.engines and getattr(llm.backend, "name", None) == "ort":
         print("decodert: running on ONNX Runtime (CPU), not the TensorRT engines: no usable NVIDIA GPU / TensorRT "
               "here (--backend trt says why)", file=sys.stderr)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from decodert.errors import DecodertError
+from decodert.export.fetch import SMOLLM2
 from decodert.export.manifest import MANIFEST
 
 
@@ -16,7 +17,8 @@ def add_parser(sub: Any) -> None:
                        description="Write an artifact folder: prefill.onnx, decode.onnx and verify.onnx sharing "
                                    "weights.bin, the tokenizer and manifest.json. An artifact already at -o is "
                                    "replaced only with --force.")
-    e.add_argument("src", help="Hugging Face model folder or GGUF file")
+    e.add_argument("src", help="Hugging Face model folder or GGUF file ('smollm2': the SmolLM2-135M-Instruct GGUF "
+                              "`decodert run` downloads into the cache)")
     e.add_argument("-o", "--out", required=True, help="artifact folder to write")
     e.add_argument("--force", action="store_true",
                    help="replace the artifact already in the -o folder (its engines too; without --force that is an error)")
@@ -62,6 +64,11 @@ def run_export(args: argparse.Namespace) -> int:
     from decodert.export.quant import QuantConfig
 
     check_replace(Path(args.out), args.force)
+    src = args.src
+    if src == SMOLLM2 and not Path(src).exists():
+        from decodert.export.fetch import smollm2_gguf
+
+        src = smollm2_gguf()
     quant = None
     if args.quant:
         bits = int(args.quant[3:])
@@ -70,7 +77,7 @@ def run_export(args: argparse.Namespace) -> int:
         quant = QuantConfig(bits=bits, block_size=args.block_size, accuracy_level=level,
                             symmetric=args.symmetric, lm_head=not args.no_quant_lm_head, keep_q8=args.keep_q8,
                             keep_q4_1=args.keep_q4_1, scale_search=not args.no_scale_search)
-    m = export_model(args.src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
+    m = export_model(src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version)
     print(summary(m, args.out))
     return 0

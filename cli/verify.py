@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from decodert.cli import common
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``decodert verify OUT [--steps N] [--rows N] [--bench] [--batches 1,4]``."""
@@ -28,6 +30,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_verify(args: argparse.Namespace) -> int:
     from decodert.runtime.verify import bench, format_report, verify
 
+    common.artifact_only(args.out, "verify")
     result = verify(args.out, steps=args.steps, rows=args.rows)
     rows = bench(args.out, [int(b) for b in args.batches.split(",")], args.bench_steps) if args.bench else []
     print(format_report(result, rows))

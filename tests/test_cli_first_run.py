@@ -128,10 +128,10 @@ def test_cache_list_and_clear(tiny_checkpoint, cache):
     res = _decodert("cache", "list", env=env)
     assert res.returncode == 0 and f"artifacts/{art.name}" in res.stdout and "models/m.gguf" in res.stdout
     assert "ort fp32, max_seq 32" in res.stdout and "in 2 entries" in res.stdout and "mine.txt" not in res.stdout
-    res = _decodert("cache", "clear", "--exports", env=env)
+    res = _decodert("cache", "clear", "--exports", "--yes", env=env)
     assert res.returncode == 0 and "deleted 1 entries" in res.stdout and not art.exists()
     assert (cache / "models" / "m.gguf").is_file()
-    assert _decodert("cache", "clear", env=env).returncode == 0
+    assert _decodert("cache", "clear", "--yes", env=env).returncode == 0
     assert not (cache / "models" / "m.gguf").exists() and (cache / "mine.txt").read_text() == "not decodert's"
     assert "empty" in _decodert("cache", "list", env=env).stdout
 

@@ -5,8 +5,9 @@ profile costs" > "Determining refit engines" ...); the top phase counts its step
 one Stage per engine: on a terminal a bar over the top phase with the phase running now as its
 postfix, elsewhere (a log, CI, ``> build.log``) plain lines, the first after a second and then one
 every 10 s naming the phase. ``build_serialized_network`` releases the GIL, so a ticker thread
-keeps the clock moving through a long phase that reports no steps: with TensorRT-RTX 1.7 most of a
-SmolLM2 build is "Determining refit engines", one step.
+keeps the clock moving through a long phase that reports no steps: with TensorRT-RTX 1.7 a SmolLM2
+build sits longest in "Determining refit engines" (one step; on the tiny test graphs too it takes
+half of each engine's build).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from decodert.export.progress import Stage, _is_terminal
 
 TICK_S = 1.0  # the ticker's period: the bar's clock, and how late a plain line may be
 # phases that take long without a step, described for a person watching
-SLOW_PHASES = {"Determining refit engines": "Determining refit engines: compiling the kernels, the longest phase"}
+SLOW_PHASES = {"Determining refit engines": "Determining refit engines: the longest phase, it reports no steps"}
 
 
 def make_progress(trt: ModuleType, label: str, enabled: bool, stream: TextIO | None = None) -> Any:

@@ -17,6 +17,12 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert listed == found
 
 
+def test_llguidance_is_a_base_dependency():
+    """The README's json_schema= snippet and serve's response_format work after a plain `pip install .`."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(d.replace(" ", "").startswith("llguidance>=") for d in project["dependencies"])
+
+
 def _checker(module: str) -> list[str]:
     """The checker of this interpreter's environment (`python -m ...`), not whatever PATH finds first:
     the `test` extra pins it, so a missing one is an install error, not a reason to skip."""

@@ -382,14 +382,6 @@ def test_structured_output_without_llguidance_is_a_server_error(art, monkeypatch
     assert r.json()["error"]["type"] == "server_error" and "pip install" in r.json()["error"]["message"]
 
 
-def test_llguidance_is_a_base_dependency():
-    """The README's json_schema= snippet and serve's response_format work after a plain `pip install .`."""
-    import tomllib
-
-    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
-    assert any(d.replace(" ", "").startswith("llguidance>=") for d in project["dependencies"])
-
-
 def test_the_servers_draft_len_applies_to_requests_that_pick_a_method(llm, monkeypatch):
     """`decodert serve --speculative ngram --draft-len 2`: a request's own "ngram" keeps the server's draft length."""
     from decodert.runtime.engine import Engine

@@ -53,7 +53,7 @@ def test_tensorrt_code_type_checks(tmp_path):
 
     files = ["plugins/trt_compat.py", "export/trt_build.py", "runtime/trt_backend.py", "runtime/trt_engine.py",
              "runtime/trt_verify.py", "plugins/cuda_mem.py", "export/manifest.py",
-             "runtime/verify.py"]
+             "runtime/verify.py", "export/trt_progress.py", "export/progress.py"]
     res = subprocess.run([*_checker("mypy"), "--no-incremental", "--ignore-missing-imports", "--follow-imports=silent", *files],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "MYPYPATH": str(tmp_path)})
     assert res.returncode == 0, res.stdout[-3000:]

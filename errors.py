@@ -11,6 +11,11 @@ class DecodertError(Exception):
     exit_code = 2
 
 
+class MissingDependencyError(DecodertError):
+    """A package decodert needs is not installed: the installation's fault, not the input's (the
+    server answers 500, not 400). The message names the package and how to install it."""
+
+
 def first_line(e: BaseException) -> str:
     """The first line of a third-party exception's message ('' if it has none), to quote in a
     one-line DecodertError."""

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from decodert.cli import common
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``decodert build OUT [--fp16|--bf16] [--max-batch N] [--max-seq N] ...``."""
@@ -35,6 +37,7 @@ def run_build(args: argparse.Namespace) -> int:
 
     from decodert.export.trt_build import load_trt, strip_problem
 
+    common.artifact_only(args.out, "build")
     engines = build_engines(args.out, precision=args.precision, max_batch=args.max_batch, max_seq=args.max_seq,
                             version_compatible=args.version_compatible, timing_cache=args.timing_cache,
                             progress=args.progress, verify=args.verify, self_contained=args.self_contained)

@@ -28,7 +28,7 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("chat", help="interactive chat with an exported model",
                               description="Streaming chat REPL: Ctrl-C stops an answer, /help lists the commands "
                                           "(/reset forgets, /undo drops the last turn), /exit or Ctrl-D quits.")
-    p.add_argument("out", type=Path, help="artifact folder written by `decodert export`")
+    p.add_argument("out", metavar="MODEL", type=Path, help=common.MODEL_HELP)
     add_chat_flags(p)
     common.add_common(p, json_flag=False)
     p.set_defaults(func=run_chat)
@@ -114,6 +114,9 @@ def turn(session, message: str, args: argparse.Namespace, out: TextIO, err: Text
     stream = None
     try:
         stream = session.stream_chat(inputs.argv_text(message, "the message"), **common.sampling_kwargs(args))
+        if session.dropping:  # said before the answer: the turns are gone as it starts
+            out.flush()
+            print(dropped_note(session.dropping, session.llm.max_seq), file=err, flush=True)
         common.print_stream(stream, out)
     except KeyboardInterrupt:
         if stream is not None:
@@ -134,13 +137,10 @@ def turn(session, message: str, args: argparse.Namespace, out: TextIO, err: Text
 
 
 def notes(info, session, args: argparse.Namespace) -> list[str]:
-    """One line per thing the user should know about the turn: turns dropped, an answer cut short."""
+    """One line per thing the user should know after the turn: an answer cut short (dropped turns
+    are said before the answer, ``dropped_note``)."""
     max_seq = session.llm.max_seq
     out = []
-    if info.dropped_turns:
-        s = "s" if info.dropped_turns > 1 else ""
-        out.append(f"[the conversation filled the context of {max_seq} tokens: dropped the {info.dropped_turns} "
-                   f"oldest turn{s}]")
     if info.cut_by == "max_new_tokens":
         limit = getattr(args, "max_new_tokens", None)
         out.append(f"[answer cut at --max-new-tokens {limit}]" if limit else "[answer cut by --max-new-tokens]")
@@ -149,6 +149,11 @@ def notes(info, session, args: argparse.Namespace) -> list[str]:
                 else "/undo or /reset to go on")
         out.append(f"[answer cut: the context of {max_seq} tokens is full; {then}]")
     return out
+
+
+def dropped_note(dropped: int, max_seq: int) -> str:
+    s = "s" if dropped > 1 else ""
+    return f"[the conversation filled the context of {max_seq} tokens: dropped the {dropped} oldest turn{s}]"
 
 
 class LineHistory:

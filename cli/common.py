@@ -50,12 +50,14 @@ def add_constraint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar", type=Path, metavar="FILE", help="the output follows this Lark grammar (llguidance syntax)")
 
 
-def add_speculative(p: argparse.ArgumentParser) -> None:
-    """--speculative ngram|draft, --draft ARTIFACT, --draft-len K (docs: runtime/speculation/speculative.py)."""
+SPECULATIVE_HELP = "ngram: prompt lookup (drafts from n-grams of the prompt and the answer); draft: a draft model (--draft)"
+
+
+def add_speculative(p: argparse.ArgumentParser, help: str = SPECULATIVE_HELP) -> None:
+    """--speculative ngram|draft, --draft ARTIFACT, --draft-len K (docs: runtime/speculation/speculative.py); the
+    same flags on run, generate, chat, serve and bench (``help``: what --speculative does there)."""
     g = p.add_argument_group("speculative decoding (the same output, several tokens per model pass)")
-    g.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="ngram: prompt lookup (drafts from n-grams of the prompt and the answer); "
-                        "draft: a draft model (--draft)")
+    g.add_argument("--speculative", choices=("ngram", "draft"), default=None, help=help)
     g.add_argument("--draft", type=Path, default=None, metavar="ARTIFACT",
                    help="the draft model's artifact (same tokenizer); implies --speculative draft")
     g.add_argument("--draft-len", type=int, default=None, metavar="K",
@@ -82,22 +84,52 @@ def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def draft_of(args: argparse.Namespace) -> Path | None:
-    """The --draft artifact to load, after checking the speculative flags (before any loading)."""
+    """The --draft artifact to load, after checking the speculative and structured-output flags:
+    a bad flag or file fails here, before the model loads (seconds), not after."""
     speculative_kwargs(args)
+    check_constraint(args)
     return getattr(args, "draft", None)
 
 
+def check_constraint(args: argparse.Namespace) -> None:
+    """Read --json-schema / --grammar and check them and --regex (a one-line error naming the flag)."""
+    kw = constraint_kwargs(args)
+    if not kw:
+        return
+    from decodert.runtime.constraints import Constraint, _describe_error as describe_error, _llguidance
+
+    name, value = next(iter(kw.items()))
+    flag = "--" + name.replace("_", "-")
+    if not value.strip():
+        raise DecodertError(f"{flag} {getattr(args, name)} is empty" if name != "regex" else "--regex is empty")
+    try:
+        c = Constraint.of(**kw)
+    except DecodertError as e:
+        raise DecodertError(f"{flag}: {e}") from None
+    llguidance = _llguidance()  # MissingDependencyError with the install hint
+    try:  # llguidance parses the schema / regex / grammar; the model's tokenizer is not needed for that
+        problem = llguidance.LLMatcher.validate_grammar(c.grammar_text())
+    except Exception as e:  # llguidance raises ValueError / RuntimeError with a multi-line message
+        problem = str(e)
+    if problem:
+        raise DecodertError(f"{flag}: {describe_error(c, problem)}")
+
+
 def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """{"json_schema": text} | {"regex": R} | {"grammar": text} | {} from the flags (files read here)."""
+    """{"json_schema": text} | {"regex": R} | {"grammar": text} | {} from the flags (files read once, here)."""
     if getattr(args, "regex", None) is not None:
         return {"regex": args.regex}
+    cached = getattr(args, "constraint_text", None)
+    if cached is not None:  # a file read before loading (--json-schema /dev/stdin is read once)
+        return dict(cached)
     for flag, name in (("--json-schema", "json_schema"), ("--grammar", "grammar")):
         path = getattr(args, name, None)
         if path is not None:
             try:
-                return {name: path.read_text(encoding="utf-8")}
+                args.constraint_text = {name: path.read_text(encoding="utf-8")}
             except (OSError, UnicodeDecodeError) as e:
                 raise DecodertError(f"cannot read {flag} {path}: {getattr(e, 'strerror', None) or e}") from None
+            return dict(args.constraint_text)
     return {}
 
 
@@ -114,14 +146,39 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
+MODEL_HELP = ("an artifact folder written by `decodert export`, or what `decodert run` takes: 'smollm2', a .gguf file or an "
+              "HF folder, exported once into the cache (`decodert cache list`)")
+
+
+def artifact_of(model: str | Path) -> Path:
+    """What ``decodert run`` takes -> an artifact folder: a checkpoint (the name 'smollm2', a .gguf
+    file, an HF folder) is exported once into the cache (export/prepare.py, as ``run`` does); any
+    other path is returned as it is, for the loader to check (its errors name what is wrong)."""
+    from decodert.export.prepare import is_checkpoint_source, prepare_model
+
+    return prepare_model(model) if is_checkpoint_source(model) else Path(model)
+
+
+def artifact_only(model: str | Path, command: str) -> Path:
+    """For build and verify, which need a --target trt export: a checkpoint is refused with the command to run."""
+    from decodert.export.prepare import is_checkpoint_source
+
+    if is_checkpoint_source(model):
+        raise DecodertError(f"`decodert {command}` needs an artifact exported with --target trt, and {model} is a "
+                            f"checkpoint (the cache's exports of `decodert run` are --target ort): `decodert export "
+                            f"{model} -o OUT --target trt`, then `decodert {command} OUT`")
+    return Path(model)
+
+
 def load(path: Path, backend: str, verify: str = "fast", draft: Path | None = None):
-    """``LLM.load`` (imported here so that ``decodert --help`` never loads onnxruntime).
+    """``LLM.load`` (imported here so that ``decodert --help`` never loads onnxruntime) of
+    ``artifact_of(path)`` (a model name or checkpoint is exported once into the cache).
 
     When ``--backend auto`` falls back to ONNX Runtime for an artifact with TensorRT engines, a
     line on stderr says so (and why), so the backend that ran is never a guess."""
     from decodert.runtime.llm import LLM
 
-    llm = LLM.load(path, backend=backend, verify=verify, draft=draft)
+    llm = LLM.load(artifact_of(path), backend=backend, verify=verify, draft=artifact_of(draft) if draft else None)
     if backend == "auto" and llm.manifest.engines and getattr(llm.backend, "name", None) == "ort":
         print("decodert: running on ONNX Runtime (CPU), not the TensorRT engines: no usable NVIDIA GPU / TensorRT "
               "here (--backend trt says why)", file=sys.stderr)

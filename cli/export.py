@@ -3,17 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
+
+from decodert.errors import DecodertError
+from decodert.export.fetch import SMOLLM2
+from decodert.export.artifact.manifest import MANIFEST
 
 
 def add_parser(sub: Any) -> None:
-    e = sub.add_parser("export", help="convert a checkpoint (HF folder or .gguf) to prefill/decode ONNX graphs")
-    e.add_argument("src", help="Hugging Face model folder or GGUF file")
+    e = sub.add_parser("export", help="convert a checkpoint (HF folder or .gguf) to prefill/decode ONNX graphs",
+                       description="Write an artifact folder: prefill.onnx, decode.onnx and verify.onnx sharing "
+                                   "weights.bin, the tokenizer and manifest.json. An artifact already at -o is "
+                                   "replaced only with --force.")
+    e.add_argument("src", help="Hugging Face model folder or GGUF file ('smollm2': the SmolLM2-135M-Instruct GGUF "
+                              "`decodert run` downloads into the cache)")
     e.add_argument("-o", "--out", required=True, help="artifact folder to write")
-    e.add_argument("--target", choices=["ort", "trt", "portable"], default="ort")
-    e.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
+    e.add_argument("--force", action="store_true",
+                   help="replace the artifact already in the -o folder (its engines too; without --force that is an error)")
+    e.add_argument("--target", choices=["ort", "trt", "portable"], default="ort",
+                   help="what the graphs are lowered for: ort = ONNX Runtime contrib ops, the fast CPU path; trt = "
+                        "TensorRT / TensorRT-RTX (then `decodert build`); portable = standard ONNX ops only "
+                        "(default ort)")
+    e.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="dtype of the activations and of the weights kept in float (default fp32; fp16 / bf16 "
+                        "suit --target trt engines on a GPU)")
     e.add_argument("--max-seq", type=int, default=None, help="tokens per sequence the cache holds (default: min(context, 2048))")
-    e.add_argument("--max-batch", type=int, default=4, help="sequences decoded together")
+    e.add_argument("--max-batch", type=int, default=4, help="sequences decoded together at most (default 4)")
     e.add_argument("--quant", choices=["int4", "int8"],
                    help="weight-only block quantization of the linear layers. From a GGUF with --block-size 32, "
                         "Q4_0 weights are transcoded exactly to symmetric int4 (in int8 exports too: smaller and exact) "
@@ -46,6 +63,12 @@ def run_export(args: argparse.Namespace) -> int:
     from decodert.export.pipeline import export_model
     from decodert.export.quantize.quant import QuantConfig
 
+    check_replace(Path(args.out), args.force)
+    src = args.src
+    if src == SMOLLM2 and not Path(src).exists():
+        from decodert.export.fetch import smollm2_gguf
+
+        src = smollm2_gguf()
     quant = None
     if args.quant:
         bits = int(args.quant[3:])
@@ -54,18 +77,32 @@ def run_export(args: argparse.Namespace) -> int:
         quant = QuantConfig(bits=bits, block_size=args.block_size, accuracy_level=level,
                             symmetric=args.symmetric, lm_head=not args.no_quant_lm_head, keep_q8=args.keep_q8,
                             keep_q4_1=args.keep_q4_1, scale_search=not args.no_scale_search)
-    m = export_model(args.src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
+    m = export_model(src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version)
     print(summary(m, args.out))
     return 0
 
 
+def check_replace(out: Path, force: bool) -> None:
+    """An artifact already in ``out`` is replaced only with --force (and then said so on stderr);
+    a folder holding other files is refused first, --force or not (export/artifact/destination.py)."""
+    from decodert.export.artifact import destination
+
+    destination.prepare(out)
+    if not (out / MANIFEST).is_file():
+        return
+    if not force:
+        raise DecodertError(f"-o {out} already holds an artifact; add --force to replace it (or choose another -o)")
+    print(f"decodert: replacing the artifact in {out} (--force)", file=sys.stderr)
+
+
 def summary(m: Any, out: Any) -> str:
     """What was written (``m``: the Manifest): the weights' precision (not only the activations'
     dtype) and, for a quantized export, how many weights were transcoded exactly (GGUF only) or rounded."""
+    from decodert.export.artifact.inspect import weight_precision
+
     stored = list(m.quant.per_weight.values()) if m.quant else []
-    bits = sorted({w.bits for w in stored})
-    weights = "+".join(f"int{b}" for b in bits) + f" ({m.dtype} compute)" if bits else m.dtype
+    weights = weight_precision(m)
     lines = [f"exported {m.model.family} ({m.target}, weights {weights}, max_seq {m.max_seq}, "
              f"{(m.weights.bytes or 0) / 1e6:.0f} MB) to {out}"]
     if stored:

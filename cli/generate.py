@@ -14,7 +14,7 @@ from decodert.cli import common, inputs
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("generate", help="generate text from an exported model",
                               description="Stream a completion of --prompt to stdout (or print --json).")
-    p.add_argument("out", type=Path, help="artifact folder written by `decodert export`")
+    p.add_argument("out", metavar="MODEL", type=Path, help=common.MODEL_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file ('-' = stdin)")

@@ -5,15 +5,20 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from decodert.cli import common
+
 
 def add_parser(sub: Any) -> None:
-    i = sub.add_parser("inspect", help="print an artifact's manifest and graph summary")
-    i.add_argument("out", help="artifact folder written by `decodert export` (manifest, graphs, weights)")
+    i = sub.add_parser("inspect", help="print an artifact's manifest and graph summary",
+                       description="Print what an artifact holds: the model, target, dtype and quantization (bits, "
+                                   "block size, accuracy level, symmetric), max_seq / max_batch, the sampling "
+                                   "defaults, each graph's ops and I/O, the engines and the files.")
+    i.add_argument("out", metavar="MODEL", help=common.MODEL_HELP)
     i.set_defaults(func=run_inspect)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     from decodert.export.artifact.inspect import inspect_artifact
 
-    print(inspect_artifact(args.out))
+    print(inspect_artifact(common.artifact_of(args.out)))
     return 0

@@ -27,8 +27,9 @@ def add_parser(subparsers: Any) -> None:
     e.add_argument("--max-seq", type=int, default=None,
                    help="tokens per conversation the cache holds (default: min(the model's context, 2048))")
     e.add_argument("--quant", choices=QUANT_CHOICES, default="auto",
-                   help="auto (default): keep the checkpoint's precision (a Q4_0/Q4_1/Q8_0 GGUF stays exact "
-                        "int4/int8, float weights fp32); none = fp32; int4 / int8 = round to nearest")
+                   help="auto (default): keep the checkpoint's precision where answers hold (a Q4_0 / Q8_0 GGUF "
+                        "stays exact int4 / int8, Q4_K-Q6_K become int8; a Q4_1 GGUF and float weights become "
+                        "fp32); none = fp32; int4 / int8 = round to nearest")
     common.add_common(p)
     p.set_defaults(func=run_run)
 
@@ -38,7 +39,8 @@ def run_run(args: argparse.Namespace) -> int:
 
     inputs.argv_text(args.prompt, "--prompt")
     inputs.argv_text(args.system, "--system")
-    llm = common.load(prepare_model(args.model, max_seq=args.max_seq, quant=args.quant), args.backend, args.verify, common.draft_of(args))
+    draft = common.draft_of(args)  # bad speculation or structured-output flags fail before the export and the load
+    llm = common.load(prepare_model(args.model, max_seq=args.max_seq, quant=args.quant), args.backend, args.verify, draft)
     if args.prompt is None:
         return chat_loop(llm, args)
     if args.raw or not llm.chat_template:

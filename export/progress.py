@@ -31,6 +31,7 @@ class Stage:
         self.delay_s = DELAY_S if delay_s is None else delay_s
         self.every_s = EVERY_S if every_s is None else every_s
         self.n = 0
+        self.note = ""  # what the stage is doing now (shown after the bar, or at the end of a plain line)
         self.start = time.monotonic()
         self._last_line: float | None = None  # when the last plain line was written (None: none yet)
         self._bar: Any = None
@@ -50,6 +51,19 @@ class Stage:
             if now >= due:
                 self._line(now)
 
+    def set_note(self, note: str) -> None:
+        """Say what the stage is doing now (a long step without a count: the bar's postfix, or the next plain line)."""
+        self.note = note
+        if self._bar is not None:
+            self._bar.set_postfix_str(note[:48], refresh=True)
+
+    def tick(self) -> None:
+        """Time passed without a step: the bar redraws its clock; plain, a line when one is due."""
+        if self._bar is not None:
+            self._bar.refresh()
+        else:
+            self.update(0)
+
     def _count(self) -> str:
         n = _scaled(self.n) if self.unit_scale else str(self.n)
         total = "" if self.total is None else "/" + (_scaled(self.total) if self.unit_scale else str(self.total))
@@ -58,7 +72,8 @@ class Stage:
     def _line(self, now: float, done: bool = False) -> None:
         state = "done" if done else "…"
         count = f"{self._count()}, " if self.total is not None or self.n else ""
-        print(f"decodert: {self.desc}: {count}{now - self.start:.1f} s {state}", file=self.stream, flush=True)
+        note = f" ({self.note})" if self.note and not done else ""
+        print(f"decodert: {self.desc}: {count}{now - self.start:.1f} s {state}{note}", file=self.stream, flush=True)
         self._last_line = now
 
     def close(self, failed: bool = False) -> None:

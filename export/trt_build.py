@@ -16,7 +16,6 @@ import datetime as dt
 import hashlib
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ from typing import Any, Mapping
 from decodert.errors import DecodertError
 from decodert.export.artifact.destination import file_mode, linked_copy, swap_in
 from decodert.export.lowering.targets import get_target
+from decodert.export.trt_progress import make_progress
 from decodert.export.artifact.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
 from decodert.plugins.trt_compat import TrtInfo, load_trt
 
@@ -227,38 +227,6 @@ def config_flags(trt: ModuleType, config: Any) -> list[str]:
     return sorted(m for m in members if config.get_flag(getattr(trt.BuilderFlag, m)))
 
 
-def make_progress(trt: ModuleType, label: str, enabled: bool) -> Any:
-    """An IProgressMonitor drawing a tqdm bar over the top-level build phase (stderr terminals only)."""
-    if not enabled or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    class _Progress(trt.IProgressMonitor):  # type: ignore[name-defined,misc]
-        def __init__(self) -> None:
-            trt.IProgressMonitor.__init__(self)
-            self.bar: Any = None
-            self.top: str | None = None
-
-        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
-            if parent_phase is None and self.bar is None:
-                self.top = phase_name
-                self.bar = tqdm(total=num_steps, desc=f"{label}: {phase_name}", leave=False, file=sys.stderr)
-            elif self.bar is not None:
-                self.bar.set_postfix_str(phase_name[:40], refresh=True)
-
-        def step_complete(self, phase_name: str, step: int) -> bool:
-            if self.bar is not None and phase_name == self.top:
-                self.bar.update(1)
-            return True
-
-        def phase_finish(self, phase_name: str) -> None:
-            if self.bar is not None and phase_name == self.top:
-                self.bar.close()
-                self.bar, self.top = None, None
-
-    return _Progress()
-
-
 # ---------------------------------------------------------------- build
 def make_logger(trt: ModuleType) -> Any:
     """A TensorRT logger: errors only, everything with DECODERT_TRT_VERBOSE=1."""
@@ -287,10 +255,14 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
     network, _parser = parse_onnx(trt, builder, logger, out_dir / graph.file)
     check_io(network_io(network, graph), graph, f"{graph.file} (parsed)")
     shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"])
-    config = make_config(trt, info, builder, network, shapes, {**settings, "monitor": make_progress(
-        trt, name, settings["progress"])})
+    monitor = make_progress(trt, name, settings["progress"])  # a bar on a terminal, else a line every 10 s
+    config = make_config(trt, info, builder, network, shapes, {**settings, "monitor": monitor})
     t0 = time.perf_counter()
-    plan = builder.build_serialized_network(network, config)
+    try:
+        plan = builder.build_serialized_network(network, config)
+    finally:
+        if monitor is not None:
+            monitor.close()
     seconds = time.perf_counter() - t0
     if plan is None:
         retry = "; or build self-contained engines with --self-contained" if settings.get("strip") else ""

@@ -41,7 +41,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from decodert.errors import DecodertError, first_line
+from decodert.errors import DecodertError, MissingDependencyError, first_line
 
 KINDS = ("json_schema", "regex", "grammar")
 JSON_WHITESPACE = r"(?:\r?\n(?: {1,24}|\t{1,6})?| {1,2})"  # one line break (+ indentation), or 1-2 spaces
@@ -135,8 +135,8 @@ def _llguidance() -> Any:
     try:
         import llguidance
     except ImportError:
-        raise DecodertError("structured output (json_schema / regex / grammar) needs llguidance: "
-                            "pip install 'decodert[structured]'") from None
+        raise MissingDependencyError("structured output (json_schema / regex / grammar) needs llguidance, a dependency "
+                                     "of decodert that is missing here: pip install 'llguidance>=1.9,<2'") from None
     return llguidance
 
 

@@ -41,7 +41,7 @@ class ServeConfig:
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
     max_body_bytes: int = 4 << 20
     drain_s: float = 30.0  # SIGTERM: seconds streams may still run before they are cancelled
-    speculative: str | None = None  # speculative decoding for requests that do not choose ("ngram" | "draft")
+    speculative: Any = None  # speculative decoding for requests that do not choose ("ngram" | "draft" | a SpeculativeConfig)
     client_timeout_s: float = 30.0  # a body must arrive, and each stream write be taken, within this (slow clients)
 
 
@@ -120,7 +120,7 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
 
 
 def _encode_and_prepare(encode, engine: Engine, inputs, req, limit: int | None, default: int | None,
-                        speculative: str | None):
+                        speculative: Any):
     """Tokenize (or render the chat template) and check the request in one thread-pool hop, not two."""
     prompts = encode(engine, inputs)
     return prompts, prepare(engine, prompts, req, limit, default, speculative)

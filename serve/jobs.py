@@ -8,13 +8,14 @@ none) and turns the engine thread's events into ``(choice index, Event)`` on an 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence as Seq, Union
+from typing import Any, AsyncIterator, Sequence as Seq, Union
 
 import numpy as np
 
-from decodert.errors import DecodertError
+from decodert.errors import DecodertError, MissingDependencyError
 from decodert.runtime.decoding.engine import Engine, EngineClosed, Event, Handle, QueueFull
 from decodert.runtime.decoding.generate import Sequence
 from decodert.runtime.decoding.sampling import SamplingParams
@@ -45,16 +46,19 @@ def sampling(engine: Engine, req, max_new_tokens: int, seed: int | None) -> Samp
 
 
 def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, default: int | None,
-            speculative: str | None = None) -> list[Choice]:
+            speculative: Any = None) -> list[Choice]:
     """Sequences for ``req.n`` choices of every prompt (ids [L] each); ApiError 400 when one cannot run.
 
     ``limit`` is the requested max_tokens (None: ``default``, or the rest of the context when
     that is None too); prompt + limit must fit the context (the artifact's max_seq).
-    ``speculative``: the server's default method, used unless the request sets its own ("off": none).
+    ``speculative``: the server's default (a method or a SpeculativeConfig: --draft-len), used unless the
+    request sets its own method ("off": none), which keeps the server's draft length.
     """
     max_seq = engine.llm.max_seq
     spec = req.speculative if req.speculative is not None else speculative
     spec = None if spec == "off" else spec
+    if isinstance(spec, str) and hasattr(speculative, "method"):
+        spec = dataclasses.replace(speculative, method=spec)
     try:
         engine.speculation(spec)
     except DecodertError as e:
@@ -62,6 +66,8 @@ def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, de
     if req.constraint is not None:
         try:
             engine.llm.guidance.guide(req.constraint)  # compiled once here (cached), so a bad schema is its own 400
+        except MissingDependencyError as e:  # the server's installation is at fault, not the request
+            raise ApiError(500, str(e), type="server_error", code="missing_dependency") from None
         except DecodertError as e:
             raise ApiError(400, str(e), param="response_format") from None
     choices = []

@@ -12,6 +12,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from decodert.errors import DecodertError
 
@@ -29,7 +30,7 @@ class ServeOptions:
     backend: str = "auto"
     verify: str = "fast"
     log_level: str = "warning"
-    speculative: str | None = None  # default speculative decoding: "ngram" | "draft" (requests may override)
+    speculative: Any = None  # default speculative decoding: "ngram" | "draft" | a SpeculativeConfig (requests may override)
     draft: Path | None = None  # the draft model's artifact (speculative "draft")
     prefix_cache_mb: float | None = None  # prefix cache budget in MiB (None: LLM.load's default; 0: off)
     client_timeout_s: float = 30.0  # slow clients: body arrival deadline and stream write timeout
@@ -51,7 +52,8 @@ def make_app(options: ServeOptions):
     try:
         engine.speculation(options.speculative)  # a default the model cannot do fails now, not per request
     except DecodertError as e:
-        raise DecodertError(f"--speculative {options.speculative}: {e}") from None
+        method = getattr(options.speculative, "method", options.speculative)
+        raise DecodertError(f"--speculative {method}: {e}") from None
     config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s,
                          options.speculative, options.client_timeout_s)
     return build_app(engine, config)

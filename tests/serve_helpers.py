@@ -62,7 +62,7 @@ def running(llm, model_name: str = "tiny", **config):
 def start_cli(art: Path, *args: str, env: dict | None = None, pattern: str = r"on (http://127\.0\.0\.1:\d+)/v1",
               timeout: float = 120) -> tuple[subprocess.Popen, str]:
     """`python -m decodert serve ART --port 0 ...` in a subprocess; returns (process, base_url)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "PYTHONUNBUFFERED": "1", **(env or {})}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT.parent), os.environ.get("PYTHONPATH", "")]), "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "decodert", "serve", str(art), "--port", "0", *args],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     deadline = time.time() + timeout

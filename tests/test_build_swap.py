@@ -71,7 +71,7 @@ KILL = textwrap.dedent("""
 def test_sigkill_during_build_leaves_old_or_new(built, tmp_path, where, n):
     art, before = _fresh(built, tmp_path)
     proc = subprocess.run([sys.executable, "-c", KILL, where, str(n), str(art)], capture_output=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     destination.recover(art)  # the next export/build does this first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trt"]

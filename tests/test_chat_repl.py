@@ -108,3 +108,25 @@ def test_readline_editing_and_history_in_a_terminal(tiny_checkpoint, tmp_path):
     assert child.exitstatus == 0
     saved = (tmp_path / "cache" / "chat_history").read_text().splitlines()
     assert saved[-3:] == ["hello there", "/reset", "/exit"]
+
+
+def test_the_dropped_turns_notice_comes_before_the_answer():
+    """One stream for answers and notices (a terminal shows both): the notice precedes the answer it belongs to."""
+    llm = make_llm(chat_template=TEMPLATE, max_seq=64)
+    args = build_parser().parse_args(["chat", "OUT", "--no-stats", "--greedy", "--max-new-tokens", "12"])
+    feed = iter(LINES * 2)
+
+    def read(_prompt):
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    both = io.StringIO()
+    assert chat_loop(llm, args, read=read, out=both, err=both, banner=False) == 0
+    lines = both.getvalue().splitlines()
+    dropped = [i for i, line in enumerate(lines) if "oldest turn" in line]
+    assert dropped, lines
+    for i in dropped:  # after the previous turn's last line comes the notice, then this turn's answer (not its notes)
+        assert lines[i - 1] == "[answer cut at --max-new-tokens 12]", lines[i - 1: i + 2]
+        assert not lines[i + 1].startswith("[answer cut"), lines[i - 1: i + 2]

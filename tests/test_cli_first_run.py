@@ -128,10 +128,10 @@ def test_cache_list_and_clear(tiny_checkpoint, cache):
     res = _decodert("cache", "list", env=env)
     assert res.returncode == 0 and f"artifacts/{art.name}" in res.stdout and "models/m.gguf" in res.stdout
     assert "ort fp32, max_seq 32" in res.stdout and "in 2 entries" in res.stdout and "mine.txt" not in res.stdout
-    res = _decodert("cache", "clear", "--exports", env=env)
+    res = _decodert("cache", "clear", "--exports", "--yes", env=env)
     assert res.returncode == 0 and "deleted 1 entries" in res.stdout and not art.exists()
     assert (cache / "models" / "m.gguf").is_file()
-    assert _decodert("cache", "clear", env=env).returncode == 0
+    assert _decodert("cache", "clear", "--yes", env=env).returncode == 0
     assert not (cache / "models" / "m.gguf").exists() and (cache / "mine.txt").read_text() == "not decodert's"
     assert "empty" in _decodert("cache", "list", env=env).stdout
 
@@ -217,7 +217,7 @@ def test_cli_uses_the_model_defaults_and_the_api_flags(samples, tmp_path, capsys
 def test_export_summary_names_the_weight_precision(tiny_checkpoint, q4_gguf, tmp_path):
     res = _decodert("export", tiny_checkpoint("llama"), "-o", tmp_path / "hf", "--quant", "int4", "--max-seq", "32")
     assert res.returncode == 0, res.stderr
-    assert "weights int4 (fp32 compute)" in res.stdout and "rounded to nearest" in res.stdout
+    assert "weights int4 (fp32 compute, accuracy level 0)" in res.stdout and "rounded to nearest" in res.stdout
     assert "transcoded" not in res.stdout  # a safetensors source has no GGUF blocks
     res = _decodert("export", q4_gguf, "-o", tmp_path / "g", "--quant", "int4", "--max-seq", "32")
     assert res.returncode == 0 and "transcoded exactly from GGUF blocks" in res.stdout

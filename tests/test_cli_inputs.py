@@ -56,7 +56,7 @@ def test_non_utf8_prompt_file_and_argv(samples, tmp_path, capsys):
 def test_non_utf8_argv_in_a_real_process(samples):
     proc = subprocess.run([sys.executable, "-m", "decodert", "generate", os.fsencode(samples["art"]), "--prompt",
                            b"caf\xe9", "--max-new-tokens", "2"], capture_output=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "LC_ALL": "C.UTF-8"})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "LC_ALL": "C.UTF-8"})
     assert proc.returncode == 2 and b"--prompt is not valid UTF-8 (byte 0xe9" in proc.stderr, proc.stderr[-800:]
 
 

@@ -200,7 +200,8 @@ KILLED = textwrap.dedent("""
 def test_sigkill_at_a_rename_then_the_next_run_recovers(old, samples, mode, name, n, after):
     out, before = old
     proc = subprocess.run([sys.executable, "-c", KILLED, mode, name, str(n), "1" if after else "0",
-                           str(samples["hf"]), str(out)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                           str(samples["hf"]), str(out)],
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
                           capture_output=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert len(_siblings(out)) == 2  # a killed process leaves its temp or moved-aside folder

@@ -17,6 +17,12 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert listed == found
 
 
+def test_llguidance_is_a_base_dependency():
+    """The README's json_schema= snippet and serve's response_format work after a plain `pip install .`."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(d.replace(" ", "").startswith("llguidance>=") for d in project["dependencies"])
+
+
 def _checker(module: str) -> list[str]:
     """The checker of this interpreter's environment (`python -m ...`), not whatever PATH finds first:
     the `test` extra pins it, so a missing one is an install error, not a reason to skip."""
@@ -47,7 +53,7 @@ def test_tensorrt_code_type_checks(tmp_path):
 
     files = ["plugins/trt_compat.py", "export/trt_build.py", "runtime/backends/trt_backend.py", "runtime/backends/trt_engine.py",
              "runtime/backends/trt_verify.py", "plugins/cuda_mem.py", "export/artifact/manifest.py",
-             "tools/verify.py"]
+             "tools/verify.py", "export/trt_progress.py", "export/progress.py"]
     res = subprocess.run([*_checker("mypy"), "--no-incremental", "--ignore-missing-imports", "--follow-imports=silent", *files],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "MYPYPATH": str(tmp_path)})
     assert res.returncode == 0, res.stdout[-3000:]

@@ -18,6 +18,7 @@ def test_the_python_snippet_runs(art, capsys):
     (art / "manifest.json").write_text(json.dumps(manifest))
     blocks = _python_blocks(README.read_text())
     assert len(blocks) == 1 and '"out/"' in blocks[0]
+    assert 'generate_many([{"messages": ' in blocks[0]  # an instruct model gets chat messages, not raw prompts
     code = blocks[0].replace('"out/"', repr(str(art)))
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the snippet is the test subject
@@ -32,5 +33,9 @@ def test_the_two_commands_come_first():
     assert text.index("## Two commands") < first
     assert commands[0].strip().startswith("pip install . && decodert run smollm2 --prompt ")
     assert commands[1].strip() == "bash .ci/run"
+    before = text[:text.index("bash .ci/run")]
+    assert "16 minutes" in before and "active environment" in before  # how long, and what it installs where
+    for name in ("torch", "Ray", "TensorRT-RTX"):
+        assert name in before.split("Run the tests")[1]
     ci = (README.parent / ".ci" / "run").read_text().splitlines()
     assert [line for line in ci if line.startswith("python -m pytest")] == ["python -m pytest"]

@@ -370,3 +370,30 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(llm):
     hit = second.usage.prompt_tokens_details.cached_tokens
     assert hit >= 64 and hit < second.usage.prompt_tokens  # whole 32-token blocks of the shared start
     assert m["decodert_prefix_cache_hit_tokens_total"] == hit and m["decodert_prefix_cache_hits_total"] == 1
+
+
+def test_structured_output_without_llguidance_is_a_server_error(art, monkeypatch):
+    """llguidance missing from the server's environment is the server's fault: 500 with the install hint, not 400."""
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` raises ImportError
+    fmt = {"type": "json_object"}
+    with running(LLM.load(art)) as (url, _):  # a fresh LLM: its guidance is not built yet
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "response_format": fmt})
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "server_error" and "pip install" in r.json()["error"]["message"]
+
+
+def test_the_servers_draft_len_applies_to_requests_that_pick_a_method(llm, monkeypatch):
+    """`decodert serve --speculative ngram --draft-len 2`: a request's own "ngram" keeps the server's draft length."""
+    from decodert.runtime.decoding.engine import Engine
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    seen = []
+    real = Engine.speculation
+    monkeypatch.setattr(Engine, "speculation", lambda self, value: (seen.append(value), real(self, value))[1])
+    prompt = "the quick brown fox the quick brown fox the quick"
+    want = llm.generate(prompt, max_new_tokens=12, temperature=0.0)
+    with running(llm, speculative=SpeculativeConfig(method="ngram", draft_len=2)) as (url, _):
+        for extra in ({}, {"speculative": "ngram"}):
+            r = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+            assert r.choices[0].text == want.text
+    assert [getattr(v, "draft_len", None) for v in seen] == [2, 2], seen

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from decodert.errors import DecodertError
 from decodert.export.pipeline import export_model
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder holding the decodert package
@@ -30,7 +31,7 @@ def art(tiny_checkpoint, tmp_path_factory):
 
 def cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "decodert", *argv], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
 
 
 def generate(art: Path, *flags: str) -> dict:
@@ -83,3 +84,23 @@ def test_bench_speculative_reports_tokens_per_step_and_acceptance(art, tmp_path)
     assert proc.returncode == 0 and "tok/step" in proc.stdout, proc.stderr
     bad = cli("bench", str(art), "--prompt-len", "8", "--gen", "24", "--speculative", "draft")
     assert bad.returncode == 2 and "--speculative draft needs --draft ARTIFACT" in bad.stderr
+    proc = cli("bench", str(art), "--prompt-len", "8", "--gen", "24", "--repeats", "1", "--warmup", "0",
+               "--speculative", "ngram", "--draft-len", "2")
+    assert proc.returncode == 0 and "tok/step" in proc.stdout and "1 repeat after" in proc.stdout, proc.stderr
+
+
+def test_serve_and_bench_take_the_same_speculation_flags(art):
+    """--speculative, --draft ARTIFACT and --draft-len K on run, generate, chat, serve and bench alike."""
+    from decodert.cli import build_parser
+    from decodert.cli.serve import options
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    for command in ("run", "generate", "chat", "serve", "bench"):
+        text = " ".join(sub[command].format_help().split())
+        assert "--draft ARTIFACT" in text and "--draft-len K" in text, command
+    args = parser.parse_args(["serve", str(art), "--speculative", "ngram", "--draft-len", "3"])
+    assert options(args).speculative.draft_len == 3 and options(args).speculative.method == "ngram"
+    args = parser.parse_args(["serve", str(art), "--draft-len", "3"])
+    with pytest.raises(DecodertError, match="--draft-len needs --speculative"):
+        options(args)

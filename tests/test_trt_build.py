@@ -142,7 +142,21 @@ def test_progress_bar_draws_on_a_terminal(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stderr", err)
     out = trt_graphs.write_artifact(tmp_path / "a", "fp16")
     trt_build.build_engines(out, progress=True)
-    assert "prefill: Building engine" in err.getvalue() and "decode: Building engine" in err.getvalue()
+    assert "building prefill.engine" in err.getvalue() and "building decode.engine" in err.getvalue()
+
+
+def test_progress_lines_without_a_terminal(tmp_path, monkeypatch, capsys):
+    """Output redirected: plain lines (here from the start: no delay), naming the phase, and a last one per engine."""
+    from decodert.export import progress
+
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    out = trt_graphs.write_artifact(tmp_path / "a", "fp16")
+    trt_build.build_engines(out, progress=True)
+    err = capsys.readouterr().err
+    for name in ("prefill", "decode"):
+        assert f"decodert: building {name}.engine: " in err and "step" in err
+        assert any(line.startswith(f"decodert: building {name}.engine: ") and line.endswith(" s done") for line in err.splitlines())
+    assert "\r" not in err  # no bar
 
 
 def test_timing_cache_is_recorded(tmp_path):

@@ -200,7 +200,7 @@ class BackendRunner:
 class SpeculativeRunner:
     """Runs ``batch`` rows through ``LLM.generate`` with ``speculative`` (EOS ignored: same work)."""
 
-    def __init__(self, llm: Any, batch: int, speculative: str) -> None:
+    def __init__(self, llm: Any, batch: int, speculative: Any) -> None:
         self.llm, self.batch, self.speculative = llm, batch, speculative
         llm.eos_token_ids = ()
         self.stats: list[tuple[float, float]] = []
@@ -257,6 +257,7 @@ class BenchConfig:
     backend: str = "auto"
     speculative: str | None = None  # "ngram" | "draft": through LLM.generate (see the module docstring)
     draft: str | None = None  # the draft model's artifact for speculative="draft"
+    draft_len: int | None = None  # most tokens drafted per step (None: SpeculativeConfig's default)
 
 
 def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: bool = True) -> BenchResult:
@@ -288,7 +289,7 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: 
     with Stage(f"bench {folder.name} (batch {','.join(map(str, cfg.batches))})", total=total, unit="run",
                enabled=progress) as bar:
         for batch in cfg.batches:
-            runner = SpeculativeRunner(llm, batch, cfg.speculative) if llm is not None else BackendRunner(backend, batch)
+            runner = SpeculativeRunner(llm, batch, _speculation(cfg)) if llm is not None else BackendRunner(backend, batch)
             runs = time_runs(lambda: runner.run(ids, cfg.gen), cfg.warmup, cfg.repeats, bar.update)
             results.append(summarize(batch, cfg.prompt_len, runs, step_bytes))
             if llm is not None:
@@ -306,6 +307,15 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: 
         copy_gbps=copy, read_gbps=read, floor_tps=read * 1e9 / step_bytes if step_bytes else 0.0,
         peak_rss_mb=rss,
         load_s=load_s, machine=machine_info(), results=results, speculative=cfg.speculative)
+
+
+def _speculation(cfg: BenchConfig) -> Any:
+    """``speculative=`` for LLM.generate: the method, or a SpeculativeConfig with --draft-len."""
+    if cfg.draft_len is None:
+        return cfg.speculative
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    return SpeculativeConfig(method=cfg.speculative or "ngram", draft_len=cfg.draft_len)
 
 
 def check_config(cfg: BenchConfig, manifest: Manifest) -> None:
@@ -330,6 +340,9 @@ def check_config(cfg: BenchConfig, manifest: Manifest) -> None:
         raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
     if cfg.draft and cfg.speculative != "draft":
         raise DecodertError("--draft is the draft model of --speculative draft; add --speculative draft")
+    if cfg.draft_len is not None and (not cfg.speculative or cfg.draft_len < 1):
+        raise DecodertError(f"--draft-len must be >= 1 (got {cfg.draft_len})" if cfg.speculative
+                            else "--draft-len needs --speculative ngram|draft")
 
 
 def machine_info() -> dict[str, Any]:
@@ -353,10 +366,14 @@ def _model_name(manifest: Manifest) -> str:
     return Path((manifest.source.path if manifest.source else None) or "?").stem
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def format_table(r: BenchResult) -> str:
     quant = "" if not r.quant else f" int{r.quant['bits']} acc{r.quant['accuracy_level']}"
     lines = [f"{r.model} {r.dtype}{quant} ({r.backend}, threads {r.threads or 'default'}): prompt {r.prompt_len}, "
-             f"gen {r.gen}, {r.repeats} repeats after {r.warmup} warm-up; median (min-max)"
+             f"gen {r.gen}, {_count(r.repeats, 'repeat')} after {r.warmup} warm-up; median (min-max)"
              + (f"; speculative {r.speculative}" if r.speculative else ""),
              f"{'batch':>5} {'ttft ms':>20} {'prompt tok/s':>22} {'decode tok/s':>20} {'tpot ms':>18} {'GB/s':>17}"
              + (f" {'tok/step':>8} {'accepted':>8}" if r.speculative else "")]

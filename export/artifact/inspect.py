@@ -9,6 +9,7 @@ from typing import Any
 from decodert.export.artifact.manifest import SourceRecord, load_manifest
 from decodert.export.lowering.onnx_check import load_graph
 from decodert.export.checkpoints.sampling_defaults import describe
+from decodert.export.quantize.weight_layouts import NBITS
 
 
 def graph_summary(path: Path) -> dict[str, Any]:
@@ -21,6 +22,42 @@ def graph_summary(path: Path) -> dict[str, Any]:
         weight_bytes += int(length) if length.isdigit() else len(t.raw_data)
     return {"opsets": {str(o.domain) or "ai.onnx": o.version for o in model.opset_import},
             "nodes": len(model.graph.node), "ops": dict(sorted(ops.items())), "weight_bytes": weight_bytes}
+
+
+# MatMulNBits accuracy_level: the type the activations are computed in (0 = unset, fp32)
+ACCURACY_COMPUTE = {0: "fp32", 1: "fp32", 2: "fp16", 3: "bf16", 4: "int8"}
+
+
+def weight_precision(m: Any) -> str:
+    """'fp32', or e.g. 'int4 (fp32 compute)' / 'int4+int8 (int8 activations, accuracy level 4)' (m: a Manifest)."""
+    q = m.quant
+    if q is None:
+        return m.dtype
+    bits = sorted({w.bits for w in q.per_weight.values()} or {q.bits})
+    weights = "+".join(f"int{b}" for b in bits)
+    if q.layout != NBITS.name:  # block DequantizeLinear, dequantized to the graph's dtype: the accuracy level plays no part
+        return f"{weights} ({m.dtype} compute)"
+    compute = ACCURACY_COMPUTE.get(q.accuracy_level, "?")
+    if compute == "fp32" and m.dtype == "fp32":
+        return f"{weights} (fp32 compute, accuracy level {q.accuracy_level})"
+    return f"{weights} ({compute} activations, accuracy level {q.accuracy_level})"
+
+
+def quant_line(m: Any) -> str:
+    """``inspect``'s quantization line: bits, block size, accuracy level, zero points, where the weights came from."""
+    q = m.quant
+    if q is None:
+        return f"none ({m.dtype} weights)"
+    stored = list(q.per_weight.values())
+    symmetric = sorted({w.symmetric for w in stored} or {q.symmetric})
+    sym = {(True,): "symmetric", (False,): "asymmetric (zero points)"}.get(tuple(symmetric), "symmetric and asymmetric")
+    exact = sum(w.source == "transcoded" for w in stored)
+    parts = [weight_precision(m), f"block {q.block_size}", sym, f"layout {q.layout}",
+             f"{len(stored)} weights ({exact} transcoded exactly, {len(stored) - exact} rounded)",
+             "output projection quantized" if q.lm_head else "output projection in float"]
+    if any(w.block_min for w in stored):
+        parts.append("Q4_1 block minimums kept")
+    return ", ".join(parts)
 
 
 def _mib(n: Any) -> str:
@@ -37,6 +74,7 @@ def inspect_artifact(folder: str | Path) -> str:
         f"model      {spec.family}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
         f"heads {spec.num_heads}/{spec.num_kv_heads} x {spec.head_dim}, vocab {spec.vocab_size}",
         f"target     {m.target}  dtype {m.dtype}  max_seq {m.max_seq}  max_batch {m.max_batch}",
+        f"quant      {quant_line(m)}",
         f"weights    {m.weights.file}  {_mib(m.weights.bytes)}",
         f"source     {source.kind}: {source.path}",
         f"sampling   {describe(m.sampling)}",

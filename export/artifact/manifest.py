@@ -131,7 +131,7 @@ class QuantRecord(Record):
     """The export's QuantConfig (its fields, in ``extra`` beyond these), the layout and each weight's storage."""
     bits: int
     block_size: int
-    layout: str  # "qdq" | "matmulnbits" (the target's weight layout)
+    layout: str  # "qdq" | "nbits" (the target's weight layout: export/quantize/weight_layouts.py)
     symmetric: bool = False
     accuracy_level: int = 0
     lm_head: bool = True

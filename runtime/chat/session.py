@@ -75,6 +75,7 @@ class Session:
         self._cache: Any = None  # the session's own one-slot KV cache, allocated on the first turn
         self._running: _Running | None = None  # the turn in flight (a stream not finished yet)
         self.last_turn: TurnInfo | None = None
+        self.dropping = 0  # oldest turns the turn being started drops: known before its answer (last_turn: after)
 
     # -- the conversation ------------------------------------------------------------------------
     @property
@@ -152,6 +153,7 @@ class Session:
         spec = params.pop("speculative", None)
         sp, constraint = self.llm.split_params(params)  # the model's sampling defaults under what was passed
         turns, ids, dropped = self._fit(self._turns + [msg], sp.max_new_tokens)
+        self.dropping = dropped
         return self.llm._sequence(ids, sp, constraint=constraint, speculative=spec), turns, dropped
 
     def _fit(self, turns: list[dict], max_new_tokens: int) -> tuple[list[dict], np.ndarray, int]:

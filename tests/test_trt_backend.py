@@ -309,3 +309,22 @@ def test_shape_outside_the_profile_names_the_fix(trt_artifact, emulator):
         be.prefill(cache, [0], [np.arange(3, 8)], want_logits=False)
         with pytest.raises(DecodertError, match="outside the engine's profile"):
             be.verify(cache, [0], [np.arange(3, 20)], want_logits=False)
+
+
+def test_session_and_shared_cache_keep_their_cuda_graphs(trt_artifact, emulator):
+    """Decode graphs bake a cache's addresses: switching between a session's row and the shared cache
+    keeps both sets (nothing is captured again), and the tokens stay the ort backend's."""
+    with LLM.load(trt_artifact, backend="ort") as ref:
+        want = ref.generate([5, 6, 7, 8], max_new_tokens=8, temperature=0).token_ids
+    with LLM.load(trt_artifact, backend="trt") as llm:
+        session = llm.session()
+        session.chat("hi", max_new_tokens=6, temperature=0)
+        assert llm.generate([5, 6, 7, 8], max_new_tokens=8, temperature=0).token_ids == want
+        captured = llm.backend.stats["captures"]
+        assert captured == 2  # one decode graph for the session's row, one for the shared cache
+        session.chat("and again", max_new_tokens=6, temperature=0)
+        assert llm.generate([5, 6, 7, 8], max_new_tokens=8, temperature=0).token_ids == want
+        assert llm.backend.stats["captures"] == captured and llm.backend.stats["graph_launches"] > 10
+        session.close()  # a freed cache's graphs go with it; a new row captures its own
+        session.chat("hi", max_new_tokens=6, temperature=0)
+        assert llm.backend.stats["captures"] == captured + 1

@@ -23,6 +23,9 @@ Without a GPU, tests/trt_emulator.py runs all of this on the CPU.
 from __future__ import annotations
 
 import warnings
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -42,6 +45,25 @@ from decodert.runtime.backends.trt_verify import TrtVerifier
 GRAPHS = ("prefill", "decode")
 ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 RUNTIME_CACHE = "runtime.cache"  # TensorRT-RTX JIT kernel cache, kept beside the engines
+
+
+KEEP_BAKED = 2  # caches whose decode contexts and CUDA graphs are kept (the shared one, a session's)
+
+
+@dataclass
+class _Baked:
+    """Decode contexts and CUDA graphs bound to one cache's addresses (per decode batch size)."""
+
+    cache: Any  # weakref.ref to the KVCache (None: nothing bound yet)
+    ctx: dict[int, Any] = field(default_factory=dict)
+    graphs: dict[int, cm.CudaGraph | None] = field(default_factory=dict)  # None: capture failed, run plainly
+    warm: set[int] = field(default_factory=set)
+
+    def destroy(self) -> None:
+        for graph in self.graphs.values():
+            if graph is not None:
+                graph.destroy()
+        self.ctx, self.graphs, self.warm = {}, {}, set()
 
 
 class TrtBackend:
@@ -77,9 +99,8 @@ class TrtBackend:
         self._alloc_io()
         self._prefill_ctx = self.engines["prefill"].context(self.scratch)
         self._runs_ctx = self.engines["decode"].context(self.scratch)  # decode of non-prefix slots
-        self._decode_ctx: dict[int, Any] = {}  # batch size -> context bound once for slots 0..n-1
-        self._graphs: dict[int, cm.CudaGraph | None] = {}  # None: capture failed, run plainly
-        self._warm: set[int] = set()
+        self._baked: OrderedDict[int, _Baked] = OrderedDict()  # id(cache) -> its decode contexts and graphs
+        self._now = _Baked(None)  # those of the bound cache
         self.cache: KVCache | None = None
         self.verifier = TrtVerifier(self)  # opens the verify engine at the first verify pass
 
@@ -162,16 +183,27 @@ class TrtBackend:
         return cache
 
     def _use(self, cache: KVCache) -> None:
-        """Make ``cache`` the bound one; decode contexts and graphs baked another cache's pointers."""
-        if cache is not self.cache:
-            self._drop_graphs()
-            self.cache = cache
+        """Make ``cache`` the bound one. Decode contexts and CUDA graphs bake a cache's addresses, so
+        they are kept per cache, for the last ``KEEP_BAKED`` caches used (the shared cache and a
+        session's: switching between them captures nothing again); a freed cache's are dropped."""
+        self.cache = cache
+        key = id(cache)
+        baked = self._baked.get(key)
+        if baked is not None and (baked.cache() is not cache or not cache.buffers):  # id reused, or freed
+            self._baked.pop(key).destroy()
+            baked = None
+        if baked is None:
+            baked = self._baked[key] = _Baked(weakref.ref(cache))
+        self._baked.move_to_end(key)
+        while len(self._baked) > KEEP_BAKED:
+            self._baked.popitem(last=False)[1].destroy()
+        self._now = baked
 
     def _drop_graphs(self) -> None:
-        for graph in self._graphs.values():
-            if graph is not None:
-                graph.destroy()
-        self._graphs, self._warm, self._decode_ctx = {}, set(), {}
+        for baked in self._baked.values():
+            baked.destroy()
+        self._baked.clear()
+        self._now = _Baked(None)
 
     def move_slot(self, cache: KVCache, src: int, dst: int) -> None:
         """Copy slot ``src``'s cached positions into ``dst`` ([Hkv] strided rows of length*D per buffer)."""
@@ -283,21 +315,22 @@ class TrtBackend:
             self.verifier.open()
 
     def _decode_prefix(self, cache: KVCache, n: int) -> None:
-        if n not in self._decode_ctx:
+        baked = self._now
+        if n not in baked.ctx:
             ctx = self.engines["decode"].context(self.scratch)
             bind(ctx, {**self._io_addresses("decode"), **self.kv_addresses(cache, 0)}, self.io_shapes(n, 1))
-            self._decode_ctx[n] = ctx
-        ctx = self._decode_ctx[n]
-        if self.cuda_graphs and n in self._warm and n not in self._graphs:
-            self._graphs[n] = self._capture(ctx, n)
-        graph = self._graphs.get(n) if self.cuda_graphs else None
+            baked.ctx[n] = ctx
+        ctx = baked.ctx[n]
+        if self.cuda_graphs and n in baked.warm and n not in baked.graphs:
+            baked.graphs[n] = self._capture(ctx, n)
+        graph = baked.graphs.get(n) if self.cuda_graphs else None
         if graph is not None:
             graph.launch()
             self.stats["graph_launches"] += 1
         else:
             self._decode_enqueue(ctx, n)
             self.stats["plain_runs"] += 1
-            self._warm.add(n)
+            baked.warm.add(n)
 
     def _decode_enqueue(self, ctx: Any, n: int) -> None:
         """[h2d ids, h2d lengths, execute, d2h next_token]: the work a decode graph replays."""

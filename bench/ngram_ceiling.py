@@ -79,7 +79,7 @@ def simulate(policy: str, replies: list[tuple[list[int], list[int]]], cost: dict
 
 def planner(llm, prompts: list[list[int]], cost: dict[int, float], gen: int) -> float:
     """decodert's speculative loop with the cost table as its step costs; tok/s under the table."""
-    from decodert.runtime.speculation.speculative import StepCosts
+    from decodert.runtime.speculation.planner import StepCosts
 
     class Table(StepCosts):
         def record(self, rows: int, width: int, seconds: float) -> None:

@@ -19,7 +19,8 @@ from decodert.runtime.speculation.drafters import (NgramDrafter, longest_suffix_
                                        voted_continuation)
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams, make_distribution  # noqa: E402
-from decodert.runtime.speculation.speculative import SpeculativeConfig, StepCosts, expected_tokens  # noqa: E402
+from decodert.runtime.speculation.planner import StepCosts, expected_tokens  # noqa: E402
+from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
 
 TOK = make_tokenizer()
 PROMPTS = ["hello world, this is a tiny test", "the quick brown fox jumps over the lazy dog", "a",

@@ -38,13 +38,13 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.runtime.speculation.drafters import Drafter, NgramDrafter
+from decodert.runtime.speculation.planner import StepCosts, plan
 from decodert.runtime.decoding.generate import Sequence, decode_step
 from decodert.runtime.decoding.metrics import Metrics
 from decodert.runtime.decoding.sampling import apply_processors, draw, make_distribution
 
 METHODS = ("ngram", "draft")
 PRIOR = 0.5  # acceptance of a kind of proposal nobody has verified yet (one pseudo-observation)
-SLOPE_PRIOR = 0.1  # cost of one more verified token per row, in decode steps, before any is measured
 HINDSIGHT = 0.25  # weight of a draft judged in hindsight (not verified) against a verified one
 
 
@@ -82,58 +82,6 @@ def resolve(value: Any) -> SpeculativeConfig | None:
     if isinstance(value, str):
         return SpeculativeConfig(method=value).validate()
     raise DecodertError(f"speculative must be 'ngram', 'draft' or a SpeculativeConfig, got {type(value).__name__}")
-
-
-class StepCosts:
-    """Measured seconds of one target pass per (rows, width); width 1 = decode.
-
-    The estimate of a shape is the lower quartile of its last ``WINDOW`` passes: on a shared
-    machine the noise only ever adds time, and a moving average kept one slow decode step for
-    the rest of a batch (speculation then ran every step, so decode steps, the only ones that
-    could correct it, never came back). The first pass of each shape is not recorded (it pays
-    for warm-up: session creation, JIT)."""
-
-    WINDOW = 8
-
-    def __init__(self) -> None:
-        self.seconds: dict[tuple[int, int], float] = {}  # (rows, width) -> the estimate
-        self._recent: dict[tuple[int, int], list[float]] = {}
-
-    def record(self, rows: int, width: int, seconds: float) -> None:
-        key = (rows, width)
-        recent = self._recent.get(key)
-        if recent is None:
-            self._recent[key] = []
-            return
-        recent.append(seconds)
-        del recent[: -self.WINDOW]
-        self.seconds[key] = sorted(recent)[(len(recent) - 1) // 4]
-
-    def estimate(self, rows: int, width: int) -> float | None:
-        """Seconds, or None when nothing of this row count was measured. An unmeasured width scales
-        the nearest measured one by the measured cost of an extra token (``slope``). A wider pass
-        is never priced below a decode step of as many rows."""
-        known = [w for r, w in self.seconds if r == rows]
-        if not known:
-            return None
-        if (rows, width) in self.seconds:
-            got = self.seconds[(rows, width)]
-        else:
-            near = min(known, key=lambda w: abs(w - width))
-            slope = self.slope(rows)
-            got = self.seconds[(rows, near)] * (1 + slope * (width - 1)) / (1 + slope * (near - 1))
-        decode = self.seconds.get((rows, 1))
-        return got if decode is None or width == 1 else max(got, decode)
-
-    def slope(self, rows: int) -> float:
-        """Cost of one more token per row, as a fraction of a decode step of as many rows: the mean
-        over the measured verify widths of this row count (else of every row count; else a prior:
-        a CPU that is compute-bound pays 0.3-0.5 per token at int4, a bandwidth-bound one less)."""
-        def ratios(same_rows: bool) -> list[float]:
-            return [(s / self.seconds[(n, 1)] - 1) / (w - 1) for (n, w), s in self.seconds.items()
-                    if w > 1 and (n, 1) in self.seconds and (n == rows or not same_rows)]
-        measured = ratios(True) or ratios(False)
-        return max(0.0, sum(measured) / len(measured)) if measured else SLOPE_PRIOR
 
 
 class Speculator:
@@ -243,16 +191,11 @@ class RowState:
         return dataclasses.replace(metrics, accepted_per_step=per_step, acceptance_rate=rate)
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens one verify of k drafts commits when each is accepted with probability a: sum a^i, i=0..k."""
-    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-
-
 # ---- the step ----------------------------------------------------------------------------------
 def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: bool = False) -> list[str]:
     """One decode step of rows that may speculate (``seq.spec``) -> one text delta per row (all
     the tokens the row committed in this step). ``drain``: no request waits for a slot, so the
-    step that matters is the one that brings the last row's end nearer (see ``_plan``)."""
+    step that matters is the one that brings the last row's end nearer (see ``planner.plan``)."""
     spec_rows = [j for j, s in enumerate(seqs) if s.spec is not None]
     speculator: Speculator = seqs[spec_rows[0]].spec.speculator
     for j in spec_rows:
@@ -263,7 +206,7 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
         backend.prepare_verify(len(seqs))  # open it now, not inside the first pass the plan picks
     limits = [_row_limit(s, width_max) if s.spec is not None else 0 for s in seqs]
     drafts, keys = _look(seqs, limits)
-    width = _plan(speculator.costs, seqs, drafts, keys, limits, drain)
+    width = plan(speculator.costs, seqs, drafts, keys, limits, drain)
     n = len(seqs)
     if width == 1:  # plain decode step
         for j in spec_rows:
@@ -323,41 +266,6 @@ def _by_drafter(seqs: Seq[Sequence], limits: list[int]) -> dict[Any, list[int]]:
         if s.spec is not None and limits[j] > 0:
             groups.setdefault(s.spec.drafter, []).append(j)
     return groups
-
-
-def _plan(costs: StepCosts, seqs: Seq[Sequence], drafts: list[np.ndarray], keys: list[int | None],
-          limits: list[int], drain: bool = False) -> int:
-    """Verify width (1 = plain decode) with the most expected tokens per second, or, when
-    ``drain`` (nothing waits for a slot), the one that ends the batch soonest: the rows' time to
-    their token limit at this step's rate is ``seconds * max(left / tokens)``. A row that races
-    ahead then frees a slot nobody takes, so its tokens are only worth a wider pass when it is
-    the one the batch waits for (free-form rows beside one that repeats itself: batch 4 spent 37
-    of 126 passes verifying for the one row and finished no sooner)."""
-    avail = [len(d) if keys[j] is not None else limits[j] for j, d in enumerate(drafts)]  # [n]
-    if max(avail, default=0) == 0:
-        return 1
-    if not all(s.spec.config.adaptive for s in seqs if s.spec is not None):
-        return max(avail) + 1
-    n = len(seqs)
-    base = costs.estimate(n, 1)
-    if base is None:
-        return 1  # no decode step of this many rows measured yet: take one (cheap), then price widths
-    acc = [s.spec.acceptance(keys[j] if keys[j] is not None else 1) if s.spec is not None else 0.0
-           for j, s in enumerate(seqs)]
-    draft_cost = [s.spec.drafter.seconds_per_token if s.spec is not None else 0.0 for s in seqs]
-    left = [max(1, s.params.max_new_tokens - len(s.generated)) for s in seqs] if drain and n > 1 else None
-
-    def rate(tokens: list[float], seconds: float) -> float:
-        return sum(tokens) / seconds if left is None else 1 / (seconds * max(r / t for r, t in zip(left, tokens)))
-
-    best, best_rate = 1, rate([1.0] * n, base)
-    for width in range(2, max(avail) + 2):
-        ks = [min(a, width - 1) for a in avail]
-        tokens = [expected_tokens(a, k) for a, k in zip(acc, ks)]
-        seconds = (costs.estimate(n, width) or base) + sum(c * k for c, k in zip(draft_cost, ks))
-        if (got := rate(tokens, seconds)) > best_rate:
-            best, best_rate = width, got
-    return best
 
 
 def _draft(seqs: Seq[Sequence], drafts: list[np.ndarray], keys: list[int | None], limits: list[int],

@@ -14,7 +14,8 @@ Operations: generate (one prompt or a batch), streams closed after k deltas, gen
 mixed requests (stop strings, plain, ngram, draft), sessions' turns and streamed turns with reset,
 undo or close at any point (mid-stream too), speculation by prompt lookup and by a draft model,
 eos inside accepted drafts, max_new_tokens and the context's end landing inside a verify pass, a
-prefix cache of a few blocks. ``-m slow`` runs many more examples.
+prefix cache of a few blocks, requests through the server's engine thread cancelled mid-run.
+``-m slow`` runs many more examples.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,7 +33,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import FakeBackend, fake_manifest, make_tokenizer, reference_tokens  # noqa: E402
 
-from decodert.runtime.decoding.engine import CANCELLED  # noqa: E402
+from decodert.runtime.decoding.engine import CANCELLED, Engine, Event  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 from decodert.runtime.llm import LLM  # noqa: E402
 from decodert.runtime.prefix_cache import PrefixCache  # noqa: E402
 from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
@@ -85,6 +88,8 @@ ops_st = st.lists(st.one_of(
     st.tuples(st.just("stream_turn"), st.integers(0, 1), st.integers(0, 3), new_st, spec_st, st.integers(0, 6),
               st.sampled_from(["finish", "close_stream", "reset", "undo", "close"])),
     st.tuples(st.sampled_from(["reset", "undo", "close"]), st.integers(0, 1)),
+    st.tuples(st.just("engine"), st.lists(st.tuples(st.integers(0, 4), new_st, spec_st, st.integers(-1, 8)),
+                                          min_size=1, max_size=5)),
 ), min_size=1, max_size=8)
 
 
@@ -124,6 +129,39 @@ class World:
         for r, (i, n, _, stop) in zip(rs, reqs):
             want = self.expect(self.prompts[i], n)
             assert r.token_ids == (want[: len(r.token_ids)] if stop else want)
+
+    def op_engine(self, reqs: list[tuple[int, int, int, int]]) -> None:
+        """Requests through the server's engine thread; request j is cancelled after ``cancel_at`` of its
+        deltas (-1: never). The engine's run ends when the last one finishes; then the state is checked."""
+        engine = Engine(self.llm, max_queue=16).start()
+        done = threading.Event()
+        results: dict[int, Any] = {}
+        handles: dict[int, Any] = {}
+        counts = [0] * len(reqs)
+
+        def sink_for(j: int) -> Any:
+            def sink(event: Event) -> None:
+                counts[j] += 1
+                if event.last:
+                    results[j] = event.result
+                    if len(results) == len(reqs):
+                        done.set()
+                elif counts[j] == reqs[j][3] and j in handles:
+                    handles[j].cancel()  # on the engine thread, between steps: applied before the next one
+            return sink
+
+        try:
+            for j, (i, n, spec, _) in enumerate(reqs):
+                seq = engine.sequence(self.prompts[i], SamplingParams(max_new_tokens=n, temperature=0),
+                                      speculative=engine.speculation(SPEC[spec]))
+                handles[j] = engine.submit(seq, sink_for(j))
+            assert done.wait(30), "the engine did not finish its requests"
+        finally:
+            engine.stop(join_s=30)
+        for j, (i, n, _, _) in enumerate(reqs):
+            want = self.expect(self.prompts[i], n)
+            r = results[j]
+            assert r.token_ids == (want[: len(r.token_ids)] if r.finish_reason == CANCELLED else want)
 
     def op_turn(self, k: int, q: int, n: int, spec: int) -> None:
         s = self.sessions[k]

@@ -182,7 +182,10 @@ class World:
             stream.close()
             return
         running = s._running is not None  # started and not finished
-        getattr(s, then)()
+        if then == "undo" and not running:
+            self.op_undo(k)  # nothing in flight: the last finished turn, if there is one
+        else:
+            getattr(s, then)()
         if not running:  # never started (a stream runs at its first delta) or already over
             list(stream)
             return

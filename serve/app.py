@@ -43,6 +43,7 @@ class ServeConfig:
     drain_s: float = 30.0  # SIGTERM: seconds streams may still run before they are cancelled
     speculative: Any = None  # speculative decoding for requests that do not choose ("ngram" | "draft" | a SpeculativeConfig)
     client_timeout_s: float = 30.0  # a body must arrive, and each stream write be taken, within this (slow clients)
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback and the bound address ("*": any)
 
 
 def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
@@ -57,7 +58,7 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
     app = FastAPI(title="decodert", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics,
-                       body_timeout_s=config.client_timeout_s)
+                       body_timeout_s=config.client_timeout_s, allowed_hosts=config.allowed_hosts)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -132,8 +133,8 @@ def _model_card(engine: Engine, config: ServeConfig) -> dict[str, Any]:
 
 
 def _check_model(name: str, config: ServeConfig) -> None:
-    if name != config.model_name:
-        raise ApiError(400, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
+    if name != config.model_name:  # 404 model_not_found, as OpenAI's API
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
                        param="model", code="model_not_found")
 
 

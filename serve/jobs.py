@@ -55,6 +55,11 @@ def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, de
     request sets its own method ("off": none), which keeps the server's draft length.
     """
     max_seq = engine.llm.max_seq
+    capacity = engine.slots + engine.max_queue
+    if len(prompts) * req.n > capacity:  # a 429 would never clear: the client would retry forever
+        raise ApiError(400, f"this request asks for {len(prompts) * req.n} generations (prompts x n), but the server "
+                            f"takes at most {capacity} at a time ({engine.slots} slots + --max-queue {engine.max_queue})",
+                       param="n")
     spec = req.speculative if req.speculative is not None else speculative
     spec = None if spec == "off" else spec
     if isinstance(spec, str) and hasattr(speculative, "method"):

@@ -141,6 +141,9 @@ class CompletionRequest(_Sampling):
             raise ApiError(400, f"{name} is not supported by this server", param=name)
         if isinstance(self.prompt, list) and not self.prompt:
             raise ApiError(400, "prompt must not be an empty list", param="prompt")
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(self.prompts())} prompts x n {self.n} asks for {len(self.prompts()) * self.n} "
+                                f"choices; at most {MAX_CHOICES} per request", param="n")
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """One entry per prompt: text, or token ids."""

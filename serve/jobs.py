@@ -39,6 +39,7 @@ def sampling(engine: Engine, req, max_new_tokens: int, seed: int | None) -> Samp
     (manifest.sampling, as ``LLM.generate``; greedy when the model has none)."""
     given = {name: getattr(req, name) for name in _SAMPLING_FIELDS
              if name in req.model_fields_set and getattr(req, name) is not None}
+    given.update(req.sampling_extras())  # logit_bias, logprobs
     try:
         return engine.llm.params(max_new_tokens=max_new_tokens, seed=seed, stop=req.stops, **given)
     except DecodertError as e:
@@ -90,7 +91,7 @@ def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, de
                 seq = engine.sequence(ids, sampling(engine, req, n_new, seed),
                                       "prompt" if len(prompts) == 1 else f"prompt {p}", req.constraint, spec)
             except DecodertError as e:
-                raise ApiError(400, str(e), param="prompt") from None
+                raise ApiError(400, str(e), param="logit_bias" if str(e).startswith("logit_bias") else "prompt") from None
             choices.append(Choice(seq, p))
     return choices
 

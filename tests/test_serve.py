@@ -265,7 +265,7 @@ BAD = [  # (path, body, status, param or a word of the message)
     ("/v1/completions", {"model": "tiny", "prompt": [5, 99999]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 0}, 400, "n"),
-    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 6}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages"),

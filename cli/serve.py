@@ -33,8 +33,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are cancelled (default 30)")
     p.add_argument("--client-timeout", type=float, default=30.0,
-                   help="seconds a request body may take to arrive (then 408), and a stream reader may take no "
-                        "bytes before it is dropped (slow clients; default 30)")
+                   help="seconds a request's headers may take to arrive (then the connection is closed), its body "
+                        "(then 408), and a stream reader may take no bytes before it is dropped (slow clients; default 30)")
     p.add_argument("--allowed-hosts", default="", metavar="HOST[,HOST...]",
                    help="Host header names to accept besides 127.0.0.1, localhost, [::1] and the address listened on "
                         "(e.g. the name a proxy or clients use; '*' = any); others get 421 (DNS-rebinding protection)")

@@ -165,3 +165,22 @@ def test_an_empty_api_key_is_refused_from_the_flag_and_the_environment(tmp_path,
         errors.append(capsys.readouterr().err)
     assert len(set(errors)) == 1 and errors[0].startswith("decodert: error: --api-key is empty"), errors
     assert len(errors[0].strip().splitlines()) == 1
+
+
+def test_the_cli_checks_hosts_and_times_headers(tmp_path):
+    import signal
+
+    from serve_helpers import export_tiny, start_cli
+
+    proc, url = start_cli(export_tiny(tmp_path, max_batch=2, max_seq=64), "--model-name", "tiny", "--client-timeout", "1",
+                          "--allowed-hosts", "api.example")
+    try:
+        with socket.create_connection(("127.0.0.1", _port(url)), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+            t0 = time.monotonic()
+            assert s.recv(100) == b"" and time.monotonic() - t0 < 5
+        assert httpx.post(f"{url}/v1/completions", json=BODY, headers={"Host": "api.example"}).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=BODY, headers={"Host": "evil.example"}).status_code == 421
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

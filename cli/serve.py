@@ -33,8 +33,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are cancelled (default 30)")
     p.add_argument("--client-timeout", type=float, default=30.0,
-                   help="seconds a request body may take to arrive (then 408), and a stream reader may take no "
-                        "bytes before it is dropped (slow clients; default 30)")
+                   help="seconds a request's headers may take to arrive (then the connection is closed), its body "
+                        "(then 408), and a stream reader may take no bytes before it is dropped (slow clients; default 30)")
+    p.add_argument("--allowed-hosts", default="", metavar="HOST[,HOST...]",
+                   help="Host header names to accept besides 127.0.0.1, localhost, [::1] and the address listened on "
+                        "(e.g. the name a proxy or clients use; '*' = any); others get 421 (DNS-rebinding protection)")
     p.add_argument("--backend", choices=("auto", "ort", "trt"), default="auto", help="execution backend")
     p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
                    help="check the whole sha256 of every artifact file at load")
@@ -72,9 +75,9 @@ def options(args: argparse.Namespace):
         raise DecodertError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not args.client_timeout > 0:
         raise DecodertError(f"--client-timeout must be > 0 seconds, got {args.client_timeout}")
-    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    if key is not None and not key.strip():
-        raise DecodertError("--api-key is empty")
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():  # the flag and the variable alike: never a silently open server
+        raise DecodertError(f"--api-key is empty (or ${API_KEY_ENV} is set but empty); give a key, or unset both")
     if args.prefix_cache_mb is not None and not args.prefix_cache_mb >= 0:
         raise DecodertError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
     speculative = common.speculative_kwargs(args).get("speculative")  # a SpeculativeConfig or None
@@ -86,7 +89,7 @@ def options(args: argparse.Namespace):
     draft = common.artifact_of(args.draft) if args.draft is not None else None
     return ServeOptions(artifact, args.host, args.port, name, key, args.max_queue, args.max_body_bytes,
                         args.drain_timeout, args.backend, args.verify, args.log_level, speculative, draft,
-                        args.prefix_cache_mb, args.client_timeout)
+                        args.prefix_cache_mb, args.client_timeout, _hosts(args.allowed_hosts))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -103,6 +106,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from decodert.serve.server import serve
 
     return serve(opts)
+
+
+def _hosts(text: str) -> tuple[str, ...]:
+    hosts = tuple(h.strip() for h in text.split(",") if h.strip())
+    bad = next((h for h in hosts if any(c in h for c in " /@?#")), None)
+    if bad is not None:
+        raise DecodertError(f"--allowed-hosts takes host names or name:port, comma-separated, got {bad!r}")
+    return hosts
 
 
 def _loopback(host: str) -> bool:

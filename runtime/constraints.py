@@ -118,17 +118,22 @@ class Constraint:
 
 def _schema_text(value: Any) -> str:
     """A JSON schema (dict, bool, or JSON text of one) -> canonical JSON text."""
+    deep = "json_schema is nested too deeply (beyond Python's recursion limit); flatten it or use $defs"
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise DecodertError(f"json_schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise DecodertError(deep) from None
     if not isinstance(value, (Mapping, bool)):
         raise DecodertError(f"json_schema must be a JSON object (a schema), got {type(value).__name__}")
     try:
         return json.dumps(value)
     except (TypeError, ValueError) as e:
         raise DecodertError(f"json_schema cannot be written as JSON: {e}") from None
+    except RecursionError:
+        raise DecodertError(deep) from None
 
 
 def _llguidance() -> Any:
@@ -203,6 +208,11 @@ class Guidance:
         base = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if base.is_error():
             raise DecodertError(_describe_error(c, base.get_error()))
+        for _ in range(2):  # compiled fully: some grammars fail only at a first mask ({"$ref": "#"}), or at the
+            first = base.deep_copy()  # second row's ("a{1000000}": the shared lexer's budget is spent by then);
+            first.compute_bitmask()  # so they are the request's error (a 400), not a failed step (a 500)
+            if first.is_error():
+                raise DecodertError(_describe_error(c, first.get_error()))
         with self._lock:
             self._compiled[c] = base
             while len(self._compiled) > _COMPILED_KEEP:

@@ -68,7 +68,8 @@ class LLM:
 
     Generation keyword arguments are the SamplingParams fields: max_new_tokens=256,
     temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
-    seed=None, stop=(), stop_token_ids=(). A parameter you do not pass takes the model's
+    seed=None, stop=(), stop_token_ids=(), logit_bias={id: bias}, logprobs=False, top_logprobs=0
+    (``result.logprobs``: one TokenLogprob per generated token). A parameter you do not pass takes the model's
     default (``sampling_defaults``: manifest.sampling, export/checkpoints/sampling_defaults.py; e.g.
     SmolLM2-Instruct: temperature 0.2, top_p 0.5), else SamplingParams' (greedy). Explicit
     arguments always override, one parameter at a time: ``temperature=0`` is greedy.
@@ -215,6 +216,8 @@ class LLM:
                                 f"{self.max_seq}, which leaves no room to generate; re-export with a larger --max-seq")
         if ids.min() < 0 or ids.max() >= self.backend.vocab_size:
             raise DecodertError(f"{what} has token ids outside the vocabulary [0, {self.backend.vocab_size})")
+        if any(t >= self.backend.vocab_size for t, _ in params.logit_bias):
+            raise DecodertError(f"logit_bias has token ids outside the vocabulary [0, {self.backend.vocab_size})")
         guide = None
         if constraint is not None:
             try:
@@ -223,7 +226,7 @@ class LLM:
                 raise (DecodertError(f"{what}: {e}") if what != "prompt" else e) from None
         seq = Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq, guide)
         config = resolve_speculative(speculative)
-        if config is not None:
+        if config is not None and not params.logprobs:  # logprobs rows decode one token a step (docs/SERVING.md)
             self._check_speculation()
             seq.spec = self.speculator.state(config, seq)
         return seq

@@ -28,6 +28,7 @@ from decodert.errors import first_line
 from decodert.runtime.decoding.engine import CANCELLED, Engine
 from decodert.serve.guard import Guard
 from decodert.serve.jobs import COMPLETION_DEFAULT_MAX_TOKENS, Job, encode_chat, encode_prompts, prepare
+from decodert.serve.logprobs import logprob_format
 from decodert.serve.metrics import CONTENT_TYPE, ServerMetrics
 from decodert.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from decodert.serve.responses import Reply, usage
@@ -43,6 +44,7 @@ class ServeConfig:
     drain_s: float = 30.0  # SIGTERM: seconds streams may still run before they are cancelled
     speculative: Any = None  # speculative decoding for requests that do not choose ("ngram" | "draft" | a SpeculativeConfig)
     client_timeout_s: float = 30.0  # a body must arrive, and each stream write be taken, within this (slow clients)
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback and the bound address ("*": any)
 
 
 def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
@@ -57,7 +59,7 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
     app = FastAPI(title="decodert", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics,
-                       body_timeout_s=config.client_timeout_s)
+                       body_timeout_s=config.client_timeout_s, allowed_hosts=config.allowed_hosts)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -104,7 +106,8 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
         prompts, choices = await run_in_threadpool(_encode_and_prepare, encode_prompts, engine, req.prompts(), req,
                                                    req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, config.speculative)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
-                              Reply("completion", config.model_name), [len(p) for p in prompts], config)
+                              Reply("completion", config.model_name, logprob_format(req, engine.llm.tokenizer, False)),
+                              [len(p) for p in prompts], config)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -114,7 +117,8 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
         prompts, choices = await run_in_threadpool(_encode_and_prepare, encode_chat, engine, req.message_dicts(), req,
                                                    req.limit, None, config.speculative)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
-                              Reply("chat", config.model_name), [len(p) for p in prompts], config)
+                              Reply("chat", config.model_name, logprob_format(req, engine.llm.tokenizer, True)),
+                              [len(p) for p in prompts], config)
 
     return app
 
@@ -132,8 +136,8 @@ def _model_card(engine: Engine, config: ServeConfig) -> dict[str, Any]:
 
 
 def _check_model(name: str, config: ServeConfig) -> None:
-    if name != config.model_name:
-        raise ApiError(400, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
+    if name != config.model_name:  # 404 model_not_found, as OpenAI's API
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
                        param="model", code="model_not_found")
 
 
@@ -197,8 +201,8 @@ async def _stream(job: Job, req, reply: Reply, prompt_lengths: list[int]) -> Asy
             for j in range(len(job.choices)):
                 yield json.dumps(reply.chunk(j, role=True, usage=want_usage))
         async for j, event in job.events():
-            if event.text:
-                yield json.dumps(reply.chunk(j, event.text, usage=want_usage))
+            if event.text or event.logprobs:  # a last token's logprobs may come without text
+                yield json.dumps(reply.chunk(j, event.text, usage=want_usage, logprobs=event.logprobs))
             if event.last:
                 results[j] = _finished(job, event)
                 yield json.dumps(reply.chunk(j, finish_reason=results[j].finish_reason, usage=want_usage))

@@ -39,6 +39,7 @@ def sampling(engine: Engine, req, max_new_tokens: int, seed: int | None) -> Samp
     (manifest.sampling, as ``LLM.generate``; greedy when the model has none)."""
     given = {name: getattr(req, name) for name in _SAMPLING_FIELDS
              if name in req.model_fields_set and getattr(req, name) is not None}
+    given.update(req.sampling_extras())  # logit_bias, logprobs
     try:
         return engine.llm.params(max_new_tokens=max_new_tokens, seed=seed, stop=req.stops, **given)
     except DecodertError as e:
@@ -55,6 +56,11 @@ def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, de
     request sets its own method ("off": none), which keeps the server's draft length.
     """
     max_seq = engine.llm.max_seq
+    capacity = engine.slots + engine.max_queue
+    if len(prompts) * req.n > capacity:  # a 429 would never clear: the client would retry forever
+        raise ApiError(400, f"this request asks for {len(prompts) * req.n} generations (prompts x n), but the server "
+                            f"takes at most {capacity} at a time ({engine.slots} slots + --max-queue {engine.max_queue})",
+                       param="n")
     spec = req.speculative if req.speculative is not None else speculative
     spec = None if spec == "off" else spec
     if isinstance(spec, str) and hasattr(speculative, "method"):
@@ -85,7 +91,7 @@ def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, de
                 seq = engine.sequence(ids, sampling(engine, req, n_new, seed),
                                       "prompt" if len(prompts) == 1 else f"prompt {p}", req.constraint, spec)
             except DecodertError as e:
-                raise ApiError(400, str(e), param="prompt") from None
+                raise ApiError(400, str(e), param="logit_bias" if str(e).startswith("logit_bias") else "prompt") from None
             choices.append(Choice(seq, p))
     return choices
 

@@ -2,22 +2,26 @@
 
 Types are strict (a string where a number belongs is a 400, not coerced); fields the server
 does not know are ignored, as many clients send extras (``user``, ``metadata``). Fields it knows
-but cannot honour (``logprobs``, ``tools``, ``echo``, ``suffix``) are a 400 rather than silently
+but cannot honour (``tools``, ``echo``, ``suffix``, ``best_of``) are a 400 rather than silently
 dropped. Extensions beyond the OpenAI API, as in vLLM: ``top_k``, ``min_p``, ``repetition_penalty``; and
 ``speculative`` ("ngram" | "draft" | "off": speculative decoding for this request).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
 from decodert.errors import DecodertError
 from decodert.runtime.constraints import Constraint
+from decodert.runtime.decoding.sampling import MAX_TOP_LOGPROBS
 
 MAX_STOPS = 16  # stop strings per request
 MAX_CHOICES = 16  # prompts x n per request
+MAX_BIASED = 1024  # logit_bias entries per request
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit); chat's top_logprobs go to MAX_TOP_LOGPROBS
 
 
 class ApiError(Exception):
@@ -104,14 +108,29 @@ class _Sampling(_Strict):
             raise ApiError(400, f"seed must be >= 0, got {self.seed}", param="seed")
         if len(self.stops) > MAX_STOPS or not all(self.stops):
             raise ApiError(400, f"stop must be at most {MAX_STOPS} non-empty strings", param="stop")
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+        self._check_logit_bias()
         try:
             self._constraint = Constraint.from_response_format(self.response_format)
         except DecodertError as e:
             raise ApiError(400, str(e), param="response_format") from None
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_BIASED:
+            raise ApiError(400, f"logit_bias has {len(bias)} entries; at most {MAX_BIASED}", param="logit_bias")
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit()) or not math.isfinite(value) or not -100 <= value <= 100:
+                raise ApiError(400, f"logit_bias maps token ids (decimal strings) to biases between -100 and 100, "
+                                    f"got {key[:20]!r}: {value!r}", param="logit_bias")
+
+    def sampling_extras(self) -> dict[str, Any]:
+        """SamplingParams fields beyond the shared sampling ones: logit_bias, and logprobs as each endpoint asks."""
+        extras: dict[str, Any] = {}
+        if self.logit_bias:
+            extras["logit_bias"] = tuple((int(k), v) for k, v in self.logit_bias.items())
+        return extras
 
     @property
     def constraint(self) -> Optional[Constraint]:
@@ -136,11 +155,23 @@ class CompletionRequest(_Sampling):
 
     def check(self) -> None:
         super().check()
-        if self.echo or self.logprobs is not None or self.suffix or (self.best_of or 1) != 1:
-            name = "echo" if self.echo else "logprobs" if self.logprobs is not None else "suffix" if self.suffix else "best_of"
+        if self.echo or self.suffix or (self.best_of or 1) != 1:
+            name = "echo" if self.echo else "suffix" if self.suffix else "best_of"
             raise ApiError(400, f"{name} is not supported by this server", param=name)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise ApiError(400, f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {self.logprobs}",
+                           param="logprobs")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ApiError(400, "prompt must not be an empty list", param="prompt")
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(self.prompts())} prompts x n {self.n} asks for {len(self.prompts()) * self.n} "
+                                f"choices; at most {MAX_CHOICES} per request", param="n")
+
+    def sampling_extras(self) -> dict[str, Any]:
+        extras = super().sampling_extras()
+        if self.logprobs is not None:  # the chosen token's, and the logprobs most likely ones'
+            extras.update(logprobs=True, top_logprobs=self.logprobs)
+        return extras
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """One entry per prompt: text, or token ids."""
@@ -160,13 +191,22 @@ class ChatCompletionRequest(_Sampling):
         super().check()
         if not self.messages:
             raise ApiError(400, "messages must be a non-empty list", param="messages")
-        if self.logprobs or self.top_logprobs:
-            raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
+                           param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise ApiError(400, "tools are not supported by this server", param="tools")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise ApiError(400, f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}",
                            param="max_completion_tokens")
+
+    def sampling_extras(self) -> dict[str, Any]:
+        extras = super().sampling_extras()
+        if self.logprobs:
+            extras.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
+        return extras
 
     @property
     def limit(self) -> Optional[int]:

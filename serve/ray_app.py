@@ -87,17 +87,20 @@ def application(options: ServeOptions, ray: RayOptions):
     else:
         config["num_replicas"] = ray.replicas
     deployment = serve.deployment(**config)(serve.ingress()(DecodertReplica))
-    return deployment.bind(replace(options, host="127.0.0.1", port=0))
+    # the replicas see the Host clients sent to Ray's proxy: its address is this server's too
+    return deployment.bind(replace(options, host="127.0.0.1", port=0,
+                                   allowed_hosts=(*options.allowed_hosts, options.host)))
 
 
 def build(args: Mapping[str, str]):
     """Application builder for Ray's CLI: ``serve run decodert.serve.ray_app:build artifact=PATH [replicas=N]
-    [model_name=NAME] [api_key=KEY] [max_queue=N] [min_replicas=N max_replicas=N]``."""
+    [model_name=NAME] [api_key=KEY] [max_queue=N] [min_replicas=N max_replicas=N] [allowed_hosts=A,B]``."""
     if "artifact" not in args:
         raise DecodertError("serve run decodert.serve.ray_app:build needs artifact=PATH")
     opts = ServeOptions(Path(args["artifact"]), model_name=args.get("model_name"), api_key=args.get("api_key"),
                         max_queue=int(args.get("max_queue", 64)), backend=args.get("backend", "auto"),
-                        prefix_cache_mb=float(args["prefix_cache_mb"]) if "prefix_cache_mb" in args else None)
+                        prefix_cache_mb=float(args["prefix_cache_mb"]) if "prefix_cache_mb" in args else None,
+                        allowed_hosts=tuple(h for h in args.get("allowed_hosts", "").split(",") if h))
     opts = replace(opts, model_name=model_name(opts))
     num = {k: int(args[k]) for k in ("replicas", "min_replicas", "max_replicas") if k in args}
     return application(opts, RayOptions(**num))

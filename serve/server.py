@@ -33,7 +33,8 @@ class ServeOptions:
     speculative: Any = None  # default speculative decoding: "ngram" | "draft" | a SpeculativeConfig (requests may override)
     draft: Path | None = None  # the draft model's artifact (speculative "draft")
     prefix_cache_mb: float | None = None  # prefix cache budget in MiB (None: LLM.load's default; 0: off)
-    client_timeout_s: float = 30.0  # slow clients: body arrival deadline and stream write timeout
+    client_timeout_s: float = 30.0  # slow clients: header and body arrival deadline, stream write timeout
+    allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides loopback and the bound address
 
 
 def model_name(options: ServeOptions) -> str:
@@ -55,7 +56,7 @@ def make_app(options: ServeOptions):
         method = getattr(options.speculative, "method", options.speculative)
         raise DecodertError(f"--speculative {method}: {e}") from None
     config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s,
-                         options.speculative, options.client_timeout_s)
+                         options.speculative, options.client_timeout_s, options.allowed_hosts)
     return build_app(engine, config)
 
 
@@ -82,12 +83,14 @@ def serve(options: ServeOptions) -> int:
     """Serve until SIGTERM/SIGINT; print the address (with the real port when --port 0) first."""
     import uvicorn
 
+    from decodert.serve.connections import http_protocol
+
     sock = bind(options.host, options.port)  # a taken port fails before the model loads
     app = make_app(options)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(app, log_level=options.log_level, timeout_graceful_shutdown=max(1, int(options.drain_s)),
-                            lifespan="on", access_log=False)
+                            lifespan="on", access_log=False, http=http_protocol(options.client_timeout_s))
     server = uvicorn.Server(config)
     print(f"decodert: serving {app.state.config.model_name!r} on http://{shown}:{port}/v1 "
           f"({app.state.engine.slots} slots, queue {options.max_queue}); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)

@@ -34,6 +34,7 @@ def running(llm, model_name: str = "tiny", **config):
 
     from decodert.runtime.decoding.engine import Engine
     from decodert.serve.app import ServeConfig, build_app
+    from decodert.serve.connections import http_protocol
     from decodert.serve.server import bind
 
     max_queue = config.pop("max_queue", 64)
@@ -43,7 +44,8 @@ def running(llm, model_name: str = "tiny", **config):
     if sndbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2,
+                                           http=http_protocol(config.get("client_timeout_s", 30.0))))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(500):

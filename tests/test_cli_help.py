@@ -79,6 +79,7 @@ def test_export_and_inspect_describe_the_quantization(tiny_checkpoint, tmp_path,
     (["--json-schema", "/dev/null"], "--json-schema /dev/null is empty"),
     (["--json-schema", "SCHEMA"], "--json-schema: invalid JSON schema"),
     (["--json-schema", "NOTJSON"], "--json-schema: json_schema is not valid JSON"),
+    (["--json-schema", "DEEP"], "--json-schema: json_schema is nested too deeply"),
     (["--regex", "(a"], "--regex: invalid regex"),
     (["--grammar", "GRAMMAR"], "--grammar: invalid Lark grammar"),
     (["--grammar", "MISSING"], "cannot read --grammar"),
@@ -87,7 +88,7 @@ def test_structured_output_inputs_fail_before_loading(command, flags, message, t
     from decodert.cli import common, main
     from decodert.export import prepare
 
-    files = {"SCHEMA": '{"type": "nonsense"}', "NOTJSON": "{", "GRAMMAR": "x ::= "}
+    files = {"SCHEMA": '{"type": "nonsense"}', "NOTJSON": "{", "GRAMMAR": "x ::= ", "DEEP": '{"items": ' * 2000 + "{}" + "}" * 2000}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     flags = [str(tmp_path / f) if f in files or f == "MISSING" else f for f in flags]

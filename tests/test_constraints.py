@@ -172,6 +172,8 @@ def test_draft_checks_for_speculative_decoding(llm):
     ({"json_schema": {"$ref": "https://example.com/s.json"}}, r"^unsupported JSON schema: \$ref to https://example.com/s.json"),
     ({"json_schema": {"type": "string", "format": "weird"}}, r"^unsupported JSON schema: Unknown format"),
     ({"json_schema": "{bad"}, r"^json_schema is not valid JSON"),
+    ({"json_schema": {"$ref": "#"}}, r"^invalid JSON schema: NoExtensionBias"),  # only its first mask failed
+    ({"json_schema": '{"items": ' * 2000 + "{}" + "}" * 2000}, r"^json_schema is nested too deeply"),
     ({"json_schema": [1, 2]}, r"^json_schema must be a JSON object"),
     ({"regex": ""}, r"^regex must be a non-empty string"),
     ({"grammar": 3}, r"^grammar must be a non-empty string"),

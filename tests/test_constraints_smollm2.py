@@ -84,3 +84,13 @@ def test_mask_equals_brute_force_reference_over_the_vocabulary(smol):
         got, want = guide.allowed(), _reference_allowed(texts, prefix, pattern)
         want[eos] = regex_module.fullmatch(pattern, prefix) is not None  # eos exactly when the text is complete
         assert np.array_equal(got, want), (prefix, np.nonzero(got != want)[0][:10])
+
+
+def test_a_schema_whose_lexer_overflows_at_the_second_row_fails_before_it_runs(smol):
+    """With SmolLM2's vocabulary, this pattern's first mask works once and the next row's fails (llguidance's
+    shared lexer is out of budget): compiling computes two, so it is a one-line error up front (a 400), not a step's."""
+    from decodert.errors import DecodertError
+
+    with pytest.raises(DecodertError, match=r"^invalid JSON schema: lexer error: too many expressions") as e:
+        smol.generate("hi", max_new_tokens=4, json_schema={"type": "string", "pattern": "^a{1000000}$"})
+    assert "\n" not in str(e.value) and smol.slots_in_use == 0

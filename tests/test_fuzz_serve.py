@@ -27,6 +27,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
 MESSAGES = st.one_of(ODD, st.lists(st.fixed_dictionaries({}, optional={"role": ODD | st.sampled_from(["user", "system"]),
                                                                       "content": ODD}), max_size=3))
 VALID = {"prompt": "hello", "max_tokens": 2}
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def _raw_post(port: int, body: bytes, rcvbuf: int | None = None, length: int | N
     s.settimeout(30)
     s.connect(("127.0.0.1", port))
     path = b"/v1/completions"
-    s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(body) if length is None else length).encode() + b"\r\n\r\n")
     return s
 
@@ -148,7 +149,7 @@ def test_slow_clients_do_not_stall_the_others():
             slow = [pool.submit(dribble) for _ in range(3)] + [pool.submit(trickle)]
             started.wait(10)
             with httpx.Client(base_url=url, timeout=10) as h:  # 10 s each: a stalled server fails here
-                ordinary = [h.post("/v1/completions", content=body) for _ in range(8)]
+                ordinary = [h.post("/v1/completions", content=body, headers=JSON) for _ in range(8)]
                 assert not any(f.done() for f in slow[:3]), "the byte-by-byte bodies should still be arriving"
             assert [r.json()["choices"][0]["text"] for r in ordinary] == [want] * 8
             for f in slow[:3]:

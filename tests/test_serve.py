@@ -258,14 +258,14 @@ BAD = [  # (path, body, status, param or a word of the message)
     ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2.5}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": [True]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": 5}, 400, "stop"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 400, "model"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
     ("/v1/completions", {"prompt": "a"}, 400, "model"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 300}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "a " * 300, "max_tokens": 1}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": [5, 99999]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 0}, 400, "n"),
-    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 6}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages"),
@@ -294,7 +294,7 @@ def test_bad_requests_get_openai_errors(llm):
                 yield b"x" * 1000  # chunked: no Content-Length, the limit is counted as the bytes arrive
             yield b'"}'
 
-        assert httpx.post(f"{url}/v1/completions", content=chunks()).status_code == 413
+        assert httpx.post(f"{url}/v1/completions", content=chunks(), headers={"content-type": "application/json"}).status_code == 413
         assert httpx.get(f"{url}/v1/models/gpt-4").status_code == 404
         r = httpx.get(f"{url}/v1/nothing")
         assert r.status_code == 404 and "no such endpoint" in r.json()["error"]["message"]

@@ -40,6 +40,7 @@ class Event:
     text: str = ""  # newly generated text ("" on a last event that adds none)
     result: GenerationResult | None = None  # the finished request (last event)
     error: str | None = None  # one-line reason the engine failed the request (last event)
+    logprobs: tuple = ()  # TokenLogprob of the tokens since the last event (logprobs=True; with held-back text too)
 
     @property
     def last(self) -> bool:
@@ -74,6 +75,7 @@ class _Request:
     id: int
     seq: Sequence
     sink: Sink
+    logprobs_sent: int = 0  # seq.logprobs entries already sent in events
 
 
 class Handle:
@@ -199,9 +201,9 @@ class Engine:
                 self._rows_since_turn += 1
                 req = self._reqs[rid]
                 if req.seq.done:
-                    self._finish(req, Event(delta, result=req.seq.result()))
+                    self._finish(req, Event(delta, result=req.seq.result(), logprobs=self._new_logprobs(req)))
                 elif delta:
-                    self._send(req, Event(delta))
+                    self._send(req, Event(delta, logprobs=self._new_logprobs(req)))
         except Exception as e:  # a failed step ends every request of the run with its reason
             reason = f"generation failed: {type(e).__name__}: {first_line(e)}"
             for req in list(self._reqs.values()):
@@ -212,6 +214,14 @@ class Engine:
             self._seqs.clear()
             self._reqs.clear()
             self._retired.clear()
+
+    @staticmethod
+    def _new_logprobs(req: _Request) -> tuple:
+        entries = req.seq.logprobs
+        if not entries:
+            return ()
+        new, req.logprobs_sent = tuple(entries[req.logprobs_sent:]), len(entries)
+        return new
 
     def _admit(self) -> list[int]:
         """The scheduler's hook, once per turn: new requests in, cancelled ones finished."""

@@ -15,8 +15,21 @@ from decodert.runtime.backends.backend import Backend, KVCache, StepOutput
 from decodert.runtime.backends.kv_cache import common_prefix
 from decodert.runtime.constraints import Guide, masks_ahead
 from decodert.runtime.decoding.metrics import Metrics, Timer
-from decodert.runtime.decoding.sampling import SamplingParams, apply_processors, make_logits_processors, make_sampler
+from decodert.runtime.decoding.sampling import (SamplingParams, apply_processors, draw, greedy, log_normalise, logprobs,
+                                                make_distribution, make_logits_processors, make_sampler)
 from decodert.runtime.chat.text import Decoder, IncrementalDetokenizer, StopMatcher
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the distribution it was drawn from (``logprobs=True``)."""
+
+    token_id: int
+    logprob: float  # <= 0; the sampled distribution: see sampling.logprobs
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the top_logprobs most likely, descending
+
+    def to_dict(self) -> dict:
+        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(p) for p in self.top]}
 
 
 @dataclass
@@ -27,10 +40,14 @@ class GenerationResult:
     token_ids: list[int]  # generated ids, including a final stop/eos token
     finish_reason: str  # "stop" | "length"
     metrics: Metrics
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, with logprobs=True
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "metrics": self.metrics.to_dict()}
+        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "metrics": self.metrics.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [lp.to_dict() for lp in self.logprobs]
+        return out
 
 
 class Sequence:
@@ -47,7 +64,8 @@ class Sequence:
         self.rng = np.random.default_rng(params.seed)
         self.sampler = make_sampler(params.temperature, params.top_k, params.top_p, params.min_p, self.rng)
         self.processors = make_logits_processors(params.repetition_penalty, params.presence_penalty,
-                                                 params.frequency_penalty)
+                                                 params.frequency_penalty, params.logit_bias)
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs else None  # one per chosen token
         self.stop_ids = frozenset(params.stop_token_ids) | frozenset(int(t) for t in eos_token_ids)
         self.max_seq = max_seq
         self.history = np.zeros(max_seq, dtype=np.int64)  # [max_seq] prompt then generated ids
@@ -65,7 +83,7 @@ class Sequence:
     @property
     def needs_logits(self) -> bool:
         """Whether choosing this row's token needs the logits (not just the graph's argmax)."""
-        return not self.params.greedy or bool(self.processors) or self.guide is not None
+        return not self.params.greedy or bool(self.processors) or self.guide is not None or self.params.logprobs
 
     @property
     def done(self) -> bool:
@@ -82,11 +100,34 @@ class Sequence:
     def choose(self, logits: np.ndarray, argmax: int | None = None) -> int:
         """Sample this row's next token from its logits [V] (``argmax``: the graph's, if known)."""
         if self.guide is not None:
-            if argmax is not None and self.params.greedy and not self.processors and self.guide.allows(argmax):
+            if argmax is not None and self.params.greedy and not self.processors and self.logprobs is None \
+                    and self.guide.allows(argmax):
                 return argmax  # the unconstrained choice is allowed: no [V] work
             logits = self.guide.mask_logits(logits)  # before penalties and sampling transforms
         row = apply_processors(self.processors, self.history[: self.length], logits[None, :])  # [1, V]
-        return int(self.sampler(row)[0])
+        if self.logprobs is None:
+            return int(self.sampler(row)[0])
+        return self._choose_logged(row[0])
+
+    def _choose_logged(self, row: np.ndarray) -> int:
+        """``choose`` that records the token's log-probability (and the top ones) from the same
+        distribution it draws from, with the same random draws as without logprobs."""
+        p = self.params
+        if p.greedy:
+            logp = logprobs(row, None)  # [V] float64: log_softmax
+            token = int(greedy(row[None, :])[0])
+        else:
+            probs = make_distribution(p.temperature, p.top_k, p.top_p, p.min_p)(row[None, :])  # [1, V]
+            token = int(draw(probs, self.rng)[0])  # what self.sampler would draw
+            logp = log_normalise(probs[0])
+        top: tuple[tuple[int, float], ...] = ()
+        if p.top_logprobs:
+            k = min(p.top_logprobs, logp.size)
+            best = np.argpartition(-logp, k - 1)[:k]  # [k]
+            best = best[np.lexsort((best, -logp[best]))]  # descending, ties by id
+            top = tuple((int(t), float(logp[t])) for t in best if np.isfinite(logp[t]))
+        self.logprobs.append(TokenLogprob(token, float(logp[token]), top))  # type: ignore[union-attr]
+        return token
 
     def accept(self, token: int) -> str:
         """Record a generated token; return the text it makes safe to show, and maybe finish."""
@@ -123,7 +164,8 @@ class Sequence:
         metrics = self.timer.metrics(len(self.prompt), self.cached_tokens)
         if self.spec is not None:
             metrics = self.spec.annotate(metrics)
-        return GenerationResult("".join(self.parts), self.generated.tolist(), self.finish_reason, metrics)
+        return GenerationResult("".join(self.parts), self.generated.tolist(), self.finish_reason, metrics,
+                                None if self.logprobs is None else list(self.logprobs))
 
 
 class TextStream:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -17,6 +17,8 @@ from decodert.errors import DecodertError
 
 GREEDY_EPS = 1e-5  # a temperature below this is greedy (argmax), as in vLLM: dividing by it would
 #                   overflow the scores (1e-300: inf/NaN) and sampling that sharp is argmax anyway
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit)
+MAX_BIAS = 100.0  # |logit_bias| (OpenAI's range: -100 bans a token, +100 forces it)
 Sampler = Callable[[np.ndarray], np.ndarray]
 LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -36,6 +38,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = field(default=())
+    logprobs: bool = False  # record each chosen token's log-probability (GenerationResult.logprobs)
+    top_logprobs: int = 0  # and the most likely alternatives' (0..MAX_TOP_LOGPROBS; needs logprobs)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added before sampling
 
     def __post_init__(self) -> None:
         # Accept lists (and a single stop string) from callers; store tuples. Other types are kept
@@ -43,13 +48,17 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(bias.items()) if isinstance(bias, Mapping) else _as_tuple(bias))
 
     def validate(self) -> "SamplingParams":
         """Raise DecodertError with a one-line message for the first invalid setting."""
         for name, ok, rule in _RULES:
             value = getattr(self, name)
             if not ok(value):
-                raise DecodertError(f"{name} must be {rule}, got {value!r}")
+                raise DecodertError(f"{name} must be {rule}, got {value!r:.80}")
+        if self.top_logprobs and not self.logprobs:
+            raise DecodertError("top_logprobs needs logprobs=True")
         return self
 
     @property
@@ -85,6 +94,12 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (  # (field, valid?
      "a string or a list of non-empty strings"),
     ("stop_token_ids", lambda v: isinstance(v, tuple) and all(_integer(t) and 0 <= t < 2**63 for t in v),
      "a list of token ids (ints >= 0)"),
+    ("logprobs", lambda v: isinstance(v, bool), "True or False"),
+    ("top_logprobs", lambda v: _integer(v) and 0 <= v <= MAX_TOP_LOGPROBS, f"an integer in 0..{MAX_TOP_LOGPROBS}"),
+    ("logit_bias", lambda v: isinstance(v, tuple) and all(
+        isinstance(p, tuple) and len(p) == 2 and _integer(p[0]) and 0 <= p[0] < 2**63 and _finite(p[1])
+        and -MAX_BIAS <= p[1] <= MAX_BIAS for p in v), f"a mapping of token ids (ints >= 0) to biases in "
+     f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]"),
 )
 
 
@@ -200,18 +215,55 @@ def _draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def make_logits_processors(repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                           frequency_penalty: float = 0.0) -> list[LogitsProcessor]:
-    """Penalty processors ``(token_history [T] int64, logits [..., V]) -> logits`` (only the active ones).
+                           frequency_penalty: float = 0.0,
+                           logit_bias: Sequence[tuple[int, float]] = ()) -> list[LogitsProcessor]:
+    """Penalty and bias processors ``(token_history [T] int64, logits [..., V]) -> logits`` (only the active ones).
 
     The history is every token of the sequence so far (prompt and generated), as in HF
-    ``repetition_penalty`` and llama.cpp's penalties.
+    ``repetition_penalty`` and llama.cpp's penalties. ``logit_bias`` is added last (OpenAI's meaning).
     """
     processors: list[LogitsProcessor] = []
     if repetition_penalty != 1.0:
         processors.append(_repetition(repetition_penalty))
     if presence_penalty or frequency_penalty:
         processors.append(_additive(presence_penalty, frequency_penalty))
+    if logit_bias:
+        processors.append(_bias(logit_bias))
     return processors
+
+
+def _bias(pairs: Sequence[tuple[int, float]]) -> LogitsProcessor:
+    total: dict[int, float] = {}
+    for t, b in pairs:  # a repeated id adds up
+        total[int(t)] = total.get(int(t), 0.0) + float(b)
+    ids = np.array(list(total), dtype=np.int64)  # [B] distinct
+    bias = np.array(list(total.values()), dtype=np.float64)  # [B]
+
+    def process(history: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        out = np.array(logits, dtype=_dtype(logits, False), copy=True)
+        out[..., ids] += bias.astype(out.dtype)
+        return out
+
+    return process
+
+
+def logprobs(row: np.ndarray, distribution: Callable[[np.ndarray], np.ndarray] | None) -> np.ndarray:
+    """Log-probabilities [V] float64 of the distribution a token is drawn from, for one row's final
+    scores [V] (after the structured-output mask, penalties and logit_bias): with ``distribution``
+    (``make_distribution``: temperature, top-k, min-p, top-p applied) the log of its normalised
+    probabilities; without one (greedy) log_softmax of the scores. -inf: a token that cannot be chosen."""
+    if distribution is None:
+        scores = _sane(np.asarray(row, dtype=np.float64)[None, :])[0]  # [V]
+        z = scores - scores.max()
+        with np.errstate(divide="ignore"):
+            return z - np.log(np.exp(z).sum())
+    return log_normalise(distribution(np.asarray(row)[None, :])[0])
+
+
+def log_normalise(probs: np.ndarray) -> np.ndarray:
+    """log(probs / sum) of unnormalised probabilities [V] (0 -> -inf)."""
+    with np.errstate(divide="ignore"):
+        return np.log(probs / probs.sum())
 
 
 def _repetition(penalty: float) -> LogitsProcessor:

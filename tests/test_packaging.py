@@ -44,8 +44,9 @@ def test_lint_clean():
 def test_tensorrt_code_type_checks(tmp_path):
     """The TensorRT modules run here only through tests/trt_emulator.py; mypy checks them against the installed API.
 
-    ``decodert`` is put on MYPYPATH (a link to this tree): whether mypy can follow an installed copy depends on
-    how it was installed (an editable install hides it, a plain one does not), and so did this test's result."""
+    mypy runs on ``decodert/...`` paths through a link named ``decodert`` to this tree: the repository root is the
+    package, so mypy names modules after the folder a clone happens to be in (``ci-clone`` is no package name), and
+    whether it could follow an installed copy depended on how that was installed (an editable install hides it)."""
     import os
     import subprocess
 
@@ -54,6 +55,7 @@ def test_tensorrt_code_type_checks(tmp_path):
     files = ["plugins/trt_compat.py", "export/trt_build.py", "runtime/backends/trt_backend.py", "runtime/backends/trt_engine.py",
              "runtime/backends/trt_verify.py", "plugins/cuda_mem.py", "export/artifact/manifest.py",
              "tools/verify.py", "export/trt_progress.py", "export/progress.py"]
-    res = subprocess.run([*_checker("mypy"), "--no-incremental", "--ignore-missing-imports", "--follow-imports=silent", *files],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "MYPYPATH": str(tmp_path)})
+    res = subprocess.run([*_checker("mypy"), "--no-incremental", "--ignore-missing-imports", "--follow-imports=silent",
+                          *(f"decodert/{f}" for f in files)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "MYPYPATH": str(tmp_path)})
     assert res.returncode == 0, res.stdout[-3000:]

@@ -25,12 +25,19 @@ class GenerationResult:
 
     text: str  # generated text, stop string excluded
     token_ids: list[int]  # generated ids, including a final stop/eos token
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "tool_calls" (chat with tools)
     metrics: Metrics
+    reasoning: str | None = None  # chat: the model's reasoning (<think>...</think>), apart from text
+    tool_calls: list[dict] | None = None  # chat with tools: OpenAI [{id, type, function: {name, arguments}}]
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "metrics": self.metrics.to_dict()}
+        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "metrics": self.metrics.to_dict()}
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        return out
 
 
 class Sequence:
@@ -83,10 +90,17 @@ class Sequence:
         """Sample this row's next token from its logits [V] (``argmax``: the graph's, if known)."""
         if self.guide is not None:
             if argmax is not None and self.params.greedy and not self.processors and self.guide.allows(argmax):
-                return argmax  # the unconstrained choice is allowed: no [V] work
+                return self.fit(argmax)  # the unconstrained choice is allowed: no [V] work
             logits = self.guide.mask_logits(logits)  # before penalties and sampling transforms
         row = apply_processors(self.processors, self.history[: self.length], logits[None, :])  # [1, V]
-        return int(self.sampler(row)[0])
+        return self.fit(int(self.sampler(row)[0]))
+
+    def fit(self, token: int) -> int:
+        """A guided row's token, replaced by a closing one when the output must close to fit its budget."""
+        if self.guide is None:
+            return token
+        budget = min(self.params.max_new_tokens - len(self.generated), self.max_seq - self.length)
+        return self.guide.fit(token, budget)
 
     def accept(self, token: int) -> str:
         """Record a generated token; return the text it makes safe to show, and maybe finish."""
@@ -115,6 +129,8 @@ class Sequence:
         if not self.stopper.stopped:
             text += self.stopper.flush()
         self.finish_reason = "stop" if self.stopper.stopped else reason
+        if self.guide is not None and self.guide.cut and self.finish_reason == "stop":
+            self.finish_reason = "length"  # closed early to fit the budget
         self.parts.append(text)
         return text
 

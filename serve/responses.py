@@ -12,8 +12,12 @@ from decodert.runtime.decoding.generate import GenerationResult
 class Reply:
     """The fixed part of every body of one response: id, object kind, created, model."""
 
-    def __init__(self, kind: str, model: str) -> None:
+    def __init__(self, kind: str, model: str, turn: Any = None, prompt: str = "") -> None:
         self.chat = kind == "chat"
+        self.turn = None if turn is None or turn.plain else turn  # a chat turn whose replies are split
+        self.prompt = prompt  # the rendered chat prompt (it may open <think>)
+        self._outputs: dict[int, Any] = {}  # choice -> its ChatOutput (streams)
+        self._called: set[int] = set()  # choices that streamed a tool call
         prefix = "chatcmpl" if self.chat else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -29,8 +33,15 @@ class Reply:
 
     def _choice(self, j: int, r: GenerationResult) -> dict[str, Any]:
         if self.chat:
-            return {"index": j, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
-                    "finish_reason": r.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            if self.turn is not None:
+                r = self.turn.finish(r, self.prompt)
+                message["content"] = r.text if r.text or not r.tool_calls else None
+                if r.reasoning is not None:
+                    message["reasoning_content"] = r.reasoning
+                if r.tool_calls:
+                    message["tool_calls"] = r.tool_calls
+            return {"index": j, "message": message, "logprobs": None, "finish_reason": r.finish_reason}
         return {"index": j, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
 
     # -- stream chunks ----------------------------------------------------------------------
@@ -51,6 +62,35 @@ class Reply:
             out = {**self._head("text_completion"), "choices": [choice]}
         if usage:
             out["usage"] = None
+        return out
+
+    def text_chunks(self, j: int, text: str, usage: bool = False) -> list[dict[str, Any]]:
+        """The chunks for a text delta of choice ``j``: as it is, or split (content, reasoning, tool calls)."""
+        if self.turn is None:
+            return [self.chunk(j, text, usage=usage)]
+        out = self._outputs.setdefault(j, self.turn.output(self.prompt))
+        return [self._delta_chunk(j, d, usage) for d in out.feed(text)]
+
+    def end_chunks(self, j: int, finish_reason: str, usage: bool = False) -> list[dict[str, Any]]:
+        """What is left of choice ``j``'s split text, then its finish reason ("tool_calls" after calls)."""
+        chunks = []
+        if self.turn is not None:
+            out = self._outputs.setdefault(j, self.turn.output(self.prompt))
+            chunks = [self._delta_chunk(j, d, usage) for d in out.finish()]
+            if j in self._called and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return chunks + [self.chunk(j, finish_reason=finish_reason, usage=usage)]
+
+    def _delta_chunk(self, j: int, d: Any, usage: bool) -> dict[str, Any]:
+        out = self.chunk(j, usage=usage)
+        if d.kind == "tool":
+            self._called.add(j)
+            call: dict[str, Any] = {"index": d.index, "function": {"arguments": d.text}}
+            if d.id is not None:
+                call.update(id=d.id, type="function", function={"name": d.name, "arguments": d.text})
+            out["choices"][0]["delta"] = {"tool_calls": [call]}
+        else:
+            out["choices"][0]["delta"] = {"reasoning_content" if d.kind == "reasoning" else "content": d.text}
         return out
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:

@@ -84,8 +84,9 @@ def render_chat(template: str | None, messages: Sequence[Message], *, bos_token:
         raise DecodertError("this model has no chat template (manifest.json tokenizer.chat_template); "
                             "use a plain prompt instead of --chat")
     compiled = compile_template(template)
+    messages = check_messages(messages)
     try:
-        text = render_limited(compiled, limits, messages=check_messages(messages), bos_token=bos_token,
+        text = render_limited(compiled, limits, messages=messages, bos_token=bos_token,
                               eos_token=eos_token, add_generation_prompt=add_generation_prompt, **extra)
     except TemplateLimit as e:
         raise DecodertError(f"chat template stopped: {e} (limits for templates from model files)") from None

@@ -108,6 +108,11 @@ class ChatOutput:
             return True
         if self.think and THINK_OPEN.startswith(stripped) and stripped and not final:
             return False
+        if self.fmt is not None and stripped and self.fmt.open.startswith(stripped[:len(self.fmt.open)]):
+            if stripped.startswith(self.fmt.open) or final:  # the marker itself: read as in content
+                self._buf, self._state = stripped, "content"
+                return True
+            return False
         if self.fmt is not None and self.fmt.bare and stripped[:1] == self.fmt.bare:
             self._buf, self._state, self._opened = stripped, "body", ""
             return True

@@ -2,7 +2,8 @@
 
 Strict mode (OpenAI's ``strict: true``, decodert's default for ``response_format`` json_schema and for
 tool parameters): ``strict_schema`` adds ``additionalProperties: false`` to every object schema that
-lists ``properties`` and says nothing about other keys, and ``STRICT_JSON`` asks llguidance for
+lists ``properties`` and says nothing about other keys (not where ``allOf`` / ``anyOf`` / ``oneOf`` / ``$ref``
+sit beside them: llguidance intersects those, so a closed parent would refuse their keys), and ``STRICT_JSON`` asks llguidance for
 compact JSON (its ``x-guidance`` options: no free whitespace, "," and ":" separators).
 
 Budget: ``Closer.path(matcher, limit)`` finds a short way to finish the grammar from a matcher's
@@ -53,7 +54,8 @@ def _closed(node: Any, close: bool) -> Any:
             out[key] = _closed(value, True)
         else:
             out[key] = value
-    if close and "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+    merged = any(k in out for k in ("allOf", "$ref", *_COMBINATORS))  # siblings intersect: keep their keys
+    if close and not merged and "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     return out
 

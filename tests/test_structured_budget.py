@@ -53,7 +53,8 @@ def test_strict_schema_closes_objects_but_not_merged_branches():
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}},
               "allOf": [{"properties": {"c": {}}}], "$defs": {"d": {"type": "object", "properties": {}}}}
     out = strict_schema(schema)
-    assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in out  # allOf beside properties: its keys must stay allowed
+    assert out["properties"]["a"]["additionalProperties"] is False
     assert "additionalProperties" not in out["allOf"][0] and out["$defs"]["d"]["additionalProperties"] is False
     assert strict_schema({"type": "object", "properties": {}, "additionalProperties": True})["additionalProperties"]
     own = {"type": "object", "x-guidance": {"whitespace_flexible": True}}  # a schema's own options win

@@ -125,7 +125,7 @@ def test_tools_and_tool_results_render_into_the_template():
     assert "tool: 21 C" in text
     plain = make_llm(eos=(0,), chat_template="{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
     text = plain.apply_chat_template(messages, tools=TOOLS)  # no tools in the template: a system message says them
-    assert text.startswith("system: You may call functions.") and "<tool_response>\n21 C" in text
+    assert text.startswith("system: Functions you may call:") and "<tool_response>\n21 C" in text
 
 
 def test_a_scripted_call_is_returned_with_an_id_and_finish_reason_tool_calls():

@@ -136,8 +136,7 @@ def system_prompt(spec: ToolSpec, fmt: ToolFormat) -> str:
     listing = "\n".join(json.dumps(t.get("function", t)) for t in spec.tools)
     example = json.dumps({"name": "<function-name>", fmt.args_key: {"<arg>": "<value>"}})
     how = f"{fmt.open}{example}{fmt.close}" if not fmt.bare else (f"[{example}]" if fmt.array else example)
-    return (f"You may call functions. The functions you can call:\n{listing}\n"
-            f"To call one, answer with exactly: {how}")
+    return f"Functions you may call:\n{listing}\nTo call one, answer: {how}"
 
 
 def with_tools(messages: list[dict], spec: ToolSpec, fmt: ToolFormat) -> list[dict]:

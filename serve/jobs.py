@@ -164,7 +164,9 @@ def encode_chat_turn(engine: Engine, req) -> tuple[Any, str, list[np.ndarray]]:
     try:
         turn = llm.chat_turn(req.message_dicts(), req.chat_options())
     except DecodertError as e:
-        raise ApiError(400, str(e), param="tools" if "tool" in str(e) else "messages") from None
+        message = str(e)
+        param = "messages" if message.startswith("chat message") else "tools" if "tool" in message else "messages"
+        raise ApiError(400, message, param=param) from None
     try:
         req._constraint = turn.constraint(req.constraint)
     except DecodertError as e:

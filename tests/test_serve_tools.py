@@ -124,11 +124,12 @@ def test_reasoning_content_is_split(stream):
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools", "non-empty string 'name'"),
     ({"tools": TOOLS, "tool_choice": "maybe"}, "tool_choice", "tool_choice must be one of"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice", "not in tools"),
-    ({"messages": [{"role": "tool", "content": "1"}]}, "tools", "tool_call_id"),
+    ({"messages": [{"role": "tool", "content": "1"}]}, "messages", "tool_call_id"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{"}}]}]},
-     "tools", "not valid JSON"),
+     "messages", "not valid JSON"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tools", "either tools or"),
     ({"chat_template_kwargs": {"tools": 1}}, "tools", "cannot set 'tools'"),
+    ({"enable_thinking": "yes"}, "enable_thinking", "enable_thinking"),
 ])
 def test_bad_tool_requests_are_400(body, param, message):
     llm = make_llm(eos=(0,), chat_template=TEMPLATE, max_seq=1024)

@@ -38,6 +38,7 @@ from decodert.export.artifact.manifest import Manifest, TokenizerRecord, tokeniz
 from decodert.runtime.decoding import scheduler
 from decodert.runtime import validate
 from decodert.runtime.chat.chat import Message, render_chat
+from decodert.runtime.chat.tool_calls import tool_format
 from decodert.runtime.chat.turn import ChatStream, ChatTurn, chat_turn, pop_options
 from decodert.runtime.constraints import Constraint, Guidance
 from decodert.runtime.decoding.generate import GenerationResult, Sequence, TextStream
@@ -136,8 +137,6 @@ class LLM:
                 raise DecodertError(f"draft model {draft} has another tokenizer than {path}; "
                                     "speculative decoding needs the same vocabulary")
         if tool_parser is not None:
-            from decodert.runtime.chat.tool_calls import tool_format
-
             tool_format(None, tool_parser)  # an unknown name fails before the weights load
         return cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser)
 
@@ -348,12 +347,9 @@ class LLM:
         return TextStream(self._stream([seq]), seq)
 
     def chat(self, messages: Seq[Message], **params: Any) -> GenerationResult:
-        """Apply the chat template (with the generation prompt) and generate the reply.
-
-        Chat options: ``tools`` (OpenAI function tools), ``tool_choice`` ("auto" | "none" | "required" |
-        {"type": "function", "function": {"name": ...}}), ``parallel_tool_calls``, ``enable_thinking``,
-        ``chat_template_kwargs``. The result's ``tool_calls`` and ``reasoning`` are split from its text
-        (finish_reason "tool_calls" when the reply is calls): runtime/chat/turn.py."""
+        """Apply the chat template (with the generation prompt) and generate the reply. Chat options:
+        ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``enable_thinking``, ``chat_template_kwargs``;
+        the result's ``tool_calls`` and ``reasoning`` are split from its text (runtime/chat/turn.py)."""
         spec = params.pop("speculative", None)
         turn, prompt, ids = self._chat_prompt(messages, params)
         sp, c = self.split_params(params)

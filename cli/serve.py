@@ -46,6 +46,8 @@ def add_parser(subparsers: Any) -> None:
                         "(default: room for two full contexts; 0 = off)")
     common.add_speculative(p, help="speculative decoding for every request that does not set its own 'speculative' "
                                    "(ngram: prompt lookup; draft: a draft model, --draft)")
+    p.add_argument("--tool-parser", default=None, metavar="FORMAT",
+                   help="tool-call format: hermes, llama3, mistral or phi4 (default: the one the chat template writes)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
                    help="the HTTP server's log level on stderr (default warning; info logs every request)")
     r = p.add_argument_group("Ray Serve (pip install .[ray]; docs/SERVING.md)")
@@ -80,6 +82,13 @@ def options(args: argparse.Namespace):
         raise DecodertError(f"--api-key is empty (or ${API_KEY_ENV} is set but empty); give a key, or unset both")
     if args.prefix_cache_mb is not None and not args.prefix_cache_mb >= 0:
         raise DecodertError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
+    if args.tool_parser is not None:
+        from decodert.runtime.chat.tool_calls import tool_format
+
+        try:
+            tool_format(None, args.tool_parser)
+        except DecodertError as e:
+            raise DecodertError(f"--tool-parser: {e}") from None
     speculative = common.speculative_kwargs(args).get("speculative")  # a SpeculativeConfig or None
     artifact = common.artifact_of(args.artifact)  # 'smollm2', a .gguf or an HF folder: exported once into the cache
     if not artifact.is_dir():
@@ -89,7 +98,7 @@ def options(args: argparse.Namespace):
     draft = common.artifact_of(args.draft) if args.draft is not None else None
     return ServeOptions(artifact, args.host, args.port, name, key, args.max_queue, args.max_body_bytes,
                         args.drain_timeout, args.backend, args.verify, args.log_level, speculative, draft,
-                        args.prefix_cache_mb, args.client_timeout, _hosts(args.allowed_hosts))
+                        args.prefix_cache_mb, args.client_timeout, _hosts(args.allowed_hosts), args.tool_parser)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -42,11 +42,13 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from decodert.errors import DecodertError, MissingDependencyError, first_line
+from decodert.runtime.closing import Closer, strict_schema
 
 KINDS = ("json_schema", "regex", "grammar")
 JSON_WHITESPACE = r"(?:\r?\n(?: {1,24}|\t{1,6})?| {1,2})"  # one line break (+ indentation), or 1-2 spaces
 MAX_MESSAGE = 300  # characters of llguidance's message quoted in an error (it may quote a whole schema)
 _COMPILED_KEEP = 32  # compiled matchers kept per Guidance (one per distinct constraint)
+CLOSE_ZONE = 32  # Guide.fit checks the closing path once the budget is within 2 x its length + this
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,10 @@ class Constraint:
             spec = fmt.get("json_schema")
             if not isinstance(spec, Mapping) or "schema" not in spec:
                 raise DecodertError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
-            return cls.of(json_schema=spec["schema"])
+            if spec.get("strict") is False:
+                return cls.of(json_schema=spec["schema"])
+            schema = json.loads(_schema_text(spec["schema"]))  # strict unless it says "strict": false (runtime/closing.py)
+            return cls.of(json_schema=strict_schema(schema, compact=True) if isinstance(schema, dict) else schema)
         raise DecodertError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
     def grammar_text(self) -> str:
@@ -180,6 +185,7 @@ class Guidance:
             raise DecodertError(f"llguidance cannot use this model's tokenizer: {first_line(e)}") from None
         self.vocab_size = int(vocab_size)
         self.words = (self.vocab_size + 31) // 32  # int32 words per bitmask
+        self.closer = Closer(self.tokenizer, self.vocab_size, int(eos_token_ids[0]))  # budget-aware closing
         self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -220,14 +226,18 @@ class Guidance:
         return base.deep_copy()
 
     def guide(self, c: Constraint) -> "Guide":
-        return Guide(self.compile(c), self.vocab_size)
+        return Guide(self.compile(c), self.vocab_size, self.closer)
 
 
 class Guide:
     """One row's constraint state: the matcher, and the allowed-token bitmask for its next token."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, closer: Closer | None = None) -> None:
         self.matcher = matcher
+        self.closer = closer  # None: no budget-aware closing
+        self.cut = False  # the output was closed early to fit max_tokens (finish_reason "length")
+        self._need: int | None = None  # tokens the last closing path took
+        self._path: list[int] = []  # the closing path being followed
         self.vocab_size = vocab_size
         self.mask = np.zeros((vocab_size + 31) // 32, np.int32)  # [words] bit t of word t//32 = token t allowed
         self.stale = True  # the mask is not yet computed for the current state
@@ -268,6 +278,29 @@ class Guide:
             self._raise_if_error()
             raise DecodertError(f"the constraint rejected token {token}")
         self.stale = True
+
+    def fit(self, token: int, budget: int) -> int:
+        """``token`` if a complete output can still follow it within ``budget`` tokens (this one
+        included); else the next token of a closing path (runtime/closing.py), and ``cut`` is set."""
+        if self.closer is None:
+            return token
+        if self._path:
+            return self._path.pop(0)
+        if self._need is None:
+            found = self.closer.path(self.matcher, 4096)
+            self._need = len(found) if found is not None else 0
+        if budget > 2 * self._need + CLOSE_ZONE:
+            return token
+        after = self.matcher.deep_copy()
+        found = self.closer.path(after, budget - 1) if after.consume_token(int(token)) else None
+        if found is not None:
+            self._need = len(found) + 1
+            return token
+        path = self.closer.path(self.matcher, budget)
+        if not path:  # no completion fits at all: let the model go on
+            return token
+        self.cut, self._path = True, path[1:]
+        return path[0]
 
     # -- speculative decoding: check a draft run, commit or take back tokens --------------------
     def check(self, tokens: Sequence[int]) -> int:

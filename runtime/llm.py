@@ -38,6 +38,8 @@ from decodert.export.artifact.manifest import Manifest, TokenizerRecord, tokeniz
 from decodert.runtime.decoding import scheduler
 from decodert.runtime import validate
 from decodert.runtime.chat.chat import Message, render_chat
+from decodert.runtime.chat.tool_calls import tool_format
+from decodert.runtime.chat.turn import ChatStream, ChatTurn, chat_turn, pop_options
 from decodert.runtime.constraints import Constraint, Guidance
 from decodert.runtime.decoding.generate import GenerationResult, Sequence, TextStream
 from decodert.runtime.backends.loading import (  # noqa: F401  (open_tokenizer, read_manifest: re-exported)
@@ -78,8 +80,9 @@ class LLM:
     """
 
     def __init__(self, backend: Any, tokenizer: Any, manifest: Manifest | None = None,
-                 draft: "LLM | None" = None, prefix_cache_mb: float | None = None) -> None:
+                 draft: "LLM | None" = None, prefix_cache_mb: float | None = None, tool_parser: str | None = None) -> None:
         self.backend = backend
+        self.tool_parser = tool_parser  # tool-call format (runtime/chat/tool_calls.py); None: from the template
         self.draft = draft  # the draft model of speculative="draft"
         self.speculator = Speculator(draft.backend if draft is not None else None)
         self.tokenizer = tokenizer
@@ -106,7 +109,7 @@ class LLM:
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
              draft: str | Path | None = None, prefix_cache_mb: float | None = None,
-             max_seq: int | None = None, quant: str = "auto") -> "LLM":
+             max_seq: int | None = None, quant: str = "auto", tool_parser: str | None = None) -> "LLM":
         """Open a model: what ``decodert run`` accepts (export/prepare.py).
 
         ``path``: an artifact folder written by ``decodert export`` (and maybe ``decodert build``),
@@ -118,6 +121,7 @@ class LLM:
         sha256 of every file, as ``--full-verify``) or "none"; a mismatch names the file.
         ``draft``: a second model with the same tokenizer, the drafter of ``speculative="draft"``.
         ``prefix_cache_mb``: the prefix cache's budget in MiB (None: the default; 0: off).
+        ``tool_parser``: the tool-call format ("hermes" | "llama3" | "mistral" | "phi4"; None: the template's).
         """
         from decodert.export.prepare import is_checkpoint_source, prepare_model
 
@@ -133,7 +137,9 @@ class LLM:
             if drafter.tokenizer.get_vocab(with_added_tokens=True) != tokenizer.get_vocab(with_added_tokens=True):
                 raise DecodertError(f"draft model {draft} has another tokenizer than {path}; "
                                     "speculative decoding needs the same vocabulary")
-        return cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb)
+        if tool_parser is not None:
+            tool_format(None, tool_parser)  # an unknown name fails before the weights load
+        return cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser)
 
     def params(self, **params: Any) -> SamplingParams:
         """Validated SamplingParams: ``params`` over the model's ``sampling_defaults``."""
@@ -186,18 +192,33 @@ class LLM:
             return np.asarray(ids, dtype=np.int64)
         return prompt
 
-    def apply_chat_template(self, messages: Seq[Message], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the model's template (sandboxed) -> prompt text."""
-        return render_chat(self.chat_template, messages, bos_token=self._token_str(self.bos_token_id),
+    def apply_chat_template(self, messages: Seq[Message], add_generation_prompt: bool = True, **options: Any) -> str:
+        """Render chat messages with the model's template (sandboxed) -> prompt text. ``options``: tools,
+        tool_choice, parallel_tool_calls, enable_thinking, chat_template_kwargs (runtime/chat/turn.py)."""
+        turn = self.chat_turn(messages, options)
+        return self._render(turn, add_generation_prompt)
+
+    def chat_turn(self, messages: Seq[Message], options: Mapping[str, Any]) -> ChatTurn:
+        """The checked turn for ``messages`` and the chat options (tools, thinking, template arguments)."""
+        return chat_turn(self.chat_template, messages, options, self.tool_parser)
+
+    def _render(self, turn: ChatTurn, add_generation_prompt: bool = True) -> str:
+        return render_chat(self.chat_template, turn.messages, bos_token=self._token_str(self.bos_token_id),
                            eos_token=self._token_str(self.eos_token_ids[0] if self.eos_token_ids else None),
-                           add_generation_prompt=add_generation_prompt)
+                           add_generation_prompt=add_generation_prompt, **turn.template_kwargs)
 
     def _token_str(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.tokenizer.id_to_token(int(token_id)) or "")
 
-    def _chat_ids(self, messages: Seq[Message]) -> np.ndarray:
+    def _chat_ids(self, messages: Seq[Message], turn: ChatTurn | None = None) -> np.ndarray:
         # The template writes any BOS itself (as transformers' apply_chat_template).
-        return self.encode(self.apply_chat_template(messages), add_bos=False)
+        return self.encode(self._render(turn or self.chat_turn(messages, {})), add_bos=False)
+
+    def _chat_prompt(self, messages: Seq[Message], params: dict) -> tuple[ChatTurn, str, np.ndarray]:
+        """Pop the chat options from ``params`` -> (turn, rendered prompt, its ids)."""
+        turn = self.chat_turn(messages, pop_options(params))
+        text = self._render(turn)
+        return turn, text, self.encode(text, add_bos=False)
 
     @property
     def guidance(self) -> Guidance:
@@ -329,17 +350,23 @@ class LLM:
         return TextStream(self._stream([seq]), seq)
 
     def chat(self, messages: Seq[Message], **params: Any) -> GenerationResult:
-        """Apply the chat template (with the generation prompt) and generate the reply."""
+        """Apply the chat template (with the generation prompt) and generate the reply. Chat options:
+        ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``enable_thinking``, ``chat_template_kwargs``;
+        the result's ``tool_calls`` and ``reasoning`` are split from its text (runtime/chat/turn.py)."""
         spec = params.pop("speculative", None)
+        turn, prompt, ids = self._chat_prompt(messages, params)
         sp, c = self.split_params(params)
-        return self._finish([self._sequence(self._chat_ids(messages), sp, constraint=c, speculative=spec)])[0]
+        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec)
+        return turn.finish(self._finish([seq])[0], prompt)
 
-    def stream_chat(self, messages: Seq[Message], **params: Any) -> TextStream:
-        """``chat`` as a stream of text deltas."""
+    def stream_chat(self, messages: Seq[Message], **params: Any) -> TextStream | ChatStream:
+        """``chat`` as a stream of text deltas (with tools or reasoning: the content's, in a ChatStream)."""
         spec = params.pop("speculative", None)
+        turn, prompt, ids = self._chat_prompt(messages, params)
         sp, c = self.split_params(params)
-        seq = self._sequence(self._chat_ids(messages), sp, constraint=c, speculative=spec)
-        return TextStream(self._stream([seq]), seq)
+        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec)
+        stream = TextStream(self._stream([seq]), seq)
+        return stream if turn.plain else ChatStream(stream, turn.output(prompt), turn.tools is not None)
 
     def session(self, system: str | None = None, overflow: str = "truncate") -> "Session":
         """A conversation whose K/V stays in its own cache row between turns (runtime/chat/session.py):

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from decodert.errors import first_line
 from decodert.runtime.decoding.engine import CANCELLED, Engine
 from decodert.serve.guard import Guard
-from decodert.serve.jobs import COMPLETION_DEFAULT_MAX_TOKENS, Job, encode_chat, encode_prompts, prepare
+from decodert.serve.jobs import COMPLETION_DEFAULT_MAX_TOKENS, Job, encode_chat_turn, encode_prompts, prepare
 from decodert.serve.logprobs import logprob_format
 from decodert.serve.metrics import CONTENT_TYPE, ServerMetrics
 from decodert.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
@@ -114,10 +114,9 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
         received = time.perf_counter()
         req = parse(ChatCompletionRequest, await request.body())
         _check_model(req.model, config)
-        prompts, choices = await run_in_threadpool(_encode_and_prepare, encode_chat, engine, req.message_dicts(), req,
-                                                   req.limit, None, config.speculative)
+        turn, prompt, prompts, choices = await run_in_threadpool(_chat_and_prepare, engine, req, config.speculative)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
-                              Reply("chat", config.model_name, logprob_format(req, engine.llm.tokenizer, True)),
+                              Reply("chat", config.model_name, logprob_format(req, engine.llm.tokenizer, True), turn, prompt),
                               [len(p) for p in prompts], config)
 
     return app
@@ -128,6 +127,12 @@ def _encode_and_prepare(encode, engine: Engine, inputs, req, limit: int | None, 
     """Tokenize (or render the chat template) and check the request in one thread-pool hop, not two."""
     prompts = encode(engine, inputs)
     return prompts, prepare(engine, prompts, req, limit, default, speculative)
+
+
+def _chat_and_prepare(engine: Engine, req: ChatCompletionRequest, speculative: Any):
+    """Render the chat turn (tools, thinking) and check the request in one thread-pool hop."""
+    turn, prompt, prompts = encode_chat_turn(engine, req)
+    return turn, prompt, prompts, prepare(engine, prompts, req, req.limit, None, speculative)
 
 
 def _model_card(engine: Engine, config: ServeConfig) -> dict[str, Any]:
@@ -202,10 +207,12 @@ async def _stream(job: Job, req, reply: Reply, prompt_lengths: list[int]) -> Asy
                 yield json.dumps(reply.chunk(j, role=True, usage=want_usage))
         async for j, event in job.events():
             if event.text or event.logprobs:  # a last token's logprobs may come without text
-                yield json.dumps(reply.chunk(j, event.text, usage=want_usage, logprobs=event.logprobs))
+                for chunk in reply.text_chunks(j, event.text, want_usage, event.logprobs):  # content, reasoning, tool calls
+                    yield json.dumps(chunk)
             if event.last:
                 results[j] = _finished(job, event)
-                yield json.dumps(reply.chunk(j, finish_reason=results[j].finish_reason, usage=want_usage))
+                for chunk in reply.end_chunks(j, results[j].finish_reason, want_usage):
+                    yield json.dumps(chunk)
         if want_usage:
             yield json.dumps(reply.usage_chunk(usage(prompt_lengths, results)))
         yield "[DONE]"

@@ -161,3 +161,24 @@ class Job:
 def now() -> float:
     return time.perf_counter()
 
+
+
+def encode_chat_turn(engine: Engine, req) -> tuple[Any, str, list[np.ndarray]]:
+    """A chat request's turn (tools, thinking: runtime/chat/turn.py), rendered prompt and ids; the tools'
+    constraint becomes the request's (``req.constraint``). ApiError 400 on bad messages or tools."""
+    llm = engine.llm
+    try:
+        turn = llm.chat_turn(req.message_dicts(), req.chat_options())
+    except DecodertError as e:
+        message = str(e)
+        param = "messages" if message.startswith("chat message") else "tools" if "tool" in message else "messages"
+        raise ApiError(400, message, param=param) from None
+    try:
+        req._constraint = turn.constraint(req.constraint)
+    except DecodertError as e:
+        raise ApiError(400, str(e), param="tools") from None
+    try:
+        prompt = llm._render(turn)
+        return turn, prompt, [llm.encode(prompt, add_bos=False)]
+    except DecodertError as e:
+        raise ApiError(400, str(e), param="messages") from None

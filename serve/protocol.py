@@ -2,8 +2,10 @@
 
 Types are strict (a string where a number belongs is a 400, not coerced); fields the server
 does not know are ignored, as many clients send extras (``user``, ``metadata``). Fields it knows
-but cannot honour (``tools``, ``echo``, ``suffix``, ``best_of``) are a 400 rather than silently
-dropped. Extensions beyond the OpenAI API, as in vLLM: ``top_k``, ``min_p``, ``repetition_penalty``; and
+but cannot honour (``echo``, ``suffix``, ``best_of``) are a 400 rather than silently dropped.
+Chat takes ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (runtime/chat/tools.py), and, as vLLM,
+``chat_template_kwargs`` and ``enable_thinking``; ``logprobs`` / ``top_logprobs`` and ``logit_bias``
+(serve/logprobs.py). Extensions beyond the OpenAI API, as in vLLM: ``top_k``, ``min_p``, ``repetition_penalty``; and
 ``speculative`` ("ngram" | "draft" | "off": speculative decoding for this request).
 """
 
@@ -15,6 +17,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
 from decodert.errors import DecodertError
+from decodert.runtime.chat.tools import check_tools
 from decodert.runtime.constraints import Constraint
 from decodert.runtime.decoding.sampling import MAX_TOP_LOGPROBS
 
@@ -54,6 +57,8 @@ class ChatMessage(_Strict):
     role: str
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # assistant: earlier calls (runtime/chat/tools.py checks them)
+    tool_call_id: Optional[str] = None  # role "tool": the call this result answers
 
     def text(self, i: int) -> str:
         """The message's text: a string, or its text parts joined (other parts are a 400)."""
@@ -186,6 +191,10 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # as vLLM: extra variables for the chat template
+    enable_thinking: Optional[bool] = None  # shorthand for chat_template_kwargs {"enable_thinking": ...}
 
     def check(self) -> None:
         super().check()
@@ -196,8 +205,10 @@ class ChatCompletionRequest(_Sampling):
                            param="top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tools:
-            raise ApiError(400, "tools are not supported by this server", param="tools")
+        try:
+            check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except DecodertError as e:
+            raise ApiError(400, str(e), param="tool_choice" if str(e).startswith("tool_choice") else "tools") from None
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise ApiError(400, f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}",
                            param="max_completion_tokens")
@@ -212,8 +223,18 @@ class ChatCompletionRequest(_Sampling):
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            d: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+            d.update({k: getattr(m, k) for k in ("tool_calls", "tool_call_id", "name") if getattr(m, k) is not None})
+            out.append(d)
+        return out
+
+    def chat_options(self) -> dict[str, Any]:
+        """The chat options given (runtime/chat/turn.py CHAT_ARGS): tools, tool_choice, thinking, template kwargs."""
+        names = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "enable_thinking")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
 _UNION_HELP = {

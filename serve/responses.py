@@ -12,9 +12,13 @@ from decodert.runtime.decoding.generate import GenerationResult
 class Reply:
     """The fixed part of every body of one response: id, object kind, created, model."""
 
-    def __init__(self, kind: str, model: str, logprobs: Any = None) -> None:
+    def __init__(self, kind: str, model: str, logprobs: Any = None, turn: Any = None, prompt: str = "") -> None:
         self.chat = kind == "chat"
         self.logprobs = logprobs  # a serve/logprobs.py LogprobFormat when the request asked for logprobs
+        self.turn = None if turn is None or turn.plain else turn  # a chat turn whose replies are split
+        self.prompt = prompt  # the rendered chat prompt (it may open <think>)
+        self._outputs: dict[int, Any] = {}  # choice -> its ChatOutput (streams)
+        self._called: set[int] = set()  # choices that streamed a tool call
         prefix = "chatcmpl" if self.chat else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -31,8 +35,15 @@ class Reply:
     def _choice(self, j: int, r: GenerationResult) -> dict[str, Any]:
         logprobs = self._logprobs(j, r.logprobs or ())
         if self.chat:
-            return {"index": j, "message": {"role": "assistant", "content": r.text}, "logprobs": logprobs,
-                    "finish_reason": r.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            if self.turn is not None:
+                r = self.turn.finish(r, self.prompt)
+                message["content"] = r.text if r.text or not r.tool_calls else None
+                if r.reasoning is not None:
+                    message["reasoning_content"] = r.reasoning
+                if r.tool_calls:
+                    message["tool_calls"] = r.tool_calls
+            return {"index": j, "message": message, "logprobs": logprobs, "finish_reason": r.finish_reason}
         return {"index": j, "text": r.text, "logprobs": logprobs, "finish_reason": r.finish_reason}
 
     def _logprobs(self, j: int, entries: Seq[Any] | None) -> dict[str, Any] | None:
@@ -58,6 +69,41 @@ class Reply:
             out = {**self._head("text_completion"), "choices": [choice]}
         if usage:
             out["usage"] = None
+        return out
+
+    def text_chunks(self, j: int, text: str, usage: bool = False, logprobs: Seq[Any] | None = None) -> list[dict[str, Any]]:
+        """The chunks for a text delta of choice ``j``: as it is, or split (content, reasoning, tool calls);
+        the delta's tokens' ``logprobs`` entries ride on the last of them (on an empty delta if none)."""
+        if self.turn is None:
+            return [self.chunk(j, text, usage=usage, logprobs=logprobs)]
+        out = self._outputs.setdefault(j, self.turn.output(self.prompt))
+        chunks = [self._delta_chunk(j, d, usage) for d in out.feed(text)] if text else []
+        if logprobs:
+            if not chunks:
+                chunks = [self.chunk(j, usage=usage)]
+            chunks[-1]["choices"][0]["logprobs"] = self._logprobs(j, logprobs)
+        return chunks
+
+    def end_chunks(self, j: int, finish_reason: str, usage: bool = False) -> list[dict[str, Any]]:
+        """What is left of choice ``j``'s split text, then its finish reason ("tool_calls" after calls)."""
+        chunks = []
+        if self.turn is not None:
+            out = self._outputs.setdefault(j, self.turn.output(self.prompt))
+            chunks = [self._delta_chunk(j, d, usage) for d in out.finish()]
+            if j in self._called and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return chunks + [self.chunk(j, finish_reason=finish_reason, usage=usage)]
+
+    def _delta_chunk(self, j: int, d: Any, usage: bool) -> dict[str, Any]:
+        out = self.chunk(j, usage=usage)
+        if d.kind == "tool":
+            self._called.add(j)
+            call: dict[str, Any] = {"index": d.index, "function": {"arguments": d.text}}
+            if d.id is not None:
+                call.update(id=d.id, type="function", function={"name": d.name, "arguments": d.text})
+            out["choices"][0]["delta"] = {"tool_calls": [call]}
+        else:
+            out["choices"][0]["delta"] = {"reasoning_content" if d.kind == "reasoning" else "content": d.text}
         return out
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:

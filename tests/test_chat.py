@@ -47,7 +47,7 @@ def test_render_matches_transformers_apply_chat_template():
 
 def test_raise_exception_becomes_decodert_error():
     with pytest.raises(DecodertError, match="bad role tool"):
-        render_chat(RICH, [{"role": "tool", "content": "x"}])
+        render_chat(RICH, [{"role": "tool", "tool_call_id": "call_1", "content": "x"}])
 
 
 @pytest.mark.parametrize("template", [

@@ -204,8 +204,15 @@ def test_response_format():
     assert Constraint.from_response_format(None) is None
     assert Constraint.from_response_format({"type": "text"}) is None
     assert Constraint.from_response_format({"type": "json_object"}) == Constraint("json_schema", '{"type": "object"}')
-    c = Constraint.from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}})
+    c = Constraint.from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"},
+                                                                                 "strict": False}})
     assert c == Constraint("json_schema", '{"type": "integer"}')
+    c = Constraint.from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": {  # strict by default
+        "type": "object", "properties": {"a": {"type": "object", "properties": {}}}}}})
+    assert json.loads(c.text) == {"type": "object", "properties": {"a": {"type": "object", "properties": {},
+                                                                         "additionalProperties": False}},
+                                  "additionalProperties": False,
+                                  "x-guidance": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}}
     for bad in ({"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "x"}}, "json"):
         with pytest.raises(DecodertError):
             Constraint.from_response_format(bad)

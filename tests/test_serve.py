@@ -307,12 +307,15 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 def test_response_format_structured_output(llm):
+    from decodert.runtime.closing import strict_schema
+
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     with running(llm) as (url, _):  # the mini model's manifest has no eos: structured output cannot end
         r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "response_format": fmt})
         assert r.status_code == 400 and "eos" in r.json()["error"]["message"]
     llm = LLM(llm.backend, llm.tokenizer, llm.manifest.replace(tokenizer=llm.manifest.tokenizer.replace(eos_token_ids=(0,))))
-    want = llm.chat(CHAT, max_new_tokens=60, temperature=0.0, json_schema=SCHEMA)
+    # response_format json_schema is strict by default: unlisted keys refused, compact JSON (runtime/closing.py)
+    want = llm.chat(CHAT, max_new_tokens=60, temperature=0.0, json_schema=strict_schema(SCHEMA, compact=True))
     with running(llm) as (url, _):
         c = client(url)
         r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, temperature=0, response_format=fmt)

@@ -21,6 +21,7 @@ from jinja2.sandbox import SecurityError
 
 from decodert.errors import DecodertError
 from decodert.runtime import validate
+from decodert.runtime.chat.tools import check_tool_messages
 from decodert.runtime.chat.template_sandbox import DEFAULT_LIMITS, LimitedSandbox, Limits, TemplateLimit, render_limited
 
 Message = Mapping[str, Any]
@@ -69,9 +70,10 @@ def check_messages(messages: Sequence[Message]) -> list[dict]:
         raise DecodertError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or ("content" not in m and "tool_calls" not in m):
             raise DecodertError(f"chat message {i} must be a dict with a string 'role' and a 'content'")
         out.append(dict(m))
+    check_tool_messages(out)  # assistant tool_calls, role "tool" (runtime/chat/tools.py)
     return out
 
 
@@ -82,8 +84,9 @@ def render_chat(template: str | None, messages: Sequence[Message], *, bos_token:
         raise DecodertError("this model has no chat template (manifest.json tokenizer.chat_template); "
                             "use a plain prompt instead of --chat")
     compiled = compile_template(template)
+    messages = check_messages(messages)
     try:
-        text = render_limited(compiled, limits, messages=check_messages(messages), bos_token=bos_token,
+        text = render_limited(compiled, limits, messages=messages, bos_token=bos_token,
                               eos_token=eos_token, add_generation_prompt=add_generation_prompt, **extra)
     except TemplateLimit as e:
         raise DecodertError(f"chat template stopped: {e} (limits for templates from model files)") from None

@@ -41,6 +41,7 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.runtime.chat.chat import Message, check_messages
+from decodert.runtime.chat.turn import ChatStream, ChatTurn, pop_options
 from decodert.runtime.decoding.engine import CANCELLED
 from decodert.runtime.decoding.generate import GenerationResult, Sequence, TextStream, decode_step, prefill
 from decodert.runtime.speculation import speculative
@@ -91,13 +92,15 @@ class Session:
     def chat(self, message: str | Message, **params: Any) -> GenerationResult:
         """Add a user message (text, or a message dict), generate the reply and keep both.
         ``params``: as ``LLM.chat`` (sampling, json_schema / regex / grammar, speculative)."""
-        seq, turns, dropped = self._begin(message, params)
-        return self.llm._finish([seq], runner=self._turn(seq, turns, dropped))[0]
+        seq, turns, dropped, turn = self._begin(message, params)
+        result = self.llm._finish([seq], runner=self._turn(seq, turns, dropped))[0]
+        return turn.finish(result, self.llm._render(turn))
 
     def stream_chat(self, message: str | Message, **params: Any) -> TextStream:
         """``chat`` as a stream of text deltas; closing it early keeps the part of the reply shown."""
-        seq, turns, dropped = self._begin(message, params)
-        return TextStream(self.llm._stream([seq], runner=self._turn(seq, turns, dropped)), seq)
+        seq, turns, dropped, turn = self._begin(message, params)
+        stream = TextStream(self.llm._stream([seq], runner=self._turn(seq, turns, dropped)), seq)
+        return stream if turn.plain else ChatStream(stream, turn.output(self.llm._render(turn)), turn.tools is not None)
 
     def undo(self) -> list[dict]:
         """Remove the last turn (the last user message and the replies after it); returns it.
@@ -144,22 +147,26 @@ class Session:
         return running
 
     # -- one turn --------------------------------------------------------------------------------
-    def _begin(self, message: str | Message, params: Mapping[str, Any]) -> tuple[Sequence, list[dict], int]:
-        """Validate, fit the conversation into the context -> (sequence, turns it renders, dropped)."""
+    def _begin(self, message: str | Message, params: Mapping[str, Any]) -> tuple[Sequence, list[dict], int, ChatTurn]:
+        """Validate, fit the conversation into the context -> (sequence, turns it renders, dropped, chat turn)."""
         if isinstance(message, str):
             message = {"role": "user", "content": message}
         msg = check_messages([message])[0]
         params = dict(params)
         spec = params.pop("speculative", None)
+        options = pop_options(params)  # tools, enable_thinking, ... (runtime/chat/turn.py)
         sp, constraint = self.llm.split_params(params)  # the model's sampling defaults under what was passed
-        turns, ids, dropped = self._fit(self._turns + [msg], sp.max_new_tokens)
+        turns, ids, dropped = self._fit(self._turns + [msg], sp.max_new_tokens, options)
         self.dropping = dropped
-        return self.llm._sequence(ids, sp, constraint=constraint, speculative=spec), turns, dropped
+        turn = self.llm.chat_turn(self._system + turns, options)
+        seq = self.llm._sequence(ids, sp, constraint=turn.constraint(constraint), speculative=spec)
+        return seq, turns, dropped, turn
 
-    def _fit(self, turns: list[dict], max_new_tokens: int) -> tuple[list[dict], np.ndarray, int]:
-        max_seq = self.llm.max_seq
+    def _fit(self, turns: list[dict], max_new_tokens: int,
+             options: Mapping[str, Any] | None = None) -> tuple[list[dict], np.ndarray, int]:
+        max_seq, options = self.llm.max_seq, options or {}
         room = min(max_new_tokens, max_seq // 2)
-        ids = self.llm._chat_ids(self._system + turns)
+        ids = self.llm._chat_ids(self._system + turns, self.llm.chat_turn(self._system + turns, options))
         if len(ids) + room <= max_seq:
             return turns, ids, 0
         if self.overflow == "error":
@@ -172,7 +179,7 @@ class Session:
             if end is None:
                 break
             turns, dropped = turns[end:], dropped + 1
-            ids = self.llm._chat_ids(self._system + turns)
+            ids = self.llm._chat_ids(self._system + turns, self.llm.chat_turn(self._system + turns, options))
         if len(ids) >= max_seq:
             raise DecodertError(f"the message needs {len(ids)} tokens with the system message, but the context holds "
                                 f"{max_seq} (--max-seq at export); send a shorter message")

@@ -38,15 +38,21 @@ class GenerationResult:
 
     text: str  # generated text, stop string excluded
     token_ids: list[int]  # generated ids, including a final stop/eos token
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "tool_calls" (chat with tools)
     metrics: Metrics
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, with logprobs=True
+    reasoning: str | None = None  # chat: the model's reasoning (<think>...</think>), apart from text
+    tool_calls: list[dict] | None = None  # chat with tools: OpenAI [{id, type, function: {name, arguments}}]
 
     def to_dict(self) -> dict:
         out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                "metrics": self.metrics.to_dict()}
         if self.logprobs is not None:
             out["logprobs"] = [lp.to_dict() for lp in self.logprobs]
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
         return out
 
 
@@ -102,16 +108,17 @@ class Sequence:
         if self.guide is not None:
             if argmax is not None and self.params.greedy and not self.processors and self.logprobs is None \
                     and self.guide.allows(argmax):
-                return argmax  # the unconstrained choice is allowed: no [V] work
+                return self.fit(argmax)  # the unconstrained choice is allowed: no [V] work
             logits = self.guide.mask_logits(logits)  # before penalties and sampling transforms
         row = apply_processors(self.processors, self.history[: self.length], logits[None, :])  # [1, V]
         if self.logprobs is None:
-            return int(self.sampler(row)[0])
+            return self.fit(int(self.sampler(row)[0]))
         return self._choose_logged(row[0])
 
     def _choose_logged(self, row: np.ndarray) -> int:
         """``choose`` that records the token's log-probability (and the top ones) from the same
-        distribution it draws from, with the same random draws as without logprobs."""
+        distribution it draws from, with the same random draws as without logprobs (a guided row's
+        closing token, when its budget forces one, is recorded from that distribution too)."""
         p = self.params
         if p.greedy:
             logp = logprobs(row, None)  # [V] float64: log_softmax
@@ -120,6 +127,7 @@ class Sequence:
             probs = make_distribution(p.temperature, p.top_k, p.top_p, p.min_p)(row[None, :])  # [1, V]
             token = int(draw(probs, self.rng)[0])  # what self.sampler would draw
             logp = log_normalise(probs[0])
+        token = self.fit(token)
         top: tuple[tuple[int, float], ...] = ()
         if p.top_logprobs:
             k = min(p.top_logprobs, logp.size)
@@ -128,6 +136,13 @@ class Sequence:
             top = tuple((int(t), float(logp[t])) for t in best if np.isfinite(logp[t]))
         self.logprobs.append(TokenLogprob(token, float(logp[token]), top))  # type: ignore[union-attr]
         return token
+
+    def fit(self, token: int) -> int:
+        """A guided row's token, replaced by a closing one when the output must close to fit its budget."""
+        if self.guide is None:
+            return token
+        budget = min(self.params.max_new_tokens - len(self.generated), self.max_seq - self.length)
+        return self.guide.fit(token, budget)
 
     def accept(self, token: int) -> str:
         """Record a generated token; return the text it makes safe to show, and maybe finish."""
@@ -156,6 +171,8 @@ class Sequence:
         if not self.stopper.stopped:
             text += self.stopper.flush()
         self.finish_reason = "stop" if self.stopper.stopped else reason
+        if self.guide is not None and self.guide.cut and self.finish_reason == "stop":
+            self.finish_reason = "length"  # closed early to fit the budget
         self.parts.append(text)
         return text
 

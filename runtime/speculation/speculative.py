@@ -311,10 +311,10 @@ def _choose(seq: Sequence, argmax: int, logits: np.ndarray | None, draft: int | 
     if draft is not None:
         p_draft = probs[0, draft] / probs[0].sum()
         if seq.rng.random() < p_draft:
-            return draft
+            return seq.fit(draft)
         probs = probs.copy()
         probs[0, draft] = 0.0  # the residual max(0, p - onehot(draft)), normalised by the draw
-    return int(draw(probs, seq.rng)[0])
+    return seq.fit(int(draw(probs, seq.rng)[0]))
 
 
 def _learn(seq: Sequence, key: int | None, proposed: int, accepted: int) -> None:

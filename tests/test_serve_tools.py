@@ -162,3 +162,21 @@ def test_strict_json_schema_refuses_unlisted_keys_and_closes_within_max_tokens()
                 jsonschema.validate(json.loads(r.choices[0].message.content), schema)
                 assert r.choices[0].finish_reason in ("stop", "length")
 
+
+
+def test_tool_calls_and_logprobs_together_stream_as_whole():
+    """A constrained call with logprobs: the streamed call and the logprob entries (riding on the split
+    deltas) equal the whole reply's, one entry per generated token, each <= 0 and its top-1 the chosen one."""
+    llm = make_llm(eos=(0,), chat_template=TEMPLATE, max_seq=1024)
+    with running(llm) as (url, _):
+        c = client(url)
+        kw = dict(model="tiny", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0,
+                  logprobs=True, top_logprobs=3)
+        r = c.chat.completions.create(**kw)
+        chunks = list(c.chat.completions.create(stream=True, **kw))
+        streamed = [e for ch in chunks for choice in ch.choices if choice.logprobs for e in choice.logprobs.content]
+        entries = r.choices[0].logprobs.content
+        assert reassemble(chunks)[:4] == whole(r)[:4] and whole(r)[2]
+        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+        assert len(entries) == r.usage.completion_tokens
+        assert all(e.logprob <= 0 and e.top_logprobs[0].logprob == e.logprob for e in entries)

@@ -105,8 +105,11 @@ def test_incomplete_headers_are_closed_after_the_client_timeout(llm):
         for s in socks:
             if s.fileno() % 3 == 0:
                 s.sendall(b"a")  # a trickle of header bytes does not extend the deadline
-        for s in socks:
-            assert s.recv(100) == b"", "the server should close the connection"  # EOF, well before the 10 s timeout
+        for s in socks:  # closed (EOF), well before the sockets' 10 s timeout; httptools first answers a
+            data = b""  # lone "a" (no request line) with a 400, h11 waits for more: either way the server closes
+            while chunk := s.recv(4096):
+                data += chunk
+            assert data == b"" or data.startswith(b"HTTP/1.1 400 "), data[:80]
             s.close()
         assert time.monotonic() - t0 < 5
         with httpx.Client(base_url=url) as h:  # keep-alive: the header deadline restarts after every response

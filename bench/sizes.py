@@ -15,8 +15,8 @@
    warm-up request, one timed request, peak RSS); within a repeat the runtimes alternate and who
    goes first rotates.
 3. Prints medians (min-max) per size, runtime and workload; for decode the bandwidth floor (weight
-   bytes + KV bytes per step over the read bandwidth measured as bench/kernel_ceiling.py's memory
-   probe does) and the % of it reached; writes JSON and a plot.
+   bytes + KV bytes per step over the read bandwidth, measured with decodert.tools.bench's probe on a
+   ``--probe-mib`` buffer larger than the last-level cache) and the % of it reached; JSON and a plot.
 """
 
 from __future__ import annotations
@@ -188,6 +188,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="threads for every runtime (ORT intra-op, llama.cpp)")
     p.add_argument("--symmetric", action="store_true", help="decodert-int4 without zero points")
     p.add_argument("--fp32-max-gb", type=float, default=8.0, help="skip fp32 where the weights are larger")
+    p.add_argument("--probe-mib", type=int, default=2048,
+                   help="buffer of the read-bandwidth probe (above the last-level cache: 480 MiB here)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "decodert-bench")
     p.add_argument("--fixture", type=Path, default=FIXTURE, help="the SmolLM2 GGUF the tokenizer comes from")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one worker may take")
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                      if not (runtime.startswith("llama") and parse_workload(w)[0] > 1)]
     if args.prepare_only:
         return 0
-    read = B.memread_gbps()
+    read = B.memread_gbps(mib=args.probe_mib)  # larger than the last-level cache: DRAM, where the weights live
     log(f"measure: {len(jobs)} jobs x {args.repeats} repeats; memory read {read:.1f} GB/s")
     runs = measure(jobs, args)
     rows = [R.summarize(jobs[i], M.SHAPES[jobs[i].size], v, read, args.gen) for i, v in runs.items()]

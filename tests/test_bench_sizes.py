@@ -19,7 +19,7 @@ def _sizes(*args: str) -> subprocess.CompletedProcess:
 def test_sizes_suite_runs_on_a_tiny_shape(smollm2_gguf, tmp_path):
     out = tmp_path / "sizes.json"
     proc = _sizes("--sizes", "tiny", "--runtimes", "decodert-fp32,decodert-int4,decodert-q4_0",
-                  "--workloads", "decode1,decode2,ttft16", "--repeats", "1", "--gen", "3", "--threads", "1",
+                  "--workloads", "decode1,decode2,ttft16", "--repeats", "1", "--gen", "3", "--threads", "1", "--probe-mib", "64",
                   "--cache", str(tmp_path / "cache"), "--fixture", str(smollm2_gguf), "--json", str(out),
                   "--plot", str(tmp_path / "sizes.png"))
     assert proc.returncode == 0, proc.stderr[-2000:]

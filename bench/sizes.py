@@ -128,6 +128,9 @@ def load_runner(runtime: str, path: str, batch: int, threads: int, n_ctx: int):
         return OrtGenaiRunner(Path(path), batch)
     if batch != 1:
         raise ValueError("llama-cpp-python's Llama API decodes one sequence at a time")
+    from llama_workaround import disable_extra_buffer_types
+
+    disable_extra_buffer_types()  # its AMX/repacked Q4_0 path segfaults on this Xeon (bench/llama_workaround.py)
     return LlamaCppRunner(Path(path), n_ctx, threads)
 
 
@@ -138,9 +141,19 @@ def worker(spec: str) -> int:
     runner = load_runner(job["runtime"], job["path"], batch, job["threads"], MAX_SEQ)
     runner.run(B.prompt_ids(job["vocab"], 16, seed=1), 4)  # warm-up: thread pools, buffers
     t = runner.run(B.prompt_ids(job["vocab"], prompt_len), gen)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = peak_rss_mb()
     print(json.dumps({"prefill_s": t.prefill_s, "step_s": t.step_s.tolist(), "rss_mb": rss}))
     return 0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS: VmHWM (ru_maxrss is inherited through fork, so a worker would report
+    its parent's peak, e.g. the 2 GiB bandwidth probe)."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+        return int(line.split()[1]) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_job(job: Job, args: argparse.Namespace) -> dict:

@@ -38,6 +38,22 @@ def test_cache_buffers_stay_put_and_are_written_in_place(tiny_art):
     assert not k0[0, :, 107:].any() and not k0[1, :, 103:].any()  # nothing past the lengths
 
 
+def test_chunked_prefill_matches_one_call(tiny_art, monkeypatch):
+    """DECODERT_PREFILL_CHUNK: a long prompt in chunks of 16 gives the one-call logits and cache."""
+    prompt = np.arange(3, 103) % 50 + 3  # 100 tokens: 6 chunks of 16, then 4
+    outs = []
+    for chunk in ("0", "16"):
+        monkeypatch.setenv("DECODERT_PREFILL_CHUNK", chunk)
+        be = OrtBackend(tiny_art, load_manifest(tiny_art))
+        cache = be.allocate(1)
+        step = be.prefill(cache, [0], [prompt], want_logits=True)
+        outs.append((step.logits.copy(), cache.buffers[0][0, :, :100].copy(), cache.lengths.tolist()))
+    (l0, k0, n0), (l1, k1, n1) = outs
+    assert n0 == n1 == [100]
+    np.testing.assert_allclose(l1, l0, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(k1, k0, rtol=1e-5, atol=1e-5)
+
+
 def test_session_pools_stop_spinning_after_a_run(tiny_art):
     """The prefill/decode and verify sessions (and a draft model's) run one after another: a pool
     left spinning after its run took the cores from the next session's run."""

@@ -77,6 +77,10 @@ class OrtBackend:
         self.sessions.setdefault("decode", self.sessions["prefill"])
         # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
         self._prefill_with_past_batch = get_target(manifest.target).multi_token_rows or self.max_batch
+        # a long one-row prompt runs in chunks of this many tokens (0: in one call): GQA's CPU prefill
+        # attends over the whole square, so 512-token chunks cut its share of a 4096-token prompt
+        # by about a fifth while the GEMMs stay large (docs/BENCHMARKS.md, issue 32)
+        self.prefill_chunk = int(os.environ.get("DECODERT_PREFILL_CHUNK", "512"))
         self._decode_bindings: dict[tuple[int, int, int], _Binding] = {}
         self._options, self._providers = options, providers
         # verify passes (speculative decoding): "verify" opened on first use or by prepare_verify;
@@ -103,17 +107,31 @@ class OrtBackend:
                          np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
         for rows in self._prefill_groups(cache, slots, lens):
             start, n = slots[rows[0]], len(rows)
-            width = int(lens[rows].max())
+            done = self._prefill_chunks(cache, start, ids[rows[0]]) if n == 1 and self.prefill_chunk else 0
+            width = int(lens[rows].max()) - done
             b = self._bind(cache, "prefill", start, n, width)
             b.ids[:] = 0
             for j, r in enumerate(rows):
-                b.ids[j, : lens[r]] = ids[r]
-            b.past[:] = cache.lengths[start : start + n]
-            b.seq[:] = lens[rows]
+                b.ids[j, : lens[r] - done] = ids[r][done:]
+            b.past[:] = cache.lengths[start : start + n] + done
+            b.seq[:] = lens[rows] - done
             _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
             _gather(out, rows, b, want_logits)
         cache.commit(slots, ids)
         return out
+
+    def _prefill_chunks(self, cache: KVCache, start: int, row: np.ndarray) -> int:
+        """All but the last ``prefill_chunk`` tokens of one row's prompt, a chunk per call (GQA takes
+        several tokens over a non-empty cache at batch 1); returns how many were run."""
+        chunk, done, b = self.prefill_chunk, 0, None
+        while len(row) - done > chunk:
+            b = b or self._bind(cache, "prefill", start, 1, chunk)
+            b.ids[0] = row[done : done + chunk]
+            b.past[:] = cache.lengths[start] + done
+            b.seq[:] = chunk
+            _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
+            done += chunk
+        return done
 
     def decode(self, cache: KVCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
         cache.check_room(slots, [1] * len(slots), "the next tokens")

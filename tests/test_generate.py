@@ -331,3 +331,23 @@ def test_e2e_smollm2_matches_transformers(smollm2_gguf, smollm2_hf_model, tmp_pa
         assert result.token_ids == y[0, len(ids):].tolist()
         deltas = list(llm.stream_chat(messages, max_new_tokens=32, temperature=0))
         assert "".join(deltas) == result.text and not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's")
+def test_peak_rss_is_this_process_own_not_a_forked_parents():
+    """A worker forked from a large parent reports its own peak (ru_maxrss carries the parent's across fork)."""
+    import os
+
+    from decodert.runtime.decoding.metrics import peak_rss_mb
+
+    big = np.ones(256 * 1024 * 1024 // 8)  # 256 MiB touched here
+    parent = peak_rss_mb()
+    del big
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, str(peak_rss_mb()).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = float(os.read(read, 64))
+    assert parent >= 256 and child < parent - 128

@@ -40,7 +40,16 @@ class Metrics:
 
 
 def peak_rss_mb() -> float:
-    """Peak RSS of this process in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak RSS of this process in MiB: Linux's VmHWM, which is this process's own (ru_maxrss is kept
+    across fork and exec, so a worker forked from a large parent reported the parent's peak); elsewhere
+    ru_maxrss (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 

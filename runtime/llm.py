@@ -210,13 +210,13 @@ class LLM:
     def _token_str(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.tokenizer.id_to_token(int(token_id)) or "")
 
-    def _chat_ids(self, messages: Seq[Message], turn: ChatTurn | None = None) -> np.ndarray:
-        # The template writes any BOS itself (as transformers' apply_chat_template).
-        return self.encode(self._render(turn or self.chat_turn(messages, {})), add_bos=False)
+    def _chat_ids(self, messages: Seq[Message]) -> np.ndarray:
+        return self._chat_prompt(messages, {})[2]
 
-    def _chat_prompt(self, messages: Seq[Message], params: dict) -> tuple[ChatTurn, str, np.ndarray]:
-        """Pop the chat options from ``params`` -> (turn, rendered prompt, its ids)."""
-        turn = self.chat_turn(messages, pop_options(params))
+    def _chat_prompt(self, messages: Seq[Message], options: Mapping[str, Any]) -> tuple[ChatTurn, str, np.ndarray]:
+        """The chat options (``pop_options``) for ``messages`` -> (turn, rendered prompt, its ids).
+        The template writes any BOS itself (as transformers' apply_chat_template)."""
+        turn = self.chat_turn(messages, options)
         text = self._render(turn)
         return turn, text, self.encode(text, add_bos=False)
 
@@ -354,7 +354,7 @@ class LLM:
         ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``enable_thinking``, ``chat_template_kwargs``;
         the result's ``tool_calls`` and ``reasoning`` are split from its text (runtime/chat/turn.py)."""
         spec = params.pop("speculative", None)
-        turn, prompt, ids = self._chat_prompt(messages, params)
+        turn, prompt, ids = self._chat_prompt(messages, pop_options(params))
         sp, c = self.split_params(params)
         seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec)
         return turn.finish(self._finish([seq])[0], prompt)
@@ -362,7 +362,7 @@ class LLM:
     def stream_chat(self, messages: Seq[Message], **params: Any) -> TextStream | ChatStream:
         """``chat`` as a stream of text deltas (with tools or reasoning: the content's, in a ChatStream)."""
         spec = params.pop("speculative", None)
-        turn, prompt, ids = self._chat_prompt(messages, params)
+        turn, prompt, ids = self._chat_prompt(messages, pop_options(params))
         sp, c = self.split_params(params)
         seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec)
         stream = TextStream(self._stream([seq]), seq)

@@ -92,15 +92,15 @@ class Session:
     def chat(self, message: str | Message, **params: Any) -> GenerationResult:
         """Add a user message (text, or a message dict), generate the reply and keep both.
         ``params``: as ``LLM.chat`` (sampling, json_schema / regex / grammar, speculative)."""
-        seq, turns, dropped, turn = self._begin(message, params)
+        seq, turns, dropped, turn, prompt = self._begin(message, params)
         result = self.llm._finish([seq], runner=self._turn(seq, turns, dropped))[0]
-        return turn.finish(result, self.llm._render(turn))
+        return turn.finish(result, prompt)
 
     def stream_chat(self, message: str | Message, **params: Any) -> TextStream:
         """``chat`` as a stream of text deltas; closing it early keeps the part of the reply shown."""
-        seq, turns, dropped, turn = self._begin(message, params)
+        seq, turns, dropped, turn, prompt = self._begin(message, params)
         stream = TextStream(self.llm._stream([seq], runner=self._turn(seq, turns, dropped)), seq)
-        return stream if turn.plain else ChatStream(stream, turn.output(self.llm._render(turn)), turn.tools is not None)
+        return stream if turn.plain else ChatStream(stream, turn.output(prompt), turn.tools is not None)
 
     def undo(self) -> list[dict]:
         """Remove the last turn (the last user message and the replies after it); returns it.
@@ -147,8 +147,9 @@ class Session:
         return running
 
     # -- one turn --------------------------------------------------------------------------------
-    def _begin(self, message: str | Message, params: Mapping[str, Any]) -> tuple[Sequence, list[dict], int, ChatTurn]:
-        """Validate, fit the conversation into the context -> (sequence, turns it renders, dropped, chat turn)."""
+    def _begin(self, message: str | Message, params: Mapping[str, Any]) -> tuple[Sequence, list[dict], int, ChatTurn, str]:
+        """Validate, fit the conversation into the context -> (sequence, turns it renders, dropped, chat turn,
+        rendered prompt)."""
         if isinstance(message, str):
             message = {"role": "user", "content": message}
         msg = check_messages([message])[0]
@@ -156,19 +157,20 @@ class Session:
         spec = params.pop("speculative", None)
         options = pop_options(params)  # tools, enable_thinking, ... (runtime/chat/turn.py)
         sp, constraint = self.llm.split_params(params)  # the model's sampling defaults under what was passed
-        turns, ids, dropped = self._fit(self._turns + [msg], sp.max_new_tokens, options)
+        turns, (turn, prompt, ids), dropped = self._fit(self._turns + [msg], sp.max_new_tokens, options)
         self.dropping = dropped
-        turn = self.llm.chat_turn(self._system + turns, options)
         seq = self.llm._sequence(ids, sp, constraint=turn.constraint(constraint), speculative=spec)
-        return seq, turns, dropped, turn
+        return seq, turns, dropped, turn, prompt
 
     def _fit(self, turns: list[dict], max_new_tokens: int,
-             options: Mapping[str, Any] | None = None) -> tuple[list[dict], np.ndarray, int]:
-        max_seq, options = self.llm.max_seq, options or {}
+             options: Mapping[str, Any]) -> tuple[list[dict], tuple[ChatTurn, str, np.ndarray], int]:
+        """The turns that fit with room for the answer -> (turns, their (chat turn, prompt, ids), turns dropped)."""
+        max_seq = self.llm.max_seq
         room = min(max_new_tokens, max_seq // 2)
-        ids = self.llm._chat_ids(self._system + turns, self.llm.chat_turn(self._system + turns, options))
+        rendered = self.llm._chat_prompt(self._system + turns, options)
+        ids = rendered[2]
         if len(ids) + room <= max_seq:
-            return turns, ids, 0
+            return turns, rendered, 0
         if self.overflow == "error":
             raise DecodertError(f"the conversation needs {len(ids)} tokens plus {room} for the answer but the context "
                                 f"holds {max_seq}; session.undo() or reset(), lower max_new_tokens, or use "
@@ -179,11 +181,12 @@ class Session:
             if end is None:
                 break
             turns, dropped = turns[end:], dropped + 1
-            ids = self.llm._chat_ids(self._system + turns, self.llm.chat_turn(self._system + turns, options))
+            rendered = self.llm._chat_prompt(self._system + turns, options)
+            ids = rendered[2]
         if len(ids) >= max_seq:
             raise DecodertError(f"the message needs {len(ids)} tokens with the system message, but the context holds "
                                 f"{max_seq} (--max-seq at export); send a shorter message")
-        return turns, ids, dropped
+        return turns, rendered, dropped
 
     def _row(self) -> Any:
         if self._cache is None:

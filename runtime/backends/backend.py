@@ -43,21 +43,21 @@ class Backend(Protocol):
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         """Append each row's new tokens ``ids[j]`` (1-D int64) to slot ``slots[j]``.
 
-        Writes at ``cache.lengths[slot]`` and advances it by ``len(ids[j])``; returns the output
-        for each row's last token. Rows may have different lengths (the backend pads).
+        Writes at ``cache.lengths[slot]`` and ``cache.commit``s the ids; returns the output for each
+        row's last token. Rows may have different lengths (the backend pads).
         """
         ...
 
     def decode(self, cache: KVCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
-        """One token per slot (``ids`` [n] int64); advances each slot's length by one."""
+        """One token per slot (``ids`` [n] int64), committed to each slot's row."""
         ...
 
     def verify(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
         """Append each row's tokens ``ids[j]`` (1-D, 1..verify_width) like prefill, but return the
         output after every one of them (W = the longest row; a shorter row's tail is padding).
 
-        Optional (speculative decoding); rejected tokens are dropped by setting ``cache.lengths``
-        back: the next write overwrites them, nothing is copied.
+        Optional (speculative decoding); rejected tokens are dropped by ``cache.rewind``: the next
+        write overwrites them, nothing is copied.
         """
         ...
 
@@ -68,7 +68,8 @@ class Backend(Protocol):
         ...
 
     def move_slot(self, cache: KVCache, src: int, dst: int) -> None:
-        """Copy slot ``src``'s cached tokens and length into ``dst`` (to keep active rows compact)."""
+        """Copy slot ``src``'s cached positions into ``dst`` and ``cache.move`` the record: ``dst`` holds
+        what ``src`` held, ``src`` nothing (to keep active rows compact)."""
         ...
 
     # -- KV blocks (runtime/backends/kv_blocks.py): what the prefix cache keeps between requests ----------

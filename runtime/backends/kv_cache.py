@@ -8,9 +8,9 @@ in and out through ``geometry()`` (device) or ``buffers`` (host).
 
 The rule: **row ``slot`` holds K/V for exactly the ids ``held(slot)``**: positions 0 .. n-1
 (n = ``lengths[slot]``) were written by the model for those ids, in that order. This object is the
-only writer of that record, through five verbs: ``commit`` (a backend wrote K/V for new ids),
-``rewind`` (drop positions from the end: rejected drafts, a session turn that diverges), ``reset``,
-``move`` (a backend copied a row to another slot) and ``commit`` after a prefix-cache copy. ``lengths``
+only writer of that record, through four verbs: ``commit`` (a backend, or the prefix cache, wrote K/V
+for new ids), ``rewind`` (drop positions from the end: rejected drafts, a session turn that diverges),
+``reset``, and ``move`` (a backend copied a row to another slot). ``lengths``
 is a read-only view: nothing else can change what a row says it holds, so the prefix cache, sessions
 and speculation read the ids from here instead of assuming them (docs/ARCHITECTURE.md, "Cache state").
 Per-row recurrent state (hybrid models) will be owned here too, under the same verbs.

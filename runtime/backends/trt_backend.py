@@ -232,10 +232,9 @@ class TrtBackend:
     def check_rows(self, cache: KVCache, slots: Sequence[int], counts: Sequence[int]) -> None:
         if len(set(slots)) != len(slots) or any(not 0 <= s < cache.slots for s in slots):
             raise DecodertError(f"slots {list(slots)} must be distinct and within 0..{cache.slots - 1}")
-        for s, k in zip(slots, counts):
-            if k < 1 or cache.lengths[s] + k > self.max_seq:
-                raise DecodertError(f"slot {s}: {int(cache.lengths[s])} cached + {k} new tokens exceed the "
-                                    f"context of {self.max_seq} (--max-seq at export)")
+        if min(counts, default=1) < 1:
+            raise DecodertError(f"every row needs at least one token, got {list(counts)}")
+        cache.check_room(slots, counts)
 
     # ------------------------------------------------------------ steps
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:

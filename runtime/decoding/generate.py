@@ -15,7 +15,7 @@ from decodert.runtime.backends.backend import Backend, KVCache, StepOutput
 from decodert.runtime.backends.kv_cache import common_prefix
 from decodert.runtime.constraints import Guide, masks_ahead
 from decodert.runtime.decoding.metrics import Metrics, Timer
-from decodert.runtime.decoding.sampling import (SamplingParams, apply_processors, draw, greedy, log_normalise, logprobs,
+from decodert.runtime.decoding.sampling import (SamplingParams, apply_processors, draw, greedy, log_normalise, log_softmax,
                                                 make_distribution, make_logits_processors, make_sampler)
 from decodert.runtime.chat.text import Decoder, IncrementalDetokenizer, StopMatcher
 
@@ -25,7 +25,7 @@ class TokenLogprob:
     """One generated token's log-probability under the distribution it was drawn from (``logprobs=True``)."""
 
     token_id: int
-    logprob: float  # <= 0; the sampled distribution: see sampling.logprobs
+    logprob: float  # <= 0; the distribution it was drawn from: Sequence._choose_logged
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the top_logprobs most likely, descending
 
     def to_dict(self) -> dict:
@@ -121,7 +121,7 @@ class Sequence:
         closing token, when its budget forces one, is recorded from that distribution too)."""
         p = self.params
         if p.greedy:
-            logp = logprobs(row, None)  # [V] float64: log_softmax
+            logp = log_softmax(row)  # [V] float64
             token = int(greedy(row[None, :])[0])
         else:
             probs = make_distribution(p.temperature, p.top_k, p.top_p, p.min_p)(row[None, :])  # [1, V]

@@ -247,17 +247,14 @@ def _bias(pairs: Sequence[tuple[int, float]]) -> LogitsProcessor:
     return process
 
 
-def logprobs(row: np.ndarray, distribution: Callable[[np.ndarray], np.ndarray] | None) -> np.ndarray:
-    """Log-probabilities [V] float64 of the distribution a token is drawn from, for one row's final
-    scores [V] (after the structured-output mask, penalties and logit_bias): with ``distribution``
-    (``make_distribution``: temperature, top-k, min-p, top-p applied) the log of its normalised
-    probabilities; without one (greedy) log_softmax of the scores. -inf: a token that cannot be chosen."""
-    if distribution is None:
-        scores = _sane(np.asarray(row, dtype=np.float64)[None, :])[0]  # [V]
-        z = scores - scores.max()
-        with np.errstate(divide="ignore"):
-            return z - np.log(np.exp(z).sum())
-    return log_normalise(distribution(np.asarray(row)[None, :])[0])
+def log_softmax(row: np.ndarray) -> np.ndarray:
+    """Log-probabilities [V] float64 a greedy choice is made from: log_softmax of one row's final scores
+    [V] (after the structured-output mask, penalties and logit_bias). -inf: a token that cannot be chosen.
+    A sampled row's are ``log_normalise`` of its ``make_distribution`` probabilities."""
+    scores = _sane(np.asarray(row, dtype=np.float64)[None, :])[0]  # [V]
+    z = scores - scores.max()
+    with np.errstate(divide="ignore"):
+        return z - np.log(np.exp(z).sum())
 
 
 def log_normalise(probs: np.ndarray) -> np.ndarray:

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from install import ensure
+from rotation import rotate
 
 from decodert.tools import bench as B
 
@@ -168,19 +169,7 @@ def measure(contenders: list[Contender], args: argparse.Namespace) -> dict[int, 
     """Each contender once per repeat, each run in a fresh worker, rotating who goes first.
 
     A contender whose worker fails is reported and dropped."""
-    runs: dict[int, list[B.RunTiming]] = {i: [] for i in range(len(contenders))}
-    failed: set[int] = set()
-    for r in range(args.repeats):
-        order = list(range(len(contenders)))
-        order = order[r % len(order):] + order[: r % len(order)]
-        for i in (i for i in order if i not in failed):
-            try:
-                runs[i].append(run_in_worker(contenders[i], args))
-            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
-                log(f"  {e}")
-                failed.add(i)
-        log(f"  repeat {r + 1}/{args.repeats} done (load avg {os.getloadavg()[0]:.2f})")
-    return {i: v for i, v in runs.items() if i not in failed}
+    return rotate([list(range(len(contenders)))], args.repeats, lambda i: run_in_worker(contenders[i], args), log)
 
 
 def wait_for_quiet(max_load: float, wait_s: float) -> float:

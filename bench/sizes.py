@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import sizes_models as M
+from rotation import rotate
 import sizes_report as R
 
 from decodert.tools import bench as B
@@ -175,19 +176,7 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> dict[int, list[dict]]:
     groups: dict[tuple[str, str], list[int]] = {}
     for i, j in enumerate(jobs):
         groups.setdefault((j.size, j.workload), []).append(i)
-    runs: dict[int, list[dict]] = {i: [] for i in range(len(jobs))}
-    failed: set[int] = set()
-    for r in range(args.repeats):
-        for members in groups.values():
-            order = members[r % len(members):] + members[: r % len(members)]
-            for i in (i for i in order if i not in failed):
-                try:
-                    runs[i].append(run_job(jobs[i], args))
-                except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
-                    log(f"  {e}")
-                    failed.add(i)
-        log(f"  repeat {r + 1}/{args.repeats} done at {time.strftime('%H:%M:%S')} (load {os.getloadavg()[0]:.2f})")
-    return {i: v for i, v in runs.items() if v and i not in failed}
+    return rotate(list(groups.values()), args.repeats, lambda i: run_job(jobs[i], args), log)
 
 
 # ---- the command ---------------------------------------------------------------------------------

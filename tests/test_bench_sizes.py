@@ -42,3 +42,20 @@ def test_sizes_suite_runs_on_a_tiny_shape(smollm2_gguf, tmp_path):
 def test_sizes_bad_arguments_exit_2(args, message, tmp_path):
     proc = _sizes(*args, "--cache", str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"decodert: error: {message}")
+
+
+def test_rotation_alternates_each_group_and_drops_a_failing_run():
+    sys.path.insert(0, str(SIZES.parent))
+    from rotation import rotate
+
+    calls, lines = [], []
+
+    def run(i: int) -> int:
+        calls.append(i)
+        if i == 3:
+            raise RuntimeError("worker 3 failed")
+        return i * 10
+
+    got = rotate([[0, 1], [2, 3]], 2, run, lines.append)
+    assert calls == [0, 1, 2, 3, 1, 0, 2]  # the first rotates per repeat; 3 failed once and is not run again
+    assert got == {0: [0, 0], 1: [10, 10], 2: [20, 20]} and "  worker 3 failed" in lines

@@ -114,6 +114,11 @@ def _rewrite_gguf(src: Path, dst: Path, file_type: int, convert: Callable[[Any],
             writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
         else:
             writer.add_tensor(t.name, raw[0], raw_shape=raw[0].shape, raw_dtype=raw[1])
+    return finish_gguf(writer, tmp, dst)
+
+
+def finish_gguf(writer: Any, tmp: Path, dst: Path) -> Path:
+    """Write a ``gguf.GGUFWriter`` filled at ``tmp`` (header, metadata, tensors) and move it to ``dst``."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from competitors import finish_gguf
 
 GGUF_MOSTLY_F16, GGUF_MOSTLY_Q4_0 = 1, 2  # general.file_type
 
@@ -118,12 +119,7 @@ def gguf_from_hf(folder: Path, dst: Path, kind: str, tokenizer_gguf: Path) -> Pa
                     continue
                 w = f.get_tensor(key).float().numpy()
                 _add(writer, names.get_name(key, try_suffixes=(".weight", ".bias")), _permuted(w, key, config), kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.rename(dst)
-    return dst
+    return finish_gguf(writer, tmp, dst)
 
 
 def _rope_keys(config: dict) -> dict:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from decodert.errors import DecodertError
+from decodert.errors import DecodertError, MissingDependencyError
 
 MODEL_DEFAULT = "default: the model's (`decodert inspect` shows them)"
 
@@ -96,23 +96,18 @@ def check_constraint(args: argparse.Namespace) -> None:
     kw = constraint_kwargs(args)
     if not kw:
         return
-    from decodert.runtime.constraints import Constraint, _describe_error as describe_error, _llguidance
+    from decodert.runtime.constraints import Constraint, check_text
 
     name, value = next(iter(kw.items()))
     flag = "--" + name.replace("_", "-")
     if not value.strip():
         raise DecodertError(f"{flag} {getattr(args, name)} is empty" if name != "regex" else "--regex is empty")
     try:
-        c = Constraint.of(**kw)
+        check_text(Constraint.of(**kw))  # the model's tokenizer is not needed to parse it
+    except MissingDependencyError:
+        raise
     except DecodertError as e:
         raise DecodertError(f"{flag}: {e}") from None
-    llguidance = _llguidance()  # MissingDependencyError with the install hint
-    try:  # llguidance parses the schema / regex / grammar; the model's tokenizer is not needed for that
-        problem = llguidance.LLMatcher.validate_grammar(c.grammar_text())
-    except Exception as e:  # llguidance raises ValueError / RuntimeError with a multi-line message
-        problem = str(e)
-    if problem:
-        raise DecodertError(f"{flag}: {describe_error(c, problem)}")
 
 
 def constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -150,6 +150,18 @@ def _llguidance() -> Any:
     return llguidance
 
 
+def check_text(c: Constraint) -> None:
+    """Parse ``c``'s schema / regex / grammar without a tokenizer (llguidance's ``validate_grammar``):
+    a one-line DecodertError when it is invalid. ``Guidance.compile`` checks more, for a model."""
+    llguidance = _llguidance()  # MissingDependencyError with the install hint
+    try:
+        problem = llguidance.LLMatcher.validate_grammar(c.grammar_text())
+    except Exception as e:  # llguidance raises ValueError / RuntimeError with a multi-line message
+        problem = str(e)
+    if problem:
+        raise DecodertError(_describe_error(c, problem))
+
+
 def _describe_error(c: Constraint, message: str) -> str:
     """llguidance's (multi-line) compile error -> one line naming what was wrong."""
     lines = [" ".join(x.split()) for x in message.splitlines() if x.strip()] or ["unknown error"]

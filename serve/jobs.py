@@ -104,13 +104,6 @@ def encode_prompts(engine: Engine, prompts: Seq[Union[str, list[int]]]) -> list[
         raise ApiError(400, str(e), param="prompt") from None
 
 
-def encode_chat(engine: Engine, messages: list[dict]) -> list[np.ndarray]:
-    try:
-        return [engine.chat_ids(messages)]
-    except DecodertError as e:
-        raise ApiError(400, str(e), param="messages") from None
-
-
 class Job:
     """The engine requests of one HTTP request; ``events()`` yields ``(choice index, Event)`` until all ended."""
 

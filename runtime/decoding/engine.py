@@ -19,12 +19,11 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence as Seq
+from typing import Any, Callable
 
 import numpy as np
 
 from decodert.errors import DecodertError, first_line
-from decodert.runtime.chat.chat import Message
 from decodert.runtime.constraints import Constraint
 from decodert.runtime.decoding.generate import GenerationResult, Sequence
 from decodert.runtime.decoding.sampling import SamplingParams
@@ -148,10 +147,6 @@ class Engine:
             self.llm._check_speculation()
             self.llm.speculator.drafter(config)
         return config
-
-    def chat_ids(self, messages: Seq[Message]) -> np.ndarray:
-        """Chat messages -> prompt ids [L] through the model's chat template."""
-        return self.llm._chat_ids(messages)
 
     def submit(self, seq: Sequence, sink: Sink) -> Handle:
         """Queue a request; its events go to ``sink``. QueueFull / EngineClosed when it cannot be taken."""

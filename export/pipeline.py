@@ -32,7 +32,10 @@ from decodert.export.progress import Stage
 from decodert.export.lowering.semantics import tokenizer_vocab
 from decodert.export.artifact.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables
+from decodert.plugins.kv_dtypes import KVDtype
+from decodert.plugins.kv_dtypes import kv_dtype as kv_dtype_of
 from decodert.plugins.selection import choose_plugins
+from decodert.export.quantize import kv_calibrate
 from decodert.export.artifact.version import __version__
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -41,7 +44,8 @@ WEIGHTS = "weights.bin"
 
 def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtype: str = "fp32",
                  max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None,
-                 quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None) -> Manifest:
+                 quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None,
+                 kv_dtype: str | None = None) -> Manifest:
     """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
 
     ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
@@ -51,6 +55,10 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     symmetric quantization (TensorRT's int4 weights have no zero point) and gets it. GGUF Q4_0 /
     Q8_0 weights that match the config are transcoded exactly instead (the rule: export/quantize/quant.py);
     ``manifest.quant.per_weight`` records how each weight is stored.
+
+    ``kv_dtype`` (fp32|fp16|bf16|int8|fp8|int4; None: ``dtype``) is the KV cache's element type
+    (plugins/kv_dtypes.py); a quantized cache's per-channel scales are calibrated here
+    (export/quantize/kv_calibrate.py). ``manifest.kv_dtype`` records it.
     """
     tgt = get_target(target)
     _check_settings(dtype, max_seq, max_batch)
@@ -64,18 +72,23 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
     plugin_record = choose_plugins(plugins, tgt, trt_version)
+    plugin_ops = tuple(plugin_record["ops"]) if plugin_record else ()
+    kv = kv_dtype_of(kv_dtype, dtype)
+    tgt.make_lowering(spec, dtype, max_seq, plugins=plugin_ops, kv=kv)  # refuses a KV dtype the target cannot keep
 
     tmp = destination.make_temp(out_dir)
     try:
         layout = tgt.weight_layout
         weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout)
-        lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized,
-                                 plugins=tuple(plugin_record["ops"]) if plugin_record else ())
+        lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized, plugins=plugin_ops, kv=kv)
         with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
-            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar)
             tokenizer = ckpt.write_tokenizer(tmp)
+            if kv.quantized:  # per-channel scales from the float-cache graph over a built-in text
+                weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
+                                                   weights, kv, tmp)}
+            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar)
             tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
-            manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
+            manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
             bar.update()
             manifest = manifest.replace(
                 sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
@@ -110,7 +123,8 @@ def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max
         path = tmp / f"{kind}.onnx"
         onnx.save_model(build_graph(spec, lowering, weights, kind), path)
         onnx.checker.check_model(str(path), full_check=True)
-        contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind))}
+        contract = {"file": path.name,
+                    **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind), lowering.kv)}
         if kind == "verify":
             contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
             contract["batched_past"] = lowering.for_graph(kind).batched_past
@@ -181,7 +195,20 @@ def _quant_record(quant: QuantConfig | None, layout: WeightLayout, quantized: di
                                    "per_weight": {name: quantized[name].to_dict() for name in sorted(quantized)}}, "quant")
 
 
-def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_batch: int,
+def _kv_scales(spec: ModelSpec, float_cache: Any, weights: dict, kv: KVDtype, tmp: Path) -> dict[str, onnx.TensorProto]:
+    """Calibrate a quantized cache's scales on ``float_cache`` (the same lowering with a float cache)."""
+    path = tmp / "kv_calibration.onnx"  # beside weights.bin, whose tensors it references; removed after
+    try:
+        onnx.save_model(build_graph(spec, float_cache, weights, "prefill"), path)
+        ids = kv_calibrate.calibration_ids(tmp / "tokenizer.json", float_cache.max_seq)
+        scales = kv_calibrate.calibrate(path, spec, kv, float_cache.dtype, float_cache.max_seq, ids,
+                                        float_cache.rotary_dim)
+    finally:
+        path.unlink(missing_ok=True)
+    return kv_calibrate.scale_tensors(scales)
+
+
+def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, kv: KVDtype, max_seq: int, max_batch: int,
               graphs: dict[str, GraphRecord], tokenizer: dict, folder: Path) -> Manifest:
     src = Path(ckpt.source)
     return Manifest(
@@ -189,9 +216,10 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_
         onnx_version=onnx.__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         source=SourceRecord(path=str(src.resolve()), kind="gguf" if src.suffix == ".gguf" else "hf"),
         model=from_json(ModelRecord, spec.to_dict(), "model"), target=target, dtype=dtype,
-        max_seq=max_seq, max_batch=max_batch,
-        kv=KVRecord(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
-                    shape=("batch", spec.num_kv_heads, max_seq, spec.head_dim), inplace=True),
+        max_seq=max_seq, max_batch=max_batch, kv_dtype=kv.name,
+        kv=KVRecord(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                    dtype=kv.storage, shape=("batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)),
+                    inplace=True, scales="per_channel" if kv.quantized else None),
         graphs=graphs, weights=WeightsRecord(file=WEIGHTS, bytes=(folder / WEIGHTS).stat().st_size),
         tokenizer=from_json(TokenizerRecord, {"file": "tokenizer.json", **tokenizer}, "tokenizer"),
         files={p.name: file_record(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST},

@@ -43,6 +43,7 @@ from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, rope_table_of
+from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 
 GraphKind = Literal["prefill", "decode", "verify"]
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
@@ -56,11 +57,13 @@ def verifies_rows(lowering: Lowering, kind: GraphKind) -> bool:
 
 
 def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
-                per_position: bool = False) -> dict[str, list[dict]]:
+                per_position: bool = False, kv: KVDtype | None = None) -> dict[str, list[dict]]:
     """Names, dtypes and shapes of a graph's inputs and outputs (also written to the manifest);
-    ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``)."""
+    ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``);
+    ``kv``: the cache's element type (default ``dtype``): its storage and packed width."""
     seq: int | str = 1 if kind == "decode" else "seq"
-    cache_shape = ["batch", spec.num_kv_heads, max_seq, spec.head_dim]
+    kv = kv or KV_DTYPES[dtype]
+    cache_shape = ["batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)]
     inputs = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
         {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
@@ -80,9 +83,9 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
         outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
                     {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "positions"]}]
     for i in range(spec.num_layers):
-        for kv in ("key", "value"):
-            inputs.append({"name": f"past_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
-            outputs.append({"name": f"present_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
+        for name in ("key", "value"):
+            inputs.append({"name": f"past_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
+            outputs.append({"name": f"present_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
     return {"inputs": inputs, "outputs": outputs}
 
 
@@ -92,7 +95,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
     per_position = verifies_rows(lowering, kind)
     lowering = lowering.for_graph(kind)
     g = GraphBuilder(f"decodert_{spec.family}_{kind}", lowering.opsets)
-    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position)
+    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position, lowering.kv)
     for io in contract["inputs"]:
         g.input(io["name"], io["dtype"], io["shape"])
     for t in weights.values():

@@ -21,6 +21,7 @@ from decodert.export.lowering.lowering import Lowering
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.export.quantize.weight_layouts import WeightLayout
 from decodert.models.spec import ModelSpec
+from decodert.plugins.kv_dtypes import KVDtype
 from decodert.plugins.selection import NATIVE_SINCE
 
 
@@ -49,13 +50,20 @@ class Target:
         return replace(quant, symmetric=True) if self.symmetric_weights and not quant.symmetric else quant
 
     def make_lowering(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
-                      quantized: Mapping[str, WeightQuant] | None = None, plugins: tuple[str, ...] = ()) -> Lowering:
-        """``plugins``: decodert ops to emit as plugin nodes (only a target with ``plugin_nodes``)."""
+                      quantized: Mapping[str, WeightQuant] | None = None, plugins: tuple[str, ...] = (),
+                      kv: KVDtype | None = None) -> Lowering:
+        """``plugins``: decodert ops to emit as plugin nodes (only a target with ``plugin_nodes``);
+        ``kv``: the cache's element type (default: ``dtype``), or a one-line error where it cannot be kept."""
         if plugins:
             if not self.plugin_nodes:
                 raise DecodertError(f"--target {self.name} cannot emit decodert plugin nodes")
-            return TrtLowering(spec, dtype, max_seq, quant, quantized, plugins=plugins)
-        return self.lowering(spec, dtype, max_seq, quant, quantized)
+            low: Lowering = TrtLowering(spec, dtype, max_seq, quant, quantized, kv, plugins=plugins)
+        else:
+            low = self.lowering(spec, dtype, max_seq, quant, quantized, kv)
+        problem = low.kv_problem()
+        if problem:
+            raise DecodertError(f"--kv-dtype {low.kv.name} on --target {self.name}: {problem}")
+        return low
 
     def runs_on(self, backend: str) -> bool:
         return backend in self.backends

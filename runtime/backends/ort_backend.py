@@ -23,7 +23,8 @@ import onnx
 import onnxruntime as ort
 
 from decodert.errors import DecodertError, first_line
-from decodert.export.artifact.manifest import Manifest
+from decodert.export.artifact.manifest import Manifest, kv_storage
+from decodert.plugins.kv_dtypes import NUMPY_STORAGE
 from decodert.export.lowering.targets import get_target
 from decodert.export.lowering.onnx_check import check_external_data, check_session_io
 from decodert.plugins.expand import expand_plugin_nodes
@@ -31,7 +32,7 @@ from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
 from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
-from decodert.runtime.backends.memory import check_fits
+from decodert.runtime.backends.memory import check_kv_fits, kv_cache_bytes
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -61,6 +62,8 @@ class OrtBackend:
         self.np_dtype = NP_DTYPES[manifest.dtype]
         kv = manifest.kv
         self.layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
+        self.kv = kv_storage(manifest)  # the cache's element type: float, int8, fp8 or packed int4 codes
+        self.kv_width = self.kv.width(self.head_dim)  # the buffers' last dimension
         self.max_batch, self.max_seq = manifest.max_batch, manifest.max_seq
         self.vocab_size = manifest.model.vocab_size
         options = _session_options(threads)
@@ -93,12 +96,12 @@ class OrtBackend:
         slots = slots or self.max_batch
         if not 1 <= slots <= self.max_batch:
             raise DecodertError(f"batch {slots} exceeds the artifact's --max-batch {self.max_batch}")
-        itemsize = np.dtype(self.np_dtype).itemsize
-        check_fits(slots * 2 * self.layers * self.kv_heads * self.max_seq * self.head_dim * itemsize, "KV cache")
+        check_kv_fits(kv_cache_bytes(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.kv), self.kv)
         self._decode_bindings.clear()
         for state in self._verify.values():
             state.bindings.clear()
-        return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype, self.device)
+        return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.kv_width, NUMPY_STORAGE[self.kv.storage],
+                       self.device)
 
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         lens = np.array([len(x) for x in ids], np.int64)
@@ -227,7 +230,7 @@ class OrtBackend:
 
     # ---- KV blocks (runtime/backends/kv_blocks.py) ----------------------------------------------------
     def kv_bytes(self, n: int) -> int:
-        return 2 * self.layers * self.kv_heads * n * self.head_dim * np.dtype(self.np_dtype).itemsize
+        return kv_cache_bytes(1, n, self.layers, self.kv_heads, self.head_dim, self.kv)
 
     def read_kv(self, cache: KVCache, slot: int, start: int, n: int) -> Any:
         if cache.device == "cpu":

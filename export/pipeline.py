@@ -68,6 +68,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     with Stage(f"reading {Path(src).name}", enabled=progress):
         ckpt = open_checkpoint(src)
     spec: ModelSpec = ckpt.spec
+    if quant is None:  # a GPTQ / AWQ checkpoint keeps its own 4-bit blocks unless asked otherwise
+        quant = tgt.quant_config(ckpt.native_quant())
     max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
@@ -174,10 +176,17 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
 
 def _store_quantized(w: WeightsWriter, ckpt, src: str, name: str, quant: QuantConfig, dtype: str, layout: WeightLayout,
                      gather: bool = False, tensor: np.ndarray | None = None) -> WeightQuant:
-    """Store canonical weight ``src`` quantized as ``name``: GGUF blocks transcoded where that is
-    exact (export/quantize/quant_gguf.py), else rounded to nearest from float (``tensor``, if already read)."""
+    """Store canonical weight ``src`` quantized as ``name``: GPTQ / AWQ or GGUF blocks transcoded where that
+    is exact (export/quantize/quant_packed.py, quant_gguf.py), else rounded to nearest from float (``tensor``,
+    if already read)."""
+    packed = None if gather else ckpt.packed(src)
     wq = transcoded_as(ckpt.block_type(src), quant, layout, gathered=gather)
-    if wq is not None:
+    if packed is not None:
+        qw, wq = packed
+        if quant.symmetric and not wq.symmetric:
+            raise DecodertError(f"{ckpt.source}: {src} is {wq.source} with zero points, which --symmetric / --target "
+                                "trt (int4 without zero points) cannot keep exactly; export --target ort or portable")
+    elif wq is not None:
         qw = ckpt.blocks(src)
     else:
         qw, wq = quantize(ckpt.tensor(src) if tensor is None else tensor, quant), quant.rtn()

@@ -126,6 +126,7 @@ class WeightQuantRecord(Record):
     symmetric: bool
     source: str  # "rtn" (rounded here) | "transcoded" (GGUF blocks kept exactly)
     block_min: bool = False  # Q4_1 kept exactly: a per-block minimum term
+    act_order: bool = False  # GPTQ act-order: a g_idx (ort) or an input permutation (qdq) beside the blocks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,7 +109,8 @@ class OrtLowering(Lowering):
         wq = self.quantized[weight]
         n, k = canonical_shape(self.spec, weight)
         zp = "" if wq.symmetric else f"{weight}.zero_points"
-        y = g.op("MatMulNBits", x, f"{weight}.q", f"{weight}.scales", zp, "", bias or "", domain="com.microsoft",
+        g_idx = f"{weight}.g_idx" if wq.act_order else ""  # GPTQ act-order: each input's group
+        y = g.op("MatMulNBits", x, f"{weight}.q", f"{weight}.scales", zp, g_idx, bias or "", domain="com.microsoft",
                  K=k, N=n, bits=wq.bits, block_size=wq.block_size, accuracy_level=self.quant.accuracy_level)
         if not wq.block_min:
             return y

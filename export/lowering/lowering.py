@@ -121,6 +121,8 @@ class Lowering:
         wq = self.quantized[weight]
         assert not wq.block_min, "block minimums (GGUF Q4_1) are transcoded for the ort target only"
         n, k = canonical_shape(self.spec, weight)
+        if wq.act_order:  # the blocks hold the inputs in group order (export/quantize/weight_layouts.py)
+            x = g.op("Gather", x, f"{weight}.perm", axis=-1)
         zp = [] if wq.symmetric else [f"{weight}.zero_points"]
         w = g.op("DequantizeLinear", f"{weight}.q", f"{weight}.scales", *zp, axis=1, block_size=wq.block_size)
         if k % wq.block_size:

@@ -214,3 +214,15 @@ def test_fused_parts_with_different_act_orders_refused(tiny_checkpoint, tmp_path
     with pytest.raises(DecodertError, match="different act-order g_idx") as e:
         export_model(qdir, tmp_path / "x", max_seq=32, progress=False)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.trt
+def test_act_order_gptq_builds_on_tensorrt_rtx(packed_pair, tmp_path):
+    """The trt target's act-order weights (a Gather of the inputs, then int4 block DequantizeLinear) build."""
+    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
+    from decodert.export import trt_build
+
+    qdir, _ = packed_pair("gptq-g128-actorder-sym-v2")
+    export_model(qdir, tmp_path / "art", target="trt", dtype="fp16", max_seq=64, max_batch=1, progress=False)
+    engines = trt_build.build_engines(tmp_path / "art", progress=False)
+    assert {"prefill", "decode"} <= set(engines)

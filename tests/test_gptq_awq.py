@@ -226,3 +226,13 @@ def test_act_order_gptq_builds_on_tensorrt_rtx(packed_pair, tmp_path):
     export_model(qdir, tmp_path / "art", target="trt", dtype="fp16", max_seq=64, max_batch=1, progress=False)
     engines = trt_build.build_engines(tmp_path / "art", progress=False)
     assert {"prefill", "decode"} <= set(engines)
+
+
+def test_run_keeps_a_gptq_checkpoint_as_it_is(packed_pair):
+    """What `decodert run` / LLM.load of the folder exports: the checkpoint's blocks, said so."""
+    from decodert.export.checkpoints.source_precision import keep_precision
+
+    qdir, rdir = packed_pair("gptq-g64-sym")
+    quant, about = keep_precision(open_checkpoint(qdir))
+    assert quant is not None and quant.block_size == 64 and about == "int4: GPTQ blocks transcoded exactly"
+    assert keep_precision(open_checkpoint(rdir))[0] is None

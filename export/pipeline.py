@@ -10,7 +10,7 @@ import datetime as dt
 import math
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import onnx
@@ -18,6 +18,9 @@ import onnx
 from decodert.errors import DecodertError
 from decodert.export.artifact import destination
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint
+from decodert.export.lora.layout import LoraLayout, LoraRecord
+from decodert.export.lora.merge import MergedCheckpoint
+from decodert.export.lora.peft import read_peft
 from decodert.export.lowering.graph import VERIFY_WIDTH, build_graph, io_contract, verifies_rows
 from decodert.export.quantize.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
 from decodert.export.quantize.quant_gguf import transcoded_as
@@ -41,7 +44,8 @@ WEIGHTS = "weights.bin"
 
 def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtype: str = "fp32",
                  max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None,
-                 quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None) -> Manifest:
+                 quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None,
+                 lora: LoraLayout | None = None, merge_lora: Sequence[str | Path] = ()) -> Manifest:
     """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
 
     ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
@@ -51,15 +55,24 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     symmetric quantization (TensorRT's int4 weights have no zero point) and gets it. GGUF Q4_0 /
     Q8_0 weights that match the config are transcoded exactly instead (the rule: export/quantize/quant.py);
     ``manifest.quant.per_weight`` records how each weight is stored.
+
+    ``lora``: adapter slots the graphs take at run time (export/lora/layout.py); ``merge_lora``: PEFT
+    adapter folders whose updates are added to the weights (export/lora/merge.py).
     """
     tgt = get_target(target)
     _check_settings(dtype, max_seq, max_batch)
+    if lora is not None:
+        tgt.check_lora_slots(lora.slots)
+        if lora.slots < 1 or lora.rank < 1:
+            raise DecodertError(f"--lora-slots {lora.slots} and --lora-rank {lora.rank} must both be >= 1")
     quant = tgt.quant_config(quant)  # TensorRT: symmetric; --keep-q4-1 only where the layout keeps block minimums
     out_dir = destination.prepare(out_dir)
     progress = True if progress is None else progress  # export/progress.py: a bar on a terminal, else lines
     with Stage(f"reading {Path(src).name}", enabled=progress):
         ckpt = open_checkpoint(src)
     spec: ModelSpec = ckpt.spec
+    if merge_lora:
+        ckpt = MergedCheckpoint(ckpt, [read_peft(d, spec) for d in merge_lora])
     max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
@@ -72,7 +85,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized,
                                  plugins=tuple(plugin_record["ops"]) if plugin_record else ())
         with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
-            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar)
+            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora)
             tokenizer = ckpt.write_tokenizer(tmp)
             tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
             manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
@@ -80,7 +93,10 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
             manifest = manifest.replace(
                 sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
                 plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
-                quant=_quant_record(quant, layout, quantized))
+                quant=_quant_record(quant, layout, quantized),
+                lora=None if lora is None and not merge_lora else LoraRecord(
+                    slots=lora.slots if lora else 0, rank=lora.rank if lora else 0,
+                    merged=tuple(str(Path(d).resolve()) for d in merge_lora)))
             write_manifest(tmp, manifest)
             destination.swap_in(tmp, out_dir)
             bar.update()
@@ -103,14 +119,14 @@ def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:
 
 
 def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max_seq: int, tmp: Path,
-                  bar: Stage) -> dict[str, GraphRecord]:
+                  bar: Stage, lora: LoraLayout | None = None) -> dict[str, GraphRecord]:
     """prefill.onnx, decode.onnx and verify.onnx (checked) -> their manifest records."""
     graphs = {}
     for kind in ("prefill", "decode", "verify"):
         path = tmp / f"{kind}.onnx"
-        onnx.save_model(build_graph(spec, lowering, weights, kind), path)
+        onnx.save_model(build_graph(spec, lowering, weights, kind, lora), path)
         onnx.checker.check_model(str(path), full_check=True)
-        contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind))}
+        contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind), lora)}
         if kind == "verify":
             contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
             contract["batched_past"] = lowering.for_graph(kind).batched_past

@@ -23,6 +23,7 @@ from decodert.errors import DecodertError
 from decodert.export.artifact.artifact_files import FileRecord, verify_files
 from decodert.export.artifact.records import R, Record, read_record, to_json
 from decodert.export.checkpoints.sampling_defaults import check_record
+from decodert.export.lora.layout import LoraLayout, LoraRecord
 from decodert.models.spec import ModelSpec
 
 FORMAT = "decodert-artifact"
@@ -192,6 +193,12 @@ class Manifest(Record):
     quant: QuantRecord | None = None
     sampling: SamplingRecord | None = None
     engines: Mapping[str, EngineRecord] | None = None
+    lora: LoraRecord | None = None
+
+    @property
+    def lora_layout(self) -> LoraLayout | None:
+        """The adapter slots the graphs take (None: none)."""
+        return self.lora.layout if self.lora is not None else None
 
     def graph(self, kind: str) -> GraphRecord:
         return self.graphs[kind]
@@ -285,6 +292,8 @@ def validate(m: Manifest, path: Path) -> None:
     _need(min(kv.num_layers, kv.num_kv_heads, kv.head_dim) >= 1, path,
           "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
     _need(kv.dtype in (None, m.dtype), path, "kv.dtype differs from dtype")
+    _need(m.lora is None or (m.lora.slots >= 0 and (m.lora.rank >= 1) == (m.lora.slots >= 1)), path,
+          "lora.slots / lora.rank are malformed")
     for kind in GRAPHS:
         _need(kind in m.graphs, path, f"graphs.{kind} is missing or malformed")
         _listed(m, m.graphs[kind].file, path, f"graphs.{kind}.file")
@@ -313,6 +322,8 @@ def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
     for i in range(kv.num_layers):
         for name in ("past_key", "past_value", "present_key", "present_value"):
             io[f"{name}.{i}"] = (m.dtype, cache)
+    if m.lora_layout is not None:
+        io.update({t["name"]: (t["dtype"], t["shape"]) for t in m.lora_layout.inputs(m.model.spec(), m.dtype)})
     return io
 
 

@@ -72,7 +72,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         ckpt = open_checkpoint(src)
     spec: ModelSpec = ckpt.spec
     if merge_lora:
-        ckpt = MergedCheckpoint(ckpt, [read_peft(d, spec) for d in merge_lora])
+        ckpt = MergedCheckpoint(ckpt, [read_peft(d, spec) for d in merge_lora])  # type: ignore[assignment]
     max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")

@@ -35,7 +35,7 @@ class Loaded:
 class Adapters:
     """``name -> Loaded`` over a backend's LoRA input arrays (``backend.lora_weights``)."""
 
-    def __init__(self, layout: LoraLayout | None, spec: ModelSpec, weights: dict[str, np.ndarray] | None) -> None:
+    def __init__(self, layout: LoraLayout | None, spec: ModelSpec | None, weights: dict[str, np.ndarray] | None) -> None:
         self.layout, self.spec, self.weights = layout, spec, weights
         self._loaded: dict[str, Loaded] = {}
 
@@ -50,7 +50,7 @@ class Adapters:
         """Read the PEFT folder and put it into a free slot (replacing an adapter of the same name)."""
         if not isinstance(name, str) or not name or ":" in name or name != name.strip():
             raise DecodertError(f"adapter name {name!r} must be a non-empty string without ':' or surrounding spaces")
-        if self.layout is None or self.weights is None:
+        if self.layout is None or self.weights is None or self.spec is None:
             raise DecodertError(f"adapter {name!r}: this artifact takes no LoRA adapters at run time; export it with "
                                 "--lora-slots N --lora-rank R (ort or portable target), or merge one with --merge-lora")
         adapter = read_peft(folder, self.spec, name)
@@ -69,7 +69,7 @@ class Adapters:
 
     def unload(self, name: str) -> None:
         loaded = self._loaded.pop(self._known(name), None)
-        if loaded is not None and self.layout is not None and self.weights is not None:
+        if loaded is not None and self.layout is not None and self.weights is not None and self.spec is not None:
             self.layout.write(self.weights, self.spec, loaded.slot, None)
 
     def resolve(self, name: Any) -> tuple[int, int]:

@@ -16,18 +16,20 @@ Export with ``--lora-slots N --lora-rank R`` gives every graph these runtime inp
 artifact's), so adapters load and unload without a re-export and rows of one batch use different ones:
 
     lora_index            [batch] int64         per row: 0 (or any value outside 1..N) = no adapter, k = slot k
-    lora_a.{i}.{target}   [in, P*N*R]           columns (part, slot, rank): A^T of every part and slot
-    lora_b.{i}.{part}     [N*R, rows_p]         rows (slot, rank): scale * B^T of that part and slot
+    lora_a.{i}.{target}   [P*N*R, in]           rows (part, slot, rank): A of every part and slot
+    lora_b.{i}.{part}     [rows_p, N*R]         columns (slot, rank): scale * B of that part and slot
 
-An adapter of rank r < R fills the first r columns/rows of its slot and leaves the rest zero. The graph
-(export/lowering/lora_graph.py) computes ``t = x @ lora_a`` [T, P*N*R] once per target, zeroes the columns
-of every slot but the row's own (a mask from lora_index), and adds ``t_p @ lora_b.{i}.{part}`` to each
-part's rows: every row reads the same stacked weights, nothing is gathered or copied per step.
+An adapter of rank r < R fills the first r rows/columns of its slot and leaves the rest zero. The graph
+(export/lowering/lora_graph.py) computes ``t = x @ lora_a^T`` [T, P*N*R] once per target, zeroes the
+columns of every slot but each row's own (a mask from lora_index), and adds ``t_p @ lora_b.{i}.{part}^T`` to
+each part's rows: every row reads the same stacked weights, nothing is gathered or copied per step. Both
+are stored as PEFT stores them ([out, in]), like the base weights, so loading an adapter copies rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -88,13 +90,13 @@ class LoraLayout:
     def inputs(self, spec: ModelSpec, dtype: str) -> list[dict]:
         """Name, dtype and shape of every LoRA input, in graph input order (``lora_index`` first)."""
         n, r = self.slots, self.rank
-        out = [{"name": "lora_index", "dtype": "int64", "shape": ["batch"]}]
+        out: list[dict[str, Any]] = [{"name": "lora_index", "dtype": "int64", "shape": ["batch"]}]
         for i in range(spec.num_layers):
             for target, parts in TARGET_PARTS.items():
                 out.append({"name": f"lora_a.{i}.{target}", "dtype": dtype,
-                            "shape": [in_features(spec, target), len(parts) * n * r]})
+                            "shape": [len(parts) * n * r, in_features(spec, target)]})
                 for part, rows in part_rows(spec, target).items():
-                    out.append({"name": f"lora_b.{i}.{part}", "dtype": dtype, "shape": [n * r, rows]})
+                    out.append({"name": f"lora_b.{i}.{part}", "dtype": dtype, "shape": [rows, n * r]})
         return out
 
     def allocate(self, spec: ModelSpec, np_dtype: type) -> dict[str, np.ndarray]:
@@ -107,17 +109,17 @@ class LoraLayout:
         k = slot - 1
         for i in range(spec.num_layers):
             for target, parts in TARGET_PARTS.items():
-                a_all = arrays[f"lora_a.{i}.{target}"]  # [in, P*N*R]
+                a_all = arrays[f"lora_a.{i}.{target}"]  # [P*N*R, in]
                 for p, part in enumerate(parts):
-                    cols = slice((p * n + k) * r, (p * n + k + 1) * r)
-                    b_all = arrays[f"lora_b.{i}.{part}"]  # [N*R, rows]
-                    a_all[:, cols] = 0
-                    b_all[k * r : (k + 1) * r] = 0
+                    start = (p * n + k) * r
+                    b_all = arrays[f"lora_b.{i}.{part}"]  # [rows, N*R]
+                    a_all[start : start + r] = 0
+                    b_all[:, k * r : (k + 1) * r] = 0
                     ab = adapter.parts.get((i, part)) if adapter is not None else None
                     if ab is not None:
                         a, b = ab  # [rank, in], [rows, rank]
-                        a_all[:, cols.start : cols.start + a.shape[0]] = a.T
-                        b_all[k * r : k * r + a.shape[0]] = b.T
+                        a_all[start : start + a.shape[0]] = a
+                        b_all[:, k * r : k * r + a.shape[0]] = b
 
 
 @dataclass(frozen=True)

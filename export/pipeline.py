@@ -61,17 +61,14 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     """
     tgt = get_target(target)
     _check_settings(dtype, max_seq, max_batch)
-    if lora is not None:
-        tgt.check_lora_slots(lora.slots)
-        if lora.slots < 1 or lora.rank < 1:
-            raise DecodertError(f"--lora-slots {lora.slots} and --lora-rank {lora.rank} must both be >= 1")
+    _check_lora(tgt, lora)
     quant = tgt.quant_config(quant)  # TensorRT: symmetric; --keep-q4-1 only where the layout keeps block minimums
     out_dir = destination.prepare(out_dir)
     progress = True if progress is None else progress  # export/progress.py: a bar on a terminal, else lines
     with Stage(f"reading {Path(src).name}", enabled=progress):
         ckpt = open_checkpoint(src)
     spec: ModelSpec = ckpt.spec
-    if merge_lora:
+    if merge_lora:  # one fused model: the adapters' updates added to the weights as they are read
         ckpt = MergedCheckpoint(ckpt, [read_peft(d, spec) for d in merge_lora])  # type: ignore[assignment]
     max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
     if not 2 <= max_seq <= spec.max_position:
@@ -93,10 +90,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
             manifest = manifest.replace(
                 sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
                 plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
-                quant=_quant_record(quant, layout, quantized),
-                lora=None if lora is None and not merge_lora else LoraRecord(
-                    slots=lora.slots if lora else 0, rank=lora.rank if lora else 0,
-                    merged=tuple(str(Path(d).resolve()) for d in merge_lora)))
+                quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora))
             write_manifest(tmp, manifest)
             destination.swap_in(tmp, out_dir)
             bar.update()
@@ -107,6 +101,22 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _check_lora(tgt: Any, lora: LoraLayout | None) -> None:
+    """--lora-slots / --lora-rank: positive, and a target whose graphs take adapters."""
+    if lora is not None:
+        tgt.check_lora_slots(lora.slots)
+        if lora.slots < 1 or lora.rank < 1:
+            raise DecodertError(f"--lora-slots {lora.slots} and --lora-rank {lora.rank} must both be >= 1")
+
+
+def _lora_record(lora: LoraLayout | None, merge_lora: Sequence[str | Path]) -> LoraRecord | None:
+    """manifest.lora: the slots the graphs take and the adapters merged into the weights (None: neither)."""
+    if lora is None and not merge_lora:
+        return None
+    return LoraRecord(slots=lora.slots if lora else 0, rank=lora.rank if lora else 0,
+                      merged=tuple(str(Path(d).resolve()) for d in merge_lora))
 
 
 def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:

@@ -108,8 +108,9 @@ class LLM:
         self._guidance_lock = threading.Lock()  # not self._lock: building it must not hold up a running step
         self.prefix_cache = make_prefix_cache(backend, prefix_cache_mb)  # None: off
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # closed with the LLM
-        self.adapters = Adapters(manifest.lora_layout if manifest else None, manifest.model.spec() if manifest else None,
-                                 getattr(backend, "lora_weights", None))  # LoRA by name (runtime/adapters.py)
+        layout = manifest.lora_layout if manifest else None  # LoRA slots: adapters by name (runtime/adapters.py)
+        self.adapters = Adapters(layout, manifest.model.spec() if manifest and layout else None,
+                                 getattr(backend, "lora_weights", None))
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",

@@ -93,6 +93,26 @@ def test_portable_target_takes_adapters_and_trt_refuses_slots(world, tmp_path):
         reference(base, adapters["a"], PROMPT, 6)
     with pytest.raises(DecodertError, match="--target trt graphs take no LoRA"):
         export_model(base, tmp_path / "trt", target="trt", max_seq=64, progress=False, lora=LoraLayout(1, 4))
+    from decodert.export.trt_build import read_manifest as build_manifest
+    from decodert.runtime.backends.loading import open_backend, read_manifest
+
+    with pytest.raises(DecodertError, match="TensorRT backend does not bind"):  # a portable graph TensorRT could build
+        build_manifest(art)
+    with pytest.raises(DecodertError, match="run on --backend ort only"):
+        open_backend(art, read_manifest(art, "none"), "trt")
+
+
+def test_serve_lora_flag_is_checked():
+    from pathlib import Path
+
+    from decodert.cli.serve import _loras
+
+    assert _loras(["sql=/a", "chat=b"]) == (("sql", Path("/a")), ("chat", Path("b")))
+    for bad, match in (("sql", "expected NAME=DIR"), ("a:b=/x", "expected NAME=DIR"), ("=x", "expected NAME=DIR")):
+        with pytest.raises(DecodertError, match=match):
+            _loras([bad])
+    with pytest.raises(DecodertError, match="given twice"):
+        _loras(["a=/x", "a=/y"])
 
 
 def test_kv_and_prefix_cache_never_mix_adapters(world):

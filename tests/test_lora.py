@@ -195,3 +195,15 @@ def test_server_routes_by_model_name(world):
                 body["choices"][0]["text"] == llm.tokenizer.decode(want[adapter])
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny:zzz", "prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 404 and "'tiny:a'" in json.dumps(r.json())
+
+
+def test_fused_peft_modules_of_phi3_split_into_parts(tmp_path):
+    """Phi-3 names its fused projections qkv_proj and gate_up_proj: one A for all parts, B split by rows."""
+    base = make_tiny_checkpoint("phi3", tmp_path / "phi3")
+    adapter = make_adapter(base, tmp_path / "fused", 4, 8, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 7)
+    art = tmp_path / "art"
+    export_model(base, art, max_seq=64, max_batch=2, progress=False, lora=LoraLayout(1, 4))
+    llm = LLM.load(art, adapters={"f": adapter})
+    got = llm.generate(PROMPT, max_new_tokens=8, adapter="f", stop_token_ids=[]).token_ids
+    assert got == reference(base, adapter, PROMPT, 8)
+    assert got != llm.generate(PROMPT, max_new_tokens=8, stop_token_ids=[]).token_ids

@@ -10,7 +10,7 @@ import datetime as dt
 import math
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import onnx
@@ -18,6 +18,9 @@ import onnx
 from decodert.errors import DecodertError
 from decodert.export.artifact import destination
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint
+from decodert.export.lora.layout import LoraLayout, LoraRecord
+from decodert.export.lora.merge import MergedCheckpoint
+from decodert.export.lora.peft import read_peft
 from decodert.export.lowering.graph import VERIFY_WIDTH, build_graph, io_contract, verifies_rows
 from decodert.export.quantize.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
 from decodert.export.quantize.quant_gguf import transcoded_as
@@ -45,7 +48,8 @@ WEIGHTS = "weights.bin"
 def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtype: str = "fp32",
                  max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None,
                  quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None,
-                 kv_dtype: str | None = None) -> Manifest:
+                 kv_dtype: str | None = None, lora: LoraLayout | None = None,
+                 merge_lora: Sequence[str | Path] = ()) -> Manifest:
     """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
 
     ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
@@ -59,9 +63,13 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     ``kv_dtype`` (fp32|fp16|bf16|int8|fp8|int4; None: ``dtype``) is the KV cache's element type
     (plugins/kv_dtypes.py); a quantized cache's per-channel scales are calibrated here
     (export/quantize/kv_calibrate.py). ``manifest.kv_dtype`` records it.
+
+    ``lora``: adapter slots the graphs take at run time (export/lora/layout.py); ``merge_lora``: PEFT
+    adapter folders whose updates are added to the weights (export/lora/merge.py).
     """
     tgt = get_target(target)
     _check_settings(dtype, max_seq, max_batch)
+    _check_lora(tgt, lora)
     quant = tgt.quant_config(quant)  # TensorRT: symmetric; --keep-q4-1 only where the layout keeps block minimums
     out_dir = destination.prepare(out_dir)
     progress = True if progress is None else progress  # export/progress.py: a bar on a terminal, else lines
@@ -70,6 +78,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     spec: ModelSpec = ckpt.spec
     if quant is None:  # a GPTQ / AWQ checkpoint keeps its own 4-bit blocks unless asked otherwise
         quant = tgt.quant_config(ckpt.native_quant())
+    if merge_lora:  # one fused model: the adapters' updates added to the weights as they are read
+        ckpt = MergedCheckpoint(ckpt, [read_peft(d, spec) for d in merge_lora])  # type: ignore[assignment]
     max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
@@ -88,14 +98,14 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
             if kv.quantized:  # per-channel scales from the float-cache graph over a built-in text
                 weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
                                                    weights, kv, tmp)}
-            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar)
+            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora)
             tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
             manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
             bar.update()
             manifest = manifest.replace(
                 sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
                 plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
-                quant=_quant_record(quant, layout, quantized))
+                quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora))
             write_manifest(tmp, manifest)
             destination.swap_in(tmp, out_dir)
             bar.update()
@@ -108,6 +118,22 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     return manifest
 
 
+def _check_lora(tgt: Any, lora: LoraLayout | None) -> None:
+    """--lora-slots / --lora-rank: positive, and a target whose graphs take adapters."""
+    if lora is not None:
+        tgt.check_lora_slots(lora.slots)
+        if lora.slots < 1 or lora.rank < 1:
+            raise DecodertError(f"--lora-slots {lora.slots} and --lora-rank {lora.rank} must both be >= 1")
+
+
+def _lora_record(lora: LoraLayout | None, merge_lora: Sequence[str | Path]) -> LoraRecord | None:
+    """manifest.lora: the slots the graphs take and the adapters merged into the weights (None: neither)."""
+    if lora is None and not merge_lora:
+        return None
+    return LoraRecord(slots=lora.slots if lora else 0, rank=lora.rank if lora else 0,
+                      merged=tuple(str(Path(d).resolve()) for d in merge_lora))
+
+
 def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:
     if dtype not in DTYPES:
         raise DecodertError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
@@ -118,12 +144,12 @@ def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:
 
 
 def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max_seq: int, tmp: Path,
-                  bar: Stage) -> dict[str, GraphRecord]:
+                  bar: Stage, lora: LoraLayout | None = None) -> dict[str, GraphRecord]:
     """prefill.onnx, decode.onnx and verify.onnx (checked) -> their manifest records."""
     graphs = {}
     for kind in ("prefill", "decode", "verify"):
         path = tmp / f"{kind}.onnx"
-        onnx.save_model(build_graph(spec, lowering, weights, kind), path)
+        onnx.save_model(build_graph(spec, lowering, weights, kind, lora), path)
         onnx.checker.check_model(str(path), full_check=True)
         contract = {"file": path.name,
                     **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind), lowering.kv)}

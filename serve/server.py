@@ -36,6 +36,7 @@ class ServeOptions:
     client_timeout_s: float = 30.0  # slow clients: header and body arrival deadline, stream write timeout
     allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides loopback and the bound address
     tool_parser: str | None = None  # tool-call format (runtime/chat/tool_calls.py); None: from the chat template
+    lora: tuple[tuple[str, Path], ...] = ()  # (name, PEFT folder): served as model "NAME:adapter" (--lora)
 
 
 def model_name(options: ServeOptions) -> str:
@@ -49,7 +50,8 @@ def make_app(options: ServeOptions):
     from decodert.serve.app import ServeConfig, build_app
 
     llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify, draft=options.draft,
-                   prefix_cache_mb=options.prefix_cache_mb, tool_parser=options.tool_parser)
+                   prefix_cache_mb=options.prefix_cache_mb, tool_parser=options.tool_parser,
+                   adapters=dict(options.lora) or None)
     engine = Engine(llm, max_queue=options.max_queue)
     try:
         engine.speculation(options.speculative)  # a default the model cannot do fails now, not per request

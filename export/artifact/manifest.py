@@ -23,6 +23,7 @@ from decodert.errors import DecodertError
 from decodert.export.artifact.artifact_files import FileRecord, verify_files
 from decodert.export.artifact.records import R, Record, read_record, to_json
 from decodert.export.checkpoints.sampling_defaults import check_record
+from decodert.export.lora.layout import LoraLayout, LoraRecord
 from decodert.models.spec import ModelSpec
 from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 
@@ -196,6 +197,12 @@ class Manifest(Record):
     sampling: SamplingRecord | None = None
     engines: Mapping[str, EngineRecord] | None = None
     kv_dtype: str | None = None  # --kv-dtype (None: older artifacts, the cache in ``dtype``)
+    lora: LoraRecord | None = None
+
+    @property
+    def lora_layout(self) -> LoraLayout | None:
+        """The adapter slots the graphs take (None: none)."""
+        return self.lora.layout if self.lora is not None else None
 
     def graph(self, kind: str) -> GraphRecord:
         return self.graphs[kind]
@@ -291,6 +298,8 @@ def validate(m: Manifest, path: Path) -> None:
     kvd = KV_DTYPES.get(m.kv_dtype or m.dtype)
     _need(kvd is not None and kv.dtype in (None, kvd.storage), path,
           f"kv_dtype {m.kv_dtype!r} / kv.dtype {kv.dtype!r} is not a KV cache type decodert knows")
+    _need(m.lora is None or (m.lora.slots >= 0 and (m.lora.rank >= 1) == (m.lora.slots >= 1)), path,
+          "lora.slots / lora.rank are malformed")
     for kind in GRAPHS:
         _need(kind in m.graphs, path, f"graphs.{kind} is missing or malformed")
         _listed(m, m.graphs[kind].file, path, f"graphs.{kind}.file")
@@ -319,6 +328,8 @@ def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
     for i in range(kv.num_layers):
         for name in ("past_key", "past_value", "present_key", "present_value"):
             io[f"{name}.{i}"] = (kvd.storage, cache)
+    if m.lora_layout is not None:
+        io.update({t["name"]: (t["dtype"], t["shape"]) for t in m.lora_layout.inputs(m.model.spec(), m.dtype)})
     return io
 
 

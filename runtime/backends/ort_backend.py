@@ -90,6 +90,9 @@ class OrtBackend:
         # "prefill" (one-row passes where the prefill graph takes per_position) is the prefill session
         self._verify: dict[str, _VerifyState] = {}
         self._prefill_verifies = manifest.graphs["prefill"].verifies_rows
+        # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
+        layout = manifest.lora_layout
+        self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:
@@ -198,7 +201,8 @@ class OrtBackend:
         state = self._verify.get(kind)
         if state is None:
             session = self.sessions["prefill"] if kind == "prefill" else self._open_verify()
-            state = self._verify[kind] = _VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size)
+            state = self._verify[kind] = _VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size,
+                                                      self.lora_weights)
         return state
 
     def _open_verify(self) -> ort.InferenceSession:
@@ -269,7 +273,7 @@ class OrtBackend:
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for name, arr in (("logits", b.logits), ("next_token", b.next_token)):
             io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        _bind_cache(io, cache, start, n)
+        _bind_cache(io, cache, start, n, self.lora_weights)
         return b
 
 
@@ -278,8 +282,9 @@ class _VerifyState:
     every binding views one set of per-call buffers (calls run one at a time, copied out at once).
     kind "prefill": the prefill graph with per_position=1 (one row, its last-token outputs unused)."""
 
-    def __init__(self, session: ort.InferenceSession, kind: str, batch: int, width: int, vocab: int) -> None:
-        self.session, self.kind, self.vocab = session, kind, vocab
+    def __init__(self, session: ort.InferenceSession, kind: str, batch: int, width: int, vocab: int,
+                 lora: dict[str, np.ndarray] | None = None) -> None:
+        self.session, self.kind, self.vocab, self.lora = session, kind, vocab, lora
         self.ids = np.zeros(batch * width, np.int64)  # [n*W] input_ids
         self.past = np.zeros(batch, np.int64)  # [n] past_lengths
         self.logits = np.empty(batch * width * vocab, np.float32)  # [n*W*V] seq_logits
@@ -307,14 +312,20 @@ class _VerifyState:
                 io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
             for name, arr in outputs:
                 io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-            _bind_cache(io, cache, start, n)
+            _bind_cache(io, cache, start, n, self.lora)
         if self.kind == "prefill":
             self.seq[:n] = w
         return (io, *views)
 
 
-def _bind_cache(io: Any, cache: KVCache, start: int, n: int) -> None:
-    """Bind slots [start, start+n) of every K/V buffer (one contiguous view) as past and present."""
+def _bind_cache(io: Any, cache: KVCache, start: int, n: int, lora: dict[str, np.ndarray] | None = None) -> None:
+    """Bind slots [start, start+n) of every K/V buffer (one contiguous view) as past and present; with
+    LoRA slots, the rows' adapter indices (``cache.adapters``) and the stacked adapter weights."""
+    if lora is not None:
+        index = cache.adapters[start : start + n]
+        io.bind_input("lora_index", "cpu", 0, index.dtype, index.shape, index.ctypes.data)
+        for name, arr in lora.items():
+            io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
     shape = (n, *cache.slot_shape)
     for i in range(len(cache.buffers)):
         ptr = cache.pointer(i, start)

@@ -152,7 +152,7 @@ def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max
         onnx.save_model(build_graph(spec, lowering, weights, kind, lora), path)
         onnx.checker.check_model(str(path), full_check=True)
         contract = {"file": path.name,
-                    **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind), lowering.kv)}
+                    **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind), lowering.kv, lora)}
         if kind == "verify":
             contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
             contract["batched_past"] = lowering.for_graph(kind).batched_past

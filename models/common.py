@@ -18,10 +18,10 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_expert
 _GGUF_MOE_KEYS = ("expert_count", "expert_used_count")
 
 
-def reject_unsupported_hf(config: dict, check_activation: bool = True) -> None:
-    """Raise for configs decodert cannot run: MoE, non-SiLU MLP (unless the family reads its own
-    activation), extra biases, encoder-decoder."""
-    for key in _MOE_KEYS:
+def reject_unsupported_hf(config: dict, check_activation: bool = True, check_moe: bool = True) -> None:
+    """Raise for configs decodert cannot run: MoE (unless the family reads its experts), non-SiLU MLP
+    (unless the family reads its own activation), extra biases, encoder-decoder."""
+    for key in _MOE_KEYS if check_moe else ():
         if config.get(key):
             raise DecodertError(f"mixture-of-experts models are not supported ({key}={config[key]})")
     if config.get("is_encoder_decoder"):
@@ -33,9 +33,9 @@ def reject_unsupported_hf(config: dict, check_activation: bool = True) -> None:
         raise DecodertError("mlp_bias=true is not supported")
 
 
-def reject_unsupported_gguf(meta: dict) -> None:
+def reject_unsupported_gguf(meta: dict, check_moe: bool = True) -> None:
     arch = meta.get("general.architecture", "?")
-    for key in _GGUF_MOE_KEYS:
+    for key in _GGUF_MOE_KEYS if check_moe else ():
         if meta.get(f"{arch}.{key}"):
             raise DecodertError(f"mixture-of-experts models are not supported ({arch}.{key})")
 
@@ -83,7 +83,7 @@ def _req(source: dict, key: str, what: str) -> Any:
 
 def spec_from_hf_config(family: str, config: dict, **extra: Any) -> ModelSpec:
     """The fields every family reads the same way from config.json; `extra` overrides."""
-    reject_unsupported_hf(config, check_activation="activation" not in extra)
+    reject_unsupported_hf(config, check_activation="activation" not in extra, check_moe="num_experts" not in extra)
     hidden = int(_req(config, "hidden_size", "config.json"))
     heads = int(_req(config, "num_attention_heads", "config.json"))
     fields: dict[str, Any] = dict(
@@ -138,7 +138,7 @@ def gguf_rope(meta: dict, head_dim: int) -> RopeSpec:
 
 def spec_from_gguf_meta(family: str, meta: dict, **extra: Any) -> ModelSpec:
     """The fields every family reads the same way from GGUF metadata; `extra` overrides."""
-    reject_unsupported_gguf(meta)
+    reject_unsupported_gguf(meta, check_moe="num_experts" not in extra)
     hidden = int(gguf_key(meta, "embedding_length"))
     heads = int(gguf_key(meta, "attention.head_count"))
     head_dim = int(gguf_key(meta, "attention.key_length", hidden // heads))

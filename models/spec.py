@@ -84,6 +84,12 @@ class ModelSpec:
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar**-0.5)
     attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap), before the causal mask
     final_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    # -- mixture of experts (num_experts = 0: every MLP is dense) -----------------------------------
+    num_experts: int = 0  # experts per MoE layer
+    experts_per_token: int = 0  # top-k the router picks
+    expert_intermediate_size: int = 0  # each expert's SwiGLU width
+    router_renormalize: bool = True  # the top-k softmax weights are rescaled to sum to 1 (Qwen3-MoE norm_topk_prob)
+    mlp_types: tuple[str, ...] = ()  # per layer "dense" | "moe"; () = every layer "moe" iff num_experts
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -97,6 +103,14 @@ class ModelSpec:
                 raise ValueError("sliding layers need a sliding_window")
         if self.local_rope is not None and self.local_rope.rotary_dim != self.rope.rotary_dim:
             raise ValueError("the local and global RoPE must rotate the same dims")
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts or self.expert_intermediate_size < 1:
+                raise ValueError(f"router top-k {self.experts_per_token} must be 1..{self.num_experts} experts and "
+                                 f"the expert width {self.expert_intermediate_size} positive")
+        if self.mlp_types and (len(self.mlp_types) != self.num_layers or set(self.mlp_types) - set(MLP_TYPES)
+                               or ("moe" in self.mlp_types and not self.num_experts)):
+            raise ValueError(f"mlp_types must name {self.num_layers} layers, each one of {', '.join(MLP_TYPES)} "
+                             "('moe' only with experts)")
         for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -107,6 +121,12 @@ class ModelSpec:
         if self.layer_types:
             return self.layer_types[layer] == "sliding"
         return self.sliding_window is not None
+
+    def is_moe(self, layer: int) -> bool:
+        """Is layer ``layer``'s MLP a mixture of experts (router + experts) rather than one dense SwiGLU?"""
+        if self.mlp_types:
+            return self.mlp_types[layer] == "moe"
+        return self.num_experts > 0
 
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_window if self.is_sliding(layer) else None
@@ -131,6 +151,7 @@ class ModelSpec:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
+        d["mlp_types"] = list(self.mlp_types)
         return d
 
     @classmethod
@@ -142,11 +163,13 @@ class ModelSpec:
             d["local_rope"] = RopeSpec(**d["local_rope"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        d["mlp_types"] = tuple(d.get("mlp_types", ()))
         return cls(**d)
 
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("sliding", "full")
+MLP_TYPES = ("dense", "moe")
 
 
 def rope_tables(spec: ModelSpec) -> dict[str, RopeSpec]:
@@ -178,6 +201,10 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     - ``layers.{i}.post_norm``      [hidden]                     the norm in front of the MLP
     - ``layers.{i}.gate_up``        [2 * I, hidden]              rows: gate, then up
     - ``layers.{i}.down``           [hidden, I]
+      or, in a MoE layer (spec.is_moe(i); Ie = expert_intermediate_size, E = num_experts):
+    - ``layers.{i}.router``         [E, hidden]                  router logits = h @ router^T
+    - ``layers.{i}.experts.gate_up`` [E, 2 * Ie, hidden]         rows interleaved: gate 0, up 0, gate 1, ...
+    - ``layers.{i}.experts.down``   [E, hidden, Ie]
     - ``layers.{i}.mlp_out_norm``   [hidden]                     (sandwich_norm only: on the MLP output)
     - ``final_norm``                [hidden]
     - ``lm_head``                   [V, hidden]                  (absent when tied)
@@ -193,7 +220,8 @@ def canonical_names(spec: ModelSpec) -> list[str]:
         names.append(p + "o")
         if spec.sandwich_norm:
             names.append(p + "attn_out_norm")
-        names += [p + "post_norm", p + "gate_up", p + "down"]
+        names.append(p + "post_norm")
+        names += [p + "router", p + "experts.gate_up", p + "experts.down"] if spec.is_moe(i) else [p + "gate_up", p + "down"]
         if spec.sandwich_norm:
             names.append(p + "mlp_out_norm")
     names.append("final_norm")
@@ -206,7 +234,11 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     """The expected shape of a canonical weight (used to validate checkpoints)."""
     h, d = spec.hidden_size, spec.head_dim
     leaf = name.rsplit(".", 1)[-1]
+    e, ie = spec.num_experts, spec.expert_intermediate_size
+    if ".experts." in name:
+        return (e, 2 * ie, h) if leaf == "gate_up" else (e, h, ie)
     shapes = {
+        "router": (e, h),
         "embed": (spec.vocab_size, h),
         "lm_head": (spec.vocab_size, h),
         "final_norm": (h,),

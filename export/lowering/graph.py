@@ -10,6 +10,7 @@
         a      = attn @ o^T                                (sandwich_norm: a = rmsnorm(a))
         x, h   = x + a,  rmsnorm(x + a)
         m      = down(act(gate) * up)                      gate_up = h @ gate_up^T [T, 2I]; act = spec.activation
+                 or, in a MoE layer (spec.is_moe(i)), the router's top-k experts' SwiGLU (Lowering.moe)
         x      = x + m                                     (sandwich_norm: m = rmsnorm(m) first)
     last   = x[b*S + seq_lengths[b] - 1]                   [B, hidden]   (only the last valid token)
     logits = rmsnorm(last) @ lm_head^T                     [B, V] float32 (final_softcap: cap*tanh(l/cap))
@@ -110,7 +111,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         for i in range(spec.num_layers):
             with g.scope(f"layers.{i}"):
                 ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
-                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h)
+                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h, kind == "decode")
         if kind == "verify":
             heads = [_verify_head(g, lowering, inp, spec, x, h)]
         else:
@@ -138,7 +139,7 @@ def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: 
 
 
 def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int,
-           x: str, prev_mlp: str | None) -> tuple[str, str]:
+           x: str, prev_mlp: str | None, one_token_rows: bool) -> tuple[str, str]:
     """One decoder layer. Returns (residual stream before the MLP add, MLP output)."""
     p = f"layers.{i}."
     with g.scope("input_norm"):
@@ -164,17 +165,22 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
             o = low.rms_norm(g, o, p + "attn_out_norm")
     with g.scope("post_norm"):
         h, x = low.add_rms_norm(g, o, x, p + "post_norm")
-    with g.scope("mlp"):
-        with g.scope("gate_up"):
-            gate, up = g.op("Split", low.linear(g, h, p + "gate_up"), g.const([spec.intermediate_size] * 2),
-                            axis=-1, outputs=2)
-        act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up
-        with g.scope("down"):
-            down = low.linear(g, act, p + "down")
+    with g.scope("moe" if spec.is_moe(i) else "mlp"):
+        down = low.moe(g, h, p, one_token_rows) if spec.is_moe(i) else _mlp(g, low, spec, h, p)
     if spec.sandwich_norm:
         with g.scope("mlp_out_norm"):
             down = low.rms_norm(g, down, p + "mlp_out_norm")
     return x, down
+
+
+def _mlp(g: GraphBuilder, low: Lowering, spec: ModelSpec, h: str, p: str) -> str:
+    """down(act(gate) * up), gate and up from one fused GEMM."""
+    with g.scope("gate_up"):
+        gate, up = g.op("Split", low.linear(g, h, p + "gate_up"), g.const([spec.intermediate_size] * 2),
+                        axis=-1, outputs=2)
+    act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up
+    with g.scope("down"):
+        return low.linear(g, act, p + "down")
 
 
 def _qk_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, qkv: str, p: str) -> str:

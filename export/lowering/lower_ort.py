@@ -4,6 +4,7 @@
 - int4/int8 linear -> com.microsoft.MatMulNBits (block-wise weights, accuracy_level as exported)
 - float linear     -> com.microsoft.FusedMatMul (transB): activations stay [B, S, hidden], so no
                       layer needs a Reshape
+- MoE MLP          -> com.microsoft.MoE / QMoE (router softmax + top-k + SwiGLU experts in one node)
 - tied embedding   -> com.microsoft.GatherBlockQuantized on the quantized head (no float table kept)
 - CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
                       present sharing one buffer (seqlens_k = past + S - 1 per row, so right
@@ -117,6 +118,24 @@ class OrtLowering(Lowering):
         indicator = np.repeat(np.eye(k // wq.block_size), wq.block_size, axis=0)
         sums = g.op("MatMul", x, g.const(indicator, dtype=NUMPY_DTYPES[self.dtype]))
         return g.op("Add", y, g.op("MatMul", sums, f"{weight}.mins"))
+
+    def moe(self, g: GraphBuilder, x: str, prefix: str, one_token_rows: bool) -> str:
+        """com.microsoft.MoE (float experts) or QMoE (block-quantized): softmax over the router logits,
+        top-k, renormalised when the spec says so, SwiGLU experts with gate/up interleaved (the only
+        fused layout ORT's CPU kernel takes, and the canonical one); x [B, S, hidden] as is."""
+        s = self.spec
+        logits = g.op("Reshape", self.linear(g, x, prefix + "router"), g.const([-1, s.num_experts]))  # [T, E]
+        gate_up, down = prefix + "experts.gate_up", prefix + "experts.down"
+        common = dict(domain="com.microsoft", k=s.experts_per_token, activation_type="swiglu", swiglu_fusion=1,
+                      normalize_routing_weights=int(s.router_renormalize))
+        if gate_up not in self.quantized:
+            return g.op("MoE", x, logits, gate_up, "", down, **common)
+        assert self.quant is not None
+        wq = self.quantized[gate_up]
+        zp = ("", "") if wq.symmetric else (f"{gate_up}.zero_points", f"{down}.zero_points")
+        return g.op("QMoE", x, logits, f"{gate_up}.q", f"{gate_up}.scales", "", f"{down}.q", f"{down}.scales", "",
+                    "", "", "", *zp, **common, expert_weight_bits=wq.bits, block_size=wq.block_size,
+                    weights_prepacked=0, accuracy_level=self.quant.accuracy_level)
 
     def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
         if isinstance(ctx, verify_attention.VerifyContext):

@@ -1,0 +1,79 @@
+"""Mixture-of-experts MLP (router + SwiGLU experts), defined once: numpy reference and reference ONNX bodies.
+
+    logits  = x @ router^T                       [T, E]
+    probs   = softmax(logits)                    [T, E]   (float32)
+    w, idx  = top_k(probs)                       [T, k]   w rescaled to sum 1 when ``renormalize``
+    h_e     = x @ gate_up_e^T                    [T, 2 Ie]  rows interleaved: gate 0, up 0, gate 1, ...
+    y       = sum_k w_k * (silu(gate) * up) @ down_e^T
+
+Two standard-op bodies compute it; a lowering picks by how many tokens a call carries:
+
+- ``gathered``: gather the k chosen experts' matrices per token ([T, k, rows, in]) and multiply.
+  Reads only the chosen experts: the decode graph's choice (T = batch rows, one token each), where
+  decoding is bound by the weight bytes read.
+- ``masked``: every expert on every token, each expert's output weighted by a [T, E] matrix that
+  is zero outside the top-k. Reads every expert once per call and copies no weights per token:
+  the prefill / verify choice, where T is a prompt and a gather would copy T*k expert matrices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from decodert.plugins.onnx_builder import GraphBuilder
+
+
+def moe_ref(x: np.ndarray, router: np.ndarray, gate_up: np.ndarray, down: np.ndarray, *, k: int,
+            renormalize: bool) -> np.ndarray:
+    """x [T, h], router [E, h], gate_up [E, 2 Ie, h] (interleaved), down [E, h, Ie] -> [T, h] float32."""
+    logits = x.astype(np.float32) @ router.T.astype(np.float32)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros(x.shape, np.float32)
+    for t in range(x.shape[0]):
+        idx = np.argsort(-probs[t], kind="stable")[:k]
+        w = probs[t, idx] / (probs[t, idx].sum() if renormalize else 1.0)
+        for e, wt in zip(idx, w):
+            h = gate_up[e] @ x[t]
+            gate, up = h[0::2], h[1::2]
+            out[t] += wt * (down[e] @ (gate / (1 + np.exp(-gate)) * up))
+    return out
+
+
+def route(g: GraphBuilder, logits: str, k: int, renormalize: bool, dtype_to: int | None) -> tuple[str, str]:
+    """Router logits [T, E] -> (weights [T, k] in the graph dtype, expert indices [T, k] int64)."""
+    probs = g.op("Softmax", logits if dtype_to is None else g.op("Cast", logits, to=1), axis=-1)
+    weights, idx = g.op("TopK", probs, g.const([k]), axis=-1, outputs=2)
+    if renormalize:
+        weights = g.op("Div", weights, g.op("ReduceSum", weights, g.const([-1]), keepdims=1))
+    return (weights if dtype_to is None else g.op("Cast", weights, to=dtype_to)), idx
+
+
+def _swiglu(g: GraphBuilder, h: str, ie: int, act: Callable[[GraphBuilder, str], str]) -> str:
+    """h [a, b, 2 Ie] interleaved (gate, up) pairs -> act(gate) * up [a, b, Ie]."""
+    gate, up = g.op("Split", g.op("Reshape", h, g.const([0, 0, ie, 2])), g.const([1, 1]), axis=-1, outputs=2)
+    return g.op("Mul", act(g, g.op("Squeeze", gate, g.const([-1]))), g.op("Squeeze", up, g.const([-1])))
+
+
+def gathered_body(g: GraphBuilder, x: str, weights: str, idx: str, ie: int, gate_up: Callable[[str], str],
+                  down: Callable[[str], str], act: Callable[[GraphBuilder, str], str]) -> str:
+    """x [T, h]; ``gate_up(idx)`` / ``down(idx)`` give the chosen experts' float matrices
+    [T, k, 2 Ie, h] / [T, k, h, Ie] -> y [T, h]."""
+    h = g.op("Einsum", x, gate_up(idx), equation="th,tknh->tkn")  # [T, k, 2 Ie]
+    y = g.op("Einsum", _swiglu(g, h, ie, act), down(idx), equation="tki,tkhi->tkh")  # [T, k, h]
+    return g.op("Einsum", y, weights, equation="tkh,tk->th")
+
+
+def masked_body(g: GraphBuilder, x: str, weights: str, idx: str, num_experts: int, ie: int, gate_up: str,
+                down: str, act: Callable[[GraphBuilder, str], str]) -> str:
+    """x [T, h]; every expert ([E, 2 Ie, h], [E, h, Ie] float) on every token, weighted by the
+    top-k weights scattered into [T, E] (zero elsewhere) -> y [T, h]."""
+    tokens = g.op("Gather", g.op("Shape", x), g.const([0]), axis=0)
+    dense = g.op("Expand", g.op("CastLike", g.const(np.float32(0)), weights),
+                 g.op("Concat", tokens, g.const([num_experts]), axis=0))  # [T, E]
+    dense = g.op("ScatterElements", dense, idx, weights, axis=1)
+    h = g.op("Einsum", x, gate_up, equation="th,enh->etn")  # [E, T, 2 Ie]
+    y = g.op("Einsum", _swiglu(g, h, ie, act), down, equation="eti,ehi->eth")  # [E, T, h]
+    return g.op("Einsum", y, dense, equation="eth,te->th")

@@ -57,12 +57,21 @@ def _swiglu(g: GraphBuilder, h: str, ie: int, act: Callable[[GraphBuilder, str],
     return g.op("Mul", act(g, g.op("Squeeze", gate, g.const([-1]))), g.op("Squeeze", up, g.const([-1])))
 
 
+def _matmul_t(g: GraphBuilder, x: str, w: str, rank: int) -> str:
+    """x @ w^T over the last two axes of w (rank ``rank``). MatMul after a Transpose, not Einsum:
+    TensorRT-RTX 1.7 fails to build an Einsum that reads a block-dequantized weight."""
+    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+    return g.op("MatMul", x, g.op("Transpose", w, perm=perm))
+
+
 def gathered_body(g: GraphBuilder, x: str, weights: str, idx: str, ie: int, gate_up: Callable[[str], str],
                   down: Callable[[str], str], act: Callable[[GraphBuilder, str], str]) -> str:
     """x [T, h]; ``gate_up(idx)`` / ``down(idx)`` give the chosen experts' float matrices
     [T, k, 2 Ie, h] / [T, k, h, Ie] -> y [T, h]."""
-    h = g.op("Einsum", x, gate_up(idx), equation="th,tknh->tkn")  # [T, k, 2 Ie]
-    y = g.op("Einsum", _swiglu(g, h, ie, act), down(idx), equation="tki,tkhi->tkh")  # [T, k, h]
+    rows = g.op("Unsqueeze", x, g.const([1, 2]))  # [T, 1, 1, h]
+    h = g.op("Squeeze", _matmul_t(g, rows, gate_up(idx), 4), g.const([2]))  # [T, k, 2 Ie]
+    a = g.op("Unsqueeze", _swiglu(g, h, ie, act), g.const([2]))  # [T, k, 1, Ie]
+    y = g.op("Squeeze", _matmul_t(g, a, down(idx), 4), g.const([2]))  # [T, k, h]
     return g.op("Einsum", y, weights, equation="tkh,tk->th")
 
 
@@ -74,6 +83,6 @@ def masked_body(g: GraphBuilder, x: str, weights: str, idx: str, num_experts: in
     dense = g.op("Expand", g.op("CastLike", g.const(np.float32(0)), weights),
                  g.op("Concat", tokens, g.const([num_experts]), axis=0))  # [T, E]
     dense = g.op("ScatterElements", dense, idx, weights, axis=1)
-    h = g.op("Einsum", x, gate_up, equation="th,enh->etn")  # [E, T, 2 Ie]
-    y = g.op("Einsum", _swiglu(g, h, ie, act), down, equation="eti,ehi->eth")  # [E, T, h]
+    h = _matmul_t(g, x, gate_up, 3)  # [E, T, 2 Ie]
+    y = _matmul_t(g, _swiglu(g, h, ie, act), down, 3)  # [E, T, h]
     return g.op("Einsum", y, dense, equation="eth,te->th")

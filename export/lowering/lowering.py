@@ -128,13 +128,15 @@ class Lowering:
     def experts(self, g: GraphBuilder, name: str, idx: str | None = None) -> str:
         """Float expert matrices [E, rows, in], or the chosen ones [T, k, rows, in] for indices ``idx``.
 
-        Quantized experts are dequantized whole, then gathered: ONNX's Gather takes no 4-bit types,
+        Quantized experts ([E * N, K] blocks, export/quantize/weight_layouts.py) are dequantized whole,
+        then gathered: ONNX's Gather takes no 4-bit types,
         so the portable graph reads every expert's blocks at each step (the ort target's QMoE reads
         only the chosen ones)."""
         if name in self.quantized:
             wq = self.quantized[name]
             zp = [] if wq.symmetric else [f"{name}.zero_points"]
-            w = g.op("DequantizeLinear", f"{name}.q", f"{name}.scales", *zp, axis=-1, block_size=wq.block_size)
+            w = g.op("DequantizeLinear", f"{name}.q", f"{name}.scales", *zp, axis=1, block_size=wq.block_size)
+            w = g.op("Reshape", w, g.const(list(canonical_shape(self.spec, name))))  # [E * N, K] -> [E, N, K]
         else:
             w = name
         return w if idx is None else g.op("Gather", w, idx, axis=0)

@@ -79,21 +79,23 @@ class QdqLayout(WeightLayout):
 
 
     def write_stacked(self, writer: Any, name: str, qws: list[QuantizedWeight], wq: WeightQuant, dtype: str) -> None:
-        """[E, N, Kp] (K a whole number of blocks, so each expert's rows stay whole bytes)."""
+        """[E * N, Kp], the experts' rows one after another, scales [E * N, blocks]: a 2-D block
+        DequantizeLinear, which TensorRT builds (a 3-D one fails in its int4 kernels), reshaped
+        to [E, N, Kp] in the graph. K is a whole number of blocks."""
         e, n, blocks = len(qws), qws[0].n, qws[0].blocks
         kp, four = blocks * wq.block_size, wq.bits == 4
-        writer.add(f"{name}.scales", np.stack([q.scales for q in qws]), dtype)
-        q = np.stack([q.q for q in qws])
+        writer.add(f"{name}.scales", np.concatenate([q.scales for q in qws]), dtype)
+        q = np.concatenate([q.q for q in qws])
         if wq.symmetric:
             flip = 0x88 if four else 0x80
-            writer.add_raw(f"{name}.q", q ^ np.uint8(flip), TensorProto.INT4 if four else TensorProto.INT8, (e, n, kp))
+            writer.add_raw(f"{name}.q", q ^ np.uint8(flip), TensorProto.INT4 if four else TensorProto.INT8, (e * n, kp))
             return
         zp = np.stack([unpack_nibbles(q.zero_points)[:, :blocks] if four else q.zero_points for q in qws])
         if four:  # ONNX packs int4 continuously across the whole tensor
             zp = pack_nibbles(np.pad(zp.reshape(-1), (0, zp.size % 2)))
         kind = TensorProto.UINT4 if four else TensorProto.UINT8
-        writer.add_raw(f"{name}.q", q, kind, (e, n, kp))
-        writer.add_raw(f"{name}.zero_points", zp, kind, (e, n, blocks))
+        writer.add_raw(f"{name}.q", q, kind, (e * n, kp))
+        writer.add_raw(f"{name}.zero_points", zp, kind, (e * n, blocks))
 
 
 NBITS = NbitsLayout("nbits", gathers_tied_embedding=True, block_minimum=True)

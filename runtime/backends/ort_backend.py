@@ -31,7 +31,7 @@ from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
 from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
-from decodert.runtime.backends.memory import check_fits
+from decodert.runtime.backends.memory import check_fits, check_weights_fit
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -68,6 +68,7 @@ class OrtBackend:
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         self._stream: Any = None
         kinds = ("prefill", "decode") if separate_decode else ("prefill",)
+        check_weights_fit((self.dir / manifest.weights.file).stat().st_size, manifest.model.extra or {})
         self.sessions = {}
         for kind in kinds:
             path = self.dir / manifest.graphs[kind].file

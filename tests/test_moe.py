@@ -260,3 +260,28 @@ def test_trt_builds(moe, tmp_path, quant):
     for rec in engines.values():
         assert rec.layers["TOPK"] >= 2 and rec.layers["KV_CACHE_UPDATE"] == 4  # the router and the argmax
         assert (rec.layers.get("DEQUANTIZE", 0) >= 2) == (quant is not None)
+
+
+def test_gguf_stacked_experts(tmp_path):
+    """llama.cpp's qwen3moe GGUF: router ffn_gate_inp, experts stacked in ffn_{gate,up,down}_exps [E, ...];
+    one expert's rows are sliced before dequantising (Q8_0 here), and an F32 file exports to the
+    transformers logits."""
+    import gguf
+
+    from tiny import make_tiny_gguf
+
+    path = make_tiny_gguf("qwen3_moe", tmp_path / "m.gguf", mlp_only_layers=[])
+    ckpt, hf = open_checkpoint(path), open_checkpoint(path.with_suffix(".hf"))
+    assert ckpt.spec == hf.spec and ckpt.spec.mlp_types == ("moe", "moe")
+    for name in hf.names():
+        np.testing.assert_array_equal(ckpt.tensor(name), hf.tensor(name))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.with_suffix(".hf"), dtype=torch.float32).eval()
+    prompts = _prompts(2, (10, 5))
+    export_model(path, tmp_path / "out", target="ort", max_seq=64, progress=False)
+    assert logits_parity(tmp_path / "out", [hf_reference(model, p, 9) for p in prompts], prompts, steps=8) < TOL
+
+    q8 = make_tiny_gguf("qwen3_moe", tmp_path / "q8.gguf", qtype="Q8_0", mlp_only_layers=[])
+    ckpt = open_checkpoint(q8)
+    stacked = {t.name: t for t in gguf.GGUFReader(q8).tensors}["blk.1.ffn_down_exps.weight"]
+    whole = gguf.quants.dequantize(np.asarray(stacked.data), gguf.GGMLQuantizationType.Q8_0).reshape(8, 64, 32)
+    np.testing.assert_array_equal(ckpt.expert("layers.1.experts.down", 6), whole[6])

@@ -124,7 +124,8 @@ def make_tiny_checkpoint(family: str, path: str | Path, **overrides: Any) -> Pat
 # -- GGUF ---------------------------------------------------------------------------------------------
 
 GGUF_ARCH = {"llama": "llama", "llama3": "llama", "llama_tied": "llama", "mistral": "llama",  # as llama.cpp
-             "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3", "gemma2": "gemma2"}
+             "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3", "gemma2": "gemma2",
+             "qwen3_moe": "qwen3moe"}
 # HF key suffix -> GGUF tensor suffix, the way llama.cpp's converter names them.
 _GGUF_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -135,6 +136,7 @@ _GGUF_NAMES = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # MoE router; the experts are stacked by _stack_experts
 }
 # Gemma's four norms per layer (llama.cpp's tensor_mapping: ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM).
 _GGUF_NAMES_GEMMA = {**_GGUF_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -206,6 +208,29 @@ def _gguf_model_meta(writer: Any, arch: str, cfg: dict) -> None:
     writer.add_float32(f"{arch}.rope.freq_base", full.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if arch.startswith("gemma"):
         _gguf_gemma_meta(writer, cfg)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 saves the latter
+    if experts:
+        for key, value in (("expert_count", experts), ("expert_used_count", cfg["num_experts_per_tok"]),
+                           ("expert_feed_forward_length", cfg["moe_intermediate_size"])):
+            writer.add_uint32(f"{arch}.{key}", int(value))
+
+
+def _stack_experts(tensors: dict) -> dict:
+    """Per-expert HF tensors -> llama.cpp's stacked blk.{i}.ffn_{gate,up,down}_exps [E, ...] (HF names kept)."""
+    import re
+
+    import numpy as np
+
+    out, stacks = {}, {}
+    for key, w in tensors.items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", key)
+        if m is None:
+            out[key] = w
+        else:
+            stacks.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = w
+    for (layer, part), experts in stacks.items():
+        out[f"blk.{layer}.ffn_{part}_exps.weight"] = np.stack([experts[j] for j in sorted(experts)])
+    return out
 
 
 def _rope_freqs(cfg: dict) -> Any:
@@ -242,8 +267,8 @@ def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict 
         add(key, value)
     qt = gguf.GGMLQuantizationType[qtype]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    for key, w in load_file(hf_dir / "model.safetensors").items():
-        name = _gguf_name(key, arch)
+    for key, w in _stack_experts(load_file(hf_dir / "model.safetensors")).items():
+        name = key if key.startswith("blk.") else _gguf_name(key, arch)
         if name in drop:
             continue
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -253,7 +278,7 @@ def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict 
         if raw and name in raw:
             kind, data = raw[name]
             writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
-        elif w.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
+        elif w.ndim in (2, 3) and qt != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, gguf.quants.quantize(w, qt), raw_dtype=qt)  # uint8 rows: byte shape
         else:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))

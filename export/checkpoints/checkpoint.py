@@ -184,7 +184,7 @@ class Checkpoint:
                 raise DecodertError(
                     f"{self.source}: tensor '{key}' has shape {list(shape)}, expected {list(expected)} for '{name}'"
                 )
-            self._check_key(key)
+            self._check_key(_STACKED.sub(r"\1", key))
         return keys
 
     def validate(self) -> None:

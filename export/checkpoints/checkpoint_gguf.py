@@ -96,6 +96,15 @@ class GGUFCheckpoint(Checkpoint):
             raise DecodertError(f"{self.source}: cannot dequantise tensor '{key}' ({one_line(e)})") from None
         return np.array(w, dtype=np.float32).reshape(self._shape(key))  # copy: never a view of the mmap
 
+    def _read_row(self, key: str, row: int) -> np.ndarray:
+        """One expert of a stacked ``*_exps`` tensor: only its blocks are dequantised."""
+        t, qtype = self._tensor_info(key), self._check_key(key)
+        try:
+            w = gguf.quants.dequantize(np.asarray(t.data)[row], qtype)
+        except Exception as e:
+            raise DecodertError(f"{self.source}: cannot dequantise row {row} of tensor '{key}' ({one_line(e)})") from None
+        return np.array(w, dtype=np.float32).reshape(self._shape(key)[1:])
+
     def _fix(self, key: str, w: np.ndarray) -> np.ndarray:
         fix = getattr(self.family, "gguf_fix", None)
         return fix(key, w, self.spec) if fix else w

@@ -22,7 +22,7 @@ class RopeSpec:
     """Rotary position embedding (rotate-half / NeoX layout, as in transformers)."""
 
     theta: float = 10000.0
-    scaling: str | None = None  # None | "linear" | "llama3"
+    scaling: str | None = None  # None | "linear" | "llama3" | "none" (angle 0: cos 1, sin 0, an exact identity)
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
@@ -32,6 +32,8 @@ class RopeSpec:
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """[rot_dim/2] float64 inverse frequencies after scaling."""
         dim = self.rotary_dim or head_dim
+        if self.scaling == "none":  # a layer without RoPE: every angle 0, so rotating is x*1 + rot(x)*0 = x exactly
+            return np.zeros(dim // 2)
         inv = 1.0 / (self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
         if self.scaling == "linear":
             inv = inv / self.factor
@@ -90,6 +92,8 @@ class ModelSpec:
     expert_intermediate_size: int = 0  # each expert's SwiGLU width
     router_renormalize: bool = True  # the top-k softmax weights are rescaled to sum to 1 (Qwen3-MoE norm_topk_prob)
     mlp_types: tuple[str, ...] = ()  # per layer "dense" | "moe"; () = every layer "moe" iff num_experts
+    nope_layers: tuple[int, ...] = ()  # layers whose q and k get no RoPE (SmolLM3: every 4th); they read the
+    # identity table "rope_none" (angle 0), so every lowering's attention serves them unchanged
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -111,6 +115,8 @@ class ModelSpec:
                                or ("moe" in self.mlp_types and not self.num_experts)):
             raise ValueError(f"mlp_types must name {self.num_layers} layers, each one of {', '.join(MLP_TYPES)} "
                              "('moe' only with experts)")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {list(self.nope_layers)} must be layers 0..{self.num_layers - 1}")
         for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -132,6 +138,8 @@ class ModelSpec:
         return self.sliding_window if self.is_sliding(layer) else None
 
     def layer_rope(self, layer: int) -> RopeSpec:
+        if layer in self.nope_layers:
+            return dataclasses.replace(NO_ROPE, rotary_dim=self.rope.rotary_dim)
         return self.local_rope if self.local_rope is not None and self.is_sliding(layer) else self.rope
 
     @property
@@ -152,6 +160,7 @@ class ModelSpec:
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
         d["mlp_types"] = list(self.mlp_types)
+        d["nope_layers"] = list(self.nope_layers)
         return d
 
     @classmethod
@@ -164,9 +173,11 @@ class ModelSpec:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
         d["mlp_types"] = tuple(d.get("mlp_types", ()))
+        d["nope_layers"] = tuple(d.get("nope_layers", ()))
         return cls(**d)
 
 
+NO_ROPE = RopeSpec(scaling="none")  # what a layer without RoPE reads: the identity rotation
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("sliding", "full")
 MLP_TYPES = ("dense", "moe")
@@ -177,11 +188,15 @@ def rope_tables(spec: ModelSpec) -> dict[str, RopeSpec]:
     tables = {"rope": spec.rope}
     if spec.local_rope is not None and any(spec.is_sliding(i) for i in range(spec.num_layers)):
         tables["rope_local"] = spec.local_rope
+    if spec.nope_layers:
+        tables["rope_none"] = dataclasses.replace(NO_ROPE, rotary_dim=spec.rope.rotary_dim)
     return tables
 
 
 def rope_table_of(spec: ModelSpec, layer: int) -> str:
     """The rope_tables prefix layer ``layer`` reads."""
+    if layer in spec.nope_layers:
+        return "rope_none"
     return "rope_local" if spec.local_rope is not None and spec.is_sliding(layer) else "rope"
 
 

@@ -39,6 +39,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # small caps, so that soft-capping changes the tiny model's scores and logits; untied head
     "gemma2": dict(model_type="gemma2", sliding_window=4, query_pre_attn_scalar=32, attn_logit_softcapping=0.5,
                    final_logit_softcapping=0.5, layer_types=["sliding_attention", "full_attention"]),
+    # layer 3 without RoPE (no_rope_layer_interval 4, llama.cpp's fixed rule), tied embeddings as SmolLM3-3B
+    "smollm3": dict(model_type="smollm3", num_hidden_layers=4, no_rope_layer_interval=4, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 2000000.0}),
     # mixture of experts: 8 experts, top-2 renormalised, layer 1 dense (mlp_only_layers), experts 32 wide
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
@@ -125,7 +128,7 @@ def make_tiny_checkpoint(family: str, path: str | Path, **overrides: Any) -> Pat
 
 GGUF_ARCH = {"llama": "llama", "llama3": "llama", "llama_tied": "llama", "mistral": "llama",  # as llama.cpp
              "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3", "gemma2": "gemma2",
-             "qwen3_moe": "qwen3moe"}
+             "qwen3_moe": "qwen3moe", "smollm3": "smollm3"}
 # HF key suffix -> GGUF tensor suffix, the way llama.cpp's converter names them.
 _GGUF_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -271,7 +274,7 @@ def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict 
         name = key if key.startswith("blk.") else _gguf_name(key, arch)
         if name in drop:
             continue
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch in ("llama", "smollm3") and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _interleave_rows(w, heads if "attn_q" in name else kv)
         if arch.startswith("gemma") and key.endswith("norm.weight"):
             w = w + np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) norm factor

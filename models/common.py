@@ -6,6 +6,7 @@ Errors carry no file name: ``open_checkpoint`` adds it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -58,7 +59,27 @@ def hf_rope(config: dict) -> RopeSpec:
             high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
         )
+    if kind == "yarn":
+        return _yarn(rope, theta, config)
     raise DecodertError(f"rope scaling '{kind}' is not supported yet")
+
+
+def _yarn(rope: dict, theta: float, config: dict) -> RopeSpec:
+    """YaRN as transformers reads it: the attention factor from ``attention_factor``, else from
+    ``mscale`` / ``mscale_all_dim``, else 0.1 ln(factor) + 1; ``truncate`` defaults to true."""
+    original = int(rope.get("original_max_position_embeddings") or config.get("max_position_embeddings", 4096))
+    factor = float(rope.get("factor") or int(config.get("max_position_embeddings", original)) / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeSpec(theta=theta, scaling="yarn", factor=factor, original_max_position=original,
+                    beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                    truncate=bool(rope.get("truncate", True)), attention_factor=float(attention))
 
 
 def partial_rotary_factor(config: dict) -> float:

@@ -22,12 +22,16 @@ class RopeSpec:
     """Rotary position embedding (rotate-half / NeoX layout, as in transformers)."""
 
     theta: float = 10000.0
-    scaling: str | None = None  # None | "linear" | "llama3" | "none" (angle 0: cos 1, sin 0, an exact identity)
+    scaling: str | None = None  # None | "linear" | "llama3" | "yarn" | "none" (angle 0: cos 1, sin 0, an exact identity)
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position: int = 8192  # llama3
     rotary_dim: int | None = None  # None = the whole head
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: the ramp's bounds rounded outwards
+    attention_factor: float = 1.0  # yarn: cos and sin are multiplied by it (0.1 ln(factor) + 1 by default)
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """[rot_dim/2] float64 inverse frequencies after scaling."""
@@ -48,12 +52,29 @@ class RopeSpec:
             smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
             medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             inv = np.where(medium, smoothed, scaled)
+        elif self.scaling == "yarn":
+            inv = self._yarn(inv, dim)
         return inv
+
+    def _yarn(self, inv: np.ndarray, dim: int) -> np.ndarray:
+        """YaRN (transformers' _compute_yarn_parameters): interpolated frequencies (inv / factor) for the
+        long wavelengths, the original ones for the short, a linear ramp between the correction dims."""
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(self.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0, 1)
+        extrapolation = 1 - ramp
+        return inv / self.factor * (1 - extrapolation) + inv * extrapolation
 
     def cos_sin(self, head_dim: int, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin tables [max_pos, rot_dim/2] in float32 (computed in float64)."""
         angles = np.outer(np.arange(max_pos, dtype=np.float64), self.inv_freq(head_dim))
-        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        a = self.attention_factor
+        return (np.cos(angles) * a).astype(np.float32), (np.sin(angles) * a).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -92,6 +113,13 @@ class ModelSpec:
     expert_intermediate_size: int = 0  # each expert's SwiGLU width
     router_renormalize: bool = True  # the top-k softmax weights are rescaled to sum to 1 (Qwen3-MoE norm_topk_prob)
     mlp_types: tuple[str, ...] = ()  # per layer "dense" | "moe"; () = every layer "moe" iff num_experts
+    o_bias: bool = False  # gpt-oss: a bias on the attention output projection
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax (weights layers.{i}.sinks)
+    router_bias: bool = False  # gpt-oss: router logits = h @ router^T + bias
+    expert_bias: bool = False  # gpt-oss: biases on every expert's gate_up and down
+    swiglu_limit: float | None = None  # gpt-oss: gate clamped to <= limit, up to [-limit, limit]
+    swiglu_alpha: float = 1.0  # experts: gate * sigmoid(alpha * gate) * (up + beta); silu(gate) * up by default
+    swiglu_beta: float = 0.0
     nope_layers: tuple[int, ...] = ()  # layers whose q and k get no RoPE (SmolLM3: every 4th); they read the
     # identity table "rope_none" (angle 0), so every lowering's attention serves them unchanged
 
@@ -212,6 +240,8 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     - ``layers.{i}.q_norm``         [D]                          (qk_norm only)
     - ``layers.{i}.k_norm``         [D]                          (qk_norm only)
     - ``layers.{i}.o``              [hidden, H * D]
+    - ``layers.{i}.o_bias``         [hidden]                     (o_bias only)
+    - ``layers.{i}.sinks``          [H]                          (attn_sinks only: each head's sink logit)
     - ``layers.{i}.attn_out_norm``  [hidden]                     (sandwich_norm only: on the attention output)
     - ``layers.{i}.post_norm``      [hidden]                     the norm in front of the MLP
     - ``layers.{i}.gate_up``        [2 * I, hidden]              rows: gate, then up
@@ -220,6 +250,8 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     - ``layers.{i}.router``         [E, hidden]                  router logits = h @ router^T
     - ``layers.{i}.experts.gate_up`` [E, 2 * Ie, hidden]         rows interleaved: gate 0, up 0, gate 1, ...
     - ``layers.{i}.experts.down``   [E, hidden, Ie]
+    - ``layers.{i}.router_bias`` [E], ``experts.gate_up_bias`` [E, 2 Ie] (interleaved), ``experts.down_bias``
+      [E, hidden]                                                (router_bias / expert_bias only)
     - ``layers.{i}.mlp_out_norm``   [hidden]                     (sandwich_norm only: on the MLP output)
     - ``final_norm``                [hidden]
     - ``lm_head``                   [V, hidden]                  (absent when tied)
@@ -233,10 +265,19 @@ def canonical_names(spec: ModelSpec) -> list[str]:
         if spec.qk_norm:
             names += [p + "q_norm", p + "k_norm"]
         names.append(p + "o")
+        if spec.o_bias:
+            names.append(p + "o_bias")
+        if spec.attn_sinks:
+            names.append(p + "sinks")
         if spec.sandwich_norm:
             names.append(p + "attn_out_norm")
         names.append(p + "post_norm")
-        names += [p + "router", p + "experts.gate_up", p + "experts.down"] if spec.is_moe(i) else [p + "gate_up", p + "down"]
+        if not spec.is_moe(i):
+            names += [p + "gate_up", p + "down"]
+        else:
+            names += [p + "router"] + ([p + "router_bias"] if spec.router_bias else []) + [p + "experts.gate_up"]
+            names += [p + "experts.gate_up_bias"] if spec.expert_bias else []
+            names += [p + "experts.down"] + ([p + "experts.down_bias"] if spec.expert_bias else [])
         if spec.sandwich_norm:
             names.append(p + "mlp_out_norm")
     names.append("final_norm")
@@ -251,9 +292,12 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     leaf = name.rsplit(".", 1)[-1]
     e, ie = spec.num_experts, spec.expert_intermediate_size
     if ".experts." in name:
-        return (e, 2 * ie, h) if leaf == "gate_up" else (e, h, ie)
+        return {"gate_up": (e, 2 * ie, h), "down": (e, h, ie), "gate_up_bias": (e, 2 * ie), "down_bias": (e, h)}[leaf]
     shapes = {
         "router": (e, h),
+        "router_bias": (e,),
+        "o_bias": (h,),
+        "sinks": (spec.num_heads,),
         "embed": (spec.vocab_size, h),
         "lm_head": (spec.vocab_size, h),
         "final_norm": (h,),

@@ -45,8 +45,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # mixture of experts: 8 experts, top-2 renormalised, layer 1 dense (mlp_only_layers), experts 32 wide
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+    # attention sinks, sliding window 4 / full, YaRN, biases everywhere, 8 clamped experts top-2
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                    sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
+                    attention_bias=True, max_position_embeddings=1024,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}),
 }
-MOE_FAMILIES = ("qwen3_moe",)  # their own tests (tests/test_moe.py): experts have no GGUF writer here yet
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss")  # their own tests (tests/test_moe.py): experts have no GGUF writer here yet
 FAMILIES = tuple(f for f in CONFIGS if f not in MOE_FAMILIES)
 
 CHAT_TEMPLATE = (

@@ -83,6 +83,7 @@ def expert_keys(keys: tuple[str, ...], j: int) -> tuple[str, ...]:
 
 
 _STACKED = re.compile(r"^(.+)\[(\d+)\]$")
+_TRANSPOSED = ".T"  # a table key ending so names a matrix stored [in, out] (gpt-oss experts): read transposed
 
 
 def is_experts(name: str) -> bool:
@@ -149,7 +150,9 @@ class Checkpoint:
         return list(self._names)
 
     def _part_shape(self, key: str) -> tuple[int, ...]:
-        """``_shape``, where ``key[j]`` is one row of a stacked tensor."""
+        """``_shape``, where ``key[j]`` is one row of a stacked tensor and ``key.T`` a matrix stored [in, out]."""
+        if key.endswith(_TRANSPOSED):
+            return tuple(reversed(self._part_shape(key[: -len(_TRANSPOSED)])))
         m = _STACKED.match(key)
         if m is None:
             return self._shape(key)
@@ -160,6 +163,8 @@ class Checkpoint:
         return shape[1:]
 
     def _read_part(self, key: str) -> np.ndarray:
+        if key.endswith(_TRANSPOSED):
+            return np.ascontiguousarray(self._read_part(key[: -len(_TRANSPOSED)]).T)
         m = _STACKED.match(key)
         return self._read(key) if m is None else self._read_row(m.group(1), int(m.group(2)))
 
@@ -184,7 +189,7 @@ class Checkpoint:
                 raise DecodertError(
                     f"{self.source}: tensor '{key}' has shape {list(shape)}, expected {list(expected)} for '{name}'"
                 )
-            self._check_key(_STACKED.sub(r"\1", key))
+            self._check_key(_STACKED.sub(r"\1", key.removesuffix(_TRANSPOSED)))
         return keys
 
     def validate(self) -> None:
@@ -194,7 +199,7 @@ class Checkpoint:
 
     def used_keys(self) -> set[str]:
         """The checkpoint keys the canonical weights are read from."""
-        return {_STACKED.sub(r"\1", key) for name in self.names() for key in self._all_keys(name)}
+        return {_STACKED.sub(r"\1", key.removesuffix(_TRANSPOSED)) for name in self.names() for key in self._all_keys(name)}
 
     def block_type(self, name: str) -> str | None:
         """The block quantization type (GGUF's name, e.g. "Q4_0") every part of `name` is stored in,

@@ -155,11 +155,11 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         if low.flat_tokens:  # [T, qkv] -> [B, S, qkv]
             qkv = g.op("Reshape", qkv, g.op("Concat", g.op("Shape", inp.input_ids), g.const([spec.qkv_size]), axis=0))
         cache = (f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}")
-        attn = low.attention(g, ctx, qkv, cache)  # [B, S, H*D]
+        attn = low.attention(g, ctx, qkv, cache, p + "sinks" if spec.attn_sinks else None)  # [B, S, H*D]
         if low.flat_tokens:
             attn = g.op("Reshape", attn, g.const([-1, spec.num_heads * spec.head_dim]))
         with g.scope("o"):
-            o = low.linear(g, attn, p + "o")
+            o = low.linear(g, attn, p + "o", p + "o_bias" if spec.o_bias else None)
     if spec.sandwich_norm:
         with g.scope("attn_out_norm"):
             o = low.rms_norm(g, o, p + "attn_out_norm")

@@ -124,29 +124,34 @@ class OrtLowering(Lowering):
         top-k, renormalised when the spec says so, SwiGLU experts with gate/up interleaved (the only
         fused layout ORT's CPU kernel takes, and the canonical one); x [B, S, hidden] as is."""
         s = self.spec
-        logits = g.op("Reshape", self.linear(g, x, prefix + "router"), g.const([-1, s.num_experts]))  # [T, E]
+        router_bias = prefix + "router_bias" if s.router_bias else None
+        logits = g.op("Reshape", self.linear(g, x, prefix + "router", router_bias), g.const([-1, s.num_experts]))  # [T, E]
         gate_up, down = prefix + "experts.gate_up", prefix + "experts.down"
+        b1, b2 = (gate_up + "_bias", down + "_bias") if s.expert_bias else ("", "")
         common = dict(domain="com.microsoft", k=s.experts_per_token, activation_type="swiglu", swiglu_fusion=1,
-                      normalize_routing_weights=int(s.router_renormalize))
+                      normalize_routing_weights=int(s.router_renormalize), swiglu_limit=s.swiglu_limit,
+                      activation_alpha=s.swiglu_alpha if s.swiglu_alpha != 1.0 else None,  # None: ORT's default
+                      activation_beta=s.swiglu_beta or None)
         if gate_up not in self.quantized:
-            return g.op("MoE", x, logits, gate_up, "", down, **common)
+            return g.op("MoE", x, logits, gate_up, b1, down, b2, **common)
         assert self.quant is not None
         wq = self.quantized[gate_up]
         zp = ("", "") if wq.symmetric else (f"{gate_up}.zero_points", f"{down}.zero_points")
-        return g.op("QMoE", x, logits, f"{gate_up}.q", f"{gate_up}.scales", "", f"{down}.q", f"{down}.scales", "",
+        return g.op("QMoE", x, logits, f"{gate_up}.q", f"{gate_up}.scales", b1, f"{down}.q", f"{down}.scales", b2,
                     "", "", "", *zp, **common, expert_weight_bits=wq.bits, block_size=wq.block_size,
                     weights_prepacked=0, accuracy_level=self.quant.accuracy_level)
 
-    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
+    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str],
+                  sinks: str | None = None) -> str:
         if isinstance(ctx, verify_attention.VerifyContext):
-            return verify_attention.attention(g, self, ctx, qkv, cache)
+            return verify_attention.attention(g, self, ctx, qkv, cache, sinks)
         if not isinstance(ctx, GqaContext):
-            return super().attention(g, ctx, qkv, cache)
+            return super().attention(g, ctx, qkv, cache, sinks)
         s = self.spec
         past_key, past_value, present_key, present_value = cache
         y, _, _ = g.op(
             "GroupQueryAttention", qkv, "", "", past_key, past_value, ctx.seqlens_k, ctx.total_len,
-            ctx.cos_cache, ctx.sin_cache, domain="com.microsoft", outputs=[None, present_key, present_value],
+            ctx.cos_cache, ctx.sin_cache, *(("", "", sinks) if sinks else ()), domain="com.microsoft", outputs=[None, present_key, present_value],
             num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1, rotary_interleaved=0,
             scale=self.scale, local_window_size=ctx.window or None, softcap=self.softcap or None,
         )

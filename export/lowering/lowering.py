@@ -114,16 +114,18 @@ class Lowering:
         those, and decoding is bound by the bytes read; prefill and verify compute every expert
         under a top-k mask, reading each expert once instead of copying k of them per token."""
         s = self.spec
-        logits = self.linear(g, x, prefix + "router")
+        logits = self.linear(g, x, prefix + "router", prefix + "router_bias" if s.router_bias else None)
         weights, idx = moe_op.route(g, logits, s.experts_per_token, s.router_renormalize,
                                     None if self.dtype == "fp32" else DTYPES[self.dtype])
         ie = s.expert_intermediate_size
         gate_up, down = prefix + "experts.gate_up", prefix + "experts.down"
+        glu = moe_op.SwiGlu(s.swiglu_limit, s.swiglu_alpha, s.swiglu_beta)
+        biases = (gate_up + "_bias", down + "_bias") if s.expert_bias else None
         if one_token_rows:
             return moe_op.gathered_body(g, x, weights, idx, ie, lambda i: self.experts(g, gate_up, i),
-                                        lambda i: self.experts(g, down, i), self.activation)
+                                        lambda i: self.experts(g, down, i), self.activation, glu, biases)
         return moe_op.masked_body(g, x, weights, idx, s.num_experts, ie, self.experts(g, gate_up),
-                                  self.experts(g, down), self.activation)
+                                  self.experts(g, down), self.activation, glu, biases)
 
     def experts(self, g: GraphBuilder, name: str, idx: str | None = None) -> str:
         """Float expert matrices [E, rows, in], or the chosen ones [T, k, rows, in] for indices ``idx``.
@@ -141,8 +143,9 @@ class Lowering:
             w = name
         return w if idx is None else g.op("Gather", w, idx, axis=0)
 
-    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
-        """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D].
+    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str],
+                  sinks: str | None = None) -> str:
+        """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D]; ``sinks`` [H]: each head's sink logit (gpt-oss).
 
         ``cache`` = (past_key, past_value, present_key, present_value) names; the node that
         writes the cache must output the present names directly (no Identity), so a runtime can
@@ -161,7 +164,7 @@ class Lowering:
         ca.write_cache_body(g, past_value, v_new, ctx, hkv, present_value)
         return ca.attend_body(g, q4, present_key, present_value, ctx.visible, num_heads=h, kv_heads=hkv,
                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
-                              softcap=self.softcap)
+                              softcap=self.softcap, sinks=sinks)
 
 
 def gelu_tanh_body(g: GraphBuilder, x: str, dtype: str) -> str:

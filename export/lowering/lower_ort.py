@@ -128,7 +128,7 @@ class OrtLowering(Lowering):
         logits = g.op("Reshape", self.linear(g, x, prefix + "router", router_bias), g.const([-1, s.num_experts]))  # [T, E]
         gate_up, down = prefix + "experts.gate_up", prefix + "experts.down"
         b1, b2 = (gate_up + "_bias", down + "_bias") if s.expert_bias else ("", "")
-        common = dict(domain="com.microsoft", k=s.experts_per_token, activation_type="swiglu", swiglu_fusion=1,
+        common: dict[str, Any] = dict(domain="com.microsoft", k=s.experts_per_token, activation_type="swiglu", swiglu_fusion=1,
                       normalize_routing_weights=int(s.router_renormalize), swiglu_limit=s.swiglu_limit,
                       activation_alpha=s.swiglu_alpha if s.swiglu_alpha != 1.0 else None,  # None: ORT's default
                       activation_beta=s.swiglu_beta or None)

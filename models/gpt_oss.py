@@ -13,12 +13,14 @@ dequantizes them exactly, one expert at a time (export/quantize/mxfp4.py).
 
 from __future__ import annotations
 
+import math
+
 from decodert.errors import DecodertError
-from decodert.models.common import spec_from_hf_config
-from decodert.models.spec import ModelSpec
+from decodert.models.common import f32, gguf_key, spec_from_gguf_meta, spec_from_hf_config
+from decodert.models.spec import ModelSpec, RopeSpec
 
 MODEL_TYPES = ("gpt_oss",)
-GGUF_ARCHITECTURES = ()  # llama.cpp's gpt-oss GGUFs keep MXFP4 blocks decodert does not read yet
+GGUF_ARCHITECTURES = ("gpt-oss",)
 
 _L = "model.layers.{i}."
 _A = _L + "self_attn."
@@ -41,7 +43,27 @@ HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
     "final_norm": "model.norm.weight",
     "lm_head": "lm_head.weight",
 }
-GGUF_WEIGHTS: dict[str, str | tuple[str, ...]] = {}
+_B = "blk.{i}."
+# llama.cpp's converter splits the interleaved gate_up into ffn_gate_exps and ffn_up_exps (stacked [E, ...],
+# MXFP4 or float); the table fuses them back, interleaved, one expert at a time.
+GGUF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
+    "embed": "token_embd.weight",
+    "layers.{i}.input_norm": _B + "attn_norm.weight",
+    "layers.{i}.qkv": (_B + "attn_q.weight", _B + "attn_k.weight", _B + "attn_v.weight"),
+    "layers.{i}.qkv_bias": (_B + "attn_q.bias", _B + "attn_k.bias", _B + "attn_v.bias"),
+    "layers.{i}.o": _B + "attn_output.weight",
+    "layers.{i}.o_bias": _B + "attn_output.bias",
+    "layers.{i}.sinks": _B + "attn_sinks.weight",
+    "layers.{i}.post_norm": _B + "post_attention_norm.weight",
+    "layers.{i}.router": _B + "ffn_gate_inp.weight",
+    "layers.{i}.router_bias": _B + "ffn_gate_inp.bias",
+    "layers.{i}.experts.gate_up": (_B + "ffn_gate_exps.weight[{j}]", _B + "ffn_up_exps.weight[{j}]"),
+    "layers.{i}.experts.gate_up_bias": (_B + "ffn_gate_exps.bias[{j}]", _B + "ffn_up_exps.bias[{j}]"),
+    "layers.{i}.experts.down": _B + "ffn_down_exps.weight[{j}]",
+    "layers.{i}.experts.down_bias": _B + "ffn_down_exps.bias[{j}]",
+    "final_norm": "output_norm.weight",
+    "lm_head": "output.weight",
+}
 
 HF_DEFAULTS = dict(swiglu_limit=7.0, sliding_window=128, head_dim=64, attention_bias=True)
 SWIGLU_ALPHA = 1.702  # fixed in transformers' GptOssExperts (config.swiglu_alpha when present)
@@ -76,4 +98,27 @@ def spec_from_hf(config: dict) -> ModelSpec:
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
-    raise DecodertError("gpt-oss GGUF files are not supported yet; export the Hugging Face checkpoint")
+    """llama.cpp's gpt-oss metadata, and its fixed rules where it stores none: sliding layers are the even
+    ones, SwiGLU limit 7 and alpha 1.702; YaRN as the Hugging Face config has it (betas 32/1 unless stored,
+    no truncation, attention factor 0.1 ln(factor) + 1)."""
+    layers = int(gguf_key(meta, "block_count"))
+    arch = meta.get("general.architecture", "gpt-oss")
+    meta = {f"{arch}.feed_forward_length": gguf_key(meta, "expert_feed_forward_length"), **meta}
+    theta = f32(gguf_key(meta, "rope.freq_base", 150000.0))
+    if gguf_key(meta, "rope.scaling.type", "yarn") != "yarn":
+        raise DecodertError("gpt-oss GGUF with rope scaling other than yarn is not a layout decodert maps")
+    factor = f32(gguf_key(meta, "rope.scaling.factor", 32.0))
+    rope = RopeSpec(theta=theta, scaling="yarn", factor=factor,
+                    original_max_position=int(gguf_key(meta, "rope.scaling.original_context_length", 4096)),
+                    beta_fast=f32(gguf_key(meta, "rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=f32(gguf_key(meta, "rope.scaling.yarn_beta_slow", 1.0)), truncate=False,
+                    attention_factor=0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    plain = {k: v for k, v in meta.items() if k != f"{arch}.rope.scaling.type"}  # the YaRN read above replaces it
+    return spec_from_gguf_meta(
+        "gpt_oss", plain, rope=rope, qkv_bias=True, o_bias=True, attn_sinks=True,
+        layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(layers)),
+        sliding_window=int(gguf_key(meta, "attention.sliding_window", 128)),
+        num_experts=int(gguf_key(meta, "expert_count")), experts_per_token=int(gguf_key(meta, "expert_used_count")),
+        expert_intermediate_size=int(gguf_key(meta, "expert_feed_forward_length")), router_renormalize=True,
+        router_bias=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=SWIGLU_ALPHA, swiglu_beta=1.0,
+        mlp_types=("moe",) * layers)

@@ -155,3 +155,30 @@ def test_trt_builds(model, tmp_path, quant):
         assert rec.layers["KV_CACHE_UPDATE"] == 4 and "ATTENTION_INPUT" not in rec.layers
     with pytest.raises(DecodertError, match="attention sinks has no CachedAttention plugin kernel"):
         export_model(model[0], tmp_path / "p", target="trt", dtype="fp16", max_seq=64, progress=False, plugins="always")
+
+
+@pytest.mark.parametrize("qtype", ["F32", "MXFP4"])
+def test_gguf(tmp_path, qtype):
+    """llama.cpp's gpt-oss GGUF: gate and up split into ffn_gate_exps / ffn_up_exps (stacked, MXFP4 or float),
+    biases, sinks, router; fused back interleaved one expert at a time. F32 equals the HF checkpoint exactly
+    and exports to transformers' logits; MXFP4 experts dequantize to what the gguf package reads."""
+    import gguf
+
+    from tiny import make_tiny_gguf
+
+    path = make_tiny_gguf("gpt_oss", tmp_path / "m.gguf", qtype="F32" if qtype == "F32" else "MXFP4")
+    ckpt, hf = open_checkpoint(path), open_checkpoint(path.with_suffix(".hf"))
+    assert ckpt.spec == hf.spec
+    if qtype == "F32":
+        for name in hf.names():
+            np.testing.assert_array_equal(ckpt.tensor(name), hf.tensor(name), err_msg=name)
+        m = transformers.AutoModelForCausalLM.from_pretrained(path.with_suffix(".hf"), dtype=torch.float32).eval()
+        prompts = _prompts(6, (9, 3))
+        export_model(path, tmp_path / "out", target="ort", max_seq=64, progress=False)
+        assert logits_parity(tmp_path / "out", [hf_reference(m, p, 8) for p in prompts], prompts, steps=7) < TOL
+        return
+    stacked = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    gate = stacked["blk.0.ffn_gate_exps.weight"]
+    assert gguf.GGMLQuantizationType(gate.tensor_type).name == "MXFP4"
+    whole = gguf.quants.dequantize(np.asarray(gate.data), gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(ckpt.expert("layers.0.experts.gate_up", 3)[0::2], whole.reshape(8, 32, 64)[3])

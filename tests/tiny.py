@@ -134,7 +134,7 @@ def make_tiny_checkpoint(family: str, path: str | Path, **overrides: Any) -> Pat
 
 GGUF_ARCH = {"llama": "llama", "llama3": "llama", "llama_tied": "llama", "mistral": "llama",  # as llama.cpp
              "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3", "gemma2": "gemma2",
-             "qwen3_moe": "qwen3moe", "smollm3": "smollm3"}
+             "qwen3_moe": "qwen3moe", "smollm3": "smollm3", "gpt_oss": "gpt-oss"}
 # HF key suffix -> GGUF tensor suffix, the way llama.cpp's converter names them.
 _GGUF_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -220,18 +220,45 @@ def _gguf_model_meta(writer: Any, arch: str, cfg: dict) -> None:
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 saves the latter
     if experts:
         for key, value in (("expert_count", experts), ("expert_used_count", cfg["num_experts_per_tok"]),
-                           ("expert_feed_forward_length", cfg["moe_intermediate_size"])):
+                           ("expert_feed_forward_length", cfg.get("moe_intermediate_size") or cfg["intermediate_size"])):
             writer.add_uint32(f"{arch}.{key}", int(value))
+    if arch == "gpt-oss":  # what llama.cpp's converter stores (the layer pattern and SwiGLU constants are fixed rules)
+        writer.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
+        writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{arch}.rope.scaling.factor", cfg["rope_parameters"]["factor"])
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                          cfg["rope_parameters"]["original_max_position_embeddings"])
 
 
-def _stack_experts(tensors: dict) -> dict:
-    """Per-expert HF tensors -> llama.cpp's stacked blk.{i}.ffn_{gate,up,down}_exps [E, ...] (HF names kept)."""
+def _stack_experts(tensors: dict, arch: str) -> dict:
+    """Per-expert HF tensors -> llama.cpp's stacked blk.{i}.ffn_{gate,up,down}_exps [E, ...] (HF names kept);
+    gpt-oss's stacked [in, out] experts and its other tensors as llama.cpp's converter names them."""
     import re
 
     import numpy as np
 
     out, stacks = {}, {}
+    gpt_oss = {"self_attn.sinks": "attn_sinks.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+               "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+               "self_attn.o_proj.bias": "attn_output.bias", "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
     for key, w in tensors.items():
+        g = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key) if arch == "gpt-oss" else None
+        if g and g.group(2) in gpt_oss:
+            out[f"blk.{g.group(1)}.{gpt_oss[g.group(2)]}"] = w
+            continue
+        if g and g.group(2).startswith("mlp.experts."):  # gpt-oss: [E, in, out], gate/up interleaved
+            name = g.group(2).removeprefix("mlp.experts.")
+            b = f"blk.{g.group(1)}."
+            if name == "gate_up_proj":
+                t = np.ascontiguousarray(w.transpose(0, 2, 1))
+                out[b + "ffn_gate_exps.weight"], out[b + "ffn_up_exps.weight"] = t[:, 0::2].copy(), t[:, 1::2].copy()
+            elif name == "gate_up_proj_bias":
+                out[b + "ffn_gate_exps.bias"], out[b + "ffn_up_exps.bias"] = w[:, 0::2].copy(), w[:, 1::2].copy()
+            elif name == "down_proj":
+                out[b + "ffn_down_exps.weight"] = np.ascontiguousarray(w.transpose(0, 2, 1))
+            else:
+                raise ValueError(f"no GGUF name for {key}")
+            continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", key)
         if m is None:
             out[key] = w
@@ -276,7 +303,7 @@ def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict 
         add(key, value)
     qt = gguf.GGMLQuantizationType[qtype]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    for key, w in _stack_experts(load_file(hf_dir / "model.safetensors")).items():
+    for key, w in _stack_experts(load_file(hf_dir / "model.safetensors"), arch).items():
         name = key if key.startswith("blk.") else _gguf_name(key, arch)
         if name in drop:
             continue
@@ -287,7 +314,7 @@ def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict 
         if raw and name in raw:
             kind, data = raw[name]
             writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
-        elif w.ndim in (2, 3) and qt != gguf.GGMLQuantizationType.F32:
+        elif w.ndim in (2, 3) and qt != gguf.GGMLQuantizationType.F32 and not name.endswith(".bias"):
             writer.add_tensor(name, gguf.quants.quantize(w, qt), raw_dtype=qt)  # uint8 rows: byte shape
         else:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))

@@ -17,7 +17,7 @@ from decodert.export.quantize.quant_gguf import EXACT_BITS, concat_rows, take_ro
 from decodert.export.lowering.semantics import check_finite, check_tensors_used
 from decodert.models import family_for
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")  # MXFP4: gpt-oss experts
 # Large tokenizer arrays stay out of `meta` and are read only by write_tokenizer.
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
                     "tokenizer.ggml.token_type")

@@ -139,6 +139,8 @@ class ModelSpec:
             if not 1 <= self.experts_per_token <= self.num_experts or self.expert_intermediate_size < 1:
                 raise ValueError(f"router top-k {self.experts_per_token} must be 1..{self.num_experts} experts and "
                                  f"the expert width {self.expert_intermediate_size} positive")
+            if self.activation != "silu":  # the MoE/QMoE ops and plugins/moe.py compute SwiGLU experts
+                raise ValueError(f"experts with activation '{self.activation}' are not supported (SwiGLU only)")
         if self.mlp_types and (len(self.mlp_types) != self.num_layers or set(self.mlp_types) - set(MLP_TYPES)
                                or ("moe" in self.mlp_types and not self.num_experts)):
             raise ValueError(f"mlp_types must name {self.num_layers} layers, each one of {', '.join(MLP_TYPES)} "

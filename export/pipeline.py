@@ -17,6 +17,7 @@ import onnx
 
 from decodert.errors import DecodertError
 from decodert.export.artifact import destination
+from decodert.export.checkpoints.checkpoint import is_experts
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 from decodert.export.lora.layout import LoraLayout, LoraRecord
 from decodert.export.lora.merge import MergedCheckpoint
@@ -78,6 +79,9 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     spec: ModelSpec = ckpt.spec
     if quant is None:  # a GPTQ / AWQ checkpoint keeps its own 4-bit blocks unless asked otherwise
         quant = tgt.quant_config(ckpt.native_quant())
+    if (lora is not None or merge_lora) and any(spec.is_moe(i) for i in range(spec.num_layers)):
+        raise DecodertError(f"LoRA adapters (--lora-slots / --merge-lora) are not supported on a mixture-of-experts "
+                            f"model ({spec.family}): they map onto dense q/k/v/o/gate/up/down weights only")
     if merge_lora:  # one fused model: the adapters' updates added to the weights as they are read
         ckpt = MergedCheckpoint(ckpt, [read_peft(d, spec) for d in merge_lora])  # type: ignore[assignment]
     max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
@@ -181,7 +185,11 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
     with WeightsWriter(path) as w, _weights_stage(spec, dtype, quant, progress) as bar:
         for name in canonical_names(spec):
             tensor = None
-            if quant is not None and quant.applies_to(name):
+            if is_experts(name):
+                wq = _write_experts(w, ckpt, name, spec, quant, dtype, layout)
+                if wq is not None:
+                    quantized[name] = wq
+            elif quant is not None and quant.applies_to(name):
                 quantized[name] = _store_quantized(w, ckpt, name, name, quant, dtype, layout)
             elif not (name == "embed" and gather_quantized):  # else the graph gathers rows from the quantized head
                 tensor = ckpt.tensor(name)
@@ -198,6 +206,23 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
             w.add(f"{prefix}.sin", sin, dtype)
         w.close()
         return w.tensors, quantized
+
+
+def _write_experts(w: WeightsWriter, ckpt, name: str, spec: ModelSpec, quant: QuantConfig | None, dtype: str,
+                   layout: WeightLayout) -> WeightQuant | None:
+    """A layer's experts [E, rows, in], read, converted (or quantized) and written one expert at a time:
+    never the layer's experts in float32 at once (int4: the layer's quantized experts, 1/8 of that)."""
+    shape = canonical_shape(spec, name)
+    experts = (ckpt.expert(name, j) for j in range(spec.num_experts))
+    if quant is None or not quant.applies_to(name):
+        w.add_stacked(name, experts, dtype, shape)
+        return None
+    if shape[2] % quant.block_size:
+        raise DecodertError(f"--block-size {quant.block_size} must divide the experts' input width {shape[2]} "
+                            f"('{name}'): quantized experts take whole blocks; choose a smaller --block-size")
+    wq = quant.rtn()
+    layout.write_stacked(w, name, [quantize(e, quant) for e in experts], wq, dtype)
+    return wq
 
 
 def _store_quantized(w: WeightsWriter, ckpt, src: str, name: str, quant: QuantConfig, dtype: str, layout: WeightLayout,

@@ -39,6 +39,7 @@ from decodert.export.artifact.manifest import Manifest, TokenizerRecord, tokeniz
 from decodert.runtime.decoding import scheduler
 from decodert.runtime import validate
 from decodert.runtime.adapters import Adapters
+from decodert.runtime.chat.harmony import markup_decoder
 from decodert.runtime.chat.chat import Message, render_chat
 from decodert.runtime.chat.tool_calls import tool_format
 from decodert.runtime.chat.turn import ChatStream, ChatTurn, chat_turn, pop_options
@@ -96,6 +97,7 @@ class LLM:
         self.bos_token_id = tok.bos_token_id if tok.bos_token_id is not None else model_bos
         self.add_bos_token = tok.add_bos_token
         self.chat_template = tok.chat_template
+        self._text_decoder = markup_decoder(tokenizer, self.chat_template)  # harmony: keeps the channel markup
         self.sampling_defaults = model_defaults(manifest)
         self._cache = None
         self._live: Generator | None = None  # the run holding the cache; a newer run of the same thread ends it
@@ -271,7 +273,7 @@ class LLM:
                 guide = self.guidance.guide(constraint)
             except DecodertError as e:
                 raise (DecodertError(f"{what}: {e}") if what != "prompt" else e) from None
-        seq = Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq, guide)
+        seq = Sequence(ids, params, self._text_decoder, self.eos_token_ids, self.max_seq, guide)
         seq.adapter = self.adapters.resolve(adapter)
         config = resolve_speculative(speculative)
         if config is not None and not params.logprobs:  # logprobs rows decode one token a step (docs/SERVING.md)

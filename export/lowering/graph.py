@@ -10,6 +10,7 @@
         a      = attn @ o^T                                (sandwich_norm: a = rmsnorm(a))
         x, h   = x + a,  rmsnorm(x + a)
         m      = down(act(gate) * up)                      gate_up = h @ gate_up^T [T, 2I]; act = spec.activation
+                 or, in a MoE layer (spec.is_moe(i)), the router's top-k experts' SwiGLU (Lowering.moe)
         x      = x + m                                     (sandwich_norm: m = rmsnorm(m) first)
     last   = x[b*S + seq_lengths[b] - 1]                   [B, hidden]   (only the last valid token)
     logits = rmsnorm(last) @ lm_head^T                     [B, V] float32 (final_softcap: cap*tanh(l/cap))
@@ -33,7 +34,7 @@ adds every position's rows to the head's gather when 1, in the same lm_head GEMM
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 import onnx
@@ -121,7 +122,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         for i in range(spec.num_layers):
             with g.scope(f"layers.{i}"):
                 ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
-                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h, adapters)
+                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h, kind == "decode", adapters)
         if kind == "verify":
             heads = [_verify_head(g, lowering, inp, spec, x, h)]
         else:
@@ -149,7 +150,8 @@ def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: 
 
 
 def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int,
-           x: str, prev_mlp: str | None, lora: LoraGraph | None = None) -> tuple[str, str]:
+           x: str, prev_mlp: str | None, one_token_rows: bool,
+           lora: LoraGraph | None = None) -> tuple[str, str]:
     """One decoder layer. Returns (residual stream before the MLP add, MLP output)."""
     p = f"layers.{i}."
 
@@ -170,27 +172,31 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         if low.flat_tokens:  # [T, qkv] -> [B, S, qkv]
             qkv = g.op("Reshape", qkv, g.op("Concat", g.op("Shape", inp.input_ids), g.const([spec.qkv_size]), axis=0))
         cache = (f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}")
-        attn = low.attention(g, ctx, qkv, cache)  # [B, S, H*D]
+        attn = low.attention(g, ctx, qkv, cache, p + "sinks" if spec.attn_sinks else None)  # [B, S, H*D]
         if low.flat_tokens:
             attn = g.op("Reshape", attn, g.const([-1, spec.num_heads * spec.head_dim]))
         with g.scope("o"):
-            o = linear(attn, "o")
+            o = linear(attn, "o", p + "o_bias" if spec.o_bias else None)
     if spec.sandwich_norm:
         with g.scope("attn_out_norm"):
             o = low.rms_norm(g, o, p + "attn_out_norm")
     with g.scope("post_norm"):
         h, x = low.add_rms_norm(g, o, x, p + "post_norm")
-    with g.scope("mlp"):
-        with g.scope("gate_up"):
-            gate, up = g.op("Split", linear(h, "gate_up"), g.const([spec.intermediate_size] * 2),
-                            axis=-1, outputs=2)
-        act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up
-        with g.scope("down"):
-            down = linear(act, "down")
+    with g.scope("moe" if spec.is_moe(i) else "mlp"):
+        down = low.moe(g, h, p, one_token_rows) if spec.is_moe(i) else _mlp(g, low, spec, h, linear)
     if spec.sandwich_norm:
         with g.scope("mlp_out_norm"):
             down = low.rms_norm(g, down, p + "mlp_out_norm")
     return x, down
+
+
+def _mlp(g: GraphBuilder, low: Lowering, spec: ModelSpec, h: str, linear: Callable[[str, str], str]) -> str:
+    """down(act(gate) * up), gate and up from one fused GEMM; ``linear(x, target)``: the layer's linears."""
+    with g.scope("gate_up"):
+        gate, up = g.op("Split", linear(h, "gate_up"), g.const([spec.intermediate_size] * 2), axis=-1, outputs=2)
+    act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up
+    with g.scope("down"):
+        return linear(act, "down")
 
 
 def _qk_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, qkv: str, p: str) -> str:

@@ -32,7 +32,7 @@ from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
 from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
-from decodert.runtime.backends.memory import check_kv_fits, kv_cache_bytes
+from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -71,6 +71,9 @@ class OrtBackend:
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         self._stream: Any = None
         kinds = ("prefill", "decode") if separate_decode else ("prefill",)
+        weights = self.dir / manifest.weights.file
+        if weights.is_file():  # check_external_data names a missing one
+            check_weights_fit(weights.stat().st_size, manifest.model.extra or {})
         self.sessions = {}
         for kind in kinds:
             path = self.dir / manifest.graphs[kind].file

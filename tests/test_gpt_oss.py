@@ -182,3 +182,16 @@ def test_gguf(tmp_path, qtype):
     assert gguf.GGMLQuantizationType(gate.tensor_type).name == "MXFP4"
     whole = gguf.quants.dequantize(np.asarray(gate.data), gguf.GGMLQuantizationType.MXFP4)
     np.testing.assert_array_equal(ckpt.expert("layers.0.experts.gate_up", 3)[0::2], whole.reshape(8, 32, 64)[3])
+
+
+def test_sinks_with_an_int8_kv_cache(model, tmp_path):
+    """GroupQueryAttention's head_sink (input 11) and k_scale / v_scale (12, 13) together, in schema order;
+    an int8 cache keeps the logits close to the float cache's."""
+    src, m = model
+    out = tmp_path / "q"
+    export_model(src, out, target="ort", max_seq=64, max_batch=4, progress=False, kv_dtype="int8")
+    gqa = [n for n in onnx.load(out / "decode.onnx", load_external_data=False).graph.node
+           if n.op_type == "GroupQueryAttention"]
+    assert all(n.input[11].endswith(".sinks") and n.input[12] and n.input[13] for n in gqa)
+    prompts = _prompts()
+    assert logits_parity(out, [hf_reference(m, p, 8) for p in prompts], prompts, steps=7) < 0.05

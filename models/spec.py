@@ -84,6 +84,7 @@ class ModelSpec:
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar**-0.5)
     attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap), before the causal mask
     final_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    image_token_id: int | None = None  # vision-language: prefill takes image embeddings at this token's rows
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

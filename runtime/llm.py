@@ -4,6 +4,7 @@
     llm.generate("Hello", max_new_tokens=32).text
     for delta in llm.stream("Hello", temperature=0.7, seed=1): print(delta, end="")
     llm.chat([{"role": "user", "content": "Hi"}])
+    llm.chat([{"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What?"}]}])
     llm.generate_many([Request("a"), Request("b", SamplingParams(max_new_tokens=8))])
     llm.generate("A person as JSON:", json_schema={...})  # or regex=..., grammar=... (Lark): docs/STRUCTURED.md
     chat = llm.session(system="Be brief."); chat.chat("Hi"); chat.chat("And then?")   # runtime/chat/session.py
@@ -46,6 +47,10 @@ from decodert.runtime.backends.loading import (  # noqa: F401  (open_tokenizer, 
     make_prefix_cache, model_defaults, open_backend, open_tokenizer, read_manifest)
 from decodert.runtime.decoding.sampling import SamplingParams, sampling_params
 from decodert.runtime.speculation.speculative import Speculator, resolve as resolve_speculative
+from decodert.runtime.vision.encoder import Vision
+from decodert.runtime.vision.images import DEFAULT_LIMITS
+from decodert.runtime.vision.messages import split_images
+from decodert.runtime.vision.tokens import is_image, text_ids
 
 if TYPE_CHECKING:
     from decodert.runtime.chat.session import Session
@@ -105,6 +110,8 @@ class LLM:
         self._guidance_lock = threading.Lock()  # not self._lock: building it must not hold up a running step
         self.prefix_cache = make_prefix_cache(backend, prefix_cache_mb)  # None: off
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # closed with the LLM
+        self.vision = Vision.attach(backend, manifest)  # images in (runtime/vision/); None: text only
+        self.image_limits, self.fetch_image = DEFAULT_LIMITS, None  # the server sets its own
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
@@ -216,8 +223,13 @@ class LLM:
     def _chat_prompt(self, messages: Seq[Message], options: Mapping[str, Any]) -> tuple[ChatTurn, str, np.ndarray]:
         """The chat options (``pop_options``) for ``messages`` -> (turn, rendered prompt, its ids).
         The template writes any BOS itself (as transformers' apply_chat_template)."""
+        messages, images = split_images(messages, self.image_limits, self.fetch_image)
+        if images and self.vision is None:
+            raise DecodertError("this model takes no images (no vision.onnx in the artifact, or a backend other than ort)")
         turn = self.chat_turn(messages, options)
         text = self._render(turn)
+        if images:  # runtime/vision/encoder.py: <image> expanded as the model's processor does, image ids placed
+            return turn, text, self.vision.prompt_ids(text, images, lambda t: self.encode(t, add_bos=False))
         return turn, text, self.encode(text, add_bos=False)
 
     @property
@@ -235,7 +247,9 @@ class LLM:
         if ids.size > self.max_seq - 1:
             raise DecodertError(f"{what} has {ids.size} tokens but the model was exported with --max-seq "
                                 f"{self.max_seq}, which leaves no room to generate; re-export with a larger --max-seq")
-        if ids.min() < 0 or ids.max() >= self.backend.vocab_size:
+        if is_image(ids).any() and self.vision is None:
+            raise DecodertError(f"{what} has image ids but this model takes no images")
+        if ids.min() < 0 or text_ids(ids).max() >= self.backend.vocab_size:
             raise DecodertError(f"{what} has token ids outside the vocabulary [0, {self.backend.vocab_size})")
         if any(t >= self.backend.vocab_size for t, _ in params.logit_bias):
             raise DecodertError(f"logit_bias has token ids outside the vocabulary [0, {self.backend.vocab_size})")

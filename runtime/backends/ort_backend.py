@@ -32,6 +32,7 @@ from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
 from decodert.runtime.backends.memory import check_fits
+from decodert.runtime.vision.tokens import text_ids
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -46,6 +47,7 @@ class _Binding:
     seq: np.ndarray  # [n] int64
     logits: np.ndarray  # [n, V] float32
     next_token: np.ndarray  # [n] int64
+    images: Any = None  # (image_positions [N], image_embeds [N, hidden]) bound for this call
 
 
 class OrtBackend:
@@ -63,6 +65,7 @@ class OrtBackend:
         self.layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
         self.max_batch, self.max_seq = manifest.max_batch, manifest.max_seq
         self.vocab_size = manifest.model.vocab_size
+        self.hidden = manifest.model.hidden_size or 0
         options = _session_options(threads)
         providers = list(providers or _default_providers())
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
@@ -87,6 +90,9 @@ class OrtBackend:
         # "prefill" (one-row passes where the prefill graph takes per_position) is the prefill session
         self._verify: dict[str, _VerifyState] = {}
         self._prefill_verifies = manifest.graphs["prefill"].verifies_rows
+        # vision-language: the image store (runtime/vision/encoder.py) whose rows a prefill binds at its image ids
+        self.images: Any = None
+        self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:
@@ -115,6 +121,7 @@ class OrtBackend:
                 b.ids[j, : lens[r] - done] = ids[r][done:]
             b.past[:] = cache.lengths[start : start + n] + done
             b.seq[:] = lens[rows] - done
+            self._bind_images(b)
             _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
             _gather(out, rows, b, want_logits)
         cache.commit(slots, ids)
@@ -129,6 +136,7 @@ class OrtBackend:
             b.ids[0] = row[done : done + chunk]
             b.past[:] = cache.lengths[start] + done
             b.seq[:] = chunk
+            self._bind_images(b)
             _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
             done += chunk
         return done
@@ -250,6 +258,20 @@ class OrtBackend:
         return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
+    def _bind_images(self, b: _Binding) -> None:
+        """Image ids in ``b.ids`` (runtime/vision/tokens.py) -> the ``<image>`` token, their rows bound as
+        image_embeds at image_positions (empty when none: the binding may be reused chunk after chunk)."""
+        if not self._takes_images:
+            return
+        found = self.images.rows(b.ids) if self.images is not None else None
+        if found is None:
+            found = (np.zeros(0, np.int64), np.zeros((0, self.hidden), self.np_dtype))
+        else:
+            b.ids[:] = text_ids(b.ids)
+        b.images = (np.ascontiguousarray(found[0]), np.ascontiguousarray(found[1], self.np_dtype))  # kept alive
+        for name, arr in zip(("image_positions", "image_embeds"), b.images):
+            b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+
     def _prefill_groups(self, cache: KVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:
         """Runs of contiguous slots; rows one by one where a batched call is not allowed."""
         groups = []

@@ -223,14 +223,24 @@ class LLM:
     def _chat_prompt(self, messages: Seq[Message], options: Mapping[str, Any]) -> tuple[ChatTurn, str, np.ndarray]:
         """The chat options (``pop_options``) for ``messages`` -> (turn, rendered prompt, its ids).
         The template writes any BOS itself (as transformers' apply_chat_template)."""
+        messages, images = self.split_images(messages)
+        turn = self.chat_turn(messages, options)
+        text = self._render(turn)
+        return turn, text, self.prompt_ids(text, images)
+
+    def split_images(self, messages: Seq[Message]) -> tuple[Seq[Message], list[np.ndarray]]:
+        """Image parts -> ``{"type": "image"}`` for the template, and the decoded images (runtime/vision/messages.py)."""
         messages, images = split_images(messages, self.image_limits, self.fetch_image)
         if images and self.vision is None:
             raise DecodertError("this model takes no images (no vision.onnx in the artifact, or a backend other than ort)")
-        turn = self.chat_turn(messages, options)
-        text = self._render(turn)
-        if images:  # runtime/vision/encoder.py: <image> expanded as the model's processor does, image ids placed
-            return turn, text, self.vision.prompt_ids(text, images, lambda t: self.encode(t, add_bos=False))
-        return turn, text, self.encode(text, add_bos=False)
+        return messages, images
+
+    def prompt_ids(self, text: str, images: Seq[np.ndarray] = ()) -> np.ndarray:
+        """A rendered chat prompt's ids; with images, each ``<image>`` expanded as the model's processor does
+        and its tokens the image's ids (runtime/vision/encoder.py)."""
+        if images:
+            return self.vision.prompt_ids(text, images, lambda t: self.encode(t, add_bos=False))
+        return self.encode(text, add_bos=False)
 
     @property
     def guidance(self) -> Guidance:

@@ -1,0 +1,175 @@
+"""Vision-language models (Idefics3 / SmolVLM) against transformers running the model's own processor, on a
+tiny random checkpoint: placeholder ids, pixels, vision embeddings, greedy tokens, batches, sessions, the server."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from tiny_vision import make_tiny_vlm, reference_processor
+
+torch = pytest.importorskip("torch")
+Image = pytest.importorskip("PIL.Image")
+
+SIZES = [(70, 50), (100, 160), (64, 64), (120, 300)]  # (height, width): split 3x2, 2x3, unsplit, 2x5 tiles
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    from transformers import Idefics3ForConditionalGeneration
+
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    root = tmp_path_factory.mktemp("vlm")
+    hf = make_tiny_vlm(root / "hf", seed=int(np.random.default_rng().integers(1000)))
+    export_model(hf, root / "art", target="ort", dtype="fp32", max_seq=1024, max_batch=4, progress=False)
+    llm = LLM.load(root / "art", backend="ort")
+    model = Idefics3ForConditionalGeneration.from_pretrained(hf).eval()
+    yield llm, model, reference_processor(hf)
+    llm.close()
+
+
+def _image(rng, h, w):
+    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _ask(img, text="What is in this image?"):
+    return [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": text}]}]
+
+
+def _reference_tokens(model, proc, text, images, n=8):
+    ref = proc(text=text, images=[Image.fromarray(i) for i in images], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ref, max_new_tokens=n, do_sample=False)
+    return out[0, ref["input_ids"].shape[1]:].tolist()
+
+
+def test_placeholders_pixels_and_embeddings_match_the_processor(vlm):
+    from decodert.runtime.vision import preprocess as pre
+    from decodert.runtime.vision.tokens import is_image, pixel_digest, text_ids
+
+    llm, model, proc = vlm
+    rng = np.random.default_rng()
+    for h, w in SIZES:
+        img = _image(rng, h, w)
+        _, text, ids = llm._chat_prompt(_ask(img), {})
+        ref = proc(text=text, images=[Image.fromarray(img)], return_tensors="pt")
+        assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy()), (h, w)
+        assert is_image(ids).sum() == (ids == llm.vision.image_token_id).sum() + len(llm.vision.store.get(
+            pixel_digest(img)).ids)  # every <image> is an image id
+        tiles = pre.preprocess(img, llm.vision.settings)
+        np.testing.assert_allclose(tiles.pixels, ref["pixel_values"][0].numpy(), atol=1e-6)
+        with torch.no_grad():
+            feats = model.model.get_image_features(ref["pixel_values"], ref["pixel_attention_mask"]).pooler_output[0]
+        np.testing.assert_allclose(llm.vision.store.get(pixel_digest(img)).embeds, feats.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_equal_transformers(vlm):
+    llm, model, proc = vlm
+    rng = np.random.default_rng()
+    for h, w in SIZES[:3]:
+        img = _image(rng, h, w)
+        result = llm.chat(_ask(img), max_new_tokens=8, temperature=0)
+        _, text, _ = llm._chat_prompt(_ask(img), {})
+        assert result.token_ids == _reference_tokens(model, proc, text, [img]), (h, w)
+    two = [_image(rng, 90, 60), _image(rng, 64, 64)]  # two images in one message
+    msgs = [{"role": "user", "content": [{"type": "image", "image": two[0]}, {"type": "text", "text": "and"},
+                                         {"type": "image", "image": Image.fromarray(two[1])}]}]
+    _, text, _ = llm._chat_prompt(msgs, {})
+    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _reference_tokens(model, proc, text, two)
+
+
+def test_a_batch_equals_the_singles(vlm):
+    llm, _, _ = vlm
+    rng = np.random.default_rng()
+    asks = [_ask(_image(rng, 70, 50)), _ask(_image(rng, 64, 64), "Hello?"), [{"role": "user", "content": "Hi"}]]
+    singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
+    batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
+    assert [r.token_ids for r in batch] == singles
+
+
+def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(vlm):
+    llm, _, _ = vlm
+    img = _image(np.random.default_rng(), 100, 160)
+    chat = llm.session()
+    first = chat.chat({"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "What?"}]},
+                      max_new_tokens=5, temperature=0)
+    second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)
+    assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens  # the image was not prefilled again
+    history = chat.history[:-1]
+    fresh = llm.chat(history, max_new_tokens=5, temperature=0)
+    assert second.token_ids == fresh.token_ids
+    other = _image(np.random.default_rng(), 100, 160)  # another image of the same size: not the cached one
+    swapped = [{**history[0], "content": [{"type": "image", "image": other}, {"type": "text", "text": "What?"}]}]
+    _, _, ids_a = llm._chat_prompt(history[:1], {})
+    _, _, ids_b = llm._chat_prompt(swapped, {})
+    first_image = int(np.flatnonzero(ids_a >= 1 << 62)[0])
+    assert np.array_equal(ids_a[:first_image], ids_b[:first_image]) and ids_a[first_image] != ids_b[first_image]
+    chat.close()
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _post(url, body):
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _bomb() -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", (12000, 12000)).save(buf, format="PNG")  # 144 Mpx of zeros: a few hundred KiB compressed
+    return buf.getvalue()
+
+
+def test_server_accepts_a_data_url_and_refuses_bad_images(vlm):
+    from serve_helpers import running
+
+    llm, _, _ = vlm
+    img = _image(np.random.default_rng(), 70, 50)
+    expected = llm.chat(_ask(img), max_new_tokens=5, temperature=0).text
+
+    def body(*urls):
+        parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [
+            {"type": "text", "text": "What is in this image?"}]
+        return {"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 5, "temperature": 0}
+
+    def data(raw: bytes) -> str:
+        return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+    with running(llm) as (url, _):
+        status, out = _post(url, body(data(_png(img))))
+        assert status == 200 and out["choices"][0]["message"]["content"] == expected
+        bad = {"undecodable": data(b"not an image at all"), "bomb": data(_bomb()),
+               "remote": "http://169.254.169.254/latest/meta-data/"}
+        for name, u in bad.items():
+            status, out = _post(url, body(u))
+            assert status == 400 and "\n" not in out["error"]["message"], (name, out)
+        status, out = _post(url, body(*[data(_png(img))] * (llm.image_limits.max_images + 1)))
+        assert status == 400 and "too many images" in out["error"]["message"]
+
+
+def test_text_only_models_refuse_images(tmp_path):
+    from serve_helpers import export_tiny
+
+    from decodert.errors import DecodertError
+    from decodert.runtime.llm import LLM
+
+    with LLM.load(export_tiny(tmp_path), backend="ort") as llm:
+        with pytest.raises(DecodertError, match="takes no images"):
+            llm.chat(_ask(np.zeros((8, 8, 3), np.uint8)))

@@ -173,3 +173,31 @@ def test_text_only_models_refuse_images(tmp_path):
     with LLM.load(export_tiny(tmp_path), backend="ort") as llm:
         with pytest.raises(DecodertError, match="takes no images"):
             llm.chat(_ask(np.zeros((8, 8, 3), np.uint8)))
+
+
+def test_cli_image_flag_and_repl_image_command(vlm, tmp_path, capsys):
+    from decodert.cli import build_parser
+    from decodert.cli.chat import chat_loop, user_message
+    from decodert.cli.generate import answer
+
+    llm, _, _ = vlm
+    img = _image(np.random.default_rng(), 70, 50)
+    path = tmp_path / "cat.png"
+    path.write_bytes(_png(img))
+    expected = llm.chat(_ask(img, "Hi"), max_new_tokens=4, temperature=0).text
+    args = build_parser().parse_args(["generate", "OUT", "--prompt", "Hi", "--image", str(path), "--json", "--greedy",
+                                      "--max-new-tokens", "4"])
+    assert answer(llm, "Hi", [user_message("Hi", args.image)], args) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == expected
+    lines = iter([f"/image {path}", "Hi", "/image nowhere.png"])
+
+    def read(_prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    out, err = io.StringIO(), io.StringIO()
+    args = build_parser().parse_args(["chat", "OUT", "--no-stats", "--greedy", "--max-new-tokens", "4"])
+    assert chat_loop(llm, args, read=read, out=out, err=err, banner=False) == 0
+    assert out.getvalue().strip() == expected.strip()
+    assert "will go with the next message" in err.getvalue() and "nowhere.png is not one" in err.getvalue()

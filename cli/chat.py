@@ -138,8 +138,10 @@ def turn(session, message: str, args: argparse.Namespace, out: TextIO, err: Text
     before = session.last_turn
     stream = None
     try:
-        text = inputs.argv_text(message, "the message")
-        images, pending[:] = (list(pending), []) if pending else ([], [])
+        text = inputs.argv_text(message, "the message") or ""
+        images = list(pending or [])
+        if pending:
+            pending.clear()  # the images go with this message
         stream = session.stream_chat(user_message(text, images) if images else text, **common.sampling_kwargs(args))
         if session.dropping:  # said before the answer: the turns are gone as it starts
             out.flush()

@@ -23,6 +23,7 @@ MODEL_TYPES = ("idefics3", "smolvlm")
 GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
 HF_WEIGHTS = llama.HF_WEIGHTS
+GGUF_WEIGHTS = llama.GGUF_WEIGHTS  # never read: llama.cpp writes SmolVLM's text model as a llama GGUF (that family's)
 _V = "model.vision_model."
 _VL = _V + "encoder.layers.{i}."
 VISION_WEIGHTS: dict[str, str | tuple[str, ...]] = {

@@ -30,7 +30,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generator, Mapping, Sequence as Seq, Union
+from typing import TYPE_CHECKING, Any, Callable, Generator, Mapping, Sequence as Seq, Union
 
 import numpy as np
 
@@ -111,7 +111,8 @@ class LLM:
         self.prefix_cache = make_prefix_cache(backend, prefix_cache_mb)  # None: off
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # closed with the LLM
         self.vision = Vision.attach(backend, manifest)  # images in (runtime/vision/); None: text only
-        self.image_limits, self.fetch_image = DEFAULT_LIMITS, None  # the server sets its own
+        self.image_limits = DEFAULT_LIMITS  # bytes, pixels and images per request (the server sets its own)
+        self.fetch_image: Callable[[str, str], bytes] | None = None  # remote image URLs: refused unless set
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
@@ -238,7 +239,7 @@ class LLM:
     def prompt_ids(self, text: str, images: Seq[np.ndarray] = ()) -> np.ndarray:
         """A rendered chat prompt's ids; with images, each ``<image>`` expanded as the model's processor does
         and its tokens the image's ids (runtime/vision/encoder.py)."""
-        if images:
+        if images and self.vision is not None:  # split_images refused images for a model without vision
             return self.vision.prompt_ids(text, images, lambda t: self.encode(t, add_bos=False))
         return self.encode(text, add_bos=False)
 

@@ -39,8 +39,8 @@ def build_vision_graph(v: VisionSpec, dtype: str, weights: dict[str, onnx.Tensor
     g = GraphBuilder("decodert_vision", {"": OPSET})
     contract = vision_contract(v, dtype)
     g.input("pixel_values", "fp32", contract["inputs"][0]["shape"])
-    for t in weights.values():
-        g.add_initializer(t)
+    for tensor in weights.values():
+        g.add_initializer(tensor)
     np_dtype = NUMPY_DTYPES[dtype]
     c, t = v.hidden_size, v.patches_per_side ** 2
     with g.scope("vision"):

@@ -27,7 +27,8 @@ def split_images(messages: Any, limits: ImageLimits = DEFAULT_LIMITS,
         return messages, []
     if not any(_has_images(m) for m in messages):
         return messages, []
-    out, images = [], []
+    out: list = []
+    images: list[np.ndarray] = []
     for i, m in enumerate(messages):
         if not _has_images(m):
             out.append(m)

@@ -201,3 +201,33 @@ def test_cli_image_flag_and_repl_image_command(vlm, tmp_path, capsys):
     assert chat_loop(llm, args, read=read, out=out, err=err, banner=False) == 0
     assert out.getvalue().strip() == expected.strip()
     assert "will go with the next message" in err.getvalue() and "nowhere.png is not one" in err.getvalue()
+
+
+def test_portable_target_places_images_the_same(vlm, tmp_path):
+    """The flat-token layout ([T, hidden], portable and trt graphs) scatters the image rows the same way."""
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    llm, _, _ = vlm
+    src = llm.manifest.source.path
+    export_model(src, tmp_path / "portable", target="portable", dtype="fp32", max_seq=1024, progress=False)
+    img = _image(np.random.default_rng(), 100, 160)
+    with LLM.load(tmp_path / "portable", backend="ort") as other:
+        assert other.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids == \
+            llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
+
+
+@pytest.mark.trt
+def test_vision_graph_builds_with_tensorrt_rtx_under_its_own_profile(vlm, tmp_path):
+    pytest.importorskip("tensorrt_rtx_bindings")
+    from decodert.export import trt_build
+    from decodert.export.pipeline import export_model
+
+    llm, _, _ = vlm
+    out = tmp_path / "trt"
+    export_model(llm.manifest.source.path, out, target="trt", dtype="fp16", max_seq=256, max_batch=2, progress=False)
+    engines = trt_build.build_engines(out, progress=False)
+    assert (out / "vision.engine").is_file() and engines["vision"].size > 0
+    profile = engines["vision"].profile["pixel_values"]  # 1 .. the tiles of the largest image (3x3 + global)
+    assert profile["min"][0] == 1 and profile["max"] == [10, 3, 64, 64]
+    assert [t["name"] for t in engines["vision"].io["outputs"]] == ["image_embeds"]

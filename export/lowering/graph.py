@@ -49,6 +49,9 @@ from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, rope_table_of
 
 GraphKind = Literal["prefill", "decode", "verify"]
+# inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
+# TensorRT's ONNX parser folds such an input into a constant, so its engines take the default only
+DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions")
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 

@@ -95,6 +95,20 @@ def test_a_batch_equals_the_singles(vlm):
     assert [r.token_ids for r in batch] == singles
 
 
+def test_a_chunked_prefill_binds_each_chunks_own_image_rows(vlm):
+    llm, model, proc = vlm
+    img = _image(np.random.default_rng(), 70, 50)  # 200 tokens: chunks of 48 cut through the image tokens
+    want = llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
+    chunk, llm.backend.prefill_chunk = llm.backend.prefill_chunk, 48
+    try:
+        if llm.prefix_cache is not None:
+            llm.prefix_cache.clear()  # else the first answer's K/V is reused and nothing is chunked
+        again = llm.chat(_ask(img), max_new_tokens=6, temperature=0)
+        assert again.metrics.cached_tokens == 0 and again.token_ids == want
+    finally:
+        llm.backend.prefill_chunk = chunk
+
+
 def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(vlm):
     llm, _, _ = vlm
     img = _image(np.random.default_rng(), 100, 160)

@@ -271,6 +271,8 @@ class LLM:
             except DecodertError as e:
                 raise (DecodertError(f"{what}: {e}") if what != "prompt" else e) from None
         seq = Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq, guide)
+        if self.vision is not None:  # its images' rows stay readable until it is done (runtime/vision/encoder.py)
+            seq.images = self.vision.store.pin(ids)
         config = resolve_speculative(speculative)
         if config is not None and not params.logprobs:  # logprobs rows decode one token a step (docs/SERVING.md)
             self._check_speculation()

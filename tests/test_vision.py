@@ -245,3 +245,29 @@ def test_vision_graph_builds_with_tensorrt_rtx_under_its_own_profile(vlm, tmp_pa
     profile = engines["vision"].profile["pixel_values"]  # 1 .. the tiles of the largest image (3x3 + global)
     assert profile["min"][0] == 1 and profile["max"] == [10, 3, 64, 64]
     assert [t["name"] for t in engines["vision"].io["outputs"]] == ["image_embeds"]
+
+
+def test_a_pinned_image_outlives_the_store_capacity(vlm):
+    from decodert.errors import DecodertError
+    from decodert.runtime.vision.encoder import ImageStore
+
+    llm, _, _ = vlm
+    rng = np.random.default_rng()
+    img = _image(rng, 64, 64)
+    want = llm.chat(_ask(img), max_new_tokens=4, temperature=0).token_ids
+    if llm.prefix_cache is not None:
+        llm.prefix_cache.clear()
+    store, llm.vision.store = llm.vision.store, ImageStore(capacity=1)
+    llm.backend.images = llm.vision.store
+    try:
+        _, _, ids = llm._chat_prompt(_ask(img), {})
+        seq = llm._sequence(ids, llm.params(max_new_tokens=4, temperature=0))
+        llm.vision.entry(_image(rng, 64, 64))  # another image evicts it from the store's LRU
+        assert [r.token_ids for r in llm._finish([seq])] == [want]  # the sequence's pin kept its rows
+        del seq
+        import gc
+        gc.collect()
+        with pytest.raises(DecodertError, match="no longer in the image store"):
+            llm.vision.store.rows(ids)
+    finally:
+        llm.vision.store = llm.backend.images = store

@@ -85,6 +85,7 @@ class Sequence:
         self.cached_tokens = 0  # prompt tokens whose K/V was reused, not prefilled (set by prefill)
         self.timer = Timer()
         self.guide = guide  # structured output (runtime/constraints.py): masks the logits, ends at the grammar's end
+        self.images: Any = None  # the image store entries its prompt's image ids need (runtime/vision/encoder.py)
         self.spec = None  # speculative decoding state (runtime/speculation/speculative.py), when asked for
 
     @property

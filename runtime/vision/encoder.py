@@ -6,13 +6,16 @@
 
 An image is preprocessed and encoded once: the store keeps its embeddings (and its tile grid, which
 the prompt text needs) under its pixel digest, the last ``capacity`` images, so asking about the same
-image again costs neither (runtime/vision/tokens.py: its tokens are the same image ids).
+image again costs neither (runtime/vision/tokens.py: its tokens are the same image ids). A request in
+flight holds its images' entries (``pin``, kept on its Sequence), so a busy server evicting older
+images from the store never takes the rows of a prompt that has not been prefilled yet.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,12 +28,15 @@ from decodert.runtime.vision import preprocess as pre
 from decodert.runtime.vision.tokens import IMAGE_FLAG, image_ids, pixel_digest
 
 
-@dataclass
+@dataclass(eq=False)
 class _Entry:
     ids: np.ndarray  # [n] image ids
     embeds: np.ndarray  # [n, hidden] graph dtype
     rows: int
     cols: int
+
+    def __post_init__(self) -> None:
+        self.index = {int(v): k for k, v in enumerate(self.ids)}  # image id -> row
 
 
 class ImageStore:
@@ -38,9 +44,9 @@ class ImageStore:
 
     def __init__(self, capacity: int = 64) -> None:
         self.capacity = capacity
-        self._entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
-        self._where: dict[int, tuple[bytes, int]] = {}  # image id -> (digest, row)
-        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # the last `capacity`
+        self._where: weakref.WeakValueDictionary[int, _Entry] = weakref.WeakValueDictionary()  # image id -> entry,
+        self._lock = threading.Lock()  # while the LRU or a pinning request holds it
 
     def get(self, digest: bytes) -> _Entry | None:
         with self._lock:
@@ -52,11 +58,15 @@ class ImageStore:
     def put(self, digest: bytes, entry: _Entry) -> None:
         with self._lock:
             self._entries[digest] = entry
-            self._where.update({int(v): (digest, k) for k, v in enumerate(entry.ids)})
+            self._where.update(dict.fromkeys(entry.index, entry))
             while len(self._entries) > self.capacity:
-                _, old = self._entries.popitem(last=False)
-                for v in old.ids:
-                    self._where.pop(int(v), None)
+                self._entries.popitem(last=False)
+
+    def pin(self, ids: np.ndarray) -> list[_Entry]:
+        """The entries of the images ``ids`` refers to: whoever keeps the list keeps their rows readable."""
+        with self._lock:
+            found = {id(e): e for e in (self._where.get(int(v)) for v in ids[ids >= IMAGE_FLAG]) if e is not None}
+        return list(found.values())
 
     def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """For a block of ids (any shape): (flat positions [N] of its image ids, their embeddings [N, hidden]),
@@ -67,8 +77,7 @@ class ImageStore:
             return None
         with self._lock:
             try:
-                found = [self._where[int(flat[p])] for p in positions]
-                rows = np.stack([self._entries[d].embeds[k] for d, k in found])
+                rows = np.stack([(e := self._where[v]).embeds[e.index[v]] for v in map(int, flat[positions])])
             except KeyError:
                 raise DecodertError("an image of this prompt is no longer in the image store; send it again") from None
         return positions.astype(np.int64), rows

@@ -271,3 +271,21 @@ def test_a_pinned_image_outlives_the_store_capacity(vlm):
             llm.vision.store.rows(ids)
     finally:
         llm.vision.store = llm.backend.images = store
+
+
+def test_smolvlm2_checkpoints_run_the_same_way(tmp_path):
+    """model_type smolvlm (SmolVLM2): the same tower, connector and text model. transformers' SmolVLMProcessor needs
+    num2words (for video), so the reference inputs come from Idefics3Processor, whose image path it shares."""
+    from transformers import SmolVLMForConditionalGeneration
+
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    hf = make_tiny_vlm(tmp_path / "hf", seed=3, kind="smolvlm")
+    export_model(hf, tmp_path / "art", target="ort", dtype="fp32", max_seq=1024, progress=False)
+    model = SmolVLMForConditionalGeneration.from_pretrained(hf).eval()
+    img = _image(np.random.default_rng(), 100, 160)
+    with LLM.load(tmp_path / "art", backend="ort") as llm:
+        _, text, _ = llm._chat_prompt(_ask(img), {})
+        got = llm.chat(_ask(img), max_new_tokens=8, temperature=0).token_ids
+    assert got == _reference_tokens(model, reference_processor(hf), text, [img])

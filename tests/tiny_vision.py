@@ -39,13 +39,17 @@ def make_vlm_tokenizer() -> Any:
     return tok
 
 
-def make_tiny_vlm(path: str | Path, seed: int = 0, splitting: bool = True) -> Path:
+def make_tiny_vlm(path: str | Path, seed: int = 0, splitting: bool = True, kind: str = "idefics3") -> Path:
+    """``kind``: "idefics3" (SmolVLM-256M/500M/2B) or "smolvlm" (SmolVLM2: the same tower and text model)."""
     import torch
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+    import transformers
+
+    Config, Model = (getattr(transformers, f"{'Idefics3' if kind == 'idefics3' else 'SmolVLM'}{x}")
+                     for x in ("Config", "ForConditionalGeneration"))
 
     path = Path(path)
     tok = make_vlm_tokenizer()
-    config = Idefics3Config(
+    config = Config(
         text_config=dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, intermediate_size=128,
                          max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=2,
@@ -54,7 +58,7 @@ def make_tiny_vlm(path: str | Path, seed: int = 0, splitting: bool = True) -> Pa
                            image_size=TILE, patch_size=PATCH),
         scale_factor=SCALE, image_token_id=tok.token_to_id("<image>"), tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    model = Model(config).to(torch.float32)
     _randomise(model, seed)
     model.save_pretrained(path)
     tok.save(str(path / "tokenizer.json"))

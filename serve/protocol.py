@@ -69,7 +69,11 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         if any(part.type == "image_url" for part in self.content):
-            return [part.model_dump(exclude_none=True) for part in self.content if part.type in ("text", "image_url")]
+            other = [part.type for part in self.content if part.type not in ("text", "image_url")]
+            if other:
+                raise ApiError(400, f"messages[{i}].content: part type {other[0]!r} is not supported (text, image_url)",
+                               param=f"messages[{i}].content")
+            return [part.model_dump(exclude_none=True) for part in self.content]
         for part in self.content:
             if part.type != "text" or part.text is None:
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported, got type {part.type!r}",

@@ -289,3 +289,16 @@ def test_smolvlm2_checkpoints_run_the_same_way(tmp_path):
         _, text, _ = llm._chat_prompt(_ask(img), {})
         got = llm.chat(_ask(img), max_new_tokens=8, temperature=0).token_ids
     assert got == _reference_tokens(model, reference_processor(hf), text, [img])
+
+
+def test_server_messages_keep_image_parts_and_refuse_other_kinds():
+    from decodert.serve.protocol import ApiError, ChatMessage
+
+    url = {"url": "data:image/png;base64,AAAA"}
+    mixed = ChatMessage.model_validate({"role": "user", "content": [{"type": "image_url", "image_url": url},
+                                                                   {"type": "text", "text": "What?"}]})
+    assert mixed.text(0) == [{"type": "image_url", "image_url": url}, {"type": "text", "text": "What?"}]
+    odd = ChatMessage.model_validate({"role": "user", "content": [{"type": "image_url", "image_url": url},
+                                                                 {"type": "input_audio"}]})
+    with pytest.raises(ApiError, match="input_audio"):
+        odd.text(0)

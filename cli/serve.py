@@ -26,6 +26,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port, printed)")
     p.add_argument("--model-name", help="the model id clients send (default: the model name, file stem or folder name given)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="a PEFT LoRA adapter served as model 'MODEL:NAME' (or 'NAME'), repeatable; the artifact must be "
+                        "exported with --lora-slots (as vLLM's --lora-modules)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
     p.add_argument("--max-queue", type=int, default=64,
@@ -107,7 +110,22 @@ def options(args: argparse.Namespace):
     return ServeOptions(artifact, args.host, args.port, name, key, args.max_queue, args.max_body_bytes,
                         args.drain_timeout, args.backend, args.verify, args.log_level, speculative, draft,
                         args.prefix_cache_mb, args.client_timeout, _hosts(args.allowed_hosts), args.tool_parser,
-                        ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images), args.allow_image_urls)
+                        _loras(args.lora),
+                        image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images),
+                        allow_image_urls=args.allow_image_urls)
+
+
+def _loras(values: list[str]) -> tuple[tuple[str, Path], ...]:
+    """--lora NAME=DIR values -> ((name, folder), ...); a malformed or repeated one names the flag."""
+    out: dict[str, Path] = {}
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep or not name.strip() or not folder.strip() or ":" in name:
+            raise DecodertError(f"--lora {value!r}: expected NAME=DIR (a name without ':', a PEFT adapter folder)")
+        if name in out:
+            raise DecodertError(f"--lora: the name {name!r} is given twice")
+        out[name] = Path(folder)
+    return tuple(out.items())
 
 
 def run_serve(args: argparse.Namespace) -> int:

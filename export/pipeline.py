@@ -10,7 +10,7 @@ import datetime as dt
 import math
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import onnx
@@ -18,6 +18,9 @@ import onnx
 from decodert.errors import DecodertError
 from decodert.export.artifact import destination
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint
+from decodert.export.lora.layout import LoraLayout, LoraRecord
+from decodert.export.lora.merge import MergedCheckpoint
+from decodert.export.lora.peft import read_peft
 from decodert.export.lowering.graph import VERIFY_WIDTH, build_graph, io_contract, verifies_rows
 from decodert.export.quantize.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
 from decodert.export.quantize.quant_gguf import transcoded_as
@@ -34,7 +37,10 @@ from decodert.export.lowering.semantics import tokenizer_vocab
 from decodert.export.artifact.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables
 from decodert.models.vision import VisionSpec, vision_names, vision_shape
+from decodert.plugins.kv_dtypes import KVDtype
+from decodert.plugins.kv_dtypes import kv_dtype as kv_dtype_of
 from decodert.plugins.selection import choose_plugins
+from decodert.export.quantize import kv_calibrate
 from decodert.export.artifact.version import __version__
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -43,7 +49,9 @@ WEIGHTS = "weights.bin"
 
 def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtype: str = "fp32",
                  max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None,
-                 quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None) -> Manifest:
+                 quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None,
+                 kv_dtype: str | None = None, lora: LoraLayout | None = None,
+                 merge_lora: Sequence[str | Path] = ()) -> Manifest:
     """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
 
     ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
@@ -53,19 +61,34 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     symmetric quantization (TensorRT's int4 weights have no zero point) and gets it. GGUF Q4_0 /
     Q8_0 weights that match the config are transcoded exactly instead (the rule: export/quantize/quant.py);
     ``manifest.quant.per_weight`` records how each weight is stored.
+
+    ``kv_dtype`` (fp32|fp16|bf16|int8|fp8|int4; None: ``dtype``) is the KV cache's element type
+    (plugins/kv_dtypes.py); a quantized cache's per-channel scales are calibrated here
+    (export/quantize/kv_calibrate.py). ``manifest.kv_dtype`` records it.
+
+    ``lora``: adapter slots the graphs take at run time (export/lora/layout.py); ``merge_lora``: PEFT
+    adapter folders whose updates are added to the weights (export/lora/merge.py).
     """
     tgt = get_target(target)
     _check_settings(dtype, max_seq, max_batch)
+    _check_lora(tgt, lora)
     quant = tgt.quant_config(quant)  # TensorRT: symmetric; --keep-q4-1 only where the layout keeps block minimums
     out_dir = destination.prepare(out_dir)
     progress = True if progress is None else progress  # export/progress.py: a bar on a terminal, else lines
     with Stage(f"reading {Path(src).name}", enabled=progress):
         ckpt = open_checkpoint(src)
     spec: ModelSpec = ckpt.spec
+    if quant is None:  # a GPTQ / AWQ checkpoint keeps its own 4-bit blocks unless asked otherwise
+        quant = tgt.quant_config(ckpt.native_quant())
+    if merge_lora:  # one fused model: the adapters' updates added to the weights as they are read
+        ckpt = MergedCheckpoint(ckpt, [read_peft(d, spec) for d in merge_lora])  # type: ignore[assignment]
     max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
     plugin_record = choose_plugins(plugins, tgt, trt_version)
+    plugin_ops = tuple(plugin_record["ops"]) if plugin_record else ()
+    kv = kv_dtype_of(kv_dtype, dtype)
+    tgt.make_lowering(spec, dtype, max_seq, plugins=plugin_ops, kv=kv)  # refuses a KV dtype the target cannot keep
 
     tmp = destination.make_temp(out_dir)
     try:
@@ -73,20 +96,22 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         vision = vision_of(ckpt)
         weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout, vision)
         vision_weights = {k: weights.pop(k) for k in [k for k in weights if k.startswith("vision.")]}
-        lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized,
-                                 plugins=tuple(plugin_record["ops"]) if plugin_record else ())
+        lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized, plugins=plugin_ops, kv=kv)
         with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
-            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar)
+            tokenizer = ckpt.write_tokenizer(tmp)
+            if kv.quantized:  # per-channel scales from the float-cache graph over a built-in text
+                weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
+                                                   weights, kv, tmp)}
+            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora)
             vision_record = None if vision is None else write_vision(ckpt, vision, vision_weights, dtype, tmp,
                                                                      lowering.ir_version)
-            tokenizer = ckpt.write_tokenizer(tmp)
             tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
-            manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
+            manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
             bar.update()
             manifest = manifest.replace(
                 sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
                 plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
-                quant=_quant_record(quant, layout, quantized), vision=vision_record)
+                quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora), vision=vision_record)
             write_manifest(tmp, manifest)
             destination.swap_in(tmp, out_dir)
             bar.update()
@@ -99,6 +124,22 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     return manifest
 
 
+def _check_lora(tgt: Any, lora: LoraLayout | None) -> None:
+    """--lora-slots / --lora-rank: positive, and a target whose graphs take adapters."""
+    if lora is not None:
+        tgt.check_lora_slots(lora.slots)
+        if lora.slots < 1 or lora.rank < 1:
+            raise DecodertError(f"--lora-slots {lora.slots} and --lora-rank {lora.rank} must both be >= 1")
+
+
+def _lora_record(lora: LoraLayout | None, merge_lora: Sequence[str | Path]) -> LoraRecord | None:
+    """manifest.lora: the slots the graphs take and the adapters merged into the weights (None: neither)."""
+    if lora is None and not merge_lora:
+        return None
+    return LoraRecord(slots=lora.slots if lora else 0, rank=lora.rank if lora else 0,
+                      merged=tuple(str(Path(d).resolve()) for d in merge_lora))
+
+
 def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:
     if dtype not in DTYPES:
         raise DecodertError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
@@ -109,14 +150,15 @@ def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:
 
 
 def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max_seq: int, tmp: Path,
-                  bar: Stage) -> dict[str, GraphRecord]:
+                  bar: Stage, lora: LoraLayout | None = None) -> dict[str, GraphRecord]:
     """prefill.onnx, decode.onnx and verify.onnx (checked) -> their manifest records."""
     graphs = {}
     for kind in ("prefill", "decode", "verify"):
         path = tmp / f"{kind}.onnx"
-        onnx.save_model(build_graph(spec, lowering, weights, kind), path)
+        onnx.save_model(build_graph(spec, lowering, weights, kind, lora), path)
         onnx.checker.check_model(str(path), full_check=True)
-        contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind))}
+        contract = {"file": path.name,
+                    **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind), lowering.kv)}
         if kind == "verify":
             contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
             contract["batched_past"] = lowering.for_graph(kind).batched_past
@@ -169,10 +211,17 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
 
 def _store_quantized(w: WeightsWriter, ckpt, src: str, name: str, quant: QuantConfig, dtype: str, layout: WeightLayout,
                      gather: bool = False, tensor: np.ndarray | None = None) -> WeightQuant:
-    """Store canonical weight ``src`` quantized as ``name``: GGUF blocks transcoded where that is
-    exact (export/quantize/quant_gguf.py), else rounded to nearest from float (``tensor``, if already read)."""
+    """Store canonical weight ``src`` quantized as ``name``: GPTQ / AWQ or GGUF blocks transcoded where that
+    is exact (export/quantize/quant_packed.py, quant_gguf.py), else rounded to nearest from float (``tensor``,
+    if already read)."""
+    packed = None if gather else ckpt.packed(src)
     wq = transcoded_as(ckpt.block_type(src), quant, layout, gathered=gather)
-    if wq is not None:
+    if packed is not None:
+        qw, wq = packed
+        if quant.symmetric and not wq.symmetric:
+            raise DecodertError(f"{ckpt.source}: {src} is {wq.source} with zero points, which --symmetric / --target "
+                                "trt (int4 without zero points) cannot keep exactly; export --target ort or portable")
+    elif wq is not None:
         qw = ckpt.blocks(src)
     else:
         qw, wq = quantize(ckpt.tensor(src) if tensor is None else tensor, quant), quant.rtn()
@@ -190,7 +239,20 @@ def _quant_record(quant: QuantConfig | None, layout: WeightLayout, quantized: di
                                    "per_weight": {name: quantized[name].to_dict() for name in sorted(quantized)}}, "quant")
 
 
-def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_batch: int,
+def _kv_scales(spec: ModelSpec, float_cache: Any, weights: dict, kv: KVDtype, tmp: Path) -> dict[str, onnx.TensorProto]:
+    """Calibrate a quantized cache's scales on ``float_cache`` (the same lowering with a float cache)."""
+    path = tmp / "kv_calibration.onnx"  # beside weights.bin, whose tensors it references; removed after
+    try:
+        onnx.save_model(build_graph(spec, float_cache, weights, "prefill"), path)
+        ids = kv_calibrate.calibration_ids(tmp / "tokenizer.json", float_cache.max_seq)
+        scales = kv_calibrate.calibrate(path, spec, kv, float_cache.dtype, float_cache.max_seq, ids,
+                                        float_cache.rotary_dim)
+    finally:
+        path.unlink(missing_ok=True)
+    return kv_calibrate.scale_tensors(scales)
+
+
+def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, kv: KVDtype, max_seq: int, max_batch: int,
               graphs: dict[str, GraphRecord], tokenizer: dict, folder: Path) -> Manifest:
     src = Path(ckpt.source)
     return Manifest(
@@ -198,9 +260,10 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_
         onnx_version=onnx.__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         source=SourceRecord(path=str(src.resolve()), kind="gguf" if src.suffix == ".gguf" else "hf"),
         model=from_json(ModelRecord, spec.to_dict(), "model"), target=target, dtype=dtype,
-        max_seq=max_seq, max_batch=max_batch,
-        kv=KVRecord(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
-                    shape=("batch", spec.num_kv_heads, max_seq, spec.head_dim), inplace=True),
+        max_seq=max_seq, max_batch=max_batch, kv_dtype=kv.name,
+        kv=KVRecord(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                    dtype=kv.storage, shape=("batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)),
+                    inplace=True, scales="per_channel" if kv.quantized else None),
         graphs=graphs, weights=WeightsRecord(file=WEIGHTS, bytes=(folder / WEIGHTS).stat().st_size),
         tokenizer=from_json(TokenizerRecord, {"file": "tokenizer.json", **tokenizer}, "tokenizer"),
         files={p.name: file_record(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST},

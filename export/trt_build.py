@@ -48,6 +48,9 @@ def read_manifest(out_dir: Path, verify: str = "fast") -> Manifest:
     if not target.runs_on("trt"):
         raise DecodertError(f"{Path(out_dir) / MANIFEST}: the graphs were exported for --target {target.name} "
                             f"({target.about}); re-export with --target trt to build TensorRT engines")
+    if manifest.lora_layout is not None:
+        raise DecodertError(f"{Path(out_dir) / MANIFEST}: the graphs take LoRA adapter slots (--lora-slots), which "
+                            "the TensorRT backend does not bind; re-export without --lora-slots (--merge-lora merges one)")
     return manifest
 
 

@@ -7,6 +7,7 @@
     llm.chat([{"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What?"}]}])
     llm.generate_many([Request("a"), Request("b", SamplingParams(max_new_tokens=8))])
     llm.generate("A person as JSON:", json_schema={...})  # or regex=..., grammar=... (Lark): docs/STRUCTURED.md
+    llm = LLM.load("out/lora", adapters={"sql": "adapters/sql"}); llm.generate("Hi", adapter="sql")  # LoRA per call
     chat = llm.session(system="Be brief."); chat.chat("Hi"); chat.chat("And then?")   # runtime/chat/session.py
 
 One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
@@ -38,6 +39,7 @@ from decodert.errors import DecodertError
 from decodert.export.artifact.manifest import Manifest, TokenizerRecord, tokenizer_file
 from decodert.runtime.decoding import scheduler
 from decodert.runtime import validate
+from decodert.runtime.adapters import Adapters
 from decodert.runtime.chat.chat import Message, render_chat
 from decodert.runtime.chat.tool_calls import tool_format
 from decodert.runtime.chat.turn import ChatStream, ChatTurn, chat_turn, pop_options
@@ -68,6 +70,7 @@ class Request:
     messages: Seq[Message] | None = None  # chat messages instead of a prompt
     constraint: Constraint | None = None  # structured output: Constraint.of(json_schema=... | regex=... | grammar=...)
     speculative: Any = None  # "ngram" | "draft" | SpeculativeConfig (runtime/speculation/speculative.py)
+    adapter: str | None = None  # a LoRA adapter loaded by name (LLM.load(adapters=...)); None: the base model
 
 
 class LLM:
@@ -113,11 +116,15 @@ class LLM:
         self.vision = Vision.attach(backend, manifest)  # images in (runtime/vision/); None: text only
         self.image_limits = DEFAULT_LIMITS  # bytes, pixels and images per request (the server sets its own)
         self.fetch_image: Callable[[str, str], bytes] | None = None  # remote image URLs: refused unless set
+        layout = manifest.lora_layout if manifest else None  # LoRA slots: adapters by name (runtime/adapters.py)
+        self.adapters = Adapters(layout, manifest.model.spec() if manifest and layout else None,
+                                 getattr(backend, "lora_weights", None))
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
              draft: str | Path | None = None, prefix_cache_mb: float | None = None,
-             max_seq: int | None = None, quant: str = "auto", tool_parser: str | None = None) -> "LLM":
+             max_seq: int | None = None, quant: str = "auto", tool_parser: str | None = None,
+             adapters: Mapping[str, str | Path] | None = None) -> "LLM":
         """Open a model: what ``decodert run`` accepts (export/prepare.py).
 
         ``path``: an artifact folder written by ``decodert export`` (and maybe ``decodert build``),
@@ -130,6 +137,8 @@ class LLM:
         ``draft``: a second model with the same tokenizer, the drafter of ``speculative="draft"``.
         ``prefix_cache_mb``: the prefix cache's budget in MiB (None: the default; 0: off).
         ``tool_parser``: the tool-call format ("hermes" | "llama3" | "mistral" | "phi4"; None: the template's).
+        ``adapters``: LoRA adapters by name -> PEFT folder, for an artifact exported with ``--lora-slots``;
+        ``adapter="name"`` then picks one per call or request (``load_adapter`` / ``unload_adapter`` later).
         """
         from decodert.export.prepare import is_checkpoint_source, prepare_model
 
@@ -147,7 +156,24 @@ class LLM:
                                     "speculative decoding needs the same vocabulary")
         if tool_parser is not None:
             tool_format(None, tool_parser)  # an unknown name fails before the weights load
-        return cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser)
+        llm = cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser)
+        if adapters is not None and not isinstance(adapters, Mapping):
+            raise DecodertError(f"adapters must map names to PEFT adapter folders, got {type(adapters).__name__}")
+        for name, folder in (adapters or {}).items():
+            llm.load_adapter(name, folder)
+        return llm
+
+    def load_adapter(self, name: str, folder: str | Path) -> None:
+        """Load a PEFT LoRA folder into a free adapter slot as ``name`` (no re-export; the same name is replaced)."""
+        with self._lock:
+            self.adapters.load(name, folder)
+
+    def unload_adapter(self, name: str) -> None:
+        """Free ``name``'s slot; K/V computed under it are never reused (their tag is not loaded again)."""
+        with self._lock:
+            if self._live is not None:
+                raise DecodertError(f"adapter {name!r}: a run is in progress; unload it when no generation is running")
+            self.adapters.unload(name)
 
     def params(self, **params: Any) -> SamplingParams:
         """Validated SamplingParams: ``params`` over the model's ``sampling_defaults``."""
@@ -252,7 +278,7 @@ class LLM:
             return self._guidance
 
     def _sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt",
-                  constraint: Constraint | None = None, speculative: Any = None) -> Sequence:
+                  constraint: Constraint | None = None, speculative: Any = None, adapter: str | None = None) -> Sequence:
         if ids.size == 0:
             raise DecodertError(f"{what} is empty")
         if ids.size > self.max_seq - 1:
@@ -273,6 +299,7 @@ class LLM:
         seq = Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq, guide)
         if self.vision is not None:  # its images' rows stay readable until it is done (runtime/vision/encoder.py)
             seq.images = self.vision.store.pin(ids)
+        seq.adapter = self.adapters.resolve(adapter)
         config = resolve_speculative(speculative)
         if config is not None and not params.logprobs:  # logprobs rows decode one token a step (docs/SERVING.md)
             self._check_speculation()
@@ -360,38 +387,38 @@ class LLM:
 
     def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""
-        spec = params.pop("speculative", None)
+        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
         sp, c = self.split_params(params)
         if not validate.is_batch(prompt):
-            return self._finish([self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec)])[0]
-        return self._finish([self._sequence(self.encode(p, what=f"prompt {i}"), sp, f"prompt {i}", c, spec)
+            return self._finish([self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec, adapter=lora)])[0]
+        return self._finish([self._sequence(self.encode(p, what=f"prompt {i}"), sp, f"prompt {i}", c, spec, lora)
                              for i, p in enumerate(prompt)])
 
     def stream(self, prompt: Prompt, **params: Any) -> TextStream:
         """Iterate the generated text as deltas (str); see TextStream for the final result."""
         if validate.is_batch(prompt):
             raise DecodertError(f"stream takes one prompt, got a batch of {len(prompt)}; use generate or generate_many")
-        spec = params.pop("speculative", None)
+        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
         sp, c = self.split_params(params)
-        seq = self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec)
+        seq = self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec, adapter=lora)
         return TextStream(self._stream([seq]), seq)
 
     def chat(self, messages: Seq[Message], **params: Any) -> GenerationResult:
         """Apply the chat template (with the generation prompt) and generate the reply. Chat options:
         ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``enable_thinking``, ``chat_template_kwargs``;
         the result's ``tool_calls`` and ``reasoning`` are split from its text (runtime/chat/turn.py)."""
-        spec = params.pop("speculative", None)
+        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
         turn, prompt, ids = self._chat_prompt(messages, pop_options(params))
         sp, c = self.split_params(params)
-        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec)
+        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec, adapter=lora)
         return turn.finish(self._finish([seq])[0], prompt)
 
     def stream_chat(self, messages: Seq[Message], **params: Any) -> TextStream | ChatStream:
         """``chat`` as a stream of text deltas (with tools or reasoning: the content's, in a ChatStream)."""
-        spec = params.pop("speculative", None)
+        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
         turn, prompt, ids = self._chat_prompt(messages, pop_options(params))
         sp, c = self.split_params(params)
-        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec)
+        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec, adapter=lora)
         stream = TextStream(self._stream([seq]), seq)
         return stream if turn.plain else ChatStream(stream, turn.output(prompt), turn.tools is not None)
 
@@ -415,10 +442,11 @@ class LLM:
     def _request_sequence(self, req: Request | Mapping[str, Any], i: int) -> Sequence:
         validate.check_request(req, i, Request)
         if isinstance(req, Mapping):
-            sp, c = self.split_params({k: v for k, v in req.items() if k not in ("prompt", "messages", "speculative")})
-            req = Request(req.get("prompt"), sp, req.get("messages"), c, req.get("speculative"))
+            sp, c = self.split_params({k: v for k, v in req.items()
+                                       if k not in ("prompt", "messages", "speculative", "adapter")})
+            req = Request(req.get("prompt"), sp, req.get("messages"), c, req.get("speculative"), req.get("adapter"))
         elif req.params is None:
-            req = Request(req.prompt, self.params(), req.messages, req.constraint, req.speculative)
+            req = Request(req.prompt, self.params(), req.messages, req.constraint, req.speculative, req.adapter)
         else:
             sampling_params(req.params)  # validate
         if req.constraint is not None and not isinstance(req.constraint, Constraint):
@@ -427,4 +455,7 @@ class LLM:
         if (req.prompt is None) == (req.messages is None):
             raise DecodertError(f"request {i} needs exactly one of 'prompt' or 'messages'")
         ids = self.encode(req.prompt, what=f"request {i}") if req.messages is None else self._chat_ids(req.messages)
-        return self._sequence(ids, req.params, f"request {i}", req.constraint, req.speculative)
+        try:
+            return self._sequence(ids, req.params, f"request {i}", req.constraint, req.speculative, req.adapter)
+        except DecodertError as e:
+            raise (DecodertError(f"request {i}: {e}") if str(e).startswith("unknown adapter") else e) from None

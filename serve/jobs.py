@@ -47,13 +47,14 @@ def sampling(engine: Engine, req, max_new_tokens: int, seed: int | None) -> Samp
 
 
 def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, default: int | None,
-            speculative: Any = None) -> list[Choice]:
+            speculative: Any = None, adapter: str | None = None) -> list[Choice]:
     """Sequences for ``req.n`` choices of every prompt (ids [L] each); ApiError 400 when one cannot run.
 
     ``limit`` is the requested max_tokens (None: ``default``, or the rest of the context when
     that is None too); prompt + limit must fit the context (the artifact's max_seq).
     ``speculative``: the server's default (a method or a SpeculativeConfig: --draft-len), used unless the
     request sets its own method ("off": none), which keeps the server's draft length.
+    ``adapter``: the LoRA adapter the request's model names (None: the base model).
     """
     max_seq = engine.llm.max_seq
     capacity = engine.slots + engine.max_queue
@@ -89,7 +90,7 @@ def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, de
             seed = None if req.seed is None else req.seed + j
             try:
                 seq = engine.sequence(ids, sampling(engine, req, n_new, seed),
-                                      "prompt" if len(prompts) == 1 else f"prompt {p}", req.constraint, spec)
+                                      "prompt" if len(prompts) == 1 else f"prompt {p}", req.constraint, spec, adapter)
             except DecodertError as e:
                 raise ApiError(400, str(e), param="logit_bias" if str(e).startswith("logit_bias") else "prompt") from None
             choices.append(Choice(seq, p))

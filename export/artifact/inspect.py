@@ -73,7 +73,8 @@ def inspect_artifact(folder: str | Path) -> str:
         f"artifact   {folder}",
         f"model      {spec.family}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
         f"heads {spec.num_heads}/{spec.num_kv_heads} x {spec.head_dim}, vocab {spec.vocab_size}",
-        f"target     {m.target}  dtype {m.dtype}  max_seq {m.max_seq}  max_batch {m.max_batch}",
+        f"target     {m.target}  dtype {m.dtype}  kv_dtype {m.kv_dtype or m.dtype}  max_seq {m.max_seq}  "
+        f"max_batch {m.max_batch}",
         f"quant      {quant_line(m)}",
         f"weights    {m.weights.file}  {_mib(m.weights.bytes)}",
         f"source     {source.kind}: {source.path}",

@@ -23,7 +23,9 @@ from decodert.errors import DecodertError
 from decodert.export.artifact.artifact_files import FileRecord, verify_files
 from decodert.export.artifact.records import R, Record, read_record, to_json
 from decodert.export.checkpoints.sampling_defaults import check_record
+from decodert.export.lora.layout import LoraLayout, LoraRecord
 from decodert.models.spec import ModelSpec
+from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 
 FORMAT = "decodert-artifact"
 FORMAT_VERSION = 1  # the schema version this decodert writes
@@ -81,9 +83,10 @@ class KVRecord(Record):
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str | None = None  # the cache's dtype: the manifest's dtype
-    shape: tuple[int | str, ...] = ()  # [batch, num_kv_heads, max_seq, head_dim]
+    dtype: str | None = None  # the cache tensors' element type (None: the manifest's dtype; plugins/kv_dtypes.py)
+    shape: tuple[int | str, ...] = ()  # [batch, num_kv_heads, max_seq, width] (width: head_dim, or head_dim/2 at int4)
     inplace: bool = True  # present_* alias past_* (the graphs write the cache in place)
+    scales: str | None = None  # a quantized cache: "per_channel" (kv_scale.* initializers in the graphs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +127,7 @@ class WeightQuantRecord(Record):
     symmetric: bool
     source: str  # "rtn" (rounded here) | "transcoded" (GGUF blocks kept exactly)
     block_min: bool = False  # Q4_1 kept exactly: a per-block minimum term
+    act_order: bool = False  # GPTQ act-order: a g_idx (ort) or an input permutation (qdq) beside the blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +206,13 @@ class Manifest(Record):
     sampling: SamplingRecord | None = None
     engines: Mapping[str, EngineRecord] | None = None
     vision: VisionRecord | None = None  # vision-language models: vision.onnx and the image processor
+    kv_dtype: str | None = None  # --kv-dtype (None: older artifacts, the cache in ``dtype``)
+    lora: LoraRecord | None = None
+
+    @property
+    def lora_layout(self) -> LoraLayout | None:
+        """The adapter slots the graphs take (None: none)."""
+        return self.lora.layout if self.lora is not None else None
 
     def graph(self, kind: str) -> GraphRecord:
         return self.graphs[kind]
@@ -294,7 +305,11 @@ def validate(m: Manifest, path: Path) -> None:
     kv = m.kv
     _need(min(kv.num_layers, kv.num_kv_heads, kv.head_dim) >= 1, path,
           "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
-    _need(kv.dtype in (None, m.dtype), path, "kv.dtype differs from dtype")
+    kvd = KV_DTYPES.get(m.kv_dtype or m.dtype)
+    _need(kvd is not None and kv.dtype in (None, kvd.storage), path,
+          f"kv_dtype {m.kv_dtype!r} / kv.dtype {kv.dtype!r} is not a KV cache type decodert knows")
+    _need(m.lora is None or (m.lora.slots >= 0 and (m.lora.rank >= 1) == (m.lora.slots >= 1)), path,
+          "lora.slots / lora.rank are malformed")
     for kind in GRAPHS:
         _need(kind in m.graphs, path, f"graphs.{kind} is missing or malformed")
         _listed(m, m.graphs[kind].file, path, f"graphs.{kind}.file")
@@ -318,15 +333,22 @@ def validate(m: Manifest, path: Path) -> None:
 
 def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
     """name -> (dtype, shape or None) of every graph input/output a backend binds."""
-    kv = m.kv
-    cache = ["batch", kv.num_kv_heads, m.max_seq, kv.head_dim]  # allocated in m.dtype by the backends
+    kv, kvd = m.kv, kv_storage(m)
+    cache = ["batch", kv.num_kv_heads, m.max_seq, kvd.width(kv.head_dim)]  # allocated by the backends
     io: dict[str, tuple[str, list | None]] = {
         "input_ids": ("int64", None), "past_lengths": ("int64", ["batch"]), "seq_lengths": ("int64", ["batch"]),
         "logits": ("fp32", ["batch", m.model.vocab_size]), "next_token": ("int64", ["batch"])}
     for i in range(kv.num_layers):
         for name in ("past_key", "past_value", "present_key", "present_value"):
-            io[f"{name}.{i}"] = (m.dtype, cache)
+            io[f"{name}.{i}"] = (kvd.storage, cache)
+    if m.lora_layout is not None:
+        io.update({t["name"]: (t["dtype"], t["shape"]) for t in m.lora_layout.inputs(m.model.spec(), m.dtype)})
     return io
+
+
+def kv_storage(m: Manifest) -> KVDtype:
+    """The KV cache's element type (plugins/kv_dtypes.py); an artifact without ``kv_dtype`` keeps it in ``dtype``."""
+    return KV_DTYPES[m.kv_dtype or m.dtype]
 
 
 def _check_contract(m: Manifest, path: Path) -> None:

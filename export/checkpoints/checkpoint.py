@@ -162,6 +162,14 @@ class Checkpoint:
         """`name` transcoded from its stored blocks (export/quantize/quant_gguf.py); only when block_type(name) is set."""
         raise NotImplementedError(f"{name} is not stored in blocks decodert transcodes")
 
+    def native_quant(self) -> Any:
+        """The QuantConfig that keeps the checkpoint's own quantized weights (GPTQ / AWQ), or None."""
+        return None
+
+    def packed(self, name: str) -> Any:
+        """(QuantizedWeight, WeightQuant) of a GPTQ / AWQ weight, transcoded exactly; None for others."""
+        return None
+
     def tensor(self, name: str) -> np.ndarray:
         """Canonical weight `name` as a fresh float32 array of canonical_shape(spec, name)."""
         if name not in self._names:

@@ -17,7 +17,8 @@ import numpy as np
 
 from decodert.errors import DecodertError
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+           "I32": np.int32}  # GPTQ / AWQ packed words and g_idx
 
 
 def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
@@ -97,13 +98,22 @@ class SafetensorsFile:
     def read(self, key: str) -> np.ndarray:
         """A fresh float32 copy of tensor `key`."""
         dtype, shape, start, end = self._entries[key]
-        count = (end - start) // np.dtype(_DTYPES[dtype]).itemsize
-        if count == 0 or self._mm is None:
-            raw = np.zeros(0, _DTYPES[dtype])
-        else:
-            raw = np.frombuffer(self._mm, dtype=_DTYPES[dtype], count=count, offset=self._base + start)
+        raw = self._stored(key).reshape(-1)
         out = bf16_to_f32(raw) if dtype == "BF16" else raw.astype(np.float32)
         return out.reshape(shape)
+
+    def raw(self, key: str) -> np.ndarray:
+        """A copy of tensor `key` in its stored type (bf16: float32): packed int32 words stay words."""
+        dtype, shape, _, _ = self._entries[key]
+        raw = self._stored(key)
+        return (bf16_to_f32(raw) if dtype == "BF16" else raw.copy()).reshape(shape)
+
+    def _stored(self, key: str) -> np.ndarray:
+        dtype, shape, start, end = self._entries[key]
+        count = (end - start) // np.dtype(_DTYPES[dtype]).itemsize
+        if count == 0 or self._mm is None:
+            return np.zeros(0, _DTYPES[dtype])
+        return np.frombuffer(self._mm, dtype=_DTYPES[dtype], count=count, offset=self._base + start)
 
     def close(self) -> None:
         if self._mm is not None:

@@ -43,10 +43,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from decodert.export.lora.layout import LoraLayout
+from decodert.export.lowering.lora_graph import LoraGraph
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, rope_table_of
+from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 
 GraphKind = Literal["prefill", "decode", "verify"]
 # inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
@@ -63,11 +66,15 @@ def verifies_rows(lowering: Lowering, kind: GraphKind) -> bool:
 
 
 def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
-                per_position: bool = False) -> dict[str, list[dict]]:
+                per_position: bool = False, kv: KVDtype | None = None,
+                lora: LoraLayout | None = None) -> dict[str, list[dict]]:
     """Names, dtypes and shapes of a graph's inputs and outputs (also written to the manifest);
-    ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``)."""
+    ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``);
+    ``kv``: the cache's element type (default ``dtype``): its storage and packed width.
+    ``lora``: the adapter slots' inputs (export/lora/layout.py)."""
     seq: int | str = 1 if kind == "decode" else "seq"
-    cache_shape = ["batch", spec.num_kv_heads, max_seq, spec.head_dim]
+    kv = kv or KV_DTYPES[dtype]
+    cache_shape = ["batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)]
     inputs = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
         {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
@@ -90,19 +97,22 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
         outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
                     {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "positions"]}]
     for i in range(spec.num_layers):
-        for kv in ("key", "value"):
-            inputs.append({"name": f"past_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
-            outputs.append({"name": f"present_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
+        for name in ("key", "value"):
+            inputs.append({"name": f"past_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
+            outputs.append({"name": f"present_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
+    if lora is not None:
+        inputs += lora.inputs(spec, dtype)
     return {"inputs": inputs, "outputs": outputs}
 
 
 def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.TensorProto],
-                kind: GraphKind) -> onnx.ModelProto:
-    """The prefill or decode graph; ``weights`` maps canonical names (+ rope caches) to tensors."""
+                kind: GraphKind, lora: LoraLayout | None = None) -> onnx.ModelProto:
+    """The prefill or decode graph; ``weights`` maps canonical names (+ rope caches) to tensors;
+    ``lora``: the adapter slots every linear layer takes (export/lowering/lora_graph.py)."""
     per_position = verifies_rows(lowering, kind)
     lowering = lowering.for_graph(kind)
     g = GraphBuilder(f"decodert_{spec.family}_{kind}", lowering.opsets)
-    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position)
+    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position, lowering.kv, lora)
     for io in contract["inputs"]:
         g.input(io["name"], io["dtype"], io["shape"])
     for t in weights.values():
@@ -117,6 +127,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
     inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin")
     with g.scope("model"):
         contexts = _attention_contexts(g, lowering, inp, spec)
+        adapters = None if lora is None else LoraGraph(g, lora, spec, lowering.dtype, inp.input_ids, lowering.flat_tokens)
         with g.scope("embed"):
             x = lowering.embed(g, inp.input_ids)
             if spec.embed_scale is not None:  # transformers rounds the factor to the weights' dtype
@@ -127,7 +138,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         for i in range(spec.num_layers):
             with g.scope(f"layers.{i}"):
                 ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
-                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h)
+                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h, adapters)
         if kind == "verify":
             heads = [_verify_head(g, lowering, inp, spec, x, h)]
         else:
@@ -163,16 +174,21 @@ def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: 
 
 
 def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int,
-           x: str, prev_mlp: str | None) -> tuple[str, str]:
+           x: str, prev_mlp: str | None, lora: LoraGraph | None = None) -> tuple[str, str]:
     """One decoder layer. Returns (residual stream before the MLP add, MLP output)."""
     p = f"layers.{i}."
+
+    def linear(h: str, target: str, bias: str | None = None) -> str:  # + each row's LoRA update
+        y = low.linear(g, h, p + target, bias)
+        return y if lora is None else lora.add(h, y, i, target)
+
     with g.scope("input_norm"):
         h = low.rms_norm(g, x, p + "input_norm") if prev_mlp is None else None
         if prev_mlp is not None:
             h, x = low.add_rms_norm(g, prev_mlp, x, p + "input_norm")
     with g.scope("attn"):
         with g.scope("qkv"):
-            qkv = low.linear(g, h, p + "qkv", p + "qkv_bias" if spec.qkv_bias else None)
+            qkv = linear(h, "qkv", p + "qkv_bias" if spec.qkv_bias else None)
         if spec.qk_norm:
             with g.scope("qk_norm"):
                 qkv = _qk_norm(g, low, spec, qkv, p)
@@ -183,7 +199,7 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         if low.flat_tokens:
             attn = g.op("Reshape", attn, g.const([-1, spec.num_heads * spec.head_dim]))
         with g.scope("o"):
-            o = low.linear(g, attn, p + "o")
+            o = linear(attn, "o")
     if spec.sandwich_norm:
         with g.scope("attn_out_norm"):
             o = low.rms_norm(g, o, p + "attn_out_norm")
@@ -191,11 +207,11 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         h, x = low.add_rms_norm(g, o, x, p + "post_norm")
     with g.scope("mlp"):
         with g.scope("gate_up"):
-            gate, up = g.op("Split", low.linear(g, h, p + "gate_up"), g.const([spec.intermediate_size] * 2),
+            gate, up = g.op("Split", linear(h, "gate_up"), g.const([spec.intermediate_size] * 2),
                             axis=-1, outputs=2)
         act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up
         with g.scope("down"):
-            down = low.linear(g, act, p + "down")
+            down = linear(act, "down")
     if spec.sandwich_norm:
         with g.scope("mlp_out_norm"):
             down = low.rms_norm(g, down, p + "mlp_out_norm")

@@ -26,6 +26,7 @@ import numpy as np
 
 from decodert.export.lowering import verify_attention
 from decodert.export.lowering.lowering import GraphInputs, Lowering
+from decodert.plugins import kv_dtypes
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quantize.quant import quantized_embedding
 from decodert.export.quantize.weight_layouts import NBITS
@@ -108,7 +109,8 @@ class OrtLowering(Lowering):
         wq = self.quantized[weight]
         n, k = canonical_shape(self.spec, weight)
         zp = "" if wq.symmetric else f"{weight}.zero_points"
-        y = g.op("MatMulNBits", x, f"{weight}.q", f"{weight}.scales", zp, "", bias or "", domain="com.microsoft",
+        g_idx = f"{weight}.g_idx" if wq.act_order else ""  # GPTQ act-order: each input's group
+        y = g.op("MatMulNBits", x, f"{weight}.q", f"{weight}.scales", zp, g_idx, bias or "", domain="com.microsoft",
                  K=k, N=n, bits=wq.bits, block_size=wq.block_size, accuracy_level=self.quant.accuracy_level)
         if not wq.block_min:
             return y
@@ -125,10 +127,27 @@ class OrtLowering(Lowering):
             return super().attention(g, ctx, qkv, cache)
         s = self.spec
         past_key, past_value, present_key, present_value = cache
+        quant: dict[str, Any] = {}
+        scales: tuple[str, ...] = ()
+        if self.kv.quantized:  # the cache holds int8 / packed int4 codes, one scale per (head, channel)
+            scales = ("", "", "", kv_dtypes.scale_names(past_key), kv_dtypes.scale_names(past_value))
+            quant = dict(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=self.kv.bits)
         y, _, _ = g.op(
             "GroupQueryAttention", qkv, "", "", past_key, past_value, ctx.seqlens_k, ctx.total_len,
-            ctx.cos_cache, ctx.sin_cache, domain="com.microsoft", outputs=[None, present_key, present_value],
+            ctx.cos_cache, ctx.sin_cache, *scales, domain="com.microsoft", outputs=[None, present_key, present_value],
             num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1, rotary_interleaved=0,
-            scale=self.scale, local_window_size=ctx.window or None, softcap=self.softcap or None,
+            scale=self.scale, local_window_size=ctx.window or None, softcap=self.softcap or None, **quant,
         )
         return y
+
+    def kv_problem(self) -> str | None:
+        """GroupQueryAttention's CPU kernel (ORT 1.32) stores int8 and int4 codes and float caches of the
+        model's dtype or fp16; it has no float8 cache kernel, and no bf16 cache under float activations."""
+        if not self.use_gqa:
+            return super().kv_problem()
+        if self.kv.name in ("int8", "int4", "fp16", self.dtype):
+            return None
+        if self.kv.name == "fp8":
+            return ("ONNX Runtime's CPU GroupQueryAttention has no float8 KV cache kernel "
+                    "(use --kv-dtype int8, or --target portable for Q/DQ in standard ops)")
+        return f"ONNX Runtime's CPU GroupQueryAttention has no {self.kv.name} cache under {self.dtype} activations"

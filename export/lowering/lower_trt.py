@@ -30,6 +30,7 @@ from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.models.spec import ModelSpec
 from decodert.plugins.cached_attention import attend_body, positions_and_visibility
+from decodert.plugins.kv_dtypes import KVDtype
 from decodert.plugins.registry import DOMAIN, OPSET_VERSION
 from decodert.plugins.selection import PLUGIN_OPS  # the ops the trt target can emit as plugin nodes
 
@@ -61,8 +62,9 @@ class TrtLowering(Lowering):
     ir_version = 11
 
     def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
-                 quantized: Mapping[str, WeightQuant] | None = None, plugins: tuple[str, ...] = ()):
-        super().__init__(spec, dtype, max_seq, quant, quantized)
+                 quantized: Mapping[str, WeightQuant] | None = None, kv: KVDtype | None = None,
+                 plugins: tuple[str, ...] = ()):
+        super().__init__(spec, dtype, max_seq, quant, quantized, kv)
         unknown = set(plugins) - set(PLUGIN_OPS)
         if unknown:
             raise ValueError(f"no trt plugin lowering for {sorted(unknown)}; known: {PLUGIN_OPS}")
@@ -74,6 +76,13 @@ class TrtLowering(Lowering):
         if self.plugins:  # block DequantizeLinear (quantized weights) needs opset 21
             self.opsets = {"": 21 if quantized else PLUGIN_OPSET, DOMAIN: OPSET_VERSION}
             self.ir_version = 10 if quantized else 8
+
+    def kv_problem(self) -> str | None:
+        if self.kv.storage == self.dtype:
+            return None
+        return (f"TensorRT's KV cache update layer (TensorScatter; TensorRT-RTX 1.7) takes only a float, half or "
+                f"bfloat16 cache of the activations' type, not {self.kv.name}; export --target trt with "
+                f"--kv-dtype {self.dtype}, or use --target ort for a quantized cache")
 
     def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> TrtContext | PluginContext:
         if "CachedAttention" in self.plugins:

@@ -19,6 +19,8 @@ from decodert.export.quantize.weight_layouts import QDQ, WeightLayout
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, canonical_shape
 from decodert.plugins import cached_attention as ca
+from decodert.plugins import kv_dtypes
+from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 from decodert.plugins.rms_norm import rms_norm_body
 
 
@@ -41,9 +43,11 @@ class Lowering:
     flat_tokens = True
 
     def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
-                 quantized: Mapping[str, WeightQuant] | None = None):
-        """``quantized``: how each weight stored quantized is stored (bits, block, symmetric), by name."""
+                 quantized: Mapping[str, WeightQuant] | None = None, kv: KVDtype | None = None):
+        """``quantized``: how each weight stored quantized is stored (bits, block, symmetric), by name;
+        ``kv``: the cache's element type (default: the model's dtype; plugins/kv_dtypes.py)."""
         self.spec, self.dtype, self.max_seq = spec, dtype, max_seq
+        self.kv = kv or KV_DTYPES[dtype]
         self.quant, self.quantized = quant, dict(quantized or {})
         self.rotary_dim = spec.rope.rotary_dim or spec.head_dim
         self.scale = spec.softmax_scale
@@ -53,6 +57,23 @@ class Lowering:
     def batched_past(self) -> bool:
         """Whether one call may run several tokens in several rows over non-empty caches."""
         return True
+
+    def kv_problem(self) -> str | None:
+        """Why this lowering cannot keep its cache in ``self.kv`` (None: it can). The standard-op
+        bodies store every KV dtype with Q/DQ around the cache, but float8: ScatterND (the cache
+        write) has no float8 type in ONNX."""
+        if self.kv.name == "fp8":
+            return ("ONNX's ScatterND, the standard-op cache write, has no float8 type "
+                    "(use --kv-dtype int8: the same size)")
+        return None
+
+    def kv_store(self, g: GraphBuilder, new_bhsd: str, past: str) -> str:
+        """New K/V [B,Hkv,S,D] as the cache ``past`` stores it (quantized with its scale, or cast)."""
+        return kv_dtypes.store_body(g, new_bhsd, kv_dtypes.scale_names(past), self.kv, self.dtype)
+
+    def kv_load(self, g: GraphBuilder, cache: str, past: str) -> str:
+        """Cache positions of ``past`` [B,Hkv,T,width] -> float K/V [B,Hkv,T,D] in the model's dtype."""
+        return kv_dtypes.load_body(g, cache, kv_dtypes.scale_names(past), self.kv, self.dtype)
 
     def for_graph(self, kind: str) -> "Lowering":
         """The lowering one graph kind ("prefill" | "decode" | "verify") is built with (default: this one)."""
@@ -100,6 +121,8 @@ class Lowering:
         wq = self.quantized[weight]
         assert not wq.block_min, "block minimums (GGUF Q4_1) are transcoded for the ort target only"
         n, k = canonical_shape(self.spec, weight)
+        if wq.act_order:  # the blocks hold the inputs in group order (export/quantize/weight_layouts.py)
+            x = g.op("Gather", x, f"{weight}.perm", axis=-1)
         zp = [] if wq.symmetric else [f"{weight}.zero_points"]
         w = g.op("DequantizeLinear", f"{weight}.q", f"{weight}.scales", *zp, axis=1, block_size=wq.block_size)
         if k % wq.block_size:
@@ -122,9 +145,10 @@ class Lowering:
         v4 = g.op("Reshape", v, g.const([0, 0, hkv, d]))
         k_new = g.op("Transpose", k4, perm=[0, 2, 1, 3])  # [B,Hkv,S,D]
         v_new = g.op("Transpose", v4, perm=[0, 2, 1, 3])
-        ca.write_cache_body(g, past_key, k_new, ctx, hkv, present_key)
-        ca.write_cache_body(g, past_value, v_new, ctx, hkv, present_value)
-        return ca.attend_body(g, q4, present_key, present_value, ctx.visible, num_heads=h, kv_heads=hkv,
+        ca.write_cache_body(g, past_key, self.kv_store(g, k_new, past_key), ctx, hkv, present_key)
+        ca.write_cache_body(g, past_value, self.kv_store(g, v_new, past_value), ctx, hkv, present_value)
+        keys, values = self.kv_load(g, present_key, past_key), self.kv_load(g, present_value, past_value)
+        return ca.attend_body(g, q4, keys, values, ctx.visible, num_heads=h, kv_heads=hkv,
                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
                               softcap=self.softcap)
 

@@ -64,8 +64,8 @@ def attention(g: GraphBuilder, low: Any, ctx: VerifyContext, qkv: str, cache: tu
     k = g.op("RotaryEmbedding", k, ctx.cos_cache, ctx.sin_cache, ctx.positions, num_heads=hkv, interleaved=0)
     for new, past, present in ((k, past_key, present_key), (v, past_value, present_value)):
         rows = g.op("Transpose", g.op("Reshape", new, g.const([0, 0, hkv, d])), perm=[0, 2, 1, 3])  # [B,Hkv,S,D]
-        g.op("ScatterND", past, ctx.index, rows, outputs=[present])
-    first = lambda x: g.op("Slice", x, g.const([0]), ctx.keys, g.const([2]))  # noqa: E731  keys [0, T)
+        g.op("ScatterND", past, ctx.index, low.kv_store(g, rows, past), outputs=[present])
+    first = lambda x, past: low.kv_load(g, g.op("Slice", x, g.const([0]), ctx.keys, g.const([2])), past)  # noqa: E731  keys [0, T)
     q4 = g.op("Reshape", q, g.const([0, 0, h, d]))
-    return ca.attend_body(g, q4, first(present_key), first(present_value), ctx.visible, num_heads=h, kv_heads=hkv,
+    return ca.attend_body(g, q4, first(present_key, past_key), first(present_value, past_value), ctx.visible, num_heads=h, kv_heads=hkv,
                           head_dim=d, max_seq=ctx.keys, scale=low.scale, dtype=low.dtype, softcap=low.softcap)

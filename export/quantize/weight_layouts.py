@@ -3,8 +3,13 @@
     nbits  com.microsoft.MatMulNBits (ort): B uint8 [N, blocks, block*bits/8], scales [N*blocks],
            zero points uint8 [N * ceil(blocks*bits/8)]; may keep a per-block minimum (GGUF Q4_1)
            and lets GatherBlockQuantized read a tied embedding from the quantized head.
+           GPTQ act-order: B in input order, ``name.g_idx`` int32 [K] (MatMulNBits' g_idx input) and
+           zero points unpacked [N, blocks] in the model dtype (ORT 1.32's CPU kernel misreads packed
+           ones with g_idx).
     qdq    standard block DequantizeLinear (axis 1) of a [N, Kp] tensor (trt, portable): UINT4/UINT8
            with zero points, or INT4/INT8 without (symmetric; what TensorRT accepts).
+           GPTQ act-order: the inputs reordered so each group is one block (``name.perm`` int64 [K];
+           the graph gathers the activations' inputs in that order).
 
 A target names its layout (export/lowering/targets.py, through its lowering's ``quant_layout``); the
 manifest records ``quant.layout`` = the layout's name.
@@ -12,7 +17,7 @@ manifest records ``quant.layout`` = the layout's name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -37,6 +42,12 @@ class NbitsLayout(WeightLayout):
         n, blocks, bs = qw.n, qw.blocks, wq.block_size
         writer.add_raw(f"{name}.q", qw.q, TensorProto.UINT8, (n, blocks, bs * wq.bits // 8))
         writer.add(f"{name}.scales", qw.scales.reshape(-1), dtype)
+        if wq.act_order:
+            assert qw.g_idx is not None and wq.bits == 4
+            writer.add_raw(f"{name}.g_idx", qw.g_idx.astype(np.int32), TensorProto.INT32, (qw.k,))
+            if not wq.symmetric:
+                writer.add(f"{name}.zero_points", unpack_nibbles(qw.zero_points)[:, :blocks].astype(np.float32), dtype)
+            return
         if not wq.symmetric:
             writer.add_raw(f"{name}.zero_points", qw.zero_points, TensorProto.UINT8, (qw.zero_points.size,))
         if wq.block_min:  # [blocks, N]: the graph multiplies the activations' block sums by it
@@ -49,6 +60,11 @@ class QdqLayout(WeightLayout):
         assert not wq.block_min, "block minimums are stored for the nbits layout only"
         n, blocks = qw.n, qw.blocks
         kp = blocks * wq.block_size
+        if wq.act_order:  # inputs in group order: each group one block
+            assert qw.g_idx is not None and wq.bits == 4 and kp == qw.k
+            perm = np.argsort(qw.g_idx, kind="stable")
+            writer.add_raw(f"{name}.perm", perm.astype(np.int64), TensorProto.INT64, (qw.k,))
+            qw = replace(qw, q=pack_nibbles(unpack_nibbles(qw.q)[:, perm]), g_idx=None)
         writer.add(f"{name}.scales", qw.scales, dtype)
         if wq.symmetric:  # signed values: q - midpoint, i.e. flip the top bit of every field
             flip = 0x88 if wq.bits == 4 else 0x80

@@ -6,6 +6,7 @@ import resource
 import sys
 
 from decodert.errors import DecodertError
+from decodert.plugins.kv_dtypes import KVDtype
 
 
 def available_bytes() -> int | None:
@@ -20,12 +21,27 @@ def available_bytes() -> int | None:
     return None
 
 
-def check_fits(nbytes: int, what: str) -> None:
+def check_fits(nbytes: int, what: str, hint: str = "") -> None:
     """Refuse (before allocating) what would take more than 90% of the memory available now."""
     avail = available_bytes()
     if avail is not None and nbytes > 0.9 * avail:
-        raise DecodertError(f"{what} needs {nbytes / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is available; "
-                            "export with a lower --max-seq or --max-batch")
+        raise DecodertError(f"{what} needs {_size(nbytes)} but only {_size(avail)} is available; "
+                            f"export with a lower --max-seq or --max-batch{hint}")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+
+
+def kv_cache_bytes(slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int, kv: KVDtype) -> int:
+    """Bytes of a KV cache of ``slots`` rows: K and V per layer, [slots, Hkv, max_seq, D] in ``kv``'s element size."""
+    return slots * 2 * layers * kv_heads * max_seq * kv.bytes_per_position(head_dim)
+
+
+def check_kv_fits(nbytes: int, kv: KVDtype) -> None:
+    """``check_fits`` for a KV cache: the message names its dtype, and a smaller one where there is."""
+    hint = "" if kv.bits <= 8 else f", or a smaller --kv-dtype (int8: {kv.bits // 8}x less than {kv.name})"
+    check_fits(nbytes, f"the {kv.name} KV cache", hint)
 
 
 def current_rss_bytes() -> int | None:

@@ -23,7 +23,8 @@ import onnx
 import onnxruntime as ort
 
 from decodert.errors import DecodertError, first_line
-from decodert.export.artifact.manifest import Manifest
+from decodert.export.artifact.manifest import Manifest, kv_storage
+from decodert.plugins.kv_dtypes import NUMPY_STORAGE
 from decodert.export.lowering.targets import get_target
 from decodert.export.lowering.onnx_check import check_external_data, check_session_io
 from decodert.plugins.expand import expand_plugin_nodes
@@ -31,7 +32,7 @@ from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
 from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
-from decodert.runtime.backends.memory import check_fits
+from decodert.runtime.backends.memory import check_kv_fits, kv_cache_bytes
 from decodert.runtime.vision.tokens import text_ids
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -63,6 +64,8 @@ class OrtBackend:
         self.np_dtype = NP_DTYPES[manifest.dtype]
         kv = manifest.kv
         self.layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
+        self.kv = kv_storage(manifest)  # the cache's element type: float, int8, fp8 or packed int4 codes
+        self.kv_width = self.kv.width(self.head_dim)  # the buffers' last dimension
         self.max_batch, self.max_seq = manifest.max_batch, manifest.max_seq
         self.vocab_size = manifest.model.vocab_size
         self.hidden = manifest.model.hidden_size or 0
@@ -93,18 +96,21 @@ class OrtBackend:
         # vision-language: the image store (runtime/vision/encoder.py) whose rows a prefill binds at its image ids
         self.images: Any = None
         self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
+        # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
+        layout = manifest.lora_layout
+        self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:
         slots = slots or self.max_batch
         if not 1 <= slots <= self.max_batch:
             raise DecodertError(f"batch {slots} exceeds the artifact's --max-batch {self.max_batch}")
-        itemsize = np.dtype(self.np_dtype).itemsize
-        check_fits(slots * 2 * self.layers * self.kv_heads * self.max_seq * self.head_dim * itemsize, "KV cache")
+        check_kv_fits(kv_cache_bytes(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.kv), self.kv)
         self._decode_bindings.clear()
         for state in self._verify.values():
             state.bindings.clear()
-        return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype, self.device)
+        return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.kv_width, NUMPY_STORAGE[self.kv.storage],
+                       self.device)
 
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         lens = np.array([len(x) for x in ids], np.int64)
@@ -203,7 +209,8 @@ class OrtBackend:
         state = self._verify.get(kind)
         if state is None:
             session = self.sessions["prefill"] if kind == "prefill" else self._open_verify()
-            state = self._verify[kind] = _VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size)
+            state = self._verify[kind] = _VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size,
+                                                      self.lora_weights)
         return state
 
     def _open_verify(self) -> ort.InferenceSession:
@@ -235,7 +242,7 @@ class OrtBackend:
 
     # ---- KV blocks (runtime/backends/kv_blocks.py) ----------------------------------------------------
     def kv_bytes(self, n: int) -> int:
-        return 2 * self.layers * self.kv_heads * n * self.head_dim * np.dtype(self.np_dtype).itemsize
+        return kv_cache_bytes(1, n, self.layers, self.kv_heads, self.head_dim, self.kv)
 
     def read_kv(self, cache: KVCache, slot: int, start: int, n: int) -> Any:
         if cache.device == "cpu":
@@ -288,7 +295,7 @@ class OrtBackend:
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for name, arr in (("logits", b.logits), ("next_token", b.next_token)):
             io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        _bind_cache(io, cache, start, n)
+        _bind_cache(io, cache, start, n, self.lora_weights)
         return b
 
 
@@ -297,8 +304,9 @@ class _VerifyState:
     every binding views one set of per-call buffers (calls run one at a time, copied out at once).
     kind "prefill": the prefill graph with per_position=1 (one row, its last-token outputs unused)."""
 
-    def __init__(self, session: ort.InferenceSession, kind: str, batch: int, width: int, vocab: int) -> None:
-        self.session, self.kind, self.vocab = session, kind, vocab
+    def __init__(self, session: ort.InferenceSession, kind: str, batch: int, width: int, vocab: int,
+                 lora: dict[str, np.ndarray] | None = None) -> None:
+        self.session, self.kind, self.vocab, self.lora = session, kind, vocab, lora
         self.ids = np.zeros(batch * width, np.int64)  # [n*W] input_ids
         self.past = np.zeros(batch, np.int64)  # [n] past_lengths
         self.logits = np.empty(batch * width * vocab, np.float32)  # [n*W*V] seq_logits
@@ -326,14 +334,20 @@ class _VerifyState:
                 io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
             for name, arr in outputs:
                 io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-            _bind_cache(io, cache, start, n)
+            _bind_cache(io, cache, start, n, self.lora)
         if self.kind == "prefill":
             self.seq[:n] = w
         return (io, *views)
 
 
-def _bind_cache(io: Any, cache: KVCache, start: int, n: int) -> None:
-    """Bind slots [start, start+n) of every K/V buffer (one contiguous view) as past and present."""
+def _bind_cache(io: Any, cache: KVCache, start: int, n: int, lora: dict[str, np.ndarray] | None = None) -> None:
+    """Bind slots [start, start+n) of every K/V buffer (one contiguous view) as past and present; with
+    LoRA slots, the rows' adapter indices (``cache.adapters``) and the stacked adapter weights."""
+    if lora is not None:
+        index = cache.adapters[start : start + n]
+        io.bind_input("lora_index", "cpu", 0, index.dtype, index.shape, index.ctypes.data)
+        for name, arr in lora.items():
+            io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
     shape = (n, *cache.slot_shape)
     for i in range(len(cache.buffers)):
         ptr = cache.pointer(i, start)

@@ -87,6 +87,7 @@ class Sequence:
         self.guide = guide  # structured output (runtime/constraints.py): masks the logits, ends at the grammar's end
         self.images: Any = None  # the image store entries its prompt's image ids need (runtime/vision/encoder.py)
         self.spec = None  # speculative decoding state (runtime/speculation/speculative.py), when asked for
+        self.adapter = (0, 0)  # LoRA (slot index, load tag) the row runs under (runtime/adapters.py); (0, 0): none
 
     @property
     def needs_logits(self) -> bool:
@@ -234,6 +235,7 @@ def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequenc
     """
     for slot, seq in zip(slots, seqs):
         seq.timer.start()
+        cache.use_adapter(slot, *seq.adapter)  # a row holding another adapter's K/V starts empty
         cache.rewind(slot, common_prefix(cache.held(slot), seq.prompt, len(seq.prompt) - 1))
         if prefix is not None:
             prefix.load(cache, slot, seq.prompt)

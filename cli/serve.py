@@ -11,6 +11,7 @@ from typing import Any
 
 from decodert.cli import common
 from decodert.errors import DecodertError
+from decodert.runtime.vision.images import DEFAULT_LIMITS, ImageLimits
 
 API_KEY_ENV = "DECODERT_API_KEY"
 
@@ -51,6 +52,13 @@ def add_parser(subparsers: Any) -> None:
                                    "(ngram: prompt lookup; draft: a draft model, --draft)")
     p.add_argument("--tool-parser", default=None, metavar="FORMAT",
                    help="tool-call format: hermes, llama3, mistral or phi4 (default: the one the chat template writes)")
+    v = p.add_argument_group("images (vision-language models)")
+    v.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch remote http(s) image_url parts (default: refused; only data: URLs are read)")
+    v.add_argument("--max-image-bytes", type=int, default=DEFAULT_LIMITS.max_bytes, help="largest encoded image")
+    v.add_argument("--max-image-pixels", type=int, default=DEFAULT_LIMITS.max_pixels,
+                   help="most pixels (width x height) of one image, checked before decoding")
+    v.add_argument("--max-images", type=int, default=DEFAULT_LIMITS.max_images, help="most images per request")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
                    help="the HTTP server's log level on stderr (default warning; info logs every request)")
     r = p.add_argument_group("Ray Serve (pip install .[ray]; docs/SERVING.md)")
@@ -102,7 +110,9 @@ def options(args: argparse.Namespace):
     return ServeOptions(artifact, args.host, args.port, name, key, args.max_queue, args.max_body_bytes,
                         args.drain_timeout, args.backend, args.verify, args.log_level, speculative, draft,
                         args.prefix_cache_mb, args.client_timeout, _hosts(args.allowed_hosts), args.tool_parser,
-                        _loras(args.lora))
+                        _loras(args.lora),
+                        image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images),
+                        allow_image_urls=args.allow_image_urls)
 
 
 def _loras(values: list[str]) -> tuple[tuple[str, Path], ...]:

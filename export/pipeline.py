@@ -33,9 +33,11 @@ from decodert.export.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST,
                                       QuantRecord, SamplingRecord, SourceRecord, TokenizerRecord, WeightsRecord, from_json,
                                       write_manifest)
 from decodert.export.progress import Stage
+from decodert.export.vision_export import vision_of, write_vision
 from decodert.export.lowering.semantics import tokenizer_vocab
 from decodert.export.artifact.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables
+from decodert.models.vision import VisionSpec, vision_names, vision_shape
 from decodert.plugins.kv_dtypes import KVDtype
 from decodert.plugins.kv_dtypes import kv_dtype as kv_dtype_of
 from decodert.plugins.selection import choose_plugins
@@ -95,7 +97,9 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     tmp = destination.make_temp(out_dir)
     try:
         layout = tgt.weight_layout
-        weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout)
+        vision = vision_of(ckpt)
+        weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout, vision)
+        vision_weights = {k: weights.pop(k) for k in [k for k in weights if k.startswith("vision.")]}
         lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized, plugins=plugin_ops, kv=kv)
         with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
             tokenizer = ckpt.write_tokenizer(tmp)
@@ -103,13 +107,15 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                 weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
                                                    weights, kv, tmp)}
             graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora)
+            vision_record = None if vision is None else write_vision(ckpt, vision, vision_weights, dtype, tmp,
+                                                                     lowering.ir_version)
             tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
             manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
             bar.update()
             manifest = manifest.replace(
                 sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
                 plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
-                quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora))
+                quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora), vision=vision_record)
             write_manifest(tmp, manifest)
             destination.swap_in(tmp, out_dir)
             bar.update()
@@ -174,7 +180,8 @@ def _weights_stage(spec: ModelSpec, dtype: str, quant: QuantConfig | None, progr
 
 
 def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool,
-                   quant: QuantConfig | None, layout: WeightLayout) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
+                   quant: QuantConfig | None, layout: WeightLayout,
+                   vision: VisionSpec | None = None) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
     """Stream every canonical tensor (one at a time) plus the RoPE tables into weights.bin.
 
     Returns the initializers and how each weight stored quantized is stored (by name).
@@ -204,6 +211,8 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
             cos, sin = rope.cos_sin(spec.head_dim, max_seq)
             w.add(f"{prefix}.cos", cos, dtype)
             w.add(f"{prefix}.sin", sin, dtype)
+        for name in vision_names(vision) if vision is not None else ():  # vision.onnx's, in the graph dtype
+            w.add(name, ckpt.vision_tensor(name, vision_shape(vision, name)), dtype)
         w.close()
         return w.tensors, quantized
 

@@ -122,6 +122,7 @@ class ModelSpec:
     swiglu_beta: float = 0.0
     nope_layers: tuple[int, ...] = ()  # layers whose q and k get no RoPE (SmolLM3: every 4th); they read the
     # identity table "rope_none" (angle 0), so every lowering's attention serves them unchanged
+    image_token_id: int | None = None  # vision-language: prefill takes image embeddings at this token's rows
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

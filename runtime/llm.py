@@ -4,6 +4,7 @@
     llm.generate("Hello", max_new_tokens=32).text
     for delta in llm.stream("Hello", temperature=0.7, seed=1): print(delta, end="")
     llm.chat([{"role": "user", "content": "Hi"}])
+    llm.chat([{"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What?"}]}])
     llm.generate_many([Request("a"), Request("b", SamplingParams(max_new_tokens=8))])
     llm.generate("A person as JSON:", json_schema={...})  # or regex=..., grammar=... (Lark): docs/STRUCTURED.md
     llm = LLM.load("out/lora", adapters={"sql": "adapters/sql"}); llm.generate("Hi", adapter="sql")  # LoRA per call
@@ -30,7 +31,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generator, Mapping, Sequence as Seq, Union
+from typing import TYPE_CHECKING, Any, Callable, Generator, Mapping, Sequence as Seq, Union
 
 import numpy as np
 
@@ -49,6 +50,10 @@ from decodert.runtime.backends.loading import (  # noqa: F401  (open_tokenizer, 
     make_prefix_cache, model_defaults, open_backend, open_tokenizer, read_manifest)
 from decodert.runtime.decoding.sampling import SamplingParams, sampling_params
 from decodert.runtime.speculation.speculative import Speculator, resolve as resolve_speculative
+from decodert.runtime.vision.encoder import Vision
+from decodert.runtime.vision.images import DEFAULT_LIMITS
+from decodert.runtime.vision.messages import split_images
+from decodert.runtime.vision.tokens import is_image, text_ids
 
 if TYPE_CHECKING:
     from decodert.runtime.chat.session import Session
@@ -110,6 +115,9 @@ class LLM:
         self._guidance_lock = threading.Lock()  # not self._lock: building it must not hold up a running step
         self.prefix_cache = make_prefix_cache(backend, prefix_cache_mb)  # None: off
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # closed with the LLM
+        self.vision = Vision.attach(backend, manifest)  # images in (runtime/vision/); None: text only
+        self.image_limits = DEFAULT_LIMITS  # bytes, pixels and images per request (the server sets its own)
+        self.fetch_image: Callable[[str, str], bytes] | None = None  # remote image URLs: refused unless set
         layout = manifest.lora_layout if manifest else None  # LoRA slots: adapters by name (runtime/adapters.py)
         self.adapters = Adapters(layout, manifest.model.spec() if manifest and layout else None,
                                  getattr(backend, "lora_weights", None))
@@ -244,9 +252,24 @@ class LLM:
     def _chat_prompt(self, messages: Seq[Message], options: Mapping[str, Any]) -> tuple[ChatTurn, str, np.ndarray]:
         """The chat options (``pop_options``) for ``messages`` -> (turn, rendered prompt, its ids).
         The template writes any BOS itself (as transformers' apply_chat_template)."""
+        messages, images = self.split_images(messages)
         turn = self.chat_turn(messages, options)
         text = self._render(turn)
-        return turn, text, self.encode(text, add_bos=False)
+        return turn, text, self.prompt_ids(text, images)
+
+    def split_images(self, messages: Seq[Message]) -> tuple[Seq[Message], list[np.ndarray]]:
+        """Image parts -> ``{"type": "image"}`` for the template, and the decoded images (runtime/vision/messages.py)."""
+        messages, images = split_images(messages, self.image_limits, self.fetch_image)
+        if images and self.vision is None:
+            raise DecodertError("this model takes no images (no vision.onnx in the artifact, or a backend other than ort)")
+        return messages, images
+
+    def prompt_ids(self, text: str, images: Seq[np.ndarray] = ()) -> np.ndarray:
+        """A rendered chat prompt's ids; with images, each ``<image>`` expanded as the model's processor does
+        and its tokens the image's ids (runtime/vision/encoder.py)."""
+        if images and self.vision is not None:  # split_images refused images for a model without vision
+            return self.vision.prompt_ids(text, images, lambda t: self.encode(t, add_bos=False))
+        return self.encode(text, add_bos=False)
 
     @property
     def guidance(self) -> Guidance:
@@ -263,7 +286,9 @@ class LLM:
         if ids.size > self.max_seq - 1:
             raise DecodertError(f"{what} has {ids.size} tokens but the model was exported with --max-seq "
                                 f"{self.max_seq}, which leaves no room to generate; re-export with a larger --max-seq")
-        if ids.min() < 0 or ids.max() >= self.backend.vocab_size:
+        if is_image(ids).any() and self.vision is None:
+            raise DecodertError(f"{what} has image ids but this model takes no images")
+        if ids.min() < 0 or text_ids(ids).max() >= self.backend.vocab_size:
             raise DecodertError(f"{what} has token ids outside the vocabulary [0, {self.backend.vocab_size})")
         if any(t >= self.backend.vocab_size for t, _ in params.logit_bias):
             raise DecodertError(f"logit_bias has token ids outside the vocabulary [0, {self.backend.vocab_size})")
@@ -274,6 +299,8 @@ class LLM:
             except DecodertError as e:
                 raise (DecodertError(f"{what}: {e}") if what != "prompt" else e) from None
         seq = Sequence(ids, params, self._text_decoder, self.eos_token_ids, self.max_seq, guide)
+        if self.vision is not None:  # its images' rows stay readable until it is done (runtime/vision/encoder.py)
+            seq.images = self.vision.store.pin(ids)
         seq.adapter = self.adapters.resolve(adapter)
         config = resolve_speculative(speculative)
         if config is not None and not params.logprobs:  # logprobs rows decode one token a step (docs/SERVING.md)

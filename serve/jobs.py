@@ -162,7 +162,11 @@ def encode_chat_turn(engine: Engine, req) -> tuple[Any, str, list[np.ndarray]]:
     constraint becomes the request's (``req.constraint``). ApiError 400 on bad messages or tools."""
     llm = engine.llm
     try:
-        turn = llm.chat_turn(req.message_dicts(), req.chat_options())
+        messages, images = llm.split_images(req.message_dicts())  # image_url parts: decoded under the limits
+    except DecodertError as e:
+        raise ApiError(400, str(e), param="messages") from None
+    try:
+        turn = llm.chat_turn(messages, req.chat_options())
     except DecodertError as e:
         message = str(e)
         param = "messages" if message.startswith("chat message") else "tools" if "tool" in message else "messages"
@@ -173,6 +177,6 @@ def encode_chat_turn(engine: Engine, req) -> tuple[Any, str, list[np.ndarray]]:
         raise ApiError(400, str(e), param="tools") from None
     try:
         prompt = llm._render(turn)
-        return turn, prompt, [llm.encode(prompt, add_bos=False)]
+        return turn, prompt, [llm.prompt_ids(prompt, images)]
     except DecodertError as e:
         raise ApiError(400, str(e), param="messages") from None

@@ -154,6 +154,15 @@ class SamplingRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionRecord(Record):
+    """A vision-language model's image path: vision.onnx (graph), its tower (models/vision.py VisionSpec
+    fields) and the checkpoint's image processor settings (runtime/vision/preprocess.py reads them)."""
+    graph: GraphRecord
+    spec: Mapping[str, Any]
+    processor: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineRecord(Record):
     """One TensorRT engine written by ``decodert build`` (docs/TENSORRT.md lists the other keys)."""
     file: str
@@ -196,6 +205,7 @@ class Manifest(Record):
     quant: QuantRecord | None = None
     sampling: SamplingRecord | None = None
     engines: Mapping[str, EngineRecord] | None = None
+    vision: VisionRecord | None = None  # vision-language models: vision.onnx and the image processor
     kv_dtype: str | None = None  # --kv-dtype (None: older artifacts, the cache in ``dtype``)
     lora: LoraRecord | None = None
 
@@ -304,6 +314,9 @@ def validate(m: Manifest, path: Path) -> None:
         _need(kind in m.graphs, path, f"graphs.{kind} is missing or malformed")
         _listed(m, m.graphs[kind].file, path, f"graphs.{kind}.file")
     _check_contract(m, path)
+    if m.vision is not None:
+        _listed(m, m.vision.graph.file, path, "vision.graph.file")
+        _need(m.model.extra.get("image_token_id") is not None, path, "vision needs model.image_token_id")
     _check_verify(m, path)
     _listed(m, m.weights.file, path, "weights.file")
     # listed in files is checked where it is opened (tokenizer_file): `decodert build` needs no tokenizer
@@ -347,6 +360,9 @@ def _check_contract(m: Manifest, path: Path) -> None:
               f"kv.num_layers {m.kv.num_layers} does not match graphs.{kind}.inputs")
         bound = runtime_io(m)
         _check_tensors(listed, bound, path, f"graphs.{kind}", "kv/max_seq/model.vocab_size")
+        if kind == "prefill" and m.model.extra.get("image_token_id") is not None:
+            bound.update(image_embeds=(m.dtype, ["image_tokens", m.model.hidden_size]),
+                         image_positions=("int64", ["image_tokens"]))
         if kind == "prefill" and g.verifies_rows:
             _check_per_position(m, listed, path)
             bound["per_position"] = ("int64", [1])

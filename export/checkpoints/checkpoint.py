@@ -246,6 +246,21 @@ class Checkpoint:
             w = np.concatenate(parts, axis=0)
         return np.ascontiguousarray(w, dtype=np.float32)
 
+    def vision_tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Canonical vision weight ``name`` (models/vision.py) of ``shape``, from the family's ``VISION_WEIGHTS``
+        (parts concatenated along axis 0: q|k|v), as a fresh float32 array."""
+        template = re.sub(r"\.layers\.(\d+)\.", ".layers.{i}.", name)
+        index = m.group(1) if (m := re.search(r"\.layers\.(\d+)\.", name)) else None
+        keys = self.family.VISION_WEIGHTS[template]
+        keys = tuple(k.format(i=index) for k in ((keys,) if isinstance(keys, str) else keys))
+        parts = [self._read(key) for key in keys]
+        check_finite(parts, keys[0], self.source)
+        w = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0), dtype=np.float32)
+        if w.shape != shape:
+            raise DecodertError(f"{self.source}: tensor '{keys[0]}' has shape {list(w.shape)}, expected {list(shape)} "
+                                f"for '{name}'")
+        return w
+
     def __enter__(self) -> "Checkpoint":
         return self
 

@@ -2,6 +2,10 @@
 
     input_ids [B,S] --Gather(embed)--> x [T=B*S, hidden]   ([B,S,hidden] where lowering.flat_tokens is False)
                           x * embed_scale                  (Gemma: sqrt(hidden) in the graph dtype)
+    prefill of a vision-language model (spec.image_token_id):
+        x[image_positions] = image_embeds                  ScatterND over the [B*S, hidden] rows; image_positions
+                                                           [N] = b*S + s of each image token, image_embeds [N, hidden]
+                                                           (vision.onnx's output rows); both default to empty
     per layer i:
         h      = rmsnorm(x)                                (fused with the residual add below)
         qkv    = h @ qkv^T (+ bias)                        [T, (H+2Hkv)*D]   (q/k rmsnorm: Qwen3, Gemma 3)
@@ -49,6 +53,9 @@ from decodert.models.spec import ModelSpec, rope_table_of
 from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 
 GraphKind = Literal["prefill", "decode", "verify"]
+# inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
+# TensorRT's ONNX parser folds such an input into a constant, so its engines take the default only
+DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions")
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 
@@ -83,6 +90,9 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
         {"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "seq", spec.vocab_size]},
         {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "seq"]},
     ]
+    if kind == "prefill" and spec.image_token_id is not None:
+        inputs += [{"name": "image_embeds", "dtype": dtype, "shape": ["image_tokens", spec.hidden_size]},
+                   {"name": "image_positions", "dtype": "int64", "shape": ["image_tokens"]}]
     if per_position:
         inputs.append({"name": "per_position", "dtype": "int64", "shape": [1]})
         outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
@@ -110,6 +120,11 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         g.add_initializer(t)
     if per_position:  # the input's default: a plain prefill/decode call does not bind it
         g.add_initializer(numpy_helper.from_array(np.zeros(1, np.int64), "per_position"))
+    images = any(io["name"] == "image_embeds" for io in contract["inputs"])
+    if images:  # defaults: a text-only prefill (and every decode step the prefill graph serves) binds neither
+        g.add_initializer(numpy_helper.from_array(np.zeros((0, spec.hidden_size), NUMPY_DTYPES[lowering.dtype]),
+                                                  "image_embeds"))
+        g.add_initializer(numpy_helper.from_array(np.zeros(0, np.int64), "image_positions"))
     inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin")
     with g.scope("model"):
         contexts = _attention_contexts(g, lowering, inp, spec)
@@ -118,6 +133,8 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
             x = lowering.embed(g, inp.input_ids)
             if spec.embed_scale is not None:  # transformers rounds the factor to the weights' dtype
                 x = g.op("Mul", x, g.const(np.array(spec.embed_scale, NUMPY_DTYPES[lowering.dtype])))
+            if images:
+                x = _place_images(g, spec, x)
         h = None
         for i in range(spec.num_layers):
             with g.scope(f"layers.{i}"):
@@ -133,6 +150,14 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
     for io in contract["outputs"][len(values):]:
         g.outputs.append(onnx.helper.make_tensor_value_info(io["name"], DTYPES[io["dtype"]], io["shape"]))
     return g.to_model(ir_version=lowering.ir_version)
+
+
+def _place_images(g: GraphBuilder, spec: ModelSpec, x: str) -> str:
+    """The rows of the image tokens replaced by the image embeddings (scatter by position)."""
+    with g.scope("images"):
+        rows = g.op("Reshape", x, g.const([-1, spec.hidden_size]))  # [T, hidden]
+        rows = g.op("ScatterND", rows, g.op("Unsqueeze", "image_positions", g.const([1])), "image_embeds")
+        return g.op("Reshape", rows, g.op("Shape", x))
 
 
 def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec) -> dict:

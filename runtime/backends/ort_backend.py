@@ -33,6 +33,7 @@ from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
 from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
+from decodert.runtime.vision.tokens import text_ids
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -47,6 +48,7 @@ class _Binding:
     seq: np.ndarray  # [n] int64
     logits: np.ndarray  # [n, V] float32
     next_token: np.ndarray  # [n] int64
+    images: Any = None  # (image_positions [N], image_embeds [N, hidden]) bound for this call
 
 
 class OrtBackend:
@@ -66,6 +68,7 @@ class OrtBackend:
         self.kv_width = self.kv.width(self.head_dim)  # the buffers' last dimension
         self.max_batch, self.max_seq = manifest.max_batch, manifest.max_seq
         self.vocab_size = manifest.model.vocab_size
+        self.hidden = manifest.model.hidden_size or 0
         options = _session_options(threads)
         providers = list(providers or _default_providers())
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
@@ -93,6 +96,9 @@ class OrtBackend:
         # "prefill" (one-row passes where the prefill graph takes per_position) is the prefill session
         self._verify: dict[str, _VerifyState] = {}
         self._prefill_verifies = manifest.graphs["prefill"].verifies_rows
+        # vision-language: the image store (runtime/vision/encoder.py) whose rows a prefill binds at its image ids
+        self.images: Any = None
+        self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
         # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
         layout = manifest.lora_layout
         self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
@@ -124,6 +130,7 @@ class OrtBackend:
                 b.ids[j, : lens[r] - done] = ids[r][done:]
             b.past[:] = cache.lengths[start : start + n] + done
             b.seq[:] = lens[rows] - done
+            self._bind_images(b)
             _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
             _gather(out, rows, b, want_logits)
         cache.commit(slots, ids)
@@ -138,6 +145,7 @@ class OrtBackend:
             b.ids[0] = row[done : done + chunk]
             b.past[:] = cache.lengths[start] + done
             b.seq[:] = chunk
+            self._bind_images(b)
             _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
             done += chunk
         return done
@@ -260,6 +268,20 @@ class OrtBackend:
         return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
+    def _bind_images(self, b: _Binding) -> None:
+        """Image ids in ``b.ids`` (runtime/vision/tokens.py) -> the ``<image>`` token, their rows bound as
+        image_embeds at image_positions (empty when none: the binding may be reused chunk after chunk)."""
+        if not self._takes_images:
+            return
+        found = self.images.rows(b.ids) if self.images is not None else None
+        if found is None:
+            found = (np.zeros(0, np.int64), np.zeros((0, self.hidden), self.np_dtype))
+        else:
+            b.ids[:] = text_ids(b.ids)
+        b.images = (np.ascontiguousarray(found[0]), np.ascontiguousarray(found[1], self.np_dtype))  # kept alive
+        for name, arr in zip(("image_positions", "image_embeds"), b.images):
+            b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+
     def _prefill_groups(self, cache: KVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:
         """Runs of contiguous slots; rows one by one where a batched call is not allowed."""
         groups = []

@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--long", type=int, default=1024, help="README.md tokens for the long perplexity")
     p.add_argument("--budget-mib", type=float, default=256.0, help="KV memory of the long-context row")
+    p.add_argument("--speed-only", action="store_true", help="skip the perplexity and greedy runs")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     kvs = [k.strip() for k in args.kv.split(",")]
@@ -101,15 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict] = {}
     for kv in kvs:
         backend, tok = loaded[kv]
-        rows[kv] = quality(backend, tok, rows.get(kvs[0]), args.long)
+        rows[kv] = {} if args.speed_only else quality(backend, tok, rows.get(kvs[0]), args.long)
         spec = backend.manifest.model.spec()
         per_token = kv_cache_bytes(1, 1, spec.num_layers, spec.num_kv_heads, spec.head_dim, KV_DTYPES[kv])
         rows[kv].update(kv_bytes_per_token=per_token, cache_mib=backend.kv_bytes(2048) * 4 / 2**20,
                         max_context_in_budget=int(args.budget_mib * 2**20 // per_token),
                         model_context=spec.max_position)
-        print(f"{kv:<5} ppl {rows[kv]['ppl']:.3f} (long {rows[kv]['ppl_long']:.3f}) "
-              f"identical {rows[kv].get('identical_answers', len(PROMPTS))}/{len(PROMPTS)} "
-              f"forced {rows[kv].get('forced_agreement', 1.0) * 100:.1f}% | {per_token} B/token", flush=True)
+        if not args.speed_only:
+            print(f"{kv:<5} ppl {rows[kv]['ppl']:.3f} (long {rows[kv]['ppl_long']:.3f}) "
+                  f"identical {rows[kv].get('identical_answers', len(PROMPTS))}/{len(PROMPTS)} "
+                  f"forced {rows[kv].get('forced_agreement', 1.0) * 100:.1f}% | {per_token} B/token", flush=True)
     context = np.array(loaded[kvs[0]][1].encode((ROOT.parent / "README.md").read_text()).ids[: args.context], np.int64)
     jobs = [(kv, b) for b in (1, 4) for kv in kvs]
     runs = rotate([list(range(len(jobs)))], args.repeats,
@@ -122,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
           "decode tok/s b1 | b4 | KV bytes/token | cache 2048x4 (MiB) | context in budget |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for kv, r in rows.items():
-        print(f"| {kv} | {r['ppl']:.3f} | {r['ppl_long']:.3f} | {r.get('identical_answers', len(PROMPTS))}/{len(PROMPTS)} | "
-              f"{r.get('forced_agreement', 1.0) * 100:.1f}% | {r['decode_tps_b1']:.1f} | {r['decode_tps_b4']:.1f} | "
+        quality_cells = ("- | - | - | -" if args.speed_only else
+                         f"{r['ppl']:.3f} | {r['ppl_long']:.3f} | {r.get('identical_answers', len(PROMPTS))}/{len(PROMPTS)} | "
+                         f"{r.get('forced_agreement', 1.0) * 100:.1f}%")
+        print(f"| {kv} | {quality_cells} | {r['decode_tps_b1']:.1f} | {r['decode_tps_b4']:.1f} | "
               f"{r['kv_bytes_per_token']} | {r['cache_mib']:.0f} | {r['max_context_in_budget']} "
               f"(model: {r['model_context']}) |")
     if args.json:

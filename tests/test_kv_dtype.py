@@ -211,3 +211,12 @@ def _run_bodies(x: np.ndarray, scale: np.ndarray, kv: kv_dtypes.KVDtype) -> tupl
     sess = ort.InferenceSession(g.to_model(ir_version=10).SerializeToString(), providers=["CPUExecutionProvider"])
     stored_v, loaded_v = sess.run(None, {"x": x, "scale": scale})
     return stored_v, loaded_v
+
+
+def test_speculative_verify_reads_the_quantized_cache(artifacts):
+    """The ort verify graph (standard-op attention) writes and reads the same int8 codes as GQA: prompt-lookup
+    speculation answers as plain greedy decoding does."""
+    llm = LLM.load(artifacts("ort", "int8"), prefix_cache_mb=0)
+    prompt = "Once upon a time there was a small model. Once upon a time there was a small"
+    plain = llm.generate(prompt, max_new_tokens=16, temperature=0).token_ids
+    assert llm.generate(prompt, max_new_tokens=16, temperature=0, speculative="ngram").token_ids == plain

@@ -140,6 +140,14 @@ def test_kv_and_prefix_cache_never_mix_adapters(world):
         llm.generate(PROMPT, adapter="b")
     llm.load_adapter("b", adapters["b"])  # a new tag: nothing cached under the old load is reused
     assert llm.generate(LONG, max_new_tokens=6, adapter="b", stop_token_ids=[]).metrics.cached_tokens == 0
+    stream = llm.stream(PROMPT, max_new_tokens=4, adapter="a")
+    next(stream)  # a run in progress: its rows' adapters stay as they are
+    with pytest.raises(DecodertError, match="a run is in progress"):
+        llm.load_adapter("a", adapters["b"])
+    with pytest.raises(DecodertError, match="a run is in progress"):
+        llm.unload_adapter("a")
+    stream.close()
+    llm.unload_adapter("a")
 
 
 def test_bad_adapters_are_one_line_errors(world, tmp_path):

@@ -166,8 +166,12 @@ class LLM:
         return llm
 
     def load_adapter(self, name: str, folder: str | Path) -> None:
-        """Load a PEFT LoRA folder into a free adapter slot as ``name`` (no re-export; the same name is replaced)."""
+        """Load a PEFT LoRA folder into a free adapter slot as ``name`` (no re-export; the same name is replaced,
+        when no generation is running: its rows would change adapter mid-answer)."""
         with self._lock:
+            if self._live is not None and name in self.adapters.names:
+                raise DecodertError(f"adapter {name!r} is loaded and a run is in progress; replace it when no "
+                                    "generation is running, or load it under another name")
             self.adapters.load(name, folder)
 
     def unload_adapter(self, name: str) -> None:

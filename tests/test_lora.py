@@ -70,6 +70,11 @@ def test_adapters_match_transformers_peft_and_mix_in_one_batch(world):
     mixed = ["a", "b", None, "a", "b", None]  # 6 requests over 4 slots: rows of every kind share steps
     out = llm.generate_many([{"prompt": PROMPT, "max_new_tokens": 10, "adapter": a, "stop_token_ids": []} for a in mixed])
     assert [r.token_ids for r in out] == [singles[a] for a in mixed]
+    # speculative decoding verifies drafts through the same adapter slots (the verify passes bind them too)
+    spec = llm.generate_many([{"prompt": PROMPT * 2, "max_new_tokens": 12, "adapter": a, "stop_token_ids": [],
+                               "speculative": "ngram"} for a in ("a", "b", None)])
+    plain = [llm.generate(PROMPT * 2, max_new_tokens=12, adapter=a, stop_token_ids=[]).token_ids for a in ("a", "b", None)]
+    assert [r.token_ids for r in spec] == plain
 
 
 def test_merge_lora_export_equals_the_runtime_adapter(world):
@@ -140,6 +145,14 @@ def test_kv_and_prefix_cache_never_mix_adapters(world):
         llm.generate(PROMPT, adapter="b")
     llm.load_adapter("b", adapters["b"])  # a new tag: nothing cached under the old load is reused
     assert llm.generate(LONG, max_new_tokens=6, adapter="b", stop_token_ids=[]).metrics.cached_tokens == 0
+    stream = llm.stream(PROMPT, max_new_tokens=4, adapter="a")
+    next(stream)  # a run in progress: its rows' adapters stay as they are
+    with pytest.raises(DecodertError, match="a run is in progress"):
+        llm.load_adapter("a", adapters["b"])
+    with pytest.raises(DecodertError, match="a run is in progress"):
+        llm.unload_adapter("a")
+    stream.close()
+    llm.unload_adapter("a")
 
 
 def test_bad_adapters_are_one_line_errors(world, tmp_path):

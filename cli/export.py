@@ -60,10 +60,18 @@ def add_parser(sub: Any) -> None:
                         "auto = plugins only for a TensorRT without them (< 10.15, e.g. Jetson)")
     e.add_argument("--trt-version", default=None,
                    help="trt target: the TensorRT the engines are built with, e.g. 10.3 (default: the installed one)")
+    e.add_argument("--lora-slots", type=int, default=0,
+                   help="LoRA adapters the graphs take at run time, each row of a batch its own "
+                        "(LLM.load(adapters=...), `decodert serve --lora`); ort and portable targets (default 0: none)")
+    e.add_argument("--lora-rank", type=int, default=16,
+                   help="with --lora-slots: the highest adapter rank a slot holds (default 16)")
+    e.add_argument("--merge-lora", action="append", default=[], metavar="DIR",
+                   help="a PEFT LoRA adapter folder to merge into the weights (repeatable): one fused model")
     e.set_defaults(func=run_export)
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from decodert.export.lora.layout import LoraLayout
     from decodert.export.pipeline import export_model
     from decodert.export.quantize.quant import QuantConfig
 
@@ -83,7 +91,9 @@ def run_export(args: argparse.Namespace) -> int:
                             keep_q4_1=args.keep_q4_1, scale_search=not args.no_scale_search)
     m = export_model(src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version,
-                     kv_dtype=args.kv_dtype)
+                     kv_dtype=args.kv_dtype,
+                     lora=LoraLayout(args.lora_slots, args.lora_rank) if args.lora_slots else None,
+                     merge_lora=args.merge_lora)
     print(summary(m, args.out))
     return 0
 

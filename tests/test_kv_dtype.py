@@ -136,10 +136,10 @@ def test_prefix_cache_and_sessions_keep_the_quantized_rows(artifacts):
 
 def test_memory_error_names_the_kv_dtype(artifacts, monkeypatch):
     be = OrtBackend(artifacts("ort", "int8"), load_manifest(artifacts("ort", "int8")))
+    be16 = OrtBackend(artifacts("ort", "fp16"), load_manifest(artifacts("ort", "fp16")))  # loading checks the weights
     monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
     with pytest.raises(DecodertError, match="int8 KV cache needs .* lower --max-seq or --max-batch$"):
         be.allocate(1)
-    be16 = OrtBackend(artifacts("ort", "fp16"), load_manifest(artifacts("ort", "fp16")))
     with pytest.raises(DecodertError, match="fp16 KV cache .* or a smaller --kv-dtype"):
         be16.allocate(1)
     kv = kv_dtypes.KV_DTYPES

@@ -81,8 +81,14 @@ def inspect_artifact(folder: str | Path) -> str:
         f"sampling   {describe(m.sampling)}",
         f"made by    decodert {m.decodert_version} onnx {m.onnx_version} on {m.created}",
     ]
-    for kind in ("prefill", "decode"):
-        g = m.graphs[kind]
+    graphs = [("prefill", m.graphs["prefill"]), ("decode", m.graphs["decode"])]
+    if m.vision is not None:  # vision-language: the tower + projector, and the image processor it was exported with
+        v, p = m.vision.spec, m.vision.processor
+        lines.append(f"vision     {v['num_layers']} layers, hidden {v['hidden_size']}, {v['image_size']}-px tiles of "
+                     f"{v['patch_size']}-px patches, shuffle {v['scale_factor']} -> {p['image_seq_len']} tokens a tile; "
+                     f"resize to {p['size']['longest_edge']} px, splitting {'on' if p['do_image_splitting'] else 'off'}")
+        graphs.append(("vision", m.vision.graph))
+    for kind, g in graphs:
         s = graph_summary(folder / g.file)
         lines.append(f"\n{kind}: {g.file}  {s['nodes']} nodes  opsets {s['opsets']}")
         lines.append("  ops     " + ", ".join(f"{k} x{v}" for k, v in s["ops"].items()))

@@ -23,6 +23,7 @@ from decodert.errors import DecodertError
 from decodert.export.artifact.artifact_files import FileRecord, verify_files
 from decodert.export.artifact.records import R, Record, read_record, to_json
 from decodert.export.checkpoints.sampling_defaults import check_record
+from decodert.export.lora.layout import LoraLayout, LoraRecord
 from decodert.models.spec import ModelSpec
 from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 
@@ -153,6 +154,15 @@ class SamplingRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionRecord(Record):
+    """A vision-language model's image path: vision.onnx (graph), its tower (models/vision.py VisionSpec
+    fields) and the checkpoint's image processor settings (runtime/vision/preprocess.py reads them)."""
+    graph: GraphRecord
+    spec: Mapping[str, Any]
+    processor: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineRecord(Record):
     """One TensorRT engine written by ``decodert build`` (docs/TENSORRT.md lists the other keys)."""
     file: str
@@ -195,7 +205,14 @@ class Manifest(Record):
     quant: QuantRecord | None = None
     sampling: SamplingRecord | None = None
     engines: Mapping[str, EngineRecord] | None = None
+    vision: VisionRecord | None = None  # vision-language models: vision.onnx and the image processor
     kv_dtype: str | None = None  # --kv-dtype (None: older artifacts, the cache in ``dtype``)
+    lora: LoraRecord | None = None
+
+    @property
+    def lora_layout(self) -> LoraLayout | None:
+        """The adapter slots the graphs take (None: none)."""
+        return self.lora.layout if self.lora is not None else None
 
     def graph(self, kind: str) -> GraphRecord:
         return self.graphs[kind]
@@ -291,10 +308,15 @@ def validate(m: Manifest, path: Path) -> None:
     kvd = KV_DTYPES.get(m.kv_dtype or m.dtype)
     _need(kvd is not None and kv.dtype in (None, kvd.storage), path,
           f"kv_dtype {m.kv_dtype!r} / kv.dtype {kv.dtype!r} is not a KV cache type decodert knows")
+    _need(m.lora is None or (m.lora.slots >= 0 and (m.lora.rank >= 1) == (m.lora.slots >= 1)), path,
+          "lora.slots / lora.rank are malformed")
     for kind in GRAPHS:
         _need(kind in m.graphs, path, f"graphs.{kind} is missing or malformed")
         _listed(m, m.graphs[kind].file, path, f"graphs.{kind}.file")
     _check_contract(m, path)
+    if m.vision is not None:
+        _listed(m, m.vision.graph.file, path, "vision.graph.file")
+        _need(m.model.extra.get("image_token_id") is not None, path, "vision needs model.image_token_id")
     _check_verify(m, path)
     _listed(m, m.weights.file, path, "weights.file")
     # listed in files is checked where it is opened (tokenizer_file): `decodert build` needs no tokenizer
@@ -319,6 +341,8 @@ def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
     for i in range(kv.num_layers):
         for name in ("past_key", "past_value", "present_key", "present_value"):
             io[f"{name}.{i}"] = (kvd.storage, cache)
+    if m.lora_layout is not None:
+        io.update({t["name"]: (t["dtype"], t["shape"]) for t in m.lora_layout.inputs(m.model.spec(), m.dtype)})
     return io
 
 
@@ -336,6 +360,9 @@ def _check_contract(m: Manifest, path: Path) -> None:
               f"kv.num_layers {m.kv.num_layers} does not match graphs.{kind}.inputs")
         bound = runtime_io(m)
         _check_tensors(listed, bound, path, f"graphs.{kind}", "kv/max_seq/model.vocab_size")
+        if kind == "prefill" and m.model.extra.get("image_token_id") is not None:
+            bound.update(image_embeds=(m.dtype, ["image_tokens", m.model.hidden_size]),
+                         image_positions=("int64", ["image_tokens"]))
         if kind == "prefill" and g.verifies_rows:
             _check_per_position(m, listed, path)
             bound["per_position"] = ("int64", [1])

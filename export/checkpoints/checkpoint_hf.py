@@ -16,6 +16,7 @@ from decodert.export.lowering.semantics import check_tensors_used
 from decodert.export.quantize import quant_packed
 from decodert.export.quantize.quant import QuantConfig, QuantizedWeight, WeightQuant
 from decodert.export.quantize.quant_packed import packed_format
+from decodert.export.quantize.mxfp4 import dequantize_mxfp4
 from decodert.models import family_for
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
@@ -101,13 +102,33 @@ class HFCheckpoint(Checkpoint):
             fmt, words = self.packed_format, self._file(base + "qweight").shape(self._stored.get(base + "qweight", base + "qweight"))
             n = self._file(base + "scales").shape(self._stored.get(base + "scales", base + "scales"))[-1]
             return (n, words[0] * 8) if fmt is not None and fmt.method == "gptq" else (n, words[0])
+        if self._mxfp4(key):  # [E, N, G, 16] -> transformers' parameter [E, G * 32, N]
+            e, n, groups, _ = self._shape(key + "_blocks")
+            return (e, groups * 32, n)
         return self._file(key).shape(self._stored.get(key, key))
 
     def _read(self, key: str) -> np.ndarray:
         base = self._packed_base(key)
         if base is not None:
             return quant_packed.dequantize(*self._unpack(base))
+        if self._mxfp4(key):
+            return np.stack([self._read_row(key, j) for j in range(self._shape(key)[0])])
         return self._file(key).read(self._stored.get(key, key))
+
+    def _mxfp4(self, key: str) -> bool:
+        """Is ``key`` stored as MXFP4 (``key_blocks`` + ``key_scales``, gpt-oss experts) instead of floats?"""
+        return key not in self._where and key + "_blocks" in self._where and key + "_scales" in self._where
+
+    def _read_row(self, key: str, row: int) -> np.ndarray:
+        """Row ``row`` (an expert) of stacked tensor ``key``; MXFP4 experts dequantized exactly, one at a time,
+        and laid out as transformers' parameter ([in, out], as the float checkpoints store them)."""
+        if not self._mxfp4(key):
+            return self._file(key).read_row(self._stored.get(key, key), row)
+        blocks, scales = (self._file(key + s).raw_row(self._stored.get(key + s, key + s), row) for s in ("_blocks", "_scales"))
+        try:
+            return dequantize_mxfp4(blocks, scales).T.copy()
+        except ValueError as e:
+            raise DecodertError(f"{self.source}: tensor '{key}': {e}") from None
 
     # -- GPTQ / AWQ (export/quantize/quant_packed.py) --------------------------------------------
     def _packed_base(self, key: str) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from decodert.plugins.onnx_builder import GraphBuilder
+from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.export.quantize.weight_layouts import QDQ, WeightLayout
 from decodert.export.artifact.weights import NUMPY_DTYPES
@@ -21,6 +21,7 @@ from decodert.models.spec import ModelSpec, canonical_shape
 from decodert.plugins import cached_attention as ca
 from decodert.plugins import kv_dtypes
 from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
+from decodert.plugins import moe as moe_op
 from decodert.plugins.rms_norm import rms_norm_body
 
 
@@ -129,8 +130,45 @@ class Lowering:
             w = g.op("Slice", w, g.const([0]), g.const([k]), g.const([1]))
         return g.op("Gemm", x, w, *([bias] if bias else []), transB=1)
 
-    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
-        """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D].
+    def moe(self, g: GraphBuilder, x: str, prefix: str, one_token_rows: bool) -> str:
+        """The MoE MLP of layer ``prefix`` (plugins/moe.py) on x [T, hidden] -> [T, hidden].
+
+        ``one_token_rows`` (the decode graph) gathers the chosen experts' weights: it reads only
+        those, and decoding is bound by the bytes read; prefill and verify compute every expert
+        under a top-k mask, reading each expert once instead of copying k of them per token."""
+        s = self.spec
+        logits = self.linear(g, x, prefix + "router", prefix + "router_bias" if s.router_bias else None)
+        weights, idx = moe_op.route(g, logits, s.experts_per_token, s.router_renormalize,
+                                    None if self.dtype == "fp32" else DTYPES[self.dtype])
+        ie = s.expert_intermediate_size
+        gate_up, down = prefix + "experts.gate_up", prefix + "experts.down"
+        glu = moe_op.SwiGlu(s.swiglu_limit, s.swiglu_alpha, s.swiglu_beta)
+        biases = (gate_up + "_bias", down + "_bias") if s.expert_bias else None
+        if one_token_rows:
+            return moe_op.gathered_body(g, x, weights, idx, ie, lambda i: self.experts(g, gate_up, i),
+                                        lambda i: self.experts(g, down, i), self.activation, glu, biases)
+        return moe_op.masked_body(g, x, weights, idx, s.num_experts, ie, self.experts(g, gate_up),
+                                  self.experts(g, down), self.activation, glu, biases)
+
+    def experts(self, g: GraphBuilder, name: str, idx: str | None = None) -> str:
+        """Float expert matrices [E, rows, in], or the chosen ones [T, k, rows, in] for indices ``idx``.
+
+        Quantized experts ([E * N, K] blocks, export/quantize/weight_layouts.py) are dequantized whole,
+        then gathered: ONNX's Gather takes no 4-bit types,
+        so the portable graph reads every expert's blocks at each step (the ort target's QMoE reads
+        only the chosen ones)."""
+        if name in self.quantized:
+            wq = self.quantized[name]
+            zp = [] if wq.symmetric else [f"{name}.zero_points"]
+            w = g.op("DequantizeLinear", f"{name}.q", f"{name}.scales", *zp, axis=1, block_size=wq.block_size)
+            w = g.op("Reshape", w, g.const(list(canonical_shape(self.spec, name))))  # [E * N, K] -> [E, N, K]
+        else:
+            w = name
+        return w if idx is None else g.op("Gather", w, idx, axis=0)
+
+    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str],
+                  sinks: str | None = None) -> str:
+        """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D]; ``sinks`` [H]: each head's sink logit (gpt-oss).
 
         ``cache`` = (past_key, past_value, present_key, present_value) names; the node that
         writes the cache must output the present names directly (no Identity), so a runtime can
@@ -150,7 +188,7 @@ class Lowering:
         keys, values = self.kv_load(g, present_key, past_key), self.kv_load(g, present_value, past_value)
         return ca.attend_body(g, q4, keys, values, ctx.visible, num_heads=h, kv_heads=hkv,
                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
-                              softcap=self.softcap)
+                              softcap=self.softcap, sinks=sinks)
 
 
 def gelu_tanh_body(g: GraphBuilder, x: str, dtype: str) -> str:

@@ -36,6 +36,12 @@ class WeightLayout:
         """Write ``name.q``, ``name.scales`` (and ``name.zero_points``, ``name.mins``) in this layout."""
         raise NotImplementedError
 
+    def write_stacked(self, writer: Any, name: str, qws: list[QuantizedWeight], wq: WeightQuant, dtype: str) -> None:
+        """Write experts ``qws`` (one QuantizedWeight each, same shape) as ``name.q`` [E, N, ...],
+        ``name.scales`` [E, N, blocks] (and ``name.zero_points``): what QMoE / a gathered
+        DequantizeLinear read."""
+        raise NotImplementedError
+
 
 class NbitsLayout(WeightLayout):
     def write(self, writer: Any, name: str, qw: QuantizedWeight, wq: WeightQuant, dtype: str) -> None:
@@ -53,6 +59,16 @@ class NbitsLayout(WeightLayout):
         if wq.block_min:  # [blocks, N]: the graph multiplies the activations' block sums by it
             assert qw.mins is not None
             writer.add(f"{name}.mins", np.ascontiguousarray(qw.mins.T), dtype)
+
+
+    def write_stacked(self, writer: Any, name: str, qws: list[QuantizedWeight], wq: WeightQuant, dtype: str) -> None:
+        e, n, blocks = len(qws), qws[0].n, qws[0].blocks
+        writer.add_raw(f"{name}.q", np.stack([q.q for q in qws]), TensorProto.UINT8, (e, n, qws[0].q.shape[1]))
+        writer.add(f"{name}.scales", np.stack([q.scales for q in qws]), dtype)
+        if not wq.symmetric:  # per row, padded to whole bytes: QMoE's [E, N, ceil(blocks * bits / 8)]
+            zp = np.stack([q.zero_points for q in qws])
+            writer.add_raw(f"{name}.zero_points", zp, TensorProto.UINT8, zp.shape)
+        assert blocks and not wq.block_min
 
 
 class QdqLayout(WeightLayout):
@@ -76,6 +92,26 @@ class QdqLayout(WeightLayout):
         kind = TensorProto.UINT4 if wq.bits == 4 else TensorProto.UINT8
         writer.add_raw(f"{name}.q", qw.q, kind, (n, kp))
         writer.add_raw(f"{name}.zero_points", zp, kind, (n, blocks))
+
+
+    def write_stacked(self, writer: Any, name: str, qws: list[QuantizedWeight], wq: WeightQuant, dtype: str) -> None:
+        """[E * N, Kp], the experts' rows one after another, scales [E * N, blocks]: a 2-D block
+        DequantizeLinear, which TensorRT builds (a 3-D one fails in its int4 kernels), reshaped
+        to [E, N, Kp] in the graph. K is a whole number of blocks."""
+        e, n, blocks = len(qws), qws[0].n, qws[0].blocks
+        kp, four = blocks * wq.block_size, wq.bits == 4
+        writer.add(f"{name}.scales", np.concatenate([q.scales for q in qws]), dtype)
+        q = np.concatenate([q.q for q in qws])
+        if wq.symmetric:
+            flip = 0x88 if four else 0x80
+            writer.add_raw(f"{name}.q", q ^ np.uint8(flip), TensorProto.INT4 if four else TensorProto.INT8, (e * n, kp))
+            return
+        zp = np.stack([unpack_nibbles(q.zero_points)[:, :blocks] if four else q.zero_points for q in qws])
+        if four:  # ONNX packs int4 continuously across the whole tensor
+            zp = pack_nibbles(np.pad(zp.reshape(-1), (0, zp.size % 2)))
+        kind = TensorProto.UINT4 if four else TensorProto.UINT8
+        writer.add_raw(f"{name}.q", q, kind, (e * n, kp))
+        writer.add_raw(f"{name}.zero_points", zp, kind, (e * n, blocks))
 
 
 NBITS = NbitsLayout("nbits", gathers_tied_embedding=True, block_minimum=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import resource
+from collections.abc import Mapping
+from typing import Any
 import sys
 
 from decodert.errors import DecodertError
@@ -42,6 +44,19 @@ def check_kv_fits(nbytes: int, kv: KVDtype) -> None:
     """``check_fits`` for a KV cache: the message names its dtype, and a smaller one where there is."""
     hint = "" if kv.bits <= 8 else f", or a smaller --kv-dtype (int8: {kv.bits // 8}x less than {kv.name})"
     check_fits(nbytes, f"the {kv.name} KV cache", hint)
+
+
+def check_weights_fit(nbytes: int, spec_dict: Mapping[str, Any]) -> None:
+    """Refuse weights that would not fit, before a session loads them. ``nbytes`` is the whole weights
+    file: a mixture-of-experts model holds every expert (the memory is the total parameters,
+    while a decode step reads only the active ones), and the message says so."""
+    experts = int(spec_dict.get("num_experts") or 0)
+    what = "the weights" + (f" (all {experts} experts of each MoE layer, not only the "
+                            f"{spec_dict.get('experts_per_token')} a token uses)" if experts else "")
+    avail = available_bytes()
+    if avail is not None and nbytes > 0.9 * avail:
+        raise DecodertError(f"{what} need {nbytes / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is available; "
+                            "export with --quant int4 or use a smaller model")
 
 
 def current_rss_bytes() -> int | None:

@@ -32,7 +32,8 @@ from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
 from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
-from decodert.runtime.backends.memory import check_kv_fits, kv_cache_bytes
+from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
+from decodert.runtime.vision.tokens import text_ids
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -47,6 +48,7 @@ class _Binding:
     seq: np.ndarray  # [n] int64
     logits: np.ndarray  # [n, V] float32
     next_token: np.ndarray  # [n] int64
+    images: Any = None  # (image_positions [N], image_embeds [N, hidden]) bound for this call
 
 
 class OrtBackend:
@@ -66,11 +68,15 @@ class OrtBackend:
         self.kv_width = self.kv.width(self.head_dim)  # the buffers' last dimension
         self.max_batch, self.max_seq = manifest.max_batch, manifest.max_seq
         self.vocab_size = manifest.model.vocab_size
+        self.hidden = manifest.model.hidden_size or 0
         options = _session_options(threads)
         providers = list(providers or _default_providers())
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         self._stream: Any = None
         kinds = ("prefill", "decode") if separate_decode else ("prefill",)
+        weights = self.dir / manifest.weights.file
+        if weights.is_file():  # check_external_data names a missing one
+            check_weights_fit(weights.stat().st_size, manifest.model.extra or {})
         self.sessions = {}
         for kind in kinds:
             path = self.dir / manifest.graphs[kind].file
@@ -90,6 +96,12 @@ class OrtBackend:
         # "prefill" (one-row passes where the prefill graph takes per_position) is the prefill session
         self._verify: dict[str, _VerifyState] = {}
         self._prefill_verifies = manifest.graphs["prefill"].verifies_rows
+        # vision-language: the image store (runtime/vision/encoder.py) whose rows a prefill binds at its image ids
+        self.images: Any = None
+        self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
+        # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
+        layout = manifest.lora_layout
+        self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:
@@ -118,6 +130,7 @@ class OrtBackend:
                 b.ids[j, : lens[r] - done] = ids[r][done:]
             b.past[:] = cache.lengths[start : start + n] + done
             b.seq[:] = lens[rows] - done
+            self._bind_images(b)
             _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
             _gather(out, rows, b, want_logits)
         cache.commit(slots, ids)
@@ -132,6 +145,7 @@ class OrtBackend:
             b.ids[0] = row[done : done + chunk]
             b.past[:] = cache.lengths[start] + done
             b.seq[:] = chunk
+            self._bind_images(b)
             _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
             done += chunk
         return done
@@ -198,7 +212,8 @@ class OrtBackend:
         state = self._verify.get(kind)
         if state is None:
             session = self.sessions["prefill"] if kind == "prefill" else self._open_verify()
-            state = self._verify[kind] = _VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size)
+            state = self._verify[kind] = _VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size,
+                                                      self.lora_weights)
         return state
 
     def _open_verify(self) -> ort.InferenceSession:
@@ -253,6 +268,20 @@ class OrtBackend:
         return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
+    def _bind_images(self, b: _Binding) -> None:
+        """Image ids in ``b.ids`` (runtime/vision/tokens.py) -> the ``<image>`` token, their rows bound as
+        image_embeds at image_positions (empty when none: the binding may be reused chunk after chunk)."""
+        if not self._takes_images:
+            return
+        found = self.images.rows(b.ids) if self.images is not None else None
+        if found is None:
+            found = (np.zeros(0, np.int64), np.zeros((0, self.hidden), self.np_dtype))
+        else:
+            b.ids[:] = text_ids(b.ids)
+        b.images = (np.ascontiguousarray(found[0]), np.ascontiguousarray(found[1], self.np_dtype))  # kept alive
+        for name, arr in zip(("image_positions", "image_embeds"), b.images):
+            b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+
     def _prefill_groups(self, cache: KVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:
         """Runs of contiguous slots; rows one by one where a batched call is not allowed."""
         groups = []
@@ -269,7 +298,7 @@ class OrtBackend:
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for name, arr in (("logits", b.logits), ("next_token", b.next_token)):
             io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        _bind_cache(io, cache, start, n)
+        _bind_cache(io, cache, start, n, self.lora_weights)
         return b
 
 
@@ -278,8 +307,9 @@ class _VerifyState:
     every binding views one set of per-call buffers (calls run one at a time, copied out at once).
     kind "prefill": the prefill graph with per_position=1 (one row, its last-token outputs unused)."""
 
-    def __init__(self, session: ort.InferenceSession, kind: str, batch: int, width: int, vocab: int) -> None:
-        self.session, self.kind, self.vocab = session, kind, vocab
+    def __init__(self, session: ort.InferenceSession, kind: str, batch: int, width: int, vocab: int,
+                 lora: dict[str, np.ndarray] | None = None) -> None:
+        self.session, self.kind, self.vocab, self.lora = session, kind, vocab, lora
         self.ids = np.zeros(batch * width, np.int64)  # [n*W] input_ids
         self.past = np.zeros(batch, np.int64)  # [n] past_lengths
         self.logits = np.empty(batch * width * vocab, np.float32)  # [n*W*V] seq_logits
@@ -307,14 +337,20 @@ class _VerifyState:
                 io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
             for name, arr in outputs:
                 io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-            _bind_cache(io, cache, start, n)
+            _bind_cache(io, cache, start, n, self.lora)
         if self.kind == "prefill":
             self.seq[:n] = w
         return (io, *views)
 
 
-def _bind_cache(io: Any, cache: KVCache, start: int, n: int) -> None:
-    """Bind slots [start, start+n) of every K/V buffer (one contiguous view) as past and present."""
+def _bind_cache(io: Any, cache: KVCache, start: int, n: int, lora: dict[str, np.ndarray] | None = None) -> None:
+    """Bind slots [start, start+n) of every K/V buffer (one contiguous view) as past and present; with
+    LoRA slots, the rows' adapter indices (``cache.adapters``) and the stacked adapter weights."""
+    if lora is not None:
+        index = cache.adapters[start : start + n]
+        io.bind_input("lora_index", "cpu", 0, index.dtype, index.shape, index.ctypes.data)
+        for name, arr in lora.items():
+            io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
     shape = (n, *cache.slot_shape)
     for i in range(len(cache.buffers)):
         ptr = cache.pointer(i, start)

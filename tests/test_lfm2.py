@@ -126,3 +126,41 @@ def test_unknown_layer_kind_is_one_line(tmp_path):
     with pytest.raises(DecodertError, match="sliding_mamba") as e:
         export_model(src, tmp_path / "out", max_seq=32, progress=False)
     assert "\n" not in str(e.value)
+
+
+def test_trt_graphs_build_with_tensorrt_rtx(tmp_path):
+    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
+    from decodert.export import trt_build
+
+    out = tmp_path / "art"
+    export_model(make_tiny_checkpoint("lfm2", tmp_path / "m"), out, target="trt", dtype="fp16", max_seq=32,
+                 max_batch=2, progress=False)
+    trt_build.build_engines(out, progress=False)
+    m = json.loads((out / "manifest.json").read_text())
+    for name in ("prefill", "decode", "verify"):
+        layers = m["engines"][name]["layers"]
+        assert layers["CONVOLUTION"] == 2 and layers["KV_CACHE_UPDATE"] == 2  # two conv layers, one attention layer
+        io = {t["name"]: t for t in m["engines"][name]["io"]["inputs"]}
+        assert io["past_conv.2"]["shape"] == ["batch", 64, 3]
+
+
+def test_trt_backend_on_the_emulator(lfm2, monkeypatch):
+    """The trt backend binds the states like K/V (tests/trt_emulator.py runs the engines' graphs on the CPU):
+    the ort backend's tokens, a ragged batch, continuous batching and speculation at batch 2."""
+    import trt_emulator
+
+    _, _, get = lfm2
+    art = get("trt")
+    trt_emulator.emulate_engines(art)
+    trt_emulator.install(monkeypatch)
+    rng = np.random.default_rng(2)
+    ps = [np.tile(rng.integers(3, 512, 5), 3), rng.integers(3, 512, 9), rng.integers(3, 512, 2)]
+    with LLM.load(art, backend="ort") as ref, LLM.load(art, backend="trt") as llm:
+        want = [ref.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps]
+        assert [llm.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps] == want
+        uneven = [SamplingParams(max_new_tokens=n, temperature=0) for n in (20, 5, 12)]  # rows end, slots move
+        got = llm.generate_many([Request(p, sp) for p, sp in zip(ps, uneven)])
+        assert [r.token_ids for r in got] == [w[: sp.max_new_tokens] for w, sp in zip(want, uneven)]
+        fixed = SpeculativeConfig(adaptive=False, draft_len=6)
+        reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps[:2]]
+        assert [r.token_ids for r in llm.generate_many(reqs)] == want[:2]

@@ -167,28 +167,32 @@ class KVCache:
     def _read_states(self, slot: int) -> list[bytes]:
         if self.device == "cpu":
             return [buf[slot].tobytes() for buf in self.states]
-        from decodert.plugins.cuda_mem import Stream, copy_async
+        from decodert.plugins.cuda_mem import PinnedArray, Stream, copy_async
 
-        out, stream = [bytearray(n) for n in self.state_bytes], Stream()
-        for j, dst in enumerate(out):
-            host = np.frombuffer(dst, np.uint8)
-            copy_async(host.ctypes.data, self.state_pointer(j, slot), len(dst), stream, "d2h")
+        stream, hosts = Stream(), [PinnedArray((n,), np.uint8) for n in self.state_bytes]
+        for j, host in enumerate(hosts):
+            copy_async(host.ptr, self.state_pointer(j, slot), self.state_bytes[j], stream, "d2h")
         stream.sync()
+        out = [host.array.tobytes() for host in hosts]
+        for host in hosts:
+            host.free()
         stream.destroy()
-        return [bytes(b) for b in out]
+        return out
 
     def _write_states(self, slot: int, data: list[bytes]) -> None:
         if self.device == "cpu":
             for buf, raw in zip(self.states, data):
                 buf[slot] = np.frombuffer(raw, buf.dtype).reshape(buf.shape[1:])
             return
-        from decodert.plugins.cuda_mem import Stream, copy_async
+        from decodert.plugins.cuda_mem import PinnedArray, Stream, copy_async
 
-        stream = Stream()
-        hosts = [np.frombuffer(raw, np.uint8) for raw in data]
-        for j, host in enumerate(hosts):
-            copy_async(self.state_pointer(j, slot), host.ctypes.data, len(host), stream, "h2d")
+        stream, hosts = Stream(), [PinnedArray((len(raw),), np.uint8) for raw in data]
+        for j, (host, raw) in enumerate(zip(hosts, data)):
+            host.array[:] = np.frombuffer(raw, np.uint8)
+            copy_async(self.state_pointer(j, slot), host.ptr, len(raw), stream, "h2d")
         stream.sync()
+        for host in hosts:
+            host.free()
         stream.destroy()
 
     def move(self, src: int, dst: int) -> None:

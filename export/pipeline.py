@@ -26,12 +26,12 @@ from decodert.export.lowering.targets import get_target
 from decodert.export.quantize.weight_layouts import WeightLayout
 from decodert.export.artifact.artifact_files import file_record
 from decodert.export.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, GraphRecord, KVRecord, Manifest, ModelRecord, PluginsRecord,
-                                      QuantRecord, SamplingRecord, SourceRecord, TokenizerRecord, WeightsRecord, from_json,
+                                      QuantRecord, SamplingRecord, SourceRecord, StateRecord, TokenizerRecord, WeightsRecord, from_json,
                                       write_manifest)
 from decodert.export.progress import Stage
 from decodert.export.lowering.semantics import tokenizer_vocab
 from decodert.export.artifact.weights import WeightsWriter
-from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables
+from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables, state_specs
 from decodert.plugins.selection import choose_plugins
 from decodert.export.artifact.version import __version__
 
@@ -190,8 +190,11 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_
         source=SourceRecord(path=str(src.resolve()), kind="gguf" if src.suffix == ".gguf" else "hf"),
         model=from_json(ModelRecord, spec.to_dict(), "model"), target=target, dtype=dtype,
         max_seq=max_seq, max_batch=max_batch,
-        kv=KVRecord(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
-                    shape=("batch", spec.num_kv_heads, max_seq, spec.head_dim), inplace=True),
+        kv=KVRecord(num_layers=len(spec.kv_layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
+                    shape=("batch", spec.num_kv_heads, max_seq, spec.head_dim), inplace=True,
+                    layer_kinds=spec.layer_kinds,
+                    states=tuple(StateRecord(layer=st.layer, name=st.name, shape=("batch", *st.shape))
+                                 for st in state_specs(spec))),
         graphs=graphs, weights=WeightsRecord(file=WEIGHTS, bytes=(folder / WEIGHTS).stat().st_size),
         tokenizer=from_json(TokenizerRecord, {"file": "tokenizer.json", **tokenizer}, "tokenizer"),
         files={p.name: file_record(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST},

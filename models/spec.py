@@ -84,6 +84,18 @@ class ModelSpec:
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar**-0.5)
     attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap), before the causal mask
     final_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    # -- hybrid models: what mixes tokens in each layer, and the state it keeps (docs/ARCHITECTURE.md, "Cache state")
+    layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYER_KINDS; () = every layer "attention"
+    conv_kernel: int = 0  # K of the layers' causal depthwise conv (LFM2 conv_L_cache; DeltaNet/Mamba2 conv); state K-1
+    conv_bias: bool = False  # LFM2: biases on the conv layer's in/out projections and the conv
+    linear_key_heads: int = 0  # "linear_attention" (Gated DeltaNet): key heads, value heads, their dims
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    ssm_heads: int = 0  # "mamba2": heads, head dim, state size N, groups
+    ssm_head_dim: int = 0
+    ssm_state: int = 0
+    ssm_groups: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -95,6 +107,14 @@ class ModelSpec:
                 raise ValueError(f"layer_types must name {self.num_layers} layers, each one of {', '.join(LAYER_TYPES)}")
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding layers need a sliding_window")
+        if self.layer_kinds:
+            unknown = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
+            if unknown:
+                raise ValueError(f"layer kind '{unknown[0]}' is not one of {', '.join(LAYER_KINDS)}")
+            if len(self.layer_kinds) != self.num_layers:
+                raise ValueError(f"layer_kinds must name {self.num_layers} layers")
+            if set(self.layer_kinds) != {"attention"} and self.conv_kernel < 2:
+                raise ValueError("conv, linear_attention and mamba2 layers need a conv_kernel >= 2")
         if self.local_rope is not None and self.local_rope.rotary_dim != self.rope.rotary_dim:
             raise ValueError("the local and global RoPE must rotate the same dims")
         for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale"):
@@ -107,6 +127,15 @@ class ModelSpec:
         if self.layer_types:
             return self.layer_types[layer] == "sliding"
         return self.sliding_window is not None
+
+    def layer_kind(self, layer: int) -> str:
+        """What mixes tokens in layer ``layer``: one of LAYER_KINDS ("attention" unless declared)."""
+        return self.layer_kinds[layer] if self.layer_kinds else "attention"
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V (attention), in order: their caches are past_key.{i} / past_value.{i}."""
+        return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "attention")
 
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_window if self.is_sliding(layer) else None
@@ -131,6 +160,7 @@ class ModelSpec:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
+        d["layer_kinds"] = list(self.layer_kinds)
         return d
 
     @classmethod
@@ -142,11 +172,57 @@ class ModelSpec:
             d["local_rope"] = RopeSpec(**d["local_rope"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        d["layer_kinds"] = tuple(d.get("layer_kinds", ()))
         return cls(**d)
 
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("sliding", "full")
+# What mixes tokens in a layer. "attention": K/V [H_kv, S_max, D]; "conv": LFM2's gated short conv,
+# a rolling conv state; "linear_attention": Gated DeltaNet (Qwen3.5), a conv state and a recurrent
+# state; "mamba2": a conv state and an SSM state (Nemotron-H, Granite 4.0-H).
+LAYER_KINDS = ("attention", "conv", "linear_attention", "mamba2")
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One per-slot state tensor a non-attention layer keeps (graph I/O ``past_{name}.{layer}`` /
+    ``present_{name}.{layer}``, one buffer [batch, *shape] bound to both, in the model dtype)."""
+
+    layer: int
+    name: str  # "conv" | "recurrent"
+    shape: tuple[int, ...]  # per slot, without the batch dim
+
+    @property
+    def io_name(self) -> str:
+        return f"{self.name}.{self.layer}"
+
+
+def _conv_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return {"conv": (spec.hidden_size, spec.conv_kernel - 1)}  # [C, K-1]: the last K-1 inputs of the conv
+
+
+def _delta_net_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    channels = 2 * spec.linear_key_heads * spec.linear_key_dim + spec.linear_value_heads * spec.linear_value_dim
+    return {"conv": (channels, spec.conv_kernel - 1),  # conv over q, k, v
+            "recurrent": (spec.linear_value_heads, spec.linear_key_dim, spec.linear_value_dim)}  # [H_v, Dk, Dv]
+
+
+def _mamba2_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    channels = spec.ssm_heads * spec.ssm_head_dim + 2 * spec.ssm_groups * spec.ssm_state
+    return {"conv": (channels, spec.conv_kernel - 1),  # conv over x, B, C
+            "recurrent": (spec.ssm_heads, spec.ssm_head_dim, spec.ssm_state)}  # [H, Dh, N]
+
+
+# kind -> the states one layer of that kind keeps (attention's K/V are the KV cache, not listed here)
+STATE_SHAPES = {"attention": lambda spec: {}, "conv": _conv_states, "linear_attention": _delta_net_states,
+                "mamba2": _mamba2_states}
+
+
+def state_specs(spec: ModelSpec) -> tuple[StateSpec, ...]:
+    """Every per-slot state of the model beyond K/V, by layer, then name (the graphs' I/O order)."""
+    return tuple(StateSpec(i, name, shape) for i in range(spec.num_layers)
+                 for name, shape in STATE_SHAPES[spec.layer_kind(i)](spec).items())
 
 
 def rope_tables(spec: ModelSpec) -> dict[str, RopeSpec]:
@@ -168,13 +244,18 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     Layout is the checkpoint's [out_features, in_features] for every linear weight.
 
     - ``embed``                     [V, hidden]
-    - ``layers.{i}.input_norm``     [hidden]
-    - ``layers.{i}.qkv``            [(H + 2 H_kv) * D, hidden]   rows: q heads, k heads, v heads
-    - ``layers.{i}.qkv_bias``       [(H + 2 H_kv) * D]           (qkv_bias only)
-    - ``layers.{i}.q_norm``         [D]                          (qk_norm only)
-    - ``layers.{i}.k_norm``         [D]                          (qk_norm only)
-    - ``layers.{i}.o``              [hidden, H * D]
-    - ``layers.{i}.attn_out_norm``  [hidden]                     (sandwich_norm only: on the attention output)
+    - ``layers.{i}.input_norm``     [hidden]                     the norm in front of the layer's mixer
+    - the mixer's weights (``MIXER_NAMES`` by ``spec.layer_kind(i)``); an "attention" layer's:
+      - ``layers.{i}.qkv``          [(H + 2 H_kv) * D, hidden]   rows: q heads, k heads, v heads
+      - ``layers.{i}.qkv_bias``     [(H + 2 H_kv) * D]           (qkv_bias only)
+      - ``layers.{i}.q_norm``       [D]                          (qk_norm only)
+      - ``layers.{i}.k_norm``       [D]                          (qk_norm only)
+      - ``layers.{i}.o``            [hidden, H * D]
+      a "conv" layer's (LFM2's gated short conv, C = hidden):
+      - ``layers.{i}.conv_in``      [3 C, hidden]                rows: B gate, C gate, x (+ ``conv_in_bias`` [3 C])
+      - ``layers.{i}.conv``         [C, 1, K]                    depthwise taps, ONNX Conv layout (+ ``conv_bias`` [C])
+      - ``layers.{i}.conv_out``     [hidden, C]                  (+ ``conv_out_bias`` [hidden])
+    - ``layers.{i}.attn_out_norm``  [hidden]                     (sandwich_norm only: on the mixer's output)
     - ``layers.{i}.post_norm``      [hidden]                     the norm in front of the MLP
     - ``layers.{i}.gate_up``        [2 * I, hidden]              rows: gate, then up
     - ``layers.{i}.down``           [hidden, I]
@@ -185,12 +266,8 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     names = ["embed"]
     for i in range(spec.num_layers):
         p = f"layers.{i}."
-        names += [p + "input_norm", p + "qkv"]
-        if spec.qkv_bias:
-            names.append(p + "qkv_bias")
-        if spec.qk_norm:
-            names += [p + "q_norm", p + "k_norm"]
-        names.append(p + "o")
+        names.append(p + "input_norm")
+        names += [p + leaf for leaf in MIXER_NAMES[spec.layer_kind(i)](spec)]
         if spec.sandwich_norm:
             names.append(p + "attn_out_norm")
         names += [p + "post_norm", p + "gate_up", p + "down"]
@@ -200,6 +277,20 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     if not spec.tie_word_embeddings:
         names.append("lm_head")
     return names
+
+
+def _attention_names(spec: ModelSpec) -> list[str]:
+    return ["qkv", *(["qkv_bias"] if spec.qkv_bias else []), *(["q_norm", "k_norm"] if spec.qk_norm else []), "o"]
+
+
+def _conv_names(spec: ModelSpec) -> list[str]:
+    if spec.conv_bias:
+        return ["conv_in", "conv_in_bias", "conv", "conv_bias", "conv_out", "conv_out_bias"]
+    return ["conv_in", "conv", "conv_out"]
+
+
+# layer kind -> the leaf names of its mixer's weights (a kind without an entry has no lowering yet)
+MIXER_NAMES = {"attention": _attention_names, "conv": _conv_names}
 
 
 def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
@@ -221,5 +312,11 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         "o": (h, spec.num_heads * d),
         "gate_up": (2 * spec.intermediate_size, h),
         "down": (h, spec.intermediate_size),
+        "conv_in": (3 * h, h),
+        "conv_in_bias": (3 * h,),
+        "conv": (h, 1, spec.conv_kernel),
+        "conv_bias": (h,),
+        "conv_out": (h, h),
+        "conv_out_bias": (h,),
     }
     return shapes[leaf]

@@ -9,6 +9,8 @@ what the row holds, ids and K/V together, as the cache records them (``KVCache.h
 never says which ids a row's K/V belongs to, so it cannot say it wrongly.
 
 Only whole blocks are cached; the partial block at the end of a prompt is always prefilled.
+Hybrid models (a cache with conv / recurrent states, ``KVCache.has_state``) are never stored or
+loaded: their state exists only at the end of what a row ran, not at block boundaries.
 Because K/V at position p depends only on ids 0..p (causal attention, absolute positions; a
 sliding window only limits what a query reads), a hit is the same K/V the prefill would write.
 
@@ -114,6 +116,8 @@ class PrefixCache:
         have = int(cache.lengths[slot])
         if not np.array_equal(cache.held(slot), ids[:have]):
             raise DecodertError(f"prefix cache: slot {slot} holds ids that do not begin {len(ids)} prompt ids")
+        if getattr(cache, "has_state", False):  # K/V blocks cannot restore a conv/recurrent state: no reuse
+            return have
         limit = len(ids) - 1 if limit is None else limit
         self.stats.lookups += 1
         chain = self.match(ids, limit)
@@ -148,7 +152,7 @@ class PrefixCache:
         """Keep every whole block of what ``slot`` holds (``cache.held(slot)`` and its K/V) not cached
         yet. Returns the number of new blocks stored."""
         ids = cache.held(slot)
-        if self.block_bytes > self.budget_bytes:
+        if self.block_bytes > self.budget_bytes or getattr(cache, "has_state", False):
             return 0
         chain = self.match(ids)
         key = chain[-1].key if chain else b""

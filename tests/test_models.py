@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny import FAMILIES, tiny_config  # noqa: E402
+from tiny import FAMILIES, HYBRIDS, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.checkpoints.checkpoint import source_keys  # noqa: E402
@@ -194,7 +194,7 @@ def test_llama3_rope_from_gguf_frequency_factors():
 
 def test_tiny_configs_cover_every_family():
     assert set(FAMILIES) == {"llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2"}
-    assert {hf(f).family for f in FAMILIES} == set(families())
+    assert {hf(f).family for f in FAMILIES + HYBRIDS} == set(families())
     assert {hf(f).group_size for f in FAMILIES} >= {1, 2, 4}
     assert {hf(f).head_dim for f in FAMILIES} == {16, 32}
 

@@ -41,6 +41,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
                    final_logit_softcapping=0.5, layer_types=["sliding_attention", "full_attention"]),
 }
 FAMILIES = tuple(CONFIGS)
+# Hybrid models (per-layer state beyond K/V: models/spec.py LAYER_KINDS). Kept apart from CONFIGS: the generic
+# tests over FAMILIES read llama-shaped modules and write GGUFs; each hybrid has its own test file.
+HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
+    # every layer kind, conv first; a kernel of 4 (state 3) so prompts and decode steps cross the window;
+    # the MLP width rule of Lfm2MLP (2/3, a multiplier, rounded up to a multiple) exercised
+    "lfm2": dict(model_type="lfm2", num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                 conv_L_cache=4, head_dim=None, tie_word_embeddings=True, intermediate_size=192,
+                 block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=32),
+}
+HYBRIDS = tuple(HYBRID_CONFIGS)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -58,9 +68,10 @@ Once upon a time there was a small model that wanted to speak many languages: bo
 
 def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
     """The config.json fields of a tiny `family` model (before transformers fills defaults)."""
-    if family not in CONFIGS:
-        raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
-    config = {**_BASE, **CONFIGS[family], **overrides}
+    known = {**CONFIGS, **HYBRID_CONFIGS}
+    if family not in known:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES + HYBRIDS}")
+    config = {**_BASE, **known[family], **overrides}
     return {k: v for k, v in config.items() if v is not None}
 
 

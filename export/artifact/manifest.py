@@ -14,6 +14,7 @@ the new files (a field changing meaning); ``load_manifest`` then names the versi
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import os
 from pathlib import Path
@@ -77,13 +78,43 @@ class ModelRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class StateRecord(Record):
+    """A per-slot state of a non-attention layer: graph I/O past_{name}.{layer} / present_{name}.{layer}."""
+    layer: int
+    name: str  # "conv" | "recurrent"
+    shape: tuple[int | str, ...]  # ["batch", ...per-slot dims]
+
+    @property
+    def io_name(self) -> str:
+        return f"{self.name}.{self.layer}"
+
+
+@dataclasses.dataclass(frozen=True)
 class KVRecord(Record):
-    num_layers: int
+    num_layers: int  # layers that keep K/V (attention layers; every layer unless layer_kinds says otherwise)
     num_kv_heads: int
     head_dim: int
     dtype: str | None = None  # the cache's dtype: the manifest's dtype
     shape: tuple[int | str, ...] = ()  # [batch, num_kv_heads, max_seq, head_dim]
     inplace: bool = True  # present_* alias past_* (the graphs write the cache in place)
+    layer_kinds: tuple[str, ...] = ()  # per model layer (models/spec.py LAYER_KINDS); () = all attention
+    states: tuple[StateRecord, ...] = ()  # the other layers' states, in graph I/O order
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The model layer of each K/V pair (past_key.{i})."""
+        if not self.layer_kinds:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "attention")
+
+    def cache_layout(self) -> dict:
+        """KVCache's keyword arguments beyond the K/V geometry: kv_layers and states (io name, per-slot shape)."""
+        return {"kv_layers": self.layers,
+                "states": [(st.io_name, tuple(int(d) for d in st.shape[1:])) for st in self.states]}
+
+    def state_bytes(self, slots: int, itemsize: int) -> int:
+        """Bytes of every state of ``slots`` rows."""
+        return sum(slots * itemsize * math.prod(int(d) for d in st.shape[1:]) for st in self.states)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +315,11 @@ def validate(m: Manifest, path: Path) -> None:
     kv = m.kv
     _need(min(kv.num_layers, kv.num_kv_heads, kv.head_dim) >= 1, path,
           "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
+    _need(len(kv.layers) == kv.num_layers, path, "kv.layer_kinds does not match kv.num_layers attention layers")
+    for st in kv.states:
+        _need(0 <= st.layer < max(len(kv.layer_kinds), 1) and st.name in ("conv", "recurrent") and len(st.shape) >= 2
+              and st.shape[0] == "batch" and all(type(d) is int and d >= 1 for d in st.shape[1:]), path,
+              f"kv.states entry for layer {st.layer} ({st.name}) is malformed")
     _need(kv.dtype in (None, m.dtype), path, "kv.dtype differs from dtype")
     for kind in GRAPHS:
         _need(kind in m.graphs, path, f"graphs.{kind} is missing or malformed")
@@ -310,9 +346,11 @@ def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
     io: dict[str, tuple[str, list | None]] = {
         "input_ids": ("int64", None), "past_lengths": ("int64", ["batch"]), "seq_lengths": ("int64", ["batch"]),
         "logits": ("fp32", ["batch", m.model.vocab_size]), "next_token": ("int64", ["batch"])}
-    for i in range(kv.num_layers):
+    for i in kv.layers:
         for name in ("past_key", "past_value", "present_key", "present_value"):
             io[f"{name}.{i}"] = (m.dtype, cache)
+    for st in kv.states:
+        io[f"past_{st.io_name}"] = io[f"present_{st.io_name}"] = (m.dtype, list(st.shape))
     return io
 
 

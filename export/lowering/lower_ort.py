@@ -5,6 +5,7 @@
 - float linear     -> com.microsoft.FusedMatMul (transB): activations stay [B, S, hidden], so no
                       layer needs a Reshape
 - tied embedding   -> com.microsoft.GatherBlockQuantized on the quantized head (no float table kept)
+- causal conv      -> com.microsoft.CausalConvWithState (LFM2's conv layers; the state update per row in standard ops)
 - CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
                       present sharing one buffer (seqlens_k = past + S - 1 per row, so right
                       padding keeps every valid row's positions exact).
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from decodert.export.lowering import verify_attention
-from decodert.export.lowering.lowering import GraphInputs, Lowering
+from decodert.export.lowering.lowering import GraphInputs, Lowering, conv_state_update
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quantize.quant import quantized_embedding
 from decodert.export.quantize.weight_layouts import NBITS
@@ -117,6 +118,21 @@ class OrtLowering(Lowering):
         indicator = np.repeat(np.eye(k // wq.block_size), wq.block_size, axis=0)
         sums = g.op("MatMul", x, g.const(indicator, dtype=NUMPY_DTYPES[self.dtype]))
         return g.op("Add", y, g.op("MatMul", sums, f"{weight}.mins"))
+
+    def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
+                    seq_lengths: str) -> str:
+        """com.microsoft.CausalConvWithState over Concat(past, x), its first K-1 outputs dropped.
+
+        The op's own past/present state is not used: its present holds the last K-1 positions of the
+        padded call, and a right-padded row's state must end at its last valid token; and its past
+        must have no reader besides the one node that precedes the write of present (the same
+        buffer). So past is read by the Concat only, and present is taken per row as in the portable body."""
+        past, present = state
+        k = self.spec.conv_kernel
+        cat = g.op("Concat", past, x, axis=2)  # [B, C, K-1+S]
+        y, _ = g.op("CausalConvWithState", cat, weight, bias or "", domain="com.microsoft", outputs=2)
+        conv_state_update(g, cat, seq_lengths, present, k)
+        return g.op("Slice", y, g.const([k - 1]), g.const([np.iinfo(np.int64).max]), g.const([2]))  # [B, C, S]
 
     def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
         if isinstance(ctx, verify_attention.VerifyContext):

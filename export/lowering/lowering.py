@@ -128,6 +128,34 @@ class Lowering:
                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
                               softcap=self.softcap)
 
+    def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
+                    seq_lengths: str) -> str:
+        """Depthwise causal conv over a rolling state: x [B, C, S] -> y [B, C, S]; ``weight`` [C, 1, K].
+
+            cat     = Concat(past [B, C, K-1], x)             the only reader of past
+            y       = Conv(cat, weight, group=C)              (+ bias)
+            present = cat[b, :, seq_lengths[b] .. + K-2]      each row's last K-1 valid inputs (right padding)
+        ``state`` = (past, present) names: one buffer bound to both, written by GatherElements after the Concat read it.
+        """
+        return causal_conv_body(g, x, weight, bias, state, seq_lengths, self.spec.hidden_size, self.spec.conv_kernel)
+
+
+def conv_state_update(g: GraphBuilder, cat: str, seq_lengths: str, present: str, k: int) -> None:
+    """present [B, C, K-1] = cat [B, C, K-1+S] at columns seq_lengths[b] .. seq_lengths[b] + K-2 of each row."""
+    cols = g.op("Add", g.op("Unsqueeze", seq_lengths, g.const([1, 2])), g.const(np.arange(k - 1, dtype=np.int64).reshape(1, 1, -1)))
+    shape = g.op("Concat", g.op("Slice", g.op("Shape", cat), g.const([0]), g.const([2])), g.const([k - 1]), axis=0)
+    g.op("GatherElements", cat, g.op("Expand", cols, shape), axis=2, outputs=[present])
+
+
+def causal_conv_body(g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
+                     seq_lengths: str, channels: int, k: int) -> str:
+    """Lowering.causal_conv in standard ops (Concat, Conv group=C, GatherElements)."""
+    past, present = state
+    cat = g.op("Concat", past, x, axis=2)  # [B, C, K-1+S]
+    y = g.op("Conv", cat, weight, *([bias] if bias else []), group=channels, kernel_shape=[k])  # [B, C, S]
+    conv_state_update(g, cat, seq_lengths, present, k)
+    return y
+
 
 def gelu_tanh_body(g: GraphBuilder, x: str, dtype: str) -> str:
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) in standard ops older than Gelu-20."""

@@ -94,11 +94,13 @@ class OrtBackend:
         if not 1 <= slots <= self.max_batch:
             raise DecodertError(f"batch {slots} exceeds the artifact's --max-batch {self.max_batch}")
         itemsize = np.dtype(self.np_dtype).itemsize
-        check_fits(slots * 2 * self.layers * self.kv_heads * self.max_seq * self.head_dim * itemsize, "KV cache")
+        check_fits(slots * 2 * self.layers * self.kv_heads * self.max_seq * self.head_dim * itemsize
+                   + self.manifest.kv.state_bytes(slots, itemsize), "KV cache")
         self._decode_bindings.clear()
         for state in self._verify.values():
             state.bindings.clear()
-        return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype, self.device)
+        return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype, self.device,
+                       **self.manifest.kv.cache_layout())
 
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         lens = np.array([len(x) for x in ids], np.int64)
@@ -171,6 +173,8 @@ class OrtBackend:
                            np.zeros((len(slots), width, self.vocab_size), np.float32) if want_logits else None)
         batched = self.manifest.graphs["verify"].batched_past
         runs = fitting_runs(slots, cache.lengths, lens, cache.max_seq) if batched else self._prefill_groups(cache, slots, lens)
+        if cache.has_state:  # a padded position would enter a row's conv/recurrent state: rows run unpadded, alone
+            runs = [[j] for run in runs for j in run]
         for rows in runs:  # a padded run never writes past the end of a row's context
             state = self._verify_state(len(rows) == 1)
             start, n, w = slots[rows[0]], len(rows), int(lens[rows].max())
@@ -216,12 +220,16 @@ class OrtBackend:
         if cache.device == "cpu":
             for buf in cache.buffers:
                 buf[dst, :, :n] = buf[src, :, :n]
+            for buf in cache.states:
+                buf[dst] = buf[src]
         else:
             from decodert.plugins.cuda_mem import copy_async
 
             stream = self._cuda_stream()
             for i in range(len(cache.buffers)):
                 copy_async(cache.pointer(i, dst), cache.pointer(i, src), cache.slot_bytes, stream, "d2d")
+            for j, nbytes in enumerate(cache.state_bytes):
+                copy_async(cache.state_pointer(j, dst), cache.state_pointer(j, src), nbytes, stream, "d2d")
             self._stream.sync()
         cache.move(src, dst)
 
@@ -311,14 +319,19 @@ class _VerifyState:
 
 
 def _bind_cache(io: Any, cache: KVCache, start: int, n: int) -> None:
-    """Bind slots [start, start+n) of every K/V buffer (one contiguous view) as past and present."""
+    """Bind slots [start, start+n) of every K/V buffer and every state (one contiguous view each)
+    as past and present."""
     shape = (n, *cache.slot_shape)
     for i in range(len(cache.buffers)):
         ptr = cache.pointer(i, start)
-        layer, kv = divmod(i, 2)
-        suffix = f"{('key', 'value')[kv]}.{layer}"
+        pair, kv = divmod(i, 2)
+        suffix = f"{('key', 'value')[kv]}.{cache.kv_layers[pair]}"
         io.bind_input(f"past_{suffix}", cache.device, 0, cache.dtype, shape, ptr)
         io.bind_output(f"present_{suffix}", cache.device, 0, cache.dtype, shape, ptr)
+    for j, name in enumerate(cache.state_names):
+        ptr, st_shape = cache.state_pointer(j, start), (n, *cache.state_shapes[j])
+        io.bind_input(f"past_{name}", cache.device, 0, cache.dtype, st_shape, ptr)
+        io.bind_output(f"present_{name}", cache.device, 0, cache.dtype, st_shape, ptr)
 
 
 def _gather(out: StepOutput, rows: list[int], b: _Binding, want_logits: bool) -> None:

@@ -86,7 +86,8 @@ class TrtVerifier:
         out = VerifyOutput(np.zeros((n, width), np.int64),
                            np.zeros((n, width, b.vocab_size), np.float32) if want_logits else None)
         for run in fitting_runs(slots, cache.lengths, lens, b.max_seq):
-            self._run(cache, run, rows, out)
+            for part in [[pair] for pair in run] if cache.has_state else [run]:  # hybrid rows: unpadded, alone
+                self._run(cache, part, rows, out)
         cache.commit(slots, rows)
         return out
 

@@ -232,7 +232,8 @@ def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequenc
     """
     for slot, seq in zip(slots, seqs):
         seq.timer.start()
-        cache.rewind(slot, common_prefix(cache.held(slot), seq.prompt, len(seq.prompt) - 1))
+        same = common_prefix(cache.held(slot), seq.prompt, len(seq.prompt) - 1)
+        cache.rewind(slot, cache.rewind_point(slot, same))  # a row with states: its length, its snapshot or 0
         if prefix is not None:
             prefix.load(cache, slot, seq.prompt)
         seq.cached_tokens = int(cache.lengths[slot])

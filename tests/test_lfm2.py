@@ -1,0 +1,166 @@
+"""LFM2 (gated short convolutions beside GQA): a hybrid model whose conv layers keep a rolling state.
+
+Against transformers on a tiny random checkpoint with every layer kind and a kernel of 4 (prompts and
+decode steps longer than the conv window): logits and greedy tokens for the ort, portable and trt
+graphs (the trt graph run by ONNX Runtime), a ragged batch equal to the singles; then the runtime
+over the state: speculative equals plain, a session's turns equal re-prefill, the prefix cache stays off.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity import backend, decodert_greedy, hf_reference, logits_parity  # noqa: E402
+from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
+
+from decodert.errors import DecodertError  # noqa: E402
+from decodert.export.artifact.manifest import load_manifest  # noqa: E402
+from decodert.export.pipeline import export_model  # noqa: E402
+from decodert.models import family_for  # noqa: E402
+from decodert.runtime.llm import LLM, Request  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    src = make_tiny_checkpoint("lfm2", tmp_path_factory.mktemp("lfm2-src"))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    made: dict[str, Path] = {}
+
+    def get(target: str) -> Path:
+        if target not in made:
+            made[target] = tmp_path_factory.mktemp(f"lfm2-{target}")
+            export_model(src, made[target], target=target, dtype="fp32", max_seq=96, max_batch=4, progress=False)
+        return made[target]
+
+    return src, model, get
+
+
+def _prompts(lengths, seed=0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 512, n).astype(np.int64) for n in lengths]
+
+
+def test_spec_declares_the_layer_kinds_and_states():
+    spec = family_for("lfm2").spec_from_hf(tiny_config("lfm2"))
+    assert spec.layer_kinds == ("conv", "attention", "conv") and spec.kv_layers == (1,)
+    assert spec.conv_kernel == 4 and spec.qk_norm and spec.tie_word_embeddings
+    assert spec.intermediate_size == 128  # Lfm2MLP: int(2 * 192 / 3) rounded up to a multiple of 32
+
+
+@pytest.mark.parametrize("target", ["ort", "portable", "trt"])
+def test_logits_and_greedy_match_transformers(lfm2, target):
+    _, model, get = lfm2
+    prompts = _prompts((11, 5, 1))  # ragged: rows right-padded in one prefill, one shorter than the window
+    refs = [hf_reference(model, p, 17) for p in prompts]
+    assert logits_parity(get(target), refs, prompts) < 1e-4
+    be = backend(get(target))
+    assert decodert_greedy(be, prompts, 17) == [toks for toks, _ in refs]
+    singles = [decodert_greedy(be, [p], 17)[0] for p in prompts]  # the batch of uneven rows equals the singles
+    assert singles == [toks for toks, _ in refs]
+
+
+def test_manifest_records_kinds_and_state_shapes(lfm2):
+    _, _, get = lfm2
+    m = load_manifest(get("ort"))
+    assert m.kv.layer_kinds == ("conv", "attention", "conv") and m.kv.num_layers == 1 and m.kv.layers == (1,)
+    assert [(s.layer, s.name, s.shape) for s in m.kv.states] == [(0, "conv", ("batch", 64, 3)), (2, "conv", ("batch", 64, 3))]
+    names = {t.name for t in m.graphs["decode"].inputs}
+    assert {"past_key.1", "past_conv.0", "past_conv.2"} <= names and "past_key.0" not in names
+    import onnx
+
+    graph = onnx.load(str(get("ort") / "prefill.onnx"), load_external_data=False)
+    assert "CausalConvWithState" in {n.op_type for n in graph.graph.node}
+
+
+def test_ort_binds_the_states_in_place(lfm2):
+    _, _, get = lfm2
+    be = backend(get("ort"))
+    cache = be.allocate(2)
+    be.prefill(cache, [0, 1], _prompts((7, 3)), want_logits=False)
+    assert [s.shape for s in cache.states] == [(2, 64, 3), (2, 64, 3)]
+    assert all(np.abs(s[r]).max() > 0 for s in cache.states for r in (0, 1))  # written by the graph, in place
+
+
+def test_speculative_equals_plain(lfm2):
+    _, _, get = lfm2
+    llm = LLM.load(get("ort"), backend="ort")
+    rng = np.random.default_rng(4)
+    ps = [np.tile(rng.integers(3, 512, 6), 4), rng.integers(3, 512, 9), np.tile(rng.integers(3, 512, 3), 5)]
+    plain = [llm.generate(p, max_new_tokens=40) for p in ps]
+    spec = [llm.generate(p, max_new_tokens=40, speculative="ngram") for p in ps]
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    fixed = SpeculativeConfig(adaptive=False, draft_len=5)
+    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=40), speculative=fixed) for p in ps])
+    assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
+    assert max(r.metrics.accepted_per_step for r in batch) > 1.0  # drafts were accepted, others rejected
+
+
+def test_session_turns_equal_reprefill_and_prefix_cache_is_off(lfm2):
+    _, _, get = lfm2
+    llm = LLM.load(get("ort"), backend="ort", prefix_cache_mb=8)
+    assert llm.prefix_cache is None  # a hybrid's state exists only where a row ended, not at block boundaries
+    session = llm.session(system="be brief")
+    for question in ("Hello world!", "How are you today?", "The quick brown fox"):
+        r = session.chat(question, max_new_tokens=8)
+        again = llm.generate(llm._chat_ids(session.history[:-1]), max_new_tokens=8)
+        assert r.token_ids == again.token_ids
+    assert session.last_turn is not None
+
+
+def test_unknown_layer_kind_is_one_line(tmp_path):
+    src = make_tiny_checkpoint("lfm2", tmp_path / "m")
+    config = json.loads((src / "config.json").read_text())
+    config["layer_types"] = ["conv", "sliding_mamba", "conv"]
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DecodertError, match="sliding_mamba") as e:
+        export_model(src, tmp_path / "out", max_seq=32, progress=False)
+    assert "\n" not in str(e.value)
+
+
+def test_trt_graphs_build_with_tensorrt_rtx(tmp_path):
+    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
+    from decodert.export import trt_build
+
+    out = tmp_path / "art"
+    export_model(make_tiny_checkpoint("lfm2", tmp_path / "m"), out, target="trt", dtype="fp16", max_seq=32,
+                 max_batch=2, progress=False)
+    trt_build.build_engines(out, progress=False)
+    m = json.loads((out / "manifest.json").read_text())
+    for name in ("prefill", "decode", "verify"):
+        layers = m["engines"][name]["layers"]
+        assert layers["CONVOLUTION"] == 2 and layers["KV_CACHE_UPDATE"] == 2  # two conv layers, one attention layer
+        io = {t["name"]: t for t in m["engines"][name]["io"]["inputs"]}
+        assert io["past_conv.2"]["shape"] == ["batch", 64, 3]
+
+
+def test_trt_backend_on_the_emulator(lfm2, monkeypatch):
+    """The trt backend binds the states like K/V (tests/trt_emulator.py runs the engines' graphs on the CPU):
+    the ort backend's tokens, a ragged batch, continuous batching and speculation at batch 2."""
+    import trt_emulator
+
+    _, _, get = lfm2
+    art = get("trt")
+    trt_emulator.emulate_engines(art)
+    trt_emulator.install(monkeypatch)
+    rng = np.random.default_rng(2)
+    ps = [np.tile(rng.integers(3, 512, 5), 3), rng.integers(3, 512, 9), rng.integers(3, 512, 2)]
+    with LLM.load(art, backend="ort") as ref, LLM.load(art, backend="trt") as llm:
+        want = [ref.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps]
+        assert [llm.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps] == want
+        uneven = [SamplingParams(max_new_tokens=n, temperature=0) for n in (20, 5, 12)]  # rows end, slots move
+        got = llm.generate_many([Request(p, sp) for p, sp in zip(ps, uneven)])
+        assert [r.token_ids for r in got] == [w[: sp.max_new_tokens] for w, sp in zip(want, uneven)]
+        fixed = SpeculativeConfig(adaptive=False, draft_len=6)
+        reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps[:2]]
+        assert [r.token_ids for r in llm.generate_many(reqs)] == want[:2]

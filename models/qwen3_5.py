@@ -132,6 +132,3 @@ def spec_from_hf(config: dict) -> ModelSpec:
     rope = hf_rope(config)
     return dataclasses.replace(spec, rope=rope if rot == spec.head_dim else dataclasses.replace(rope, rotary_dim=rot))
 
-
-def spec_from_gguf(meta: dict) -> ModelSpec:
-    raise DecodertError("qwen3_5 GGUF files are not supported yet (the gguf package names no Qwen3.5 tensors here)")

@@ -43,9 +43,9 @@ def causal_conv_ref(x, weight, past_state, seq_lengths=None, bias=None, *, activ
 
 
 # ---- reference body (standard ONNX ops, opset >= 18) ---------------------------------------
-def full_window(g: GraphBuilder, x: str, past_state: str) -> str:
-    """concat(past [B,C,K-1], x^T [B,C,S]) -> [B,C,K-1+S]."""
-    return g.op("Concat", past_state, g.op("Transpose", x, perm=[0, 2, 1]), axis=2)
+def full_window(g: GraphBuilder, x_bcs: str, past_state: str) -> str:
+    """concat(past [B,C,K-1], x [B,C,S]) -> [B,C,K-1+S]: the only reader of the past state."""
+    return g.op("Concat", past_state, x_bcs, axis=2)
 
 
 def next_state(g: GraphBuilder, full: str, seq_lengths: str, kernel: int, out: str | None = None) -> str:
@@ -58,12 +58,12 @@ def next_state(g: GraphBuilder, full: str, seq_lengths: str, kernel: int, out: s
 
 def conv_body(g: GraphBuilder, full: str, weight: str, bias: str, *, kernel: int, channels: int,
               activation: str) -> str:
-    """Depthwise Conv (group = C, no padding) over the window -> y [B,S,C]."""
+    """Depthwise Conv (group = C, no padding) over the window -> y [B,C,S]."""
     w = g.op("Reshape", weight, g.const([channels, 1, kernel]))
     y = g.op("Conv", full, w, *([bias] if bias else []), group=channels, kernel_shape=[kernel])
     if activation == "silu":
         y = g.op("Mul", y, g.op("Sigmoid", y))
-    return g.op("Transpose", y, perm=[0, 2, 1])
+    return y
 
 
 def seq_lengths_or_full(g: GraphBuilder, x: str, seq_lengths: str) -> str:
@@ -85,9 +85,9 @@ def causal_conv_expand(g: GraphBuilder, inputs, outputs, attrs: dict, ctx) -> No
     channels, kernel = ctx.static_dim(weight, 0), ctx.static_dim(weight, 1)
     if attrs["activation"] not in ACTIVATIONS:
         raise ctx.error(f"activation '{attrs['activation']}' is not one of {', '.join(ACTIVATIONS)}")
-    full = full_window(g, x, past_state)
+    full = full_window(g, g.op("Transpose", x, perm=[0, 2, 1]), past_state)
     y = conv_body(g, full, weight, bias, kernel=kernel, channels=channels, activation=attrs["activation"])
-    g.op("Identity", y, outputs=[outputs[0]])
+    g.op("Transpose", y, perm=[0, 2, 1], outputs=[outputs[0]])
     next_state(g, full, seq_lengths_or_full(g, x, seq_lengths), kernel, outputs[1])
 
 

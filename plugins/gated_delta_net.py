@@ -68,10 +68,18 @@ def gated_delta_net_ref(q, k, v, a, b, a_log, dt_bias, past_state, seq_lengths=N
 
 
 # ---- reference body (standard ONNX ops, opset >= 18) ---------------------------------------
-def _l2norm(g: GraphBuilder, x: str) -> str:
-    inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", g.op("ReduceSum", g.op("Mul", x, x), g.const([-1]), keepdims=1),
-                                                g.const(np.float32(L2_EPS)))))
-    return g.op("Mul", x, inv)
+def l2norm_body(g: GraphBuilder, x: str, dtype: type = np.float32) -> str:
+    """x * 1/sqrt(sum(x^2, last axis) + 1e-6); ``dtype``: x's numpy type."""
+    sums = g.op("ReduceSum", g.op("Mul", x, x), g.const([-1]), keepdims=1)
+    return g.op("Mul", x, g.op("Reciprocal", g.op("Sqrt", g.op("Add", sums, g.const(np.array(L2_EPS, dtype))))))
+
+
+def valid_tokens(g: GraphBuilder, x: str, seq_lengths: str) -> str:
+    """[B,S,1] bool: token s of row b is valid (s < seq_lengths[b]); x [B,S,...]."""
+    steps = g.op("Range", g.const(np.int64(0)), g.op("Squeeze", g.op("Shape", x, start=1, end=2), g.const([0])),
+                 g.const(np.int64(1)))
+    valid = g.op("Less", g.op("Unsqueeze", steps, g.const([0])), g.op("Unsqueeze", seq_lengths, g.const([1])))
+    return g.op("Unsqueeze", valid, g.const([2]))
 
 
 def prepare(g: GraphBuilder, q: str, k: str, v: str, a: str, b: str, a_log: str, dt_bias: str, seq_lengths: str,
@@ -87,17 +95,14 @@ def prepare(g: GraphBuilder, q: str, k: str, v: str, a: str, b: str, a_log: str,
                       g.const([0, 0, hv, d]))
         return g.op("Transpose", x4, perm=[1, 0, 2, 3])
 
-    qn = g.op("Mul", _l2norm(g, heads(q, hk, dk)), g.const(np.float32(scale)))
-    kn = _l2norm(g, heads(k, hk, dk))
+    qn = g.op("Mul", l2norm_body(g, heads(q, hk, dk)), g.const(np.float32(scale)))
+    kn = l2norm_body(g, heads(k, hk, dk))
     vn = heads(v, hv, dv)
     softplus = g.op("Softplus", g.op("Add", f(a), dt_bias))
     log_decay = g.op("Mul", g.op("Neg", g.op("Exp", a_log)), softplus)  # [B,S,Hv]
     beta = g.op("Sigmoid", f(b))
     if seq_lengths:
-        steps = g.op("Range", g.const(np.int64(0)), g.op("Squeeze", g.op("Shape", q, start=1, end=2)),
-                     g.const(np.int64(1)))
-        valid = g.op("Unsqueeze", g.op("Less", g.op("Unsqueeze", steps, g.const([0])),
-                                       g.op("Unsqueeze", seq_lengths, g.const([1]))), g.const([2]))  # [B,S,1]
+        valid = valid_tokens(g, q, seq_lengths)
         zero = g.const(np.float32(0.0))
         log_decay, beta = g.op("Where", valid, log_decay, zero), g.op("Where", valid, beta, zero)
     decay = g.op("Transpose", g.op("Exp", log_decay), perm=[1, 0, 2])
@@ -131,7 +136,11 @@ def recurrence(g: GraphBuilder, qn: str, kn: str, vn: str, decay: str, beta: str
     body.op("Identity", cond, outputs=["cond_out"])
     body.op("Identity", s, outputs=["state_out"])
     body.op("Identity", y, outputs=["y_out"])
-    consts = [helper.make_node("Constant", [], [name], value=tensor) for name, tensor in body.initializers.items()]
+    unique = f"gated_delta_step_{len(g.nodes)}/"  # body constants must not reuse the outer graph's names
+    rename = {name: unique + name for name in body.initializers}
+    for node in body.nodes:
+        node.input[:] = [rename.get(n, n) for n in node.input]
+    consts = [helper.make_node("Constant", [], [rename[name]], value=tensor) for name, tensor in body.initializers.items()]
     graph = helper.make_graph(
         consts + body.nodes, "gated_delta_step",
         [helper.make_tensor_value_info(t, TensorProto.INT64, []), helper.make_tensor_value_info(cond, TensorProto.BOOL, []),

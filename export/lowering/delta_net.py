@@ -15,9 +15,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-import onnx
-
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.models.spec import ModelSpec
 from decodert.plugins.onnx_builder import GraphBuilder
@@ -64,17 +61,3 @@ def delta_net_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec:
             gated = g.op("Reshape", g.op("Mul", normed, g.op("Mul", z4, g.op("Sigmoid", z4))), g.const(lead + [vd]))
         with g.scope("out"):
             return low.linear(g, gated, p + "linear_out")
-
-
-def gate_weights(low: Lowering, g: GraphBuilder, a_log: str, dt_bias: str) -> tuple[str, str]:
-    """The per-head gate parameters as float32 (the weights file keeps the model dtype)."""
-    if low.dtype == "fp32":
-        return a_log, dt_bias
-    return (g.op("Cast", a_log, to=onnx.TensorProto.FLOAT), g.op("Cast", dt_bias, to=onnx.TensorProto.FLOAT))
-
-
-def valid_tokens(g: GraphBuilder, x: str, seq_lengths: str) -> str:
-    """[B, S, 1] bool: token s of row b is valid (s < seq_lengths[b])."""
-    steps = g.op("Range", g.const(np.int64(0)), g.op("Squeeze", g.op("Shape", x, start=1, end=2)), g.const(np.int64(1)))
-    valid = g.op("Less", g.op("Unsqueeze", steps, g.const([0])), g.op("Unsqueeze", seq_lengths, g.const([1])))
-    return g.op("Unsqueeze", valid, g.const([2]))

@@ -1,0 +1,163 @@
+"""Qwen3.5 (Gated DeltaNet beside gated full attention): a hybrid whose linear layers keep a conv state
+and a recurrent state.
+
+Against transformers on a tiny random checkpoint with both layer kinds, prompts longer than the conv
+window and than a DeltaNet chunk (64 tokens): logits and greedy tokens for the ort, portable and trt graphs
+(the trt graph run by ONNX Runtime; and built by TensorRT-RTX),
+a ragged batch equal to the singles; then the runtime over the states: speculative equals plain, a
+session's turns equal re-prefill. The multimodal qwen3_5 checkpoint's language model is read too.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity import backend, decodert_greedy, hf_reference, logits_parity  # noqa: E402
+from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
+
+from decodert.errors import DecodertError  # noqa: E402
+from decodert.export.artifact.manifest import load_manifest  # noqa: E402
+from decodert.export.pipeline import export_model  # noqa: E402
+from decodert.models import family_for  # noqa: E402
+from decodert.runtime.llm import LLM, Request  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
+
+MAX_SEQ = 112
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    src = make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("qwen3_5-src"))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    made: dict[str, Path] = {}
+
+    def get(target: str) -> Path:
+        if target not in made:
+            made[target] = tmp_path_factory.mktemp(f"qwen3_5-{target}")
+            export_model(src, made[target], target=target, dtype="fp32", max_seq=MAX_SEQ, max_batch=4,
+                         progress=False)
+        return made[target]
+
+    return src, model, get
+
+
+def _prompts(lengths, seed=0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 512, n).astype(np.int64) for n in lengths]
+
+
+def test_spec_declares_the_layer_kinds_and_states():
+    spec = family_for("qwen3_5").spec_from_hf(tiny_config("qwen3_5"))
+    assert spec.layer_kinds == ("linear_attention", "attention", "linear_attention") and spec.kv_layers == (1,)
+    assert spec.conv_kernel == 4 and spec.qk_norm and spec.attn_output_gate and spec.rope.rotary_dim == 8
+    assert (spec.linear_key_heads, spec.linear_value_heads, spec.linear_key_dim, spec.linear_value_dim) == (2, 4, 16, 8)
+    assert spec.qkv_size == (2 * 4 + 2 * 2) * 32  # q, gate, k, v rows
+
+
+@pytest.mark.parametrize("target", ["ort", "portable", "trt"])
+def test_logits_and_greedy_match_transformers(qwen35, target):
+    _, model, get = qwen35
+    prompts = _prompts((70, 5, 1))  # ragged; one longer than a DeltaNet chunk, one shorter than the conv window
+    refs = [hf_reference(model, p, 17) for p in prompts]
+    assert logits_parity(get(target), refs, prompts) < 1e-4
+    be = backend(get(target))
+    assert decodert_greedy(be, prompts, 17) == [toks for toks, _ in refs]
+    singles = [decodert_greedy(be, [p], 17)[0] for p in prompts]  # the batch of uneven rows equals the singles
+    assert singles == [toks for toks, _ in refs]
+
+
+def test_manifest_records_kinds_and_state_shapes(qwen35):
+    _, _, get = qwen35
+    m = load_manifest(get("ort"))
+    assert m.kv.layer_kinds == ("linear_attention", "attention", "linear_attention") and m.kv.layers == (1,)
+    channels = 2 * 2 * 16 + 4 * 8
+    assert [(s.layer, s.name, s.shape) for s in m.kv.states] == [
+        (0, "conv", ("batch", channels, 3)), (0, "recurrent", ("batch", 4, 8, 16)),
+        (2, "conv", ("batch", channels, 3)), (2, "recurrent", ("batch", 4, 8, 16))]
+    ops = {n.op_type for n in onnx.load(str(get("ort") / "decode.onnx"), load_external_data=False).graph.node}
+    assert {"GatedDeltaNet", "CausalConvWithState", "GroupQueryAttention"} <= ops
+    ops = {n.op_type for n in onnx.load(str(get("portable") / "prefill.onnx"), load_external_data=False).graph.node}
+    assert "Loop" in ops and not ops & {"GatedDeltaNet", "CausalConvWithState"}
+
+
+@pytest.mark.trt
+def test_trt_graphs_build_on_tensorrt_rtx(qwen35):
+    """TensorRT has layers for all of it: MatMuls for a decode step, an ILoop over the tokens in prefill."""
+    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
+    from decodert.export import trt_build
+
+    _, _, get = qwen35
+    engines = trt_build.build_engines(get("trt"), progress=False)
+    m = load_manifest(get("trt"))
+    for name, rec in engines.items():
+        trt_build.check_io(rec.io, m.graphs[name], name)
+        assert rec.layers["KV_CACHE_UPDATE"] == 2, name  # the one attention layer's K and V
+    assert any("LOOP" in kind or "RECURRENCE" in kind for kind in engines["prefill"].layers)
+
+
+def test_speculative_equals_plain(qwen35):
+    _, _, get = qwen35
+    llm = LLM.load(get("ort"), backend="ort")
+    rng = np.random.default_rng(4)
+    ps = [np.tile(rng.integers(3, 512, 6), 4), rng.integers(3, 512, 9), np.tile(rng.integers(3, 512, 3), 5)]
+    plain = [llm.generate(p, max_new_tokens=40) for p in ps]
+    spec = [llm.generate(p, max_new_tokens=40, speculative="ngram") for p in ps]
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    fixed = SpeculativeConfig(adaptive=False, draft_len=5)
+    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=40), speculative=fixed) for p in ps])
+    assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
+
+
+def test_session_turns_equal_reprefill(qwen35):
+    _, _, get = qwen35
+    llm = LLM.load(get("ort"), backend="ort")
+    session = llm.session(system="be brief")
+    for question in ("Hello world!", "How are you today?", "The quick brown fox"):
+        r = session.chat(question, max_new_tokens=8)
+        again = llm.generate(llm._chat_ids(session.history[:-1]), max_new_tokens=8)
+        assert r.token_ids == again.token_ids
+
+
+def test_multimodal_checkpoint_reads_the_language_model(qwen35, tmp_path):
+    """A qwen3_5 (image-text) folder: text_config, model.language_model.* keys, vision and MTP keys skipped."""
+    from safetensors.numpy import load_file, save_file
+
+    src, model, _ = qwen35
+    text = json.loads((src / "config.json").read_text())
+    config = {"model_type": "qwen3_5", "text_config": {**text, "model_type": "qwen3_5_text"},
+              "vision_config": {"depth": 1}, "tie_word_embeddings": False}
+    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in load_file(src / "model.safetensors").items()}
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((3, 3), np.float32)
+    tensors["mtp.fc.weight"] = np.zeros((2, 2), np.float32)
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    save_file(tensors, mm / "model.safetensors")
+    (mm / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (mm / name).write_text((src / name).read_text())
+    export_model(mm, tmp_path / "out", target="ort", dtype="fp32", max_seq=32, max_batch=1, progress=False)
+    prompt = _prompts((9,))[0]
+    ref = hf_reference(model, prompt, 6)
+    assert decodert_greedy(backend(tmp_path / "out"), [prompt], 6) == [ref[0]]
+
+
+def test_unknown_layer_kind_is_one_line(tmp_path):
+    src = make_tiny_checkpoint("qwen3_5", tmp_path / "m")
+    config = json.loads((src / "config.json").read_text())
+    config["layer_types"] = ["linear_attention", "mamba_attention", "linear_attention"]
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DecodertError, match="mamba_attention") as e:
+        export_model(src, tmp_path / "out", max_seq=32, progress=False)
+    assert "\n" not in str(e.value)

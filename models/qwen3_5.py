@@ -53,7 +53,6 @@ HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
     "final_norm": "model.norm.weight",
     "lm_head": "lm_head.weight",
 }
-GGUF_WEIGHTS: dict[str, str | tuple[str, ...]] = {}
 
 # transformers' Qwen3_5TextConfig defaults, for a config.json that leaves some out
 HF_DEFAULTS: dict[str, Any] = dict(

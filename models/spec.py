@@ -204,11 +204,12 @@ LAYER_KINDS = ("attention", "conv", "linear_attention", "mamba2")
 @dataclass(frozen=True)
 class StateSpec:
     """One per-slot state tensor a non-attention layer keeps (graph I/O ``past_{name}.{layer}`` /
-    ``present_{name}.{layer}``, one buffer [batch, *shape] bound to both, in the model dtype)."""
+    ``present_{name}.{layer}``, one buffer [batch, *shape] bound to both)."""
 
     layer: int
     name: str  # "conv" | "recurrent"
     shape: tuple[int, ...]  # per slot, without the batch dim
+    dtype: str | None = None  # None: the model dtype; "fp32": a recurrent state, whatever the model dtype
 
     @property
     def io_name(self) -> str:
@@ -238,8 +239,13 @@ STATE_SHAPES = {"attention": lambda spec: {}, "conv": _conv_states, "linear_atte
 
 def state_specs(spec: ModelSpec) -> tuple[StateSpec, ...]:
     """Every per-slot state of the model beyond K/V, by layer, then name (the graphs' I/O order)."""
-    return tuple(StateSpec(i, name, shape) for i in range(spec.num_layers)
+    return tuple(StateSpec(i, name, shape, STATE_DTYPES.get(name)) for i in range(spec.num_layers)
                  for name, shape in STATE_SHAPES[spec.layer_kind(i)](spec).items())
+
+
+# A recurrent state accumulates every step: it is kept in float32 in fp16/bf16 models too (ONNX Runtime's
+# GatedDeltaNet takes no other type); a conv state holds inputs as they were, in the model dtype.
+STATE_DTYPES = {"recurrent": "fp32"}
 
 
 def rope_tables(spec: ModelSpec) -> dict[str, RopeSpec]:

@@ -92,14 +92,18 @@ def test_manifest_records_kinds_and_state_shapes(qwen35):
 
 
 @pytest.mark.trt
-def test_trt_graphs_build_on_tensorrt_rtx(qwen35):
-    """TensorRT has layers for all of it: MatMuls for a decode step, an ILoop over the tokens in prefill."""
+def test_trt_graphs_build_on_tensorrt_rtx(qwen35, tmp_path):
+    """TensorRT has layers for all of it: MatMuls for a decode step, an ILoop over the tokens in prefill;
+    fp16, with the recurrent state in float32."""
     pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
     from decodert.export import trt_build
 
-    _, _, get = qwen35
-    engines = trt_build.build_engines(get("trt"), progress=False)
-    m = load_manifest(get("trt"))
+    src, _, _ = qwen35
+    out = tmp_path / "fp16"
+    export_model(src, out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False)
+    engines = trt_build.build_engines(out, progress=False)
+    m = load_manifest(out)
+    assert {(s.name, s.dtype) for s in m.kv.states} == {("conv", None), ("recurrent", "fp32")}
     for name, rec in engines.items():
         trt_build.check_io(rec.io, m.graphs[name], name)
         assert rec.layers["KV_CACHE_UPDATE"] == 2, name  # the one attention layer's K and V

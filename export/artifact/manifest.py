@@ -23,6 +23,7 @@ from typing import Any, Mapping
 from decodert.errors import DecodertError
 from decodert.export.artifact.artifact_files import FileRecord, verify_files
 from decodert.export.artifact.records import R, Record, read_record, to_json
+from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.export.checkpoints.sampling_defaults import check_record
 from decodert.models.spec import ModelSpec
 
@@ -83,10 +84,14 @@ class StateRecord(Record):
     layer: int
     name: str  # "conv" | "recurrent"
     shape: tuple[int | str, ...]  # ["batch", ...per-slot dims]
+    dtype: str | None = None  # None: the manifest's dtype; "fp32": a recurrent state kept in float32
 
     @property
     def io_name(self) -> str:
         return f"{self.name}.{self.layer}"
+
+    def itemsize(self, model_itemsize: int) -> int:
+        return 4 if self.dtype == "fp32" else model_itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +113,15 @@ class KVRecord(Record):
         return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "attention")
 
     def cache_layout(self) -> dict:
-        """KVCache's keyword arguments beyond the K/V geometry: kv_layers and states (io name, per-slot shape)."""
+        """KVCache's keyword arguments beyond the K/V geometry: kv_layers and states (io name, per-slot shape,
+        numpy dtype or None for the cache's)."""
         return {"kv_layers": self.layers,
-                "states": [(st.io_name, tuple(int(d) for d in st.shape[1:])) for st in self.states]}
+                "states": [(st.io_name, tuple(int(d) for d in st.shape[1:]),
+                            NUMPY_DTYPES[st.dtype] if st.dtype else None) for st in self.states]}
 
     def state_bytes(self, slots: int, itemsize: int) -> int:
-        """Bytes of every state of ``slots`` rows."""
-        return sum(slots * itemsize * math.prod(int(d) for d in st.shape[1:]) for st in self.states)
+        """Bytes of every state of ``slots`` rows (``itemsize``: the model dtype's)."""
+        return sum(slots * st.itemsize(itemsize) * math.prod(int(d) for d in st.shape[1:]) for st in self.states)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +325,7 @@ def validate(m: Manifest, path: Path) -> None:
     _need(len(kv.layers) == kv.num_layers, path, "kv.layer_kinds does not match kv.num_layers attention layers")
     for st in kv.states:
         _need(0 <= st.layer < max(len(kv.layer_kinds), 1) and st.name in ("conv", "recurrent") and len(st.shape) >= 2
+              and st.dtype in (None, "fp32")
               and st.shape[0] == "batch" and all(type(d) is int and d >= 1 for d in st.shape[1:]), path,
               f"kv.states entry for layer {st.layer} ({st.name}) is malformed")
     _need(kv.dtype in (None, m.dtype), path, "kv.dtype differs from dtype")
@@ -350,7 +358,7 @@ def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
         for name in ("past_key", "past_value", "present_key", "present_value"):
             io[f"{name}.{i}"] = (m.dtype, cache)
     for st in kv.states:
-        io[f"past_{st.io_name}"] = io[f"present_{st.io_name}"] = (m.dtype, list(st.shape))
+        io[f"past_{st.io_name}"] = io[f"present_{st.io_name}"] = (st.dtype or m.dtype, list(st.shape))
     return io
 
 

@@ -86,8 +86,8 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
             inputs.append({"name": f"past_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
             outputs.append({"name": f"present_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
     for st in state_specs(spec):  # hybrid models: conv / recurrent states, bound in place like K/V
-        inputs.append({"name": f"past_{st.io_name}", "dtype": dtype, "shape": ["batch", *st.shape]})
-        outputs.append({"name": f"present_{st.io_name}", "dtype": dtype, "shape": ["batch", *st.shape]})
+        inputs.append({"name": f"past_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
+        outputs.append({"name": f"present_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
     return {"inputs": inputs, "outputs": outputs}
 
 

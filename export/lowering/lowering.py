@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from decodert.plugins.onnx_builder import GraphBuilder
+from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.export.quantize.weight_layouts import QDQ, WeightLayout
 from decodert.export.artifact.weights import NUMPY_DTYPES
@@ -144,10 +144,12 @@ class Lowering:
         past, present = state
         k = self.spec.conv_kernel
         full = cc.full_window(g, x, past)
-        y = cc.conv_body(g, full, weight, bias or "", kernel=k, channels=channels or self.spec.hidden_size,
-                         activation=activation)
+        window, w, b = full, weight, bias or ""
+        if self.dtype == "bf16":  # Conv takes bfloat16 only from opset 22: compute in float32
+            window, w, b = (g.op("Cast", v, to=1) if v else v for v in (full, weight, b))
+        y = cc.conv_body(g, window, w, b, kernel=k, channels=channels or self.spec.hidden_size, activation=activation)
         cc.next_state(g, full, seq_lengths, k, present)
-        return y
+        return g.op("Cast", y, to=DTYPES["bf16"]) if self.dtype == "bf16" else y
 
     def gated_delta_net(self, g: GraphBuilder, qkvab: tuple[str, str, str, str, str], a_log: str, dt_bias: str,
                         state: tuple[str, str], seq_lengths: str, single: bool = False) -> str:

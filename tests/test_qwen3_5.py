@@ -110,6 +110,41 @@ def test_trt_graphs_build_on_tensorrt_rtx(qwen35, tmp_path):
     assert any("LOOP" in kind or "RECURRENCE" in kind for kind in engines["prefill"].layers)
 
 
+def test_trt_backend_on_the_emulator(qwen35, monkeypatch):
+    """The trt backend binds both states of every linear layer like K/V (tests/trt_emulator.py runs the engines'
+    graphs on the CPU): the ort backend's tokens, continuous batching (rows end, slots move) and speculation."""
+    import trt_emulator
+
+    _, _, get = qwen35
+    art = get("trt")
+    trt_emulator.emulate_engines(art)
+    trt_emulator.install(monkeypatch)
+    rng = np.random.default_rng(2)
+    ps = [np.tile(rng.integers(3, 512, 5), 3), rng.integers(3, 512, 9), rng.integers(3, 512, 2)]
+    with LLM.load(art, backend="ort") as ref, LLM.load(art, backend="trt") as llm:
+        want = [ref.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps]
+        assert [llm.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps] == want
+        uneven = [SamplingParams(max_new_tokens=n, temperature=0) for n in (20, 5, 12)]
+        got = llm.generate_many([Request(p, sp) for p, sp in zip(ps, uneven)])
+        assert [r.token_ids for r in got] == [w[: sp.max_new_tokens] for w, sp in zip(want, uneven)]
+        fixed = SpeculativeConfig(adaptive=False, draft_len=6)
+        reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps[:2]]
+        assert [r.token_ids for r in llm.generate_many(reqs)] == want[:2]
+
+
+def test_continuous_batching_equals_singles(qwen35):
+    """More requests (5) than slots (the artifact's max_batch 4): rows finish at different steps, new ones take
+    their slots, on the ort backend."""
+    _, _, get = qwen35
+    rng = np.random.default_rng(7)
+    ps = [rng.integers(3, 512, n) for n in (3, 70, 8, 1, 12)]
+    lens = (9, 4, 14, 6, 3)
+    llm = LLM.load(get("ort"), backend="ort")
+    singles = [llm.generate(p, max_new_tokens=n, temperature=0).token_ids for p, n in zip(ps, lens)]
+    got = llm.generate_many([Request(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in zip(ps, lens)])
+    assert [r.token_ids for r in got] == singles
+
+
 def test_speculative_equals_plain(qwen35):
     _, _, get = qwen35
     llm = LLM.load(get("ort"), backend="ort")

@@ -69,11 +69,11 @@ def test_spec_declares_the_layer_kinds_and_states():
 def test_logits_and_greedy_match_transformers(qwen35, target):
     _, model, get = qwen35
     prompts = _prompts((70, 5, 1))  # ragged; one longer than a DeltaNet chunk, one shorter than the conv window
-    refs = [hf_reference(model, p, 17) for p in prompts]
-    assert logits_parity(get(target), refs, prompts) < 1e-4
+    refs = [hf_reference(model, p, 9) for p in prompts]
+    assert logits_parity(get(target), refs, prompts, steps=8) < 1e-4
     be = backend(get(target))
-    assert decodert_greedy(be, prompts, 17) == [toks for toks, _ in refs]
-    singles = [decodert_greedy(be, [p], 17)[0] for p in prompts]  # the batch of uneven rows equals the singles
+    assert decodert_greedy(be, prompts, 9) == [toks for toks, _ in refs]
+    singles = [decodert_greedy(be, [p], 9)[0] for p in prompts]  # the batch of uneven rows equals the singles
     assert singles == [toks for toks, _ in refs]
 
 

@@ -3,6 +3,10 @@ in the fourth.
 
     config.json  model_type qwen3_5_text, or qwen3_5 (a multimodal checkpoint: its text_config and its
                  language-model weights; the vision tower and the MTP head are left out)
+    GGUF         general.architecture qwen35, as llama.cpp's converter writes it (conversion/qwen.py):
+                 ssm_a = -exp(A_log), the conv squeezed to [C, K], (1 + w) norms stored as the factor
+                 (not ssm_norm), value heads reordered from grouped-by-key-head to tiled when Hv > Hk;
+                 ``gguf_fix`` undoes each of these
 
 What differs from Qwen3 (transformers' ``modeling_qwen3_5.py``):
 - ``layer_types``: "linear_attention" layers (``layer_kinds`` "linear_attention": a causal conv over
@@ -24,11 +28,11 @@ from typing import Any
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.common import hf_rope, partial_rotary_factor, spec_from_hf_config
+from decodert.models.common import gguf_key, hf_rope, partial_rotary_factor, spec_from_gguf_meta, spec_from_hf_config
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
+GGUF_ARCHITECTURES = ("qwen35",)
 
 _L = "model.layers.{i}."
 _A = _L + "self_attn."
@@ -52,6 +56,28 @@ HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
     "layers.{i}.down": _L + "mlp.down_proj.weight",
     "final_norm": "model.norm.weight",
     "lm_head": "lm_head.weight",
+}
+
+_B = "blk.{i}."
+GGUF_WEIGHTS: dict[str, str | tuple[str, ...]] = {  # gguf.get_tensor_name_map(MODEL_ARCH.QWEN35, n)
+    "embed": "token_embd.weight",
+    "layers.{i}.input_norm": _B + "attn_norm.weight",
+    "layers.{i}.qkv": (_B + "attn_q.weight", _B + "attn_k.weight", _B + "attn_v.weight"),
+    "layers.{i}.q_norm": _B + "attn_q_norm.weight",
+    "layers.{i}.k_norm": _B + "attn_k_norm.weight",
+    "layers.{i}.o": _B + "attn_output.weight",
+    "layers.{i}.linear_in": (_B + "attn_qkv.weight", _B + "attn_gate.weight", _B + "ssm_beta.weight",
+                             _B + "ssm_alpha.weight"),
+    "layers.{i}.linear_conv": _B + "ssm_conv1d.weight",
+    "layers.{i}.linear_a_log": _B + "ssm_a",
+    "layers.{i}.linear_dt_bias": _B + "ssm_dt.bias",
+    "layers.{i}.linear_norm": _B + "ssm_norm.weight",
+    "layers.{i}.linear_out": _B + "ssm_out.weight",
+    "layers.{i}.post_norm": _B + "post_attention_norm.weight",
+    "layers.{i}.gate_up": (_B + "ffn_gate.weight", _B + "ffn_up.weight"),
+    "layers.{i}.down": _B + "ffn_down.weight",
+    "final_norm": "output_norm.weight",
+    "lm_head": "output.weight",
 }
 
 # transformers' Qwen3_5TextConfig defaults, for a config.json that leaves some out
@@ -82,10 +108,48 @@ def hf_fix(key: str, w: np.ndarray, spec: ModelSpec) -> np.ndarray:
     if key.endswith(_ONE_PLUS_W):
         return w + np.float32(1.0)
     if key.endswith("self_attn.q_proj.weight"):
-        h, d = spec.num_heads, spec.head_dim
-        heads = w.reshape(h, 2, d, -1)
-        return np.concatenate([heads[:, 0].reshape(h * d, -1), heads[:, 1].reshape(h * d, -1)], axis=0)
+        return _query_then_gate(w, spec)
     return w
+
+
+def _query_then_gate(w: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    h, d = spec.num_heads, spec.head_dim
+    heads = w.reshape(h, 2, d, -1)
+    return np.concatenate([heads[:, 0].reshape(h * d, -1), heads[:, 1].reshape(h * d, -1)], axis=0)
+
+
+def _grouped(w: np.ndarray, spec: ModelSpec, head_dim: int, axis: int = 0) -> np.ndarray:
+    """Value heads in llama.cpp's tiled order (k0, k1, .., k0, k1, ..) -> transformers' grouped order (each key
+    head's value heads together), along ``axis``."""
+    hk, hv = spec.linear_key_heads, spec.linear_value_heads
+    if hk == hv:
+        return w
+    x = np.moveaxis(w, axis, 0)
+    x = x.reshape(hv // hk, hk, head_dim, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+    return np.moveaxis(x, 0, axis)
+
+
+def gguf_fix(key: str, w: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """Undo llama.cpp's converter: de-interleave q and gate, A_log from -exp(A_log), value heads grouped again."""
+    kd, dv = spec.linear_key_heads * spec.linear_key_dim, spec.linear_value_dim
+    if key.endswith("attn_q.weight"):
+        return _query_then_gate(w, spec)
+    if key.endswith("ssm_a"):
+        w = np.log(-w)
+    if key.endswith(("attn_qkv.weight", "ssm_conv1d.weight")):
+        return np.concatenate([w[: 2 * kd], _grouped(w[2 * kd:], spec, dv)], axis=0)
+    if key.endswith("attn_gate.weight"):
+        return _grouped(w, spec, dv)
+    if key.endswith(("ssm_beta.weight", "ssm_alpha.weight", "ssm_a", "ssm_dt.bias")):
+        return _grouped(w, spec, 1)
+    if key.endswith("ssm_out.weight"):
+        return _grouped(w, spec, dv, axis=1)
+    return w
+
+
+def gguf_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The conv's taps are stored squeezed, [C, K]; canonical is the checkpoint's [C, 1, K]."""
+    return (shape[0], 1, shape[1]) if key.endswith("ssm_conv1d.weight") and len(shape) == 2 else shape
 
 
 def text_config(config: dict) -> dict:
@@ -131,3 +195,17 @@ def spec_from_hf(config: dict) -> ModelSpec:
     rope = hf_rope(config)
     return dataclasses.replace(spec, rope=rope if rot == spec.head_dim else dataclasses.replace(rope, rotary_dim=rot))
 
+
+def spec_from_gguf(meta: dict) -> ModelSpec:
+    """llama.cpp's keys: the attention's as for Qwen3, the linear layers' under ssm.*, every
+    full_attention_interval-th layer full (llama.cpp's rule)."""
+    layers = int(gguf_key(meta, "block_count"))
+    interval = int(gguf_key(meta, "full_attention_interval", 4))
+    kinds = tuple("attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers))
+    hv, inner = int(gguf_key(meta, "ssm.time_step_rank")), int(gguf_key(meta, "ssm.inner_size"))
+    if hv < 1 or inner % hv:
+        raise DecodertError(f"qwen35.ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {hv}")
+    return spec_from_gguf_meta(
+        "qwen3_5", meta, qk_norm=True, attn_output_gate=True, layer_kinds=kinds,
+        conv_kernel=int(gguf_key(meta, "ssm.conv_kernel")), linear_key_heads=int(gguf_key(meta, "ssm.group_count")),
+        linear_value_heads=hv, linear_key_dim=int(gguf_key(meta, "ssm.state_size")), linear_value_dim=inner // hv)

@@ -200,3 +200,86 @@ def test_unknown_layer_kind_is_one_line(tmp_path):
     with pytest.raises(DecodertError, match="mamba_attention") as e:
         export_model(src, tmp_path / "out", max_seq=32, progress=False)
     assert "\n" not in str(e.value)
+
+
+# ---- GGUF: llama.cpp's qwen35 files ------------------------------------------------------------------
+def _to_llama_cpp_layout(key: str, w: np.ndarray, cfg: dict) -> np.ndarray:
+    """What llama.cpp's converter (conversion/qwen.py, Qwen3_5TextModel) does to a tensor: value heads
+    from grouped-by-key-head to tiled order, A_log -> -exp(A_log), the conv squeezed, (1 + w) norms."""
+    hk, hv, dk, dv = (cfg[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                       "linear_value_head_dim"))
+
+    def tiled(x: np.ndarray, head_dim: int, axis: int = 0) -> np.ndarray:
+        x = np.moveaxis(x, axis, 0)
+        x = x.reshape(hk, hv // hk, head_dim, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+        return np.moveaxis(x, 0, axis)
+
+    if "linear_attn." in key:
+        if key.endswith("in_proj_qkv.weight") or key.endswith("conv1d.weight"):
+            w = np.concatenate([w[: 2 * hk * dk], tiled(w[2 * hk * dk:], dv)])
+        elif key.endswith("in_proj_z.weight"):
+            w = tiled(w, dv)
+        elif key.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            w = tiled(w, 1)
+        elif key.endswith("out_proj.weight"):
+            w = tiled(w, dv, axis=1)
+    if key.endswith("A_log"):
+        return -np.exp(w)
+    if key.endswith("conv1d.weight"):
+        return w.reshape(w.shape[0], -1)
+    if key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
+        return w + np.float32(1.0)
+    return w
+
+
+def make_qwen35_gguf(src: Path, path: Path) -> Path:
+    """The tiny checkpoint as llama.cpp's converter writes it (names from the gguf package's QWEN35 map)."""
+    import gguf
+    from safetensors.numpy import load_file
+    from tiny import _gguf_model_meta, _gguf_tokenizer_meta
+
+    cfg = json.loads((src / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    _gguf_model_meta(writer, "qwen35", cfg)
+    _gguf_tokenizer_meta(writer, src)
+    writer.add_uint32("qwen35.ssm.conv_kernel", cfg["linear_conv_kernel_dim"])
+    writer.add_uint32("qwen35.ssm.state_size", cfg["linear_key_head_dim"])
+    writer.add_uint32("qwen35.ssm.group_count", cfg["linear_num_key_heads"])
+    writer.add_uint32("qwen35.ssm.time_step_rank", cfg["linear_num_value_heads"])
+    writer.add_uint32("qwen35.ssm.inner_size", cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    writer.add_uint32("qwen35.full_attention_interval", 2)  # the tiny layers: linear, full, linear
+    rot = int(cfg["head_dim"] * 0.25)
+    writer.add_array("qwen35.rope.dimension_sections", [rot // 4, rot // 8, rot // 8, 0])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, cfg["num_hidden_layers"])
+    for key, w in load_file(src / "model.safetensors").items():
+        hf = key.replace(".dt_bias", ".dt_proj.bias")
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert name is not None, key
+        writer.add_tensor(name, np.ascontiguousarray(_to_llama_cpp_layout(key, w, cfg), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_as_llama_cpp_writes_it(tmp_path):
+    """A qwen35 GGUF in llama.cpp's layout: llama.cpp itself (llama-cpp-python) reads it as transformers' model
+    (so the layout is llama.cpp's), and decodert's export of it gives transformers' logits and tokens.
+    llama.cpp takes the value head dim to be the key head dim (as in every released Qwen3.5): Dv = Dk here."""
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_checkpoint("qwen3_5", tmp_path / "src", linear_value_head_dim=16)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    path = make_qwen35_gguf(src, tmp_path / "tiny-qwen35.gguf")
+    prompt = _prompts((13,), seed=3)[0]
+    ref = hf_reference(model, prompt, 9)
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
+                          type_k=0, type_v=0)  # an F32 KV cache (its default F16 moves logits by 1e-3)
+    llm.eval(list(map(int, prompt)))
+    want = model(torch.tensor([list(map(int, prompt))])).logits[0, -1].detach().numpy()
+    assert np.abs(np.asarray(llm.scores[len(prompt) - 1]) - want).max() < 1e-3 * np.abs(want).max()
+    out = tmp_path / "out"
+    export_model(path, out, target="ort", dtype="fp32", max_seq=32, max_batch=1, progress=False)
+    assert logits_parity(out, [ref], [prompt], steps=8) < 1e-4

@@ -7,8 +7,8 @@ model (Qwen3-0.6B's shape), random weights, fp32 and int4, on ONNX Runtime CPU.
 
 1. Writes each shape's random-weight HF checkpoint once (Qwen3.5 as a ``qwen3_5`` image-text checkpoint
    with a one-block vision tower, which decodert skips and onnxruntime-genai's builder expects) and
-   exports it: decodert fp32 / int4 (block 32, accuracy level 4: MatMulNBits for every projection,
-   DeltaNet's included), onnxruntime-genai fp32 / int4 with its builder where it accepts the model.
+   exports it: decodert fp32 / int4 (block 32, accuracy level 4, min/max grids: MatMulNBits for every
+   projection, DeltaNet's included), onnxruntime-genai fp32 / int4 with its builder where it accepts the model.
 2. A decodert run sets a row's context by committing N ids to its cache without running the prefill
    (a step's cost depends on the length, not on what the cache holds), then times ``--steps`` decode
    steps; onnxruntime-genai has no such door, so it prefills N tokens first. One fresh worker process
@@ -107,7 +107,8 @@ def prepare(name: str, runtime: str, prec: str, max_seq: int, args: argparse.Nam
         from decodert.export.pipeline import export_model
         from decodert.export.quantize.quant import QuantConfig
 
-        quant = QuantConfig(bits=4, block_size=32, accuracy_level=4) if prec == "int4" else None
+        # min/max rounding: speed does not depend on the grid, and the scale search takes minutes at this size
+        quant = QuantConfig(bits=4, block_size=32, accuracy_level=4, scale_search=False) if prec == "int4" else None
         export_model(hf, folder, max_seq=max_seq, max_batch=1, progress=False, quant=quant)
     return folder
 

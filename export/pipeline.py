@@ -25,8 +25,9 @@ from decodert.export.checkpoints.sampling_defaults import sampling_record
 from decodert.export.lowering.targets import get_target
 from decodert.export.quantize.weight_layouts import WeightLayout
 from decodert.export.artifact.artifact_files import file_record
+from decodert.export.artifact.cache_records import StateRecord
 from decodert.export.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, GraphRecord, KVRecord, Manifest, ModelRecord, PluginsRecord,
-                                      QuantRecord, SamplingRecord, SourceRecord, StateRecord, TokenizerRecord, WeightsRecord, from_json,
+                                      QuantRecord, SamplingRecord, SourceRecord, TokenizerRecord, WeightsRecord, from_json,
                                       write_manifest)
 from decodert.export.progress import Stage
 from decodert.export.lowering.semantics import tokenizer_vocab

@@ -240,6 +240,8 @@ def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequenc
     want = any(s.needs_logits for s in seqs)
     with masks_ahead(seqs):
         step = backend.prefill(cache, list(slots), [s.prompt[s.cached_tokens:] for s in seqs], want_logits=want)
+    for slot in slots:  # a hybrid row can come back to its prompt's end (a session's next turn); no-op for K/V
+        cache.snapshot(slot)
     if prefix is not None:
         for slot, seq in zip(slots, seqs):
             prefix.store(cache, slot)

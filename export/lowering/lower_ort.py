@@ -163,7 +163,8 @@ class OrtLowering(Lowering):
         if ctx.cos is not None:  # partial rotary: q and k rotated here, GQA without rotary
             d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
             q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
-            q, k = (g.op("Reshape", ca.rope_body(g, g.op("Reshape", x, g.const([0, 0, n, d])), ctx, d, self.rotary_dim),
+            tables = ca.AttnContext("", "", ctx.cos, ctx.sin or "")  # rope_body reads cos and sin only
+            q, k = (g.op("Reshape", ca.rope_body(g, g.op("Reshape", x, g.const([0, 0, n, d])), tables, d, self.rotary_dim),
                          g.const([0, 0, n * d])) for x, n in ((q, h), (k, hkv)))
             qkv_in, rope = [q, k, v], ["", ""]
         y, _, _ = g.op(

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from decodert.errors import DecodertError
+
 
 @dataclass(frozen=True)
 class RopeSpec:
@@ -267,7 +269,7 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         names.append(p + "input_norm")
-        names += [p + leaf for leaf in MIXER_NAMES[spec.layer_kind(i)](spec)]
+        names += [p + leaf for leaf in mixer_names(spec, i)]
         if spec.sandwich_norm:
             names.append(p + "attn_out_norm")
         names += [p + "post_norm", p + "gate_up", p + "down"]
@@ -291,6 +293,15 @@ def _conv_names(spec: ModelSpec) -> list[str]:
 
 # layer kind -> the leaf names of its mixer's weights (a kind without an entry has no lowering yet)
 MIXER_NAMES = {"attention": _attention_names, "conv": _conv_names}
+
+
+def mixer_names(spec: ModelSpec, layer: int) -> list[str]:
+    """The leaf names of layer ``layer``'s mixer weights; DecodertError for a kind decodert cannot run yet."""
+    kind = spec.layer_kind(layer)
+    if kind not in MIXER_NAMES:
+        raise DecodertError(f"layer {layer} is a '{kind}' layer, which decodert cannot run yet "
+                            f"(it runs {', '.join(MIXER_NAMES)})")
+    return MIXER_NAMES[kind](spec)
 
 
 def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:

@@ -73,3 +73,18 @@ def test_a_cache_without_states_rewinds_by_length():
     assert not cache.has_state and cache.rewind_point(0, 7) == 7
     cache.rewind(0, 7)
     assert cache.lengths[0] == 7 and cache.kv_layers == (0, 1)
+
+
+def test_a_layer_kind_without_a_lowering_is_one_line():
+    import dataclasses
+
+    from decodert.models.spec import ModelSpec, canonical_names
+
+    spec = ModelSpec("x", 64, 32, 64, 2, 4, 2, 8, 1e-5, layer_kinds=("attention", "conv"), conv_kernel=3)
+    assert "layers.1.conv_in" in canonical_names(spec)
+    mamba = dataclasses.replace(spec, layer_kinds=("mamba2", "attention"))
+    with pytest.raises(DecodertError, match="layer 0 is a 'mamba2' layer") as e:
+        canonical_names(mamba)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="layer kind 'gated_rnn'"):
+        dataclasses.replace(spec, layer_kinds=("gated_rnn", "attention"))

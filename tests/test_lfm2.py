@@ -9,6 +9,7 @@ over the state: speculative equals plain, a session's turns equal re-prefill, th
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -92,18 +93,30 @@ def test_ort_binds_the_states_in_place(lfm2):
     assert all(np.abs(s[r]).max() > 0 for s in cache.states for r in (0, 1))  # written by the graph, in place
 
 
-def test_speculative_equals_plain(lfm2):
-    _, _, get = lfm2
-    llm = LLM.load(get("ort"), backend="ort")
-    rng = np.random.default_rng(4)
-    ps = [np.tile(rng.integers(3, 512, 6), 4), rng.integers(3, 512, 9), np.tile(rng.integers(3, 512, 3), 5)]
-    plain = [llm.generate(p, max_new_tokens=40) for p in ps]
-    spec = [llm.generate(p, max_new_tokens=40, speculative="ngram") for p in ps]
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    fixed = SpeculativeConfig(adaptive=False, draft_len=5)
-    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=40), speculative=fixed) for p in ps])
+def test_speculative_equals_plain(lfm2, tmp_path):
+    """Greedy speculation with a hybrid draft model (the checkpoint with its conv output projections
+    perturbed: it agrees with the target on some tokens, not all): rows that reject a draft go back
+    to their snapshot and replay what they accepted; the draft model resumes from its own snapshot."""
+    src, _, get = lfm2
+    from safetensors.numpy import load_file, save_file
+
+    draft_src = tmp_path / "draft-src"
+    shutil.copytree(src, draft_src)
+    weights = load_file(draft_src / "model.safetensors")
+    rng = np.random.default_rng(1)
+    for key in [k for k in weights if k.endswith("conv.out_proj.weight")]:
+        weights[key] = (weights[key] + 0.01 * rng.standard_normal(weights[key].shape)).astype(np.float32)
+    save_file(weights, draft_src / "model.safetensors", metadata={"format": "pt"})
+    export_model(draft_src, tmp_path / "draft", target="ort", dtype="fp32", max_seq=160, max_batch=4, progress=False)
+    llm = LLM.load(get("ort"), backend="ort", draft=tmp_path / "draft")
+    ps = _prompts((6, 9, 3), seed=4)
+    plain = [llm.generate(p, max_new_tokens=30) for p in ps]
+    fixed = SpeculativeConfig(method="draft", adaptive=False, draft_len=5)
+    assert [llm.generate(p, max_new_tokens=30, speculative=fixed).token_ids for p in ps] == [r.token_ids for r in plain]
+    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=30), speculative=fixed) for p in ps])
     assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
-    assert max(r.metrics.accepted_per_step for r in batch) > 1.0  # drafts were accepted, others rejected
+    rates = [r.metrics.acceptance_rate for r in batch]
+    assert max(r.metrics.accepted_per_step for r in batch) > 1.0 and max(rates) < 1.0  # drafts accepted and rejected
 
 
 def test_session_turns_equal_reprefill_and_prefix_cache_is_off(lfm2):
@@ -167,3 +180,15 @@ def test_trt_backend_on_the_emulator(lfm2, monkeypatch):
         fixed = SpeculativeConfig(adaptive=False, draft_len=6)
         reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps[:2]]
         assert [r.token_ids for r in llm.generate_many(reqs)] == want[:2]
+
+
+def test_continuous_batching_more_requests_than_slots(lfm2):
+    """Six requests of uneven lengths over four slots: rows finish, new ones are admitted into the freed
+    slots and the active rows are moved together (move_slot copies the states too); each equals its single run."""
+    _, _, get = lfm2
+    llm = LLM.load(get("ort"), backend="ort")
+    ps = _prompts((3, 14, 6, 1, 9, 5), seed=3)
+    lengths = (12, 3, 20, 7, 5, 16)
+    alone = [llm.generate(p, max_new_tokens=n).token_ids for p, n in zip(ps, lengths)]
+    got = llm.generate_many([Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(ps, lengths)])
+    assert [r.token_ids for r in got] == alone

@@ -192,3 +192,11 @@ def test_continuous_batching_more_requests_than_slots(lfm2):
     alone = [llm.generate(p, max_new_tokens=n).token_ids for p, n in zip(ps, lengths)]
     got = llm.generate_many([Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(ps, lengths)])
     assert [r.token_ids for r in got] == alone
+
+
+def test_inspect_names_the_layer_kinds(lfm2):
+    from decodert.export.artifact.inspect import inspect_artifact
+
+    _, _, get = lfm2
+    text = inspect_artifact(get("ort"))
+    assert "layers     2 conv, 1 attention; states conv.0 ['batch', 64, 3], conv.2 ['batch', 64, 3]" in text

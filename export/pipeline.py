@@ -194,7 +194,7 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_
         kv=KVRecord(num_layers=len(spec.kv_layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
                     shape=("batch", spec.num_kv_heads, max_seq, spec.head_dim), inplace=True,
                     layer_kinds=spec.layer_kinds,
-                    states=tuple(StateRecord(layer=st.layer, name=st.name, shape=("batch", *st.shape))
+                    states=tuple(StateRecord(layer=st.layer, name=st.name, shape=("batch", *st.shape), dtype=st.dtype)
                                  for st in state_specs(spec))),
         graphs=graphs, weights=WeightsRecord(file=WEIGHTS, bytes=(folder / WEIGHTS).stat().st_size),
         tokenizer=from_json(TokenizerRecord, {"file": "tokenizer.json", **tokenizer}, "tokenizer"),

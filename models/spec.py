@@ -86,6 +86,7 @@ class ModelSpec:
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar**-0.5)
     attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap), before the causal mask
     final_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate per head; attention output *= sigmoid(gate)
     # -- hybrid models: what mixes tokens in each layer, and the state it keeps (docs/ARCHITECTURE.md, "Cache state")
     layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYER_KINDS; () = every layer "attention"
     conv_kernel: int = 0  # K of the layers' causal depthwise conv (LFM2 conv_L_cache; DeltaNet/Mamba2 conv); state K-1
@@ -155,8 +156,24 @@ class ModelSpec:
 
     @property
     def qkv_size(self) -> int:
-        """Rows of the fused qkv weight: (H + 2 H_kv) * D."""
-        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        """Rows of the fused qkv weight: (H + 2 H_kv) * D, plus H * D gate rows with attn_output_gate."""
+        return (self.num_heads * (2 if self.attn_output_gate else 1) + 2 * self.num_kv_heads) * self.head_dim
+
+    def fused_rows(self, leaf: str) -> tuple[int, ...] | None:
+        """The row count of each checkpoint part concatenated into a fused weight (None: equal parts)."""
+        d = self.head_dim
+        if leaf in ("qkv", "qkv_bias"):
+            q = self.num_heads * d * (2 if self.attn_output_gate else 1)
+            return (q, self.num_kv_heads * d, self.num_kv_heads * d)
+        if leaf == "linear_in":
+            hv = self.linear_value_heads
+            return (self.linear_conv_channels, hv * self.linear_value_dim, hv, hv)
+        return None
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """Channels of a linear-attention layer's conv: q, k and v (2 Hk Dk + Hv Dv)."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -189,11 +206,12 @@ LAYER_KINDS = ("attention", "conv", "linear_attention", "mamba2")
 @dataclass(frozen=True)
 class StateSpec:
     """One per-slot state tensor a non-attention layer keeps (graph I/O ``past_{name}.{layer}`` /
-    ``present_{name}.{layer}``, one buffer [batch, *shape] bound to both, in the model dtype)."""
+    ``present_{name}.{layer}``, one buffer [batch, *shape] bound to both)."""
 
     layer: int
     name: str  # "conv" | "recurrent"
     shape: tuple[int, ...]  # per slot, without the batch dim
+    dtype: str | None = None  # None: the model dtype; "fp32": a recurrent state, whatever the model dtype
 
     @property
     def io_name(self) -> str:
@@ -205,9 +223,9 @@ def _conv_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def _delta_net_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    channels = 2 * spec.linear_key_heads * spec.linear_key_dim + spec.linear_value_heads * spec.linear_value_dim
-    return {"conv": (channels, spec.conv_kernel - 1),  # conv over q, k, v
-            "recurrent": (spec.linear_value_heads, spec.linear_key_dim, spec.linear_value_dim)}  # [H_v, Dk, Dv]
+    return {"conv": (spec.linear_conv_channels, spec.conv_kernel - 1),  # conv over q, k, v
+            # V-major [H_v, Dv, Dk]: ONNX Runtime's GatedDeltaNet state, bound as is (plugins/gated_delta_net.py)
+            "recurrent": (spec.linear_value_heads, spec.linear_value_dim, spec.linear_key_dim)}
 
 
 def _mamba2_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -223,8 +241,13 @@ STATE_SHAPES = {"attention": lambda spec: {}, "conv": _conv_states, "linear_atte
 
 def state_specs(spec: ModelSpec) -> tuple[StateSpec, ...]:
     """Every per-slot state of the model beyond K/V, by layer, then name (the graphs' I/O order)."""
-    return tuple(StateSpec(i, name, shape) for i in range(spec.num_layers)
+    return tuple(StateSpec(i, name, shape, STATE_DTYPES.get(name)) for i in range(spec.num_layers)
                  for name, shape in STATE_SHAPES[spec.layer_kind(i)](spec).items())
+
+
+# A recurrent state accumulates every step: it is kept in float32 in fp16/bf16 models too (ONNX Runtime's
+# GatedDeltaNet takes no other type); a conv state holds inputs as they were, in the model dtype.
+STATE_DTYPES = {"recurrent": "fp32"}
 
 
 def rope_tables(spec: ModelSpec) -> dict[str, RopeSpec]:
@@ -257,6 +280,13 @@ def canonical_names(spec: ModelSpec) -> list[str]:
       - ``layers.{i}.conv_in``      [3 C, hidden]                rows: B gate, C gate, x (+ ``conv_in_bias`` [3 C])
       - ``layers.{i}.conv``         [C, 1, K]                    depthwise taps, ONNX Conv layout (+ ``conv_bias`` [C])
       - ``layers.{i}.conv_out``     [hidden, C]                  (+ ``conv_out_bias`` [hidden])
+      a "linear_attention" layer's (Qwen3.5's Gated DeltaNet; Kd = Hk Dk, Vd = Hv Dv, C = 2 Kd + Vd):
+      - ``layers.{i}.linear_in``    [C + Vd + 2 Hv, hidden]      rows: q, k, v (the conv's channels), z, b, a
+      - ``layers.{i}.linear_conv``  [C, 1, K]                    depthwise taps
+      - ``layers.{i}.linear_a_log`` [Hv], ``linear_dt_bias`` [Hv]  decay parameters
+      - ``layers.{i}.linear_norm``  [Dv]                         the gated RMSNorm (plain w)
+      - ``layers.{i}.linear_out``   [hidden, Vd]
+      with attn_output_gate, ``qkv`` rows are q heads, gate heads, k heads, v heads
     - ``layers.{i}.attn_out_norm``  [hidden]                     (sandwich_norm only: on the mixer's output)
     - ``layers.{i}.post_norm``      [hidden]                     the norm in front of the MLP
     - ``layers.{i}.gate_up``        [2 * I, hidden]              rows: gate, then up
@@ -291,8 +321,12 @@ def _conv_names(spec: ModelSpec) -> list[str]:
     return ["conv_in", "conv", "conv_out"]
 
 
+def _delta_net_names(spec: ModelSpec) -> list[str]:
+    return ["linear_in", "linear_conv", "linear_a_log", "linear_dt_bias", "linear_norm", "linear_out"]
+
+
 # layer kind -> the leaf names of its mixer's weights (a kind without an entry has no lowering yet)
-MIXER_NAMES = {"attention": _attention_names, "conv": _conv_names}
+MIXER_NAMES = {"attention": _attention_names, "conv": _conv_names, "linear_attention": _delta_net_names}
 
 
 def mixer_names(spec: ModelSpec, layer: int) -> list[str]:
@@ -329,5 +363,11 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         "conv_bias": (h,),
         "conv_out": (h, h),
         "conv_out_bias": (h,),
+        "linear_in": (sum(spec.fused_rows("linear_in") or ()), h),
+        "linear_conv": (spec.linear_conv_channels, 1, spec.conv_kernel),
+        "linear_a_log": (spec.linear_value_heads,),
+        "linear_dt_bias": (spec.linear_value_heads,),
+        "linear_norm": (spec.linear_value_dim,),
+        "linear_out": (h, spec.linear_value_heads * spec.linear_value_dim),
     }
     return shapes[leaf]

@@ -45,8 +45,9 @@ def test_registry_is_built_from_the_declarations():
     for module in modules:
         declared = {n.lower() for n in (*module.MODEL_TYPES, *module.GGUF_ARCHITECTURES)}
         assert {name for name, m in reg.items() if m is module} == declared
-        assert callable(module.spec_from_hf) and callable(module.spec_from_gguf)
-        assert module.HF_WEIGHTS and module.GGUF_WEIGHTS
+        assert callable(module.spec_from_hf) and module.HF_WEIGHTS
+        if module.GGUF_ARCHITECTURES:  # a family that reads GGUF files (qwen3_5 does not yet)
+            assert callable(module.spec_from_gguf) and module.GGUF_WEIGHTS
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -49,6 +49,13 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
     "lfm2": dict(model_type="lfm2", num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
                  conv_L_cache=4, head_dim=None, tie_word_embeddings=True, intermediate_size=192,
                  block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=32),
+    # Gated DeltaNet and gated full attention; 2 key heads serving 4 value heads, Dk != Dv, a conv of 4 taps,
+    # RoPE on a quarter of each 32-dim head (8 dims), untied head
+    "qwen3_5": dict(model_type="qwen3_5_text", num_hidden_layers=3, head_dim=32,
+                    layer_types=["linear_attention", "full_attention", "linear_attention"],
+                    linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=8,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
 }
 HYBRIDS = tuple(HYBRID_CONFIGS)
 # Weights scaled up after randomising, by name suffix: at the uniform 0.05 scale a conv layer's state

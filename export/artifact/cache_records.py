@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from decodert.export.artifact.records import Record
+from decodert.export.artifact.weights import NUMPY_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,10 +16,14 @@ class StateRecord(Record):
     layer: int
     name: str  # "conv" | "recurrent"
     shape: tuple[int | str, ...]  # ["batch", ...per-slot dims]
+    dtype: str | None = None  # None: the manifest's dtype; "fp32": a recurrent state kept in float32
 
     @property
     def io_name(self) -> str:
         return f"{self.name}.{self.layer}"
+
+    def itemsize(self, model_itemsize: int) -> int:
+        return 4 if self.dtype == "fp32" else model_itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +45,12 @@ class KVRecord(Record):
         return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "attention")
 
     def cache_layout(self) -> dict:
-        """KVCache's keyword arguments beyond the K/V geometry: kv_layers and states (io name, per-slot shape)."""
+        """KVCache's keyword arguments beyond the K/V geometry: kv_layers and states (io name, per-slot shape,
+        numpy dtype or None for the cache's)."""
         return {"kv_layers": self.layers,
-                "states": [(st.io_name, tuple(int(d) for d in st.shape[1:])) for st in self.states]}
+                "states": [(st.io_name, tuple(int(d) for d in st.shape[1:]),
+                            NUMPY_DTYPES[st.dtype] if st.dtype else None) for st in self.states]}
 
     def state_bytes(self, slots: int, itemsize: int) -> int:
-        """Bytes of every state of ``slots`` rows."""
-        return sum(slots * itemsize * math.prod(int(d) for d in st.shape[1:]) for st in self.states)
+        """Bytes of every state of ``slots`` rows (``itemsize``: the model dtype's)."""
+        return sum(slots * st.itemsize(itemsize) * math.prod(int(d) for d in st.shape[1:]) for st in self.states)

@@ -278,6 +278,7 @@ def validate(m: Manifest, path: Path) -> None:
     _need(len(kv.layers) == kv.num_layers, path, "kv.layer_kinds does not match kv.num_layers attention layers")
     for st in kv.states:
         _need(0 <= st.layer < max(len(kv.layer_kinds), 1) and st.name in ("conv", "recurrent") and len(st.shape) >= 2
+              and st.dtype in (None, "fp32")
               and st.shape[0] == "batch" and all(type(d) is int and d >= 1 for d in st.shape[1:]), path,
               f"kv.states entry for layer {st.layer} ({st.name}) is malformed")
     _need(kv.dtype in (None, m.dtype), path, "kv.dtype differs from dtype")
@@ -310,7 +311,7 @@ def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
         for name in ("past_key", "past_value", "present_key", "present_value"):
             io[f"{name}.{i}"] = (m.dtype, cache)
     for st in kv.states:
-        io[f"past_{st.io_name}"] = io[f"present_{st.io_name}"] = (m.dtype, list(st.shape))
+        io[f"past_{st.io_name}"] = io[f"present_{st.io_name}"] = (st.dtype or m.dtype, list(st.shape))
     return io
 
 

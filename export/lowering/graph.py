@@ -40,6 +40,7 @@ import onnx
 from onnx import numpy_helper
 
 from decodert.errors import DecodertError
+from decodert.export.lowering.delta_net import delta_net_mixer
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
@@ -85,8 +86,8 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
             inputs.append({"name": f"past_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
             outputs.append({"name": f"present_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
     for st in state_specs(spec):  # hybrid models: conv / recurrent states, bound in place like K/V
-        inputs.append({"name": f"past_{st.io_name}", "dtype": dtype, "shape": ["batch", *st.shape]})
-        outputs.append({"name": f"present_{st.io_name}", "dtype": dtype, "shape": ["batch", *st.shape]})
+        inputs.append({"name": f"past_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
+        outputs.append({"name": f"present_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
     return {"inputs": inputs, "outputs": outputs}
 
 
@@ -178,18 +179,24 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
 def _attention_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str) -> str:
     """GQA over the layer's K/V cache -> the o projection's output."""
     p = f"layers.{i}."
+    width, qd = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, spec.num_heads * spec.head_dim
     with g.scope("attn"):
         with g.scope("qkv"):
             qkv = low.linear(g, h, p + "qkv", p + "qkv_bias" if spec.qkv_bias else None)
+        if spec.attn_output_gate:  # rows q | gate | k | v
+            q, gate, kv = g.op("Split", qkv, g.const([qd, qd, width - qd]), axis=-1, outputs=3)
+            qkv = g.op("Concat", q, kv, axis=-1)
         if spec.qk_norm:
             with g.scope("qk_norm"):
                 qkv = _qk_norm(g, low, spec, qkv, p)
         if low.flat_tokens:  # [T, qkv] -> [B, S, qkv]
-            qkv = g.op("Reshape", qkv, g.op("Concat", g.op("Shape", inp.input_ids), g.const([spec.qkv_size]), axis=0))
+            qkv = g.op("Reshape", qkv, g.op("Concat", g.op("Shape", inp.input_ids), g.const([width]), axis=0))
         cache = (f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}")
         attn = low.attention(g, ctx, qkv, cache)  # [B, S, H*D]
         if low.flat_tokens:
-            attn = g.op("Reshape", attn, g.const([-1, spec.num_heads * spec.head_dim]))
+            attn = g.op("Reshape", attn, g.const([-1, qd]))
+        if spec.attn_output_gate:
+            attn = g.op("Mul", attn, g.op("Sigmoid", gate))
         with g.scope("o"):
             o = low.linear(g, attn, p + "o")
     return o
@@ -220,7 +227,7 @@ def _conv_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: Mod
 
 # layer kind (models/spec.py LAYER_KINDS) -> its token mixer: (g, lowering, attention context, inputs,
 # spec, layer, normed input) -> output before the residual add; it writes the layer's cache or states
-MIXERS = {"attention": _attention_mixer, "conv": _conv_mixer}
+MIXERS = {"attention": _attention_mixer, "conv": _conv_mixer, "linear_attention": delta_net_mixer}
 
 
 def _qk_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, qkv: str, p: str) -> str:

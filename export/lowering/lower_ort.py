@@ -13,8 +13,13 @@
                       GQA refuses several tokens over a non-empty cache in more than one row, and
                       speculative decoding verifies every row of a batch in one pass
                       (manifest: graphs.verify.batched_past).
-GQA's CPU kernel needs head_dim % 16 == 0 and full rotary; other models keep the reference
-attention body (still in place: ORT writes ScatterND's output into the bound past buffer).
+GQA's CPU kernel needs head_dim % 16 == 0 (other models keep the reference attention body, still
+in place: ORT writes ScatterND's output into the bound past buffer) and rotates whole heads only:
+with partial rotary (Phi-3, Qwen3.5) q and k are rotated before it and GQA runs with do_rotary=0.
+- GatedDeltaNet    -> com.microsoft.GatedDeltaNet (gates fused; q/k l2norm in standard ops; its V-major float32 state
+                      is the cache buffer itself: initial_state and final_state may alias); a padded
+                      token's a and b become -1e4 so its decay is exp(0) and its beta 0: the state
+                      passes it unchanged
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from typing import Any
 import numpy as np
 
 from decodert.export.lowering import verify_attention
-from decodert.export.lowering.lowering import GraphInputs, Lowering, conv_state_update
+from decodert.export.lowering.lowering import GraphInputs, Lowering
+from decodert.plugins import cached_attention as ca
+from decodert.plugins import causal_conv as cc
+from decodert.plugins.gated_delta_net import l2norm_body, valid_tokens
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quantize.quant import quantized_embedding
 from decodert.export.quantize.weight_layouts import NBITS
@@ -41,6 +49,8 @@ class GqaContext:
     cos_cache: str
     sin_cache: str
     window: int  # local_window_size (0 = full attention)
+    cos: str | None = None  # partial rotary: RoPE applied before GQA (do_rotary=0), tables at the positions
+    sin: str | None = None  # [B,S,1,R/2]
 
 
 class OrtLowering(Lowering):
@@ -54,7 +64,7 @@ class OrtLowering(Lowering):
 
     @property
     def use_gqa(self) -> bool:
-        return not self.standard_attention and self.spec.head_dim % 16 == 0 and self.rotary_dim == self.spec.head_dim
+        return not self.standard_attention and self.spec.head_dim % 16 == 0
 
     @property
     def batched_past(self) -> bool:
@@ -76,7 +86,14 @@ class OrtLowering(Lowering):
             seq = g.op("Gather", g.op("Shape", inp.input_ids), g.const(np.int64(1)), axis=0)
             last = g.op("Sub", g.op("Add", inp.past_lengths, seq), g.const(np.int64(1)))
             total = g.op("Add", g.op("ReduceMax", inp.past_lengths, keepdims=0), seq)
-            return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, window)
+            cos = sin = None
+            if self.rotary_dim != self.spec.head_dim:  # GQA rotates whole heads only: rotate before it
+                pos = g.op("Add", g.op("Unsqueeze", inp.past_lengths, g.const([1])),
+                           g.op("Unsqueeze", g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1))), g.const([0])))
+                cos, sin = (g.op("Unsqueeze", g.op("Gather", t, pos, axis=0), g.const([2]))
+                            for t in (inp.cos_cache, inp.sin_cache))
+            return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, window,
+                              cos, sin)
 
     def embed(self, g: GraphBuilder, ids: str) -> str:
         if not quantized_embedding(self.spec, self.quant, self.quant_layout):
@@ -120,8 +137,8 @@ class OrtLowering(Lowering):
         return g.op("Add", y, g.op("MatMul", sums, f"{weight}.mins"))
 
     def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
-                    seq_lengths: str) -> str:
-        """com.microsoft.CausalConvWithState over Concat(past, x), its first K-1 outputs dropped.
+                    seq_lengths: str, channels: int | None = None, activation: str = "none") -> str:
+        """com.microsoft.CausalConvWithState (activation fused) over Concat(past, x), its first K-1 outputs dropped.
 
         The op's own past/present state is not used: its present holds the last K-1 positions of the
         padded call, and a right-padded row's state must end at its last valid token; and its past
@@ -129,9 +146,10 @@ class OrtLowering(Lowering):
         buffer). So past is read by the Concat only, and present is taken per row as in the portable body."""
         past, present = state
         k = self.spec.conv_kernel
-        cat = g.op("Concat", past, x, axis=2)  # [B, C, K-1+S]
-        y, _ = g.op("CausalConvWithState", cat, weight, bias or "", domain="com.microsoft", outputs=2)
-        conv_state_update(g, cat, seq_lengths, present, k)
+        cat = cc.full_window(g, x, past)  # [B, C, K-1+S]
+        y, _ = g.op("CausalConvWithState", cat, weight, bias or "", domain="com.microsoft", outputs=2,
+                    activation=activation)
+        cc.next_state(g, cat, seq_lengths, k, present)
         return g.op("Slice", y, g.const([k - 1]), g.const([np.iinfo(np.int64).max]), g.const([2]))  # [B, C, S]
 
     def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
@@ -141,10 +159,38 @@ class OrtLowering(Lowering):
             return super().attention(g, ctx, qkv, cache)
         s = self.spec
         past_key, past_value, present_key, present_value = cache
+        qkv_in, rope = [qkv, "", ""], [ctx.cos_cache, ctx.sin_cache]
+        if ctx.cos is not None:  # partial rotary: q and k rotated here, GQA without rotary
+            d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+            q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
+            q, k = (g.op("Reshape", ca.rope_body(g, g.op("Reshape", x, g.const([0, 0, n, d])), ctx, d, self.rotary_dim),
+                         g.const([0, 0, n * d])) for x, n in ((q, h), (k, hkv)))
+            qkv_in, rope = [q, k, v], ["", ""]
         y, _, _ = g.op(
-            "GroupQueryAttention", qkv, "", "", past_key, past_value, ctx.seqlens_k, ctx.total_len,
-            ctx.cos_cache, ctx.sin_cache, domain="com.microsoft", outputs=[None, present_key, present_value],
-            num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+            "GroupQueryAttention", *qkv_in, past_key, past_value, ctx.seqlens_k, ctx.total_len,
+            *rope, domain="com.microsoft", outputs=[None, present_key, present_value],
+            num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=int(ctx.cos is None), rotary_interleaved=0,
             scale=self.scale, local_window_size=ctx.window or None, softcap=self.softcap or None,
         )
         return y
+
+    def gated_delta_net(self, g: GraphBuilder, qkvab: tuple[str, str, str, str, str], a_log: str, dt_bias: str,
+                        state: tuple[str, str], seq_lengths: str, single: bool = False) -> str:
+        s = self.spec
+        q, k, v, a, b = qkvab
+        past, present = state
+        if not single:  # padded tokens: softplus(-1e4 + dt_bias) = 0 -> decay 1; sigmoid(-1e4) = 0 -> beta 0
+            valid = valid_tokens(g, a, seq_lengths)
+            low = g.const(np.array(-1e4, NUMPY_DTYPES[self.dtype]))
+            a, b = g.op("Where", valid, a, low), g.op("Where", valid, b, low)
+        heads = lambda x, n, d: g.op("Reshape", x, g.const([0, 0, n, d]))  # noqa: E731
+        # l2norm here, as transformers does (x * rsqrt(sum x^2 + 1e-6)): the kernel's qk_l2_norm uses another
+        # epsilon, which moves small q/k heads by 1e-3
+        t = NUMPY_DTYPES[self.dtype]
+        qn = l2norm_body(g, heads(q, s.linear_key_heads, s.linear_key_dim), t)
+        kn = l2norm_body(g, heads(k, s.linear_key_heads, s.linear_key_dim), t)
+        y, _ = g.op("GatedDeltaNet", qn, kn, heads(v, s.linear_value_heads, s.linear_value_dim),
+                    "", a, b, past, self.float32(g, a_log), self.float32(g, dt_bias), domain="com.microsoft",
+                    outputs=[None, present], gate_activation="softplus", beta_activation="sigmoid", qk_l2_norm=0,
+                    scale=s.linear_key_dim ** -0.5)
+        return g.op("Reshape", y, g.const([0, 0, s.linear_value_heads * s.linear_value_dim]))

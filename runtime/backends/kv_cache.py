@@ -44,9 +44,10 @@ class KVCache:
 
     def __init__(self, slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int,
                  dtype: Any = None, device: str = "cpu", itemsize: int | None = None,
-                 kv_layers: Sequence[int] | None = None, states: Sequence[tuple[str, tuple[int, ...]]] = ()) -> None:
+                 kv_layers: Sequence[int] | None = None, states: Sequence[tuple] = ()) -> None:
         """``layers``: K/V pairs (``kv_layers``: the model layer of each, default 0..layers-1);
-        ``states``: (io name, per-slot shape) of every other per-layer state (hybrid models)."""
+        ``states``: (io name, per-slot shape[, numpy dtype: None = the cache's]) of every other per-layer
+        state (hybrid models; a recurrent state is float32 in an fp16 model)."""
         self.slots, self.max_seq, self.device = slots, max_seq, device
         self.kv_layers = tuple(kv_layers) if kv_layers is not None else tuple(range(layers))
         if len(self.kv_layers) != layers:
@@ -63,11 +64,14 @@ class KVCache:
             from decodert.plugins.cuda_mem import DeviceBuffer
 
             self.buffers = [DeviceBuffer(slots * self.slot_bytes) for _ in range(2 * layers)]
-        self.state_names = [name for name, _ in states]
-        self.state_shapes = [tuple(shape) for _, shape in states]  # per slot
-        self.state_bytes = [int(np.prod(shape)) * itemsize for shape in self.state_shapes]  # one slot of each
+        self.state_names = [st[0] for st in states]
+        self.state_shapes = [tuple(st[1]) for st in states]  # per slot
+        self.state_dtypes = [np.dtype(st[2]) if len(st) > 2 and st[2] is not None else self.dtype for st in states]
+        self.state_bytes = [int(np.prod(shape)) * (t.itemsize if t is not None else itemsize)  # one slot of each
+                            for shape, t in zip(self.state_shapes, self.state_dtypes)]
         if device == "cpu":
-            self.states: list[Any] = [np.zeros((slots, *shape), self.dtype) for shape in self.state_shapes]
+            self.states: list[Any] = [np.zeros((slots, *shape), t) for shape, t in zip(self.state_shapes,
+                                                                                      self.state_dtypes)]
         else:
             self.states = [DeviceBuffer(slots * n) for n in self.state_bytes]
         self._snapshots: dict[int, tuple[int, list[bytes]]] = {}  # slot -> (position, each state's bytes)

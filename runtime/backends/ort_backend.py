@@ -330,8 +330,8 @@ def _bind_cache(io: Any, cache: KVCache, start: int, n: int) -> None:
         io.bind_output(f"present_{suffix}", cache.device, 0, cache.dtype, shape, ptr)
     for j, name in enumerate(cache.state_names):
         ptr, st_shape = cache.state_pointer(j, start), (n, *cache.state_shapes[j])
-        io.bind_input(f"past_{name}", cache.device, 0, cache.dtype, st_shape, ptr)
-        io.bind_output(f"present_{name}", cache.device, 0, cache.dtype, st_shape, ptr)
+        io.bind_input(f"past_{name}", cache.device, 0, cache.state_dtypes[j], st_shape, ptr)
+        io.bind_output(f"present_{name}", cache.device, 0, cache.state_dtypes[j], st_shape, ptr)
 
 
 def _gather(out: StepOutput, rows: list[int], b: _Binding, want_logits: bool) -> None:

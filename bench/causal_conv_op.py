@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from decodert.export.lowering.lowering import causal_conv_body, conv_state_update
+from decodert.plugins import causal_conv as cc
 from decodert.plugins.onnx_builder import GraphBuilder
 
 
@@ -26,13 +26,13 @@ def graph(kind: str, c: int, k: int) -> bytes:
     g.input("seq_lengths", "int64", [1])
     w = onnx.numpy_helper.from_array(np.random.default_rng(0).standard_normal((c, 1, k)).astype(np.float32), "w")
     g.add_initializer(w)
+    cat = cc.full_window(g, "x", "past_conv.0")  # as Lowering.causal_conv / OrtLowering.causal_conv build it
     if kind == "portable":
-        y = causal_conv_body(g, "x", "w", None, ("past_conv.0", "present_conv.0"), "seq_lengths", c, k)
+        y = cc.conv_body(g, cat, "w", "", kernel=k, channels=c, activation="none")
     else:
-        cat = g.op("Concat", "past_conv.0", "x", axis=2)
         full, _ = g.op("CausalConvWithState", cat, "w", domain="com.microsoft", outputs=2)
-        conv_state_update(g, cat, "seq_lengths", "present_conv.0", k)
         y = g.op("Slice", full, g.const([k - 1]), g.const([np.iinfo(np.int64).max]), g.const([2]))
+    cc.next_state(g, cat, "seq_lengths", k, "present_conv.0")
     g.output(y, "y", "fp32", [1, c, "seq"])
     g.outputs.append(onnx.helper.make_tensor_value_info("present_conv.0", onnx.TensorProto.FLOAT, [1, c, k - 1]))
     return g.to_model(ir_version=10).SerializeToString()

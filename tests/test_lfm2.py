@@ -200,3 +200,65 @@ def test_inspect_names_the_layer_kinds(lfm2):
     _, _, get = lfm2
     text = inspect_artifact(get("ort"))
     assert "layers     2 conv, 1 attention; states conv.0 ['batch', 64, 3], conv.2 ['batch', 64, 3]" in text
+
+
+def make_lfm2_gguf(src: Path, path: Path) -> Path:
+    """The tiny checkpoint as llama.cpp's converter writes it (names from the gguf package's LFM2 map)."""
+    import gguf
+    from safetensors.numpy import load_file
+    from tiny import _gguf_tokenizer_meta
+
+    cfg = json.loads((src / "config.json").read_text())
+    weights = load_file(src / "model.safetensors")
+    writer = gguf.GGUFWriter(str(path), "lfm2")
+    arch, heads = "lfm2", cfg["num_attention_heads"]
+    kv = [cfg["num_key_value_heads"] if t == "full_attention" else 0 for t in cfg["layer_types"]]
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", cfg["num_hidden_layers"]),
+                       ("feed_forward_length", weights["model.layers.0.feed_forward.w1.weight"].shape[0]),
+                       ("attention.head_count", heads), ("vocab_size", cfg["vocab_size"]),
+                       ("shortconv.l_cache", cfg["conv_L_cache"])):
+        writer.add_uint32(f"{arch}.{key}", int(value))
+    writer.add_array(f"{arch}.attention.head_count_kv", kv)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["norm_eps"])
+    writer.add_float32(f"{arch}.rope.freq_base", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6))
+    _gguf_tokenizer_meta(writer, src)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, cfg["num_hidden_layers"])
+    for key, w in weights.items():
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert name is not None, key
+        if key.endswith("conv.conv.weight"):
+            w = w.reshape(w.shape[0], -1)  # the converter squeezes the taps to [C, K]
+        writer.add_tensor(name, np.ascontiguousarray(w, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_as_llama_cpp_writes_it(lfm2, tmp_path):
+    """An lfm2 GGUF in llama.cpp's layout: llama.cpp itself (llama-cpp-python) reads it as transformers' model
+    (so the layout and metadata are llama.cpp's), and decodert's export of it gives transformers' logits."""
+    src, model, _ = lfm2
+    path = make_lfm2_gguf(src, tmp_path / "tiny-lfm2.gguf")
+    prompt = _prompts((13,), seed=3)[0]
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
+                          type_k=0, type_v=0)  # an F32 KV cache
+    llm.eval(list(map(int, prompt)))
+    want = model(torch.tensor([list(map(int, prompt))])).logits[0, -1].detach().numpy()
+    assert np.abs(np.asarray(llm.scores[len(prompt) - 1]) - want).max() < 1e-4 * np.abs(want).max()
+    out = tmp_path / "out"
+    export_model(path, out, target="ort", dtype="fp32", max_seq=32, max_batch=1, progress=False)
+    assert load_manifest(out).kv.layer_kinds == ("conv", "attention", "conv")
+    assert logits_parity(out, [hf_reference(model, prompt, 9)], [prompt], steps=8) < 1e-4
+
+
+def test_gguf_metadata_without_layer_kinds_is_one_line():
+    lfm2 = family_for("lfm2")
+    meta = {"general.architecture": "lfm2", "lfm2.attention.head_count_kv": 2, "lfm2.shortconv.l_cache": 3}
+    with pytest.raises(DecodertError, match="per-layer 'lfm2.attention.head_count_kv'"):
+        lfm2.spec_from_gguf(meta)
+    with pytest.raises(DecodertError, match="shortconv.l_cache"):
+        lfm2.spec_from_gguf({"general.architecture": "lfm2", "lfm2.attention.head_count_kv": [0, 2]})

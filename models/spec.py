@@ -239,6 +239,16 @@ STATE_SHAPES = {"attention": lambda spec: {}, "conv": _conv_states, "linear_atte
                 "mamba2": _mamba2_states}
 
 
+def window_layers(spec: ModelSpec) -> tuple[int, ...]:
+    """Conv layers whose verify pass outputs its conv window ``window_conv.{i}`` [B, C, K-1+S] (the pass's
+    inputs after the state), so accepting j tokens takes the state after j from it instead of a replay;
+    () unless every state of the model is a conv state (a recurrent state cannot be taken from its inputs)."""
+    states = state_specs(spec)
+    if not states or any(st.name != "conv" for st in states):
+        return ()
+    return tuple(st.layer for st in states)
+
+
 def state_specs(spec: ModelSpec) -> tuple[StateSpec, ...]:
     """Every per-slot state of the model beyond K/V, by layer, then name (the graphs' I/O order)."""
     return tuple(StateSpec(i, name, shape, STATE_DTYPES.get(name)) for i in range(spec.num_layers)

@@ -49,6 +49,18 @@ def test_rewind_goes_only_to_length_zero_or_the_snapshot():
         cache.rewind(0, 5)
 
 
+def test_rewind_with_the_states_a_pass_computed():
+    """Speculation with a verify pass's per-position states: any point of the row, its states given."""
+    cache = _cache()
+    cache.commit([0], [np.arange(8)])
+    _write(cache, 0, 2.0)
+    given = {"conv.0": np.full((4, 3), 5.0, np.float32), "recurrent.0": np.full((2, 2, 2), 6.0, np.float32)}
+    cache.rewind(0, 6, given)
+    assert cache.lengths[0] == 6 and (cache.states[0][0] == 5.0).all() and (cache.states[1][0] == 6.0).all()
+    with pytest.raises(ValueError, match="not the row's"):
+        cache.rewind(0, 5, {"conv.0": given["conv.0"]})
+
+
 def test_reset_and_move_leave_empty_rows_with_zero_states():
     cache = _cache()
     cache.commit([0, 1], [np.arange(4), np.arange(3)])

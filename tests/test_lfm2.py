@@ -113,10 +113,14 @@ def test_speculative_equals_plain(lfm2, tmp_path):
     plain = [llm.generate(p, max_new_tokens=30) for p in ps]
     fixed = SpeculativeConfig(method="draft", adaptive=False, draft_len=5)
     assert [llm.generate(p, max_new_tokens=30, speculative=fixed).token_ids for p in ps] == [r.token_ids for r in plain]
+    prefills = []
+    real = llm.backend.prefill
+    llm.backend.prefill = lambda cache, slots, ids, want_logits: prefills.append(len(slots)) or real(cache, slots, ids, want_logits)
     batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=30), speculative=fixed) for p in ps])
     assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
     rates = [r.metrics.acceptance_rate for r in batch]
     assert max(r.metrics.accepted_per_step for r in batch) > 1.0 and max(rates) < 1.0  # drafts accepted and rejected
+    assert sum(prefills) == len(ps)  # the prompts only: rejections took their states from the pass's windows, no replay
 
 
 def test_session_turns_equal_reprefill_and_prefix_cache_is_off(lfm2):
@@ -179,7 +183,12 @@ def test_trt_backend_on_the_emulator(lfm2, monkeypatch):
         assert [r.token_ids for r in got] == [w[: sp.max_new_tokens] for w, sp in zip(want, uneven)]
         fixed = SpeculativeConfig(adaptive=False, draft_len=6)
         reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps[:2]]
-        assert [r.token_ids for r in llm.generate_many(reqs)] == want[:2]
+        prefills = []
+        real = llm.backend.prefill
+        llm.backend.prefill = lambda cache, slots, ids, want_logits: prefills.append(len(slots)) or real(cache, slots, ids, want_logits)
+        got = llm.generate_many(reqs)
+        assert [r.token_ids for r in got] == want[:2]
+        assert llm.backend.stats["verify_runs"] > 0 and sum(prefills) == 2  # rejections used the windows: no replay
 
 
 def test_continuous_batching_more_requests_than_slots(lfm2):

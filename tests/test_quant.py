@@ -46,6 +46,22 @@ def test_scale_search_never_worse_than_min_max_per_block(bits, symmetric):
     assert errs[1].sum() < 0.99 * errs[0].sum()  # and better overall (here by 2-16%)
 
 
+@pytest.mark.parametrize("bits,symmetric", [(4, False), (4, True), (8, False)])
+def test_quantize_in_chunks_equals_row_by_row(monkeypatch, bits, symmetric):
+    """quantize works through the weight a few rows at a time (to stay in the CPU's cache): every row must
+    come out as if it were quantized alone, whatever the chunk boundaries (here 3 rows, leaving a remainder)."""
+    from decodert.export.quantize import quant
+
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((10, 70), dtype=np.float32)  # 70 -> 3 blocks of 32, padded
+    cfg = QuantConfig(bits=bits, symmetric=symmetric)
+    monkeypatch.setattr(quant, "CHUNK_VALUES", 3 * 96)
+    whole = quantize(w, cfg)
+    rows = [quantize(w[i:i + 1], cfg) for i in range(len(w))]
+    for field in ("q", "scales", "zero_points"):
+        assert np.array_equal(getattr(whole, field), np.concatenate([getattr(r, field) for r in rows])), field
+
+
 def test_nibble_packing_low_first():
     v = np.array([[1, 2, 15, 0]], np.uint8)
     packed = pack_nibbles(v)

@@ -115,9 +115,13 @@ def quantize(w: np.ndarray, cfg: QuantConfig) -> QuantizedWeight:
     wp[:, :k] = w
     wb = wp.reshape(n, blocks, bs)
     scales, zp = np.empty((n, blocks), np.float32), np.empty((n, blocks), np.float32)
-    for a in range(0, n, ROWS_PER_CHUNK):  # bounded temporaries for large tables (the embedding)
-        scales[a:a + ROWS_PER_CHUNK], zp[a:a + ROWS_PER_CHUNK] = _grid(wb[a:a + ROWS_PER_CHUNK], cfg)
-    q = _round(wb, scales, zp, qmax).astype(np.uint8).reshape(n, blocks * bs)
+    q = np.empty((n, blocks, bs), np.uint8)
+    rows = max(1, CHUNK_VALUES // (blocks * bs))
+    for a in range(0, n, rows):  # chunks that stay in the CPU's cache: the search is 3x faster than on whole weights
+        chunk = wb[a:a + rows]
+        scales[a:a + rows], zp[a:a + rows] = _grid(chunk, cfg)
+        q[a:a + rows] = _round(chunk, scales[a:a + rows], zp[a:a + rows], qmax)
+    q = q.reshape(n, blocks * bs)
     zp8 = zp.astype(np.uint8)
     if cfg.bits == 4:
         q = pack_nibbles(q)
@@ -125,8 +129,10 @@ def quantize(w: np.ndarray, cfg: QuantConfig) -> QuantizedWeight:
     return QuantizedWeight(q, scales, zp8, n, k, blocks)
 
 
-ROWS_PER_CHUNK = 4096
-SCALE_FACTORS = np.linspace(0.7, 1.0, 7)  # candidate shrinkings of the min/max scale (more clipping, finer steps)
+CHUNK_VALUES = 1 << 16  # weight values quantized at once (256 KB of float32)
+# candidate shrinkings of the min/max scale (more clipping, finer steps). float64, as the perplexity figures were
+# measured: float32 factors search 1.7x faster but moved SmolLM2 int4 perplexity 44.03 -> 44.76
+SCALE_FACTORS = np.linspace(0.7, 1.0, 7)
 
 
 def _safe(scales: np.ndarray) -> np.ndarray:

@@ -3,8 +3,9 @@
     python bench/hybrid_lfm2.py --threads 2 [--hidden 1024 --layers 16 --repeats 5 --cache /tmp/lfm2-bench]
 
 1. Speculation's rewind (docs/SPECULATIVE.md, "Hybrid models"): a decode step, a verify pass of 6
-   tokens, and what a row that rejected a draft pays on top: the snapshot before the pass and the
-   replay (restore + prefill of the j accepted tokens), for j = 1, 3, 5.
+   tokens, and what a row that rejected a draft pays on top, by either design: the replay (restore the
+   snapshot + prefill of the j accepted tokens, j = 1, 3, 5), or taking the states after 3 tokens from
+   the pass's conv windows (what decodert does for a model whose states are all conv states).
 2. Sessions: turn-N time to first token through a session (its row keeps K/V and conv states, only
    the new turn is prefilled) against prefilling the whole conversation again (what a prefix cache
    could at best save; hybrids have none).
@@ -77,7 +78,14 @@ def rewind_costs(art: Path, threads: int, repeats: int, context: int) -> dict:
         for j in (1, 3, 5):
             runs[f"replay {j}"] = lambda j=j: (cache.rewind(0, n), be.prefill(cache, [0], [rng.integers(3, be.vocab_size, j)],
                                                                                  want_logits=False))
+        runs["take 3 from windows"] = lambda: None  # timed below, after an untimed pass
         for name, fn in runs.items():
+            if name == "take 3 from windows":
+                out = be.verify(cache, [0], [rng.integers(3, be.vocab_size, 6)], want_logits=False)
+                if out.windows is None:
+                    continue
+                keep = {state: w[:, 3 : 3 + w.shape[1] - 6] for state, w in out.windows[0].items()}
+                fn = lambda keep=keep: cache.rewind(0, n + 3, keep)  # noqa: E731
             times.setdefault(name, []).extend(_ms(fn, 1))
             cache.rewind(0, cache.rewind_point(0, n))  # back to the snapshot for the next run
             cache.snapshot(0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.common import spec_from_hf_config
+from decodert.models.common import spec_from_gguf_meta, spec_from_hf_config
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("lfm2",)
@@ -46,7 +46,8 @@ HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
     "lm_head": "lm_head.weight",
 }
 
-# llama.cpp's names (gguf.constants MODEL_ARCH.LFM2): the final norm is token_embd_norm there too
+# llama.cpp's names (gguf.constants MODEL_ARCH.LFM2): the final norm is token_embd_norm there too; no conv biases
+# (llama.cpp's LFM2 has none)
 _B = "blk.{i}."
 GGUF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
     "embed": "token_embd.weight",
@@ -107,6 +108,20 @@ def spec_from_hf(config: dict) -> ModelSpec:
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
-    """Refused for now: llama.cpp keeps the conv taps as [C, K] and the checkpoint reader checks shapes
-    against decodert's [C, 1, K] before any fix; GGUF_WEIGHTS above already names every tensor."""
-    raise DecodertError("lfm2 GGUF files are not supported yet; export the Hugging Face checkpoint instead")
+    """llama.cpp keeps the K/V heads per layer (0 for a conv layer), the kernel as shortconv.l_cache and
+    the MLP width already adjusted; the q/k rows are not permuted (NeoX rotary)."""
+    arch = meta.get("general.architecture", "lfm2")
+    per_layer = meta.get(f"{arch}.attention.head_count_kv")
+    if not isinstance(per_layer, (list, tuple)) or not any(per_layer):
+        raise DecodertError(f"lfm2 GGUF metadata has no per-layer '{arch}.attention.head_count_kv'")
+    if f"{arch}.shortconv.l_cache" not in meta:
+        raise DecodertError(f"lfm2 GGUF metadata has no '{arch}.shortconv.l_cache'")
+    kinds = tuple("attention" if n else "conv" for n in per_layer)
+    meta = {**meta, f"{arch}.attention.head_count_kv": max(int(n) for n in per_layer)}
+    return spec_from_gguf_meta("lfm2", meta, layer_kinds=kinds, conv_kernel=int(meta[f"{arch}.shortconv.l_cache"]),
+                               qk_norm=True)
+
+
+def gguf_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """llama.cpp's converter stores the conv taps squeezed, [C, K]; canonical is ONNX Conv's [C, 1, K]."""
+    return (shape[0], 1, shape[1]) if key.endswith("shortconv.conv.weight") and len(shape) == 2 else shape

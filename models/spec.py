@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from decodert.errors import DecodertError
+
 
 @dataclass(frozen=True)
 class RopeSpec:
@@ -237,6 +239,16 @@ STATE_SHAPES = {"attention": lambda spec: {}, "conv": _conv_states, "linear_atte
                 "mamba2": _mamba2_states}
 
 
+def window_layers(spec: ModelSpec) -> tuple[int, ...]:
+    """Conv layers whose verify pass outputs its conv window ``window_conv.{i}`` [B, C, K-1+S] (the pass's
+    inputs after the state), so accepting j tokens takes the state after j from it instead of a replay;
+    () unless every state of the model is a conv state (a recurrent state cannot be taken from its inputs)."""
+    states = state_specs(spec)
+    if not states or any(st.name != "conv" for st in states):
+        return ()
+    return tuple(st.layer for st in states)
+
+
 def state_specs(spec: ModelSpec) -> tuple[StateSpec, ...]:
     """Every per-slot state of the model beyond K/V, by layer, then name (the graphs' I/O order)."""
     return tuple(StateSpec(i, name, shape, STATE_DTYPES.get(name)) for i in range(spec.num_layers)
@@ -297,7 +309,7 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         names.append(p + "input_norm")
-        names += [p + leaf for leaf in MIXER_NAMES[spec.layer_kind(i)](spec)]
+        names += [p + leaf for leaf in mixer_names(spec, i)]
         if spec.sandwich_norm:
             names.append(p + "attn_out_norm")
         names += [p + "post_norm", p + "gate_up", p + "down"]
@@ -325,6 +337,15 @@ def _delta_net_names(spec: ModelSpec) -> list[str]:
 
 # layer kind -> the leaf names of its mixer's weights (a kind without an entry has no lowering yet)
 MIXER_NAMES = {"attention": _attention_names, "conv": _conv_names, "linear_attention": _delta_net_names}
+
+
+def mixer_names(spec: ModelSpec, layer: int) -> list[str]:
+    """The leaf names of layer ``layer``'s mixer weights; DecodertError for a kind decodert cannot run yet."""
+    kind = spec.layer_kind(layer)
+    if kind not in MIXER_NAMES:
+        raise DecodertError(f"layer {layer} is a '{kind}' layer, which decodert cannot run yet "
+                            f"(it runs {', '.join(MIXER_NAMES)})")
+    return MIXER_NAMES[kind](spec)
 
 
 def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:

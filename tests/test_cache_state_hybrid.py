@@ -49,6 +49,18 @@ def test_rewind_goes_only_to_length_zero_or_the_snapshot():
         cache.rewind(0, 5)
 
 
+def test_rewind_with_the_states_a_pass_computed():
+    """Speculation with a verify pass's per-position states: any point of the row, its states given."""
+    cache = _cache()
+    cache.commit([0], [np.arange(8)])
+    _write(cache, 0, 2.0)
+    given = {"conv.0": np.full((4, 3), 5.0, np.float32), "recurrent.0": np.full((2, 2, 2), 6.0, np.float32)}
+    cache.rewind(0, 6, given)
+    assert cache.lengths[0] == 6 and (cache.states[0][0] == 5.0).all() and (cache.states[1][0] == 6.0).all()
+    with pytest.raises(ValueError, match="not the row's"):
+        cache.rewind(0, 5, {"conv.0": given["conv.0"]})
+
+
 def test_reset_and_move_leave_empty_rows_with_zero_states():
     cache = _cache()
     cache.commit([0, 1], [np.arange(4), np.arange(3)])
@@ -73,3 +85,18 @@ def test_a_cache_without_states_rewinds_by_length():
     assert not cache.has_state and cache.rewind_point(0, 7) == 7
     cache.rewind(0, 7)
     assert cache.lengths[0] == 7 and cache.kv_layers == (0, 1)
+
+
+def test_a_layer_kind_without_a_lowering_is_one_line():
+    import dataclasses
+
+    from decodert.models.spec import ModelSpec, canonical_names
+
+    spec = ModelSpec("x", 64, 32, 64, 2, 4, 2, 8, 1e-5, layer_kinds=("attention", "conv"), conv_kernel=3)
+    assert "layers.1.conv_in" in canonical_names(spec)
+    mamba = dataclasses.replace(spec, layer_kinds=("mamba2", "attention"))
+    with pytest.raises(DecodertError, match="layer 0 is a 'mamba2' layer") as e:
+        canonical_names(mamba)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="layer kind 'gated_rnn'"):
+        dataclasses.replace(spec, layer_kinds=("gated_rnn", "attention"))

@@ -9,6 +9,7 @@ over the state: speculative equals plain, a session's turns equal re-prefill, th
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -92,18 +93,34 @@ def test_ort_binds_the_states_in_place(lfm2):
     assert all(np.abs(s[r]).max() > 0 for s in cache.states for r in (0, 1))  # written by the graph, in place
 
 
-def test_speculative_equals_plain(lfm2):
-    _, _, get = lfm2
-    llm = LLM.load(get("ort"), backend="ort")
-    rng = np.random.default_rng(4)
-    ps = [np.tile(rng.integers(3, 512, 6), 4), rng.integers(3, 512, 9), np.tile(rng.integers(3, 512, 3), 5)]
-    plain = [llm.generate(p, max_new_tokens=40) for p in ps]
-    spec = [llm.generate(p, max_new_tokens=40, speculative="ngram") for p in ps]
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    fixed = SpeculativeConfig(adaptive=False, draft_len=5)
-    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=40), speculative=fixed) for p in ps])
+def test_speculative_equals_plain(lfm2, tmp_path):
+    """Greedy speculation with a hybrid draft model (the checkpoint with its conv output projections
+    perturbed: it agrees with the target on some tokens, not all): rows that reject a draft go back
+    to their snapshot and replay what they accepted; the draft model resumes from its own snapshot."""
+    src, _, get = lfm2
+    from safetensors.numpy import load_file, save_file
+
+    draft_src = tmp_path / "draft-src"
+    shutil.copytree(src, draft_src)
+    weights = load_file(draft_src / "model.safetensors")
+    rng = np.random.default_rng(1)
+    for key in [k for k in weights if k.endswith("conv.out_proj.weight")]:
+        weights[key] = (weights[key] + 0.01 * rng.standard_normal(weights[key].shape)).astype(np.float32)
+    save_file(weights, draft_src / "model.safetensors", metadata={"format": "pt"})
+    export_model(draft_src, tmp_path / "draft", target="ort", dtype="fp32", max_seq=160, max_batch=4, progress=False)
+    llm = LLM.load(get("ort"), backend="ort", draft=tmp_path / "draft")
+    ps = _prompts((6, 9, 3), seed=4)
+    plain = [llm.generate(p, max_new_tokens=30) for p in ps]
+    fixed = SpeculativeConfig(method="draft", adaptive=False, draft_len=5)
+    assert [llm.generate(p, max_new_tokens=30, speculative=fixed).token_ids for p in ps] == [r.token_ids for r in plain]
+    prefills = []
+    real = llm.backend.prefill
+    llm.backend.prefill = lambda cache, slots, ids, want_logits: prefills.append(len(slots)) or real(cache, slots, ids, want_logits)
+    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=30), speculative=fixed) for p in ps])
     assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
-    assert max(r.metrics.accepted_per_step for r in batch) > 1.0  # drafts were accepted, others rejected
+    rates = [r.metrics.acceptance_rate for r in batch]
+    assert max(r.metrics.accepted_per_step for r in batch) > 1.0 and max(rates) < 1.0  # drafts accepted and rejected
+    assert sum(prefills) == len(ps)  # the prompts only: rejections took their states from the pass's windows, no replay
 
 
 def test_session_turns_equal_reprefill_and_prefix_cache_is_off(lfm2):
@@ -166,4 +183,91 @@ def test_trt_backend_on_the_emulator(lfm2, monkeypatch):
         assert [r.token_ids for r in got] == [w[: sp.max_new_tokens] for w, sp in zip(want, uneven)]
         fixed = SpeculativeConfig(adaptive=False, draft_len=6)
         reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps[:2]]
-        assert [r.token_ids for r in llm.generate_many(reqs)] == want[:2]
+        prefills = []
+        real = llm.backend.prefill
+        llm.backend.prefill = lambda cache, slots, ids, want_logits: prefills.append(len(slots)) or real(cache, slots, ids, want_logits)
+        got = llm.generate_many(reqs)
+        assert [r.token_ids for r in got] == want[:2]
+        assert llm.backend.stats["verify_runs"] > 0 and sum(prefills) == 2  # rejections used the windows: no replay
+
+
+def test_continuous_batching_more_requests_than_slots(lfm2):
+    """Six requests of uneven lengths over four slots: rows finish, new ones are admitted into the freed
+    slots and the active rows are moved together (move_slot copies the states too); each equals its single run."""
+    _, _, get = lfm2
+    llm = LLM.load(get("ort"), backend="ort")
+    ps = _prompts((3, 14, 6, 1, 9, 5), seed=3)
+    lengths = (12, 3, 20, 7, 5, 16)
+    alone = [llm.generate(p, max_new_tokens=n).token_ids for p, n in zip(ps, lengths)]
+    got = llm.generate_many([Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(ps, lengths)])
+    assert [r.token_ids for r in got] == alone
+
+
+def test_inspect_names_the_layer_kinds(lfm2):
+    from decodert.export.artifact.inspect import inspect_artifact
+
+    _, _, get = lfm2
+    text = inspect_artifact(get("ort"))
+    assert "layers     2 conv, 1 attention; states conv.0 ['batch', 64, 3], conv.2 ['batch', 64, 3]" in text
+
+
+def make_lfm2_gguf(src: Path, path: Path) -> Path:
+    """The tiny checkpoint as llama.cpp's converter writes it (names from the gguf package's LFM2 map)."""
+    import gguf
+    from safetensors.numpy import load_file
+    from tiny import _gguf_tokenizer_meta
+
+    cfg = json.loads((src / "config.json").read_text())
+    weights = load_file(src / "model.safetensors")
+    writer = gguf.GGUFWriter(str(path), "lfm2")
+    arch, heads = "lfm2", cfg["num_attention_heads"]
+    kv = [cfg["num_key_value_heads"] if t == "full_attention" else 0 for t in cfg["layer_types"]]
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", cfg["num_hidden_layers"]),
+                       ("feed_forward_length", weights["model.layers.0.feed_forward.w1.weight"].shape[0]),
+                       ("attention.head_count", heads), ("vocab_size", cfg["vocab_size"]),
+                       ("shortconv.l_cache", cfg["conv_L_cache"])):
+        writer.add_uint32(f"{arch}.{key}", int(value))
+    writer.add_array(f"{arch}.attention.head_count_kv", kv)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["norm_eps"])
+    writer.add_float32(f"{arch}.rope.freq_base", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6))
+    _gguf_tokenizer_meta(writer, src)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, cfg["num_hidden_layers"])
+    for key, w in weights.items():
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert name is not None, key
+        if key.endswith("conv.conv.weight"):
+            w = w.reshape(w.shape[0], -1)  # the converter squeezes the taps to [C, K]
+        writer.add_tensor(name, np.ascontiguousarray(w, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_as_llama_cpp_writes_it(lfm2, tmp_path):
+    """An lfm2 GGUF in llama.cpp's layout: llama.cpp itself (llama-cpp-python) reads it as transformers' model
+    (so the layout and metadata are llama.cpp's), and decodert's export of it gives transformers' logits."""
+    src, model, _ = lfm2
+    path = make_lfm2_gguf(src, tmp_path / "tiny-lfm2.gguf")
+    prompt = _prompts((13,), seed=3)[0]
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
+                          type_k=0, type_v=0)  # an F32 KV cache
+    llm.eval(list(map(int, prompt)))
+    want = model(torch.tensor([list(map(int, prompt))])).logits[0, -1].detach().numpy()
+    assert np.abs(np.asarray(llm.scores[len(prompt) - 1]) - want).max() < 1e-4 * np.abs(want).max()
+    out = tmp_path / "out"
+    export_model(path, out, target="ort", dtype="fp32", max_seq=32, max_batch=1, progress=False)
+    assert load_manifest(out).kv.layer_kinds == ("conv", "attention", "conv")
+    assert logits_parity(out, [hf_reference(model, prompt, 9)], [prompt], steps=8) < 1e-4
+
+
+def test_gguf_metadata_without_layer_kinds_is_one_line():
+    lfm2 = family_for("lfm2")
+    meta = {"general.architecture": "lfm2", "lfm2.attention.head_count_kv": 2, "lfm2.shortconv.l_cache": 3}
+    with pytest.raises(DecodertError, match="per-layer 'lfm2.attention.head_count_kv'"):
+        lfm2.spec_from_gguf(meta)
+    with pytest.raises(DecodertError, match="shortconv.l_cache"):
+        lfm2.spec_from_gguf({"general.architecture": "lfm2", "lfm2.attention.head_count_kv": [0, 2]})

@@ -58,6 +58,9 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
 }
 HYBRIDS = tuple(HYBRID_CONFIGS)
+# Weights scaled up after randomising, by name suffix: at the uniform 0.05 scale a conv layer's state
+# hardly moves a greedy token, so a state bug (a slot moved without its state) would pass unseen.
+SCALES: dict[str, dict[str, float]] = {"lfm2": {"conv.conv.weight": 20.0, "conv.in_proj.weight": 4.0}}
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -123,6 +126,11 @@ def make_tiny_checkpoint(family: str, path: str | Path, **overrides: Any) -> Pat
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomise(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            for suffix, factor in SCALES.get(family, {}).items():
+                if name.endswith(suffix):
+                    p.mul_(factor)
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
     path = Path(path)

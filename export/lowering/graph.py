@@ -44,7 +44,7 @@ from decodert.export.lowering.delta_net import delta_net_mixer
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
-from decodert.models.spec import ModelSpec, rope_table_of, state_specs
+from decodert.models.spec import ModelSpec, rope_table_of, state_specs, window_layers
 
 GraphKind = Literal["prefill", "decode", "verify"]
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
@@ -85,6 +85,9 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
         for kv in ("key", "value"):
             inputs.append({"name": f"past_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
             outputs.append({"name": f"present_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
+    if kind == "verify":  # the conv inputs of every position (speculation takes the state after j from them)
+        for i in window_layers(spec):
+            outputs.append({"name": f"window_conv.{i}", "dtype": dtype, "shape": ["batch", spec.hidden_size, "window"]})
     for st in state_specs(spec):  # hybrid models: conv / recurrent states, bound in place like K/V
         inputs.append({"name": f"past_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
         outputs.append({"name": f"present_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
@@ -104,7 +107,8 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         g.add_initializer(t)
     if per_position:  # the input's default: a plain prefill/decode call does not bind it
         g.add_initializer(numpy_helper.from_array(np.zeros(1, np.int64), "per_position"))
-    inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin")
+    inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin",
+                      windows=kind == "verify" and bool(window_layers(spec)))
     if kind == "verify" and state_specs(spec):  # no padding in a verify row of a hybrid: every position counts
         shape = g.op("Shape", inp.input_ids)
         g.op("Expand", g.op("Slice", shape, g.const([1]), g.const([2])), g.op("Slice", shape, g.const([0]), g.const([1])),
@@ -218,7 +222,8 @@ def _conv_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: Mod
         bsc = g.op("Concat", g.op("Shape", inp.input_ids), g.const([c]), axis=0)  # [B, S, C]
         bcs = g.op("Transpose", g.op("Reshape", bx, bsc), perm=[0, 2, 1])  # [B, C, S]
         state = (f"past_conv.{i}", f"present_conv.{i}")
-        y = low.causal_conv(g, bcs, p + "conv", p + "conv_bias" if bias else None, state, inp.seq_lengths)
+        y = low.causal_conv(g, bcs, p + "conv", p + "conv_bias" if bias else None, state, inp.seq_lengths,
+                            window=f"window_conv.{i}" if inp.windows else None)
         y = g.op("Transpose", y, perm=[0, 2, 1])  # [B, S, C]
         y = g.op("Mul", gate_c, g.op("Reshape", y, g.const([-1, c])) if low.flat_tokens else y)
         with g.scope("out"):

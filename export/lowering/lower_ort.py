@@ -137,7 +137,8 @@ class OrtLowering(Lowering):
         return g.op("Add", y, g.op("MatMul", sums, f"{weight}.mins"))
 
     def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
-                    seq_lengths: str, channels: int | None = None, activation: str = "none") -> str:
+                    seq_lengths: str, channels: int | None = None, activation: str = "none",
+                    window: str | None = None) -> str:
         """com.microsoft.CausalConvWithState (activation fused) over Concat(past, x), its first K-1 outputs dropped.
 
         The op's own past/present state is not used: its present holds the last K-1 positions of the
@@ -147,6 +148,8 @@ class OrtLowering(Lowering):
         past, present = state
         k = self.spec.conv_kernel
         cat = cc.full_window(g, x, past)  # [B, C, K-1+S]
+        if window:
+            g.op("Identity", cat, outputs=[window])
         y, _ = g.op("CausalConvWithState", cat, weight, bias or "", domain="com.microsoft", outputs=2,
                     activation=activation)
         cc.next_state(g, cat, seq_lengths, k, present)

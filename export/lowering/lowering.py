@@ -31,6 +31,7 @@ class GraphInputs:
     seq_lengths: str  # [B] int64
     cos_cache: str  # [max_seq, R/2] dtype
     sin_cache: str
+    windows: bool = False  # the verify graph of a model with only conv states: output each conv window
 
 
 class Lowering:
@@ -131,7 +132,8 @@ class Lowering:
                               softcap=self.softcap)
 
     def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
-                    seq_lengths: str, channels: int | None = None, activation: str = "none") -> str:
+                    seq_lengths: str, channels: int | None = None, activation: str = "none",
+                    window: str | None = None) -> str:
         """Depthwise causal conv over a rolling state: x [B, C, S] -> y [B, C, S]; ``weight`` [C, 1, K]
         (plugins/causal_conv.py, the op's definition):
 
@@ -139,11 +141,14 @@ class Lowering:
             y       = act(Conv(cat, weight, group=C))         (+ bias); act: "none" | "silu"
             present = cat[b, :, seq_lengths[b] .. + K-2]      each row's last K-1 valid inputs (right padding)
         ``state`` = (past, present) names: one buffer bound to both, written by GatherElements after the Concat
-        read it. ``channels``: C (default hidden, LFM2's).
+        read it. ``channels``: C (default hidden, LFM2's). ``window``: also output ``cat`` under that name
+        (the verify graph's per-position states, docs/SPECULATIVE.md).
         """
         past, present = state
         k = self.spec.conv_kernel
         full = cc.full_window(g, x, past)
+        if window:
+            g.op("Identity", full, outputs=[window])
         window, w, b = full, weight, bias or ""
         if self.dtype == "bf16":  # Conv takes bfloat16 only from opset 22: compute in float32
             window, w, b = (g.op("Cast", v, to=1) if v else v for v in (full, weight, b))

@@ -27,7 +27,7 @@ run the ids between that point and ``to`` again (generate.prefill, speculation's
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -124,15 +124,22 @@ class KVCache:
             self._held[slot, start : start + len(row)] = row
             self._lengths[slot] = start + len(row)
 
-    def rewind(self, slot: int, to: int) -> None:
+    def rewind(self, slot: int, to: int, states: Mapping[str, np.ndarray] | None = None) -> None:
         """Keep only the first ``to`` positions of ``slot`` (later K/V stays, unread, until overwritten).
 
         A row with states goes back only to ``rewind_point(slot, to) == to``: its length, 0 (states
-        zeroed) or its snapshot (states restored); another ``to`` raises DecodertError."""
+        zeroed) or its snapshot (states restored); another ``to`` raises DecodertError. Or the caller
+        gives ``states``: every state of the row as it is after ``to`` tokens, computed by the model
+        (a verify pass's per-position states: speculation), written as the row's states."""
         n = int(self._lengths[slot])
         if not 0 <= to <= n:
             raise ValueError(f"rewind slot {slot} to {to}: it holds {n} tokens")
-        if self.states and to not in (n, 0):
+        if states is not None:
+            if sorted(states) != sorted(self.state_names):
+                raise ValueError(f"rewind slot {slot}: states {sorted(states)} are not the row's {self.state_names}")
+            self._write_states(slot, [np.ascontiguousarray(states[name], self.state_dtypes[j]).tobytes()
+                                      for j, name in enumerate(self.state_names)])
+        elif self.states and to not in (n, 0):
             snap = self._snapshots.get(slot)
             if snap is None or snap[0] != to:
                 raise DecodertError(f"slot {slot}: a recurrent/conv state cannot be rewound from {n} to {to} tokens "

@@ -36,6 +36,7 @@ class TrtHost(Protocol):
     max_batch: int
     max_seq: int
     vocab_size: int
+    itemsize: int
 
     def check_validity(self, path: Path, blob: bytes) -> None: ...
 

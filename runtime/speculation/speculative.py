@@ -235,7 +235,7 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
         logits = out.logits[j] if out.logits is not None else None
         text, accepted = _commit(seq, drafts[j], out.next_tokens[j], logits)
         deltas.append(text)
-        _rewind(cache, slot, seq, replay)
+        _rewind(cache, slot, seq, replay, len(ids[j]), out.windows[j] if out.windows is not None else None)
         if seq.spec is not None:
             _learn(seq, keys[j], len(drafts[j]), accepted)
     if replay:  # part of the pass's price: the planner weighs it (hybrid models only)
@@ -246,11 +246,16 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
     return deltas
 
 
-def _rewind(cache: Any, slot: int, seq: Sequence, replay: list) -> None:
+def _rewind(cache: Any, slot: int, seq: Sequence, replay: list, fed: int, windows: dict | None) -> None:
     """Drop the rejected drafts (finished or not): the row holds history[:length - 1]. A row with
-    conv / recurrent states goes back to its pre-verify snapshot and the accepted tokens are run
-    again (appended to ``replay``): a state cannot be cut at a position (docs/SPECULATIVE.md)."""
-    to = seq.length - 1
+    conv / recurrent states cannot be cut at a position (docs/SPECULATIVE.md): with the pass's conv
+    ``windows`` it takes the states after the accepted tokens from them; else it goes back to its
+    pre-verify snapshot and the accepted tokens are run again (appended to ``replay``)."""
+    to, n = seq.length - 1, int(cache.lengths[slot])
+    if windows and to < n:
+        accepted = to - (n - fed)  # of the ``fed`` tokens of the pass
+        cache.rewind(slot, to, {name: w[:, accepted : accepted + w.shape[1] - fed] for name, w in windows.items()})
+        return
     back = cache.rewind_point(slot, to)
     cache.rewind(slot, back)
     if back < to:

@@ -20,7 +20,9 @@ from decodert.errors import DecodertError
 HISTORY_FILE = "chat_history"
 HISTORY_LINES = 1000
 COMMANDS = (("/help", "this help"), ("/reset", "forget the conversation (the system message stays)"),
-            ("/undo", "forget the last message and its answer"), ("/exit", "quit (also /quit, Ctrl-D)"))
+            ("/undo", "forget the last message and its answer"),
+            ("/image FILE", "attach an image to the next message (vision-language models)"),
+            ("/exit", "quit (also /quit, Ctrl-D)"))
 EXIT = ("/exit", "/quit", "/bye")
 
 
@@ -39,6 +41,20 @@ def add_chat_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system message")
     p.add_argument("--overflow", choices=("truncate", "error"), default="truncate",
                    help="when the conversation fills the context: drop the oldest turns (default) or refuse the turn")
+    add_image_flag(p)
+
+
+def add_image_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--image", action="append", default=[], metavar="FILE", type=Path,
+                   help="an image for the (first) message, repeatable (vision-language models)")
+
+
+def user_message(text: str, images: list) -> dict:
+    """A user message: the text, after the images when there are any."""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [*({"type": "image", "image": Path(i)} for i in images),
+                                        {"type": "text", "text": text}]}
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -55,6 +71,7 @@ def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] | None =
     session = llm.session(system=system, overflow=getattr(args, "overflow", "truncate"))
     history = None if read is not None else LineHistory.open()
     read = read or inputs.line_reader(llm.max_seq)
+    pending = list(getattr(args, "image", None) or [])  # images for the next message (--image, /image)
     if (sys.stdin.isatty() if banner is None else banner):
         print(f"decodert chat: context {llm.max_seq} tokens. /help for commands, /reset forgets, /exit or Ctrl-D quits, "
               "Ctrl-C stops an answer.", file=err)
@@ -75,20 +92,28 @@ def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] | None =
                 continue
             text = line.strip()
             if text.startswith("/") and not text.startswith("//"):
-                if command(session, text, err):
+                if command(session, text, err, pending):
                     return 0
             elif text:
-                turn(session, line.lstrip()[1:] if text.startswith("//") else line, args, out, err)
+                turn(session, line.lstrip()[1:] if text.startswith("//") else line, args, out, err, pending)
     finally:
         if history is not None:
             history.save()
 
 
-def command(session, text: str, err: TextIO) -> bool:
-    """Run a /command locally (never sent to the model); True to quit."""
+def command(session, text: str, err: TextIO, pending: list | None = None) -> bool:
+    """Run a /command locally (never sent to the model); True to quit. ``pending``: images for the next message."""
     name = text.split()[0].lower()
     if name in EXIT:
         return True
+    if name == "/image" and pending is not None:
+        path = Path(text.split(None, 1)[1].strip()) if len(text.split(None, 1)) > 1 else None
+        if path is None or not path.is_file():
+            print(f"[/image needs an image file; {path} is not one]" if path else "[/image needs a file]", file=err)
+        else:
+            pending.append(path)
+            print(f"[image {path.name} will go with the next message]", file=err)
+        return False
     if name == "/help":
         width = max(len(c) for c, _ in COMMANDS)
         lines = [f"  {c:<{width}}  {what}" for c, what in COMMANDS]
@@ -108,12 +133,16 @@ def command(session, text: str, err: TextIO) -> bool:
     return False
 
 
-def turn(session, message: str, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
+def turn(session, message: str, args: argparse.Namespace, out: TextIO, err: TextIO, pending: list | None = None) -> None:
     """Stream one answer. Ctrl-C keeps what was shown; an error is one line and the chat goes on."""
     before = session.last_turn
     stream = None
     try:
-        stream = session.stream_chat(inputs.argv_text(message, "the message"), **common.sampling_kwargs(args))
+        text = inputs.argv_text(message, "the message") or ""
+        images = list(pending or [])
+        if pending:
+            pending.clear()  # the images go with this message
+        stream = session.stream_chat(user_message(text, images) if images else text, **common.sampling_kwargs(args))
         if session.dropping:  # said before the answer: the turns are gone as it starts
             out.flush()
             print(dropped_note(session.dropping, session.llm.max_seq), file=err, flush=True)

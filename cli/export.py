@@ -51,15 +51,27 @@ def add_parser(sub: Any) -> None:
     e.add_argument("--no-quant-lm-head", action="store_true", help="keep the output projection in float")
     e.add_argument("--keep-q8", action="store_true",
                    help="--quant int4 from a GGUF: keep Q8_0 weights 8-bit and exact instead of rounding them to 4 bits")
+    e.add_argument("--kv-dtype", choices=["fp32", "fp16", "bf16", "int8", "fp8", "int4"], default=None,
+                   help="the KV cache's element type (default: --dtype). int8 / int4 keep per-channel scales "
+                        "calibrated at export on a built-in text (1/4 and 1/8 of an fp32 cache); ort: int8, int4, "
+                        "fp16; portable: all (Q/DQ around the cache); trt: --dtype only")
     e.add_argument("--plugins", choices=["auto", "always", "never"], default="auto",
                    help="trt target: decodert plugin nodes (CachedAttention, RMSNorm) instead of native layers; "
                         "auto = plugins only for a TensorRT without them (< 10.15, e.g. Jetson)")
     e.add_argument("--trt-version", default=None,
                    help="trt target: the TensorRT the engines are built with, e.g. 10.3 (default: the installed one)")
+    e.add_argument("--lora-slots", type=int, default=0,
+                   help="LoRA adapters the graphs take at run time, each row of a batch its own "
+                        "(LLM.load(adapters=...), `decodert serve --lora`); ort and portable targets (default 0: none)")
+    e.add_argument("--lora-rank", type=int, default=16,
+                   help="with --lora-slots: the highest adapter rank a slot holds (default 16)")
+    e.add_argument("--merge-lora", action="append", default=[], metavar="DIR",
+                   help="a PEFT LoRA adapter folder to merge into the weights (repeatable): one fused model")
     e.set_defaults(func=run_export)
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from decodert.export.lora.layout import LoraLayout
     from decodert.export.pipeline import export_model
     from decodert.export.quantize.quant import QuantConfig
 
@@ -78,7 +90,10 @@ def run_export(args: argparse.Namespace) -> int:
                             symmetric=args.symmetric, lm_head=not args.no_quant_lm_head, keep_q8=args.keep_q8,
                             keep_q4_1=args.keep_q4_1, scale_search=not args.no_scale_search)
     m = export_model(src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
-                     max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version)
+                     max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version,
+                     kv_dtype=args.kv_dtype,
+                     lora=LoraLayout(args.lora_slots, args.lora_rank) if args.lora_slots else None,
+                     merge_lora=args.merge_lora)
     print(summary(m, args.out))
     return 0
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from decodert.cli import common, inputs
+from decodert.cli.chat import add_image_flag, user_message
 
 
 def add_parser(subparsers: Any) -> None:
@@ -19,6 +20,7 @@ def add_parser(subparsers: Any) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file ('-' = stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    add_image_flag(p)  # --image FILE: implies --chat
     common.add_common(p)
     p.set_defaults(func=run_generate)
 
@@ -28,7 +30,7 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = common.load(args.out, args.backend, args.verify, common.draft_of(args))
     if prompt is None:  # bounded by the artifact's max_seq, so it is read after loading
         prompt = inputs.read_prompt_file(args.prompt_file, llm.max_seq)
-    messages = [{"role": "user", "content": prompt}] if args.chat else None
+    messages = [user_message(prompt, args.image)] if args.chat or args.image else None
     return answer(llm, prompt, messages, args)
 
 

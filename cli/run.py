@@ -11,7 +11,7 @@ from typing import Any
 
 from decodert.cli import common, inputs
 from decodert.export.prepare import QUANT_CHOICES
-from decodert.cli.chat import add_chat_flags, chat_loop
+from decodert.cli.chat import add_chat_flags, chat_loop, user_message
 from decodert.cli.generate import answer
 
 
@@ -43,7 +43,7 @@ def run_run(args: argparse.Namespace) -> int:
     llm = common.load(prepare_model(args.model, max_seq=args.max_seq, quant=args.quant), args.backend, args.verify, draft)
     if args.prompt is None:
         return chat_loop(llm, args)
-    if args.raw or not llm.chat_template:
+    if (args.raw or not llm.chat_template) and not args.image:
         return answer(llm, args.prompt, None, args)
     system = [{"role": "system", "content": args.system}] if args.system else []
-    return answer(llm, args.prompt, system + [{"role": "user", "content": args.prompt}], args)
+    return answer(llm, args.prompt, system + [user_message(args.prompt, args.image)], args)

@@ -11,6 +11,7 @@ from typing import Any
 
 from decodert.cli import common
 from decodert.errors import DecodertError
+from decodert.runtime.vision.images import DEFAULT_LIMITS, ImageLimits
 
 API_KEY_ENV = "DECODERT_API_KEY"
 
@@ -25,6 +26,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port, printed)")
     p.add_argument("--model-name", help="the model id clients send (default: the model name, file stem or folder name given)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="a PEFT LoRA adapter served as model 'MODEL:NAME' (or 'NAME'), repeatable; the artifact must be "
+                        "exported with --lora-slots (as vLLM's --lora-modules)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
     p.add_argument("--max-queue", type=int, default=64,
@@ -48,6 +52,13 @@ def add_parser(subparsers: Any) -> None:
                                    "(ngram: prompt lookup; draft: a draft model, --draft)")
     p.add_argument("--tool-parser", default=None, metavar="FORMAT",
                    help="tool-call format: hermes, llama3, mistral or phi4 (default: the one the chat template writes)")
+    v = p.add_argument_group("images (vision-language models)")
+    v.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch remote http(s) image_url parts (default: refused; only data: URLs are read)")
+    v.add_argument("--max-image-bytes", type=int, default=DEFAULT_LIMITS.max_bytes, help="largest encoded image")
+    v.add_argument("--max-image-pixels", type=int, default=DEFAULT_LIMITS.max_pixels,
+                   help="most pixels (width x height) of one image, checked before decoding")
+    v.add_argument("--max-images", type=int, default=DEFAULT_LIMITS.max_images, help="most images per request")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
                    help="the HTTP server's log level on stderr (default warning; info logs every request)")
     r = p.add_argument_group("Ray Serve (pip install .[ray]; docs/SERVING.md)")
@@ -98,7 +109,23 @@ def options(args: argparse.Namespace):
     draft = common.artifact_of(args.draft) if args.draft is not None else None
     return ServeOptions(artifact, args.host, args.port, name, key, args.max_queue, args.max_body_bytes,
                         args.drain_timeout, args.backend, args.verify, args.log_level, speculative, draft,
-                        args.prefix_cache_mb, args.client_timeout, _hosts(args.allowed_hosts), args.tool_parser)
+                        args.prefix_cache_mb, args.client_timeout, _hosts(args.allowed_hosts), args.tool_parser,
+                        _loras(args.lora),
+                        image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images),
+                        allow_image_urls=args.allow_image_urls)
+
+
+def _loras(values: list[str]) -> tuple[tuple[str, Path], ...]:
+    """--lora NAME=DIR values -> ((name, folder), ...); a malformed or repeated one names the flag."""
+    out: dict[str, Path] = {}
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep or not name.strip() or not folder.strip() or ":" in name:
+            raise DecodertError(f"--lora {value!r}: expected NAME=DIR (a name without ':', a PEFT adapter folder)")
+        if name in out:
+            raise DecodertError(f"--lora: the name {name!r} is given twice")
+        out[name] = Path(folder)
+    return tuple(out.items())
 
 
 def run_serve(args: argparse.Namespace) -> int:

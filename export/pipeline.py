@@ -10,14 +10,18 @@ import datetime as dt
 import math
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import onnx
 
 from decodert.errors import DecodertError
 from decodert.export.artifact import destination
+from decodert.export.checkpoints.checkpoint import is_experts
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint
+from decodert.export.lora.layout import LoraLayout, LoraRecord
+from decodert.export.lora.merge import MergedCheckpoint
+from decodert.export.lora.peft import read_peft
 from decodert.export.lowering.graph import VERIFY_WIDTH, build_graph, io_contract, verifies_rows
 from decodert.export.quantize.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
 from decodert.export.quantize.quant_gguf import transcoded_as
@@ -30,10 +34,15 @@ from decodert.export.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST,
                                       QuantRecord, SamplingRecord, SourceRecord, TokenizerRecord, WeightsRecord, from_json,
                                       write_manifest)
 from decodert.export.progress import Stage
+from decodert.export.vision_export import vision_of, write_vision
 from decodert.export.lowering.semantics import tokenizer_vocab
 from decodert.export.artifact.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables, state_specs
+from decodert.models.vision import VisionSpec, vision_names, vision_shape
+from decodert.plugins.kv_dtypes import KVDtype
+from decodert.plugins.kv_dtypes import kv_dtype as kv_dtype_of
 from decodert.plugins.selection import choose_plugins
+from decodert.export.quantize import kv_calibrate
 from decodert.export.artifact.version import __version__
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -42,7 +51,9 @@ WEIGHTS = "weights.bin"
 
 def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtype: str = "fp32",
                  max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None,
-                 quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None) -> Manifest:
+                 quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None,
+                 kv_dtype: str | None = None, lora: LoraLayout | None = None,
+                 merge_lora: Sequence[str | Path] = ()) -> Manifest:
     """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
 
     ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
@@ -52,36 +63,60 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     symmetric quantization (TensorRT's int4 weights have no zero point) and gets it. GGUF Q4_0 /
     Q8_0 weights that match the config are transcoded exactly instead (the rule: export/quantize/quant.py);
     ``manifest.quant.per_weight`` records how each weight is stored.
+
+    ``kv_dtype`` (fp32|fp16|bf16|int8|fp8|int4; None: ``dtype``) is the KV cache's element type
+    (plugins/kv_dtypes.py); a quantized cache's per-channel scales are calibrated here
+    (export/quantize/kv_calibrate.py). ``manifest.kv_dtype`` records it.
+
+    ``lora``: adapter slots the graphs take at run time (export/lora/layout.py); ``merge_lora``: PEFT
+    adapter folders whose updates are added to the weights (export/lora/merge.py).
     """
     tgt = get_target(target)
     _check_settings(dtype, max_seq, max_batch)
+    _check_lora(tgt, lora)
     quant = tgt.quant_config(quant)  # TensorRT: symmetric; --keep-q4-1 only where the layout keeps block minimums
     out_dir = destination.prepare(out_dir)
     progress = True if progress is None else progress  # export/progress.py: a bar on a terminal, else lines
     with Stage(f"reading {Path(src).name}", enabled=progress):
         ckpt = open_checkpoint(src)
     spec: ModelSpec = ckpt.spec
+    if quant is None:  # a GPTQ / AWQ checkpoint keeps its own 4-bit blocks unless asked otherwise
+        quant = tgt.quant_config(ckpt.native_quant())
+    if (lora is not None or merge_lora) and any(spec.is_moe(i) for i in range(spec.num_layers)):
+        raise DecodertError(f"LoRA adapters (--lora-slots / --merge-lora) are not supported on a mixture-of-experts "
+                            f"model ({spec.family}): they map onto dense q/k/v/o/gate/up/down weights only")
+    if merge_lora:  # one fused model: the adapters' updates added to the weights as they are read
+        ckpt = MergedCheckpoint(ckpt, [read_peft(d, spec) for d in merge_lora])  # type: ignore[assignment]
     max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
     plugin_record = choose_plugins(plugins, tgt, trt_version)
+    plugin_ops = tuple(plugin_record["ops"]) if plugin_record else ()
+    kv = kv_dtype_of(kv_dtype, dtype)
+    tgt.make_lowering(spec, dtype, max_seq, plugins=plugin_ops, kv=kv)  # refuses a KV dtype the target cannot keep
 
     tmp = destination.make_temp(out_dir)
     try:
         layout = tgt.weight_layout
-        weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout)
-        lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized,
-                                 plugins=tuple(plugin_record["ops"]) if plugin_record else ())
+        vision = vision_of(ckpt)
+        weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout, vision)
+        vision_weights = {k: weights.pop(k) for k in [k for k in weights if k.startswith("vision.")]}
+        lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized, plugins=plugin_ops, kv=kv)
         with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
-            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar)
             tokenizer = ckpt.write_tokenizer(tmp)
+            if kv.quantized:  # per-channel scales from the float-cache graph over a built-in text
+                weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
+                                                   weights, kv, tmp)}
+            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora)
+            vision_record = None if vision is None else write_vision(ckpt, vision, vision_weights, dtype, tmp,
+                                                                     lowering.ir_version)
             tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
-            manifest = _manifest(ckpt, spec, target, dtype, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
+            manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
             bar.update()
             manifest = manifest.replace(
                 sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
                 plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
-                quant=_quant_record(quant, layout, quantized))
+                quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora), vision=vision_record)
             write_manifest(tmp, manifest)
             destination.swap_in(tmp, out_dir)
             bar.update()
@@ -94,6 +129,22 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     return manifest
 
 
+def _check_lora(tgt: Any, lora: LoraLayout | None) -> None:
+    """--lora-slots / --lora-rank: positive, and a target whose graphs take adapters."""
+    if lora is not None:
+        tgt.check_lora_slots(lora.slots)
+        if lora.slots < 1 or lora.rank < 1:
+            raise DecodertError(f"--lora-slots {lora.slots} and --lora-rank {lora.rank} must both be >= 1")
+
+
+def _lora_record(lora: LoraLayout | None, merge_lora: Sequence[str | Path]) -> LoraRecord | None:
+    """manifest.lora: the slots the graphs take and the adapters merged into the weights (None: neither)."""
+    if lora is None and not merge_lora:
+        return None
+    return LoraRecord(slots=lora.slots if lora else 0, rank=lora.rank if lora else 0,
+                      merged=tuple(str(Path(d).resolve()) for d in merge_lora))
+
+
 def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:
     if dtype not in DTYPES:
         raise DecodertError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
@@ -104,14 +155,15 @@ def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:
 
 
 def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max_seq: int, tmp: Path,
-                  bar: Stage) -> dict[str, GraphRecord]:
+                  bar: Stage, lora: LoraLayout | None = None) -> dict[str, GraphRecord]:
     """prefill.onnx, decode.onnx and verify.onnx (checked) -> their manifest records."""
     graphs = {}
     for kind in ("prefill", "decode", "verify"):
         path = tmp / f"{kind}.onnx"
-        onnx.save_model(build_graph(spec, lowering, weights, kind), path)
+        onnx.save_model(build_graph(spec, lowering, weights, kind, lora), path)
         onnx.checker.check_model(str(path), full_check=True)
-        contract = {"file": path.name, **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind))}
+        contract = {"file": path.name,
+                    **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind), lowering.kv, lora)}
         if kind == "verify":
             contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
             contract["batched_past"] = lowering.for_graph(kind).batched_past
@@ -129,7 +181,8 @@ def _weights_stage(spec: ModelSpec, dtype: str, quant: QuantConfig | None, progr
 
 
 def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool,
-                   quant: QuantConfig | None, layout: WeightLayout) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
+                   quant: QuantConfig | None, layout: WeightLayout,
+                   vision: VisionSpec | None = None) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
     """Stream every canonical tensor (one at a time) plus the RoPE tables into weights.bin.
 
     Returns the initializers and how each weight stored quantized is stored (by name).
@@ -140,7 +193,11 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
     with WeightsWriter(path) as w, _weights_stage(spec, dtype, quant, progress) as bar:
         for name in canonical_names(spec):
             tensor = None
-            if quant is not None and quant.applies_to(name):
+            if is_experts(name):
+                wq = _write_experts(w, ckpt, name, spec, quant, dtype, layout)
+                if wq is not None:
+                    quantized[name] = wq
+            elif quant is not None and quant.applies_to(name):
                 quantized[name] = _store_quantized(w, ckpt, name, name, quant, dtype, layout)
             elif not (name == "embed" and gather_quantized):  # else the graph gathers rows from the quantized head
                 tensor = ckpt.tensor(name)
@@ -155,16 +212,42 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
             cos, sin = rope.cos_sin(spec.head_dim, max_seq)
             w.add(f"{prefix}.cos", cos, dtype)
             w.add(f"{prefix}.sin", sin, dtype)
+        for name in vision_names(vision) if vision is not None else ():  # vision.onnx's, in the graph dtype
+            w.add(name, ckpt.vision_tensor(name, vision_shape(vision, name)), dtype)
         w.close()
         return w.tensors, quantized
 
 
+def _write_experts(w: WeightsWriter, ckpt, name: str, spec: ModelSpec, quant: QuantConfig | None, dtype: str,
+                   layout: WeightLayout) -> WeightQuant | None:
+    """A layer's experts [E, rows, in], read, converted (or quantized) and written one expert at a time:
+    never the layer's experts in float32 at once (int4: the layer's quantized experts, 1/8 of that)."""
+    shape = canonical_shape(spec, name)
+    experts = (ckpt.expert(name, j) for j in range(spec.num_experts))
+    if quant is None or not quant.applies_to(name):
+        w.add_stacked(name, experts, dtype, shape)
+        return None
+    if shape[2] % quant.block_size:
+        raise DecodertError(f"--block-size {quant.block_size} must divide the experts' input width {shape[2]} "
+                            f"('{name}'): quantized experts take whole blocks; choose a smaller --block-size")
+    wq = quant.rtn()
+    layout.write_stacked(w, name, [quantize(e, quant) for e in experts], wq, dtype)
+    return wq
+
+
 def _store_quantized(w: WeightsWriter, ckpt, src: str, name: str, quant: QuantConfig, dtype: str, layout: WeightLayout,
                      gather: bool = False, tensor: np.ndarray | None = None) -> WeightQuant:
-    """Store canonical weight ``src`` quantized as ``name``: GGUF blocks transcoded where that is
-    exact (export/quantize/quant_gguf.py), else rounded to nearest from float (``tensor``, if already read)."""
+    """Store canonical weight ``src`` quantized as ``name``: GPTQ / AWQ or GGUF blocks transcoded where that
+    is exact (export/quantize/quant_packed.py, quant_gguf.py), else rounded to nearest from float (``tensor``,
+    if already read)."""
+    packed = None if gather else ckpt.packed(src)
     wq = transcoded_as(ckpt.block_type(src), quant, layout, gathered=gather)
-    if wq is not None:
+    if packed is not None:
+        qw, wq = packed
+        if quant.symmetric and not wq.symmetric:
+            raise DecodertError(f"{ckpt.source}: {src} is {wq.source} with zero points, which --symmetric / --target "
+                                "trt (int4 without zero points) cannot keep exactly; export --target ort or portable")
+    elif wq is not None:
         qw = ckpt.blocks(src)
     else:
         qw, wq = quantize(ckpt.tensor(src) if tensor is None else tensor, quant), quant.rtn()
@@ -182,7 +265,20 @@ def _quant_record(quant: QuantConfig | None, layout: WeightLayout, quantized: di
                                    "per_weight": {name: quantized[name].to_dict() for name in sorted(quantized)}}, "quant")
 
 
-def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_batch: int,
+def _kv_scales(spec: ModelSpec, float_cache: Any, weights: dict, kv: KVDtype, tmp: Path) -> dict[str, onnx.TensorProto]:
+    """Calibrate a quantized cache's scales on ``float_cache`` (the same lowering with a float cache)."""
+    path = tmp / "kv_calibration.onnx"  # beside weights.bin, whose tensors it references; removed after
+    try:
+        onnx.save_model(build_graph(spec, float_cache, weights, "prefill"), path)
+        ids = kv_calibrate.calibration_ids(tmp / "tokenizer.json", float_cache.max_seq)
+        scales = kv_calibrate.calibrate(path, spec, kv, float_cache.dtype, float_cache.max_seq, ids,
+                                        float_cache.rotary_dim)
+    finally:
+        path.unlink(missing_ok=True)
+    return kv_calibrate.scale_tensors(scales)
+
+
+def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, kv: KVDtype, max_seq: int, max_batch: int,
               graphs: dict[str, GraphRecord], tokenizer: dict, folder: Path) -> Manifest:
     src = Path(ckpt.source)
     return Manifest(
@@ -190,10 +286,10 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, max_seq: int, max_
         onnx_version=onnx.__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         source=SourceRecord(path=str(src.resolve()), kind="gguf" if src.suffix == ".gguf" else "hf"),
         model=from_json(ModelRecord, spec.to_dict(), "model"), target=target, dtype=dtype,
-        max_seq=max_seq, max_batch=max_batch,
-        kv=KVRecord(num_layers=len(spec.kv_layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
-                    shape=("batch", spec.num_kv_heads, max_seq, spec.head_dim), inplace=True,
-                    layer_kinds=spec.layer_kinds,
+        max_seq=max_seq, max_batch=max_batch, kv_dtype=kv.name,
+        kv=KVRecord(num_layers=len(spec.kv_layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                    dtype=kv.storage, shape=("batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)),
+                    inplace=True, scales="per_channel" if kv.quantized else None, layer_kinds=spec.layer_kinds,
                     states=tuple(StateRecord(layer=st.layer, name=st.name, shape=("batch", *st.shape), dtype=st.dtype)
                                  for st in state_specs(spec))),
         graphs=graphs, weights=WeightsRecord(file=WEIGHTS, bytes=(folder / WEIGHTS).stat().st_size),

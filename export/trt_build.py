@@ -8,6 +8,8 @@ and records each engine in manifest.engines (docs/TENSORRT.md describes the reco
 Profiles (B = max batch, S = max seq; KV inputs are [batch, H_kv, S_max, D], S_max static):
     prefill: batch 1 .. B (opt max(B // 2, 1)), seq 1 .. S (opt min(S, 256))
     decode:  batch 1 .. B (opt B),               seq 1
+    vision:  images 1 .. the tiles of one image at the processor's largest size (opt: that many); its own
+             engine OUT/vision.engine beside the others (vision-language artifacts: manifest.vision)
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from typing import Any, Mapping
 
 from decodert.errors import DecodertError
 from decodert.export.artifact.destination import file_mode, linked_copy, swap_in
+from decodert.export.lowering.graph import DEFAULTED_INPUTS
 from decodert.export.lowering.targets import get_target
 from decodert.export.trt_progress import make_progress
 from decodert.export.artifact.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
 from decodert.plugins.trt_compat import TrtInfo, load_trt
 
 GRAPHS = ("prefill", "decode")
+VISION = "vision"  # vision-language artifacts: vision.onnx (manifest.vision.graph)
 PRECISIONS = ("fp16", "bf16", "fp32")
 _DTYPE_NAMES = {"HALF": "fp16", "BF16": "bf16", "FLOAT": "fp32", "INT64": "int64", "INT32": "int32",
                 "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
@@ -44,6 +48,9 @@ def read_manifest(out_dir: Path, verify: str = "fast") -> Manifest:
     if not target.runs_on("trt"):
         raise DecodertError(f"{Path(out_dir) / MANIFEST}: the graphs were exported for --target {target.name} "
                             f"({target.about}); re-export with --target trt to build TensorRT engines")
+    if manifest.lora_layout is not None:
+        raise DecodertError(f"{Path(out_dir) / MANIFEST}: the graphs take LoRA adapter slots (--lora-slots), which "
+                            "the TensorRT backend does not bind; re-export without --lora-slots (--merge-lora merges one)")
     return manifest
 
 
@@ -100,15 +107,18 @@ def resolve_limits(manifest: Manifest, max_batch: int | None, max_seq: int | Non
     return batch, seq
 
 
-def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int) -> dict[str, tuple[list[int], ...]]:
-    """Input name -> (min, opt, max) dims from the manifest's symbolic dims ("batch", "seq")."""
+def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int,
+                   tiles: int = 1) -> dict[str, tuple[list[int], ...]]:
+    """Input name -> (min, opt, max) dims from the manifest's symbolic dims ("batch", "seq", "images")."""
     opt_batch = batch if name == "decode" else max(batch // 2, 1)
-    ranges = {"batch": (1, opt_batch, batch), "seq": (1, min(seq, 256), seq)}
+    ranges = {"batch": (1, opt_batch, batch), "seq": (1, min(seq, 256), seq), "images": (1, tiles, tiles)}
     if name == "verify":  # speculative decoding: 1 .. max_tokens per row, at every batch size
         width = min(graph.max_tokens or seq, seq)
         ranges = {"batch": (1, batch, batch), "seq": (1, min(width, 8), width)}
     shapes = {}
     for inp in graph.inputs:
+        if inp.name in DEFAULTED_INPUTS:  # folded into a constant by the parser: no profile
+            continue
         dims = [ranges[d] if isinstance(d, str) else (int(d),) * 3 for d in inp.shape]
         shapes[inp.name] = tuple([d[k] for d in dims] for k in range(3))
     return shapes
@@ -172,6 +182,8 @@ def check_io(io: Mapping[str, Any], graph: GraphRecord, where: str) -> None:
         got = {t["name"]: (t["dtype"], list(t["shape"])) for t in io[kind]}
         want = {t.name: (t.dtype, list(t.shape)) for t in tensors}
         for name in sorted(set(got) | set(want)):
+            if kind == "inputs" and name in DEFAULTED_INPUTS and name not in got:
+                continue  # an input with a default initializer: TensorRT's parser folds it into a constant
             if got.get(name) != want.get(name):
                 problems.append(f"{name}: manifest {want.get(name)} vs engine {got.get(name)}")
     if problems:
@@ -249,12 +261,12 @@ def _deserialized_io(trt: ModuleType, logger: Any, blob: bytes, graph: GraphReco
 def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest: Manifest,
               settings: dict[str, Any]) -> EngineRecord:
     """Parse, build and write OUT/<name>.engine; return its manifest record."""
-    graph = manifest.graphs[name]
+    graph = graph_of(manifest, name)
     logger = settings["logger"]
     builder = trt.Builder(logger)
     network, _parser = parse_onnx(trt, builder, logger, out_dir / graph.file)
     check_io(network_io(network, graph), graph, f"{graph.file} (parsed)")
-    shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"])
+    shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"], max_tiles(manifest))
     monitor = make_progress(trt, name, settings["progress"])  # a bar on a terminal, else a line every 10 s
     config = make_config(trt, info, builder, network, shapes, {**settings, "monitor": monitor})
     t0 = time.perf_counter()
@@ -286,6 +298,25 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
         "build_seconds": round(seconds, 3), "built": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "weights_stripped": bool(settings.get("strip")),
     }, f"engines.{name}")
+
+
+def graph_of(manifest: Manifest, name: str) -> GraphRecord:
+    """The record of graph ``name``: one of manifest.graphs, or "vision" (manifest.vision.graph)."""
+    if name == VISION and manifest.vision is not None:
+        return manifest.vision.graph
+    return manifest.graphs[name]
+
+
+def max_tiles(manifest: Manifest) -> int:
+    """The most tiles one image becomes (runtime/vision/preprocess.py): with splitting, the grid of the
+    largest resized image plus its global tile; else 1."""
+    if manifest.vision is None:
+        return 1
+    p = manifest.vision.processor
+    if not p.get("do_image_splitting"):
+        return 1
+    side = -(-int(p["size"]["longest_edge"]) // int(p["max_image_size"]["longest_edge"]))  # ceil
+    return side * side + 1 if side > 1 else 1
 
 
 def _open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tuple[Any, str]:
@@ -346,6 +377,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     work = staging or out
     try:
         names = [n for n in (*GRAPHS, "verify") if n in manifest.graphs]  # older artifacts have no verify graph
+        names += [VISION] if manifest.vision is not None else []
         engines = {name: build_one(trt, info, work, name, manifest, settings) for name in names}
         for rec in engines.values():
             os.replace(staged(work / rec.file), work / rec.file)
@@ -357,7 +389,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
             shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
-        for name in (*GRAPHS, "verify"):
+        for name in (*GRAPHS, "verify", VISION):
             staged(work / f"{name}.engine").unlink(missing_ok=True)
     if cache is not None and cache_path is not None:
         write_atomic(cache_path, bytes(cache.serialize()))

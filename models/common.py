@@ -6,6 +6,7 @@ Errors carry no file name: ``open_checkpoint`` adds it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -18,10 +19,10 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_expert
 _GGUF_MOE_KEYS = ("expert_count", "expert_used_count")
 
 
-def reject_unsupported_hf(config: dict, check_activation: bool = True) -> None:
-    """Raise for configs decodert cannot run: MoE, non-SiLU MLP (unless the family reads its own
-    activation), extra biases, encoder-decoder."""
-    for key in _MOE_KEYS:
+def reject_unsupported_hf(config: dict, check_activation: bool = True, check_moe: bool = True) -> None:
+    """Raise for configs decodert cannot run: MoE (unless the family reads its experts), non-SiLU MLP
+    (unless the family reads its own activation), extra biases, encoder-decoder."""
+    for key in _MOE_KEYS if check_moe else ():
         if config.get(key):
             raise DecodertError(f"mixture-of-experts models are not supported ({key}={config[key]})")
     if config.get("is_encoder_decoder"):
@@ -33,9 +34,9 @@ def reject_unsupported_hf(config: dict, check_activation: bool = True) -> None:
         raise DecodertError("mlp_bias=true is not supported")
 
 
-def reject_unsupported_gguf(meta: dict) -> None:
+def reject_unsupported_gguf(meta: dict, check_moe: bool = True) -> None:
     arch = meta.get("general.architecture", "?")
-    for key in _GGUF_MOE_KEYS:
+    for key in _GGUF_MOE_KEYS if check_moe else ():
         if meta.get(f"{arch}.{key}"):
             raise DecodertError(f"mixture-of-experts models are not supported ({arch}.{key})")
 
@@ -58,7 +59,27 @@ def hf_rope(config: dict) -> RopeSpec:
             high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
         )
+    if kind == "yarn":
+        return _yarn(rope, theta, config)
     raise DecodertError(f"rope scaling '{kind}' is not supported yet")
+
+
+def _yarn(rope: dict, theta: float, config: dict) -> RopeSpec:
+    """YaRN as transformers reads it: the attention factor from ``attention_factor``, else from
+    ``mscale`` / ``mscale_all_dim``, else 0.1 ln(factor) + 1; ``truncate`` defaults to true."""
+    original = int(rope.get("original_max_position_embeddings") or config.get("max_position_embeddings", 4096))
+    factor = float(rope.get("factor") or int(config.get("max_position_embeddings", original)) / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeSpec(theta=theta, scaling="yarn", factor=factor, original_max_position=original,
+                    beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                    truncate=bool(rope.get("truncate", True)), attention_factor=float(attention))
 
 
 def partial_rotary_factor(config: dict) -> float:
@@ -83,7 +104,7 @@ def _req(source: dict, key: str, what: str) -> Any:
 
 def spec_from_hf_config(family: str, config: dict, **extra: Any) -> ModelSpec:
     """The fields every family reads the same way from config.json; `extra` overrides."""
-    reject_unsupported_hf(config, check_activation="activation" not in extra)
+    reject_unsupported_hf(config, check_activation="activation" not in extra, check_moe="num_experts" not in extra)
     hidden = int(_req(config, "hidden_size", "config.json"))
     heads = int(_req(config, "num_attention_heads", "config.json"))
     fields: dict[str, Any] = dict(
@@ -138,7 +159,7 @@ def gguf_rope(meta: dict, head_dim: int) -> RopeSpec:
 
 def spec_from_gguf_meta(family: str, meta: dict, **extra: Any) -> ModelSpec:
     """The fields every family reads the same way from GGUF metadata; `extra` overrides."""
-    reject_unsupported_gguf(meta)
+    reject_unsupported_gguf(meta, check_moe="num_experts" not in extra)
     hidden = int(gguf_key(meta, "embedding_length"))
     heads = int(gguf_key(meta, "attention.head_count"))
     head_dim = int(gguf_key(meta, "attention.key_length", hidden // heads))

@@ -24,16 +24,22 @@ class RopeSpec:
     """Rotary position embedding (rotate-half / NeoX layout, as in transformers)."""
 
     theta: float = 10000.0
-    scaling: str | None = None  # None | "linear" | "llama3"
+    scaling: str | None = None  # None | "linear" | "llama3" | "yarn" | "none" (angle 0: cos 1, sin 0, an exact identity)
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position: int = 8192  # llama3
     rotary_dim: int | None = None  # None = the whole head
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: the ramp's bounds rounded outwards
+    attention_factor: float = 1.0  # yarn: cos and sin are multiplied by it (0.1 ln(factor) + 1 by default)
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """[rot_dim/2] float64 inverse frequencies after scaling."""
         dim = self.rotary_dim or head_dim
+        if self.scaling == "none":  # a layer without RoPE: every angle 0, so rotating is x*1 + rot(x)*0 = x exactly
+            return np.zeros(dim // 2)
         inv = 1.0 / (self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
         if self.scaling == "linear":
             inv = inv / self.factor
@@ -48,12 +54,29 @@ class RopeSpec:
             smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
             medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             inv = np.where(medium, smoothed, scaled)
+        elif self.scaling == "yarn":
+            inv = self._yarn(inv, dim)
         return inv
+
+    def _yarn(self, inv: np.ndarray, dim: int) -> np.ndarray:
+        """YaRN (transformers' _compute_yarn_parameters): interpolated frequencies (inv / factor) for the
+        long wavelengths, the original ones for the short, a linear ramp between the correction dims."""
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(self.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0, 1)
+        extrapolation = 1 - ramp
+        return inv / self.factor * (1 - extrapolation) + inv * extrapolation
 
     def cos_sin(self, head_dim: int, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin tables [max_pos, rot_dim/2] in float32 (computed in float64)."""
         angles = np.outer(np.arange(max_pos, dtype=np.float64), self.inv_freq(head_dim))
-        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        a = self.attention_factor
+        return (np.cos(angles) * a).astype(np.float32), (np.sin(angles) * a).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -99,6 +122,22 @@ class ModelSpec:
     ssm_head_dim: int = 0
     ssm_state: int = 0
     ssm_groups: int = 0
+    # -- mixture of experts (num_experts = 0: every MLP is dense) -----------------------------------
+    num_experts: int = 0  # experts per MoE layer
+    experts_per_token: int = 0  # top-k the router picks
+    expert_intermediate_size: int = 0  # each expert's SwiGLU width
+    router_renormalize: bool = True  # the top-k softmax weights are rescaled to sum to 1 (Qwen3-MoE norm_topk_prob)
+    mlp_types: tuple[str, ...] = ()  # per layer "dense" | "moe"; () = every layer "moe" iff num_experts
+    o_bias: bool = False  # gpt-oss: a bias on the attention output projection
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax (weights layers.{i}.sinks)
+    router_bias: bool = False  # gpt-oss: router logits = h @ router^T + bias
+    expert_bias: bool = False  # gpt-oss: biases on every expert's gate_up and down
+    swiglu_limit: float | None = None  # gpt-oss: gate clamped to <= limit, up to [-limit, limit]
+    swiglu_alpha: float = 1.0  # experts: gate * sigmoid(alpha * gate) * (up + beta); silu(gate) * up by default
+    swiglu_beta: float = 0.0
+    nope_layers: tuple[int, ...] = ()  # layers whose q and k get no RoPE (SmolLM3: every 4th); they read the
+    # identity table "rope_none" (angle 0), so every lowering's attention serves them unchanged
+    image_token_id: int | None = None  # vision-language: prefill takes image embeddings at this token's rows
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -120,6 +159,18 @@ class ModelSpec:
                 raise ValueError("conv, linear_attention and mamba2 layers need a conv_kernel >= 2")
         if self.local_rope is not None and self.local_rope.rotary_dim != self.rope.rotary_dim:
             raise ValueError("the local and global RoPE must rotate the same dims")
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts or self.expert_intermediate_size < 1:
+                raise ValueError(f"router top-k {self.experts_per_token} must be 1..{self.num_experts} experts and "
+                                 f"the expert width {self.expert_intermediate_size} positive")
+            if self.activation != "silu":  # the MoE/QMoE ops and plugins/moe.py compute SwiGLU experts
+                raise ValueError(f"experts with activation '{self.activation}' are not supported (SwiGLU only)")
+        if self.mlp_types and (len(self.mlp_types) != self.num_layers or set(self.mlp_types) - set(MLP_TYPES)
+                               or ("moe" in self.mlp_types and not self.num_experts)):
+            raise ValueError(f"mlp_types must name {self.num_layers} layers, each one of {', '.join(MLP_TYPES)} "
+                             "('moe' only with experts)")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {list(self.nope_layers)} must be layers 0..{self.num_layers - 1}")
         for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -139,11 +190,18 @@ class ModelSpec:
     def kv_layers(self) -> tuple[int, ...]:
         """The layers that keep K/V (attention), in order: their caches are past_key.{i} / past_value.{i}."""
         return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "attention")
+    def is_moe(self, layer: int) -> bool:
+        """Is layer ``layer``'s MLP a mixture of experts (router + experts) rather than one dense SwiGLU?"""
+        if self.mlp_types:
+            return self.mlp_types[layer] == "moe"
+        return self.num_experts > 0
 
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_window if self.is_sliding(layer) else None
 
     def layer_rope(self, layer: int) -> RopeSpec:
+        if layer in self.nope_layers:
+            return dataclasses.replace(NO_ROPE, rotary_dim=self.rope.rotary_dim)
         return self.local_rope if self.local_rope is not None and self.is_sliding(layer) else self.rope
 
     @property
@@ -180,6 +238,8 @@ class ModelSpec:
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
         d["layer_kinds"] = list(self.layer_kinds)
+        d["mlp_types"] = list(self.mlp_types)
+        d["nope_layers"] = list(self.nope_layers)
         return d
 
     @classmethod
@@ -192,9 +252,12 @@ class ModelSpec:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
         d["layer_kinds"] = tuple(d.get("layer_kinds", ()))
+        d["mlp_types"] = tuple(d.get("mlp_types", ()))
+        d["nope_layers"] = tuple(d.get("nope_layers", ()))
         return cls(**d)
 
 
+NO_ROPE = RopeSpec(scaling="none")  # what a layer without RoPE reads: the identity rotation
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("sliding", "full")
 # What mixes tokens in a layer. "attention": K/V [H_kv, S_max, D]; "conv": LFM2's gated short conv,
@@ -260,16 +323,23 @@ def state_specs(spec: ModelSpec) -> tuple[StateSpec, ...]:
 STATE_DTYPES = {"recurrent": "fp32"}
 
 
+MLP_TYPES = ("dense", "moe")
+
+
 def rope_tables(spec: ModelSpec) -> dict[str, RopeSpec]:
     """The RoPE tables a model's graphs read, by weight-name prefix: ``rope`` (+ ``rope_local``)."""
     tables = {"rope": spec.rope}
     if spec.local_rope is not None and any(spec.is_sliding(i) for i in range(spec.num_layers)):
         tables["rope_local"] = spec.local_rope
+    if spec.nope_layers:
+        tables["rope_none"] = dataclasses.replace(NO_ROPE, rotary_dim=spec.rope.rotary_dim)
     return tables
 
 
 def rope_table_of(spec: ModelSpec, layer: int) -> str:
     """The rope_tables prefix layer ``layer`` reads."""
+    if layer in spec.nope_layers:
+        return "rope_none"
     return "rope_local" if spec.local_rope is not None and spec.is_sliding(layer) else "rope"
 
 
@@ -286,6 +356,8 @@ def canonical_names(spec: ModelSpec) -> list[str]:
       - ``layers.{i}.q_norm``       [D]                          (qk_norm only)
       - ``layers.{i}.k_norm``       [D]                          (qk_norm only)
       - ``layers.{i}.o``            [hidden, H * D]
+      - ``layers.{i}.o_bias``       [hidden]                     (o_bias only)
+      - ``layers.{i}.sinks``        [H]                          (attn_sinks only: each head's sink logit)
       a "conv" layer's (LFM2's gated short conv, C = hidden):
       - ``layers.{i}.conv_in``      [3 C, hidden]                rows: B gate, C gate, x (+ ``conv_in_bias`` [3 C])
       - ``layers.{i}.conv``         [C, 1, K]                    depthwise taps, ONNX Conv layout (+ ``conv_bias`` [C])
@@ -301,6 +373,12 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     - ``layers.{i}.post_norm``      [hidden]                     the norm in front of the MLP
     - ``layers.{i}.gate_up``        [2 * I, hidden]              rows: gate, then up
     - ``layers.{i}.down``           [hidden, I]
+      or, in a MoE layer (spec.is_moe(i); Ie = expert_intermediate_size, E = num_experts):
+    - ``layers.{i}.router``         [E, hidden]                  router logits = h @ router^T
+    - ``layers.{i}.experts.gate_up`` [E, 2 * Ie, hidden]         rows interleaved: gate 0, up 0, gate 1, ...
+    - ``layers.{i}.experts.down``   [E, hidden, Ie]
+    - ``layers.{i}.router_bias`` [E], ``experts.gate_up_bias`` [E, 2 Ie] (interleaved), ``experts.down_bias``
+      [E, hidden]                                                (router_bias / expert_bias only)
     - ``layers.{i}.mlp_out_norm``   [hidden]                     (sandwich_norm only: on the MLP output)
     - ``final_norm``                [hidden]
     - ``lm_head``                   [V, hidden]                  (absent when tied)
@@ -312,7 +390,13 @@ def canonical_names(spec: ModelSpec) -> list[str]:
         names += [p + leaf for leaf in mixer_names(spec, i)]
         if spec.sandwich_norm:
             names.append(p + "attn_out_norm")
-        names += [p + "post_norm", p + "gate_up", p + "down"]
+        names.append(p + "post_norm")
+        if not spec.is_moe(i):
+            names += [p + "gate_up", p + "down"]
+        else:
+            names += [p + "router"] + ([p + "router_bias"] if spec.router_bias else []) + [p + "experts.gate_up"]
+            names += [p + "experts.gate_up_bias"] if spec.expert_bias else []
+            names += [p + "experts.down"] + ([p + "experts.down_bias"] if spec.expert_bias else [])
         if spec.sandwich_norm:
             names.append(p + "mlp_out_norm")
     names.append("final_norm")
@@ -322,7 +406,8 @@ def canonical_names(spec: ModelSpec) -> list[str]:
 
 
 def _attention_names(spec: ModelSpec) -> list[str]:
-    return ["qkv", *(["qkv_bias"] if spec.qkv_bias else []), *(["q_norm", "k_norm"] if spec.qk_norm else []), "o"]
+    return ["qkv", *(["qkv_bias"] if spec.qkv_bias else []), *(["q_norm", "k_norm"] if spec.qk_norm else []), "o",
+            *(["o_bias"] if spec.o_bias else []), *(["sinks"] if spec.attn_sinks else [])]
 
 
 def _conv_names(spec: ModelSpec) -> list[str]:
@@ -352,7 +437,14 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     """The expected shape of a canonical weight (used to validate checkpoints)."""
     h, d = spec.hidden_size, spec.head_dim
     leaf = name.rsplit(".", 1)[-1]
+    e, ie = spec.num_experts, spec.expert_intermediate_size
+    if ".experts." in name:
+        return {"gate_up": (e, 2 * ie, h), "down": (e, h, ie), "gate_up_bias": (e, 2 * ie), "down_bias": (e, h)}[leaf]
     shapes = {
+        "router": (e, h),
+        "router_bias": (e,),
+        "o_bias": (h,),
+        "sinks": (spec.num_heads,),
         "embed": (spec.vocab_size, h),
         "lm_head": (spec.vocab_size, h),
         "final_norm": (h,),

@@ -125,12 +125,14 @@ def write_cache_body(g: GraphBuilder, past: str, new_bhsd: str, ctx: AttnContext
 
 def attend_body(g: GraphBuilder, q4: str, key: str, value: str, visible: str, *, num_heads: int,
                 kv_heads: int, head_dim: int, max_seq: int | str, scale: float, dtype: str, out: str | None = None,
-                softcap: float = 0.0) -> str:
+                softcap: float = 0.0, sinks: str | None = None) -> str:
     """q4 [B,S,H,D] roped; key/value [B,Hkv,Smax,D] -> y [B,S,H*D] (GQA without repeating K/V).
 
     ``max_seq``: the keys' count Smax, static, or the name of a [1] int64 tensor (key/value/visible
     then hold that many keys, e.g. sliced to the longest row). ``softcap`` > 0: scores =
-    softcap * tanh(scores / softcap) after the scale, before the mask (Gemma 2).
+    softcap * tanh(scores / softcap) after the scale, before the mask (Gemma 2). ``sinks`` [H] (gpt-oss):
+    one more logit per head joins each row's softmax and takes its share, then is dropped:
+    p_j = exp(s_j - m) / (sum_j exp(s_j - m) + exp(sink - m)), m = max(max_j s_j, sink).
     """
     group = num_heads // kv_heads
 
@@ -149,13 +151,22 @@ def attend_body(g: GraphBuilder, q4: str, key: str, value: str, visible: str, *,
         scores = g.op("Mul", g.op("Tanh", g.op("Div", scores, cap)), cap)
     scores = g.op("Reshape", scores, dims(0, kv_heads, group, -1))
     masked = g.op("Where", g.op("Unsqueeze", visible, g.const([1])), scores, g.const(np.float32(-np.inf)))
-    probs = g.op("Softmax", masked, axis=-1)
+    probs = g.op("Softmax", masked, axis=-1) if sinks is None else _softmax_with_sink(g, masked, sinks, kv_heads, dtype)
     probs = g.op("Reshape", probs, dims(0, kv_heads, -1))
     if dtype != "fp32":
         probs = g.op("Cast", probs, to=DTYPES[dtype])
     y = g.op("MatMul", probs, value)  # [B,Hkv,G*S,D]
     y = g.op("Transpose", g.op("Reshape", y, g.const([0, num_heads, -1, head_dim])), perm=[0, 2, 1, 3])
     return g.op("Reshape", y, g.const([0, 0, num_heads * head_dim]), outputs=[out])[0]
+
+
+def _softmax_with_sink(g: GraphBuilder, masked: str, sinks: str, kv_heads: int, dtype: str) -> str:
+    """Softmax over the last axis of masked [B,Hkv,G,S,keys] (float32) with sinks [H] in the denominator."""
+    sink = g.op("Reshape", sinks if dtype == "fp32" else g.op("Cast", sinks, to=1), g.const([1, kv_heads, -1, 1, 1]))
+    m = g.op("Max", g.op("ReduceMax", masked, g.const([-1]), keepdims=1), sink)
+    e = g.op("Exp", g.op("Sub", masked, m))
+    total = g.op("Add", g.op("ReduceSum", e, g.const([-1]), keepdims=1), g.op("Exp", g.op("Sub", sink, m)))
+    return g.op("Div", e, total)
 
 
 # ---- the op: shape rule, expansion body, registration --------------------------------------

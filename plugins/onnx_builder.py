@@ -20,6 +20,9 @@ DTYPES = {
     "int64": TensorProto.INT64,
     "int32": TensorProto.INT32,
     "bool": TensorProto.BOOL,
+    "int8": TensorProto.INT8,  # quantized KV caches (plugins/kv_dtypes.py)
+    "uint8": TensorProto.UINT8,
+    "fp8": TensorProto.FLOAT8E4M3FN,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

@@ -4,8 +4,10 @@
     llm.generate("Hello", max_new_tokens=32).text
     for delta in llm.stream("Hello", temperature=0.7, seed=1): print(delta, end="")
     llm.chat([{"role": "user", "content": "Hi"}])
+    llm.chat([{"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What?"}]}])
     llm.generate_many([Request("a"), Request("b", SamplingParams(max_new_tokens=8))])
     llm.generate("A person as JSON:", json_schema={...})  # or regex=..., grammar=... (Lark): docs/STRUCTURED.md
+    llm = LLM.load("out/lora", adapters={"sql": "adapters/sql"}); llm.generate("Hi", adapter="sql")  # LoRA per call
     chat = llm.session(system="Be brief."); chat.chat("Hi"); chat.chat("And then?")   # runtime/chat/session.py
 
 One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
@@ -29,7 +31,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generator, Mapping, Sequence as Seq, Union
+from typing import TYPE_CHECKING, Any, Callable, Generator, Mapping, Sequence as Seq, Union
 
 import numpy as np
 
@@ -37,6 +39,8 @@ from decodert.errors import DecodertError
 from decodert.export.artifact.manifest import Manifest, TokenizerRecord, tokenizer_file
 from decodert.runtime.decoding import scheduler
 from decodert.runtime import validate
+from decodert.runtime.adapters import Adapters
+from decodert.runtime.chat.harmony import markup_decoder
 from decodert.runtime.chat.chat import Message, render_chat
 from decodert.runtime.chat.tool_calls import tool_format
 from decodert.runtime.chat.turn import ChatStream, ChatTurn, chat_turn, pop_options
@@ -46,6 +50,10 @@ from decodert.runtime.backends.loading import (  # noqa: F401  (open_tokenizer, 
     make_prefix_cache, model_defaults, open_backend, open_tokenizer, read_manifest)
 from decodert.runtime.decoding.sampling import SamplingParams, sampling_params
 from decodert.runtime.speculation.speculative import Speculator, resolve as resolve_speculative
+from decodert.runtime.vision.encoder import Vision
+from decodert.runtime.vision.images import DEFAULT_LIMITS
+from decodert.runtime.vision.messages import split_images
+from decodert.runtime.vision.tokens import is_image, text_ids
 
 if TYPE_CHECKING:
     from decodert.runtime.chat.session import Session
@@ -63,6 +71,7 @@ class Request:
     messages: Seq[Message] | None = None  # chat messages instead of a prompt
     constraint: Constraint | None = None  # structured output: Constraint.of(json_schema=... | regex=... | grammar=...)
     speculative: Any = None  # "ngram" | "draft" | SpeculativeConfig (runtime/speculation/speculative.py)
+    adapter: str | None = None  # a LoRA adapter loaded by name (LLM.load(adapters=...)); None: the base model
 
 
 class LLM:
@@ -93,6 +102,7 @@ class LLM:
         self.bos_token_id = tok.bos_token_id if tok.bos_token_id is not None else model_bos
         self.add_bos_token = tok.add_bos_token
         self.chat_template = tok.chat_template
+        self._text_decoder = markup_decoder(tokenizer, self.chat_template)  # harmony: keeps the channel markup
         self.sampling_defaults = model_defaults(manifest)
         self._cache = None
         self._live: Generator | None = None  # the run holding the cache; a newer run of the same thread ends it
@@ -105,11 +115,18 @@ class LLM:
         self._guidance_lock = threading.Lock()  # not self._lock: building it must not hold up a running step
         self.prefix_cache = make_prefix_cache(backend, prefix_cache_mb)  # None: off
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # closed with the LLM
+        self.vision = Vision.attach(backend, manifest)  # images in (runtime/vision/); None: text only
+        self.image_limits = DEFAULT_LIMITS  # bytes, pixels and images per request (the server sets its own)
+        self.fetch_image: Callable[[str, str], bytes] | None = None  # remote image URLs: refused unless set
+        layout = manifest.lora_layout if manifest else None  # LoRA slots: adapters by name (runtime/adapters.py)
+        self.adapters = Adapters(layout, manifest.model.spec() if manifest and layout else None,
+                                 getattr(backend, "lora_weights", None))
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
              draft: str | Path | None = None, prefix_cache_mb: float | None = None,
-             max_seq: int | None = None, quant: str = "auto", tool_parser: str | None = None) -> "LLM":
+             max_seq: int | None = None, quant: str = "auto", tool_parser: str | None = None,
+             adapters: Mapping[str, str | Path] | None = None) -> "LLM":
         """Open a model: what ``decodert run`` accepts (export/prepare.py).
 
         ``path``: an artifact folder written by ``decodert export`` (and maybe ``decodert build``),
@@ -122,6 +139,8 @@ class LLM:
         ``draft``: a second model with the same tokenizer, the drafter of ``speculative="draft"``.
         ``prefix_cache_mb``: the prefix cache's budget in MiB (None: the default; 0: off).
         ``tool_parser``: the tool-call format ("hermes" | "llama3" | "mistral" | "phi4"; None: the template's).
+        ``adapters``: LoRA adapters by name -> PEFT folder, for an artifact exported with ``--lora-slots``;
+        ``adapter="name"`` then picks one per call or request (``load_adapter`` / ``unload_adapter`` later).
         """
         from decodert.export.prepare import is_checkpoint_source, prepare_model
 
@@ -139,7 +158,24 @@ class LLM:
                                     "speculative decoding needs the same vocabulary")
         if tool_parser is not None:
             tool_format(None, tool_parser)  # an unknown name fails before the weights load
-        return cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser)
+        llm = cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser)
+        if adapters is not None and not isinstance(adapters, Mapping):
+            raise DecodertError(f"adapters must map names to PEFT adapter folders, got {type(adapters).__name__}")
+        for name, folder in (adapters or {}).items():
+            llm.load_adapter(name, folder)
+        return llm
+
+    def load_adapter(self, name: str, folder: str | Path) -> None:
+        """Load a PEFT LoRA folder into a free adapter slot as ``name`` (no re-export; the same name is replaced)."""
+        with self._lock:
+            self.adapters.load(name, folder)
+
+    def unload_adapter(self, name: str) -> None:
+        """Free ``name``'s slot; K/V computed under it are never reused (their tag is not loaded again)."""
+        with self._lock:
+            if self._live is not None:
+                raise DecodertError(f"adapter {name!r}: a run is in progress; unload it when no generation is running")
+            self.adapters.unload(name)
 
     def params(self, **params: Any) -> SamplingParams:
         """Validated SamplingParams: ``params`` over the model's ``sampling_defaults``."""
@@ -216,9 +252,24 @@ class LLM:
     def _chat_prompt(self, messages: Seq[Message], options: Mapping[str, Any]) -> tuple[ChatTurn, str, np.ndarray]:
         """The chat options (``pop_options``) for ``messages`` -> (turn, rendered prompt, its ids).
         The template writes any BOS itself (as transformers' apply_chat_template)."""
+        messages, images = self.split_images(messages)
         turn = self.chat_turn(messages, options)
         text = self._render(turn)
-        return turn, text, self.encode(text, add_bos=False)
+        return turn, text, self.prompt_ids(text, images)
+
+    def split_images(self, messages: Seq[Message]) -> tuple[Seq[Message], list[np.ndarray]]:
+        """Image parts -> ``{"type": "image"}`` for the template, and the decoded images (runtime/vision/messages.py)."""
+        messages, images = split_images(messages, self.image_limits, self.fetch_image)
+        if images and self.vision is None:
+            raise DecodertError("this model takes no images (no vision.onnx in the artifact, or a backend other than ort)")
+        return messages, images
+
+    def prompt_ids(self, text: str, images: Seq[np.ndarray] = ()) -> np.ndarray:
+        """A rendered chat prompt's ids; with images, each ``<image>`` expanded as the model's processor does
+        and its tokens the image's ids (runtime/vision/encoder.py)."""
+        if images and self.vision is not None:  # split_images refused images for a model without vision
+            return self.vision.prompt_ids(text, images, lambda t: self.encode(t, add_bos=False))
+        return self.encode(text, add_bos=False)
 
     @property
     def guidance(self) -> Guidance:
@@ -229,13 +280,15 @@ class LLM:
             return self._guidance
 
     def _sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt",
-                  constraint: Constraint | None = None, speculative: Any = None) -> Sequence:
+                  constraint: Constraint | None = None, speculative: Any = None, adapter: str | None = None) -> Sequence:
         if ids.size == 0:
             raise DecodertError(f"{what} is empty")
         if ids.size > self.max_seq - 1:
             raise DecodertError(f"{what} has {ids.size} tokens but the model was exported with --max-seq "
                                 f"{self.max_seq}, which leaves no room to generate; re-export with a larger --max-seq")
-        if ids.min() < 0 or ids.max() >= self.backend.vocab_size:
+        if is_image(ids).any() and self.vision is None:
+            raise DecodertError(f"{what} has image ids but this model takes no images")
+        if ids.min() < 0 or text_ids(ids).max() >= self.backend.vocab_size:
             raise DecodertError(f"{what} has token ids outside the vocabulary [0, {self.backend.vocab_size})")
         if any(t >= self.backend.vocab_size for t, _ in params.logit_bias):
             raise DecodertError(f"logit_bias has token ids outside the vocabulary [0, {self.backend.vocab_size})")
@@ -245,7 +298,10 @@ class LLM:
                 guide = self.guidance.guide(constraint)
             except DecodertError as e:
                 raise (DecodertError(f"{what}: {e}") if what != "prompt" else e) from None
-        seq = Sequence(ids, params, self.tokenizer, self.eos_token_ids, self.max_seq, guide)
+        seq = Sequence(ids, params, self._text_decoder, self.eos_token_ids, self.max_seq, guide)
+        if self.vision is not None:  # its images' rows stay readable until it is done (runtime/vision/encoder.py)
+            seq.images = self.vision.store.pin(ids)
+        seq.adapter = self.adapters.resolve(adapter)
         config = resolve_speculative(speculative)
         if config is not None and not params.logprobs:  # logprobs rows decode one token a step (docs/SERVING.md)
             self._check_speculation()
@@ -333,38 +389,38 @@ class LLM:
 
     def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""
-        spec = params.pop("speculative", None)
+        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
         sp, c = self.split_params(params)
         if not validate.is_batch(prompt):
-            return self._finish([self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec)])[0]
-        return self._finish([self._sequence(self.encode(p, what=f"prompt {i}"), sp, f"prompt {i}", c, spec)
+            return self._finish([self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec, adapter=lora)])[0]
+        return self._finish([self._sequence(self.encode(p, what=f"prompt {i}"), sp, f"prompt {i}", c, spec, lora)
                              for i, p in enumerate(prompt)])
 
     def stream(self, prompt: Prompt, **params: Any) -> TextStream:
         """Iterate the generated text as deltas (str); see TextStream for the final result."""
         if validate.is_batch(prompt):
             raise DecodertError(f"stream takes one prompt, got a batch of {len(prompt)}; use generate or generate_many")
-        spec = params.pop("speculative", None)
+        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
         sp, c = self.split_params(params)
-        seq = self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec)
+        seq = self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec, adapter=lora)
         return TextStream(self._stream([seq]), seq)
 
     def chat(self, messages: Seq[Message], **params: Any) -> GenerationResult:
         """Apply the chat template (with the generation prompt) and generate the reply. Chat options:
         ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``enable_thinking``, ``chat_template_kwargs``;
         the result's ``tool_calls`` and ``reasoning`` are split from its text (runtime/chat/turn.py)."""
-        spec = params.pop("speculative", None)
+        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
         turn, prompt, ids = self._chat_prompt(messages, pop_options(params))
         sp, c = self.split_params(params)
-        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec)
+        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec, adapter=lora)
         return turn.finish(self._finish([seq])[0], prompt)
 
     def stream_chat(self, messages: Seq[Message], **params: Any) -> TextStream | ChatStream:
         """``chat`` as a stream of text deltas (with tools or reasoning: the content's, in a ChatStream)."""
-        spec = params.pop("speculative", None)
+        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
         turn, prompt, ids = self._chat_prompt(messages, pop_options(params))
         sp, c = self.split_params(params)
-        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec)
+        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec, adapter=lora)
         stream = TextStream(self._stream([seq]), seq)
         return stream if turn.plain else ChatStream(stream, turn.output(prompt), turn.tools is not None)
 
@@ -388,10 +444,11 @@ class LLM:
     def _request_sequence(self, req: Request | Mapping[str, Any], i: int) -> Sequence:
         validate.check_request(req, i, Request)
         if isinstance(req, Mapping):
-            sp, c = self.split_params({k: v for k, v in req.items() if k not in ("prompt", "messages", "speculative")})
-            req = Request(req.get("prompt"), sp, req.get("messages"), c, req.get("speculative"))
+            sp, c = self.split_params({k: v for k, v in req.items()
+                                       if k not in ("prompt", "messages", "speculative", "adapter")})
+            req = Request(req.get("prompt"), sp, req.get("messages"), c, req.get("speculative"), req.get("adapter"))
         elif req.params is None:
-            req = Request(req.prompt, self.params(), req.messages, req.constraint, req.speculative)
+            req = Request(req.prompt, self.params(), req.messages, req.constraint, req.speculative, req.adapter)
         else:
             sampling_params(req.params)  # validate
         if req.constraint is not None and not isinstance(req.constraint, Constraint):
@@ -400,4 +457,7 @@ class LLM:
         if (req.prompt is None) == (req.messages is None):
             raise DecodertError(f"request {i} needs exactly one of 'prompt' or 'messages'")
         ids = self.encode(req.prompt, what=f"request {i}") if req.messages is None else self._chat_ids(req.messages)
-        return self._sequence(ids, req.params, f"request {i}", req.constraint, req.speculative)
+        try:
+            return self._sequence(ids, req.params, f"request {i}", req.constraint, req.speculative, req.adapter)
+        except DecodertError as e:
+            raise (DecodertError(f"request {i}: {e}") if str(e).startswith("unknown adapter") else e) from None

@@ -8,6 +8,9 @@ for ONNX Runtime on the CPU, device memory for TensorRT (runtime/backends/kv_blo
 what the row holds, ids and K/V together, as the cache records them (``KVCache.held``): the caller
 never says which ids a row's K/V belongs to, so it cannot say it wrongly.
 
+K/V depend on the LoRA adapter a row ran under as well: a chain starts from that adapter's key
+(``KVCache.adapter_tag``; none: the empty key), so a prompt never loads K/V of another adapter.
+
 Only whole blocks are cached; the partial block at the end of a prompt is always prefilled.
 Hybrid models (a cache with conv / recurrent states, ``KVCache.has_state``) are never stored or
 loaded: their state exists only at the end of what a row ran, not at block boundaries.
@@ -87,12 +90,13 @@ class PrefixCache:
         self.stats = PrefixStats()
 
     # -- lookups ---------------------------------------------------------------------------------
-    def match(self, ids: np.ndarray, limit: int | None = None) -> list[_Entry]:
-        """The longest chain of cached whole blocks that ``ids[:limit]`` starts with (touched as used)."""
+    def match(self, ids: np.ndarray, limit: int | None = None, adapter: int = 0) -> list[_Entry]:
+        """The longest chain of cached whole blocks that ``ids[:limit]`` starts with under ``adapter``
+        (a load tag, 0: none), touched as used."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         limit = len(ids) if limit is None else min(int(limit), len(ids))
         chain: list[_Entry] = []
-        key = b""
+        key = _root(adapter)
         b = self.block_tokens
         for start in range(0, limit - b + 1, b):
             block = ids[start : start + b]
@@ -120,7 +124,7 @@ class PrefixCache:
             return have
         limit = len(ids) - 1 if limit is None else limit
         self.stats.lookups += 1
-        chain = self.match(ids, limit)
+        chain = self.match(ids, limit, cache.adapter_tag(slot))
         hit = len(chain) * self.block_tokens
         if hit <= have:
             return have
@@ -154,8 +158,9 @@ class PrefixCache:
         ids = cache.held(slot)
         if self.block_bytes > self.budget_bytes or getattr(cache, "has_state", False):
             return 0
-        chain = self.match(ids)
-        key = chain[-1].key if chain else b""
+        root = _root(cache.adapter_tag(slot))
+        chain = self.match(ids, adapter=cache.adapter_tag(slot))
+        key = chain[-1].key if chain else root
         b, added = self.block_tokens, 0
         for start in range(len(chain) * b, len(ids) - b + 1, b):
             if not self._make_room(chain):
@@ -218,6 +223,11 @@ class PrefixCache:
         self.stats.bytes -= entry.nbytes
         self.stats.blocks = len(self._entries)
         self.stats.evicted_blocks += 1
+
+
+def _root(adapter: int) -> bytes:
+    """The key a chain starts from: empty without an adapter, else the adapter's load tag."""
+    return b"" if adapter == 0 else b"lora" + int(adapter).to_bytes(8, "little")
 
 
 def _chain_key(parent: bytes, block: np.ndarray) -> bytes:

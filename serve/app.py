@@ -89,61 +89,76 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(engine, config)]}
+        return {"object": "list", "data": [_model_card(engine, config, None)]
+                + [_model_card(engine, config, a) for a in engine.llm.adapters.names]}
 
     @app.get("/v1/models/{name}")
     async def model(name: str) -> dict[str, Any]:
-        if name != config.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
-                           param="model", code="model_not_found")
-        return _model_card(engine, config)
+        return _model_card(engine, config, _check_model(name, config, engine))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         received = time.perf_counter()
         req = parse(CompletionRequest, await request.body())
-        _check_model(req.model, config)
+        adapter = _check_model(req.model, config, engine)
         prompts, choices = await run_in_threadpool(_encode_and_prepare, encode_prompts, engine, req.prompts(), req,
-                                                   req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, config.speculative)
+                                                   req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, config.speculative,
+                                                   adapter)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
-                              Reply("completion", config.model_name, logprob_format(req, engine.llm.tokenizer, False)),
+                              Reply("completion", req.model, logprob_format(req, engine.llm.tokenizer, False)),
                               [len(p) for p in prompts], config)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         received = time.perf_counter()
         req = parse(ChatCompletionRequest, await request.body())
-        _check_model(req.model, config)
-        turn, prompt, prompts, choices = await run_in_threadpool(_chat_and_prepare, engine, req, config.speculative)
+        adapter = _check_model(req.model, config, engine)
+        turn, prompt, prompts, choices = await run_in_threadpool(_chat_and_prepare, engine, req, config.speculative,
+                                                                 adapter)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
-                              Reply("chat", config.model_name, logprob_format(req, engine.llm.tokenizer, True), turn, prompt),
+                              Reply("chat", req.model, logprob_format(req, engine.llm.tokenizer, True), turn, prompt),
                               [len(p) for p in prompts], config)
 
     return app
 
 
 def _encode_and_prepare(encode, engine: Engine, inputs, req, limit: int | None, default: int | None,
-                        speculative: Any):
+                        speculative: Any, adapter: str | None = None):
     """Tokenize (or render the chat template) and check the request in one thread-pool hop, not two."""
     prompts = encode(engine, inputs)
-    return prompts, prepare(engine, prompts, req, limit, default, speculative)
+    return prompts, prepare(engine, prompts, req, limit, default, speculative, adapter)
 
 
-def _chat_and_prepare(engine: Engine, req: ChatCompletionRequest, speculative: Any):
+def _chat_and_prepare(engine: Engine, req: ChatCompletionRequest, speculative: Any, adapter: str | None = None):
     """Render the chat turn (tools, thinking) and check the request in one thread-pool hop."""
     turn, prompt, prompts = encode_chat_turn(engine, req)
-    return turn, prompt, prompts, prepare(engine, prompts, req, req.limit, None, speculative)
+    return turn, prompt, prompts, prepare(engine, prompts, req, req.limit, None, speculative, adapter)
 
 
-def _model_card(engine: Engine, config: ServeConfig) -> dict[str, Any]:
-    return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "decodert",
+def _model_card(engine: Engine, config: ServeConfig, adapter: str | None) -> dict[str, Any]:
+    """The base model's card, or a LoRA adapter's: id "MODEL:NAME", its parent the base model."""
+    card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "decodert",
             "max_model_len": engine.llm.max_seq}
+    if adapter is not None:
+        card.update(id=f"{config.model_name}:{adapter}", parent=config.model_name,
+                    root=engine.llm.adapters.info(adapter).source)
+    return card
 
 
-def _check_model(name: str, config: ServeConfig) -> None:
-    if name != config.model_name:  # 404 model_not_found, as OpenAI's API
-        raise ApiError(404, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
-                       param="model", code="model_not_found")
+def _check_model(name: str, config: ServeConfig, engine: Engine) -> str | None:
+    """The request's model -> the LoRA adapter it names (None: the base model): "MODEL", "MODEL:NAME" or
+    "NAME" (as vLLM); anything else is a 404 model_not_found, as OpenAI's API."""
+    if name == config.model_name:
+        return None
+    names = engine.llm.adapters.names
+    base, _, adapter = name.rpartition(":")
+    if base == config.model_name and adapter in names:
+        return adapter
+    if name in names:
+        return name
+    served = ", ".join(repr(n) for n in [config.model_name] + [f"{config.model_name}:{a}" for a in names])
+    raise ApiError(404, f"the model {name!r} does not exist; this server serves {served}",
+                   param="model", code="model_not_found")
 
 
 async def _respond(request: Request, job: Job, req, reply: Reply, prompt_lengths: list[int],

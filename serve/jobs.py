@@ -47,13 +47,14 @@ def sampling(engine: Engine, req, max_new_tokens: int, seed: int | None) -> Samp
 
 
 def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, default: int | None,
-            speculative: Any = None) -> list[Choice]:
+            speculative: Any = None, adapter: str | None = None) -> list[Choice]:
     """Sequences for ``req.n`` choices of every prompt (ids [L] each); ApiError 400 when one cannot run.
 
     ``limit`` is the requested max_tokens (None: ``default``, or the rest of the context when
     that is None too); prompt + limit must fit the context (the artifact's max_seq).
     ``speculative``: the server's default (a method or a SpeculativeConfig: --draft-len), used unless the
     request sets its own method ("off": none), which keeps the server's draft length.
+    ``adapter``: the LoRA adapter the request's model names (None: the base model).
     """
     max_seq = engine.llm.max_seq
     capacity = engine.slots + engine.max_queue
@@ -89,7 +90,7 @@ def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, de
             seed = None if req.seed is None else req.seed + j
             try:
                 seq = engine.sequence(ids, sampling(engine, req, n_new, seed),
-                                      "prompt" if len(prompts) == 1 else f"prompt {p}", req.constraint, spec)
+                                      "prompt" if len(prompts) == 1 else f"prompt {p}", req.constraint, spec, adapter)
             except DecodertError as e:
                 raise ApiError(400, str(e), param="logit_bias" if str(e).startswith("logit_bias") else "prompt") from None
             choices.append(Choice(seq, p))
@@ -161,7 +162,11 @@ def encode_chat_turn(engine: Engine, req) -> tuple[Any, str, list[np.ndarray]]:
     constraint becomes the request's (``req.constraint``). ApiError 400 on bad messages or tools."""
     llm = engine.llm
     try:
-        turn = llm.chat_turn(req.message_dicts(), req.chat_options())
+        messages, images = llm.split_images(req.message_dicts())  # image_url parts: decoded under the limits
+    except DecodertError as e:
+        raise ApiError(400, str(e), param="messages") from None
+    try:
+        turn = llm.chat_turn(messages, req.chat_options())
     except DecodertError as e:
         message = str(e)
         param = "messages" if message.startswith("chat message") else "tools" if "tool" in message else "messages"
@@ -172,6 +177,6 @@ def encode_chat_turn(engine: Engine, req) -> tuple[Any, str, list[np.ndarray]]:
         raise ApiError(400, str(e), param="tools") from None
     try:
         prompt = llm._render(turn)
-        return turn, prompt, [llm.encode(prompt, add_bos=False)]
+        return turn, prompt, [llm.prompt_ids(prompt, images)]
     except DecodertError as e:
         raise ApiError(400, str(e), param="messages") from None

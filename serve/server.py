@@ -10,11 +10,13 @@ from __future__ import annotations
 import signal
 import socket
 import sys
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from decodert.errors import DecodertError
+from decodert.runtime.vision.images import DEFAULT_LIMITS, ImageLimits, fetch_url
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class ServeOptions:
     client_timeout_s: float = 30.0  # slow clients: header and body arrival deadline, stream write timeout
     allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides loopback and the bound address
     tool_parser: str | None = None  # tool-call format (runtime/chat/tool_calls.py); None: from the chat template
+    lora: tuple[tuple[str, Path], ...] = ()  # (name, PEFT folder): served as model "NAME:adapter" (--lora)
+    image_limits: ImageLimits = DEFAULT_LIMITS  # bytes, pixels and images per request (runtime/vision/images.py)
+    allow_image_urls: bool = False  # fetch remote http(s) image_url parts (off: an open fetcher is an SSRF hole)
 
 
 def model_name(options: ServeOptions) -> str:
@@ -49,7 +54,11 @@ def make_app(options: ServeOptions):
     from decodert.serve.app import ServeConfig, build_app
 
     llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify, draft=options.draft,
-                   prefix_cache_mb=options.prefix_cache_mb, tool_parser=options.tool_parser)
+                   prefix_cache_mb=options.prefix_cache_mb, tool_parser=options.tool_parser,
+                   adapters=dict(options.lora) or None)
+    llm.image_limits = options.image_limits
+    if options.allow_image_urls:
+        llm.fetch_image = functools.partial(fetch_url, limits=options.image_limits)
     engine = Engine(llm, max_queue=options.max_queue)
     try:
         engine.speculation(options.speculative)  # a default the model cannot do fails now, not per request

@@ -248,7 +248,7 @@ def test_contiguous_runs():
 
 
 # ---------------------------------------------------------------- real exports
-@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2", "smollm3"])
 def test_export_and_build_every_family(tiny_checkpoint, tmp_path, family):
     from decodert.export.pipeline import export_model
 

@@ -39,8 +39,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # small caps, so that soft-capping changes the tiny model's scores and logits; untied head
     "gemma2": dict(model_type="gemma2", sliding_window=4, query_pre_attn_scalar=32, attn_logit_softcapping=0.5,
                    final_logit_softcapping=0.5, layer_types=["sliding_attention", "full_attention"]),
+    # layer 3 without RoPE (no_rope_layer_interval 4, llama.cpp's fixed rule), tied embeddings as SmolLM3-3B
+    "smollm3": dict(model_type="smollm3", num_hidden_layers=4, no_rope_layer_interval=4, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 2000000.0}),
+    # mixture of experts: 8 experts, top-2 renormalised, layer 1 dense (mlp_only_layers), experts 32 wide
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+    # attention sinks, sliding window 4 / full, YaRN, biases everywhere, 8 clamped experts top-2
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                    sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
+                    attention_bias=True, max_position_embeddings=1024,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}),
 }
-FAMILIES = tuple(CONFIGS)
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss")  # their own tests (tests/test_moe.py): experts have no GGUF writer here yet
+FAMILIES = tuple(f for f in CONFIGS if f not in MOE_FAMILIES)
 # Hybrid models (per-layer state beyond K/V: models/spec.py LAYER_KINDS). Kept apart from CONFIGS: the generic
 # tests over FAMILIES read llama-shaped modules and write GGUFs; each hybrid has its own test file.
 HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
@@ -146,7 +159,8 @@ def make_tiny_checkpoint(family: str, path: str | Path, **overrides: Any) -> Pat
 # -- GGUF ---------------------------------------------------------------------------------------------
 
 GGUF_ARCH = {"llama": "llama", "llama3": "llama", "llama_tied": "llama", "mistral": "llama",  # as llama.cpp
-             "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3", "gemma2": "gemma2"}
+             "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3", "gemma2": "gemma2",
+             "qwen3_moe": "qwen3moe", "smollm3": "smollm3", "gpt_oss": "gpt-oss"}
 # HF key suffix -> GGUF tensor suffix, the way llama.cpp's converter names them.
 _GGUF_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -157,6 +171,7 @@ _GGUF_NAMES = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # MoE router; the experts are stacked by _stack_experts
 }
 # Gemma's four norms per layer (llama.cpp's tensor_mapping: ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM).
 _GGUF_NAMES_GEMMA = {**_GGUF_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -228,6 +243,56 @@ def _gguf_model_meta(writer: Any, arch: str, cfg: dict) -> None:
     writer.add_float32(f"{arch}.rope.freq_base", full.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if arch.startswith("gemma"):
         _gguf_gemma_meta(writer, cfg)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 saves the latter
+    if experts:
+        for key, value in (("expert_count", experts), ("expert_used_count", cfg["num_experts_per_tok"]),
+                           ("expert_feed_forward_length", cfg.get("moe_intermediate_size") or cfg["intermediate_size"])):
+            writer.add_uint32(f"{arch}.{key}", int(value))
+    if arch == "gpt-oss":  # what llama.cpp's converter stores (the layer pattern and SwiGLU constants are fixed rules)
+        writer.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
+        writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{arch}.rope.scaling.factor", cfg["rope_parameters"]["factor"])
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                          cfg["rope_parameters"]["original_max_position_embeddings"])
+
+
+def _stack_experts(tensors: dict, arch: str) -> dict:
+    """Per-expert HF tensors -> llama.cpp's stacked blk.{i}.ffn_{gate,up,down}_exps [E, ...] (HF names kept);
+    gpt-oss's stacked [in, out] experts and its other tensors as llama.cpp's converter names them."""
+    import re
+
+    import numpy as np
+
+    out, stacks = {}, {}
+    gpt_oss = {"self_attn.sinks": "attn_sinks.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+               "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+               "self_attn.o_proj.bias": "attn_output.bias", "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
+    for key, w in tensors.items():
+        g = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key) if arch == "gpt-oss" else None
+        if g and g.group(2) in gpt_oss:
+            out[f"blk.{g.group(1)}.{gpt_oss[g.group(2)]}"] = w
+            continue
+        if g and g.group(2).startswith("mlp.experts."):  # gpt-oss: [E, in, out], gate/up interleaved
+            name = g.group(2).removeprefix("mlp.experts.")
+            b = f"blk.{g.group(1)}."
+            if name == "gate_up_proj":
+                t = np.ascontiguousarray(w.transpose(0, 2, 1))
+                out[b + "ffn_gate_exps.weight"], out[b + "ffn_up_exps.weight"] = t[:, 0::2].copy(), t[:, 1::2].copy()
+            elif name == "gate_up_proj_bias":
+                out[b + "ffn_gate_exps.bias"], out[b + "ffn_up_exps.bias"] = w[:, 0::2].copy(), w[:, 1::2].copy()
+            elif name == "down_proj":
+                out[b + "ffn_down_exps.weight"] = np.ascontiguousarray(w.transpose(0, 2, 1))
+            else:
+                raise ValueError(f"no GGUF name for {key}")
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", key)
+        if m is None:
+            out[key] = w
+        else:
+            stacks.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = w
+    for (layer, part), experts in stacks.items():
+        out[f"blk.{layer}.ffn_{part}_exps.weight"] = np.stack([experts[j] for j in sorted(experts)])
+    return out
 
 
 def _rope_freqs(cfg: dict) -> Any:
@@ -264,18 +329,18 @@ def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict 
         add(key, value)
     qt = gguf.GGMLQuantizationType[qtype]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    for key, w in load_file(hf_dir / "model.safetensors").items():
-        name = _gguf_name(key, arch)
+    for key, w in _stack_experts(load_file(hf_dir / "model.safetensors"), arch).items():
+        name = key if key.startswith("blk.") else _gguf_name(key, arch)
         if name in drop:
             continue
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch in ("llama", "smollm3") and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _interleave_rows(w, heads if "attn_q" in name else kv)
         if arch.startswith("gemma") and key.endswith("norm.weight"):
             w = w + np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) norm factor
         if raw and name in raw:
             kind, data = raw[name]
             writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
-        elif w.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
+        elif w.ndim in (2, 3) and qt != gguf.GGMLQuantizationType.F32 and not name.endswith(".bias"):
             writer.add_tensor(name, gguf.quants.quantize(w, qt), raw_dtype=qt)  # uint8 rows: byte shape
         else:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))

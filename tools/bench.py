@@ -144,10 +144,14 @@ GATHERS = ("Gather", "GatherBlockQuantized")  # ops that read rows of their tabl
 
 
 def bytes_per_step(artifact_dir: Path, manifest: Manifest, rows: int = 1) -> int:
-    """Weight bytes one decode step reads: Gather-only tables count ``rows`` rows, the rest in full."""
+    """Weight bytes one decode step reads: Gather-only tables count ``rows`` rows, the rest in full,
+    except a MoE layer's experts (``*.experts.*``): of its E experts a step reads at most ``k * rows``
+    (the active parameters; the floor a MoE decode is held to)."""
     import onnx
 
     graph = onnx.load(str(artifact_dir / manifest.graphs["decode"].file), load_external_data=False).graph
+    spec = manifest.model.extra
+    experts, active = int(spec.get("num_experts") or 0), int(spec.get("experts_per_token") or 0)
     uses: dict[str, list[tuple[str, int]]] = {}
     for node in graph.node:
         for pos, name in enumerate(node.input):
@@ -158,6 +162,8 @@ def bytes_per_step(artifact_dir: Path, manifest: Manifest, rows: int = 1) -> int
         consumers = uses.get(t.name, [])
         if consumers and all(op in GATHERS and pos != 1 for op, pos in consumers) and t.dims:
             size = size // int(t.dims[0]) * rows
+        elif ".experts." in t.name and experts:
+            size = size * min(experts, active * rows) // experts
         total += size
     return total
 

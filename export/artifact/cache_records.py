@@ -31,9 +31,10 @@ class KVRecord(Record):
     num_layers: int  # layers that keep K/V (attention layers; every layer unless layer_kinds says otherwise)
     num_kv_heads: int
     head_dim: int
-    dtype: str | None = None  # the cache's dtype: the manifest's dtype
-    shape: tuple[int | str, ...] = ()  # [batch, num_kv_heads, max_seq, head_dim]
+    dtype: str | None = None  # the cache tensors' element type (None: the manifest's dtype; plugins/kv_dtypes.py)
+    shape: tuple[int | str, ...] = ()  # [batch, num_kv_heads, max_seq, width] (width: head_dim, or head_dim/2 at int4)
     inplace: bool = True  # present_* alias past_* (the graphs write the cache in place)
+    scales: str | None = None  # a quantized cache: "per_channel" (kv_scale.* initializers in the graphs)
     layer_kinds: tuple[str, ...] = ()  # per model layer (models/spec.py LAYER_KINDS); () = all attention
     states: tuple[StateRecord, ...] = ()  # the other layers' states, in graph I/O order
 

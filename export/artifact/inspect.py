@@ -73,7 +73,8 @@ def inspect_artifact(folder: str | Path) -> str:
         f"artifact   {folder}",
         f"model      {spec.family}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
         f"heads {spec.num_heads}/{spec.num_kv_heads} x {spec.head_dim}, vocab {spec.vocab_size}",
-        f"target     {m.target}  dtype {m.dtype}  max_seq {m.max_seq}  max_batch {m.max_batch}",
+        f"target     {m.target}  dtype {m.dtype}  kv_dtype {m.kv_dtype or m.dtype}  max_seq {m.max_seq}  "
+        f"max_batch {m.max_batch}",
         f"quant      {quant_line(m)}",
         f"weights    {m.weights.file}  {_mib(m.weights.bytes)}",
         f"source     {source.kind}: {source.path}",
@@ -85,8 +86,14 @@ def inspect_artifact(folder: str | Path) -> str:
         states = ", ".join(f"{st.name}.{st.layer} {list(st.shape)}" for st in m.kv.states[:2])
         more = f" (+ {len(m.kv.states) - 2} more)" if len(m.kv.states) > 2 else ""
         lines.insert(2, "layers     " + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + f"; states {states}{more}")
-    for kind in ("prefill", "decode"):
-        g = m.graphs[kind]
+    graphs = [("prefill", m.graphs["prefill"]), ("decode", m.graphs["decode"])]
+    if m.vision is not None:  # vision-language: the tower + projector, and the image processor it was exported with
+        v, p = m.vision.spec, m.vision.processor
+        lines.append(f"vision     {v['num_layers']} layers, hidden {v['hidden_size']}, {v['image_size']}-px tiles of "
+                     f"{v['patch_size']}-px patches, shuffle {v['scale_factor']} -> {p['image_seq_len']} tokens a tile; "
+                     f"resize to {p['size']['longest_edge']} px, splitting {'on' if p['do_image_splitting'] else 'off'}")
+        graphs.append(("vision", m.vision.graph))
+    for kind, g in graphs:
         s = graph_summary(folder / g.file)
         lines.append(f"\n{kind}: {g.file}  {s['nodes']} nodes  opsets {s['opsets']}")
         lines.append("  ops     " + ", ".join(f"{k} x{v}" for k, v in s["ops"].items()))

@@ -24,7 +24,9 @@ from decodert.export.artifact.artifact_files import FileRecord, verify_files
 from decodert.export.artifact.cache_records import KVRecord
 from decodert.export.artifact.records import R, Record, read_record, to_json
 from decodert.export.checkpoints.sampling_defaults import check_record
+from decodert.export.lora.layout import LoraLayout, LoraRecord
 from decodert.models.spec import ModelSpec
+from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 
 FORMAT = "decodert-artifact"
 FORMAT_VERSION = 1  # the schema version this decodert writes
@@ -115,6 +117,7 @@ class WeightQuantRecord(Record):
     symmetric: bool
     source: str  # "rtn" (rounded here) | "transcoded" (GGUF blocks kept exactly)
     block_min: bool = False  # Q4_1 kept exactly: a per-block minimum term
+    act_order: bool = False  # GPTQ act-order: a g_idx (ort) or an input permutation (qdq) beside the blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +141,15 @@ class SamplingRecord(Record):
     """The model's recommended sampling settings (export/checkpoints/sampling_defaults.py)."""
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # SamplingParams field -> value (checked by check_record)
     source: str | None = None  # where they come from
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionRecord(Record):
+    """A vision-language model's image path: vision.onnx (graph), its tower (models/vision.py VisionSpec
+    fields) and the checkpoint's image processor settings (runtime/vision/preprocess.py reads them)."""
+    graph: GraphRecord
+    spec: Mapping[str, Any]
+    processor: Mapping[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +195,14 @@ class Manifest(Record):
     quant: QuantRecord | None = None
     sampling: SamplingRecord | None = None
     engines: Mapping[str, EngineRecord] | None = None
+    vision: VisionRecord | None = None  # vision-language models: vision.onnx and the image processor
+    kv_dtype: str | None = None  # --kv-dtype (None: older artifacts, the cache in ``dtype``)
+    lora: LoraRecord | None = None
+
+    @property
+    def lora_layout(self) -> LoraLayout | None:
+        """The adapter slots the graphs take (None: none)."""
+        return self.lora.layout if self.lora is not None else None
 
     def graph(self, kind: str) -> GraphRecord:
         return self.graphs[kind]
@@ -281,11 +301,18 @@ def validate(m: Manifest, path: Path) -> None:
               and st.dtype in (None, "fp32")
               and st.shape[0] == "batch" and all(type(d) is int and d >= 1 for d in st.shape[1:]), path,
               f"kv.states entry for layer {st.layer} ({st.name}) is malformed")
-    _need(kv.dtype in (None, m.dtype), path, "kv.dtype differs from dtype")
+    kvd = KV_DTYPES.get(m.kv_dtype or m.dtype)
+    _need(kvd is not None and kv.dtype in (None, kvd.storage), path,
+          f"kv_dtype {m.kv_dtype!r} / kv.dtype {kv.dtype!r} is not a KV cache type decodert knows")
+    _need(m.lora is None or (m.lora.slots >= 0 and (m.lora.rank >= 1) == (m.lora.slots >= 1)), path,
+          "lora.slots / lora.rank are malformed")
     for kind in GRAPHS:
         _need(kind in m.graphs, path, f"graphs.{kind} is missing or malformed")
         _listed(m, m.graphs[kind].file, path, f"graphs.{kind}.file")
     _check_contract(m, path)
+    if m.vision is not None:
+        _listed(m, m.vision.graph.file, path, "vision.graph.file")
+        _need(m.model.extra.get("image_token_id") is not None, path, "vision needs model.image_token_id")
     _check_verify(m, path)
     _listed(m, m.weights.file, path, "weights.file")
     # listed in files is checked where it is opened (tokenizer_file): `decodert build` needs no tokenizer
@@ -302,17 +329,24 @@ def validate(m: Manifest, path: Path) -> None:
 
 def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
     """name -> (dtype, shape or None) of every graph input/output a backend binds."""
-    kv = m.kv
-    cache = ["batch", kv.num_kv_heads, m.max_seq, kv.head_dim]  # allocated in m.dtype by the backends
+    kv, kvd = m.kv, kv_storage(m)
+    cache = ["batch", kv.num_kv_heads, m.max_seq, kvd.width(kv.head_dim)]  # allocated by the backends
     io: dict[str, tuple[str, list | None]] = {
         "input_ids": ("int64", None), "past_lengths": ("int64", ["batch"]), "seq_lengths": ("int64", ["batch"]),
         "logits": ("fp32", ["batch", m.model.vocab_size]), "next_token": ("int64", ["batch"])}
     for i in kv.layers:
         for name in ("past_key", "past_value", "present_key", "present_value"):
-            io[f"{name}.{i}"] = (m.dtype, cache)
+            io[f"{name}.{i}"] = (kvd.storage, cache)
     for st in kv.states:
         io[f"past_{st.io_name}"] = io[f"present_{st.io_name}"] = (st.dtype or m.dtype, list(st.shape))
+    if m.lora_layout is not None:
+        io.update({t["name"]: (t["dtype"], t["shape"]) for t in m.lora_layout.inputs(m.model.spec(), m.dtype)})
     return io
+
+
+def kv_storage(m: Manifest) -> KVDtype:
+    """The KV cache's element type (plugins/kv_dtypes.py); an artifact without ``kv_dtype`` keeps it in ``dtype``."""
+    return KV_DTYPES[m.kv_dtype or m.dtype]
 
 
 def _check_contract(m: Manifest, path: Path) -> None:
@@ -324,6 +358,9 @@ def _check_contract(m: Manifest, path: Path) -> None:
               f"kv.num_layers {m.kv.num_layers} does not match graphs.{kind}.inputs")
         bound = runtime_io(m)
         _check_tensors(listed, bound, path, f"graphs.{kind}", "kv/max_seq/model.vocab_size")
+        if kind == "prefill" and m.model.extra.get("image_token_id") is not None:
+            bound.update(image_embeds=(m.dtype, ["image_tokens", m.model.hidden_size]),
+                         image_positions=("int64", ["image_tokens"]))
         if kind == "prefill" and g.verifies_rows:
             _check_per_position(m, listed, path)
             bound["per_position"] = ("int64", [1])

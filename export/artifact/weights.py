@@ -48,6 +48,32 @@ class WeightsWriter:
         self.tensors[name] = t
         return t
 
+    def add_stacked(self, name: str, parts, dtype: str, dims: tuple[int, ...]) -> TensorProto:
+        """A float tensor [n, ...] written one part [...] at a time (``parts`` yields n arrays), so
+        only one part is ever held: a layer's experts are read, converted and written one by one."""
+        np_dtype, done = NUMPY_DTYPES[dtype], 0
+        pad = -self.offset % ALIGN
+        if pad:
+            self._f.write(b"\0" * pad)
+            self.offset += pad
+        start = self.offset
+        for part in parts:
+            if tuple(part.shape) != tuple(dims[1:]):
+                raise ValueError(f"{name}: part {done} has shape {part.shape}, expected {dims[1:]}")
+            data = np.ascontiguousarray(part.astype(np_dtype, copy=False))
+            data.tofile(self._f)
+            self.offset += data.nbytes
+            done += 1
+        if done != dims[0]:
+            raise ValueError(f"{name}: {done} parts written, expected {dims[0]}")
+        t = TensorProto(name=name, data_type=DTYPES[dtype], dims=list(dims))
+        t.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self.location), ("offset", str(start)), ("length", str(self.offset - start))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
+        self.tensors[name] = t
+        return t
+
     def close(self) -> int:
         self._f.close()
         return self.offset

@@ -74,12 +74,29 @@ def source_keys(table: dict[str, str | tuple[str, ...]], name: str) -> tuple[str
         raise KeyError(f"no source for canonical weight '{name}'")
     keys = table[template]
     keys = (keys,) if isinstance(keys, str) else keys
-    return tuple(k.format(i=index) for k in keys)
+    return tuple(k.format(i=index, j="{j}") for k in keys)  # {j}: the expert, filled by expert_keys
+
+
+def expert_keys(keys: tuple[str, ...], j: int) -> tuple[str, ...]:
+    """The checkpoint keys of expert ``j`` (a key ending in ``[j]`` is row j of a stacked [E, ...] tensor)."""
+    return tuple(k.format(j=j) for k in keys)
+
+
+_STACKED = re.compile(r"^(.+)\[(\d+)\]$")
+_TRANSPOSED = ".T"  # a table key ending so names a matrix stored [in, out] (gpt-oss experts): read transposed
+
+
+def is_experts(name: str) -> bool:
+    """Is canonical weight ``name`` a stack of per-expert matrices [E, rows, in] (read one expert at a time)?"""
+    return ".experts." in name
 
 
 def part_shapes(spec: ModelSpec, name: str, n_parts: int) -> list[tuple[int, ...]]:
     """Expected shape of each checkpoint part that is concatenated (axis 0) into `name`."""
     full = canonical_shape(spec, name)
+    if is_experts(name):  # one expert's parts: gate and up rows (interleaved when fused)
+        full = full[1:]
+        return [(full[0] // n_parts, *full[1:])] * n_parts
     if n_parts == 1:
         return [full]
     leaf = name.rsplit(".", 1)[-1]
@@ -132,16 +149,47 @@ class Checkpoint:
         """Canonical weight names, in weights.bin order."""
         return list(self._names)
 
-    def _parts(self, name: str) -> tuple[str, ...]:
-        """Checkpoint keys of `name`, after checking each exists with the expected shape."""
+    def _part_shape(self, key: str) -> tuple[int, ...]:
+        """``_shape``, where ``key[j]`` is one row of a stacked tensor and ``key.T`` a matrix stored [in, out]."""
+        if key.endswith(_TRANSPOSED):
+            return tuple(reversed(self._part_shape(key[: -len(_TRANSPOSED)])))
+        m = _STACKED.match(key)
+        if m is None:
+            return self._shape(key)
+        shape = self._shape(m.group(1))
+        if len(shape) < 2 or int(m.group(2)) >= shape[0]:
+            raise DecodertError(f"{self.source}: tensor '{m.group(1)}' {list(shape)} has no expert {m.group(2)}; "
+                                f"the config declares {self.spec.num_experts} experts")
+        return shape[1:]
+
+    def _read_part(self, key: str) -> np.ndarray:
+        if key.endswith(_TRANSPOSED):
+            return np.ascontiguousarray(self._read_part(key[: -len(_TRANSPOSED)]).T)
+        m = _STACKED.match(key)
+        return self._read(key) if m is None else self._read_row(m.group(1), int(m.group(2)))
+
+    def _read_row(self, key: str, row: int) -> np.ndarray:
+        """Row ``row`` of stacked tensor ``key`` as float32 (subclasses may avoid reading the rest)."""
+        return self._read(key)[row]
+
+    def _all_keys(self, name: str) -> tuple[str, ...]:
         keys = source_keys(self.table, name)
-        for key, expected in zip(keys, part_shapes(self.spec, name, len(keys))):
-            shape = self._shape(key)
+        if not is_experts(name):
+            return keys
+        return tuple(k for j in range(self.spec.num_experts) for k in expert_keys(keys, j))
+
+    def _parts(self, name: str) -> tuple[str, ...]:
+        """Checkpoint keys of `name` (every expert's, for experts), after checking each exists with the expected shape."""
+        keys = self._all_keys(name)
+        expected_shapes = part_shapes(self.spec, name, len(source_keys(self.table, name)))
+        for n, key in enumerate(keys):
+            expected = expected_shapes[n % len(expected_shapes)]
+            shape = self._part_shape(key)
             if shape != expected:
                 raise DecodertError(
                     f"{self.source}: tensor '{key}' has shape {list(shape)}, expected {list(expected)} for '{name}'"
                 )
-            self._check_key(key)
+            self._check_key(_STACKED.sub(r"\1", key.removesuffix(_TRANSPOSED)))
         return keys
 
     def validate(self) -> None:
@@ -151,7 +199,7 @@ class Checkpoint:
 
     def used_keys(self) -> set[str]:
         """The checkpoint keys the canonical weights are read from."""
-        return {key for name in self.names() for key in source_keys(self.table, name)}
+        return {_STACKED.sub(r"\1", key.removesuffix(_TRANSPOSED)) for name in self.names() for key in self._all_keys(name)}
 
     def block_type(self, name: str) -> str | None:
         """The block quantization type (GGUF's name, e.g. "Q4_0") every part of `name` is stored in,
@@ -162,15 +210,56 @@ class Checkpoint:
         """`name` transcoded from its stored blocks (export/quantize/quant_gguf.py); only when block_type(name) is set."""
         raise NotImplementedError(f"{name} is not stored in blocks decodert transcodes")
 
+    def native_quant(self) -> Any:
+        """The QuantConfig that keeps the checkpoint's own quantized weights (GPTQ / AWQ), or None."""
+        return None
+
+    def packed(self, name: str) -> Any:
+        """(QuantizedWeight, WeightQuant) of a GPTQ / AWQ weight, transcoded exactly; None for others."""
+        return None
+
     def tensor(self, name: str) -> np.ndarray:
-        """Canonical weight `name` as a fresh float32 array of canonical_shape(spec, name)."""
+        """Canonical weight `name` as a fresh float32 array of canonical_shape(spec, name).
+
+        Experts are stacked here [E, rows, in]; an export reads them one at a time (``expert``)."""
         if name not in self._names:
             raise KeyError(f"'{name}' is not a canonical weight of this {self.spec.family} model")
-        parts = [self._fix(key, self._read(key)) for key in self._parts(name)]
-        for key, part in zip(source_keys(self.table, name), parts):
+        if is_experts(name):
+            return np.stack([self.expert(name, j) for j in range(self.spec.num_experts)])
+        return self._fused(self._parts(name), interleave=False)
+
+    def expert(self, name: str, j: int) -> np.ndarray:
+        """Expert ``j`` of canonical experts weight ``name`` as float32 [rows, in]; fused gate/up rows interleaved."""
+        if name not in self._names or not is_experts(name):
+            raise KeyError(f"'{name}' is not an experts weight of this {self.spec.family} model")
+        return self._fused(expert_keys(source_keys(self.table, name), j), interleave=True)
+
+    def _fused(self, keys: tuple[str, ...], interleave: bool) -> np.ndarray:
+        parts = [self._fix(key, self._read_part(key)) for key in keys]
+        for key, part in zip(keys, parts):
             check_finite([part], key, self.source)
-        w = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)  # fused rows: q|k|v, gate|up
+        if len(parts) == 1:
+            w = parts[0]
+        elif interleave:  # an expert's gate and up rows: gate 0, up 0, gate 1, up 1, ... (what ORT's MoE reads)
+            w = np.stack(parts, axis=1).reshape(-1, *parts[0].shape[1:])
+        else:  # fused rows: q|k|v, gate|up
+            w = np.concatenate(parts, axis=0)
         return np.ascontiguousarray(w, dtype=np.float32)
+
+    def vision_tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Canonical vision weight ``name`` (models/vision.py) of ``shape``, from the family's ``VISION_WEIGHTS``
+        (parts concatenated along axis 0: q|k|v), as a fresh float32 array."""
+        template = re.sub(r"\.layers\.(\d+)\.", ".layers.{i}.", name)
+        index = m.group(1) if (m := re.search(r"\.layers\.(\d+)\.", name)) else None
+        keys = self.family.VISION_WEIGHTS[template]
+        keys = tuple(k.format(i=index) for k in ((keys,) if isinstance(keys, str) else keys))
+        parts = [self._read(key) for key in keys]
+        check_finite(parts, keys[0], self.source)
+        w = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0), dtype=np.float32)
+        if w.shape != shape:
+            raise DecodertError(f"{self.source}: tensor '{keys[0]}' has shape {list(w.shape)}, expected {list(shape)} "
+                                f"for '{name}'")
+        return w
 
     def __enter__(self) -> "Checkpoint":
         return self

@@ -17,7 +17,7 @@ from decodert.export.quantize.quant_gguf import EXACT_BITS, concat_rows, take_ro
 from decodert.export.lowering.semantics import check_finite, check_tensors_used
 from decodert.models import family_for
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")  # MXFP4: gpt-oss experts
 # Large tokenizer arrays stay out of `meta` and are read only by write_tokenizer.
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
                     "tokenizer.ggml.token_type")
@@ -98,6 +98,15 @@ class GGUFCheckpoint(Checkpoint):
         except Exception as e:
             raise DecodertError(f"{self.source}: cannot dequantise tensor '{key}' ({one_line(e)})") from None
         return np.array(w, dtype=np.float32).reshape(self._shape(key))  # copy: never a view of the mmap
+
+    def _read_row(self, key: str, row: int) -> np.ndarray:
+        """One expert of a stacked ``*_exps`` tensor: only its blocks are dequantised."""
+        t, qtype = self._tensor_info(key), self._check_key(key)
+        try:
+            w = gguf.quants.dequantize(np.asarray(t.data)[row], qtype)
+        except Exception as e:
+            raise DecodertError(f"{self.source}: cannot dequantise row {row} of tensor '{key}' ({one_line(e)})") from None
+        return np.array(w, dtype=np.float32).reshape(self._shape(key)[1:])
 
     def _fix(self, key: str, w: np.ndarray) -> np.ndarray:
         fix = getattr(self.family, "gguf_fix", None)

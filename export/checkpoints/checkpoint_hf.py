@@ -13,6 +13,10 @@ from decodert.errors import DecodertError
 from decodert.export.checkpoints.checkpoint import Checkpoint, build_spec
 from decodert.export.checkpoints.checkpoint_safetensors import SafetensorsFile
 from decodert.export.lowering.semantics import check_tensors_used
+from decodert.export.quantize import quant_packed
+from decodert.export.quantize.quant import QuantConfig, QuantizedWeight, WeightQuant
+from decodert.export.quantize.quant_packed import packed_format
+from decodert.export.quantize.mxfp4 import dequantize_mxfp4
 from decodert.models import family_for
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
@@ -64,6 +68,11 @@ class HFCheckpoint(Checkpoint):
             self.close()
             raise
         super().__init__(folder, spec, family, family.HF_WEIGHTS)
+        try:
+            self.packed_format = packed_format(self.config, str(config_path))  # GPTQ / AWQ linear layers
+        except DecodertError:
+            self.close()
+            raise
 
     def _single_file(self, folder: Path) -> dict[str, Path]:
         single = folder / "model.safetensors"
@@ -88,10 +97,71 @@ class HFCheckpoint(Checkpoint):
         return f
 
     def _shape(self, key: str) -> tuple[int, ...]:
+        base = self._packed_base(key)
+        if base is not None:  # [N, K] of a GPTQ / AWQ linear, from its qweight and scales
+            fmt, words = self.packed_format, self._file(base + "qweight").shape(self._stored.get(base + "qweight", base + "qweight"))
+            n = self._file(base + "scales").shape(self._stored.get(base + "scales", base + "scales"))[-1]
+            return (n, words[0] * 8) if fmt is not None and fmt.method == "gptq" else (n, words[0])
+        if self._mxfp4(key):  # [E, N, G, 16] -> transformers' parameter [E, G * 32, N]
+            e, n, groups, _ = self._shape(key + "_blocks")
+            return (e, groups * 32, n)
         return self._file(key).shape(self._stored.get(key, key))
 
     def _read(self, key: str) -> np.ndarray:
+        base = self._packed_base(key)
+        if base is not None:
+            return quant_packed.dequantize(*self._unpack(base))
+        if self._mxfp4(key):
+            return np.stack([self._read_row(key, j) for j in range(self._shape(key)[0])])
         return self._file(key).read(self._stored.get(key, key))
+
+    def _mxfp4(self, key: str) -> bool:
+        """Is ``key`` stored as MXFP4 (``key_blocks`` + ``key_scales``, gpt-oss experts) instead of floats?"""
+        return key not in self._where and key + "_blocks" in self._where and key + "_scales" in self._where
+
+    def _read_row(self, key: str, row: int) -> np.ndarray:
+        """Row ``row`` (an expert) of stacked tensor ``key``; MXFP4 experts dequantized exactly, one at a time,
+        and laid out as transformers' parameter ([in, out], as the float checkpoints store them)."""
+        if not self._mxfp4(key):
+            return self._file(key).read_row(self._stored.get(key, key), row)
+        blocks, scales = (self._file(key + s).raw_row(self._stored.get(key + s, key + s), row) for s in ("_blocks", "_scales"))
+        try:
+            return dequantize_mxfp4(blocks, scales).T.copy()
+        except ValueError as e:
+            raise DecodertError(f"{self.source}: tensor '{key}': {e}") from None
+
+    # -- GPTQ / AWQ (export/quantize/quant_packed.py) --------------------------------------------
+    def _packed_base(self, key: str) -> str | None:
+        """``...q_proj.`` when ``key`` (``...q_proj.weight``) is stored as GPTQ / AWQ tensors."""
+        if self.packed_format is None or not key.endswith(".weight") or key in self._where:
+            return None
+        base = key[: -len("weight")]
+        return base if base + "qweight" in self._where else None
+
+    def _unpack(self, base: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        assert self.packed_format is not None
+        tensors = {}
+        for suffix in quant_packed.SUFFIXES:
+            key = base + suffix
+            if key in self._where:
+                tensors[suffix] = self._file(key).raw(self._stored.get(key, key))
+        return quant_packed.unpack(self.packed_format, tensors, f"{self.source}: {base}qweight")
+
+    def native_quant(self) -> QuantConfig | None:
+        return None if self.packed_format is None else self.packed_format.quant_config()
+
+    def packed(self, name: str) -> tuple[QuantizedWeight, WeightQuant] | None:
+        keys = self._parts(name)
+        bases = [self._packed_base(key) for key in keys]
+        if self.packed_format is None or any(b is None for b in bases):
+            return None
+        return quant_packed.transcode(self.packed_format, [self._unpack(b) for b in bases if b is not None],
+                                      f"{self.source}: {name}")
+
+    def used_keys(self) -> set[str]:
+        used = super().used_keys()
+        bases = {b for b in map(self._packed_base, used) if b is not None}
+        return used | {b + s for b in bases for s in quant_packed.SUFFIXES if b + s in self._where}
 
     def _fix(self, key: str, w: np.ndarray) -> np.ndarray:
         fix = getattr(self.family, "hf_fix", None)

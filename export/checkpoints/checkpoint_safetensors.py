@@ -17,7 +17,9 @@ import numpy as np
 
 from decodert.errors import DecodertError
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+# I32: GPTQ / AWQ packed words and g_idx; U8: MXFP4 blocks and scales (gpt-oss experts)
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I32": np.int32,
+           "U8": np.uint8}
 
 
 def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
@@ -97,13 +99,39 @@ class SafetensorsFile:
     def read(self, key: str) -> np.ndarray:
         """A fresh float32 copy of tensor `key`."""
         dtype, shape, start, end = self._entries[key]
-        count = (end - start) // np.dtype(_DTYPES[dtype]).itemsize
-        if count == 0 or self._mm is None:
-            raw = np.zeros(0, _DTYPES[dtype])
-        else:
-            raw = np.frombuffer(self._mm, dtype=_DTYPES[dtype], count=count, offset=self._base + start)
+        raw = self._stored(key).reshape(-1)
         out = bf16_to_f32(raw) if dtype == "BF16" else raw.astype(np.float32)
         return out.reshape(shape)
+
+    def raw(self, key: str) -> np.ndarray:
+        """A copy of tensor `key` in its stored type (bf16: float32): packed int32 words stay words."""
+        dtype, shape, _, _ = self._entries[key]
+        raw = self._stored(key)
+        return (bf16_to_f32(raw) if dtype == "BF16" else raw.copy()).reshape(shape)
+
+    def _stored(self, key: str) -> np.ndarray:
+        dtype, shape, start, end = self._entries[key]
+        count = (end - start) // np.dtype(_DTYPES[dtype]).itemsize
+        if count == 0 or self._mm is None:
+            return np.zeros(0, _DTYPES[dtype])
+        return np.frombuffer(self._mm, dtype=_DTYPES[dtype], count=count, offset=self._base + start)
+
+    def raw_row(self, key: str, row: int) -> np.ndarray:
+        """Row ``row`` of tensor ``key`` (its first axis: an expert) in the stored dtype, copied: only its bytes are read."""
+        dtype, shape, start, end = self._entries[key]
+        if not shape or not 0 <= row < shape[0]:
+            raise DecodertError(f"{self.path}: tensor '{key}' {list(shape)} has no row {row}")
+        count = math.prod(shape[1:])
+        size = count * np.dtype(_DTYPES[dtype]).itemsize
+        if count == 0 or self._mm is None:
+            return np.zeros(shape[1:], _DTYPES[dtype])
+        raw = np.frombuffer(self._mm, dtype=_DTYPES[dtype], count=count, offset=self._base + start + row * size)
+        return raw.reshape(shape[1:]).copy()
+
+    def read_row(self, key: str, row: int) -> np.ndarray:
+        """Row ``row`` of tensor ``key`` as a fresh float32 array."""
+        raw = self.raw_row(key, row)
+        return bf16_to_f32(raw) if self._entries[key][0] == "BF16" else raw.astype(np.float32)
 
     def close(self) -> None:
         if self._mm is not None:

@@ -14,6 +14,7 @@ int8-activation kernels of ONNX Runtime CPU):
     Q8_0         int8, transcoded exactly
     Q4_K Q5_K Q6_K  int8, rounded to nearest (16-64 levels per block onto 256: near exact)
     F32 F16 BF16, an HF folder   fp32 (float weights stay float)
+    GPTQ / AWQ HF folder         int4, its blocks transcoded exactly (accuracy level 0; output projection float)
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def linear_types(ckpt: Any) -> Counter:
 
 def keep_precision(ckpt: Any) -> tuple[QuantConfig | None, str]:
     """(the QuantConfig that keeps ``ckpt``'s precision, or None for fp32; a short description)."""
+    native = ckpt.native_quant() if hasattr(ckpt, "native_quant") else None
+    if native is not None:  # GPTQ / AWQ (export/quantize/quant_packed.py)
+        return native, f"int4: {ckpt.packed_format.method.upper()} blocks transcoded exactly"
     types = linear_types(ckpt)
     if not types:
         return None, FLOAT

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.models.spec import ModelSpec
 from decodert.plugins.onnx_builder import GraphBuilder
@@ -29,15 +31,17 @@ def single_token(g: GraphBuilder, inp: GraphInputs) -> bool:
     return False
 
 
-def delta_net_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str) -> str:
-    """Gated DeltaNet over layer ``i``'s conv and recurrent states -> the out projection's output."""
+def delta_net_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
+                    linear: Callable[..., str]) -> str:
+    """Gated DeltaNet over layer ``i``'s conv and recurrent states -> the out projection's output;
+    ``linear(x, target)``: the layer's linears (graph._layer's, with each row's LoRA update)."""
     p = f"layers.{i}."
     hv, dv = spec.linear_value_heads, spec.linear_value_dim
     kd, vd = spec.linear_key_heads * spec.linear_key_dim, hv * dv
     channels = 2 * kd + vd
     with g.scope("linear_attn"):
         with g.scope("in"):
-            proj = low.linear(g, h, p + "linear_in")
+            proj = linear(h, "linear_in")
         mixed, z, b, a = g.op("Split", proj, g.const([channels, vd, hv, hv]), axis=-1, outputs=4)
         if low.flat_tokens:  # [T, n] -> [B, S, n]
             bs = g.op("Shape", inp.input_ids)
@@ -60,4 +64,4 @@ def delta_net_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec:
             z4 = g.op("Reshape", z, g.const(lead + [hv, dv]))
             gated = g.op("Reshape", g.op("Mul", normed, g.op("Mul", z4, g.op("Sigmoid", z4))), g.const(lead + [vd]))
         with g.scope("out"):
-            return low.linear(g, gated, p + "linear_out")
+            return linear(gated, "linear_out")

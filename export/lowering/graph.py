@@ -2,6 +2,10 @@
 
     input_ids [B,S] --Gather(embed)--> x [T=B*S, hidden]   ([B,S,hidden] where lowering.flat_tokens is False)
                           x * embed_scale                  (Gemma: sqrt(hidden) in the graph dtype)
+    prefill of a vision-language model (spec.image_token_id):
+        x[image_positions] = image_embeds                  ScatterND over the [B*S, hidden] rows; image_positions
+                                                           [N] = b*S + s of each image token, image_embeds [N, hidden]
+                                                           (vision.onnx's output rows); both default to empty
     per layer i:
         h      = rmsnorm(x)                                (fused with the residual add below)
         qkv    = h @ qkv^T (+ bias)                        [T, (H+2Hkv)*D]   (q/k rmsnorm: Qwen3, Gemma 3)
@@ -10,6 +14,7 @@
         a      = attn @ o^T                                (sandwich_norm: a = rmsnorm(a))
         x, h   = x + a,  rmsnorm(x + a)
         m      = down(act(gate) * up)                      gate_up = h @ gate_up^T [T, 2I]; act = spec.activation
+                 or, in a MoE layer (spec.is_moe(i)), the router's top-k experts' SwiGLU (Lowering.moe)
         x      = x + m                                     (sandwich_norm: m = rmsnorm(m) first)
     last   = x[b*S + seq_lengths[b] - 1]                   [B, hidden]   (only the last valid token)
     logits = rmsnorm(last) @ lm_head^T                     [B, V] float32 (final_softcap: cap*tanh(l/cap))
@@ -33,20 +38,26 @@ adds every position's rows to the head's gather when 1, in the same lm_head GEMM
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from decodert.errors import DecodertError
+from decodert.export.lora.layout import LoraLayout
 from decodert.export.lowering.delta_net import delta_net_mixer
+from decodert.export.lowering.lora_graph import LoraGraph
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, rope_table_of, state_specs, window_layers
+from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 
 GraphKind = Literal["prefill", "decode", "verify"]
+# inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
+# TensorRT's ONNX parser folds such an input into a constant, so its engines take the default only
+DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions")
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 
@@ -58,11 +69,15 @@ def verifies_rows(lowering: Lowering, kind: GraphKind) -> bool:
 
 
 def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
-                per_position: bool = False) -> dict[str, list[dict]]:
+                per_position: bool = False, kv: KVDtype | None = None,
+                lora: LoraLayout | None = None) -> dict[str, list[dict]]:
     """Names, dtypes and shapes of a graph's inputs and outputs (also written to the manifest);
-    ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``)."""
+    ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``);
+    ``kv``: the cache's element type (default ``dtype``): its storage and packed width.
+    ``lora``: the adapter slots' inputs (export/lora/layout.py)."""
     seq: int | str = 1 if kind == "decode" else "seq"
-    cache_shape = ["batch", spec.num_kv_heads, max_seq, spec.head_dim]
+    kv = kv or KV_DTYPES[dtype]
+    cache_shape = ["batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)]
     inputs = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
         {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
@@ -77,36 +92,47 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
         {"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "seq", spec.vocab_size]},
         {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "seq"]},
     ]
+    if kind == "prefill" and spec.image_token_id is not None:
+        inputs += [{"name": "image_embeds", "dtype": dtype, "shape": ["image_tokens", spec.hidden_size]},
+                   {"name": "image_positions", "dtype": "int64", "shape": ["image_tokens"]}]
     if per_position:
         inputs.append({"name": "per_position", "dtype": "int64", "shape": [1]})
         outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
                     {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "positions"]}]
     for i in spec.kv_layers:
-        for kv in ("key", "value"):
-            inputs.append({"name": f"past_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
-            outputs.append({"name": f"present_{kv}.{i}", "dtype": dtype, "shape": cache_shape})
+        for name in ("key", "value"):
+            inputs.append({"name": f"past_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
+            outputs.append({"name": f"present_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
     if kind == "verify":  # the conv inputs of every position (speculation takes the state after j from them)
         for i in window_layers(spec):
             outputs.append({"name": f"window_conv.{i}", "dtype": dtype, "shape": ["batch", spec.hidden_size, "window"]})
     for st in state_specs(spec):  # hybrid models: conv / recurrent states, bound in place like K/V
         inputs.append({"name": f"past_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
         outputs.append({"name": f"present_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
+    if lora is not None:
+        inputs += lora.inputs(spec, dtype)
     return {"inputs": inputs, "outputs": outputs}
 
 
 def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.TensorProto],
-                kind: GraphKind) -> onnx.ModelProto:
-    """The prefill or decode graph; ``weights`` maps canonical names (+ rope caches) to tensors."""
+                kind: GraphKind, lora: LoraLayout | None = None) -> onnx.ModelProto:
+    """The prefill or decode graph; ``weights`` maps canonical names (+ rope caches) to tensors;
+    ``lora``: the adapter slots every linear layer takes (export/lowering/lora_graph.py)."""
     per_position = verifies_rows(lowering, kind)
     lowering = lowering.for_graph(kind)
     g = GraphBuilder(f"decodert_{spec.family}_{kind}", lowering.opsets)
-    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position)
+    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position, lowering.kv, lora)
     for io in contract["inputs"]:
         g.input(io["name"], io["dtype"], io["shape"])
     for t in weights.values():
         g.add_initializer(t)
     if per_position:  # the input's default: a plain prefill/decode call does not bind it
         g.add_initializer(numpy_helper.from_array(np.zeros(1, np.int64), "per_position"))
+    images = any(io["name"] == "image_embeds" for io in contract["inputs"])
+    if images:  # defaults: a text-only prefill (and every decode step the prefill graph serves) binds neither
+        g.add_initializer(numpy_helper.from_array(np.zeros((0, spec.hidden_size), NUMPY_DTYPES[lowering.dtype]),
+                                                  "image_embeds"))
+        g.add_initializer(numpy_helper.from_array(np.zeros(0, np.int64), "image_positions"))
     inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin",
                       windows=kind == "verify" and bool(window_layers(spec)))
     if kind == "verify" and state_specs(spec):  # no padding in a verify row of a hybrid: every position counts
@@ -115,15 +141,18 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
              outputs=["seq_lengths"])
     with g.scope("model"):
         contexts = _attention_contexts(g, lowering, inp, spec)
+        adapters = None if lora is None else LoraGraph(g, lora, spec, lowering.dtype, inp.input_ids, lowering.flat_tokens)
         with g.scope("embed"):
             x = lowering.embed(g, inp.input_ids)
             if spec.embed_scale is not None:  # transformers rounds the factor to the weights' dtype
                 x = g.op("Mul", x, g.const(np.array(spec.embed_scale, NUMPY_DTYPES[lowering.dtype])))
+            if images:
+                x = _place_images(g, spec, x)
         h = None
         for i in range(spec.num_layers):
             with g.scope(f"layers.{i}"):
                 ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
-                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h)
+                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h, kind == "decode", adapters)
         if kind == "verify":
             heads = [_verify_head(g, lowering, inp, spec, x, h)]
         else:
@@ -134,6 +163,14 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
     for io in contract["outputs"][len(values):]:
         g.outputs.append(onnx.helper.make_tensor_value_info(io["name"], DTYPES[io["dtype"]], io["shape"]))
     return g.to_model(ir_version=lowering.ir_version)
+
+
+def _place_images(g: GraphBuilder, spec: ModelSpec, x: str) -> str:
+    """The rows of the image tokens replaced by the image embeddings (scatter by position)."""
+    with g.scope("images"):
+        rows = g.op("Reshape", x, g.const([-1, spec.hidden_size]))  # [T, hidden]
+        rows = g.op("ScatterND", rows, g.op("Unsqueeze", "image_positions", g.const([1])), "image_embeds")
+        return g.op("Reshape", rows, g.op("Shape", x))
 
 
 def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec) -> dict:
@@ -151,9 +188,15 @@ def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: 
 
 
 def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int,
-           x: str, prev_mlp: str | None) -> tuple[str, str]:
+           x: str, prev_mlp: str | None, one_token_rows: bool,
+           lora: LoraGraph | None = None) -> tuple[str, str]:
     """One decoder layer. Returns (residual stream before the MLP add, MLP output)."""
     p = f"layers.{i}."
+
+    def linear(h: str, target: str, bias: str | None = None) -> str:  # + each row's LoRA update
+        y = low.linear(g, h, p + target, bias)
+        return y if lora is None else lora.add(h, y, i, target)
+
     with g.scope("input_norm"):
         h = low.rms_norm(g, x, p + "input_norm") if prev_mlp is None else None
         if prev_mlp is not None:
@@ -161,32 +204,29 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
     mixer = MIXERS.get(spec.layer_kind(i))
     if mixer is None:
         raise DecodertError(f"layer {i}: decodert has no lowering for layer kind '{spec.layer_kind(i)}'")
-    o = mixer(g, low, ctx, inp, spec, i, h)
+    o = mixer(g, low, ctx, inp, spec, i, h, linear)
     if spec.sandwich_norm:
         with g.scope("attn_out_norm"):
             o = low.rms_norm(g, o, p + "attn_out_norm")
     with g.scope("post_norm"):
         h, x = low.add_rms_norm(g, o, x, p + "post_norm")
-    with g.scope("mlp"):
-        with g.scope("gate_up"):
-            gate, up = g.op("Split", low.linear(g, h, p + "gate_up"), g.const([spec.intermediate_size] * 2),
-                            axis=-1, outputs=2)
-        act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up
-        with g.scope("down"):
-            down = low.linear(g, act, p + "down")
+    with g.scope("moe" if spec.is_moe(i) else "mlp"):
+        down = low.moe(g, h, p, one_token_rows) if spec.is_moe(i) else _mlp(g, low, spec, h, linear)
     if spec.sandwich_norm:
         with g.scope("mlp_out_norm"):
             down = low.rms_norm(g, down, p + "mlp_out_norm")
     return x, down
 
 
-def _attention_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str) -> str:
-    """GQA over the layer's K/V cache -> the o projection's output."""
+def _attention_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
+                     linear: Callable[..., str]) -> str:
+    """GQA over the layer's K/V cache -> the o projection's output; ``linear(x, target, bias)``: the layer's
+    linears (with each row's LoRA update)."""
     p = f"layers.{i}."
     width, qd = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, spec.num_heads * spec.head_dim
     with g.scope("attn"):
         with g.scope("qkv"):
-            qkv = low.linear(g, h, p + "qkv", p + "qkv_bias" if spec.qkv_bias else None)
+            qkv = linear(h, "qkv", p + "qkv_bias" if spec.qkv_bias else None)
         if spec.attn_output_gate:  # rows q | gate | k | v
             q, gate, kv = g.op("Split", qkv, g.const([qd, qd, width - qd]), axis=-1, outputs=3)
             qkv = g.op("Concat", q, kv, axis=-1)
@@ -196,17 +236,18 @@ def _attention_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec
         if low.flat_tokens:  # [T, qkv] -> [B, S, qkv]
             qkv = g.op("Reshape", qkv, g.op("Concat", g.op("Shape", inp.input_ids), g.const([width]), axis=0))
         cache = (f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}")
-        attn = low.attention(g, ctx, qkv, cache)  # [B, S, H*D]
+        attn = low.attention(g, ctx, qkv, cache, p + "sinks" if spec.attn_sinks else None)  # [B, S, H*D]
         if low.flat_tokens:
             attn = g.op("Reshape", attn, g.const([-1, qd]))
         if spec.attn_output_gate:
             attn = g.op("Mul", attn, g.op("Sigmoid", gate))
         with g.scope("o"):
-            o = low.linear(g, attn, p + "o")
+            o = linear(attn, "o", p + "o_bias" if spec.o_bias else None)
     return o
 
 
-def _conv_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str) -> str:
+def _conv_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
+                linear: Callable[..., str]) -> str:
     """LFM2's gated short convolution over the layer's rolling conv state:
         b, c, x = split(h @ conv_in^T)             [.., C] each
         y       = c * causal_conv(b * x)           depthwise, K taps, state = the last K-1 inputs [B, C, K-1]
@@ -233,6 +274,15 @@ def _conv_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: Mod
 # layer kind (models/spec.py LAYER_KINDS) -> its token mixer: (g, lowering, attention context, inputs,
 # spec, layer, normed input) -> output before the residual add; it writes the layer's cache or states
 MIXERS = {"attention": _attention_mixer, "conv": _conv_mixer, "linear_attention": delta_net_mixer}
+
+
+def _mlp(g: GraphBuilder, low: Lowering, spec: ModelSpec, h: str, linear: Callable[[str, str], str]) -> str:
+    """down(act(gate) * up), gate and up from one fused GEMM; ``linear(x, target)``: the layer's linears."""
+    with g.scope("gate_up"):
+        gate, up = g.op("Split", linear(h, "gate_up"), g.const([spec.intermediate_size] * 2), axis=-1, outputs=2)
+    act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up
+    with g.scope("down"):
+        return linear(act, "down")
 
 
 def _qk_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, qkv: str, p: str) -> str:

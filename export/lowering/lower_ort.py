@@ -4,6 +4,7 @@
 - int4/int8 linear -> com.microsoft.MatMulNBits (block-wise weights, accuracy_level as exported)
 - float linear     -> com.microsoft.FusedMatMul (transB): activations stay [B, S, hidden], so no
                       layer needs a Reshape
+- MoE MLP          -> com.microsoft.MoE / QMoE (router softmax + top-k + SwiGLU experts in one node)
 - tied embedding   -> com.microsoft.GatherBlockQuantized on the quantized head (no float table kept)
 - causal conv      -> com.microsoft.CausalConvWithState (LFM2's conv layers; the state update per row in standard ops)
 - CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
@@ -35,6 +36,7 @@ from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins import cached_attention as ca
 from decodert.plugins import causal_conv as cc
 from decodert.plugins.gated_delta_net import l2norm_body, valid_tokens
+from decodert.plugins import kv_dtypes
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quantize.quant import quantized_embedding
 from decodert.export.quantize.weight_layouts import NBITS
@@ -126,7 +128,8 @@ class OrtLowering(Lowering):
         wq = self.quantized[weight]
         n, k = canonical_shape(self.spec, weight)
         zp = "" if wq.symmetric else f"{weight}.zero_points"
-        y = g.op("MatMulNBits", x, f"{weight}.q", f"{weight}.scales", zp, "", bias or "", domain="com.microsoft",
+        g_idx = f"{weight}.g_idx" if wq.act_order else ""  # GPTQ act-order: each input's group
+        y = g.op("MatMulNBits", x, f"{weight}.q", f"{weight}.scales", zp, g_idx, bias or "", domain="com.microsoft",
                  K=k, N=n, bits=wq.bits, block_size=wq.block_size, accuracy_level=self.quant.accuracy_level)
         if not wq.block_min:
             return y
@@ -155,13 +158,41 @@ class OrtLowering(Lowering):
         cc.next_state(g, cat, seq_lengths, k, present)
         return g.op("Slice", y, g.const([k - 1]), g.const([np.iinfo(np.int64).max]), g.const([2]))  # [B, C, S]
 
-    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
+    def moe(self, g: GraphBuilder, x: str, prefix: str, one_token_rows: bool) -> str:
+        """com.microsoft.MoE (float experts) or QMoE (block-quantized): softmax over the router logits,
+        top-k, renormalised when the spec says so, SwiGLU experts with gate/up interleaved (the only
+        fused layout ORT's CPU kernel takes, and the canonical one); x [B, S, hidden] as is."""
+        s = self.spec
+        router_bias = prefix + "router_bias" if s.router_bias else None
+        logits = g.op("Reshape", self.linear(g, x, prefix + "router", router_bias), g.const([-1, s.num_experts]))  # [T, E]
+        gate_up, down = prefix + "experts.gate_up", prefix + "experts.down"
+        b1, b2 = (gate_up + "_bias", down + "_bias") if s.expert_bias else ("", "")
+        common: dict[str, Any] = dict(domain="com.microsoft", k=s.experts_per_token, activation_type="swiglu", swiglu_fusion=1,
+                      normalize_routing_weights=int(s.router_renormalize), swiglu_limit=s.swiglu_limit,
+                      activation_alpha=s.swiglu_alpha if s.swiglu_alpha != 1.0 else None,  # None: ORT's default
+                      activation_beta=s.swiglu_beta or None)
+        if gate_up not in self.quantized:
+            return g.op("MoE", x, logits, gate_up, b1, down, b2, **common)
+        assert self.quant is not None
+        wq = self.quantized[gate_up]
+        zp = ("", "") if wq.symmetric else (f"{gate_up}.zero_points", f"{down}.zero_points")
+        return g.op("QMoE", x, logits, f"{gate_up}.q", f"{gate_up}.scales", b1, f"{down}.q", f"{down}.scales", b2,
+                    "", "", "", *zp, **common, expert_weight_bits=wq.bits, block_size=wq.block_size,
+                    weights_prepacked=0, accuracy_level=self.quant.accuracy_level)
+
+    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str],
+                  sinks: str | None = None) -> str:
         if isinstance(ctx, verify_attention.VerifyContext):
-            return verify_attention.attention(g, self, ctx, qkv, cache)
+            return verify_attention.attention(g, self, ctx, qkv, cache, sinks)
         if not isinstance(ctx, GqaContext):
-            return super().attention(g, ctx, qkv, cache)
+            return super().attention(g, ctx, qkv, cache, sinks)
         s = self.spec
         past_key, past_value, present_key, present_value = cache
+        quant: dict[str, Any] = {}
+        extra = ["", "", sinks or ""]  # position_ids, attention_bias, head_sink (gpt-oss's attention sinks)
+        if self.kv.quantized:  # the cache holds int8 / packed int4 codes, one scale per (head, channel)
+            extra += [kv_dtypes.scale_names(past_key), kv_dtypes.scale_names(past_value)]  # k_scale, v_scale
+            quant = dict(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=self.kv.bits)
         qkv_in, rope = [qkv, "", ""], [ctx.cos_cache, ctx.sin_cache]
         if ctx.cos is not None:  # partial rotary: q and k rotated here, GQA without rotary
             d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
@@ -172,9 +203,9 @@ class OrtLowering(Lowering):
             qkv_in, rope = [q, k, v], ["", ""]
         y, _, _ = g.op(
             "GroupQueryAttention", *qkv_in, past_key, past_value, ctx.seqlens_k, ctx.total_len,
-            *rope, domain="com.microsoft", outputs=[None, present_key, present_value],
+            *_trim([*rope, *extra]), domain="com.microsoft", outputs=[None, present_key, present_value],
             num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=int(ctx.cos is None), rotary_interleaved=0,
-            scale=self.scale, local_window_size=ctx.window or None, softcap=self.softcap or None,
+            scale=self.scale, local_window_size=ctx.window or None, softcap=self.softcap or None, **quant,
         )
         return y
 
@@ -198,3 +229,22 @@ class OrtLowering(Lowering):
                     outputs=[None, present], gate_activation="softplus", beta_activation="sigmoid", qk_l2_norm=0,
                     scale=s.linear_key_dim ** -0.5)
         return g.op("Reshape", y, g.const([0, 0, s.linear_value_heads * s.linear_value_dim]))
+
+    def kv_problem(self) -> str | None:
+        """GroupQueryAttention's CPU kernel (ORT 1.32) stores int8 and int4 codes and float caches of the
+        model's dtype or fp16; it has no float8 cache kernel, and no bf16 cache under float activations."""
+        if not self.use_gqa:
+            return super().kv_problem()
+        if self.kv.name in ("int8", "int4", "fp16", self.dtype):
+            return None
+        if self.kv.name == "fp8":
+            return ("ONNX Runtime's CPU GroupQueryAttention has no float8 KV cache kernel "
+                    "(use --kv-dtype int8, or --target portable for Q/DQ in standard ops)")
+        return f"ONNX Runtime's CPU GroupQueryAttention has no {self.kv.name} cache under {self.dtype} activations"
+
+
+def _trim(inputs: list[str]) -> list[str]:
+    """Optional inputs without the trailing omitted ones ("")."""
+    while inputs and not inputs[-1]:
+        inputs = inputs[:-1]
+    return inputs

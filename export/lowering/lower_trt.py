@@ -30,6 +30,7 @@ from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.models.spec import ModelSpec
 from decodert.plugins.cached_attention import attend_body, positions_and_visibility
+from decodert.plugins.kv_dtypes import KVDtype
 from decodert.plugins.registry import DOMAIN, OPSET_VERSION
 from decodert.plugins.selection import PLUGIN_OPS  # the ops the trt target can emit as plugin nodes
 
@@ -61,19 +62,28 @@ class TrtLowering(Lowering):
     ir_version = 11
 
     def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
-                 quantized: Mapping[str, WeightQuant] | None = None, plugins: tuple[str, ...] = ()):
-        super().__init__(spec, dtype, max_seq, quant, quantized)
+                 quantized: Mapping[str, WeightQuant] | None = None, kv: KVDtype | None = None,
+                 plugins: tuple[str, ...] = ()):
+        super().__init__(spec, dtype, max_seq, quant, quantized, kv)
         unknown = set(plugins) - set(PLUGIN_OPS)
         if unknown:
             raise ValueError(f"no trt plugin lowering for {sorted(unknown)}; known: {PLUGIN_OPS}")
         self.plugins = tuple(op for op in PLUGIN_OPS if op in plugins)
-        if "CachedAttention" in self.plugins and self.softcap:
-            raise DecodertError(f"{spec.family}'s attention soft-capping has no CachedAttention plugin kernel; "
+        if "CachedAttention" in self.plugins and (self.softcap or spec.attn_sinks):
+            what = "soft-capping" if self.softcap else "sinks"
+            raise DecodertError(f"{spec.family}'s attention {what} has no CachedAttention plugin kernel; "
                                 "export it for a TensorRT with native attention layers (>= 10.15, --plugins never) "
                                 "or for --target ort")
         if self.plugins:  # block DequantizeLinear (quantized weights) needs opset 21
             self.opsets = {"": 21 if quantized else PLUGIN_OPSET, DOMAIN: OPSET_VERSION}
             self.ir_version = 10 if quantized else 8
+
+    def kv_problem(self) -> str | None:
+        if self.kv.storage == self.dtype:
+            return None
+        return (f"TensorRT's KV cache update layer (TensorScatter; TensorRT-RTX 1.7) takes only a float, half or "
+                f"bfloat16 cache of the activations' type, not {self.kv.name}; export --target trt with "
+                f"--kv-dtype {self.dtype}, or use --target ort for a quantized cache")
 
     def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> TrtContext | PluginContext:
         if "CachedAttention" in self.plugins:
@@ -98,7 +108,8 @@ class TrtLowering(Lowering):
         return g.op("RotaryEmbedding", x, ctx.cos_cache, ctx.sin_cache, ctx.positions, num_heads=heads, interleaved=0,
                     rotary_embedding_dim=self.rotary_dim if self.rotary_dim != self.spec.head_dim else None)
 
-    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
+    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str],
+                  sinks: str | None = None) -> str:
         s = self.spec
         past_key, past_value, present_key, present_value = cache
         d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
@@ -112,13 +123,13 @@ class TrtLowering(Lowering):
         to_bhsd = lambda x, n: g.op("Transpose", g.op("Reshape", x, g.const([0, 0, n, d])), perm=[0, 2, 1, 3])  # noqa: E731
         g.op("TensorScatter", past_key, to_bhsd(k, hkv), ctx.write_index, axis=2, outputs=[present_key])
         g.op("TensorScatter", past_value, to_bhsd(v, hkv), ctx.write_index, axis=2, outputs=[present_value])
-        if self.dtype == "fp32" or self.softcap:
+        if self.dtype == "fp32" or self.softcap or sinks:
             # TensorRT has no dedicated fp32 attention kernel and rejects Attention-23 unless it carries
             # a TensorRT-only attribute ONNX Runtime refuses; its Attention also rejects softcap (Gemma 2,
-            # TensorRT-RTX 1.7). The decomposed body builds (and fuses).
+            # TensorRT-RTX 1.7) and has no sinks (gpt-oss). The decomposed body builds (and fuses).
             q4 = g.op("Reshape", q, g.const([0, 0, h, d]))
             return attend_body(g, q4, present_key, present_value, ctx.visible, num_heads=h, kv_heads=hkv,
                                head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
-                               softcap=self.softcap)
+                               softcap=self.softcap, sinks=sinks)
         y = g.op("Attention", to_bhsd(q, h), present_key, present_value, ctx.visible, scale=self.scale)
         return g.op("Reshape", g.op("Transpose", y, perm=[0, 2, 1, 3]), g.const([0, 0, h * d]))

@@ -21,6 +21,9 @@ from decodert.models.spec import ModelSpec, canonical_shape
 from decodert.plugins import cached_attention as ca
 from decodert.plugins import causal_conv as cc
 from decodert.plugins import gated_delta_net as gdn
+from decodert.plugins import kv_dtypes
+from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
+from decodert.plugins import moe as moe_op
 from decodert.plugins.rms_norm import rms_norm_body
 
 
@@ -44,9 +47,11 @@ class Lowering:
     flat_tokens = True
 
     def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
-                 quantized: Mapping[str, WeightQuant] | None = None):
-        """``quantized``: how each weight stored quantized is stored (bits, block, symmetric), by name."""
+                 quantized: Mapping[str, WeightQuant] | None = None, kv: KVDtype | None = None):
+        """``quantized``: how each weight stored quantized is stored (bits, block, symmetric), by name;
+        ``kv``: the cache's element type (default: the model's dtype; plugins/kv_dtypes.py)."""
         self.spec, self.dtype, self.max_seq = spec, dtype, max_seq
+        self.kv = kv or KV_DTYPES[dtype]
         self.quant, self.quantized = quant, dict(quantized or {})
         self.rotary_dim = spec.rope.rotary_dim or spec.head_dim
         self.scale = spec.softmax_scale
@@ -56,6 +61,23 @@ class Lowering:
     def batched_past(self) -> bool:
         """Whether one call may run several tokens in several rows over non-empty caches."""
         return True
+
+    def kv_problem(self) -> str | None:
+        """Why this lowering cannot keep its cache in ``self.kv`` (None: it can). The standard-op
+        bodies store every KV dtype with Q/DQ around the cache, but float8: ScatterND (the cache
+        write) has no float8 type in ONNX."""
+        if self.kv.name == "fp8":
+            return ("ONNX's ScatterND, the standard-op cache write, has no float8 type "
+                    "(use --kv-dtype int8: the same size)")
+        return None
+
+    def kv_store(self, g: GraphBuilder, new_bhsd: str, past: str) -> str:
+        """New K/V [B,Hkv,S,D] as the cache ``past`` stores it (quantized with its scale, or cast)."""
+        return kv_dtypes.store_body(g, new_bhsd, kv_dtypes.scale_names(past), self.kv, self.dtype)
+
+    def kv_load(self, g: GraphBuilder, cache: str, past: str) -> str:
+        """Cache positions of ``past`` [B,Hkv,T,width] -> float K/V [B,Hkv,T,D] in the model's dtype."""
+        return kv_dtypes.load_body(g, cache, kv_dtypes.scale_names(past), self.kv, self.dtype)
 
     def for_graph(self, kind: str) -> "Lowering":
         """The lowering one graph kind ("prefill" | "decode" | "verify") is built with (default: this one)."""
@@ -103,14 +125,53 @@ class Lowering:
         wq = self.quantized[weight]
         assert not wq.block_min, "block minimums (GGUF Q4_1) are transcoded for the ort target only"
         n, k = canonical_shape(self.spec, weight)
+        if wq.act_order:  # the blocks hold the inputs in group order (export/quantize/weight_layouts.py)
+            x = g.op("Gather", x, f"{weight}.perm", axis=-1)
         zp = [] if wq.symmetric else [f"{weight}.zero_points"]
         w = g.op("DequantizeLinear", f"{weight}.q", f"{weight}.scales", *zp, axis=1, block_size=wq.block_size)
         if k % wq.block_size:
             w = g.op("Slice", w, g.const([0]), g.const([k]), g.const([1]))
         return g.op("Gemm", x, w, *([bias] if bias else []), transB=1)
 
-    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str]) -> str:
-        """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D].
+    def moe(self, g: GraphBuilder, x: str, prefix: str, one_token_rows: bool) -> str:
+        """The MoE MLP of layer ``prefix`` (plugins/moe.py) on x [T, hidden] -> [T, hidden].
+
+        ``one_token_rows`` (the decode graph) gathers the chosen experts' weights: it reads only
+        those, and decoding is bound by the bytes read; prefill and verify compute every expert
+        under a top-k mask, reading each expert once instead of copying k of them per token."""
+        s = self.spec
+        logits = self.linear(g, x, prefix + "router", prefix + "router_bias" if s.router_bias else None)
+        weights, idx = moe_op.route(g, logits, s.experts_per_token, s.router_renormalize,
+                                    None if self.dtype == "fp32" else DTYPES[self.dtype])
+        ie = s.expert_intermediate_size
+        gate_up, down = prefix + "experts.gate_up", prefix + "experts.down"
+        glu = moe_op.SwiGlu(s.swiglu_limit, s.swiglu_alpha, s.swiglu_beta)
+        biases = (gate_up + "_bias", down + "_bias") if s.expert_bias else None
+        if one_token_rows:
+            return moe_op.gathered_body(g, x, weights, idx, ie, lambda i: self.experts(g, gate_up, i),
+                                        lambda i: self.experts(g, down, i), self.activation, glu, biases)
+        return moe_op.masked_body(g, x, weights, idx, s.num_experts, ie, self.experts(g, gate_up),
+                                  self.experts(g, down), self.activation, glu, biases)
+
+    def experts(self, g: GraphBuilder, name: str, idx: str | None = None) -> str:
+        """Float expert matrices [E, rows, in], or the chosen ones [T, k, rows, in] for indices ``idx``.
+
+        Quantized experts ([E * N, K] blocks, export/quantize/weight_layouts.py) are dequantized whole,
+        then gathered: ONNX's Gather takes no 4-bit types,
+        so the portable graph reads every expert's blocks at each step (the ort target's QMoE reads
+        only the chosen ones)."""
+        if name in self.quantized:
+            wq = self.quantized[name]
+            zp = [] if wq.symmetric else [f"{name}.zero_points"]
+            w = g.op("DequantizeLinear", f"{name}.q", f"{name}.scales", *zp, axis=1, block_size=wq.block_size)
+            w = g.op("Reshape", w, g.const(list(canonical_shape(self.spec, name))))  # [E * N, K] -> [E, N, K]
+        else:
+            w = name
+        return w if idx is None else g.op("Gather", w, idx, axis=0)
+
+    def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str],
+                  sinks: str | None = None) -> str:
+        """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D]; ``sinks`` [H]: each head's sink logit (gpt-oss).
 
         ``cache`` = (past_key, past_value, present_key, present_value) names; the node that
         writes the cache must output the present names directly (no Identity), so a runtime can
@@ -125,11 +186,12 @@ class Lowering:
         v4 = g.op("Reshape", v, g.const([0, 0, hkv, d]))
         k_new = g.op("Transpose", k4, perm=[0, 2, 1, 3])  # [B,Hkv,S,D]
         v_new = g.op("Transpose", v4, perm=[0, 2, 1, 3])
-        ca.write_cache_body(g, past_key, k_new, ctx, hkv, present_key)
-        ca.write_cache_body(g, past_value, v_new, ctx, hkv, present_value)
-        return ca.attend_body(g, q4, present_key, present_value, ctx.visible, num_heads=h, kv_heads=hkv,
+        ca.write_cache_body(g, past_key, self.kv_store(g, k_new, past_key), ctx, hkv, present_key)
+        ca.write_cache_body(g, past_value, self.kv_store(g, v_new, past_value), ctx, hkv, present_value)
+        keys, values = self.kv_load(g, present_key, past_key), self.kv_load(g, present_value, past_value)
+        return ca.attend_body(g, q4, keys, values, ctx.visible, num_heads=h, kv_heads=hkv,
                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
-                              softcap=self.softcap)
+                              softcap=self.softcap, sinks=sinks)
 
     def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
                     seq_lengths: str, channels: int | None = None, activation: str = "none",

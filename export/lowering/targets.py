@@ -21,6 +21,7 @@ from decodert.export.lowering.lowering import Lowering
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.export.quantize.weight_layouts import WeightLayout
 from decodert.models.spec import ModelSpec
+from decodert.plugins.kv_dtypes import KVDtype
 from decodert.plugins.selection import NATIVE_SINCE
 
 
@@ -33,6 +34,7 @@ class Target:
     plugin_nodes: bool = False  # may emit decodert plugin nodes (--plugins, --trt-version)
     tensorrt_native_since: tuple[int, ...] | None = None  # TensorRT with the native layers; older needs plugins
     multi_token_rows: int | None = None  # rows a multi-token step over a non-empty cache may have (None: any)
+    lora_inputs: bool = True  # graphs may take LoRA adapter slots (--lora-slots); --merge-lora works everywhere
     about: str = ""
 
     @property
@@ -49,13 +51,26 @@ class Target:
         return replace(quant, symmetric=True) if self.symmetric_weights and not quant.symmetric else quant
 
     def make_lowering(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
-                      quantized: Mapping[str, WeightQuant] | None = None, plugins: tuple[str, ...] = ()) -> Lowering:
-        """``plugins``: decodert ops to emit as plugin nodes (only a target with ``plugin_nodes``)."""
+                      quantized: Mapping[str, WeightQuant] | None = None, plugins: tuple[str, ...] = (),
+                      kv: KVDtype | None = None) -> Lowering:
+        """``plugins``: decodert ops to emit as plugin nodes (only a target with ``plugin_nodes``);
+        ``kv``: the cache's element type (default: ``dtype``), or a one-line error where it cannot be kept."""
         if plugins:
             if not self.plugin_nodes:
                 raise DecodertError(f"--target {self.name} cannot emit decodert plugin nodes")
-            return TrtLowering(spec, dtype, max_seq, quant, quantized, plugins=plugins)
-        return self.lowering(spec, dtype, max_seq, quant, quantized)
+            low: Lowering = TrtLowering(spec, dtype, max_seq, quant, quantized, kv, plugins=plugins)
+        else:
+            low = self.lowering(spec, dtype, max_seq, quant, quantized, kv)
+        problem = low.kv_problem()
+        if problem:
+            raise DecodertError(f"--kv-dtype {low.kv.name} on --target {self.name}: {problem}")
+        return low
+
+    def check_lora_slots(self, slots: int) -> None:
+        """A one-line error when ``--lora-slots`` asks this target for adapter inputs it does not take."""
+        if slots and not self.lora_inputs:
+            raise DecodertError(f"--lora-slots: --target {self.name} graphs take no LoRA adapters at run time; "
+                                "merge one with --merge-lora, or export --target ort or portable")
 
     def runs_on(self, backend: str) -> bool:
         return backend in self.backends
@@ -64,7 +79,8 @@ class Target:
 ORT = Target("ort", OrtLowering, backends=("ort",), multi_token_rows=1,  # GroupQueryAttention: batch 1 with a cache
              about="ONNX Runtime contrib ops")
 TRT = Target("trt", TrtLowering, backends=("trt", "ort"), symmetric_weights=True, plugin_nodes=True,
-             tensorrt_native_since=NATIVE_SINCE, about="standard ONNX TensorRT parses")
+             tensorrt_native_since=NATIVE_SINCE, lora_inputs=False,  # the TensorRT backend binds no adapter slots
+             about="standard ONNX TensorRT parses")
 PORTABLE = Target("portable", Lowering, backends=("ort", "trt"), about="standard ONNX ops only")
 TARGETS: dict[str, Target] = {t.name: t for t in (ORT, TRT, PORTABLE)}
 

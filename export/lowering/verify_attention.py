@@ -54,7 +54,8 @@ def context(g: GraphBuilder, inp: GraphInputs, kv_heads: int, max_seq: int, wind
     return VerifyContext(pos, visible, keys, index, inp.cos_cache, inp.sin_cache)
 
 
-def attention(g: GraphBuilder, low: Any, ctx: VerifyContext, qkv: str, cache: tuple[str, str, str, str]) -> str:
+def attention(g: GraphBuilder, low: Any, ctx: VerifyContext, qkv: str, cache: tuple[str, str, str, str],
+              sinks: str | None = None) -> str:
     """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D]; writes the new K/V into present (= past) in place."""
     past_key, past_value, present_key, present_value = cache
     s = low.spec
@@ -67,8 +68,9 @@ def attention(g: GraphBuilder, low: Any, ctx: VerifyContext, qkv: str, cache: tu
              rotary_embedding_dim=rot)
     for new, past, present in ((k, past_key, present_key), (v, past_value, present_value)):
         rows = g.op("Transpose", g.op("Reshape", new, g.const([0, 0, hkv, d])), perm=[0, 2, 1, 3])  # [B,Hkv,S,D]
-        g.op("ScatterND", past, ctx.index, rows, outputs=[present])
-    first = lambda x: g.op("Slice", x, g.const([0]), ctx.keys, g.const([2]))  # noqa: E731  keys [0, T)
+        g.op("ScatterND", past, ctx.index, low.kv_store(g, rows, past), outputs=[present])
+    first = lambda x, past: low.kv_load(g, g.op("Slice", x, g.const([0]), ctx.keys, g.const([2])), past)  # noqa: E731  keys [0, T)
     q4 = g.op("Reshape", q, g.const([0, 0, h, d]))
-    return ca.attend_body(g, q4, first(present_key), first(present_value), ctx.visible, num_heads=h, kv_heads=hkv,
-                          head_dim=d, max_seq=ctx.keys, scale=low.scale, dtype=low.dtype, softcap=low.softcap)
+    return ca.attend_body(g, q4, first(present_key, past_key), first(present_value, past_value), ctx.visible, num_heads=h, kv_heads=hkv,
+                          head_dim=d, max_seq=ctx.keys, scale=low.scale, dtype=low.dtype, softcap=low.softcap,
+                          sinks=sinks)

@@ -82,12 +82,14 @@ class WeightQuant:
     bits: int  # 4 | 8
     block_size: int
     symmetric: bool  # True: no zero points (fixed at 8 / 128)
-    source: str  # "rtn": rounded to nearest from float; "transcoded": copied exactly from GGUF blocks
+    source: str  # "rtn": rounded to nearest from float; "transcoded": copied exactly from GGUF blocks;
+    # "gptq" | "awq": copied exactly from a GPTQ / AWQ checkpoint (export/quantize/quant_packed.py)
     block_min: bool = False  # + a float minimum per block (GGUF Q4_1: w = d*q + m); ort target only
+    act_order: bool = False  # GPTQ act-order: input k belongs to group g_idx[k], not k // block_size
 
     def to_dict(self) -> dict:
         return {"bits": self.bits, "block_size": self.block_size, "symmetric": self.symmetric, "source": self.source,
-                "block_min": self.block_min}
+                "block_min": self.block_min, "act_order": self.act_order}
 
 
 @dataclass
@@ -99,6 +101,7 @@ class QuantizedWeight:
     k: int
     blocks: int
     mins: np.ndarray | None = None  # float32 [N, blocks], added to every value of a block (block_min)
+    g_idx: np.ndarray | None = None  # int32 [K] the group of each input (act_order); q stays in input order
 
 
 def quantize(w: np.ndarray, cfg: QuantConfig) -> QuantizedWeight:
@@ -196,6 +199,9 @@ def dequantize(qw: QuantizedWeight, wq: WeightQuant | QuantConfig) -> np.ndarray
     q, zp = qw.q, qw.zero_points
     if wq.bits == 4:
         q, zp = unpack_nibbles(q), unpack_nibbles(zp)[:, : qw.blocks]
+    if qw.g_idx is not None:  # act-order: each input's own group
+        g = qw.g_idx
+        return (q[:, : qw.k].astype(np.float32) - zp[:, g]) * qw.scales[:, g]
     wb = (q.reshape(qw.n, qw.blocks, wq.block_size).astype(np.float32) - zp[..., None]) * qw.scales[..., None]
     if qw.mins is not None:
         wb = wb + qw.mins[..., None]

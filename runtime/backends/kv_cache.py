@@ -10,7 +10,9 @@ The rule: **row ``slot`` holds K/V for exactly the ids ``held(slot)``**: positio
 (n = ``lengths[slot]``) were written by the model for those ids, in that order. This object is the
 only writer of that record, through four verbs: ``commit`` (a backend, or the prefix cache, wrote K/V
 for new ids), ``rewind`` (drop positions from the end: rejected drafts, a session turn that diverges),
-``reset``, and ``move`` (a backend copied a row to another slot). ``lengths``
+``reset``, and ``move`` (a backend copied a row to another slot). K/V depend on the LoRA adapter the
+row ran under too: ``use_adapter`` sets it (the graphs read ``adapters`` as each row's ``lora_index``) and
+empties a row that holds K/V of another adapter, so no row ever mixes them. ``lengths``
 is a read-only view: nothing else can change what a row says it holds, so the prefix cache, sessions
 and speculation read the ids from here instead of assuming them (docs/ARCHITECTURE.md, "Cache state").
 
@@ -79,6 +81,10 @@ class KVCache:
         self.lengths = self._lengths.view()  # read-only: only the verbs below change it
         self.lengths.flags.writeable = False
         self._held = np.zeros((slots, max_seq), np.int64)  # [slots, max_seq] the ids whose K/V each row holds
+        self._adapter = np.zeros(slots, np.int64)  # [slots] LoRA slot each row runs under (the graphs' lora_index; 0 none)
+        self.adapters = self._adapter.view()  # read-only: backends bind it
+        self.adapters.flags.writeable = False
+        self._adapter_tag = np.zeros(slots, np.int64)  # [slots] which loaded adapter that is (unique per load; 0 none)
 
     def pointer(self, i: int, slot: int) -> int:
         """Address of slot ``slot`` in buffer ``i``."""
@@ -123,6 +129,17 @@ class KVCache:
             start = self._lengths[slot]
             self._held[slot, start : start + len(row)] = row
             self._lengths[slot] = start + len(row)
+
+    def use_adapter(self, slot: int, index: int, tag: int) -> None:
+        """Row ``slot``'s next K/V are computed under the adapter loaded as ``tag`` into LoRA slot ``index``
+        (0, 0: none). A row holding K/V of another adapter is emptied first: K/V never mix adapters."""
+        if self._adapter_tag[slot] != tag:
+            self._lengths[slot] = 0
+        self._adapter[slot], self._adapter_tag[slot] = index, tag
+
+    def adapter_tag(self, slot: int) -> int:
+        """The adapter (its load tag; 0: none) the K/V of row ``slot`` were computed under."""
+        return int(self._adapter_tag[slot])
 
     def rewind(self, slot: int, to: int, states: Mapping[str, np.ndarray] | None = None) -> None:
         """Keep only the first ``to`` positions of ``slot`` (later K/V stays, unread, until overwritten).
@@ -218,6 +235,7 @@ class KVCache:
             self._snapshots[dst] = self._snapshots.pop(src)
         if self.states:  # src starts again from zero states (dst's were copied by the backend)
             self._write_states(src, [bytes(n) for n in self.state_bytes])
+        self._adapter[dst], self._adapter_tag[dst] = self._adapter[src], self._adapter_tag[src]
 
     def free(self) -> None:
         """Release the buffers now (device memory is freed; host arrays lose their reference)."""

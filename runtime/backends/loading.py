@@ -82,6 +82,8 @@ def open_backend(path: Path, manifest: Manifest, choice: str = "auto") -> Any:
         raise DecodertError(f"unknown backend {choice!r}; expected auto, ort or trt (--backend)")
     if choice == "auto":
         choice = "trt" if manifest.engines and _trt_usable() else "ort"
+    if choice == "trt" and manifest.lora_layout is not None:
+        raise DecodertError(f"{path} takes LoRA adapters at run time (--lora-slots), which run on --backend ort only")
     if choice == "trt":
         from decodert.export.lowering.targets import get_target  # the lowerings import onnx: only when asked for trt
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import resource
+from collections.abc import Mapping
+from typing import Any
 import sys
 
 from decodert.errors import DecodertError
+from decodert.plugins.kv_dtypes import KVDtype
 
 
 def available_bytes() -> int | None:
@@ -20,12 +23,40 @@ def available_bytes() -> int | None:
     return None
 
 
-def check_fits(nbytes: int, what: str) -> None:
+def check_fits(nbytes: int, what: str, hint: str = "") -> None:
     """Refuse (before allocating) what would take more than 90% of the memory available now."""
     avail = available_bytes()
     if avail is not None and nbytes > 0.9 * avail:
-        raise DecodertError(f"{what} needs {nbytes / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is available; "
-                            "export with a lower --max-seq or --max-batch")
+        raise DecodertError(f"{what} needs {_size(nbytes)} but only {_size(avail)} is available; "
+                            f"export with a lower --max-seq or --max-batch{hint}")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+
+
+def kv_cache_bytes(slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int, kv: KVDtype) -> int:
+    """Bytes of a KV cache of ``slots`` rows: K and V per layer, [slots, Hkv, max_seq, D] in ``kv``'s element size."""
+    return slots * 2 * layers * kv_heads * max_seq * kv.bytes_per_position(head_dim)
+
+
+def check_kv_fits(nbytes: int, kv: KVDtype) -> None:
+    """``check_fits`` for a KV cache: the message names its dtype, and a smaller one where there is."""
+    hint = "" if kv.bits <= 8 else f", or a smaller --kv-dtype (int8: {kv.bits // 8}x less than {kv.name})"
+    check_fits(nbytes, f"the {kv.name} KV cache", hint)
+
+
+def check_weights_fit(nbytes: int, spec_dict: Mapping[str, Any]) -> None:
+    """Refuse weights that would not fit, before a session loads them. ``nbytes`` is the whole weights
+    file: a mixture-of-experts model holds every expert (the memory is the total parameters,
+    while a decode step reads only the active ones), and the message says so."""
+    experts = int(spec_dict.get("num_experts") or 0)
+    what = "the weights" + (f" (all {experts} experts of each MoE layer, not only the "
+                            f"{spec_dict.get('experts_per_token')} a token uses)" if experts else "")
+    avail = available_bytes()
+    if avail is not None and nbytes > 0.9 * avail:
+        raise DecodertError(f"{what} need {nbytes / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is available; "
+                            "export with --quant int4 or use a smaller model")
 
 
 def current_rss_bytes() -> int | None:

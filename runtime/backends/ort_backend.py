@@ -23,7 +23,8 @@ import onnx
 import onnxruntime as ort
 
 from decodert.errors import DecodertError, first_line
-from decodert.export.artifact.manifest import Manifest
+from decodert.export.artifact.manifest import Manifest, kv_storage
+from decodert.plugins.kv_dtypes import NUMPY_STORAGE
 from decodert.export.lowering.targets import get_target
 from decodert.export.lowering.onnx_check import check_external_data, check_session_io
 from decodert.plugins.expand import expand_plugin_nodes
@@ -31,8 +32,9 @@ from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
 from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput, window_outputs
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
-from decodert.runtime.backends.memory import check_fits
+from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
 from decodert.runtime.backends.ort_verify import VerifyState, bind_cache
+from decodert.runtime.vision.tokens import text_ids
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -47,6 +49,7 @@ class _Binding:
     seq: np.ndarray  # [n] int64
     logits: np.ndarray  # [n, V] float32
     next_token: np.ndarray  # [n] int64
+    images: Any = None  # (image_positions [N], image_embeds [N, hidden]) bound for this call
 
 
 class OrtBackend:
@@ -62,13 +65,19 @@ class OrtBackend:
         self.np_dtype = NP_DTYPES[manifest.dtype]
         kv = manifest.kv
         self.layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
+        self.kv = kv_storage(manifest)  # the cache's element type: float, int8, fp8 or packed int4 codes
+        self.kv_width = self.kv.width(self.head_dim)  # the buffers' last dimension
         self.max_batch, self.max_seq = manifest.max_batch, manifest.max_seq
         self.vocab_size = manifest.model.vocab_size
+        self.hidden = manifest.model.hidden_size or 0
         options = _session_options(threads)
         providers = list(providers or _default_providers())
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         self._stream: Any = None
         kinds = ("prefill", "decode") if separate_decode else ("prefill",)
+        weights = self.dir / manifest.weights.file
+        if weights.is_file():  # check_external_data names a missing one
+            check_weights_fit(weights.stat().st_size, manifest.model.extra or {})
         self.sessions = {}
         for kind in kinds:
             path = self.dir / manifest.graphs[kind].file
@@ -89,20 +98,25 @@ class OrtBackend:
         self._verify: dict[str, VerifyState] = {}
         self._prefill_verifies = manifest.graphs["prefill"].verifies_rows
         self._windows = window_outputs(manifest)  # conv state name -> K-1: per-position states of a verify pass
+        # vision-language: the image store (runtime/vision/encoder.py) whose rows a prefill binds at its image ids
+        self.images: Any = None
+        self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
+        # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
+        layout = manifest.lora_layout
+        self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:
         slots = slots or self.max_batch
         if not 1 <= slots <= self.max_batch:
             raise DecodertError(f"batch {slots} exceeds the artifact's --max-batch {self.max_batch}")
-        itemsize = np.dtype(self.np_dtype).itemsize
-        check_fits(slots * 2 * self.layers * self.kv_heads * self.max_seq * self.head_dim * itemsize
-                   + self.manifest.kv.state_bytes(slots, itemsize), "KV cache")
+        check_kv_fits(kv_cache_bytes(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.kv)
+                      + self.manifest.kv.state_bytes(slots, np.dtype(self.np_dtype).itemsize), self.kv)
         self._decode_bindings.clear()
         for state in self._verify.values():
             state.bindings.clear()
-        return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.np_dtype, self.device,
-                       **self.manifest.kv.cache_layout())
+        return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.kv_width, NUMPY_STORAGE[self.kv.storage],
+                       self.device, **self.manifest.kv.cache_layout())
 
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         lens = np.array([len(x) for x in ids], np.int64)
@@ -119,6 +133,7 @@ class OrtBackend:
                 b.ids[j, : lens[r] - done] = ids[r][done:]
             b.past[:] = cache.lengths[start : start + n] + done
             b.seq[:] = lens[rows] - done
+            self._bind_images(b)
             _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
             _gather(out, rows, b, want_logits)
         cache.commit(slots, ids)
@@ -133,6 +148,7 @@ class OrtBackend:
             b.ids[0] = row[done : done + chunk]
             b.past[:] = cache.lengths[start] + done
             b.seq[:] = chunk
+            self._bind_images(b)
             _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
             done += chunk
         return done
@@ -207,7 +223,7 @@ class OrtBackend:
         if state is None:
             session = self.sessions["prefill"] if kind == "prefill" else self._open_verify()
             state = self._verify[kind] = VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size,
-                                                     self._windows if kind == "verify" else None)
+                                                     self._windows if kind == "verify" else None, self.lora_weights)
         return state
 
     def _open_verify(self) -> ort.InferenceSession:
@@ -243,7 +259,7 @@ class OrtBackend:
 
     # ---- KV blocks (runtime/backends/kv_blocks.py) ----------------------------------------------------
     def kv_bytes(self, n: int) -> int:
-        return 2 * self.layers * self.kv_heads * n * self.head_dim * np.dtype(self.np_dtype).itemsize
+        return kv_cache_bytes(1, n, self.layers, self.kv_heads, self.head_dim, self.kv)
 
     def read_kv(self, cache: KVCache, slot: int, start: int, n: int) -> Any:
         if cache.device == "cpu":
@@ -266,6 +282,20 @@ class OrtBackend:
         return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
+    def _bind_images(self, b: _Binding) -> None:
+        """Image ids in ``b.ids`` (runtime/vision/tokens.py) -> the ``<image>`` token, their rows bound as
+        image_embeds at image_positions (empty when none: the binding may be reused chunk after chunk)."""
+        if not self._takes_images:
+            return
+        found = self.images.rows(b.ids) if self.images is not None else None
+        if found is None:
+            found = (np.zeros(0, np.int64), np.zeros((0, self.hidden), self.np_dtype))
+        else:
+            b.ids[:] = text_ids(b.ids)
+        b.images = (np.ascontiguousarray(found[0]), np.ascontiguousarray(found[1], self.np_dtype))  # kept alive
+        for name, arr in zip(("image_positions", "image_embeds"), b.images):
+            b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+
     def _prefill_groups(self, cache: KVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:
         """Runs of contiguous slots; rows one by one where a batched call is not allowed."""
         groups = []
@@ -282,7 +312,7 @@ class OrtBackend:
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for name, arr in (("logits", b.logits), ("next_token", b.next_token)):
             io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        bind_cache(io, cache, start, n)
+        bind_cache(io, cache, start, n, self.lora_weights)
         return b
 
 

@@ -17,10 +17,10 @@ class VerifyState:
     kind "prefill": the prefill graph with per_position=1 (one row, its last-token outputs unused)."""
 
     def __init__(self, session: ort.InferenceSession, kind: str, batch: int, width: int, vocab: int,
-                 windows: dict[str, int] | None = None) -> None:
+                 windows: dict[str, int] | None = None, lora: dict[str, np.ndarray] | None = None) -> None:
         """``windows``: the verify graph's conv windows to bind, state name ("conv.3") -> K-1 (its outputs
         ``window_conv.3`` [n, C, K-1+w]: the states after each position, docs/SPECULATIVE.md)."""
-        self.session, self.kind, self.vocab = session, kind, vocab
+        self.session, self.kind, self.vocab, self.lora = session, kind, vocab, lora
         self.windows = dict(windows or {})
         self.window_bufs: dict[tuple[int, int, int, int], dict[str, np.ndarray]] = {}
         self.ids = np.zeros(batch * width, np.int64)  # [n*W] input_ids
@@ -56,15 +56,21 @@ class VerifyState:
                 io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
             for name, arr in outputs:
                 io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-            bind_cache(io, cache, start, n)
+            bind_cache(io, cache, start, n, self.lora)
         if self.kind == "prefill":
             self.seq[:n] = w
         return (io, *views, self.window_bufs[key])
 
 
-def bind_cache(io: Any, cache: KVCache, start: int, n: int) -> None:
+def bind_cache(io: Any, cache: KVCache, start: int, n: int, lora: dict[str, np.ndarray] | None = None) -> None:
     """Bind slots [start, start+n) of every K/V buffer and every state (one contiguous view each)
-    as past and present."""
+    as past and present; with LoRA slots, the rows' adapter indices (``cache.adapters``) and the stacked
+    adapter weights."""
+    if lora is not None:
+        index = cache.adapters[start : start + n]
+        io.bind_input("lora_index", "cpu", 0, index.dtype, index.shape, index.ctypes.data)
+        for name, arr in lora.items():
+            io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
     shape = (n, *cache.slot_shape)
     for i in range(len(cache.buffers)):
         ptr = cache.pointer(i, start)

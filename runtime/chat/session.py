@@ -154,12 +154,12 @@ class Session:
             message = {"role": "user", "content": message}
         msg = check_messages([message])[0]
         params = dict(params)
-        spec = params.pop("speculative", None)
+        spec, adapter = params.pop("speculative", None), params.pop("adapter", None)  # adapter: a LoRA name
         options = pop_options(params)  # tools, enable_thinking, ... (runtime/chat/turn.py)
         sp, constraint = self.llm.split_params(params)  # the model's sampling defaults under what was passed
         turns, (turn, prompt, ids), dropped = self._fit(self._turns + [msg], sp.max_new_tokens, options)
         self.dropping = dropped
-        seq = self.llm._sequence(ids, sp, constraint=turn.constraint(constraint), speculative=spec)
+        seq = self.llm._sequence(ids, sp, constraint=turn.constraint(constraint), speculative=spec, adapter=adapter)
         return seq, turns, dropped, turn, prompt
 
     def _fit(self, turns: list[dict], max_new_tokens: int,

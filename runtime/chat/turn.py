@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from decodert.errors import DecodertError
 from decodert.runtime.chat.chat import check_messages
+from decodert.runtime.chat.harmony import HarmonyOutput, speaks_harmony
 from decodert.runtime.chat.output import ChatOutput, Delta, THINK_CLOSE, THINK_OPEN, assemble
 from decodert.runtime.chat.tool_calls import ToolFormat, tool_format
 from decodert.runtime.chat.tools import ToolSpec, check_tools, flatten_tool_messages, with_tools
@@ -32,11 +33,12 @@ class ChatTurn:
     tools: ToolSpec | None = None
     fmt: ToolFormat | None = None  # the tool-call format read from the reply (None: no tools)
     think: bool = False  # the template thinks in <think>...</think>
+    harmony: bool = False  # the template speaks harmony (gpt-oss): analysis channel = reasoning, final = content
 
     @property
     def plain(self) -> bool:
         """Nothing to split: the reply is all content (as before tools and reasoning existed)."""
-        return self.tools is None and not self.think
+        return self.tools is None and not self.think and not self.harmony
 
     def constraint(self, other: Any) -> Any:
         """The tools' constraint, or ``other`` (json_schema / regex / grammar); both at once is an error."""
@@ -47,8 +49,10 @@ class ChatTurn:
                                 "grammar, response_format), not both")
         return self.tools.constraint(self.fmt)
 
-    def output(self, prompt: str) -> ChatOutput:
+    def output(self, prompt: str) -> Any:
         """A fresh splitter for this turn's reply; ``prompt``: the rendered prompt (it may open <think>)."""
+        if self.harmony:
+            return HarmonyOutput()
         tail = prompt.rstrip()
         in_think = self.think and tail.endswith(THINK_OPEN)
         return ChatOutput(self.fmt, think=self.think, in_think=in_think)
@@ -78,17 +82,18 @@ def chat_turn(template: str | None, messages: Any, options: Mapping[str, Any], t
     msgs = check_messages(messages)
     spec = check_tools(options.get("tools"), options.get("tool_choice"), options.get("parallel_tool_calls"))
     kwargs = dict(_template_kwargs(options))
-    think = bool(template) and THINK_CLOSE in (template or "")
+    harmony = speaks_harmony(template)
+    think = bool(template) and THINK_CLOSE in (template or "") and not harmony
     if spec is None:
         if any(m.get("tool_calls") or m.get("role") == "tool" for m in msgs) and "tool" not in (template or ""):
             msgs = flatten_tool_messages(msgs)
-        return ChatTurn(msgs, kwargs, None, None, think)
+        return ChatTurn(msgs, kwargs, None, None, think, harmony)
     fmt = tool_format(template, tool_parser)
     if template and "tools" in template:
         kwargs["tools"] = spec.template_tools()
     else:
         msgs = with_tools(flatten_tool_messages(msgs), spec, fmt)
-    return ChatTurn(msgs, kwargs, spec, fmt, think)
+    return ChatTurn(msgs, kwargs, spec, fmt, think, harmony)
 
 
 def _template_kwargs(options: Mapping[str, Any]) -> dict:

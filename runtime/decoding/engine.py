@@ -133,11 +133,12 @@ class Engine:
         return max(0, len(self._pending) - self.llm.slots_in_use)
 
     def sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt",
-                 constraint: Constraint | None = None, speculative: Any = None) -> Sequence:
+                 constraint: Constraint | None = None, speculative: Any = None, adapter: str | None = None) -> Sequence:
         """A validated Sequence for prompt ids [L] (DecodertError: empty, too long, ids outside the
-        vocabulary, an invalid structured-output ``constraint``, speculation this LLM cannot do)."""
+        vocabulary, an invalid structured-output ``constraint``, speculation this LLM cannot do, an
+        unknown LoRA ``adapter``)."""
         return self.llm._sequence(np.asarray(ids, dtype=np.int64).reshape(-1), params.validate(), what, constraint,
-                                  speculative)
+                                  speculative, adapter)
 
     def speculation(self, value: Any) -> SpeculativeConfig | None:
         """A ``speculative=`` value ("ngram" | "draft" | None) checked against this LLM (DecodertError:

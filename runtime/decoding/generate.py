@@ -18,6 +18,7 @@ from decodert.runtime.decoding.metrics import Metrics, Timer
 from decodert.runtime.decoding.sampling import (SamplingParams, apply_processors, draw, greedy, log_normalise, log_softmax,
                                                 make_distribution, make_logits_processors, make_sampler)
 from decodert.runtime.chat.text import Decoder, IncrementalDetokenizer, StopMatcher
+from decodert.runtime.vision.tokens import text_ids
 
 
 @dataclass(frozen=True)
@@ -75,16 +76,18 @@ class Sequence:
         self.stop_ids = frozenset(params.stop_token_ids) | frozenset(int(t) for t in eos_token_ids)
         self.max_seq = max_seq
         self.history = np.zeros(max_seq, dtype=np.int64)  # [max_seq] prompt then generated ids
-        self.history[: len(self.prompt)] = self.prompt
+        self.history[: len(self.prompt)] = text_ids(self.prompt)  # image ids read as <image> (runtime/vision/tokens.py)
         self.length = len(self.prompt)
-        self.detok = IncrementalDetokenizer(tokenizer, self.prompt.tolist())
+        self.detok = IncrementalDetokenizer(tokenizer, self.history[: self.length].tolist())
         self.stopper = StopMatcher(params.stop)
         self.parts: list[str] = []
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # prompt tokens whose K/V was reused, not prefilled (set by prefill)
         self.timer = Timer()
         self.guide = guide  # structured output (runtime/constraints.py): masks the logits, ends at the grammar's end
+        self.images: Any = None  # the image store entries its prompt's image ids need (runtime/vision/encoder.py)
         self.spec = None  # speculative decoding state (runtime/speculation/speculative.py), when asked for
+        self.adapter = (0, 0)  # LoRA (slot index, load tag) the row runs under (runtime/adapters.py); (0, 0): none
 
     @property
     def needs_logits(self) -> bool:
@@ -232,6 +235,7 @@ def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequenc
     """
     for slot, seq in zip(slots, seqs):
         seq.timer.start()
+        cache.use_adapter(slot, *seq.adapter)  # a row holding another adapter's K/V starts empty
         same = common_prefix(cache.held(slot), seq.prompt, len(seq.prompt) - 1)
         cache.rewind(slot, cache.rewind_point(slot, same))  # a row with states: its length, its snapshot or 0
         if prefix is not None:

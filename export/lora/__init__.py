@@ -1,0 +1,1 @@
+"""LoRA adapters: PEFT folders read into canonical form (peft.py), the graph's adapter slots (layout.py)."""

@@ -1,0 +1,112 @@
+"""``vision.onnx``: a SigLIP-style tower, the pixel shuffle and the projector, in standard ONNX ops
+(every target runs the same graph: ONNX Runtime as it is, TensorRT under its own profile).
+
+    pixel_values [N, 3, S, S] fp32 (N tiles, already resized, rescaled and normalised)
+      --Conv(patch_embed, stride P)--> [N, C, S/P, S/P] -> [N*T, C]  (T = (S/P)^2 patches)   + pos_embed
+    per layer i:
+        h = LayerNorm(x);  qkv = h @ qkv^T + b    [N*T, 3C]
+        attn = softmax(q k^T / sqrt(D)) v         [N, H, T, D], bidirectional over one tile's patches
+        x = x + attn @ o^T + b
+        x = x + fc2(gelu_tanh(fc1(LayerNorm(x))))
+    x = LayerNorm(x)                                [N, T, C]
+    pixel shuffle by r: r*r neighbouring patches    [N, T/r^2, C*r^2]   (transformers' Idefics3Connector order)
+    image_embeds = x @ proj^T                       [N, T/r^2, hidden]  in the graph dtype
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+
+from decodert.plugins.onnx_builder import GraphBuilder
+from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.models.vision import VisionSpec
+
+OPSET = 17  # LayerNormalization
+
+
+def vision_contract(v: VisionSpec, dtype: str) -> dict[str, list[dict]]:
+    """Names, dtypes and shapes of vision.onnx's input and output (also written to the manifest)."""
+    return {"inputs": [{"name": "pixel_values", "dtype": "fp32", "shape": ["images", 3, v.image_size, v.image_size]}],
+            "outputs": [{"name": "image_embeds", "dtype": dtype, "shape": ["images", v.tokens_per_tile, v.out_hidden]}]}
+
+
+def build_vision_graph(v: VisionSpec, dtype: str, weights: dict[str, onnx.TensorProto],
+                       ir_version: int = 10) -> onnx.ModelProto:
+    """vision.onnx over ``weights`` (canonical vision names -> external tensors in weights.bin)."""
+    g = GraphBuilder("decodert_vision", {"": OPSET})
+    contract = vision_contract(v, dtype)
+    g.input("pixel_values", "fp32", contract["inputs"][0]["shape"])
+    for tensor in weights.values():
+        g.add_initializer(tensor)
+    np_dtype = NUMPY_DTYPES[dtype]
+    c, t = v.hidden_size, v.patches_per_side ** 2
+    with g.scope("vision"):
+        with g.scope("patches"):
+            pixels = "pixel_values" if dtype == "fp32" else g.op("Cast", "pixel_values", to=onnx.TensorProto.FLOAT16
+                                                                 if dtype == "fp16" else onnx.TensorProto.BFLOAT16)
+            x = g.op("Conv", pixels, "vision.patch_embed", "vision.patch_embed_bias",
+                     kernel_shape=[v.patch_size] * 2, strides=[v.patch_size] * 2)  # [N, C, S/P, S/P]
+            x = g.op("Transpose", g.op("Reshape", x, g.const([0, c, t])), perm=[0, 2, 1])  # [N, T, C]
+            x = g.op("Reshape", g.op("Add", x, "vision.pos_embed"), g.const([-1, c]))  # [N*T, C]
+        for i in range(v.num_layers):
+            with g.scope(f"layers.{i}"):
+                x = _layer(g, v, f"vision.layers.{i}.", x, np_dtype)
+        with g.scope("post_ln"):
+            x = _layer_norm(g, v, x, "vision.post_ln")
+        with g.scope("pixel_shuffle"):
+            x = _pixel_shuffle(g, v, x)  # [N*T/r^2, C*r^2]
+        with g.scope("proj"):
+            x = g.op("Gemm", x, "vision.proj", transB=1)
+            x = g.op("Reshape", x, g.const([-1, v.tokens_per_tile, v.out_hidden]))
+    g.output(x, "image_embeds", dtype, contract["outputs"][0]["shape"])
+    return g.to_model(ir_version=ir_version)
+
+
+def _layer_norm(g: GraphBuilder, v: VisionSpec, x: str, name: str) -> str:
+    return g.op("LayerNormalization", x, name, name + "_bias", axis=-1, epsilon=v.layer_norm_eps)
+
+
+def _linear(g: GraphBuilder, x: str, name: str) -> str:
+    return g.op("Gemm", x, name, name + "_bias", transB=1)
+
+
+def _layer(g: GraphBuilder, v: VisionSpec, p: str, x: str, np_dtype: type) -> str:
+    """One pre-norm encoder layer over [N*T, C] rows."""
+    c, heads = v.hidden_size, v.num_heads
+    d, t = c // heads, v.patches_per_side ** 2
+    with g.scope("attn"):
+        qkv = _linear(g, _layer_norm(g, v, x, p + "ln1"), p + "qkv")  # [N*T, 3C]
+        qkv = g.op("Transpose", g.op("Reshape", qkv, g.const([-1, t, 3, heads, d])), perm=[2, 0, 3, 1, 4])
+        q, k, vv = (g.op("Squeeze", part, g.const([0])) for part in
+                    g.op("Split", qkv, g.const([1, 1, 1]), axis=0, outputs=3))  # each [N, H, T, D]
+        scores = g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2])),
+                      g.const(np.array(1 / math.sqrt(d), np_dtype)))
+        ctx = g.op("MatMul", g.op("Softmax", scores, axis=-1), vv)  # [N, H, T, D]
+        ctx = g.op("Reshape", g.op("Transpose", ctx, perm=[0, 2, 1, 3]), g.const([-1, c]))
+        x = g.op("Add", x, _linear(g, ctx, p + "o"))
+    with g.scope("mlp"):
+        h = _linear(g, _layer_norm(g, v, x, p + "ln2"), p + "fc1")
+        x = g.op("Add", x, _linear(g, _gelu_tanh(g, h, np_dtype), p + "fc2"))
+    return x
+
+
+def _gelu_tanh(g: GraphBuilder, x: str, np_dtype: type) -> str:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), transformers' gelu_pytorch_tanh."""
+    def k(value: float) -> str:
+        return g.const(np.array(value, np_dtype))
+    inner = g.op("Mul", g.op("Add", x, g.op("Mul", g.op("Mul", g.op("Mul", x, x), x), k(0.044715))),
+                 k(math.sqrt(2 / math.pi)))
+    return g.op("Mul", g.op("Mul", x, k(0.5)), g.op("Add", g.op("Tanh", inner), k(1.0)))
+
+
+def _pixel_shuffle(g: GraphBuilder, v: VisionSpec, x: str) -> str:
+    """[N*T, C] -> [N*T/r^2, C*r^2] in transformers' order (Idefics3Connector.pixel_shuffle)."""
+    side, c, r = v.patches_per_side, v.hidden_size, v.scale_factor
+    x = g.op("Reshape", x, g.const([-1, side, side // r, c * r]))  # [N, h, w/r, C r]
+    x = g.op("Transpose", x, perm=[0, 2, 1, 3])  # [N, w/r, h, C r]
+    x = g.op("Reshape", x, g.const([-1, side // r, side // r, c * r * r]))  # [N, w/r, h/r, C r^2]
+    x = g.op("Transpose", x, perm=[0, 2, 1, 3])
+    return g.op("Reshape", x, g.const([-1, c * r * r]))

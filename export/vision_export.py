@@ -1,0 +1,69 @@
+"""The vision half of an export: vision.onnx (over the vision weights already in weights.bin) and the
+manifest's ``vision`` record, with the checkpoint's image processor settings resolved once here so the
+runtime needs neither transformers nor the checkpoint folder (runtime/vision/preprocess.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from decodert.errors import DecodertError
+from decodert.export.artifact.manifest import GraphRecord, VisionRecord, from_json
+from decodert.export.lowering.vision_graph import build_vision_graph, vision_contract
+from decodert.models.vision import VisionSpec
+
+VISION_FILE = "vision.onnx"
+# transformers' Idefics3ImageProcessor defaults: a preprocessor_config.json lists only what differs
+PROCESSOR_DEFAULTS: dict[str, Any] = dict(
+    do_convert_rgb=True, do_resize=True, size={"longest_edge": 4 * 364}, resample=1, do_rescale=True,
+    rescale_factor=1 / 255, do_normalize=True, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    do_image_splitting=True, max_image_size={"longest_edge": 364})
+_KEYS = tuple(PROCESSOR_DEFAULTS)
+
+
+def vision_of(ckpt: Any) -> VisionSpec | None:
+    """The checkpoint's vision tower, when its family declares one (HF folders only)."""
+    read = getattr(ckpt.family, "vision_from_hf", None)
+    return read(ckpt.config) if read is not None and getattr(ckpt, "config", None) is not None else None
+
+
+def processor_settings(folder: Path, vision: VisionSpec) -> dict[str, Any]:
+    """preprocessor_config.json (+ processor_config.json's image_seq_len) over the defaults, checked."""
+    raw = _json(folder / "preprocessor_config.json")
+    settings = {k: raw.get(k, v) for k, v in PROCESSOR_DEFAULTS.items()}
+    seq_len = _json(folder / "processor_config.json").get("image_seq_len", vision.tokens_per_tile)
+    tile = (settings["max_image_size"] or {}).get("longest_edge")
+    if tile != vision.image_size:
+        raise DecodertError(f"{folder}: preprocessor max_image_size {tile} differs from the vision tower's "
+                            f"image_size {vision.image_size}")
+    if seq_len != vision.tokens_per_tile:
+        raise DecodertError(f"{folder}: processor image_seq_len {seq_len} differs from the {vision.tokens_per_tile} "
+                            "tokens the vision tower makes per tile")
+    if not isinstance((settings["size"] or {}).get("longest_edge"), int) or settings["resample"] not in range(6):
+        raise DecodertError(f"{folder}: preprocessor_config.json size.longest_edge / resample is not supported")
+    return {**settings, "image_seq_len": seq_len}
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DecodertError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DecodertError(f"{path}: expected a JSON object")
+    return data
+
+
+def write_vision(ckpt: Any, vision: VisionSpec, weights: dict[str, onnx.TensorProto], dtype: str, folder: Path,
+                 ir_version: int) -> VisionRecord:
+    """Write vision.onnx into ``folder`` (checked) -> the manifest's ``vision`` record."""
+    path = folder / VISION_FILE
+    onnx.save_model(build_vision_graph(vision, dtype, weights, ir_version), path)
+    onnx.checker.check_model(str(path), full_check=True)
+    graph = from_json(GraphRecord, {"file": VISION_FILE, **vision_contract(vision, dtype)}, "vision.graph")
+    return VisionRecord(graph=graph, spec=vision.to_dict(), processor=processor_settings(Path(ckpt.source), vision))

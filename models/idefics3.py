@@ -1,0 +1,98 @@
+"""Idefics3 / SmolVLM: a SigLIP vision tower, a pixel-shuffle connector and a Llama text model.
+
+    config.json  model_type idefics3 (SmolVLM-256M/500M/2B) or smolvlm (SmolVLM2): ``text_config`` is a
+                 Llama config, ``vision_config`` the SigLIP tower, ``scale_factor`` the pixel shuffle,
+                 ``image_token_id`` the ``<image>`` token the image embeddings replace
+    weights      model.text_model.* (the Llama text model), model.vision_model.*, model.connector.*
+
+The text model is Llama's (models/llama.py tables, keys renamed by ``sanitize``); the vision tower is
+declared by ``vision_from_hf`` and ``VISION_WEIGHTS`` (models/vision.py) and exported as vision.onnx.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from decodert.errors import DecodertError
+from decodert.models import llama
+from decodert.models.spec import ModelSpec
+from decodert.models.vision import VisionSpec
+
+MODEL_TYPES = ("idefics3", "smolvlm")
+GGUF_ARCHITECTURES: tuple[str, ...] = ()
+
+HF_WEIGHTS = llama.HF_WEIGHTS
+GGUF_WEIGHTS = llama.GGUF_WEIGHTS  # never read: llama.cpp writes SmolVLM's text model as a llama GGUF (that family's)
+_V = "model.vision_model."
+_VL = _V + "encoder.layers.{i}."
+VISION_WEIGHTS: dict[str, str | tuple[str, ...]] = {
+    "vision.patch_embed": _V + "embeddings.patch_embedding.weight",
+    "vision.patch_embed_bias": _V + "embeddings.patch_embedding.bias",
+    "vision.pos_embed": _V + "embeddings.position_embedding.weight",
+    "vision.layers.{i}.ln1": _VL + "layer_norm1.weight",
+    "vision.layers.{i}.ln1_bias": _VL + "layer_norm1.bias",
+    "vision.layers.{i}.qkv": tuple(_VL + f"self_attn.{x}_proj.weight" for x in "qkv"),
+    "vision.layers.{i}.qkv_bias": tuple(_VL + f"self_attn.{x}_proj.bias" for x in "qkv"),
+    "vision.layers.{i}.o": _VL + "self_attn.out_proj.weight",
+    "vision.layers.{i}.o_bias": _VL + "self_attn.out_proj.bias",
+    "vision.layers.{i}.ln2": _VL + "layer_norm2.weight",
+    "vision.layers.{i}.ln2_bias": _VL + "layer_norm2.bias",
+    "vision.layers.{i}.fc1": _VL + "mlp.fc1.weight",
+    "vision.layers.{i}.fc1_bias": _VL + "mlp.fc1.bias",
+    "vision.layers.{i}.fc2": _VL + "mlp.fc2.weight",
+    "vision.layers.{i}.fc2_bias": _VL + "mlp.fc2.bias",
+    "vision.post_ln": _V + "post_layernorm.weight",
+    "vision.post_ln_bias": _V + "post_layernorm.bias",
+    "vision.proj": "model.connector.modality_projection.proj.weight",
+}
+# transformers' Idefics3VisionConfig defaults: a config.json lists only what differs
+VISION_DEFAULTS: dict[str, Any] = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12,
+                                       num_attention_heads=16, image_size=224, patch_size=32, layer_norm_eps=1e-6,
+                                       hidden_act="gelu_pytorch_tanh", num_channels=3)
+_TEXT = "model.text_model."
+HF_UNUSED = (r"model\.vision_model\..*", r"model\.connector\..*")  # read by vision_tensor, not the text model
+
+
+def sanitize(key: str) -> str | None:
+    """The text model's keys -> Llama's names; the vision keys stay as they are (VISION_WEIGHTS)."""
+    return "model." + key[len(_TEXT):] if key.startswith(_TEXT) else key
+
+
+def _text_config(config: dict) -> dict:
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise DecodertError("config.json: an idefics3 model needs a 'text_config' object")
+    if text.get("model_type", "llama") != "llama":
+        raise DecodertError(f"config.json: text_config.model_type '{text.get('model_type')}' is not supported "
+                            "for idefics3 (Llama text models only)")
+    return {**text, "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+
+
+def spec_from_hf(config: dict) -> ModelSpec:
+    image_token = config.get("image_token_id")
+    if not isinstance(image_token, int):
+        raise DecodertError("config.json: an idefics3 model needs an integer 'image_token_id'")
+    spec = llama.spec_from_hf(_text_config(config))
+    return dataclasses.replace(spec, family="idefics3", image_token_id=image_token)
+
+
+def vision_from_hf(config: dict) -> VisionSpec:
+    v = {**VISION_DEFAULTS, **(config.get("vision_config") or {})}
+    if v["hidden_act"] not in ("gelu_pytorch_tanh", "gelu_new") or v["num_channels"] != 3:
+        raise DecodertError(f"config.json: vision_config hidden_act '{v['hidden_act']}' / num_channels "
+                            f"{v['num_channels']} is not supported (gelu_pytorch_tanh over RGB)")
+    try:
+        return VisionSpec(image_size=int(v["image_size"]), patch_size=int(v["patch_size"]),
+                          hidden_size=int(v["hidden_size"]), intermediate_size=int(v["intermediate_size"]),
+                          num_layers=int(v["num_hidden_layers"]), num_heads=int(v["num_attention_heads"]),
+                          layer_norm_eps=float(v["layer_norm_eps"]),
+                          out_hidden=int(_text_config(config)["hidden_size"]),
+                          scale_factor=int(config.get("scale_factor", 2)))
+    except ValueError as e:
+        raise DecodertError(f"config.json: {e}") from None
+
+
+def spec_from_gguf(meta: dict) -> ModelSpec:
+    raise DecodertError("idefics3 / SmolVLM GGUF files are not supported; export the Hugging Face folder")
+

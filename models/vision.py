@@ -1,0 +1,89 @@
+"""The frozen description of a vision tower + projector (``vision.onnx``), beside the text ``ModelSpec``.
+
+A vision-language family (models/idefics3.py) declares ``vision_from_hf(config) -> VisionSpec`` and
+``VISION_WEIGHTS`` (canonical vision name -> checkpoint key). The text model's ``ModelSpec`` carries
+only ``image_token_id``: the token whose embedding rows the image embeddings replace in prefill.
+
+Canonical vision weights (linear weights in checkpoint layout [out, in]):
+
+- ``vision.patch_embed``            [C_v, 3, P, P]   a Conv with stride P (the patches)
+- ``vision.patch_embed_bias``       [C_v]
+- ``vision.pos_embed``              [(S/P)^2, C_v]   one row per patch of a full tile
+- ``vision.layers.{i}.ln1[_bias]``  [C_v]            LayerNorm before attention
+- ``vision.layers.{i}.qkv[_bias]``  [3 C_v, C_v] / [3 C_v]   rows q, k, v (fused at load)
+- ``vision.layers.{i}.o[_bias]``    [C_v, C_v] / [C_v]
+- ``vision.layers.{i}.ln2[_bias]``  [C_v]            LayerNorm before the MLP
+- ``vision.layers.{i}.fc1[_bias]``  [I_v, C_v] / [I_v]
+- ``vision.layers.{i}.fc2[_bias]``  [C_v, I_v] / [C_v]
+- ``vision.post_ln[_bias]``         [C_v]
+- ``vision.proj``                   [hidden, C_v * r^2]   after the pixel shuffle by r (no bias)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A SigLIP-style encoder over square tiles, a pixel shuffle and a linear projector."""
+
+    image_size: int  # S: side of one tile in pixels
+    patch_size: int  # P
+    hidden_size: int  # C_v
+    intermediate_size: int  # I_v
+    num_layers: int
+    num_heads: int
+    layer_norm_eps: float
+    out_hidden: int  # the text model's hidden size
+    scale_factor: int = 1  # pixel shuffle r: r*r neighbouring patches -> one token
+    activation: str = "gelu_tanh"
+
+    def __post_init__(self) -> None:
+        side = self.image_size // self.patch_size
+        if self.image_size % self.patch_size or side % self.scale_factor:
+            raise ValueError(f"image_size {self.image_size} must be a multiple of patch_size {self.patch_size} "
+                             f"and of scale_factor {self.scale_factor} patches")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision hidden_size {self.hidden_size} is not a multiple of its {self.num_heads} heads")
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Text positions one tile becomes: (S/P)^2 / r^2."""
+        return self.patches_per_side ** 2 // self.scale_factor ** 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "VisionSpec":
+        return cls(**dict(d))
+
+
+def vision_names(v: VisionSpec) -> list[str]:
+    """Canonical vision weight names, in weights.bin order."""
+    names = ["vision.patch_embed", "vision.patch_embed_bias", "vision.pos_embed"]
+    for i in range(v.num_layers):
+        p = f"vision.layers.{i}."
+        names += [p + n for n in ("ln1", "ln1_bias", "qkv", "qkv_bias", "o", "o_bias", "ln2", "ln2_bias",
+                                  "fc1", "fc1_bias", "fc2", "fc2_bias")]
+    return names + ["vision.post_ln", "vision.post_ln_bias", "vision.proj"]
+
+
+def vision_shape(v: VisionSpec, name: str) -> tuple[int, ...]:
+    """The expected shape of a canonical vision weight."""
+    c, inter = v.hidden_size, v.intermediate_size
+    leaf = name.rsplit(".", 1)[-1]
+    shapes = {
+        "patch_embed": (c, 3, v.patch_size, v.patch_size), "patch_embed_bias": (c,),
+        "pos_embed": (v.patches_per_side ** 2, c), "qkv": (3 * c, c), "qkv_bias": (3 * c,),
+        "o": (c, c), "fc1": (inter, c), "fc1_bias": (inter,), "fc2": (c, inter),
+        "proj": (v.out_hidden, c * v.scale_factor ** 2),
+    }
+    return shapes.get(leaf, (c,))  # the norms and the remaining biases

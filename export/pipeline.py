@@ -29,6 +29,7 @@ from decodert.export.checkpoints.sampling_defaults import sampling_record
 from decodert.export.lowering.targets import get_target
 from decodert.export.quantize.weight_layouts import WeightLayout
 from decodert.export.artifact.artifact_files import file_record
+from decodert.export.artifact.cache_records import StateRecord
 from decodert.export.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, GraphRecord, KVRecord, Manifest, ModelRecord, PluginsRecord,
                                       QuantRecord, SamplingRecord, SourceRecord, TokenizerRecord, WeightsRecord, from_json,
                                       write_manifest)
@@ -36,7 +37,7 @@ from decodert.export.progress import Stage
 from decodert.export.vision_export import vision_of, write_vision
 from decodert.export.lowering.semantics import tokenizer_vocab
 from decodert.export.artifact.weights import WeightsWriter
-from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables
+from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables, state_specs
 from decodert.models.vision import VisionSpec, vision_names, vision_shape
 from decodert.plugins.kv_dtypes import KVDtype
 from decodert.plugins.kv_dtypes import kv_dtype as kv_dtype_of
@@ -286,9 +287,11 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, kv: KVDtype, max_s
         source=SourceRecord(path=str(src.resolve()), kind="gguf" if src.suffix == ".gguf" else "hf"),
         model=from_json(ModelRecord, spec.to_dict(), "model"), target=target, dtype=dtype,
         max_seq=max_seq, max_batch=max_batch, kv_dtype=kv.name,
-        kv=KVRecord(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        kv=KVRecord(num_layers=len(spec.kv_layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                     dtype=kv.storage, shape=("batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)),
-                    inplace=True, scales="per_channel" if kv.quantized else None),
+                    inplace=True, scales="per_channel" if kv.quantized else None, layer_kinds=spec.layer_kinds,
+                    states=tuple(StateRecord(layer=st.layer, name=st.name, shape=("batch", *st.shape), dtype=st.dtype)
+                                 for st in state_specs(spec))),
         graphs=graphs, weights=WeightsRecord(file=WEIGHTS, bytes=(folder / WEIGHTS).stat().st_size),
         tokenizer=from_json(TokenizerRecord, {"file": "tokenizer.json", **tokenizer}, "tokenizer"),
         files={p.name: file_record(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST},

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from decodert.errors import DecodertError
+
 
 @dataclass(frozen=True)
 class RopeSpec:
@@ -107,6 +109,19 @@ class ModelSpec:
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar**-0.5)
     attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap), before the causal mask
     final_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate per head; attention output *= sigmoid(gate)
+    # -- hybrid models: what mixes tokens in each layer, and the state it keeps (docs/ARCHITECTURE.md, "Cache state")
+    layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYER_KINDS; () = every layer "attention"
+    conv_kernel: int = 0  # K of the layers' causal depthwise conv (LFM2 conv_L_cache; DeltaNet/Mamba2 conv); state K-1
+    conv_bias: bool = False  # LFM2: biases on the conv layer's in/out projections and the conv
+    linear_key_heads: int = 0  # "linear_attention" (Gated DeltaNet): key heads, value heads, their dims
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    ssm_heads: int = 0  # "mamba2": heads, head dim, state size N, groups
+    ssm_head_dim: int = 0
+    ssm_state: int = 0
+    ssm_groups: int = 0
     # -- mixture of experts (num_experts = 0: every MLP is dense) -----------------------------------
     num_experts: int = 0  # experts per MoE layer
     experts_per_token: int = 0  # top-k the router picks
@@ -134,6 +149,14 @@ class ModelSpec:
                 raise ValueError(f"layer_types must name {self.num_layers} layers, each one of {', '.join(LAYER_TYPES)}")
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding layers need a sliding_window")
+        if self.layer_kinds:
+            unknown = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
+            if unknown:
+                raise ValueError(f"layer kind '{unknown[0]}' is not one of {', '.join(LAYER_KINDS)}")
+            if len(self.layer_kinds) != self.num_layers:
+                raise ValueError(f"layer_kinds must name {self.num_layers} layers")
+            if set(self.layer_kinds) != {"attention"} and self.conv_kernel < 2:
+                raise ValueError("conv, linear_attention and mamba2 layers need a conv_kernel >= 2")
         if self.local_rope is not None and self.local_rope.rotary_dim != self.rope.rotary_dim:
             raise ValueError("the local and global RoPE must rotate the same dims")
         if self.num_experts:
@@ -159,6 +182,14 @@ class ModelSpec:
             return self.layer_types[layer] == "sliding"
         return self.sliding_window is not None
 
+    def layer_kind(self, layer: int) -> str:
+        """What mixes tokens in layer ``layer``: one of LAYER_KINDS ("attention" unless declared)."""
+        return self.layer_kinds[layer] if self.layer_kinds else "attention"
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V (attention), in order: their caches are past_key.{i} / past_value.{i}."""
+        return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "attention")
     def is_moe(self, layer: int) -> bool:
         """Is layer ``layer``'s MLP a mixture of experts (router + experts) rather than one dense SwiGLU?"""
         if self.mlp_types:
@@ -183,13 +214,30 @@ class ModelSpec:
 
     @property
     def qkv_size(self) -> int:
-        """Rows of the fused qkv weight: (H + 2 H_kv) * D."""
-        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        """Rows of the fused qkv weight: (H + 2 H_kv) * D, plus H * D gate rows with attn_output_gate."""
+        return (self.num_heads * (2 if self.attn_output_gate else 1) + 2 * self.num_kv_heads) * self.head_dim
+
+    def fused_rows(self, leaf: str) -> tuple[int, ...] | None:
+        """The row count of each checkpoint part concatenated into a fused weight (None: equal parts)."""
+        d = self.head_dim
+        if leaf in ("qkv", "qkv_bias"):
+            q = self.num_heads * d * (2 if self.attn_output_gate else 1)
+            return (q, self.num_kv_heads * d, self.num_kv_heads * d)
+        if leaf == "linear_in":
+            hv = self.linear_value_heads
+            return (self.linear_conv_channels, hv * self.linear_value_dim, hv, hv)
+        return None
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """Channels of a linear-attention layer's conv: q, k and v (2 Hk Dk + Hv Dv)."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
+        d["layer_kinds"] = list(self.layer_kinds)
         d["mlp_types"] = list(self.mlp_types)
         d["nope_layers"] = list(self.nope_layers)
         return d
@@ -203,6 +251,7 @@ class ModelSpec:
             d["local_rope"] = RopeSpec(**d["local_rope"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        d["layer_kinds"] = tuple(d.get("layer_kinds", ()))
         d["mlp_types"] = tuple(d.get("mlp_types", ()))
         d["nope_layers"] = tuple(d.get("nope_layers", ()))
         return cls(**d)
@@ -211,6 +260,69 @@ class ModelSpec:
 NO_ROPE = RopeSpec(scaling="none")  # what a layer without RoPE reads: the identity rotation
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("sliding", "full")
+# What mixes tokens in a layer. "attention": K/V [H_kv, S_max, D]; "conv": LFM2's gated short conv,
+# a rolling conv state; "linear_attention": Gated DeltaNet (Qwen3.5), a conv state and a recurrent
+# state; "mamba2": a conv state and an SSM state (Nemotron-H, Granite 4.0-H).
+LAYER_KINDS = ("attention", "conv", "linear_attention", "mamba2")
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One per-slot state tensor a non-attention layer keeps (graph I/O ``past_{name}.{layer}`` /
+    ``present_{name}.{layer}``, one buffer [batch, *shape] bound to both)."""
+
+    layer: int
+    name: str  # "conv" | "recurrent"
+    shape: tuple[int, ...]  # per slot, without the batch dim
+    dtype: str | None = None  # None: the model dtype; "fp32": a recurrent state, whatever the model dtype
+
+    @property
+    def io_name(self) -> str:
+        return f"{self.name}.{self.layer}"
+
+
+def _conv_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return {"conv": (spec.hidden_size, spec.conv_kernel - 1)}  # [C, K-1]: the last K-1 inputs of the conv
+
+
+def _delta_net_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return {"conv": (spec.linear_conv_channels, spec.conv_kernel - 1),  # conv over q, k, v
+            # V-major [H_v, Dv, Dk]: ONNX Runtime's GatedDeltaNet state, bound as is (plugins/gated_delta_net.py)
+            "recurrent": (spec.linear_value_heads, spec.linear_value_dim, spec.linear_key_dim)}
+
+
+def _mamba2_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    channels = spec.ssm_heads * spec.ssm_head_dim + 2 * spec.ssm_groups * spec.ssm_state
+    return {"conv": (channels, spec.conv_kernel - 1),  # conv over x, B, C
+            "recurrent": (spec.ssm_heads, spec.ssm_head_dim, spec.ssm_state)}  # [H, Dh, N]
+
+
+# kind -> the states one layer of that kind keeps (attention's K/V are the KV cache, not listed here)
+STATE_SHAPES = {"attention": lambda spec: {}, "conv": _conv_states, "linear_attention": _delta_net_states,
+                "mamba2": _mamba2_states}
+
+
+def window_layers(spec: ModelSpec) -> tuple[int, ...]:
+    """Conv layers whose verify pass outputs its conv window ``window_conv.{i}`` [B, C, K-1+S] (the pass's
+    inputs after the state), so accepting j tokens takes the state after j from it instead of a replay;
+    () unless every state of the model is a conv state (a recurrent state cannot be taken from its inputs)."""
+    states = state_specs(spec)
+    if not states or any(st.name != "conv" for st in states):
+        return ()
+    return tuple(st.layer for st in states)
+
+
+def state_specs(spec: ModelSpec) -> tuple[StateSpec, ...]:
+    """Every per-slot state of the model beyond K/V, by layer, then name (the graphs' I/O order)."""
+    return tuple(StateSpec(i, name, shape, STATE_DTYPES.get(name)) for i in range(spec.num_layers)
+                 for name, shape in STATE_SHAPES[spec.layer_kind(i)](spec).items())
+
+
+# A recurrent state accumulates every step: it is kept in float32 in fp16/bf16 models too (ONNX Runtime's
+# GatedDeltaNet takes no other type); a conv state holds inputs as they were, in the model dtype.
+STATE_DTYPES = {"recurrent": "fp32"}
+
+
 MLP_TYPES = ("dense", "moe")
 
 
@@ -237,15 +349,27 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     Layout is the checkpoint's [out_features, in_features] for every linear weight.
 
     - ``embed``                     [V, hidden]
-    - ``layers.{i}.input_norm``     [hidden]
-    - ``layers.{i}.qkv``            [(H + 2 H_kv) * D, hidden]   rows: q heads, k heads, v heads
-    - ``layers.{i}.qkv_bias``       [(H + 2 H_kv) * D]           (qkv_bias only)
-    - ``layers.{i}.q_norm``         [D]                          (qk_norm only)
-    - ``layers.{i}.k_norm``         [D]                          (qk_norm only)
-    - ``layers.{i}.o``              [hidden, H * D]
-    - ``layers.{i}.o_bias``         [hidden]                     (o_bias only)
-    - ``layers.{i}.sinks``          [H]                          (attn_sinks only: each head's sink logit)
-    - ``layers.{i}.attn_out_norm``  [hidden]                     (sandwich_norm only: on the attention output)
+    - ``layers.{i}.input_norm``     [hidden]                     the norm in front of the layer's mixer
+    - the mixer's weights (``MIXER_NAMES`` by ``spec.layer_kind(i)``); an "attention" layer's:
+      - ``layers.{i}.qkv``          [(H + 2 H_kv) * D, hidden]   rows: q heads, k heads, v heads
+      - ``layers.{i}.qkv_bias``     [(H + 2 H_kv) * D]           (qkv_bias only)
+      - ``layers.{i}.q_norm``       [D]                          (qk_norm only)
+      - ``layers.{i}.k_norm``       [D]                          (qk_norm only)
+      - ``layers.{i}.o``            [hidden, H * D]
+      - ``layers.{i}.o_bias``       [hidden]                     (o_bias only)
+      - ``layers.{i}.sinks``        [H]                          (attn_sinks only: each head's sink logit)
+      a "conv" layer's (LFM2's gated short conv, C = hidden):
+      - ``layers.{i}.conv_in``      [3 C, hidden]                rows: B gate, C gate, x (+ ``conv_in_bias`` [3 C])
+      - ``layers.{i}.conv``         [C, 1, K]                    depthwise taps, ONNX Conv layout (+ ``conv_bias`` [C])
+      - ``layers.{i}.conv_out``     [hidden, C]                  (+ ``conv_out_bias`` [hidden])
+      a "linear_attention" layer's (Qwen3.5's Gated DeltaNet; Kd = Hk Dk, Vd = Hv Dv, C = 2 Kd + Vd):
+      - ``layers.{i}.linear_in``    [C + Vd + 2 Hv, hidden]      rows: q, k, v (the conv's channels), z, b, a
+      - ``layers.{i}.linear_conv``  [C, 1, K]                    depthwise taps
+      - ``layers.{i}.linear_a_log`` [Hv], ``linear_dt_bias`` [Hv]  decay parameters
+      - ``layers.{i}.linear_norm``  [Dv]                         the gated RMSNorm (plain w)
+      - ``layers.{i}.linear_out``   [hidden, Vd]
+      with attn_output_gate, ``qkv`` rows are q heads, gate heads, k heads, v heads
+    - ``layers.{i}.attn_out_norm``  [hidden]                     (sandwich_norm only: on the mixer's output)
     - ``layers.{i}.post_norm``      [hidden]                     the norm in front of the MLP
     - ``layers.{i}.gate_up``        [2 * I, hidden]              rows: gate, then up
     - ``layers.{i}.down``           [hidden, I]
@@ -262,16 +386,8 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     names = ["embed"]
     for i in range(spec.num_layers):
         p = f"layers.{i}."
-        names += [p + "input_norm", p + "qkv"]
-        if spec.qkv_bias:
-            names.append(p + "qkv_bias")
-        if spec.qk_norm:
-            names += [p + "q_norm", p + "k_norm"]
-        names.append(p + "o")
-        if spec.o_bias:
-            names.append(p + "o_bias")
-        if spec.attn_sinks:
-            names.append(p + "sinks")
+        names.append(p + "input_norm")
+        names += [p + leaf for leaf in mixer_names(spec, i)]
         if spec.sandwich_norm:
             names.append(p + "attn_out_norm")
         names.append(p + "post_norm")
@@ -287,6 +403,34 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     if not spec.tie_word_embeddings:
         names.append("lm_head")
     return names
+
+
+def _attention_names(spec: ModelSpec) -> list[str]:
+    return ["qkv", *(["qkv_bias"] if spec.qkv_bias else []), *(["q_norm", "k_norm"] if spec.qk_norm else []), "o",
+            *(["o_bias"] if spec.o_bias else []), *(["sinks"] if spec.attn_sinks else [])]
+
+
+def _conv_names(spec: ModelSpec) -> list[str]:
+    if spec.conv_bias:
+        return ["conv_in", "conv_in_bias", "conv", "conv_bias", "conv_out", "conv_out_bias"]
+    return ["conv_in", "conv", "conv_out"]
+
+
+def _delta_net_names(spec: ModelSpec) -> list[str]:
+    return ["linear_in", "linear_conv", "linear_a_log", "linear_dt_bias", "linear_norm", "linear_out"]
+
+
+# layer kind -> the leaf names of its mixer's weights (a kind without an entry has no lowering yet)
+MIXER_NAMES = {"attention": _attention_names, "conv": _conv_names, "linear_attention": _delta_net_names}
+
+
+def mixer_names(spec: ModelSpec, layer: int) -> list[str]:
+    """The leaf names of layer ``layer``'s mixer weights; DecodertError for a kind decodert cannot run yet."""
+    kind = spec.layer_kind(layer)
+    if kind not in MIXER_NAMES:
+        raise DecodertError(f"layer {layer} is a '{kind}' layer, which decodert cannot run yet "
+                            f"(it runs {', '.join(MIXER_NAMES)})")
+    return MIXER_NAMES[kind](spec)
 
 
 def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
@@ -315,5 +459,17 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         "o": (h, spec.num_heads * d),
         "gate_up": (2 * spec.intermediate_size, h),
         "down": (h, spec.intermediate_size),
+        "conv_in": (3 * h, h),
+        "conv_in_bias": (3 * h,),
+        "conv": (h, 1, spec.conv_kernel),
+        "conv_bias": (h,),
+        "conv_out": (h, h),
+        "conv_out_bias": (h,),
+        "linear_in": (sum(spec.fused_rows("linear_in") or ()), h),
+        "linear_conv": (spec.linear_conv_channels, 1, spec.conv_kernel),
+        "linear_a_log": (spec.linear_value_heads,),
+        "linear_dt_bias": (spec.linear_value_heads,),
+        "linear_norm": (spec.linear_value_dim,),
+        "linear_out": (h, spec.linear_value_heads * spec.linear_value_dim),
     }
     return shapes[leaf]

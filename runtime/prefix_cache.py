@@ -12,6 +12,8 @@ K/V depend on the LoRA adapter a row ran under as well: a chain starts from that
 (``KVCache.adapter_tag``; none: the empty key), so a prompt never loads K/V of another adapter.
 
 Only whole blocks are cached; the partial block at the end of a prompt is always prefilled.
+Hybrid models (a cache with conv / recurrent states, ``KVCache.has_state``) are never stored or
+loaded: their state exists only at the end of what a row ran, not at block boundaries.
 Because K/V at position p depends only on ids 0..p (causal attention, absolute positions; a
 sliding window only limits what a query reads), a hit is the same K/V the prefill would write.
 
@@ -118,6 +120,8 @@ class PrefixCache:
         have = int(cache.lengths[slot])
         if not np.array_equal(cache.held(slot), ids[:have]):
             raise DecodertError(f"prefix cache: slot {slot} holds ids that do not begin {len(ids)} prompt ids")
+        if getattr(cache, "has_state", False):  # K/V blocks cannot restore a conv/recurrent state: no reuse
+            return have
         limit = len(ids) - 1 if limit is None else limit
         self.stats.lookups += 1
         chain = self.match(ids, limit, cache.adapter_tag(slot))
@@ -152,7 +156,7 @@ class PrefixCache:
         """Keep every whole block of what ``slot`` holds (``cache.held(slot)`` and its K/V) not cached
         yet. Returns the number of new blocks stored."""
         ids = cache.held(slot)
-        if self.block_bytes > self.budget_bytes:
+        if self.block_bytes > self.budget_bytes or getattr(cache, "has_state", False):
             return 0
         root = _root(cache.adapter_tag(slot))
         chain = self.match(ids, adapter=cache.adapter_tag(slot))

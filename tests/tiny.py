@@ -54,6 +54,26 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss")  # their own tests (tests/test_moe.py): experts have no GGUF writer here yet
 FAMILIES = tuple(f for f in CONFIGS if f not in MOE_FAMILIES)
+# Hybrid models (per-layer state beyond K/V: models/spec.py LAYER_KINDS). Kept apart from CONFIGS: the generic
+# tests over FAMILIES read llama-shaped modules and write GGUFs; each hybrid has its own test file.
+HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
+    # every layer kind, conv first; a kernel of 4 (state 3) so prompts and decode steps cross the window;
+    # the MLP width rule of Lfm2MLP (2/3, a multiplier, rounded up to a multiple) exercised
+    "lfm2": dict(model_type="lfm2", num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                 conv_L_cache=4, head_dim=None, tie_word_embeddings=True, intermediate_size=192,
+                 block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=32),
+    # Gated DeltaNet and gated full attention; 2 key heads serving 4 value heads, Dk != Dv, a conv of 4 taps,
+    # RoPE on a quarter of each 32-dim head (8 dims), untied head
+    "qwen3_5": dict(model_type="qwen3_5_text", num_hidden_layers=3, head_dim=32,
+                    layer_types=["linear_attention", "full_attention", "linear_attention"],
+                    linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=8,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+}
+HYBRIDS = tuple(HYBRID_CONFIGS)
+# Weights scaled up after randomising, by name suffix: at the uniform 0.05 scale a conv layer's state
+# hardly moves a greedy token, so a state bug (a slot moved without its state) would pass unseen.
+SCALES: dict[str, dict[str, float]] = {"lfm2": {"conv.conv.weight": 20.0, "conv.in_proj.weight": 4.0}}
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -71,9 +91,10 @@ Once upon a time there was a small model that wanted to speak many languages: bo
 
 def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
     """The config.json fields of a tiny `family` model (before transformers fills defaults)."""
-    if family not in CONFIGS:
-        raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
-    config = {**_BASE, **CONFIGS[family], **overrides}
+    known = {**CONFIGS, **HYBRID_CONFIGS}
+    if family not in known:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES + HYBRIDS}")
+    config = {**_BASE, **known[family], **overrides}
     return {k: v for k, v in config.items() if v is not None}
 
 
@@ -118,6 +139,11 @@ def make_tiny_checkpoint(family: str, path: str | Path, **overrides: Any) -> Pat
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomise(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            for suffix, factor in SCALES.get(family, {}).items():
+                if name.endswith(suffix):
+                    p.mul_(factor)
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
     path = Path(path)

@@ -81,6 +81,11 @@ def inspect_artifact(folder: str | Path) -> str:
         f"sampling   {describe(m.sampling)}",
         f"made by    decodert {m.decodert_version} onnx {m.onnx_version} on {m.created}",
     ]
+    if m.kv.states:  # a hybrid model: which layers keep K/V and which keep states
+        kinds = {kind: sum(k == kind for k in m.kv.layer_kinds) for kind in dict.fromkeys(m.kv.layer_kinds)}
+        states = ", ".join(f"{st.name}.{st.layer} {list(st.shape)}" for st in m.kv.states[:2])
+        more = f" (+ {len(m.kv.states) - 2} more)" if len(m.kv.states) > 2 else ""
+        lines.insert(2, "layers     " + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + f"; states {states}{more}")
     graphs = [("prefill", m.graphs["prefill"]), ("decode", m.graphs["decode"])]
     if m.vision is not None:  # vision-language: the tower + projector, and the image processor it was exported with
         v, p = m.vision.spec, m.vision.processor

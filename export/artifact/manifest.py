@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from decodert.errors import DecodertError
 from decodert.export.artifact.artifact_files import FileRecord, verify_files
+from decodert.export.artifact.cache_records import KVRecord
 from decodert.export.artifact.records import R, Record, read_record, to_json
 from decodert.export.checkpoints.sampling_defaults import check_record
 from decodert.export.lora.layout import LoraLayout, LoraRecord
@@ -76,17 +77,6 @@ class ModelRecord(Record):
     def spec(self) -> ModelSpec:
         """The whole ModelSpec the artifact was exported from (its fields beyond these are in ``extra``)."""
         return ModelSpec.from_dict(to_json(self))
-
-
-@dataclasses.dataclass(frozen=True)
-class KVRecord(Record):
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str | None = None  # the cache tensors' element type (None: the manifest's dtype; plugins/kv_dtypes.py)
-    shape: tuple[int | str, ...] = ()  # [batch, num_kv_heads, max_seq, width] (width: head_dim, or head_dim/2 at int4)
-    inplace: bool = True  # present_* alias past_* (the graphs write the cache in place)
-    scales: str | None = None  # a quantized cache: "per_channel" (kv_scale.* initializers in the graphs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +295,12 @@ def validate(m: Manifest, path: Path) -> None:
     kv = m.kv
     _need(min(kv.num_layers, kv.num_kv_heads, kv.head_dim) >= 1, path,
           "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
+    _need(len(kv.layers) == kv.num_layers, path, "kv.layer_kinds does not match kv.num_layers attention layers")
+    for st in kv.states:
+        _need(0 <= st.layer < max(len(kv.layer_kinds), 1) and st.name in ("conv", "recurrent") and len(st.shape) >= 2
+              and st.dtype in (None, "fp32")
+              and st.shape[0] == "batch" and all(type(d) is int and d >= 1 for d in st.shape[1:]), path,
+              f"kv.states entry for layer {st.layer} ({st.name}) is malformed")
     kvd = KV_DTYPES.get(m.kv_dtype or m.dtype)
     _need(kvd is not None and kv.dtype in (None, kvd.storage), path,
           f"kv_dtype {m.kv_dtype!r} / kv.dtype {kv.dtype!r} is not a KV cache type decodert knows")
@@ -338,9 +334,11 @@ def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
     io: dict[str, tuple[str, list | None]] = {
         "input_ids": ("int64", None), "past_lengths": ("int64", ["batch"]), "seq_lengths": ("int64", ["batch"]),
         "logits": ("fp32", ["batch", m.model.vocab_size]), "next_token": ("int64", ["batch"])}
-    for i in range(kv.num_layers):
+    for i in kv.layers:
         for name in ("past_key", "past_value", "present_key", "present_value"):
             io[f"{name}.{i}"] = (kvd.storage, cache)
+    for st in kv.states:
+        io[f"past_{st.io_name}"] = io[f"present_{st.io_name}"] = (st.dtype or m.dtype, list(st.shape))
     if m.lora_layout is not None:
         io.update({t["name"]: (t["dtype"], t["shape"]) for t in m.lora_layout.inputs(m.model.spec(), m.dtype)})
     return io

@@ -101,9 +101,9 @@ def part_shapes(spec: ModelSpec, name: str, n_parts: int) -> list[tuple[int, ...
         return [full]
     leaf = name.rsplit(".", 1)[-1]
     rest = full[1:]
-    if leaf in ("qkv", "qkv_bias") and n_parts == 3:
-        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        return [(q, *rest), (kv, *rest), (kv, *rest)]
+    rows = spec.fused_rows(leaf)
+    if rows is not None and len(rows) == n_parts:
+        return [(r, *rest) for r in rows]
     if full[0] % n_parts:
         raise ValueError(f"cannot split {name} {full} into {n_parts} parts")
     return [(full[0] // n_parts, *rest)] * n_parts

@@ -78,8 +78,11 @@ class GGUFCheckpoint(Checkpoint):
         return t
 
     def _shape(self, key: str) -> tuple[int, ...]:
-        # GGUF lists ne[0] (the contiguous, inner dim) first: reversed = [out, in].
-        return tuple(int(d) for d in reversed(self._tensor_info(key).shape.tolist()))
+        # GGUF lists ne[0] (the contiguous, inner dim) first: reversed = [out, in]. A family may say how a
+        # stored shape reads canonically (qwen3_5: the conv's squeezed [C, K] is [C, 1, K]).
+        shape = tuple(int(d) for d in reversed(self._tensor_info(key).shape.tolist()))
+        hook = getattr(getattr(self, "family", None), "gguf_shape", None)
+        return hook(key, shape) if hook else shape
 
     def _check_key(self, key: str) -> gguf.GGMLQuantizationType:
         qtype = gguf.GGMLQuantizationType(self._tensor_info(key).tensor_type)

@@ -44,12 +44,14 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from decodert.errors import DecodertError
 from decodert.export.lora.layout import LoraLayout
+from decodert.export.lowering.delta_net import delta_net_mixer
 from decodert.export.lowering.lora_graph import LoraGraph
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
-from decodert.models.spec import ModelSpec, rope_table_of
+from decodert.models.spec import ModelSpec, rope_table_of, state_specs, window_layers
 from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 
 GraphKind = Literal["prefill", "decode", "verify"]
@@ -97,10 +99,16 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
         inputs.append({"name": "per_position", "dtype": "int64", "shape": [1]})
         outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
                     {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "positions"]}]
-    for i in range(spec.num_layers):
+    for i in spec.kv_layers:
         for name in ("key", "value"):
             inputs.append({"name": f"past_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
             outputs.append({"name": f"present_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
+    if kind == "verify":  # the conv inputs of every position (speculation takes the state after j from them)
+        for i in window_layers(spec):
+            outputs.append({"name": f"window_conv.{i}", "dtype": dtype, "shape": ["batch", spec.hidden_size, "window"]})
+    for st in state_specs(spec):  # hybrid models: conv / recurrent states, bound in place like K/V
+        inputs.append({"name": f"past_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
+        outputs.append({"name": f"present_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
     if lora is not None:
         inputs += lora.inputs(spec, dtype)
     return {"inputs": inputs, "outputs": outputs}
@@ -125,7 +133,12 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         g.add_initializer(numpy_helper.from_array(np.zeros((0, spec.hidden_size), NUMPY_DTYPES[lowering.dtype]),
                                                   "image_embeds"))
         g.add_initializer(numpy_helper.from_array(np.zeros(0, np.int64), "image_positions"))
-    inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin")
+    inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin",
+                      windows=kind == "verify" and bool(window_layers(spec)))
+    if kind == "verify" and state_specs(spec):  # no padding in a verify row of a hybrid: every position counts
+        shape = g.op("Shape", inp.input_ids)
+        g.op("Expand", g.op("Slice", shape, g.const([1]), g.const([2])), g.op("Slice", shape, g.const([0]), g.const([1])),
+             outputs=["seq_lengths"])
     with g.scope("model"):
         contexts = _attention_contexts(g, lowering, inp, spec)
         adapters = None if lora is None else LoraGraph(g, lora, spec, lowering.dtype, inp.input_ids, lowering.flat_tokens)
@@ -188,20 +201,10 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         h = low.rms_norm(g, x, p + "input_norm") if prev_mlp is None else None
         if prev_mlp is not None:
             h, x = low.add_rms_norm(g, prev_mlp, x, p + "input_norm")
-    with g.scope("attn"):
-        with g.scope("qkv"):
-            qkv = linear(h, "qkv", p + "qkv_bias" if spec.qkv_bias else None)
-        if spec.qk_norm:
-            with g.scope("qk_norm"):
-                qkv = _qk_norm(g, low, spec, qkv, p)
-        if low.flat_tokens:  # [T, qkv] -> [B, S, qkv]
-            qkv = g.op("Reshape", qkv, g.op("Concat", g.op("Shape", inp.input_ids), g.const([spec.qkv_size]), axis=0))
-        cache = (f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}")
-        attn = low.attention(g, ctx, qkv, cache, p + "sinks" if spec.attn_sinks else None)  # [B, S, H*D]
-        if low.flat_tokens:
-            attn = g.op("Reshape", attn, g.const([-1, spec.num_heads * spec.head_dim]))
-        with g.scope("o"):
-            o = linear(attn, "o", p + "o_bias" if spec.o_bias else None)
+    mixer = MIXERS.get(spec.layer_kind(i))
+    if mixer is None:
+        raise DecodertError(f"layer {i}: decodert has no lowering for layer kind '{spec.layer_kind(i)}'")
+    o = mixer(g, low, ctx, inp, spec, i, h, linear)
     if spec.sandwich_norm:
         with g.scope("attn_out_norm"):
             o = low.rms_norm(g, o, p + "attn_out_norm")
@@ -213,6 +216,64 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         with g.scope("mlp_out_norm"):
             down = low.rms_norm(g, down, p + "mlp_out_norm")
     return x, down
+
+
+def _attention_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
+                     linear: Callable[..., str]) -> str:
+    """GQA over the layer's K/V cache -> the o projection's output; ``linear(x, target, bias)``: the layer's
+    linears (with each row's LoRA update)."""
+    p = f"layers.{i}."
+    width, qd = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, spec.num_heads * spec.head_dim
+    with g.scope("attn"):
+        with g.scope("qkv"):
+            qkv = linear(h, "qkv", p + "qkv_bias" if spec.qkv_bias else None)
+        if spec.attn_output_gate:  # rows q | gate | k | v
+            q, gate, kv = g.op("Split", qkv, g.const([qd, qd, width - qd]), axis=-1, outputs=3)
+            qkv = g.op("Concat", q, kv, axis=-1)
+        if spec.qk_norm:
+            with g.scope("qk_norm"):
+                qkv = _qk_norm(g, low, spec, qkv, p)
+        if low.flat_tokens:  # [T, qkv] -> [B, S, qkv]
+            qkv = g.op("Reshape", qkv, g.op("Concat", g.op("Shape", inp.input_ids), g.const([width]), axis=0))
+        cache = (f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}")
+        attn = low.attention(g, ctx, qkv, cache, p + "sinks" if spec.attn_sinks else None)  # [B, S, H*D]
+        if low.flat_tokens:
+            attn = g.op("Reshape", attn, g.const([-1, qd]))
+        if spec.attn_output_gate:
+            attn = g.op("Mul", attn, g.op("Sigmoid", gate))
+        with g.scope("o"):
+            o = linear(attn, "o", p + "o_bias" if spec.o_bias else None)
+    return o
+
+
+def _conv_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
+                linear: Callable[..., str]) -> str:
+    """LFM2's gated short convolution over the layer's rolling conv state:
+        b, c, x = split(h @ conv_in^T)             [.., C] each
+        y       = c * causal_conv(b * x)           depthwise, K taps, state = the last K-1 inputs [B, C, K-1]
+        o       = y @ conv_out^T
+    """
+    p, c = f"layers.{i}.", spec.hidden_size
+    bias = spec.conv_bias
+    with g.scope("conv"):
+        with g.scope("in"):
+            bcx = low.linear(g, h, p + "conv_in", p + "conv_in_bias" if bias else None)
+        gate_b, gate_c, x = g.op("Split", bcx, g.const([c] * 3), axis=-1, outputs=3)
+        bx = g.op("Mul", gate_b, x)
+        bsc = g.op("Concat", g.op("Shape", inp.input_ids), g.const([c]), axis=0)  # [B, S, C]
+        bcs = g.op("Transpose", g.op("Reshape", bx, bsc), perm=[0, 2, 1])  # [B, C, S]
+        state = (f"past_conv.{i}", f"present_conv.{i}")
+        y = low.causal_conv(g, bcs, p + "conv", p + "conv_bias" if bias else None, state, inp.seq_lengths,
+                            window=f"window_conv.{i}" if inp.windows else None)
+        y = g.op("Transpose", y, perm=[0, 2, 1])  # [B, S, C]
+        y = g.op("Mul", gate_c, g.op("Reshape", y, g.const([-1, c])) if low.flat_tokens else y)
+        with g.scope("out"):
+            return low.linear(g, y, p + "conv_out", p + "conv_out_bias" if bias else None)
+
+
+# layer kind (models/spec.py LAYER_KINDS) -> its token mixer: (g, lowering, attention context, inputs,
+# spec, layer, normed input) -> output before the residual add; it writes the layer's cache or states
+MIXERS = {"attention": _attention_mixer, "conv": _conv_mixer, "linear_attention": delta_net_mixer}
 
 
 def _mlp(g: GraphBuilder, low: Lowering, spec: ModelSpec, h: str, linear: Callable[[str, str], str]) -> str:

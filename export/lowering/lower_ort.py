@@ -6,6 +6,7 @@
                       layer needs a Reshape
 - MoE MLP          -> com.microsoft.MoE / QMoE (router softmax + top-k + SwiGLU experts in one node)
 - tied embedding   -> com.microsoft.GatherBlockQuantized on the quantized head (no float table kept)
+- causal conv      -> com.microsoft.CausalConvWithState (LFM2's conv layers; the state update per row in standard ops)
 - CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
                       present sharing one buffer (seqlens_k = past + S - 1 per row, so right
                       padding keeps every valid row's positions exact).
@@ -13,8 +14,13 @@
                       GQA refuses several tokens over a non-empty cache in more than one row, and
                       speculative decoding verifies every row of a batch in one pass
                       (manifest: graphs.verify.batched_past).
-GQA's CPU kernel needs head_dim % 16 == 0 and full rotary; other models keep the reference
-attention body (still in place: ORT writes ScatterND's output into the bound past buffer).
+GQA's CPU kernel needs head_dim % 16 == 0 (other models keep the reference attention body, still
+in place: ORT writes ScatterND's output into the bound past buffer) and rotates whole heads only:
+with partial rotary (Phi-3, Qwen3.5) q and k are rotated before it and GQA runs with do_rotary=0.
+- GatedDeltaNet    -> com.microsoft.GatedDeltaNet (gates fused; q/k l2norm in standard ops; its V-major float32 state
+                      is the cache buffer itself: initial_state and final_state may alias); a padded
+                      token's a and b become -1e4 so its decay is exp(0) and its beta 0: the state
+                      passes it unchanged
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import numpy as np
 
 from decodert.export.lowering import verify_attention
 from decodert.export.lowering.lowering import GraphInputs, Lowering
+from decodert.plugins import cached_attention as ca
+from decodert.plugins import causal_conv as cc
+from decodert.plugins.gated_delta_net import l2norm_body, valid_tokens
 from decodert.plugins import kv_dtypes
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quantize.quant import quantized_embedding
@@ -42,6 +51,8 @@ class GqaContext:
     cos_cache: str
     sin_cache: str
     window: int  # local_window_size (0 = full attention)
+    cos: str | None = None  # partial rotary: RoPE applied before GQA (do_rotary=0), tables at the positions
+    sin: str | None = None  # [B,S,1,R/2]
 
 
 class OrtLowering(Lowering):
@@ -55,7 +66,7 @@ class OrtLowering(Lowering):
 
     @property
     def use_gqa(self) -> bool:
-        return not self.standard_attention and self.spec.head_dim % 16 == 0 and self.rotary_dim == self.spec.head_dim
+        return not self.standard_attention and self.spec.head_dim % 16 == 0
 
     @property
     def batched_past(self) -> bool:
@@ -77,7 +88,14 @@ class OrtLowering(Lowering):
             seq = g.op("Gather", g.op("Shape", inp.input_ids), g.const(np.int64(1)), axis=0)
             last = g.op("Sub", g.op("Add", inp.past_lengths, seq), g.const(np.int64(1)))
             total = g.op("Add", g.op("ReduceMax", inp.past_lengths, keepdims=0), seq)
-            return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, window)
+            cos = sin = None
+            if self.rotary_dim != self.spec.head_dim:  # GQA rotates whole heads only: rotate before it
+                pos = g.op("Add", g.op("Unsqueeze", inp.past_lengths, g.const([1])),
+                           g.op("Unsqueeze", g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1))), g.const([0])))
+                cos, sin = (g.op("Unsqueeze", g.op("Gather", t, pos, axis=0), g.const([2]))
+                            for t in (inp.cos_cache, inp.sin_cache))
+            return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, window,
+                              cos, sin)
 
     def embed(self, g: GraphBuilder, ids: str) -> str:
         if not quantized_embedding(self.spec, self.quant, self.quant_layout):
@@ -121,6 +139,25 @@ class OrtLowering(Lowering):
         sums = g.op("MatMul", x, g.const(indicator, dtype=NUMPY_DTYPES[self.dtype]))
         return g.op("Add", y, g.op("MatMul", sums, f"{weight}.mins"))
 
+    def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
+                    seq_lengths: str, channels: int | None = None, activation: str = "none",
+                    window: str | None = None) -> str:
+        """com.microsoft.CausalConvWithState (activation fused) over Concat(past, x), its first K-1 outputs dropped.
+
+        The op's own past/present state is not used: its present holds the last K-1 positions of the
+        padded call, and a right-padded row's state must end at its last valid token; and its past
+        must have no reader besides the one node that precedes the write of present (the same
+        buffer). So past is read by the Concat only, and present is taken per row as in the portable body."""
+        past, present = state
+        k = self.spec.conv_kernel
+        cat = cc.full_window(g, x, past)  # [B, C, K-1+S]
+        if window:
+            g.op("Identity", cat, outputs=[window])
+        y, _ = g.op("CausalConvWithState", cat, weight, bias or "", domain="com.microsoft", outputs=2,
+                    activation=activation)
+        cc.next_state(g, cat, seq_lengths, k, present)
+        return g.op("Slice", y, g.const([k - 1]), g.const([np.iinfo(np.int64).max]), g.const([2]))  # [B, C, S]
+
     def moe(self, g: GraphBuilder, x: str, prefix: str, one_token_rows: bool) -> str:
         """com.microsoft.MoE (float experts) or QMoE (block-quantized): softmax over the router logits,
         top-k, renormalised when the spec says so, SwiGLU experts with gate/up interleaved (the only
@@ -156,13 +193,42 @@ class OrtLowering(Lowering):
         if self.kv.quantized:  # the cache holds int8 / packed int4 codes, one scale per (head, channel)
             extra += [kv_dtypes.scale_names(past_key), kv_dtypes.scale_names(past_value)]  # k_scale, v_scale
             quant = dict(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=self.kv.bits)
+        qkv_in, rope = [qkv, "", ""], [ctx.cos_cache, ctx.sin_cache]
+        if ctx.cos is not None:  # partial rotary: q and k rotated here, GQA without rotary
+            d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+            q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
+            tables = ca.AttnContext("", "", ctx.cos, ctx.sin or "")  # rope_body reads cos and sin only
+            q, k = (g.op("Reshape", ca.rope_body(g, g.op("Reshape", x, g.const([0, 0, n, d])), tables, d, self.rotary_dim),
+                         g.const([0, 0, n * d])) for x, n in ((q, h), (k, hkv)))
+            qkv_in, rope = [q, k, v], ["", ""]
         y, _, _ = g.op(
-            "GroupQueryAttention", qkv, "", "", past_key, past_value, ctx.seqlens_k, ctx.total_len,
-            ctx.cos_cache, ctx.sin_cache, *_trim(extra), domain="com.microsoft", outputs=[None, present_key, present_value],
-            num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+            "GroupQueryAttention", *qkv_in, past_key, past_value, ctx.seqlens_k, ctx.total_len,
+            *_trim([*rope, *extra]), domain="com.microsoft", outputs=[None, present_key, present_value],
+            num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=int(ctx.cos is None), rotary_interleaved=0,
             scale=self.scale, local_window_size=ctx.window or None, softcap=self.softcap or None, **quant,
         )
         return y
+
+    def gated_delta_net(self, g: GraphBuilder, qkvab: tuple[str, str, str, str, str], a_log: str, dt_bias: str,
+                        state: tuple[str, str], seq_lengths: str, single: bool = False) -> str:
+        s = self.spec
+        q, k, v, a, b = qkvab
+        past, present = state
+        if not single:  # padded tokens: softplus(-1e4 + dt_bias) = 0 -> decay 1; sigmoid(-1e4) = 0 -> beta 0
+            valid = valid_tokens(g, a, seq_lengths)
+            low = g.const(np.array(-1e4, NUMPY_DTYPES[self.dtype]))
+            a, b = g.op("Where", valid, a, low), g.op("Where", valid, b, low)
+        heads = lambda x, n, d: g.op("Reshape", x, g.const([0, 0, n, d]))  # noqa: E731
+        # l2norm here, as transformers does (x * rsqrt(sum x^2 + 1e-6)): the kernel's qk_l2_norm uses another
+        # epsilon, which moves small q/k heads by 1e-3
+        t = NUMPY_DTYPES[self.dtype]
+        qn = l2norm_body(g, heads(q, s.linear_key_heads, s.linear_key_dim), t)
+        kn = l2norm_body(g, heads(k, s.linear_key_heads, s.linear_key_dim), t)
+        y, _ = g.op("GatedDeltaNet", qn, kn, heads(v, s.linear_value_heads, s.linear_value_dim),
+                    "", a, b, past, self.float32(g, a_log), self.float32(g, dt_bias), domain="com.microsoft",
+                    outputs=[None, present], gate_activation="softplus", beta_activation="sigmoid", qk_l2_norm=0,
+                    scale=s.linear_key_dim ** -0.5)
+        return g.op("Reshape", y, g.const([0, 0, s.linear_value_heads * s.linear_value_dim]))
 
     def kv_problem(self) -> str | None:
         """GroupQueryAttention's CPU kernel (ORT 1.32) stores int8 and int4 codes and float caches of the

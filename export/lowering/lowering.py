@@ -19,6 +19,8 @@ from decodert.export.quantize.weight_layouts import QDQ, WeightLayout
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, canonical_shape
 from decodert.plugins import cached_attention as ca
+from decodert.plugins import causal_conv as cc
+from decodert.plugins import gated_delta_net as gdn
 from decodert.plugins import kv_dtypes
 from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 from decodert.plugins import moe as moe_op
@@ -32,6 +34,7 @@ class GraphInputs:
     seq_lengths: str  # [B] int64
     cos_cache: str  # [max_seq, R/2] dtype
     sin_cache: str
+    windows: bool = False  # the verify graph of a model with only conv states: output each conv window
 
 
 class Lowering:
@@ -189,6 +192,48 @@ class Lowering:
         return ca.attend_body(g, q4, keys, values, ctx.visible, num_heads=h, kv_heads=hkv,
                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
                               softcap=self.softcap, sinks=sinks)
+
+    def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
+                    seq_lengths: str, channels: int | None = None, activation: str = "none",
+                    window: str | None = None) -> str:
+        """Depthwise causal conv over a rolling state: x [B, C, S] -> y [B, C, S]; ``weight`` [C, 1, K]
+        (plugins/causal_conv.py, the op's definition):
+
+            cat     = Concat(past [B, C, K-1], x)             the only reader of past
+            y       = act(Conv(cat, weight, group=C))         (+ bias); act: "none" | "silu"
+            present = cat[b, :, seq_lengths[b] .. + K-2]      each row's last K-1 valid inputs (right padding)
+        ``state`` = (past, present) names: one buffer bound to both, written by GatherElements after the Concat
+        read it. ``channels``: C (default hidden, LFM2's). ``window``: also output ``cat`` under that name
+        (the verify graph's per-position states, docs/SPECULATIVE.md).
+        """
+        past, present = state
+        k = self.spec.conv_kernel
+        full = cc.full_window(g, x, past)
+        if window:
+            g.op("Identity", full, outputs=[window])
+        window, w, b = full, weight, bias or ""
+        if self.dtype == "bf16":  # Conv takes bfloat16 only from opset 22: compute in float32
+            window, w, b = (g.op("Cast", v, to=1) if v else v for v in (full, weight, b))
+        y = cc.conv_body(g, window, w, b, kernel=k, channels=channels or self.spec.hidden_size, activation=activation)
+        cc.next_state(g, full, seq_lengths, k, present)
+        return g.op("Cast", y, to=DTYPES["bf16"]) if self.dtype == "bf16" else y
+
+    def gated_delta_net(self, g: GraphBuilder, qkvab: tuple[str, str, str, str, str], a_log: str, dt_bias: str,
+                        state: tuple[str, str], seq_lengths: str, single: bool = False) -> str:
+        """The gated delta rule (plugins/gated_delta_net.py) over the recurrent state [B, Hv, Dv, Dk] float32:
+        q, k [B, S, Hk*Dk], v [B, S, Hv*Dv], a, b [B, S, Hv] -> y [B, S, Hv*Dv]. ``single``: S is 1 (no Loop)."""
+        s = self.spec
+        q, k, v, a, b = qkvab
+        past, present = state
+        a_log, dt_bias = self.float32(g, a_log), self.float32(g, dt_bias)
+        return gdn.gated_delta_net_body(g, q, k, v, a, b, a_log, dt_bias, past, seq_lengths, present,
+                                        hk=s.linear_key_heads, hv=s.linear_value_heads, dk=s.linear_key_dim,
+                                        dv=s.linear_value_dim, scale=s.linear_key_dim ** -0.5, dtype=self.dtype,
+                                        single=single)
+
+    def float32(self, g: GraphBuilder, x: str) -> str:
+        """A model-dtype value as float32 (no node in an fp32 graph)."""
+        return x if self.dtype == "fp32" else g.op("Cast", x, to=1)
 
 
 def gelu_tanh_body(g: GraphBuilder, x: str, dtype: str) -> str:

@@ -61,8 +61,11 @@ def attention(g: GraphBuilder, low: Any, ctx: VerifyContext, qkv: str, cache: tu
     s = low.spec
     d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
     q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
-    q = g.op("RotaryEmbedding", q, ctx.cos_cache, ctx.sin_cache, ctx.positions, num_heads=h, interleaved=0)
-    k = g.op("RotaryEmbedding", k, ctx.cos_cache, ctx.sin_cache, ctx.positions, num_heads=hkv, interleaved=0)
+    rot = low.rotary_dim if low.rotary_dim != d else None  # partial rotary (Phi-3, Qwen3.5)
+    q = g.op("RotaryEmbedding", q, ctx.cos_cache, ctx.sin_cache, ctx.positions, num_heads=h, interleaved=0,
+             rotary_embedding_dim=rot)
+    k = g.op("RotaryEmbedding", k, ctx.cos_cache, ctx.sin_cache, ctx.positions, num_heads=hkv, interleaved=0,
+             rotary_embedding_dim=rot)
     for new, past, present in ((k, past_key, present_key), (v, past_value, present_value)):
         rows = g.op("Transpose", g.op("Reshape", new, g.const([0, 0, hkv, d])), perm=[0, 2, 1, 3])  # [B,Hkv,S,D]
         g.op("ScatterND", past, ctx.index, low.kv_store(g, rows, past), outputs=[present])

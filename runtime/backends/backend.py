@@ -28,6 +28,10 @@ class VerifyOutput:
 
     next_tokens: np.ndarray  # [n, W] int64: next_tokens[j, i] is the argmax after row j's token i
     logits: np.ndarray | None = None  # [n, W, V] float32, only when asked for
+    # hybrid models whose states are all conv states, where the backend binds the verify graph's windows:
+    # per row, state name -> [C, K-1+w] the conv inputs before and of the pass (the state after accepting
+    # a tokens is [:, a : a+K-1]); None: the backend gives none (speculation replays instead)
+    windows: list[dict[str, np.ndarray]] | None = None
 
 
 class Backend(Protocol):
@@ -88,3 +92,11 @@ class Backend(Protocol):
     def free_kv(self, block: Any) -> None:
         """Release a block's memory now (device memory; a host block just loses its reference)."""
         ...
+
+
+def window_outputs(manifest: Any) -> dict[str, int]:
+    """State name ("conv.3") -> K-1 for each conv window the verify graph outputs (``window_conv.3``;
+    export/lowering/graph.py: models whose every state is a conv state); {} otherwise."""
+    graph = manifest.graphs.get("verify")
+    names = {t.name for t in graph.outputs} if graph is not None else set()
+    return {st.io_name: int(st.shape[-1]) for st in manifest.kv.states if f"window_{st.io_name}" in names}

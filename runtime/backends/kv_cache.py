@@ -15,12 +15,21 @@ row ran under too: ``use_adapter`` sets it (the graphs read ``adapters`` as each
 empties a row that holds K/V of another adapter, so no row ever mixes them. ``lengths``
 is a read-only view: nothing else can change what a row says it holds, so the prefix cache, sessions
 and speculation read the ids from here instead of assuming them (docs/ARCHITECTURE.md, "Cache state").
-Per-row recurrent state (hybrid models) will be owned here too, under the same verbs.
+
+Hybrid models (models/spec.py ``LAYER_KINDS``): only attention layers keep K/V (``kv_layers``: their
+model layer numbers); a conv / linear-attention / Mamba2 layer keeps states ``states[j]``
+[slots, *shape] (``state_names[j]`` = "conv.3", the graphs' ``past_conv.3`` / ``present_conv.3``),
+bound in place like K/V. Such a state summarises every position the row holds, so it cannot be
+rewound by setting a length. The rule for a row with states: ``rewind(slot, to)`` is allowed only
+to what the row can return to exactly (``rewind_point``): ``to`` = its length (nothing to do), 0
+(the states are zeroed), or the position of the row's ``snapshot`` (the states are restored); any
+other ``to`` raises. Callers that want "as far back as needed" ask ``rewind_point(slot, to)`` and
+run the ids between that point and ``to`` again (generate.prefill, speculation's replay).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -36,8 +45,15 @@ class KVCache:
     """
 
     def __init__(self, slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int,
-                 dtype: Any = None, device: str = "cpu", itemsize: int | None = None) -> None:
+                 dtype: Any = None, device: str = "cpu", itemsize: int | None = None,
+                 kv_layers: Sequence[int] | None = None, states: Sequence[tuple] = ()) -> None:
+        """``layers``: K/V pairs (``kv_layers``: the model layer of each, default 0..layers-1);
+        ``states``: (io name, per-slot shape[, numpy dtype: None = the cache's]) of every other per-layer
+        state (hybrid models; a recurrent state is float32 in an fp16 model)."""
         self.slots, self.max_seq, self.device = slots, max_seq, device
+        self.kv_layers = tuple(kv_layers) if kv_layers is not None else tuple(range(layers))
+        if len(self.kv_layers) != layers:
+            raise ValueError(f"{layers} K/V layers but kv_layers {list(self.kv_layers)}")
         self.dtype = np.dtype(dtype) if dtype is not None else None
         itemsize = itemsize if itemsize is not None else self.dtype.itemsize
         self.slot_shape = (kv_heads, max_seq, head_dim)
@@ -50,6 +66,17 @@ class KVCache:
             from decodert.plugins.cuda_mem import DeviceBuffer
 
             self.buffers = [DeviceBuffer(slots * self.slot_bytes) for _ in range(2 * layers)]
+        self.state_names = [st[0] for st in states]
+        self.state_shapes = [tuple(st[1]) for st in states]  # per slot
+        self.state_dtypes = [np.dtype(st[2]) if len(st) > 2 and st[2] is not None else self.dtype for st in states]
+        self.state_bytes = [int(np.prod(shape)) * (t.itemsize if t is not None else itemsize)  # one slot of each
+                            for shape, t in zip(self.state_shapes, self.state_dtypes)]
+        if device == "cpu":
+            self.states: list[Any] = [np.zeros((slots, *shape), t) for shape, t in zip(self.state_shapes,
+                                                                                      self.state_dtypes)]
+        else:
+            self.states = [DeviceBuffer(slots * n) for n in self.state_bytes]
+        self._snapshots: dict[int, tuple[int, list[bytes]]] = {}  # slot -> (position, each state's bytes)
         self._lengths = np.zeros(slots, np.int64)  # [slots] tokens cached = the next write index
         self.lengths = self._lengths.view()  # read-only: only the verbs below change it
         self.lengths.flags.writeable = False
@@ -64,6 +91,16 @@ class KVCache:
         buf = self.buffers[i]
         base = buf.ctypes.data if self.device == "cpu" else buf.ptr
         return base + slot * self.slot_bytes
+
+    def state_pointer(self, j: int, slot: int) -> int:
+        """Address of slot ``slot`` in state ``j``."""
+        buf = self.states[j]
+        return (buf.ctypes.data if self.device == "cpu" else buf.ptr) + slot * self.state_bytes[j]
+
+    @property
+    def has_state(self) -> bool:
+        """Whether rows keep states beyond K/V (a hybrid model): then rewind follows ``rewind_point``."""
+        return bool(self.states)
 
     def geometry(self) -> kv_blocks.DeviceGeometry:
         """Where each slot and position of the device buffers is (runtime/backends/kv_blocks.py)."""
@@ -104,15 +141,87 @@ class KVCache:
         """The adapter (its load tag; 0: none) the K/V of row ``slot`` were computed under."""
         return int(self._adapter_tag[slot])
 
-    def rewind(self, slot: int, to: int) -> None:
-        """Keep only the first ``to`` positions of ``slot`` (later K/V stays, unread, until overwritten)."""
-        if not 0 <= to <= self._lengths[slot]:
-            raise ValueError(f"rewind slot {slot} to {to}: it holds {int(self._lengths[slot])} tokens")
+    def rewind(self, slot: int, to: int, states: Mapping[str, np.ndarray] | None = None) -> None:
+        """Keep only the first ``to`` positions of ``slot`` (later K/V stays, unread, until overwritten).
+
+        A row with states goes back only to ``rewind_point(slot, to) == to``: its length, 0 (states
+        zeroed) or its snapshot (states restored); another ``to`` raises DecodertError. Or the caller
+        gives ``states``: every state of the row as it is after ``to`` tokens, computed by the model
+        (a verify pass's per-position states: speculation), written as the row's states."""
+        n = int(self._lengths[slot])
+        if not 0 <= to <= n:
+            raise ValueError(f"rewind slot {slot} to {to}: it holds {n} tokens")
+        if states is not None:
+            if sorted(states) != sorted(self.state_names):
+                raise ValueError(f"rewind slot {slot}: states {sorted(states)} are not the row's {self.state_names}")
+            self._write_states(slot, [np.ascontiguousarray(states[name], self.state_dtypes[j]).tobytes()
+                                      for j, name in enumerate(self.state_names)])
+        elif self.states and to not in (n, 0):
+            snap = self._snapshots.get(slot)
+            if snap is None or snap[0] != to:
+                raise DecodertError(f"slot {slot}: a recurrent/conv state cannot be rewound from {n} to {to} tokens "
+                                    f"(its snapshot is at {snap[0] if snap else 'none'}); rewind to rewind_point()")
+            self._write_states(slot, snap[1])
+        elif self.states and to == 0 < n:
+            self.reset(slot)
+            return
         self._lengths[slot] = to
+        if slot in self._snapshots and self._snapshots[slot][0] > to:
+            del self._snapshots[slot]
+
+    def rewind_point(self, slot: int, to: int) -> int:
+        """The furthest position <= ``to`` that ``rewind`` can take ``slot`` back to exactly: ``to``
+        itself for K/V alone; with states, the row's length, its snapshot or 0."""
+        n = int(self._lengths[slot])
+        if not self.states or to >= n:
+            return min(to, n)
+        snap = self._snapshots.get(slot)
+        return snap[0] if snap is not None and snap[0] <= to else 0
+
+    def snapshot(self, slot: int) -> None:
+        """Keep a copy of ``slot``'s states at its current length (one per row; the last one taken),
+        so ``rewind`` can return there (speculation: before a verify pass). No-op without states."""
+        if self.states:
+            self._snapshots[slot] = (int(self._lengths[slot]), self._read_states(slot))
 
     def reset(self, slot: int | None = None) -> None:
-        """Forget the cached tokens of one slot (or all); buffers are kept, not freed."""
+        """Forget the cached tokens of one slot (or all); buffers are kept, not freed; states are zeroed."""
         self._lengths[slice(None) if slot is None else slot] = 0
+        for s in range(self.slots) if slot is None else (slot,):
+            self._snapshots.pop(s, None)
+            if self.states:
+                self._write_states(s, [bytes(n) for n in self.state_bytes])
+
+    def _read_states(self, slot: int) -> list[bytes]:
+        if self.device == "cpu":
+            return [buf[slot].tobytes() for buf in self.states]
+        from decodert.plugins.cuda_mem import PinnedArray, Stream, copy_async
+
+        stream, hosts = Stream(), [PinnedArray((n,), np.uint8) for n in self.state_bytes]
+        for j, host in enumerate(hosts):
+            copy_async(host.ptr, self.state_pointer(j, slot), self.state_bytes[j], stream, "d2h")
+        stream.sync()
+        out = [host.array.tobytes() for host in hosts]
+        for host in hosts:
+            host.free()
+        stream.destroy()
+        return out
+
+    def _write_states(self, slot: int, data: list[bytes]) -> None:
+        if self.device == "cpu":
+            for buf, raw in zip(self.states, data):
+                buf[slot] = np.frombuffer(raw, buf.dtype).reshape(buf.shape[1:])
+            return
+        from decodert.plugins.cuda_mem import PinnedArray, Stream, copy_async
+
+        stream, hosts = Stream(), [PinnedArray((len(raw),), np.uint8) for raw in data]
+        for j, (host, raw) in enumerate(zip(hosts, data)):
+            host.array[:] = np.frombuffer(raw, np.uint8)
+            copy_async(self.state_pointer(j, slot), host.ptr, len(raw), stream, "h2d")
+        stream.sync()
+        for host in hosts:
+            host.free()
+        stream.destroy()
 
     def move(self, src: int, dst: int) -> None:
         """The backend has copied row ``src``'s positions into ``dst``: ``dst`` holds what ``src`` held, ``src`` nothing."""
@@ -121,14 +230,19 @@ class KVCache:
         n = self._lengths[src]
         self._held[dst, :n] = self._held[src, :n]
         self._lengths[dst], self._lengths[src] = n, 0
+        self._snapshots.pop(dst, None)
+        if src in self._snapshots:
+            self._snapshots[dst] = self._snapshots.pop(src)
+        if self.states:  # src starts again from zero states (dst's were copied by the backend)
+            self._write_states(src, [bytes(n) for n in self.state_bytes])
         self._adapter[dst], self._adapter_tag[dst] = self._adapter[src], self._adapter_tag[src]
 
     def free(self) -> None:
         """Release the buffers now (device memory is freed; host arrays lose their reference)."""
         if self.device != "cpu":
-            for buf in self.buffers:
+            for buf in self.buffers + self.states:
                 buf.free()
-        self.buffers = []
+        self.buffers, self.states = [], []
 
 
 def contiguous_runs(slots: Sequence[int]) -> list[list[int]]:

@@ -21,11 +21,13 @@ def make_prefix_cache(backend: Any, budget_mb: float | None) -> PrefixCache | No
     """The prefix cache of ``backend`` under ``budget_mb`` MiB (None: default budget; 0: none).
 
     Default: the K/V of two full contexts (2 x max_seq tokens), at most a quarter of the memory
-    available now. Off for backends that cannot copy K/V blocks (``read_kv``)."""
+    available now. Off for backends that cannot copy K/V blocks (``read_kv``), and for hybrid models:
+    a conv / recurrent state exists only at the end of what a row ran, never at a block boundary, so
+    a block of K/V alone cannot resume such a row (docs/ARCHITECTURE.md, "Cache state")."""
     if budget_mb is not None and (not isinstance(budget_mb, (int, float)) or isinstance(budget_mb, bool)
                                   or not budget_mb >= 0):
         raise DecodertError(f"prefix_cache_mb must be a number >= 0 (0 = off), not {budget_mb!r}")
-    if budget_mb == 0 or not hasattr(backend, "read_kv"):
+    if budget_mb == 0 or not hasattr(backend, "read_kv") or _has_state(backend):
         return None
     if budget_mb is None:
         budget = 2 * backend.kv_bytes(int(backend.max_seq))
@@ -108,3 +110,9 @@ def _trt_usable() -> bool:
         return importlib.import_module("decodert.plugins.cuda_mem").gpu_count() > 0
     except (ImportError, OSError, DecodertError):
         return False
+
+
+def _has_state(backend: Any) -> bool:
+    """Whether the backend's artifact keeps per-layer states beyond K/V (a hybrid model)."""
+    manifest = getattr(backend, "manifest", None)
+    return bool(manifest is not None and manifest.kv.states)

@@ -30,9 +30,10 @@ from decodert.export.lowering.onnx_check import check_external_data, check_sessi
 from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
 from decodert.runtime.backends import kv_blocks
-from decodert.runtime.backends.backend import StepOutput, VerifyOutput
+from decodert.runtime.backends.backend import StepOutput, VerifyOutput, window_outputs
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
 from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
+from decodert.runtime.backends.ort_verify import VerifyState, bind_cache
 from decodert.runtime.vision.tokens import text_ids
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -94,8 +95,9 @@ class OrtBackend:
         self._options, self._providers = options, providers
         # verify passes (speculative decoding): "verify" opened on first use or by prepare_verify;
         # "prefill" (one-row passes where the prefill graph takes per_position) is the prefill session
-        self._verify: dict[str, _VerifyState] = {}
+        self._verify: dict[str, VerifyState] = {}
         self._prefill_verifies = manifest.graphs["prefill"].verifies_rows
+        self._windows = window_outputs(manifest)  # conv state name -> K-1: per-position states of a verify pass
         # vision-language: the image store (runtime/vision/encoder.py) whose rows a prefill binds at its image ids
         self.images: Any = None
         self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
@@ -108,12 +110,13 @@ class OrtBackend:
         slots = slots or self.max_batch
         if not 1 <= slots <= self.max_batch:
             raise DecodertError(f"batch {slots} exceeds the artifact's --max-batch {self.max_batch}")
-        check_kv_fits(kv_cache_bytes(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.kv), self.kv)
+        check_kv_fits(kv_cache_bytes(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.kv)
+                      + self.manifest.kv.state_bytes(slots, np.dtype(self.np_dtype).itemsize), self.kv)
         self._decode_bindings.clear()
         for state in self._verify.values():
             state.bindings.clear()
         return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.kv_width, NUMPY_STORAGE[self.kv.storage],
-                       self.device)
+                       self.device, **self.manifest.kv.cache_layout())
 
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         lens = np.array([len(x) for x in ids], np.int64)
@@ -186,12 +189,16 @@ class OrtBackend:
         cache.check_room(slots, lens, "the verified tokens")
         out = VerifyOutput(np.zeros((len(slots), width), np.int64),
                            np.zeros((len(slots), width, self.vocab_size), np.float32) if want_logits else None)
+        if self._windows:  # every row runs alone (below): its windows are kept per row
+            out.windows = [{} for _ in slots]
         batched = self.manifest.graphs["verify"].batched_past
         runs = fitting_runs(slots, cache.lengths, lens, cache.max_seq) if batched else self._prefill_groups(cache, slots, lens)
+        if cache.has_state:  # a padded position would enter a row's conv/recurrent state: rows run unpadded, alone
+            runs = [[j] for run in runs for j in run]
         for rows in runs:  # a padded run never writes past the end of a row's context
             state = self._verify_state(len(rows) == 1)
             start, n, w = slots[rows[0]], len(rows), int(lens[rows].max())
-            io, ids_buf, past_buf, logits_buf, next_buf = state.binding(cache, start, n, w)
+            io, ids_buf, past_buf, logits_buf, next_buf, wins = state.binding(cache, start, n, w)
             ids_buf[:] = 0
             for j, r in enumerate(rows):
                 ids_buf[j, : lens[r]] = ids[r]
@@ -200,6 +207,8 @@ class OrtBackend:
             out.next_tokens[rows, :w] = next_buf
             if out.logits is not None:
                 out.logits[rows, :w] = logits_buf
+            if out.windows is not None:
+                out.windows[rows[0]] = {name: buf[0].copy() for name, buf in wins.items()}
         cache.commit(slots, ids)
         return out
 
@@ -207,13 +216,14 @@ class OrtBackend:
         if "verify" in self.manifest.graphs:
             self._verify_state(rows == 1)
 
-    def _verify_state(self, one_row: bool) -> "_VerifyState":
-        kind = "prefill" if one_row and self._prefill_verifies else "verify"
+    def _verify_state(self, one_row: bool) -> VerifyState:
+        """The prefill graph for one row where it verifies rows, unless the verify graph outputs conv windows."""
+        kind = "prefill" if one_row and self._prefill_verifies and not self._windows else "verify"
         state = self._verify.get(kind)
         if state is None:
             session = self.sessions["prefill"] if kind == "prefill" else self._open_verify()
-            state = self._verify[kind] = _VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size,
-                                                      self.lora_weights)
+            state = self._verify[kind] = VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size,
+                                                     self._windows if kind == "verify" else None, self.lora_weights)
         return state
 
     def _open_verify(self) -> ort.InferenceSession:
@@ -234,12 +244,16 @@ class OrtBackend:
         if cache.device == "cpu":
             for buf in cache.buffers:
                 buf[dst, :, :n] = buf[src, :, :n]
+            for buf in cache.states:
+                buf[dst] = buf[src]
         else:
             from decodert.plugins.cuda_mem import copy_async
 
             stream = self._cuda_stream()
             for i in range(len(cache.buffers)):
                 copy_async(cache.pointer(i, dst), cache.pointer(i, src), cache.slot_bytes, stream, "d2d")
+            for j, nbytes in enumerate(cache.state_bytes):
+                copy_async(cache.state_pointer(j, dst), cache.state_pointer(j, src), nbytes, stream, "d2d")
             self._stream.sync()
         cache.move(src, dst)
 
@@ -298,66 +312,8 @@ class OrtBackend:
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for name, arr in (("logits", b.logits), ("next_token", b.next_token)):
             io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        _bind_cache(io, cache, start, n, self.lora_weights)
+        bind_cache(io, cache, start, n, self.lora_weights)
         return b
-
-
-class _VerifyState:
-    """A session running verify passes and its IOBindings per (cache, first slot, rows, width);
-    every binding views one set of per-call buffers (calls run one at a time, copied out at once).
-    kind "prefill": the prefill graph with per_position=1 (one row, its last-token outputs unused)."""
-
-    def __init__(self, session: ort.InferenceSession, kind: str, batch: int, width: int, vocab: int,
-                 lora: dict[str, np.ndarray] | None = None) -> None:
-        self.session, self.kind, self.vocab, self.lora = session, kind, vocab, lora
-        self.ids = np.zeros(batch * width, np.int64)  # [n*W] input_ids
-        self.past = np.zeros(batch, np.int64)  # [n] past_lengths
-        self.logits = np.empty(batch * width * vocab, np.float32)  # [n*W*V] seq_logits
-        self.next = np.empty(batch * width, np.int64)  # [n*W] next_tokens
-        if kind == "prefill":
-            self.seq = np.zeros(batch, np.int64)  # [n] seq_lengths (= w: one row, unpadded)
-            self.on = np.ones(1, np.int64)  # per_position
-            self.last = (np.empty((batch, vocab), np.float32), np.empty(batch, np.int64))  # logits, next_token
-        self.bindings: dict[tuple[int, int, int, int], Any] = {}
-
-    def binding(self, cache: KVCache, start: int, n: int, w: int) -> tuple:
-        """(io, ids [n, w], past [n], logits [n, w, V], next_tokens [n, w]) for slots [start, start+n)."""
-        views = (self.ids[: n * w].reshape(n, w), self.past[:n], self.logits[: n * w * self.vocab].reshape(n, w, -1),
-                 self.next[: n * w].reshape(n, w))
-        key = (id(cache), start, n, w)
-        io = self.bindings.get(key)
-        if io is None:
-            io = self.bindings[key] = self.session.io_binding()
-            inputs = [("input_ids", views[0]), ("past_lengths", views[1])]
-            outputs = [("seq_logits", views[2]), ("next_tokens", views[3])]
-            if self.kind == "prefill":
-                inputs += [("seq_lengths", self.seq[:n]), ("per_position", self.on)]
-                outputs += [("logits", self.last[0][:n]), ("next_token", self.last[1][:n])]
-            for name, arr in inputs:
-                io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-            for name, arr in outputs:
-                io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-            _bind_cache(io, cache, start, n, self.lora)
-        if self.kind == "prefill":
-            self.seq[:n] = w
-        return (io, *views)
-
-
-def _bind_cache(io: Any, cache: KVCache, start: int, n: int, lora: dict[str, np.ndarray] | None = None) -> None:
-    """Bind slots [start, start+n) of every K/V buffer (one contiguous view) as past and present; with
-    LoRA slots, the rows' adapter indices (``cache.adapters``) and the stacked adapter weights."""
-    if lora is not None:
-        index = cache.adapters[start : start + n]
-        io.bind_input("lora_index", "cpu", 0, index.dtype, index.shape, index.ctypes.data)
-        for name, arr in lora.items():
-            io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-    shape = (n, *cache.slot_shape)
-    for i in range(len(cache.buffers)):
-        ptr = cache.pointer(i, start)
-        layer, kv = divmod(i, 2)
-        suffix = f"{('key', 'value')[kv]}.{layer}"
-        io.bind_input(f"past_{suffix}", cache.device, 0, cache.dtype, shape, ptr)
-        io.bind_output(f"present_{suffix}", cache.device, 0, cache.dtype, shape, ptr)
 
 
 def _gather(out: StepOutput, rows: list[int], b: _Binding, want_logits: bool) -> None:

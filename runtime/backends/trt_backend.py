@@ -158,12 +158,15 @@ class TrtBackend:
         out = {}
         for buf, (past, present) in zip(cache.buffers, self.engines["decode"].kv_pairs):
             out[past] = out[present] = buf.ptr + row0 * cache.slot_bytes
+        for j, name in enumerate(cache.state_names):  # hybrid models: conv / recurrent states, in place too
+            out[f"past_{name}"] = out[f"present_{name}"] = cache.state_pointer(j, row0)
         return out
 
     def io_shapes(self, n: int, seq: int) -> dict[str, tuple[int, ...]]:
         kv = (n, self.kv_heads, self.max_seq, self.head_dim)
         shapes: dict[str, tuple[int, ...]] = {"input_ids": (n, seq), "past_lengths": (n,), "seq_lengths": (n,)}
         shapes.update({past: kv for past, _ in self.engines["decode"].kv_pairs})
+        shapes.update({f"past_{st.io_name}": (n, *map(int, st.shape[1:])) for st in self.manifest.kv.states})
         return shapes
 
     # ------------------------------------------------------------ cache
@@ -172,13 +175,13 @@ class TrtBackend:
         if not 1 <= slots <= self.max_batch:
             raise DecodertError(f"allocate({slots}): slots must be 1..{self.max_batch} (the engines' --max-batch)")
         row = self.kv_heads * self.max_seq * self.head_dim * self.itemsize
-        need = 2 * self.layers * slots * row
+        need = 2 * self.layers * slots * row + self.manifest.kv.state_bytes(slots, self.itemsize)
         free, _ = cm.mem_get_info()
         if need > 0.9 * free:
             raise DecodertError(f"the KV cache needs {need / 2**30:.2f} GiB ({slots} slots x {self.max_seq} tokens) but "
                                 f"{free / 2**30:.2f} GiB of GPU memory is free; lower --max-seq or --max-batch")
         cache = KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, device="cuda",
-                        itemsize=self.itemsize)
+                        itemsize=self.itemsize, **self.manifest.kv.cache_layout())
         self._use(cache)
         return cache
 
@@ -212,6 +215,8 @@ class TrtBackend:
         for buf in cache.buffers:
             cm.copy_2d_async(buf.ptr + dst * cache.slot_bytes, pitch, buf.ptr + src * cache.slot_bytes, pitch,
                              n * cache.pos_bytes, self.kv_heads, self.stream)
+        for j, nbytes in enumerate(cache.state_bytes):
+            cm.copy_async(cache.state_pointer(j, dst), cache.state_pointer(j, src), nbytes, self.stream, "d2d")
         self.stream.sync()
         cache.move(src, dst)
 

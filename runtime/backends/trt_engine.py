@@ -36,6 +36,7 @@ class TrtHost(Protocol):
     max_batch: int
     max_seq: int
     vocab_size: int
+    itemsize: int
 
     def check_validity(self, path: Path, blob: bytes) -> None: ...
 
@@ -48,10 +49,14 @@ class TrtHost(Protocol):
     def execute(self, ctx: Any, what: str) -> None: ...
 
 
-def kv_pairs(graph: GraphRecord) -> list[tuple[str, str]]:
-    """[("past_key.0", "present_key.0"), ("past_value.0", "present_value.0"), ...] in graph input order."""
-    names = [t.name for t in graph.inputs if t.name.startswith(("past_key.", "past_value."))]
+def kv_pairs(graph: GraphRecord, prefixes: tuple[str, ...] = ("past_key.", "past_value.")) -> list[tuple[str, str]]:
+    """[("past_key.0", "present_key.0"), ("past_value.0", "present_value.0"), ...] in graph input order;
+    ``prefixes=STATE_PREFIXES``: the conv / recurrent states of a hybrid model instead."""
+    names = [t.name for t in graph.inputs if t.name.startswith(prefixes)]
     return [(n, "present_" + n[len("past_"):]) for n in names]
+
+
+STATE_PREFIXES = ("past_conv.", "past_recurrent.")
 
 
 def contiguous_runs(slots: Sequence[int]) -> Iterator[list[tuple[int, int]]]:
@@ -76,7 +81,7 @@ class Engine:
             refit_from_onnx(trt, self.engine, backend.dir / graph.file, backend.logger, path)
         check_io(engine_io(trt, self.engine, graph), graph, str(path))
         self.kv_pairs = kv_pairs(graph)
-        for past, present in self.kv_pairs if info.has_aliased_io else []:
+        for past, present in self.kv_pairs + kv_pairs(graph, STATE_PREFIXES) if info.has_aliased_io else []:
             alias = self.engine.get_aliased_input_tensor(present)  # None: TensorRT does not say
             if alias not in (None, past):
                 raise DecodertError(f"{path}: output {present} aliases {alias}, not {past}; re-export and rebuild")

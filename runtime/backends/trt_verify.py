@@ -26,7 +26,7 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.plugins import cuda_mem as cm
 from decodert.plugins.trt_compat import read_engine
-from decodert.runtime.backends.backend import VerifyOutput
+from decodert.runtime.backends.backend import VerifyOutput, window_outputs
 from decodert.runtime.backends.kv_cache import KVCache
 from decodert.runtime.backends.trt_engine import Engine, TrtHost, bind, fitting_runs
 
@@ -52,6 +52,8 @@ class TrtVerifier:
         self.engine: Engine | None = None
         self.own_scratch: cm.DeviceBuffer | None = None
         self.h: dict[str, cm.PinnedArray] = {}
+        self.windows: dict[str, int] = {}
+        self.np_dtype: Any = None
         self.d: dict[str, cm.DeviceBuffer] = {}
 
     def open(self) -> None:
@@ -70,6 +72,11 @@ class TrtVerifier:
         n, v = b.max_batch * self.width, b.vocab_size
         self.h = {"ids": cm.PinnedArray((n,), np.int64), "lens": cm.PinnedArray((b.max_batch,), np.int64),
                   "next": cm.PinnedArray((n,), np.int64), "logits": cm.PinnedArray((n * v,), np.float32)}
+        self.windows = window_outputs(b.manifest)  # conv windows (rows of a hybrid run alone): [C, K-1+w] each
+        self.np_dtype = {"fp32": np.float32, "fp16": np.float16}.get(b.manifest.dtype)
+        channels = {st.io_name: int(st.shape[1]) for st in b.manifest.kv.states}
+        for name, keep in self.windows.items():
+            self.h[f"window_{name}"] = cm.PinnedArray((channels[name] * (keep + self.width) * b.itemsize,), np.uint8)
         self.d = {k: cm.DeviceBuffer(a.nbytes) for k, a in self.h.items()}
         self.ctx = self.engine.context(scratch)
 
@@ -85,8 +92,11 @@ class TrtVerifier:
         n = len(slots)
         out = VerifyOutput(np.zeros((n, width), np.int64),
                            np.zeros((n, width, b.vocab_size), np.float32) if want_logits else None)
+        if self.windows and self.np_dtype is not None:  # bf16 windows stay on the GPU: speculation replays instead
+            out.windows = [{} for _ in slots]
         for run in fitting_runs(slots, cache.lengths, lens, b.max_seq):
-            self._run(cache, run, rows, out)
+            for part in [[pair] for pair in run] if cache.has_state else [run]:  # hybrid rows: unpadded, alone
+                self._run(cache, part, rows, out)
         cache.commit(slots, rows)
         return out
 
@@ -102,14 +112,21 @@ class TrtVerifier:
             cm.copy_async(self.d[key].ptr, self.h[key].ptr, nbytes, b.stream, "h2d")
         shapes = {name: shape for name, shape in b.io_shapes(k, w).items() if name != "seq_lengths"}
         addresses = {"input_ids": self.d["ids"].ptr, "past_lengths": self.d["lens"].ptr,
-                     "next_tokens": self.d["next"].ptr, "seq_logits": self.d["logits"].ptr, **b.kv_addresses(cache, row0)}
+                     "next_tokens": self.d["next"].ptr, "seq_logits": self.d["logits"].ptr, **b.kv_addresses(cache, row0),
+                     **{f"window_{name}": self.d[f"window_{name}"].ptr for name in self.windows}}
         bind(self.ctx, addresses, shapes)
         b.execute(self.ctx, "verify")
         b.stats["verify_runs"] += 1
         cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, k * w * 8, b.stream, "d2h")
         if out.logits is not None:
             cm.copy_async(self.h["logits"].ptr, self.d["logits"].ptr, k * w * b.vocab_size * 4, b.stream, "d2h")
+        sizes = {name: (keep + w) * self.h[f"window_{name}"].nbytes // (keep + self.width) for name, keep in self.windows.items()}
+        for name, nbytes in sizes.items():
+            cm.copy_async(self.h[f"window_{name}"].ptr, self.d[f"window_{name}"].ptr, nbytes, b.stream, "d2h")
         b.stream.sync()
+        if out.windows is not None and k == 1:
+            out.windows[run[0][0]] = {name: self.h[f"window_{name}"].array[:nbytes].view(self.np_dtype)
+                                      .reshape(-1, self.windows[name] + w).copy() for name, nbytes in sizes.items()}
         js = [j for j, _ in run]
         out.next_tokens[js, :w] = self.h["next"].array[: k * w].reshape(k, w)
         if out.logits is not None:

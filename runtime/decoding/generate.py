@@ -236,13 +236,16 @@ def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequenc
     for slot, seq in zip(slots, seqs):
         seq.timer.start()
         cache.use_adapter(slot, *seq.adapter)  # a row holding another adapter's K/V starts empty
-        cache.rewind(slot, common_prefix(cache.held(slot), seq.prompt, len(seq.prompt) - 1))
+        same = common_prefix(cache.held(slot), seq.prompt, len(seq.prompt) - 1)
+        cache.rewind(slot, cache.rewind_point(slot, same))  # a row with states: its length, its snapshot or 0
         if prefix is not None:
             prefix.load(cache, slot, seq.prompt)
         seq.cached_tokens = int(cache.lengths[slot])
     want = any(s.needs_logits for s in seqs)
     with masks_ahead(seqs):
         step = backend.prefill(cache, list(slots), [s.prompt[s.cached_tokens:] for s in seqs], want_logits=want)
+    for slot in slots:  # a hybrid row can come back to its prompt's end (a session's next turn); no-op for K/V
+        cache.snapshot(slot)
     if prefix is not None:
         for slot, seq in zip(slots, seqs):
             prefix.store(cache, slot)

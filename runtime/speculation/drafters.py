@@ -194,9 +194,12 @@ class DraftModelDrafter:
         feed = []
         for j, s in zip(rows, slots):
             history = seqs[j].history[: seqs[j].length]
-            self.cache.rewind(s, common_prefix(self.cache.held(s), history, len(history) - 1))
+            same = common_prefix(self.cache.held(s), history, len(history) - 1)
+            self.cache.rewind(s, self.cache.rewind_point(s, same))
             feed.append(history[int(self.cache.lengths[s]) :])
         out = self.backend.prefill(self.cache, slots, feed, want_logits=False)
+        for s in slots:  # a hybrid draft model: its states here, where the next proposal resumes (no-op for K/V)
+            self.cache.snapshot(s)
         tokens = [[int(t)] for t in out.next_token]
         catch_up = max(len(f) for f in feed) > 2  # a row's first proposal prefills its whole prompt: once per row
         if catch_up:

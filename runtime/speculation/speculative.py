@@ -225,17 +225,41 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
     ids = [np.concatenate([[s.last_token], d]).astype(np.int64) for s, d in zip(seqs, drafts)]
     want = any(s.needs_logits for s in seqs)
     t0 = time.perf_counter()
+    for slot in slots:  # a hybrid model's states before the pass, to go back to (no-op for K/V alone)
+        cache.snapshot(slot)
     out = backend.verify(cache, list(slots), ids, want_logits=want)
-    speculator.costs.record(n, max(len(x) for x in ids), time.perf_counter() - t0)
-    deltas = []
+    verified = time.perf_counter() - t0
+    deltas: list[str] = []
+    replay: list[tuple[int, np.ndarray]] = []  # (slot, ids to run again): hybrid rows that rejected a draft
     for j, (slot, seq) in enumerate(zip(slots, seqs)):
         logits = out.logits[j] if out.logits is not None else None
         text, accepted = _commit(seq, drafts[j], out.next_tokens[j], logits)
         deltas.append(text)
-        cache.rewind(slot, seq.length - 1)  # rejected drafts (finished or not): the row holds history[:length - 1]
+        _rewind(cache, slot, seq, replay, len(ids[j]), out.windows[j] if out.windows is not None else None)
         if seq.spec is not None:
             _learn(seq, keys[j], len(drafts[j]), accepted)
+    if replay:  # part of the pass's price: the planner weighs it (hybrid models only)
+        t0 = time.perf_counter()
+        backend.prefill(cache, [slot for slot, _ in replay], [ids for _, ids in replay], want_logits=False)
+        verified += time.perf_counter() - t0
+    speculator.costs.record(n, max(len(x) for x in ids), verified)
     return deltas
+
+
+def _rewind(cache: Any, slot: int, seq: Sequence, replay: list, fed: int, windows: dict | None) -> None:
+    """Drop the rejected drafts (finished or not): the row holds history[:length - 1]. A row with
+    conv / recurrent states cannot be cut at a position (docs/SPECULATIVE.md): with the pass's conv
+    ``windows`` it takes the states after the accepted tokens from them; else it goes back to its
+    pre-verify snapshot and the accepted tokens are run again (appended to ``replay``)."""
+    to, n = seq.length - 1, int(cache.lengths[slot])
+    if windows and to < n:
+        accepted = to - (n - fed)  # of the ``fed`` tokens of the pass
+        cache.rewind(slot, to, {name: w[:, accepted : accepted + w.shape[1] - fed] for name, w in windows.items()})
+        return
+    back = cache.rewind_point(slot, to)
+    cache.rewind(slot, back)
+    if back < to:
+        replay.append((slot, np.asarray(seq.history[back:to], np.int64)))
 
 
 def _row_limit(seq: Sequence, width_max: int) -> int:

@@ -1,0 +1,211 @@
+"""Qwen3.5 (text): Gated DeltaNet linear attention in three of every four layers, gated full attention
+in the fourth.
+
+    config.json  model_type qwen3_5_text, or qwen3_5 (a multimodal checkpoint: its text_config and its
+                 language-model weights; the vision tower and the MTP head are left out)
+    GGUF         general.architecture qwen35, as llama.cpp's converter writes it (conversion/qwen.py):
+                 ssm_a = -exp(A_log), the conv squeezed to [C, K], (1 + w) norms stored as the factor
+                 (not ssm_norm), value heads reordered from grouped-by-key-head to tiled when Hv > Hk;
+                 ``gguf_fix`` undoes each of these
+
+What differs from Qwen3 (transformers' ``modeling_qwen3_5.py``):
+- ``layer_types``: "linear_attention" layers (``layer_kinds`` "linear_attention": a causal conv over
+  q/k/v with a rolling state, the gated delta rule over a recurrent state, a gated RMSNorm) and
+  "full_attention" layers;
+- full attention: q_proj yields a query and an output gate per head (rows interleaved per head,
+  de-interleaved at load into q rows then gate rows), y = attention * sigmoid(gate)
+  (``attn_output_gate``); q/k RMSNorm; RoPE on the first quarter of each head (partial rotary;
+  text-only M-RoPE is plain RoPE: its three position streams are equal);
+- every RMSNorm multiplies by (1 + w) (canonical norm weights are that factor), except the gated
+  RMSNorm of the linear layers, which multiplies by w.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from decodert.errors import DecodertError
+from decodert.models.common import gguf_key, hf_rope, partial_rotary_factor, spec_from_gguf_meta, spec_from_hf_config
+from decodert.models.spec import ModelSpec
+
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+GGUF_ARCHITECTURES = ("qwen35",)
+
+_L = "model.layers.{i}."
+_A = _L + "self_attn."
+_D = _L + "linear_attn."
+HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
+    "embed": "model.embed_tokens.weight",
+    "layers.{i}.input_norm": _L + "input_layernorm.weight",
+    "layers.{i}.qkv": (_A + "q_proj.weight", _A + "k_proj.weight", _A + "v_proj.weight"),
+    "layers.{i}.q_norm": _A + "q_norm.weight",
+    "layers.{i}.k_norm": _A + "k_norm.weight",
+    "layers.{i}.o": _A + "o_proj.weight",
+    "layers.{i}.linear_in": (_D + "in_proj_qkv.weight", _D + "in_proj_z.weight", _D + "in_proj_b.weight",
+                             _D + "in_proj_a.weight"),
+    "layers.{i}.linear_conv": _D + "conv1d.weight",
+    "layers.{i}.linear_a_log": _D + "A_log",
+    "layers.{i}.linear_dt_bias": _D + "dt_bias",
+    "layers.{i}.linear_norm": _D + "norm.weight",
+    "layers.{i}.linear_out": _D + "out_proj.weight",
+    "layers.{i}.post_norm": _L + "post_attention_layernorm.weight",
+    "layers.{i}.gate_up": (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+    "layers.{i}.down": _L + "mlp.down_proj.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+}
+
+_B = "blk.{i}."
+GGUF_WEIGHTS: dict[str, str | tuple[str, ...]] = {  # gguf.get_tensor_name_map(MODEL_ARCH.QWEN35, n)
+    "embed": "token_embd.weight",
+    "layers.{i}.input_norm": _B + "attn_norm.weight",
+    "layers.{i}.qkv": (_B + "attn_q.weight", _B + "attn_k.weight", _B + "attn_v.weight"),
+    "layers.{i}.q_norm": _B + "attn_q_norm.weight",
+    "layers.{i}.k_norm": _B + "attn_k_norm.weight",
+    "layers.{i}.o": _B + "attn_output.weight",
+    "layers.{i}.linear_in": (_B + "attn_qkv.weight", _B + "attn_gate.weight", _B + "ssm_beta.weight",
+                             _B + "ssm_alpha.weight"),
+    "layers.{i}.linear_conv": _B + "ssm_conv1d.weight",
+    "layers.{i}.linear_a_log": _B + "ssm_a",
+    "layers.{i}.linear_dt_bias": _B + "ssm_dt.bias",
+    "layers.{i}.linear_norm": _B + "ssm_norm.weight",
+    "layers.{i}.linear_out": _B + "ssm_out.weight",
+    "layers.{i}.post_norm": _B + "post_attention_norm.weight",
+    "layers.{i}.gate_up": (_B + "ffn_gate.weight", _B + "ffn_up.weight"),
+    "layers.{i}.down": _B + "ffn_down.weight",
+    "final_norm": "output_norm.weight",
+    "lm_head": "output.weight",
+}
+
+# transformers' Qwen3_5TextConfig defaults, for a config.json that leaves some out
+HF_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=248_320, hidden_size=4096, intermediate_size=12_288, num_hidden_layers=32, num_attention_heads=16,
+    num_key_value_heads=4, hidden_act="silu", max_position_embeddings=32_768, rms_norm_eps=1e-6, head_dim=256,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+    linear_num_value_heads=32, tie_word_embeddings=False,
+)
+KINDS = {"linear_attention": "linear_attention", "full_attention": "attention"}
+_MULTIMODAL = {"model.language_model.": "model."}
+_DROPPED = ("model.visual.", "visual.", "mtp.")
+_ONE_PLUS_W = ("layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight", "model.norm.weight")
+
+
+def sanitize(key: str) -> str | None:
+    """A multimodal checkpoint's language-model keys -> the text model's; vision and MTP keys dropped."""
+    if key.startswith(_DROPPED):
+        return None
+    for prefix, plain in _MULTIMODAL.items():
+        if key.startswith(prefix):
+            return plain + key[len(prefix):]
+    return key
+
+
+def hf_fix(key: str, w: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """(1 + w) norms -> their factor; q_proj's per-head [query | gate] rows -> all query rows, then all gate rows."""
+    if key.endswith(_ONE_PLUS_W):
+        return w + np.float32(1.0)
+    if key.endswith("self_attn.q_proj.weight"):
+        return _query_then_gate(w, spec)
+    return w
+
+
+def _query_then_gate(w: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    h, d = spec.num_heads, spec.head_dim
+    heads = w.reshape(h, 2, d, -1)
+    return np.concatenate([heads[:, 0].reshape(h * d, -1), heads[:, 1].reshape(h * d, -1)], axis=0)
+
+
+def _grouped(w: np.ndarray, spec: ModelSpec, head_dim: int, axis: int = 0) -> np.ndarray:
+    """Value heads in llama.cpp's tiled order (k0, k1, .., k0, k1, ..) -> transformers' grouped order (each key
+    head's value heads together), along ``axis``."""
+    hk, hv = spec.linear_key_heads, spec.linear_value_heads
+    if hk == hv:
+        return w
+    x = np.moveaxis(w, axis, 0)
+    x = x.reshape(hv // hk, hk, head_dim, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+    return np.moveaxis(x, 0, axis)
+
+
+def gguf_fix(key: str, w: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """Undo llama.cpp's converter: de-interleave q and gate, A_log from -exp(A_log), value heads grouped again."""
+    kd, dv = spec.linear_key_heads * spec.linear_key_dim, spec.linear_value_dim
+    if key.endswith("attn_q.weight"):
+        return _query_then_gate(w, spec)
+    if key.endswith("ssm_a"):
+        w = np.log(-w)
+    if key.endswith(("attn_qkv.weight", "ssm_conv1d.weight")):
+        return np.concatenate([w[: 2 * kd], _grouped(w[2 * kd:], spec, dv)], axis=0)
+    if key.endswith("attn_gate.weight"):
+        return _grouped(w, spec, dv)
+    if key.endswith(("ssm_beta.weight", "ssm_alpha.weight", "ssm_a", "ssm_dt.bias")):
+        return _grouped(w, spec, 1)
+    if key.endswith("ssm_out.weight"):
+        return _grouped(w, spec, dv, axis=1)
+    return w
+
+
+def gguf_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The conv's taps are stored squeezed, [C, K]; canonical is the checkpoint's [C, 1, K]."""
+    return (shape[0], 1, shape[1]) if key.endswith("ssm_conv1d.weight") and len(shape) == 2 else shape
+
+
+def text_config(config: dict) -> dict:
+    """The language model's settings: defaults, then text_config (qwen3_5) or the config itself."""
+    if config.get("model_type") != "qwen3_5":
+        return {**HF_DEFAULTS, **config}
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise DecodertError("a qwen3_5 config.json needs a 'text_config' object")
+    top = {k: config[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in config}
+    return {**HF_DEFAULTS, **text, **top}
+
+
+def layer_kinds(config: dict) -> tuple[str, ...]:
+    """"linear_attention" / "attention" per layer, from layer_types or transformers' every-4th rule."""
+    layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        interval = int(config.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers:
+        raise DecodertError(f"layer_types must list {layers} layers")
+    unknown = [t for t in types if t not in KINDS]
+    if unknown:
+        raise DecodertError(f"layer kind '{unknown[0]}' is not supported for qwen3_5 (known: {', '.join(KINDS)})")
+    return tuple(KINDS[t] for t in types)
+
+
+def spec_from_hf(config: dict) -> ModelSpec:
+    config = text_config(config)
+    if config.get("attention_bias"):
+        raise DecodertError("attention_bias=true is not supported for qwen3_5")
+    params = config.get("rope_parameters") or {}
+    config = {**config, "rope_parameters": {k: v for k, v in params.items() if k not in ("mrope_section",
+                                                                                          "mrope_interleaved")}}
+    spec = spec_from_hf_config(
+        "qwen3_5", config, qk_norm=True, attn_output_gate=True, layer_kinds=layer_kinds(config),
+        conv_kernel=int(config["linear_conv_kernel_dim"]), linear_key_heads=int(config["linear_num_key_heads"]),
+        linear_value_heads=int(config["linear_num_value_heads"]), linear_key_dim=int(config["linear_key_head_dim"]),
+        linear_value_dim=int(config["linear_value_head_dim"]))
+    factor = partial_rotary_factor({"partial_rotary_factor": 0.25, **config})
+    rot = int(spec.head_dim * factor)
+    rope = hf_rope(config)
+    return dataclasses.replace(spec, rope=rope if rot == spec.head_dim else dataclasses.replace(rope, rotary_dim=rot))
+
+
+def spec_from_gguf(meta: dict) -> ModelSpec:
+    """llama.cpp's keys: the attention's as for Qwen3, the linear layers' under ssm.*, every
+    full_attention_interval-th layer full (llama.cpp's rule)."""
+    layers = int(gguf_key(meta, "block_count"))
+    interval = int(gguf_key(meta, "full_attention_interval", 4))
+    kinds = tuple("attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers))
+    hv, inner = int(gguf_key(meta, "ssm.time_step_rank")), int(gguf_key(meta, "ssm.inner_size"))
+    if hv < 1 or inner % hv:
+        raise DecodertError(f"qwen35.ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {hv}")
+    return spec_from_gguf_meta(
+        "qwen3_5", meta, qk_norm=True, attn_output_gate=True, layer_kinds=kinds,
+        conv_kernel=int(gguf_key(meta, "ssm.conv_kernel")), linear_key_heads=int(gguf_key(meta, "ssm.group_count")),
+        linear_value_heads=hv, linear_key_dim=int(gguf_key(meta, "ssm.state_size")), linear_value_dim=inner // hv)

@@ -1,0 +1,102 @@
+"""The cache owner's rule for rows with conv / recurrent states (hybrid models; docs/ARCHITECTURE.md,
+"Cache state"): such a row is rewound only to a point it can return to exactly (its length, 0, or its
+snapshot), every other rewind is refused, and a row that holds nothing has zero states."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from decodert.errors import DecodertError
+from decodert.runtime.backends.kv_cache import KVCache
+
+
+def _cache(states=(("conv.0", (4, 3)), ("recurrent.0", (2, 2, 2)))) -> KVCache:
+    return KVCache(3, 16, 1, 2, 4, np.float32, kv_layers=[1], states=list(states))
+
+
+def _write(cache: KVCache, slot: int, value: float) -> None:
+    """What a graph does in place: new states for the row."""
+    for buf in cache.states:
+        buf[slot] = value
+
+
+def test_rewind_goes_only_to_length_zero_or_the_snapshot():
+    cache = _cache()
+    cache.commit([0], [np.arange(5)])
+    _write(cache, 0, 1.0)
+    cache.snapshot(0)  # states at 5 tokens
+    cache.commit([0], [np.arange(5, 9)])
+    _write(cache, 0, 2.0)
+    assert [cache.rewind_point(0, t) for t in (9, 8, 5, 4, 0)] == [9, 5, 5, 0, 0]
+    with pytest.raises(DecodertError, match="cannot be rewound from 9 to 7") as e:
+        cache.rewind(0, 7)
+    assert "\n" not in str(e.value) and cache.lengths[0] == 9 and cache.states[0][0, 0, 0] == 2.0  # nothing changed
+    cache.rewind(0, 9)  # its length: nothing to do
+    assert cache.states[0][0, 0, 0] == 2.0
+    cache.rewind(0, 5)  # the snapshot: states restored, the ids after it dropped
+    assert cache.lengths[0] == 5 and all((buf[0] == 1.0).all() for buf in cache.states)
+    np.testing.assert_array_equal(cache.held(0), np.arange(5))
+    cache.commit([0], [[7, 7]])
+    _write(cache, 0, 3.0)
+    cache.rewind(0, 5)  # the snapshot stays valid while the row still holds it
+    assert all((buf[0] == 1.0).all() for buf in cache.states)
+    cache.rewind(0, 0)  # 0: zero states, no snapshot left
+    assert cache.lengths[0] == 0 and all((buf[0] == 0).all() for buf in cache.states)
+    cache.commit([0], [np.arange(6)])
+    assert cache.rewind_point(0, 5) == 0
+    with pytest.raises(DecodertError):
+        cache.rewind(0, 5)
+
+
+def test_rewind_with_the_states_a_pass_computed():
+    """Speculation with a verify pass's per-position states: any point of the row, its states given."""
+    cache = _cache()
+    cache.commit([0], [np.arange(8)])
+    _write(cache, 0, 2.0)
+    given = {"conv.0": np.full((4, 3), 5.0, np.float32), "recurrent.0": np.full((2, 2, 2), 6.0, np.float32)}
+    cache.rewind(0, 6, given)
+    assert cache.lengths[0] == 6 and (cache.states[0][0] == 5.0).all() and (cache.states[1][0] == 6.0).all()
+    with pytest.raises(ValueError, match="not the row's"):
+        cache.rewind(0, 5, {"conv.0": given["conv.0"]})
+
+
+def test_reset_and_move_leave_empty_rows_with_zero_states():
+    cache = _cache()
+    cache.commit([0, 1], [np.arange(4), np.arange(3)])
+    _write(cache, 0, 1.0)
+    _write(cache, 1, 4.0)
+    cache.snapshot(1)
+    cache.reset(0)
+    assert all((buf[0] == 0).all() for buf in cache.states) and all((buf[1] == 4.0).all() for buf in cache.states)
+    for buf in cache.states:  # a backend's move_slot copies the buffers, then tells the owner
+        buf[2] = buf[1]
+    cache.move(1, 2)
+    assert all((buf[1] == 0).all() for buf in cache.states) and cache.lengths[1] == 0
+    cache.commit([2], [[9]])
+    cache.rewind(2, 3)  # the snapshot moved with the row
+    np.testing.assert_array_equal(cache.held(2), np.arange(3))
+
+
+def test_a_cache_without_states_rewinds_by_length():
+    cache = KVCache(2, 16, 2, 2, 4, np.float32)
+    cache.commit([0], [np.arange(9)])
+    cache.snapshot(0)  # nothing to keep
+    assert not cache.has_state and cache.rewind_point(0, 7) == 7
+    cache.rewind(0, 7)
+    assert cache.lengths[0] == 7 and cache.kv_layers == (0, 1)
+
+
+def test_a_layer_kind_without_a_lowering_is_one_line():
+    import dataclasses
+
+    from decodert.models.spec import ModelSpec, canonical_names
+
+    spec = ModelSpec("x", 64, 32, 64, 2, 4, 2, 8, 1e-5, layer_kinds=("attention", "conv"), conv_kernel=3)
+    assert "layers.1.conv_in" in canonical_names(spec)
+    mamba = dataclasses.replace(spec, layer_kinds=("mamba2", "attention"))
+    with pytest.raises(DecodertError, match="layer 0 is a 'mamba2' layer") as e:
+        canonical_names(mamba)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="layer kind 'gated_rnn'"):
+        dataclasses.replace(spec, layer_kinds=("gated_rnn", "attention"))

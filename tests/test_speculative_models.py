@@ -133,7 +133,7 @@ def test_ort_one_row_verify_runs_in_the_prefill_session(tiny_checkpoint, tmp_pat
     assert cache.lengths[0] == start + 5
     cache.rewind(0, start)
     batched = be._verify_state(one_row=False)  # the verify graph over the same row
-    io, ids_buf, past_buf, logits_buf, next_buf = batched.binding(cache, 0, 1, 5)
+    io, ids_buf, past_buf, logits_buf, next_buf, _ = batched.binding(cache, 0, 1, 5)
     ids_buf[0], past_buf[0] = draft, start
     real(batched.session, io, be.dir, "verify")
     np.testing.assert_allclose(got.logits[0], logits_buf[0], atol=1e-4)

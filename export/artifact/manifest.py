@@ -295,7 +295,8 @@ def validate(m: Manifest, path: Path) -> None:
     kv = m.kv
     _need(min(kv.num_layers, kv.num_kv_heads, kv.head_dim) >= 1, path,
           "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
-    _need(len(kv.layers) == kv.num_layers, path, "kv.layer_kinds does not match kv.num_layers attention layers")
+    _need(not kv.layer_kinds or sum(k == "attention" for k in kv.layer_kinds) == kv.num_layers, path,
+          "kv.layer_kinds does not match kv.num_layers attention layers")  # (kv.layers would build a huge range)
     for st in kv.states:
         _need(0 <= st.layer < max(len(kv.layer_kinds), 1) and st.name in ("conv", "recurrent") and len(st.shape) >= 2
               and st.dtype in (None, "fp32")

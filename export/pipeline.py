@@ -37,7 +37,8 @@ from decodert.export.progress import Stage
 from decodert.export.vision_export import vision_of, write_vision
 from decodert.export.lowering.semantics import tokenizer_vocab
 from decodert.export.artifact.weights import WeightsWriter
-from decodert.models.spec import ModelSpec, canonical_names, canonical_shape, rope_tables, state_specs
+from decodert.models.spec import ModelSpec, rope_tables, state_specs
+from decodert.models.canonical import canonical_names, canonical_shape
 from decodert.models.vision import VisionSpec, vision_names, vision_shape
 from decodert.plugins.kv_dtypes import KVDtype
 from decodert.plugins.kv_dtypes import kv_dtype as kv_dtype_of

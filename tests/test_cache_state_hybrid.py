@@ -90,7 +90,8 @@ def test_a_cache_without_states_rewinds_by_length():
 def test_a_layer_kind_without_a_lowering_is_one_line():
     import dataclasses
 
-    from decodert.models.spec import ModelSpec, canonical_names
+    from decodert.models.spec import ModelSpec
+    from decodert.models.canonical import canonical_names
 
     spec = ModelSpec("x", 64, 32, 64, 2, 4, 2, 8, 1e-5, layer_kinds=("attention", "conv"), conv_kernel=3)
     assert "layers.1.conv_in" in canonical_names(spec)

@@ -14,7 +14,8 @@ from tiny import FAMILIES, HYBRIDS, MOE_FAMILIES, tiny_config  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.checkpoints.checkpoint import source_keys  # noqa: E402
 from decodert.models import families, family_for, llama, mistral, phi3, qwen2, qwen3, registry  # noqa: E402
-from decodert.models.spec import ModelSpec, RopeSpec, canonical_names  # noqa: E402
+from decodert.models.canonical import canonical_names  # noqa: E402
+from decodert.models.spec import ModelSpec, RopeSpec  # noqa: E402
 
 MODULES = (llama, mistral, qwen2, qwen3, phi3)
 

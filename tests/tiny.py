@@ -408,7 +408,7 @@ def assert_matches(ckpt, expected, atol=0.0):
     """Every canonical tensor of `ckpt`: float32, canonical shape, fresh and equal to expected[name]."""
     import numpy as np
 
-    from decodert.models.spec import canonical_shape
+    from decodert.models.canonical import canonical_shape
 
     assert set(ckpt.names()) == set(expected)
     for name in ckpt.names():

@@ -27,7 +27,8 @@ import numpy as np
 
 from decodert.errors import DecodertError, first_line
 from decodert.export.lowering.semantics import check_finite, check_spec
-from decodert.models.spec import ModelSpec, canonical_names, canonical_shape
+from decodert.models.spec import ModelSpec
+from decodert.models.canonical import canonical_names, canonical_shape
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # What a family's spec_from_* raises on a value of the wrong type or range (metadata is untrusted).

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from decodert.export.artifact.records import Record
-from decodert.models.spec import ModelSpec, canonical_shape
+from decodert.models.spec import ModelSpec
+from decodert.models.canonical import canonical_shape
 
 TARGET_PARTS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"),
                                            "down": ("down",)}

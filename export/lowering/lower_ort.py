@@ -41,7 +41,7 @@ from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quantize.quant import quantized_embedding
 from decodert.export.quantize.weight_layouts import NBITS
 from decodert.export.artifact.weights import NUMPY_DTYPES
-from decodert.models.spec import canonical_shape
+from decodert.models.canonical import canonical_shape
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.export.quantize.weight_layouts import QDQ, WeightLayout
 from decodert.export.artifact.weights import NUMPY_DTYPES
-from decodert.models.spec import ModelSpec, canonical_shape
+from decodert.models.spec import ModelSpec
+from decodert.models.canonical import canonical_shape
 from decodert.plugins import cached_attention as ca
 from decodert.plugins import causal_conv as cc
 from decodert.plugins import gated_delta_net as gdn

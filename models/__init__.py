@@ -14,7 +14,7 @@ from types import ModuleType
 
 from decodert.errors import DecodertError
 
-_HELPERS = ("common", "spec", "vision")  # modules here that are not families
+_HELPERS = ("canonical", "common", "spec", "vision")  # modules here that are not families
 
 
 @functools.cache

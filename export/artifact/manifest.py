@@ -21,12 +21,13 @@ from typing import Any, Mapping
 
 from decodert.errors import DecodertError
 from decodert.export.artifact.artifact_files import FileRecord, verify_files
+from decodert.export.artifact.graph_contract import check_contract, check_verify, need
 from decodert.export.artifact.cache_records import KVRecord
 from decodert.export.artifact.records import R, Record, read_record, to_json
 from decodert.export.checkpoints.sampling_defaults import check_record
 from decodert.export.lora.layout import LoraLayout, LoraRecord
 from decodert.models.spec import ModelSpec
-from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
+from decodert.plugins.kv_dtypes import KV_DTYPES
 
 FORMAT = "decodert-artifact"
 FORMAT_VERSION = 1  # the schema version this decodert writes
@@ -285,125 +286,49 @@ def _check_version(raw: Any, path: Path) -> None:
 def validate(m: Manifest, path: Path) -> None:
     """Ranges, file names and the graph contract; DecodertError names the field."""
     for name, rec in m.files.items():
-        _need(safe_name(name), path, f"file entry {name!r} points outside the artifact folder")
-        _need(rec.size >= 0 and _hex(rec.sha256) and (rec.edge_sha256 is None or _hex(rec.edge_sha256)), path,
+        need(safe_name(name), path, f"file entry {name!r} points outside the artifact folder")
+        need(rec.size >= 0 and _hex(rec.sha256) and (rec.edge_sha256 is None or _hex(rec.edge_sha256)), path,
               f"files.{name} is malformed")
-    _need(m.max_seq >= 2 and m.max_batch >= 1, path, "max_seq and max_batch must be integers >= 2 / >= 1")
-    _need(m.model.vocab_size >= 1, path, "model.vocab_size must be a positive integer")
-    _need(_ids(m.model.eos_token_ids) and _ids([m.model.bos_token_id]), path,
+    need(m.max_seq >= 2 and m.max_batch >= 1, path, "max_seq and max_batch must be integers >= 2 / >= 1")
+    need(m.model.vocab_size >= 1, path, "model.vocab_size must be a positive integer")
+    need(_ids(m.model.eos_token_ids) and _ids([m.model.bos_token_id]), path,
           "model.eos_token_ids / model.bos_token_id are malformed")
     kv = m.kv
-    _need(min(kv.num_layers, kv.num_kv_heads, kv.head_dim) >= 1, path,
+    need(min(kv.num_layers, kv.num_kv_heads, kv.head_dim) >= 1, path,
           "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
-    _need(not kv.layer_kinds or sum(k == "attention" for k in kv.layer_kinds) == kv.num_layers, path,
+    need(not kv.layer_kinds or sum(k == "attention" for k in kv.layer_kinds) == kv.num_layers, path,
           "kv.layer_kinds does not match kv.num_layers attention layers")  # (kv.layers would build a huge range)
     for st in kv.states:
-        _need(0 <= st.layer < max(len(kv.layer_kinds), 1) and st.name in ("conv", "recurrent") and len(st.shape) >= 2
+        need(0 <= st.layer < max(len(kv.layer_kinds), 1) and st.name in ("conv", "recurrent") and len(st.shape) >= 2
               and st.dtype in (None, "fp32")
               and st.shape[0] == "batch" and all(type(d) is int and d >= 1 for d in st.shape[1:]), path,
               f"kv.states entry for layer {st.layer} ({st.name}) is malformed")
     kvd = KV_DTYPES.get(m.kv_dtype or m.dtype)
-    _need(kvd is not None and kv.dtype in (None, kvd.storage), path,
+    need(kvd is not None and kv.dtype in (None, kvd.storage), path,
           f"kv_dtype {m.kv_dtype!r} / kv.dtype {kv.dtype!r} is not a KV cache type decodert knows")
-    _need(m.lora is None or (m.lora.slots >= 0 and (m.lora.rank >= 1) == (m.lora.slots >= 1)), path,
+    need(m.lora is None or (m.lora.slots >= 0 and (m.lora.rank >= 1) == (m.lora.slots >= 1)), path,
           "lora.slots / lora.rank are malformed")
     for kind in GRAPHS:
-        _need(kind in m.graphs, path, f"graphs.{kind} is missing or malformed")
+        need(kind in m.graphs, path, f"graphs.{kind} is missing or malformed")
         _listed(m, m.graphs[kind].file, path, f"graphs.{kind}.file")
-    _check_contract(m, path)
+    check_contract(m, path, GRAPHS)
     if m.vision is not None:
         _listed(m, m.vision.graph.file, path, "vision.graph.file")
-        _need(m.model.extra.get("image_token_id") is not None, path, "vision needs model.image_token_id")
-    _check_verify(m, path)
+        need(m.model.extra.get("image_token_id") is not None, path, "vision needs model.image_token_id")
+    if "verify" in m.graphs:
+        _listed(m, m.graphs["verify"].file, path, "graphs.verify.file")
+    check_verify(m, path)
     _listed(m, m.weights.file, path, "weights.file")
     # listed in files is checked where it is opened (tokenizer_file): `decodert build` needs no tokenizer
     tok = m.tokenizer
-    _need(safe_name(tok.file), path, "tokenizer.file is not a file name in the artifact folder")
-    _need(_ids(tok.eos_token_ids) and _ids([tok.bos_token_id, tok.pad_token_id]) and (tok.vocab_size or 1) >= 1, path,
+    need(safe_name(tok.file), path, "tokenizer.file is not a file name in the artifact folder")
+    need(_ids(tok.eos_token_ids) and _ids([tok.bos_token_id, tok.pad_token_id]) and (tok.vocab_size or 1) >= 1, path,
           "tokenizer token ids / add_bos_token / chat_template / vocab_size are malformed")
     if m.sampling is not None:
         problem = check_record(to_json(m.sampling))
-        _need(problem is None, path, str(problem))
+        need(problem is None, path, str(problem))
     for name, eng in (m.engines or {}).items():
-        _need(safe_name(eng.file) and eng.size >= 0 and _hex(eng.sha256), path, f"engines.{name} is malformed")
-
-
-def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
-    """name -> (dtype, shape or None) of every graph input/output a backend binds."""
-    kv, kvd = m.kv, kv_storage(m)
-    cache = ["batch", kv.num_kv_heads, m.max_seq, kvd.width(kv.head_dim)]  # allocated by the backends
-    io: dict[str, tuple[str, list | None]] = {
-        "input_ids": ("int64", None), "past_lengths": ("int64", ["batch"]), "seq_lengths": ("int64", ["batch"]),
-        "logits": ("fp32", ["batch", m.model.vocab_size]), "next_token": ("int64", ["batch"])}
-    for i in kv.layers:
-        for name in ("past_key", "past_value", "present_key", "present_value"):
-            io[f"{name}.{i}"] = (kvd.storage, cache)
-    for st in kv.states:
-        io[f"past_{st.io_name}"] = io[f"present_{st.io_name}"] = (st.dtype or m.dtype, list(st.shape))
-    if m.lora_layout is not None:
-        io.update({t["name"]: (t["dtype"], t["shape"]) for t in m.lora_layout.inputs(m.model.spec(), m.dtype)})
-    return io
-
-
-def kv_storage(m: Manifest) -> KVDtype:
-    """The KV cache's element type (plugins/kv_dtypes.py); an artifact without ``kv_dtype`` keeps it in ``dtype``."""
-    return KV_DTYPES[m.kv_dtype or m.dtype]
-
-
-def _check_contract(m: Manifest, path: Path) -> None:
-    """Each graph lists what the backends bind, with the dtypes and cache shapes kv/max_seq/vocab imply."""
-    for kind in GRAPHS:
-        g = m.graphs[kind]
-        listed = g.io()
-        _need(2 * m.kv.num_layers + 3 <= len(g.inputs), path,  # before runtime_io makes 4 names per layer
-              f"kv.num_layers {m.kv.num_layers} does not match graphs.{kind}.inputs")
-        bound = runtime_io(m)
-        _check_tensors(listed, bound, path, f"graphs.{kind}", "kv/max_seq/model.vocab_size")
-        if kind == "prefill" and m.model.extra.get("image_token_id") is not None:
-            bound.update(image_embeds=(m.dtype, ["image_tokens", m.model.hidden_size]),
-                         image_positions=("int64", ["image_tokens"]))
-        if kind == "prefill" and g.verifies_rows:
-            _check_per_position(m, listed, path)
-            bound["per_position"] = ("int64", [1])
-        extra = [t.name for t in g.inputs if t.name not in bound]  # an input nobody binds
-        _need(not extra, path, f"graphs.{kind}: input {extra[:1]} is not one the runtime binds (kv.num_layers?)")
-
-
-def _check_tensors(listed: dict, want: dict[str, tuple[str, list | None]], path: Path, where: str, source: str) -> None:
-    """Each wanted name is listed with its dtype and (unless None) its shape; ``source``: what implies them."""
-    for name, (dtype, shape) in want.items():
-        t = listed.get(name)
-        ok = t is not None and t.dtype == dtype and (shape is None or list(t.shape) == shape)
-        _need(ok, path, f"{where}: {name!r} is missing or disagrees with {source}")
-
-
-def _check_per_position(m: Manifest, listed: dict, path: Path) -> None:
-    """graphs.prefill's one-row verify input comes with its outputs and a verify graph beside it."""
-    _need("verify" in m.graphs, path, "graphs.prefill takes per_position but there is no graphs.verify")
-    vocab = m.model.vocab_size
-    want: dict[str, tuple[str, list | None]] = {
-        "per_position": ("int64", [1]), "seq_logits": ("fp32", ["batch", "positions", vocab]),
-        "next_tokens": ("int64", ["batch", "positions"])}
-    _check_tensors(listed, want, path, "graphs.prefill", "model.vocab_size")
-
-
-def _check_verify(m: Manifest, path: Path) -> None:
-    """graphs.verify (speculative decoding; artifacts exported before it have none): the prefill
-    contract without seq_lengths, per-position outputs, and its width per call."""
-    g = m.graphs.get("verify")
-    if g is None:
-        return
-    _need(g.max_tokens is not None and g.max_tokens >= 1, path, "graphs.verify is malformed")
-    _listed(m, g.file, path, "graphs.verify.file")
-    _need(2 * m.kv.num_layers + 2 <= len(g.inputs), path, f"kv.num_layers {m.kv.num_layers} does not match graphs.verify.inputs")
-    bound = runtime_io(m)
-    bound.pop("seq_lengths"), bound.pop("logits"), bound.pop("next_token")
-    bound["seq_logits"] = ("fp32", ["batch", "seq", m.model.vocab_size])
-    bound["next_tokens"] = ("int64", ["batch", "seq"])
-    listed = g.io()
-    _check_tensors(listed, bound, path, "graphs.verify", "kv/max_seq/model.vocab_size")
-    extra = [t.name for t in g.inputs if t.name not in bound]
-    _need(not extra, path, f"graphs.verify: input {extra[:1]} is not one the runtime binds")
+        need(safe_name(eng.file) and eng.size >= 0 and _hex(eng.sha256), path, f"engines.{name} is malformed")
 
 
 def safe_name(name: Any) -> bool:
@@ -417,11 +342,6 @@ def tokenizer_file(m: Manifest, folder: Path) -> Path:
     return folder / m.tokenizer.file
 
 
-def _need(ok: bool, path: Path, what: str) -> None:
-    if not ok:
-        raise DecodertError(f"{path}: {what}")
-
-
 def _ids(values: Any) -> bool:
     return all(v is None or v >= 0 for v in values)
 
@@ -432,5 +352,5 @@ def _hex(value: str) -> bool:
 
 def _listed(m: Manifest, name: str, path: Path, what: str) -> None:
     """A file the loaders open must be a plain name that ``files`` lists (so it is verified)."""
-    _need(safe_name(name), path, f"{what} {name!r} is not a file name inside the artifact folder")
-    _need(name in m.files, path, f"{what} {name!r} is not listed in 'files' (it could not be verified)")
+    need(safe_name(name), path, f"{what} {name!r} is not a file name inside the artifact folder")
+    need(name in m.files, path, f"{what} {name!r} is not listed in 'files' (it could not be verified)")

@@ -23,7 +23,8 @@ import onnx
 import onnxruntime as ort
 
 from decodert.errors import DecodertError, first_line
-from decodert.export.artifact.manifest import Manifest, kv_storage
+from decodert.export.artifact.graph_contract import kv_storage
+from decodert.export.artifact.manifest import Manifest
 from decodert.plugins.kv_dtypes import NUMPY_STORAGE
 from decodert.export.lowering.targets import get_target
 from decodert.export.lowering.onnx_check import check_external_data, check_session_io

@@ -78,19 +78,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     quant = tgt.quant_config(quant)  # TensorRT: symmetric; --keep-q4-1 only where the layout keeps block minimums
     out_dir = destination.prepare(out_dir)
     progress = True if progress is None else progress  # export/progress.py: a bar on a terminal, else lines
-    with Stage(f"reading {Path(src).name}", enabled=progress):
-        ckpt = open_checkpoint(src)
+    ckpt, quant, max_seq = _open_source(src, tgt, quant, lora, merge_lora, max_seq, progress)
     spec: ModelSpec = ckpt.spec
-    if quant is None:  # a GPTQ / AWQ checkpoint keeps its own 4-bit blocks unless asked otherwise
-        quant = tgt.quant_config(ckpt.native_quant())
-    if (lora is not None or merge_lora) and any(spec.is_moe(i) for i in range(spec.num_layers)):
-        raise DecodertError(f"LoRA adapters (--lora-slots / --merge-lora) are not supported on a mixture-of-experts "
-                            f"model ({spec.family}): they map onto dense q/k/v/o/gate/up/down weights only")
-    if merge_lora:  # one fused model: the adapters' updates added to the weights as they are read
-        ckpt = MergedCheckpoint(ckpt, [read_peft(d, spec) for d in merge_lora])  # type: ignore[assignment]
-    max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
-    if not 2 <= max_seq <= spec.max_position:
-        raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
     plugin_record = choose_plugins(plugins, tgt, trt_version)
     plugin_ops = tuple(plugin_record["ops"]) if plugin_record else ()
     kv = kv_dtype_of(kv_dtype, dtype)
@@ -128,6 +117,26 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _open_source(src: str | Path, tgt: Any, quant: QuantConfig | None, lora: LoraLayout | None,
+                 merge_lora: Sequence[str | Path], max_seq: int | None, progress: bool) -> tuple[Any, QuantConfig | None, int]:
+    """The checkpoint the export reads (with ``merge_lora`` merged in), the quantization (a GPTQ / AWQ
+    checkpoint keeps its own 4-bit blocks unless asked otherwise) and max_seq (default: up to 2048)."""
+    with Stage(f"reading {Path(src).name}", enabled=progress):
+        ckpt = open_checkpoint(src)
+    spec: ModelSpec = ckpt.spec
+    if quant is None:
+        quant = tgt.quant_config(ckpt.native_quant())
+    if (lora is not None or merge_lora) and any(spec.is_moe(i) for i in range(spec.num_layers)):
+        raise DecodertError(f"LoRA adapters (--lora-slots / --merge-lora) are not supported on a mixture-of-experts "
+                            f"model ({spec.family}): they map onto dense q/k/v/o/gate/up/down weights only")
+    if merge_lora:  # one fused model: the adapters' updates added to the weights as they are read
+        ckpt = MergedCheckpoint(ckpt, [read_peft(d, spec) for d in merge_lora])
+    max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq
+    if not 2 <= max_seq <= spec.max_position:
+        raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
+    return ckpt, quant, max_seq
 
 
 def _check_lora(tgt: Any, lora: LoraLayout | None) -> None:

@@ -61,20 +61,7 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics,
                        body_timeout_s=config.client_timeout_s, allowed_hosts=config.allowed_hosts)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405 in OpenAI's shape
-        what = {404: f"no such endpoint: {request.method} {request.url.path}",
-                405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
-        return await api_error(request, ApiError(e.status_code, what, code="not_found" if e.status_code == 404 else None))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        message = f"internal error: {type(e).__name__}: {first_line(e)}"
-        return JSONResponse(ApiError(500, message, type="server_error").body(), status_code=500)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -120,6 +107,25 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
                               [len(p) for p in prompts], config)
 
     return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ApiError as it says, 404/405, and any other exception as a one-line 500."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405 in OpenAI's shape
+        what = {404: f"no such endpoint: {request.method} {request.url.path}",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return await api_error(request, ApiError(e.status_code, what, code="not_found" if e.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        message = f"internal error: {type(e).__name__}: {first_line(e)}"
+        return JSONResponse(ApiError(500, message, type="server_error").body(), status_code=500)
 
 
 def _encode_and_prepare(encode, engine: Engine, inputs, req, limit: int | None, default: int | None,

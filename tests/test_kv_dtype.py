@@ -220,3 +220,21 @@ def test_speculative_verify_reads_the_quantized_cache(artifacts):
     prompt = "Once upon a time there was a small model. Once upon a time there was a small"
     plain = llm.generate(prompt, max_new_tokens=16, temperature=0).token_ids
     assert llm.generate(prompt, max_new_tokens=16, temperature=0, speculative="ngram").token_ids == plain
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5"])
+def test_hybrid_models_take_a_quantized_kv_cache(tiny_checkpoint, tmp_path, family):
+    """An int8 K/V cache beside a hybrid's conv / recurrent states: the scales are calibrated with zero states,
+    the states stay in their own float type (not the K/V codes), and the answer stays the float cache's."""
+    src = tiny_checkpoint(family)
+    out = {}
+    for kv in ("fp32", "int8"):
+        export_model(src, tmp_path / kv, max_seq=64, max_batch=2, progress=False, kv_dtype=kv)
+        llm = LLM.load(tmp_path / kv)
+        cache = llm.backend.allocate(1)
+        assert all(np.dtype(t).kind == "f" for t in cache.state_dtypes) and cache.state_dtypes
+        out[kv] = llm.generate(list(range(5, 19)), max_new_tokens=8, stop_token_ids=[], logprobs=True)
+    same = next((i for i, (a, b) in enumerate(zip(out["int8"].token_ids, out["fp32"].token_ids)) if a != b), 8)
+    assert same >= 5, (out["int8"].token_ids, out["fp32"].token_ids)
+    np.testing.assert_allclose([t.logprob for t in out["int8"].logprobs[:same]],
+                               [t.logprob for t in out["fp32"].logprobs[:same]], atol=0.05)

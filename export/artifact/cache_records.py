@@ -45,12 +45,13 @@ class KVRecord(Record):
             return tuple(range(self.num_layers))
         return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "attention")
 
-    def cache_layout(self) -> dict:
+    def cache_layout(self, model_dtype: str) -> dict:
         """KVCache's keyword arguments beyond the K/V geometry: kv_layers and states (io name, per-slot shape,
-        numpy dtype or None for the cache's)."""
+        numpy dtype: the state's own, else the model's ``model_dtype``, never the K/V cache's, which a
+        ``--kv-dtype`` may make int8 / int4 codes)."""
         return {"kv_layers": self.layers,
-                "states": [(st.io_name, tuple(int(d) for d in st.shape[1:]),
-                            NUMPY_DTYPES[st.dtype] if st.dtype else None) for st in self.states]}
+                "states": [(st.io_name, tuple(int(d) for d in st.shape[1:]), NUMPY_DTYPES[st.dtype or model_dtype])
+                           for st in self.states]}
 
     def state_bytes(self, slots: int, itemsize: int) -> int:
         """Bytes of every state of ``slots`` rows (``itemsize``: the model dtype's)."""

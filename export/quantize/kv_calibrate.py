@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from decodert.errors import DecodertError
-from decodert.models.spec import ModelSpec
+from decodert.models.spec import ModelSpec, state_specs
 from decodert.plugins.kv_dtypes import KVDtype
 
 # Varied prose, code, numbers and a list: about 300 tokens for a 49k-token BPE.
@@ -70,7 +70,10 @@ def calibrate(graph: Path, spec: ModelSpec, kv: KVDtype, dtype: str, max_seq: in
     np_dtype = np.float32 if dtype == "fp32" else np.float16
     past = {i.name: np.zeros([1, spec.num_kv_heads, max_seq, spec.head_dim], np_dtype)
             for i in sess.get_inputs() if i.name.startswith(("past_key.", "past_value."))}
-    names = [o.name for o in sess.get_outputs() if o.name.startswith("present_")]
+    states = {f"past_{st.io_name}" for st in state_specs(spec)}  # a hybrid's conv / recurrent states: zero
+    past.update({i.name: np.zeros([1 if isinstance(d, str) or d is None else d for d in i.shape], _NP[i.type])
+                 for i in sess.get_inputs() if i.name in states})
+    names = [o.name for o in sess.get_outputs() if o.name.startswith(("present_key.", "present_value."))]
     peaks: dict[str, np.ndarray] = {}
     for ids in prompts:
         feeds = {"input_ids": ids[None], "past_lengths": np.zeros(1, np.int64),
@@ -85,6 +88,9 @@ def calibrate(graph: Path, spec: ModelSpec, kv: KVDtype, dtype: str, max_seq: in
         peak = np.maximum(peak * HEADROOM[kv.name], FLOOR * kv.qmax)
         scales[name.replace("present_", "kv_scale.", 1)] = (peak / kv.qmax).astype(np.float32)[None, :, None, :]
     return scales
+
+
+_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # a conv / recurrent state's element type
 
 
 def _pair_norms(keys: np.ndarray, rotary_dim: int) -> np.ndarray:

@@ -117,7 +117,7 @@ class OrtBackend:
         for state in self._verify.values():
             state.bindings.clear()
         return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.kv_width, NUMPY_STORAGE[self.kv.storage],
-                       self.device, **self.manifest.kv.cache_layout())
+                       self.device, **self.manifest.kv.cache_layout(self.manifest.dtype))
 
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         lens = np.array([len(x) for x in ids], np.int64)

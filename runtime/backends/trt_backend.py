@@ -181,7 +181,7 @@ class TrtBackend:
             raise DecodertError(f"the KV cache needs {need / 2**30:.2f} GiB ({slots} slots x {self.max_seq} tokens) but "
                                 f"{free / 2**30:.2f} GiB of GPU memory is free; lower --max-seq or --max-batch")
         cache = KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, device="cuda",
-                        itemsize=self.itemsize, **self.manifest.kv.cache_layout())
+                        itemsize=self.itemsize, **self.manifest.kv.cache_layout(self.manifest.dtype))
         self._use(cache)
         return cache
 

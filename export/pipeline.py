@@ -128,9 +128,13 @@ def _open_source(src: str | Path, tgt: Any, quant: QuantConfig | None, lora: Lor
     spec: ModelSpec = ckpt.spec
     if quant is None:
         quant = tgt.quant_config(ckpt.native_quant())
-    if (lora is not None or merge_lora) and any(spec.is_moe(i) for i in range(spec.num_layers)):
-        raise DecodertError(f"LoRA adapters (--lora-slots / --merge-lora) are not supported on a mixture-of-experts "
-                            f"model ({spec.family}): they map onto dense q/k/v/o/gate/up/down weights only")
+    if lora is not None or merge_lora:  # adapters map onto dense attention and MLP weights only
+        kinds = sorted({spec.layer_kind(i) for i in range(spec.num_layers)} - {"attention"})
+        what = "mixture-of-experts" if any(spec.is_moe(i) for i in range(spec.num_layers)) else \
+            f"hybrid ({', '.join(kinds)} layers)" if kinds else None
+        if what:
+            raise DecodertError(f"LoRA adapters (--lora-slots / --merge-lora) are not supported on a {what} model "
+                                f"({spec.family}): they map onto dense q/k/v/o/gate/up/down weights only")
     if merge_lora:  # one fused model: the adapters' updates added to the weights as they are read
         ckpt = MergedCheckpoint(ckpt, [read_peft(d, spec) for d in merge_lora])
     max_seq = min(spec.max_position, 2048) if max_seq is None else max_seq

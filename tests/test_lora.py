@@ -237,3 +237,15 @@ def test_adapter_slots_with_a_quantized_kv_cache(world, tmp_path):
     assert same >= 5, (got.token_ids, want.token_ids)
     np.testing.assert_allclose([t.logprob for t in got.logprobs[:same]], [t.logprob for t in want.logprobs[:same]],
                                atol=0.05)
+
+
+@pytest.mark.parametrize("family,what", [("lfm2", "hybrid"), ("qwen3_5", "hybrid"), ("qwen3_moe", "mixture-of-experts")])
+def test_adapters_are_refused_where_they_cannot_map(world, tmp_path, family, what):
+    """Slots or a merge on a model whose layers are not all dense attention + MLP: one line, nothing written
+    (an adapter's q/k/v/o on a conv or DeltaNet layer, or gate/up/down on experts, has nowhere to go)."""
+    root, _, adapters, _ = world
+    src = make_tiny_checkpoint(family, tmp_path / "src")
+    for kw in ({"lora": LoraLayout(1, 4)}, {"merge_lora": [adapters["a"]]}):
+        with pytest.raises(DecodertError, match=f"not supported on a {what}") as e:
+            export_model(src, tmp_path / "out", max_seq=32, progress=False, **kw)
+        assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -102,14 +102,15 @@ def prepare(name: str, runtime: str, prec: str, max_seq: int, args: argparse.Nam
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             log(f"  {name} genai-{prec}: the builder refused it ({str(e)[:200]})")
             return None
-    folder = args.cache / f"hybrid-{name}-decodert-{prec}-{max_seq}"
+    kv = "" if args.kv_dtype == "fp32" else f"-kv{args.kv_dtype}"
+    folder = args.cache / f"hybrid-{name}-decodert-{prec}-{max_seq}{kv}"
     if not (folder / "manifest.json").is_file():
         from decodert.export.pipeline import export_model
         from decodert.export.quantize.quant import QuantConfig
 
         # min/max rounding: speed does not depend on the grid, and the scale search takes minutes at this size
         quant = QuantConfig(bits=4, block_size=32, accuracy_level=4, scale_search=False) if prec == "int4" else None
-        export_model(hf, folder, max_seq=max_seq, max_batch=1, progress=False, quant=quant)
+        export_model(hf, folder, max_seq=max_seq, max_batch=1, progress=False, quant=quant, kv_dtype=args.kv_dtype)
     return folder
 
 
@@ -160,9 +161,11 @@ def step_bytes(folder: Path, ctx: int) -> int:
     """Bytes one batch-1 step reads at context ``ctx``: weights, K/V of every attention layer, states x2."""
     from decodert.runtime.backends.loading import read_manifest
 
+    from decodert.export.artifact.graph_contract import kv_storage
+
     m = read_manifest(folder)
     item = {"fp32": 4, "fp16": 2, "bf16": 2}[m.dtype]
-    kv = 2 * m.kv.num_layers * m.kv.num_kv_heads * m.kv.head_dim * ctx * item
+    kv = 2 * m.kv.num_layers * m.kv.num_kv_heads * ctx * kv_storage(m).bytes_per_position(m.kv.head_dim)
     return B.bytes_per_step(folder, m) + kv + 2 * m.kv.state_bytes(1, item)
 
 
@@ -197,6 +200,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--probe-mib", type=int, default=1024)
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "decodert-bench")
     p.add_argument("--json", type=Path)
+    p.add_argument("--kv-dtype", default="fp32", help="decodert's K/V cache type (fp32 | fp16 | int8: --kv-dtype)")
     return p.parse_args(argv)
 
 

@@ -68,3 +68,9 @@ def decodert_greedy(be: OrtBackend, prompts: list[np.ndarray], n: int) -> list[l
         for row, t in zip(toks, step.next_token):
             row.append(int(t))
     return toks
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = 512) -> list[np.ndarray]:
+    """Prompts of random token ids in [3, vocab), one per length (the parity tests' inputs)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).astype(np.int64) for n in lengths]

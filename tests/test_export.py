@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import onnx
 import pytest
 import torch
@@ -15,7 +14,7 @@ import transformers
 from decodert.cli import main as cli_main
 from decodert.export.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
-from parity import backend, decodert_greedy, hf_reference, logits_parity
+from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts
 from tiny import FAMILIES
 
 TARGETS = ("ort", "trt", "portable")
@@ -38,18 +37,13 @@ def exported(tiny_checkpoint, tmp_path_factory):
     return get
 
 
-def _prompts(vocab: int, lengths, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab, n).astype(np.int64) for n in lengths]
-
-
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_logits_match_transformers(exported, family, target):
     out, model = exported(family, target)
     # mistral's sliding window is 64: the long row crosses it
     lengths = (70, 9, 33) if family == "mistral" else (11, 4, 7)
-    prompts = _prompts(model.config.vocab_size, lengths)
+    prompts = random_prompts(lengths, vocab=model.config.vocab_size)
     refs = [hf_reference(model, p, 17) for p in prompts]
     assert logits_parity(out, refs[:1], prompts[:1], steps=16) < TOL  # batch 1
     assert logits_parity(out, refs, prompts, steps=16) < TOL  # ragged batch of 3
@@ -58,7 +52,7 @@ def test_tiny_logits_match_transformers(exported, family, target):
 @pytest.mark.parametrize("target", TARGETS)
 def test_tiny_greedy_64_and_batched_equals_single(exported, target):
     out, model = exported("llama", target)
-    prompts = _prompts(model.config.vocab_size, (5, 12, 8), seed=3)
+    prompts = random_prompts((5, 12, 8), 3, vocab=model.config.vocab_size)
     be = backend(out)
     batched = decodert_greedy(be, prompts, 64)
     for p, row in zip(prompts, batched):
@@ -112,7 +106,7 @@ def test_plugin_export_runs_on_onnx_runtime(exported, tiny_checkpoint, tmp_path)
     export_model(tiny_checkpoint("llama"), out, target="trt", max_seq=64, progress=False, plugins="always")
     graph = onnx.load(str(out / "decode.onnx"), load_external_data=False).graph
     assert "CachedAttention" in {n.op_type for n in graph.node if n.domain == "decodert"}
-    prompts = _prompts(model.config.vocab_size, (6, 3))
+    prompts = random_prompts((6, 3), vocab=model.config.vocab_size)
     assert logits_parity(out, [hf_reference(model, p, 5) for p in prompts], prompts, steps=4) < TOL
 
 

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import backend, decodert_greedy, hf_reference, logits_parity  # noqa: E402
+from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -33,11 +33,6 @@ TOL = 1e-4
 def model(tiny_checkpoint):
     src = tiny_checkpoint("gpt_oss")
     return src, transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-
-
-def _prompts(seed=0, lengths=(11, 4, 7)):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 512, n).astype(np.int64) for n in lengths]
 
 
 def test_spec_and_yarn_match_transformers(model):
@@ -63,7 +58,7 @@ def test_logits_and_greedy_match_transformers(model, tmp_path, target):
     src, m = model
     out = tmp_path / "a"
     export_model(src, out, target=target, max_seq=64, max_batch=4, progress=False)
-    prompts = _prompts()
+    prompts = random_prompts((11, 4, 7))
     refs = [hf_reference(m, p, 13) for p in prompts]  # decode steps cross the window of 4
     assert logits_parity(out, refs[:1], prompts[:1], steps=12) < TOL
     assert logits_parity(out, refs, prompts, steps=12) < TOL
@@ -102,7 +97,7 @@ def test_int4_experts_equal_the_dequantized_model(model, tmp_path):
                 for j in range(p.shape[0]):
                     p[j].copy_(torch.from_numpy(rt(p[j].numpy().T).T))
         ref.lm_head.weight.copy_(torch.from_numpy(rt(ref.lm_head.weight.numpy())))
-    prompts = _prompts(3, (9, 5))
+    prompts = random_prompts((9, 5), 3)
     assert logits_parity(out, [hf_reference(ref, p, 7) for p in prompts], prompts, steps=6) < TOL
 
 
@@ -138,7 +133,7 @@ def test_mxfp4_experts_are_dequantized_exactly(model, tmp_path):
         for key, value in dense.items():
             ref.get_parameter(key).copy_(torch.from_numpy(value))
     export_model(folder, tmp_path / "out", target="ort", max_seq=64, progress=False)
-    prompts = _prompts(4, (8,))
+    prompts = random_prompts((8,), 4)
     assert logits_parity(tmp_path / "out", [hf_reference(ref, p, 6) for p in prompts], prompts, steps=5) < TOL
 
 
@@ -173,7 +168,7 @@ def test_gguf(tmp_path, qtype):
         for name in hf.names():
             np.testing.assert_array_equal(ckpt.tensor(name), hf.tensor(name), err_msg=name)
         m = transformers.AutoModelForCausalLM.from_pretrained(path.with_suffix(".hf"), dtype=torch.float32).eval()
-        prompts = _prompts(6, (9, 3))
+        prompts = random_prompts((9, 3), 6)
         export_model(path, tmp_path / "out", target="ort", max_seq=64, progress=False)
         assert logits_parity(tmp_path / "out", [hf_reference(m, p, 8) for p in prompts], prompts, steps=7) < TOL
         return
@@ -193,5 +188,5 @@ def test_sinks_with_an_int8_kv_cache(model, tmp_path):
     gqa = [n for n in onnx.load(out / "decode.onnx", load_external_data=False).graph.node
            if n.op_type == "GroupQueryAttention"]
     assert all(n.input[11].endswith(".sinks") and n.input[12] and n.input[13] for n in gqa)
-    prompts = _prompts()
+    prompts = random_prompts((11, 4, 7))
     assert logits_parity(out, [hf_reference(m, p, 8) for p in prompts], prompts, steps=7) < 0.05

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import backend, decodert_greedy, hf_reference, logits_parity  # noqa: E402
+from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -47,11 +47,6 @@ def lfm2(tmp_path_factory):
     return src, model, get
 
 
-def _prompts(lengths, seed=0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 512, n).astype(np.int64) for n in lengths]
-
-
 def test_spec_declares_the_layer_kinds_and_states():
     spec = family_for("lfm2").spec_from_hf(tiny_config("lfm2"))
     assert spec.layer_kinds == ("conv", "attention", "conv") and spec.kv_layers == (1,)
@@ -62,7 +57,7 @@ def test_spec_declares_the_layer_kinds_and_states():
 @pytest.mark.parametrize("target", ["ort", "portable", "trt"])
 def test_logits_and_greedy_match_transformers(lfm2, target):
     _, model, get = lfm2
-    prompts = _prompts((11, 5, 1))  # ragged: rows right-padded in one prefill, one shorter than the window
+    prompts = random_prompts((11, 5, 1))  # ragged: rows right-padded in one prefill, one shorter than the window
     refs = [hf_reference(model, p, 17) for p in prompts]
     assert logits_parity(get(target), refs, prompts) < 1e-4
     be = backend(get(target))
@@ -88,7 +83,7 @@ def test_ort_binds_the_states_in_place(lfm2):
     _, _, get = lfm2
     be = backend(get("ort"))
     cache = be.allocate(2)
-    be.prefill(cache, [0, 1], _prompts((7, 3)), want_logits=False)
+    be.prefill(cache, [0, 1], random_prompts((7, 3)), want_logits=False)
     assert [s.shape for s in cache.states] == [(2, 64, 3), (2, 64, 3)]
     assert all(np.abs(s[r]).max() > 0 for s in cache.states for r in (0, 1))  # written by the graph, in place
 
@@ -109,7 +104,7 @@ def test_speculative_equals_plain(lfm2, tmp_path):
     save_file(weights, draft_src / "model.safetensors", metadata={"format": "pt"})
     export_model(draft_src, tmp_path / "draft", target="ort", dtype="fp32", max_seq=160, max_batch=4, progress=False)
     llm = LLM.load(get("ort"), backend="ort", draft=tmp_path / "draft")
-    ps = _prompts((6, 9, 3), seed=4)
+    ps = random_prompts((6, 9, 3), seed=4)
     plain = [llm.generate(p, max_new_tokens=30) for p in ps]
     fixed = SpeculativeConfig(method="draft", adaptive=False, draft_len=5)
     assert [llm.generate(p, max_new_tokens=30, speculative=fixed).token_ids for p in ps] == [r.token_ids for r in plain]
@@ -196,7 +191,7 @@ def test_continuous_batching_more_requests_than_slots(lfm2):
     slots and the active rows are moved together (move_slot copies the states too); each equals its single run."""
     _, _, get = lfm2
     llm = LLM.load(get("ort"), backend="ort")
-    ps = _prompts((3, 14, 6, 1, 9, 5), seed=3)
+    ps = random_prompts((3, 14, 6, 1, 9, 5), seed=3)
     lengths = (12, 3, 20, 7, 5, 16)
     alone = [llm.generate(p, max_new_tokens=n).token_ids for p, n in zip(ps, lengths)]
     got = llm.generate_many([Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(ps, lengths)])
@@ -251,7 +246,7 @@ def test_gguf_as_llama_cpp_writes_it(lfm2, tmp_path):
     (so the layout and metadata are llama.cpp's), and decodert's export of it gives transformers' logits."""
     src, model, _ = lfm2
     path = make_lfm2_gguf(src, tmp_path / "tiny-lfm2.gguf")
-    prompt = _prompts((13,), seed=3)[0]
+    prompt = random_prompts((13,), seed=3)[0]
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
                           type_k=0, type_v=0)  # an F32 KV cache

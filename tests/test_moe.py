@@ -15,7 +15,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import backend, decodert_greedy, hf_reference, logits_parity  # noqa: E402
+from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -52,11 +52,6 @@ def exported(moe, tmp_path_factory):
         return made[key]
 
     return get
-
-
-def _prompts(seed: int = 0, lengths=(11, 4, 7)) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 512, n).astype(np.int64) for n in lengths]
 
 
 def test_spec_reads_the_router_and_the_dense_layers():
@@ -144,7 +139,7 @@ def test_numpy_reference_equals_the_transformers_block(moe):
 def test_logits_and_greedy_match_transformers(moe, exported, target):
     _, model = moe
     out = exported(target)
-    prompts = _prompts()
+    prompts = random_prompts((11, 4, 7))
     refs = [hf_reference(model, p, 17) for p in prompts]
     assert logits_parity(out, refs[:1], prompts[:1], steps=16) < TOL  # batch 1
     assert logits_parity(out, refs, prompts, steps=16) < TOL  # ragged batch of 3
@@ -175,7 +170,7 @@ def test_int4_experts_equal_the_dequantized_model(moe, exported, target, symmetr
     out = exported(target, cfg)
     graph = onnx.load(out / "decode.onnx", load_external_data=False).graph
     assert ("QMoE" in {n.op_type for n in graph.node}) == (target == "ort")
-    prompts = _prompts(7, (9, 4))
+    prompts = random_prompts((9, 4), 7)
     refs = [hf_reference(_dequantized_model(moe[0], cfg), p, 9) for p in prompts]
     assert logits_parity(out, refs, prompts, steps=8) < TOL
 
@@ -184,7 +179,7 @@ def test_int4_agrees_with_fp32_on_most_tokens(exported):
     """Teacher-forced top-1 agreement of the int4 artifact (QMoE experts, MatMulNBits elsewhere) with
     the fp32 one over 4 prompts x 48 steps: 0.73 here (block 32; 0.83 with block 16). The tiny random
     model's logits are close together, so this is a floor, not a quality figure."""
-    prompts = _prompts(1, (11, 4, 7, 20))
+    prompts = random_prompts((11, 4, 7, 20), 1)
     ref = np.array(decodert_greedy(backend(exported("ort")), prompts, 48))
     be = backend(exported("ort", QuantConfig(bits=4, block_size=32)))
     cache, slots = be.allocate(4), [0, 1, 2, 3]
@@ -276,7 +271,7 @@ def test_gguf_stacked_experts(tmp_path):
     for name in hf.names():
         np.testing.assert_array_equal(ckpt.tensor(name), hf.tensor(name))
     model = transformers.AutoModelForCausalLM.from_pretrained(path.with_suffix(".hf"), dtype=torch.float32).eval()
-    prompts = _prompts(2, (10, 5))
+    prompts = random_prompts((10, 5), 2)
     export_model(path, tmp_path / "out", target="ort", max_seq=64, progress=False)
     assert logits_parity(tmp_path / "out", [hf_reference(model, p, 9) for p in prompts], prompts, steps=8) < TOL
 

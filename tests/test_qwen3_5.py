@@ -20,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import backend, decodert_greedy, hf_reference, logits_parity  # noqa: E402
+from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -52,11 +52,6 @@ def qwen35(tmp_path_factory):
     return src, model, get
 
 
-def _prompts(lengths, seed=0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 512, n).astype(np.int64) for n in lengths]
-
-
 def test_spec_declares_the_layer_kinds_and_states():
     spec = family_for("qwen3_5").spec_from_hf(tiny_config("qwen3_5"))
     assert spec.layer_kinds == ("linear_attention", "attention", "linear_attention") and spec.kv_layers == (1,)
@@ -68,7 +63,7 @@ def test_spec_declares_the_layer_kinds_and_states():
 @pytest.mark.parametrize("target", ["ort", "portable", "trt"])
 def test_logits_and_greedy_match_transformers(qwen35, target):
     _, model, get = qwen35
-    prompts = _prompts((70, 5, 1))  # ragged; one longer than a DeltaNet chunk, one shorter than the conv window
+    prompts = random_prompts((70, 5, 1))  # ragged; one longer than a DeltaNet chunk, one shorter than the conv window
     refs = [hf_reference(model, p, 9) for p in prompts]
     assert logits_parity(get(target), refs, prompts, steps=8) < 1e-4
     be = backend(get(target))
@@ -187,7 +182,7 @@ def test_multimodal_checkpoint_reads_the_language_model(qwen35, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (mm / name).write_text((src / name).read_text())
     export_model(mm, tmp_path / "out", target="ort", dtype="fp32", max_seq=32, max_batch=1, progress=False)
-    prompt = _prompts((9,))[0]
+    prompt = random_prompts((9,))[0]
     ref = hf_reference(model, prompt, 6)
     assert decodert_greedy(backend(tmp_path / "out"), [prompt], 6) == [ref[0]]
 
@@ -272,7 +267,7 @@ def test_gguf_as_llama_cpp_writes_it(tmp_path):
     src = make_tiny_checkpoint("qwen3_5", tmp_path / "src", linear_value_head_dim=16)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     path = make_qwen35_gguf(src, tmp_path / "tiny-qwen35.gguf")
-    prompt = _prompts((13,), seed=3)[0]
+    prompt = random_prompts((13,), seed=3)[0]
     ref = hf_reference(model, prompt, 9)
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2,

@@ -1,6 +1,6 @@
 """Model families: one small file each, looked up by HF `model_type` or GGUF `general.architecture`.
 
-A family file is any module here that declares ``MODEL_TYPES`` (config.json ``model_type`` values)
+A family file is any module in ``models/families/`` that declares ``MODEL_TYPES`` (config.json ``model_type`` values)
 and ``GGUF_ARCHITECTURES`` (GGUF ``general.architecture`` values); the registry below is built
 from those declarations, so adding a family is adding its file (docs/ARCHITECTURE.md).
 """
@@ -14,17 +14,17 @@ from types import ModuleType
 
 from decodert.errors import DecodertError
 
-_HELPERS = ("canonical", "common", "spec", "vision")  # modules here that are not families
+from decodert.models import families as _families_package
 
 
 @functools.cache
 def registry() -> dict[str, ModuleType]:
     """Every declared name (lower case) -> its family module; a name two families claim is a bug."""
     names: dict[str, ModuleType] = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name in _HELPERS or info.name.startswith("_"):
+    for info in sorted(pkgutil.iter_modules(_families_package.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
             continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
+        module = importlib.import_module(f"{_families_package.__name__}.{info.name}")
         for name in (*module.MODEL_TYPES, *module.GGUF_ARCHITECTURES):
             other = names.setdefault(name.lower(), module)
             if other is not module:
@@ -32,16 +32,16 @@ def registry() -> dict[str, ModuleType]:
     return names
 
 
-def families() -> tuple[str, ...]:
+def family_names() -> tuple[str, ...]:
     """The family names (file names), sorted."""
     return tuple(sorted({m.__name__.rsplit(".", 1)[-1] for m in registry().values()}))
 
 
 def family_for(model_type: str, source: str = "the checkpoint") -> ModuleType:
-    """The family module (``decodert.models.<family>``) for a model_type / GGUF architecture."""
+    """The family module (``decodert.models.families.<family>``) for a model_type / GGUF architecture."""
     module = registry().get(str(model_type).lower())
     if module is None:
         raise DecodertError(
-            f"unknown architecture '{model_type}' in {source}; supported: {', '.join(families())}"
+            f"unknown architecture '{model_type}' in {source}; supported: {', '.join(family_names())}"
         )
     return module

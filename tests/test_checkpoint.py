@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import CHAT_TEMPLATE, FAMILIES, assert_matches, load_torch, one_line_error, torch_weights  # noqa: E402
 
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402
-from decodert.models import families  # noqa: E402
+from decodert.models import family_names  # noqa: E402
 
 
 # -- HF safetensors -------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def test_unknown_architecture(tiny_checkpoint, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
     msg = one_line_error(path, "unknown architecture 'gpt_neox'")
-    assert str(path / "config.json") in msg and f"supported: {', '.join(families())}" in msg
+    assert str(path / "config.json") in msg and f"supported: {', '.join(family_names())}" in msg
 
 
 def test_unsupported_config_names_the_file(tiny_checkpoint, tmp_path):

@@ -14,7 +14,7 @@ from tiny import CHAT_TEMPLATE, FAMILIES, assert_matches, make_tiny_gguf, one_li
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402
-from decodert.models import families  # noqa: E402
+from decodert.models import family_names  # noqa: E402
 
 
 # -- GGUF (tiny files written here, llama.cpp style) ------------------------------------------------
@@ -140,7 +140,7 @@ def test_gguf_unknown_architecture(tmp_path):
     w.write_tensors_to_file()
     w.close()
     assert one_line_error(path, "unknown architecture 'gpt2'") == (
-        f"unknown architecture 'gpt2' in {path}; supported: {', '.join(families())}")
+        f"unknown architecture 'gpt2' in {path}; supported: {', '.join(family_names())}")
 
 
 # -- the real model: SmolLM2-135M-Instruct Q4_1 ---------------------------------------------------

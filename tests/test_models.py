@@ -13,7 +13,8 @@ from tiny import FAMILIES, HYBRIDS, MOE_FAMILIES, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.checkpoints.checkpoint import source_keys  # noqa: E402
-from decodert.models import families, family_for, llama, mistral, phi3, qwen2, qwen3, registry  # noqa: E402
+from decodert.models import family_for, family_names, registry  # noqa: E402
+from decodert.models.families import llama, mistral, phi3, qwen2, qwen3  # noqa: E402
 from decodert.models.canonical import canonical_names  # noqa: E402
 from decodert.models.spec import ModelSpec, RopeSpec  # noqa: E402
 
@@ -33,9 +34,9 @@ def test_family_for_known_and_unknown():
     with pytest.raises(DecodertError) as e:
         family_for("gpt_neox", "/x/config.json")
     assert str(e.value) == (
-        f"unknown architecture 'gpt_neox' in /x/config.json; supported: {', '.join(families())}"
+        f"unknown architecture 'gpt_neox' in /x/config.json; supported: {', '.join(family_names())}"
     )
-    assert {"llama", "mistral", "phi3", "qwen2", "qwen3"} <= set(families())
+    assert {"llama", "mistral", "phi3", "qwen2", "qwen3"} <= set(family_names())
 
 
 def test_registry_is_built_from_the_declarations():
@@ -197,7 +198,7 @@ def test_llama3_rope_from_gguf_frequency_factors():
 def test_tiny_configs_cover_every_family():
     assert set(FAMILIES) == {"llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2",
                              "smollm3"}
-    assert {hf(f).family for f in FAMILIES + MOE_FAMILIES + HYBRIDS} | {"idefics3"} == set(families())  # MoE: tests/test_moe.py;
+    assert {hf(f).family for f in FAMILIES + MOE_FAMILIES + HYBRIDS} | {"idefics3"} == set(family_names())  # MoE: tests/test_moe.py;
     # the vision-language families' tiny checkpoints are tests/tiny_vision.py's (tests/test_vision.py)
     assert {hf(f).group_size for f in FAMILIES} >= {1, 2, 4}
     assert {hf(f).head_dim for f in FAMILIES} == {16, 32}

@@ -1,0 +1,1 @@
+"""One file per model family; ``decodert.models.registry`` walks this package (docs/ARCHITECTURE.md)."""

@@ -35,10 +35,18 @@ def canonical_names(spec: ModelSpec) -> list[str]:
       - ``layers.{i}.linear_a_log`` [Hv], ``linear_dt_bias`` [Hv]  decay parameters
       - ``layers.{i}.linear_norm``  [Dv]                         the gated RMSNorm (plain w)
       - ``layers.{i}.linear_out``   [hidden, Vd]
+      a "mamba2" layer's (Nemotron-H / Granite 4.0-H; Di = H Dh, C = Di + 2 G N):
+      - ``layers.{i}.mamba_in``     [Di + C + H, hidden]         rows: z (the gate), x, B, C (the conv's), dt
+      - ``layers.{i}.mamba_conv``   [C, 1, K]                    depthwise taps (+ ``mamba_conv_bias`` [C], conv_bias)
+      - ``layers.{i}.mamba_a_log`` [H], ``mamba_dt_bias`` [H], ``mamba_d`` [H]   A = -exp(a_log), dt bias, D skip
+      - ``layers.{i}.mamba_norm``   [Di]                         the gated RMSNorm over G groups (plain w)
+      - ``layers.{i}.mamba_out``    [hidden, Di]
+      a "none" layer has no input_norm and no mixer weights (it is its MLP alone)
       with attn_output_gate, ``qkv`` rows are q heads, gate heads, k heads, v heads
     - ``layers.{i}.attn_out_norm``  [hidden]                     (sandwich_norm only: on the mixer's output)
     - ``layers.{i}.post_norm``      [hidden]                     the norm in front of the MLP
-    - ``layers.{i}.gate_up``        [2 * I, hidden]              rows: gate, then up
+    - ``layers.{i}.gate_up``        [2 * I, hidden]              rows: gate, then up (``up`` [I, hidden] when not
+                                                                 gated_mlp); no post_norm nor MLP where mlp_types is "none"
     - ``layers.{i}.down``           [hidden, I]
       or, in a MoE layer (spec.is_moe(i); Ie = expert_intermediate_size, E = num_experts):
     - ``layers.{i}.router``         [E, hidden]                  router logits = h @ router^T
@@ -53,13 +61,16 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     names = ["embed"]
     for i in range(spec.num_layers):
         p = f"layers.{i}."
-        names.append(p + "input_norm")
-        names += [p + leaf for leaf in mixer_names(spec, i)]
+        if spec.has_mixer(i):
+            names.append(p + "input_norm")
+            names += [p + leaf for leaf in mixer_names(spec, i)]
         if spec.sandwich_norm:
             names.append(p + "attn_out_norm")
+        if not spec.has_mlp(i):
+            continue
         names.append(p + "post_norm")
         if not spec.is_moe(i):
-            names += [p + "gate_up", p + "down"]
+            names += [p + ("gate_up" if spec.gated_mlp else "up"), p + "down"]
         else:
             names += [p + "router"] + ([p + "router_bias"] if spec.router_bias else []) + [p + "experts.gate_up"]
             names += [p + "experts.gate_up_bias"] if spec.expert_bias else []
@@ -87,8 +98,14 @@ def _delta_net_names(spec: ModelSpec) -> list[str]:
     return ["linear_in", "linear_conv", "linear_a_log", "linear_dt_bias", "linear_norm", "linear_out"]
 
 
+def _mamba2_names(spec: ModelSpec) -> list[str]:
+    return ["mamba_in", "mamba_conv", *(["mamba_conv_bias"] if spec.conv_bias else []), "mamba_a_log", "mamba_dt_bias",
+            "mamba_d", "mamba_norm", "mamba_out"]
+
+
 # layer kind -> the leaf names of its mixer's weights (a kind without an entry has no lowering yet)
-MIXER_NAMES = {"attention": _attention_names, "conv": _conv_names, "linear_attention": _delta_net_names}
+MIXER_NAMES = {"attention": _attention_names, "conv": _conv_names, "linear_attention": _delta_net_names,
+               "mamba2": _mamba2_names}
 
 
 def mixer_names(spec: ModelSpec, layer: int) -> list[str]:
@@ -125,6 +142,7 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         "k_norm": (d,),
         "o": (h, spec.num_heads * d),
         "gate_up": (2 * spec.intermediate_size, h),
+        "up": (spec.intermediate_size, h),
         "down": (h, spec.intermediate_size),
         "conv_in": (3 * h, h),
         "conv_in_bias": (3 * h,),
@@ -138,5 +156,13 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         "linear_dt_bias": (spec.linear_value_heads,),
         "linear_norm": (spec.linear_value_dim,),
         "linear_out": (h, spec.linear_value_heads * spec.linear_value_dim),
+        "mamba_in": (spec.ssm_inner + spec.ssm_conv_channels + spec.ssm_heads, h),
+        "mamba_conv": (spec.ssm_conv_channels, 1, spec.conv_kernel),
+        "mamba_conv_bias": (spec.ssm_conv_channels,),
+        "mamba_a_log": (spec.ssm_heads,),
+        "mamba_dt_bias": (spec.ssm_heads,),
+        "mamba_d": (spec.ssm_heads,),
+        "mamba_norm": (spec.ssm_inner,),
+        "mamba_out": (h, spec.ssm_inner),
     }
     return shapes[leaf]

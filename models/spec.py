@@ -100,7 +100,8 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # -- what a family changes beyond Llama; the defaults are Llama's -------------------------------
-    activation: str = "silu"  # MLP gate: "silu" | "gelu_tanh" (Gemma's gelu_pytorch_tanh)
+    activation: str = "silu"  # MLP gate: "silu" | "gelu_tanh" (Gemma's gelu_pytorch_tanh) | "relu2" (Nemotron-H: relu(x)^2)
+    gated_mlp: bool = True  # down(act(gate) * up); False: down(act(up)) (Nemotron-H), weights layers.{i}.up
     sandwich_norm: bool = False  # Gemma 2/3: RMSNorm on the attention and MLP outputs before each residual add
     embed_scale: float | None = None  # Gemma: embeddings x sqrt(hidden), the factor rounded to the graph dtype
     layer_types: tuple[str, ...] = ()  # per layer "sliding" | "full"; () = all sliding iff sliding_window
@@ -117,7 +118,7 @@ class ModelSpec:
     linear_value_heads: int = 0
     linear_key_dim: int = 0
     linear_value_dim: int = 0
-    ssm_heads: int = 0  # "mamba2": heads, head dim, state size N, groups
+    ssm_heads: int = 0  # "mamba2": heads, head dim, state size N, groups of B/C (and of the gated norm)
     ssm_head_dim: int = 0
     ssm_state: int = 0
     ssm_groups: int = 0
@@ -126,7 +127,7 @@ class ModelSpec:
     experts_per_token: int = 0  # top-k the router picks
     expert_intermediate_size: int = 0  # each expert's SwiGLU width
     router_renormalize: bool = True  # the top-k softmax weights are rescaled to sum to 1 (Qwen3-MoE norm_topk_prob)
-    mlp_types: tuple[str, ...] = ()  # per layer "dense" | "moe"; () = every layer "moe" iff num_experts
+    mlp_types: tuple[str, ...] = ()  # per layer "dense" | "moe" | "none"; () = every layer "moe" iff num_experts
     o_bias: bool = False  # gpt-oss: a bias on the attention output projection
     attn_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax (weights layers.{i}.sinks)
     router_bias: bool = False  # gpt-oss: router logits = h @ router^T + bias
@@ -154,8 +155,12 @@ class ModelSpec:
                 raise ValueError(f"layer kind '{unknown[0]}' is not one of {', '.join(LAYER_KINDS)}")
             if len(self.layer_kinds) != self.num_layers:
                 raise ValueError(f"layer_kinds must name {self.num_layers} layers")
-            if set(self.layer_kinds) != {"attention"} and self.conv_kernel < 2:
+            if set(self.layer_kinds) - {"attention", "none"} and self.conv_kernel < 2:
                 raise ValueError("conv, linear_attention and mamba2 layers need a conv_kernel >= 2")
+            if "mamba2" in self.layer_kinds and (min(self.ssm_heads, self.ssm_head_dim, self.ssm_state, self.ssm_groups) < 1
+                                                 or self.ssm_heads % self.ssm_groups):
+                raise ValueError(f"mamba2 layers need positive ssm sizes and heads ({self.ssm_heads}) a multiple of "
+                                 f"groups ({self.ssm_groups})")
         if self.local_rope is not None and self.local_rope.rotary_dim != self.rope.rotary_dim:
             raise ValueError("the local and global RoPE must rotate the same dims")
         if self.num_experts:
@@ -168,6 +173,8 @@ class ModelSpec:
                                or ("moe" in self.mlp_types and not self.num_experts)):
             raise ValueError(f"mlp_types must name {self.num_layers} layers, each one of {', '.join(MLP_TYPES)} "
                              "('moe' only with experts)")
+        if any(not self.has_mixer(i) and not self.has_mlp(i) for i in range(self.num_layers)):
+            raise ValueError("a layer needs a mixer or an MLP (layer kind 'none' with mlp type 'none')")
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {list(self.nope_layers)} must be layers 0..{self.num_layers - 1}")
         for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale"):
@@ -189,6 +196,15 @@ class ModelSpec:
     def kv_layers(self) -> tuple[int, ...]:
         """The layers that keep K/V (attention), in order: their caches are past_key.{i} / past_value.{i}."""
         return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "attention")
+
+    def has_mlp(self, layer: int) -> bool:
+        """Does layer ``layer`` end with an MLP (post_norm + MLP)? Not where mlp_types says "none"."""
+        return not self.mlp_types or self.mlp_types[layer] != "none"
+
+    def has_mixer(self, layer: int) -> bool:
+        """Does layer ``layer`` mix tokens (input_norm + mixer)? Not a "none" layer (an MLP alone)."""
+        return self.layer_kind(layer) != "none"
+
     def is_moe(self, layer: int) -> bool:
         """Is layer ``layer``'s MLP a mixture of experts (router + experts) rather than one dense SwiGLU?"""
         if self.mlp_types:
@@ -232,6 +248,16 @@ class ModelSpec:
         """Channels of a linear-attention layer's conv: q, k and v (2 Hk Dk + Hv Dv)."""
         return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
+    @property
+    def ssm_inner(self) -> int:
+        """A mamba2 layer's inner width H Dh (x, z, y)."""
+        return self.ssm_heads * self.ssm_head_dim
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        """Channels of a mamba2 layer's conv: x, B and C (H Dh + 2 G N)."""
+        return self.ssm_inner + 2 * self.ssm_groups * self.ssm_state
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
@@ -257,12 +283,13 @@ class ModelSpec:
 
 
 NO_ROPE = RopeSpec(scaling="none")  # what a layer without RoPE reads: the identity rotation
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
 LAYER_TYPES = ("sliding", "full")
 # What mixes tokens in a layer. "attention": K/V [H_kv, S_max, D]; "conv": LFM2's gated short conv,
 # a rolling conv state; "linear_attention": Gated DeltaNet (Qwen3.5), a conv state and a recurrent
-# state; "mamba2": a conv state and an SSM state (Nemotron-H, Granite 4.0-H).
-LAYER_KINDS = ("attention", "conv", "linear_attention", "mamba2")
+# state; "mamba2": a conv state and an SSM state (Nemotron-H, Granite 4.0-H); "none": no mixer, the layer is
+# its MLP alone (Nemotron-H's MLP blocks; mlp_types "none" is the converse, a mixer without an MLP).
+LAYER_KINDS = ("attention", "conv", "linear_attention", "mamba2", "none")
 
 
 @dataclass(frozen=True)
@@ -291,14 +318,15 @@ def _delta_net_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def _mamba2_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    channels = spec.ssm_heads * spec.ssm_head_dim + 2 * spec.ssm_groups * spec.ssm_state
+    channels = spec.ssm_conv_channels
+    # [H, N, Dh]: ONNX Runtime's LinearAttention state (B, H, d_k, d_v) with k = B, v = dt x, bound as is
     return {"conv": (channels, spec.conv_kernel - 1),  # conv over x, B, C
-            "recurrent": (spec.ssm_heads, spec.ssm_head_dim, spec.ssm_state)}  # [H, Dh, N]
+            "recurrent": (spec.ssm_heads, spec.ssm_state, spec.ssm_head_dim)}
 
 
 # kind -> the states one layer of that kind keeps (attention's K/V are the KV cache, not listed here)
 STATE_SHAPES = {"attention": lambda spec: {}, "conv": _conv_states, "linear_attention": _delta_net_states,
-                "mamba2": _mamba2_states}
+                "mamba2": _mamba2_states, "none": lambda spec: {}}
 
 
 def window_layers(spec: ModelSpec) -> tuple[int, ...]:
@@ -322,7 +350,7 @@ def state_specs(spec: ModelSpec) -> tuple[StateSpec, ...]:
 STATE_DTYPES = {"recurrent": "fp32"}
 
 
-MLP_TYPES = ("dense", "moe")
+MLP_TYPES = ("dense", "moe", "none")
 
 
 def rope_tables(spec: ModelSpec) -> dict[str, RopeSpec]:

@@ -23,6 +23,8 @@ the tokens with the state carried.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 from onnx import TensorProto, helper
 
@@ -123,32 +125,39 @@ def step(g: GraphBuilder, state: str, q: str, k: str, v: str, decay: str, beta: 
 def recurrence(g: GraphBuilder, qn: str, kn: str, vn: str, decay: str, beta: str, past_state: str, present: str,
                *, single: bool) -> str:
     """The token loop over prepared operands -> y [S,B,Hv,Dv]; writes ``present``."""
-    if single:  # S = 1: no Loop
+    return token_loop(g, (qn, kn, vn, decay, beta), past_state, present, step, single=single, name="gated_delta_step")
+
+
+def token_loop(g: GraphBuilder, operands: tuple[str, ...], past_state: str, present: str,
+               step_fn: Callable[..., tuple[str, str]], *, single: bool, name: str) -> str:
+    """``state, y = step_fn(g, state, *operands[t])`` over the tokens of token-major operands [S, B, ...]
+    -> y [S, B, d1, d2]; writes the last state (rank 4, float32) to ``present``. S = 1 (``single``): no Loop."""
+    if single:
         at0 = lambda x: g.op("Squeeze", x, g.const([0]))  # noqa: E731
-        s, y = step(g, past_state, at0(qn), at0(kn), at0(vn), at0(decay), at0(beta))
+        s, y = step_fn(g, past_state, *map(at0, operands))
         g.op("Identity", s, outputs=[present])
         return g.op("Unsqueeze", y, g.const([0]))
-    body = GraphBuilder("gated_delta_step", g.opsets)
+    body = GraphBuilder(name, g.opsets)
     t, cond, s_in = "t", "cond_in", "state_in"
     at = lambda x: body.op("Squeeze", body.op("Gather", x, body.op("Unsqueeze", t, body.const([0])), axis=0),  # noqa: E731
                            body.const([0]))
-    s, y = step(body, s_in, at(qn), at(kn), at(vn), at(decay), at(beta))
+    s, y = step_fn(body, s_in, *map(at, operands))
     body.op("Identity", cond, outputs=["cond_out"])
     body.op("Identity", s, outputs=["state_out"])
     body.op("Identity", y, outputs=["y_out"])
-    unique = f"gated_delta_step_{len(g.nodes)}/"  # body constants must not reuse the outer graph's names
-    rename = {name: unique + name for name in body.initializers}
+    unique = f"{name}_{len(g.nodes)}/"  # body constants must not reuse the outer graph's names
+    rename = {n: unique + n for n in body.initializers}
     for node in body.nodes:
         node.input[:] = [rename.get(n, n) for n in node.input]
-    consts = [helper.make_node("Constant", [], [rename[name]], value=tensor) for name, tensor in body.initializers.items()]
+    consts = [helper.make_node("Constant", [], [rename[n]], value=tensor) for n, tensor in body.initializers.items()]
     graph = helper.make_graph(
-        consts + body.nodes, "gated_delta_step",
+        consts + body.nodes, name,
         [helper.make_tensor_value_info(t, TensorProto.INT64, []), helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
          helper.make_tensor_value_info(s_in, TensorProto.FLOAT, STATE_DIMS)],
         [helper.make_tensor_value_info(n, e, d) for n, e, d in
          (("cond_out", TensorProto.BOOL, []), ("state_out", TensorProto.FLOAT, STATE_DIMS),
           ("y_out", TensorProto.FLOAT, STATE_DIMS[:3]))])
-    trips = g.op("Squeeze", g.op("Shape", qn, end=1), g.const([0]))
+    trips = g.op("Squeeze", g.op("Shape", operands[0], end=1), g.const([0]))
     _, ys = g.op("Loop", trips, g.const(np.array(True)), past_state, outputs=[present, None], body=graph)
     return ys
 

@@ -186,7 +186,8 @@ def test_expand_errors_name_the_node(node, match):
 
 
 def test_registry_lists_every_op():
-    assert set(load_all()) == {"CachedAttention", "RMSNorm", "MatMulNBits", "CausalConv", "GatedDeltaNet"}
+    assert set(load_all()) == {"CachedAttention", "RMSNorm", "MatMulNBits", "CausalConv", "GatedDeltaNet",
+                              "Mamba2SSM"}
     assert all(op.body and op.shape_rule for op in load_all().values())
 
 

@@ -69,6 +69,11 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
                     linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=16, linear_value_head_dim=8,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+    # Mamba2 blocks (one straight after another), an attention block and ReLU² MLP blocks; 4 heads of 8 in 2 groups
+    # of B/C (state 16), a conv of 4 taps; a chunk of 16 so transformers' chunked scan crosses chunks
+    "nemotron_h": dict(model_type="nemotron_h", hybrid_override_pattern="MM*-M-", num_hidden_layers=None,
+                       mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4,
+                       chunk_size=16, layer_norm_epsilon=1e-5, rms_norm_eps=None, mlp_hidden_act="relu2"),
 }
 HYBRIDS = tuple(HYBRID_CONFIGS)
 # Weights scaled up after randomising, by name suffix: at the uniform 0.05 scale a conv layer's state

@@ -14,8 +14,11 @@
         a      = attn @ o^T                                (sandwich_norm: a = rmsnorm(a))
         x, h   = x + a,  rmsnorm(x + a)
         m      = down(act(gate) * up)                      gate_up = h @ gate_up^T [T, 2I]; act = spec.activation
+                 (down(act(up)) where not spec.gated_mlp)
                  or, in a MoE layer (spec.is_moe(i)), the router's top-k experts' SwiGLU (Lowering.moe)
         x      = x + m                                     (sandwich_norm: m = rmsnorm(m) first)
+        a layer without a mixer (kind "none") skips input_norm..x + a; one without an MLP (mlp type "none")
+        skips post_norm..m, and its a is the add pending for the next norm (Nemotron-H's one-mixer blocks)
     last   = x[b*S + seq_lengths[b] - 1]                   [B, hidden]   (only the last valid token)
     logits = rmsnorm(last) @ lm_head^T                     [B, V] float32 (final_softcap: cap*tanh(l/cap))
     next_token = argmax(logits)
@@ -47,6 +50,7 @@ from onnx import numpy_helper
 from decodert.errors import DecodertError
 from decodert.export.lora.layout import LoraLayout
 from decodert.export.lowering.delta_net import delta_net_mixer
+from decodert.export.lowering.mamba2 import mamba2_mixer
 from decodert.export.lowering.lora_graph import LoraGraph
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
@@ -197,25 +201,35 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         y = low.linear(g, h, p + target, bias)
         return y if lora is None else lora.add(h, y, i, target)
 
-    with g.scope("input_norm"):
-        h = low.rms_norm(g, x, p + "input_norm") if prev_mlp is None else None
-        if prev_mlp is not None:
-            h, x = low.add_rms_norm(g, prev_mlp, x, p + "input_norm")
-    mixer = MIXERS.get(spec.layer_kind(i))
-    if mixer is None:
-        raise DecodertError(f"layer {i}: decodert has no lowering for layer kind '{spec.layer_kind(i)}'")
-    o = mixer(g, low, ctx, inp, spec, i, h, linear)
-    if spec.sandwich_norm:
-        with g.scope("attn_out_norm"):
-            o = low.rms_norm(g, o, p + "attn_out_norm")
+    pending = prev_mlp  # the output not yet added to the residual stream
+    if spec.has_mixer(i):
+        with g.scope("input_norm"):
+            h, x = _norm(g, low, pending, x, p + "input_norm")
+        mixer = MIXERS.get(spec.layer_kind(i))
+        if mixer is None:
+            raise DecodertError(f"layer {i}: decodert has no lowering for layer kind '{spec.layer_kind(i)}'")
+        pending = mixer(g, low, ctx, inp, spec, i, h, linear)
+        if spec.sandwich_norm:
+            with g.scope("attn_out_norm"):
+                pending = low.rms_norm(g, pending, p + "attn_out_norm")
+    if not spec.has_mlp(i):
+        assert pending is not None
+        return x, pending
     with g.scope("post_norm"):
-        h, x = low.add_rms_norm(g, o, x, p + "post_norm")
+        h, x = _norm(g, low, pending, x, p + "post_norm")
     with g.scope("moe" if spec.is_moe(i) else "mlp"):
         down = low.moe(g, h, p, one_token_rows) if spec.is_moe(i) else _mlp(g, low, spec, h, linear)
     if spec.sandwich_norm:
         with g.scope("mlp_out_norm"):
             down = low.rms_norm(g, down, p + "mlp_out_norm")
     return x, down
+
+
+def _norm(g: GraphBuilder, low: Lowering, pending: str | None, x: str, weight: str) -> tuple[str, str]:
+    """(rmsnorm(x + pending), x + pending); just rmsnorm(x) with nothing pending (the first layer)."""
+    if pending is None:
+        return low.rms_norm(g, x, weight), x
+    return low.add_rms_norm(g, pending, x, weight)
 
 
 def _attention_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
@@ -273,11 +287,18 @@ def _conv_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: Mod
 
 # layer kind (models/spec.py LAYER_KINDS) -> its token mixer: (g, lowering, attention context, inputs,
 # spec, layer, normed input) -> output before the residual add; it writes the layer's cache or states
-MIXERS = {"attention": _attention_mixer, "conv": _conv_mixer, "linear_attention": delta_net_mixer}
+MIXERS = {"attention": _attention_mixer, "conv": _conv_mixer, "linear_attention": delta_net_mixer,
+          "mamba2": mamba2_mixer}
 
 
 def _mlp(g: GraphBuilder, low: Lowering, spec: ModelSpec, h: str, linear: Callable[[str, str], str]) -> str:
-    """down(act(gate) * up), gate and up from one fused GEMM; ``linear(x, target)``: the layer's linears."""
+    """down(act(gate) * up), gate and up from one fused GEMM (down(act(up)) where not spec.gated_mlp);
+    ``linear(x, target)``: the layer's linears."""
+    if not spec.gated_mlp:
+        with g.scope("up"):
+            act = low.activation(g, linear(h, "up"))
+        with g.scope("down"):
+            return linear(act, "down")
     with g.scope("gate_up"):
         gate, up = g.op("Split", linear(h, "gate_up"), g.const([spec.intermediate_size] * 2), axis=-1, outputs=2)
     act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up

@@ -36,8 +36,9 @@ from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins import cached_attention as ca
 from decodert.plugins import causal_conv as cc
 from decodert.plugins.gated_delta_net import l2norm_body, valid_tokens
+from decodert.plugins import mamba2_ssm as m2
 from decodert.plugins import kv_dtypes
-from decodert.plugins.onnx_builder import GraphBuilder
+from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quantize.quant import quantized_embedding
 from decodert.export.quantize.weight_layouts import NBITS
 from decodert.export.artifact.weights import NUMPY_DTYPES
@@ -229,6 +230,25 @@ class OrtLowering(Lowering):
                     outputs=[None, present], gate_activation="softplus", beta_activation="sigmoid", qk_l2_norm=0,
                     scale=s.linear_key_dim ** -0.5)
         return g.op("Reshape", y, g.const([0, 0, s.linear_value_heads * s.linear_value_dim]))
+
+    def mamba2_ssm(self, g: GraphBuilder, xdtbc: tuple[str, str, str, str], prefix: str, state: tuple[str, str],
+                   seq_lengths: str, single: bool = False) -> str:
+        """com.microsoft.LinearAttention, update_rule "gated" (plugins/mamba2_ssm.py): query c, key b (each group's
+        rows repeated for its heads), value dt x, log decay -exp(a_log) dt, scale 1; its state [B, H, N, Dh] is the
+        bound buffer. dt and the rest in float32; the D skip added after."""
+        s = self.spec
+        x, dt, b, c = (self.float32(g, v) for v in xdtbc)
+        a_log, dt_bias, d = (self.float32(g, prefix + n) for n in ("mamba_a_log", "mamba_dt_bias", "mamba_d"))
+        h, n, dh = s.ssm_heads, s.ssm_state, s.ssm_head_dim
+        x4, value, log_decay = m2.gates(g, x, dt, a_log, dt_bias, "" if single else seq_lengths, heads=h, head_dim=dh)
+        key, query = (g.op("Reshape", m2.per_head(g, v, heads=h, groups=s.ssm_groups, state=n), g.const([0, 0, h * n]))
+                      for v in (b, c))
+        y, _ = g.op("LinearAttention", query, key, g.op("Reshape", value, g.const([0, 0, h * dh])), state[0], log_decay,
+                    domain="com.microsoft", outputs=[None, state[1]], update_rule="gated", q_num_heads=h,
+                    kv_num_heads=h, scale=1.0)
+        skip = g.op("Reshape", g.op("Mul", x4, g.op("Unsqueeze", d, g.const([1]))), g.const([0, 0, h * dh]))
+        y = g.op("Add", y, skip)
+        return y if self.dtype == "fp32" else g.op("Cast", y, to=DTYPES[self.dtype])
 
     def kv_problem(self) -> str | None:
         """GroupQueryAttention's CPU kernel (ORT 1.32) stores int8 and int4 codes and float caches of the

@@ -22,6 +22,7 @@ from decodert.models.canonical import canonical_shape
 from decodert.plugins import cached_attention as ca
 from decodert.plugins import causal_conv as cc
 from decodert.plugins import gated_delta_net as gdn
+from decodert.plugins import mamba2_ssm as m2
 from decodert.plugins import kv_dtypes
 from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 from decodert.plugins import moe as moe_op
@@ -113,6 +114,9 @@ class Lowering:
             if self.opsets.get("", 0) >= 20:
                 return g.op("Gelu", x, approximate="tanh")
             return gelu_tanh_body(g, x, self.dtype)
+        if self.spec.activation == "relu2":
+            r = g.op("Relu", x)
+            return g.op("Mul", r, r)
         return g.op("Mul", x, g.op("Sigmoid", x))  # silu
 
     def linear(self, g: GraphBuilder, x: str, weight: str, bias: str | None = None) -> str:
@@ -231,6 +235,18 @@ class Lowering:
                                         hk=s.linear_key_heads, hv=s.linear_value_heads, dk=s.linear_key_dim,
                                         dv=s.linear_value_dim, scale=s.linear_key_dim ** -0.5, dtype=self.dtype,
                                         single=single)
+
+    def mamba2_ssm(self, g: GraphBuilder, xdtbc: tuple[str, str, str, str], prefix: str, state: tuple[str, str],
+                   seq_lengths: str, single: bool = False) -> str:
+        """The Mamba2 SSM (plugins/mamba2_ssm.py) over the recurrent state [B, H, N, Dh] float32: x [B, S, H*Dh],
+        dt [B, S, H], b, c [B, S, G*N] -> y [B, S, H*Dh] (with the D skip); weights ``prefix`` + mamba_a_log,
+        mamba_dt_bias, mamba_d. ``single``: S is 1 (no Loop)."""
+        s = self.spec
+        x, dt, b, c = xdtbc
+        a_log, dt_bias, d = (self.float32(g, prefix + n) for n in ("mamba_a_log", "mamba_dt_bias", "mamba_d"))
+        return m2.mamba2_ssm_body(g, x, dt, b, c, a_log, dt_bias, d, state[0], seq_lengths, state[1], heads=s.ssm_heads,
+                                  head_dim=s.ssm_head_dim, groups=s.ssm_groups, state=s.ssm_state, dtype=self.dtype,
+                                  single=single)
 
     def float32(self, g: GraphBuilder, x: str) -> str:
         """A model-dtype value as float32 (no node in an fp32 graph)."""

@@ -1,0 +1,255 @@
+"""Nemotron-H (Mamba2 blocks beside attention and ReLU² MLP blocks): a hybrid whose Mamba2 layers keep a conv
+state and an SSM state, and whose layers are single blocks (a mixer without an MLP, an MLP without a mixer).
+
+The Mamba2SSM op's numpy reference against transformers' torch scan (recurrent and chunked), its standard-op
+body against the reference (one token, several, right-padded rows); then against transformers on a tiny random
+checkpoint with every block kind and prompts longer than the conv window and the scan's chunk: logits and greedy
+tokens for the ort, portable and trt graphs, a ragged batch equal to the singles; the runtime over the states:
+continuous batching, speculative equals plain, a session's turns equal re-prefill, the trt backend on the emulator;
+the trt graphs built by TensorRT-RTX; a GGUF in llama.cpp's layout; bad block types refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import helper
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
+from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
+
+from decodert.errors import DecodertError  # noqa: E402
+from decodert.export.artifact.manifest import load_manifest  # noqa: E402
+from decodert.export.pipeline import export_model  # noqa: E402
+from decodert.models import family_for  # noqa: E402
+from decodert.plugins.catalog import get_op  # noqa: E402
+from decodert.plugins.expand import expand_plugin_nodes  # noqa: E402
+from decodert.plugins.mamba2_ssm import mamba2_ssm_ref  # noqa: E402
+from decodert.plugins.registry import DOMAIN  # noqa: E402
+from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.llm import LLM, Request  # noqa: E402
+from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
+
+nh = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+SEED = int(os.environ.get("DECODERT_TEST_SEED") or np.random.SeedSequence().entropy % 2**31)
+MAX_SEQ = 112
+KINDS = ("mamba2", "mamba2", "attention", "none", "mamba2", "none")  # the tiny pattern MM*-M-
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    src = make_tiny_checkpoint("nemotron_h", tmp_path_factory.mktemp("nemotron_h-src"))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    made: dict[str, Path] = {}
+
+    def get(target: str) -> Path:
+        if target not in made:
+            made[target] = tmp_path_factory.mktemp(f"nemotron_h-{target}")
+            export_model(src, made[target], target=target, dtype="fp32", max_seq=MAX_SEQ, max_batch=4, progress=False)
+        return made[target]
+
+    return src, model, get
+
+
+def test_spec_declares_blocks_and_states():
+    spec = family_for("nemotron_h").spec_from_hf(tiny_config("nemotron_h"))
+    assert spec.layer_kinds == KINDS and spec.kv_layers == (2,)
+    assert spec.mlp_types == ("none", "none", "none", "dense", "none", "dense")
+    assert not spec.gated_mlp and spec.activation == "relu2" and spec.conv_bias
+    assert (spec.ssm_heads, spec.ssm_head_dim, spec.ssm_state, spec.ssm_groups) == (4, 8, 16, 2)
+    assert spec.nope_layers == tuple(range(6))  # no position embedding in the attention block
+
+
+# ---- the op: reference against transformers, body against the reference ---------------------------------------
+def _inputs(rng, b, s, h, dh, groups, n):
+    r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    return dict(x=r(b, s, h * dh), dt=r(b, s, h), b=r(b, s, groups * n), c=r(b, s, groups * n),
+                a_log=np.log(rng.uniform(0.5, 8, h)).astype(np.float32), dt_bias=r(h), d=r(h),
+                past_state=r(b, h, n, dh) * 0.3)
+
+
+@pytest.mark.parametrize("s,h,groups,chunk", [(1, 4, 2, None), (9, 4, 1, None), (21, 4, 2, 8), (40, 2, 2, 16)])
+def test_numpy_reference_matches_transformers(s, h, groups, chunk):
+    rng = np.random.default_rng(SEED)
+    dh, n = 8, 16
+    x = _inputs(rng, 2, s, h, dh, groups, n)
+    y, state = mamba2_ssm_ref(**x)
+    t = {k: torch.from_numpy(v) for k, v in x.items()}
+    a = -t["a_log"].exp()
+    init = t["past_state"].transpose(-1, -2).contiguous()  # transformers' [B, H, Dh, N]
+    if chunk is None:  # the recurrent form, token by token
+        st, ys = init.clone(), []
+        for j in range(s):
+            ys.append(nh.mamba2_selective_state_update(
+                st, t["x"][:, j].view(2, h, dh), t["dt"][:, j, :, None].expand(-1, -1, dh),
+                a[:, None, None].expand(-1, dh, n), t["b"][:, j].view(2, groups, n), t["c"][:, j].view(2, groups, n),
+                t["d"][:, None].expand(-1, dh), dt_bias=t["dt_bias"][:, None].expand(-1, dh), dt_softplus=True))
+        want_y, want_state = torch.stack(ys, 1).reshape(2, s, h * dh), st
+    else:
+        want_y, want_state = nh.mamba2_chunk_scan(
+            t["x"].view(2, s, h, dh), t["dt"], a, t["b"].view(2, s, groups, n), t["c"].view(2, s, groups, n),
+            chunk_size=chunk, D=t["d"], dt_bias=t["dt_bias"], initial_states=init, dt_softplus=True,
+            return_final_states=True)
+        want_y = want_y.reshape(2, s, h * dh)
+    scale = max(float(want_y.abs().max()), 1.0)
+    assert np.abs(y - want_y.numpy()).max() < 1e-4 * scale, f"seed {SEED}"
+    assert np.abs(state - want_state.transpose(-1, -2).numpy()).max() < 1e-4 * scale, f"seed {SEED}"
+
+
+def _run_op(inputs: dict) -> list[np.ndarray]:
+    """One Mamba2SSM node over graph inputs (static shapes: S = 1 is the one-token body), expanded, run by ORT."""
+    node = helper.make_node("Mamba2SSM", list(inputs), ["y", "present"], domain=DOMAIN)
+    vi = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))
+          for n, a in inputs.items()]
+    shapes = get_op("Mamba2SSM").output_shapes([list(a.shape) for a in inputs.values()], {})
+    graph = helper.make_graph([node], "t", vi, [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, shape)
+                                                for o, shape in zip(("y", "present"), shapes)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
+    expanded = expand_plugin_nodes(model)
+    onnx.checker.check_model(expanded, full_check=True)
+    sess = ort.InferenceSession(expanded.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, inputs)
+
+
+@pytest.mark.parametrize("s,padded", [(1, False), (7, False), (7, True)])
+def test_reference_body_matches_numpy(s, padded):
+    rng = np.random.default_rng(SEED)
+    x = _inputs(rng, 3, s, 4, 8, 2, 16)
+    if padded:
+        x["seq_lengths"] = np.array([s, 4, 1], np.int64)
+    y, state = _run_op(x)
+    want_y, want_state = mamba2_ssm_ref(*x.values())
+    valid = np.arange(s)[None, :] < x.get("seq_lengths", np.full(3, s))[:, None]
+    assert np.abs((y - want_y)[valid]).max() < 1e-4 * np.abs(want_y).max(), f"seed {SEED}"
+    assert np.abs(state - want_state).max() < 1e-4 * np.abs(want_state).max(), f"seed {SEED}"
+    if padded:  # a padded row's state is its single run's
+        one = {k: (v[1:2, :4] if v.ndim == 3 else v[1:2] if k == "past_state" else v) for k, v in x.items()
+               if k != "seq_lengths"}
+        assert np.abs(state[1] - mamba2_ssm_ref(*one.values())[1][0]).max() < 1e-5 * np.abs(state[1]).max()
+
+
+# ---- the model against transformers ---------------------------------------------------------------------------
+@pytest.mark.parametrize("target", ["ort", "portable", "trt"])
+def test_logits_and_greedy_match_transformers(nemotron, target):
+    _, model, get = nemotron
+    prompts = random_prompts((70, 5, 1))  # ragged; one longer than the scan's chunk (16), one shorter than the conv
+    refs = [hf_reference(model, p, 9) for p in prompts]
+    assert logits_parity(get(target), refs, prompts, steps=8) < 1e-4
+    be = backend(get(target))
+    assert decodert_greedy(be, prompts, 9) == [toks for toks, _ in refs]
+    singles = [decodert_greedy(be, [p], 9)[0] for p in prompts]  # the batch of uneven rows equals the singles
+    assert singles == [toks for toks, _ in refs]
+
+
+def test_manifest_records_kinds_and_state_shapes(nemotron):
+    _, _, get = nemotron
+    m = load_manifest(get("ort"))
+    assert m.kv.layer_kinds == KINDS and m.kv.layers == (2,)
+    channels = 4 * 8 + 2 * 2 * 16
+    assert [(s.layer, s.name, s.shape) for s in m.kv.states] == [
+        (i, name, shape) for i in (0, 1, 4)
+        for name, shape in (("conv", ("batch", channels, 3)), ("recurrent", ("batch", 4, 16, 8)))]
+    ops = {n.op_type for n in onnx.load(str(get("ort") / "decode.onnx"), load_external_data=False).graph.node}
+    assert {"LinearAttention", "CausalConvWithState", "GroupQueryAttention"} <= ops
+    ops = {n.op_type for n in onnx.load(str(get("portable") / "prefill.onnx"), load_external_data=False).graph.node}
+    assert "Loop" in ops and not ops & {"LinearAttention", "CausalConvWithState"}
+
+
+@pytest.mark.trt
+def test_trt_graphs_build_on_tensorrt_rtx(nemotron, tmp_path):
+    """TensorRT has layers for all of it: MatMuls for a decode step, an ILoop over the tokens in prefill;
+    fp16, with the SSM state in float32."""
+    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
+    from decodert.export import trt_build
+
+    src, _, _ = nemotron
+    out = tmp_path / "fp16"
+    export_model(src, out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False)
+    engines = trt_build.build_engines(out, progress=False)
+    m = load_manifest(out)
+    assert {(s.name, s.dtype) for s in m.kv.states} == {("conv", None), ("recurrent", "fp32")}
+    for name, rec in engines.items():
+        trt_build.check_io(rec.io, m.graphs[name], name)
+        assert rec.layers["KV_CACHE_UPDATE"] == 2, name  # the one attention block's K and V
+    assert any("LOOP" in kind or "RECURRENCE" in kind for kind in engines["prefill"].layers)
+
+
+def test_trt_backend_on_the_emulator(nemotron, monkeypatch):
+    """The trt backend binds both states of every Mamba2 layer like K/V (tests/trt_emulator.py runs the engines'
+    graphs on the CPU): the ort backend's tokens, continuous batching and speculation."""
+    import trt_emulator
+
+    _, _, get = nemotron
+    art = get("trt")
+    trt_emulator.emulate_engines(art)
+    trt_emulator.install(monkeypatch)
+    rng = np.random.default_rng(2)
+    ps = [np.tile(rng.integers(3, 512, 5), 3), rng.integers(3, 512, 9), rng.integers(3, 512, 2)]
+    with LLM.load(get("ort"), backend="ort") as ref, LLM.load(art, backend="trt") as llm:
+        want = [ref.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps]
+        assert [llm.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps] == want
+        uneven = [SamplingParams(max_new_tokens=n, temperature=0) for n in (20, 5, 12)]
+        got = llm.generate_many([Request(p, sp) for p, sp in zip(ps, uneven)])
+        assert [r.token_ids for r in got] == [w[: sp.max_new_tokens] for w, sp in zip(want, uneven)]
+        fixed = SpeculativeConfig(adaptive=False, draft_len=6)
+        reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps[:2]]
+        assert [r.token_ids for r in llm.generate_many(reqs)] == want[:2]
+
+
+def test_continuous_batching_equals_singles(nemotron):
+    """More requests (5) than slots (4): rows finish at different steps, new ones take their slots."""
+    _, _, get = nemotron
+    rng = np.random.default_rng(7)
+    ps = [rng.integers(3, 512, n) for n in (3, 70, 8, 1, 12)]
+    lens = (9, 4, 14, 6, 3)
+    llm = LLM.load(get("ort"), backend="ort")
+    singles = [llm.generate(p, max_new_tokens=n, temperature=0).token_ids for p, n in zip(ps, lens)]
+    got = llm.generate_many([Request(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in zip(ps, lens)])
+    assert [r.token_ids for r in got] == singles
+
+
+def test_speculative_equals_plain(nemotron):
+    _, _, get = nemotron
+    llm = LLM.load(get("ort"), backend="ort")
+    rng = np.random.default_rng(4)
+    ps = [np.tile(rng.integers(3, 512, 6), 4), rng.integers(3, 512, 9), np.tile(rng.integers(3, 512, 3), 5)]
+    plain = [llm.generate(p, max_new_tokens=40) for p in ps]
+    spec = [llm.generate(p, max_new_tokens=40, speculative="ngram") for p in ps]
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    fixed = SpeculativeConfig(adaptive=False, draft_len=5)
+    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=40), speculative=fixed) for p in ps])
+    assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
+
+
+def test_session_turns_equal_reprefill(nemotron):
+    _, _, get = nemotron
+    llm = LLM.load(get("ort"), backend="ort")
+    session = llm.session(system="be brief")
+    for question in ("Hello world!", "How are you today?", "The quick brown fox"):
+        r = session.chat(question, max_new_tokens=8)
+        again = llm.generate(llm._chat_ids(session.history[:-1]), max_new_tokens=8)
+        assert r.token_ids == again.token_ids
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pattern,match", [("M*X-", "layer kind 'X'"), ("ME*-", "MoE blocks")])
+def test_unknown_or_moe_block_is_one_line(tmp_path, pattern, match):
+    src = make_tiny_checkpoint("nemotron_h", tmp_path / "m")
+    config = json.loads((src / "config.json").read_text())
+    config.pop("layers_block_type", None)
+    config["hybrid_override_pattern"] = pattern
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DecodertError, match=match) as e:
+        export_model(src, tmp_path / "out", max_seq=32, progress=False)
+    assert "\n" not in str(e.value)

@@ -253,3 +253,73 @@ def test_unknown_or_moe_block_is_one_line(tmp_path, pattern, match):
     with pytest.raises(DecodertError, match=match) as e:
         export_model(src, tmp_path / "out", max_seq=32, progress=False)
     assert "\n" not in str(e.value)
+
+
+# ---- GGUF: llama.cpp's nemotron_h files -----------------------------------------------------------------------
+def _to_llama_cpp_layout(key: str, w: np.ndarray, cfg: dict) -> np.ndarray:
+    """What llama.cpp's converter (Mamba2 / NemotronH models) does to a tensor: A_log -> -exp(A_log) [H, 1],
+    D [H, 1], the conv squeezed [C, K], the gated norm [G, Di/G]."""
+    if key.endswith("A_log"):
+        return -np.exp(w)[:, None]
+    if key.endswith("mixer.D"):
+        return w[:, None]
+    if key.endswith("conv1d.weight"):
+        return w.reshape(w.shape[0], -1)
+    if key.endswith("mixer.norm.weight"):
+        return w.reshape(cfg["n_groups"], -1)
+    return w
+
+
+def make_nemotron_gguf(src: Path, path: Path) -> Path:
+    """The tiny checkpoint as llama.cpp's converter writes it (names from the gguf package's NEMOTRON_H map;
+    per-layer head_count_kv and feed_forward_length say each block's type)."""
+    import gguf
+    from safetensors.numpy import load_file
+    from tiny import _gguf_tokenizer_meta
+
+    cfg = json.loads((src / "config.json").read_text())
+    types = cfg["layers_block_type"]
+    arch = "nemotron_h"
+    writer = gguf.GGUFWriter(str(path), arch)
+    _gguf_tokenizer_meta(writer, src)
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", len(types)), ("attention.head_count", cfg["num_attention_heads"]),
+                       ("attention.key_length", cfg["head_dim"]), ("attention.value_length", cfg["head_dim"]),
+                       ("vocab_size", cfg["vocab_size"]), ("ssm.conv_kernel", cfg["conv_kernel"]),
+                       ("ssm.state_size", cfg["ssm_state_size"]), ("ssm.group_count", cfg["n_groups"]),
+                       ("ssm.time_step_rank", cfg["mamba_num_heads"]),
+                       ("ssm.inner_size", cfg["mamba_num_heads"] * cfg["mamba_head_dim"])):
+        writer.add_uint32(f"{arch}.{key}", int(value))
+    writer.add_array(f"{arch}.attention.head_count_kv",
+                     [cfg["num_key_value_heads"] if t == "full_attention" else 0 for t in types])
+    writer.add_array(f"{arch}.feed_forward_length", [cfg["intermediate_size"] if t == "mlp" else 0 for t in types])
+    writer.add_float32(f"{arch}.attention.layer_norm_epsilon", cfg["layer_norm_epsilon"])  # the key llama.cpp reads
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NEMOTRON_H, len(types))
+    for key, w in load_file(src / "model.safetensors").items():
+        hf = key.replace(".dt_bias", ".dt_proj.bias")
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert name is not None, key
+        writer.add_tensor(name, np.ascontiguousarray(_to_llama_cpp_layout(key, w, cfg), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_as_llama_cpp_writes_it(nemotron, tmp_path):
+    """A nemotron_h GGUF in llama.cpp's layout: llama.cpp itself (llama-cpp-python) reads it as transformers'
+    model (so the layout is llama.cpp's), and decodert's export of it gives transformers' logits and tokens."""
+    src, model, _ = nemotron
+    path = make_nemotron_gguf(src, tmp_path / "tiny-nemotron_h.gguf")
+    prompt = random_prompts((13,), seed=3)[0]
+    ref = hf_reference(model, prompt, 9)
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
+                          type_k=0, type_v=0)  # an F32 KV cache
+    llm.eval(list(map(int, prompt)))
+    want = model(torch.tensor([list(map(int, prompt))])).logits[0, -1].detach().numpy()
+    assert np.abs(np.asarray(llm.scores[len(prompt) - 1]) - want).max() < 1e-3 * np.abs(want).max()
+    out = tmp_path / "out"
+    export_model(path, out, target="ort", dtype="fp32", max_seq=32, max_batch=1, progress=False)
+    assert logits_parity(out, [ref], [prompt], steps=8) < 1e-4

@@ -168,6 +168,9 @@ def spec_from_gguf(meta: dict) -> ModelSpec:
     if heads < 1 or inner % heads:
         raise DecodertError(f"nemotron_h ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {heads}")
     meta = {**meta, f"{arch}.attention.head_count_kv": max(kv), f"{arch}.feed_forward_length": max(ffn)}
+    eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon", meta.get(f"{arch}.attention.layer_norm_epsilon"))
+    if eps is not None:  # llama.cpp reads nemotron_h's RMS epsilon from layer_norm_epsilon
+        meta[f"{arch}.attention.layer_norm_rms_epsilon"] = eps
     return spec_from_gguf_meta(
         "nemotron_h", meta, num_experts=0, activation="relu2", gated_mlp=False, layer_kinds=kinds, mlp_types=mlps,
         nope_layers=tuple(range(layers)), conv_kernel=int(gguf_key(meta, "ssm.conv_kernel")), conv_bias=True,

@@ -54,6 +54,7 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     - ``layers.{i}.experts.down``   [E, hidden, Ie]
     - ``layers.{i}.router_bias`` [E], ``experts.gate_up_bias`` [E, 2 Ie] (interleaved), ``experts.down_bias``
       [E, hidden]                                                (router_bias / expert_bias only)
+    - ``layers.{i}.gate_up``, ``layers.{i}.down``               (shared_mlp only: the dense MLP beside the experts)
     - ``layers.{i}.mlp_out_norm``   [hidden]                     (sandwich_norm only: on the MLP output)
     - ``final_norm``                [hidden]
     - ``lm_head``                   [V, hidden]                  (absent when tied)
@@ -75,6 +76,7 @@ def canonical_names(spec: ModelSpec) -> list[str]:
             names += [p + "router"] + ([p + "router_bias"] if spec.router_bias else []) + [p + "experts.gate_up"]
             names += [p + "experts.gate_up_bias"] if spec.expert_bias else []
             names += [p + "experts.down"] + ([p + "experts.down_bias"] if spec.expert_bias else [])
+            names += [p + "gate_up", p + "down"] if spec.shared_mlp else []
         if spec.sandwich_norm:
             names.append(p + "mlp_out_norm")
     names.append("final_norm")

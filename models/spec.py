@@ -109,6 +109,8 @@ class ModelSpec:
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar**-0.5)
     attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap), before the causal mask
     final_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    residual_scale: float = 1.0  # Granite: each mixer and MLP output x this before its residual add
+    logits_scaling: float = 1.0  # Granite: logits / this
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate per head; attention output *= sigmoid(gate)
     # -- hybrid models: what mixes tokens in each layer, and the state it keeps (docs/ARCHITECTURE.md, "Cache state")
     layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYER_KINDS; () = every layer "attention"
@@ -128,6 +130,7 @@ class ModelSpec:
     expert_intermediate_size: int = 0  # each expert's SwiGLU width
     router_renormalize: bool = True  # the top-k softmax weights are rescaled to sum to 1 (Qwen3-MoE norm_topk_prob)
     mlp_types: tuple[str, ...] = ()  # per layer "dense" | "moe" | "none"; () = every layer "moe" iff num_experts
+    shared_mlp: bool = False  # Granite 4.0-H: a MoE layer also runs the dense MLP (intermediate_size), outputs added
     o_bias: bool = False  # gpt-oss: a bias on the attention output projection
     attn_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax (weights layers.{i}.sinks)
     router_bias: bool = False  # gpt-oss: router logits = h @ router^T + bias
@@ -177,7 +180,8 @@ class ModelSpec:
             raise ValueError("a layer needs a mixer or an MLP (layer kind 'none' with mlp type 'none')")
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {list(self.nope_layers)} must be layers 0..{self.num_layers - 1}")
-        for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale"):
+        for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale", "residual_scale",
+                     "logits_scaling"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} {value!r} must be positive")

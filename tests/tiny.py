@@ -74,6 +74,14 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
     "nemotron_h": dict(model_type="nemotron_h", hybrid_override_pattern="MM*-M-", num_hidden_layers=None,
                        mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4,
                        chunk_size=16, layer_norm_epsilon=1e-5, rms_norm_eps=None, mlp_hidden_act="relu2"),
+    # Mamba2, attention, Mamba2 (8 heads of 16, 2 groups, state 16), each with the shared SwiGLU MLP and no experts
+    # (num_local_experts=4 makes the MoE variant); every Granite multiplier away from 1; no RoPE (as Granite 4.0-H)
+    "granitemoehybrid": dict(model_type="granitemoehybrid", num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                             mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+                             mamba_chunk_size=16, shared_intermediate_size=96, intermediate_size=32,
+                             num_local_experts=0, num_experts_per_tok=2, embedding_multiplier=3.0,
+                             residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0,
+                             position_embedding_type=None),
 }
 HYBRIDS = tuple(HYBRID_CONFIGS)
 # Weights scaled up after randomising, by name suffix: at the uniform 0.05 scale a conv layer's state

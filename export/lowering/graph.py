@@ -16,11 +16,14 @@
         m      = down(act(gate) * up)                      gate_up = h @ gate_up^T [T, 2I]; act = spec.activation
                  (down(act(up)) where not spec.gated_mlp)
                  or, in a MoE layer (spec.is_moe(i)), the router's top-k experts' SwiGLU (Lowering.moe)
+                 (+ the dense MLP where spec.shared_mlp: Granite 4.0-H)
         x      = x + m                                     (sandwich_norm: m = rmsnorm(m) first)
+        (Granite: a and m x spec.residual_scale before their adds)
         a layer without a mixer (kind "none") skips input_norm..x + a; one without an MLP (mlp type "none")
         skips post_norm..m, and its a is the add pending for the next norm (Nemotron-H's one-mixer blocks)
     last   = x[b*S + seq_lengths[b] - 1]                   [B, hidden]   (only the last valid token)
-    logits = rmsnorm(last) @ lm_head^T                     [B, V] float32 (final_softcap: cap*tanh(l/cap))
+    logits = rmsnorm(last) @ lm_head^T                     [B, V] float32 (final_softcap: cap*tanh(l/cap);
+                                                           Granite: / spec.logits_scaling)
     next_token = argmax(logits)
 
 The ``verify`` graph (speculative decoding) is the same body over k+1 tokens of a row that already
@@ -212,6 +215,7 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         if spec.sandwich_norm:
             with g.scope("attn_out_norm"):
                 pending = low.rms_norm(g, pending, p + "attn_out_norm")
+        pending = _residual_scale(g, low, spec, pending)
     if not spec.has_mlp(i):
         assert pending is not None
         return x, pending
@@ -219,10 +223,20 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         h, x = _norm(g, low, pending, x, p + "post_norm")
     with g.scope("moe" if spec.is_moe(i) else "mlp"):
         down = low.moe(g, h, p, one_token_rows) if spec.is_moe(i) else _mlp(g, low, spec, h, linear)
+        if spec.is_moe(i) and spec.shared_mlp:
+            with g.scope("shared"):
+                down = g.op("Add", down, _mlp(g, low, spec, h, linear))
     if spec.sandwich_norm:
         with g.scope("mlp_out_norm"):
             down = low.rms_norm(g, down, p + "mlp_out_norm")
-    return x, down
+    return x, _residual_scale(g, low, spec, down)
+
+
+def _residual_scale(g: GraphBuilder, low: Lowering, spec: ModelSpec, y: str) -> str:
+    """y x spec.residual_scale (Granite's residual_multiplier, in the graph dtype); y itself when it is 1."""
+    if spec.residual_scale == 1.0:
+        return y
+    return g.op("Mul", y, g.const(np.array(spec.residual_scale, NUMPY_DTYPES[low.dtype])))
 
 
 def _norm(g: GraphBuilder, low: Lowering, pending: str | None, x: str, weight: str) -> tuple[str, str]:
@@ -362,6 +376,8 @@ def _final_norm_head(g: GraphBuilder, low: Lowering, spec: ModelSpec, x: str, ml
         tied = spec.tie_word_embeddings and "lm_head" not in low.quantized  # a quantized copy when tied
         logits = low.linear(g, h, "embed" if tied else "lm_head")
     logits = logits if low.dtype == "fp32" else g.op("Cast", logits, to=1)
+    if spec.logits_scaling != 1.0:
+        logits = g.op("Div", logits, g.const(np.float32(spec.logits_scaling)))
     if spec.final_softcap is not None:
         with g.scope("final_softcap"):
             logits = softcap(g, logits, spec.final_softcap)

@@ -261,11 +261,11 @@ def _to_llama_cpp_layout(key: str, w: np.ndarray, cfg: dict) -> np.ndarray:
     D [H, 1], the conv squeezed [C, K], the gated norm [G, Di/G]."""
     if key.endswith("A_log"):
         return -np.exp(w)[:, None]
-    if key.endswith("mixer.D"):
+    if key.endswith((".mixer.D", ".mamba.D")):
         return w[:, None]
     if key.endswith("conv1d.weight"):
         return w.reshape(w.shape[0], -1)
-    if key.endswith("mixer.norm.weight"):
+    if key.endswith((".mixer.norm.weight", ".mamba.norm.weight")):
         return w.reshape(cfg["n_groups"], -1)
     return w
 

@@ -16,7 +16,8 @@ What differs from Llama (transformers' ``modeling_granitemoehybrid.py``):
     config.json  model_type granitemoehybrid
     GGUF         general.architecture granitehybrid, as llama.cpp's converter writes it: ssm_* as for nemotron_h,
                  the MLP as ffn_gate / ffn_up / ffn_down (ffn_*_shexp beside the experts), head_count_kv per
-                 layer (0 for a Mamba2 layer), embedding_scale, residual_scale, logit_scale, attention.scale
+                 layer (0 for a Mamba2 layer), embedding_scale, residual_scale, logit_scale, attention.scale;
+                 no RoPE where rope.scaling.finetuned is false (llama.cpp's rule)
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def spec_from_gguf(meta: dict) -> ModelSpec:
         logits_scaling=float(gguf_key(meta, "logit_scale", 1.0)), conv_kernel=int(gguf_key(meta, "ssm.conv_kernel")),
         conv_bias=True, ssm_heads=heads, ssm_head_dim=inner // heads, ssm_state=int(gguf_key(meta, "ssm.state_size")),
         ssm_groups=int(gguf_key(meta, "ssm.group_count")))
-    return spec if f"{arch}.rope.dimension_count" in meta else _no_rope(spec)
+    # llama.cpp's rule: RoPE unless rope.scaling.finetuned is false (how its converter marks Granite 4.0-H's "nope")
+    return spec if meta.get(f"{arch}.rope.scaling.finetuned", True) else _no_rope(spec)
 
 
 gguf_shape = nemotron_h.gguf_shape

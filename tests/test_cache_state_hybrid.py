@@ -87,7 +87,7 @@ def test_a_cache_without_states_rewinds_by_length():
     assert cache.lengths[0] == 7 and cache.kv_layers == (0, 1)
 
 
-def test_a_layer_kind_without_a_lowering_is_one_line():
+def test_every_layer_kind_has_its_weights_or_is_refused():
     import dataclasses
 
     from decodert.models.spec import ModelSpec
@@ -95,9 +95,10 @@ def test_a_layer_kind_without_a_lowering_is_one_line():
 
     spec = ModelSpec("x", 64, 32, 64, 2, 4, 2, 8, 1e-5, layer_kinds=("attention", "conv"), conv_kernel=3)
     assert "layers.1.conv_in" in canonical_names(spec)
-    mamba = dataclasses.replace(spec, layer_kinds=("mamba2", "attention"))
-    with pytest.raises(DecodertError, match="layer 0 is a 'mamba2' layer") as e:
-        canonical_names(mamba)
-    assert "\n" not in str(e.value)
+    mamba = dataclasses.replace(spec, layer_kinds=("mamba2", "attention"), ssm_heads=2, ssm_head_dim=4, ssm_state=8,
+                                ssm_groups=1)
+    assert {"layers.0.mamba_in", "layers.0.mamba_a_log", "layers.1.qkv"} <= set(canonical_names(mamba))
+    with pytest.raises(ValueError, match="mamba2 layers need positive ssm sizes"):
+        dataclasses.replace(spec, layer_kinds=("mamba2", "attention"))
     with pytest.raises(ValueError, match="layer kind 'gated_rnn'"):
         dataclasses.replace(spec, layer_kinds=("gated_rnn", "attention"))

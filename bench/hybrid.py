@@ -1,7 +1,7 @@
-"""Decode cost against the context: a hybrid (Qwen3.5, Gated DeltaNet in 3 of 4 layers) beside a dense
-model (Qwen3-0.6B's shape), random weights, fp32 and int4, on ONNX Runtime CPU.
+"""Decode cost against the context: hybrids (Qwen3.5, Gated DeltaNet in 3 of 4 layers; a Nemotron-H-shaped
+Mamba2 hybrid) beside a dense model (Qwen3-0.6B's shape), random weights, fp32 and int4, on ONNX Runtime CPU.
 
-    python bench/hybrid.py [--shapes qwen3.5-0.8b,qwen3-0.6b] [--precisions fp32,int4]
+    python bench/hybrid.py [--shapes qwen3.5-0.8b,qwen3-0.6b,nemotron-h-1k] [--precisions fp32,int4]
                            [--contexts 512,4096,16384] [--runtimes decodert,genai] [--steps 32]
                            [--repeats 3] [--threads 2] [--cache ~/.cache/decodert-bench] [--json hybrid.json]
 
@@ -44,8 +44,17 @@ QWEN35_08B = dict(
     linear_num_key_heads=16, linear_num_value_heads=16, max_position_embeddings=262_144, rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+# Nemotron-H-8B's block pattern and ratios (Mamba2 heads of 64, state 128, 8 groups; GQA heads of 128; ReLU² MLP
+# 5.25x hidden; its 131k vocabulary, untied), scaled to hidden 1024 and its first 24 blocks: 11 Mamba2, 2 attention,
+# 11 MLP blocks: 0.49B parameters, 0.22B of them outside the embeddings
+NEMOTRON_H_1K = dict(
+    vocab_size=131_072, hidden_size=1024, intermediate_size=5376, hybrid_override_pattern="M-M-M-M*-M-M-M-M*-M-M-M-",
+    mamba_num_heads=32, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=128, max_position_embeddings=262_144, layer_norm_epsilon=1e-5,
+    mlp_hidden_act="relu2", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 SHAPES = {
     "qwen3.5-0.8b": {"model_type": "qwen3_5", "text": QWEN35_08B},
+    "nemotron-h-1k": {"model_type": "nemotron_h", "text": NEMOTRON_H_1K},
     "qwen3-0.6b": {"model_type": "qwen3", "text": DENSE_SHAPES["qwen3-0.6b"]},
     "tiny": {"model_type": "qwen3_5", "text": {**QWEN35_08B, "vocab_size": 4096, "hidden_size": 64,
                                                "intermediate_size": 128, "num_hidden_layers": 4, "head_dim": 32,
@@ -82,7 +91,7 @@ def hf_checkpoint(name: str, cache: Path) -> Path:
                                tie_word_embeddings=text["tie_word_embeddings"])
         model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
     else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **text), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(shape["model_type"], **text), dtype=torch.float32)
     model.save_pretrained(tmp)
     del model
     make_tokenizer(text["vocab_size"]).save(str(tmp / "tokenizer.json"))

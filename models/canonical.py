@@ -65,8 +65,7 @@ def canonical_names(spec: ModelSpec) -> list[str]:
         if spec.has_mixer(i):
             names.append(p + "input_norm")
             names += [p + leaf for leaf in mixer_names(spec, i)]
-        if spec.sandwich_norm:
-            names.append(p + "attn_out_norm")
+            names += [p + "attn_out_norm"] if spec.sandwich_norm else []
         if not spec.has_mlp(i):
             continue
         names.append(p + "post_norm")

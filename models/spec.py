@@ -176,7 +176,8 @@ class ModelSpec:
                                or ("moe" in self.mlp_types and not self.num_experts)):
             raise ValueError(f"mlp_types must name {self.num_layers} layers, each one of {', '.join(MLP_TYPES)} "
                              "('moe' only with experts)")
-        if any(not self.has_mixer(i) and not self.has_mlp(i) for i in range(self.num_layers)):
+        # over the declared lists, never range(num_layers): a config's layer count is untrusted until checked
+        if any(k == "none" and m == "none" for k, m in zip(self.layer_kinds, self.mlp_types)):
             raise ValueError("a layer needs a mixer or an MLP (layer kind 'none' with mlp type 'none')")
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {list(self.nope_layers)} must be layers 0..{self.num_layers - 1}")

@@ -40,6 +40,7 @@ from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache
 from decodert.runtime.backends.trt_engine import Engine, bind, contiguous_runs, fitting_runs
+from decodert.runtime.backends.trt_images import ImageInputs, VisionRunner
 from decodert.runtime.backends.trt_verify import TrtVerifier
 
 GRAPHS = ("prefill", "decode")
@@ -95,7 +96,16 @@ class TrtBackend:
         self.runtime_cache: Any = None
         self.engines = {n: Engine(self, n, blobs[n]) for n in GRAPHS}
         self._load_runtime_cache()
-        self.scratch = cm.DeviceBuffer(max(e.scratch_bytes for e in self.engines.values()))
+        # images (runtime/backends/trt_images.py): the vision engine, and the prefill engine's image inputs
+        # bound from the image store runtime/vision/encoder.py sets as ``images``
+        self.images: Any = None
+        inputs = [t.name for t in manifest.graphs["prefill"].inputs if t.name in (recs["prefill"].profile or {})]
+        self._takes_images = manifest.vision is not None and "image_embeds" in inputs and "vision" in recs
+        self.image_inputs = ImageInputs(self, inputs) if self._takes_images else None
+        self.vision = VisionRunner(self, read_engine(self.dir, manifest, "vision", self.info)) \
+            if self._takes_images else None
+        scratch = [e.scratch_bytes for e in self.engines.values()] + ([self.vision.engine.scratch_bytes] if self.vision else [])
+        self.scratch = cm.DeviceBuffer(max(scratch))
         self._alloc_io()
         self._prefill_ctx = self.engines["prefill"].context(self.scratch)
         self._runs_ctx = self.engines["decode"].context(self.scratch)  # decode of non-prefix slots
@@ -248,6 +258,8 @@ class TrtBackend:
         rows = [np.asarray(r, dtype=np.int64).reshape(-1) for r in ids]
         self.check_rows(cache, slots, [len(r) for r in rows])
         n, c = len(slots), self.max_prefill
+        if self.image_inputs is not None:
+            self.image_inputs.check_chunks(rows, c)
         out = StepOutput(np.zeros(n, np.int64), np.zeros((n, self.vocab_size), np.float32) if want_logits else None)
         for start in range(0, max(len(r) for r in rows), c):
             live = [j for j in range(n) if len(rows[j]) > start]  # rows with tokens in this chunk
@@ -266,12 +278,14 @@ class TrtBackend:
         ids[:] = 0
         for r, (j, _) in enumerate(run):
             ids[r, : lens[r]] = chunk[j]
+        images = self.image_inputs.bind(ids) if self.image_inputs is not None else ({}, {})  # ids -> text ids
         self.h["pre_len"].array[:k] = cache.lengths[row0 : row0 + k]
         self.h["pre_seq"].array[:k] = lens
         for key, nbytes in (("pre_ids", k * seq * 8), ("pre_len", k * 8), ("pre_seq", k * 8)):
             cm.copy_async(self.d[key].ptr, self.h[key].ptr, nbytes, self.stream, "h2d")
         ctx = self._prefill_ctx
-        bind(ctx, {**self._io_addresses("prefill"), **self.kv_addresses(cache, row0)}, self.io_shapes(k, seq))
+        bind(ctx, {**self._io_addresses("prefill"), **self.kv_addresses(cache, row0), **images[0]},
+             {**self.io_shapes(k, seq), **images[1]})
         self.execute(ctx, "prefill")
         self.stats["plain_runs"] += 1
         cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, k * 8, self.stream, "d2h")
@@ -382,6 +396,9 @@ class TrtBackend:
                 warnings.warn(f"could not save {self.dir / RUNTIME_CACHE}: {e}", stacklevel=2)
         self._drop_graphs()
         self.verifier.close()
+        for part in (self.image_inputs, self.vision):
+            if part is not None:
+                part.free()
         self._prefill_ctx = self._runs_ctx = None
         if self.cache is not None:
             self.cache.free()

@@ -103,16 +103,21 @@ class Vision:
     @classmethod
     def attach(cls, backend: Any, manifest: Any) -> "Vision | None":
         """The artifact's vision path over ``backend`` (its prefill then reads this store), or None for a
-        text-only artifact or a backend whose prefill takes no images (only ort binds them)."""
+        text-only artifact or a backend whose prefill takes no images. The graph runs on the backend's own
+        runner when it has one (trt: vision.engine), else on ONNX Runtime."""
         if manifest is None or manifest.vision is None or not getattr(backend, "_takes_images", False):
             return None
-        from decodert.runtime.backends.ort_backend import NP_DTYPES, open_session
+        from decodert.export.artifact.weights import NUMPY_DTYPES
 
         v = manifest.vision
-        session = open_session(Path(backend.dir) / v.graph.file, backend._options, backend._providers)
+        session = getattr(backend, "vision", None)
+        if session is None:
+            from decodert.runtime.backends.ort_backend import open_session
+
+            session = open_session(Path(backend.dir) / v.graph.file, backend._options, backend._providers)
         token = manifest.model.extra.get("image_token_id")
         vision = cls(session, VisionSpec.from_dict(dict(v.spec)), dict(v.processor), int(token),
-                     NP_DTYPES[manifest.dtype])
+                     NUMPY_DTYPES[manifest.dtype])
         backend.images = vision.store
         return vision
 

@@ -61,3 +61,24 @@ def test_image_prompts_give_the_ort_backends_tokens(artifact, emulator):
         follow = chat.chat("And the colour?", max_new_tokens=4, temperature=0)
         assert follow.token_ids == ref.chat(chat.history[:-1], max_new_tokens=4, temperature=0).token_ids
         chat.close()
+
+
+@pytest.mark.trt
+@pytest.mark.parametrize("family", sorted(MAKERS))
+def test_engines_take_the_image_inputs_with_tensorrt_rtx(family, tmp_path):
+    """TensorRT-RTX (on the CPU) parses and builds the prefill graph with its image inputs (their empty
+    defaults dropped, 0 rows allowed for text prompts) and the vision graph under its own profile."""
+    pytest.importorskip("tensorrt_rtx_bindings")
+    from decodert.export import trt_build
+    from decodert.export.pipeline import export_model
+
+    hf = MAKERS[family](tmp_path / "hf", seed=1)
+    out = tmp_path / "trt"
+    export_model(hf, out, target="trt", dtype="fp16", max_seq=128, max_batch=2, progress=False)
+    engines = trt_build.build_engines(out, progress=False)
+    want = ["image_embeds", "image_positions"] + (["image_ahead"] if family == "gemma3" else [])
+    assert [t["name"] for t in engines["prefill"].io["inputs"] if t["name"].startswith("image_")] == want
+    assert all(engines["prefill"].profile[n]["min"][0] == 0 and engines["prefill"].profile[n]["max"][0] == 256
+               for n in want)
+    assert "image_embeds" not in engines["decode"].profile
+    assert [t["name"] for t in engines["vision"].io["outputs"]] == ["image_embeds"]

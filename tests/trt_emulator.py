@@ -5,7 +5,7 @@ What is emulated, and what it checks:
 
 - **CUDA** (plugins/cuda_mem.py): tests/cuda_emulator.py, bounds-checked memory, streams, graphs.
 - **TensorRT**: an engine file written by ``emulate_engines`` names the artifact's ONNX graph and the
-  build profile (export/trt_build.py ``profile_shapes``, as ``decodert build`` uses). Its execution
+  build profile (export/trt_graphs.py ``profile_shapes``, as ``decodert build`` uses). Its execution
   context checks that an input shape lies in the profile (``set_input_shape`` returns False
   outside, as TensorRT does), that scratch memory and every I/O address were set, reads the inputs
   from their addresses, runs the graph with ONNX Runtime and writes each output at its address:
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulator import Device, EmulatorError  # noqa: E402
 
 from decodert.export.artifact.manifest import EngineRecord, load_manifest, write_manifest  # noqa: E402
-from decodert.export.trt_build import VISION, graph_of, max_tiles, profile_shapes  # noqa: E402
+from decodert.export.trt_graphs import VISION, graph_of, max_tiles, profile_shapes  # noqa: E402
 
 __all__ = ["Device", "EmulatorError", "EmulatedTensorRT", "emulate_engines", "install"]
 

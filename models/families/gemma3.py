@@ -242,7 +242,8 @@ def image_processor(preprocessor: dict, processor: dict, tokenizer: dict, vision
     if seq_len != vision.tokens_per_tile:
         raise DecodertError(f"processor_config.json: image_seq_length {seq_len} differs from the "
                             f"{vision.tokens_per_tile} tokens the projector makes (mm_tokens_per_image)")
-    extra = tokenizer.get("extra_special_tokens") if isinstance(tokenizer.get("extra_special_tokens"), dict) else {}
+    extra = tokenizer.get("extra_special_tokens")
+    extra = extra if isinstance(extra, dict) else {}
     tokens = {k: tokenizer.get(k, extra.get(k, v)) for k, v in TOKEN_DEFAULTS.items()}
     if not all(isinstance(t, str) and t for t in tokens.values()):
         raise DecodertError(f"tokenizer_config.json: boi_token / eoi_token / image_token must be strings ({tokens})")

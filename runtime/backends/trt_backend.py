@@ -40,7 +40,7 @@ from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache
 from decodert.runtime.backends.trt_engine import Engine, bind, contiguous_runs, fitting_runs
-from decodert.runtime.backends.trt_images import ImageInputs, VisionRunner
+from decodert.runtime.backends.trt_images import open_images
 from decodert.runtime.backends.trt_verify import TrtVerifier
 
 GRAPHS = ("prefill", "decode")
@@ -96,15 +96,10 @@ class TrtBackend:
         self.runtime_cache: Any = None
         self.engines = {n: Engine(self, n, blobs[n]) for n in GRAPHS}
         self._load_runtime_cache()
-        # images (runtime/backends/trt_images.py): the vision engine, and the prefill engine's image inputs
-        # bound from the image store runtime/vision/encoder.py sets as ``images``
-        self.images: Any = None
-        inputs = [t.name for t in manifest.graphs["prefill"].inputs if t.name in (recs["prefill"].profile or {})]
-        self._takes_images = manifest.vision is not None and "image_embeds" in inputs and "vision" in recs
-        self.image_inputs = ImageInputs(self, inputs) if self._takes_images else None
-        self.vision = VisionRunner(self, read_engine(self.dir, manifest, "vision", self.info)) \
-            if self._takes_images else None
-        scratch = [e.scratch_bytes for e in self.engines.values()] + ([self.vision.engine.scratch_bytes] if self.vision else [])
+        self.images: Any = None  # the image store runtime/vision/encoder.py sets; read by image_inputs
+        self.image_inputs, self.vision = open_images(self)  # runtime/backends/trt_images.py (None: no images)
+        self._takes_images = self.vision is not None
+        scratch = [e.scratch_bytes for e in (*self.engines.values(), *([self.vision.engine] if self.vision else []))]
         self.scratch = cm.DeviceBuffer(max(scratch))
         self._alloc_io()
         self._prefill_ctx = self.engines["prefill"].context(self.scratch)
@@ -396,9 +391,8 @@ class TrtBackend:
                 warnings.warn(f"could not save {self.dir / RUNTIME_CACHE}: {e}", stacklevel=2)
         self._drop_graphs()
         self.verifier.close()
-        for part in (self.image_inputs, self.vision):
-            if part is not None:
-                part.free()
+        for part in [p for p in (self.image_inputs, self.vision) if p is not None]:
+            part.free()
         self._prefill_ctx = self._runs_ctx = None
         if self.cache is not None:
             self.cache.free()

@@ -20,8 +20,20 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.plugins import cuda_mem as cm
+from decodert.plugins.trt_compat import read_engine
 from decodert.runtime.backends.trt_engine import Engine, bind
 from decodert.runtime.vision.tokens import image_ahead, is_image, text_ids
+
+
+def open_images(backend: Any) -> tuple["ImageInputs | None", "VisionRunner | None"]:
+    """The backend's image path when the artifact has a vision graph, its vision engine and a prefill
+    engine built with the image inputs (an engine built before they were kept takes none: (None, None))."""
+    m = backend.manifest
+    recs = m.engines or {}
+    inputs = [t.name for t in m.graphs["prefill"].inputs if t.name in (recs["prefill"].profile or {})]
+    if m.vision is None or "image_embeds" not in inputs or "vision" not in recs:
+        return None, None
+    return ImageInputs(backend, inputs), VisionRunner(backend, read_engine(backend.dir, m, "vision", backend.info))
 
 
 class _Staged:

@@ -133,6 +133,13 @@ def test_a_follow_up_about_the_image_equals_a_full_prefill(g3, target):
     chat.close()
 
 
+def test_inspect_names_the_tower_and_its_pooling(g3):
+    from decodert.export.artifact.inspect import inspect_artifact
+
+    llm = g3[0]["ort"]
+    assert "avg_pool 2 -> 16 tokens a tile; resize to 64x64" in inspect_artifact(llm.backend.dir)
+
+
 def test_pan_and_scan_and_mismatched_settings_are_refused(g3, tmp_path):
     from decodert.errors import DecodertError
     from decodert.export.pipeline import export_model

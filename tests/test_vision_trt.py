@@ -82,3 +82,21 @@ def test_engines_take_the_image_inputs_with_tensorrt_rtx(family, tmp_path):
                for n in want)
     assert "image_embeds" not in engines["decode"].profile
     assert [t["name"] for t in engines["vision"].io["outputs"]] == ["image_embeds"]
+
+
+def test_prefill_chunks_and_images(artifact, emulator):
+    """Chunks shorter than an image: SmolVLM's causal image tokens give the same tokens chunk by chunk; a Gemma 3
+    image, whose tokens see each other, must not be cut: a one-line error names the rebuild."""
+    from decodert.errors import DecodertError
+    from decodert.runtime.llm import LLM
+
+    img = np.random.default_rng().integers(0, 256, (70, 50, 3), dtype=np.uint8)
+    with LLM.load(artifact, backend="ort") as ref, LLM.load(artifact, backend="trt") as llm:
+        llm.backend.max_prefill = 8  # the host staging was sized for the profile's longer chunks
+        if llm.manifest.model.extra.get("bidirectional_images"):
+            with pytest.raises(DecodertError, match="spans the prefill engine's 8-token chunk") as e:
+                llm.chat(_ask(img), max_new_tokens=4, temperature=0)
+            assert "\n" not in str(e.value)
+        else:
+            assert llm.chat(_ask(img), max_new_tokens=4, temperature=0).token_ids == \
+                ref.chat(_ask(img), max_new_tokens=4, temperature=0).token_ids

@@ -178,6 +178,9 @@ def spec_from_hf(config: dict) -> ModelSpec:
     vision = _has_vision(config)
     image_token = _mm(config, "image_token_index") if vision else None
     config = text_config(config, HF_DEFAULTS)
+    if image_token is not None and image_token >= int(config["vocab_size"]):
+        raise DecodertError(f"config.json: image_token_index {image_token} is outside the {config['vocab_size']}-token "
+                            "vocabulary (its embedding row is what the image rows replace)")
     full, local = hf_ropes(config)
     return spec_from_hf_config("gemma3", config, qk_norm=True, rope=full, local_rope=local,
                                image_token_id=image_token, bidirectional_images=vision,

@@ -16,7 +16,8 @@ JIT-compiles its kernels there). Any capture failure falls back to plain execute
 Rows that are not a prefix (prefill of a new slot, or odd decode calls) run per contiguous slot
 run with the KV tensors bound at that run's first row; a row whose right-padded chunk would pass the
 end of its context runs alone (runtime/backends/trt_engine.py). All contexts share one scratch buffer (they
-run one after another on one stream). Verify passes (speculative decoding): runtime/backends/trt_verify.py.
+run one after another on one stream). Verify passes (speculative decoding): runtime/backends/trt_verify.py;
+images (the vision engine, the prefill engine's image inputs): runtime/backends/trt_images.py.
 Without a GPU, tests/trt_emulator.py runs all of this on the CPU.
 """
 

@@ -207,7 +207,8 @@ class PrefixCache:
             ids = np.asarray(ids, dtype=np.int64).reshape(-1)
             key = _chain_key(b"", ids[:b]) if len(ids) > b else None
             lead = firsts.get(key) if key is not None else None
-            if lead is not None and self._worth_waiting(np.asarray(prompts[lead], dtype=np.int64).reshape(-1), ids, key):
+            if key is not None and lead is not None and self._worth_waiting(
+                    np.asarray(prompts[lead], dtype=np.int64).reshape(-1), ids, key):
                 followers.append(j)
             else:
                 leaders.append(j)

@@ -139,3 +139,24 @@ def test_trt_backend_on_the_emulator(artifacts, family, monkeypatch):
         assert [on.generate(p, max_new_tokens=6, temperature=0).token_ids for p in ps] == want
         assert [on.generate(p, max_new_tokens=6, temperature=0).token_ids for p in ps] == want
         assert on.prefix_cache.stats.hit_tokens >= 3 * BLOCK
+
+
+def test_server_reuses_a_hybrid_prefix(artifacts):
+    """Through the server's engine thread (OpenAI completions): the second prompt sharing a start reports
+    cached tokens and answers as without the cache."""
+    pytest.importorskip("openai")
+    import openai
+    from serve_helpers import running
+
+    art = artifacts("lfm2")
+    shared = "the quick brown fox jumps over the lazy dog, hello world. "
+    with LLM.load(art, prefix_cache_mb=0) as off:
+        want = [off.generate(shared + tail, max_new_tokens=6, temperature=0).text for tail in ("12", "345 6")]
+    on = _with_cache(art)
+    with running(on) as (url, _):
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        got = [c.completions.create(model="tiny", prompt=shared + tail, max_tokens=6, temperature=0)
+               for tail in ("12", "345 6")]
+    assert [g.choices[0].text for g in got] == want
+    assert got[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert got[1].usage.prompt_tokens_details.cached_tokens >= BLOCK

@@ -181,7 +181,7 @@ class PrefixCache:
         b, have = self.block_tokens, int(cache.lengths[slot])
         last = (len(ids) - 1) // b * b
         points = set(range(self.state_every, last + 1, self.state_every)) | {last}
-        key, known = _root(cache.adapter_tag(slot)), 0  # walk the prompt's chain keys: the K/V chain it matches
+        key, known, stored = _root(cache.adapter_tag(slot)), 0, set()  # the prompt's chain: the K/V chain it matches
         for k in range(last // b):
             key = _chain_key(key, ids[k * b : (k + 1) * b])
             entry = self._entries.get(key)
@@ -190,10 +190,9 @@ class PrefixCache:
             if known == k and entry is not None and np.array_equal(entry.ids, ids[k * b : (k + 1) * b]):
                 known = k + 1
                 if entry.state is not None:
-                    points.discard(known)  # stored already
-        if known * b > have and known * b not in points:
-            points.add(known * b)  # K/V cached without a state at its end: take it there for the next prompt
-        return sorted(p for p in points if p > have)
+                    stored.add(known * b)
+        points.add(known * b)  # K/V cached without a state at its end: take it there for the next prompt
+        return sorted(p for p in points - stored if p > have)
 
     def split_shared(self, prompts: list[np.ndarray]) -> tuple[list[int], list[int]]:
         """(leaders, followers): a follower's first block is an earlier prompt's and is not cached

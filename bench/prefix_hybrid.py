@@ -5,7 +5,7 @@
 
 A random-weight LFM2 (hidden 512, 12 layers, every third attention: bench/hybrid_lfm2.py's) and a random
 Qwen3.5 text model (hidden 512, 8 layers, every fourth full attention, 8 DeltaNet heads of 64), both
-exported for ONNX Runtime fp32 (max_seq 2048). A conversation of ``--turns`` user turns of about 150
+exported for ONNX Runtime fp32 (max_seq 2048, max_batch 4). A conversation of ``--turns`` user turns of about 150
 tokens after a system prompt of about 340 (a byte-level BPE trained on one sentence: a word is several
 tokens), ``--reply`` greedy tokens per answer. Each turn the whole
 history goes through ``llm.chat(history)``, as a stateless chat API serves it, on two LLMs over the same
@@ -14,7 +14,8 @@ keeps K/V and states) is timed beside them for reference. The three run alternat
 over the same rendered history (the "off" answers), and their tokens are compared. The prefix cache
 is emptied before each repeat. Then the last turn's prompt with the cache emptied first, against the
 cache off (2 x ``--repeats``, alternated): what stopping at the boundaries costs a prompt that reuses
-nothing. Medians; the load average is printed before and after.
+nothing. Last, 8 requests sharing a ~400-token system prompt through one ``generate_many`` over 4
+slots, cache on (emptied first) vs off. Medians; the load average is printed before and after.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ def artifact(model: str, cache: Path) -> Path:
 
     lfm2 = checkpoint(cache / "hf-lfm2-512x12", 512, 12, 16384)
     src = lfm2 if model == "lfm2" else qwen35_checkpoint(cache / "hf-qwen3_5-512x8", lfm2)
-    art = cache / f"ort-{model}"
+    art = cache / f"ort-{model}-b4"
     if not (art / "manifest.json").is_file():
-        export_model(src, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False)
+        export_model(src, art, target="ort", dtype="fp32", max_seq=2048, max_batch=4, progress=False)
     return art
 
 
@@ -116,6 +117,34 @@ def run(model: str, args: argparse.Namespace) -> list[dict]:
     return [{k: (statistics.median(v) if isinstance(v, list) else v) for k, v in row.items()} for row in rows[:-1]] + rows[-1:]
 
 
+def shared(model: str, args: argparse.Namespace) -> dict:
+    """8 requests sharing a ~400-token system prompt through one ``generate_many`` (4 slots), cache on
+    (emptied first) vs off, alternated: wall time, and the tokens each request loaded."""
+    from decodert.runtime.decoding.sampling import SamplingParams
+    from decodert.runtime.llm import LLM, Request
+
+    art = artifact(model, args.cache)
+    on, off = LLM.load(art, backend="ort"), LLM.load(art, backend="ort", prefix_cache_mb=0)
+    system = "You answer questions about this story. " + "the keeper lit the lamp at dusk and watched the sea " * 8
+    reqs = [Request(messages=[{"role": "system", "content": system},
+                              {"role": "user", "content": f"Tell me about topic {i}, please."}],
+                    params=SamplingParams(max_new_tokens=8, temperature=0)) for i in range(8)]
+    out: dict = {"on_s": [], "off_s": []}
+    for _ in range(args.repeats):
+        assert on.prefix_cache is not None
+        on.prefix_cache.clear()
+        t0 = time.perf_counter()
+        got = on.generate_many(reqs)
+        out["on_s"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        want = off.generate_many(reqs)
+        out["off_s"].append(time.perf_counter() - t0)
+        if [r.token_ids for r in got] != [r.token_ids for r in want]:
+            raise SystemExit(f"{model}: the prefix cache changed an answer")
+    return {"on_s": statistics.median(out["on_s"]), "off_s": statistics.median(out["off_s"]),
+            "prompt": got[0].metrics.prompt_tokens, "cached": [r.metrics.cached_tokens for r in got]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, required=True)
@@ -139,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         miss = rows[-1]
         print(f"  the last prompt ({miss['prompt']} tokens) with nothing cached: {miss['miss_ms']:.1f} ms with the cache "
               f"(it stops at the boundaries and stores) vs {miss['off_ms']:.1f} ms without", flush=True)
+    for model in args.models.split(","):
+        sh = out[f"{model}_shared"] = shared(model, args)
+        print(f"{model}: 8 requests sharing a system prompt ({sh['prompt']} prompt tokens each), generate_many over 4 "
+              f"slots: {sh['on_s']:.2f} s with the cache (tokens loaded {sh['cached']}) vs {sh['off_s']:.2f} s without",
+              flush=True)
     out["load_after"] = os.getloadavg()
     print(f"load average before {out['load_before']}, after {out['load_after']}")
     if args.json:

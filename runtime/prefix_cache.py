@@ -194,11 +194,12 @@ class PrefixCache:
         points.add(known * b)  # K/V cached without a state at its end: take it there for the next prompt
         return sorted(p for p in points - stored if p > have)
 
-    def split_shared(self, prompts: list[np.ndarray]) -> tuple[list[int], list[int]]:
+    def split_shared(self, prompts: list[np.ndarray], states: bool = False) -> tuple[list[int], list[int]]:
         """(leaders, followers): a follower's first block is an earlier prompt's and is not cached
-        yet, so it can load it once the leaders are prefilled and stored. For a model with states,
-        a follower's shared boundary with its leader must have no state yet, and the leader stops
-        there (``stops``)."""
+        yet, so it can load it once the leaders are prefilled and stored. For a model with states
+        (``states``), a follower's shared boundary with its leader must have no state yet, and the
+        leader stops there (``stops``)."""
+        self._stateful = self._stateful or states
         b = self.block_tokens
         firsts: dict[bytes, int] = {}
         leaders, followers = [], []

@@ -160,3 +160,17 @@ def test_server_reuses_a_hybrid_prefix(artifacts):
     assert [g.choices[0].text for g in got] == want
     assert got[0].usage.prompt_tokens_details.cached_tokens == 0
     assert got[1].usage.prompt_tokens_details.cached_tokens >= BLOCK
+
+
+def test_prompts_admitted_together_share_a_boundary(artifacts):
+    """A fresh cache, one admission: the first prompt stops where it shares blocks with the others
+    (``split_shared``), so they wait one call and load its states there, not only its K/V."""
+    art = artifacts("qwen3_5")
+    ps = _prompts()[:3]  # 30, 35 and 50 tokens; the first 21 shared: boundary 16
+    llm = LLM.load(art, backend="ort")
+    llm.prefix_cache = PrefixCache(llm.backend, 8 << 20, BLOCK, state_every=1024)  # no stride stops
+    reqs = [Request(p, SamplingParams(max_new_tokens=6, temperature=0)) for p in ps]
+    got = llm.generate_many(reqs)
+    assert [r.metrics.cached_tokens for r in got] == [0, 16, 16]
+    with LLM.load(art, backend="ort", prefix_cache_mb=0) as off:
+        assert [r.token_ids for r in got] == [r.token_ids for r in off.generate_many(reqs)]

@@ -26,7 +26,8 @@ counted in the budget. A load goes only as deep as the deepest entry with a stat
 and states through ``KVCache.commit(..., states)``; entries without a state below it serve only as
 its ancestors. So a hybrid prompt reuses whole blocks up to a boundary where some earlier prompt
 (or the same one) stopped, not any common prefix: a prompt that shares 100 tokens with a cached one
-that did not stop at 96 reuses nothing the first time, and stops there itself for the next.
+that did not stop at 96 reuses only up to a lower boundary that has states (or nothing) the first
+time, and stops at 96 itself, so the next such prompt loads 96 tokens.
 
 Eviction is LRU under a byte budget. Lookups and stores touch a chain from its last block back
 to its first, so a block is never older than its descendants: the LRU entry is always a leaf,

@@ -231,7 +231,8 @@ def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequenc
     new row; a session's row keeps its conversation): the row is rewound to that first, and at least
     the prompt's last token is run (its logits choose the first new token). ``prefix``
     (runtime/prefix_cache.py) then loads the longest cached prefix, and keeps the prompt's whole
-    blocks after the call; ``seq.cached_tokens`` counts the tokens not prefilled.
+    blocks after the call; ``seq.cached_tokens`` counts the tokens not prefilled. A hybrid row (with
+    states) first runs up to each boundary where the prefix cache keeps states (``_run_to_stops``).
     """
     for slot, seq in zip(slots, seqs):
         seq.timer.start()

@@ -88,8 +88,9 @@ def test_hits_equal_misses_portable(artifacts, family):
     _hits_equal_misses(artifacts(family, "portable"))
 
 
-def test_hits_equal_misses_int8_kv(artifacts):
-    on = _hits_equal_misses(artifacts("lfm2", "ort", "int8"))
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5"])
+def test_hits_equal_misses_int8_kv(artifacts, family):
+    on = _hits_equal_misses(artifacts(family, "ort", "int8"))
     assert all(e.kv[0].dtype == np.int8 for e in on.prefix_cache._entries.values())
 
 

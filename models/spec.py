@@ -137,6 +137,8 @@ class ModelSpec:
     nope_layers: tuple[int, ...] = ()  # layers whose q and k get no RoPE (SmolLM3: every 4th); they read the
     # identity table "rope_none" (angle 0), so every lowering's attention serves them unchanged
     image_token_id: int | None = None  # vision-language: prefill takes image embeddings at this token's rows
+    bidirectional_images: bool = False  # Gemma 3: in prefill, the tokens of one image attend to each other
+    # both ways (transformers' token_type_ids mask); prefill then takes image_ahead (export/lowering/graph.py)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

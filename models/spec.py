@@ -137,6 +137,10 @@ class ModelSpec:
     nope_layers: tuple[int, ...] = ()  # layers whose q and k get no RoPE (SmolLM3: every 4th); they read the
     # identity table "rope_none" (angle 0), so every lowering's attention serves them unchanged
     image_token_id: int | None = None  # vision-language: prefill takes image embeddings at this token's rows
+    # M-RoPE (Qwen2-VL / 2.5-VL / 3-VL): each rotary pair j turns by the position on axis t, h or w (plugins/mrope.py);
+    # the graphs take rope_offsets [3, B, S] (position - cache index per axis). () = ordinary 1-D RoPE
+    mrope_section: tuple[int, ...] = ()  # pairs per axis (t, h, w), summing to rotary_dim / 2
+    mrope_interleaved: bool = False  # Qwen3-VL: pairs t, h, w, t, h, w, ... instead of three blocks
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -168,6 +172,9 @@ class ModelSpec:
                                or ("moe" in self.mlp_types and not self.num_experts)):
             raise ValueError(f"mlp_types must name {self.num_layers} layers, each one of {', '.join(MLP_TYPES)} "
                              "('moe' only with experts)")
+        if self.mrope_section and (len(self.mrope_section) != 3 or min(self.mrope_section) < 0
+                                   or sum(self.mrope_section) != (self.rope.rotary_dim or self.head_dim) // 2):
+            raise ValueError(f"mrope_section {list(self.mrope_section)} must be 3 counts summing to half the rotary dim")
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {list(self.nope_layers)} must be layers 0..{self.num_layers - 1}")
         for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale"):
@@ -239,6 +246,7 @@ class ModelSpec:
         d["layer_kinds"] = list(self.layer_kinds)
         d["mlp_types"] = list(self.mlp_types)
         d["nope_layers"] = list(self.nope_layers)
+        d["mrope_section"] = list(self.mrope_section)
         return d
 
     @classmethod
@@ -253,6 +261,7 @@ class ModelSpec:
         d["layer_kinds"] = tuple(d.get("layer_kinds", ()))
         d["mlp_types"] = tuple(d.get("mlp_types", ()))
         d["nope_layers"] = tuple(d.get("nope_layers", ()))
+        d["mrope_section"] = tuple(d.get("mrope_section", ()))
         return cls(**d)
 
 

@@ -2,6 +2,8 @@
 
     input_ids [B,S] --Gather(embed)--> x [T=B*S, hidden]   ([B,S,hidden] where lowering.flat_tokens is False)
                           x * embed_scale                  (Gemma: sqrt(hidden) in the graph dtype)
+    M-RoPE (spec.mrope_section, Qwen-VL): input rope_offsets [3,B,S] turns every layer's RoPE by 3-D positions
+                                                           (plugins/mrope.py; default zeros = 1-D positions)
     prefill of a vision-language model (spec.image_token_id):
         x[image_positions] = image_embeds                  ScatterND over the [B*S, hidden] rows; image_positions
                                                            [N] = b*S + s of each image token, image_embeds [N, hidden]
@@ -57,7 +59,7 @@ from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 GraphKind = Literal["prefill", "decode", "verify"]
 # inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
 # TensorRT's ONNX parser folds such an input into a constant, so its engines take the default only
-DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions")
+DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "rope_offsets")
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 
@@ -95,6 +97,8 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
     if kind == "prefill" and spec.image_token_id is not None:
         inputs += [{"name": "image_embeds", "dtype": dtype, "shape": ["image_tokens", spec.hidden_size]},
                    {"name": "image_positions", "dtype": "int64", "shape": ["image_tokens"]}]
+    if spec.mrope_section:  # M-RoPE (plugins/mrope.py): position - cache index on each axis t, h, w
+        inputs.append({"name": "rope_offsets", "dtype": "int64", "shape": [3, "batch", seq]})
     if per_position:
         inputs.append({"name": "per_position", "dtype": "int64", "shape": [1]})
         outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
@@ -133,6 +137,8 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         g.add_initializer(numpy_helper.from_array(np.zeros((0, spec.hidden_size), NUMPY_DTYPES[lowering.dtype]),
                                                   "image_embeds"))
         g.add_initializer(numpy_helper.from_array(np.zeros(0, np.int64), "image_positions"))
+    if spec.mrope_section:  # text positions by default: offsets 0 on every axis
+        g.add_initializer(numpy_helper.from_array(np.zeros((3, 1, 1), np.int64), "rope_offsets"))
     inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin",
                       windows=kind == "verify" and bool(window_layers(spec)))
     if kind == "verify" and state_specs(spec):  # no padding in a verify row of a hybrid: every position counts

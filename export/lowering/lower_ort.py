@@ -81,7 +81,7 @@ class OrtLowering(Lowering):
 
     def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
         if self.standard_attention:
-            return verify_attention.context(g, inp, self.spec.num_kv_heads, self.max_seq, window)
+            return verify_attention.context(g, inp, self.spec.num_kv_heads, self.max_seq, window, self.mrope(g, inp))
         if not self.use_gqa:
             return super().context(g, inp, window)
         with g.scope("attn_context"):
@@ -89,7 +89,10 @@ class OrtLowering(Lowering):
             last = g.op("Sub", g.op("Add", inp.past_lengths, seq), g.const(np.int64(1)))
             total = g.op("Add", g.op("ReduceMax", inp.past_lengths, keepdims=0), seq)
             cos = sin = None
-            if self.rotary_dim != self.spec.head_dim:  # GQA rotates whole heads only: rotate before it
+            tables = self.mrope(g, inp)  # M-RoPE: per-token tables, rotated before GQA like a partial rotary
+            if tables is not None:
+                cos, sin = (g.op("Unsqueeze", t, g.const([2])) for t in tables)
+            elif self.rotary_dim != self.spec.head_dim:  # GQA rotates whole heads only: rotate before it
                 pos = g.op("Add", g.op("Unsqueeze", inp.past_lengths, g.const([1])),
                            g.op("Unsqueeze", g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1))), g.const([0])))
                 cos, sin = (g.op("Unsqueeze", g.op("Gather", t, pos, axis=0), g.const([2]))

@@ -22,6 +22,7 @@ import onnx
 
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.export.lowering.vision_qwen import build_qwen_vision, qwen_contract
 from decodert.models.vision import VisionSpec
 
 OPSET = 17  # LayerNormalization
@@ -29,6 +30,8 @@ OPSET = 17  # LayerNormalization
 
 def vision_contract(v: VisionSpec, dtype: str) -> dict[str, list[dict]]:
     """Names, dtypes and shapes of vision.onnx's input and output (also written to the manifest)."""
+    if v.tower == "qwen_vit":
+        return qwen_contract(v, dtype)
     return {"inputs": [{"name": "pixel_values", "dtype": "fp32", "shape": ["images", 3, v.image_size, v.image_size]}],
             "outputs": [{"name": "image_embeds", "dtype": dtype, "shape": ["images", v.tokens_per_tile, v.out_hidden]}]}
 
@@ -36,6 +39,8 @@ def vision_contract(v: VisionSpec, dtype: str) -> dict[str, list[dict]]:
 def build_vision_graph(v: VisionSpec, dtype: str, weights: dict[str, onnx.TensorProto],
                        ir_version: int = 10) -> onnx.ModelProto:
     """vision.onnx over ``weights`` (canonical vision names -> external tensors in weights.bin)."""
+    if v.tower == "qwen_vit":  # Qwen2.5-VL's window-attention ViT: export/lowering/vision_qwen.py
+        return build_qwen_vision(v, dtype, weights, ir_version)
     g = GraphBuilder("decodert_vision", {"": OPSET})
     contract = vision_contract(v, dtype)
     g.input("pixel_values", "fp32", contract["inputs"][0]["shape"])

@@ -35,6 +35,7 @@ from decodert.runtime.backends.backend import StepOutput, VerifyOutput, window_o
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
 from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
 from decodert.runtime.backends.ort_verify import VerifyState, bind_cache
+from decodert.runtime.vision import mrope
 from decodert.runtime.vision.tokens import text_ids
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -51,6 +52,7 @@ class _Binding:
     logits: np.ndarray  # [n, V] float32
     next_token: np.ndarray  # [n] int64
     images: Any = None  # (image_positions [N], image_embeds [N, hidden]) bound for this call
+    offsets: Any = None  # [3, n, S] int64 M-RoPE rope_offsets (runtime/vision/mrope.py), bound once
 
 
 class OrtBackend:
@@ -102,6 +104,7 @@ class OrtBackend:
         # vision-language: the image store (runtime/vision/encoder.py) whose rows a prefill binds at its image ids
         self.images: Any = None
         self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
+        self._mrope = any(t.name == "rope_offsets" for t in manifest.graphs["prefill"].inputs)  # Qwen-VL
         # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
         layout = manifest.lora_layout
         self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
@@ -132,6 +135,7 @@ class OrtBackend:
             b.ids[:] = 0
             for j, r in enumerate(rows):
                 b.ids[j, : lens[r] - done] = ids[r][done:]
+                self._set_offsets(b, j, cache, slots[r], ids[r][:done], ids[r][done:])
             b.past[:] = cache.lengths[start : start + n] + done
             b.seq[:] = lens[rows] - done
             self._bind_images(b)
@@ -147,6 +151,7 @@ class OrtBackend:
         while len(row) - done > chunk:
             b = b or self._bind(cache, "prefill", start, 1, chunk)
             b.ids[0] = row[done : done + chunk]
+            self._set_offsets(b, 0, cache, start, row[:done], row[done : done + chunk])
             b.past[:] = cache.lengths[start] + done
             b.seq[:] = chunk
             self._bind_images(b)
@@ -166,6 +171,8 @@ class OrtBackend:
                 b = self._decode_bindings[key] = self._bind(cache, "decode", start, n, 1)
             b.ids[:, 0] = ids[rows]
             b.past[:] = cache.lengths[start : start + n]
+            if b.offsets is not None:  # each row's next text position (runtime/vision/mrope.py)
+                b.offsets[:, :, 0] = [mrope.next_offset(cache.held(start + j), self._locate) for j in range(n)]
             _run_bound(self.sessions["decode"], b.io, self.dir, "decode")
             _gather(out, rows, b, want_logits)
         cache.commit(slots, ids.reshape(-1, 1))
@@ -201,8 +208,12 @@ class OrtBackend:
             start, n, w = slots[rows[0]], len(rows), int(lens[rows].max())
             io, ids_buf, past_buf, logits_buf, next_buf, wins = state.binding(cache, start, n, w)
             ids_buf[:] = 0
+            offsets = state.offsets_view(n, w)
             for j, r in enumerate(rows):
                 ids_buf[j, : lens[r]] = ids[r]
+                if offsets is not None:  # M-RoPE: positions after what the row holds
+                    offsets[:, j] = 0
+                    offsets[:, j, : lens[r]] = mrope.offsets(cache.held(slots[r]), ids[r], self._locate)
             past_buf[:] = cache.lengths[start : start + n]
             _run_bound(state.session, io, self.dir, state.kind)
             out.next_tokens[rows, :w] = next_buf
@@ -283,6 +294,16 @@ class OrtBackend:
         return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
+    def _locate(self, image_id: int) -> tuple[int, int, int] | None:
+        return self.images.locate(image_id) if self.images is not None else None
+
+    def _set_offsets(self, b: _Binding, j: int, cache: KVCache, slot: int, before: np.ndarray, new: np.ndarray) -> None:
+        """Row ``j``'s M-RoPE offsets for ``new`` ids, written after what ``slot`` holds and ``before``."""
+        if b.offsets is None:
+            return
+        b.offsets[:, j] = 0
+        b.offsets[:, j, : len(new)] = mrope.offsets(np.concatenate([cache.held(slot), before]), new, self._locate)
+
     def _bind_images(self, b: _Binding) -> None:
         """Image ids in ``b.ids`` (runtime/vision/tokens.py) -> the ``<image>`` token, their rows bound as
         image_embeds at image_positions (empty when none: the binding may be reused chunk after chunk)."""
@@ -309,6 +330,9 @@ class OrtBackend:
         io = self.sessions[kind].io_binding()
         b = _Binding(io, np.zeros((n, width), np.int64), np.zeros(n, np.int64), np.ones(n, np.int64),
                      np.empty((n, self.vocab_size), np.float32), np.empty(n, np.int64))
+        if self._mrope:
+            b.offsets = np.zeros((3, n, width), np.int64)
+            io.bind_input("rope_offsets", "cpu", 0, b.offsets.dtype, b.offsets.shape, b.offsets.ctypes.data)
         for name, arr in (("input_ids", b.ids), ("past_lengths", b.past), ("seq_lengths", b.seq)):
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for name, arr in (("logits", b.logits), ("next_token", b.next_token)):

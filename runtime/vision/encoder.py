@@ -25,6 +25,7 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.models.vision import VisionSpec
 from decodert.runtime.vision import preprocess as pre
+from decodert.runtime.vision import qwen_preprocess as qp
 from decodert.runtime.vision.tokens import IMAGE_FLAG, image_ids, pixel_digest
 
 
@@ -68,6 +69,12 @@ class ImageStore:
             found = {id(e): e for e in (self._where.get(int(v)) for v in ids[ids >= IMAGE_FLAG]) if e is not None}
         return list(found.values())
 
+    def locate(self, image_id: int) -> tuple[int, int, int] | None:
+        """(index in its image, rows, cols of its image's grid) of an image id, or None (runtime/vision/mrope.py)."""
+        with self._lock:
+            e = self._where.get(image_id)
+            return None if e is None else (e.index[image_id], e.rows, e.cols)
+
     def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """For a block of ids (any shape): (flat positions [N] of its image ids, their embeddings [N, hidden]),
         or None when it holds none. The ids are not changed."""
@@ -89,7 +96,9 @@ class Vision:
     def __init__(self, session: Any, spec: VisionSpec, settings: dict, image_token_id: int, np_dtype: type) -> None:
         self.session, self.spec, self.settings = session, spec, settings
         self.image_token_id, self.np_dtype = image_token_id, np_dtype
-        self.seq_len = int(settings["image_seq_len"])
+        self.qwen = spec.tower == "qwen_vit"  # patch rows + <|image_pad|> (runtime/vision/qwen_preprocess.py)
+        self.placeholder = qp.IMAGE_PAD if self.qwen else pre.IMAGE
+        self.seq_len = int(settings.get("image_seq_len", 0))
         self.store = ImageStore()
         self.encode_seconds = 0.0  # the last image encoded (bench/vision.py)
 
@@ -117,28 +126,41 @@ class Vision:
         entry = self.store.get(digest)
         if entry is None:
             t0 = time.perf_counter()
-            tiles = pre.preprocess(rgb, self.settings)
-            embeds = self.session.run(["image_embeds"], {"pixel_values": tiles.pixels})[0]  # [n_tiles, T, hidden]
-            embeds = embeds.reshape(-1, embeds.shape[-1])
-            entry = _Entry(image_ids(digest, self.image_token_id, len(embeds)), embeds, tiles.rows, tiles.cols)
+            embeds, rows, cols = self._encode(rgb)
+            entry = _Entry(image_ids(digest, self.image_token_id, len(embeds)), embeds, rows, cols)
             self.store.put(digest, entry)
             self.encode_seconds = time.perf_counter() - t0
         return entry
 
+    def _encode(self, rgb: np.ndarray) -> tuple[np.ndarray, int, int]:
+        """-> (embeddings [n, hidden], rows, cols): the tile grid (Idefics3) or the merged token grid (Qwen)."""
+        if self.qwen:
+            p = qp.preprocess(rgb, self.settings, self.spec)
+            feed = {"pixel_values": p.pixels, "patch_positions": p.positions, "patch_windows": p.windows}
+            return self.session.run(["image_embeds"], feed)[0][p.restore], p.rows, p.cols
+        tiles = pre.preprocess(rgb, self.settings)
+        embeds = self.session.run(["image_embeds"], {"pixel_values": tiles.pixels})[0]  # [n_tiles, T, hidden]
+        return embeds.reshape(-1, embeds.shape[-1]), tiles.rows, tiles.cols
+
+    def _expand(self, entry: _Entry) -> str:
+        """The text one placeholder of the template becomes."""
+        if self.qwen:
+            return qp.image_prompt(entry.rows, entry.cols)
+        return pre.image_prompt(pre.Tiles(np.empty(0), entry.rows, entry.cols), self.seq_len)
+
     def prompt_ids(self, text: str, images: Sequence[np.ndarray], encode: Callable[[str], np.ndarray]) -> np.ndarray:
         """The rendered prompt with one ``<image>`` per image -> ids, each image's tokens its image ids."""
-        parts = text.split(pre.IMAGE)
+        parts = text.split(self.placeholder)
         if len(parts) - 1 != len(images):
-            raise DecodertError(f"the prompt has {len(parts) - 1} {pre.IMAGE} placeholders for {len(images)} images "
-                                "(the chat template places one per image part)")
+            raise DecodertError(f"the prompt has {len(parts) - 1} {self.placeholder} placeholders for {len(images)} "
+                                "images (the chat template places one per image part)")
         entries = [self.entry(rgb) for rgb in images]
-        grids = [pre.Tiles(np.empty(0), e.rows, e.cols) for e in entries]
-        expanded = parts[0] + "".join(pre.image_prompt(t, self.seq_len) + p for t, p in zip(grids, parts[1:]))
+        expanded = parts[0] + "".join(self._expand(e) + p for e, p in zip(entries, parts[1:]))
         ids = encode(expanded).copy()
         at = np.flatnonzero(ids == self.image_token_id)
         want = sum(len(e.ids) for e in entries)
         if len(at) != want:
             raise DecodertError(f"the prompt has {len(at)} image tokens where its images need {want}; "
-                                f"does the text itself contain {pre.IMAGE}?")
+                                f"does the text itself contain {self.placeholder}?")
         ids[at] = np.concatenate([e.ids for e in entries])
         return ids

@@ -1,0 +1,58 @@
+"""M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): rotary angles from 3-D positions (t, h, w).
+
+    position[a, b, s] = past_lengths[b] + s + rope_offsets[a, b, s]       a = t, h, w   [3, B, S]
+    cos[b, s, j]      = cos_cache[position[axis(j), b, s], j]              j < R/2 (one per rotary pair)
+      sections (Qwen2.5-VL, mrope_section (s_t, s_h, s_w)):  j < s_t -> t,  j < s_t + s_h -> h,  else w
+      interleaved (Qwen3-VL):  j % 3 == 1 and j < 3 s_h -> h,  j % 3 == 2 and j < 3 s_w -> w,  else t
+
+A text token's offsets are equal on the three axes (0 before the first image), so a text-only row is
+ordinary RoPE; image tokens get (t, row, column) positions. The runtime computes the offsets from the
+ids a cache row holds (runtime/vision/mrope.py), so they need no state of their own. The graph picks
+each pair's axis with a one-hot mask (exact: x * 1 + 0 + 0), then every lowering rotates with per-token
+tables [B, S, R/2]: the rotate-half body, or RotaryEmbedding-23 without position_ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from decodert.plugins.onnx_builder import GraphBuilder
+
+OFFSETS = "rope_offsets"  # the graph input [3, B, S] int64 (default zeros [3, 1, 1])
+
+
+def axis_of_pairs(sections: tuple[int, ...], interleaved: bool) -> np.ndarray:
+    """[R/2] the axis (0 t, 1 h, 2 w) each rotary pair turns by, as transformers assigns them."""
+    half = sum(sections)
+    if not interleaved:
+        return np.repeat(np.arange(3), sections)
+    axis = np.zeros(half, np.int64)
+    for a in (1, 2):
+        axis[a : 3 * sections[a] : 3] = a
+    return axis
+
+
+def mrope_ref(positions: np.ndarray, cos_cache: np.ndarray, sin_cache: np.ndarray, sections: tuple[int, ...],
+              interleaved: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """positions [3, B, S] -> cos, sin [B, S, R/2] (numpy reference)."""
+    axis = axis_of_pairs(sections, interleaved)
+    cols = np.arange(len(axis))
+    return cos_cache[positions[axis], cols].transpose(1, 2, 0), sin_cache[positions[axis], cols].transpose(1, 2, 0)
+
+
+def mrope_tables(g: GraphBuilder, past_lengths: str, input_ids: str, cos_cache: str, sin_cache: str,
+                 sections: tuple[int, ...], interleaved: bool, np_dtype: type) -> tuple[str, str]:
+    """Per-token (cos, sin) [B, S, R/2] from ``rope_offsets``, in the tables' dtype."""
+    with g.scope("mrope"):
+        seq = g.op("Gather", g.op("Shape", input_ids), g.const(np.int64(1)), axis=0)
+        steps = g.op("Unsqueeze", g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1))), g.const([0]))
+        pos = g.op("Add", g.op("Unsqueeze", past_lengths, g.const([1])), steps)  # [B, S]
+        pos3 = g.op("Add", g.op("Unsqueeze", pos, g.const([0])), OFFSETS)  # [3, B, S]
+        axis = axis_of_pairs(sections, interleaved)
+        onehot = (np.arange(3)[:, None] == axis[None, :]).astype(np_dtype).reshape(3, 1, 1, -1)  # [3, 1, 1, R/2]
+        mask = g.const(onehot)
+        out = []
+        for table in (cos_cache, sin_cache):
+            rows = g.op("Gather", table, pos3, axis=0)  # [3, B, S, R/2]
+            out.append(g.op("ReduceSum", g.op("Mul", rows, mask), g.const([0]), keepdims=0))
+        return out[0], out[1]

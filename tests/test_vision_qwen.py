@@ -1,0 +1,188 @@
+"""Qwen2.5-VL against transformers running the model's own processor, on a tiny random checkpoint: placeholder
+ids, pixels, vision embeddings, M-RoPE positions, logits, greedy tokens, batches, chunks, sessions, targets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tiny_qwen_vl import make_tiny_qwen_vl, reference_processor
+
+torch = pytest.importorskip("torch")
+Image = pytest.importorskip("PIL.Image")
+
+# (height, width): rounded to 16 px, upscaled to min_pixels, several 2x2-unit windows, scaled down to max_pixels
+SIZES = [(70, 50), (20, 30), (100, 160), (120, 300)]
+
+
+@pytest.fixture(scope="module")
+def qvl(tmp_path_factory):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    root = tmp_path_factory.mktemp("qvl")
+    hf = make_tiny_qwen_vl(root / "hf", seed=int(np.random.default_rng().integers(1000)))
+    export_model(hf, root / "art", target="ort", dtype="fp32", max_seq=1024, max_batch=4, progress=False)
+    llm = LLM.load(root / "art", backend="ort")
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf).eval()
+    yield llm, model, reference_processor(hf)
+    llm.close()
+
+
+def _image(rng, h, w):
+    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _ask(*images, text="What is in this image?"):
+    parts = [{"type": "image", "image": img} for img in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def _reference(proc, text, images):
+    return proc(text=text, images=[Image.fromarray(i) for i in images], return_tensors="pt")
+
+
+def _reference_tokens(model, proc, text, images, n=8):
+    ref = _reference(proc, text, images)
+    with torch.no_grad():
+        out = model.generate(**ref, max_new_tokens=n, do_sample=False)
+    return out[0, ref["input_ids"].shape[1]:].tolist()
+
+
+def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
+    from decodert.runtime.vision import qwen_preprocess as qp
+    from decodert.runtime.vision.tokens import pixel_digest, text_ids
+
+    llm, model, proc = qvl
+    rng = np.random.default_rng()
+    for h, w in SIZES:
+        img = _image(rng, h, w)
+        _, text, ids = llm._chat_prompt(_ask(img), {})
+        ref = _reference(proc, text, [img])
+        assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy()), (h, w)
+        p = qp.preprocess(img, llm.vision.settings, llm.vision.spec)
+        units = p.pixels.reshape(len(p.restore), -1)[p.restore].reshape(p.pixels.shape)  # back to image order
+        np.testing.assert_allclose(units, ref["pixel_values"].numpy(), atol=1e-6)
+        assert [1, 2 * p.rows, 2 * p.cols] == ref["image_grid_thw"][0].tolist()
+        with torch.no_grad():
+            feats = model.model.get_image_features(ref["pixel_values"], ref["image_grid_thw"]).pooler_output
+        feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
+        np.testing.assert_allclose(llm.vision.store.get(pixel_digest(img)).embeds, feats.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_mrope_positions_equal_get_rope_index(qvl):
+    """Two images and a second turn: the positions the runtime derives from the ids are transformers' exactly."""
+    from decodert.runtime.vision import mrope
+
+    llm, model, proc = qvl
+    rng = np.random.default_rng()
+    imgs = [_image(rng, 100, 160), _image(rng, 120, 300)]
+    msgs = _ask(*imgs) + [{"role": "assistant", "content": "A fox."}, {"role": "user", "content": "And?"}]
+    _, text, ids = llm._chat_prompt(msgs, {})
+    ref = _reference(proc, text, imgs)
+    token_types = (ref["input_ids"] == model.config.image_token_id).int()
+    want, delta = model.model.get_rope_index(ref["input_ids"], token_types, ref["image_grid_thw"])
+    got, after = mrope.positions(ids, llm.vision.store.locate)
+    assert np.array_equal(got, want[:, 0].numpy())
+    assert after - len(ids) == int(delta[0, 0]) == mrope.next_offset(ids, llm.vision.store.locate) < 0
+    cut = len(ids) // 3  # any split gives the same offsets (a chunk, a reused prefix)
+    assert np.array_equal(mrope.offsets(ids[:cut], ids[cut:], llm.vision.store.locate),
+                          got[:, cut:] - np.arange(cut, len(ids)))
+
+
+def test_prefill_and_decode_logits_equal_transformers(qvl):
+    llm, model, proc = qvl
+    img = _image(np.random.default_rng(), 100, 160)
+    _, text, ids = llm._chat_prompt(_ask(img), {})
+    ref = _reference(proc, text, [img])
+    backend = llm.backend
+    cache = backend.allocate(1)
+    first = backend.prefill(cache, [0], [ids], True)
+    nxt = np.array([int(first.next_token[0])], np.int64)
+    second = backend.decode(cache, [0], nxt, True)
+    with torch.no_grad():
+        out = model(**ref)
+        full = {**ref, "input_ids": torch.cat([ref["input_ids"], torch.tensor([[int(nxt[0])]])], 1),
+                "attention_mask": torch.ones(1, ref["input_ids"].shape[1] + 1, dtype=torch.long),
+                "mm_token_type_ids": torch.cat([ref["mm_token_type_ids"], torch.zeros(1, 1, dtype=torch.int)], 1)}
+        model.model.rope_deltas = None
+        out2 = model(**full)
+    np.testing.assert_allclose(first.logits[0], out.logits[0, -1].numpy(), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(second.logits[0], out2.logits[0, -1].numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_equal_transformers(qvl):
+    llm, model, proc = qvl
+    rng = np.random.default_rng()
+    for h, w in SIZES[:3]:
+        img = _image(rng, h, w)
+        result = llm.chat(_ask(img), max_new_tokens=8, temperature=0)
+        _, text, _ = llm._chat_prompt(_ask(img), {})
+        assert result.token_ids == _reference_tokens(model, proc, text, [img]), (h, w)
+    two = [_image(rng, 90, 60), _image(rng, 64, 64)]  # two images in one message
+    msgs = _ask(two[0], Image.fromarray(two[1]), text="and")
+    _, text, _ = llm._chat_prompt(msgs, {})
+    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _reference_tokens(model, proc, text, two)
+
+
+def test_a_batch_equals_the_singles(qvl):
+    llm, _, _ = qvl
+    rng = np.random.default_rng()
+    asks = [_ask(_image(rng, 70, 50)), _ask(_image(rng, 100, 160), text="Hello?"), [{"role": "user", "content": "Hi"}]]
+    singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
+    batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
+    assert [r.token_ids for r in batch] == singles
+
+
+def test_a_chunked_prefill_through_an_image_equals_one_call(qvl):
+    llm, _, _ = qvl
+    img = _image(np.random.default_rng(), 120, 300)  # 72 image tokens: chunks of 20 cut through them
+    want = llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
+    chunk, llm.backend.prefill_chunk = llm.backend.prefill_chunk, 20
+    try:
+        if llm.prefix_cache is not None:
+            llm.prefix_cache.clear()
+        again = llm.chat(_ask(img), max_new_tokens=6, temperature=0)
+        assert again.metrics.cached_tokens == 0 and again.token_ids == want
+    finally:
+        llm.backend.prefill_chunk = chunk
+
+
+def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(qvl):
+    llm, _, _ = qvl
+    img = _image(np.random.default_rng(), 100, 160)
+    chat = llm.session()
+    first = chat.chat(_ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
+    second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)
+    assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens  # the image was not prefilled again
+    if llm.prefix_cache is not None:
+        llm.prefix_cache.clear()
+    fresh = llm.chat(chat.history[:-1], max_new_tokens=5, temperature=0)
+    assert second.token_ids == fresh.token_ids
+    chat.close()
+
+
+@pytest.mark.parametrize("target", ["portable", "trt"])
+def test_other_targets_turn_the_same_positions(qvl, tmp_path, target):
+    """The standard-op rotation (portable) and RotaryEmbedding-23 without position ids (the trt graphs, run by
+    ONNX Runtime here) give the ort target's tokens."""
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    llm, _, _ = qvl
+    export_model(llm.manifest.source.path, tmp_path / target, target=target, dtype="fp32", max_seq=512,
+                 progress=False, **({"plugins": "never"} if target == "trt" else {}))
+    img = _image(np.random.default_rng(), 100, 160)
+    with LLM.load(tmp_path / target, backend="ort") as other:
+        assert other.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids == \
+            llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
+
+
+def test_spec_and_settings_from_the_checkpoint(qvl):
+    llm, _, _ = qvl
+    spec = llm.manifest.model.spec()
+    assert spec.mrope_section == (2, 3, 3) and spec.image_token_id == llm.vision.image_token_id
+    assert llm.vision.spec.tower == "qwen_vit" and llm.vision.spec.full_layers == (1,)
+    assert (llm.vision.settings["min_pixels"], llm.vision.settings["max_pixels"]) == (32 * 32, 128 * 128)

@@ -60,7 +60,7 @@ def qwen_settings(folder: Path, vision: VisionSpec) -> dict[str, Any]:
 
 def processor_settings(folder: Path, vision: VisionSpec) -> dict[str, Any]:
     """preprocessor_config.json (+ processor_config.json's image_seq_len) over the defaults, checked."""
-    if vision.tower == "qwen_vit":
+    if vision.tower in ("qwen_vit", "qwen3_vit"):
         return qwen_settings(folder, vision)
     raw = _json(folder / "preprocessor_config.json")
     settings = {k: raw.get(k, v) for k, v in PROCESSOR_DEFAULTS.items()}

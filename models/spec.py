@@ -141,6 +141,7 @@ class ModelSpec:
     # the graphs take rope_offsets [3, B, S] (position - cache index per axis). () = ordinary 1-D RoPE
     mrope_section: tuple[int, ...] = ()  # pairs per axis (t, h, w), summing to rotary_dim / 2
     mrope_interleaved: bool = False  # Qwen3-VL: pairs t, h, w, t, h, w, ... instead of three blocks
+    deepstack_layers: int = 0  # Qwen3-VL: after each of the first n layers the image rows gain deepstack_embeds[i]
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -25,6 +25,11 @@ The ``qwen_vit`` tower (Qwen2.5-VL: variable-size images as patch rows, RMSNorm,
 - ``vision.layers.{i}.qkv[_bias]``, ``o[_bias]``       as above
 - ``vision.layers.{i}.gate_up[_bias]`` [2 I_v, C_v]   rows gate | up (fused at load);  ``down[_bias]`` [C_v, I_v]
 - ``vision.merger_norm`` [C_v];  ``vision.merger_fc1[_bias]`` [4 C_v, 4 C_v];  ``vision.merger_fc2[_bias]`` [hidden, 4 C_v]
+
+The ``qwen3_vit`` tower (Qwen3-VL: full attention, LayerNorm + GELU-tanh blocks, learned positions) names
+``vision.patch_embed[_bias]``, ``vision.pos_embed`` [num_positions, C_v], the SigLIP layer names above, the
+merger's (``merger_norm[_bias]`` over C_v) and per deepstack layer j ``vision.deepstack.layers.{j}.norm[_bias]``
+[4 C_v], ``.fc1[_bias]``, ``.fc2[_bias]`` (a merger whose LayerNorm runs after the 2x2 merge).
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class VisionSpec:
     window_size: int = 0  # qwen_vit: window attention over window_size^2 pixels, except in full_layers
     full_layers: tuple[int, ...] = ()
     rope_theta: float = 10000.0  # qwen_vit: the 2-D rotary of the attention (rows, columns)
+    num_positions: int = 0  # qwen3_vit: learned position table (a square grid, bilinearly resampled per image)
+    deepstack: tuple[int, ...] = ()  # qwen3_vit: layers whose merged output feeds the text model's first layers
 
     def __post_init__(self) -> None:
         side = self.image_size // self.patch_size
@@ -83,6 +90,7 @@ class VisionSpec:
     def from_dict(cls, d: dict[str, Any]) -> "VisionSpec":
         d = dict(d)
         d["full_layers"] = tuple(d.get("full_layers", ()))
+        d["deepstack"] = tuple(d.get("deepstack", ()))
         return cls(**d)
 
 
@@ -101,6 +109,10 @@ def vision_names(v: VisionSpec) -> list[str]:
         p = f"vision.layers.{i}."
         names += [p + n for n in ("ln1", "ln1_bias", "qkv", "qkv_bias", "o", "o_bias", "ln2", "ln2_bias",
                                   "fc1", "fc1_bias", "fc2", "fc2_bias")]
+    if v.tower == "qwen3_vit":
+        merger = ("norm", "norm_bias", "fc1", "fc1_bias", "fc2", "fc2_bias")
+        names += ["vision.merger_" + n for n in merger]
+        return names + [f"vision.deepstack.layers.{j}.{n}" for j in range(len(v.deepstack)) for n in merger]
     return names + ["vision.post_ln", "vision.post_ln_bias", "vision.proj"]
 
 
@@ -115,6 +127,16 @@ def vision_shape(v: VisionSpec, name: str) -> tuple[int, ...]:
                 "merger_fc1": (merged, merged), "merger_fc1_bias": (merged,), "merger_fc2": (v.out_hidden, merged),
                 "merger_fc2_bias": (v.out_hidden,)}
         return qwen.get(leaf, (c,))
+    if v.tower == "qwen3_vit":
+        merged = c * v.scale_factor ** 2
+        deep = ".deepstack." in name
+        qwen3 = {"patch_embed": (c, v.patch_features), "pos_embed": (v.num_positions, c), "qkv": (3 * c, c),
+                 "qkv_bias": (3 * c,), "o": (c, c), "fc1": (inter, c), "fc1_bias": (inter,), "fc2": (c, inter),
+                 "merger_fc1": (merged, merged), "merger_fc1_bias": (merged,), "merger_fc2": (v.out_hidden, merged),
+                 "merger_fc2_bias": (v.out_hidden,), "norm": (merged,), "norm_bias": (merged,)}
+        if deep and leaf.startswith("fc"):
+            leaf = "merger_" + leaf
+        return qwen3.get(leaf, (c,))
     shapes = {
         "patch_embed": (c, 3, v.patch_size, v.patch_size), "patch_embed_bias": (c,),
         "pos_embed": (v.patches_per_side ** 2, c), "qkv": (3 * c, c), "qkv_bias": (3 * c,),

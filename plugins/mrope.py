@@ -8,8 +8,10 @@
 A text token's offsets are equal on the three axes (0 before the first image), so a text-only row is
 ordinary RoPE; image tokens get (t, row, column) positions. The runtime computes the offsets from the
 ids a cache row holds (runtime/vision/mrope.py), so they need no state of their own. The graph picks
-each pair's axis with a one-hot mask (exact: x * 1 + 0 + 0), then every lowering rotates with per-token
-tables [B, S, R/2]: the rotate-half body, or RotaryEmbedding-23 without position_ids.
+each pair's axis with a one-hot mask (exact: x * 1 + 0 + 0), then the lowering rotates with per-token
+tables [B, S, R/2]: the rotate-half body (portable), or RotaryEmbedding-23 without position_ids (trt, ort's
+verify graph). ort's GroupQueryAttention graphs rotate q and k with com.microsoft.MRotaryEmbedding over the
+3-D positions instead (one op each per layer; its CPU kernel equals ``mrope_ref``, both layouts).
 """
 
 from __future__ import annotations
@@ -36,18 +38,24 @@ def mrope_ref(positions: np.ndarray, cos_cache: np.ndarray, sin_cache: np.ndarra
               interleaved: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """positions [3, B, S] -> cos, sin [B, S, R/2] (numpy reference)."""
     axis = axis_of_pairs(sections, interleaved)
-    cols = np.arange(len(axis))
+    cols = np.arange(len(axis))[:, None, None]
     return cos_cache[positions[axis], cols].transpose(1, 2, 0), sin_cache[positions[axis], cols].transpose(1, 2, 0)
+
+
+def positions3(g: GraphBuilder, past_lengths: str, input_ids: str) -> str:
+    """position [3, B, S] int64 = past_lengths + arange(S) + rope_offsets."""
+    with g.scope("mrope"):
+        seq = g.op("Gather", g.op("Shape", input_ids), g.const(np.int64(1)), axis=0)
+        steps = g.op("Unsqueeze", g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1))), g.const([0]))
+        pos = g.op("Add", g.op("Unsqueeze", past_lengths, g.const([1])), steps)  # [B, S]
+        return g.op("Add", g.op("Unsqueeze", pos, g.const([0])), OFFSETS)  # [3, B, S]
 
 
 def mrope_tables(g: GraphBuilder, past_lengths: str, input_ids: str, cos_cache: str, sin_cache: str,
                  sections: tuple[int, ...], interleaved: bool, np_dtype: type) -> tuple[str, str]:
     """Per-token (cos, sin) [B, S, R/2] from ``rope_offsets``, in the tables' dtype."""
+    pos3 = positions3(g, past_lengths, input_ids)
     with g.scope("mrope"):
-        seq = g.op("Gather", g.op("Shape", input_ids), g.const(np.int64(1)), axis=0)
-        steps = g.op("Unsqueeze", g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1))), g.const([0]))
-        pos = g.op("Add", g.op("Unsqueeze", past_lengths, g.const([1])), steps)  # [B, S]
-        pos3 = g.op("Add", g.op("Unsqueeze", pos, g.const([0])), OFFSETS)  # [3, B, S]
         axis = axis_of_pairs(sections, interleaved)
         onehot = (np.arange(3)[:, None] == axis[None, :]).astype(np_dtype).reshape(3, 1, 1, -1)  # [3, 1, 1, R/2]
         mask = g.const(onehot)

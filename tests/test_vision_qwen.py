@@ -15,19 +15,22 @@ Image = pytest.importorskip("PIL.Image")
 SIZES = [(70, 50), (20, 30), (100, 160), (120, 300)]
 
 
-@pytest.fixture(scope="module")
-def qvl(tmp_path_factory):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qvl(request, tmp_path_factory):
+    import transformers
 
     from decodert.export.pipeline import export_model
     from decodert.runtime.llm import LLM
 
-    root = tmp_path_factory.mktemp("qvl")
-    hf = make_tiny_qwen_vl(root / "hf", seed=int(np.random.default_rng().integers(1000)))
+    kind = request.param
+    root = tmp_path_factory.mktemp(kind)
+    hf = make_tiny_qwen_vl(root / "hf", seed=int(np.random.default_rng().integers(1000)), kind=kind)
     export_model(hf, root / "art", target="ort", dtype="fp32", max_seq=1024, max_batch=4, progress=False)
     llm = LLM.load(root / "art", backend="ort")
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf).eval()
-    yield llm, model, reference_processor(hf)
+    Model = transformers.Qwen3VLForConditionalGeneration if kind == "qwen3_vl" else \
+        transformers.Qwen2_5_VLForConditionalGeneration
+    model = Model.from_pretrained(hf).eval()
+    yield llm, model, reference_processor(hf, kind)
     llm.close()
 
 
@@ -67,9 +70,15 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
         np.testing.assert_allclose(units, ref["pixel_values"].numpy(), atol=1e-6)
         assert [1, 2 * p.rows, 2 * p.cols] == ref["image_grid_thw"][0].tolist()
         with torch.no_grad():
-            feats = model.model.get_image_features(ref["pixel_values"], ref["image_grid_thw"]).pooler_output
+            out = model.model.get_image_features(ref["pixel_values"], ref["image_grid_thw"])
+        feats = out.pooler_output
         feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
-        np.testing.assert_allclose(llm.vision.store.get(pixel_digest(img)).embeds, feats.numpy(), atol=1e-4, rtol=1e-4)
+        entry = llm.vision.store.get(pixel_digest(img))
+        np.testing.assert_allclose(entry.embeds, feats.numpy(), atol=1e-4, rtol=1e-4)
+        if llm.vision.spec.deepstack:  # Qwen3-VL: the features its first text layers add
+            deep = np.stack([torch.cat(list(f)).numpy() if isinstance(f, (list, tuple)) else f.numpy()
+                             for f in out.deepstack_features])
+            np.testing.assert_allclose(entry.extra["deepstack_embeds"], deep, atol=1e-4, rtol=1e-4)
 
 
 def test_mrope_positions_equal_get_rope_index(qvl):
@@ -166,6 +175,8 @@ def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(qvl):
 
 @pytest.mark.parametrize("target", ["portable", "trt"])
 def test_other_targets_turn_the_same_positions(qvl, tmp_path, target):
+    if target == "trt" and qvl[0].vision.spec.deepstack:
+        pytest.skip("one model is enough for the trt graph's rotation; the portable one checks deepstack's scatter")
     """The standard-op rotation (portable) and RotaryEmbedding-23 without position ids (the trt graphs, run by
     ONNX Runtime here) give the ort target's tokens."""
     from decodert.export.pipeline import export_model
@@ -184,5 +195,25 @@ def test_spec_and_settings_from_the_checkpoint(qvl):
     llm, _, _ = qvl
     spec = llm.manifest.model.spec()
     assert spec.mrope_section == (2, 3, 3) and spec.image_token_id == llm.vision.image_token_id
-    assert llm.vision.spec.tower == "qwen_vit" and llm.vision.spec.full_layers == (1,)
+    if spec.family == "qwen3_vl":
+        assert spec.mrope_interleaved and spec.qk_norm and spec.deepstack_layers == 2
+        assert llm.vision.spec.tower == "qwen3_vit" and llm.vision.spec.deepstack == (0, 1)
+    else:
+        assert llm.vision.spec.tower == "qwen_vit" and llm.vision.spec.full_layers == (1,)
     assert (llm.vision.settings["min_pixels"], llm.vision.settings["max_pixels"]) == (32 * 32, 128 * 128)
+    import onnx
+
+    graph = onnx.load(str(llm.backend.dir / "prefill.onnx"), load_external_data=False).graph
+    assert "MRotaryEmbedding" in {n.op_type for n in graph.node}  # ort: the fused M-RoPE on q and k
+
+
+def test_mrope_reference_and_pair_axes():
+    from decodert.plugins.mrope import axis_of_pairs, mrope_ref
+
+    assert axis_of_pairs((2, 3, 3), False).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert axis_of_pairs((3, 3, 2), True).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]  # Qwen3-VL's interleaving
+    rng = np.random.default_rng()
+    cos, sin = rng.standard_normal((2, 50, 8))
+    pos = rng.integers(0, 50, (3, 2, 5))
+    c, _ = mrope_ref(pos, cos, sin, (2, 3, 3))
+    assert c[1, 4, 0] == cos[pos[0, 1, 4], 0] and c[1, 4, 3] == cos[pos[1, 1, 4], 3] and c[1, 4, 7] == cos[pos[2, 1, 4], 7]

@@ -52,6 +52,9 @@ def check_contract(m: Manifest, path: Path, kinds: tuple[str, ...]) -> None:
         if kind == "prefill" and m.model.extra.get("image_token_id") is not None:
             bound.update(image_embeds=(m.dtype, ["image_tokens", m.model.hidden_size]),
                          image_positions=("int64", ["image_tokens"]))
+            if m.model.extra.get("deepstack_layers"):
+                bound["deepstack_embeds"] = (m.dtype, [m.model.extra["deepstack_layers"], "image_tokens",
+                                                       m.model.hidden_size])
         if m.model.extra.get("mrope_section"):  # M-RoPE: every graph takes the 3-D position offsets
             bound["rope_offsets"] = ("int64", [3, "batch", "seq" if kind != "decode" else 1])
         if kind == "prefill" and g.verifies_rows:

@@ -8,6 +8,7 @@
         x[image_positions] = image_embeds                  ScatterND over the [B*S, hidden] rows; image_positions
                                                            [N] = b*S + s of each image token, image_embeds [N, hidden]
                                                            (vision.onnx's output rows); both default to empty
+        Qwen3-VL (spec.deepstack_layers = n): after layer i < n, x[image_positions] += deepstack_embeds[i]
     per layer i:
         h      = rmsnorm(x)                                (fused with the residual add below)
         qkv    = h @ qkv^T (+ bias)                        [T, (H+2Hkv)*D]   (q/k rmsnorm: Qwen3, Gemma 3)
@@ -59,7 +60,7 @@ from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 GraphKind = Literal["prefill", "decode", "verify"]
 # inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
 # TensorRT's ONNX parser folds such an input into a constant, so its engines take the default only
-DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "rope_offsets")
+DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "deepstack_embeds", "rope_offsets")
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 
@@ -97,6 +98,9 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
     if kind == "prefill" and spec.image_token_id is not None:
         inputs += [{"name": "image_embeds", "dtype": dtype, "shape": ["image_tokens", spec.hidden_size]},
                    {"name": "image_positions", "dtype": "int64", "shape": ["image_tokens"]}]
+        if spec.deepstack_layers:  # Qwen3-VL: the vision tower's earlier features, added after the first layers
+            inputs.append({"name": "deepstack_embeds", "dtype": dtype,
+                           "shape": [spec.deepstack_layers, "image_tokens", spec.hidden_size]})
     if spec.mrope_section:  # M-RoPE (plugins/mrope.py): position - cache index on each axis t, h, w
         inputs.append({"name": "rope_offsets", "dtype": "int64", "shape": [3, "batch", seq]})
     if per_position:
@@ -137,6 +141,9 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         g.add_initializer(numpy_helper.from_array(np.zeros((0, spec.hidden_size), NUMPY_DTYPES[lowering.dtype]),
                                                   "image_embeds"))
         g.add_initializer(numpy_helper.from_array(np.zeros(0, np.int64), "image_positions"))
+        if spec.deepstack_layers:
+            g.add_initializer(numpy_helper.from_array(
+                np.zeros((spec.deepstack_layers, 0, spec.hidden_size), NUMPY_DTYPES[lowering.dtype]), "deepstack_embeds"))
     if spec.mrope_section:  # text positions by default: offsets 0 on every axis
         g.add_initializer(numpy_helper.from_array(np.zeros((3, 1, 1), np.int64), "rope_offsets"))
     inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin",
@@ -159,6 +166,8 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
             with g.scope(f"layers.{i}"):
                 ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
                 x, h = _layer(g, lowering, ctx, inp, spec, i, x, h, kind == "decode", adapters)
+                if images and i < spec.deepstack_layers:
+                    h = _add_deepstack(g, spec, h, i)
         if kind == "verify":
             heads = [_verify_head(g, lowering, inp, spec, x, h)]
         else:
@@ -177,6 +186,16 @@ def _place_images(g: GraphBuilder, spec: ModelSpec, x: str) -> str:
         rows = g.op("Reshape", x, g.const([-1, spec.hidden_size]))  # [T, hidden]
         rows = g.op("ScatterND", rows, g.op("Unsqueeze", "image_positions", g.const([1])), "image_embeds")
         return g.op("Reshape", rows, g.op("Shape", x))
+
+
+def _add_deepstack(g: GraphBuilder, spec: ModelSpec, mlp: str, i: int) -> str:
+    """Qwen3-VL: the image rows of layer i's output gain deepstack_embeds[i] (added to the MLP output, which the
+    next residual add sums with the stream)."""
+    with g.scope("deepstack"):
+        rows = g.op("Reshape", mlp, g.const([-1, spec.hidden_size]))
+        extra = g.op("Gather", "deepstack_embeds", g.const(np.int64(i)), axis=0)  # [N, hidden]
+        rows = g.op("ScatterND", rows, g.op("Unsqueeze", "image_positions", g.const([1])), extra, reduction="add")
+        return g.op("Reshape", rows, g.op("Shape", mlp))
 
 
 def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec) -> dict:

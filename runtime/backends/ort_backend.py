@@ -105,6 +105,7 @@ class OrtBackend:
         self.images: Any = None
         self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
         self._mrope = any(t.name == "rope_offsets" for t in manifest.graphs["prefill"].inputs)  # Qwen-VL
+        self._deepstack = int(manifest.model.extra.get("deepstack_layers") or 0)  # Qwen3-VL: bound with the images
         # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
         layout = manifest.lora_layout
         self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
@@ -310,12 +311,16 @@ class OrtBackend:
         if not self._takes_images:
             return
         found = self.images.rows(b.ids) if self.images is not None else None
+        deep = self._deepstack
         if found is None:
             found = (np.zeros(0, np.int64), np.zeros((0, self.hidden), self.np_dtype))
+            extra = [np.zeros((deep, 0, self.hidden), self.np_dtype)] if deep else []
         else:
+            extra = [self.images.extra_rows(b.ids, "deepstack_embeds")] if deep else []  # Qwen3-VL
             b.ids[:] = text_ids(b.ids)
-        b.images = (np.ascontiguousarray(found[0]), np.ascontiguousarray(found[1], self.np_dtype))  # kept alive
-        for name, arr in zip(("image_positions", "image_embeds"), b.images):
+        b.images = [np.ascontiguousarray(a, a.dtype if i == 0 else self.np_dtype)  # kept alive
+                    for i, a in enumerate((*found, *extra))]
+        for name, arr in zip(("image_positions", "image_embeds", "deepstack_embeds"), b.images):
             b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
 
     def _prefill_groups(self, cache: KVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:

@@ -35,6 +35,7 @@ class _Entry:
     embeds: np.ndarray  # [n, hidden] graph dtype
     rows: int
     cols: int
+    extra: dict[str, np.ndarray] | None = None  # per-token features beside embeds, [k, n, hidden] (Qwen3-VL deepstack)
 
     def __post_init__(self) -> None:
         self.index = {int(v): k for k, v in enumerate(self.ids)}  # image id -> row
@@ -75,6 +76,13 @@ class ImageStore:
             e = self._where.get(image_id)
             return None if e is None else (e.index[image_id], e.rows, e.cols)
 
+    def extra_rows(self, ids: np.ndarray, name: str) -> np.ndarray:
+        """The ``name`` features [k, N, hidden] of the image ids in ``ids`` (flat order, as ``rows``)."""
+        flat = ids.reshape(-1)
+        with self._lock:
+            return np.stack([(e := self._where[v]).extra[name][:, e.index[v]]  # type: ignore[index]
+                             for v in map(int, flat[flat >= IMAGE_FLAG])], axis=1)
+
     def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """For a block of ids (any shape): (flat positions [N] of its image ids, their embeddings [N, hidden]),
         or None when it holds none. The ids are not changed."""
@@ -96,7 +104,7 @@ class Vision:
     def __init__(self, session: Any, spec: VisionSpec, settings: dict, image_token_id: int, np_dtype: type) -> None:
         self.session, self.spec, self.settings = session, spec, settings
         self.image_token_id, self.np_dtype = image_token_id, np_dtype
-        self.qwen = spec.tower == "qwen_vit"  # patch rows + <|image_pad|> (runtime/vision/qwen_preprocess.py)
+        self.qwen = spec.tower in ("qwen_vit", "qwen3_vit")  # patch rows + <|image_pad|> (runtime/vision/qwen_preprocess.py)
         self.placeholder = qp.IMAGE_PAD if self.qwen else pre.IMAGE
         self.seq_len = int(settings.get("image_seq_len", 0))
         self.store = ImageStore()
@@ -126,21 +134,29 @@ class Vision:
         entry = self.store.get(digest)
         if entry is None:
             t0 = time.perf_counter()
-            embeds, rows, cols = self._encode(rgb)
-            entry = _Entry(image_ids(digest, self.image_token_id, len(embeds)), embeds, rows, cols)
+            embeds, rows, cols, extra = self._encode(rgb)
+            entry = _Entry(image_ids(digest, self.image_token_id, len(embeds)), embeds, rows, cols, extra)
             self.store.put(digest, entry)
             self.encode_seconds = time.perf_counter() - t0
         return entry
 
-    def _encode(self, rgb: np.ndarray) -> tuple[np.ndarray, int, int]:
-        """-> (embeddings [n, hidden], rows, cols): the tile grid (Idefics3) or the merged token grid (Qwen)."""
+    def _encode(self, rgb: np.ndarray) -> tuple[np.ndarray, int, int, dict[str, np.ndarray] | None]:
+        """-> (embeddings [n, hidden], rows, cols, extra features): the tile grid (Idefics3) or the merged token
+        grid (Qwen); Qwen3-VL's deepstack features [k, n, hidden] as extra["deepstack_embeds"]."""
         if self.qwen:
             p = qp.preprocess(rgb, self.settings, self.spec)
-            feed = {"pixel_values": p.pixels, "patch_positions": p.positions, "patch_windows": p.windows}
-            return self.session.run(["image_embeds"], feed)[0][p.restore], p.rows, p.cols
+            feed = {"pixel_values": p.pixels, "patch_positions": p.positions}
+            if p.taps is not None:
+                feed.update(pos_indices=p.taps[0], pos_weights=p.taps[1])
+            else:
+                feed["patch_windows"] = p.windows
+            names = [o.name for o in self.session.get_outputs()]
+            out = dict(zip(names, self.session.run(names, feed)))
+            extra = {"deepstack_embeds": out["deepstack_embeds"][:, p.restore]} if "deepstack_embeds" in out else None
+            return out["image_embeds"][p.restore], p.rows, p.cols, extra
         tiles = pre.preprocess(rgb, self.settings)
         embeds = self.session.run(["image_embeds"], {"pixel_values": tiles.pixels})[0]  # [n_tiles, T, hidden]
-        return embeds.reshape(-1, embeds.shape[-1]), tiles.rows, tiles.cols
+        return embeds.reshape(-1, embeds.shape[-1]), tiles.rows, tiles.cols, None
 
     def _expand(self, entry: _Entry) -> str:
         """The text one placeholder of the template becomes."""

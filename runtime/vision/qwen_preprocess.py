@@ -11,6 +11,7 @@ settings are the checkpoint's preprocessor_config.json, resolved at export: expo
                   ``restore`` puts its output rows back
 
 and the prompt: the chat template's ``<|image_pad|>`` repeated (gh/m) * (gw/m) times (Qwen2_5_VLProcessor).
+Qwen3-VL: the same processor (16-px patches, no windows) plus the bilinear taps of its learned positions.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Patches:
     restore: np.ndarray  # [P / m^2] output row (window order) of each merged token in image order
     rows: int  # merged tokens per column: gh / m
     cols: int  # gw / m
+    taps: tuple[np.ndarray, np.ndarray] | None = None  # qwen3_vit: pos_indices [P, 4] int64, pos_weights [P, 4]
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -74,8 +76,25 @@ def preprocess(rgb: np.ndarray, settings: Mapping[str, Any], v: VisionSpec) -> P
     uh, uw = order // (gw // m), order % (gw // m)
     mh, mw = np.arange(unit) // m, np.arange(unit) % m
     pos = np.stack([(uh[:, None] * m + mh).reshape(-1), (uw[:, None] * m + mw).reshape(-1)], axis=1)
+    taps = bilinear_taps(pos, gh, gw, int(round(v.num_positions ** 0.5))) if v.num_positions else None
     return Patches(np.ascontiguousarray(x[rows], np.float32), pos.astype(np.int64),
-                   np.repeat(unit_window, unit).astype(np.int64), np.argsort(order), gh // m, gw // m)
+                   np.repeat(unit_window, unit).astype(np.int64), np.argsort(order), gh // m, gw // m, taps)
+
+
+def bilinear_taps(pos: np.ndarray, gh: int, gw: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3-VL's learned positions resampled to a gh x gw grid (F.interpolate bilinear, align_corners, as
+    transformers' get_vision_interpolation_indices_and_weights): per patch 4 rows of the side x side table
+    and their weights, float32 like torch's."""
+    def axis(index: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+        floor = np.floor(src)
+        offsets = np.arange(2)
+        taps = np.clip(floor.astype(np.int64)[:, None] + offsets, 0, side - 1)
+        weights = np.clip(1 - np.abs(src[:, None] - floor[:, None] - offsets), 0, None).astype(np.float32)
+        return taps, weights
+
+    (ht, hw), (wt, ww) = axis(pos[:, 0], gh), axis(pos[:, 1], gw)
+    return (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4), (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
 
 
 def window_order(rows: int, cols: int, side: int) -> tuple[np.ndarray, np.ndarray]:

@@ -81,14 +81,14 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
     seq: int | str = 1 if kind == "decode" else "seq"
     kv = kv or KV_DTYPES[dtype]
     cache_shape = ["batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)]
-    inputs = [
+    inputs: list[dict] = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
         {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
         {"name": "seq_lengths", "dtype": "int64", "shape": ["batch"]},
     ]
     if kind == "verify":  # every position is an output: no last valid token to pick
         inputs.pop()
-    outputs = [
+    outputs: list[dict] = [
         {"name": "logits", "dtype": "fp32", "shape": ["batch", spec.vocab_size]},
         {"name": "next_token", "dtype": "int64", "shape": ["batch"]},
     ] if kind != "verify" else [

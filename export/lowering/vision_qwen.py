@@ -71,7 +71,7 @@ def build_qwen_vision(v: VisionSpec, dtype: str, weights: dict[str, onnx.TensorP
         g.add_initializer(tensor)
     np_dtype = NUMPY_DTYPES[dtype]
     qwen3 = v.tower == "qwen3_vit"
-    deep = []
+    deep: list[str] = []  # deepstack mergers' outputs
     with g.scope("vision"):
         pixels = "pixel_values" if dtype == "fp32" else g.op("Cast", "pixel_values", to=DTYPES[dtype])
         x = g.op("Gemm", pixels, "vision.patch_embed", *(["vision.patch_embed_bias"] if qwen3 else []), transB=1)

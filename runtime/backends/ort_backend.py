@@ -30,13 +30,12 @@ from decodert.export.lowering.targets import get_target
 from decodert.export.lowering.onnx_check import check_external_data, check_session_io
 from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
-from decodert.runtime.backends import kv_blocks
+from decodert.runtime.backends import kv_blocks, ort_images
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput, window_outputs
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
 from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
 from decodert.runtime.backends.ort_verify import VerifyState, bind_cache
 from decodert.runtime.vision import mrope
-from decodert.runtime.vision.tokens import text_ids
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -173,7 +172,8 @@ class OrtBackend:
             b.ids[:, 0] = ids[rows]
             b.past[:] = cache.lengths[start : start + n]
             if b.offsets is not None:  # each row's next text position (runtime/vision/mrope.py)
-                b.offsets[:, :, 0] = [mrope.next_offset(cache.held(start + j), self._locate) for j in range(n)]
+                locate = ort_images.locator(self.images)
+                b.offsets[:, :, 0] = [mrope.next_offset(cache.held(start + j), locate) for j in range(n)]
             _run_bound(self.sessions["decode"], b.io, self.dir, "decode")
             _gather(out, rows, b, want_logits)
         cache.commit(slots, ids.reshape(-1, 1))
@@ -212,9 +212,7 @@ class OrtBackend:
             offsets = state.offsets_view(n, w)
             for j, r in enumerate(rows):
                 ids_buf[j, : lens[r]] = ids[r]
-                if offsets is not None:  # M-RoPE: positions after what the row holds
-                    offsets[:, j] = 0
-                    offsets[:, j, : lens[r]] = mrope.offsets(cache.held(slots[r]), ids[r], self._locate)
+                ort_images.set_offsets(offsets, j, cache.held(slots[r]), ids[r], self.images)  # M-RoPE
             past_buf[:] = cache.lengths[start : start + n]
             _run_bound(state.session, io, self.dir, state.kind)
             out.next_tokens[rows, :w] = next_buf
@@ -295,33 +293,17 @@ class OrtBackend:
         return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
-    def _locate(self, image_id: int) -> tuple[int, int, int] | None:
-        return self.images.locate(image_id) if self.images is not None else None
-
     def _set_offsets(self, b: _Binding, j: int, cache: KVCache, slot: int, before: np.ndarray, new: np.ndarray) -> None:
         """Row ``j``'s M-RoPE offsets for ``new`` ids, written after what ``slot`` holds and ``before``."""
-        if b.offsets is None:
-            return
-        b.offsets[:, j] = 0
-        b.offsets[:, j, : len(new)] = mrope.offsets(np.concatenate([cache.held(slot), before]), new, self._locate)
+        if b.offsets is not None:
+            ort_images.set_offsets(b.offsets, j, np.concatenate([cache.held(slot), before]), new, self.images)
 
     def _bind_images(self, b: _Binding) -> None:
         """Image ids in ``b.ids`` (runtime/vision/tokens.py) -> the ``<image>`` token, their rows bound as
         image_embeds at image_positions (empty when none: the binding may be reused chunk after chunk)."""
-        if not self._takes_images:
-            return
-        found = self.images.rows(b.ids) if self.images is not None else None
-        deep = self._deepstack
-        if found is None:
-            found = (np.zeros(0, np.int64), np.zeros((0, self.hidden), self.np_dtype))
-            extra = [np.zeros((deep, 0, self.hidden), self.np_dtype)] if deep else []
-        else:
-            extra = [self.images.extra_rows(b.ids, "deepstack_embeds")] if deep else []  # Qwen3-VL
-            b.ids[:] = text_ids(b.ids)
-        b.images = [np.ascontiguousarray(a, a.dtype if i == 0 else self.np_dtype)  # kept alive
-                    for i, a in enumerate((*found, *extra))]
-        for name, arr in zip(("image_positions", "image_embeds", "deepstack_embeds"), b.images):
-            b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        if self._takes_images:
+            b.images = ort_images.image_arrays(b.ids, self.images, self.hidden, self.np_dtype, self._deepstack)
+            ort_images.bind_images(b.io, b.images)  # b.images keeps the arrays alive
 
     def _prefill_groups(self, cache: KVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:
         """Runs of contiguous slots; rows one by one where a batched call is not allowed."""

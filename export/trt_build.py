@@ -108,10 +108,12 @@ def resolve_limits(manifest: Manifest, max_batch: int | None, max_seq: int | Non
 
 
 def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int,
-                   tiles: int = 1) -> dict[str, tuple[list[int], ...]]:
-    """Input name -> (min, opt, max) dims from the manifest's symbolic dims ("batch", "seq", "images")."""
+                   tiles: int = 1, patches: int = 4) -> dict[str, tuple[list[int], ...]]:
+    """Input name -> (min, opt, max) dims from the manifest's symbolic dims ("batch", "seq", "images", and the
+    Qwen-VL towers' "patches": 4 .. the patch rows of the largest image the processor makes)."""
     opt_batch = batch if name == "decode" else max(batch // 2, 1)
-    ranges = {"batch": (1, opt_batch, batch), "seq": (1, min(seq, 256), seq), "images": (1, tiles, tiles)}
+    ranges = {"batch": (1, opt_batch, batch), "seq": (1, min(seq, 256), seq), "images": (1, tiles, tiles),
+              "patches": (4, min(1024, patches), patches)}
     if name == "verify":  # speculative decoding: 1 .. max_tokens per row, at every batch size
         width = min(graph.max_tokens or seq, seq)
         ranges = {"batch": (1, batch, batch), "seq": (1, min(width, 8), width)}
@@ -266,7 +268,8 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
     builder = trt.Builder(logger)
     network, _parser = parse_onnx(trt, builder, logger, out_dir / graph.file)
     check_io(network_io(network, graph), graph, f"{graph.file} (parsed)")
-    shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"], max_tiles(manifest))
+    shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"], max_tiles(manifest),
+                            max_patches(manifest))
     monitor = make_progress(trt, name, settings["progress"])  # a bar on a terminal, else a line every 10 s
     config = make_config(trt, info, builder, network, shapes, {**settings, "monitor": monitor})
     t0 = time.perf_counter()
@@ -317,6 +320,15 @@ def max_tiles(manifest: Manifest) -> int:
         return 1
     side = -(-int(p["size"]["longest_edge"]) // int(p["max_image_size"]["longest_edge"]))  # ceil
     return side * side + 1 if side > 1 else 1
+
+
+def max_patches(manifest: Manifest) -> int:
+    """The most patch rows one image becomes in a Qwen-VL tower (max_pixels / patch^2, whole merge units)."""
+    p = manifest.vision.processor if manifest.vision is not None else {}
+    if "max_pixels" not in p:
+        return 4
+    unit = int(p["patch_size"]) * int(p["merge_size"])
+    return max(1, int(p["max_pixels"]) // (unit * unit)) * int(p["merge_size"]) ** 2
 
 
 def _open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tuple[Any, str]:

@@ -217,3 +217,22 @@ def test_mrope_reference_and_pair_axes():
     pos = rng.integers(0, 50, (3, 2, 5))
     c, _ = mrope_ref(pos, cos, sin, (2, 3, 3))
     assert c[1, 4, 0] == cos[pos[0, 1, 4], 0] and c[1, 4, 3] == cos[pos[1, 1, 4], 3] and c[1, 4, 7] == cos[pos[2, 1, 4], 7]
+
+
+@pytest.mark.trt
+def test_qwen_vision_graph_builds_with_tensorrt_rtx_over_patch_rows(qvl, tmp_path):
+    """vision.onnx of the Qwen towers parses and builds with TensorRT-RTX, its profile over patch rows (4 .. the
+    largest image's: max_pixels 128*128 = 256 patches of 8 px); the trt text graphs (M-RoPE tables) build too."""
+    pytest.importorskip("tensorrt_rtx_bindings")
+    from decodert.export import trt_build
+    from decodert.export.pipeline import export_model
+
+    llm, _, _ = qvl
+    out = tmp_path / "trt"
+    export_model(llm.manifest.source.path, out, target="trt", dtype="fp16", max_seq=256, max_batch=2, progress=False,
+                 plugins="never")
+    engines = trt_build.build_engines(out, progress=False)
+    profile = engines["vision"].profile["pixel_values"]
+    assert profile["min"] == [4, 3 * 2 * 8 * 8] and profile["max"] == [256, 3 * 2 * 8 * 8]
+    outputs = [t["name"] for t in engines["vision"].io["outputs"]]
+    assert outputs == (["image_embeds", "deepstack_embeds"] if llm.vision.spec.deepstack else ["image_embeds"])

@@ -194,7 +194,8 @@ def _add_deepstack(g: GraphBuilder, spec: ModelSpec, mlp: str, i: int) -> str:
     with g.scope("deepstack"):
         rows = g.op("Reshape", mlp, g.const([-1, spec.hidden_size]))
         extra = g.op("Gather", "deepstack_embeds", g.const(np.int64(i)), axis=0)  # [N, hidden]
-        rows = g.op("ScatterND", rows, g.op("Unsqueeze", "image_positions", g.const([1])), extra, reduction="add")
+        added = g.op("Add", g.op("Gather", rows, "image_positions", axis=0), extra)  # (TensorRT: no ScatterND add)
+        rows = g.op("ScatterND", rows, g.op("Unsqueeze", "image_positions", g.const([1])), added)
         return g.op("Reshape", rows, g.op("Shape", mlp))
 
 

@@ -122,6 +122,28 @@ def test_prefill_and_decode_logits_equal_transformers(qvl):
     np.testing.assert_allclose(second.logits[0], out2.logits[0, -1].numpy(), atol=1e-4, rtol=1e-4)
 
 
+def test_a_verify_pass_after_an_image_equals_decode_steps(qvl):
+    """Speculative decoding's verify pass binds the rows' M-RoPE offsets as prefill and decode do."""
+    llm, _, _ = qvl
+    img = _image(np.random.default_rng(), 100, 160)
+    _, _, ids = llm._chat_prompt(_ask(img), {})
+    backend = llm.backend
+    cache = backend.allocate(1)
+    tokens = [int(backend.prefill(cache, [0], [ids], False).next_token[0])]
+    steps = []
+    for _ in range(3):
+        out = backend.decode(cache, [0], np.array(tokens[-1:], np.int64), True)
+        steps.append(out.logits[0])
+        tokens.append(int(out.next_token[0]))
+    for rows in (1, 2):  # one row: the prefill graph (per_position); two: the verify graph's own attention
+        cache = backend.allocate(rows)
+        backend.prefill(cache, list(range(rows)), [ids] * rows, False)
+        verified = backend.verify(cache, list(range(rows)), [np.array(tokens[:3], np.int64)] * rows, True)
+        for r in range(rows):
+            np.testing.assert_allclose(verified.logits[r], np.stack(steps), atol=1e-4, rtol=1e-4)
+            assert verified.next_tokens[r].tolist() == tokens[1:]
+
+
 def test_greedy_tokens_equal_transformers(qvl):
     llm, model, proc = qvl
     rng = np.random.default_rng()

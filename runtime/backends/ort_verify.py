@@ -32,7 +32,7 @@ class VerifyState:
             self.on = np.ones(1, np.int64)  # per_position
             self.last = (np.empty((batch, vocab), np.float32), np.empty(batch, np.int64))  # logits, next_token
         self.bindings: dict[tuple[int, int, int, int], Any] = {}
-        takes = {i.name for i in session.get_inputs()}
+        takes = {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}  # defaulted too
         self.offsets = np.zeros(3 * batch * width, np.int64) if "rope_offsets" in takes else None  # M-RoPE
 
     def offsets_view(self, n: int, w: int) -> np.ndarray | None:

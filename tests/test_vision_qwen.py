@@ -227,6 +227,9 @@ def test_spec_and_settings_from_the_checkpoint(qvl):
 
     graph = onnx.load(str(llm.backend.dir / "prefill.onnx"), load_external_data=False).graph
     assert "MRotaryEmbedding" in {n.op_type for n in graph.node}  # ort: the fused M-RoPE on q and k
+    from decodert.export.artifact.inspect import inspect_artifact
+
+    assert "1024..16384 pixels" in inspect_artifact(llm.backend.dir)  # decodert inspect
 
 
 def test_mrope_reference_and_pair_axes():

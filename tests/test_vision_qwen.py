@@ -261,3 +261,27 @@ def test_qwen_vision_graph_builds_with_tensorrt_rtx_over_patch_rows(qvl, tmp_pat
     assert profile["min"] == [4, 3 * 2 * 8 * 8] and profile["max"] == [256, 3 * 2 * 8 * 8]
     outputs = [t["name"] for t in engines["vision"].io["outputs"]]
     assert outputs == (["image_embeds", "deepstack_embeds"] if llm.vision.spec.deepstack else ["image_embeds"])
+
+
+def test_server_answers_a_data_url_like_the_api(qvl):
+    """The server's OpenAI image_url parts reach the Qwen placeholder and M-RoPE path unchanged."""
+    import base64
+    import io
+    import json
+    import urllib.request
+
+    from serve_helpers import running
+
+    llm, _, _ = qvl
+    img = _image(np.random.default_rng(), 100, 160)
+    expected = llm.chat(_ask(img), max_new_tokens=5, temperature=0).text
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    url_part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "messages": [
+        {"role": "user", "content": [url_part, {"type": "text", "text": "What is in this image?"}]}]}
+    with running(llm) as (url, _):
+        req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["choices"][0]["message"]["content"] == expected

@@ -285,3 +285,21 @@ def test_server_answers_a_data_url_like_the_api(qvl):
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["choices"][0]["message"]["content"] == expected
+
+
+def test_an_fp16_artifact_encodes_and_answers_close_to_fp32(qvl, tmp_path):
+    """fp16 vision.onnx (rotary and norms in float32 inside, casts around them) and fp16 text graphs run."""
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+    from decodert.runtime.vision.tokens import pixel_digest
+
+    llm, _, _ = qvl
+    export_model(llm.manifest.source.path, tmp_path / "fp16", target="ort", dtype="fp16", max_seq=512, progress=False)
+    img = _image(np.random.default_rng(), 100, 160)
+    with LLM.load(tmp_path / "fp16", backend="ort") as half:
+        half.chat(_ask(img), max_new_tokens=2, temperature=0)
+        got = half.vision.store.get(pixel_digest(img)).embeds
+    assert got.dtype == np.float16
+    llm.vision.entry(img)
+    want = llm.vision.store.get(pixel_digest(img)).embeds
+    np.testing.assert_allclose(got.astype(np.float32), want, atol=5e-3 * float(np.abs(want).max()))

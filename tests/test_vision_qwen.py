@@ -303,3 +303,18 @@ def test_an_fp16_artifact_encodes_and_answers_close_to_fp32(qvl, tmp_path):
     llm.vision.entry(img)
     want = llm.vision.store.get(pixel_digest(img)).embeds
     np.testing.assert_allclose(got.astype(np.float32), want, atol=5e-3 * float(np.abs(want).max()))
+
+
+def test_the_prefix_cache_reuses_an_image_and_equals_a_fresh_prefill(qvl):
+    """A second request about the same image takes its K/V from the prefix cache (whole blocks, so the prefill
+    resumes inside the image); the rest still gets the image's positions and the ones after it (derived from the
+    ids the restored row holds)."""
+    llm, _, _ = qvl
+    if llm.prefix_cache is None:
+        pytest.skip("the prefix cache is off")
+    img = _image(np.random.default_rng(), 120, 300)
+    llm.chat(_ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
+    again = llm.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
+    assert again.metrics.cached_tokens >= 32  # whole blocks: the cut falls inside the image's 72 tokens
+    llm.prefix_cache.clear()
+    assert llm.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids == again.token_ids

@@ -152,22 +152,25 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--model", choices=("smolvlm", "qwen2_5_vl"), default="smolvlm")
     ap.add_argument("--depth-frac", type=float, default=0.25, help="qwen2_5_vl: depths of the 3B shape kept")
+    ap.add_argument("--accuracy-level", type=int, default=0, help="qwen2_5_vl: MatMulNBits accuracy level (4: int8 "
+                    "activations, faster prefill)")
     args = ap.parse_args()
     os.environ["DECODERT_THREADS"] = str(args.threads)
     from decodert.export.pipeline import export_model
     from decodert.export.quantize.quant import QuantConfig
 
     results = {}
-    cases = ((f"qwen2.5-vl-3b shape x{args.depth_frac:g} depth (int4 text)", None),) if args.model == "qwen2_5_vl" \
-        else (("smolvlm-256m (17 tiles)", True), ("no splitting (1 tile)", False))
+    acc = args.accuracy_level
+    cases = ((f"qwen2.5-vl-3b shape x{args.depth_frac:g} depth (int4 text, accuracy level {acc})", None),) \
+        if args.model == "qwen2_5_vl" else (("smolvlm-256m (17 tiles)", True), ("no splitting (1 tile)", False))
     for name, splitting in cases:
-        tag = f"qwen-{args.depth_frac:g}" if splitting is None else str(splitting)
+        tag = f"qwen-{args.depth_frac:g}" + (f"-acc{acc}" if acc else "") if splitting is None else str(splitting)
         hf, art = args.work / f"hf-{tag}", args.work / f"art-{tag}"
         if not (art / "manifest.json").is_file():
             if splitting is None:
                 make_qwen_checkpoint(hf, args.depth_frac)
                 export_model(hf, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False,
-                             quant=QuantConfig(bits=4, scale_search=False))
+                             quant=QuantConfig(bits=4, scale_search=False, accuracy_level=acc))
                 shutil.rmtree(hf)  # 2.3 GB of bf16; the artifact is what is measured
             else:
                 make_checkpoint(hf, splitting)

@@ -142,6 +142,8 @@ class ModelSpec:
     mrope_section: tuple[int, ...] = ()  # pairs per axis (t, h, w), summing to rotary_dim / 2
     mrope_interleaved: bool = False  # Qwen3-VL: pairs t, h, w, t, h, w, ... instead of three blocks
     deepstack_layers: int = 0  # Qwen3-VL: after each of the first n layers the image rows gain deepstack_embeds[i]
+    bidirectional_images: bool = False  # Gemma 3: in prefill, the tokens of one image attend to each other
+    # both ways (transformers' token_type_ids mask); prefill then takes image_ahead (export/lowering/graph.py)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -30,6 +30,11 @@ The ``qwen3_vit`` tower (Qwen3-VL: full attention, LayerNorm + GELU-tanh blocks,
 ``vision.patch_embed[_bias]``, ``vision.pos_embed`` [num_positions, C_v], the SigLIP layer names above, the
 merger's (``merger_norm[_bias]`` over C_v) and per deepstack layer j ``vision.deepstack.layers.{j}.norm[_bias]``
 [4 C_v], ``.fc1[_bias]``, ``.fc2[_bias]`` (a merger whose LayerNorm runs after the 2x2 merge).
+The connector between the tower and the text model (``VisionSpec.connector``):
+
+- ``pixel_shuffle`` (Idefics3): r*r neighbouring patches -> one token of C_v * r^2, then ``vision.proj``
+- ``avg_pool`` (Gemma 3): r x r average pooling of the patch grid, an RMSNorm (``vision.proj_norm`` [C_v], the
+  (1 + w) factor), then ``vision.proj`` [hidden, C_v]
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+
+CONNECTORS = ("pixel_shuffle", "avg_pool")
 
 
 @dataclass(frozen=True)
@@ -51,9 +59,10 @@ class VisionSpec:
     num_heads: int
     layer_norm_eps: float
     out_hidden: int  # the text model's hidden size
-    scale_factor: int = 1  # pixel shuffle r: r*r neighbouring patches -> one token (qwen_vit: the merge size)
+    scale_factor: int = 1  # r: r*r neighbouring patches -> one token (pixel shuffle, avg pooling; qwen: the merge)
     activation: str = "gelu_tanh"
-    tower: str = "siglip"  # "siglip" (square tiles) | "qwen_vit" (patch rows of any size; image_size = P * r)
+    connector: str = "pixel_shuffle"  # or "avg_pool" (see the module docstring)
+    tower: str = "siglip"  # "siglip" (square tiles) | "qwen_vit" / "qwen3_vit" (patch rows of any size; image_size = P * r)
     temporal_patch_size: int = 1  # qwen_vit: frames per patch (an image is repeated)
     window_size: int = 0  # qwen_vit: window attention over window_size^2 pixels, except in full_layers
     full_layers: tuple[int, ...] = ()
@@ -66,6 +75,8 @@ class VisionSpec:
         if self.image_size % self.patch_size or side % self.scale_factor:
             raise ValueError(f"image_size {self.image_size} must be a multiple of patch_size {self.patch_size} "
                              f"and of scale_factor {self.scale_factor} patches")
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"vision connector '{self.connector}' is not one of {CONNECTORS}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"vision hidden_size {self.hidden_size} is not a multiple of its {self.num_heads} heads")
 
@@ -113,7 +124,8 @@ def vision_names(v: VisionSpec) -> list[str]:
         merger = ("norm", "norm_bias", "fc1", "fc1_bias", "fc2", "fc2_bias")
         names += ["vision.merger_" + n for n in merger]
         return names + [f"vision.deepstack.layers.{j}.{n}" for j in range(len(v.deepstack)) for n in merger]
-    return names + ["vision.post_ln", "vision.post_ln_bias", "vision.proj"]
+    norm = ["vision.proj_norm"] if v.connector == "avg_pool" else []
+    return names + ["vision.post_ln", "vision.post_ln_bias", *norm, "vision.proj"]
 
 
 def vision_shape(v: VisionSpec, name: str) -> tuple[int, ...]:
@@ -141,6 +153,6 @@ def vision_shape(v: VisionSpec, name: str) -> tuple[int, ...]:
         "patch_embed": (c, 3, v.patch_size, v.patch_size), "patch_embed_bias": (c,),
         "pos_embed": (v.patches_per_side ** 2, c), "qkv": (3 * c, c), "qkv_bias": (3 * c,),
         "o": (c, c), "fc1": (inter, c), "fc1_bias": (inter,), "fc2": (c, inter),
-        "proj": (v.out_hidden, c * v.scale_factor ** 2),
+        "proj": (v.out_hidden, c * (v.scale_factor ** 2 if v.connector == "pixel_shuffle" else 1)),
     }
     return shapes.get(leaf, (c,))  # the norms and the remaining biases

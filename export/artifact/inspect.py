@@ -94,10 +94,12 @@ def inspect_artifact(folder: str | Path) -> str:
                          f"{v['patch_size']}-px patches, {v['scale_factor']}x{v['scale_factor']} merge -> a token per "
                          f"{v['patch_size'] * v['scale_factor']} px square; {p['min_pixels']}..{p['max_pixels']} pixels")
         else:
+            size = p["size"]
+            resize = f"{size['longest_edge']} px" if "longest_edge" in size else f"{size['height']}x{size['width']}"
             lines.append(f"vision     {v['num_layers']} layers, hidden {v['hidden_size']}, {v['image_size']}-px tiles of "
-                         f"{v['patch_size']}-px patches, shuffle {v['scale_factor']} -> {p['image_seq_len']} tokens a "
-                         f"tile; resize to {p['size']['longest_edge']} px, "
-                         f"splitting {'on' if p['do_image_splitting'] else 'off'}")
+                         f"{v['patch_size']}-px patches, {v.get('connector', 'pixel_shuffle')} {v['scale_factor']} -> "
+                         f"{p['image_seq_len']} tokens a tile; resize to {resize}, "
+                         f"splitting {'on' if p.get('do_image_splitting') else 'off'}")
         graphs.append(("vision", m.vision.graph))
     for kind, g in graphs:
         s = graph_summary(folder / g.file)

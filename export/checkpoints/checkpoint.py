@@ -258,6 +258,8 @@ class Checkpoint:
         parts = [self._read(key) for key in keys]
         check_finite(parts, keys[0], self.source)
         w = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0), dtype=np.float32)
+        fix = getattr(self.family, "vision_fix", None)  # a family's stored layout -> the canonical one
+        w = np.ascontiguousarray(fix(name, w), dtype=np.float32) if fix is not None else w
         if len(shape) == 2 and w.ndim > 2 and w.shape[0] == shape[0] and w.size == math.prod(shape):
             w = w.reshape(shape)  # a conv kernel [C, ...window] read as a linear over its flattened window
         if w.shape != shape:

@@ -9,6 +9,10 @@
                                                            [N] = b*S + s of each image token, image_embeds [N, hidden]
                                                            (vision.onnx's output rows); both default to empty
         Qwen3-VL (spec.deepstack_layers = n): after layer i < n, x[image_positions] += deepstack_embeds[i]
+        ahead[image_positions] = image_ahead               spec.bidirectional_images (Gemma 3): [N] how many later
+                                                           tokens of its own image each image token also sees;
+                                                           ahead [B,S] (0 elsewhere) widens the causal mask:
+                                                           key j visible to query i iff j <= pos_i + ahead_i
     per layer i:
         h      = rmsnorm(x)                                (fused with the residual add below)
         qkv    = h @ qkv^T (+ bias)                        [T, (H+2Hkv)*D]   (q/k rmsnorm: Qwen3, Gemma 3)
@@ -60,7 +64,8 @@ from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 GraphKind = Literal["prefill", "decode", "verify"]
 # inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
 # TensorRT's ONNX parser folds such an input into a constant, so its engines take the default only
-DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "deepstack_embeds", "rope_offsets")
+DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "image_ahead", "deepstack_embeds", "rope_offsets")
+IMAGE_INPUTS = ("image_embeds", "image_positions", "image_ahead")  # what a prefill with images binds
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 
@@ -98,6 +103,8 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
     if kind == "prefill" and spec.image_token_id is not None:
         inputs += [{"name": "image_embeds", "dtype": dtype, "shape": ["image_tokens", spec.hidden_size]},
                    {"name": "image_positions", "dtype": "int64", "shape": ["image_tokens"]}]
+        if spec.bidirectional_images:
+            inputs.append({"name": "image_ahead", "dtype": "int64", "shape": ["image_tokens"]})
         if spec.deepstack_layers:  # Qwen3-VL: the vision tower's earlier features, added after the first layers
             inputs.append({"name": "deepstack_embeds", "dtype": dtype,
                            "shape": [spec.deepstack_layers, "image_tokens", spec.hidden_size]})
@@ -148,6 +155,9 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         g.add_initializer(numpy_helper.from_array(np.zeros((3, 1, 1), np.int64), "rope_offsets"))
     inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin",
                       windows=kind == "verify" and bool(window_layers(spec)))
+    if images and spec.bidirectional_images:
+        g.add_initializer(numpy_helper.from_array(np.zeros(0, np.int64), "image_ahead"))
+        inp = dataclasses.replace(inp, ahead=_image_ahead(g, inp.input_ids))
     if kind == "verify" and state_specs(spec):  # no padding in a verify row of a hybrid: every position counts
         shape = g.op("Shape", inp.input_ids)
         g.op("Expand", g.op("Slice", shape, g.const([1]), g.const([2])), g.op("Slice", shape, g.const([0]), g.const([1])),
@@ -197,6 +207,14 @@ def _add_deepstack(g: GraphBuilder, spec: ModelSpec, mlp: str, i: int) -> str:
         added = g.op("Add", g.op("Gather", rows, "image_positions", axis=0), extra)  # (TensorRT: no ScatterND add)
         rows = g.op("ScatterND", rows, g.op("Unsqueeze", "image_positions", g.const([1])), added)
         return g.op("Reshape", rows, g.op("Shape", mlp))
+def _image_ahead(g: GraphBuilder, ids: str) -> str:
+    """ahead [B,S] int64: image_ahead at image_positions (flat b*S + s), 0 elsewhere."""
+    with g.scope("image_ahead"):
+        shape = g.op("Shape", ids)
+        flat = g.op("ConstantOfShape", g.op("ReduceProd", shape, keepdims=1), value=numpy_helper.from_array(
+            np.zeros(1, np.int64)))
+        flat = g.op("ScatterND", flat, g.op("Unsqueeze", "image_positions", g.const([1])), "image_ahead")
+        return g.op("Reshape", flat, shape)
 
 
 def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec) -> dict:

@@ -38,6 +38,7 @@ class GraphInputs:
     cos_cache: str  # [max_seq, R/2] dtype
     sin_cache: str
     windows: bool = False  # the verify graph of a model with only conv states: output each conv window
+    ahead: str | None = None  # [B,S] int64: later keys each query also sees (its image's; graph.py), or causal
 
 
 class Lowering:
@@ -89,7 +90,8 @@ class Lowering:
     # ---- per-graph shared values -------------------------------------------------------------
     def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
         """What every layer of one kind shares: ``window`` (0 = full) and the RoPE tables in ``inp``."""
-        ctx = ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache, self.max_seq, window)
+        ctx = ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache, self.max_seq, window,
+                              inp.ahead)
         tables = self.mrope(g, inp)
         if tables is None:
             return ctx

@@ -36,6 +36,7 @@ from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting
 from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
 from decodert.runtime.backends.ort_verify import VerifyState, bind_cache
 from decodert.runtime.vision import mrope
+from decodert.runtime.vision.tokens import image_ahead, is_image
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -50,7 +51,7 @@ class _Binding:
     seq: np.ndarray  # [n] int64
     logits: np.ndarray  # [n, V] float32
     next_token: np.ndarray  # [n] int64
-    images: Any = None  # (image_positions [N], image_embeds [N, hidden]) bound for this call
+    images: Any = None  # {input name: array} of the image rows bound for this call (runtime/backends/ort_images.py)
     offsets: Any = None  # [3, n, S] int64 M-RoPE rope_offsets (runtime/vision/mrope.py), bound once
 
 
@@ -105,6 +106,8 @@ class OrtBackend:
         self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
         self._mrope = any(t.name == "rope_offsets" for t in manifest.graphs["prefill"].inputs)  # Qwen-VL
         self._deepstack = int(manifest.model.extra.get("deepstack_layers") or 0)  # Qwen3-VL: bound with the images
+        # Gemma 3: an image's tokens see each other, so one call holds all of them (no chunk cuts an image)
+        self._image_ahead = any(t.name == "image_ahead" for t in manifest.graphs["prefill"].inputs)
         # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
         layout = manifest.lora_layout
         self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
@@ -129,7 +132,8 @@ class OrtBackend:
                          np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
         for rows in self._prefill_groups(cache, slots, lens):
             start, n = slots[rows[0]], len(rows)
-            done = self._prefill_chunks(cache, start, ids[rows[0]]) if n == 1 and self.prefill_chunk else 0
+            whole = self._image_ahead and bool(is_image(ids[rows[0]]).any())  # image tokens see later ones
+            done = self._prefill_chunks(cache, start, ids[rows[0]]) if n == 1 and self.prefill_chunk and not whole else 0
             width = int(lens[rows].max()) - done
             b = self._bind(cache, "prefill", start, n, width)
             b.ids[:] = 0
@@ -301,9 +305,14 @@ class OrtBackend:
     def _bind_images(self, b: _Binding) -> None:
         """Image ids in ``b.ids`` (runtime/vision/tokens.py) -> the ``<image>`` token, their rows bound as
         image_embeds at image_positions (empty when none: the binding may be reused chunk after chunk)."""
-        if self._takes_images:
-            b.images = ort_images.image_arrays(b.ids, self.images, self.hidden, self.np_dtype, self._deepstack)
-            ort_images.bind_images(b.io, b.images)  # b.images keeps the arrays alive
+        if not self._takes_images:
+            return
+        arrays = ort_images.image_arrays(b.ids, self.images, self.hidden, self.np_dtype, self._deepstack)
+        if self._image_ahead:  # Gemma 3
+            arrays["image_ahead"] = image_ahead(arrays["image_positions"], b.ids.shape[1])
+        b.images = arrays  # kept alive while bound
+        for name, arr in arrays.items():
+            b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
 
     def _prefill_groups(self, cache: KVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:
         """Runs of contiguous slots; rows one by one where a batched call is not allowed."""

@@ -11,16 +11,13 @@ import numpy as np
 from decodert.runtime.vision import mrope
 from decodert.runtime.vision.tokens import text_ids
 
-IMAGE_INPUTS = ("image_positions", "image_embeds", "deepstack_embeds")
-
-
 def locator(store: Any) -> mrope.Locate:
     """image id -> (index in its image, rows, cols), or None (no store: a text-only backend)."""
     return store.locate if store is not None else (lambda image_id: None)
 
 
-def image_arrays(ids: np.ndarray, store: Any, hidden: int, np_dtype: type, deepstack: int) -> list[np.ndarray]:
-    """(image_positions [N], image_embeds [N, hidden][, deepstack_embeds [k, N, hidden]]) for a block of ids,
+def image_arrays(ids: np.ndarray, store: Any, hidden: int, np_dtype: type, deepstack: int) -> dict[str, np.ndarray]:
+    """image_positions [N], image_embeds [N, hidden] (and deepstack_embeds [k, N, hidden]) for a block of ids,
     empty when it holds no image ids; the image ids in ``ids`` become the image token (in place)."""
     found = store.rows(ids) if store is not None else None
     extra: list[np.ndarray]
@@ -30,12 +27,10 @@ def image_arrays(ids: np.ndarray, store: Any, hidden: int, np_dtype: type, deeps
     else:
         extra = [store.extra_rows(ids, "deepstack_embeds")] if deepstack else []  # Qwen3-VL
         ids[:] = text_ids(ids)
-    return [np.ascontiguousarray(a, a.dtype if i == 0 else np_dtype) for i, a in enumerate((*found, *extra))]
-
-
-def bind_images(io: Any, arrays: list[np.ndarray]) -> None:
-    for name, arr in zip(IMAGE_INPUTS, arrays):
-        io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+    out = {"image_positions": np.ascontiguousarray(found[0]), "image_embeds": np.ascontiguousarray(found[1], np_dtype)}
+    if extra:
+        out["deepstack_embeds"] = np.ascontiguousarray(extra[0], np_dtype)
+    return out
 
 
 def set_offsets(offsets: np.ndarray | None, j: int, held: np.ndarray, new: np.ndarray, store: Any) -> None:

@@ -24,9 +24,15 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.models.vision import VisionSpec
+from decodert.runtime.vision import gemma3
 from decodert.runtime.vision import preprocess as pre
 from decodert.runtime.vision import qwen_preprocess as qp
 from decodert.runtime.vision.tokens import IMAGE_FLAG, image_ids, pixel_digest
+
+
+# image processors by the ``kind`` their export settings name (Idefics3's have none): each module gives
+# placeholder(settings), image_token(settings), preprocess(rgb, settings) -> Tiles and prompt(tiles, settings)
+PROCESSORS: dict[str, Any] = {"idefics3": pre, "gemma3": gemma3}
 
 
 @dataclass(eq=False)
@@ -104,25 +110,30 @@ class Vision:
     def __init__(self, session: Any, spec: VisionSpec, settings: dict, image_token_id: int, np_dtype: type) -> None:
         self.session, self.spec, self.settings = session, spec, settings
         self.image_token_id, self.np_dtype = image_token_id, np_dtype
-        self.qwen = spec.tower in ("qwen_vit", "qwen3_vit")  # patch rows + <|image_pad|> (runtime/vision/qwen_preprocess.py)
-        self.placeholder = qp.IMAGE_PAD if self.qwen else pre.IMAGE
         self.seq_len = int(settings.get("image_seq_len", 0))
+        self.processor = PROCESSORS[settings.get("kind", "idefics3")]
+        self.qwen = spec.tower in ("qwen_vit", "qwen3_vit")  # patch rows + <|image_pad|> (runtime/vision/qwen_preprocess.py)
         self.store = ImageStore()
         self.encode_seconds = 0.0  # the last image encoded (bench/vision.py)
 
     @classmethod
     def attach(cls, backend: Any, manifest: Any) -> "Vision | None":
         """The artifact's vision path over ``backend`` (its prefill then reads this store), or None for a
-        text-only artifact or a backend whose prefill takes no images (only ort binds them)."""
+        text-only artifact or a backend whose prefill takes no images. The graph runs on the backend's own
+        runner when it has one (trt: vision.engine), else on ONNX Runtime."""
         if manifest is None or manifest.vision is None or not getattr(backend, "_takes_images", False):
             return None
-        from decodert.runtime.backends.ort_backend import NP_DTYPES, open_session
+        from decodert.export.artifact.weights import NUMPY_DTYPES
 
         v = manifest.vision
-        session = open_session(Path(backend.dir) / v.graph.file, backend._options, backend._providers)
+        session = getattr(backend, "vision", None)
+        if session is None:
+            from decodert.runtime.backends.ort_backend import open_session
+
+            session = open_session(Path(backend.dir) / v.graph.file, backend._options, backend._providers)
         token = manifest.model.extra.get("image_token_id")
         vision = cls(session, VisionSpec.from_dict(dict(v.spec)), dict(v.processor), int(token),
-                     NP_DTYPES[manifest.dtype])
+                     NUMPY_DTYPES[manifest.dtype])
         backend.images = vision.store
         return vision
 
@@ -154,7 +165,7 @@ class Vision:
             out = dict(zip(names, self.session.run(names, feed)))
             extra = {"deepstack_embeds": out["deepstack_embeds"][:, p.restore]} if "deepstack_embeds" in out else None
             return out["image_embeds"][p.restore], p.rows, p.cols, extra
-        tiles = pre.preprocess(rgb, self.settings)
+        tiles = self.processor.preprocess(rgb, self.settings)
         embeds = self.session.run(["image_embeds"], {"pixel_values": tiles.pixels})[0]  # [n_tiles, T, hidden]
         return embeds.reshape(-1, embeds.shape[-1]), tiles.rows, tiles.cols, None
 
@@ -162,14 +173,18 @@ class Vision:
         """The text one placeholder of the template becomes."""
         if self.qwen:
             return qp.image_prompt(entry.rows, entry.cols)
-        return pre.image_prompt(pre.Tiles(np.empty(0), entry.rows, entry.cols), self.seq_len)
+        return self.processor.prompt(pre.Tiles(np.empty(0), entry.rows, entry.cols), self.settings)
 
     def prompt_ids(self, text: str, images: Sequence[np.ndarray], encode: Callable[[str], np.ndarray]) -> np.ndarray:
         """The rendered prompt with one ``<image>`` per image -> ids, each image's tokens its image ids."""
-        parts = text.split(self.placeholder)
+        if self.qwen:
+            mark = token = qp.IMAGE_PAD
+        else:
+            mark, token = self.processor.placeholder(self.settings), self.processor.image_token(self.settings)
+        parts = text.split(mark)
         if len(parts) - 1 != len(images):
-            raise DecodertError(f"the prompt has {len(parts) - 1} {self.placeholder} placeholders for {len(images)} "
-                                "images (the chat template places one per image part)")
+            raise DecodertError(f"the prompt has {len(parts) - 1} {mark} placeholders for {len(images)} images "
+                                "(the chat template places one per image part)")
         entries = [self.entry(rgb) for rgb in images]
         expanded = parts[0] + "".join(self._expand(e) + p for e, p in zip(entries, parts[1:]))
         ids = encode(expanded).copy()
@@ -177,6 +192,6 @@ class Vision:
         want = sum(len(e.ids) for e in entries)
         if len(at) != want:
             raise DecodertError(f"the prompt has {len(at)} image tokens where its images need {want}; "
-                                f"does the text itself contain {self.placeholder}?")
+                                f"does the text itself contain {token}?")
         ids[at] = np.concatenate([e.ids for e in entries])
         return ids

@@ -3,7 +3,7 @@ settings are the checkpoint's preprocessor_config.json, resolved at export: expo
 
     smart_resize: both sides to multiples of patch * merge (rounded), then scaled so that
                   min_pixels <= h * w <= max_pixels, the aspect kept; Pillow resize (bicubic by default)
-    rescale, normalise (preprocess._normalise), channels first
+    rescale, normalise (preprocess.normalise), channels first
     patches:      [gh/m, m, p, gw/m, m, p] -> rows (unit, mh, mw) of (channel, frame, py, px), the frame
                   repeated temporal_patch_size times: pixel_values [gh*gw, 3 T p p]
     window order: merged units regrouped by window (window_size / m / p units a side), as
@@ -24,7 +24,7 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.models.vision import VisionSpec
-from decodert.runtime.vision.preprocess import _normalise
+from decodert.runtime.vision.preprocess import normalise
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -66,7 +66,7 @@ def preprocess(rgb: np.ndarray, settings: Mapping[str, Any], v: VisionSpec) -> P
         img = img.resize((w, h), Image.Resampling(int(settings["resample"])))
     if img.height % (p * m) or img.width % (p * m):
         raise DecodertError(f"image {img.width}x{img.height} is not a multiple of {p * m} pixels (do_resize is off)")
-    x = _normalise(np.asarray(img), settings)  # [3, H, W]
+    x = normalise(np.asarray(img), settings)  # [3, H, W]
     gh, gw = x.shape[1] // p, x.shape[2] // p
     x = x.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (uh, uw, mh, mw, C, py, px)
     x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p)).reshape(gh * gw, 3 * t * p * p)

@@ -45,8 +45,8 @@ def mrope_ref(positions: np.ndarray, cos_cache: np.ndarray, sin_cache: np.ndarra
 def positions3(g: GraphBuilder, past_lengths: str, input_ids: str) -> str:
     """position [3, B, S] int64 = past_lengths + arange(S) + rope_offsets."""
     with g.scope("mrope"):
-        seq = g.op("Gather", g.op("Shape", input_ids), g.const(np.int64(1)), axis=0)
-        steps = g.op("Unsqueeze", g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1))), g.const([0]))
+        seq = g.op("Gather", g.op("Shape", input_ids), g.const(np.array(1, np.int64)), axis=0)
+        steps = g.op("Unsqueeze", g.op("Range", g.const(np.array(0, np.int64)), seq, g.const(np.array(1, np.int64))), g.const([0]))
         pos = g.op("Add", g.op("Unsqueeze", past_lengths, g.const([1])), steps)  # [B, S]
         return g.op("Add", g.op("Unsqueeze", pos, g.const([0])), OFFSETS)  # [3, B, S]
 

@@ -1,8 +1,13 @@
 """Vision-language TTFT (issue 35): vision encode time, first-question TTFT and follow-up TTFT for one
 448x448 image on a SmolVLM-256M-shaped random checkpoint (SigLIP 768 x 12 layers, 512-px tiles of
-16-px patches, pixel shuffle 4 -> 64 tokens a tile; SmolLM2-135M text model).
+16-px patches, pixel shuffle 4 -> 64 tokens a tile; SmolLM2-135M text model), or (``--model qwen2_5_vl``)
+a Qwen2.5-VL-3B-shaped one (ViT 1280 x 32 layers, 14-px patches, 112-px windows, full attention every 8th
+layer, 2x2 merger; Qwen2.5-3B text model 2048 x 36 layers, int4) whose depths ``--depth-frac`` scales
+(1/4 by default: 8 ViT and 9 text layers, so the checkpoint, 1.2 GB exported, fits a shared machine;
+multiply the times by about 1 / depth-frac for the full shape).
 
-    python bench/vision.py [--threads 2] [--repeats 5] [--work /tmp/vision-bench] [--json out.json]
+    python bench/vision.py [--model smolvlm|qwen2_5_vl] [--depth-frac 0.25] [--threads 2] [--repeats 5]
+                           [--work /tmp/vision-bench] [--json out.json]
 
 Two processor settings: SmolVLM-256M's own (``size.longest_edge`` 2048, splitting: a 448x448 image is
 resized to 2048x2048, 4x4 tiles + the global one = 17 tiles, 1088 image tokens) and without splitting
@@ -13,7 +18,8 @@ resized to 2048x2048, 4x4 tiles + the global one = 17 tiles, 1088 image tokens) 
   tokens are held by the session's row: only the new turn is prefilled).
 Wall time of a 1-token answer is the TTFT a caller sees (rendering, tokenizing, the image, prefill).
 Medians over ``--repeats``. onnxruntime-genai is not compared: its model builder (0.18) has no
-Idefics3 / SmolVLM architecture.
+Idefics3 / SmolVLM architecture, and for Qwen2.5-VL it builds only the text decoder (Qwen25VLTextModel,
+inputs_embeds in), not the vision tower, so it has no end-to-end image path to time.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -57,6 +64,51 @@ def make_checkpoint(path: Path, splitting: bool) -> Path:
         "do_image_splitting": splitting, "max_image_size": {"longest_edge": 512}, "size": {"longest_edge": 2048},
         "resample": 1}))
     (path / "processor_config.json").write_text(json.dumps({"image_seq_len": 64}))
+    return path
+
+
+QWEN_TEXT = dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                 intermediate_size=11008, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+QWEN_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                   patch_size=14, window_size=112, spatial_merge_size=2, temporal_patch_size=2,
+                   fullatt_block_indexes=[7, 15, 23, 31])
+
+
+def make_qwen_checkpoint(path: Path, depth_frac: float) -> Path:
+    """A random Qwen2.5-VL-3B-shaped checkpoint (depths x ``depth_frac``), written tensor by tensor in bf16 (the
+    model is built on the meta device: no fp32 copy in memory), with tests/tiny_qwen_vl.py's tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_qwen_vl import CHAT_TEMPLATE, make_tokenizer
+
+    tok = make_tokenizer()
+    depth = max(1, round(QWEN_VISION["depth"] * depth_frac))
+    vision = {**QWEN_VISION, "depth": depth, "fullatt_block_indexes": list(range(7, depth, 8))}  # every 8th
+    text = {**QWEN_TEXT, "num_hidden_layers": max(1, round(QWEN_TEXT["num_hidden_layers"] * depth_frac)),
+            "tie_word_embeddings": True}
+    ids = {t: tok.token_to_id(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                              image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                              vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Qwen2_5_VLForConditionalGeneration(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {k: (torch.ones(shape) if "norm" in k or "ln_q" in k else torch.randn(shape, generator=gen) * 0.02)
+               .to(torch.bfloat16) for k, shape in shapes.items() if k != "lm_head.weight"}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    config.save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280, "patch_size": 14, "merge_size": 2,
+        "temporal_patch_size": 2}))  # Qwen2.5-VL-3B-Instruct's: a 448x448 image stays 448x448 (256 tokens)
     return path
 
 
@@ -98,16 +150,31 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--work", type=Path, default=Path("/tmp/decodert-vision-bench"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--model", choices=("smolvlm", "qwen2_5_vl"), default="smolvlm")
+    ap.add_argument("--depth-frac", type=float, default=0.25, help="qwen2_5_vl: depths of the 3B shape kept")
+    ap.add_argument("--accuracy-level", type=int, default=0, help="qwen2_5_vl: MatMulNBits accuracy level (4: int8 "
+                    "activations, faster prefill)")
     args = ap.parse_args()
     os.environ["DECODERT_THREADS"] = str(args.threads)
     from decodert.export.pipeline import export_model
+    from decodert.export.quantize.quant import QuantConfig
 
     results = {}
-    for name, splitting in (("smolvlm-256m (17 tiles)", True), ("no splitting (1 tile)", False)):
-        hf, art = args.work / f"hf-{splitting}", args.work / f"art-{splitting}"
+    acc = args.accuracy_level
+    cases = ((f"qwen2.5-vl-3b shape x{args.depth_frac:g} depth (int4 text, accuracy level {acc})", None),) \
+        if args.model == "qwen2_5_vl" else (("smolvlm-256m (17 tiles)", True), ("no splitting (1 tile)", False))
+    for name, splitting in cases:
+        tag = f"qwen-{args.depth_frac:g}" + (f"-acc{acc}" if acc else "") if splitting is None else str(splitting)
+        hf, art = args.work / f"hf-{tag}", args.work / f"art-{tag}"
         if not (art / "manifest.json").is_file():
-            make_checkpoint(hf, splitting)
-            export_model(hf, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False)
+            if splitting is None:
+                make_qwen_checkpoint(hf, args.depth_frac)
+                export_model(hf, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False,
+                             quant=QuantConfig(bits=4, scale_search=False, accuracy_level=acc))
+                shutil.rmtree(hf)  # 2.3 GB of bf16; the artifact is what is measured
+            else:
+                make_checkpoint(hf, splitting)
+                export_model(hf, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False)
         results[name] = measure(art, args.repeats)
         r = results[name]
         print(f"{name}: {r['image_tokens']} image tokens | encode {r['encode_s'] * 1000:.0f} ms | TTFT first "

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 from decodert.errors import DecodertError
 from decodert.export.artifact.destination import file_mode, linked_copy, swap_in
 from decodert.export.lowering.graph import DEFAULTED_INPUTS
-from decodert.export.trt_graphs import VISION, graph_of, max_tiles, profile_shapes, without_image_defaults
+from decodert.export.trt_graphs import VISION, graph_of, max_patches, max_tiles, profile_shapes, without_image_defaults
 from decodert.export.lowering.targets import get_target
 from decodert.export.trt_progress import make_progress
 from decodert.export.artifact.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
@@ -253,7 +253,8 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
     builder = trt.Builder(logger)
     network, _parser = parse_onnx(trt, builder, logger, out_dir / graph.file)
     check_io(network_io(network, graph), graph, f"{graph.file} (parsed)")
-    shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"], max_tiles(manifest))
+    shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"], max_tiles(manifest),
+                            max_patches(manifest))
     monitor = make_progress(trt, name, settings["progress"])  # a bar on a terminal, else a line every 10 s
     config = make_config(trt, info, builder, network, shapes, {**settings, "monitor": monitor})
     t0 = time.perf_counter()

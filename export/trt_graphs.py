@@ -17,12 +17,12 @@ VISION = "vision"  # vision-language artifacts: vision.onnx (manifest.vision.gra
 
 
 def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int,
-                   tiles: int = 1) -> dict[str, tuple[list[int], ...]]:
+                   tiles: int = 1, patches: int = 4) -> dict[str, tuple[list[int], ...]]:
     """Input name -> (min, opt, max) dims from the manifest's symbolic dims ("batch", "seq", "images",
-    "image_tokens")."""
+    "image_tokens", and the Qwen-VL towers' "patches": 4 .. the patch rows of the largest image)."""
     opt_batch = batch if name == "decode" else max(batch // 2, 1)
     ranges = {"batch": (1, opt_batch, batch), "seq": (1, min(seq, 256), seq), "images": (1, tiles, tiles),
-              "image_tokens": (0, min(seq, 256), batch * seq)}
+              "image_tokens": (0, min(seq, 256), batch * seq), "patches": (4, min(1024, patches), patches)}
     if name == "verify":  # speculative decoding: 1 .. max_tokens per row, at every batch size
         width = min(graph.max_tokens or seq, seq)
         ranges = {"batch": (1, batch, batch), "seq": (1, min(width, 8), width)}
@@ -66,3 +66,12 @@ def max_tiles(manifest: Manifest) -> int:
         return 1
     side = -(-int(p["size"]["longest_edge"]) // int(p["max_image_size"]["longest_edge"]))  # ceil
     return side * side + 1 if side > 1 else 1
+
+
+def max_patches(manifest: Manifest) -> int:
+    """The most patch rows one image becomes in a Qwen-VL tower (max_pixels / patch^2, whole merge units)."""
+    p = manifest.vision.processor if manifest.vision is not None else {}
+    if "max_pixels" not in p:
+        return 4
+    unit = int(p["patch_size"]) * int(p["merge_size"])
+    return max(1, int(p["max_pixels"]) // (unit * unit)) * int(p["merge_size"]) ** 2

@@ -30,8 +30,38 @@ def vision_of(ckpt: Any) -> VisionSpec | None:
     return read(ckpt.config) if read is not None and getattr(ckpt, "config", None) is not None else None
 
 
+# transformers' Qwen2VLImageProcessor defaults (Qwen2.5-VL's): size = {shortest_edge: min_pixels, longest_edge:
+# max_pixels}; min_pixels / max_pixels at the top level override them
+QWEN_DEFAULTS: dict[str, Any] = dict(
+    do_convert_rgb=True, do_resize=True, size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}, resample=3,
+    do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
+    image_std=[0.26862954, 0.26130258, 0.27577711], patch_size=14, temporal_patch_size=2, merge_size=2)
+
+
+def qwen_settings(folder: Path, vision: VisionSpec) -> dict[str, Any]:
+    """Qwen2-VL's image processor settings, checked against the tower."""
+    raw = _json(folder / "preprocessor_config.json")
+    settings = {k: raw.get(k, v) for k, v in QWEN_DEFAULTS.items()}
+    size = dict(settings["size"] or {})
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if raw.get(key) is not None:
+            size[edge] = raw[key]
+    if not all(isinstance(size.get(k), int) and size[k] > 0 for k in ("shortest_edge", "longest_edge")):
+        raise DecodertError(f"{folder}: preprocessor_config.json needs min_pixels/max_pixels (size.shortest_edge/"
+                            "longest_edge) as positive integers")
+    tower = (vision.patch_size, vision.temporal_patch_size, vision.scale_factor)
+    if (settings["patch_size"], settings["temporal_patch_size"], settings["merge_size"]) != tower:
+        raise DecodertError(f"{folder}: preprocessor patch_size/temporal_patch_size/merge_size differ from the "
+                            f"vision tower's {list(tower)}")
+    if settings["resample"] not in range(6):
+        raise DecodertError(f"{folder}: preprocessor_config.json resample {settings['resample']!r} is not supported")
+    return {**settings, "size": size, "min_pixels": size["shortest_edge"], "max_pixels": size["longest_edge"]}
+
+
 def processor_settings(folder: Path, vision: VisionSpec) -> dict[str, Any]:
     """preprocessor_config.json (+ processor_config.json's image_seq_len) over the defaults, checked."""
+    if vision.tower in ("qwen_vit", "qwen3_vit"):
+        return qwen_settings(folder, vision)
     raw = _json(folder / "preprocessor_config.json")
     settings = {k: raw.get(k, v) for k, v in PROCESSOR_DEFAULTS.items()}
     seq_len = _json(folder / "processor_config.json").get("image_seq_len", vision.tokens_per_tile)

@@ -141,6 +141,11 @@ class ModelSpec:
     nope_layers: tuple[int, ...] = ()  # layers whose q and k get no RoPE (SmolLM3: every 4th); they read the
     # identity table "rope_none" (angle 0), so every lowering's attention serves them unchanged
     image_token_id: int | None = None  # vision-language: prefill takes image embeddings at this token's rows
+    # M-RoPE (Qwen2-VL / 2.5-VL / 3-VL): each rotary pair j turns by the position on axis t, h or w (plugins/mrope.py);
+    # the graphs take rope_offsets [3, B, S] (position - cache index per axis). () = ordinary 1-D RoPE
+    mrope_section: tuple[int, ...] = ()  # pairs per axis (t, h, w), summing to rotary_dim / 2
+    mrope_interleaved: bool = False  # Qwen3-VL: pairs t, h, w, t, h, w, ... instead of three blocks
+    deepstack_layers: int = 0  # Qwen3-VL: after each of the first n layers the image rows gain deepstack_embeds[i]
     bidirectional_images: bool = False  # Gemma 3: in prefill, the tokens of one image attend to each other
     # both ways (transformers' token_type_ids mask); prefill then takes image_ahead (export/lowering/graph.py)
 
@@ -181,6 +186,9 @@ class ModelSpec:
         # over the declared lists, never range(num_layers): a config's layer count is untrusted until checked
         if any(k == "none" and m == "none" for k, m in zip(self.layer_kinds, self.mlp_types)):
             raise ValueError("a layer needs a mixer or an MLP (layer kind 'none' with mlp type 'none')")
+        if self.mrope_section and (len(self.mrope_section) != 3 or min(self.mrope_section) < 0
+                                   or sum(self.mrope_section) != (self.rope.rotary_dim or self.head_dim) // 2):
+            raise ValueError(f"mrope_section {list(self.mrope_section)} must be 3 counts summing to half the rotary dim")
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {list(self.nope_layers)} must be layers 0..{self.num_layers - 1}")
         for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale", "residual_scale",
@@ -272,6 +280,7 @@ class ModelSpec:
         d["layer_kinds"] = list(self.layer_kinds)
         d["mlp_types"] = list(self.mlp_types)
         d["nope_layers"] = list(self.nope_layers)
+        d["mrope_section"] = list(self.mrope_section)
         return d
 
     @classmethod
@@ -286,6 +295,7 @@ class ModelSpec:
         d["layer_kinds"] = tuple(d.get("layer_kinds", ()))
         d["mlp_types"] = tuple(d.get("mlp_types", ()))
         d["nope_layers"] = tuple(d.get("nope_layers", ()))
+        d["mrope_section"] = tuple(d.get("mrope_section", ()))
         return cls(**d)
 
 

@@ -54,6 +54,11 @@ def check_contract(m: Manifest, path: Path, kinds: tuple[str, ...]) -> None:
                          image_positions=("int64", ["image_tokens"]))
             if m.model.extra.get("bidirectional_images"):
                 bound["image_ahead"] = ("int64", ["image_tokens"])
+            if m.model.extra.get("deepstack_layers"):
+                bound["deepstack_embeds"] = (m.dtype, [m.model.extra["deepstack_layers"], "image_tokens",
+                                                       m.model.hidden_size])
+        if m.model.extra.get("mrope_section"):  # M-RoPE: every graph takes the 3-D position offsets
+            bound["rope_offsets"] = ("int64", [3, "batch", "seq" if kind != "decode" else 1])
         if kind == "prefill" and g.verifies_rows:
             _check_per_position(m, listed, path)
             bound["per_position"] = ("int64", [1])
@@ -91,6 +96,8 @@ def check_verify(m: Manifest, path: Path) -> None:
     bound.pop("seq_lengths"), bound.pop("logits"), bound.pop("next_token")
     bound["seq_logits"] = ("fp32", ["batch", "seq", m.model.vocab_size])
     bound["next_tokens"] = ("int64", ["batch", "seq"])
+    if m.model.extra.get("mrope_section"):
+        bound["rope_offsets"] = ("int64", [3, "batch", "seq"])
     listed = g.io()
     _check_tensors(listed, bound, path, "graphs.verify", "kv/max_seq/model.vocab_size")
     extra = [t.name for t in g.inputs if t.name not in bound]

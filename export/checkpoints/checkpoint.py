@@ -18,6 +18,7 @@ to the quantized rows).
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from types import ModuleType
@@ -259,6 +260,8 @@ class Checkpoint:
         w = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0), dtype=np.float32)
         fix = getattr(self.family, "vision_fix", None)  # a family's stored layout -> the canonical one
         w = np.ascontiguousarray(fix(name, w), dtype=np.float32) if fix is not None else w
+        if len(shape) == 2 and w.ndim > 2 and w.shape[0] == shape[0] and w.size == math.prod(shape):
+            w = w.reshape(shape)  # a conv kernel [C, ...window] read as a linear over its flattened window
         if w.shape != shape:
             raise DecodertError(f"{self.source}: tensor '{keys[0]}' has shape {list(w.shape)}, expected {list(shape)} "
                                 f"for '{name}'")

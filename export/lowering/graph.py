@@ -2,10 +2,13 @@
 
     input_ids [B,S] --Gather(embed)--> x [T=B*S, hidden]   ([B,S,hidden] where lowering.flat_tokens is False)
                           x * embed_scale                  (Gemma: sqrt(hidden) in the graph dtype)
+    M-RoPE (spec.mrope_section, Qwen-VL): input rope_offsets [3,B,S] turns every layer's RoPE by 3-D positions
+                                                           (plugins/mrope.py; default zeros = 1-D positions)
     prefill of a vision-language model (spec.image_token_id):
         x[image_positions] = image_embeds                  ScatterND over the [B*S, hidden] rows; image_positions
                                                            [N] = b*S + s of each image token, image_embeds [N, hidden]
                                                            (vision.onnx's output rows); both default to empty
+        Qwen3-VL (spec.deepstack_layers = n): after layer i < n, x[image_positions] += deepstack_embeds[i]
         ahead[image_positions] = image_ahead               spec.bidirectional_images (Gemma 3): [N] how many later
                                                            tokens of its own image each image token also sees;
                                                            ahead [B,S] (0 elsewhere) widens the causal mask:
@@ -68,7 +71,7 @@ from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 GraphKind = Literal["prefill", "decode", "verify"]
 # inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
 # TensorRT's ONNX parser folds such an input into a constant, so its engines take the default only
-DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "image_ahead")
+DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "image_ahead", "deepstack_embeds", "rope_offsets")
 IMAGE_INPUTS = ("image_embeds", "image_positions", "image_ahead")  # what a prefill with images binds
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
@@ -90,14 +93,14 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
     seq: int | str = 1 if kind == "decode" else "seq"
     kv = kv or KV_DTYPES[dtype]
     cache_shape = ["batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)]
-    inputs = [
+    inputs: list[dict] = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
         {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
         {"name": "seq_lengths", "dtype": "int64", "shape": ["batch"]},
     ]
     if kind == "verify":  # every position is an output: no last valid token to pick
         inputs.pop()
-    outputs = [
+    outputs: list[dict] = [
         {"name": "logits", "dtype": "fp32", "shape": ["batch", spec.vocab_size]},
         {"name": "next_token", "dtype": "int64", "shape": ["batch"]},
     ] if kind != "verify" else [
@@ -109,6 +112,11 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
                    {"name": "image_positions", "dtype": "int64", "shape": ["image_tokens"]}]
         if spec.bidirectional_images:
             inputs.append({"name": "image_ahead", "dtype": "int64", "shape": ["image_tokens"]})
+        if spec.deepstack_layers:  # Qwen3-VL: the vision tower's earlier features, added after the first layers
+            inputs.append({"name": "deepstack_embeds", "dtype": dtype,
+                           "shape": [spec.deepstack_layers, "image_tokens", spec.hidden_size]})
+    if spec.mrope_section:  # M-RoPE (plugins/mrope.py): position - cache index on each axis t, h, w
+        inputs.append({"name": "rope_offsets", "dtype": "int64", "shape": [3, "batch", seq]})
     if per_position:
         inputs.append({"name": "per_position", "dtype": "int64", "shape": [1]})
         outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
@@ -147,6 +155,11 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         g.add_initializer(numpy_helper.from_array(np.zeros((0, spec.hidden_size), NUMPY_DTYPES[lowering.dtype]),
                                                   "image_embeds"))
         g.add_initializer(numpy_helper.from_array(np.zeros(0, np.int64), "image_positions"))
+        if spec.deepstack_layers:
+            g.add_initializer(numpy_helper.from_array(
+                np.zeros((spec.deepstack_layers, 0, spec.hidden_size), NUMPY_DTYPES[lowering.dtype]), "deepstack_embeds"))
+    if spec.mrope_section:  # text positions by default: offsets 0 on every axis
+        g.add_initializer(numpy_helper.from_array(np.zeros((3, 1, 1), np.int64), "rope_offsets"))
     inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin",
                       windows=kind == "verify" and bool(window_layers(spec)))
     if images and spec.bidirectional_images:
@@ -170,6 +183,8 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
             with g.scope(f"layers.{i}"):
                 ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
                 x, h = _layer(g, lowering, ctx, inp, spec, i, x, h, kind == "decode", adapters)
+                if images and i < spec.deepstack_layers:
+                    h = _add_deepstack(g, spec, h, i)
         if kind == "verify":
             heads = [_verify_head(g, lowering, inp, spec, x, h)]
         else:
@@ -190,6 +205,15 @@ def _place_images(g: GraphBuilder, spec: ModelSpec, x: str) -> str:
         return g.op("Reshape", rows, g.op("Shape", x))
 
 
+def _add_deepstack(g: GraphBuilder, spec: ModelSpec, mlp: str, i: int) -> str:
+    """Qwen3-VL: the image rows of layer i's output gain deepstack_embeds[i] (added to the MLP output, which the
+    next residual add sums with the stream)."""
+    with g.scope("deepstack"):
+        rows = g.op("Reshape", mlp, g.const([-1, spec.hidden_size]))
+        extra = g.op("Gather", "deepstack_embeds", g.const(np.int64(i)), axis=0)  # [N, hidden]
+        added = g.op("Add", g.op("Gather", rows, "image_positions", axis=0), extra)  # (TensorRT: no ScatterND add)
+        rows = g.op("ScatterND", rows, g.op("Unsqueeze", "image_positions", g.const([1])), added)
+        return g.op("Reshape", rows, g.op("Shape", mlp))
 def _image_ahead(g: GraphBuilder, ids: str) -> str:
     """ahead [B,S] int64: image_ahead at image_positions (flat b*S + s), 0 elsewhere."""
     with g.scope("image_ahead"):

@@ -18,7 +18,8 @@
                       (manifest: graphs.verify.batched_past).
 GQA's CPU kernel needs head_dim % 16 == 0 (other models keep the reference attention body, still
 in place: ORT writes ScatterND's output into the bound past buffer) and rotates whole heads only:
-with partial rotary (Phi-3, Qwen3.5) q and k are rotated before it and GQA runs with do_rotary=0.
+with partial rotary (Phi-3, Qwen3.5) q and k are rotated before it and GQA runs with do_rotary=0;
+so with M-RoPE (Qwen-VL): com.microsoft.MRotaryEmbedding over the 3-D positions (plugins/mrope.py).
 - GatedDeltaNet    -> com.microsoft.GatedDeltaNet (gates fused; q/k l2norm in standard ops; its V-major float32 state
                       is the cache buffer itself: initial_state and final_state may alias); a padded
                       token's a and b become -1e4 so its decay is exp(0) and its beta 0: the state
@@ -40,6 +41,7 @@ from decodert.plugins import causal_conv as cc
 from decodert.plugins.gated_delta_net import l2norm_body, valid_tokens
 from decodert.plugins import mamba2_ssm as m2
 from decodert.plugins import kv_dtypes
+from decodert.plugins import mrope
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quantize.quant import quantized_embedding
 from decodert.export.quantize.weight_layouts import NBITS
@@ -56,6 +58,7 @@ class GqaContext:
     window: int  # local_window_size (0 = full attention)
     cos: str | None = None  # partial rotary: RoPE applied before GQA (do_rotary=0), tables at the positions
     sin: str | None = None  # [B,S,1,R/2]
+    mrope: str | None = None  # M-RoPE: positions [3,B,S]; q, k rotated by MRotaryEmbedding before GQA
     # bidirectional images (Gemma 3, prefill): export/lowering/image_attention.py reads these
     ahead: str | None = None  # [B,S] int64
     any_ahead: str = ""  # [] bool
@@ -90,15 +93,17 @@ class OrtLowering(Lowering):
 
     def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
         if self.standard_attention:
-            return verify_attention.context(g, inp, self.spec.num_kv_heads, self.max_seq, window)
+            return verify_attention.context(g, inp, self.spec.num_kv_heads, self.max_seq, window, self.mrope(g, inp))
         if not self.use_gqa:
             return super().context(g, inp, window)
         with g.scope("attn_context"):
             seq = g.op("Gather", g.op("Shape", inp.input_ids), g.const(np.int64(1)), axis=0)
             last = g.op("Sub", g.op("Add", inp.past_lengths, seq), g.const(np.int64(1)))
             total = g.op("Add", g.op("ReduceMax", inp.past_lengths, keepdims=0), seq)
-            cos = sin = None
-            if self.rotary_dim != self.spec.head_dim:  # GQA rotates whole heads only: rotate before it
+            cos = sin = pos3 = None
+            if self.spec.mrope_section:  # M-RoPE: 3-D positions, q and k rotated before GQA (plugins/mrope.py)
+                pos3 = mrope.positions3(g, inp.past_lengths, inp.input_ids)
+            elif self.rotary_dim != self.spec.head_dim:  # GQA rotates whole heads only: rotate before it
                 pos = g.op("Add", g.op("Unsqueeze", inp.past_lengths, g.const([1])),
                            g.op("Unsqueeze", g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1))), g.const([0])))
                 cos, sin = (g.op("Unsqueeze", g.op("Gather", t, pos, axis=0), g.const([2]))
@@ -109,7 +114,7 @@ class OrtLowering(Lowering):
                              positions=image_attention.positions(g, inp.past_lengths, inp.input_ids),
                              past_lengths=inp.past_lengths, input_ids=inp.input_ids)
             return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, window,
-                              cos, sin, **widen)
+                              cos, sin, pos3, **widen)
 
     def embed(self, g: GraphBuilder, ids: str) -> str:
         if not quantized_embedding(self.spec, self.quant, self.quant_layout):
@@ -215,10 +220,19 @@ class OrtLowering(Lowering):
             q, k = (g.op("Reshape", ca.rope_body(g, g.op("Reshape", x, g.const([0, 0, n, d])), tables, d, self.rotary_dim),
                          g.const([0, 0, n * d])) for x, n in ((q, h), (k, hkv)))
             qkv_in, rope = [q, k, v], ["", ""]
+        elif ctx.mrope is not None:
+            d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+            q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
+            q, k = (g.op("MRotaryEmbedding", x, ctx.mrope, ctx.cos_cache, ctx.sin_cache, domain="com.microsoft",
+                         num_heads=n, mrope_section=list(s.mrope_section), mrope_layout=int(s.mrope_interleaved),
+                         rotary_embedding_dim=self.rotary_dim if self.rotary_dim != d else None)
+                    for x, n in ((q, h), (k, hkv)))
+            qkv_in, rope = [q, k, v], ["", ""]
         y, _, _ = g.op(
             "GroupQueryAttention", *qkv_in, past_key, past_value, ctx.seqlens_k, ctx.total_len,
             *_trim([*rope, *extra]), domain="com.microsoft", outputs=[None, present_key, present_value],
-            num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=int(ctx.cos is None), rotary_interleaved=0,
+            num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=int(ctx.cos is None and ctx.mrope is None),
+            rotary_interleaved=0,
             scale=self.scale, local_window_size=ctx.window or None, softcap=self.softcap or None, **quant,
         )
         if ctx.ahead is not None:  # bidirectional image tokens: GQA is causal only

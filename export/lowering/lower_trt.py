@@ -39,7 +39,7 @@ PLUGIN_OPSET = 17  # what TensorRT 8.6 .. 10.x parsers all read; the rest of the
 
 @dataclass(frozen=True)
 class TrtContext:
-    positions: str  # [B,S] int64
+    positions: str  # [B,S] int64 ("" with M-RoPE: cos/sin per token [B,S,R/2])
     write_index: str  # [B] int64 (= past_lengths)
     visible: str  # [B,1,S,Smax] bool
     cos_cache: str  # [max_seq, R/2]
@@ -69,6 +69,9 @@ class TrtLowering(Lowering):
         if unknown:
             raise ValueError(f"no trt plugin lowering for {sorted(unknown)}; known: {PLUGIN_OPS}")
         self.plugins = tuple(op for op in PLUGIN_OPS if op in plugins)
+        if "CachedAttention" in self.plugins and spec.mrope_section:
+            raise DecodertError(f"{spec.family}'s M-RoPE has no CachedAttention plugin kernel; export it for a "
+                                "TensorRT with native attention layers (>= 10.15, --plugins never) or --target ort")
         if "CachedAttention" in self.plugins and (self.softcap or spec.attn_sinks):
             what = "soft-capping" if self.softcap else "sinks"
             raise DecodertError(f"{spec.family}'s attention {what} has no CachedAttention plugin kernel; "
@@ -93,6 +96,9 @@ class TrtLowering(Lowering):
             return PluginContext(inp.past_lengths, inp.cos_cache, inp.sin_cache, window)
         with g.scope("attn_context"):
             pos, visible = positions_and_visibility(g, inp.past_lengths, inp.input_ids, self.max_seq, window, inp.ahead)
+        tables = self.mrope(g, inp)  # M-RoPE: per-token tables, RotaryEmbedding without position ids
+        if tables is not None:
+            return TrtContext("", inp.past_lengths, visible, *tables)
         return TrtContext(pos, inp.past_lengths, visible, inp.cos_cache, inp.sin_cache)
 
     def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:

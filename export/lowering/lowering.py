@@ -8,6 +8,7 @@ their runtime has fast kernels or native layers for.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from decodert.plugins import mamba2_ssm as m2
 from decodert.plugins import kv_dtypes
 from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 from decodert.plugins import moe as moe_op
+from decodert.plugins import mrope
 from decodert.plugins.rms_norm import rms_norm_body
 
 
@@ -89,8 +91,20 @@ class Lowering:
     # ---- per-graph shared values -------------------------------------------------------------
     def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
         """What every layer of one kind shares: ``window`` (0 = full) and the RoPE tables in ``inp``."""
-        return ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache,
-                               self.max_seq, window, inp.ahead)
+        ctx = ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache, self.max_seq, window,
+                              inp.ahead)
+        tables = self.mrope(g, inp)
+        if tables is None:
+            return ctx
+        cos, sin = (g.op("Unsqueeze", t, g.const([2])) for t in tables)  # [B,S,1,R/2]
+        return dataclasses.replace(ctx, cos=cos, sin=sin)
+
+    def mrope(self, g: GraphBuilder, inp: GraphInputs) -> tuple[str, str] | None:
+        """Per-token (cos, sin) [B,S,R/2] from the 3-D positions of an M-RoPE model (plugins/mrope.py), else None."""
+        if not self.spec.mrope_section:
+            return None
+        return mrope.mrope_tables(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache,
+                                  self.spec.mrope_section, self.spec.mrope_interleaved, NUMPY_DTYPES[self.dtype])
 
     # ---- ops ---------------------------------------------------------------------------------
     def embed(self, g: GraphBuilder, ids: str) -> str:

@@ -28,7 +28,7 @@ from decodert.plugins.onnx_builder import GraphBuilder
 
 @dataclass(frozen=True)
 class VerifyContext:
-    positions: str  # [B,S] int64
+    positions: str  # [B,S] int64 ("" with M-RoPE: cos/sin are then per token [B,S,R/2])
     visible: str  # [B,1,S,T] bool
     keys: str  # [1] int64: T
     index: str  # [B,Hkv,S,3] int64: ScatterND's (row, head, position) of every new K/V row
@@ -36,8 +36,10 @@ class VerifyContext:
     sin_cache: str
 
 
-def context(g: GraphBuilder, inp: GraphInputs, kv_heads: int, max_seq: int, window: int) -> VerifyContext:
-    """What every layer of one kind shares (built once per graph)."""
+def context(g: GraphBuilder, inp: GraphInputs, kv_heads: int, max_seq: int, window: int,
+            tables: tuple[str, str] | None = None) -> VerifyContext:
+    """What every layer of one kind shares (built once per graph); ``tables``: M-RoPE's per-token cos and sin
+    [B,S,R/2] (plugins/mrope.py), which RotaryEmbedding takes without position ids."""
     with g.scope("verify_attn_context"):
         pos, visible = ca.positions_and_visibility(g, inp.past_lengths, inp.input_ids, max_seq, window)
         keys = g.op("Unsqueeze", g.op("Add", g.op("ReduceMax", pos, keepdims=0), g.const(np.int64(1))), g.const([0]))
@@ -51,6 +53,8 @@ def context(g: GraphBuilder, inp: GraphInputs, kv_heads: int, max_seq: int, wind
         at = g.op("Unsqueeze", pos, g.const([1]))  # [B,1,S]
         index = g.op("Concat", *[g.op("Unsqueeze", g.op("Expand", i, shape), g.const([3])) for i in (rows, heads, at)],
                      axis=3)
+    if tables is not None:
+        return VerifyContext("", visible, keys, index, *tables)
     return VerifyContext(pos, visible, keys, index, inp.cos_cache, inp.sin_cache)
 
 

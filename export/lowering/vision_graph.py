@@ -24,6 +24,7 @@ import onnx
 
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.export.lowering.vision_qwen import build_qwen_vision, qwen_contract
 from decodert.models.vision import VisionSpec
 
 OPSET = 17  # LayerNormalization
@@ -31,6 +32,8 @@ OPSET = 17  # LayerNormalization
 
 def vision_contract(v: VisionSpec, dtype: str) -> dict[str, list[dict]]:
     """Names, dtypes and shapes of vision.onnx's input and output (also written to the manifest)."""
+    if v.tower in ("qwen_vit", "qwen3_vit"):
+        return qwen_contract(v, dtype)
     return {"inputs": [{"name": "pixel_values", "dtype": "fp32", "shape": ["images", 3, v.image_size, v.image_size]}],
             "outputs": [{"name": "image_embeds", "dtype": dtype, "shape": ["images", v.tokens_per_tile, v.out_hidden]}]}
 
@@ -38,6 +41,8 @@ def vision_contract(v: VisionSpec, dtype: str) -> dict[str, list[dict]]:
 def build_vision_graph(v: VisionSpec, dtype: str, weights: dict[str, onnx.TensorProto],
                        ir_version: int = 10) -> onnx.ModelProto:
     """vision.onnx over ``weights`` (canonical vision names -> external tensors in weights.bin)."""
+    if v.tower in ("qwen_vit", "qwen3_vit"):  # Qwen2.5-VL's / Qwen3-VL's ViT: export/lowering/vision_qwen.py
+        return build_qwen_vision(v, dtype, weights, ir_version)
     g = GraphBuilder("decodert_vision", {"": OPSET})
     contract = vision_contract(v, dtype)
     g.input("pixel_values", "fp32", contract["inputs"][0]["shape"])

@@ -30,12 +30,13 @@ from decodert.export.lowering.targets import get_target
 from decodert.export.lowering.onnx_check import check_external_data, check_session_io
 from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.registry import DOMAIN as PLUGIN_DOMAIN
-from decodert.runtime.backends import kv_blocks
+from decodert.runtime.backends import kv_blocks, ort_images
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput, window_outputs
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
 from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
 from decodert.runtime.backends.ort_verify import VerifyState, bind_cache
-from decodert.runtime.vision.tokens import image_ahead, is_image, text_ids
+from decodert.runtime.vision import mrope
+from decodert.runtime.vision.tokens import image_ahead, is_image
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -50,7 +51,8 @@ class _Binding:
     seq: np.ndarray  # [n] int64
     logits: np.ndarray  # [n, V] float32
     next_token: np.ndarray  # [n] int64
-    images: Any = None  # (image_positions [N], image_embeds [N, hidden]) bound for this call
+    images: Any = None  # {input name: array} of the image rows bound for this call (runtime/backends/ort_images.py)
+    offsets: Any = None  # [3, n, S] int64 M-RoPE rope_offsets (runtime/vision/mrope.py), bound once
 
 
 class OrtBackend:
@@ -102,6 +104,8 @@ class OrtBackend:
         # vision-language: the image store (runtime/vision/encoder.py) whose rows a prefill binds at its image ids
         self.images: Any = None
         self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
+        self._mrope = any(t.name == "rope_offsets" for t in manifest.graphs["prefill"].inputs)  # Qwen-VL
+        self._deepstack = int(manifest.model.extra.get("deepstack_layers") or 0)  # Qwen3-VL: bound with the images
         # Gemma 3: an image's tokens see each other, so one call holds all of them (no chunk cuts an image)
         self._image_ahead = any(t.name == "image_ahead" for t in manifest.graphs["prefill"].inputs)
         # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
@@ -135,6 +139,7 @@ class OrtBackend:
             b.ids[:] = 0
             for j, r in enumerate(rows):
                 b.ids[j, : lens[r] - done] = ids[r][done:]
+                self._set_offsets(b, j, cache, slots[r], ids[r][:done], ids[r][done:])
             b.past[:] = cache.lengths[start : start + n] + done
             b.seq[:] = lens[rows] - done
             self._bind_images(b)
@@ -150,6 +155,7 @@ class OrtBackend:
         while len(row) - done > chunk:
             b = b or self._bind(cache, "prefill", start, 1, chunk)
             b.ids[0] = row[done : done + chunk]
+            self._set_offsets(b, 0, cache, start, row[:done], row[done : done + chunk])
             b.past[:] = cache.lengths[start] + done
             b.seq[:] = chunk
             self._bind_images(b)
@@ -169,6 +175,9 @@ class OrtBackend:
                 b = self._decode_bindings[key] = self._bind(cache, "decode", start, n, 1)
             b.ids[:, 0] = ids[rows]
             b.past[:] = cache.lengths[start : start + n]
+            if b.offsets is not None:  # each row's next text position (runtime/vision/mrope.py)
+                locate = ort_images.locator(self.images)
+                b.offsets[:, :, 0] = [mrope.next_offset(cache.held(start + j), locate) for j in range(n)]
             _run_bound(self.sessions["decode"], b.io, self.dir, "decode")
             _gather(out, rows, b, want_logits)
         cache.commit(slots, ids.reshape(-1, 1))
@@ -204,8 +213,10 @@ class OrtBackend:
             start, n, w = slots[rows[0]], len(rows), int(lens[rows].max())
             io, ids_buf, past_buf, logits_buf, next_buf, wins = state.binding(cache, start, n, w)
             ids_buf[:] = 0
+            offsets = state.offsets_view(n, w)
             for j, r in enumerate(rows):
                 ids_buf[j, : lens[r]] = ids[r]
+                ort_images.set_offsets(offsets, j, cache.held(slots[r]), ids[r], self.images)  # M-RoPE
             past_buf[:] = cache.lengths[start : start + n]
             _run_bound(state.session, io, self.dir, state.kind)
             out.next_tokens[rows, :w] = next_buf
@@ -286,20 +297,21 @@ class OrtBackend:
         return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
+    def _set_offsets(self, b: _Binding, j: int, cache: KVCache, slot: int, before: np.ndarray, new: np.ndarray) -> None:
+        """Row ``j``'s M-RoPE offsets for ``new`` ids, written after what ``slot`` holds and ``before``."""
+        if b.offsets is not None:
+            ort_images.set_offsets(b.offsets, j, np.concatenate([cache.held(slot), before]), new, self.images)
+
     def _bind_images(self, b: _Binding) -> None:
         """Image ids in ``b.ids`` (runtime/vision/tokens.py) -> the ``<image>`` token, their rows bound as
         image_embeds at image_positions (empty when none: the binding may be reused chunk after chunk)."""
         if not self._takes_images:
             return
-        found = self.images.rows(b.ids) if self.images is not None else None
-        if found is None:
-            found = (np.zeros(0, np.int64), np.zeros((0, self.hidden), self.np_dtype))
-        else:
-            b.ids[:] = text_ids(b.ids)
-        b.images = (np.ascontiguousarray(found[0]), np.ascontiguousarray(found[1], self.np_dtype))  # kept alive
-        if self._image_ahead:
-            b.images += (image_ahead(found[0], b.ids.shape[1]),)
-        for name, arr in zip(("image_positions", "image_embeds", "image_ahead"), b.images):
+        arrays = ort_images.image_arrays(b.ids, self.images, self.hidden, self.np_dtype, self._deepstack)
+        if self._image_ahead:  # Gemma 3
+            arrays["image_ahead"] = image_ahead(arrays["image_positions"], b.ids.shape[1])
+        b.images = arrays  # kept alive while bound
+        for name, arr in arrays.items():
             b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
 
     def _prefill_groups(self, cache: KVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:
@@ -314,6 +326,9 @@ class OrtBackend:
         io = self.sessions[kind].io_binding()
         b = _Binding(io, np.zeros((n, width), np.int64), np.zeros(n, np.int64), np.ones(n, np.int64),
                      np.empty((n, self.vocab_size), np.float32), np.empty(n, np.int64))
+        if self._mrope:
+            b.offsets = np.zeros((3, n, width), np.int64)
+            io.bind_input("rope_offsets", "cpu", 0, b.offsets.dtype, b.offsets.shape, b.offsets.ctypes.data)
         for name, arr in (("input_ids", b.ids), ("past_lengths", b.past), ("seq_lengths", b.seq)):
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for name, arr in (("logits", b.logits), ("next_token", b.next_token)):

@@ -32,6 +32,12 @@ class VerifyState:
             self.on = np.ones(1, np.int64)  # per_position
             self.last = (np.empty((batch, vocab), np.float32), np.empty(batch, np.int64))  # logits, next_token
         self.bindings: dict[tuple[int, int, int, int], Any] = {}
+        takes = {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}  # defaulted too
+        self.offsets = np.zeros(3 * batch * width, np.int64) if "rope_offsets" in takes else None  # M-RoPE
+
+    def offsets_view(self, n: int, w: int) -> np.ndarray | None:
+        """rope_offsets [3, n, w] of the next call (None: the graph takes none)."""
+        return None if self.offsets is None else self.offsets[: 3 * n * w].reshape(3, n, w)
 
     def binding(self, cache: KVCache, start: int, n: int, w: int) -> tuple:
         """(io, ids [n, w], past [n], logits [n, w, V], next_tokens [n, w], windows {state: [n, C, K-1+w]})
@@ -47,6 +53,8 @@ class VerifyState:
             if self.kind == "prefill":
                 inputs += [("seq_lengths", self.seq[:n]), ("per_position", self.on)]
                 outputs += [("logits", self.last[0][:n]), ("next_token", self.last[1][:n])]
+            if self.offsets is not None:
+                inputs.append(("rope_offsets", self.offsets_view(n, w)))
             wins = self.window_bufs[key] = {}
             for name, keep in self.windows.items():
                 j = cache.state_names.index(name)

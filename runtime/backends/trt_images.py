@@ -33,6 +33,8 @@ def open_images(backend: Any) -> tuple["ImageInputs | None", "VisionRunner | Non
     inputs = [t.name for t in m.graphs["prefill"].inputs if t.name in (recs["prefill"].profile or {})]
     if m.vision is None or "image_embeds" not in inputs or "vision" not in recs:
         return None, None
+    if m.model.extra.get("mrope_section") or m.model.extra.get("deepstack_layers"):
+        return None, None  # Qwen-VL: rope_offsets / deepstack rows are folded in the trt engines; images run on ort
     return ImageInputs(backend, inputs), VisionRunner(backend, read_engine(backend.dir, m, "vision", backend.info))
 
 

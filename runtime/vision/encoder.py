@@ -26,6 +26,7 @@ from decodert.errors import DecodertError
 from decodert.models.vision import VisionSpec
 from decodert.runtime.vision import gemma3
 from decodert.runtime.vision import preprocess as pre
+from decodert.runtime.vision import qwen_preprocess as qp
 from decodert.runtime.vision.tokens import IMAGE_FLAG, image_ids, pixel_digest
 
 
@@ -40,6 +41,7 @@ class _Entry:
     embeds: np.ndarray  # [n, hidden] graph dtype
     rows: int
     cols: int
+    extra: dict[str, np.ndarray] | None = None  # per-token features beside embeds, [k, n, hidden] (Qwen3-VL deepstack)
 
     def __post_init__(self) -> None:
         self.index = {int(v): k for k, v in enumerate(self.ids)}  # image id -> row
@@ -74,6 +76,19 @@ class ImageStore:
             found = {id(e): e for e in (self._where.get(int(v)) for v in ids[ids >= IMAGE_FLAG]) if e is not None}
         return list(found.values())
 
+    def locate(self, image_id: int) -> tuple[int, int, int] | None:
+        """(index in its image, rows, cols of its image's grid) of an image id, or None (runtime/vision/mrope.py)."""
+        with self._lock:
+            e = self._where.get(image_id)
+            return None if e is None else (e.index[image_id], e.rows, e.cols)
+
+    def extra_rows(self, ids: np.ndarray, name: str) -> np.ndarray:
+        """The ``name`` features [k, N, hidden] of the image ids in ``ids`` (flat order, as ``rows``)."""
+        flat = ids.reshape(-1)
+        with self._lock:
+            return np.stack([(e := self._where[v]).extra[name][:, e.index[v]]  # type: ignore[index]
+                             for v in map(int, flat[flat >= IMAGE_FLAG])], axis=1)
+
     def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """For a block of ids (any shape): (flat positions [N] of its image ids, their embeddings [N, hidden]),
         or None when it holds none. The ids are not changed."""
@@ -95,8 +110,9 @@ class Vision:
     def __init__(self, session: Any, spec: VisionSpec, settings: dict, image_token_id: int, np_dtype: type) -> None:
         self.session, self.spec, self.settings = session, spec, settings
         self.image_token_id, self.np_dtype = image_token_id, np_dtype
-        self.seq_len = int(settings["image_seq_len"])
+        self.seq_len = int(settings.get("image_seq_len", 0))
         self.processor = PROCESSORS[settings.get("kind", "idefics3")]
+        self.qwen = spec.tower in ("qwen_vit", "qwen3_vit")  # patch rows + <|image_pad|> (runtime/vision/qwen_preprocess.py)
         self.store = ImageStore()
         self.encode_seconds = 0.0  # the last image encoded (bench/vision.py)
 
@@ -129,29 +145,53 @@ class Vision:
         entry = self.store.get(digest)
         if entry is None:
             t0 = time.perf_counter()
-            tiles = self.processor.preprocess(rgb, self.settings)
-            embeds = self.session.run(["image_embeds"], {"pixel_values": tiles.pixels})[0]  # [n_tiles, T, hidden]
-            embeds = embeds.reshape(-1, embeds.shape[-1])
-            entry = _Entry(image_ids(digest, self.image_token_id, len(embeds)), embeds, tiles.rows, tiles.cols)
+            embeds, rows, cols, extra = self._encode(rgb)
+            entry = _Entry(image_ids(digest, self.image_token_id, len(embeds)), embeds, rows, cols, extra)
             self.store.put(digest, entry)
             self.encode_seconds = time.perf_counter() - t0
         return entry
 
+    def _encode(self, rgb: np.ndarray) -> tuple[np.ndarray, int, int, dict[str, np.ndarray] | None]:
+        """-> (embeddings [n, hidden], rows, cols, extra features): the tile grid (Idefics3) or the merged token
+        grid (Qwen); Qwen3-VL's deepstack features [k, n, hidden] as extra["deepstack_embeds"]."""
+        if self.qwen:
+            p = qp.preprocess(rgb, self.settings, self.spec)
+            feed = {"pixel_values": p.pixels, "patch_positions": p.positions}
+            if p.taps is not None:
+                feed.update(pos_indices=p.taps[0], pos_weights=p.taps[1])
+            else:
+                feed["patch_windows"] = p.windows
+            names = [o.name for o in self.session.get_outputs()]
+            out = dict(zip(names, self.session.run(names, feed)))
+            extra = {"deepstack_embeds": out["deepstack_embeds"][:, p.restore]} if "deepstack_embeds" in out else None
+            return out["image_embeds"][p.restore], p.rows, p.cols, extra
+        tiles = self.processor.preprocess(rgb, self.settings)
+        embeds = self.session.run(["image_embeds"], {"pixel_values": tiles.pixels})[0]  # [n_tiles, T, hidden]
+        return embeds.reshape(-1, embeds.shape[-1]), tiles.rows, tiles.cols, None
+
+    def _expand(self, entry: _Entry) -> str:
+        """The text one placeholder of the template becomes."""
+        if self.qwen:
+            return qp.image_prompt(entry.rows, entry.cols)
+        return self.processor.prompt(pre.Tiles(np.empty(0), entry.rows, entry.cols), self.settings)
+
     def prompt_ids(self, text: str, images: Sequence[np.ndarray], encode: Callable[[str], np.ndarray]) -> np.ndarray:
         """The rendered prompt with one ``<image>`` per image -> ids, each image's tokens its image ids."""
-        proc, mark = self.processor, self.processor.placeholder(self.settings)
+        if self.qwen:
+            mark = token = qp.IMAGE_PAD
+        else:
+            mark, token = self.processor.placeholder(self.settings), self.processor.image_token(self.settings)
         parts = text.split(mark)
         if len(parts) - 1 != len(images):
             raise DecodertError(f"the prompt has {len(parts) - 1} {mark} placeholders for {len(images)} images "
                                 "(the chat template places one per image part)")
         entries = [self.entry(rgb) for rgb in images]
-        grids = [pre.Tiles(np.empty(0), e.rows, e.cols) for e in entries]
-        expanded = parts[0] + "".join(proc.prompt(t, self.settings) + p for t, p in zip(grids, parts[1:]))
+        expanded = parts[0] + "".join(self._expand(e) + p for e, p in zip(entries, parts[1:]))
         ids = encode(expanded).copy()
         at = np.flatnonzero(ids == self.image_token_id)
         want = sum(len(e.ids) for e in entries)
         if len(at) != want:
             raise DecodertError(f"the prompt has {len(at)} image tokens where its images need {want}; "
-                                f"does the text itself contain {proc.image_token(self.settings)}?")
+                                f"does the text itself contain {token}?")
         ids[at] = np.concatenate([e.ids for e in entries])
         return ids

@@ -1,0 +1,105 @@
+"""A tiny random Qwen2.5-VL checkpoint with its tokenizer, chat template and preprocessor config (test-only
+helper), and transformers' own processor for it (the reference the tests compare with).
+
+    path = make_tiny_qwen_vl(tmp_path / "qvl")   # 8-px patches, 2x2 merge, 32-px windows, 3 ViT layers
+    processor = reference_processor(path)          # Qwen2_5_VLProcessor over the PIL image processor
+    make_tiny_qwen_vl(path, kind="qwen3_vl")       # Qwen3-VL: learned positions, deepstack, interleaved M-RoPE
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tiny import SPECIAL_TOKENS, _CORPUS
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VOCAB = 600
+PATCH, MERGE, WINDOW = 8, 2, 32
+MIN_PIXELS, MAX_PIXELS = 32 * 32, 128 * 128
+CHAT_TEMPLATE = (  # Qwen2.5-VL's template, without its default system turn and video parts
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL_TOKENS + VISION_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_CORPUS + "user assistant What is in this image?\n"] * 4, trainer)
+    tok.add_tokens([f"<|extra_{i}|>" for i in range(VOCAB - tok.get_vocab_size())])
+    return tok
+
+
+def make_tiny_qwen_vl(path: str | Path, seed: int = 0, kind: str = "qwen2_5_vl") -> Path:
+    """``kind``: "qwen2_5_vl" (window attention, M-RoPE sections 2/3/3) or "qwen3_vl" (q/k norm text, interleaved
+    M-RoPE, learned 6x6 positions, deepstack after ViT layers 0 and 1 into text layers 0 and 1)."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    tok = make_tokenizer()
+    ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
+    qwen3 = kind == "qwen3_vl"
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3 if qwen3 else 2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                bos_token_id=0, eos_token_id=2, tie_word_embeddings=False, rope_parameters=rope)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=PATCH,
+                  spatial_merge_size=MERGE, temporal_patch_size=2)
+    if qwen3:
+        text.update(head_dim=16, rope_parameters={**rope, "mrope_interleaved": True})
+        vision.update(num_position_embeddings=36, deepstack_visual_indexes=[0, 1])
+    else:
+        vision.update(window_size=WINDOW, fullatt_block_indexes=[1])
+    Config, Model = (getattr(transformers, ("Qwen3VL" if qwen3 else "Qwen2_5_VL") + x)
+                     for x in ("Config", "ForConditionalGeneration"))
+    config = Config(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                    video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                    vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Model(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # every parameter random (norm weights near 1), reproducibly
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            norm = ("norm" in name or "ln_q" in name) and name.endswith("weight")
+            p.copy_(1.0 + 0.1 * noise if norm else 0.05 * noise)
+    model.save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE}, indent=2))
+    (path / "preprocessor_config.json").write_text(json.dumps(processor_settings(), indent=2))
+    return path
+
+
+def processor_settings() -> dict:
+    return {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+            "patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+
+
+def reference_processor(path: Path, kind: str = "qwen2_5_vl") -> Any:
+    """transformers' Qwen2_5_VLProcessor / Qwen3VLProcessor for the checkpoint, with the PIL image processor
+    (no torchvision)."""
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    settings = processor_settings()
+    settings.pop("image_processor_type")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>")
+    class ImagesOnly(Qwen3VLProcessor if kind == "qwen3_vl" else Qwen2_5_VLProcessor):  # type: ignore[misc]  # no video processor: its lookup needs torchvision, images do not
+        def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
+            return None if name == "video_processor" else super().check_argument_for_proper_class(name, arg)
+
+    return ImagesOnly(Qwen2VLImageProcessorPil(**settings), tokenizer, None, chat_template=CHAT_TEMPLATE)

@@ -23,7 +23,7 @@ class RopeSpec:
     """Rotary position embedding (rotate-half / NeoX layout, as in transformers)."""
 
     theta: float = 10000.0
-    scaling: str | None = None  # None | "linear" | "llama3" | "yarn" | "none" (angle 0: cos 1, sin 0, an exact identity)
+    scaling: str | None = None  # None | "linear" | "llama3" | "yarn" | "proportional" | "none" (angle 0: an identity)
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
@@ -33,12 +33,19 @@ class RopeSpec:
     beta_slow: float = 1.0  # yarn
     truncate: bool = True  # yarn: the ramp's bounds rounded outwards
     attention_factor: float = 1.0  # yarn: cos and sin are multiplied by it (0.1 ln(factor) + 1 by default)
+    proportion: float = 1.0  # proportional (Gemma 4): the first proportion * head_dim / 2 angles turn, the rest are 0
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """[rot_dim/2] float64 inverse frequencies after scaling."""
         dim = self.rotary_dim or head_dim
         if self.scaling == "none":  # a layer without RoPE: every angle 0, so rotating is x*1 + rot(x)*0 = x exactly
             return np.zeros(dim // 2)
+        if self.scaling == "proportional":  # transformers' _compute_proportional_rope_parameters: the whole head
+            # rotates (rotate-half over head_dim), frequencies theta^(-2j/head_dim) for the first angles, 0 after
+            angles = int(self.proportion * dim // 2)
+            inv = np.zeros(dim // 2)
+            inv[:angles] = 1.0 / (self.theta ** (np.arange(0, 2 * angles, 2, dtype=np.float64) / dim))
+            return inv / self.factor
         inv = 1.0 / (self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
         if self.scaling == "linear":
             inv = inv / self.factor
@@ -136,6 +143,13 @@ class ModelSpec:
     swiglu_beta: float = 0.0
     nope_layers: tuple[int, ...] = ()  # layers whose q and k get no RoPE (SmolLM3: every 4th); they read the
     # identity table "rope_none" (angle 0), so every lowering's attention serves them unchanged
+    # -- Gemma 4 (E2B/E4B): per-layer inputs, K/V shared across layers, per-layer MLP widths ---------
+    per_layer_input_size: int = 0  # P: each layer adds gelu(x @ ple_gate^T) * per_layer_input[i] @ ple_proj^T
+    per_layer_vocab: int = 0  # rows of the per-layer embedding table embed_per_layer [Vp, L*P]
+    layer_scalar: bool = False  # the residual stream is multiplied by layers.{i}.layer_scalar [1] after each layer
+    v_norm: bool = False  # RMSNorm without weight over head_dim on v (with qk_norm)
+    kv_sources: tuple[int, ...] = ()  # per layer, the layer whose K/V cache it reads (itself: its own); () = own
+    mlp_sizes: tuple[int, ...] = ()  # per layer, the dense MLP's width; () = intermediate_size everywhere
     image_token_id: int | None = None  # vision-language: prefill takes image embeddings at this token's rows
 
     def __post_init__(self) -> None:
@@ -170,6 +184,13 @@ class ModelSpec:
                              "('moe' only with experts)")
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {list(self.nope_layers)} must be layers 0..{self.num_layers - 1}")
+        if self.kv_sources and (len(self.kv_sources) != self.num_layers or any(
+                not 0 <= j <= i or self.kv_sources[j] != j or self.is_sliding(j) != self.is_sliding(i)
+                or self.layer_kind(j) != "attention" for i, j in enumerate(self.kv_sources))):
+            raise ValueError(f"kv_sources must name, for each of {self.num_layers} layers, itself or an earlier "
+                             "attention layer of the same kind that keeps its own cache")
+        if self.mlp_sizes and (len(self.mlp_sizes) != self.num_layers or min(self.mlp_sizes) < 1):
+            raise ValueError(f"mlp_sizes must give {self.num_layers} positive widths")
         for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -188,7 +209,17 @@ class ModelSpec:
     @property
     def kv_layers(self) -> tuple[int, ...]:
         """The layers that keep K/V (attention), in order: their caches are past_key.{i} / past_value.{i}."""
-        return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "attention")
+        return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "attention" and self.kv_source(i) == i)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V cache layer ``layer`` attends over: itself, or (Gemma 4's KV sharing) an earlier
+        layer of the same kind; a sharing layer computes no K/V and has no cache of its own."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def mlp_size(self, layer: int) -> int:
+        """The dense MLP width of layer ``layer`` (Gemma 4: double on the KV-sharing layers)."""
+        return self.mlp_sizes[layer] if self.mlp_sizes else self.intermediate_size
+
     def is_moe(self, layer: int) -> bool:
         """Is layer ``layer``'s MLP a mixture of experts (router + experts) rather than one dense SwiGLU?"""
         if self.mlp_types:
@@ -239,6 +270,8 @@ class ModelSpec:
         d["layer_kinds"] = list(self.layer_kinds)
         d["mlp_types"] = list(self.mlp_types)
         d["nope_layers"] = list(self.nope_layers)
+        d["mlp_sizes"] = list(self.mlp_sizes)
+        d["kv_sources"] = list(self.kv_sources)
         return d
 
     @classmethod
@@ -253,6 +286,8 @@ class ModelSpec:
         d["layer_kinds"] = tuple(d.get("layer_kinds", ()))
         d["mlp_types"] = tuple(d.get("mlp_types", ()))
         d["nope_layers"] = tuple(d.get("nope_layers", ()))
+        d["mlp_sizes"] = tuple(d.get("mlp_sizes", ()))
+        d["kv_sources"] = tuple(d.get("kv_sources", ()))
         return cls(**d)
 
 

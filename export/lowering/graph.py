@@ -48,6 +48,7 @@ from decodert.errors import DecodertError
 from decodert.export.lora.layout import LoraLayout
 from decodert.export.lowering.delta_net import delta_net_mixer
 from decodert.export.lowering.lora_graph import LoraGraph
+from decodert.export.lowering import per_layer
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
@@ -141,6 +142,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
              outputs=["seq_lengths"])
     with g.scope("model"):
         contexts = _attention_contexts(g, lowering, inp, spec)
+        readers = per_layer.read_contexts(g, lowering, inp, spec)
         adapters = None if lora is None else LoraGraph(g, lora, spec, lowering.dtype, inp.input_ids, lowering.flat_tokens)
         with g.scope("embed"):
             x = lowering.embed(g, inp.input_ids)
@@ -148,11 +150,14 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
                 x = g.op("Mul", x, g.const(np.array(spec.embed_scale, NUMPY_DTYPES[lowering.dtype])))
             if images:
                 x = _place_images(g, spec, x)
+            ple = per_layer.per_layer_inputs(g, lowering, spec, inp.input_ids, x) if spec.per_layer_input_size else None
         h = None
         for i in range(spec.num_layers):
             with g.scope(f"layers.{i}"):
-                ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
+                key = spec.layer_window(i), rope_table_of(spec, i)
+                ctx = contexts[key] if spec.kv_source(i) == i else readers[key]
                 x, h = _layer(g, lowering, ctx, inp, spec, i, x, h, kind == "decode", adapters)
+                x, h = per_layer.layer_end(g, lowering, spec, i, x, h, ple)
         if kind == "verify":
             heads = [_verify_head(g, lowering, inp, spec, x, h)]
         else:
@@ -181,7 +186,7 @@ def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: 
     contexts: dict = {}
     for i in range(spec.num_layers):
         key = (spec.layer_window(i), rope_table_of(spec, i))
-        if key not in contexts:
+        if key not in contexts and spec.kv_source(i) == i:
             table = dataclasses.replace(inp, cos_cache=f"{key[1]}.cos", sin_cache=f"{key[1]}.sin")
             contexts[key] = low.context(g, table, key[0] or 0)
     return contexts
@@ -201,7 +206,7 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         h = low.rms_norm(g, x, p + "input_norm") if prev_mlp is None else None
         if prev_mlp is not None:
             h, x = low.add_rms_norm(g, prev_mlp, x, p + "input_norm")
-    mixer = MIXERS.get(spec.layer_kind(i))
+    mixer = MIXERS.get(spec.layer_kind(i)) if spec.kv_source(i) == i else per_layer.shared_attention
     if mixer is None:
         raise DecodertError(f"layer {i}: decodert has no lowering for layer kind '{spec.layer_kind(i)}'")
     o = mixer(g, low, ctx, inp, spec, i, h, linear)
@@ -211,7 +216,7 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
     with g.scope("post_norm"):
         h, x = low.add_rms_norm(g, o, x, p + "post_norm")
     with g.scope("moe" if spec.is_moe(i) else "mlp"):
-        down = low.moe(g, h, p, one_token_rows) if spec.is_moe(i) else _mlp(g, low, spec, h, linear)
+        down = low.moe(g, h, p, one_token_rows) if spec.is_moe(i) else _mlp(g, low, spec, i, h, linear)
     if spec.sandwich_norm:
         with g.scope("mlp_out_norm"):
             down = low.rms_norm(g, down, p + "mlp_out_norm")
@@ -276,10 +281,10 @@ def _conv_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: Mod
 MIXERS = {"attention": _attention_mixer, "conv": _conv_mixer, "linear_attention": delta_net_mixer}
 
 
-def _mlp(g: GraphBuilder, low: Lowering, spec: ModelSpec, h: str, linear: Callable[[str, str], str]) -> str:
+def _mlp(g: GraphBuilder, low: Lowering, spec: ModelSpec, i: int, h: str, linear: Callable[[str, str], str]) -> str:
     """down(act(gate) * up), gate and up from one fused GEMM; ``linear(x, target)``: the layer's linears."""
     with g.scope("gate_up"):
-        gate, up = g.op("Split", linear(h, "gate_up"), g.const([spec.intermediate_size] * 2), axis=-1, outputs=2)
+        gate, up = g.op("Split", linear(h, "gate_up"), g.const([spec.mlp_size(i)] * 2), axis=-1, outputs=2)
     act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up
     with g.scope("down"):
         return linear(act, "down")
@@ -293,6 +298,9 @@ def _qk_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, qkv: str, p: str) 
     q = g.op("Reshape", low.rms_norm(g, g.op("Reshape", q, g.const(lead + [h, d])), p + "q_norm"), g.const(lead + [h * d]))
     k = g.op("Reshape", low.rms_norm(g, g.op("Reshape", k, g.const(lead + [hkv, d])), p + "k_norm"),
              g.const(lead + [hkv * d]))
+    if spec.v_norm:  # Gemma 4: RMSNorm without a weight on v
+        ones = g.const(np.ones(d, NUMPY_DTYPES[low.dtype]))
+        v = g.op("Reshape", low.rms_norm(g, g.op("Reshape", v, g.const(lead + [hkv, d])), ones), g.const(lead + [hkv * d]))
     return g.op("Concat", q, k, v, axis=-1)
 
 

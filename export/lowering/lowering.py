@@ -194,6 +194,24 @@ class Lowering:
                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
                               softcap=self.softcap, sinks=sinks)
 
+    def read_context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> ca.AttnContext:
+        """The reference attention's context (positions, visibility, RoPE at positions) for layers that read
+        another layer's cache (``shared_attention``), whichever attention this lowering's own layers use."""
+        return ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache, self.max_seq, window)
+
+    def shared_attention(self, g: GraphBuilder, ctx: ca.AttnContext, q: str, source: tuple[str, str, str, str]) -> str:
+        """q [B,S,H*D] (normed, not rotated) over another layer's cache -> y [B,S,H*D] (Gemma 4's KV sharing).
+        ``source`` = that layer's (past_key, past_value, present_key, present_value): it reads the present
+        values, so it runs after that layer wrote this call's K/V, and writes nothing. The reference body on
+        every target (ONNX Runtime's GroupQueryAttention and TensorRT's KV update always append K/V)."""
+        past_key, past_value, present_key, present_value = source
+        s = self.spec
+        d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+        q4 = ca.rope_body(g, g.op("Reshape", q, g.const([0, 0, h, d])), ctx, d, self.rotary_dim)
+        keys, values = self.kv_load(g, present_key, past_key), self.kv_load(g, present_value, past_value)
+        return ca.attend_body(g, q4, keys, values, ctx.visible, num_heads=h, kv_heads=hkv, head_dim=d,
+                              max_seq=self.max_seq, scale=self.scale, dtype=self.dtype, softcap=self.softcap)
+
     def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
                     seq_lengths: str, channels: int | None = None, activation: str = "none",
                     window: str | None = None) -> str:

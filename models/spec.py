@@ -186,9 +186,11 @@ class ModelSpec:
             raise ValueError(f"nope_layers {list(self.nope_layers)} must be layers 0..{self.num_layers - 1}")
         if self.kv_sources and (len(self.kv_sources) != self.num_layers or any(
                 not 0 <= j <= i or self.kv_sources[j] != j or self.is_sliding(j) != self.is_sliding(i)
-                or self.layer_kind(j) != "attention" for i, j in enumerate(self.kv_sources))):
+                or self.layer_kind(j) != "attention" for i, j in enumerate(self.kv_sources))
+                or self.layer_kinds or list(self.kv_layers) != list(range(len(self.kv_layers)))):
             raise ValueError(f"kv_sources must name, for each of {self.num_layers} layers, itself or an earlier "
-                             "attention layer of the same kind that keeps its own cache")
+                             "attention layer of the same kind that keeps its own cache; the layers that share "
+                             "come last (the manifest's K/V layers are 0..n-1), in a model of attention layers only")
         if self.mlp_sizes and (len(self.mlp_sizes) != self.num_layers or min(self.mlp_sizes) < 1):
             raise ValueError(f"mlp_sizes must give {self.num_layers} positive widths")
         for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale"):

@@ -118,9 +118,9 @@ def mixer_names(spec: ModelSpec, layer: int) -> list[str]:
 
 def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     """The expected shape of a canonical weight (used to validate checkpoints)."""
-    h, d = spec.hidden_size, spec.head_dim
     leaf = name.rsplit(".", 1)[-1]
     layer = int(name.split(".")[1]) if name.startswith("layers.") else 0
+    h, d = spec.hidden_size, spec.head_dim_of(layer)
     inter, pl = spec.mlp_size(layer), spec.per_layer_input_size
     e, ie = spec.num_experts, spec.expert_intermediate_size
     if ".experts." in name:
@@ -137,8 +137,8 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         "post_norm": (h,),
         "attn_out_norm": (h,),
         "mlp_out_norm": (h,),
-        "qkv": (spec.qkv_size, h),
-        "qkv_bias": (spec.qkv_size,),
+        "qkv": (spec.layer_qkv_size(layer), h),
+        "qkv_bias": (spec.layer_qkv_size(layer),),
         "q_norm": (d,),
         "k_norm": (d,),
         "o": (h, spec.num_heads * d),

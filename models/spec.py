@@ -150,6 +150,7 @@ class ModelSpec:
     v_norm: bool = False  # RMSNorm without weight over head_dim on v (with qk_norm)
     kv_sources: tuple[int, ...] = ()  # per layer, the layer whose K/V cache it reads (itself: its own); () = own
     mlp_sizes: tuple[int, ...] = ()  # per layer, the dense MLP's width; () = intermediate_size everywhere
+    layer_head_dims: tuple[int, ...] = ()  # per layer head_dim (Gemma 4's full layers: global_head_dim); () = head_dim
     image_token_id: int | None = None  # vision-language: prefill takes image embeddings at this token's rows
 
     def __post_init__(self) -> None:
@@ -191,6 +192,13 @@ class ModelSpec:
             raise ValueError(f"kv_sources must name, for each of {self.num_layers} layers, itself or an earlier "
                              "attention layer of the same kind that keeps its own cache; the layers that share "
                              "come last (the manifest's K/V layers are 0..n-1), in a model of attention layers only")
+        if self.layer_head_dims and (len(self.layer_head_dims) != self.num_layers or min(self.layer_head_dims) < 2):
+            raise ValueError(f"layer_head_dims must give {self.num_layers} head dims")
+        dims: dict[str, set[int]] = {}
+        for i in range(self.num_layers):
+            dims.setdefault(rope_table_of(self, i), set()).add(self.head_dim_of(i))
+        if any(len(d) > 1 for d in dims.values()):
+            raise ValueError("layers of one RoPE table must share a head_dim (give the sliding layers a local_rope)")
         if self.mlp_sizes and (len(self.mlp_sizes) != self.num_layers or min(self.mlp_sizes) < 1):
             raise ValueError(f"mlp_sizes must give {self.num_layers} positive widths")
         for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale"):
@@ -217,6 +225,15 @@ class ModelSpec:
         """The layer whose K/V cache layer ``layer`` attends over: itself, or (Gemma 4's KV sharing) an earlier
         layer of the same kind; a sharing layer computes no K/V and has no cache of its own."""
         return self.kv_sources[layer] if self.kv_sources else layer
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer ``layer``'s head_dim (its q, k, v heads and its cache's last dimension)."""
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        """The head_dim of each K/V layer (``kv_layers``), in order: their caches' last dimension."""
+        return tuple(self.head_dim_of(i) for i in self.kv_layers)
 
     def mlp_size(self, layer: int) -> int:
         """The dense MLP width of layer ``layer`` (Gemma 4: double on the KV-sharing layers)."""
@@ -246,12 +263,16 @@ class ModelSpec:
 
     @property
     def qkv_size(self) -> int:
-        """Rows of the fused qkv weight: (H + 2 H_kv) * D, plus H * D gate rows with attn_output_gate."""
-        return (self.num_heads * (2 if self.attn_output_gate else 1) + 2 * self.num_kv_heads) * self.head_dim
+        """Rows of the fused qkv weight (layer 0's: ``layer_qkv_size``)."""
+        return self.layer_qkv_size(0)
 
-    def fused_rows(self, leaf: str) -> tuple[int, ...] | None:
+    def layer_qkv_size(self, layer: int) -> int:
+        """Rows of layer ``layer``'s fused qkv weight: (H + 2 H_kv) * D, plus H * D gate rows with attn_output_gate."""
+        return (self.num_heads * (2 if self.attn_output_gate else 1) + 2 * self.num_kv_heads) * self.head_dim_of(layer)
+
+    def fused_rows(self, leaf: str, layer: int = 0) -> tuple[int, ...] | None:
         """The row count of each checkpoint part concatenated into a fused weight (None: equal parts)."""
-        d = self.head_dim
+        d = self.head_dim_of(layer)
         if leaf in ("qkv", "qkv_bias"):
             q = self.num_heads * d * (2 if self.attn_output_gate else 1)
             return (q, self.num_kv_heads * d, self.num_kv_heads * d)
@@ -273,6 +294,7 @@ class ModelSpec:
         d["mlp_types"] = list(self.mlp_types)
         d["nope_layers"] = list(self.nope_layers)
         d["mlp_sizes"] = list(self.mlp_sizes)
+        d["layer_head_dims"] = list(self.layer_head_dims)
         d["kv_sources"] = list(self.kv_sources)
         return d
 
@@ -289,6 +311,7 @@ class ModelSpec:
         d["mlp_types"] = tuple(d.get("mlp_types", ()))
         d["nope_layers"] = tuple(d.get("nope_layers", ()))
         d["mlp_sizes"] = tuple(d.get("mlp_sizes", ()))
+        d["layer_head_dims"] = tuple(d.get("layer_head_dims", ()))
         d["kv_sources"] = tuple(d.get("kv_sources", ()))
         return cls(**d)
 
@@ -360,6 +383,11 @@ STATE_DTYPES = {"recurrent": "fp32"}
 
 
 MLP_TYPES = ("dense", "moe")
+
+
+def rope_head_dim(spec: ModelSpec, table: str) -> int:
+    """The head_dim of the layers that read RoPE table ``table`` (one per table: ModelSpec checks it)."""
+    return next((spec.head_dim_of(i) for i in range(spec.num_layers) if rope_table_of(spec, i) == table), spec.head_dim)
 
 
 def rope_tables(spec: ModelSpec) -> dict[str, RopeSpec]:

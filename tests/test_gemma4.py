@@ -45,10 +45,12 @@ def test_spec_matches_transformers(model):
     assert [m.config.kv_sharing_modes[i] == "reuse" for i in range(5)] == [False] * 3 + [True] * 2
     assert spec.mlp_sizes == (64, 64, 64, 128, 128) and m.model.layers[3].mlp.gate_proj.out_features == 128
     assert (spec.per_layer_input_size, spec.per_layer_vocab, spec.attn_scale, spec.final_softcap) == (8, 512, 1.0, 2.0)
+    assert spec.layer_head_dims == (16, 16, 32, 16, 32) and spec.head_dims == (16, 16, 32)  # global_head_dim 32
+    assert m.model.layers[2].self_attn.head_dim == 32
     rotary = m.model.rotary_emb
-    np.testing.assert_allclose(spec.rope.inv_freq(16), rotary.full_attention_inv_freq.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(spec.rope.inv_freq(32), rotary.full_attention_inv_freq.numpy(), rtol=1e-6)
     np.testing.assert_allclose(spec.local_rope.inv_freq(16), rotary.sliding_attention_inv_freq.numpy(), rtol=1e-6)
-    assert (spec.rope.inv_freq(16)[2:] == 0).all()  # a quarter of the angles turn, over the whole head
+    assert (spec.rope.inv_freq(32)[4:] == 0).all()  # a quarter of the angles turn, over the whole head
     # a multimodal checkpoint's text part
     mm = gemma4.spec_from_hf({"model_type": "gemma4", "text_config": tiny_config("gemma4")})
     assert mm == dataclasses.replace(spec, bos_token_id=mm.bos_token_id, eos_token_ids=mm.eos_token_ids)
@@ -60,7 +62,7 @@ def test_spec_matches_transformers(model):
     (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8), "MoE block"),
     (dict(attention_k_eq_v=True), "attention_k_eq_v"),
     (dict(use_bidirectional_attention="all"), "bidirectional"),
-    (dict(global_head_dim=32), "layer 2 \\(full_attention\\) has head_dim 32"),
+    (dict(per_layer_config={"2": {"num_key_value_heads": 1}}), "layer 2 \\(full_attention\\) has 1 K/V heads"),
     (dict(num_kv_shared_layers=3, layer_types=["sliding_attention"] * 5), "num_kv_shared_layers 3"),
     (dict(hidden_activation="silu"), "hidden_activation 'silu'"),
 ])
@@ -82,7 +84,7 @@ def test_logits_and_greedy_match_transformers(model, tmp_path, target):
     assert decodert_greedy(backend(out), prompts, 13) == [toks for toks, _ in refs]
     # fewer caches, not copies: only layers 0-2 have K/V; layers 3 and 4 read 1's and 2's
     kv = load_manifest(out, verify="none").kv
-    assert kv.num_layers == 3 and kv.layers == (0, 1, 2)
+    assert kv.num_layers == 3 and kv.layers == (0, 1, 2) and kv.dims == (16, 16, 32)
     for kind in ("prefill", "decode", "verify"):
         graph = onnx.load(out / f"{kind}.onnx", load_external_data=False).graph
         assert sorted(i.name for i in graph.input if i.name.startswith(("past_key", "past_value"))) == [

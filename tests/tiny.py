@@ -74,10 +74,11 @@ HYBRIDS = tuple(HYBRID_CONFIGS)
 # Families with their own test file only (no GGUF writer, layouts the generic runners do not read).
 OWN_CONFIGS: dict[str, dict[str, Any]] = {
     # Gemma 4 text, E2B-shaped: per-layer inputs (8 wide), the last 2 of 5 layers read the K/V of the last
-    # earlier layer of their kind (3 -> 1 sliding, 4 -> 2 full) and have double-wide MLPs, window 4,
+    # earlier layer of their kind (3 -> 1 sliding, 4 -> 2 full) and have double-wide MLPs, window 4, full layers
+    # with heads twice as wide (global_head_dim 32: their caches too),
     # proportional RoPE on a quarter of the full layers' angles, v norm, a final soft-cap that bites
     "gemma4": dict(model_type="gemma4_text", num_hidden_layers=5, intermediate_size=64, tie_word_embeddings=True,
-                   global_head_dim=16, sliding_window=4, hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
+                   global_head_dim=32, sliding_window=4, hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
                    num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=2.0,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
                                 "full_attention"],

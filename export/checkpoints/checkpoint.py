@@ -102,7 +102,7 @@ def part_shapes(spec: ModelSpec, name: str, n_parts: int) -> list[tuple[int, ...
         return [full]
     leaf = name.rsplit(".", 1)[-1]
     rest = full[1:]
-    rows = spec.fused_rows(leaf)
+    rows = spec.fused_rows(leaf, int(name.split(".")[1]) if name.startswith("layers.") else 0)
     if rows is not None and len(rows) == n_parts:
         return [(r, *rest) for r in rows]
     if full[0] % n_parts:

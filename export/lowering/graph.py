@@ -78,7 +78,6 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
     ``lora``: the adapter slots' inputs (export/lora/layout.py)."""
     seq: int | str = 1 if kind == "decode" else "seq"
     kv = kv or KV_DTYPES[dtype]
-    cache_shape = ["batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)]
     inputs = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
         {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
@@ -101,6 +100,7 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
         outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
                     {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "positions"]}]
     for i in spec.kv_layers:
+        cache_shape = ["batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim_of(i))]
         for name in ("key", "value"):
             inputs.append({"name": f"past_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
             outputs.append({"name": f"present_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
@@ -156,7 +156,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
             with g.scope(f"layers.{i}"):
                 key = spec.layer_window(i), rope_table_of(spec, i)
                 ctx = contexts[key] if spec.kv_source(i) == i else readers[key]
-                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h, kind == "decode", adapters)
+                x, h = _layer(g, lowering.for_layer(i), ctx, inp, spec, i, x, h, kind == "decode", adapters)
                 x, h = per_layer.layer_end(g, lowering, spec, i, x, h, ple)
         if kind == "verify":
             heads = [_verify_head(g, lowering, inp, spec, x, h)]
@@ -188,7 +188,7 @@ def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: 
         key = (spec.layer_window(i), rope_table_of(spec, i))
         if key not in contexts and spec.kv_source(i) == i:
             table = dataclasses.replace(inp, cos_cache=f"{key[1]}.cos", sin_cache=f"{key[1]}.sin")
-            contexts[key] = low.context(g, table, key[0] or 0)
+            contexts[key] = low.for_layer(i).context(g, table, key[0] or 0)
     return contexts
 
 
@@ -228,7 +228,8 @@ def _attention_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec
     """GQA over the layer's K/V cache -> the o projection's output; ``linear(x, target, bias)``: the layer's
     linears (with each row's LoRA update)."""
     p = f"layers.{i}."
-    width, qd = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, spec.num_heads * spec.head_dim
+    d = spec.head_dim_of(i)
+    width, qd = (spec.num_heads + 2 * spec.num_kv_heads) * d, spec.num_heads * d
     with g.scope("attn"):
         with g.scope("qkv"):
             qkv = linear(h, "qkv", p + "qkv_bias" if spec.qkv_bias else None)
@@ -292,7 +293,7 @@ def _mlp(g: GraphBuilder, low: Lowering, spec: ModelSpec, i: int, h: str, linear
 
 def _qk_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, qkv: str, p: str) -> str:
     """Qwen3: RMSNorm over head_dim on every q and k head (v untouched). qkv [T or B,S, (H+2Hkv)*D]."""
-    d, h, hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    d, h, hkv = low.head_dim, spec.num_heads, spec.num_kv_heads
     lead = [0] if low.flat_tokens else [0, 0]  # Reshape's 0 keeps the leading dims
     q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=-1, outputs=3)
     q = g.op("Reshape", low.rms_norm(g, g.op("Reshape", q, g.const(lead + [h, d])), p + "q_norm"), g.const(lead + [h * d]))

@@ -66,7 +66,7 @@ def read_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelS
         if spec.kv_source(i) != i and key not in contexts:
             table = dataclasses.replace(inp, cos_cache=f"{key[1]}.cos", sin_cache=f"{key[1]}.sin")
             with g.scope("read_context"):
-                contexts[key] = low.read_context(g, table, key[0] or 0)
+                contexts[key] = low.for_layer(i).read_context(g, table, key[0] or 0)
     return contexts
 
 
@@ -74,7 +74,7 @@ def shared_attention(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec
                      linear) -> str:
     """Layer i's attention over layer kv_source(i)'s cache: q = rope(q_norm(h @ q^T)) -> o's output."""
     p, j = f"layers.{i}.", spec.kv_source(i)
-    qd, d = spec.num_heads * spec.head_dim, spec.head_dim
+    qd, d = spec.num_heads * spec.head_dim_of(i), spec.head_dim_of(i)
     lead = [0] if low.flat_tokens else [0, 0]
     with g.scope("attn"):
         with g.scope("q"):

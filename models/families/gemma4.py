@@ -5,8 +5,9 @@ a scalar on each layer's output, proportional RoPE on the full layers and a fina
     config.json  model_type gemma4_text, or gemma4 (an image/audio-text checkpoint: its text_config and
                  its language-model weights; the vision and audio towers are left out)
 
-What decodert cannot run yet is refused in one line naming it: full layers with another head_dim or K/V head
-count than the sliding ones (``global_head_dim`` / ``per_layer_config``), ``attention_k_eq_v``, the MoE block
+The full layers' head_dim (``global_head_dim``, 512 in the E2B/E4B) may differ from the sliding layers'
+(``layer_head_dims``: each K/V layer's cache has its own last dimension). What decodert cannot run yet is
+refused in one line naming it: ``attention_k_eq_v`` (and the per-layer K/V head count it brings), the MoE block
 (``enable_moe_block``: the 26B-A4B's dense MLP + experts), bidirectional attention.
 """
 
@@ -94,21 +95,23 @@ def kv_sources(kinds: list[str], shared: int) -> tuple[int, ...]:
     return tuple(i if i < first else last[kinds[i]] for i in range(len(kinds)))
 
 
-def _check_geometry(config: dict, kinds: list[str]) -> None:
-    """One head_dim and K/V head count for every layer (decodert's caches have one geometry)."""
+def layer_head_dims(config: dict, kinds: list[str]) -> tuple[int, ...]:
+    """Each layer's head_dim: transformers' per_layer_config as saved (only what differs), else global_head_dim
+    on the full layers. Another K/V head count on some layers (only with attention_k_eq_v) is refused."""
     head_dim, kv_heads = int(config["head_dim"]), int(config["num_key_value_heads"])
-    per_layer = config.get("per_layer_config")  # as saved by transformers (only what differs); else global_head_dim
+    per_layer = config.get("per_layer_config")
+    dims = []
     for i, kind in enumerate(kinds):
         if isinstance(per_layer, dict):
-            override = per_layer.get(str(i), per_layer.get(i))
+            override = per_layer.get(str(i), per_layer.get(i)) or {}
         else:
             override = {"head_dim": config.get("global_head_dim")} if kind == "full_attention" else {}
-        d = int((override or {}).get("head_dim") or head_dim)
-        h = int((override or {}).get("num_key_value_heads") or kv_heads)
-        if (d, h) != (head_dim, kv_heads):
-            raise DecodertError(f"layer {i} ({kind}) has head_dim {d} and {h} K/V heads where the others have "
-                                f"{head_dim} and {kv_heads} (global_head_dim): per-layer attention geometry is "
-                                "not supported yet")
+        h = int(override.get("num_key_value_heads") or kv_heads)
+        if h != kv_heads:
+            raise DecodertError(f"layer {i} ({kind}) has {h} K/V heads where the others have {kv_heads}: "
+                                "a per-layer K/V head count is not supported")
+        dims.append(int(override.get("head_dim") or head_dim))
+    return tuple(dims)
 
 
 def _ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
@@ -146,7 +149,7 @@ def spec_from_hf(config: dict) -> ModelSpec:
     config = _text_config(config)
     _refuse(config)
     kinds = layer_types(config)
-    _check_geometry(config, kinds)
+    dims = layer_head_dims(config, kinds)
     full, local = _ropes(config)
     layers, inter = int(config["num_hidden_layers"]), int(config["intermediate_size"])
     sources = kv_sources(kinds, int(config.get("num_kv_shared_layers") or 0))
@@ -163,7 +166,8 @@ def spec_from_hf(config: dict) -> ModelSpec:
         mlp_sizes=tuple(inter * (2 if double and sources[i] != i else 1) for i in range(layers)) if double else (),
         per_layer_input_size=per_layer,
         per_layer_vocab=int(config.get("vocab_size_per_layer_input") or 0) if per_layer else 0,
-        layer_scalar=True,
+        layer_scalar=True, layer_head_dims=dims if len(set(dims)) > 1 else (),
+        head_dim=int(config["head_dim"]),
     )
 
 

@@ -167,3 +167,21 @@ def test_trt_builds(model, tmp_path, quant):
     engines = trt_build.build_engines(out, progress=False)
     for rec in engines.values():  # K/V written by the 3 layers that keep a cache only
         assert rec.layers["KV_CACHE_UPDATE"] == 6, rec.layers
+
+
+def test_shared_layers_read_a_quantized_cache_as_its_writer_stores_it(model, tmp_path):
+    """int8 / int4 K/V: the layers that share read GroupQueryAttention's codes and scales (ort) exactly as
+    the standard-op body reads its own (portable): the two targets' logits agree; both stay near float."""
+    src, m = model
+    prompts = random_prompts((11, 4, 7))
+    refs = [hf_reference(m, p, 8) for p in prompts]
+    for kv, near in (("int8", 0.3), ("int4", 1.5)):  # the tiny model's normed v and capped logits are sensitive
+        logits = {}
+        for target in ("ort", "portable"):
+            out = tmp_path / f"{target}-{kv}"
+            export_model(src, out, target=target, max_seq=64, progress=False, kv_dtype=kv)
+            assert logits_parity(out, refs, prompts, steps=7) < near
+            be = backend(out)
+            cache = be.allocate(3)
+            logits[target] = be.prefill(cache, [0, 1, 2], prompts, want_logits=True).logits
+        np.testing.assert_allclose(logits["ort"], logits["portable"], atol=1e-4)

@@ -49,7 +49,7 @@ def layer_end(g: GraphBuilder, low: Lowering, spec: ModelSpec, i: int, x: str, m
     if ple is not None:
         with g.scope("per_layer_input"):
             x = g.op("Add", x, mlp)
-            mine = g.op("Gather", ple, g.const(np.int64(i)), axis=-2)  # [.., P]
+            mine = g.op("Gather", ple, g.const(np.array(i, np.int64)), axis=-2)  # [.., P]
             gate = g.op("Mul", low.activation(g, low.linear(g, x, p + "ple_gate")), mine)
             mlp = low.rms_norm(g, low.linear(g, gate, p + "ple_proj"), p + "ple_norm")
     if spec.layer_scalar:

@@ -41,6 +41,7 @@ VARIANTS = {
     "int4 acc0": QuantConfig(bits=4, accuracy_level=0),
     "int4 acc4": QuantConfig(bits=4, accuracy_level=4),
     "int4 acc4 sym": QuantConfig(bits=4, accuracy_level=4, symmetric=True),  # onnxruntime-genai's int4 choice
+    "int4 acc4 b64": QuantConfig(bits=4, block_size=64, accuracy_level=4),
     "int4 acc4 b128": QuantConfig(bits=4, block_size=128, accuracy_level=4),
     "int4 acc4 keep-q8": QuantConfig(bits=4, accuracy_level=4, keep_q8=True),  # Q8_0 head/embedding kept exact
     "int4 acc4 float head": QuantConfig(bits=4, accuracy_level=4, lm_head=False),

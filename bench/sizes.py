@@ -82,18 +82,19 @@ def prepare(size: str, runtime: str, args: argparse.Namespace) -> str | None:
 
         return str(build_ortgenai(hf, cache / f"{size}-genai-{prec}", prec, args.threads))
     sym = "-sym" if args.symmetric and prec == "int4" else ""
-    folder = cache / f"{size}-decodert-{prec}{sym}"
+    block = args.block_size if prec == "int4" else 32
+    folder = cache / (f"{size}-decodert-{prec}{sym}" + ("" if block == 32 else f"-b{block}"))
     if not (folder / "manifest.json").is_file():
         export(hf if prec != "q4_0" else M.gguf_from_hf(hf, cache / f"{size}-Q4_0.gguf", "Q4_0", args.fixture),
-               folder, prec, bool(sym))
+               folder, prec, bool(sym), block)
     return str(folder)
 
 
-def export(src: Path, folder: Path, prec: str, symmetric: bool) -> None:
+def export(src: Path, folder: Path, prec: str, symmetric: bool, block: int = 32) -> None:
     from decodert.export.pipeline import export_model
     from decodert.export.quantize.quant import QuantConfig
 
-    quant = None if prec == "fp32" else QuantConfig(bits=4, block_size=32, accuracy_level=4, symmetric=symmetric,
+    quant = None if prec == "fp32" else QuantConfig(bits=4, block_size=block, accuracy_level=4, symmetric=symmetric,
                                                     keep_q8=prec == "q4_0")
     export_model(src, folder, max_seq=MAX_SEQ, max_batch=4, progress=False, quant=quant)
 
@@ -109,7 +110,7 @@ def weight_bytes(runtime: str, path: str) -> int:
         tied = not any(t.name == "output.weight" for t in tensors)
         return sum(int(t.n_bytes) if tied or t.name != "token_embd.weight" else 0 for t in tensors)
     if runtime.startswith("genai"):
-        graph = SimpleNamespace(graphs={"decode": SimpleNamespace(file="model.onnx")})
+        graph = SimpleNamespace(graphs={"decode": SimpleNamespace(file="model.onnx")}, model=SimpleNamespace(extra={}))
         return B.bytes_per_step(Path(path), graph)  # type: ignore[arg-type]
     from decodert.runtime.backends.loading import read_manifest
 
@@ -189,6 +190,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gen", type=int, default=128, help="new tokens per decode run")
     p.add_argument("--threads", type=int, default=2, help="threads for every runtime (ORT intra-op, llama.cpp)")
     p.add_argument("--symmetric", action="store_true", help="decodert-int4 without zero points")
+    p.add_argument("--block-size", type=int, default=32, choices=(32, 64, 128), help="decodert-int4's block")
     p.add_argument("--fp32-max-gb", type=float, default=8.0, help="skip fp32 where the weights are larger")
     p.add_argument("--probe-mib", type=int, default=2048,
                    help="buffer of the read-bandwidth probe (above the last-level cache: 480 MiB here)")

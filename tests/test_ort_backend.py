@@ -66,6 +66,24 @@ def test_session_pools_stop_spinning_after_a_run(tiny_art):
     assert be.verify(cache, [0], [np.arange(3, 6)], want_logits=False).next_tokens.shape == (1, 3)
 
 
+def test_pinned_threads_take_one_core_each(monkeypatch):
+    """$DECODERT_PIN_THREADS=1 pins the pool's workers (ORT numbers cores from 1; the caller's
+    thread is not ORT's to pin); off by default, and a bad value is one line."""
+    from decodert.errors import DecodertError
+    from decodert.runtime.backends import ort_backend
+
+    monkeypatch.setattr(ort_backend.os, "sched_getaffinity", lambda _pid: {4, 5, 6, 7}, raising=False)
+    assert ort_backend.thread_pins(4, "1") == "6;7;8"
+    assert ort_backend.thread_pins(2, "1") == "6"
+    assert ort_backend.thread_pins(8, "1") == ""  # more threads than cores: leave the scheduler alone
+    assert ort_backend.thread_pins(1, "1") == ort_backend.thread_pins(4, "0") == ort_backend.thread_pins(4, "") == ""
+    with pytest.raises(DecodertError, match="DECODERT_PIN_THREADS must be 0 or 1, got 'yes'"):
+        ort_backend.thread_pins(2, "yes")
+    monkeypatch.setenv("DECODERT_PIN_THREADS", "1")
+    options = ort_backend._session_options(2)
+    assert options.get_session_config_entry("session.intra_op_thread_affinities") == "6"
+
+
 def test_rss_flat_over_2000_tokens(tiny_art):
     be = OrtBackend(tiny_art, load_manifest(tiny_art))
     cache = be.allocate(2)

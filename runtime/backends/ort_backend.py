@@ -368,7 +368,26 @@ def _session_options(threads: int | None) -> ort.SessionOptions:
     threads = threads or int(os.environ.get("DECODERT_THREADS", "0")) or None
     if threads:
         so.intra_op_num_threads = threads
+        pins = thread_pins(threads, os.environ.get("DECODERT_PIN_THREADS", ""))
+        if pins:
+            so.add_session_config_entry("session.intra_op_thread_affinities", pins)
     return so
+
+
+def thread_pins(threads: int, setting: str) -> str:
+    """ORT's affinity string pinning the pool's workers (all but the caller's thread) one per core,
+    from the cores this process may use, when ``$DECODERT_PIN_THREADS`` is 1; else "".
+    Off by default: measured on this project's 2-vCPU machine it changed nothing
+    (docs/BENCHMARKS.md, issue 32), and pinning fights other processes for the same cores."""
+    if setting in ("", "0"):
+        return ""
+    if setting != "1":
+        raise DecodertError(f"DECODERT_PIN_THREADS must be 0 or 1, got '{setting}'")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if threads < 2 or len(cores) < threads:
+        return ""
+    # ORT numbers logical processors from 1; worker i (of threads - 1) takes core i (core 0: the caller)
+    return ";".join(str(cores[i] + 1) for i in range(1, threads))
 
 
 def _default_providers() -> list[str]:

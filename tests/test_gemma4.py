@@ -185,3 +185,27 @@ def test_shared_layers_read_a_quantized_cache_as_its_writer_stores_it(model, tmp
             cache = be.allocate(3)
             logits[target] = be.prefill(cache, [0, 1, 2], prompts, want_logits=True).logits
         np.testing.assert_allclose(logits["ort"], logits["portable"], atol=1e-4)
+
+
+def test_trt_backend_with_caches_of_two_widths(model, tmp_path, monkeypatch):
+    """runtime/backends/trt_backend.py (tests/trt_emulator.py: the engines run on ONNX Runtime) over Gemma 4's
+    caches of head_dim 16 and 32: the ort backend's tokens, continuous batching with slot moves, speculation."""
+    import trt_emulator
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    trt_emulator.install(monkeypatch)
+    out = tmp_path / "t"
+    export_model(model[0], out, target="trt", dtype="fp16", max_seq=64, max_batch=4, progress=False)
+    trt_emulator.emulate_engines(out)
+    rng = np.random.default_rng(2)
+    with LLM.load(out, backend="ort") as ref, LLM.load(out, backend="trt") as llm:
+        cache = llm.backend.allocate(2)
+        assert [b.nbytes for b in cache.buffers[::2]] == [2 * 2 * 64 * 16 * 2] * 2 + [2 * 2 * 64 * 32 * 2]
+        ps = [np.tile(rng.integers(3, 512, 5), 3), rng.integers(3, 512, 9), rng.integers(3, 512, 4)]
+        want = [ref.generate(p, max_new_tokens=16, temperature=0).token_ids for p in ps]
+        assert [llm.generate(p, max_new_tokens=16, temperature=0).token_ids for p in ps] == want
+        reqs = [Request(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in zip(ps * 2, (3, 14, 6, 9, 2, 8))]
+        assert [r.token_ids for r in llm.generate_many(reqs)] == [r.token_ids for r in ref.generate_many(reqs)]
+        fixed = SpeculativeConfig(adaptive=False, draft_len=6)
+        spec = [Request(p, SamplingParams(max_new_tokens=16, temperature=0), speculative=fixed) for p in ps[:2]]
+        assert [r.token_ids for r in llm.generate_many(spec)] == want[:2]

@@ -194,6 +194,10 @@ def _weights_stage(spec: ModelSpec, dtype: str, quant: QuantConfig | None, progr
                  unit="weights", unit_scale=True, enabled=progress)
 
 
+# tables written row by row (Checkpoint.rows): Gemma 4's per-layer embeddings are 2.35 B values in E2B
+STREAMED_ROWS = ("embed_per_layer",)
+
+
 def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool,
                    quant: QuantConfig | None, layout: WeightLayout,
                    vision: VisionSpec | None = None) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
@@ -213,6 +217,8 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
                     quantized[name] = wq
             elif quant is not None and quant.applies_to(name):
                 quantized[name] = _store_quantized(w, ckpt, name, name, quant, dtype, layout)
+            elif name in STREAMED_ROWS:
+                w.add_stacked(name, ckpt.rows(name), dtype, canonical_shape(spec, name))
             elif not (name == "embed" and gather_quantized):  # else the graph gathers rows from the quantized head
                 tensor = ckpt.tensor(name)
                 w.add(name, tensor, dtype)

@@ -209,3 +209,26 @@ def test_trt_backend_with_caches_of_two_widths(model, tmp_path, monkeypatch):
         fixed = SpeculativeConfig(adaptive=False, draft_len=6)
         spec = [Request(p, SamplingParams(max_new_tokens=16, temperature=0), speculative=fixed) for p in ps[:2]]
         assert [r.token_ids for r in llm.generate_many(spec)] == want[:2]
+
+
+def test_the_per_layer_table_is_written_row_by_row(model, tmp_path, monkeypatch):
+    """The export never holds the per-layer embedding table whole in float32 (E2B's: 2.35 B values)."""
+    from decodert.export.checkpoints.checkpoint import Checkpoint
+
+    real_tensor, real_rows, rows = Checkpoint.tensor, Checkpoint.rows, []
+
+    def tensor(self, name):
+        assert name != "embed_per_layer", "the per-layer table read as one float32 array"
+        return real_tensor(self, name)
+
+    def counted(self, name):
+        for row in real_rows(self, name):
+            rows.append(row.shape)
+            yield row
+
+    monkeypatch.setattr(Checkpoint, "tensor", tensor)
+    monkeypatch.setattr(Checkpoint, "rows", counted)
+    export_model(model[0], tmp_path / "a", target="portable", max_seq=32, progress=False)
+    assert rows == [(5 * 8,)] * 512
+    with pytest.raises(ValueError, match="not one plain checkpoint tensor"):
+        next(real_rows(open_checkpoint(model[0]), "layers.0.qkv"))

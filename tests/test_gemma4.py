@@ -232,3 +232,29 @@ def test_the_per_layer_table_is_written_row_by_row(model, tmp_path, monkeypatch)
     assert rows == [(5 * 8,)] * 512
     with pytest.raises(ValueError, match="not one plain checkpoint tensor"):
         next(real_rows(open_checkpoint(model[0]), "layers.0.qkv"))
+
+
+def test_the_text_part_of_an_image_text_checkpoint(tmp_path):
+    """A gemma4 (Gemma4ForConditionalGeneration) folder with a vision tower: its language model exports, the
+    tower is left out, and the logits are the multimodal model's on text."""
+    from safetensors import safe_open
+    from tiny import _randomise, make_tokenizer
+
+    cfg = tiny_config("gemma4")
+    cfg.pop("model_type")
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    m = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+        text_config=cfg, vision_config=vision, audio_config=None)).eval()
+    _randomise(m, 0)
+    src = tmp_path / "mm"
+    m.save_pretrained(src)
+    make_tokenizer(512).save(str(src / "tokenizer.json"))
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        assert {k.split(".")[1] for k in f.keys() if k.startswith("model.")} == {"language_model", "vision_tower",
+                                                                                 "embed_vision"}
+    prompts = random_prompts((11, 4))
+    refs = [hf_reference(m, p, 7) for p in prompts]
+    export_model(src, tmp_path / "a", target="ort", max_seq=64, progress=False)
+    assert logits_parity(tmp_path / "a", refs, prompts, steps=6) < TOL

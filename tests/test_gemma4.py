@@ -209,6 +209,10 @@ def test_trt_backend_with_caches_of_two_widths(model, tmp_path, monkeypatch):
         fixed = SpeculativeConfig(adaptive=False, draft_len=6)
         spec = [Request(p, SamplingParams(max_new_tokens=16, temperature=0), speculative=fixed) for p in ps[:2]]
         assert [r.token_ids for r in llm.generate_many(spec)] == want[:2]
+    from decodert.tools.verify import verify  # `decodert verify`: engines against ONNX Runtime, per-width caches
+
+    res = verify(out, steps=6, rows=2)
+    assert res["greedy_agreement"] == 1.0 and res["verify_agreement"] == 1.0, res
 
 
 def test_the_per_layer_table_is_written_row_by_row(model, tmp_path, monkeypatch):

@@ -195,7 +195,7 @@ class ModelSpec:
         if self.layer_head_dims and (len(self.layer_head_dims) != self.num_layers or min(self.layer_head_dims) < 2):
             raise ValueError(f"layer_head_dims must give {self.num_layers} head dims")
         dims: dict[str, set[int]] = {}
-        for i in range(self.num_layers):
+        for i in range(len(self.layer_head_dims)):  # () for every model but those with per-layer head dims
             dims.setdefault(rope_table_of(self, i), set()).add(self.head_dim_of(i))
         if any(len(d) > 1 for d in dims.values()):
             raise ValueError("layers of one RoPE table must share a head_dim (give the sliding layers a local_rope)")

@@ -10,6 +10,7 @@ Profiles (B = max batch, S = max seq; KV inputs are [batch, H_kv, S_max, D], S_m
     decode:  batch 1 .. B (opt B),               seq 1
     vision:  images 1 .. the tiles of one image at the processor's largest size (opt: that many); its own
              engine OUT/vision.engine beside the others (vision-language artifacts: manifest.vision)
+A vision-language prefill engine takes the graph's image inputs (export/trt_graphs.py).
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from typing import Any, Mapping
 from decodert.errors import DecodertError
 from decodert.export.artifact.destination import file_mode, linked_copy, swap_in
 from decodert.export.lowering.graph import DEFAULTED_INPUTS
+from decodert.export.trt_graphs import VISION, graph_of, max_tiles, profile_shapes, without_image_defaults
 from decodert.export.lowering.targets import get_target
 from decodert.export.trt_progress import make_progress
 from decodert.export.artifact.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
 from decodert.plugins.trt_compat import TrtInfo, load_trt
 
 GRAPHS = ("prefill", "decode")
-VISION = "vision"  # vision-language artifacts: vision.onnx (manifest.vision.graph)
 PRECISIONS = ("fp16", "bf16", "fp32")
 _DTYPE_NAMES = {"HALF": "fp16", "BF16": "bf16", "FLOAT": "fp32", "INT64": "int64", "INT32": "int32",
                 "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
@@ -107,32 +108,18 @@ def resolve_limits(manifest: Manifest, max_batch: int | None, max_seq: int | Non
     return batch, seq
 
 
-def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int,
-                   tiles: int = 1) -> dict[str, tuple[list[int], ...]]:
-    """Input name -> (min, opt, max) dims from the manifest's symbolic dims ("batch", "seq", "images")."""
-    opt_batch = batch if name == "decode" else max(batch // 2, 1)
-    ranges = {"batch": (1, opt_batch, batch), "seq": (1, min(seq, 256), seq), "images": (1, tiles, tiles)}
-    if name == "verify":  # speculative decoding: 1 .. max_tokens per row, at every batch size
-        width = min(graph.max_tokens or seq, seq)
-        ranges = {"batch": (1, batch, batch), "seq": (1, min(width, 8), width)}
-    shapes = {}
-    for inp in graph.inputs:
-        if inp.name in DEFAULTED_INPUTS:  # folded into a constant by the parser: no profile
-            continue
-        dims = [ranges[d] if isinstance(d, str) else (int(d),) * 3 for d in inp.shape]
-        shapes[inp.name] = tuple([d[k] for d in dims] for k in range(3))
-    return shapes
-
-
 # ---------------------------------------------------------------- parse
 def parse_onnx(trt: ModuleType, builder: Any, logger: Any, path: Path) -> tuple[Any, Any]:
-    """Parse ``path`` into a strongly typed network; DecodertError lists the parser's errors."""
+    """Parse ``path`` into a strongly typed network; DecodertError lists the parser's errors. A graph whose
+    image inputs have defaults is parsed without them (the engine takes those inputs)."""
     if not path.is_file():
         raise DecodertError(f"{path} not found (manifest.json names it)")
     flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     network = builder.create_network(0 if flag is None else 1 << int(flag))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(path)):
+    model = without_image_defaults(path)
+    parsed = parser.parse(model, str(path)) if model is not None else parser.parse_from_file(str(path))
+    if not parsed:
         errors = [parser.get_error(i) for i in range(parser.num_errors)]
         listed = "; ".join(f"node '{e.node_name()}' ({e.node_operator()}): {e.desc()}" for e in errors)
         raise DecodertError(f"{path}: TensorRT could not parse the graph: {listed or 'no error reported'}")
@@ -298,25 +285,6 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
         "build_seconds": round(seconds, 3), "built": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "weights_stripped": bool(settings.get("strip")),
     }, f"engines.{name}")
-
-
-def graph_of(manifest: Manifest, name: str) -> GraphRecord:
-    """The record of graph ``name``: one of manifest.graphs, or "vision" (manifest.vision.graph)."""
-    if name == VISION and manifest.vision is not None:
-        return manifest.vision.graph
-    return manifest.graphs[name]
-
-
-def max_tiles(manifest: Manifest) -> int:
-    """The most tiles one image becomes (runtime/vision/preprocess.py): with splitting, the grid of the
-    largest resized image plus its global tile; else 1."""
-    if manifest.vision is None:
-        return 1
-    p = manifest.vision.processor
-    if not p.get("do_image_splitting"):
-        return 1
-    side = -(-int(p["size"]["longest_edge"]) // int(p["max_image_size"]["longest_edge"]))  # ceil
-    return side * side + 1 if side > 1 else 1
 
 
 def _open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tuple[Any, str]:

@@ -66,4 +66,18 @@ def write_vision(ckpt: Any, vision: VisionSpec, weights: dict[str, onnx.TensorPr
     onnx.save_model(build_vision_graph(vision, dtype, weights, ir_version), path)
     onnx.checker.check_model(str(path), full_check=True)
     graph = from_json(GraphRecord, {"file": VISION_FILE, **vision_contract(vision, dtype)}, "vision.graph")
-    return VisionRecord(graph=graph, spec=vision.to_dict(), processor=processor_settings(Path(ckpt.source), vision))
+    return VisionRecord(graph=graph, spec=vision.to_dict(), processor=family_settings(ckpt, vision))
+
+
+def family_settings(ckpt: Any, vision: VisionSpec) -> dict[str, Any]:
+    """The family's ``image_processor(preprocessor, processor, tokenizer_config, vision)`` over the folder's
+    JSON files, when it declares one (its settings name their ``kind``: runtime/vision/encoder.py), else Idefics3's."""
+    folder = Path(ckpt.source)
+    read = getattr(ckpt.family, "image_processor", None)
+    if read is None:
+        return processor_settings(folder, vision)
+    try:
+        return read(*(_json(folder / f) for f in ("preprocessor_config.json", "processor_config.json",
+                                                   "tokenizer_config.json")), vision)
+    except DecodertError as e:
+        raise DecodertError(f"{folder}: {e}") from None

@@ -152,6 +152,8 @@ class ModelSpec:
     mlp_sizes: tuple[int, ...] = ()  # per layer, the dense MLP's width; () = intermediate_size everywhere
     layer_head_dims: tuple[int, ...] = ()  # per layer head_dim (Gemma 4's full layers: global_head_dim); () = head_dim
     image_token_id: int | None = None  # vision-language: prefill takes image embeddings at this token's rows
+    bidirectional_images: bool = False  # Gemma 3: in prefill, the tokens of one image attend to each other
+    # both ways (transformers' token_type_ids mask); prefill then takes image_ahead (export/lowering/graph.py)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

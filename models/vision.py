@@ -17,6 +17,12 @@ Canonical vision weights (linear weights in checkpoint layout [out, in]):
 - ``vision.layers.{i}.fc2[_bias]``  [C_v, I_v] / [C_v]
 - ``vision.post_ln[_bias]``         [C_v]
 - ``vision.proj``                   [hidden, C_v * r^2]   after the pixel shuffle by r (no bias)
+
+The connector between the tower and the text model (``VisionSpec.connector``):
+
+- ``pixel_shuffle`` (Idefics3): r*r neighbouring patches -> one token of C_v * r^2, then ``vision.proj``
+- ``avg_pool`` (Gemma 3): r x r average pooling of the patch grid, an RMSNorm (``vision.proj_norm`` [C_v], the
+  (1 + w) factor), then ``vision.proj`` [hidden, C_v]
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+
+CONNECTORS = ("pixel_shuffle", "avg_pool")
 
 
 @dataclass(frozen=True)
@@ -38,14 +47,17 @@ class VisionSpec:
     num_heads: int
     layer_norm_eps: float
     out_hidden: int  # the text model's hidden size
-    scale_factor: int = 1  # pixel shuffle r: r*r neighbouring patches -> one token
+    scale_factor: int = 1  # r: r*r neighbouring patches -> one token (pixel shuffle, or avg pooling)
     activation: str = "gelu_tanh"
+    connector: str = "pixel_shuffle"  # or "avg_pool" (see the module docstring)
 
     def __post_init__(self) -> None:
         side = self.image_size // self.patch_size
         if self.image_size % self.patch_size or side % self.scale_factor:
             raise ValueError(f"image_size {self.image_size} must be a multiple of patch_size {self.patch_size} "
                              f"and of scale_factor {self.scale_factor} patches")
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"vision connector '{self.connector}' is not one of {CONNECTORS}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"vision hidden_size {self.hidden_size} is not a multiple of its {self.num_heads} heads")
 
@@ -73,7 +85,8 @@ def vision_names(v: VisionSpec) -> list[str]:
         p = f"vision.layers.{i}."
         names += [p + n for n in ("ln1", "ln1_bias", "qkv", "qkv_bias", "o", "o_bias", "ln2", "ln2_bias",
                                   "fc1", "fc1_bias", "fc2", "fc2_bias")]
-    return names + ["vision.post_ln", "vision.post_ln_bias", "vision.proj"]
+    norm = ["vision.proj_norm"] if v.connector == "avg_pool" else []
+    return names + ["vision.post_ln", "vision.post_ln_bias", *norm, "vision.proj"]
 
 
 def vision_shape(v: VisionSpec, name: str) -> tuple[int, ...]:
@@ -84,6 +97,6 @@ def vision_shape(v: VisionSpec, name: str) -> tuple[int, ...]:
         "patch_embed": (c, 3, v.patch_size, v.patch_size), "patch_embed_bias": (c,),
         "pos_embed": (v.patches_per_side ** 2, c), "qkv": (3 * c, c), "qkv_bias": (3 * c,),
         "o": (c, c), "fc1": (inter, c), "fc1_bias": (inter,), "fc2": (c, inter),
-        "proj": (v.out_hidden, c * v.scale_factor ** 2),
+        "proj": (v.out_hidden, c * (v.scale_factor ** 2 if v.connector == "pixel_shuffle" else 1)),
     }
     return shapes.get(leaf, (c,))  # the norms and the remaining biases

@@ -76,14 +76,17 @@ class AttnContext:
 
 
 def positions_and_visibility(g: GraphBuilder, past_lengths: str, input_ids: str, max_seq: int,
-                             sliding_window: int = 0) -> tuple[str, str]:
-    """positions [B,S] int64 = past + arange(S); visible [B,1,S,Smax] bool (key j <= position)."""
+                             sliding_window: int = 0, ahead: str | None = None) -> tuple[str, str]:
+    """positions [B,S] int64 = past + arange(S); visible [B,1,S,Smax] bool (key j <= position, or
+    j <= position + ahead with ``ahead`` [B,S]: the later tokens of a query's own image, Gemma 3;
+    a sliding window still bounds keys from below: j > position - window)."""
     seq = g.op("Gather", g.op("Shape", input_ids), g.const(np.int64(1)), axis=0)
     steps = g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1)))  # [S]
     pos = g.op("Add", g.op("Unsqueeze", past_lengths, g.const([1])), g.op("Unsqueeze", steps, g.const([0])))
     pos4 = g.op("Unsqueeze", pos, g.const([1, 3]))  # [B,1,S,1]
     keys = g.const(np.arange(max_seq, dtype=np.int64).reshape(1, 1, 1, max_seq))
-    visible = g.op("LessOrEqual", keys, pos4)
+    last = pos4 if ahead is None else g.op("Add", pos4, g.op("Unsqueeze", ahead, g.const([1, 3])))
+    visible = g.op("LessOrEqual", keys, last)
     if sliding_window:
         lower = g.op("Sub", pos4, g.const(np.int64(sliding_window)))
         visible = g.op("And", visible, g.op("Greater", keys, lower))
@@ -91,9 +94,9 @@ def positions_and_visibility(g: GraphBuilder, past_lengths: str, input_ids: str,
 
 
 def make_context(g: GraphBuilder, past_lengths: str, input_ids: str, cos_cache: str, sin_cache: str,
-                 max_seq: int, sliding_window: int = 0) -> AttnContext:
+                 max_seq: int, sliding_window: int = 0, ahead: str | None = None) -> AttnContext:
     with g.scope("attn_context"):
-        pos, visible = positions_and_visibility(g, past_lengths, input_ids, max_seq, sliding_window)
+        pos, visible = positions_and_visibility(g, past_lengths, input_ids, max_seq, sliding_window, ahead)
         cos = g.op("Unsqueeze", g.op("Gather", cos_cache, pos, axis=0), g.const([2]))
         sin = g.op("Unsqueeze", g.op("Gather", sin_cache, pos, axis=0), g.const([2]))
     return AttnContext(pos, visible, cos, sin)

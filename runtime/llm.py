@@ -258,7 +258,8 @@ class LLM(CacheRuns):
         """Image parts -> ``{"type": "image"}`` for the template, and the decoded images (runtime/vision/messages.py)."""
         messages, images = split_images(messages, self.image_limits, self.fetch_image)
         if images and self.vision is None:
-            raise DecodertError("this model takes no images (no vision.onnx in the artifact, or a backend other than ort)")
+            raise DecodertError("this model takes no images (no vision.onnx in the artifact, "
+                                "or TensorRT engines built without image inputs: rebuild them)")
         return messages, images
 
     def prompt_ids(self, text: str, images: Seq[np.ndarray] = ()) -> np.ndarray:

@@ -53,7 +53,8 @@ def test_tensorrt_code_type_checks(tmp_path):
     (tmp_path / "decodert").symlink_to(ROOT, target_is_directory=True)
 
     files = ["plugins/trt_compat.py", "export/trt_build.py", "runtime/backends/trt_backend.py", "runtime/backends/trt_engine.py",
-             "runtime/backends/trt_verify.py", "plugins/cuda_mem.py", "export/artifact/manifest.py",
+             "runtime/backends/trt_verify.py", "runtime/backends/trt_images.py", "export/trt_graphs.py",
+             "plugins/cuda_mem.py", "export/artifact/manifest.py",
              "tools/verify.py", "export/trt_progress.py", "export/progress.py"]
     res = subprocess.run([*_checker("mypy"), "--no-incremental", "--ignore-missing-imports", "--follow-imports=silent",
                           *(f"decodert/{f}" for f in files)],

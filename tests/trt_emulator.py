@@ -5,7 +5,7 @@ What is emulated, and what it checks:
 
 - **CUDA** (plugins/cuda_mem.py): tests/cuda_emulator.py, bounds-checked memory, streams, graphs.
 - **TensorRT**: an engine file written by ``emulate_engines`` names the artifact's ONNX graph and the
-  build profile (export/trt_build.py ``profile_shapes``, as ``decodert build`` uses). Its execution
+  build profile (export/trt_graphs.py ``profile_shapes``, as ``decodert build`` uses). Its execution
   context checks that an input shape lies in the profile (``set_input_shape`` returns False
   outside, as TensorRT does), that scratch memory and every I/O address were set, reads the inputs
   from their addresses, runs the graph with ONNX Runtime and writes each output at its address:
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulator import Device, EmulatorError  # noqa: E402
 
 from decodert.export.artifact.manifest import EngineRecord, load_manifest, write_manifest  # noqa: E402
-from decodert.export.trt_build import profile_shapes  # noqa: E402
+from decodert.export.trt_graphs import VISION, graph_of, max_tiles, profile_shapes  # noqa: E402
 
 __all__ = ["Device", "EmulatorError", "EmulatedTensorRT", "emulate_engines", "install"]
 
@@ -60,8 +60,8 @@ class Engine:
         self.np_dtypes: dict[str, np.dtype] = {}  # name -> what its bytes hold
         for is_input, values in ((True, model.graph.input), (False, model.graph.output)):
             for v in values:
-                if v.name in inits:
-                    continue  # an overridable initializer, not an engine input
+                if v.name in inits and v.name not in self.profile:
+                    continue  # an overridable initializer the build folded, not an engine input
                 t = v.type.tensor_type
                 dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)
                 self.io[v.name] = (is_input, _TRT_DTYPES[t.elem_type], dims)
@@ -219,18 +219,19 @@ def install(monkeypatch: Any, free_bytes: int = 8 << 30) -> tuple[Device, Emulat
 
 
 def emulate_engines(folder: Path, max_batch: int | None = None, max_seq: int | None = None,
-                    graphs: tuple[str, ...] = ("prefill", "decode", "verify"), scratch: dict[str, int] | None = None) -> None:
+                    graphs: tuple[str, ...] = ("prefill", "decode", "verify", VISION),
+                    scratch: dict[str, int] | None = None) -> None:
     """Write an emulated ``<graph>.engine`` per graph and record them in manifest.engines, with the
-    profiles ``decodert build --max-batch/--max-seq`` would give."""
+    profiles ``decodert build --max-batch/--max-seq`` would give (the vision graph's too, when there is one)."""
     folder = Path(folder)
     m = load_manifest(folder, verify="none")
     batch, seq = max_batch or m.max_batch, max_seq or m.max_seq
     records = {}
     for name in graphs:
-        if name not in m.graphs:
+        if name not in m.graphs and not (name == VISION and m.vision is not None):
             continue
-        graph = m.graphs[name]
-        shapes = profile_shapes(graph, name, batch, seq)
+        graph = graph_of(m, name)
+        shapes = profile_shapes(graph, name, batch, seq, max_tiles(m))
         profile = {k: {"min": v[0], "opt": v[1], "max": v[2]} for k, v in shapes.items()}
         blob = json.dumps({"magic": MAGIC, "graph": str((folder / graph.file).resolve()), "profile": profile,
                            "scratch": (scratch or {}).get(name, 1 << 12)}).encode()

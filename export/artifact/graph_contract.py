@@ -52,6 +52,8 @@ def check_contract(m: Manifest, path: Path, kinds: tuple[str, ...]) -> None:
         if kind == "prefill" and m.model.extra.get("image_token_id") is not None:
             bound.update(image_embeds=(m.dtype, ["image_tokens", m.model.hidden_size]),
                          image_positions=("int64", ["image_tokens"]))
+            if m.model.extra.get("bidirectional_images"):
+                bound["image_ahead"] = ("int64", ["image_tokens"])
         if kind == "prefill" and g.verifies_rows:
             _check_per_position(m, listed, path)
             bound["per_position"] = ("int64", [1])

@@ -89,9 +89,12 @@ def inspect_artifact(folder: str | Path) -> str:
     graphs = [("prefill", m.graphs["prefill"]), ("decode", m.graphs["decode"])]
     if m.vision is not None:  # vision-language: the tower + projector, and the image processor it was exported with
         v, p = m.vision.spec, m.vision.processor
+        size = p["size"]
+        resize = f"{size['longest_edge']} px" if "longest_edge" in size else f"{size['height']}x{size['width']}"
         lines.append(f"vision     {v['num_layers']} layers, hidden {v['hidden_size']}, {v['image_size']}-px tiles of "
-                     f"{v['patch_size']}-px patches, shuffle {v['scale_factor']} -> {p['image_seq_len']} tokens a tile; "
-                     f"resize to {p['size']['longest_edge']} px, splitting {'on' if p['do_image_splitting'] else 'off'}")
+                     f"{v['patch_size']}-px patches, {v.get('connector', 'pixel_shuffle')} {v['scale_factor']} -> "
+                     f"{p['image_seq_len']} tokens a tile; resize to {resize}, "
+                     f"splitting {'on' if p.get('do_image_splitting') else 'off'}")
         graphs.append(("vision", m.vision.graph))
     for kind, g in graphs:
         s = graph_summary(folder / g.file)

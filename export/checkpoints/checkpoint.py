@@ -269,6 +269,8 @@ class Checkpoint:
         parts = [self._read(key) for key in keys]
         check_finite(parts, keys[0], self.source)
         w = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0), dtype=np.float32)
+        fix = getattr(self.family, "vision_fix", None)  # a family's stored layout -> the canonical one
+        w = np.ascontiguousarray(fix(name, w), dtype=np.float32) if fix is not None else w
         if w.shape != shape:
             raise DecodertError(f"{self.source}: tensor '{keys[0]}' has shape {list(w.shape)}, expected {list(shape)} "
                                 f"for '{name}'")

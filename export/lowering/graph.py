@@ -6,6 +6,10 @@
         x[image_positions] = image_embeds                  ScatterND over the [B*S, hidden] rows; image_positions
                                                            [N] = b*S + s of each image token, image_embeds [N, hidden]
                                                            (vision.onnx's output rows); both default to empty
+        ahead[image_positions] = image_ahead               spec.bidirectional_images (Gemma 3): [N] how many later
+                                                           tokens of its own image each image token also sees;
+                                                           ahead [B,S] (0 elsewhere) widens the causal mask:
+                                                           key j visible to query i iff j <= pos_i + ahead_i
     per layer i:
         h      = rmsnorm(x)                                (fused with the residual add below)
         qkv    = h @ qkv^T (+ bias)                        [T, (H+2Hkv)*D]   (q/k rmsnorm: Qwen3, Gemma 3)
@@ -58,7 +62,8 @@ from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
 GraphKind = Literal["prefill", "decode", "verify"]
 # inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
 # TensorRT's ONNX parser folds such an input into a constant, so its engines take the default only
-DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions")
+DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "image_ahead")
+IMAGE_INPUTS = ("image_embeds", "image_positions", "image_ahead")  # what a prefill with images binds
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 
@@ -95,6 +100,8 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
     if kind == "prefill" and spec.image_token_id is not None:
         inputs += [{"name": "image_embeds", "dtype": dtype, "shape": ["image_tokens", spec.hidden_size]},
                    {"name": "image_positions", "dtype": "int64", "shape": ["image_tokens"]}]
+        if spec.bidirectional_images:
+            inputs.append({"name": "image_ahead", "dtype": "int64", "shape": ["image_tokens"]})
     if per_position:
         inputs.append({"name": "per_position", "dtype": "int64", "shape": [1]})
         outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
@@ -136,6 +143,9 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         g.add_initializer(numpy_helper.from_array(np.zeros(0, np.int64), "image_positions"))
     inp = GraphInputs("input_ids", "past_lengths", "seq_lengths", "rope.cos", "rope.sin",
                       windows=kind == "verify" and bool(window_layers(spec)))
+    if images and spec.bidirectional_images:
+        g.add_initializer(numpy_helper.from_array(np.zeros(0, np.int64), "image_ahead"))
+        inp = dataclasses.replace(inp, ahead=_image_ahead(g, inp.input_ids))
     if kind == "verify" and state_specs(spec):  # no padding in a verify row of a hybrid: every position counts
         shape = g.op("Shape", inp.input_ids)
         g.op("Expand", g.op("Slice", shape, g.const([1]), g.const([2])), g.op("Slice", shape, g.const([0]), g.const([1])),
@@ -176,6 +186,16 @@ def _place_images(g: GraphBuilder, spec: ModelSpec, x: str) -> str:
         rows = g.op("Reshape", x, g.const([-1, spec.hidden_size]))  # [T, hidden]
         rows = g.op("ScatterND", rows, g.op("Unsqueeze", "image_positions", g.const([1])), "image_embeds")
         return g.op("Reshape", rows, g.op("Shape", x))
+
+
+def _image_ahead(g: GraphBuilder, ids: str) -> str:
+    """ahead [B,S] int64: image_ahead at image_positions (flat b*S + s), 0 elsewhere."""
+    with g.scope("image_ahead"):
+        shape = g.op("Shape", ids)
+        flat = g.op("ConstantOfShape", g.op("ReduceProd", shape, keepdims=1), value=numpy_helper.from_array(
+            np.zeros(1, np.int64)))
+        flat = g.op("ScatterND", flat, g.op("Unsqueeze", "image_positions", g.const([1])), "image_ahead")
+        return g.op("Reshape", flat, shape)
 
 
 def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec) -> dict:

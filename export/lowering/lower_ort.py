@@ -10,6 +10,8 @@
 - CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
                       present sharing one buffer (seqlens_k = past + S - 1 per row, so right
                       padding keeps every valid row's positions exact).
+                      A prefill whose image tokens attend both ways (Gemma 3) adds an If after it
+                      (export/lowering/image_attention.py).
                       The verify graph attends with standard ops instead (export/lowering/verify_attention.py):
                       GQA refuses several tokens over a non-empty cache in more than one row, and
                       speculative decoding verifies every row of a batch in one pass
@@ -31,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from decodert.export.lowering import verify_attention
+from decodert.export.lowering import image_attention, verify_attention
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins import cached_attention as ca
 from decodert.plugins import causal_conv as cc
@@ -53,6 +55,12 @@ class GqaContext:
     window: int  # local_window_size (0 = full attention)
     cos: str | None = None  # partial rotary: RoPE applied before GQA (do_rotary=0), tables at the positions
     sin: str | None = None  # [B,S,1,R/2]
+    # bidirectional images (Gemma 3, prefill): export/lowering/image_attention.py reads these
+    ahead: str | None = None  # [B,S] int64
+    any_ahead: str = ""  # [] bool
+    positions: str = ""  # [B,S] int64
+    past_lengths: str = ""
+    input_ids: str = ""
 
 
 class OrtLowering(Lowering):
@@ -95,8 +103,13 @@ class OrtLowering(Lowering):
                            g.op("Unsqueeze", g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1))), g.const([0])))
                 cos, sin = (g.op("Unsqueeze", g.op("Gather", t, pos, axis=0), g.const([2]))
                             for t in (inp.cos_cache, inp.sin_cache))
+            widen: dict[str, Any] = {}
+            if inp.ahead is not None:  # a prefill whose image tokens see each other: the If in attention()
+                widen = dict(ahead=inp.ahead, any_ahead=image_attention.any_ahead(g, inp.ahead),
+                             positions=image_attention.positions(g, inp.past_lengths, inp.input_ids),
+                             past_lengths=inp.past_lengths, input_ids=inp.input_ids)
             return GqaContext(g.op("Cast", last, to=6), g.op("Cast", total, to=6), inp.cos_cache, inp.sin_cache, window,
-                              cos, sin)
+                              cos, sin, **widen)
 
     def embed(self, g: GraphBuilder, ids: str) -> str:
         if not quantized_embedding(self.spec, self.quant, self.quant_layout):
@@ -208,6 +221,10 @@ class OrtLowering(Lowering):
             num_heads=s.num_heads, kv_num_heads=s.num_kv_heads, do_rotary=int(ctx.cos is None), rotary_interleaved=0,
             scale=self.scale, local_window_size=ctx.window or None, softcap=self.softcap or None, **quant,
         )
+        if ctx.ahead is not None:  # bidirectional image tokens: GQA is causal only
+            q = qkv_in[0] if ctx.cos is not None else g.op("Slice", qkv, g.const([0]),
+                                                          g.const([s.num_heads * s.head_dim]), g.const([2]))
+            return image_attention.widen(g, self, ctx, q, ctx.cos is not None, y, cache, sinks)
         return y
 
     def gated_delta_net(self, g: GraphBuilder, qkvab: tuple[str, str, str, str, str], a_log: str, dt_bias: str,

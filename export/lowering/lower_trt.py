@@ -74,6 +74,9 @@ class TrtLowering(Lowering):
             raise DecodertError(f"{spec.family}'s attention {what} has no CachedAttention plugin kernel; "
                                 "export it for a TensorRT with native attention layers (>= 10.15, --plugins never) "
                                 "or for --target ort")
+        if "CachedAttention" in self.plugins and spec.bidirectional_images:
+            raise DecodertError(f"{spec.family}'s bidirectional attention within an image has no CachedAttention "
+                                "plugin kernel; export it for a TensorRT with native attention layers (--plugins never)")
         if self.plugins:  # block DequantizeLinear (quantized weights) needs opset 21
             self.opsets = {"": 21 if quantized else PLUGIN_OPSET, DOMAIN: OPSET_VERSION}
             self.ir_version = 10 if quantized else 8
@@ -89,7 +92,7 @@ class TrtLowering(Lowering):
         if "CachedAttention" in self.plugins:
             return PluginContext(inp.past_lengths, inp.cos_cache, inp.sin_cache, window)
         with g.scope("attn_context"):
-            pos, visible = positions_and_visibility(g, inp.past_lengths, inp.input_ids, self.max_seq, window)
+            pos, visible = positions_and_visibility(g, inp.past_lengths, inp.input_ids, self.max_seq, window, inp.ahead)
         return TrtContext(pos, inp.past_lengths, visible, inp.cos_cache, inp.sin_cache)
 
     def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:

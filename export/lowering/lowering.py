@@ -37,6 +37,7 @@ class GraphInputs:
     cos_cache: str  # [max_seq, R/2] dtype
     sin_cache: str
     windows: bool = False  # the verify graph of a model with only conv states: output each conv window
+    ahead: str | None = None  # [B,S] int64: later keys each query also sees (its image's; graph.py), or causal
 
 
 class Lowering:
@@ -99,7 +100,7 @@ class Lowering:
     def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
         """What every layer of one kind shares: ``window`` (0 = full) and the RoPE tables in ``inp``."""
         return ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache,
-                               self.max_seq, window)
+                               self.max_seq, window, inp.ahead)
 
     # ---- ops ---------------------------------------------------------------------------------
     def embed(self, g: GraphBuilder, ids: str) -> str:

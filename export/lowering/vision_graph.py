@@ -9,7 +9,9 @@
         x = x + attn @ o^T + b
         x = x + fc2(gelu_tanh(fc1(LayerNorm(x))))
     x = LayerNorm(x)                                [N, T, C]
-    pixel shuffle by r: r*r neighbouring patches    [N, T/r^2, C*r^2]   (transformers' Idefics3Connector order)
+    connector "pixel_shuffle" (Idefics3): r*r neighbouring patches -> [N, T/r^2, C*r^2] (Idefics3Connector order)
+    connector "avg_pool" (Gemma 3): r x r average pooling of the patch grid [N, T/r^2, C], then
+              RMSNorm in float32 times proj_norm (the (1 + w) factor)   (Gemma3MultiModalProjector)
     image_embeds = x @ proj^T                       [N, T/r^2, hidden]  in the graph dtype
 """
 
@@ -20,7 +22,7 @@ import math
 import numpy as np
 import onnx
 
-from decodert.plugins.onnx_builder import GraphBuilder
+from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.models.vision import VisionSpec
 
@@ -56,8 +58,8 @@ def build_vision_graph(v: VisionSpec, dtype: str, weights: dict[str, onnx.Tensor
                 x = _layer(g, v, f"vision.layers.{i}.", x, np_dtype)
         with g.scope("post_ln"):
             x = _layer_norm(g, v, x, "vision.post_ln")
-        with g.scope("pixel_shuffle"):
-            x = _pixel_shuffle(g, v, x)  # [N*T/r^2, C*r^2]
+        with g.scope(v.connector):
+            x = _pixel_shuffle(g, v, x) if v.connector == "pixel_shuffle" else _avg_pool(g, v, x, dtype)
         with g.scope("proj"):
             x = g.op("Gemm", x, "vision.proj", transB=1)
             x = g.op("Reshape", x, g.const([-1, v.tokens_per_tile, v.out_hidden]))
@@ -110,3 +112,18 @@ def _pixel_shuffle(g: GraphBuilder, v: VisionSpec, x: str) -> str:
     x = g.op("Reshape", x, g.const([-1, side // r, side // r, c * r * r]))  # [N, w/r, h/r, C r^2]
     x = g.op("Transpose", x, perm=[0, 2, 1, 3])
     return g.op("Reshape", x, g.const([-1, c * r * r]))
+
+
+def _avg_pool(g: GraphBuilder, v: VisionSpec, x: str, dtype: str) -> str:
+    """[N*T, C] -> r x r average pooling of each tile's patch grid, RMS-normed -> [N*T/r^2, C]
+    (Gemma3MultiModalProjector: pooled rows in row-major order, the norm in float32)."""
+    side, c, r = v.patches_per_side, v.hidden_size, v.scale_factor
+    x = g.op("Transpose", g.op("Reshape", x, g.const([-1, side, side, c])), perm=[0, 3, 1, 2])  # [N, C, side, side]
+    x = g.op("AveragePool", x, kernel_shape=[r, r], strides=[r, r])  # [N, C, side/r, side/r]
+    x = g.op("Reshape", g.op("Transpose", g.op("Reshape", x, g.const([0, c, -1])), perm=[0, 2, 1]), g.const([-1, c]))
+    xf = x if dtype == "fp32" else g.op("Cast", x, to=onnx.TensorProto.FLOAT)
+    mean = g.op("ReduceMean", g.op("Mul", xf, xf), axes=[-1], keepdims=1)
+    xf = g.op("Div", xf, g.op("Sqrt", g.op("Add", mean, g.const(np.array(v.layer_norm_eps, np.float32)))))
+    weight = "vision.proj_norm" if dtype == "fp32" else g.op("Cast", "vision.proj_norm", to=onnx.TensorProto.FLOAT)
+    xf = g.op("Mul", xf, weight)
+    return xf if dtype == "fp32" else g.op("Cast", xf, to=DTYPES[dtype])

@@ -1,8 +1,9 @@
 """Gemma 3 (text): Llama plus GELU-tanh gate, (1 + w) RMSNorms around both blocks, embeddings x
 sqrt(hidden), q/k norm, and sliding layers (local RoPE base) between full ones (global base).
 
-    config.json  model_type gemma3_text, or gemma3 (a multimodal checkpoint: its text_config and
-                 its language-model weights; the vision tower is left out)
+    config.json  model_type gemma3_text, or gemma3 (Gemma3ForConditionalGeneration: text_config, and with a
+                 vision_config its SigLIP tower + Gemma3MultiModalProjector, exported as vision.onnx;
+                 the tokens of one image attend to each other both ways in prefill: bidirectional_images)
     GGUF         general.architecture gemma3 (llama.cpp's converter: norms stored as 1 + w already;
                  the pattern, local base and softmax scale are llama.cpp's fixed rules unless stored)
 """
@@ -18,6 +19,7 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.models.common import f32, gguf_key, hf_rope, spec_from_gguf_meta, spec_from_hf_config
 from decodert.models.spec import ModelSpec, RopeSpec
+from decodert.models.vision import VisionSpec
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
 GGUF_ARCHITECTURES = ("gemma3",)
@@ -65,15 +67,46 @@ HF_DEFAULTS: dict[str, Any] = dict(
     sliding_window_pattern=6,
 )
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # transformers' names of the tanh approximation
+# first match wins: the vision tower's keys with or without "model." and "vision_model." (transformers 4.x / 5)
 _MULTIMODAL = {"model.language_model.": "model.", "language_model.model.": "model.",
-               "language_model.lm_head.": "lm_head."}
-_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+               "language_model.lm_head.": "lm_head.", "model.vision_tower.vision_model.": "model.vision_tower.",
+               "vision_tower.vision_model.": "model.vision_tower.", "model.vision_tower.": "model.vision_tower.",
+               "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."}
+_V = "model.vision_tower."
+_VL = _V + "encoder.layers.{i}."
+_P = "model.multi_modal_projector."
+VISION_WEIGHTS: dict[str, str | tuple[str, ...]] = {
+    "vision.patch_embed": _V + "embeddings.patch_embedding.weight",
+    "vision.patch_embed_bias": _V + "embeddings.patch_embedding.bias",
+    "vision.pos_embed": _V + "embeddings.position_embedding.weight",
+    "vision.layers.{i}.ln1": _VL + "layer_norm1.weight",
+    "vision.layers.{i}.ln1_bias": _VL + "layer_norm1.bias",
+    "vision.layers.{i}.qkv": tuple(_VL + f"self_attn.{x}_proj.weight" for x in "qkv"),
+    "vision.layers.{i}.qkv_bias": tuple(_VL + f"self_attn.{x}_proj.bias" for x in "qkv"),
+    "vision.layers.{i}.o": _VL + "self_attn.out_proj.weight",
+    "vision.layers.{i}.o_bias": _VL + "self_attn.out_proj.bias",
+    "vision.layers.{i}.ln2": _VL + "layer_norm2.weight",
+    "vision.layers.{i}.ln2_bias": _VL + "layer_norm2.bias",
+    "vision.layers.{i}.fc1": _VL + "mlp.fc1.weight",
+    "vision.layers.{i}.fc1_bias": _VL + "mlp.fc1.bias",
+    "vision.layers.{i}.fc2": _VL + "mlp.fc2.weight",
+    "vision.layers.{i}.fc2_bias": _VL + "mlp.fc2.bias",
+    "vision.post_ln": _V + "post_layernorm.weight",
+    "vision.post_ln_bias": _V + "post_layernorm.bias",
+    "vision.proj_norm": _P + "mm_soft_emb_norm.weight",
+    "vision.proj": _P + "mm_input_projection_weight",  # stored [C_v, hidden]: transposed by vision_fix
+}
+HF_UNUSED = (r"model\.vision_tower\..*", r"model\.multi_modal_projector\..*")  # read by vision_tensor
+# transformers' SiglipVisionConfig defaults and Gemma3Config's: a config.json lists only what differs
+VISION_DEFAULTS: dict[str, Any] = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                       num_attention_heads=12, num_channels=3, image_size=224, patch_size=16,
+                                       hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
+MM_DEFAULTS: dict[str, Any] = dict(mm_tokens_per_image=256, image_token_index=262_144)
 
 
 def sanitize(key: str) -> str | None:
-    """A multimodal checkpoint's language-model keys -> the text model's names; vision keys dropped."""
-    if key.startswith(_VISION):
-        return None
+    """A multimodal checkpoint's keys -> the text model's names (model.*) and the vision names (model.vision_tower.*,
+    model.multi_modal_projector.*, read by vision_tensor), whichever transformers version saved them."""
     for prefix, plain in _MULTIMODAL.items():
         if key.startswith(prefix):
             return plain + key[len(prefix):]
@@ -142,10 +175,89 @@ def hf_ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
 
 
 def spec_from_hf(config: dict) -> ModelSpec:
+    vision = _has_vision(config)
+    image_token = _mm(config, "image_token_index") if vision else None
     config = text_config(config, HF_DEFAULTS)
+    if image_token is not None and image_token >= int(config["vocab_size"]):
+        raise DecodertError(f"config.json: image_token_index {image_token} is outside the {config['vocab_size']}-token "
+                            "vocabulary (its embedding row is what the image rows replace)")
     full, local = hf_ropes(config)
     return spec_from_hf_config("gemma3", config, qk_norm=True, rope=full, local_rope=local,
+                               image_token_id=image_token, bidirectional_images=vision,
                                **hf_gemma_fields("gemma3", config))
+
+
+def _has_vision(config: dict) -> bool:
+    return config.get("model_type") == "gemma3" and isinstance(config.get("vision_config"), dict)
+
+
+def _mm(config: dict, key: str) -> int:
+    value = config.get(key, config.get(key.replace("_index", "_id"), MM_DEFAULTS[key]))
+    if not isinstance(value, int) or value < 0:
+        raise DecodertError(f"config.json: {key} must be a non-negative integer (got {value!r})")
+    return value
+
+
+def vision_from_hf(config: dict) -> VisionSpec | None:
+    """The SigLIP tower and the avg-pool projector of a gemma3 config with a vision_config, else None."""
+    if not _has_vision(config):
+        return None
+    v = {**VISION_DEFAULTS, **config["vision_config"]}
+    if v["hidden_act"] not in GELU_TANH or v["num_channels"] != 3:
+        raise DecodertError(f"config.json: vision_config hidden_act '{v['hidden_act']}' / num_channels "
+                            f"{v['num_channels']} is not supported (gelu_pytorch_tanh over RGB)")
+    side = int(v["image_size"]) // int(v["patch_size"])
+    per_side = math.isqrt(_mm(config, "mm_tokens_per_image"))
+    if per_side * per_side != _mm(config, "mm_tokens_per_image") or per_side == 0 or side % per_side:
+        raise DecodertError(f"config.json: mm_tokens_per_image {config.get('mm_tokens_per_image')} must be a square "
+                            f"whose side divides the {side} patches per side")
+    try:
+        return VisionSpec(image_size=int(v["image_size"]), patch_size=int(v["patch_size"]),
+                          hidden_size=int(v["hidden_size"]), intermediate_size=int(v["intermediate_size"]),
+                          num_layers=int(v["num_hidden_layers"]), num_heads=int(v["num_attention_heads"]),
+                          layer_norm_eps=float(v["layer_norm_eps"]),
+                          out_hidden=int(text_config(config, HF_DEFAULTS)["hidden_size"]),
+                          scale_factor=side // per_side, connector="avg_pool")
+    except ValueError as e:
+        raise DecodertError(f"config.json: {e}") from None
+
+
+# transformers' Gemma3ImageProcessor defaults (pan-and-scan off) and Gemma3's special tokens
+PROCESSOR_DEFAULTS: dict[str, Any] = dict(
+    do_convert_rgb=True, do_resize=True, size=None, resample=2, do_rescale=True, rescale_factor=1 / 255,
+    do_normalize=True, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], do_pan_and_scan=False)
+TOKEN_DEFAULTS = dict(boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>")
+
+
+def image_processor(preprocessor: dict, processor: dict, tokenizer: dict, vision: VisionSpec) -> dict[str, Any]:
+    """The settings runtime/vision/gemma3.py reads: Gemma3ImageProcessor's (preprocessor_config.json), the image
+    sequence length (processor_config.json) and the image tokens (tokenizer_config.json), checked."""
+    settings = {k: preprocessor.get(k, v) for k, v in PROCESSOR_DEFAULTS.items()}
+    if settings["do_pan_and_scan"]:
+        raise DecodertError("preprocessor_config.json: do_pan_and_scan is not supported (images are resized whole)")
+    size = settings["size"] or {"height": vision.image_size, "width": vision.image_size}
+    if size.get("height") != vision.image_size or size.get("width") != vision.image_size:
+        raise DecodertError(f"preprocessor_config.json: size {size} differs from the vision tower's image_size "
+                            f"{vision.image_size}")
+    if settings["resample"] not in range(6) or not settings["do_resize"]:
+        raise DecodertError("preprocessor_config.json: resample must be 0..5 and do_resize true")
+    seq_len = processor.get("image_seq_length", vision.tokens_per_tile)
+    if seq_len != vision.tokens_per_tile:
+        raise DecodertError(f"processor_config.json: image_seq_length {seq_len} differs from the "
+                            f"{vision.tokens_per_tile} tokens the projector makes (mm_tokens_per_image)")
+    extra = tokenizer.get("extra_special_tokens")
+    extra = extra if isinstance(extra, dict) else {}
+    tokens = {k: tokenizer.get(k, extra.get(k, v)) for k, v in TOKEN_DEFAULTS.items()}
+    if not all(isinstance(t, str) and t for t in tokens.values()):
+        raise DecodertError(f"tokenizer_config.json: boi_token / eoi_token / image_token must be strings ({tokens})")
+    return {"kind": "gemma3", **settings, "size": size, **tokens, "image_seq_len": seq_len}
+
+
+def vision_fix(name: str, w: np.ndarray) -> np.ndarray:
+    """The projection is stored [C_v, hidden] (x @ W): canonical [hidden, C_v]; its norm multiplies by (1 + w)."""
+    if name == "vision.proj":
+        return np.ascontiguousarray(w.T)
+    return w + np.float32(1.0) if name == "vision.proj_norm" else w
 
 
 def gguf_layer_types(meta: dict, layers: int, pattern: int) -> tuple[str, ...]:

@@ -35,7 +35,7 @@ from decodert.runtime.backends.backend import StepOutput, VerifyOutput, window_o
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
 from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
 from decodert.runtime.backends.ort_verify import VerifyState, bind_cache
-from decodert.runtime.vision.tokens import text_ids
+from decodert.runtime.vision.tokens import image_ahead, is_image, text_ids
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -103,6 +103,8 @@ class OrtBackend:
         # vision-language: the image store (runtime/vision/encoder.py) whose rows a prefill binds at its image ids
         self.images: Any = None
         self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
+        # Gemma 3: an image's tokens see each other, so one call holds all of them (no chunk cuts an image)
+        self._image_ahead = any(t.name == "image_ahead" for t in manifest.graphs["prefill"].inputs)
         # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
         layout = manifest.lora_layout
         self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
@@ -128,7 +130,8 @@ class OrtBackend:
                          np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
         for rows in self._prefill_groups(cache, slots, lens):
             start, n = slots[rows[0]], len(rows)
-            done = self._prefill_chunks(cache, start, ids[rows[0]]) if n == 1 and self.prefill_chunk else 0
+            whole = self._image_ahead and bool(is_image(ids[rows[0]]).any())  # image tokens see later ones
+            done = self._prefill_chunks(cache, start, ids[rows[0]]) if n == 1 and self.prefill_chunk and not whole else 0
             width = int(lens[rows].max()) - done
             b = self._bind(cache, "prefill", start, n, width)
             b.ids[:] = 0
@@ -296,7 +299,9 @@ class OrtBackend:
         else:
             b.ids[:] = text_ids(b.ids)
         b.images = (np.ascontiguousarray(found[0]), np.ascontiguousarray(found[1], self.np_dtype))  # kept alive
-        for name, arr in zip(("image_positions", "image_embeds"), b.images):
+        if self._image_ahead:
+            b.images += (image_ahead(found[0], b.ids.shape[1]),)
+        for name, arr in zip(("image_positions", "image_embeds", "image_ahead"), b.images):
             b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
 
     def _prefill_groups(self, cache: KVCache, slots: Sequence[int], lens: np.ndarray) -> list[list[int]]:

@@ -16,7 +16,8 @@ JIT-compiles its kernels there). Any capture failure falls back to plain execute
 Rows that are not a prefix (prefill of a new slot, or odd decode calls) run per contiguous slot
 run with the KV tensors bound at that run's first row; a row whose right-padded chunk would pass the
 end of its context runs alone (runtime/backends/trt_engine.py). All contexts share one scratch buffer (they
-run one after another on one stream). Verify passes (speculative decoding): runtime/backends/trt_verify.py.
+run one after another on one stream). Verify passes (speculative decoding): runtime/backends/trt_verify.py;
+images (the vision engine, the prefill engine's image inputs): runtime/backends/trt_images.py.
 Without a GPU, tests/trt_emulator.py runs all of this on the CPU.
 """
 
@@ -40,6 +41,7 @@ from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache
 from decodert.runtime.backends.trt_engine import Engine, bind, contiguous_runs, fitting_runs
+from decodert.runtime.backends.trt_images import open_images
 from decodert.runtime.backends.trt_verify import TrtVerifier
 
 GRAPHS = ("prefill", "decode")
@@ -96,7 +98,11 @@ class TrtBackend:
         self.runtime_cache: Any = None
         self.engines = {n: Engine(self, n, blobs[n]) for n in GRAPHS}
         self._load_runtime_cache()
-        self.scratch = cm.DeviceBuffer(max(e.scratch_bytes for e in self.engines.values()))
+        self.images: Any = None  # the image store runtime/vision/encoder.py sets; read by image_inputs
+        self.image_inputs, self.vision = open_images(self)  # runtime/backends/trt_images.py (None: no images)
+        self._takes_images = self.vision is not None
+        scratch = [e.scratch_bytes for e in (*self.engines.values(), *([self.vision.engine] if self.vision else []))]
+        self.scratch = cm.DeviceBuffer(max(scratch))
         self._alloc_io()
         self._prefill_ctx = self.engines["prefill"].context(self.scratch)
         self._runs_ctx = self.engines["decode"].context(self.scratch)  # decode of non-prefix slots
@@ -251,6 +257,8 @@ class TrtBackend:
         rows = [np.asarray(r, dtype=np.int64).reshape(-1) for r in ids]
         self.check_rows(cache, slots, [len(r) for r in rows])
         n, c = len(slots), self.max_prefill
+        if self.image_inputs is not None:
+            self.image_inputs.check_chunks(rows, c)
         out = StepOutput(np.zeros(n, np.int64), np.zeros((n, self.vocab_size), np.float32) if want_logits else None)
         for start in range(0, max(len(r) for r in rows), c):
             live = [j for j in range(n) if len(rows[j]) > start]  # rows with tokens in this chunk
@@ -269,12 +277,14 @@ class TrtBackend:
         ids[:] = 0
         for r, (j, _) in enumerate(run):
             ids[r, : lens[r]] = chunk[j]
+        images = self.image_inputs.bind(ids) if self.image_inputs is not None else ({}, {})  # ids -> text ids
         self.h["pre_len"].array[:k] = cache.lengths[row0 : row0 + k]
         self.h["pre_seq"].array[:k] = lens
         for key, nbytes in (("pre_ids", k * seq * 8), ("pre_len", k * 8), ("pre_seq", k * 8)):
             cm.copy_async(self.d[key].ptr, self.h[key].ptr, nbytes, self.stream, "h2d")
         ctx = self._prefill_ctx
-        bind(ctx, {**self._io_addresses("prefill"), **self.kv_addresses(cache, row0)}, self.io_shapes(k, seq))
+        bind(ctx, {**self._io_addresses("prefill"), **self.kv_addresses(cache, row0), **images[0]},
+             {**self.io_shapes(k, seq), **images[1]})
         self.execute(ctx, "prefill")
         self.stats["plain_runs"] += 1
         cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, k * 8, self.stream, "d2h")
@@ -385,6 +395,8 @@ class TrtBackend:
                 warnings.warn(f"could not save {self.dir / RUNTIME_CACHE}: {e}", stacklevel=2)
         self._drop_graphs()
         self.verifier.close()
+        for part in [p for p in (self.image_inputs, self.vision) if p is not None]:
+            part.free()
         self._prefill_ctx = self._runs_ctx = None
         if self.cache is not None:
             self.cache.free()

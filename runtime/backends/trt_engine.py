@@ -13,6 +13,7 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.export.artifact.manifest import GraphRecord, Manifest
 from decodert.export.trt_build import check_io, engine_io
+from decodert.export.trt_graphs import graph_of
 from decodert.plugins import cuda_mem as cm
 from decodert.plugins.trt_compat import TrtInfo
 from decodert.runtime.backends import kv_cache
@@ -76,7 +77,7 @@ class Engine:
         self.engine = backend.runtime.deserialize_cuda_engine(blob)
         if self.engine is None:
             raise DecodertError(f"{path}: TensorRT could not deserialize the engine (set DECODERT_TRT_VERBOSE=1)")
-        graph = backend.manifest.graphs[name]
+        graph = graph_of(backend.manifest, name)  # a text graph, or the vision graph
         if (backend.manifest.engines or {})[name].weights_stripped:  # weights only in weights.bin: refit them
             refit_from_onnx(trt, self.engine, backend.dir / graph.file, backend.logger, path)
         check_io(engine_io(trt, self.engine, graph), graph, str(path))

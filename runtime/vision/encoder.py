@@ -24,8 +24,14 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.models.vision import VisionSpec
+from decodert.runtime.vision import gemma3
 from decodert.runtime.vision import preprocess as pre
 from decodert.runtime.vision.tokens import IMAGE_FLAG, image_ids, pixel_digest
+
+
+# image processors by the ``kind`` their export settings name (Idefics3's have none): each module gives
+# placeholder(settings), image_token(settings), preprocess(rgb, settings) -> Tiles and prompt(tiles, settings)
+PROCESSORS: dict[str, Any] = {"idefics3": pre, "gemma3": gemma3}
 
 
 @dataclass(eq=False)
@@ -90,22 +96,28 @@ class Vision:
         self.session, self.spec, self.settings = session, spec, settings
         self.image_token_id, self.np_dtype = image_token_id, np_dtype
         self.seq_len = int(settings["image_seq_len"])
+        self.processor = PROCESSORS[settings.get("kind", "idefics3")]
         self.store = ImageStore()
         self.encode_seconds = 0.0  # the last image encoded (bench/vision.py)
 
     @classmethod
     def attach(cls, backend: Any, manifest: Any) -> "Vision | None":
         """The artifact's vision path over ``backend`` (its prefill then reads this store), or None for a
-        text-only artifact or a backend whose prefill takes no images (only ort binds them)."""
+        text-only artifact or a backend whose prefill takes no images. The graph runs on the backend's own
+        runner when it has one (trt: vision.engine), else on ONNX Runtime."""
         if manifest is None or manifest.vision is None or not getattr(backend, "_takes_images", False):
             return None
-        from decodert.runtime.backends.ort_backend import NP_DTYPES, open_session
+        from decodert.export.artifact.weights import NUMPY_DTYPES
 
         v = manifest.vision
-        session = open_session(Path(backend.dir) / v.graph.file, backend._options, backend._providers)
+        session = getattr(backend, "vision", None)
+        if session is None:
+            from decodert.runtime.backends.ort_backend import open_session
+
+            session = open_session(Path(backend.dir) / v.graph.file, backend._options, backend._providers)
         token = manifest.model.extra.get("image_token_id")
         vision = cls(session, VisionSpec.from_dict(dict(v.spec)), dict(v.processor), int(token),
-                     NP_DTYPES[manifest.dtype])
+                     NUMPY_DTYPES[manifest.dtype])
         backend.images = vision.store
         return vision
 
@@ -117,7 +129,7 @@ class Vision:
         entry = self.store.get(digest)
         if entry is None:
             t0 = time.perf_counter()
-            tiles = pre.preprocess(rgb, self.settings)
+            tiles = self.processor.preprocess(rgb, self.settings)
             embeds = self.session.run(["image_embeds"], {"pixel_values": tiles.pixels})[0]  # [n_tiles, T, hidden]
             embeds = embeds.reshape(-1, embeds.shape[-1])
             entry = _Entry(image_ids(digest, self.image_token_id, len(embeds)), embeds, tiles.rows, tiles.cols)
@@ -127,18 +139,19 @@ class Vision:
 
     def prompt_ids(self, text: str, images: Sequence[np.ndarray], encode: Callable[[str], np.ndarray]) -> np.ndarray:
         """The rendered prompt with one ``<image>`` per image -> ids, each image's tokens its image ids."""
-        parts = text.split(pre.IMAGE)
+        proc, mark = self.processor, self.processor.placeholder(self.settings)
+        parts = text.split(mark)
         if len(parts) - 1 != len(images):
-            raise DecodertError(f"the prompt has {len(parts) - 1} {pre.IMAGE} placeholders for {len(images)} images "
+            raise DecodertError(f"the prompt has {len(parts) - 1} {mark} placeholders for {len(images)} images "
                                 "(the chat template places one per image part)")
         entries = [self.entry(rgb) for rgb in images]
         grids = [pre.Tiles(np.empty(0), e.rows, e.cols) for e in entries]
-        expanded = parts[0] + "".join(pre.image_prompt(t, self.seq_len) + p for t, p in zip(grids, parts[1:]))
+        expanded = parts[0] + "".join(proc.prompt(t, self.settings) + p for t, p in zip(grids, parts[1:]))
         ids = encode(expanded).copy()
         at = np.flatnonzero(ids == self.image_token_id)
         want = sum(len(e.ids) for e in entries)
         if len(at) != want:
             raise DecodertError(f"the prompt has {len(at)} image tokens where its images need {want}; "
-                                f"does the text itself contain {pre.IMAGE}?")
+                                f"does the text itself contain {proc.image_token(self.settings)}?")
         ids[at] = np.concatenate([e.ids for e in entries])
         return ids

@@ -52,7 +52,7 @@ def preprocess(rgb: np.ndarray, settings: Mapping[str, Any]) -> Tiles:
             frames = [img]
     else:
         frames = [img.resize((tile, tile), resample)]
-    return Tiles(np.stack([_normalise(np.asarray(f), settings) for f in frames]), rows, cols)
+    return Tiles(np.stack([normalise(np.asarray(f), settings) for f in frames]), rows, cols)
 
 
 def image_prompt(tiles: Tiles, seq_len: int) -> str:
@@ -65,7 +65,20 @@ def image_prompt(tiles: Tiles, seq_len: int) -> str:
     return text + f"\n{FAKE}{GLOBAL}{image}{FAKE}"
 
 
-def _normalise(a: np.ndarray, settings: Mapping[str, Any]) -> np.ndarray:
+def placeholder(settings: Mapping[str, Any]) -> str:
+    """What the chat template writes for one image part."""
+    return IMAGE
+
+
+def image_token(settings: Mapping[str, Any]) -> str:
+    return IMAGE
+
+
+def prompt(tiles: Tiles, settings: Mapping[str, Any]) -> str:
+    return image_prompt(tiles, int(settings["image_seq_len"]))
+
+
+def normalise(a: np.ndarray, settings: Mapping[str, Any]) -> np.ndarray:
     """[S, S, 3] uint8 -> [3, S, S] float32, rescaled and normalised as transformers does (float64 product)."""
     x = a.astype(np.float32)
     if settings["do_rescale"]:

@@ -49,3 +49,15 @@ def text_ids(ids: np.ndarray) -> np.ndarray:
     ids = np.asarray(ids, dtype=np.int64)
     mask = ids >= IMAGE_FLAG
     return np.where(mask, ids & _TOKEN_MASK, ids) if mask.any() else ids
+
+
+def image_ahead(positions: np.ndarray, seq: int) -> np.ndarray:
+    """For the flat positions [N] (b * seq + s, ascending) of a call's image tokens: how many later tokens
+    of the same run of image tokens in the same row each one sees (a model whose image tokens attend both
+    ways, ModelSpec.bidirectional_images; transformers' blocks are such runs)."""
+    positions = np.asarray(positions, np.int64)
+    if positions.size == 0:
+        return positions.copy()
+    joined = (np.diff(positions) == 1) & (positions[1:] // seq == positions[:-1] // seq)
+    ends = np.flatnonzero(np.append(~joined, True))  # the last index of each run
+    return positions[ends[np.searchsorted(ends, np.arange(positions.size))]] - positions

@@ -1,0 +1,68 @@
+"""What ``decodert build`` builds each engine from: the graph record of an engine name (a text graph or the
+vision graph), the graph's bytes as TensorRT parses them, and the optimization profile (export/trt_build.py).
+
+A vision-language prefill graph's image inputs (image_embeds / image_positions / image_ahead) have empty
+defaults, which TensorRT's parser would fold into constants: the build parses the graph without those
+defaults, so the engine takes them (image_tokens 0 .. B*S; the trt backend binds 0 rows for text).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from decodert.export.artifact.manifest import GraphRecord, Manifest
+from decodert.export.lowering.graph import DEFAULTED_INPUTS, IMAGE_INPUTS
+
+VISION = "vision"  # vision-language artifacts: vision.onnx (manifest.vision.graph)
+
+
+def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int,
+                   tiles: int = 1) -> dict[str, tuple[list[int], ...]]:
+    """Input name -> (min, opt, max) dims from the manifest's symbolic dims ("batch", "seq", "images",
+    "image_tokens")."""
+    opt_batch = batch if name == "decode" else max(batch // 2, 1)
+    ranges = {"batch": (1, opt_batch, batch), "seq": (1, min(seq, 256), seq), "images": (1, tiles, tiles),
+              "image_tokens": (0, min(seq, 256), batch * seq)}
+    if name == "verify":  # speculative decoding: 1 .. max_tokens per row, at every batch size
+        width = min(graph.max_tokens or seq, seq)
+        ranges = {"batch": (1, batch, batch), "seq": (1, min(width, 8), width)}
+    shapes = {}
+    for inp in graph.inputs:
+        if inp.name in DEFAULTED_INPUTS and inp.name not in IMAGE_INPUTS:  # folded into a constant: no profile
+            continue
+        dims = [ranges[d] if isinstance(d, str) else (int(d),) * 3 for d in inp.shape]
+        shapes[inp.name] = tuple([d[k] for d in dims] for k in range(3))
+    return shapes
+
+
+def without_image_defaults(path: Path) -> bytes | None:
+    """The graph's bytes (external data left where it is) without the image inputs' default initializers,
+    or None when it has none."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    kept = [t for t in model.graph.initializer if t.name not in IMAGE_INPUTS]
+    if len(kept) == len(model.graph.initializer):
+        return None
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    return model.SerializeToString()
+
+
+def graph_of(manifest: Manifest, name: str) -> GraphRecord:
+    """The record of graph ``name``: one of manifest.graphs, or "vision" (manifest.vision.graph)."""
+    if name == VISION and manifest.vision is not None:
+        return manifest.vision.graph
+    return manifest.graphs[name]
+
+
+def max_tiles(manifest: Manifest) -> int:
+    """The most tiles one image becomes (runtime/vision/preprocess.py): with splitting, the grid of the
+    largest resized image plus its global tile; else 1."""
+    if manifest.vision is None:
+        return 1
+    p = manifest.vision.processor
+    if not p.get("do_image_splitting"):
+        return 1
+    side = -(-int(p["size"]["longest_edge"]) // int(p["max_image_size"]["longest_edge"]))  # ceil
+    return side * side + 1 if side > 1 else 1

@@ -209,7 +209,8 @@ class Lowering:
     def read_context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> ca.AttnContext:
         """The reference attention's context (positions, visibility, RoPE at positions) for layers that read
         another layer's cache (``shared_attention``), whichever attention this lowering's own layers use."""
-        return ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache, self.max_seq, window)
+        return ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache, self.max_seq, window,
+                               inp.ahead)
 
     def shared_attention(self, g: GraphBuilder, ctx: ca.AttnContext, q: str, source: tuple[str, str, str, str]) -> str:
         """q [B,S,H*D] (normed, not rotated) over another layer's cache -> y [B,S,H*D] (Gemma 4's KV sharing).

@@ -55,6 +55,9 @@ def test_spec_matches_transformers(model):
     mm = gemma4.spec_from_hf({"model_type": "gemma4", "text_config": tiny_config("gemma4")})
     assert mm == dataclasses.replace(spec, bos_token_id=mm.bos_token_id, eos_token_ids=mm.eos_token_ids)
     assert gemma4.sanitize("model.language_model.layers.0.layer_scalar") == "model.layers.0.layer_scalar"
+    # "vision": image tokens attend both ways, text stays causal; a text-only model runs as is
+    assert gemma4.spec_from_hf(tiny_config("gemma4", use_bidirectional_attention="vision")) == gemma4.spec_from_hf(
+        tiny_config("gemma4"))
     assert gemma4.sanitize("model.vision_tower.encoder.x") is None and gemma4.sanitize("model.audio_tower.y") is None
 
 

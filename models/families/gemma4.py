@@ -136,10 +136,12 @@ def _ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
 def _refuse(config: dict) -> None:
     for key, what in (("enable_moe_block", "the MoE block (enable_moe_block)"),
                       ("attention_k_eq_v", "attention_k_eq_v (values from the key projection)"),
-                      ("use_bidirectional_attention", "bidirectional attention (use_bidirectional_attention)"),
                       ("attention_bias", "attention_bias")):
         if config.get(key):
             raise DecodertError(f"gemma4: {what} is not supported")
+    if config.get("use_bidirectional_attention") not in (None, "vision"):  # "vision": only image tokens, none in text
+        raise DecodertError(f"gemma4: use_bidirectional_attention {config['use_bidirectional_attention']!r} is not "
+                            "supported (decodert is causal)")
     act = config.get("hidden_activation")
     if act not in gemma3.GELU_TANH:
         raise DecodertError(f"hidden_activation '{act}' is not supported for gemma4 (only gelu_pytorch_tanh)")

@@ -12,10 +12,22 @@ K/V depend on the LoRA adapter a row ran under as well: a chain starts from that
 (``KVCache.adapter_tag``; none: the empty key), so a prompt never loads K/V of another adapter.
 
 Only whole blocks are cached; the partial block at the end of a prompt is always prefilled.
-Hybrid models (a cache with conv / recurrent states, ``KVCache.has_state``) are never stored or
-loaded: their state exists only at the end of what a row ran, not at block boundaries.
 Because K/V at position p depends only on ids 0..p (causal attention, absolute positions; a
 sliding window only limits what a query reads), a hit is the same K/V the prefill would write.
+
+Hybrid models (a cache with conv / recurrent states, ``KVCache.has_state``): a linear layer resumes
+only from its state at a boundary, never from K/V. Such a state exists only where a call ended,
+so the prefill of a hybrid row stops at the block boundaries ``stops`` chooses (generate.prefill):
+the prompt's last whole block boundary, every ``state_every`` tokens (the ort backend's 512-token
+chunks), the end of a cached K/V chain that has no state yet, and where prompts admitted together
+share blocks (``split_shared``). There the entry of the block ending at that boundary keeps the
+row's states (``KVCache.read_states``: the states the model computed after exactly the chain's ids),
+counted in the budget. A load goes only as deep as the deepest entry with a state and writes K/V
+and states through ``KVCache.commit(..., states)``; entries without a state below it serve only as
+its ancestors. So a hybrid prompt reuses whole blocks up to a boundary where some earlier prompt
+(or the same one) stopped, not any common prefix: a prompt that shares 100 tokens with a cached one
+that did not stop at 96 reuses only up to a lower boundary that has states (or nothing) the first
+time, and stops at 96 itself, so the next such prompt loads 96 tokens.
 
 Eviction is LRU under a byte budget. Lookups and stores touch a chain from its last block back
 to its first, so a block is never older than its descendants: the LRU entry is always a leaf,
@@ -44,6 +56,7 @@ import numpy as np
 from decodert.errors import DecodertError
 
 DEFAULT_BLOCK_TOKENS = 32
+DEFAULT_STATE_EVERY = 512
 
 
 @dataclass(eq=False)
@@ -52,8 +65,9 @@ class _Entry:
     parent: "_Entry | None"
     ids: np.ndarray  # [block_tokens] int64, compared on lookup
     kv: Any  # the backend's block (host array or device block)
-    nbytes: int
+    nbytes: int  # of kv and state
     children: int = 0
+    state: list[bytes] | None = None  # hybrid models: every state of a row after the chain's ids (host bytes)
 
 
 @dataclass
@@ -64,6 +78,7 @@ class PrefixStats:
     hits: int = 0  # lookups that reused at least one block
     hit_tokens: int = 0  # prompt tokens loaded from the cache instead of prefilled
     stored_blocks: int = 0
+    stored_states: int = 0  # hybrid models: states kept at a block boundary
     evicted_blocks: int = 0
     bytes: int = 0
     peak_bytes: int = 0
@@ -77,7 +92,10 @@ class PrefixCache:
     after evicting every block outside the chain being stored is not stored).
     """
 
-    def __init__(self, backend: Any, budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+    def __init__(self, backend: Any, budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 state_every: int | None = None) -> None:
+        """``state_every``: tokens between the states a hybrid prompt keeps on its way (rounded up to whole
+        blocks; default the backend's ``prefill_chunk``, else 512)."""
         if block_tokens < 1:
             raise DecodertError(f"prefix cache block size must be at least 1 token, not {block_tokens}")
         if budget_bytes < 0:
@@ -86,7 +104,11 @@ class PrefixCache:
         self.block_tokens = int(block_tokens)
         self.budget_bytes = int(budget_bytes)
         self.block_bytes = int(backend.kv_bytes(self.block_tokens))
+        every = int(state_every or getattr(backend, "prefill_chunk", 0) or DEFAULT_STATE_EVERY)
+        self.state_every = -(-max(every, 1) // self.block_tokens) * self.block_tokens
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first, most recent last
+        self._wanted: set[bytes] = set()  # chain keys where a hybrid prompt should stop (split_shared)
+        self._stateful = False  # has seen a cache with states: its entries are useful only below a state
         self.stats = PrefixStats()
 
     # -- lookups ---------------------------------------------------------------------------------
@@ -114,78 +136,183 @@ class PrefixCache:
         At most ``limit`` tokens (default ``len(ids) - 1``: the last prompt token is always run, its
         logits choose the first new token). What the slot holds must be a prefix of ``ids`` (nothing,
         for a fresh slot; ``generate.prefill`` rewinds a row to that): blocks it holds are not copied
-        again, and a hit shorter than what the slot holds changes nothing.
+        again, and a hit shorter than what the slot holds changes nothing. A row with states loads
+        only up to the deepest entry that keeps states, and takes them with the K/V.
         """
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         have = int(cache.lengths[slot])
         if not np.array_equal(cache.held(slot), ids[:have]):
             raise DecodertError(f"prefix cache: slot {slot} holds ids that do not begin {len(ids)} prompt ids")
-        if getattr(cache, "has_state", False):  # K/V blocks cannot restore a conv/recurrent state: no reuse
-            return have
         limit = len(ids) - 1 if limit is None else limit
         self.stats.lookups += 1
         chain = self.match(ids, limit, cache.adapter_tag(slot))
+        if cache.has_state:  # a linear layer resumes only from its state at a boundary
+            self._stateful = True
+            chain = chain[: _deepest_state(chain)]
         hit = len(chain) * self.block_tokens
         if hit <= have:
             return have
         b = self.block_tokens
-        cache.rewind(slot, have // b * b)  # the partial block the slot holds is copied again, whole
-        for k in range(have // b, len(chain)):
+        start = have // b * b  # the partial block the slot holds is copied again, whole
+        if cache.has_state and start != have:
+            start = 0  # a row with states goes back only to its length or 0 (all of it is in the chain)
+        cache.rewind(slot, start)
+        for k in range(start // b, len(chain)):
             self.backend.write_kv(cache, slot, k * b, chain[k].kv)
-            cache.commit([slot], [chain[k].ids])
+            if not cache.has_state:
+                cache.commit([slot], [chain[k].ids])
+        if cache.has_state:  # K/V of every block, and the states after the last one
+            cache.commit([slot], [np.concatenate([e.ids for e in chain[start // b :]])], states=[chain[-1].state])
         self.stats.hits += 1
         self.stats.hit_tokens += hit - have
         return hit
 
-    def split_shared(self, prompts: list[np.ndarray]) -> tuple[list[int], list[int]]:
+    def stops(self, cache: Any, slot: int, ids: np.ndarray) -> list[int]:
+        """Where a row with states should end a prefill call so its states are stored there (ascending,
+        past what it holds; none for K/V alone, or when a block and a state do not fit the budget):
+        the prompt's last whole block boundary before its last token, every ``state_every`` tokens, the
+        end of the cached K/V chain it matches when that has no state yet, and boundaries
+        ``split_shared`` asked for."""
+        if not cache.has_state:
+            return []
+        self._stateful = True
+        if self.block_bytes + sum(cache.state_bytes) > self.budget_bytes:
+            return []
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        b, have = self.block_tokens, int(cache.lengths[slot])
+        last = (len(ids) - 1) // b * b
+        points = set(range(self.state_every, last + 1, self.state_every)) | {last}
+        key, known, stored = _root(cache.adapter_tag(slot)), 0, set()  # the prompt's chain: the K/V chain it matches
+        for k in range(last // b):
+            key = _chain_key(key, ids[k * b : (k + 1) * b])
+            entry = self._entries.get(key)
+            if key in self._wanted:
+                points.add((k + 1) * b)
+            if known == k and entry is not None and np.array_equal(entry.ids, ids[k * b : (k + 1) * b]):
+                known = k + 1
+                if entry.state is not None:
+                    stored.add(known * b)
+        points.add(known * b)  # K/V cached without a state at its end: take it there for the next prompt
+        return sorted(p for p in points - stored if p > have)
+
+    def split_shared(self, prompts: list[np.ndarray], states: bool = False) -> tuple[list[int], list[int]]:
         """(leaders, followers): a follower's first block is an earlier prompt's and is not cached
-        yet, so it can load it once the leaders are prefilled and stored."""
-        b, seen = self.block_tokens, set()
+        yet, so it can load it once the leaders are prefilled and stored. For a model with states
+        (``states``), a follower's shared boundary with its leader must have no state yet, and the
+        leader stops there (``stops``)."""
+        self._stateful = self._stateful or states
+        b = self.block_tokens
+        firsts: dict[bytes, int] = {}
         leaders, followers = [], []
         for j, ids in enumerate(prompts):
-            key = _chain_key(b"", np.asarray(ids)[:b]) if len(ids) > b else None
-            if key is not None and key in seen and key not in self._entries:
+            ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+            key = _chain_key(b"", ids[:b]) if len(ids) > b else None
+            lead = firsts.get(key) if key is not None else None
+            if key is not None and lead is not None and self._worth_waiting(
+                    np.asarray(prompts[lead], dtype=np.int64).reshape(-1), ids, key):
                 followers.append(j)
             else:
                 leaders.append(j)
-                seen.add(key)
+                if key is not None:
+                    firsts.setdefault(key, j)
         return leaders, followers
+
+    def _worth_waiting(self, leader: np.ndarray, ids: np.ndarray, first: bytes) -> bool:
+        if not self._stateful:
+            return first not in self._entries
+        b = self.block_tokens
+        n = min(len(leader), len(ids)) - 1
+        diff = np.flatnonzero(leader[:n] != ids[:n])
+        shared = (int(diff[0]) if diff.size else n) // b * b
+        key = b""
+        for k in range(shared // b):
+            key = _chain_key(key, ids[k * b : (k + 1) * b])
+        entry = self._entries.get(key)
+        if entry is not None and entry.state is not None:
+            return False  # it loads there now
+        if len(self._wanted) > 4096:
+            self._wanted.clear()
+        self._wanted.add(key)
+        return True
 
     # -- stores ----------------------------------------------------------------------------------
     def store(self, cache: Any, slot: int) -> int:
         """Keep every whole block of what ``slot`` holds (``cache.held(slot)`` and its K/V) not cached
-        yet. Returns the number of new blocks stored."""
+        yet. Returns the number of new blocks stored. A row with states is stored only when it holds
+        whole blocks: its states go with the last one (without them its K/V resumes nothing)."""
         ids = cache.held(slot)
-        if self.block_bytes > self.budget_bytes or getattr(cache, "has_state", False):
+        if self.block_bytes > self.budget_bytes:
             return 0
+        if cache.has_state:
+            return self._store_with_state(cache, slot, ids)
         root = _root(cache.adapter_tag(slot))
         chain = self.match(ids, adapter=cache.adapter_tag(slot))
         key = chain[-1].key if chain else root
         b, added = self.block_tokens, 0
         for start in range(len(chain) * b, len(ids) - b + 1, b):
-            if not self._make_room(chain):
+            if not self._make_room(chain, self.block_bytes):
                 break
-            block = ids[start : start + b].copy()
-            key = _chain_key(key, block)
-            if key in self._entries:  # a 128-bit hash collision with other ids: keep what is there
+            entry = self._new_entry(cache, slot, chain, key, ids[start : start + b].copy(), start)
+            if entry is None:
                 break
-            kv = self.backend.read_kv(cache, slot, start, b)
-            entry = _Entry(key, chain[-1] if chain else None, block, kv, self.block_bytes)
-            if entry.parent is not None:
-                entry.parent.children += 1
-            self._entries[key] = entry
-            self._grow(entry.nbytes)
-            chain.append(entry)
+            key = entry.key
             added += 1
         self._touch(chain)
         self.stats.stored_blocks += added
         return added
+
+    def _store_with_state(self, cache: Any, slot: int, ids: np.ndarray) -> int:
+        self._stateful = True
+        b, n = self.block_tokens, len(ids)
+        if n == 0 or n % b:
+            return 0
+        chain = self.match(ids, adapter=cache.adapter_tag(slot))
+        if len(chain) * b == n and chain[-1].state is not None:
+            return 0
+        state = cache.read_states(slot)
+        need = (n // b - len(chain)) * self.block_bytes + sum(len(x) for x in state)
+        if not self._make_room(chain, need):
+            return 0
+        key = chain[-1].key if chain else _root(cache.adapter_tag(slot))
+        added = 0
+        for start in range(len(chain) * b, n, b):
+            entry = self._new_entry(cache, slot, chain, key, ids[start : start + b].copy(), start)
+            if entry is None:
+                self._touch(chain)
+                return added
+            key, added = entry.key, added + 1
+        last = chain[-1]
+        last.state = state
+        last.nbytes += sum(len(x) for x in state)
+        self._grow(sum(len(x) for x in state))
+        self._wanted.discard(last.key)
+        self._touch(chain)
+        self.stats.stored_blocks += added
+        self.stats.stored_states += 1
+        return added
+
+    def _new_entry(self, cache: Any, slot: int, chain: list[_Entry], key: bytes, block: np.ndarray,
+                   start: int) -> _Entry | None:
+        """A new entry for ``block`` (at ``start`` of the row) after ``chain``, appended to it; None on a
+        128-bit hash collision with other ids (what is there is kept)."""
+        key = _chain_key(key, block)
+        if key in self._entries:
+            return None
+        kv = self.backend.read_kv(cache, slot, start, len(block))
+        entry = _Entry(key, chain[-1] if chain else None, block, kv, self.block_bytes)
+        if entry.parent is not None:
+            entry.parent.children += 1
+        self._entries[key] = entry
+        self._grow(entry.nbytes)
+        chain.append(entry)
+        return entry
 
     def clear(self) -> None:
         """Drop every entry (device memory is freed now)."""
         for entry in self._entries.values():
             self.backend.free_kv(entry.kv)
         self._entries.clear()
+        self._wanted.clear()
         self.stats.bytes = self.stats.blocks = 0
 
     @property
@@ -205,24 +332,39 @@ class PrefixCache:
         self.stats.blocks = len(self._entries)
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes)
 
-    def _make_room(self, keep: list[_Entry]) -> bool:
-        """Evict LRU leaves (never one of ``keep``) until one more block fits; False if it cannot."""
+    def _make_room(self, keep: list[_Entry], need: int) -> bool:
+        """Evict LRU leaves (never one of ``keep``) until ``need`` more bytes fit; False if they cannot."""
         pinned = {id(e) for e in keep}
-        while self.stats.bytes + self.block_bytes > self.budget_bytes:
+        if need > self.budget_bytes:
+            return False
+        while self.stats.bytes + need > self.budget_bytes:
             victim = next((e for e in self._entries.values() if e.children == 0 and id(e) not in pinned), None)
             if victim is None:
                 return False
-            self._evict(victim)
+            self._evict(victim, pinned)
         return True
 
-    def _evict(self, entry: _Entry) -> None:
-        del self._entries[entry.key]
-        if entry.parent is not None:
-            entry.parent.children -= 1
-        self.backend.free_kv(entry.kv)
-        self.stats.bytes -= entry.nbytes
-        self.stats.blocks = len(self._entries)
-        self.stats.evicted_blocks += 1
+    def _evict(self, entry: _Entry, pinned: set[int]) -> None:
+        """Drop a leaf; for a model with states also the ancestors it leaves as leaves without a state
+        (K/V that no load can use)."""
+        while True:
+            del self._entries[entry.key]
+            parent = entry.parent
+            if parent is not None:
+                parent.children -= 1
+            self.backend.free_kv(entry.kv)
+            self.stats.bytes -= entry.nbytes
+            self.stats.blocks = len(self._entries)
+            self.stats.evicted_blocks += 1
+            if not (self._stateful and parent is not None and parent.children == 0 and parent.state is None
+                    and id(parent) not in pinned):
+                return
+            entry = parent
+
+
+def _deepest_state(chain: list[_Entry]) -> int:
+    """How many entries of ``chain`` reach its deepest entry that keeps states (0: none)."""
+    return next((k + 1 for k in range(len(chain) - 1, -1, -1) if chain[k].state is not None), 0)
 
 
 def _root(adapter: int) -> bytes:
@@ -246,3 +388,6 @@ class LookupOnly:
 
     def store(self, cache: Any, slot: int) -> int:
         return 0
+
+    def stops(self, cache: Any, slot: int, ids: np.ndarray) -> list[int]:
+        return []  # a hybrid row runs its prompt in one call: nothing is stored

@@ -7,6 +7,11 @@ The "model": the logits after a token sequence ``h`` (length T) are
 so they depend on the last token, its position and the whole history: a slot mixed up, a
 cache length off by one or a row decoded twice changes the output. The cache stores the token
 ids themselves (its "K/V"), so ``reference_tokens`` can recompute everything from scratch.
+
+``states=True`` makes it a hybrid: each row also keeps a recurrent state ``mix.0`` = (tokens seen,
+``sum_t h[t] * (t+1)`` mod ``MIX_MOD``), updated by every call over the ids it runs (``mix_state``), as a
+linear layer's state summarises a row; every call asserts that the row's state is the one of the
+ids its K/V holds (the model reads its state, so a wrong one would be a wrong answer).
 """
 
 from __future__ import annotations
@@ -34,9 +39,19 @@ class FakeCache(KVCache):
     """The runtime's KVCache with no K/V buffers; its "K/V" is the token ids: tokens [slots, max_seq]
     int64 (-1 = empty), lengths [slots]."""
 
-    def __init__(self, slots: int, max_seq: int) -> None:
-        super().__init__(slots, max_seq, layers=0, kv_heads=1, head_dim=1, dtype=np.int64)
+    def __init__(self, slots: int, max_seq: int, states: bool = False) -> None:
+        super().__init__(slots, max_seq, layers=0, kv_heads=1, head_dim=1, dtype=np.int64,
+                         states=[("mix.0", (2,), np.int64)] if states else ())
         self.tokens = np.full((slots, max_seq), -1, dtype=np.int64)  # [slots, max_seq] the "K/V"; stale past lengths, as real K/V
+
+
+MIX_MOD = 1_000_003
+
+
+def mix_state(ids: np.ndarray) -> np.ndarray:
+    """The hybrid fake's state after ``ids``: [len, sum_t ids[t] * (t+1) mod MIX_MOD] int64."""
+    ids = np.asarray(ids, np.int64)
+    return np.array([len(ids), int((ids * np.arange(1, len(ids) + 1)).sum()) % MIX_MOD], np.int64)
 
 
 class FakeBackend:
@@ -45,7 +60,8 @@ class FakeBackend:
     name = "fake"
 
     def __init__(self, vocab_size: int = 97, max_seq: int = 64, max_batch: int = 4, seed: int = 0,
-                 rule: Callable[[np.ndarray], int] | None = None) -> None:
+                 rule: Callable[[np.ndarray], int] | None = None, states: bool = False) -> None:
+        self.states = states
         self.vocab_size, self.max_seq, self.max_batch = vocab_size, max_seq, max_batch
         rng = np.random.default_rng(seed)
         self.W = rng.standard_normal((vocab_size, vocab_size)).astype(np.float32) * 3  # [V, V]
@@ -68,7 +84,7 @@ class FakeBackend:
     # -- the protocol ---------------------------------------------------------------------
     def allocate(self, slots: int) -> FakeCache:
         assert 1 <= slots <= self.max_batch, f"allocate({slots}) with max_batch {self.max_batch}"
-        return FakeCache(slots, self.max_seq)
+        return FakeCache(slots, self.max_seq, self.states)
 
     def prefill(self, cache: FakeCache, slots: Sequence[int], ids: Sequence[np.ndarray],
                 want_logits: bool) -> StepOutput:
@@ -106,6 +122,8 @@ class FakeBackend:
     def move_slot(self, cache: FakeCache, src: int, dst: int) -> None:
         self.calls.append(("move", (src, dst), False))
         cache.tokens[dst] = cache.tokens[src]
+        for buf in cache.states:
+            buf[dst] = buf[src]
         cache.move(src, dst)
 
     # the K/V blocks of runtime/backends/kv_blocks.py: here a block is the token ids themselves
@@ -128,6 +146,12 @@ class FakeBackend:
         start = int(cache.lengths[slot])
         assert row.ndim == 1 and row.size >= 1, "empty row"
         assert start + row.size <= cache.max_seq, f"slot {slot}: {start}+{row.size} tokens > max_seq {cache.max_seq}"
+        if cache.states:  # the graph reads the row's state and writes it forward over the new ids, in place
+            n, mix = (int(x) for x in cache.states[0][slot])
+            assert n == start and mix == mix_state(cache.tokens[slot, :start])[1], \
+                f"slot {slot}: state {[n, mix]} is not the one of the {start} ids its K/V holds"
+            cache.states[0][slot] = [start + row.size,
+                                     (mix + int((row * np.arange(start + 1, start + row.size + 1)).sum())) % MIX_MOD]
         cache.tokens[slot, start:start + row.size] = row
         cache.commit([slot], [row])
 

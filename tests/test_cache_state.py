@@ -15,6 +15,9 @@ mixed requests (stop strings, plain, ngram, draft), sessions' turns and streamed
 undo or close at any point (mid-stream too), speculation by prompt lookup and by a draft model,
 eos inside accepted drafts, max_new_tokens and the context's end landing inside a verify pass, a
 prefix cache of a few blocks, requests through the server's engine thread cancelled mid-run.
+The same runs again with a hybrid fake (``states=True``: every row also keeps a recurrent state,
+tests/fake_backend.py): every row's state is the one of the ids it holds, every prefix entry's
+state the one of its chain's ids, so a prefix hit resumes a linear layer exactly.
 ``-m slow`` runs many more examples.
 """
 
@@ -31,7 +34,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
-from fake_backend import FakeBackend, fake_manifest, make_tokenizer, reference_tokens  # noqa: E402
+from fake_backend import FakeBackend, fake_manifest, make_tokenizer, mix_state, reference_tokens  # noqa: E402
 
 from decodert.runtime.decoding.engine import CANCELLED, Engine, Event  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
@@ -60,12 +63,14 @@ def draft_rule(h: np.ndarray) -> int:
     return int(h[-5]) if len(h) >= 5 else int(h[-1])
 
 
-def make_world(seed: int) -> tuple[LLM, list[np.ndarray]]:
-    target = FakeBackend(vocab_size=V, max_seq=MAX_SEQ, max_batch=3, rule=target_rule)
-    draft = FakeBackend(vocab_size=V, max_seq=MAX_SEQ, max_batch=3, rule=draft_rule)
+def make_world(seed: int, states: bool = False) -> tuple[LLM, list[np.ndarray]]:
+    target = FakeBackend(vocab_size=V, max_seq=MAX_SEQ, max_batch=3, rule=target_rule, states=states)
+    draft = FakeBackend(vocab_size=V, max_seq=MAX_SEQ, max_batch=3, rule=draft_rule, states=states)
     manifest = fake_manifest(target, eos=[EOS], chat_template=CHATML)
     llm = LLM(target, TOK, manifest, draft=LLM(draft, TOK, manifest, prefix_cache_mb=0), prefix_cache_mb=0)
-    llm.prefix_cache = PrefixCache(target, budget_bytes=6 * target.kv_bytes(4), block_tokens=4)  # six blocks
+    # six blocks (a hybrid: their states too, 16 bytes each, and a state every 8 tokens on the way)
+    llm.prefix_cache = PrefixCache(target, budget_bytes=6 * target.kv_bytes(4) + (48 if states else 0), block_tokens=4,
+                                   state_every=8)
     rng = np.random.default_rng(seed)
     shared = rng.integers(3, V, 9)
     prompts = []
@@ -96,8 +101,8 @@ ops_st = st.lists(st.one_of(
 class World:
     """The LLM, its sessions and the checks of every operation."""
 
-    def __init__(self, seed: int) -> None:
-        self.llm, self.prompts = make_world(seed)
+    def __init__(self, seed: int, states: bool = False) -> None:
+        self.llm, self.prompts = make_world(seed, states)
         self.sessions = [self.llm.session(), self.llm.session(system="Be brief.")]
 
     def expect(self, ids: np.ndarray, n: int) -> list[int]:
@@ -219,6 +224,12 @@ class World:
             _rows_hold_their_ids(draft.cache)
         for e in llm.prefix_cache._entries.values():
             assert np.array_equal(e.kv, e.ids), f"prefix entry holds K/V {e.kv.tolist()} under ids {e.ids.tolist()}"
+            if e.state is not None:
+                chain, p = [], e
+                while p is not None:
+                    chain, p = [p.ids, *chain], p.parent
+                assert np.array_equal(np.frombuffer(e.state[0], np.int64), mix_state(np.concatenate(chain))), \
+                    "a prefix entry's state is not the one of its chain's ids"
 
 
 def _rows_hold_their_ids(cache) -> None:
@@ -226,10 +237,12 @@ def _rows_hold_their_ids(cache) -> None:
         held = cache.held(slot)
         assert np.array_equal(cache.tokens[slot, : len(held)], held), \
             f"slot {slot}: K/V {cache.tokens[slot, :len(held)].tolist()} but holds ids {held.tolist()}"
+        if cache.states:
+            assert np.array_equal(cache.states[0][slot], mix_state(held)), f"slot {slot}: its state is not its ids'"
 
 
-def _run_ops(seed: int, ops: list[tuple]) -> None:
-    world = World(seed)
+def _run_ops(seed: int, ops: list[tuple], states: bool = False) -> None:
+    world = World(seed, states)
     for op in ops:
         world.run(op)
     world.sessions[0].chat(QUESTIONS[0], max_new_tokens=12, temperature=0)  # a last turn after whatever came before
@@ -247,6 +260,20 @@ def test_cache_rows_hold_what_they_say(seed, ops):
 @given(seed=st.integers(0, 1000), ops=ops_st)
 def test_cache_rows_hold_what_they_say_many(seed, ops):
     _run_ops(seed, ops)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(seed=st.integers(0, 3), ops=ops_st)
+def test_hybrid_rows_and_prefix_states_hold_what_they_say(seed, ops):
+    """The same runs over a hybrid: states beside K/V, the prefix cache storing and loading them."""
+    _run_ops(seed, ops, states=True)
+
+
+@pytest.mark.slow
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 1000), ops=ops_st)
+def test_hybrid_rows_and_prefix_states_hold_what_they_say_many(seed, ops):
+    _run_ops(seed, ops, states=True)
 
 
 # -- the defects found by review, each as its own repro ---------------------------------------------

@@ -1,6 +1,7 @@
 """The cache owner's rule for rows with conv / recurrent states (hybrid models; docs/ARCHITECTURE.md,
 "Cache state"): such a row is rewound only to a point it can return to exactly (its length, 0, or its
-snapshot), every other rewind is refused, and a row that holds nothing has zero states."""
+snapshot), every other rewind is refused, a row that holds nothing has zero states, and a commit may
+carry the states the model computed after the ids (the prefix cache)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,21 @@ def test_a_layer_kind_without_a_lowering_is_one_line():
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="layer kind 'gated_rnn'"):
         dataclasses.replace(spec, layer_kinds=("gated_rnn", "attention"))
+
+
+def test_commit_with_the_states_the_model_computed():
+    """The prefix cache's door: K/V copied in for ids, and the states a row had after exactly those ids."""
+    cache = _cache()
+    cache.commit([0], [np.arange(6)])
+    _write(cache, 0, 3.0)
+    kept = cache.read_states(0)  # the states after ids 0..5
+    assert [len(b) for b in kept] == cache.state_bytes
+    _write(cache, 0, 9.0)
+    assert all((buf[0] == 9.0).all() for buf in cache.states)  # a copy: the row's later states do not reach it
+    cache.commit([1], [np.arange(6)], states=[kept])
+    assert cache.lengths[1] == 6 and all((buf[1] == 3.0).all() for buf in cache.states)
+    np.testing.assert_array_equal(cache.held(1), np.arange(6))
+    with pytest.raises(ValueError, match="are not 1 x"):
+        cache.commit([2], [np.arange(3)], states=[kept[:1]])
+    assert cache.lengths[2] == 0 and all((buf[2] == 0).all() for buf in cache.states)  # refused: nothing written
+    assert KVCache(2, 16, 1, 2, 4, np.float32).read_states(0) == []

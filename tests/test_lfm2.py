@@ -3,7 +3,7 @@
 Against transformers on a tiny random checkpoint with every layer kind and a kernel of 4 (prompts and
 decode steps longer than the conv window): logits and greedy tokens for the ort, portable and trt
 graphs (the trt graph run by ONNX Runtime), a ragged batch equal to the singles; then the runtime
-over the state: speculative equals plain, a session's turns equal re-prefill, the prefix cache stays off.
+over the state: speculative equals plain, a session's turns equal re-prefill (the prefix cache: tests/test_prefix_hybrid.py).
 """
 
 from __future__ import annotations
@@ -118,10 +118,10 @@ def test_speculative_equals_plain(lfm2, tmp_path):
     assert sum(prefills) == len(ps)  # the prompts only: rejections took their states from the pass's windows, no replay
 
 
-def test_session_turns_equal_reprefill_and_prefix_cache_is_off(lfm2):
+def test_session_turns_equal_reprefill(lfm2):
     _, _, get = lfm2
     llm = LLM.load(get("ort"), backend="ort", prefix_cache_mb=8)
-    assert llm.prefix_cache is None  # a hybrid's state exists only where a row ended, not at block boundaries
+    assert llm.prefix_cache is not None  # K/V blocks with states at block boundaries (tests/test_prefix_hybrid.py)
     session = llm.session(system="be brief")
     reused = []
     for question in ("Hello world!", "Why?", "Ok."):

@@ -25,6 +25,11 @@ to what the row can return to exactly (``rewind_point``): ``to`` = its length (n
 (the states are zeroed), or the position of the row's ``snapshot`` (the states are restored); any
 other ``to`` raises. Callers that want "as far back as needed" ask ``rewind_point(slot, to)`` and
 run the ids between that point and ``to`` again (generate.prefill, speculation's replay).
+A row's states change in two ways only: a backend's graph runs the ids it commits over them (in
+place), or the caller gives the states the model computed for exactly the ids the row will hold:
+``rewind(slot, to, states)`` (a verify pass's per-position states) and ``commit(slots, ids, states)``
+(the prefix cache: K/V blocks copied in, and the states a row had when it held exactly those ids,
+``read_states``). So whatever a row holds, its states are the model's after ``held(slot)``.
 """
 
 from __future__ import annotations
@@ -131,16 +136,26 @@ class KVCache:
             raise DecodertError(f"{what} do not fit: the KV cache is full ({self.max_seq} tokens per row; "
                                 "export with a larger --max-seq)")
 
-    def commit(self, slots: Sequence[int], ids: Sequence[np.ndarray] | np.ndarray) -> None:
-        """The backend has just written K/V for ``ids[j]`` at ``lengths[slots[j]]`` onwards: record them."""
+    def commit(self, slots: Sequence[int], ids: Sequence[np.ndarray] | np.ndarray,
+               states: Sequence[Sequence[bytes]] | None = None) -> None:
+        """The backend has just written K/V for ``ids[j]`` at ``lengths[slots[j]]`` onwards: record them.
+
+        A row with states: the backend's graph updated them over those ids, or ``states[j]`` gives every
+        state of row ``slots[j]`` as the model computed it after all the ids the row then holds (each
+        state's bytes, as ``read_states`` returns them: the prefix cache, which copied K/V in)."""
         rows = [np.asarray(r, np.int64).reshape(-1) for r in ids]
         if len(rows) != len(slots) or len(set(slots)) != len(slots):
             raise ValueError(f"commit: {len(rows)} rows for slots {list(slots)}")
+        if states is not None and (len(states) != len(slots)
+                                   or any([len(b) for b in st] != self.state_bytes for st in states)):
+            raise ValueError(f"commit: states for slots {list(slots)} are not {len(slots)} x {self.state_bytes} bytes")
         self.check_room(slots, [len(r) for r in rows])
-        for slot, row in zip(slots, rows):
+        for j, (slot, row) in enumerate(zip(slots, rows)):
             start = self._lengths[slot]
             self._held[slot, start : start + len(row)] = row
             self._lengths[slot] = start + len(row)
+            if states is not None:
+                self._write_states(slot, list(states[j]))
 
     def use_adapter(self, slot: int, index: int, tag: int) -> None:
         """Row ``slot``'s next K/V are computed under the adapter loaded as ``tag`` into LoRA slot ``index``
@@ -195,6 +210,11 @@ class KVCache:
         so ``rewind`` can return there (speculation: before a verify pass). No-op without states."""
         if self.states:
             self._snapshots[slot] = (int(self._lengths[slot]), self._read_states(slot))
+
+    def read_states(self, slot: int) -> list[bytes]:
+        """A copy of every state of ``slot`` (their bytes, in ``state_names`` order): the model's states
+        after ``held(slot)``. Empty without states."""
+        return self._read_states(slot) if self.states else []
 
     def reset(self, slot: int | None = None) -> None:
         """Forget the cached tokens of one slot (or all); buffers are kept, not freed; states are zeroed."""

@@ -20,17 +20,16 @@ from decodert.runtime.decoding.sampling import sampling_params
 def make_prefix_cache(backend: Any, budget_mb: float | None) -> PrefixCache | None:
     """The prefix cache of ``backend`` under ``budget_mb`` MiB (None: default budget; 0: none).
 
-    Default: the K/V of two full contexts (2 x max_seq tokens), at most a quarter of the memory
-    available now. Off for backends that cannot copy K/V blocks (``read_kv``), and for hybrid models:
-    a conv / recurrent state exists only at the end of what a row ran, never at a block boundary, so
-    a block of K/V alone cannot resume such a row (docs/ARCHITECTURE.md, "Cache state")."""
+    Default: the K/V of two full contexts (2 x max_seq tokens), and for a hybrid model the states
+    two such contexts keep on their way (one every 512 tokens and one at the end: runtime/prefix_cache.py),
+    at most a quarter of the memory available now. Off for backends that cannot copy K/V blocks (``read_kv``)."""
     if budget_mb is not None and (not isinstance(budget_mb, (int, float)) or isinstance(budget_mb, bool)
                                   or not budget_mb >= 0):
         raise DecodertError(f"prefix_cache_mb must be a number >= 0 (0 = off), not {budget_mb!r}")
-    if budget_mb == 0 or not hasattr(backend, "read_kv") or _has_state(backend):
+    if budget_mb == 0 or not hasattr(backend, "read_kv"):
         return None
     if budget_mb is None:
-        budget = 2 * backend.kv_bytes(int(backend.max_seq))
+        budget = 2 * backend.kv_bytes(int(backend.max_seq)) + 2 * (int(backend.max_seq) // 512 + 1) * _state_bytes(backend)
         avail = available_bytes() if getattr(backend, "name", "") != "trt" else None
         budget = min(budget, avail // 4) if avail else budget
     else:
@@ -112,7 +111,9 @@ def _trt_usable() -> bool:
         return False
 
 
-def _has_state(backend: Any) -> bool:
-    """Whether the backend's artifact keeps per-layer states beyond K/V (a hybrid model)."""
+def _state_bytes(backend: Any) -> int:
+    """Bytes of one row's per-layer states beyond K/V (a hybrid model; 0 for K/V alone)."""
     manifest = getattr(backend, "manifest", None)
-    return bool(manifest is not None and manifest.kv.states)
+    if manifest is None or not manifest.kv.states:
+        return 0
+    return int(manifest.kv.state_bytes(1, 4 if manifest.dtype == "fp32" else 2))

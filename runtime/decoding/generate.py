@@ -231,7 +231,8 @@ def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequenc
     new row; a session's row keeps its conversation): the row is rewound to that first, and at least
     the prompt's last token is run (its logits choose the first new token). ``prefix``
     (runtime/prefix_cache.py) then loads the longest cached prefix, and keeps the prompt's whole
-    blocks after the call; ``seq.cached_tokens`` counts the tokens not prefilled.
+    blocks after the call; ``seq.cached_tokens`` counts the tokens not prefilled. A hybrid row (with
+    states) first runs up to each boundary where the prefix cache keeps states (``_run_to_stops``).
     """
     for slot, seq in zip(slots, seqs):
         seq.timer.start()
@@ -241,15 +242,34 @@ def prefill(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequenc
         if prefix is not None:
             prefix.load(cache, slot, seq.prompt)
         seq.cached_tokens = int(cache.lengths[slot])
+    if prefix is not None and cache.has_state:
+        _run_to_stops(backend, cache, slots, seqs, prefix)
     want = any(s.needs_logits for s in seqs)
     with masks_ahead(seqs):
-        step = backend.prefill(cache, list(slots), [s.prompt[s.cached_tokens:] for s in seqs], want_logits=want)
+        step = backend.prefill(cache, list(slots), [s.prompt[int(cache.lengths[slot]):] for slot, s in zip(slots, seqs)],
+                               want_logits=want)
     for slot in slots:  # a hybrid row can come back to its prompt's end (a session's next turn); no-op for K/V
         cache.snapshot(slot)
     if prefix is not None:
         for slot, seq in zip(slots, seqs):
             prefix.store(cache, slot)
     return [s.accept(int(t)) for s, t in zip(seqs, choose_tokens(seqs, step))]
+
+
+def _run_to_stops(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequence], prefix: Any) -> None:
+    """Rows with states (a hybrid model) keep them only where a call ends: run each prompt up to the
+    block boundaries where the prefix cache keeps states (``prefix.stops``), storing at each; the rows
+    that still have a stop share each call."""
+    stops = {slot: list(prefix.stops(cache, slot, seq.prompt)) for slot, seq in zip(slots, seqs)}
+    while True:
+        rows = [(slot, seq) for slot, seq in zip(slots, seqs) if stops[slot]]
+        if not rows:
+            return
+        ends = [stops[slot].pop(0) for slot, _ in rows]
+        backend.prefill(cache, [slot for slot, _ in rows],
+                        [seq.prompt[int(cache.lengths[slot]) : end] for (slot, seq), end in zip(rows, ends)], want_logits=False)
+        for slot, _ in rows:
+            prefix.store(cache, slot)
 
 
 def decode_step(backend: Backend, cache: KVCache, slots: Seq[int], seqs: Seq[Sequence]) -> list[str]:

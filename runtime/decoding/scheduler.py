@@ -51,7 +51,7 @@ def run(backend: Backend, cache: KVCache, seqs: Seq[Sequence] | Mapping[int, Seq
             if new:
                 first = len(active)
                 active.extend(new)
-                for group in _admission_groups([seqs[i] for i in new], prefix):
+                for group in _admission_groups([seqs[i] for i in new], prefix, cache.has_state):
                     slots = [first + j for j in group]
                     for slot in slots:
                         cache.reset(slot)
@@ -83,12 +83,13 @@ def _take(waiting: deque, seqs: Seq[Sequence] | Mapping[int, Sequence], free: in
     return new
 
 
-def _admission_groups(new: Seq[Sequence], prefix: Any) -> list[list[int]]:
+def _admission_groups(new: Seq[Sequence], prefix: Any, states: bool = False) -> list[list[int]]:
     """Positions in ``new`` to prefill together: one call, or two when some prompts share an
-    uncached first block with an earlier one (those wait one call and load it from the cache)."""
+    uncached first block with an earlier one (those wait one call and load it from the cache;
+    ``states``: a hybrid model's, whose shared part must have a state stored)."""
     if prefix is None or len(new) < 2:
         return [list(range(len(new)))]
-    leaders, followers = prefix.split_shared([s.prompt for s in new])
+    leaders, followers = prefix.split_shared([s.prompt for s in new], states)
     return [leaders, followers] if followers else [leaders]
 
 

@@ -37,7 +37,7 @@ from decodert.export.progress import Stage
 from decodert.export.vision_export import vision_of, write_vision
 from decodert.export.lowering.semantics import tokenizer_vocab
 from decodert.export.artifact.weights import WeightsWriter
-from decodert.models.spec import ModelSpec, rope_tables, state_specs
+from decodert.models.spec import ModelSpec, rope_head_dim, rope_tables, state_specs
 from decodert.models.canonical import canonical_names, canonical_shape
 from decodert.models.vision import VisionSpec, vision_names, vision_shape
 from decodert.plugins.kv_dtypes import KVDtype
@@ -194,6 +194,10 @@ def _weights_stage(spec: ModelSpec, dtype: str, quant: QuantConfig | None, progr
                  unit="weights", unit_scale=True, enabled=progress)
 
 
+# tables written row by row (Checkpoint.rows): Gemma 4's per-layer embeddings are 2.35 B values in E2B
+STREAMED_ROWS = ("embed_per_layer",)
+
+
 def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool,
                    quant: QuantConfig | None, layout: WeightLayout,
                    vision: VisionSpec | None = None) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
@@ -213,6 +217,8 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
                     quantized[name] = wq
             elif quant is not None and quant.applies_to(name):
                 quantized[name] = _store_quantized(w, ckpt, name, name, quant, dtype, layout)
+            elif name in STREAMED_ROWS:
+                w.add_stacked(name, ckpt.rows(name), dtype, canonical_shape(spec, name))
             elif not (name == "embed" and gather_quantized):  # else the graph gathers rows from the quantized head
                 tensor = ckpt.tensor(name)
                 w.add(name, tensor, dtype)
@@ -223,7 +229,7 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
             del tensor
             bar.update(math.prod(canonical_shape(spec, name)))
         for prefix, rope in rope_tables(spec).items():  # "rope" (+ "rope_local": Gemma 3's sliding layers)
-            cos, sin = rope.cos_sin(spec.head_dim, max_seq)
+            cos, sin = rope.cos_sin(rope_head_dim(spec, prefix), max_seq)
             w.add(f"{prefix}.cos", cos, dtype)
             w.add(f"{prefix}.sin", sin, dtype)
         for name in vision_names(vision) if vision is not None else ():  # vision.onnx's, in the graph dtype
@@ -302,6 +308,7 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, kv: KVDtype, max_s
         model=from_json(ModelRecord, spec.to_dict(), "model"), target=target, dtype=dtype,
         max_seq=max_seq, max_batch=max_batch, kv_dtype=kv.name,
         kv=KVRecord(num_layers=len(spec.kv_layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                    head_dims=spec.head_dims if spec.layer_head_dims else (),
                     dtype=kv.storage, shape=("batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)),
                     inplace=True, scales="per_channel" if kv.quantized else None, layer_kinds=spec.layer_kinds,
                     states=tuple(StateRecord(layer=st.layer, name=st.name, shape=("batch", *st.shape), dtype=st.dtype)

@@ -58,13 +58,25 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     - ``layers.{i}.mlp_out_norm``   [hidden]                     (sandwich_norm only: on the MLP output)
     - ``final_norm``                [hidden]
     - ``lm_head``                   [V, hidden]                  (absent when tied)
+
+    Gemma 4 (E2B/E4B): a layer that reads another layer's K/V (``spec.kv_source(i) != i``) has ``layers.{i}.q``
+    [H * D, hidden] (and ``q_norm``) instead of ``qkv`` / ``k_norm``; ``layers.{i}.gate_up`` / ``down`` are
+    ``spec.mlp_size(i)`` wide. Per-layer inputs (``per_layer_input_size`` P, L layers) add, after ``embed``,
+    ``embed_per_layer`` [Vp, L * P], ``per_layer_model_proj`` [L * P, hidden], ``per_layer_proj_norm`` [P], and per
+    layer, after the MLP's weights, ``layers.{i}.ple_gate`` [P, hidden], ``ple_proj`` [hidden, P], ``ple_norm``
+    [hidden]; ``layers.{i}.layer_scalar`` [1] closes each layer with ``layer_scalar``.
     """
     names = ["embed"]
+    if spec.per_layer_input_size:
+        names += ["embed_per_layer", "per_layer_model_proj", "per_layer_proj_norm"]
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         if spec.has_mixer(i):
             names.append(p + "input_norm")
             names += [p + leaf for leaf in mixer_names(spec, i)]
+            if spec.kv_source(i) != i:  # a layer reading another's K/V projects q only
+                names = [n for n in names if n not in (p + "k_norm",)]
+                names[names.index(p + "qkv")] = p + "q"
             names += [p + "attn_out_norm"] if spec.sandwich_norm else []
         if not spec.has_mlp(i):
             continue
@@ -78,6 +90,10 @@ def canonical_names(spec: ModelSpec) -> list[str]:
             names += [p + "gate_up", p + "down"] if spec.shared_mlp else []
         if spec.sandwich_norm:
             names.append(p + "mlp_out_norm")
+        if spec.per_layer_input_size:
+            names += [p + "ple_gate", p + "ple_proj", p + "ple_norm"]
+        if spec.layer_scalar:
+            names.append(p + "layer_scalar")
     names.append("final_norm")
     if not spec.tie_word_embeddings:
         names.append("lm_head")
@@ -120,8 +136,10 @@ def mixer_names(spec: ModelSpec, layer: int) -> list[str]:
 
 def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     """The expected shape of a canonical weight (used to validate checkpoints)."""
-    h, d = spec.hidden_size, spec.head_dim
     leaf = name.rsplit(".", 1)[-1]
+    layer = int(name.split(".")[1]) if name.startswith("layers.") else 0
+    h, d = spec.hidden_size, spec.head_dim_of(layer)
+    inter, pl = spec.mlp_size(layer), spec.per_layer_input_size
     e, ie = spec.num_experts, spec.expert_intermediate_size
     if ".experts." in name:
         return {"gate_up": (e, 2 * ie, h), "down": (e, h, ie), "gate_up_bias": (e, 2 * ie), "down_bias": (e, h)}[leaf]
@@ -137,14 +155,22 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         "post_norm": (h,),
         "attn_out_norm": (h,),
         "mlp_out_norm": (h,),
-        "qkv": (spec.qkv_size, h),
-        "qkv_bias": (spec.qkv_size,),
+        "qkv": (spec.layer_qkv_size(layer), h),
+        "qkv_bias": (spec.layer_qkv_size(layer),),
         "q_norm": (d,),
         "k_norm": (d,),
         "o": (h, spec.num_heads * d),
-        "gate_up": (2 * spec.intermediate_size, h),
-        "up": (spec.intermediate_size, h),
-        "down": (h, spec.intermediate_size),
+        "gate_up": (2 * inter, h),
+        "up": (inter, h),
+        "down": (h, inter),
+        "q": (spec.num_heads * d, h),
+        "embed_per_layer": (spec.per_layer_vocab, spec.num_layers * pl),
+        "per_layer_model_proj": (spec.num_layers * pl, h),
+        "per_layer_proj_norm": (pl,),
+        "ple_gate": (pl, h),
+        "ple_proj": (h, pl),
+        "ple_norm": (h,),
+        "layer_scalar": (1,),
         "conv_in": (3 * h, h),
         "conv_in_bias": (3 * h,),
         "conv": (h, 1, spec.conv_kernel),

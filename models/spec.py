@@ -14,68 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """Rotary position embedding (rotate-half / NeoX layout, as in transformers)."""
-
-    theta: float = 10000.0
-    scaling: str | None = None  # None | "linear" | "llama3" | "yarn" | "none" (angle 0: cos 1, sin 0, an exact identity)
-    factor: float = 1.0
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    original_max_position: int = 8192  # llama3
-    rotary_dim: int | None = None  # None = the whole head
-    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
-    beta_slow: float = 1.0  # yarn
-    truncate: bool = True  # yarn: the ramp's bounds rounded outwards
-    attention_factor: float = 1.0  # yarn: cos and sin are multiplied by it (0.1 ln(factor) + 1 by default)
-
-    def inv_freq(self, head_dim: int) -> np.ndarray:
-        """[rot_dim/2] float64 inverse frequencies after scaling."""
-        dim = self.rotary_dim or head_dim
-        if self.scaling == "none":  # a layer without RoPE: every angle 0, so rotating is x*1 + rot(x)*0 = x exactly
-            return np.zeros(dim // 2)
-        inv = 1.0 / (self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-        if self.scaling == "linear":
-            inv = inv / self.factor
-        elif self.scaling == "llama3":
-            low_wavelen = self.original_max_position / self.low_freq_factor
-            high_wavelen = self.original_max_position / self.high_freq_factor
-            wavelen = 2 * math.pi / inv
-            scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
-            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
-                self.high_freq_factor - self.low_freq_factor
-            )
-            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-            inv = np.where(medium, smoothed, scaled)
-        elif self.scaling == "yarn":
-            inv = self._yarn(inv, dim)
-        return inv
-
-    def _yarn(self, inv: np.ndarray, dim: int) -> np.ndarray:
-        """YaRN (transformers' _compute_yarn_parameters): interpolated frequencies (inv / factor) for the
-        long wavelengths, the original ones for the short, a linear ramp between the correction dims."""
-        def correction_dim(rotations: float) -> float:
-            return dim * math.log(self.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
-
-        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0, 1)
-        extrapolation = 1 - ramp
-        return inv / self.factor * (1 - extrapolation) + inv * extrapolation
-
-    def cos_sin(self, head_dim: int, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin tables [max_pos, rot_dim/2] in float32 (computed in float64)."""
-        angles = np.outer(np.arange(max_pos, dtype=np.float64), self.inv_freq(head_dim))
-        a = self.attention_factor
-        return (np.cos(angles) * a).astype(np.float32), (np.sin(angles) * a).astype(np.float32)
+from decodert.models.rope import RopeSpec  # defined in models/rope.py; imported from here too
 
 
 @dataclass(frozen=True)
@@ -140,6 +79,14 @@ class ModelSpec:
     swiglu_beta: float = 0.0
     nope_layers: tuple[int, ...] = ()  # layers whose q and k get no RoPE (SmolLM3: every 4th); they read the
     # identity table "rope_none" (angle 0), so every lowering's attention serves them unchanged
+    # -- Gemma 4 (E2B/E4B): per-layer inputs, K/V shared across layers, per-layer MLP widths ---------
+    per_layer_input_size: int = 0  # P: each layer adds gelu(x @ ple_gate^T) * per_layer_input[i] @ ple_proj^T
+    per_layer_vocab: int = 0  # rows of the per-layer embedding table embed_per_layer [Vp, L*P]
+    layer_scalar: bool = False  # the residual stream is multiplied by layers.{i}.layer_scalar [1] after each layer
+    v_norm: bool = False  # RMSNorm without weight over head_dim on v (with qk_norm)
+    kv_sources: tuple[int, ...] = ()  # per layer, the layer whose K/V cache it reads (itself: its own); () = own
+    mlp_sizes: tuple[int, ...] = ()  # per layer, the dense MLP's width; () = intermediate_size everywhere
+    layer_head_dims: tuple[int, ...] = ()  # per layer head_dim (Gemma 4's full layers: global_head_dim); () = head_dim
     image_token_id: int | None = None  # vision-language: prefill takes image embeddings at this token's rows
     # M-RoPE (Qwen2-VL / 2.5-VL / 3-VL): each rotary pair j turns by the position on axis t, h or w (plugins/mrope.py);
     # the graphs take rope_offsets [3, B, S] (position - cache index per axis). () = ordinary 1-D RoPE
@@ -191,6 +138,22 @@ class ModelSpec:
             raise ValueError(f"mrope_section {list(self.mrope_section)} must be 3 counts summing to half the rotary dim")
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers {list(self.nope_layers)} must be layers 0..{self.num_layers - 1}")
+        if self.kv_sources and (len(self.kv_sources) != self.num_layers or any(
+                not 0 <= j <= i or self.kv_sources[j] != j or self.is_sliding(j) != self.is_sliding(i)
+                or self.layer_kind(j) != "attention" for i, j in enumerate(self.kv_sources))
+                or self.layer_kinds or list(self.kv_layers) != list(range(len(self.kv_layers)))):
+            raise ValueError(f"kv_sources must name, for each of {self.num_layers} layers, itself or an earlier "
+                             "attention layer of the same kind that keeps its own cache; the layers that share "
+                             "come last (the manifest's K/V layers are 0..n-1), in a model of attention layers only")
+        if self.layer_head_dims and (len(self.layer_head_dims) != self.num_layers or min(self.layer_head_dims) < 2):
+            raise ValueError(f"layer_head_dims must give {self.num_layers} head dims")
+        dims: dict[str, set[int]] = {}
+        for i in range(len(self.layer_head_dims)):  # () for every model but those with per-layer head dims
+            dims.setdefault(rope_table_of(self, i), set()).add(self.head_dim_of(i))
+        if any(len(d) > 1 for d in dims.values()):
+            raise ValueError("layers of one RoPE table must share a head_dim (give the sliding layers a local_rope)")
+        if self.mlp_sizes and (len(self.mlp_sizes) != self.num_layers or min(self.mlp_sizes) < 1):
+            raise ValueError(f"mlp_sizes must give {self.num_layers} positive widths")
         for name in ("sliding_window", "attn_softcap", "final_softcap", "attn_scale", "embed_scale", "residual_scale",
                      "logits_scaling"):
             value = getattr(self, name)
@@ -210,7 +173,25 @@ class ModelSpec:
     @property
     def kv_layers(self) -> tuple[int, ...]:
         """The layers that keep K/V (attention), in order: their caches are past_key.{i} / past_value.{i}."""
-        return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "attention")
+        return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "attention" and self.kv_source(i) == i)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V cache layer ``layer`` attends over: itself, or (Gemma 4's KV sharing) an earlier
+        layer of the same kind; a sharing layer computes no K/V and has no cache of its own."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer ``layer``'s head_dim (its q, k, v heads and its cache's last dimension)."""
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        """The head_dim of each K/V layer (``kv_layers``), in order: their caches' last dimension."""
+        return tuple(self.head_dim_of(i) for i in self.kv_layers)
+
+    def mlp_size(self, layer: int) -> int:
+        """The dense MLP width of layer ``layer`` (Gemma 4: double on the KV-sharing layers)."""
+        return self.mlp_sizes[layer] if self.mlp_sizes else self.intermediate_size
 
     def has_mlp(self, layer: int) -> bool:
         """Does layer ``layer`` end with an MLP (post_norm + MLP)? Not where mlp_types says "none"."""
@@ -244,12 +225,16 @@ class ModelSpec:
 
     @property
     def qkv_size(self) -> int:
-        """Rows of the fused qkv weight: (H + 2 H_kv) * D, plus H * D gate rows with attn_output_gate."""
-        return (self.num_heads * (2 if self.attn_output_gate else 1) + 2 * self.num_kv_heads) * self.head_dim
+        """Rows of the fused qkv weight (layer 0's: ``layer_qkv_size``)."""
+        return self.layer_qkv_size(0)
 
-    def fused_rows(self, leaf: str) -> tuple[int, ...] | None:
+    def layer_qkv_size(self, layer: int) -> int:
+        """Rows of layer ``layer``'s fused qkv weight: (H + 2 H_kv) * D, plus H * D gate rows with attn_output_gate."""
+        return (self.num_heads * (2 if self.attn_output_gate else 1) + 2 * self.num_kv_heads) * self.head_dim_of(layer)
+
+    def fused_rows(self, leaf: str, layer: int = 0) -> tuple[int, ...] | None:
         """The row count of each checkpoint part concatenated into a fused weight (None: equal parts)."""
-        d = self.head_dim
+        d = self.head_dim_of(layer)
         if leaf in ("qkv", "qkv_bias"):
             q = self.num_heads * d * (2 if self.attn_output_gate else 1)
             return (q, self.num_kv_heads * d, self.num_kv_heads * d)
@@ -281,6 +266,9 @@ class ModelSpec:
         d["mlp_types"] = list(self.mlp_types)
         d["nope_layers"] = list(self.nope_layers)
         d["mrope_section"] = list(self.mrope_section)
+        d["mlp_sizes"] = list(self.mlp_sizes)
+        d["layer_head_dims"] = list(self.layer_head_dims)
+        d["kv_sources"] = list(self.kv_sources)
         return d
 
     @classmethod
@@ -296,6 +284,9 @@ class ModelSpec:
         d["mlp_types"] = tuple(d.get("mlp_types", ()))
         d["nope_layers"] = tuple(d.get("nope_layers", ()))
         d["mrope_section"] = tuple(d.get("mrope_section", ()))
+        d["mlp_sizes"] = tuple(d.get("mlp_sizes", ()))
+        d["layer_head_dims"] = tuple(d.get("layer_head_dims", ()))
+        d["kv_sources"] = tuple(d.get("kv_sources", ()))
         return cls(**d)
 
 
@@ -368,6 +359,11 @@ STATE_DTYPES = {"recurrent": "fp32"}
 
 
 MLP_TYPES = ("dense", "moe", "none")
+
+
+def rope_head_dim(spec: ModelSpec, table: str) -> int:
+    """The head_dim of the layers that read RoPE table ``table`` (one per table: ModelSpec checks it)."""
+    return next((spec.head_dim_of(i) for i in range(spec.num_layers) if rope_table_of(spec, i) == table), spec.head_dim)
 
 
 def rope_tables(spec: ModelSpec) -> dict[str, RopeSpec]:

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import make_llm, make_tokenizer  # noqa: E402
 
+from decodert.errors import DecodertError  # noqa: E402
 from decodert.runtime.chat.harmony import HarmonyOutput, markup_decoder  # noqa: E402
 from decodert.runtime.chat.output import assemble  # noqa: E402
 
@@ -85,3 +86,122 @@ def test_replies_without_markup_or_cut_short():
                         ("AB", None))):
         out = HarmonyOutput()
         assert assemble(out.feed(text) + out.finish())[:2] == want, text
+
+
+# -- tool calls (commentary to=functions.NAME) ------------------------------------------------------
+# gpt-oss's way of rendering tools, earlier calls and tool results (written for these tests after the shape
+# of its template: one call per assistant message, the result addressed from functions.NAME to=assistant)
+HARMONY_TOOLS = (
+    "<|start|>system<|message|>Reasoning: medium\n# Valid channels: analysis, commentary, final.<|end|>"
+    "{%- if tools -%}<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n"
+    "{%- for t in tools %}\n// {{ t.function.description }}\ntype {{ t.function.name }} = "
+    "(_: {{ t.function.parameters | tojson }}) => any;{% endfor %}\n} // namespace functions<|end|>{%- endif -%}"
+    "{%- set last = namespace(name=none) -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' and m.tool_calls -%}{%- set call = m.tool_calls[0].function -%}"
+    "<|start|>assistant to=functions.{{ call.name }}<|channel|>commentary json<|message|>"
+    "{{ call.arguments | tojson }}<|call|>{%- set last.name = call.name -%}"
+    "{%- elif m.role == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'tool' -%}{%- if last.name is none -%}{{ raise_exception('a tool result before any call') }}"
+    "{%- endif -%}<|start|>functions.{{ last.name }} to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content | tojson }}<|end|>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+CALL_REPLY = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+              'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+ANSWER = "<|channel|>final<|message|>It is 21 C in Paris."
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.mark.parametrize("cut", [1, 4, 1000])
+@pytest.mark.parametrize("reply", [
+    CALL_REPLY,  # the recipient in the channel header
+    ' to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}<|call|>',  # first
+])
+def test_tool_calls_are_read_from_the_commentary_channel(reply, cut):
+    out = HarmonyOutput(tools=True)
+    deltas = [d for i in range(0, len(reply), cut) for d in out.feed(reply[i:i + cut])] + out.finish()
+    content, reasoning, calls = assemble(deltas)
+    assert content is None and reasoning == ("Need the weather." if reply == CALL_REPLY else None)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    assert calls[0]["id"].startswith("call_")
+    cut_short = HarmonyOutput(tools=True)  # the stop token is not in the text: the end of the output ends the call
+    assert assemble(cut_short.feed(reply.removesuffix("<|call|>")) + cut_short.finish())[2][0]["function"][
+        "arguments"] == '{"city": "Paris"}'
+    plain = HarmonyOutput()  # no tools in the request: the message stays content, as before
+    assert assemble(plain.feed(reply) + plain.finish())[0] == '{"city": "Paris"}'
+
+
+def test_two_calls_and_a_preamble():
+    reply = ("<|channel|>commentary<|message|>Checking both.<|end|>"
+             '<|start|>assistant<|channel|>commentary to=functions.a json<|message|>{"x": 1}<|call|>'
+             '<|start|>assistant<|channel|>commentary to=functions.b json<|message|>{}<|call|>')
+    out = HarmonyOutput(tools=True)
+    content, _, calls = assemble(out.feed(reply) + out.finish())
+    assert content == "Checking both." and [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert [c["function"]["arguments"] for c in calls] == ['{"x": 1}', "{}"] and calls[0]["id"] != calls[1]["id"]
+
+
+def harmony_loop_llm():
+    """A gpt-oss-like model that calls get_weather, and answers once the prompt holds a tool result."""
+    tok = make_tokenizer()
+    tok.add_special_tokens(MARKUP)
+    stops = [tok.token_to_id("<|return|>"), tok.token_to_id("<|call|>")]
+    call, answer = tok.encode(CALL_REPLY).ids, tok.encode(ANSWER).ids + [stops[0]]
+    seen = {"start": 0, "last": -1}
+
+    def rule(history: np.ndarray) -> int:
+        if len(history) != seen["last"] + 1:  # a new prompt
+            seen["start"] = len(history)
+        seen["last"] = len(history)
+        prompt = tok.decode(history[: seen["start"]].tolist(), skip_special_tokens=False)
+        script = answer if "to=assistant" in prompt else call
+        return script[min(len(history) - seen["start"], len(script) - 1)]
+
+    return make_llm(tok, eos=stops, chat_template=HARMONY_TOOLS, rule=rule, max_seq=1024)
+
+
+def test_chat_returns_tool_calls_and_renders_the_result_back_in_harmony():
+    llm = harmony_loop_llm()
+    _, prompt, _ = llm._chat_prompt(ASK, {"tools": TOOLS})
+    assert "type get_weather = (_: {" in prompt  # the template rendered the tools
+    got = llm.chat(ASK, tools=TOOLS, max_new_tokens=120)
+    assert (got.text, got.reasoning, got.finish_reason) == ("", "Need the weather.", "tool_calls")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')]
+    stream = llm.stream_chat(ASK, tools=TOOLS, max_new_tokens=120)
+    assert "".join(stream) == "" and assemble(stream.deltas)[2][0]["function"]["name"] == "get_weather"
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": got.tool_calls},
+                    {"role": "tool", "tool_call_id": got.tool_calls[0]["id"], "content": "21 C"}]
+    _, prompt, _ = llm._chat_prompt(follow, {"tools": TOOLS})
+    assert prompt.endswith('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+                           '{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary'
+                           '<|message|>"21 C"<|end|><|start|>assistant')
+    again = llm.chat(follow, tools=TOOLS, max_new_tokens=120)
+    assert (again.text, again.tool_calls, again.finish_reason) == ("It is 21 C in Paris.", [], "stop")
+    with pytest.raises(DecodertError, match="tool_choice 'required' is not supported for a harmony"):
+        llm.chat(ASK, tools=TOOLS, tool_choice="required")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_returns_openai_tool_calls(stream):
+    openai = pytest.importorskip("openai")
+    from serve_helpers import running
+    from test_serve_tools import reassemble, whole
+
+    with running(harmony_loop_llm()) as (url, _):
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        kw = dict(model="tiny", tools=TOOLS, max_tokens=120, temperature=0)
+        ask = c.chat.completions.create(messages=ASK, stream=stream, **kw)
+        content, reasoning, calls, finish, ids = reassemble(ask) if stream else whole(ask)
+        assert (content, reasoning, calls, finish) == (None, "Need the weather.", [("get_weather", '{"city": "Paris"}')],
+                                                       "tool_calls")
+        messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": ids[0], "type": "function", "function": {"name": "get_weather", "arguments": calls[0][1]}}]},
+            {"role": "tool", "tool_call_id": ids[0], "content": "21 C"}]
+        assert whole(c.chat.completions.create(messages=messages, **kw))[:4] == ("It is 21 C in Paris.", None, [], "stop")

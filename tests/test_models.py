@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny import FAMILIES, HYBRIDS, MOE_FAMILIES, tiny_config  # noqa: E402
+from tiny import FAMILIES, HYBRIDS, MOE_FAMILIES, OWN_CONFIGS, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.checkpoints.checkpoint import source_keys  # noqa: E402
@@ -199,7 +199,8 @@ def test_tiny_configs_cover_every_family():
     assert set(FAMILIES) == {"llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2",
                              "smollm3"}
     vision = {"idefics3", "qwen2_5_vl", "qwen3_vl"}
-    assert {hf(f).family for f in FAMILIES + MOE_FAMILIES + HYBRIDS} | vision == set(family_names())  # MoE: tests/test_moe.py;
+    assert {hf(f).family for f in FAMILIES + MOE_FAMILIES + HYBRIDS + tuple(OWN_CONFIGS)} | vision == set(
+        family_names())  # MoE: tests/test_moe.py; OWN_CONFIGS: their own test files (tests/test_gemma4.py);
     # the vision-language families' tiny checkpoints are tests/tiny_vision.py's and tests/tiny_qwen_vl.py's
     # (tests/test_vision.py, tests/test_vision_qwen.py)
     assert {hf(f).group_size for f in FAMILIES} >= {1, 2, 4}

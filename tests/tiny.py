@@ -84,6 +84,21 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
                              position_embedding_type=None),
 }
 HYBRIDS = tuple(HYBRID_CONFIGS)
+# Families with their own test file only (no GGUF writer, layouts the generic runners do not read).
+OWN_CONFIGS: dict[str, dict[str, Any]] = {
+    # Gemma 4 text, E2B-shaped: per-layer inputs (8 wide), the last 2 of 5 layers read the K/V of the last
+    # earlier layer of their kind (3 -> 1 sliding, 4 -> 2 full) and have double-wide MLPs, window 4, full layers
+    # with heads twice as wide (global_head_dim 32: their caches too),
+    # proportional RoPE on a quarter of the full layers' angles, v norm, a final soft-cap that bites
+    "gemma4": dict(model_type="gemma4_text", num_hidden_layers=5, intermediate_size=64, tie_word_embeddings=True,
+                   global_head_dim=32, sliding_window=4, hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
+                   num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=2.0,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                                "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                       "rope_theta": 1000000.0}}),
+}
 # Weights scaled up after randomising, by name suffix: at the uniform 0.05 scale a conv layer's state
 # hardly moves a greedy token, so a state bug (a slot moved without its state) would pass unseen.
 SCALES: dict[str, dict[str, float]] = {"lfm2": {"conv.conv.weight": 20.0, "conv.in_proj.weight": 4.0}}
@@ -104,7 +119,7 @@ Once upon a time there was a small model that wanted to speak many languages: bo
 
 def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
     """The config.json fields of a tiny `family` model (before transformers fills defaults)."""
-    known = {**CONFIGS, **HYBRID_CONFIGS}
+    known = {**CONFIGS, **HYBRID_CONFIGS, **OWN_CONFIGS}
     if family not in known:
         raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES + HYBRIDS}")
     config = {**_BASE, **known[family], **overrides}
@@ -137,6 +152,9 @@ def _randomise(model: Any, seed: int) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise)
+        for name, b in model.named_buffers():  # Gemma 4's per-layer output scalar (a buffer, 1 at init)
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
 
 
 def make_tiny_checkpoint(family: str, path: str | Path, **overrides: Any) -> Path:

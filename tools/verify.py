@@ -41,10 +41,10 @@ class OrtGraphReference:
                          for k in GRAPHS}
         kv = manifest.kv
         dtype = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32}[manifest.dtype]
-        shape = (rows, kv.num_kv_heads, manifest.max_seq, kv.head_dim)
         self.pairs = kv_pairs(manifest.graphs["decode"])  # [(past_key.0, present_key.0), ...]
         self.past = [past for past, _ in self.pairs]
-        self.kv = {name: np.zeros(shape, dtype) for name in self.past}
+        dims = [d for d in kv.dims for _ in range(2)]  # each cache's head_dim (Gemma 4: the full layers' differ)
+        self.kv = {name: np.zeros((rows, kv.num_kv_heads, manifest.max_seq, d), dtype) for name, d in zip(self.past, dims)}
         self.lengths = np.zeros(rows, np.int64)  # [rows]
 
     def _run(self, kind: str, ids: np.ndarray, seq_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -37,6 +37,12 @@ class KVRecord(Record):
     scales: str | None = None  # a quantized cache: "per_channel" (kv_scale.* initializers in the graphs)
     layer_kinds: tuple[str, ...] = ()  # per model layer (models/spec.py LAYER_KINDS); () = all attention
     states: tuple[StateRecord, ...] = ()  # the other layers' states, in graph I/O order
+    head_dims: tuple[int, ...] = ()  # per K/V layer, its head_dim (Gemma 4: the full layers' is larger); () = head_dim
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The head_dim of each K/V pair's cache, in order."""
+        return self.head_dims or (self.head_dim,) * self.num_layers
 
     @property
     def layers(self) -> tuple[int, ...]:

@@ -21,11 +21,11 @@ def need(ok: bool, path: Path, what: str) -> None:
 def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
     """name -> (dtype, shape or None) of every graph input/output a backend binds."""
     kv, kvd = m.kv, kv_storage(m)
-    cache = ["batch", kv.num_kv_heads, m.max_seq, kvd.width(kv.head_dim)]  # allocated by the backends
     io: dict[str, tuple[str, list | None]] = {
         "input_ids": ("int64", None), "past_lengths": ("int64", ["batch"]), "seq_lengths": ("int64", ["batch"]),
         "logits": ("fp32", ["batch", m.model.vocab_size]), "next_token": ("int64", ["batch"])}
-    for i in kv.layers:
+    for i, d in zip(kv.layers, kv.dims):
+        cache = ["batch", kv.num_kv_heads, m.max_seq, kvd.width(d)]  # allocated by the backends
         for name in ("past_key", "past_value", "present_key", "present_value"):
             io[f"{name}.{i}"] = (kvd.storage, cache)
     for st in kv.states:

@@ -296,6 +296,8 @@ def validate(m: Manifest, path: Path) -> None:
     kv = m.kv
     need(min(kv.num_layers, kv.num_kv_heads, kv.head_dim) >= 1, path,
           "kv.num_layers, kv.num_kv_heads and kv.head_dim must be positive integers")
+    need(not kv.head_dims or (len(kv.head_dims) == kv.num_layers and min(kv.head_dims) >= 1), path,
+          "kv.head_dims must give a positive head_dim for each of kv.num_layers layers")
     need(not kv.layer_kinds or sum(k == "attention" for k in kv.layer_kinds) == kv.num_layers, path,
           "kv.layer_kinds does not match kv.num_layers attention layers")  # (kv.layers would build a huge range)
     for st in kv.states:

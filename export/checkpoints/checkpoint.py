@@ -22,7 +22,7 @@ import math
 import re
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -103,7 +103,7 @@ def part_shapes(spec: ModelSpec, name: str, n_parts: int) -> list[tuple[int, ...
         return [full]
     leaf = name.rsplit(".", 1)[-1]
     rest = full[1:]
-    rows = spec.fused_rows(leaf)
+    rows = spec.fused_rows(leaf, int(name.split(".")[1]) if name.startswith("layers.") else 0)
     if rows is not None and len(rows) == n_parts:
         return [(r, *rest) for r in rows]
     if full[0] % n_parts:
@@ -229,6 +229,18 @@ class Checkpoint:
         if is_experts(name):
             return np.stack([self.expert(name, j) for j in range(self.spec.num_experts)])
         return self._fused(self._parts(name), interleave=False)
+
+    def rows(self, name: str) -> Iterator[np.ndarray]:
+        """Canonical weight ``name`` one float32 row at a time: a large table (Gemma 4's per-layer embeddings,
+        2.35 B values in E2B) written without ever holding it whole in float32. One plain checkpoint tensor only."""
+        keys = source_keys(self.table, name)
+        if len(keys) != 1 or keys[0].endswith(_TRANSPOSED) or _STACKED.match(keys[0]) or is_experts(name):
+            raise ValueError(f"'{name}' is not one plain checkpoint tensor: read it with tensor()")
+        key = keys[0]
+        for j in range(self._part_shape(key)[0]):
+            row = self._fix(key, self._read_row(key, j))
+            check_finite([row], key, self.source)
+            yield row
 
     def expert(self, name: str, j: int) -> np.ndarray:
         """Expert ``j`` of canonical experts weight ``name`` as float32 [rows, in]; fused gate/up rows interleaved."""

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from decodert.export.artifact.records import Record
+from decodert.errors import DecodertError
 from decodert.models.spec import ModelSpec
 from decodert.models.canonical import canonical_shape
 
@@ -50,6 +51,9 @@ PEFT_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def part_rows(spec: ModelSpec, target: str) -> dict[str, int]:
     """Output rows of each part of ``target``, in row order."""
+    if spec.layer_head_dims or spec.mlp_sizes or spec.kv_sources:
+        raise DecodertError(f"LoRA adapters are not supported for {spec.family}: its layers differ in shape "
+                            "(per-layer head dims, MLP widths or shared K/V)")
     q, kv, inter, h = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size, spec.hidden_size
     rows = {"qkv": (q, kv, kv), "o": (h,), "gate_up": (inter, inter), "down": (h,)}[target]
     return dict(zip(TARGET_PARTS[target], rows))

@@ -62,6 +62,7 @@ from decodert.export.lora.layout import LoraLayout
 from decodert.export.lowering.delta_net import delta_net_mixer
 from decodert.export.lowering.mamba2 import mamba2_mixer
 from decodert.export.lowering.lora_graph import LoraGraph
+from decodert.export.lowering import per_layer
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
@@ -92,7 +93,6 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
     ``lora``: the adapter slots' inputs (export/lora/layout.py)."""
     seq: int | str = 1 if kind == "decode" else "seq"
     kv = kv or KV_DTYPES[dtype]
-    cache_shape = ["batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)]
     inputs: list[dict] = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
         {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
@@ -122,6 +122,7 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
         outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
                     {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "positions"]}]
     for i in spec.kv_layers:
+        cache_shape = ["batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim_of(i))]
         for name in ("key", "value"):
             inputs.append({"name": f"past_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
             outputs.append({"name": f"present_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
@@ -171,6 +172,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
              outputs=["seq_lengths"])
     with g.scope("model"):
         contexts = _attention_contexts(g, lowering, inp, spec)
+        readers = per_layer.read_contexts(g, lowering, inp, spec)
         adapters = None if lora is None else LoraGraph(g, lora, spec, lowering.dtype, inp.input_ids, lowering.flat_tokens)
         with g.scope("embed"):
             x = lowering.embed(g, inp.input_ids)
@@ -178,13 +180,16 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
                 x = g.op("Mul", x, g.const(np.array(spec.embed_scale, NUMPY_DTYPES[lowering.dtype])))
             if images:
                 x = _place_images(g, spec, x)
+            ple = per_layer.per_layer_inputs(g, lowering, spec, inp.input_ids, x) if spec.per_layer_input_size else None
         h = None
         for i in range(spec.num_layers):
             with g.scope(f"layers.{i}"):
-                ctx = contexts[spec.layer_window(i), rope_table_of(spec, i)]
-                x, h = _layer(g, lowering, ctx, inp, spec, i, x, h, kind == "decode", adapters)
+                key = spec.layer_window(i), rope_table_of(spec, i)
+                ctx = contexts[key] if spec.kv_source(i) == i else readers[key]
+                x, h = _layer(g, lowering.for_layer(i), ctx, inp, spec, i, x, h, kind == "decode", adapters)
                 if images and i < spec.deepstack_layers:
                     h = _add_deepstack(g, spec, h, i)
+                x, h = per_layer.layer_end(g, lowering, spec, i, x, h, ple)
         if kind == "verify":
             heads = [_verify_head(g, lowering, inp, spec, x, h)]
         else:
@@ -232,9 +237,9 @@ def _attention_contexts(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: 
     contexts: dict = {}
     for i in range(spec.num_layers):
         key = (spec.layer_window(i), rope_table_of(spec, i))
-        if key not in contexts:
+        if key not in contexts and spec.kv_source(i) == i:
             table = dataclasses.replace(inp, cos_cache=f"{key[1]}.cos", sin_cache=f"{key[1]}.sin")
-            contexts[key] = low.context(g, table, key[0] or 0)
+            contexts[key] = low.for_layer(i).context(g, table, key[0] or 0)
     return contexts
 
 
@@ -252,7 +257,7 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
     if spec.has_mixer(i):
         with g.scope("input_norm"):
             h, x = _norm(g, low, pending, x, p + "input_norm")
-        mixer = MIXERS.get(spec.layer_kind(i))
+        mixer = MIXERS.get(spec.layer_kind(i)) if spec.kv_source(i) == i else per_layer.shared_attention
         if mixer is None:
             raise DecodertError(f"layer {i}: decodert has no lowering for layer kind '{spec.layer_kind(i)}'")
         pending = mixer(g, low, ctx, inp, spec, i, h, linear)
@@ -266,10 +271,10 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
     with g.scope("post_norm"):
         h, x = _norm(g, low, pending, x, p + "post_norm")
     with g.scope("moe" if spec.is_moe(i) else "mlp"):
-        down = low.moe(g, h, p, one_token_rows) if spec.is_moe(i) else _mlp(g, low, spec, h, linear)
+        down = low.moe(g, h, p, one_token_rows) if spec.is_moe(i) else _mlp(g, low, spec, i, h, linear)
         if spec.is_moe(i) and spec.shared_mlp:
             with g.scope("shared"):
-                down = g.op("Add", down, _mlp(g, low, spec, h, linear))
+                down = g.op("Add", down, _mlp(g, low, spec, i, h, linear))
     if spec.sandwich_norm:
         with g.scope("mlp_out_norm"):
             down = low.rms_norm(g, down, p + "mlp_out_norm")
@@ -295,7 +300,8 @@ def _attention_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec
     """GQA over the layer's K/V cache -> the o projection's output; ``linear(x, target, bias)``: the layer's
     linears (with each row's LoRA update)."""
     p = f"layers.{i}."
-    width, qd = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, spec.num_heads * spec.head_dim
+    d = spec.head_dim_of(i)
+    width, qd = (spec.num_heads + 2 * spec.num_kv_heads) * d, spec.num_heads * d
     with g.scope("attn"):
         with g.scope("qkv"):
             qkv = linear(h, "qkv", p + "qkv_bias" if spec.qkv_bias else None)
@@ -349,16 +355,16 @@ MIXERS = {"attention": _attention_mixer, "conv": _conv_mixer, "linear_attention"
           "mamba2": mamba2_mixer}
 
 
-def _mlp(g: GraphBuilder, low: Lowering, spec: ModelSpec, h: str, linear: Callable[[str, str], str]) -> str:
+def _mlp(g: GraphBuilder, low: Lowering, spec: ModelSpec, i: int, h: str, linear: Callable[[str, str], str]) -> str:
     """down(act(gate) * up), gate and up from one fused GEMM (down(act(up)) where not spec.gated_mlp);
-    ``linear(x, target)``: the layer's linears."""
+    ``linear(x, target)``: layer ``i``'s linears."""
     if not spec.gated_mlp:
         with g.scope("up"):
             act = low.activation(g, linear(h, "up"))
         with g.scope("down"):
             return linear(act, "down")
     with g.scope("gate_up"):
-        gate, up = g.op("Split", linear(h, "gate_up"), g.const([spec.intermediate_size] * 2), axis=-1, outputs=2)
+        gate, up = g.op("Split", linear(h, "gate_up"), g.const([spec.mlp_size(i)] * 2), axis=-1, outputs=2)
     act = g.op("Mul", low.activation(g, gate), up)  # act(gate) * up
     with g.scope("down"):
         return linear(act, "down")
@@ -366,12 +372,15 @@ def _mlp(g: GraphBuilder, low: Lowering, spec: ModelSpec, h: str, linear: Callab
 
 def _qk_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, qkv: str, p: str) -> str:
     """Qwen3: RMSNorm over head_dim on every q and k head (v untouched). qkv [T or B,S, (H+2Hkv)*D]."""
-    d, h, hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    d, h, hkv = low.head_dim, spec.num_heads, spec.num_kv_heads
     lead = [0] if low.flat_tokens else [0, 0]  # Reshape's 0 keeps the leading dims
     q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=-1, outputs=3)
     q = g.op("Reshape", low.rms_norm(g, g.op("Reshape", q, g.const(lead + [h, d])), p + "q_norm"), g.const(lead + [h * d]))
     k = g.op("Reshape", low.rms_norm(g, g.op("Reshape", k, g.const(lead + [hkv, d])), p + "k_norm"),
              g.const(lead + [hkv * d]))
+    if spec.v_norm:  # Gemma 4: RMSNorm without a weight on v
+        ones = g.const(np.ones(d, NUMPY_DTYPES[low.dtype]))
+        v = g.op("Reshape", low.rms_norm(g, g.op("Reshape", v, g.const(lead + [hkv, d])), ones), g.const(lead + [hkv * d]))
     return g.op("Concat", q, k, v, axis=-1)
 
 

@@ -78,7 +78,8 @@ class OrtLowering(Lowering):
 
     @property
     def use_gqa(self) -> bool:
-        return not self.standard_attention and self.spec.head_dim % 16 == 0
+        return not self.standard_attention and all(
+            self.spec.head_dim_of(i) % 16 == 0 for i in range(self.spec.num_layers))
 
     @property
     def batched_past(self) -> bool:
@@ -103,7 +104,7 @@ class OrtLowering(Lowering):
             cos = sin = pos3 = None
             if self.spec.mrope_section:  # M-RoPE: 3-D positions, q and k rotated before GQA (plugins/mrope.py)
                 pos3 = mrope.positions3(g, inp.past_lengths, inp.input_ids)
-            elif self.rotary_dim != self.spec.head_dim:  # GQA rotates whole heads only: rotate before it
+            elif self.rotary_dim != self.head_dim:  # GQA rotates whole heads only: rotate before it
                 pos = g.op("Add", g.op("Unsqueeze", inp.past_lengths, g.const([1])),
                            g.op("Unsqueeze", g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1))), g.const([0])))
                 cos, sin = (g.op("Unsqueeze", g.op("Gather", t, pos, axis=0), g.const([2]))
@@ -214,7 +215,7 @@ class OrtLowering(Lowering):
             quant = dict(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=self.kv.bits)
         qkv_in, rope = [qkv, "", ""], [ctx.cos_cache, ctx.sin_cache]
         if ctx.cos is not None:  # partial rotary: q and k rotated here, GQA without rotary
-            d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+            d, h, hkv = self.head_dim, s.num_heads, s.num_kv_heads
             q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
             tables = ca.AttnContext("", "", ctx.cos, ctx.sin or "")  # rope_body reads cos and sin only
             q, k = (g.op("Reshape", ca.rope_body(g, g.op("Reshape", x, g.const([0, 0, n, d])), tables, d, self.rotary_dim),

@@ -115,13 +115,13 @@ class TrtLowering(Lowering):
 
     def _rope(self, g: GraphBuilder, x: str, heads: int, ctx: TrtContext) -> str:
         return g.op("RotaryEmbedding", x, ctx.cos_cache, ctx.sin_cache, ctx.positions, num_heads=heads, interleaved=0,
-                    rotary_embedding_dim=self.rotary_dim if self.rotary_dim != self.spec.head_dim else None)
+                    rotary_embedding_dim=self.rotary_dim if self.rotary_dim != self.head_dim else None)
 
     def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str],
                   sinks: str | None = None) -> str:
         s = self.spec
         past_key, past_value, present_key, present_value = cache
-        d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+        d, h, hkv = self.head_dim, s.num_heads, s.num_kv_heads
         q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
         if "CachedAttention" in self.plugins:  # [B,S,H*D], present_* written in place
             return g.op("CachedAttention", q, k, v, past_key, past_value, ctx.past_lengths, ctx.cos_cache,

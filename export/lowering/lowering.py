@@ -7,6 +7,7 @@ their runtime has fast kernels or native layers for.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 import dataclasses
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class Lowering:
         self.spec, self.dtype, self.max_seq = spec, dtype, max_seq
         self.kv = kv or KV_DTYPES[dtype]
         self.quant, self.quantized = quant, dict(quantized or {})
+        self.head_dim = spec.head_dim  # the layer's (for_layer): Gemma 4's full layers have another
         self.rotary_dim = spec.rope.rotary_dim or spec.head_dim
         self.scale = spec.softmax_scale
         self.softcap = spec.attn_softcap or 0.0  # 0 = none (the ONNX / ORT attribute convention)
@@ -87,6 +89,15 @@ class Lowering:
     def for_graph(self, kind: str) -> "Lowering":
         """The lowering one graph kind ("prefill" | "decode" | "verify") is built with (default: this one)."""
         return self
+
+    def for_layer(self, layer: int) -> "Lowering":
+        """The lowering of layer ``layer``'s attention: this one, or a copy with the layer's head_dim."""
+        d = self.spec.head_dim_of(layer)
+        if d == self.head_dim:
+            return self
+        low = copy.copy(self)
+        low.head_dim, low.rotary_dim = d, self.spec.rope.rotary_dim or d
+        return low
 
     # ---- per-graph shared values -------------------------------------------------------------
     def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
@@ -199,7 +210,7 @@ class Lowering:
         """
         past_key, past_value, present_key, present_value = cache
         s = self.spec
-        d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+        d, h, hkv = self.head_dim, s.num_heads, s.num_kv_heads
         q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
         q4 = ca.rope_body(g, g.op("Reshape", q, g.const([0, 0, h, d])), ctx, d, self.rotary_dim)
         k4 = ca.rope_body(g, g.op("Reshape", k, g.const([0, 0, hkv, d])), ctx, d, self.rotary_dim)
@@ -212,6 +223,25 @@ class Lowering:
         return ca.attend_body(g, q4, keys, values, ctx.visible, num_heads=h, kv_heads=hkv,
                               head_dim=d, max_seq=self.max_seq, scale=self.scale, dtype=self.dtype,
                               softcap=self.softcap, sinks=sinks)
+
+    def read_context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> ca.AttnContext:
+        """The reference attention's context (positions, visibility, RoPE at positions) for layers that read
+        another layer's cache (``shared_attention``), whichever attention this lowering's own layers use."""
+        return ca.make_context(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache, self.max_seq, window,
+                               inp.ahead)
+
+    def shared_attention(self, g: GraphBuilder, ctx: ca.AttnContext, q: str, source: tuple[str, str, str, str]) -> str:
+        """q [B,S,H*D] (normed, not rotated) over another layer's cache -> y [B,S,H*D] (Gemma 4's KV sharing).
+        ``source`` = that layer's (past_key, past_value, present_key, present_value): it reads the present
+        values, so it runs after that layer wrote this call's K/V, and writes nothing. The reference body on
+        every target (ONNX Runtime's GroupQueryAttention and TensorRT's KV update always append K/V)."""
+        past_key, past_value, present_key, present_value = source
+        s = self.spec
+        d, h, hkv = self.head_dim, s.num_heads, s.num_kv_heads
+        q4 = ca.rope_body(g, g.op("Reshape", q, g.const([0, 0, h, d])), ctx, d, self.rotary_dim)
+        keys, values = self.kv_load(g, present_key, past_key), self.kv_load(g, present_value, past_value)
+        return ca.attend_body(g, q4, keys, values, ctx.visible, num_heads=h, kv_heads=hkv, head_dim=d,
+                              max_seq=self.max_seq, scale=self.scale, dtype=self.dtype, softcap=self.softcap)
 
     def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
                     seq_lengths: str, channels: int | None = None, activation: str = "none",

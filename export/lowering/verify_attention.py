@@ -63,7 +63,7 @@ def attention(g: GraphBuilder, low: Any, ctx: VerifyContext, qkv: str, cache: tu
     """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D]; writes the new K/V into present (= past) in place."""
     past_key, past_value, present_key, present_value = cache
     s = low.spec
-    d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+    d, h, hkv = low.head_dim, s.num_heads, s.num_kv_heads
     q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
     rot = low.rotary_dim if low.rotary_dim != d else None  # partial rotary (Phi-3, Qwen3.5)
     q = g.op("RotaryEmbedding", q, ctx.cos_cache, ctx.sin_cache, ctx.positions, num_heads=h, interleaved=0,

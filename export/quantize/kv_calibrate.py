@@ -68,7 +68,7 @@ def calibrate(graph: Path, spec: ModelSpec, kv: KVDtype, dtype: str, max_seq: in
     options.log_severity_level = 3
     sess = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
     np_dtype = np.float32 if dtype == "fp32" else np.float16
-    past = {i.name: np.zeros([1, spec.num_kv_heads, max_seq, spec.head_dim], np_dtype)
+    past = {i.name: np.zeros([1, spec.num_kv_heads, max_seq, spec.head_dim_of(int(i.name.rsplit(".", 1)[1]))], np_dtype)
             for i in sess.get_inputs() if i.name.startswith(("past_key.", "past_value."))}
     states = {f"past_{st.io_name}" for st in state_specs(spec)}  # a hybrid's conv / recurrent states: zero
     past.update({i.name: np.zeros([1 if isinstance(d, str) or d is None else d for d in i.shape], _NP[i.type])

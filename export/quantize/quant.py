@@ -40,7 +40,7 @@ import numpy as np
 
 from decodert.errors import DecodertError
 
-QUANTIZABLE = ("qkv", "o", "gate_up", "up", "down", "linear_in", "linear_out", "mamba_in", "mamba_out")
+QUANTIZABLE = ("qkv", "q", "o", "gate_up", "up", "down", "linear_in", "linear_out", "mamba_in", "mamba_out")
 
 
 @dataclass(frozen=True)

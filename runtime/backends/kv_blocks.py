@@ -19,18 +19,21 @@ from typing import Any, Sequence
 import numpy as np
 
 
-def host_read(buffers: Sequence[np.ndarray], slot: int, start: int, n: int) -> np.ndarray:
-    """Positions [start, start+n) of ``slot`` from every buffer -> a new [2L, H_kv, n, D] array."""
+def host_read(buffers: Sequence[np.ndarray], slot: int, start: int, n: int) -> np.ndarray | list[np.ndarray]:
+    """Positions [start, start+n) of ``slot`` from every buffer -> a new [2L, H_kv, n, D] array (a list of
+    [H_kv, n, D_i] arrays where layers differ in D: Gemma 4)."""
     first = buffers[0]
+    if len({b.shape[3] for b in buffers}) > 1:
+        return [buf[slot, :, start : start + n].copy() for buf in buffers]
     out = np.empty((len(buffers), first.shape[1], n, first.shape[3]), first.dtype)  # [2L, H_kv, n, D]
     for i, buf in enumerate(buffers):
         out[i] = buf[slot, :, start : start + n]
     return out
 
 
-def host_write(buffers: Sequence[np.ndarray], slot: int, start: int, block: np.ndarray) -> None:
-    """Copy ``block`` [2L, H_kv, n, D] into positions [start, start+n) of ``slot``."""
-    n = block.shape[2]
+def host_write(buffers: Sequence[np.ndarray], slot: int, start: int, block: np.ndarray | list[np.ndarray]) -> None:
+    """Copy ``block`` [2L, H_kv, n, D] (or host_read's list) into positions [start, start+n) of ``slot``."""
+    n = block[0].shape[1]
     for buf, part in zip(buffers, block):
         buf[slot, :, start : start + n] = part
 

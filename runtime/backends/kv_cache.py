@@ -51,8 +51,10 @@ class KVCache:
 
     def __init__(self, slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int,
                  dtype: Any = None, device: str = "cpu", itemsize: int | None = None,
-                 kv_layers: Sequence[int] | None = None, states: Sequence[tuple] = ()) -> None:
-        """``layers``: K/V pairs (``kv_layers``: the model layer of each, default 0..layers-1);
+                 kv_layers: Sequence[int] | None = None, states: Sequence[tuple] = (),
+                 head_dims: Sequence[int] | None = None) -> None:
+        """``layers``: K/V pairs (``kv_layers``: the model layer of each, default 0..layers-1); ``head_dims``:
+        each pair's last dimension where they differ (Gemma 4's full layers; default ``head_dim`` for all);
         ``states``: (io name, per-slot shape[, numpy dtype: None = the cache's]) of every other per-layer
         state (hybrid models; a recurrent state is float32 in an fp16 model)."""
         self.slots, self.max_seq, self.device = slots, max_seq, device
@@ -61,16 +63,24 @@ class KVCache:
             raise ValueError(f"{layers} K/V layers but kv_layers {list(self.kv_layers)}")
         self.dtype = np.dtype(dtype) if dtype is not None else None
         itemsize = itemsize if itemsize is not None else self.dtype.itemsize
-        self.slot_shape = (kv_heads, max_seq, head_dim)
+        dims = list(head_dims) if head_dims is not None else [head_dim] * layers
+        if len(dims) != layers:
+            raise ValueError(f"{layers} K/V layers but head_dims {dims}")
         self.kv_heads = kv_heads
-        self.pos_bytes = head_dim * itemsize  # one position of one head
-        self.slot_bytes = kv_heads * max_seq * self.pos_bytes  # one slot of one buffer
+        # per buffer (k0, v0, k1, ...): the slot shape, one position of one head, one slot
+        self.slot_shapes = [(kv_heads, max_seq, d) for d in dims for _ in range(2)]
+        self.pos_bytes_of = [d * itemsize for d in dims for _ in range(2)]
+        self.slot_bytes_of = [kv_heads * max_seq * b for b in self.pos_bytes_of]
+        self.uniform = len(set(dims)) <= 1
+        self.slot_shape = self.slot_shapes[0] if self.slot_shapes else (kv_heads, max_seq, head_dim)  # uniform caches
+        self.pos_bytes = head_dim * itemsize if self.uniform else 0
+        self.slot_bytes = kv_heads * max_seq * self.pos_bytes  # one slot of one buffer (uniform caches)
         if device == "cpu":
-            self.buffers: list[Any] = [np.zeros((slots, *self.slot_shape), self.dtype) for _ in range(2 * layers)]
+            self.buffers: list[Any] = [np.zeros((slots, *shape), self.dtype) for shape in self.slot_shapes]
         else:
             from decodert.plugins.cuda_mem import DeviceBuffer
 
-            self.buffers = [DeviceBuffer(slots * self.slot_bytes) for _ in range(2 * layers)]
+            self.buffers = [DeviceBuffer(slots * n) for n in self.slot_bytes_of]
         self.state_names = [st[0] for st in states]
         self.state_shapes = [tuple(st[1]) for st in states]  # per slot
         self.state_dtypes = [np.dtype(st[2]) if len(st) > 2 and st[2] is not None else self.dtype for st in states]
@@ -95,7 +105,7 @@ class KVCache:
         """Address of slot ``slot`` in buffer ``i``."""
         buf = self.buffers[i]
         base = buf.ctypes.data if self.device == "cpu" else buf.ptr
-        return base + slot * self.slot_bytes
+        return base + slot * self.slot_bytes_of[i]
 
     def state_pointer(self, j: int, slot: int) -> int:
         """Address of slot ``slot`` in state ``j``."""
@@ -109,6 +119,8 @@ class KVCache:
 
     def geometry(self) -> kv_blocks.DeviceGeometry:
         """Where each slot and position of the device buffers is (runtime/backends/kv_blocks.py)."""
+        if not self.uniform:
+            raise DecodertError("the device prefix cache needs one head_dim for every K/V layer")
         return kv_blocks.DeviceGeometry([b.ptr for b in self.buffers], self.slot_bytes, self.pos_bytes,
                                         self.kv_heads, self.max_seq)
 

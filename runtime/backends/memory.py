@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import resource
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 import sys
 
@@ -35,9 +35,12 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
 
 
-def kv_cache_bytes(slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int, kv: KVDtype) -> int:
-    """Bytes of a KV cache of ``slots`` rows: K and V per layer, [slots, Hkv, max_seq, D] in ``kv``'s element size."""
-    return slots * 2 * layers * kv_heads * max_seq * kv.bytes_per_position(head_dim)
+def kv_cache_bytes(slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int | Sequence[int],
+                   kv: KVDtype) -> int:
+    """Bytes of a KV cache of ``slots`` rows: K and V per layer, [slots, Hkv, max_seq, D] in ``kv``'s element size;
+    ``head_dim``: one D for every layer, or each layer's."""
+    dims = [head_dim] * layers if isinstance(head_dim, int) else list(head_dim)
+    return slots * 2 * kv_heads * max_seq * sum(kv.bytes_per_position(d) for d in dims)
 
 
 def check_kv_fits(nbytes: int, kv: KVDtype) -> None:

@@ -70,6 +70,7 @@ class OrtBackend:
         self.layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
         self.kv = kv_storage(manifest)  # the cache's element type: float, int8, fp8 or packed int4 codes
         self.kv_width = self.kv.width(self.head_dim)  # the buffers' last dimension
+        self.head_dims = kv.dims  # each K/V layer's D (Gemma 4: the full layers' differ)
         self.max_batch, self.max_seq = manifest.max_batch, manifest.max_seq
         self.vocab_size = manifest.model.vocab_size
         self.hidden = manifest.model.hidden_size or 0
@@ -117,13 +118,14 @@ class OrtBackend:
         slots = slots or self.max_batch
         if not 1 <= slots <= self.max_batch:
             raise DecodertError(f"batch {slots} exceeds the artifact's --max-batch {self.max_batch}")
-        check_kv_fits(kv_cache_bytes(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, self.kv)
+        check_kv_fits(kv_cache_bytes(slots, self.max_seq, self.layers, self.kv_heads, self.head_dims, self.kv)
                       + self.manifest.kv.state_bytes(slots, np.dtype(self.np_dtype).itemsize), self.kv)
         self._decode_bindings.clear()
         for state in self._verify.values():
             state.bindings.clear()
         return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.kv_width, NUMPY_STORAGE[self.kv.storage],
-                       self.device, **self.manifest.kv.cache_layout(self.manifest.dtype))
+                       self.device, head_dims=[self.kv.width(d) for d in self.head_dims],
+                       **self.manifest.kv.cache_layout(self.manifest.dtype))
 
     def prefill(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> StepOutput:
         lens = np.array([len(x) for x in ids], np.int64)
@@ -266,7 +268,7 @@ class OrtBackend:
 
             stream = self._cuda_stream()
             for i in range(len(cache.buffers)):
-                copy_async(cache.pointer(i, dst), cache.pointer(i, src), cache.slot_bytes, stream, "d2d")
+                copy_async(cache.pointer(i, dst), cache.pointer(i, src), cache.slot_bytes_of[i], stream, "d2d")
             for j, nbytes in enumerate(cache.state_bytes):
                 copy_async(cache.state_pointer(j, dst), cache.state_pointer(j, src), nbytes, stream, "d2d")
             self._stream.sync()
@@ -274,7 +276,7 @@ class OrtBackend:
 
     # ---- KV blocks (runtime/backends/kv_blocks.py) ----------------------------------------------------
     def kv_bytes(self, n: int) -> int:
-        return kv_cache_bytes(1, n, self.layers, self.kv_heads, self.head_dim, self.kv)
+        return kv_cache_bytes(1, n, self.layers, self.kv_heads, self.head_dims, self.kv)
 
     def read_kv(self, cache: KVCache, slot: int, start: int, n: int) -> Any:
         if cache.device == "cpu":

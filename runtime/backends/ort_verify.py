@@ -79,8 +79,8 @@ def bind_cache(io: Any, cache: KVCache, start: int, n: int, lora: dict[str, np.n
         io.bind_input("lora_index", "cpu", 0, index.dtype, index.shape, index.ctypes.data)
         for name, arr in lora.items():
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-    shape = (n, *cache.slot_shape)
     for i in range(len(cache.buffers)):
+        shape = (n, *cache.slot_shapes[i])
         ptr = cache.pointer(i, start)
         pair, kv = divmod(i, 2)
         suffix = f"{('key', 'value')[kv]}.{cache.kv_layers[pair]}"

@@ -83,6 +83,7 @@ class TrtBackend:
         blobs = {n: read_engine(self.dir, manifest, n, self.info) for n in GRAPHS}  # CPU checks first
         kv, recs = manifest.kv, manifest.engines or {}
         self.layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
+        self.head_dims = kv.dims  # each K/V layer's D (Gemma 4: the full layers' differ)
         self.itemsize = ITEMSIZE[manifest.dtype]  # the cache is allocated in the manifest's dtype
         self.max_seq = manifest.max_seq  # cache length (static in the graphs)
         self.max_batch = min(recs["decode"].max_batch or manifest.max_batch, recs["prefill"].max_batch or manifest.max_batch)
@@ -162,16 +163,17 @@ class TrtBackend:
     def kv_addresses(self, cache: KVCache, row0: int) -> dict[str, int]:
         """past_* and present_* of every layer -> the same pointer, at slot ``row0``."""
         out = {}
-        for buf, (past, present) in zip(cache.buffers, self.engines["decode"].kv_pairs):
-            out[past] = out[present] = buf.ptr + row0 * cache.slot_bytes
+        for i, (past, present) in enumerate(self.engines["decode"].kv_pairs):
+            out[past] = out[present] = cache.pointer(i, row0)
         for j, name in enumerate(cache.state_names):  # hybrid models: conv / recurrent states, in place too
             out[f"past_{name}"] = out[f"present_{name}"] = cache.state_pointer(j, row0)
         return out
 
     def io_shapes(self, n: int, seq: int) -> dict[str, tuple[int, ...]]:
-        kv = (n, self.kv_heads, self.max_seq, self.head_dim)
         shapes: dict[str, tuple[int, ...]] = {"input_ids": (n, seq), "past_lengths": (n,), "seq_lengths": (n,)}
-        shapes.update({past: kv for past, _ in self.engines["decode"].kv_pairs})
+        dims = [d for d in self.head_dims for _ in range(2)]  # k0, v0, k1, ...
+        shapes.update({past: (n, self.kv_heads, self.max_seq, d)
+                       for (past, _), d in zip(self.engines["decode"].kv_pairs, dims)})
         shapes.update({f"past_{st.io_name}": (n, *map(int, st.shape[1:])) for st in self.manifest.kv.states})
         return shapes
 
@@ -180,14 +182,15 @@ class TrtBackend:
         """Allocate [slots, Hkv, max_seq, D] K and V per layer once; checked against free GPU memory."""
         if not 1 <= slots <= self.max_batch:
             raise DecodertError(f"allocate({slots}): slots must be 1..{self.max_batch} (the engines' --max-batch)")
-        row = self.kv_heads * self.max_seq * self.head_dim * self.itemsize
-        need = 2 * self.layers * slots * row + self.manifest.kv.state_bytes(slots, self.itemsize)
+        row = self.kv_heads * self.max_seq * sum(self.head_dims) * self.itemsize  # K or V of every layer
+        need = 2 * slots * row + self.manifest.kv.state_bytes(slots, self.itemsize)
         free, _ = cm.mem_get_info()
         if need > 0.9 * free:
             raise DecodertError(f"the KV cache needs {need / 2**30:.2f} GiB ({slots} slots x {self.max_seq} tokens) but "
                                 f"{free / 2**30:.2f} GiB of GPU memory is free; lower --max-seq or --max-batch")
         cache = KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.head_dim, device="cuda",
-                        itemsize=self.itemsize, **self.manifest.kv.cache_layout(self.manifest.dtype))
+                        itemsize=self.itemsize, head_dims=self.head_dims,
+                        **self.manifest.kv.cache_layout(self.manifest.dtype))
         self._use(cache)
         return cache
 
@@ -217,10 +220,10 @@ class TrtBackend:
     def move_slot(self, cache: KVCache, src: int, dst: int) -> None:
         """Copy slot ``src``'s cached positions into ``dst`` ([Hkv] strided rows of length*D per buffer)."""
         n = int(cache.lengths[src])
-        pitch = self.max_seq * cache.pos_bytes  # bytes between heads
-        for buf in cache.buffers:
-            cm.copy_2d_async(buf.ptr + dst * cache.slot_bytes, pitch, buf.ptr + src * cache.slot_bytes, pitch,
-                             n * cache.pos_bytes, self.kv_heads, self.stream)
+        for i in range(len(cache.buffers)):
+            pitch = self.max_seq * cache.pos_bytes_of[i]  # bytes between heads
+            cm.copy_2d_async(cache.pointer(i, dst), pitch, cache.pointer(i, src), pitch,
+                             n * cache.pos_bytes_of[i], self.kv_heads, self.stream)
         for j, nbytes in enumerate(cache.state_bytes):
             cm.copy_async(cache.state_pointer(j, dst), cache.state_pointer(j, src), nbytes, self.stream, "d2d")
         self.stream.sync()
@@ -228,7 +231,7 @@ class TrtBackend:
 
     # ------------------------------------------------------------ KV blocks (runtime/backends/kv_blocks.py)
     def kv_bytes(self, n: int) -> int:
-        return 2 * self.layers * self.kv_heads * n * self.head_dim * self.itemsize
+        return 2 * self.kv_heads * n * sum(self.head_dims) * self.itemsize
 
     def read_kv(self, cache: KVCache, slot: int, start: int, n: int) -> kv_blocks.DeviceBlock:
         """Positions [start, start+n) of ``slot`` copied into a new device block (stays on the GPU)."""

@@ -42,8 +42,8 @@ class ChatTurn:
 
     def constraint(self, other: Any) -> Any:
         """The tools' constraint, or ``other`` (json_schema / regex / grammar); both at once is an error."""
-        if self.tools is None:
-            return other
+        if self.tools is None or self.harmony:  # harmony calls are read, not constrained (chat_turn refuses
+            return other  # a tool_choice that would need the constraint)
         if other is not None:
             raise DecodertError("give either tools or a structured-output constraint (json_schema, regex, "
                                 "grammar, response_format), not both")
@@ -52,7 +52,7 @@ class ChatTurn:
     def output(self, prompt: str) -> Any:
         """A fresh splitter for this turn's reply; ``prompt``: the rendered prompt (it may open <think>)."""
         if self.harmony:
-            return HarmonyOutput()
+            return HarmonyOutput(tools=self.tools is not None)
         tail = prompt.rstrip()
         in_think = self.think and tail.endswith(THINK_OPEN)
         return ChatOutput(self.fmt, think=self.think, in_think=in_think)
@@ -88,6 +88,9 @@ def chat_turn(template: str | None, messages: Any, options: Mapping[str, Any], t
         if any(m.get("tool_calls") or m.get("role") == "tool" for m in msgs) and "tool" not in (template or ""):
             msgs = flatten_tool_messages(msgs)
         return ChatTurn(msgs, kwargs, None, None, think, harmony)
+    if harmony and spec.choice != "auto":
+        raise DecodertError(f"tool_choice {spec.choice!r} is not supported for a harmony (gpt-oss) template: its calls "
+                            "are read from the reply, not constrained; use tool_choice 'auto'")
     fmt = tool_format(template, tool_parser)
     if template and "tools" in template:
         kwargs["tools"] = spec.template_tools()

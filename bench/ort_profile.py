@@ -24,7 +24,7 @@ from decodert.tools import bench as B
 
 
 def profiled_backend(folder: Path, threads: int, prefix: str) -> ort_backend.OrtBackend:
-    plain = ort_backend._session_options
+    plain = ort_backend.session_options
 
     def with_profiling(t):
         so = plain(t)
@@ -32,11 +32,11 @@ def profiled_backend(folder: Path, threads: int, prefix: str) -> ort_backend.Ort
         so.profile_file_prefix = prefix
         return so
 
-    ort_backend._session_options = with_profiling
+    ort_backend.session_options = with_profiling
     try:
         return ort_backend.OrtBackend(folder, read_manifest(folder), threads=threads)
     finally:
-        ort_backend._session_options = plain
+        ort_backend.session_options = plain
 
 
 def by_op(trace: Path, skip_runs: int) -> tuple[dict[str, float], int]:

@@ -22,7 +22,8 @@ from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 from decodert.export.lora.layout import LoraLayout, LoraRecord
 from decodert.export.lora.merge import MergedCheckpoint
 from decodert.export.lora.peft import read_peft
-from decodert.export.lowering.graph import VERIFY_WIDTH, build_graph, io_contract, verifies_rows
+from decodert.export.lowering.graph import build_graph
+from decodert.export.lowering.io_contract import VERIFY_WIDTH, io_contract, verifies_rows
 from decodert.export.quantize.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
 from decodert.export.quantize.quant_gguf import transcoded_as
 from decodert.export.checkpoints.sampling_defaults import sampling_record

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 from decodert.errors import DecodertError
 from decodert.export.artifact.destination import file_mode, linked_copy, swap_in
-from decodert.export.lowering.graph import DEFAULTED_INPUTS
+from decodert.export.lowering.io_contract import DEFAULTED_INPUTS
 from decodert.export.trt_graphs import VISION, graph_of, max_patches, max_tiles, profile_shapes, without_image_defaults
 from decodert.export.lowering.targets import get_target
 from decodert.export.trt_progress import make_progress

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from decodert.export.artifact.manifest import GraphRecord, Manifest
-from decodert.export.lowering.graph import DEFAULTED_INPUTS, IMAGE_INPUTS
+from decodert.export.lowering.io_contract import DEFAULTED_INPUTS, IMAGE_INPUTS
 
 VISION = "vision"  # vision-language artifacts: vision.onnx (manifest.vision.graph)
 

@@ -70,34 +70,36 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     if spec.per_layer_input_size:
         names += ["embed_per_layer", "per_layer_model_proj", "per_layer_proj_norm"]
     for i in range(spec.num_layers):
-        p = f"layers.{i}."
-        if spec.has_mixer(i):
-            names.append(p + "input_norm")
-            names += [p + leaf for leaf in mixer_names(spec, i)]
-            if spec.kv_source(i) != i:  # a layer reading another's K/V projects q only
-                names = [n for n in names if n not in (p + "k_norm",)]
-                names[names.index(p + "qkv")] = p + "q"
-            names += [p + "attn_out_norm"] if spec.sandwich_norm else []
-        if not spec.has_mlp(i):
-            continue
-        names.append(p + "post_norm")
-        if not spec.is_moe(i):
-            names += [p + ("gate_up" if spec.gated_mlp else "up"), p + "down"]
-        else:
-            names += [p + "router"] + ([p + "router_bias"] if spec.router_bias else []) + [p + "experts.gate_up"]
-            names += [p + "experts.gate_up_bias"] if spec.expert_bias else []
-            names += [p + "experts.down"] + ([p + "experts.down_bias"] if spec.expert_bias else [])
-            names += [p + "gate_up", p + "down"] if spec.shared_mlp else []
-        if spec.sandwich_norm:
-            names.append(p + "mlp_out_norm")
-        if spec.per_layer_input_size:
-            names += [p + "ple_gate", p + "ple_proj", p + "ple_norm"]
-        if spec.layer_scalar:
-            names.append(p + "layer_scalar")
+        names += [f"layers.{i}.{leaf}" for leaf in _layer_leaves(spec, i)]
     names.append("final_norm")
     if not spec.tie_word_embeddings:
         names.append("lm_head")
     return names
+
+
+def _layer_leaves(spec: ModelSpec, i: int) -> list[str]:
+    """Layer ``i``'s weight names after ``layers.{i}.``, in canonical_names' order."""
+    leaves: list[str] = []
+    if spec.has_mixer(i):
+        leaves += ["input_norm", *mixer_names(spec, i)]
+        if spec.kv_source(i) != i:  # a layer reading another's K/V projects q only
+            leaves = ["q" if leaf == "qkv" else leaf for leaf in leaves if leaf != "k_norm"]
+        leaves += ["attn_out_norm"] if spec.sandwich_norm else []
+    if spec.has_mlp(i):
+        leaves.append("post_norm")
+        if not spec.is_moe(i):
+            leaves += ["gate_up" if spec.gated_mlp else "up", "down"]
+        else:
+            leaves += ["router"] + (["router_bias"] if spec.router_bias else []) + ["experts.gate_up"]
+            leaves += ["experts.gate_up_bias"] if spec.expert_bias else []
+            leaves += ["experts.down"] + (["experts.down_bias"] if spec.expert_bias else [])
+            leaves += ["gate_up", "down"] if spec.shared_mlp else []
+        leaves += ["mlp_out_norm"] if spec.sandwich_norm else []
+    if spec.per_layer_input_size:
+        leaves += ["ple_gate", "ple_proj", "ple_norm"]
+    if spec.layer_scalar:
+        leaves.append("layer_scalar")
+    return leaves
 
 
 def _attention_names(spec: ModelSpec) -> list[str]:

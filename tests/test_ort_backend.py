@@ -57,9 +57,9 @@ def test_chunked_prefill_matches_one_call(tiny_art, monkeypatch):
 def test_session_pools_stop_spinning_after_a_run(tiny_art):
     """The prefill/decode and verify sessions (and a draft model's) run one after another: a pool
     left spinning after its run took the cores from the next session's run."""
-    from decodert.runtime.backends import ort_backend
+    from decodert.runtime.backends import ort_session
 
-    assert ort_backend._session_options(None).get_session_config_entry("session.force_spinning_stop") == "1"
+    assert ort_session.session_options(None).get_session_config_entry("session.force_spinning_stop") == "1"
     be = OrtBackend(tiny_art, load_manifest(tiny_art))
     cache = be.allocate(1)
     be.prefill(cache, [0], [np.arange(3, 9)], want_logits=False)
@@ -70,17 +70,17 @@ def test_pinned_threads_take_one_core_each(monkeypatch):
     """$DECODERT_PIN_THREADS=1 pins the pool's workers (ORT numbers cores from 1; the caller's
     thread is not ORT's to pin); off by default, and a bad value is one line."""
     from decodert.errors import DecodertError
-    from decodert.runtime.backends import ort_backend
+    from decodert.runtime.backends import ort_session
 
-    monkeypatch.setattr(ort_backend.os, "sched_getaffinity", lambda _pid: {4, 5, 6, 7}, raising=False)
-    assert ort_backend.thread_pins(4, "1") == "6;7;8"
-    assert ort_backend.thread_pins(2, "1") == "6"
-    assert ort_backend.thread_pins(8, "1") == ""  # more threads than cores: leave the scheduler alone
-    assert ort_backend.thread_pins(1, "1") == ort_backend.thread_pins(4, "0") == ort_backend.thread_pins(4, "") == ""
+    monkeypatch.setattr(ort_session.os, "sched_getaffinity", lambda _pid: {4, 5, 6, 7}, raising=False)
+    assert ort_session.thread_pins(4, "1") == "6;7;8"
+    assert ort_session.thread_pins(2, "1") == "6"
+    assert ort_session.thread_pins(8, "1") == ""  # more threads than cores: leave the scheduler alone
+    assert ort_session.thread_pins(1, "1") == ort_session.thread_pins(4, "0") == ort_session.thread_pins(4, "") == ""
     with pytest.raises(DecodertError, match="DECODERT_PIN_THREADS must be 0 or 1, got 'yes'"):
-        ort_backend.thread_pins(2, "yes")
+        ort_session.thread_pins(2, "yes")
     monkeypatch.setenv("DECODERT_PIN_THREADS", "1")
-    options = ort_backend._session_options(2)
+    options = ort_session.session_options(2)
     assert options.get_session_config_entry("session.intra_op_thread_affinities") == "6"
 
 

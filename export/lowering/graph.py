@@ -51,7 +51,7 @@ adds every position's rows to the head's gather when 1, in the same lm_head GEMM
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Literal
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -63,78 +63,11 @@ from decodert.export.lowering.delta_net import delta_net_mixer
 from decodert.export.lowering.mamba2 import mamba2_mixer
 from decodert.export.lowering.lora_graph import LoraGraph
 from decodert.export.lowering import per_layer
+from decodert.export.lowering.io_contract import GraphKind, io_contract, verifies_rows
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, rope_table_of, state_specs, window_layers
-from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
-
-GraphKind = Literal["prefill", "decode", "verify"]
-# inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
-# TensorRT's ONNX parser folds such an input into a constant, so its engines take the default only
-DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "image_ahead", "deepstack_embeds", "rope_offsets")
-IMAGE_INPUTS = ("image_embeds", "image_positions", "image_ahead")  # what a prefill with images binds
-VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
-
-
-def verifies_rows(lowering: Lowering, kind: GraphKind) -> bool:
-    """Whether graph ``kind`` takes ``per_position`` (one-row verify passes): the prefill graph, where
-    the verify graph is built with an attention of its own because the prefill/decode one cannot
-    take several rows of several tokens over caches."""
-    return kind == "prefill" and lowering.for_graph("verify").batched_past and not lowering.batched_past
-
-
-def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
-                per_position: bool = False, kv: KVDtype | None = None,
-                lora: LoraLayout | None = None) -> dict[str, list[dict]]:
-    """Names, dtypes and shapes of a graph's inputs and outputs (also written to the manifest);
-    ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``);
-    ``kv``: the cache's element type (default ``dtype``): its storage and packed width.
-    ``lora``: the adapter slots' inputs (export/lora/layout.py)."""
-    seq: int | str = 1 if kind == "decode" else "seq"
-    kv = kv or KV_DTYPES[dtype]
-    inputs: list[dict] = [
-        {"name": "input_ids", "dtype": "int64", "shape": ["batch", seq]},
-        {"name": "past_lengths", "dtype": "int64", "shape": ["batch"]},
-        {"name": "seq_lengths", "dtype": "int64", "shape": ["batch"]},
-    ]
-    if kind == "verify":  # every position is an output: no last valid token to pick
-        inputs.pop()
-    outputs: list[dict] = [
-        {"name": "logits", "dtype": "fp32", "shape": ["batch", spec.vocab_size]},
-        {"name": "next_token", "dtype": "int64", "shape": ["batch"]},
-    ] if kind != "verify" else [
-        {"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "seq", spec.vocab_size]},
-        {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "seq"]},
-    ]
-    if kind == "prefill" and spec.image_token_id is not None:
-        inputs += [{"name": "image_embeds", "dtype": dtype, "shape": ["image_tokens", spec.hidden_size]},
-                   {"name": "image_positions", "dtype": "int64", "shape": ["image_tokens"]}]
-        if spec.bidirectional_images:
-            inputs.append({"name": "image_ahead", "dtype": "int64", "shape": ["image_tokens"]})
-        if spec.deepstack_layers:  # Qwen3-VL: the vision tower's earlier features, added after the first layers
-            inputs.append({"name": "deepstack_embeds", "dtype": dtype,
-                           "shape": [spec.deepstack_layers, "image_tokens", spec.hidden_size]})
-    if spec.mrope_section:  # M-RoPE (plugins/mrope.py): position - cache index on each axis t, h, w
-        inputs.append({"name": "rope_offsets", "dtype": "int64", "shape": [3, "batch", seq]})
-    if per_position:
-        inputs.append({"name": "per_position", "dtype": "int64", "shape": [1]})
-        outputs += [{"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "positions", spec.vocab_size]},
-                    {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "positions"]}]
-    for i in spec.kv_layers:
-        cache_shape = ["batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim_of(i))]
-        for name in ("key", "value"):
-            inputs.append({"name": f"past_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
-            outputs.append({"name": f"present_{name}.{i}", "dtype": kv.storage, "shape": cache_shape})
-    if kind == "verify":  # the conv inputs of every position (speculation takes the state after j from them)
-        for i in window_layers(spec):
-            outputs.append({"name": f"window_conv.{i}", "dtype": dtype, "shape": ["batch", spec.hidden_size, "window"]})
-    for st in state_specs(spec):  # hybrid models: conv / recurrent states, bound in place like K/V
-        inputs.append({"name": f"past_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
-        outputs.append({"name": f"present_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
-    if lora is not None:
-        inputs += lora.inputs(spec, dtype)
-    return {"inputs": inputs, "outputs": outputs}
 
 
 def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.TensorProto],

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from decodert.plugins import causal_conv as cc
+from decodert.plugins.ops import causal_conv as cc
 from decodert.plugins.onnx_builder import GraphBuilder
 
 

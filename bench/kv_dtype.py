@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from decodert.export.pipeline import export_model
-from decodert.plugins.kv_dtypes import KV_DTYPES
+from decodert.plugins.ops.kv_dtypes import KV_DTYPES
 from decodert.runtime.backends.loading import open_tokenizer, read_manifest
 from decodert.runtime.backends.memory import kv_cache_bytes
 from decodert.runtime.backends.ort_backend import OrtBackend

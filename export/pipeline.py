@@ -41,8 +41,8 @@ from decodert.export.artifact.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, rope_head_dim, rope_tables, state_specs
 from decodert.models.canonical import canonical_names, canonical_shape
 from decodert.models.vision import VisionSpec, vision_names, vision_shape
-from decodert.plugins.kv_dtypes import KVDtype
-from decodert.plugins.kv_dtypes import kv_dtype as kv_dtype_of
+from decodert.plugins.ops.kv_dtypes import KVDtype
+from decodert.plugins.ops.kv_dtypes import kv_dtype as kv_dtype_of
 from decodert.plugins.selection import choose_plugins
 from decodert.export.quantize import kv_calibrate
 from decodert.export.artifact.version import __version__
@@ -67,7 +67,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     ``manifest.quant.per_weight`` records how each weight is stored.
 
     ``kv_dtype`` (fp32|fp16|bf16|int8|fp8|int4; None: ``dtype``) is the KV cache's element type
-    (plugins/kv_dtypes.py); a quantized cache's per-channel scales are calibrated here
+    (plugins/ops/kv_dtypes.py); a quantized cache's per-channel scales are calibrated here
     (export/quantize/kv_calibrate.py). ``manifest.kv_dtype`` records it.
 
     ``lora``: adapter slots the graphs take at run time (export/lora/layout.py); ``merge_lora``: PEFT

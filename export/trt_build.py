@@ -33,7 +33,7 @@ from decodert.export.trt_graphs import VISION, graph_of, max_patches, max_tiles,
 from decodert.export.lowering.targets import get_target
 from decodert.export.trt_progress import make_progress
 from decodert.export.artifact.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
-from decodert.plugins.trt_compat import TrtInfo, load_trt
+from decodert.plugins.trt.compat import TrtInfo, load_trt
 
 GRAPHS = ("prefill", "decode")
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -200,7 +200,7 @@ def make_config(trt: ModuleType, info: TrtInfo, builder: Any, network: Any,
         config.set_flag(trt.BuilderFlag.STRIP_PLAN)
         config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)  # the refit brings the build's own weights back
     if settings.get("plugins"):  # decodert plugins write the KV cache in place (aliased plugin I/O)
-        from decodert.plugins.trt_plugins import enable_plugin_features
+        from decodert.plugins.trt.creators import enable_plugin_features
 
         enable_plugin_features(trt, config)
     return config
@@ -332,7 +332,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     manifest = read_manifest(out, verify)
     trt, info = load_trt(need_builder=True)
     if manifest.plugin_ops:  # decodert:: plugin nodes: the parser needs the creators
-        from decodert.plugins.trt_plugins import register_plugins
+        from decodert.plugins.trt.creators import register_plugins
 
         register_plugins(trt, info)
     batch, seq = resolve_limits(manifest, max_batch, max_seq)

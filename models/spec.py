@@ -88,7 +88,7 @@ class ModelSpec:
     mlp_sizes: tuple[int, ...] = ()  # per layer, the dense MLP's width; () = intermediate_size everywhere
     layer_head_dims: tuple[int, ...] = ()  # per layer head_dim (Gemma 4's full layers: global_head_dim); () = head_dim
     image_token_id: int | None = None  # vision-language: prefill takes image embeddings at this token's rows
-    # M-RoPE (Qwen2-VL / 2.5-VL / 3-VL): each rotary pair j turns by the position on axis t, h or w (plugins/mrope.py);
+    # M-RoPE (Qwen2-VL / 2.5-VL / 3-VL): each rotary pair j turns by the position on axis t, h or w (plugins/ops/mrope.py);
     # the graphs take rope_offsets [3, B, S] (position - cache index per axis). () = ordinary 1-D RoPE
     mrope_section: tuple[int, ...] = ()  # pairs per axis (t, h, w), summing to rotary_dim / 2
     mrope_interleaved: bool = False  # Qwen3-VL: pairs t, h, w, t, h, w, ... instead of three blocks
@@ -124,7 +124,7 @@ class ModelSpec:
             if not 1 <= self.experts_per_token <= self.num_experts or self.expert_intermediate_size < 1:
                 raise ValueError(f"router top-k {self.experts_per_token} must be 1..{self.num_experts} experts and "
                                  f"the expert width {self.expert_intermediate_size} positive")
-            if self.activation != "silu":  # the MoE/QMoE ops and plugins/moe.py compute SwiGLU experts
+            if self.activation != "silu":  # the MoE/QMoE ops and plugins/ops/moe.py compute SwiGLU experts
                 raise ValueError(f"experts with activation '{self.activation}' are not supported (SwiGLU only)")
         if self.mlp_types and (len(self.mlp_types) != self.num_layers or set(self.mlp_types) - set(MLP_TYPES)
                                or ("moe" in self.mlp_types and not self.num_experts)):
@@ -321,7 +321,7 @@ def _conv_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 def _delta_net_states(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return {"conv": (spec.linear_conv_channels, spec.conv_kernel - 1),  # conv over q, k, v
-            # V-major [H_v, Dv, Dk]: ONNX Runtime's GatedDeltaNet state, bound as is (plugins/gated_delta_net.py)
+            # V-major [H_v, Dv, Dk]: ONNX Runtime's GatedDeltaNet state, bound as is (plugins/ops/gated_delta_net.py)
             "recurrent": (spec.linear_value_heads, spec.linear_value_dim, spec.linear_key_dim)}
 
 

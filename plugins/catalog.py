@@ -7,7 +7,7 @@ nothing below it needs a lazy import back up (registry -> op module -> registry 
 from __future__ import annotations
 
 from decodert.errors import DecodertError
-from decodert.plugins import cached_attention, causal_conv, gated_delta_net, mamba2_ssm, rms_norm, weight_gemm  # noqa: F401,E501  (they register on import)
+from decodert.plugins.ops import cached_attention, causal_conv, gated_delta_net, mamba2_ssm, rms_norm, weight_gemm  # noqa: F401,E501  (they register on import)
 from decodert.plugins.registry import DOMAIN, OPS, OpDef
 
 

@@ -20,7 +20,7 @@ DTYPES = {
     "int64": TensorProto.INT64,
     "int32": TensorProto.INT32,
     "bool": TensorProto.BOOL,
-    "int8": TensorProto.INT8,  # quantized KV caches (plugins/kv_dtypes.py)
+    "int8": TensorProto.INT8,  # quantized KV caches (plugins/ops/kv_dtypes.py)
     "uint8": TensorProto.UINT8,
     "fp8": TensorProto.FLOAT8E4M3FN,
 }

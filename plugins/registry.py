@@ -3,7 +3,7 @@
 A plugin node in a graph (domain ``decodert``) can always be expanded into its reference body
 of standard ONNX ops (:func:`decodert.plugins.expand.expand_plugin_nodes`), so any ONNX runtime
 runs the graph; fast targets lower the same op to runtime-specific ops, native TensorRT layers
-or a GPU kernel behind a TensorRT plugin (:mod:`decodert.plugins.trt_plugins`).
+or a GPU kernel behind a TensorRT plugin (:mod:`decodert.plugins.trt.creators`).
 
 Shape rules are written once over an abstract dimension type, so the same function gives
 integer shapes in tests and ``IDimensionExpr`` shapes inside the TensorRT plugin:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.plugins.trt_compat import load_trt, parse_version
+from decodert.plugins.trt.compat import load_trt, parse_version
 
 MODES = ("auto", "always", "never")
 PLUGIN_OPS = ("CachedAttention", "RMSNorm")

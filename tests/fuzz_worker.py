@@ -52,7 +52,7 @@ def _onnx(path: Path) -> None:
 
 def _engine(path: Path) -> None:
     from decodert.export.artifact.manifest import load_manifest
-    from decodert.plugins.trt_compat import TrtInfo, parse_version, read_engine
+    from decodert.plugins.trt.compat import TrtInfo, parse_version, read_engine
 
     flags = dict.fromkeys(("can_build", "has_kv_cache_update_layer", "has_rotary_layer", "has_attention_layer",
                            "weakly_typed_allowed", "has_timing_cache", "has_runtime_cache", "has_engine_validity",

@@ -34,7 +34,7 @@ RMS = {"rms_plain": (5, 64, False, "float32"), "rms_fused": (7, 96, True, "float
 def attention_case(spec: tuple, device: str, seed: int = 0) -> list[float]:
     import torch
 
-    from decodert.plugins.cached_attention import cached_attention_ref
+    from decodert.plugins.ops.cached_attention import cached_attention_ref
     from decodert.plugins.kernels.decode_attention import num_splits
     from decodert.plugins.kernels.launch import Dims, cached_attention
 
@@ -67,7 +67,7 @@ def rms_case(spec: tuple, device: str, seed: int = 0) -> list[float]:
     import torch
 
     from decodert.plugins.kernels.rms_norm import rms_norm
-    from decodert.plugins.rms_norm import rms_norm_ref
+    from decodert.plugins.ops.rms_norm import rms_norm_ref
 
     rows, n, fused, dtype = spec
     rng = np.random.default_rng(seed)

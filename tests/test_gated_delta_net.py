@@ -18,10 +18,10 @@ from onnx import helper
 
 from decodert.plugins.catalog import get_op
 from decodert.plugins.expand import expand_plugin_nodes
-from decodert.plugins.gated_delta_net import gated_delta_net_ref
-from decodert.plugins.causal_conv import causal_conv_ref
+from decodert.plugins.ops.gated_delta_net import gated_delta_net_ref
+from decodert.plugins.ops.causal_conv import causal_conv_ref
 from decodert.plugins.registry import DOMAIN
-from decodert.plugins.rms_norm import rms_norm_ref
+from decodert.plugins.ops.rms_norm import rms_norm_ref
 
 q35 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 SEED = int(os.environ.get("DECODERT_TEST_SEED") or np.random.SeedSequence().entropy % 2**31)

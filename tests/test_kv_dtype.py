@@ -1,4 +1,4 @@
-"""Quantized and narrower KV caches (``--kv-dtype``; plugins/kv_dtypes.py, export/quantize/kv_calibrate.py).
+"""Quantized and narrower KV caches (``--kv-dtype``; plugins/ops/kv_dtypes.py, export/quantize/kv_calibrate.py).
 
 Tiny random llama checkpoints, against the same model with an fp32 cache: logits close, the cache's bytes
 halved / quartered / an eighth, ONNX Runtime's GroupQueryAttention codes equal to the standard-op Q/DQ
@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 from decodert.errors import DecodertError
 from decodert.export.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
-from decodert.plugins import kv_dtypes
+from decodert.plugins.ops import kv_dtypes
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert import LLM
 from decodert.runtime.backends import memory

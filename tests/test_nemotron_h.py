@@ -33,7 +33,7 @@ from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.models import family_for  # noqa: E402
 from decodert.plugins.catalog import get_op  # noqa: E402
 from decodert.plugins.expand import expand_plugin_nodes  # noqa: E402
-from decodert.plugins.mamba2_ssm import mamba2_ssm_ref  # noqa: E402
+from decodert.plugins.ops.mamba2_ssm import mamba2_ssm_ref  # noqa: E402
 from decodert.plugins.registry import DOMAIN  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402

@@ -52,7 +52,7 @@ def test_tensorrt_code_type_checks(tmp_path):
 
     (tmp_path / "decodert").symlink_to(ROOT, target_is_directory=True)
 
-    files = ["plugins/trt_compat.py", "export/trt_build.py", "runtime/backends/trt_backend.py", "runtime/backends/trt_engine.py",
+    files = ["plugins/trt/compat.py", "export/trt_build.py", "runtime/backends/trt_backend.py", "runtime/backends/trt_engine.py",
              "runtime/backends/trt_verify.py", "runtime/backends/trt_images.py", "export/trt_graphs.py",
              "plugins/cuda_mem.py", "export/artifact/manifest.py",
              "tools/verify.py", "export/trt_progress.py", "export/progress.py"]

@@ -32,7 +32,7 @@ from decodert.plugins.catalog import get_op, load_all
 from decodert.plugins.registry import DOMAIN
 from decodert.export.lowering.targets import ORT, TRT
 from decodert.plugins.selection import choose_plugins
-from decodert.plugins.weight_gemm import dequantize_ref
+from decodert.plugins.ops.weight_gemm import dequantize_ref
 
 SEED = int(os.environ.get("DECODERT_TEST_SEED") or np.random.SeedSequence().entropy % 2**31)
 NP_TO_ONNX = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16"}

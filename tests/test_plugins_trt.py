@@ -26,8 +26,8 @@ _TRT_SCRIPT = textwrap.dedent("""
     from decodert.errors import DecodertError
     from decodert.export import trt_build
     from decodert.export.pipeline import export_model
-    from decodert.plugins.trt_compat import load_trt
-    from decodert.plugins.trt_plugins import register_plugins
+    from decodert.plugins.trt.compat import load_trt
+    from decodert.plugins.trt.creators import register_plugins
     tmp, result = Path({tmp!r}), {{}}
     trt, info = load_trt(need_builder=True)
     out = tmp / "llama"
@@ -58,7 +58,7 @@ def test_tensorrt_rtx_parses_and_builds_plugin_graphs(tmp_path):
     """
     pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed: pip install "
                         "tensorrt-rtx-cu13-libs tensorrt-rtx-cu13-bindings")
-    from decodert.plugins.trt_plugins import rtx_alias_dir
+    from decodert.plugins.trt.creators import rtx_alias_dir
 
     env = {**os.environ, "LD_LIBRARY_PATH": f"{rtx_alias_dir(tmp_path)}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     script = _TRT_SCRIPT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
@@ -81,8 +81,8 @@ def test_plugin_registration_refuses_a_parser_that_would_abort(monkeypatch, tmp_
     pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
     import ctypes
 
-    from decodert.plugins.trt_compat import load_trt
-    from decodert.plugins import trt_plugins
+    from decodert.plugins.trt.compat import load_trt
+    from decodert.plugins.trt import creators as trt_plugins
 
     trt, info = load_trt()
     monkeypatch.setenv("DECODERT_CACHE", str(tmp_path))
@@ -112,9 +112,9 @@ _GPU_SCRIPT = textwrap.dedent("""
     from decodert.export import trt_build
     from decodert.export.artifact.manifest import load_manifest
     from decodert.export.pipeline import export_model
-    from decodert.plugins.trt_compat import load_trt
+    from decodert.plugins.trt.compat import load_trt
     from decodert.export.artifact.expand_artifact import expand_artifact
-    from decodert.plugins.trt_plugins import register_plugins
+    from decodert.plugins.trt.creators import register_plugins
     from decodert.runtime.backends.trt_backend import TrtBackend
     tmp = Path({tmp!r})
     register_plugins(*load_trt())  # before deserializing: the engines hold plugin layers
@@ -147,7 +147,7 @@ _GPU_SCRIPT = textwrap.dedent("""
 def test_tensorrt_plugin_engines_match_onnxruntime(tmp_path):
     """Prefill + 6 decode steps through TensorRT engines whose attention/norms are decodert plugins
     (Triton kernels) == ONNX Runtime on the expanded graphs, both fed ONNX Runtime's tokens."""
-    from decodert.plugins.trt_plugins import rtx_alias_dir
+    from decodert.plugins.trt.creators import rtx_alias_dir
 
     env = {**os.environ, "LD_LIBRARY_PATH": f"{rtx_alias_dir(tmp_path)}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     script = _GPU_SCRIPT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))

@@ -342,7 +342,7 @@ def test_interrupted_export_leaves_no_artifact_or_the_old_one(samples, tmp_path,
 
 def test_interrupted_build_leaves_the_old_engines(trt_artifact, monkeypatch):
     from decodert.export import trt_build
-    from decodert.plugins.trt_compat import load_trt, read_engine
+    from decodert.plugins.trt.compat import load_trt, read_engine
 
     def interrupted_build():
         with monkeypatch.context() as m:

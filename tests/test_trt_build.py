@@ -28,7 +28,7 @@ from decodert.export import trt_build  # noqa: E402
 from decodert.export.artifact.artifact_files import file_record  # noqa: E402
 from decodert.export.artifact.manifest import Manifest, load_manifest  # noqa: E402
 from decodert.export.artifact.records import to_json  # noqa: E402
-from decodert.plugins.trt_compat import engine_version_problem, load_trt, parse_version, read_engine  # noqa: E402
+from decodert.plugins.trt.compat import engine_version_problem, load_trt, parse_version, read_engine  # noqa: E402
 from decodert.plugins import cuda_mem  # noqa: E402
 from decodert.runtime.backends.trt_engine import contiguous_runs, kv_pairs  # noqa: E402
 

@@ -26,7 +26,7 @@ def trt_art(tmp_path):
 
 def test_strip_flags_reach_the_builder_config():
     from decodert.export.trt_build import make_config
-    from decodert.plugins.trt_compat import load_trt
+    from decodert.plugins.trt.compat import load_trt
 
     trt_mod, info = load_trt(need_builder=True)
     builder = trt_mod.Builder(trt_mod.Logger(trt_mod.Logger.ERROR))

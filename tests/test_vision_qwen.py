@@ -233,7 +233,7 @@ def test_spec_and_settings_from_the_checkpoint(qvl):
 
 
 def test_mrope_reference_and_pair_axes():
-    from decodert.plugins.mrope import axis_of_pairs, mrope_ref
+    from decodert.plugins.ops.mrope import axis_of_pairs, mrope_ref
 
     assert axis_of_pairs((2, 3, 3), False).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
     assert axis_of_pairs((3, 3, 2), True).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]  # Qwen3-VL's interleaving

@@ -161,7 +161,7 @@ class EmulatedTensorRT:
     """What ``load_trt()`` returns in the emulator: (module, TrtInfo)."""
 
     def __init__(self, device: Device) -> None:
-        from decodert.plugins.trt_compat import TrtInfo
+        from decodert.plugins.trt.compat import TrtInfo
 
         self.device = device
         self._sessions: dict[Path, ort.InferenceSession] = {}

@@ -31,7 +31,7 @@ class KVRecord(Record):
     num_layers: int  # layers that keep K/V (attention layers; every layer unless layer_kinds says otherwise)
     num_kv_heads: int
     head_dim: int
-    dtype: str | None = None  # the cache tensors' element type (None: the manifest's dtype; plugins/kv_dtypes.py)
+    dtype: str | None = None  # the cache tensors' element type (None: the manifest's dtype; plugins/ops/kv_dtypes.py)
     shape: tuple[int | str, ...] = ()  # [batch, num_kv_heads, max_seq, width] (width: head_dim, or head_dim/2 at int4)
     inplace: bool = True  # present_* alias past_* (the graphs write the cache in place)
     scales: str | None = None  # a quantized cache: "per_channel" (kv_scale.* initializers in the graphs)

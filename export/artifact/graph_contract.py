@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
+from decodert.plugins.ops.kv_dtypes import KV_DTYPES, KVDtype
 
 Manifest = Any  # export/artifact/manifest.Manifest (which imports this module, so it is not imported here)
 
@@ -36,7 +36,7 @@ def runtime_io(m: Manifest) -> dict[str, tuple[str, list | None]]:
 
 
 def kv_storage(m: Manifest) -> KVDtype:
-    """The KV cache's element type (plugins/kv_dtypes.py); an artifact without ``kv_dtype`` keeps it in ``dtype``."""
+    """The KV cache's element type (plugins/ops/kv_dtypes.py); an artifact without ``kv_dtype`` keeps it in ``dtype``."""
     return KV_DTYPES[m.kv_dtype or m.dtype]
 
 

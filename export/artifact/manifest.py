@@ -27,7 +27,7 @@ from decodert.export.artifact.records import R, Record, read_record, to_json
 from decodert.export.checkpoints.sampling_defaults import check_record
 from decodert.export.lora.layout import LoraLayout, LoraRecord
 from decodert.models.spec import ModelSpec
-from decodert.plugins.kv_dtypes import KV_DTYPES
+from decodert.plugins.ops.kv_dtypes import KV_DTYPES
 
 FORMAT = "decodert-artifact"
 FORMAT_VERSION = 1  # the schema version this decodert writes

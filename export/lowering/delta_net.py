@@ -7,7 +7,7 @@
       +-- z [.., Vd], b [.., Hv], a [.., Hv]
       |
       y    = gated_delta_net(q, k, v, a, b, a_log, dt_bias) over the recurrent state  [B,S,Vd]
-             (plugins/gated_delta_net.py: l2norm q/k, decay, beta, delta rule; float32 state)
+             (plugins/ops/gated_delta_net.py: l2norm q/k, decay, beta, delta rule; float32 state)
       y    = rmsnorm(y per value head) * w * silu(z)          (the gated RMSNorm, plain w)
       o    = y @ linear_out^T                                 [.., hidden]
     Kd = Hk*Dk, Vd = Hv*Dv; both states are written in place (one buffer bound to past_* and present_*).

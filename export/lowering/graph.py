@@ -3,7 +3,7 @@
     input_ids [B,S] --Gather(embed)--> x [T=B*S, hidden]   ([B,S,hidden] where lowering.flat_tokens is False)
                           x * embed_scale                  (Gemma: sqrt(hidden) in the graph dtype)
     M-RoPE (spec.mrope_section, Qwen-VL): input rope_offsets [3,B,S] turns every layer's RoPE by 3-D positions
-                                                           (plugins/mrope.py; default zeros = 1-D positions)
+                                                           (plugins/ops/mrope.py; default zeros = 1-D positions)
     prefill of a vision-language model (spec.image_token_id):
         x[image_positions] = image_embeds                  ScatterND over the [B*S, hidden] rows; image_positions
                                                            [N] = b*S + s of each image token, image_embeds [N, hidden]

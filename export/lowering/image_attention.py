@@ -8,7 +8,7 @@
            else: y)                                 a text prompt (and every decode step) pays one ReduceMax
 
 GQA's own output is dropped in the image case: the same cache, another mask. The portable and trt
-targets build their mask from ``ahead`` directly (plugins/cached_attention.py positions_and_visibility).
+targets build their mask from ``ahead`` directly (plugins/ops/cached_attention.py positions_and_visibility).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from onnx import helper
 
-from decodert.plugins import cached_attention as ca
+from decodert.plugins.ops import cached_attention as ca
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 
 

@@ -16,7 +16,7 @@ from typing import Literal
 from decodert.export.lora.layout import LoraLayout
 from decodert.export.lowering.lowering import Lowering
 from decodert.models.spec import ModelSpec, state_specs, window_layers
-from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
+from decodert.plugins.ops.kv_dtypes import KV_DTYPES, KVDtype
 
 GraphKind = Literal["prefill", "decode", "verify"]
 # inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
@@ -64,7 +64,7 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
         if spec.deepstack_layers:  # Qwen3-VL: the vision tower's earlier features, added after the first layers
             inputs.append({"name": "deepstack_embeds", "dtype": dtype,
                            "shape": [spec.deepstack_layers, "image_tokens", spec.hidden_size]})
-    if spec.mrope_section:  # M-RoPE (plugins/mrope.py): position - cache index on each axis t, h, w
+    if spec.mrope_section:  # M-RoPE (plugins/ops/mrope.py): position - cache index on each axis t, h, w
         inputs.append({"name": "rope_offsets", "dtype": "int64", "shape": [3, "batch", seq]})
     if per_position:
         inputs.append({"name": "per_position", "dtype": "int64", "shape": [1]})

@@ -19,7 +19,7 @@
 GQA's CPU kernel needs head_dim % 16 == 0 (other models keep the reference attention body, still
 in place: ORT writes ScatterND's output into the bound past buffer) and rotates whole heads only:
 with partial rotary (Phi-3, Qwen3.5) q and k are rotated before it and GQA runs with do_rotary=0;
-so with M-RoPE (Qwen-VL): com.microsoft.MRotaryEmbedding over the 3-D positions (plugins/mrope.py).
+so with M-RoPE (Qwen-VL): com.microsoft.MRotaryEmbedding over the 3-D positions (plugins/ops/mrope.py).
 - GatedDeltaNet    -> com.microsoft.GatedDeltaNet (gates fused; q/k l2norm in standard ops; its V-major float32 state
                       is the cache buffer itself: initial_state and final_state may alias); a padded
                       token's a and b become -1e4 so its decay is exp(0) and its beta 0: the state
@@ -36,12 +36,12 @@ import numpy as np
 
 from decodert.export.lowering import image_attention, verify_attention
 from decodert.export.lowering.lowering import GraphInputs, Lowering
-from decodert.plugins import cached_attention as ca
-from decodert.plugins import causal_conv as cc
-from decodert.plugins.gated_delta_net import l2norm_body, valid_tokens
-from decodert.plugins import mamba2_ssm as m2
-from decodert.plugins import kv_dtypes
-from decodert.plugins import mrope
+from decodert.plugins.ops import cached_attention as ca
+from decodert.plugins.ops import causal_conv as cc
+from decodert.plugins.ops.gated_delta_net import l2norm_body, valid_tokens
+from decodert.plugins.ops import mamba2_ssm as m2
+from decodert.plugins.ops import kv_dtypes
+from decodert.plugins.ops import mrope
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quantize.quant import quantized_embedding
 from decodert.export.quantize.weight_layouts import NBITS
@@ -102,7 +102,7 @@ class OrtLowering(Lowering):
             last = g.op("Sub", g.op("Add", inp.past_lengths, seq), g.const(np.int64(1)))
             total = g.op("Add", g.op("ReduceMax", inp.past_lengths, keepdims=0), seq)
             cos = sin = pos3 = None
-            if self.spec.mrope_section:  # M-RoPE: 3-D positions, q and k rotated before GQA (plugins/mrope.py)
+            if self.spec.mrope_section:  # M-RoPE: 3-D positions, q and k rotated before GQA (plugins/ops/mrope.py)
                 pos3 = mrope.positions3(g, inp.past_lengths, inp.input_ids)
             elif self.rotary_dim != self.head_dim:  # GQA rotates whole heads only: rotate before it
                 pos = g.op("Add", g.op("Unsqueeze", inp.past_lengths, g.const([1])),
@@ -265,7 +265,7 @@ class OrtLowering(Lowering):
 
     def mamba2_ssm(self, g: GraphBuilder, xdtbc: tuple[str, str, str, str], prefix: str, state: tuple[str, str],
                    seq_lengths: str, single: bool = False) -> str:
-        """com.microsoft.LinearAttention, update_rule "gated" (plugins/mamba2_ssm.py): query c, key b (each group's
+        """com.microsoft.LinearAttention, update_rule "gated" (plugins/ops/mamba2_ssm.py): query c, key b (each group's
         rows repeated for its heads), value dt x, log decay -exp(a_log) dt, scale 1; its state [B, H, N, Dh] is the
         bound buffer. dt and the rest in float32; the D skip added after."""
         s = self.spec

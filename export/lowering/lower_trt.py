@@ -11,7 +11,7 @@ The same graph runs on ONNX Runtime CPU in tests.
 
 With ``plugins`` (``--plugins always``, or ``auto`` for a TensorRT without those layers, e.g.
 Jetson JetPack 6 = 10.3 / JetPack 7.1 = 10.13), the ops listed become ``decodert::`` plugin nodes
-served by TensorRT plugins (plugins/trt_plugins.py) and the graph drops to opset 17:
+served by TensorRT plugins (plugins/trt/creators.py) and the graph drops to opset 17:
 - RMSNorm          -> decodert::RMSNorm (x, weight[, residual]) -> (y[, sum])
 - CachedAttention  -> decodert::CachedAttention (q, k, v, past_key, past_value, past_lengths,
                       cos, sin) -> (y, present_key, present_value): its outputs are the graph's
@@ -29,8 +29,8 @@ from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.models.spec import ModelSpec
-from decodert.plugins.cached_attention import attend_body, positions_and_visibility
-from decodert.plugins.kv_dtypes import KVDtype
+from decodert.plugins.ops.cached_attention import attend_body, positions_and_visibility
+from decodert.plugins.ops.kv_dtypes import KVDtype
 from decodert.plugins.registry import DOMAIN, OPSET_VERSION
 from decodert.plugins.selection import PLUGIN_OPS  # the ops the trt target can emit as plugin nodes
 

@@ -21,15 +21,15 @@ from decodert.export.quantize.weight_layouts import QDQ, WeightLayout
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec
 from decodert.models.canonical import canonical_shape
-from decodert.plugins import cached_attention as ca
-from decodert.plugins import causal_conv as cc
-from decodert.plugins import gated_delta_net as gdn
-from decodert.plugins import mamba2_ssm as m2
-from decodert.plugins import kv_dtypes
-from decodert.plugins.kv_dtypes import KV_DTYPES, KVDtype
-from decodert.plugins import moe as moe_op
-from decodert.plugins import mrope
-from decodert.plugins.rms_norm import rms_norm_body
+from decodert.plugins.ops import cached_attention as ca
+from decodert.plugins.ops import causal_conv as cc
+from decodert.plugins.ops import gated_delta_net as gdn
+from decodert.plugins.ops import mamba2_ssm as m2
+from decodert.plugins.ops import kv_dtypes
+from decodert.plugins.ops.kv_dtypes import KV_DTYPES, KVDtype
+from decodert.plugins.ops import moe as moe_op
+from decodert.plugins.ops import mrope
+from decodert.plugins.ops.rms_norm import rms_norm_body
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Lowering:
     def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
                  quantized: Mapping[str, WeightQuant] | None = None, kv: KVDtype | None = None):
         """``quantized``: how each weight stored quantized is stored (bits, block, symmetric), by name;
-        ``kv``: the cache's element type (default: the model's dtype; plugins/kv_dtypes.py)."""
+        ``kv``: the cache's element type (default: the model's dtype; plugins/ops/kv_dtypes.py)."""
         self.spec, self.dtype, self.max_seq = spec, dtype, max_seq
         self.kv = kv or KV_DTYPES[dtype]
         self.quant, self.quantized = quant, dict(quantized or {})
@@ -111,7 +111,7 @@ class Lowering:
         return dataclasses.replace(ctx, cos=cos, sin=sin)
 
     def mrope(self, g: GraphBuilder, inp: GraphInputs) -> tuple[str, str] | None:
-        """Per-token (cos, sin) [B,S,R/2] from the 3-D positions of an M-RoPE model (plugins/mrope.py), else None."""
+        """Per-token (cos, sin) [B,S,R/2] from the 3-D positions of an M-RoPE model (plugins/ops/mrope.py), else None."""
         if not self.spec.mrope_section:
             return None
         return mrope.mrope_tables(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache,
@@ -165,7 +165,7 @@ class Lowering:
         return g.op("Gemm", x, w, *([bias] if bias else []), transB=1)
 
     def moe(self, g: GraphBuilder, x: str, prefix: str, one_token_rows: bool) -> str:
-        """The MoE MLP of layer ``prefix`` (plugins/moe.py) on x [T, hidden] -> [T, hidden].
+        """The MoE MLP of layer ``prefix`` (plugins/ops/moe.py) on x [T, hidden] -> [T, hidden].
 
         ``one_token_rows`` (the decode graph) gathers the chosen experts' weights: it reads only
         those, and decoding is bound by the bytes read; prefill and verify compute every expert
@@ -247,7 +247,7 @@ class Lowering:
                     seq_lengths: str, channels: int | None = None, activation: str = "none",
                     window: str | None = None) -> str:
         """Depthwise causal conv over a rolling state: x [B, C, S] -> y [B, C, S]; ``weight`` [C, 1, K]
-        (plugins/causal_conv.py, the op's definition):
+        (plugins/ops/causal_conv.py, the op's definition):
 
             cat     = Concat(past [B, C, K-1], x)             the only reader of past
             y       = act(Conv(cat, weight, group=C))         (+ bias); act: "none" | "silu"
@@ -270,7 +270,7 @@ class Lowering:
 
     def gated_delta_net(self, g: GraphBuilder, qkvab: tuple[str, str, str, str, str], a_log: str, dt_bias: str,
                         state: tuple[str, str], seq_lengths: str, single: bool = False) -> str:
-        """The gated delta rule (plugins/gated_delta_net.py) over the recurrent state [B, Hv, Dv, Dk] float32:
+        """The gated delta rule (plugins/ops/gated_delta_net.py) over the recurrent state [B, Hv, Dv, Dk] float32:
         q, k [B, S, Hk*Dk], v [B, S, Hv*Dv], a, b [B, S, Hv] -> y [B, S, Hv*Dv]. ``single``: S is 1 (no Loop)."""
         s = self.spec
         q, k, v, a, b = qkvab
@@ -283,7 +283,7 @@ class Lowering:
 
     def mamba2_ssm(self, g: GraphBuilder, xdtbc: tuple[str, str, str, str], prefix: str, state: tuple[str, str],
                    seq_lengths: str, single: bool = False) -> str:
-        """The Mamba2 SSM (plugins/mamba2_ssm.py) over the recurrent state [B, H, N, Dh] float32: x [B, S, H*Dh],
+        """The Mamba2 SSM (plugins/ops/mamba2_ssm.py) over the recurrent state [B, H, N, Dh] float32: x [B, S, H*Dh],
         dt [B, S, H], b, c [B, S, G*N] -> y [B, S, H*Dh] (with the D skip); weights ``prefix`` + mamba_a_log,
         mamba_dt_bias, mamba_d. ``single``: S is 1 (no Loop)."""
         s = self.spec

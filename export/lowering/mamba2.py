@@ -8,7 +8,7 @@
       +-- dt [.., H]
       |
       y    = mamba2_ssm(x, dt, B, C; a_log, dt_bias, D) over the recurrent state [B,H,N,Dh]   [B,S,Di]
-             (plugins/mamba2_ssm.py: dt = softplus(dt + dt_bias), decay exp(-exp(a_log) dt), D skip)
+             (plugins/ops/mamba2_ssm.py: dt = softplus(dt + dt_bias), decay exp(-exp(a_log) dt), D skip)
       y    = grouped_rmsnorm(y * silu(z)) * w                 G groups of Di/G (gate before the norm)
       o    = y @ mamba_out^T                                  [.., hidden]
     Di = H*Dh; both states are written in place (one buffer bound to past_* and present_*).

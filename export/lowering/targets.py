@@ -21,7 +21,7 @@ from decodert.export.lowering.lowering import Lowering
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.export.quantize.weight_layouts import WeightLayout
 from decodert.models.spec import ModelSpec
-from decodert.plugins.kv_dtypes import KVDtype
+from decodert.plugins.ops.kv_dtypes import KVDtype
 from decodert.plugins.selection import NATIVE_SINCE
 
 

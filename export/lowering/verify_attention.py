@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from decodert.export.lowering.lowering import GraphInputs
-from decodert.plugins import cached_attention as ca
+from decodert.plugins.ops import cached_attention as ca
 from decodert.plugins.onnx_builder import GraphBuilder
 
 
@@ -39,7 +39,7 @@ class VerifyContext:
 def context(g: GraphBuilder, inp: GraphInputs, kv_heads: int, max_seq: int, window: int,
             tables: tuple[str, str] | None = None) -> VerifyContext:
     """What every layer of one kind shares (built once per graph); ``tables``: M-RoPE's per-token cos and sin
-    [B,S,R/2] (plugins/mrope.py), which RotaryEmbedding takes without position ids."""
+    [B,S,R/2] (plugins/ops/mrope.py), which RotaryEmbedding takes without position ids."""
     with g.scope("verify_attn_context"):
         pos, visible = ca.positions_and_visibility(g, inp.past_lengths, inp.input_ids, max_seq, window)
         keys = g.op("Unsqueeze", g.op("Add", g.op("ReduceMax", pos, keepdims=0), g.const(np.int64(1))), g.const([0]))

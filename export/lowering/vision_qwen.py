@@ -33,7 +33,7 @@ import onnx
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.models.vision import VisionSpec
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
-from decodert.plugins.rms_norm import rms_norm_body
+from decodert.plugins.ops.rms_norm import rms_norm_body
 
 
 def gelu_tanh(g: GraphBuilder, x: str, np_dtype: type) -> str:

@@ -21,7 +21,7 @@ import onnx
 
 from decodert.errors import DecodertError
 from decodert.models.spec import ModelSpec, state_specs
-from decodert.plugins.kv_dtypes import KVDtype
+from decodert.plugins.ops.kv_dtypes import KVDtype
 
 # Varied prose, code, numbers and a list: about 300 tokens for a 49k-token BPE.
 CALIBRATION_TEXT = """The history of the city begins with a small settlement on the river, where traders exchanged

@@ -7,7 +7,7 @@
     weights      transformers 5: model.language_model.*, model.visual.*, lm_head.*;
                  the Hub's 4.x files: model.*, visual.*, lm_head.* (``sanitize`` maps the first to the second)
 
-The text model is Qwen2's tables (qkv bias) with ``mrope_section`` (plugins/mrope.py: the graphs take
+The text model is Qwen2's tables (qkv bias) with ``mrope_section`` (plugins/ops/mrope.py: the graphs take
 rope_offsets, runtime/vision/mrope.py computes them from a row's ids); the tower is VisionSpec's
 ``qwen_vit`` (export/lowering/vision_qwen.py), its preprocessing runtime/vision/qwen_preprocess.py.
 """

@@ -7,7 +7,7 @@ interleaved M-RoPE whose first layers add the tower's earlier features at the im
     weights      model.language_model.*, model.visual.*, lm_head.* (``sanitize``: as Qwen2.5-VL's)
 
 What differs from Qwen2.5-VL (models/families/qwen2_5_vl.py), declared here and built by the shared recipes:
-``ModelSpec.mrope_interleaved`` (plugins/mrope.py), ``deepstack_layers`` (the prefill graph's deepstack_embeds
+``ModelSpec.mrope_interleaved`` (plugins/ops/mrope.py), ``deepstack_layers`` (the prefill graph's deepstack_embeds
 input, export/lowering/graph.py), and the ``qwen3_vit`` tower (export/lowering/vision_qwen.py).
 """
 

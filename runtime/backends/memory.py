@@ -8,7 +8,7 @@ from typing import Any
 import sys
 
 from decodert.errors import DecodertError
-from decodert.plugins.kv_dtypes import KVDtype
+from decodert.plugins.ops.kv_dtypes import KVDtype
 
 
 def available_bytes() -> int | None:

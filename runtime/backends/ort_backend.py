@@ -24,7 +24,7 @@ import onnxruntime as ort
 from decodert.errors import DecodertError, first_line
 from decodert.export.artifact.graph_contract import kv_storage
 from decodert.export.artifact.manifest import Manifest
-from decodert.plugins.kv_dtypes import NUMPY_STORAGE
+from decodert.plugins.ops.kv_dtypes import NUMPY_STORAGE
 from decodert.export.lowering.targets import get_target
 from decodert.export.lowering.onnx_check import check_external_data, check_session_io
 from decodert.runtime.backends import kv_blocks, ort_images

@@ -35,7 +35,7 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.export.artifact.manifest import Manifest
 from decodert.export.trt_build import make_logger, write_atomic
-from decodert.plugins.trt_compat import load_trt, read_engine
+from decodert.plugins.trt.compat import load_trt, read_engine
 from decodert.plugins import cuda_mem as cm
 from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
@@ -77,7 +77,7 @@ class TrtBackend:
         self.dir, self.manifest = Path(artifact_dir), manifest
         self.trt, self.info = load_trt()
         if manifest.plugin_ops:  # engines built with decodert plugin layers
-            from decodert.plugins.trt_plugins import register_plugins
+            from decodert.plugins.trt.creators import register_plugins
 
             register_plugins(self.trt, self.info)
         blobs = {n: read_engine(self.dir, manifest, n, self.info) for n in GRAPHS}  # CPU checks first

@@ -15,7 +15,7 @@ from decodert.export.artifact.manifest import GraphRecord, Manifest
 from decodert.export.trt_build import check_io, engine_io
 from decodert.export.trt_graphs import graph_of
 from decodert.plugins import cuda_mem as cm
-from decodert.plugins.trt_compat import TrtInfo
+from decodert.plugins.trt.compat import TrtInfo
 from decodert.runtime.backends import kv_cache
 from decodert.runtime.backends.kv_cache import KVCache
 from decodert.runtime.backends.trt_refit import refit_from_onnx

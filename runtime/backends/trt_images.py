@@ -20,7 +20,7 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.plugins import cuda_mem as cm
-from decodert.plugins.trt_compat import read_engine
+from decodert.plugins.trt.compat import read_engine
 from decodert.runtime.backends.trt_engine import Engine, bind
 from decodert.runtime.vision.tokens import image_ahead, is_image, text_ids
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.plugins import cuda_mem as cm
-from decodert.plugins.trt_compat import read_engine
+from decodert.plugins.trt.compat import read_engine
 from decodert.runtime.backends.backend import VerifyOutput, window_outputs
 from decodert.runtime.backends.kv_cache import KVCache
 from decodert.runtime.backends.trt_engine import Engine, TrtHost, bind, fitting_runs

@@ -7,7 +7,7 @@ and the text after it goes on from ``st + max(rows, cols)``. Every image token i
 block of a row follow from the ids before it (``KVCache.held``) and its own: a chunked prefill, a
 session's next turn and a reused prefix all get the same positions a full prefill gives, and a decode
 step's offset is that of the next text token. The graphs take ``position - cache index`` per axis
-(plugins/mrope.py: rope_offsets [3, B, S]).
+(plugins/ops/mrope.py: rope_offsets [3, B, S]).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     build    output dtypes ("T" = input 0's type), shapes (the op's shape rule over
              IDimensionExpr), formats (linear; the schema's types), aliased outputs
              (CachedAttention's present_* reuse the past_* buffers: the in-place cache)
-    runtime  enqueue -> plugins/trt_enqueue.py (Triton kernels on TensorRT's stream)
+    runtime  enqueue -> plugins/trt/enqueue.py (Triton kernels on TensorRT's stream)
 
 Made per TensorRT module (``tensorrt`` or ``tensorrt_rtx_bindings``): the bases come from it.
 """
@@ -78,7 +78,7 @@ def make_plugin_class(trt: ModuleType) -> type:
             return None
 
         def get_workspace_size(self, inputs: list, outputs: list) -> int:
-            from decodert.plugins.trt_enqueue import workspace_bytes
+            from decodert.plugins.trt.enqueue import workspace_bytes
 
             return workspace_bytes(trt, self.op.name, [list(i.max) for i in inputs], inputs[0].desc.type)
 
@@ -94,7 +94,7 @@ def make_plugin_class(trt: ModuleType) -> type:
         # ---- runtime
         def enqueue(self, input_desc: list, output_desc: list, inputs: list, outputs: list, workspace: int,
                     stream: int) -> None:
-            from decodert.plugins.trt_enqueue import enqueue
+            from decodert.plugins.trt.enqueue import enqueue
 
             enqueue(trt, self.op.name, self.attrs, input_desc, output_desc, inputs, outputs, workspace, stream)
 

@@ -4,7 +4,7 @@
                                 (parsers look up "" or, from TensorRT 10.10, the node's domain)
     DecodertPlugin              IPluginV3 = OneCore + OneBuildV2 (in-place present_* outputs via
                                 get_aliased_input) + OneRuntime (enqueue: Triton kernels on the
-                                stream TensorRT passes; plugins/trt_enqueue.py)
+                                stream TensorRT passes; plugins/trt/enqueue.py)
 
 The quick ``tensorrt.plugin`` API (@trtp.register / @trtp.aot_impl, TensorRT >= 10.6) would embed
 the Triton kernels' PTX in the engine, but tensorrt_rtx_bindings 1.7 does not ship that module
@@ -27,7 +27,7 @@ from typing import Any
 from decodert.errors import DecodertError
 from decodert.plugins.catalog import get_op
 from decodert.plugins.registry import DOMAIN, OpDef
-from decodert.plugins.trt_plugin_base import attrs_from_fields, make_plugin_class, plugin_fields
+from decodert.plugins.trt.plugin_base import attrs_from_fields, make_plugin_class, plugin_fields
 
 TRT_OPS = ("CachedAttention", "RMSNorm")  # MatMulNBits: TensorRT >= 10.0 has int4 block DequantizeLinear natively
 NAMESPACES = ("", DOMAIN)
@@ -108,7 +108,7 @@ def enable_plugin_features(trt: ModuleType, config: Any) -> None:
 def register_plugins(trt: ModuleType | None = None, info: Any = None) -> list[str]:
     """Register every TRT_OPS creator once per process; returns "namespace::name" of each registered."""
     if trt is None or info is None:
-        from decodert.plugins.trt_compat import load_trt
+        from decodert.plugins.trt.compat import load_trt
 
         trt, info = load_trt()
     check_plugin_loader(info)

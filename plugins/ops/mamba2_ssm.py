@@ -17,7 +17,7 @@ token (t >= seq_lengths[b]) gets dt = 0: decay 1 and a zero update, so S passes 
 is float32 whatever T is.
 
 Reference body: one token (the decode graph) is two MatMuls; several tokens run a ``Loop`` over the tokens
-with the state carried (plugins/gated_delta_net.py ``token_loop``).
+with the state carried (plugins/ops/gated_delta_net.py ``token_loop``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from decodert.plugins.gated_delta_net import token_loop, valid_tokens
+from decodert.plugins.ops.gated_delta_net import token_loop, valid_tokens
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.plugins.registry import OpDef, register
 

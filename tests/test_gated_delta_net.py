@@ -1,4 +1,4 @@
-"""Gated DeltaNet and CausalConv, defined once in plugins/: numpy references against transformers'
+"""Gated DeltaNet and CausalConv, defined once in plugins/ops/: numpy references against transformers'
 Qwen3.5 torch code (recurrent and chunked rule, the whole linear-attention layer), reference ONNX
 bodies against the numpy references (one token, several tokens, right-padded rows).
 

@@ -74,3 +74,43 @@ def random_prompts(lengths, seed: int = 0, vocab: int = 512) -> list[np.ndarray]
     """Prompts of random token ids in [3, vocab), one per length (the parity tests' inputs)."""
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab, n).astype(np.int64) for n in lengths]
+
+
+# ---- behaviour every family's greedy decode must keep (the hybrid families' test files call these) --------------
+def check_continuous_batching(llm) -> None:
+    """More requests (5) than slots (the artifact's max_batch 4): rows finish at different steps, new ones take
+    their slots; every request's tokens equal its single run's."""
+    from decodert.runtime.decoding.sampling import SamplingParams
+    from decodert.runtime.llm import Request
+
+    rng = np.random.default_rng(7)
+    ps = [rng.integers(3, 512, n) for n in (3, 70, 8, 1, 12)]
+    lens = (9, 4, 14, 6, 3)
+    singles = [llm.generate(p, max_new_tokens=n, temperature=0).token_ids for p, n in zip(ps, lens)]
+    got = llm.generate_many([Request(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in zip(ps, lens)])
+    assert [r.token_ids for r in got] == singles
+
+
+def check_speculation(llm) -> None:
+    """Greedy n-gram speculation and a fixed-width batched draft give the plain greedy tokens."""
+    from decodert.runtime.decoding.sampling import SamplingParams
+    from decodert.runtime.llm import Request
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    rng = np.random.default_rng(4)
+    ps = [np.tile(rng.integers(3, 512, 6), 4), rng.integers(3, 512, 9), np.tile(rng.integers(3, 512, 3), 5)]
+    plain = [llm.generate(p, max_new_tokens=40) for p in ps]
+    spec = [llm.generate(p, max_new_tokens=40, speculative="ngram") for p in ps]
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    fixed = SpeculativeConfig(adaptive=False, draft_len=5)
+    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=40), speculative=fixed) for p in ps])
+    assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
+
+
+def check_session_turns(llm) -> None:
+    """Each session turn's tokens equal a full re-prefill of the conversation so far."""
+    session = llm.session(system="be brief")
+    for question in ("Hello world!", "How are you today?", "The quick brown fox"):
+        r = session.chat(question, max_new_tokens=8)
+        again = llm.generate(llm._chat_ids(session.history[:-1]), max_new_tokens=8)
+        assert r.token_ids == again.token_ids

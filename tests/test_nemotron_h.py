@@ -24,7 +24,8 @@ import torch
 from onnx import helper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
+from parity import (backend, check_continuous_batching, check_session_turns, check_speculation,  # noqa: E402
+                    decodert_greedy, hf_reference, logits_parity, random_prompts)
 from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -210,36 +211,17 @@ def test_trt_backend_on_the_emulator(nemotron, monkeypatch):
 def test_continuous_batching_equals_singles(nemotron):
     """More requests (5) than slots (4): rows finish at different steps, new ones take their slots."""
     _, _, get = nemotron
-    rng = np.random.default_rng(7)
-    ps = [rng.integers(3, 512, n) for n in (3, 70, 8, 1, 12)]
-    lens = (9, 4, 14, 6, 3)
-    llm = LLM.load(get("ort"), backend="ort")
-    singles = [llm.generate(p, max_new_tokens=n, temperature=0).token_ids for p, n in zip(ps, lens)]
-    got = llm.generate_many([Request(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in zip(ps, lens)])
-    assert [r.token_ids for r in got] == singles
+    check_continuous_batching(LLM.load(get("ort"), backend="ort"))
 
 
 def test_speculative_equals_plain(nemotron):
     _, _, get = nemotron
-    llm = LLM.load(get("ort"), backend="ort")
-    rng = np.random.default_rng(4)
-    ps = [np.tile(rng.integers(3, 512, 6), 4), rng.integers(3, 512, 9), np.tile(rng.integers(3, 512, 3), 5)]
-    plain = [llm.generate(p, max_new_tokens=40) for p in ps]
-    spec = [llm.generate(p, max_new_tokens=40, speculative="ngram") for p in ps]
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    fixed = SpeculativeConfig(adaptive=False, draft_len=5)
-    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=40), speculative=fixed) for p in ps])
-    assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
+    check_speculation(LLM.load(get("ort"), backend="ort"))
 
 
 def test_session_turns_equal_reprefill(nemotron):
     _, _, get = nemotron
-    llm = LLM.load(get("ort"), backend="ort")
-    session = llm.session(system="be brief")
-    for question in ("Hello world!", "How are you today?", "The quick brown fox"):
-        r = session.chat(question, max_new_tokens=8)
-        again = llm.generate(llm._chat_ids(session.history[:-1]), max_new_tokens=8)
-        assert r.token_ids == again.token_ids
+    check_session_turns(LLM.load(get("ort"), backend="ort"))
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------

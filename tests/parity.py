@@ -114,3 +114,55 @@ def check_session_turns(llm) -> None:
         r = session.chat(question, max_new_tokens=8)
         again = llm.generate(llm._chat_ids(session.history[:-1]), max_new_tokens=8)
         assert r.token_ids == again.token_ids
+
+
+def check_greedy(out: Path, prompts: list[np.ndarray], refs: list[tuple[list[int], np.ndarray]], n: int) -> None:
+    """The artifact's greedy tokens (prefill + decode graphs) equal the reference's, for the batch of uneven rows
+    and for each row alone."""
+    be = backend(out)
+    want = [toks for toks, _ in refs]
+    assert decodert_greedy(be, prompts, n) == want
+    singles = [decodert_greedy(be, [p], n)[0] for p in prompts]  # the batch of uneven rows equals the singles
+    assert singles == want
+
+
+def check_trt_engines(src: Path, out: Path) -> None:
+    """A hybrid with one attention layer exports at fp16 for trt and TensorRT-RTX builds every engine: its io is
+    the manifest's, the recurrent state stays float32, K and V are written by the one attention layer, and
+    prefill's token loop became a TensorRT loop."""
+    from decodert.export import trt_build
+    from decodert.export.pipeline import export_model
+
+    export_model(src, out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False)
+    engines = trt_build.build_engines(out, progress=False)
+    m = load_manifest(out)
+    assert {(s.name, s.dtype) for s in m.kv.states} == {("conv", None), ("recurrent", "fp32")}
+    for name, rec in engines.items():
+        trt_build.check_io(rec.io, m.graphs[name], name)
+        assert rec.layers["KV_CACHE_UPDATE"] == 2, name  # the one attention layer's K and V
+    assert any("LOOP" in kind or "RECURRENCE" in kind for kind in engines["prefill"].layers)
+
+
+def check_trt_emulated(ref: Path, art: Path, monkeypatch) -> None:
+    """The trt backend on trt artifact ``art`` (tests/trt_emulator.py runs its engines' graphs on the CPU) gives
+    the ort backend's greedy tokens on ``ref``: single requests, uneven batches (rows end, slots move) and
+    fixed-width speculation."""
+    import trt_emulator
+
+    from decodert.runtime.decoding.sampling import SamplingParams
+    from decodert.runtime.llm import LLM, Request
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    trt_emulator.emulate_engines(art)
+    trt_emulator.install(monkeypatch)
+    rng = np.random.default_rng(2)
+    ps = [np.tile(rng.integers(3, 512, 5), 3), rng.integers(3, 512, 9), rng.integers(3, 512, 2)]
+    with LLM.load(ref, backend="ort") as reference, LLM.load(art, backend="trt") as llm:
+        want = [reference.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps]
+        assert [llm.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps] == want
+        uneven = [SamplingParams(max_new_tokens=n, temperature=0) for n in (20, 5, 12)]
+        got = llm.generate_many([Request(p, sp) for p, sp in zip(ps, uneven)])
+        assert [r.token_ids for r in got] == [w[: sp.max_new_tokens] for w, sp in zip(want, uneven)]
+        fixed = SpeculativeConfig(adaptive=False, draft_len=6)
+        reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps[:2]]
+        assert [r.token_ids for r in llm.generate_many(reqs)] == want[:2]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
+from parity import backend, check_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -60,10 +60,7 @@ def test_logits_and_greedy_match_transformers(lfm2, target):
     prompts = random_prompts((11, 5, 1))  # ragged: rows right-padded in one prefill, one shorter than the window
     refs = [hf_reference(model, p, 17) for p in prompts]
     assert logits_parity(get(target), refs, prompts) < 1e-4
-    be = backend(get(target))
-    assert decodert_greedy(be, prompts, 17) == [toks for toks, _ in refs]
-    singles = [decodert_greedy(be, [p], 17)[0] for p in prompts]  # the batch of uneven rows equals the singles
-    assert singles == [toks for toks, _ in refs]
+    check_greedy(get(target), prompts, refs, 17)
 
 
 def test_manifest_records_kinds_and_state_shapes(lfm2):

@@ -24,8 +24,9 @@ import torch
 from onnx import helper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import (backend, check_continuous_batching, check_session_turns, check_speculation,  # noqa: E402
-                    decodert_greedy, hf_reference, logits_parity, random_prompts)
+from parity import (check_continuous_batching, check_greedy, check_session_turns,  # noqa: E402
+                    check_speculation, check_trt_emulated, check_trt_engines, hf_reference,
+                    logits_parity, random_prompts)
 from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -36,9 +37,7 @@ from decodert.plugins.catalog import get_op  # noqa: E402
 from decodert.plugins.expand import expand_plugin_nodes  # noqa: E402
 from decodert.plugins.ops.mamba2_ssm import mamba2_ssm_ref  # noqa: E402
 from decodert.plugins.registry import DOMAIN  # noqa: E402
-from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
-from decodert.runtime.llm import LLM, Request  # noqa: E402
-from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
+from decodert.runtime.llm import LLM  # noqa: E402
 
 nh = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
 SEED = int(os.environ.get("DECODERT_TEST_SEED") or np.random.SeedSequence().entropy % 2**31)
@@ -147,10 +146,7 @@ def test_logits_and_greedy_match_transformers(nemotron, target):
     prompts = random_prompts((70, 5, 1))  # ragged; one longer than the scan's chunk (16), one shorter than the conv
     refs = [hf_reference(model, p, 9) for p in prompts]
     assert logits_parity(get(target), refs, prompts, steps=8) < 1e-4
-    be = backend(get(target))
-    assert decodert_greedy(be, prompts, 9) == [toks for toks, _ in refs]
-    singles = [decodert_greedy(be, [p], 9)[0] for p in prompts]  # the batch of uneven rows equals the singles
-    assert singles == [toks for toks, _ in refs]
+    check_greedy(get(target), prompts, refs, 9)
 
 
 def test_manifest_records_kinds_and_state_shapes(nemotron):
@@ -172,40 +168,16 @@ def test_trt_graphs_build_on_tensorrt_rtx(nemotron, tmp_path):
     """TensorRT has layers for all of it: MatMuls for a decode step, an ILoop over the tokens in prefill;
     fp16, with the SSM state in float32."""
     pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
-    from decodert.export import trt_build
-
     src, _, _ = nemotron
-    out = tmp_path / "fp16"
-    export_model(src, out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False)
-    engines = trt_build.build_engines(out, progress=False)
-    m = load_manifest(out)
-    assert {(s.name, s.dtype) for s in m.kv.states} == {("conv", None), ("recurrent", "fp32")}
-    for name, rec in engines.items():
-        trt_build.check_io(rec.io, m.graphs[name], name)
-        assert rec.layers["KV_CACHE_UPDATE"] == 2, name  # the one attention block's K and V
-    assert any("LOOP" in kind or "RECURRENCE" in kind for kind in engines["prefill"].layers)
+    check_trt_engines(src, tmp_path / "fp16")
 
 
 def test_trt_backend_on_the_emulator(nemotron, monkeypatch):
     """The trt backend binds both states of every Mamba2 layer like K/V (tests/trt_emulator.py runs the engines'
     graphs on the CPU): the ort backend's tokens, continuous batching and speculation."""
-    import trt_emulator
-
     _, _, get = nemotron
     art = get("trt")
-    trt_emulator.emulate_engines(art)
-    trt_emulator.install(monkeypatch)
-    rng = np.random.default_rng(2)
-    ps = [np.tile(rng.integers(3, 512, 5), 3), rng.integers(3, 512, 9), rng.integers(3, 512, 2)]
-    with LLM.load(get("ort"), backend="ort") as ref, LLM.load(art, backend="trt") as llm:
-        want = [ref.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps]
-        assert [llm.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps] == want
-        uneven = [SamplingParams(max_new_tokens=n, temperature=0) for n in (20, 5, 12)]
-        got = llm.generate_many([Request(p, sp) for p, sp in zip(ps, uneven)])
-        assert [r.token_ids for r in got] == [w[: sp.max_new_tokens] for w, sp in zip(want, uneven)]
-        fixed = SpeculativeConfig(adaptive=False, draft_len=6)
-        reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps[:2]]
-        assert [r.token_ids for r in llm.generate_many(reqs)] == want[:2]
+    check_trt_emulated(get("ort"), art, monkeypatch)
 
 
 def test_continuous_batching_equals_singles(nemotron):

@@ -20,17 +20,16 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity import (backend, check_continuous_batching, check_session_turns, check_speculation,  # noqa: E402
-                    decodert_greedy, hf_reference, logits_parity, random_prompts)
+from parity import (backend, check_continuous_batching, check_greedy, check_session_turns,  # noqa: E402
+                    check_speculation, check_trt_emulated, check_trt_engines, decodert_greedy, hf_reference,
+                    logits_parity, random_prompts)
 from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.artifact.manifest import load_manifest  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.models import family_for  # noqa: E402
-from decodert.runtime.llm import LLM, Request  # noqa: E402
-from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
-from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
+from decodert.runtime.llm import LLM  # noqa: E402
 
 MAX_SEQ = 112
 
@@ -67,10 +66,7 @@ def test_logits_and_greedy_match_transformers(qwen35, target):
     prompts = random_prompts((70, 5, 1))  # ragged; one longer than a DeltaNet chunk, one shorter than the conv window
     refs = [hf_reference(model, p, 9) for p in prompts]
     assert logits_parity(get(target), refs, prompts, steps=8) < 1e-4
-    be = backend(get(target))
-    assert decodert_greedy(be, prompts, 9) == [toks for toks, _ in refs]
-    singles = [decodert_greedy(be, [p], 9)[0] for p in prompts]  # the batch of uneven rows equals the singles
-    assert singles == [toks for toks, _ in refs]
+    check_greedy(get(target), prompts, refs, 9)
 
 
 def test_manifest_records_kinds_and_state_shapes(qwen35):
@@ -92,40 +88,16 @@ def test_trt_graphs_build_on_tensorrt_rtx(qwen35, tmp_path):
     """TensorRT has layers for all of it: MatMuls for a decode step, an ILoop over the tokens in prefill;
     fp16, with the recurrent state in float32."""
     pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
-    from decodert.export import trt_build
-
     src, _, _ = qwen35
-    out = tmp_path / "fp16"
-    export_model(src, out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False)
-    engines = trt_build.build_engines(out, progress=False)
-    m = load_manifest(out)
-    assert {(s.name, s.dtype) for s in m.kv.states} == {("conv", None), ("recurrent", "fp32")}
-    for name, rec in engines.items():
-        trt_build.check_io(rec.io, m.graphs[name], name)
-        assert rec.layers["KV_CACHE_UPDATE"] == 2, name  # the one attention layer's K and V
-    assert any("LOOP" in kind or "RECURRENCE" in kind for kind in engines["prefill"].layers)
+    check_trt_engines(src, tmp_path / "fp16")
 
 
 def test_trt_backend_on_the_emulator(qwen35, monkeypatch):
     """The trt backend binds both states of every linear layer like K/V (tests/trt_emulator.py runs the engines'
     graphs on the CPU): the ort backend's tokens, continuous batching (rows end, slots move) and speculation."""
-    import trt_emulator
-
     _, _, get = qwen35
     art = get("trt")
-    trt_emulator.emulate_engines(art)
-    trt_emulator.install(monkeypatch)
-    rng = np.random.default_rng(2)
-    ps = [np.tile(rng.integers(3, 512, 5), 3), rng.integers(3, 512, 9), rng.integers(3, 512, 2)]
-    with LLM.load(art, backend="ort") as ref, LLM.load(art, backend="trt") as llm:
-        want = [ref.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps]
-        assert [llm.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps] == want
-        uneven = [SamplingParams(max_new_tokens=n, temperature=0) for n in (20, 5, 12)]
-        got = llm.generate_many([Request(p, sp) for p, sp in zip(ps, uneven)])
-        assert [r.token_ids for r in got] == [w[: sp.max_new_tokens] for w, sp in zip(want, uneven)]
-        fixed = SpeculativeConfig(adaptive=False, draft_len=6)
-        reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps[:2]]
-        assert [r.token_ids for r in llm.generate_many(reqs)] == want[:2]
+    check_trt_emulated(art, art, monkeypatch)
 
 
 def test_continuous_batching_equals_singles(qwen35):

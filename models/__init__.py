@@ -1,6 +1,7 @@
 """Model families: one small file each, looked up by HF `model_type` or GGUF `general.architecture`.
 
-A family file is any module in ``models/families/`` that declares ``MODEL_TYPES`` (config.json ``model_type`` values)
+A family file is any module in a group of ``models/families/`` (dense, moe, hybrid, vision) that declares
+``MODEL_TYPES`` (config.json ``model_type`` values)
 and ``GGUF_ARCHITECTURES`` (GGUF ``general.architecture`` values); the registry below is built
 from those declarations, so adding a family is adding its file (docs/ARCHITECTURE.md).
 """
@@ -21,10 +22,11 @@ from decodert.models import families as _families_package
 def registry() -> dict[str, ModuleType]:
     """Every declared name (lower case) -> its family module; a name two families claim is a bug."""
     names: dict[str, ModuleType] = {}
-    for info in sorted(pkgutil.iter_modules(_families_package.__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
+    prefix = _families_package.__name__ + "."
+    for info in sorted(pkgutil.walk_packages(_families_package.__path__, prefix), key=lambda m: m.name):
+        if info.ispkg or info.name.rsplit(".", 1)[-1].startswith("_"):
             continue
-        module = importlib.import_module(f"{_families_package.__name__}.{info.name}")
+        module = importlib.import_module(info.name)
         for name in (*module.MODEL_TYPES, *module.GGUF_ARCHITECTURES):
             other = names.setdefault(name.lower(), module)
             if other is not module:
@@ -38,7 +40,7 @@ def family_names() -> tuple[str, ...]:
 
 
 def family_for(model_type: str, source: str = "the checkpoint") -> ModuleType:
-    """The family module (``decodert.models.families.<family>``) for a model_type / GGUF architecture."""
+    """The family module (``decodert.models.families.<group>.<family>``) for a model_type / GGUF architecture."""
     module = registry().get(str(model_type).lower())
     if module is None:
         raise DecodertError(

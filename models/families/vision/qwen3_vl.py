@@ -6,7 +6,7 @@ interleaved M-RoPE whose first layers add the tower's earlier features at the im
                  num_position_embeddings, deepstack_visual_indexes, gelu_pytorch_tanh); image_token_id
     weights      model.language_model.*, model.visual.*, lm_head.* (``sanitize``: as Qwen2.5-VL's)
 
-What differs from Qwen2.5-VL (models/families/qwen2_5_vl.py), declared here and built by the shared recipes:
+What differs from Qwen2.5-VL (models/families/vision/qwen2_5_vl.py), declared here and built by the shared recipes:
 ``ModelSpec.mrope_interleaved`` (plugins/ops/mrope.py), ``deepstack_layers`` (the prefill graph's deepstack_embeds
 input, export/lowering/graph.py), and the ``qwen3_vit`` tower (export/lowering/vision_qwen.py).
 """
@@ -17,8 +17,8 @@ import dataclasses
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.families import qwen3
-from decodert.models.families.qwen2_5_vl import sanitize, text_config
+from decodert.models.families.dense import qwen3
+from decodert.models.families.vision.qwen2_5_vl import sanitize, text_config
 from decodert.models.spec import ModelSpec
 from decodert.models.vision import VisionSpec
 

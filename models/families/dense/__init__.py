@@ -1,0 +1,1 @@
+"""Attention-only transformers: one file per family."""

@@ -1,0 +1,1 @@
+"""Mixture-of-experts families: one file per family."""

@@ -1,0 +1,1 @@
+"""Vision-language families (a text model plus a vision tower): one file per family."""

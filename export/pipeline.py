@@ -100,7 +100,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                                                    weights, kv, tmp)}
             graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora)
             vision_record = None if vision is None else write_vision(ckpt, vision, vision_weights, dtype, tmp,
-                                                                     lowering.ir_version)
+                                                                     lowering.ir_version, type(lowering))
             tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
             manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
             bar.update()

@@ -12,6 +12,7 @@ import onnx
 
 from decodert.errors import DecodertError
 from decodert.export.artifact.manifest import GraphRecord, VisionRecord, from_json
+from decodert.export.lowering.lowering import Lowering
 from decodert.export.lowering.vision_graph import build_vision_graph, vision_contract
 from decodert.models.vision import VisionSpec
 
@@ -90,10 +91,11 @@ def _json(path: Path) -> dict:
 
 
 def write_vision(ckpt: Any, vision: VisionSpec, weights: dict[str, onnx.TensorProto], dtype: str, folder: Path,
-                 ir_version: int) -> VisionRecord:
-    """Write vision.onnx into ``folder`` (checked) -> the manifest's ``vision`` record."""
+                 ir_version: int, low: type[Lowering]) -> VisionRecord:
+    """Write vision.onnx into ``folder`` (checked) -> the manifest's ``vision`` record; ``low``: the target's
+    lowering (its vision encoder attention)."""
     path = folder / VISION_FILE
-    onnx.save_model(build_vision_graph(vision, dtype, weights, ir_version), path)
+    onnx.save_model(build_vision_graph(vision, dtype, weights, ir_version, low), path)
     onnx.checker.check_model(str(path), full_check=True)
     graph = from_json(GraphRecord, {"file": VISION_FILE, **vision_contract(vision, dtype)}, "vision.graph")
     return VisionRecord(graph=graph, spec=vision.to_dict(), processor=family_settings(ckpt, vision))

@@ -218,9 +218,13 @@ def test_cli_image_flag_and_repl_image_command(vlm, tmp_path, capsys):
 
 
 def test_portable_target_places_images_the_same(vlm, tmp_path):
-    """The flat-token layout ([T, hidden], portable and trt graphs) scatters the image rows the same way."""
+    """The flat-token layout ([T, hidden], portable and trt graphs) scatters the image rows the same way; the
+    portable vision graph's standard-op attention encodes as the ort one's MultiHeadAttention and FastGelu."""
+    import onnx
+
     from decodert.export.pipeline import export_model
     from decodert.runtime.llm import LLM
+    from decodert.runtime.vision.tokens import pixel_digest
 
     llm, _, _ = vlm
     src = llm.manifest.source.path
@@ -229,6 +233,14 @@ def test_portable_target_places_images_the_same(vlm, tmp_path):
     with LLM.load(tmp_path / "portable", backend="ort") as other:
         assert other.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids == \
             llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
+        np.testing.assert_allclose(other.vision.store.get(pixel_digest(img)).embeds,
+                                   llm.vision.store.get(pixel_digest(img)).embeds, atol=1e-5, rtol=1e-5)
+    ops = {t: [n.op_type for n in onnx.load(str(d / "vision.onnx"), load_external_data=False).graph.node]
+           for t, d in (("ort", llm.backend.dir), ("portable", tmp_path / "portable"))}
+    layers = llm.vision.spec.num_layers
+    assert ops["ort"].count("MultiHeadAttention") == ops["ort"].count("FastGelu") == layers
+    assert "Softmax" not in ops["ort"] and ops["portable"].count("Softmax") == layers
+    assert not {n for n in ops["portable"] if n in ("MultiHeadAttention", "FastGelu")}
 
 
 @pytest.mark.trt

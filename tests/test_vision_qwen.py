@@ -213,6 +213,28 @@ def test_other_targets_turn_the_same_positions(qvl, tmp_path, target):
             llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
 
 
+def test_the_ort_vision_graph_attends_window_by_window(qvl):
+    """ort: MultiHeadAttention in every layer, the windowed layers over [W, S] window slots (no [P, P] mask); the
+    trt graph (no data-dependent shapes) keeps the mask: test_qwen_vision_graph_builds_with_tensorrt_rtx..."""
+    import onnx
+
+    from decodert.export.lowering.vision_qwen import build_qwen_vision
+    from decodert.export.lowering.lower_trt import TrtLowering
+
+    llm, _, _ = qvl
+    graph = onnx.load(str(llm.backend.dir / "vision.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    spec = llm.vision.spec
+    assert ops.count("MultiHeadAttention") == spec.num_layers and "Softmax" not in ops
+    windowed = bool(spec.window_size)
+    assert any("/windows/" in n.name for n in graph.node) == windowed
+    assert not any("window_mask" in n.name for n in graph.node)
+    weights = {t.name: t for t in graph.initializer if t.name.startswith("vision.")}
+    trt = build_qwen_vision(spec, "fp32", weights, low=TrtLowering).graph
+    assert any("window_mask" in n.name for n in trt.node) == windowed
+    assert not any("/windows/" in n.name for n in trt.node)
+
+
 def test_spec_and_settings_from_the_checkpoint(qvl):
     llm, _, _ = qvl
     spec = llm.manifest.model.spec()

@@ -7,6 +7,8 @@
 - MoE MLP          -> com.microsoft.MoE / QMoE (router softmax + top-k + SwiGLU experts in one node)
 - tied embedding   -> com.microsoft.GatherBlockQuantized on the quantized head (no float table kept)
 - causal conv      -> com.microsoft.CausalConvWithState (LFM2's conv layers; the state update per row in standard ops)
+- vision encoder   -> com.microsoft.MultiHeadAttention (vision.onnx, fp32; flash attention on the CPU) and
+                      com.microsoft.FastGelu (SigLIP's gelu_tanh)
 - CachedAttention  -> com.microsoft.GroupQueryAttention on packed qkv, rotary inside, past and
                       present sharing one buffer (seqlens_k = past + S - 1 per row, so right
                       padding keeps every valid row's positions exact).
@@ -281,6 +283,27 @@ class OrtLowering(Lowering):
         skip = g.op("Reshape", g.op("Mul", x4, g.op("Unsqueeze", d, g.const([1]))), g.const([0, 0, h * dh]))
         y = g.op("Add", y, skip)
         return y if self.dtype == "fp32" else g.op("Cast", y, to=DTYPES[self.dtype])
+
+    @classmethod
+    def encoder_attention(cls, g: GraphBuilder, q: str, k: str, v: str, heads: int, head_dim: int, np_dtype: type,
+                          valid: str | None = None, bias: str | None = None) -> str:
+        """com.microsoft.MultiHeadAttention: no [B, H, S, S] scores in memory (its CPU kernel runs flash
+        attention when no key is masked; with ``valid``, the key padding mask, it attends row by row). Its CPU
+        kernel is float32 only: other dtypes keep the standard-op body."""
+        if np_dtype != np.float32 or bias is not None:
+            return super().encoder_attention(g, q, k, v, heads, head_dim, np_dtype, valid, bias)
+        g.opsets.setdefault("com.microsoft", 1)
+        mask = "" if valid is None else g.op("Cast", valid, to=DTYPES["int32"])
+        return g.op("MultiHeadAttention", q, k, v, "", mask, domain="com.microsoft", num_heads=heads,
+                    scale=head_dim ** -0.5)
+
+    @classmethod
+    def encoder_gelu_tanh(cls, g: GraphBuilder, x: str, np_dtype: type) -> str:
+        """com.microsoft.FastGelu: one pass instead of eight elementwise ones (its CPU kernel: float32)."""
+        if np_dtype != np.float32:
+            return super().encoder_gelu_tanh(g, x, np_dtype)
+        g.opsets.setdefault("com.microsoft", 1)
+        return g.op("FastGelu", x, domain="com.microsoft")
 
     def kv_problem(self) -> str | None:
         """GroupQueryAttention's CPU kernel (ORT 1.32) stores int8 and int4 codes and float caches of the

@@ -60,6 +60,9 @@ class TrtLowering(Lowering):
     target = "trt"
     opsets = {"": 24}
     ir_version = 11
+    # TensorRT cannot bound a shape computed from an input's values (the Qwen windows' count: Myelin fails its
+    # int32 dimension check): vision.onnx attends over all patches with a [P, P] window mask instead
+    data_dependent_shapes = False
 
     def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
                  quantized: Mapping[str, WeightQuant] | None = None, kv: KVDtype | None = None,

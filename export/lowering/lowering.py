@@ -23,6 +23,7 @@ from decodert.models.spec import ModelSpec
 from decodert.models.canonical import canonical_shape
 from decodert.plugins.ops import cached_attention as ca
 from decodert.plugins.ops import causal_conv as cc
+from decodert.plugins.ops.encoder_attention import encoder_attention_body
 from decodert.plugins.ops import gated_delta_net as gdn
 from decodert.plugins.ops import mamba2_ssm as m2
 from decodert.plugins.ops import kv_dtypes
@@ -51,6 +52,8 @@ class Lowering:
     # Activations between ops: [T=B*S, hidden] (Gemm takes 2-D inputs only), or [B, S, hidden]
     # where every op takes 3-D inputs: then no Reshape is needed around attention in any layer.
     flat_tokens = True
+    # shapes computed from an input's values are fine (vision.onnx: the Qwen windows as a batch of windows)
+    data_dependent_shapes = True
 
     def __init__(self, spec: ModelSpec, dtype: str, max_seq: int, quant: QuantConfig | None = None,
                  quantized: Mapping[str, WeightQuant] | None = None, kv: KVDtype | None = None):
@@ -296,6 +299,23 @@ class Lowering:
     def float32(self, g: GraphBuilder, x: str) -> str:
         """A model-dtype value as float32 (no node in an fp32 graph)."""
         return x if self.dtype == "fp32" else g.op("Cast", x, to=1)
+
+    # ---- vision.onnx (export/lowering/vision_graph.py, vision_qwen.py) -------------------------------
+    @classmethod
+    def encoder_attention(cls, g: GraphBuilder, q: str, k: str, v: str, heads: int, head_dim: int, np_dtype: type,
+                          valid: str | None = None, bias: str | None = None) -> str:
+        """A vision encoder's bidirectional attention over q, k, v [B, S, H*D], ``valid`` [B, S] bool the keys
+        that exist (None: all), ``bias`` [S, S] added to the scores (a window mask) -> [B, S, H*D]
+        (plugins/ops/encoder_attention.py: standard ops)."""
+        return encoder_attention_body(g, q, k, v, heads, head_dim, head_dim ** -0.5, np_dtype, valid, bias)
+
+    @classmethod
+    def encoder_gelu_tanh(cls, g: GraphBuilder, x: str, np_dtype: type) -> str:
+        """gelu_pytorch_tanh of a vision encoder's MLP, in ops older than Gelu-20 (vision.onnx keeps opset 17)."""
+        return gelu_tanh_body(g, x, DTYPE_OF[np.dtype(np_dtype)])
+
+
+DTYPE_OF = {np.dtype(v): k for k, v in NUMPY_DTYPES.items()}
 
 
 def gelu_tanh_body(g: GraphBuilder, x: str, dtype: str) -> str:

@@ -1,11 +1,12 @@
-"""``vision.onnx``: a SigLIP-style tower, the pixel shuffle and the projector, in standard ONNX ops
-(every target runs the same graph: ONNX Runtime as it is, TensorRT under its own profile).
+"""``vision.onnx``: a SigLIP-style tower, the pixel shuffle and the projector, in standard ONNX ops but the
+attention, the target lowering's ``encoder_attention`` (ort: MultiHeadAttention; portable / trt: standard ops;
+TensorRT builds it under its own profile).
 
     pixel_values [N, 3, S, S] fp32 (N tiles, already resized, rescaled and normalised)
       --Conv(patch_embed, stride P)--> [N, C, S/P, S/P] -> [N*T, C]  (T = (S/P)^2 patches)   + pos_embed
     per layer i:
-        h = LayerNorm(x);  qkv = h @ qkv^T + b    [N*T, 3C]
-        attn = softmax(q k^T / sqrt(D)) v         [N, H, T, D], bidirectional over one tile's patches
+        h = LayerNorm(x);  q | k | v = h @ qkv^T + b    [N, T, C] each
+        attn = softmax(q k^T / sqrt(D)) v         per head, bidirectional over one tile's patches
         x = x + attn @ o^T + b
         x = x + fc2(gelu_tanh(fc1(LayerNorm(x))))
     x = LayerNorm(x)                                [N, T, C]
@@ -17,13 +18,12 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import onnx
 
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.export.lowering.lowering import Lowering
 from decodert.export.lowering.vision_qwen import build_qwen_vision, qwen_contract
 from decodert.models.vision import VisionSpec
 
@@ -39,10 +39,11 @@ def vision_contract(v: VisionSpec, dtype: str) -> dict[str, list[dict]]:
 
 
 def build_vision_graph(v: VisionSpec, dtype: str, weights: dict[str, onnx.TensorProto],
-                       ir_version: int = 10) -> onnx.ModelProto:
-    """vision.onnx over ``weights`` (canonical vision names -> external tensors in weights.bin)."""
+                       ir_version: int = 10, low: type[Lowering] = Lowering) -> onnx.ModelProto:
+    """vision.onnx over ``weights`` (canonical vision names -> external tensors in weights.bin); ``low``: the
+    target's lowering (its ``encoder_attention``; the base class: standard ops only)."""
     if v.tower in ("qwen_vit", "qwen3_vit"):  # Qwen2.5-VL's / Qwen3-VL's ViT: export/lowering/vision_qwen.py
-        return build_qwen_vision(v, dtype, weights, ir_version)
+        return build_qwen_vision(v, dtype, weights, ir_version, low)
     g = GraphBuilder("decodert_vision", {"": OPSET})
     contract = vision_contract(v, dtype)
     g.input("pixel_values", "fp32", contract["inputs"][0]["shape"])
@@ -60,7 +61,7 @@ def build_vision_graph(v: VisionSpec, dtype: str, weights: dict[str, onnx.Tensor
             x = g.op("Reshape", g.op("Add", x, "vision.pos_embed"), g.const([-1, c]))  # [N*T, C]
         for i in range(v.num_layers):
             with g.scope(f"layers.{i}"):
-                x = _layer(g, v, f"vision.layers.{i}.", x, np_dtype)
+                x = _layer(g, v, f"vision.layers.{i}.", x, np_dtype, low)
         with g.scope("post_ln"):
             x = _layer_norm(g, v, x, "vision.post_ln")
         with g.scope(v.connector):
@@ -80,33 +81,20 @@ def _linear(g: GraphBuilder, x: str, name: str) -> str:
     return g.op("Gemm", x, name, name + "_bias", transB=1)
 
 
-def _layer(g: GraphBuilder, v: VisionSpec, p: str, x: str, np_dtype: type) -> str:
+def _layer(g: GraphBuilder, v: VisionSpec, p: str, x: str, np_dtype: type, low: type[Lowering]) -> str:
     """One pre-norm encoder layer over [N*T, C] rows."""
     c, heads = v.hidden_size, v.num_heads
-    d, t = c // heads, v.patches_per_side ** 2
+    t = v.patches_per_side ** 2
     with g.scope("attn"):
         qkv = _linear(g, _layer_norm(g, v, x, p + "ln1"), p + "qkv")  # [N*T, 3C]
-        qkv = g.op("Transpose", g.op("Reshape", qkv, g.const([-1, t, 3, heads, d])), perm=[2, 0, 3, 1, 4])
-        q, k, vv = (g.op("Squeeze", part, g.const([0])) for part in
-                    g.op("Split", qkv, g.const([1, 1, 1]), axis=0, outputs=3))  # each [N, H, T, D]
-        scores = g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2])),
-                      g.const(np.array(1 / math.sqrt(d), np_dtype)))
-        ctx = g.op("MatMul", g.op("Softmax", scores, axis=-1), vv)  # [N, H, T, D]
-        ctx = g.op("Reshape", g.op("Transpose", ctx, perm=[0, 2, 1, 3]), g.const([-1, c]))
-        x = g.op("Add", x, _linear(g, ctx, p + "o"))
+        q, k, vv = g.op("Split", g.op("Reshape", qkv, g.const([-1, t, 3 * c])), g.const([c] * 3), axis=-1,
+                        outputs=3)  # each [N, T, C]
+        ctx = low.encoder_attention(g, q, k, vv, heads, c // heads, np_dtype)  # [N, T, C], one tile per row
+        x = g.op("Add", x, _linear(g, g.op("Reshape", ctx, g.const([-1, c])), p + "o"))
     with g.scope("mlp"):
         h = _linear(g, _layer_norm(g, v, x, p + "ln2"), p + "fc1")
-        x = g.op("Add", x, _linear(g, _gelu_tanh(g, h, np_dtype), p + "fc2"))
+        x = g.op("Add", x, _linear(g, low.encoder_gelu_tanh(g, h, np_dtype), p + "fc2"))
     return x
-
-
-def _gelu_tanh(g: GraphBuilder, x: str, np_dtype: type) -> str:
-    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), transformers' gelu_pytorch_tanh."""
-    def k(value: float) -> str:
-        return g.const(np.array(value, np_dtype))
-    inner = g.op("Mul", g.op("Add", x, g.op("Mul", g.op("Mul", g.op("Mul", x, x), x), k(0.044715))),
-                 k(math.sqrt(2 / math.pi)))
-    return g.op("Mul", g.op("Mul", x, k(0.5)), g.op("Add", g.op("Tanh", inner), k(1.0)))
 
 
 def _pixel_shuffle(g: GraphBuilder, v: VisionSpec, x: str) -> str:

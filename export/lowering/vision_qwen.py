@@ -1,5 +1,5 @@
 """``vision.onnx`` of the ``qwen_vit`` (Qwen2.5-VL) and ``qwen3_vit`` (Qwen3-VL) towers, one image per call,
-in standard ONNX ops.
+in standard ONNX ops but the attention: the target lowering's ``encoder_attention`` (ort: MultiHeadAttention).
 
 The runtime (runtime/vision/qwen_preprocess.py) gives the patches already in window order, as transformers
 permutes them (get_vision_window_index), with each patch's (row, column) and window; the graph's output
@@ -12,7 +12,10 @@ rows are in that order too and the runtime puts them back:
       cos, sin = 2-D rotary: angles (row * f | column * f) twice, f = theta^(-4k/D)   [P, D]
     per layer i:
         h = rmsnorm(x);  q, k, v = split(h @ qkv^T + b)        [H, P, D] each; q, k rotated (rotate-half)
-        attn = softmax(q k^T / sqrt(D) + mask) v               mask: -inf across windows, none in full_layers
+        attn = softmax(q k^T / sqrt(D)) v within each window (full_layers: over all patches): the rows
+               gathered into [W, S] window slots (S = (window_size / p)^2; a window cut by the image's
+               edge has empty slots, masked), attended as a batch of W, gathered back (Windows); a
+               lowering without data-dependent shapes (trt) adds a [P, P] window mask to all patches' scores
         x = x + attn @ o^T + b
         x = x + down(silu(gate) * up)(rmsnorm(x))              gate | up from one GEMM, with biases
     merger: rmsnorm(x) -> [P / r^2, C r^2] -> fc1 -> gelu (erf) -> fc2   image_embeds [P / r^2, hidden]
@@ -26,21 +29,17 @@ with its LayerNorm after the merge -> deepstack_embeds [n, P / r^2, hidden] (the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
 from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.export.lowering.lowering import Lowering
 from decodert.models.vision import VisionSpec
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.plugins.ops.rms_norm import rms_norm_body
 
-
-def gelu_tanh(g: GraphBuilder, x: str, np_dtype: type) -> str:
-    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    k = lambda value: g.const(np.array(value, np_dtype))  # noqa: E731
-    inner = g.op("Mul", g.op("Add", x, g.op("Mul", g.op("Mul", g.op("Mul", x, x), x), k(0.044715))), k(math.sqrt(2 / math.pi)))
-    return g.op("Mul", g.op("Mul", x, k(0.5)), g.op("Add", g.op("Tanh", inner), k(1.0)))
 
 OPSET = 18  # ReduceMean with axes as an input (the RMSNorm body)
 
@@ -62,7 +61,7 @@ def qwen_contract(v: VisionSpec, dtype: str) -> dict[str, list[dict]]:
 
 
 def build_qwen_vision(v: VisionSpec, dtype: str, weights: dict[str, onnx.TensorProto],
-                      ir_version: int = 10) -> onnx.ModelProto:
+                      ir_version: int = 10, low: type[Lowering] = Lowering) -> onnx.ModelProto:
     g = GraphBuilder("decodert_vision_qwen", {"": OPSET})
     contract = qwen_contract(v, dtype)
     for io in contract["inputs"]:
@@ -83,11 +82,13 @@ def build_qwen_vision(v: VisionSpec, dtype: str, weights: dict[str, onnx.TensorP
                 x = g.op("Add", x, g.op("ReduceSum", taps, g.const([1]), keepdims=0))
         with g.scope("rotary"):
             cos, sin = _rotary(g, v, np_dtype)
-        mask = None if qwen3 else _window_mask(g, dtype, np_dtype)
+        windows: Windows | str | None = None  # a batch of windows, or (no data-dependent shapes) a [P, P] mask
+        if not qwen3 and v.window_size:
+            windows = _windows(g, v, cos, sin) if low.data_dependent_shapes else _window_mask(g, np_dtype)
         for i in range(v.num_layers):
             with g.scope(f"layers.{i}"):
-                x = _layer(g, v, f"vision.layers.{i}.", x, cos, sin, None if i in v.full_layers else mask,
-                           dtype, np_dtype)
+                x = _layer(g, v, f"vision.layers.{i}.", x, (cos, sin), None if i in v.full_layers else windows,
+                           dtype, np_dtype, low)
             if i in v.deepstack:
                 with g.scope(f"deepstack.{len(deep)}"):
                     deep.append(_merger(g, v, x, f"vision.deepstack.layers.{len(deep)}.", dtype, np_dtype, post=True))
@@ -100,13 +101,47 @@ def build_qwen_vision(v: VisionSpec, dtype: str, weights: dict[str, onnx.TensorP
     return g.to_model(ir_version=ir_version)
 
 
-def _window_mask(g: GraphBuilder, dtype: str, np_dtype: type) -> str:
+@dataclass(frozen=True)
+class Windows:
+    """Window attention as a batch of windows: the patch rows gathered into [W, S] slots (S: a full window's
+    patches; a window cut by the image's edge leaves slots empty), attended per window, gathered back."""
+
+    rows: str  # [W*S] int64: the patch row each slot reads (0 for an empty slot)
+    slots: str  # [P] int64: the slot each patch's output is in
+    valid: str  # [W, S] bool: the slots that hold a patch
+    cos: str  # [W*S, 1, D] the rotary tables in slot order
+    sin: str
+    size: int  # S
+
+
+def _window_mask(g: GraphBuilder, np_dtype: type) -> str:
     """[P, P]: 0 within a window, a large negative across windows."""
     with g.scope("window_mask"):
         same = g.op("Equal", g.op("Unsqueeze", "patch_windows", g.const([1])),
                     g.op("Unsqueeze", "patch_windows", g.const([0])))
-        return g.op("Where", same, g.const(np.array(0, np_dtype)), g.const(np.array(-1e4 if dtype == "fp16" else -1e9,
-                                                                                    np_dtype)))
+        low = -1e4 if np_dtype == np.float16 else -1e9
+        return g.op("Where", same, g.const(np.array(0, np_dtype)), g.const(np.array(low, np_dtype)))
+
+
+def _windows(g: GraphBuilder, v: VisionSpec, cos: str, sin: str) -> Windows:
+    """From patch_windows [P] (the runtime gives the patches window by window, each window's in a row):
+    count[w], first[w] (patches in windows before w), a patch's slot w*S + (p - first[w])."""
+    size = (v.window_size // v.patch_size) ** 2
+    i64 = lambda n: g.const(np.array(n, np.int64))  # noqa: E731
+    with g.scope("windows"):
+        win = "patch_windows"
+        count_w = g.op("Squeeze", g.op("Add", g.op("ReduceMax", win, keepdims=1), g.const([1])), g.const([0]))  # W
+        column = g.op("Unsqueeze", win, g.const([1]))  # [P, 1] against the window ids [W]
+        ids = g.op("Range", i64(0), count_w, i64(1))
+        per = lambda cmp: g.op("ReduceSum", g.op("Cast", g.op(cmp, column, ids), to=7), g.const([0]), keepdims=0)  # noqa: E731
+        count, first = per("Equal"), per("Less")  # [W]: patches in window w, in windows before w
+        slot = g.const(np.arange(size, dtype=np.int64))
+        valid = g.op("Less", g.op("Unsqueeze", slot, g.const([0])), g.op("Unsqueeze", count, g.const([1])))  # [W, S]
+        rows = g.op("Where", valid, g.op("Add", g.op("Unsqueeze", first, g.const([1])), slot), i64(0))
+        rows = g.op("Reshape", rows, g.const([-1]))
+        patches = g.op("Range", i64(0), g.op("Squeeze", g.op("Shape", win), g.const([0])), i64(1))
+        slots = g.op("Add", g.op("Mul", win, i64(size)), g.op("Sub", patches, g.op("Gather", first, win, axis=0)))
+        return Windows(rows, slots, valid, g.op("Gather", cos, rows, axis=0), g.op("Gather", sin, rows, axis=0), size)
 
 
 def _merger(g: GraphBuilder, v: VisionSpec, x: str, p: str, dtype: str, np_dtype: type, post: bool) -> str:
@@ -124,53 +159,60 @@ def _merger(g: GraphBuilder, v: VisionSpec, x: str, p: str, dtype: str, np_dtype
 
 
 def _rotary(g: GraphBuilder, v: VisionSpec, np_dtype: type) -> tuple[str, str]:
-    """cos, sin [1, P, D] of the 2-D rotary (transformers' axial rope: rows then columns, repeated)."""
+    """cos, sin [P, 1, D] of the 2-D rotary (transformers' axial rope: rows then columns, repeated); sin with
+    its first half negated, so that the rotation is x cos + swap_halves(x) sin."""
     d = v.hidden_size // v.num_heads
     quarter = np.arange(0, d // 2, 2, dtype=np.float32) / (d // 2)
     inv = (1.0 / (v.rope_theta ** quarter)).astype(np.float32)  # [D/4]
     pos = g.op("Cast", "patch_positions", to=1)  # [P, 2] float32
     angles = g.op("Mul", g.op("Unsqueeze", pos, g.const([2])), g.const(inv.reshape(1, 1, -1)))  # [P, 2, D/4]
-    half = g.op("Reshape", angles, g.const([-1, d // 2]))  # rows' angles | columns' angles
-    full = g.op("Unsqueeze", g.op("Concat", half, half, axis=-1), g.const([0]))  # [1, P, D]
+    half = g.op("Reshape", angles, g.const([-1, 1, d // 2]))  # rows' angles | columns' angles
+    full = g.op("Concat", half, half, axis=-1)  # [P, 1, D]
+    sign = np.concatenate([-np.ones(d // 2, np.float32), np.ones(d // 2, np.float32)])
     out = []
-    for fn in ("Cos", "Sin"):
-        t = g.op(fn, full)
+    for t in (g.op("Cos", full), g.op("Mul", g.op("Sin", full), g.const(sign))):
         out.append(t if np_dtype == np.float32 else g.op("Cast", t, to=onnx.helper.np_dtype_to_tensor_dtype(
             np.dtype(np_dtype))))
     return out[0], out[1]
 
 
 def _rotate(g: GraphBuilder, x: str, cos: str, sin: str, d: int) -> str:
-    """x [H, P, D] -> x cos + rotate_half(x) sin."""
-    x1 = g.op("Slice", x, g.const([0]), g.const([d // 2]), g.const([2]))
-    x2 = g.op("Slice", x, g.const([d // 2]), g.const([d]), g.const([2]))
-    rot = g.op("Concat", g.op("Neg", x2), x1, axis=2)
-    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rot, sin))
+    """x [R, H, D] -> x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) = swap_halves(x) * (-1 | 1)."""
+    x1, x2 = g.op("Split", x, g.const([d // 2, d // 2]), axis=-1, outputs=2)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", g.op("Concat", x2, x1, axis=-1), sin))
 
 
-def _layer(g: GraphBuilder, v: VisionSpec, p: str, x: str, cos: str, sin: str, mask: str | None, dtype: str,
-           np_dtype: type) -> str:
+def _attention(g: GraphBuilder, v: VisionSpec, p: str, h: str, rope: tuple[str, str], windows: Windows | str | None,
+               np_dtype: type, low: type[Lowering]) -> str:
+    """[P, C] -> attention of every patch over its window's (``windows``: slots, or a [P, P] mask) or the
+    image's patches, [P, C]."""
     c, heads = v.hidden_size, v.num_heads
     d = c // heads
+    qkv = g.op("Gemm", h, p + "qkv", p + "qkv_bias", transB=1)  # [P, 3C]
+    cos, sin = rope
+    slots = windows if isinstance(windows, Windows) else None
+    if slots is not None:  # -> [W*S, 3C] in slot order
+        qkv, cos, sin = g.op("Gather", qkv, slots.rows, axis=0), slots.cos, slots.sin
+    q, k, vv = g.op("Split", g.op("Reshape", qkv, g.const([-1, 3 * heads, d])), g.const([heads] * 3), axis=1,
+                    outputs=3)  # [R, H, D] each
+    batch = g.const([-1, slots.size, c] if slots is not None else [1, -1, c])
+    q, k, vv = (g.op("Reshape", t, batch) for t in (_rotate(g, q, cos, sin, d), _rotate(g, k, cos, sin, d), vv))
+    ctx = low.encoder_attention(g, q, k, vv, heads, d, np_dtype, None if slots is None else slots.valid,
+                                windows if isinstance(windows, str) else None)
+    ctx = g.op("Reshape", ctx, g.const([-1, c]))
+    return ctx if slots is None else g.op("Gather", ctx, slots.slots, axis=0)
+
+
+def _layer(g: GraphBuilder, v: VisionSpec, p: str, x: str, rope: tuple[str, str], windows: Windows | str | None,
+           dtype: str, np_dtype: type, low: type[Lowering]) -> str:
     qwen3 = v.tower == "qwen3_vit"
     with g.scope("attn"):
-        h = _norm(g, v, x, p, 1, dtype)
-        qkv = g.op("Gemm", h, p + "qkv", p + "qkv_bias", transB=1)  # [P, 3C]
-        qkv = g.op("Transpose", g.op("Reshape", qkv, g.const([-1, 3, heads, d])), perm=[1, 2, 0, 3])  # [3, H, P, D]
-        q, k, vv = (g.op("Squeeze", part, g.const([0])) for part in
-                    g.op("Split", qkv, g.const([1, 1, 1]), axis=0, outputs=3))
-        q, k = _rotate(g, q, cos, sin, d), _rotate(g, k, cos, sin, d)
-        scores = g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 2, 1])),
-                      g.const(np.array(1 / math.sqrt(d), np_dtype)))  # [H, P, P]
-        if mask is not None:
-            scores = g.op("Add", scores, mask)
-        ctx = g.op("MatMul", g.op("Softmax", scores, axis=-1), vv)  # [H, P, D]
-        ctx = g.op("Reshape", g.op("Transpose", ctx, perm=[1, 0, 2]), g.const([-1, c]))
+        ctx = _attention(g, v, p, _norm(g, v, x, p, 1, dtype), rope, windows, np_dtype, low)
         x = g.op("Add", x, g.op("Gemm", ctx, p + "o", p + "o_bias", transB=1))
     with g.scope("mlp"):
         h = _norm(g, v, x, p, 2, dtype)
         if qwen3:  # fc2(gelu_tanh(fc1(h)))
-            act = gelu_tanh(g, g.op("Gemm", h, p + "fc1", p + "fc1_bias", transB=1), np_dtype)
+            act = low.encoder_gelu_tanh(g, g.op("Gemm", h, p + "fc1", p + "fc1_bias", transB=1), np_dtype)
             return g.op("Add", x, g.op("Gemm", act, p + "fc2", p + "fc2_bias", transB=1))
         gate, up = g.op("Split", g.op("Gemm", h, p + "gate_up", p + "gate_up_bias", transB=1),
                         g.const([v.intermediate_size] * 2), axis=-1, outputs=2)

@@ -193,3 +193,15 @@ def test_tensorrt_rtx_builds_the_engines_with_offsets_and_deepstack(kind, tmp_pa
     tower = ["pos_indices", "pos_weights"] if deep else ["patch_windows"]
     assert inputs["vision"] == ["pixel_values", "patch_positions", *tower]
     assert all(engines["vision"].profile[n]["max"][0] == 256 for n in inputs["vision"])
+
+
+def test_the_prefix_cache_resumes_inside_an_image(pair):
+    """Whole cached blocks end inside the image: the rest of it still gets its positions (from the ids held)."""
+    ref, llm = pair
+    if llm.prefix_cache is None:
+        pytest.skip("the prefix cache is off")
+    img = _image(np.random.default_rng(), 120, 300)
+    llm.chat(_ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
+    again = llm.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
+    assert again.metrics.cached_tokens >= 32
+    assert again.token_ids == ref.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids

@@ -75,8 +75,11 @@ QWEN_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads
                    fullatt_block_indexes=[7, 15, 23, 31])
 
 
+VISUAL_SHARD = "model-visual.safetensors"
+
+
 def make_qwen_checkpoint(path: Path, depth_frac: float) -> Path:
-    """A random Qwen2.5-VL-3B-shaped checkpoint (depths x ``depth_frac``), written tensor by tensor in bf16 (the
+    """A random Qwen2.5-VL-3B-shaped checkpoint (depths x ``depth_frac``), written shard by shard in bf16 (the
     model is built on the meta device: no fp32 copy in memory), with tests/tiny_qwen_vl.py's tokenizer."""
     import torch
     from safetensors.torch import save_file
@@ -95,13 +98,27 @@ def make_qwen_checkpoint(path: Path, depth_frac: float) -> Path:
                               image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                               vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Qwen2_5_VLForConditionalGeneration(config).state_dict().items()}
+        shapes = {k: v.shape for k, v in Qwen2_5_VLForConditionalGeneration(config).state_dict().items()
+                  if k != "lm_head.weight"}
     gen = torch.Generator().manual_seed(0)
-    tensors = {k: (torch.ones(shape) if "norm" in k or "ln_q" in k else torch.randn(shape, generator=gen) * 0.02)
-               .to(torch.bfloat16) for k, shape in shapes.items() if k != "lm_head.weight"}
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    # shards of at most ~2 GB (the memory one holds), the vision tower's alone in VISUAL_SHARD (kept for torch)
+    keys = sorted(shapes, key=lambda k: "visual." not in k)
+    groups: list[list[str]] = [[]]
+    for k in keys:
+        full = groups[-1] and (sum(shapes[j].numel() for j in groups[-1]) * 2 > 2e9
+                               or ("visual." in groups[-1][-1]) != ("visual." in k))
+        if full:
+            groups.append([k])
+        else:
+            groups[-1].append(k)
+    files = [VISUAL_SHARD if "visual." in g[0] else f"model-text-{i}.safetensors" for i, g in enumerate(groups)]
+    for file, group in zip(files, groups):
+        save_file({k: (torch.ones(shapes[k]) if "norm" in k or "ln_q" in k else
+                       torch.randn(shapes[k], generator=gen) * 0.02).to(torch.bfloat16) for k in group},
+                  str(path / file), metadata={"format": "pt"})
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, g in zip(files, groups) for k in g}}))
     config.save_pretrained(path)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
@@ -110,6 +127,39 @@ def make_qwen_checkpoint(path: Path, depth_frac: float) -> Path:
         "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280, "patch_size": 14, "merge_size": 2,
         "temporal_patch_size": 2}))  # Qwen2.5-VL-3B-Instruct's: a 448x448 image stays 448x448 (256 tokens)
     return path
+
+
+def qwen_artifact(work: Path, depth_frac: float, acc: int = 0) -> tuple[Path, Path]:
+    """(artifact, torch tower folder) of the Qwen2.5-VL-3B shape x ``depth_frac``, made when missing: checkpoint,
+    export (text int4, vision fp32), the checkpoint deleted but its vision tower shard (for
+    bench/vision_encode.py's torch reference). Peak disk: checkpoint + artifact (7.5 + 4.2 GB at full depth)."""
+    from decodert.export.pipeline import export_model
+    from decodert.export.quantize.quant import QuantConfig
+
+    tag = f"qwen-{depth_frac:g}" + (f"-acc{acc}" if acc else "")
+    hf, art, tower = work / f"hf-{tag}", work / f"art-{tag}", work / f"torch-qwen-{depth_frac:g}"
+    if not (art / "manifest.json").is_file():
+        make_qwen_checkpoint(hf, depth_frac)
+        export_model(hf, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False,
+                     quant=QuantConfig(bits=4, scale_search=False, accuracy_level=acc))
+        if not (tower / "visual.safetensors").is_file():
+            tower.mkdir(parents=True, exist_ok=True)
+            (hf / VISUAL_SHARD).rename(tower / "visual.safetensors")
+            config = json.loads((hf / "config.json").read_text())
+            (tower / "vision_config.json").write_text(json.dumps(config["vision_config"]))
+        shutil.rmtree(hf)  # the bf16 checkpoint; the artifact is what is measured
+    return art, tower
+
+
+def smol_artifact(work: Path, splitting: bool) -> tuple[Path, Path]:
+    """(artifact, checkpoint) of the SmolVLM-256M shape, made when missing (the checkpoint, 1 GB, is kept)."""
+    from decodert.export.pipeline import export_model
+
+    hf, art = work / f"hf-{splitting}", work / f"art-{splitting}"
+    if not (art / "manifest.json").is_file():
+        make_checkpoint(hf, splitting)
+        export_model(hf, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False)
+    return art, hf
 
 
 def measure(art: Path, repeats: int) -> dict:
@@ -152,34 +202,31 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--model", choices=("smolvlm", "qwen2_5_vl"), default="smolvlm")
     ap.add_argument("--depth-frac", type=float, default=0.25, help="qwen2_5_vl: depths of the 3B shape kept")
+    ap.add_argument("--no-torch", action="store_true", help="leave out the torch tower (bench/vision_encode.py)")
     ap.add_argument("--accuracy-level", type=int, default=0, help="qwen2_5_vl: MatMulNBits accuracy level (4: int8 "
                     "activations, faster prefill)")
     args = ap.parse_args()
     os.environ["DECODERT_THREADS"] = str(args.threads)
-    from decodert.export.pipeline import export_model
-    from decodert.export.quantize.quant import QuantConfig
-
     results = {}
     acc = args.accuracy_level
     cases = ((f"qwen2.5-vl-3b shape x{args.depth_frac:g} depth (int4 text, accuracy level {acc})", None),) \
         if args.model == "qwen2_5_vl" else (("smolvlm-256m (17 tiles)", True), ("no splitting (1 tile)", False))
     for name, splitting in cases:
-        tag = f"qwen-{args.depth_frac:g}" + (f"-acc{acc}" if acc else "") if splitting is None else str(splitting)
-        hf, art = args.work / f"hf-{tag}", args.work / f"art-{tag}"
-        if not (art / "manifest.json").is_file():
-            if splitting is None:
-                make_qwen_checkpoint(hf, args.depth_frac)
-                export_model(hf, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False,
-                             quant=QuantConfig(bits=4, scale_search=False, accuracy_level=acc))
-                shutil.rmtree(hf)  # 2.3 GB of bf16; the artifact is what is measured
-            else:
-                make_checkpoint(hf, splitting)
-                export_model(hf, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False)
+        art, peer = qwen_artifact(args.work, args.depth_frac, acc) if splitting is None else \
+            smol_artifact(args.work, splitting)
         results[name] = measure(art, args.repeats)
         r = results[name]
-        print(f"{name}: {r['image_tokens']} image tokens | encode {r['encode_s'] * 1000:.0f} ms | TTFT first "
-              f"{r['first_s'] * 1000:.0f} ms | follow-up {r['follow_up_s'] * 1000:.0f} ms "
-              f"({r['follow_up_over_first']:.3f}x)", flush=True)
+        line = (f"{name}: {r['image_tokens']} image tokens | encode {r['encode_s'] * 1000:.0f} ms | TTFT first "
+                f"{r['first_s'] * 1000:.0f} ms | follow-up {r['follow_up_s'] * 1000:.0f} ms "
+                f"({r['follow_up_over_first']:.3f}x)")
+        if not args.no_torch:  # the reference peer: transformers' own tower in torch, encode alone
+            import vision_encode
+
+            peer_r = vision_encode.measure(art, peer, args.threads, args.repeats, torch=True)
+            r.update({f"encode_only_{k}": v for k, v in peer_r.items()})
+            line += (f" | vision.onnx alone {peer_r['decodert_s'] * 1000:.0f} ms, torch tower "
+                     f"{peer_r['torch_s'] * 1000:.0f} ms, FLOP floor {peer_r['floor_s'] * 1000:.0f} ms")
+        print(line, flush=True)
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "repeats": args.repeats, "results": results}, indent=2))
 

@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -75,29 +75,8 @@ def gemm_rate(threads: int) -> float:
 
 
 def artifact(args) -> tuple[Path, Path]:
-    """(artifact, torch weights folder) of ``args.model``, made when missing."""
-    from decodert.export.pipeline import export_model
-    from decodert.export.quantize.quant import QuantConfig
-
-    if args.model == "smolvlm":
-        hf, art = args.work / "hf-True", args.work / "art-True"
-        if not (art / "manifest.json").is_file():
-            vb.make_checkpoint(hf, True)
-            export_model(hf, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False)
-        return art, hf
-    tag = f"qwen-{args.depth_frac:g}"
-    hf, art, tower = args.work / f"hf-{tag}", args.work / f"art-{tag}", args.work / f"torch-{tag}"
-    if not (art / "manifest.json").is_file():
-        vb.make_qwen_checkpoint(hf, args.depth_frac)
-        export_model(hf, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False,
-                     quant=QuantConfig(bits=4, scale_search=False))
-    if not (tower / "visual.safetensors").is_file() and hf.is_dir():
-        keep_tower(hf, tower)
-    if hf.is_dir():
-        import shutil
-
-        shutil.rmtree(hf)
-    return art, tower
+    """(artifact, torch reference: checkpoint folder or tower folder) of ``args.model``, made when missing."""
+    return vb.smol_artifact(args.work, True) if args.model == "smolvlm" else vb.qwen_artifact(args.work, args.depth_frac)
 
 
 def rebuild_graph(art: Path) -> None:
@@ -105,6 +84,8 @@ def rebuild_graph(art: Path) -> None:
     the before/after of a graph change on one artifact)."""
     import onnx
 
+    from decodert.export.artifact.artifact_files import file_record
+    from decodert.export.artifact.manifest import write_manifest
     from decodert.export.lowering.targets import get_target
     from decodert.export.lowering.vision_graph import build_vision_graph
     from decodert.models.vision import VisionSpec
@@ -117,19 +98,8 @@ def rebuild_graph(art: Path) -> None:
     spec = VisionSpec.from_dict(dict(manifest.vision.spec))
     low = get_target(manifest.target).lowering
     onnx.save_model(build_vision_graph(spec, manifest.dtype, weights, old.ir_version, low), str(path))
-
-
-def keep_tower(hf: Path, tower: Path) -> None:
-    """The checkpoint's vision tower tensors (bf16, as written) and config, for torch."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    tower.mkdir(parents=True, exist_ok=True)
-    with safe_open(str(hf / "model.safetensors"), "pt") as f:
-        keys = [k for k in f.keys() if "visual." in k]
-        save_file({k.split("visual.", 1)[1]: f.get_tensor(k) for k in keys}, str(tower / "visual.safetensors"))
-    config = json.loads((hf / "config.json").read_text())
-    (tower / "vision_config.json").write_text(json.dumps(config["vision_config"]))
+    files = {**manifest.files, manifest.vision.graph.file: file_record(path)}
+    write_manifest(art, manifest.replace(files=files))  # the artifact loads as before (its files verified)
 
 
 def torch_smolvlm(hf: Path):
@@ -154,7 +124,7 @@ def torch_qwen(tower: Path, grid: tuple[int, int]):
 
     vc = Qwen2_5_VLConfig(vision_config=json.loads((tower / "vision_config.json").read_text())).vision_config
     model = Qwen2_5_VisionTransformerPretrainedModel._from_config(vc, dtype=torch.float32).eval()
-    state = {k: v.float() for k, v in load_file(str(tower / "visual.safetensors")).items()}
+    state = {k.split("visual.", 1)[-1]: v.float() for k, v in load_file(str(tower / "visual.safetensors")).items()}
     model.load_state_dict(state, strict=True)
     thw = torch.tensor([[1, *grid]])
 
@@ -164,8 +134,11 @@ def torch_qwen(tower: Path, grid: tuple[int, int]):
     return run
 
 
-def measure(args, art: Path, peer: Path) -> dict:
-    import torch
+def measure(art: Path, peer: Path, threads: int, repeats: int, torch: bool = True, also: Sequence[str] = (),
+            profile: Path | None = None) -> dict:
+    """Encode times (s) of decodert's vision.onnx (and the graph files ``also``) and torch's tower; FLOPs and the
+    floor; ``profile``: a folder for ONNX Runtime's profile of vision.onnx, printed by op type."""
+    import torch as pt
 
     from decodert.models.vision import VisionSpec
     from decodert.runtime.backends.loading import read_manifest
@@ -176,12 +149,12 @@ def measure(args, art: Path, peer: Path) -> dict:
     manifest = read_manifest(art, verify="none")  # vision.onnx may have been rebuilt
     spec = VisionSpec.from_dict(dict(manifest.vision.spec))
     settings = dict(manifest.vision.processor)
-    options = session_options(args.threads)
-    if args.profile:
-        options.enable_profiling, options.profile_file_prefix = True, str(args.work / "vision-profile")
+    options = session_options(threads)
+    if profile is not None:
+        options.enable_profiling, options.profile_file_prefix = True, str(profile / "vision-profile")
     session = open_session(art / manifest.vision.graph.file, options, ["CPUExecutionProvider"])
     vision = Vision(session, spec, settings, 0, np.float32)
-    torch.set_num_threads(args.threads)
+    pt.set_num_threads(threads)
     rgb = np.random.default_rng(0).integers(0, 256, (448, 448, 3), dtype=np.uint8)
     if vision.qwen:
         plain = qp.preprocess(rgb, settings, replace(spec, window_size=0))  # transformers' patch order
@@ -192,12 +165,12 @@ def measure(args, art: Path, peer: Path) -> dict:
                    for c in range(0, grid[1], side)] if spec.window_size else None
         flops, torch_in = encode_flops(spec, len(p.pixels), 1, windows), plain.pixels
         feed = {"pixel_values": p.pixels, "patch_positions": p.positions, "patch_windows": p.windows}
-        peer_run = None if args.no_torch else torch_qwen(peer, grid)
+        peer_run = torch_qwen(peer, grid) if torch else None
     else:
         tiles = vision.processor.preprocess(rgb, settings)
         flops, torch_in = encode_flops(spec, spec.patches_per_side ** 2, len(tiles.pixels), None), tiles.pixels
         feed = {"pixel_values": tiles.pixels}
-        peer_run = None if args.no_torch else torch_smolvlm(peer)
+        peer_run = torch_smolvlm(peer) if torch else None
 
     def ours(sess) -> Callable[[], np.ndarray]:
         def run() -> np.ndarray:
@@ -206,12 +179,12 @@ def measure(args, art: Path, peer: Path) -> dict:
         return run
 
     runners = {"decodert": ours(session), **({"torch": lambda: peer_run(torch_in)} if peer_run else {})}
-    for other in args.also_graph:  # the same feed through another graph file of the artifact (a before/after)
-        runners[f"decodert[{other}]"] = ours(open_session(art / other, session_options(args.threads),
+    for other in also:  # the same feed through another graph file of the artifact (a before/after)
+        runners[f"decodert[{other}]"] = ours(open_session(art / other, session_options(threads),
                                                           ["CPUExecutionProvider"]))
     outputs = {name: run() for name, run in runners.items()}  # warm-up (and the outputs compared)
     times: dict[str, list[float]] = {name: [] for name in runners}
-    for r in range(args.repeats):
+    for r in range(repeats):
         names = list(runners)
         for name in names[r % len(names):] + names[:r % len(names)]:
             t0 = time.perf_counter()
@@ -220,9 +193,9 @@ def measure(args, art: Path, peer: Path) -> dict:
     t0 = time.perf_counter()
     qp.preprocess(rgb, settings, spec) if vision.qwen else vision.processor.preprocess(rgb, settings)
     pre_s = time.perf_counter() - t0
-    if args.profile:
-        print_profile(Path(session.end_profiling()), args.repeats + 1)
-    rate = gemm_rate(args.threads)
+    if profile is not None:
+        print_profile(Path(session.end_profiling()))
+    rate = gemm_rate(threads)
     out = {"gflop": flops / 1e9, "gemm_gflops": rate / 1e9, "floor_s": flops / rate, "preprocess_s": pre_s,
            "image_tokens": int(outputs["decodert"].shape[0])}
     for name, t in times.items():
@@ -236,7 +209,7 @@ def measure(args, art: Path, peer: Path) -> dict:
     return out
 
 
-def print_profile(trace: Path, runs: int) -> None:
+def print_profile(trace: Path) -> None:
     """ONNX Runtime's kernel time per op type over the profiled runs (bench/ort_profile.py's reading)."""
     from ort_profile import by_op
 
@@ -266,7 +239,8 @@ def main() -> None:
     art, peer = artifact(args)
     if args.rebuild_graph:
         rebuild_graph(art)
-    r = measure(args, art, peer)
+    r = measure(art, peer, args.threads, args.repeats, not args.no_torch, args.also_graph,
+                args.work if args.profile else None)
     line = (f"{args.model}{'' if args.model == 'smolvlm' else f' x{args.depth_frac:g} depth'}: "
             f"{r['image_tokens']} image tokens, {r['gflop']:.0f} GFLOP; fp32 GEMM {r['gemm_gflops']:.0f} GFLOP/s "
             f"-> floor {r['floor_s']:.2f} s | preprocess {r['preprocess_s'] * 1000:.0f} ms | decodert vision.onnx "

@@ -260,3 +260,51 @@ def test_the_server_takes_frames_as_data_urls(qvl):
         with pytest.raises(urllib.error.HTTPError) as e:
             ask({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}})
         assert e.value.code == 400 and b"video files are not decoded" in e.value.read()
+
+
+def test_a_model_without_video_refuses_it_in_one_line(tmp_path):
+    """Idefics3 (SmolVLM) declares no video processor: a video part is refused; its images still work (Gemma 3's
+    artifacts go the same way: no ``video`` in their processor settings)."""
+    from tiny_vision import make_tiny_vlm
+
+    from decodert.errors import DecodertError
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    export_model(make_tiny_vlm(tmp_path / "hf"), tmp_path / "art", target="ort", dtype="fp32", max_seq=512,
+                 progress=False)
+    rng = np.random.default_rng()
+    with LLM.load(tmp_path / "art", backend="ort") as llm:
+        assert llm.vision is not None and llm.vision.video is None
+        with pytest.raises(DecodertError, match="takes no video") as e:
+            llm.chat(_ask(_video(_clip(rng, 4, 32, 32))), max_new_tokens=2)
+        assert "\n" not in str(e.value)
+        img = {"type": "image", "image": rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)}
+        assert llm.chat(_ask(img), max_new_tokens=2, temperature=0).token_ids
+
+
+def test_cli_video_flag_takes_a_folder_of_frames_in_name_order(qvl, tmp_path, capsys):
+    import json
+
+    from decodert.cli import build_parser
+    from decodert.cli.chat import media, user_message
+    from decodert.cli.generate import answer
+
+    llm, _, _ = qvl
+    frames = _clip(np.random.default_rng(), 4, 48, 64)
+    folder = tmp_path / "clip"
+    folder.mkdir()
+    for k, f in enumerate(frames):  # written out of order: read back by name
+        Image.fromarray(f).save(folder / f"frame_{k:03d}.png")
+    (folder / "notes.txt").write_text("not a frame")
+    expected = llm.chat(_ask(_video(frames, 2.0), text="Hi"), max_new_tokens=4, temperature=0).text
+    args = build_parser().parse_args(["generate", "OUT", "--prompt", "Hi", "--video", str(folder), "--video-fps", "2",
+                                      "--json", "--greedy", "--max-new-tokens", "4"])
+    assert answer(llm, "Hi", [user_message("Hi", media(args))], args) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == expected
+    files = ",".join(str(folder / f"frame_{k:03d}.png") for k in range(4))
+    assert [list(v) for v in media(build_parser().parse_args(["generate", "OUT", "--prompt", "Hi", "--video", files]))] \
+        == [sorted(folder.glob("*.png"))]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "OUT", "--prompt", "Hi", "--video", str(tmp_path / "none")])
+    assert "is not a frame file or a folder" in capsys.readouterr().err

@@ -192,8 +192,9 @@ class Vision:
         digest = hashlib.blake2b(pixel_digest(video.frames) + repr(video.fps).encode(), digest_size=16).digest()
         split = bool(s.get("timestamps"))  # every slice its own grid (Qwen3-VL), else one grid of t slices
         keys = [digest + k.to_bytes(4, "little") for k in range(len(t.times))] if split else [digest]
-        entries = [self.store.get(k) for k in keys]
-        if any(e is None for e in entries):
+        cached = [self.store.get(k) for k in keys]
+        entries = [e for e in cached if e is not None]
+        if len(entries) < len(keys):
             slices = qv.preprocess(video.frames, t.keep, s, self.spec)
             runs = [self._run_qwen(p) for p in slices]
             rows, cols, token = slices[0].rows, slices[0].cols, int(s["video_token_id"])
@@ -206,8 +207,8 @@ class Vision:
                 entries = [_Entry(image_ids(keys[0], token, len(embeds)), embeds, rows, cols, extra, len(slices),
                                   t.interval)]
             for k, e in zip(keys, entries):
-                self.store.put(k, e)  # type: ignore[arg-type]
-        return entries, qv.prompt(entries[0].rows, entries[0].cols, t.times, s)  # type: ignore[union-attr]
+                self.store.put(k, e)
+        return entries, qv.prompt(entries[0].rows, entries[0].cols, t.times, s)
 
     def _expand(self, entry: _Entry) -> str:
         """The text one image placeholder of the template becomes."""

@@ -43,7 +43,8 @@ def load_video(value: Any, fps: Any, what: str, limits: ImageLimits, frames_befo
         raise DecodertError(f"{what}: a video must be a non-empty list of frames (paths, bytes, PIL images, "
                             "HxWx3 arrays, data URLs) or a TxHxWx3 uint8 array")
     _check(len(value), 0, what, limits, frames_before, pixels_before)
-    frames, pixels = [], pixels_before
+    frames: list[np.ndarray] = []
+    pixels = pixels_before
     for k, item in enumerate(value):
         frame = load_image(item, f"{what} frame {k}", limits)
         if frames and frame.shape != frames[0].shape:

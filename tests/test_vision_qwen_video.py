@@ -208,6 +208,32 @@ def test_a_follow_up_about_the_same_video_equals_a_full_prefill(qvl):
     chat.close()
 
 
+def test_a_batch_a_chunked_prefill_and_the_prefix_cache_equal_the_single_answer(qvl):
+    """Video rows batched with an image row and a text row, a prefill in chunks of 10 cutting through the slices,
+    and a second question taking the video's K/V from the prefix cache all answer as the video alone does."""
+    llm, _, _ = qvl
+    rng = np.random.default_rng()
+    clip = _ask(_video(_clip(rng, 6, 48, 64), 2.0), text="What moves?")
+    asks = [clip, _ask({"type": "image", "image": rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)}),
+            [{"role": "user", "content": "Hi"}]]
+    singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
+    batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
+    assert [r.token_ids for r in batch] == singles
+    if llm.prefix_cache is not None:
+        llm.prefix_cache.clear()
+    chunk, llm.backend.prefill_chunk = llm.backend.prefill_chunk, 10
+    try:
+        assert llm.chat(clip, max_new_tokens=6, temperature=0).token_ids == singles[0]
+    finally:
+        llm.backend.prefill_chunk = chunk
+    if llm.prefix_cache is not None:
+        other = _ask(clip[0]["content"][0], text="What colour is it?")
+        again = llm.chat(other, max_new_tokens=6, temperature=0)
+        assert again.metrics.cached_tokens >= 32  # whole blocks of the video's tokens
+        llm.prefix_cache.clear()
+        assert llm.chat(other, max_new_tokens=6, temperature=0).token_ids == again.token_ids
+
+
 def test_bad_videos_get_one_line_errors(qvl, tmp_path):
     from decodert.errors import DecodertError
     from decodert.runtime.vision.images import ImageLimits

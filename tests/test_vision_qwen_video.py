@@ -184,13 +184,16 @@ def test_prefill_logits_and_greedy_tokens_equal_transformers(qvl):
         assert result.token_ids == _reference_tokens(model, ref), (t, h, w)
 
 
-def test_an_image_and_a_video_in_one_message_equal_transformers(qvl):
+def test_images_and_videos_in_one_message_equal_transformers(qvl):
+    """A video, an image and another video (frames given as PIL images) in one message."""
     llm, model, proc = qvl
     rng = np.random.default_rng()
-    img, frames = rng.integers(0, 256, (64, 80, 3), dtype=np.uint8), _clip(rng, 6, 40, 56)
-    msgs = _ask(_video(frames, 2.0), {"type": "image", "image": img}, text="Which comes first?")
+    img, one, two = rng.integers(0, 256, (64, 80, 3), dtype=np.uint8), _clip(rng, 6, 40, 56), _clip(rng, 4, 32, 48)
+    msgs = _ask(_video(one, 2.0), {"type": "image", "image": img}, _video([Image.fromarray(f) for f in two], 1.0),
+                text="Which comes first?")
     _, text, _ = llm._chat_prompt(msgs, {})
-    ref = _our_pixels(llm, _reference(proc, text, [(frames, 2.0)], [img]), [(frames, 2.0)])
+    videos = [(one, 2.0), (two, 1.0)]
+    ref = _our_pixels(llm, _reference(proc, text, videos, [img]), videos)
     assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _reference_tokens(model, ref)
 
 

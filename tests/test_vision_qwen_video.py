@@ -106,13 +106,12 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
             out = model.model.get_video_features(torch.from_numpy(ours), ref["video_grid_thw"])
         feats = out.pooler_output
         feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
-        entries, _ = llm.vision.video_entries(Video(frames, fps))
-        np.testing.assert_allclose(np.concatenate([e.embeds for e in entries]), feats.numpy(), atol=1e-4, rtol=1e-4)
+        entry, _ = llm.vision.video_entry(Video(frames, fps))
+        np.testing.assert_allclose(entry.embeds, feats.numpy(), atol=1e-4, rtol=1e-4)
         if llm.vision.spec.deepstack:
             deep = np.stack([torch.cat(list(f)).numpy() if isinstance(f, (list, tuple)) else f.numpy()
                              for f in out.deepstack_features])
-            got = np.concatenate([e.extra["deepstack_embeds"] for e in entries], axis=1)
-            np.testing.assert_allclose(got, deep, atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(entry.extra["deepstack_embeds"], deep, atol=1e-4, rtol=1e-4)
 
 
 def _rope_index(model, ref):

@@ -46,8 +46,9 @@ class _Entry:
     rows: int
     cols: int
     extra: dict[str, np.ndarray] | None = None  # per-token features beside embeds, [k, n, hidden] (Qwen3-VL deepstack)
-    frames: int = 1  # grid slices (a Qwen2.5-VL video: t > 1), each rows x cols tokens
+    frames: int = 1  # grid slices (a video: t > 1), each rows x cols tokens
     interval: float = 0.0  # M-RoPE temporal step between slices (runtime/vision/mrope.py)
+    split: bool = False  # each slice a grid of its own (Qwen3-VL: timestamp text between slices)
 
     def __post_init__(self) -> None:
         self.index = {int(v): k for k, v in enumerate(self.ids)}  # image id -> row
@@ -87,7 +88,10 @@ class ImageStore:
         (runtime/vision/mrope.py)."""
         with self._lock:
             e = self._where.get(image_id)
-            return None if e is None else (e.index[image_id], e.rows, e.cols, e.frames, e.interval)
+            if e is None:
+                return None
+            k = e.index[image_id]
+            return (k % (e.rows * e.cols), e.rows, e.cols, 1, 0.0) if e.split else (k, e.rows, e.cols, e.frames, e.interval)
 
     def extra_rows(self, ids: np.ndarray, name: str) -> np.ndarray:
         """The ``name`` features [k, N, hidden] of the image ids in ``ids`` (flat order, as ``rows``)."""
@@ -121,7 +125,7 @@ class Vision:
         self.processor = PROCESSORS[settings.get("kind", "idefics3")]
         self.qwen = spec.tower in ("qwen_vit", "qwen3_vit")  # patch rows + <|image_pad|> (runtime/vision/qwen_preprocess.py)
         self.video: dict | None = settings.get("video")  # the video processor's settings (runtime/vision/qwen_video.py)
-        self.store = ImageStore(256)
+        self.store = ImageStore()
         self.encode_seconds = 0.0  # the last image encoded (bench/vision.py)
 
     @classmethod
@@ -182,33 +186,25 @@ class Vision:
         extra = {"deepstack_embeds": out["deepstack_embeds"][:, p.restore]} if "deepstack_embeds" in out else None
         return out["image_embeds"][p.restore], extra
 
-    def video_entries(self, video: Video) -> tuple[list[_Entry], str]:
-        """A video's entries in token order (Qwen2.5-VL: one of t slices; Qwen3-VL: one per slice, text between
-        them) and the text its placeholder becomes; from the store, else preprocessed and encoded now."""
+    def video_entry(self, video: Video) -> tuple[_Entry, str]:
+        """A video's entry (its t slices of rows x cols tokens) and the text its placeholder becomes; from the
+        store, else preprocessed and encoded now (slice by slice)."""
         s = self.video
         if s is None:
             raise DecodertError("this model takes no video (its processor has none); send the frames as images")
         t = qv.timing(len(video.frames), video.fps, s)
         digest = hashlib.blake2b(pixel_digest(video.frames) + repr(video.fps).encode(), digest_size=16).digest()
-        split = bool(s.get("timestamps"))  # every slice its own grid (Qwen3-VL), else one grid of t slices
-        keys = [digest + k.to_bytes(4, "little") for k in range(len(t.times))] if split else [digest]
-        cached = [self.store.get(k) for k in keys]
-        entries = [e for e in cached if e is not None]
-        if len(entries) < len(keys):
+        entry = self.store.get(digest)
+        if entry is None:
             slices = qv.preprocess(video.frames, t.keep, s, self.spec)
             runs = [self._run_qwen(p) for p in slices]
-            rows, cols, token = slices[0].rows, slices[0].cols, int(s["video_token_id"])
-            if split:
-                entries = [_Entry(image_ids(k, token, len(e)), e, rows, cols, x) for k, (e, x) in zip(keys, runs)]
-            else:
-                embeds = np.concatenate([e for e, _ in runs])
-                extra = None if runs[0][1] is None else {n: np.concatenate([x[n] for _, x in runs], axis=1)  # type: ignore[index]
-                                                         for n in runs[0][1]}
-                entries = [_Entry(image_ids(keys[0], token, len(embeds)), embeds, rows, cols, extra, len(slices),
-                                  t.interval)]
-            for k, e in zip(keys, entries):
-                self.store.put(k, e)
-        return entries, qv.prompt(entries[0].rows, entries[0].cols, t.times, s)
+            embeds = np.concatenate([e for e, _ in runs])
+            extra = None if runs[0][1] is None else {n: np.concatenate([x[n] for _, x in runs], axis=1)  # type: ignore[index]
+                                                     for n in runs[0][1]}
+            entry = _Entry(image_ids(digest, int(s["video_token_id"]), len(embeds)), embeds, slices[0].rows,
+                           slices[0].cols, extra, len(slices), t.interval, split=bool(s.get("timestamps")))
+            self.store.put(digest, entry)
+        return entry, qv.prompt(entry.rows, entry.cols, t.times, s)
 
     def _expand(self, entry: _Entry) -> str:
         """The text one image placeholder of the template becomes."""
@@ -245,8 +241,8 @@ class Vision:
                 entries.append(self.entry(next(image_it)))
                 out.append(self._expand(entries[-1]))
             else:
-                found, expanded = self.video_entries(next(video_it))
-                entries += found
+                entry, expanded = self.video_entry(next(video_it))
+                entries.append(entry)
                 out.append(expanded)
             out.append(after)
         ids = encode("".join(out)).copy()

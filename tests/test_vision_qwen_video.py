@@ -348,3 +348,20 @@ def test_cli_video_flag_takes_a_folder_of_frames_in_name_order(qvl, tmp_path, ca
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "OUT", "--prompt", "Hi", "--video", str(tmp_path / "none")])
     assert "is not a frame file or a folder" in capsys.readouterr().err
+
+
+def test_the_artifact_records_the_video_processor(qvl):
+    """The export resolved the checkpoint's video_preprocessor_config.json over the family's defaults."""
+    from decodert.export.artifact.inspect import inspect_artifact
+
+    llm, model, _ = qvl
+    video = llm.vision.video
+    assert video["video_token_id"] == model.config.video_token_id and video["temporal_patch_size"] == 2
+    if video["sampling"] == "qwen3":
+        assert video["timestamps"] and video["do_sample_frames"] and video["fps"] == 2
+        assert (video["min_pixels"], video["max_pixels"]) == (32 * 32, 6 * 64 * 64)
+        assert "2 frames/s sampled" in inspect_artifact(llm.backend.dir)
+    else:
+        assert not video["timestamps"] and not video["do_sample_frames"] and video["tokens_per_second"] == 1
+        assert (video["min_pixels"], video["max_pixels"]) == (32 * 32, 96 * 96)
+        assert "every frame" in inspect_artifact(llm.backend.dir)

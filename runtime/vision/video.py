@@ -13,6 +13,7 @@ naming the video: no frames, more than ``max_frames`` frames in the request, mor
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ class Video:
 def load_video(value: Any, fps: Any, what: str, limits: ImageLimits, frames_before: int = 0,
                pixels_before: int = 0) -> Video:
     """``value`` -> a Video; ``frames_before`` / ``pixels_before``: what earlier videos of the request used."""
-    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps)
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps)
                             or fps <= 0):
         raise DecodertError(f"{what}: fps must be a positive number, got {fps!r}")
     if isinstance(value, np.ndarray) and value.ndim == 4:

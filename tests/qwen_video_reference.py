@@ -91,9 +91,8 @@ class ReferenceVideoProcessor:
                                                 self.size["shortest_edge"], self.size["longest_edge"])
             else:
                 h, w = self.fns["smart_resize"](h, w, factor, self.size["shortest_edge"], self.size["longest_edge"])
-            if (h, w) != tuple(x.shape[-2:]):  # torchvision's resize of a uint8 tensor, bicubic
-                x = torch.nn.functional.interpolate(x.float(), size=[h, w], mode="bicubic", align_corners=False,
-                                                    antialias=True).clamp_(0, 255).round_().to(torch.uint8)
+            if (h, w) != tuple(x.shape[-2:]):  # torchvision's resize of a uint8 tensor on the CPU, bicubic: native uint8
+                x = torch.nn.functional.interpolate(x, size=[h, w], mode="bicubic", align_corners=False, antialias=True)
             mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
             std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
             x = (x.float() - mean[:, None, None]) / std[:, None, None]

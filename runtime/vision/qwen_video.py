@@ -7,8 +7,8 @@ resolved at export: export/vision_export.py ``video_settings``):
     sampling      only where the config has do_sample_frames (Qwen3-VL's default, not Qwen2.5-VL's): the
                   processor's own rule over the given frames with that fps (``sample``); else every frame
     resize        one size for the whole clip: smart_resize (Qwen2: per frame; Qwen3: frames x pixels), then
-                  torchvision's tensor resize: bicubic with antialias in float, clamped and rounded to uint8
-                  (Pillow's float "F" mode computes the same separable filter)
+                  torchvision's resize of a uint8 tensor on the CPU: torch's native antialiased uint8 kernel
+                  (int16 fixed-point weights, each pass rounded to uint8), reproduced exactly
     normalise     (x - mean / rescale) / (std / rescale) in float32 (transformers' fused rescale + normalise)
     patches       frames padded to a multiple of temporal_patch_size with the last one; each temporal group
                   of frames (2) is one grid slice: qwen_preprocess.patches, as an image's rows but with distinct
@@ -120,17 +120,63 @@ def _smart_resize3(t: int, height: int, width: int, tf: int, factor: int, lo: in
 
 
 def resize(frame: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
-    """[H, W, 3] uint8 -> [height, width, 3] uint8 as torchvision resizes a uint8 tensor: bicubic (3) in float
-    with antialias, clamped and rounded; other filters in Pillow's uint8 mode (torchvision's uint8 kernels)."""
+    """[H, W, 3] uint8 -> [height, width, 3] uint8 as torchvision resizes a uint8 tensor on the CPU: bicubic (3)
+    and bilinear (2, on AVX2 / arm64 CPUs) through torch's native uint8 antialiased kernel, reproduced exactly
+    (``_filter_axis``); other filters through Pillow (an approximation of torchvision's float path)."""
     from PIL import Image
 
     if frame.shape[:2] == (height, width):
         return frame
-    if resample != 3:
+    if resample not in _FILTERS:
         return np.asarray(Image.fromarray(frame).resize((width, height), Image.Resampling(resample)))
-    out = [np.asarray(Image.fromarray(np.ascontiguousarray(frame[:, :, c], np.float32), mode="F")
-                      .resize((width, height), Image.Resampling.BICUBIC)) for c in range(3)]
-    return np.clip(np.stack(out, axis=-1), 0, 255).round().astype(np.uint8)
+    x = frame
+    if x.shape[1] != width:  # horizontal first, each pass rounded to uint8, as torch does
+        x = _filter_axis(x, width, 1, resample)
+    if x.shape[0] != height:
+        x = _filter_axis(x, height, 0, resample)
+    return x
+
+
+def _keys_cubic(x: np.ndarray) -> np.ndarray:
+    a = -0.5
+    x = np.abs(x)
+    return np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                    np.where(x < 2, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a, 0.0))
+
+
+_FILTERS = {2: (1.0, lambda x: np.clip(1 - np.abs(x), 0, None)), 3: (2.0, _keys_cubic)}  # resample -> (support, filter)
+
+
+def _filter_axis(x: np.ndarray, size: int, axis: int, resample: int) -> np.ndarray:
+    """One antialiased pass of torch's uint8 kernel (UpSampleKernel's _compute_index_ranges_int16_weights):
+    PIL-style weights in float64 around each output's centre, normalised, scaled to int16 at the largest precision
+    (< 22 bits) the biggest weight allows; each output an integer dot product plus half a unit, shifted, clamped."""
+    n_in = x.shape[axis]
+    half, fn = _FILTERS[resample]
+    scale = n_in / size
+    support = half * scale if scale >= 1 else half
+    taps = int(math.ceil(support)) * 2 + 1
+    inv = 1.0 / scale if scale >= 1 else 1.0
+    weights = np.zeros((size, taps))
+    lo = np.zeros(size, np.int64)
+    for i in range(size):
+        center = scale * (i + 0.5)
+        lo[i] = max(int(center - support + 0.5), 0)
+        count = min(max(min(int(center + support + 0.5), n_in) - int(lo[i]), 0), taps)
+        w = fn((np.arange(count) + lo[i] - center + 0.5) * inv)
+        total = sum(w.tolist())  # summed in order, as the C loop does
+        weights[i, :count] = w / total if total != 0 else w
+    precision = 0
+    while precision < 22 and int(0.5 + weights.max() * (1 << (precision + 1))) < 1 << 15:
+        precision += 1
+    scaled = weights * (1 << precision)
+    ints = np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5)).astype(np.int32)
+    src = np.ascontiguousarray(np.moveaxis(x, axis, 0), np.int32)  # int32 sums, as torch's (255 x 2^15 x taps fits)
+    shape = (size,) + (1,) * (src.ndim - 1)
+    acc = np.full((size, *src.shape[1:]), 1 << (precision - 1), np.int32)
+    for j in range(taps):  # taps past an output's count weigh 0: any row in range serves
+        acc += src[np.minimum(lo + j, n_in - 1)] * ints[:, j].reshape(shape)
+    return np.ascontiguousarray(np.moveaxis(np.clip(acc >> precision, 0, 255).astype(np.uint8), 0, axis))
 
 
 def normalise(frames: np.ndarray, s: Mapping[str, Any]) -> np.ndarray:

@@ -22,6 +22,7 @@ HISTORY_LINES = 1000
 COMMANDS = (("/help", "this help"), ("/reset", "forget the conversation (the system message stays)"),
             ("/undo", "forget the last message and its answer"),
             ("/image FILE", "attach an image to the next message (vision-language models)"),
+            ("/video DIR", "attach a video (a folder of frame images, or FILE,FILE,...) to the next message (Qwen-VL)"),
             ("/exit", "quit (also /quit, Ctrl-D)"))
 EXIT = ("/exit", "/quit", "/bye")
 
@@ -64,6 +65,8 @@ class Frames(list):
 
     @classmethod
     def parse(cls, value: str) -> "Frames":
+        if not value.strip():
+            raise argparse.ArgumentTypeError("no folder or frame files given")
         path = Path(value)
         if path.is_dir():
             frames = cls(sorted(f for f in path.iterdir() if f.suffix.lower() in FRAME_SUFFIXES))
@@ -144,13 +147,8 @@ def command(session, text: str, err: TextIO, pending: list | None = None) -> boo
     name = text.split()[0].lower()
     if name in EXIT:
         return True
-    if name == "/image" and pending is not None:
-        path = Path(text.split(None, 1)[1].strip()) if len(text.split(None, 1)) > 1 else None
-        if path is None or not path.is_file():
-            print(f"[/image needs an image file; {path} is not one]" if path else "[/image needs a file]", file=err)
-        else:
-            pending.append(path)
-            print(f"[image {path.name} will go with the next message]", file=err)
+    if name in ("/image", "/video") and pending is not None:
+        attach(name, text.split(None, 1)[1].strip() if len(text.split(None, 1)) > 1 else "", err, pending)
         return False
     if name == "/help":
         width = max(len(c) for c, _ in COMMANDS)
@@ -169,6 +167,23 @@ def command(session, text: str, err: TextIO, pending: list | None = None) -> boo
     else:
         print(f"unknown command {name}; /help lists the commands (// sends a message that begins with /)", file=err)
     return False
+
+
+def attach(name: str, value: str, err: TextIO, pending: list) -> None:
+    """/image FILE or /video DIR_OR_FILES: queue it for the next message, or say in one line why not."""
+    if name == "/image":
+        path = Path(value) if value else None
+        if path is None or not path.is_file():
+            print(f"[/image needs an image file; {path} is not one]" if path else "[/image needs a file]", file=err)
+        else:
+            pending.append(path)
+            print(f"[image {path.name} will go with the next message]", file=err)
+        return
+    try:
+        pending.append(Frames.parse(value))
+        print(f"[video of {len(pending[-1])} frames will go with the next message]", file=err)
+    except argparse.ArgumentTypeError as e:
+        print(f"[/video needs a folder of frame images or frame files: {e}]", file=err)
 
 
 def turn(session, message: str, args: argparse.Namespace, out: TextIO, err: TextIO, pending: list | None = None) -> None:

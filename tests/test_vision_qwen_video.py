@@ -314,7 +314,7 @@ def test_a_model_without_video_refuses_it_in_one_line(tmp_path):
         assert llm.chat(_ask(img), max_new_tokens=2, temperature=0).token_ids
 
 
-def test_cli_video_flag_takes_a_folder_of_frames_in_name_order(qvl, tmp_path, capsys):
+def test_cli_video_flag_and_repl_video_command(qvl, tmp_path, capsys):
     import json
 
     from decodert.cli import build_parser
@@ -339,6 +339,24 @@ def test_cli_video_flag_takes_a_folder_of_frames_in_name_order(qvl, tmp_path, ca
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "OUT", "--prompt", "Hi", "--video", str(tmp_path / "none")])
     assert "is not a frame file or a folder" in capsys.readouterr().err
+
+    import io
+
+    from decodert.cli.chat import chat_loop
+
+    lines = iter([f"/video {folder}", "Hi", "/video nowhere"])
+
+    def read(_prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    out, err = io.StringIO(), io.StringIO()
+    args = build_parser().parse_args(["chat", "OUT", "--no-stats", "--greedy", "--max-new-tokens", "4"])
+    assert chat_loop(llm, args, read=read, out=out, err=err, banner=False) == 0  # /video DIR in the REPL
+    assert out.getvalue().strip() == llm.chat(_ask(_video(frames), text="Hi"), max_new_tokens=4, temperature=0).text.strip()
+    assert "video of 4 frames will go with the next message" in err.getvalue()
+    assert "'nowhere' is not a frame file or a folder" in err.getvalue()
 
 
 def test_the_artifact_records_the_video_processor(qvl):

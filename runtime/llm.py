@@ -259,9 +259,8 @@ class LLM(CacheRuns):
         """Image / video parts -> ``{"type": "image"}`` / ``{"type": "video"}`` for the template, and the decoded
         images and videos (runtime/vision/messages.py)."""
         messages, images = split_images(messages, self.image_limits, self.fetch_image)
-        if any(isinstance(m, Video) for m in images) and (self.vision is None or self.vision.video is None):
-            raise DecodertError("this model takes no video (Qwen2.5-VL and Qwen3-VL do, on --backend ort); "
-                                "send frames as images")
+        if self.vision is not None and self.vision.video is None and any(isinstance(m, Video) for m in images):
+            raise DecodertError("this model takes no video (Qwen2.5-VL and Qwen3-VL do); send frames as images")
         if images and self.vision is None:
             raise DecodertError("this model takes no images (no vision.onnx in the artifact, or TensorRT engines "
                                 "built before they took the image inputs: run `decodert build` again)")

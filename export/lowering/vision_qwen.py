@@ -9,9 +9,9 @@ rows are in that order too and the runtime puts them back:
     patch_positions [P, 2] int64        (row, column) of each patch in the image's patch grid
     patch_windows   [P] int64           the window each patch belongs to
       x = pixel_values @ patch_embed^T                       [P, C]   (the Conv3d as a linear)
-      cos, sin = 2-D rotary: angles (row * f | column * f) twice, f = theta^(-4k/D)   [P, D]
+      cos, sin = 2-D rotary: angles (row * f | column * f) twice, f = theta^(-4k/D)   [P, 1, D]
     per layer i:
-        h = rmsnorm(x);  q, k, v = split(h @ qkv^T + b)        [H, P, D] each; q, k rotated (rotate-half)
+        h = rmsnorm(x);  q, k, v = split(h @ qkv^T + b)        [P, H, D] each; q, k rotated (rotate-half)
         attn = softmax(q k^T / sqrt(D)) v within each window (full_layers: over all patches): the rows
                gathered into [W, S] window slots (S = (window_size / p)^2; a window cut by the image's
                edge has empty slots, masked), attended as a batch of W, gathered back (Windows); a

@@ -243,7 +243,12 @@ def vision_from_hf(config: dict) -> VisionSpec | None:
     """The Qwen3-VL tower without deepstack, for a qwen3_5 config with a vision_config; else None (text-only)."""
     if not has_vision(config):
         return None
-    return qwen3_vl.tower_from_hf({**VISION_DEFAULTS, **config["vision_config"]}, ())
+    tower = qwen3_vl.tower_from_hf({**VISION_DEFAULTS, **config["vision_config"]}, ())
+    hidden = int(text_config(config)["hidden_size"])
+    if tower.out_hidden != hidden:
+        raise DecodertError(f"config.json: vision_config out_hidden_size {tower.out_hidden} differs from the text "
+                            f"model's hidden_size {hidden} (the image rows replace token embeddings)")
+    return tower
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:

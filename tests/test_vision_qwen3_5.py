@@ -84,6 +84,35 @@ def test_spec_declares_the_tower_and_mrope(q35):
     assert family.spec_from_hf({**config["text_config"], "model_type": "qwen3_5_text"}).mrope_section == ()
 
 
+@pytest.mark.parametrize("change,named", [
+    ({"image_token_id": 600}, "image_token_id 600"),
+    ({"vision_config": {"out_hidden_size": 48}}, "out_hidden_size 48"),
+    ({"text_config": {"rope_parameters": {"mrope_section": [4, 3, 2]}}}, "mrope_section"),
+])
+def test_a_bad_image_text_config_is_one_line(q35, tmp_path, change, named):
+    """An image token outside the vocabulary, a tower whose rows are not text-model wide, M-RoPE sections that do
+    not cover the rotary quarter: each refused at export in one line naming it."""
+    import shutil
+
+    from decodert.errors import DecodertError
+    from decodert.export.pipeline import export_model
+
+    llm, _, _ = q35
+    src = tmp_path / "bad"
+    shutil.copytree(llm.manifest.source.path, src)
+    config = json.loads((src / "config.json").read_text())
+    for key, value in change.items():
+        if isinstance(value, dict):
+            for k, v in value.items():
+                config[key][k] = {**config[key][k], **v} if isinstance(v, dict) else v
+        else:
+            config[key] = value
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DecodertError, match=named) as e:
+        export_model(src, tmp_path / "out", max_seq=64, progress=False)
+    assert "\n" not in str(e.value)
+
+
 def test_placeholders_pixels_and_embeddings_match_the_processor(q35):
     from decodert.runtime.vision import qwen_preprocess as qp
     from decodert.runtime.vision.tokens import pixel_digest, text_ids

@@ -45,7 +45,8 @@ def make_tiny_qwen_vl(path: str | Path, seed: int = 0, kind: str = "qwen2_5_vl")
     """``kind``: "qwen2_5_vl" (window attention, M-RoPE sections 2/3/3) or "qwen3_vl" (q/k norm text, interleaved
     M-RoPE, learned 6x6 positions, deepstack after ViT layers 0 and 1 into text layers 0 and 1) or "qwen3_5"
     (Qwen3-VL's tower without deepstack; text: linear, full, linear layers, 2 key heads serving 4 value heads,
-    a conv of 4 taps, interleaved M-RoPE 3/3/2 on a quarter of each 64-dim head)."""
+    a conv of 4 taps, interleaved M-RoPE 3/3/2 on a quarter of each 64-dim head) or "qwen3_5_moe" (the same with
+    every MLP 4 experts, top 2, beside a gated shared expert)."""
     import torch
     import transformers
 
@@ -61,16 +62,20 @@ def make_tiny_qwen_vl(path: str | Path, seed: int = 0, kind: str = "qwen2_5_vl")
     if kind == "qwen3_vl":
         text.update(head_dim=16, rope_parameters={**rope, "mrope_interleaved": True})
         vision.update(num_position_embeddings=36, deepstack_visual_indexes=[0, 1])
-    elif kind == "qwen3_5":
+    elif kind in ("qwen3_5", "qwen3_5_moe"):
         text.update(head_dim=64, layer_types=["linear_attention", "full_attention", "linear_attention"],
                     linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=16, linear_value_head_dim=8,
                     rope_parameters={**rope, "mrope_section": [3, 3, 2], "mrope_interleaved": True,
                                      "partial_rotary_factor": 0.25})
         vision.update(num_position_embeddings=36)
+        if kind == "qwen3_5_moe":  # 4 experts of 32, top 2, beside a gated shared expert of 48
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48)
+            del text["intermediate_size"]
     else:
         vision.update(window_size=WINDOW, fullatt_block_indexes=[1])
-    prefix = {"qwen3_vl": "Qwen3VL", "qwen3_5": "Qwen3_5", "qwen2_5_vl": "Qwen2_5_VL"}[kind]
+    prefix = {"qwen3_vl": "Qwen3VL", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen2_5_vl": "Qwen2_5_VL"}[kind]
     Config, Model = (getattr(transformers, prefix + x) for x in ("Config", "ForConditionalGeneration"))
     config = Config(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                     video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
@@ -108,7 +113,7 @@ def reference_processor(path: Path, kind: str = "qwen2_5_vl") -> Any:
     settings.pop("image_processor_type")
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), eos_token="<|im_end|>",
                                         pad_token="<|endoftext|>")
-    class ImagesOnly(Qwen3VLProcessor if kind in ("qwen3_vl", "qwen3_5") else Qwen2_5_VLProcessor):  # type: ignore[misc]  # no video processor: its lookup needs torchvision, images do not
+    class ImagesOnly(Qwen3VLProcessor if kind in ("qwen3_vl", "qwen3_5", "qwen3_5_moe") else Qwen2_5_VLProcessor):  # type: ignore[misc]  # no video processor: its lookup needs torchvision, images do not
         def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
             return None if name == "video_processor" else super().check_argument_for_proper_class(name, arg)
 

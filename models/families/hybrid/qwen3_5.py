@@ -36,7 +36,7 @@ plain partial RoPE, no image inputs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -110,6 +110,7 @@ HF_UNUSED = (r"visual\..*",)  # read by vision_tensor (an image-text checkpoint)
 # transformers' Qwen3_5VisionConfig / Qwen3_5Config defaults: a config.json lists only what differs
 VISION_DEFAULTS: dict[str, Any] = {**qwen3_vl.VISION_DEFAULTS, "deepstack_visual_indexes": []}
 IMAGE_TOKEN_ID = 248_056
+IMAGE_TEXT = ("qwen3_5", "qwen3_5_moe")  # model types whose config.json nests text_config (and vision_config)
 MROPE_SECTION = [11, 11, 10]
 _ONE_PLUS_W = ("layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight", "model.norm.weight")
 
@@ -174,12 +175,12 @@ def gguf_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def text_config(config: dict) -> dict:
-    """The language model's settings: defaults, then text_config (qwen3_5) or the config itself."""
-    if config.get("model_type") != "qwen3_5":
+    """The language model's settings: defaults, then text_config (qwen3_5, qwen3_5_moe) or the config itself."""
+    if config.get("model_type") not in IMAGE_TEXT:
         return {**HF_DEFAULTS, **config}
     text = config.get("text_config")
     if not isinstance(text, dict):
-        raise DecodertError("a qwen3_5 config.json needs a 'text_config' object")
+        raise DecodertError(f"a {config['model_type']} config.json needs a 'text_config' object")
     top = {k: config[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in config}
     return {**HF_DEFAULTS, **text, **top}
 
@@ -200,24 +201,26 @@ def layer_kinds(config: dict) -> tuple[str, ...]:
 
 
 def has_vision(config: dict) -> bool:
-    return config.get("model_type") == "qwen3_5" and isinstance(config.get("vision_config"), dict)
+    return config.get("model_type") in IMAGE_TEXT and isinstance(config.get("vision_config"), dict)
 
 
-def spec_from_hf(config: dict) -> ModelSpec:
+def spec_from_hf(config: dict, family: str = "qwen3_5",
+                 mlp: Callable[[dict], dict[str, Any]] | None = None) -> ModelSpec:
+    """``family``, ``mlp(text config) -> ModelSpec fields``: what a variant's MLP declares (qwen3_5_moe.py)."""
     vision = has_vision(config)
     image_token = config.get("image_token_id", IMAGE_TOKEN_ID)
     config = text_config(config)
     if config.get("attention_bias"):
-        raise DecodertError("attention_bias=true is not supported for qwen3_5")
+        raise DecodertError(f"attention_bias=true is not supported for {family}")
     params = config.get("rope_parameters") or {}
     section = params.get("mrope_section") or MROPE_SECTION
     config = {**config, "rope_parameters": {k: v for k, v in params.items() if k not in ("mrope_section",
                                                                                           "mrope_interleaved")}}
     spec = spec_from_hf_config(
-        "qwen3_5", config, qk_norm=True, attn_output_gate=True, layer_kinds=layer_kinds(config),
+        family, config, qk_norm=True, attn_output_gate=True, layer_kinds=layer_kinds(config),
         conv_kernel=int(config["linear_conv_kernel_dim"]), linear_key_heads=int(config["linear_num_key_heads"]),
         linear_value_heads=int(config["linear_num_value_heads"]), linear_key_dim=int(config["linear_key_head_dim"]),
-        linear_value_dim=int(config["linear_value_head_dim"]))
+        linear_value_dim=int(config["linear_value_head_dim"]), **(mlp(config) if mlp else {}))
     factor = partial_rotary_factor({"partial_rotary_factor": 0.25, **config})
     rot = int(spec.head_dim * factor)
     rope = hf_rope(config)

@@ -8,9 +8,9 @@ For each artifact and batch size, one round runs the real loop verbs (runtime/de
 step while all rows are still running:
   plain     greedy, unconstrained (eos ignored, so rows run the whole time): the graph-argmax path;
   auto      greedy, each row under its own JSON schema, the default rule (overlap only masks that
-            took >= constraints.OVERLAP_MIN_S);
+            took >= mask_overlap.OVERLAP_MIN_S);
   overlap   the same, masks always computed on the worker while the step runs;
-  inline    the same with ``constraints.OVERLAP = False`` (masks computed after the step).
+  inline    the same with ``mask_overlap.OVERLAP = False`` (masks computed after the step).
 The schemas force long outputs (minItems / minLength), so every row runs ``--steps`` steps.
 Rounds alternate the four; the summary is the median over rounds of each round's median step.
 ``mask_ms`` / ``guide_ms``: the constraint work of one step for all rows alone, without the model
@@ -59,16 +59,16 @@ def _sequences(llm, batch: int, constrained: bool, steps: int) -> list:
 
 def time_steps(llm, batch: int, mode: str, steps: int) -> list[float]:
     """Seconds per decode step (all rows running) for one run in ``mode``: plain | auto | overlap | inline."""
-    from decodert.runtime import constraints
+    from decodert.runtime import mask_overlap
     from decodert.runtime.decoding.generate import decode_step, prefill
 
     seqs = _sequences(llm, batch, mode != "plain", steps)
     cache = llm._cache = llm._cache or llm.backend.allocate(int(llm.backend.max_batch))
     slots = list(range(batch))
-    constraints.OVERLAP = mode != "inline"
-    default_min = constraints.OVERLAP_MIN_S
+    mask_overlap.OVERLAP = mode != "inline"
+    default_min = mask_overlap.OVERLAP_MIN_S
     if mode == "overlap":
-        constraints.OVERLAP_MIN_S = 0.0
+        mask_overlap.OVERLAP_MIN_S = 0.0
     try:
         prefill(llm.backend, cache, slots, seqs)
         out = []
@@ -77,7 +77,7 @@ def time_steps(llm, batch: int, mode: str, steps: int) -> list[float]:
             decode_step(llm.backend, cache, slots, seqs)
             out.append(time.perf_counter() - t)
     finally:
-        constraints.OVERLAP, constraints.OVERLAP_MIN_S = True, default_min
+        mask_overlap.OVERLAP, mask_overlap.OVERLAP_MIN_S = True, default_min
         cache.reset()
     if len(out) < steps:
         raise SystemExit(f"a row finished after {len(out)} of {steps} steps; lower --steps")
@@ -93,7 +93,8 @@ def guide_cost(llm, batch: int, steps: int) -> tuple[float, float]:
     """
     import numpy as np
 
-    from decodert.runtime.constraints import Constraint, compute_masks
+    from decodert.runtime.constraints import Constraint
+    from decodert.runtime.mask_overlap import compute_masks
 
     ids = llm._chat_ids([{"role": "user", "content": PROMPT}])
     schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(batch)]

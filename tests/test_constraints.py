@@ -20,7 +20,7 @@ from fake_backend import make_llm  # noqa: E402
 from structured_schemas import SCHEMAS  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime import constraints  # noqa: E402
+from decodert.runtime import constraints, mask_overlap  # noqa: E402
 from decodert.runtime.constraints import Constraint  # noqa: E402
 from decodert.runtime.llm import Request  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
@@ -124,20 +124,20 @@ def test_overlapped_masks_give_the_same_tokens(llm, monkeypatch):
     reqs = [{"prompt": f"hello {i}", "json_schema": s, "max_new_tokens": 120, "temperature": 0.7, "seed": i}
             for i, (_, s) in enumerate(SCHEMAS[:6])]
     threads = []
-    real = constraints.compute_masks
+    real = mask_overlap.compute_masks
 
     def spy(guides):
         threads.append(threading.current_thread().name)
         real(guides)
 
-    monkeypatch.setattr(constraints, "compute_masks", spy)
+    monkeypatch.setattr(mask_overlap, "compute_masks", spy)
     auto = llm.generate_many(reqs)  # default rule: the first (unknown-cost) masks overlap, cheap ones run inline
     assert 1 <= len(threads) < sum(len(r.token_ids) for r in auto) / 4
     threads.clear()
-    monkeypatch.setattr(constraints, "OVERLAP_MIN_S", 0.0)  # overlap every step, however cheap
+    monkeypatch.setattr(mask_overlap, "OVERLAP_MIN_S", 0.0)  # overlap every step, however cheap
     overlapped = llm.generate_many(reqs)
     assert threads and all(t.startswith("decodert-masks") for t in threads), "masks must be made on the worker"
-    monkeypatch.setattr(constraints, "OVERLAP", False)
+    monkeypatch.setattr(mask_overlap, "OVERLAP", False)
     inline = llm.generate_many(reqs)
     assert [r.token_ids for r in overlapped] == [r.token_ids for r in inline] == [r.token_ids for r in auto]
 

@@ -13,7 +13,8 @@ import numpy as np
 
 from decodert.runtime.backends.backend import Backend, KVCache, StepOutput
 from decodert.runtime.backends.kv_cache import common_prefix
-from decodert.runtime.constraints import Guide, masks_ahead
+from decodert.runtime.constraints import Guide
+from decodert.runtime.mask_overlap import masks_ahead
 from decodert.runtime.decoding.metrics import Metrics, Timer
 from decodert.runtime.decoding.sampling import (SamplingParams, apply_processors, draw, greedy, log_normalise, log_softmax,
                                                 make_distribution, make_logits_processors, make_sampler)

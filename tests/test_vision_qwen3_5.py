@@ -383,13 +383,15 @@ def test_moe_logits_and_greedy_tokens_equal_transformers(q35moe):
             _reference_tokens(model, proc, text, images)
 
 
-def test_moe_portable_graphs_give_the_ort_tokens(q35moe, tmp_path):
+@pytest.mark.parametrize("target", ["portable", "trt"])
+def test_moe_other_targets_give_the_ort_tokens(q35moe, tmp_path, target):
+    """The standard-op experts and the gated shared expert (portable; trt graphs run by ONNX Runtime)."""
     from decodert.export.pipeline import export_model
     from decodert.runtime.llm import LLM
 
     llm, _, _ = q35moe
-    export_model(llm.manifest.source.path, tmp_path / "p", target="portable", dtype="fp32", max_seq=MAX_SEQ,
-                 progress=False)
+    export_model(llm.manifest.source.path, tmp_path / "p", target=target, dtype="fp32", max_seq=MAX_SEQ,
+                 progress=False, **({"plugins": "never"} if target == "trt" else {}))
     msgs = _ask(_image(np.random.default_rng(), 70, 50))
     with LLM.load(tmp_path / "p", backend="ort") as other:
         assert other.chat(msgs, max_new_tokens=6, temperature=0).token_ids == \

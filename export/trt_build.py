@@ -10,7 +10,8 @@ Profiles (B = max batch, S = max seq; KV inputs are [batch, H_kv, S_max, D], S_m
     decode:  batch 1 .. B (opt B),               seq 1
     vision:  images 1 .. the tiles of one image at the processor's largest size (opt: that many); its own
              engine OUT/vision.engine beside the others (vision-language artifacts: manifest.vision)
-A vision-language prefill engine takes the graph's image inputs (export/trt_graphs.py).
+A vision-language prefill engine takes the graph's image inputs, and every engine of an M-RoPE model
+rope_offsets (export/trt_graphs.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Mapping
 from decodert.errors import DecodertError
 from decodert.export.artifact.destination import file_mode, linked_copy, swap_in
 from decodert.export.lowering.io_contract import DEFAULTED_INPUTS
-from decodert.export.trt_graphs import VISION, graph_of, max_patches, max_tiles, profile_shapes, without_image_defaults
+from decodert.export.trt_graphs import VISION, graph_of, max_patches, max_tiles, profile_shapes, without_input_defaults
 from decodert.export.lowering.targets import get_target
 from decodert.export.trt_progress import make_progress
 from decodert.export.artifact.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
@@ -111,13 +112,13 @@ def resolve_limits(manifest: Manifest, max_batch: int | None, max_seq: int | Non
 # ---------------------------------------------------------------- parse
 def parse_onnx(trt: ModuleType, builder: Any, logger: Any, path: Path) -> tuple[Any, Any]:
     """Parse ``path`` into a strongly typed network; DecodertError lists the parser's errors. A graph whose
-    image inputs have defaults is parsed without them (the engine takes those inputs)."""
+    image inputs or rope_offsets have defaults is parsed without them (the engine takes those inputs)."""
     if not path.is_file():
         raise DecodertError(f"{path} not found (manifest.json names it)")
     flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     network = builder.create_network(0 if flag is None else 1 << int(flag))
     parser = trt.OnnxParser(network, logger)
-    model = without_image_defaults(path)
+    model = without_input_defaults(path)
     parsed = parser.parse(model, str(path)) if model is not None else parser.parse_from_file(str(path))
     if not parsed:
         errors = [parser.get_error(i) for i in range(parser.num_errors)]

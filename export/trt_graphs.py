@@ -1,9 +1,11 @@
 """What ``decodert build`` builds each engine from: the graph record of an engine name (a text graph or the
 vision graph), the graph's bytes as TensorRT parses them, and the optimization profile (export/trt_build.py).
 
-A vision-language prefill graph's image inputs (image_embeds / image_positions / image_ahead) have empty
-defaults, which TensorRT's parser would fold into constants: the build parses the graph without those
-defaults, so the engine takes them (image_tokens 0 .. B*S; the trt backend binds 0 rows for text).
+A vision-language prefill graph's image inputs (image_embeds / image_positions / image_ahead / Qwen3-VL's
+deepstack_embeds) have empty defaults, and an M-RoPE model's graphs (prefill, decode, verify) default
+rope_offsets to zeros; TensorRT's parser would fold those into constants, so the build parses each graph
+without them (io_contract.ENGINE_INPUTS) and the engine takes them: image_tokens 0 .. B*S (the trt backend
+binds 0 rows for text), rope_offsets [3, batch, seq] over the graph's own batch and seq ranges.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from decodert.export.artifact.manifest import GraphRecord, Manifest
-from decodert.export.lowering.io_contract import DEFAULTED_INPUTS, IMAGE_INPUTS
+from decodert.export.lowering.io_contract import DEFAULTED_INPUTS, ENGINE_INPUTS
 
 VISION = "vision"  # vision-language artifacts: vision.onnx (manifest.vision.graph)
 
@@ -28,20 +30,20 @@ def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int,
         ranges = {"batch": (1, batch, batch), "seq": (1, min(width, 8), width)}
     shapes = {}
     for inp in graph.inputs:
-        if inp.name in DEFAULTED_INPUTS and inp.name not in IMAGE_INPUTS:  # folded into a constant: no profile
+        if inp.name in DEFAULTED_INPUTS and inp.name not in ENGINE_INPUTS:  # folded into a constant: no profile
             continue
         dims = [ranges[d] if isinstance(d, str) else (int(d),) * 3 for d in inp.shape]
         shapes[inp.name] = tuple([d[k] for d in dims] for k in range(3))
     return shapes
 
 
-def without_image_defaults(path: Path) -> bytes | None:
-    """The graph's bytes (external data left where it is) without the image inputs' default initializers,
-    or None when it has none."""
+def without_input_defaults(path: Path) -> bytes | None:
+    """The graph's bytes (external data left where it is) without the default initializers of the inputs an
+    engine keeps (ENGINE_INPUTS), or None when it has none."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    kept = [t for t in model.graph.initializer if t.name not in IMAGE_INPUTS]
+    kept = [t for t in model.graph.initializer if t.name not in ENGINE_INPUTS]
     if len(kept) == len(model.graph.initializer):
         return None
     del model.graph.initializer[:]

@@ -259,7 +259,7 @@ class LLM(CacheRuns):
         messages, images = split_images(messages, self.image_limits, self.fetch_image)
         if images and self.vision is None:
             raise DecodertError("this model takes no images (no vision.onnx in the artifact, or TensorRT engines "
-                                "built without image inputs: rebuild them; Qwen-VL images run on --backend ort only)")
+                                "built before they took the image inputs: run `decodert build` again)")
         return messages, images
 
     def prompt_ids(self, text: str, images: Seq[np.ndarray] = ()) -> np.ndarray:

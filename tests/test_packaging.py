@@ -54,6 +54,8 @@ def test_tensorrt_code_type_checks(tmp_path):
 
     files = ["plugins/trt/compat.py", "export/trt_build.py", "runtime/backends/trt_backend.py", "runtime/backends/trt_engine.py",
              "runtime/backends/trt_verify.py", "runtime/backends/trt_images.py", "export/trt_graphs.py",
+             "runtime/backends/trt_vision.py", "runtime/backends/trt_mrope.py", "runtime/backends/trt_baked.py",
+             "runtime/backends/image_feeds.py",
              "plugins/cuda_mem.py", "export/artifact/manifest.py",
              "tools/verify.py", "export/trt_progress.py", "export/progress.py"]
     res = subprocess.run([*_checker("mypy"), "--no-incremental", "--ignore-missing-imports", "--follow-imports=silent",

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulator import Device, EmulatorError  # noqa: E402
 
 from decodert.export.artifact.manifest import EngineRecord, load_manifest, write_manifest  # noqa: E402
-from decodert.export.trt_graphs import VISION, graph_of, max_tiles, profile_shapes  # noqa: E402
+from decodert.export.trt_graphs import VISION, graph_of, max_patches, max_tiles, profile_shapes  # noqa: E402
 
 __all__ = ["Device", "EmulatorError", "EmulatedTensorRT", "emulate_engines", "install"]
 
@@ -231,7 +231,7 @@ def emulate_engines(folder: Path, max_batch: int | None = None, max_seq: int | N
         if name not in m.graphs and not (name == VISION and m.vision is not None):
             continue
         graph = graph_of(m, name)
-        shapes = profile_shapes(graph, name, batch, seq, max_tiles(m))
+        shapes = profile_shapes(graph, name, batch, seq, max_tiles(m), max_patches(m))
         profile = {k: {"min": v[0], "opt": v[1], "max": v[2]} for k, v in shapes.items()}
         blob = json.dumps({"magic": MAGIC, "graph": str((folder / graph.file).resolve()), "profile": profile,
                            "scratch": (scratch or {}).get(name, 1 << 12)}).encode()

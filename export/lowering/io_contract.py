@@ -20,9 +20,11 @@ from decodert.plugins.ops.kv_dtypes import KV_DTYPES, KVDtype
 
 GraphKind = Literal["prefill", "decode", "verify"]
 # inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
-# TensorRT's ONNX parser folds such an input into a constant, so its engines take the default only
+# TensorRT's ONNX parser folds such an input into a constant, so ``decodert build`` parses the graphs without
+# the defaults of ENGINE_INPUTS (the engines take those) and folds the rest (export/trt_graphs.py)
 DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "image_ahead", "deepstack_embeds", "rope_offsets")
-IMAGE_INPUTS = ("image_embeds", "image_positions", "image_ahead")  # what a prefill with images binds
+IMAGE_INPUTS = ("image_embeds", "image_positions", "image_ahead", "deepstack_embeds")  # what a prefill with images binds
+ENGINE_INPUTS = (*IMAGE_INPUTS, "rope_offsets")  # defaulted inputs a TensorRT engine keeps (M-RoPE: every graph)
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 

@@ -27,14 +27,13 @@ from decodert.export.artifact.manifest import Manifest
 from decodert.plugins.ops.kv_dtypes import NUMPY_STORAGE
 from decodert.export.lowering.targets import get_target
 from decodert.export.lowering.onnx_check import check_external_data, check_session_io
-from decodert.runtime.backends import kv_blocks, ort_images
+from decodert.runtime.backends import image_feeds, kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput, window_outputs
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
 from decodert.runtime.backends.ort_session import default_providers, open_session, session_options
 from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
 from decodert.runtime.backends.ort_verify import VerifyState, bind_cache
-from decodert.runtime.vision import mrope
-from decodert.runtime.vision.tokens import image_ahead, is_image
+from decodert.runtime.vision.tokens import is_image
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -49,7 +48,7 @@ class _Binding:
     seq: np.ndarray  # [n] int64
     logits: np.ndarray  # [n, V] float32
     next_token: np.ndarray  # [n] int64
-    images: Any = None  # {input name: array} of the image rows bound for this call (runtime/backends/ort_images.py)
+    images: Any = None  # {input name: array} of the image rows bound for this call (runtime/backends/image_feeds.py)
     offsets: Any = None  # [3, n, S] int64 M-RoPE rope_offsets (runtime/vision/mrope.py), bound once
 
 
@@ -176,8 +175,7 @@ class OrtBackend:
             b.ids[:, 0] = ids[rows]
             b.past[:] = cache.lengths[start : start + n]
             if b.offsets is not None:  # each row's next text position (runtime/vision/mrope.py)
-                locate = ort_images.locator(self.images)
-                b.offsets[:, :, 0] = [mrope.next_offset(cache.held(start + j), locate) for j in range(n)]
+                b.offsets[:, :, 0] = [image_feeds.next_offset(cache.held(start + j), self.images) for j in range(n)]
             _run_bound(self.sessions["decode"], b.io, self.dir, "decode")
             _gather(out, rows, b, want_logits)
         cache.commit(slots, ids.reshape(-1, 1))
@@ -216,7 +214,7 @@ class OrtBackend:
             offsets = state.offsets_view(n, w)
             for j, r in enumerate(rows):
                 ids_buf[j, : lens[r]] = ids[r]
-                ort_images.set_offsets(offsets, j, cache.held(slots[r]), ids[r], self.images)  # M-RoPE
+                image_feeds.set_offsets(offsets, j, cache.held(slots[r]), ids[r], self.images)  # M-RoPE
             past_buf[:] = cache.lengths[start : start + n]
             _run_bound(state.session, io, self.dir, state.kind)
             out.next_tokens[rows, :w] = next_buf
@@ -300,16 +298,15 @@ class OrtBackend:
     def _set_offsets(self, b: _Binding, j: int, cache: KVCache, slot: int, before: np.ndarray, new: np.ndarray) -> None:
         """Row ``j``'s M-RoPE offsets for ``new`` ids, written after what ``slot`` holds and ``before``."""
         if b.offsets is not None:
-            ort_images.set_offsets(b.offsets, j, np.concatenate([cache.held(slot), before]), new, self.images)
+            image_feeds.set_offsets(b.offsets, j, np.concatenate([cache.held(slot), before]), new, self.images)
 
     def _bind_images(self, b: _Binding) -> None:
         """Image ids in ``b.ids`` (runtime/vision/tokens.py) -> the ``<image>`` token, their rows bound as
         image_embeds at image_positions (empty when none: the binding may be reused chunk after chunk)."""
         if not self._takes_images:
             return
-        arrays = ort_images.image_arrays(b.ids, self.images, self.hidden, self.np_dtype, self._deepstack)
-        if self._image_ahead:  # Gemma 3
-            arrays["image_ahead"] = image_ahead(arrays["image_positions"], b.ids.shape[1])
+        arrays = image_feeds.image_arrays(b.ids, self.images, self.hidden, self.np_dtype, self._deepstack,
+                                          self._image_ahead)
         b.images = arrays  # kept alive while bound
         for name, arr in arrays.items():
             b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)

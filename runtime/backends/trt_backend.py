@@ -5,6 +5,7 @@
     dec_ids  [B]    int64   --h2d-->      input_ids     [n, 1]      (decode)
     *_len    [B]    int64   --h2d-->      past_lengths  [n]
     pre_seq  [B]    int64   --h2d-->      seq_lengths   [n]         (decode: ones, written once)
+    offsets  [3*B*S] int64  --h2d-->      rope_offsets  [3, n, S]   (M-RoPE models: runtime/backends/trt_mrope.py)
                                           past_key.i == present_key.i  [slots, Hkv, Smax, D] one buffer
     next     [B]    int64   <--d2h--      next_token    [n]         (argmax on the GPU)
     logits   [B, V] f32     <--d2h--      logits        [n, V]      (only when asked for)
@@ -12,21 +13,19 @@
 Decode over slots 0..n-1 (the scheduler keeps active rows compact) runs in one context per batch
 size n, bound once; its second call captures [h2d ids, h2d lengths, execute_async_v3, d2h
 next_token] into a CUDA graph that later steps replay (the first call runs plainly: TensorRT-RTX
-JIT-compiles its kernels there). Any capture failure falls back to plain execute_async_v3.
+JIT-compiles its kernels there). Any capture failure falls back to plain execute_async_v3. Those
+contexts and graphs are kept per recent cache (runtime/backends/trt_baked.py).
 Rows that are not a prefix (prefill of a new slot, or odd decode calls) run per contiguous slot
 run with the KV tensors bound at that run's first row; a row whose right-padded chunk would pass the
 end of its context runs alone (runtime/backends/trt_engine.py). All contexts share one scratch buffer (they
 run one after another on one stream). Verify passes (speculative decoding): runtime/backends/trt_verify.py;
-images (the vision engine, the prefill engine's image inputs): runtime/backends/trt_images.py.
+images: the prefill engine's image inputs runtime/backends/trt_images.py, the vision engine trt_vision.py.
 Without a GPU, tests/trt_emulator.py runs all of this on the CPU.
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,32 +39,15 @@ from decodert.plugins import cuda_mem as cm
 from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache
+from decodert.runtime.backends.trt_baked import BakedCaches, capture
 from decodert.runtime.backends.trt_engine import Engine, bind, contiguous_runs, fitting_runs
 from decodert.runtime.backends.trt_images import open_images
-from decodert.runtime.backends.trt_verify import TrtVerifier
+from decodert.runtime.backends.trt_mrope import RopeOffsets, takes_offsets
+from decodert.runtime.backends.trt_verify import TrtVerifier, verify_width
 
 GRAPHS = ("prefill", "decode")
 ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 RUNTIME_CACHE = "runtime.cache"  # TensorRT-RTX JIT kernel cache, kept beside the engines
-
-
-KEEP_BAKED = 2  # caches whose decode contexts and CUDA graphs are kept (the shared one, a session's)
-
-
-@dataclass
-class _Baked:
-    """Decode contexts and CUDA graphs bound to one cache's addresses (per decode batch size)."""
-
-    cache: Any  # weakref.ref to the KVCache (None: nothing bound yet)
-    ctx: dict[int, Any] = field(default_factory=dict)
-    graphs: dict[int, cm.CudaGraph | None] = field(default_factory=dict)  # None: capture failed, run plainly
-    warm: set[int] = field(default_factory=set)
-
-    def destroy(self) -> None:
-        for graph in self.graphs.values():
-            if graph is not None:
-                graph.destroy()
-        self.ctx, self.graphs, self.warm = {}, {}, set()
 
 
 class TrtBackend:
@@ -98,7 +80,9 @@ class TrtBackend:
         self.runtime_cache: Any = None
         self.engines = {n: Engine(self, n, blobs[n]) for n in GRAPHS}
         self._load_runtime_cache()
-        self.images: Any = None  # the image store runtime/vision/encoder.py sets; read by image_inputs
+        self.images: Any = None  # the image store runtime/vision/encoder.py sets; read by image_inputs and mrope
+        widths = {"prefill": self.max_prefill, "decode": 1, "verify": verify_width(self)}
+        self.mrope = RopeOffsets(self, widths) if takes_offsets(manifest) else None  # runtime/backends/trt_mrope.py
         self.image_inputs, self.vision = open_images(self)  # runtime/backends/trt_images.py (None: no images)
         self._takes_images = self.vision is not None
         scratch = [e.scratch_bytes for e in (*self.engines.values(), *([self.vision.engine] if self.vision else []))]
@@ -106,8 +90,7 @@ class TrtBackend:
         self._alloc_io()
         self._prefill_ctx = self.engines["prefill"].context(self.scratch)
         self._runs_ctx = self.engines["decode"].context(self.scratch)  # decode of non-prefix slots
-        self._baked: OrderedDict[int, _Baked] = OrderedDict()  # id(cache) -> its decode contexts and graphs
-        self._now = _Baked(None)  # those of the bound cache
+        self.baked = BakedCaches()  # each recent cache's decode contexts and CUDA graphs (runtime/backends/trt_baked.py)
         self.cache: KVCache | None = None
         self.verifier = TrtVerifier(self)  # opens the verify engine at the first verify pass
 
@@ -158,7 +141,8 @@ class TrtBackend:
         return {"input_ids": self.d["pre_ids" if pre else "dec_ids"].ptr,
                 "past_lengths": self.d["pre_len" if pre else "dec_len"].ptr,
                 "seq_lengths": self.d["pre_seq" if pre else "dec_seq"].ptr,
-                "logits": self.d["logits"].ptr, "next_token": self.d["next"].ptr}
+                "logits": self.d["logits"].ptr, "next_token": self.d["next"].ptr,
+                **(self.mrope.address(kind) if self.mrope is not None else {})}
 
     def kv_addresses(self, cache: KVCache, row0: int) -> dict[str, int]:
         """past_* and present_* of every layer -> the same pointer, at slot ``row0``."""
@@ -175,6 +159,8 @@ class TrtBackend:
         shapes.update({past: (n, self.kv_heads, self.max_seq, d)
                        for (past, _), d in zip(self.engines["decode"].kv_pairs, dims)})
         shapes.update({f"past_{st.io_name}": (n, *map(int, st.shape[1:])) for st in self.manifest.kv.states})
+        if self.mrope is not None:
+            shapes["rope_offsets"] = (3, n, seq)
         return shapes
 
     # ------------------------------------------------------------ cache
@@ -195,27 +181,9 @@ class TrtBackend:
         return cache
 
     def _use(self, cache: KVCache) -> None:
-        """Make ``cache`` the bound one. Decode contexts and CUDA graphs bake a cache's addresses, so
-        they are kept per cache, for the last ``KEEP_BAKED`` caches used (the shared cache and a
-        session's: switching between them captures nothing again); a freed cache's are dropped."""
+        """Make ``cache`` the bound one (its decode contexts and CUDA graphs: runtime/backends/trt_baked.py)."""
         self.cache = cache
-        key = id(cache)
-        baked = self._baked.get(key)
-        if baked is not None and (baked.cache() is not cache or not cache.buffers):  # id reused, or freed
-            self._baked.pop(key).destroy()
-            baked = None
-        if baked is None:
-            baked = self._baked[key] = _Baked(weakref.ref(cache))
-        self._baked.move_to_end(key)
-        while len(self._baked) > KEEP_BAKED:
-            self._baked.popitem(last=False)[1].destroy()
-        self._now = baked
-
-    def _drop_graphs(self) -> None:
-        for baked in self._baked.values():
-            baked.destroy()
-        self._baked.clear()
-        self._now = _Baked(None)
+        self.baked.use(cache)
 
     def move_slot(self, cache: KVCache, src: int, dst: int) -> None:
         """Copy slot ``src``'s cached positions into ``dst`` ([Hkv] strided rows of length*D per buffer)."""
@@ -277,6 +245,8 @@ class TrtBackend:
         ids[:] = 0
         for r, (j, _) in enumerate(run):
             ids[r, : lens[r]] = chunk[j]
+        if self.mrope is not None:  # each row's offsets after what its slot holds (runtime/backends/trt_mrope.py)
+            self.mrope.write("prefill", cache, [(s, chunk[j]) for j, s in run], seq)
         images = self.image_inputs.bind(ids) if self.image_inputs is not None else ({}, {})  # ids -> text ids
         self.h["pre_len"].array[:k] = cache.lengths[row0 : row0 + k]
         self.h["pre_seq"].array[:k] = lens
@@ -301,6 +271,8 @@ class TrtBackend:
         if list(slots) == list(range(n)):
             self.h["dec_ids"].array[:n] = tokens
             self.h["dec_len"].array[:n] = cache.lengths[:n]
+            if self.mrope is not None:
+                self.mrope.write_decode(cache, range(n))
             self._decode_prefix(cache, n)
             self._collect([(j, j) for j in range(n)], out)
         else:
@@ -308,6 +280,8 @@ class TrtBackend:
                 k, row0 = len(run), run[0][1]
                 self.h["dec_ids"].array[:k] = tokens[[j for j, _ in run]]
                 self.h["dec_len"].array[:k] = cache.lengths[row0 : row0 + k]
+                if self.mrope is not None:
+                    self.mrope.write_decode(cache, [s for _, s in run])
                 bind(self._runs_ctx, {**self._io_addresses("decode"), **self.kv_addresses(cache, row0)},
                      self.io_shapes(k, 1))
                 self._decode_enqueue(self._runs_ctx, k)
@@ -332,14 +306,14 @@ class TrtBackend:
             self.verifier.open()
 
     def _decode_prefix(self, cache: KVCache, n: int) -> None:
-        baked = self._now
+        baked = self.baked.now
         if n not in baked.ctx:
             ctx = self.engines["decode"].context(self.scratch)
             bind(ctx, {**self._io_addresses("decode"), **self.kv_addresses(cache, 0)}, self.io_shapes(n, 1))
             baked.ctx[n] = ctx
         ctx = baked.ctx[n]
         if self.cuda_graphs and n in baked.warm and n not in baked.graphs:
-            baked.graphs[n] = self._capture(ctx, n)
+            baked.graphs[n] = capture(ctx, self.stream, lambda: self._decode_enqueue(ctx, n), self.stats, n)
         graph = baked.graphs.get(n) if self.cuda_graphs else None
         if graph is not None:
             graph.launch()
@@ -350,25 +324,13 @@ class TrtBackend:
             baked.warm.add(n)
 
     def _decode_enqueue(self, ctx: Any, n: int) -> None:
-        """[h2d ids, h2d lengths, execute, d2h next_token]: the work a decode graph replays."""
+        """[h2d ids, h2d lengths (h2d rope_offsets), execute, d2h next_token]: the work a decode graph replays."""
         cm.copy_async(self.d["dec_ids"].ptr, self.h["dec_ids"].ptr, n * 8, self.stream, "h2d")
         cm.copy_async(self.d["dec_len"].ptr, self.h["dec_len"].ptr, n * 8, self.stream, "h2d")
+        if self.mrope is not None:
+            self.mrope.enqueue_decode(n)
         self.execute(ctx, "decode")
         cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, n * 8, self.stream, "d2h")
-
-    def _capture(self, ctx: Any, n: int) -> cm.CudaGraph | None:
-        if hasattr(ctx, "is_stream_capturable") and not ctx.is_stream_capturable(self.stream.handle):
-            return None
-        try:
-            graph = cm.CudaGraph(self.stream, lambda: self._decode_enqueue(ctx, n))
-        except DecodertError as e:
-            self.stats["capture_failures"] += 1
-            cm.clear_last_error()  # a failed capture leaves a non-sticky error behind
-            warnings.warn(f"CUDA graph capture of the decode step (batch {n}) failed, running without: {e}",
-                          stacklevel=3)
-            return None
-        self.stats["captures"] += 1
-        return graph
 
     def execute(self, ctx: Any, what: str) -> None:
         if not ctx.execute_async_v3(self.stream.handle):
@@ -393,9 +355,9 @@ class TrtBackend:
                 write_atomic(self.dir / RUNTIME_CACHE, bytes(self.runtime_cache.serialize()))
             except OSError as e:  # a read-only artifact folder just loses the cache
                 warnings.warn(f"could not save {self.dir / RUNTIME_CACHE}: {e}", stacklevel=2)
-        self._drop_graphs()
+        self.baked.drop()
         self.verifier.close()
-        for part in [p for p in (self.image_inputs, self.vision) if p is not None]:
+        for part in [p for p in (self.image_inputs, self.vision, self.mrope) if p is not None]:
             part.free()
         self._prefill_ctx = self._runs_ctx = None
         if self.cache is not None:

@@ -1,6 +1,7 @@
 """TensorRT engines and execution contexts, shared by the trt backend's steps (runtime/backends/trt_backend.py)
 and its verify passes (runtime/backends/trt_verify.py): deserialize and check an engine, make a context on
-shared scratch memory, bind addresses and shapes, and group a call's rows into runs of slots.
+shared scratch memory, bind addresses and shapes, stage per-call inputs (``Staged``), and group a call's rows
+into runs of slots.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class TrtHost(Protocol):
     max_seq: int
     vocab_size: int
     itemsize: int
+    mrope: Any  # runtime/backends/trt_mrope.py RopeOffsets, or None (no rope_offsets input)
 
     def check_validity(self, path: Path, blob: bytes) -> None: ...
 
@@ -123,3 +125,39 @@ def fitting_runs(slots: Sequence[int], lengths: np.ndarray, counts: Sequence[int
     """runtime/backends/kv_cache.py ``fitting_runs`` as (row, slot) pairs: runs whose padded call stays inside the cache."""
     for run in kv_cache.fitting_runs(slots, lengths, counts, max_seq):
         yield [(j, slots[j]) for j in run]
+
+
+class Staged:
+    """A pinned host buffer and a device buffer of the same size, grown on demand."""
+
+    def __init__(self) -> None:
+        self.host: cm.PinnedArray | None = None
+        self.dev: cm.DeviceBuffer | None = None
+
+    def put(self, arr: np.ndarray, stream: cm.Stream) -> int:
+        """Copy ``arr`` to the device (enqueued on ``stream``); returns the device address."""
+        raw = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+        ptr = self.reserve(raw.size)
+        assert self.host is not None
+        self.host.array[: raw.size] = raw
+        cm.copy_async(ptr, self.host.ptr, raw.size, stream, "h2d")
+        return ptr
+
+    def reserve(self, nbytes: int) -> int:
+        """The device address of at least ``nbytes`` (an output ``fetch`` copies back)."""
+        if self.host is None or self.host.nbytes < nbytes:
+            self.free()
+            self.host, self.dev = cm.PinnedArray((max(nbytes, 1),), np.uint8), cm.DeviceBuffer(max(nbytes, 1))
+        assert self.dev is not None
+        return self.dev.ptr
+
+    def fetch(self, nbytes: int, stream: cm.Stream) -> None:
+        """Enqueue the d2h copy of the first ``nbytes`` (read ``host.array`` after the stream syncs)."""
+        assert self.host is not None and self.dev is not None
+        cm.copy_async(self.host.ptr, self.dev.ptr, nbytes, stream, "d2h")
+
+    def free(self) -> None:
+        for buf in (self.host, self.dev):
+            if buf is not None:
+                buf.free()
+        self.host = self.dev = None

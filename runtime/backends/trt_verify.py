@@ -3,6 +3,7 @@
     host (pinned)                          device
     ids     [B*W] int64     --h2d-->       input_ids     [n, w]      right-padded per row
     lens    [B]   int64     --h2d-->       past_lengths  [n]
+    (M-RoPE)                --h2d-->       rope_offsets  [3, n, w]   runtime/backends/trt_mrope.py
     next    [B*W] int64     <--d2h--       next_tokens   [n, w]      (argmax on the GPU)
     logits  [B*W*V] f32     <--d2h--       seq_logits    [n, w, V]   (only when asked for)
                                            past_* == present_*       the backend's cache, at the run's first slot
@@ -110,10 +111,13 @@ class TrtVerifier:
         self.h["lens"].array[:k] = cache.lengths[row0 : row0 + k]
         for key, nbytes in (("ids", k * w * 8), ("lens", k * 8)):
             cm.copy_async(self.d[key].ptr, self.h[key].ptr, nbytes, b.stream, "h2d")
+        if b.mrope is not None:  # M-RoPE: each row's offsets after what its slot holds (runtime/backends/trt_mrope.py)
+            b.mrope.write("verify", cache, [(s, rows[j]) for j, s in run], w)
         shapes = {name: shape for name, shape in b.io_shapes(k, w).items() if name != "seq_lengths"}
         addresses = {"input_ids": self.d["ids"].ptr, "past_lengths": self.d["lens"].ptr,
                      "next_tokens": self.d["next"].ptr, "seq_logits": self.d["logits"].ptr, **b.kv_addresses(cache, row0),
-                     **{f"window_{name}": self.d[f"window_{name}"].ptr for name in self.windows}}
+                     **{f"window_{name}": self.d[f"window_{name}"].ptr for name in self.windows},
+                     **(b.mrope.address("verify") if b.mrope is not None else {})}
         bind(self.ctx, addresses, shapes)
         b.execute(self.ctx, "verify")
         b.stats["verify_runs"] += 1

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cuda_emulator import EmulatorError
 from tiny_qwen_vl import make_tiny_qwen_vl, reference_processor
 
 torch = pytest.importorskip("torch")
@@ -248,9 +247,12 @@ def test_a_verify_pass_after_an_image_equals_decode_steps(q35):
     tokens by the M-RoPE offsets that follow the image, as decode steps do; a rejection replays accepted tokens
     through prefill, whose offsets the chunked-prefill test checks."""
     llm, _, _ = q35
-    img = _image(np.random.default_rng(), 100, 160)
-    _, _, ids = llm._chat_prompt(_ask(img), {})
-    backend = llm.backend
+    _check_verify(llm.backend, llm._chat_prompt(_ask(_image(np.random.default_rng(), 100, 160)), {})[2])
+
+
+def _check_verify(backend, ids):
+    """Prefill ``ids``, three decode steps; then verify passes of those tokens (1 row: the prefill graph/engine,
+    2 rows: the verify graph, each row alone) give the decode steps' logits and tokens."""
     cache = backend.allocate(1)
     tokens = [int(backend.prefill(cache, [0], [ids], False).next_token[0])]
     steps = []
@@ -258,7 +260,7 @@ def test_a_verify_pass_after_an_image_equals_decode_steps(q35):
         out = backend.decode(cache, [0], np.array(tokens[-1:], np.int64), True)
         steps.append(out.logits[0])
         tokens.append(int(out.next_token[0]))
-    for rows in (1, 2):  # one row: the prefill graph (per_position); two: the verify graph, row by row
+    for rows in (1, 2):
         cache = backend.allocate(rows)
         backend.prefill(cache, list(range(rows)), [ids] * rows, False)
         verified = backend.verify(cache, list(range(rows)), [np.array(tokens[:3], np.int64)] * rows, True)
@@ -303,40 +305,58 @@ def test_tensorrt_rtx_builds_the_vision_and_hybrid_text_graphs(q35, tmp_path):
     assert [t["name"] for t in engines["vision"].io["outputs"]] == ["image_embeds"]
 
 
-# On this tree the trt backend binds no image inputs for an M-RoPE artifact (runtime/backends/trt_images.py
-# open_images leaves Qwen-VL and Qwen3.5 images to ort), yet its prefill engine keeps image_embeds/image_positions
-# as inputs: even a text prompt stops with "no address or shape for image_embeds". The trt image path for Qwen-VL
-# (issue 35, another helper's runtime/backends/trt_*.py work) fixes both; then this test passes and strict xfail
-# reports it: remove the mark.
-@pytest.mark.xfail(strict=True, raises=EmulatorError,
-                   reason="trt backend: M-RoPE artifacts' image inputs unbound (runtime/backends/trt_images.py)")
-def test_the_trt_backend_runs_the_image_text_artifact(q35, tmp_path, monkeypatch):
-    """The trt backend (tests/trt_emulator.py: its engines' graphs on the CPU) answers text prompts of the image-text
-    artifact with the ort backend's tokens. Images: its engines must keep rope_offsets as an input to turn image
-    tokens by their M-RoPE positions; where they do (llm.vision) the tokens equal ort's, else it refuses in one line."""
+@pytest.fixture(scope="module")
+def q35trt(q35, tmp_path_factory):
+    """The image-text checkpoint as a trt-target artifact with emulated engines (tests/trt_emulator.py)."""
     import trt_emulator
 
-    from decodert.errors import DecodertError
     from decodert.export.pipeline import export_model
+
+    art = tmp_path_factory.mktemp("qwen3_5_trt") / "trt"
+    export_model(q35[0].manifest.source.path, art, target="trt", dtype="fp32", max_seq=MAX_SEQ, max_batch=4,
+                 progress=False, plugins="never")
+    trt_emulator.emulate_engines(art, scratch={"prefill": 8192, "decode": 4096, "verify": 16384, "vision": 4096})
+    return art
+
+
+def test_the_trt_backend_answers_images_with_the_ort_tokens(q35trt, monkeypatch):
+    """The trt backend (CUDA and TensorRT emulated) over the hybrid with images: rope_offsets reach the prefill,
+    decode and verify engines, the DeltaNet/conv states live on the device through KVCache. Against the ort backend
+    on the same artifact: several sizes, two images and a text prompt; the batch of them; verify passes after an image
+    (rows run alone) and n-gram speculation; a session follow-up; a prefix-cache hit inside an image."""
+    import trt_emulator
+
     from decodert.runtime.llm import LLM
 
-    llm, _, _ = q35
-    art = tmp_path / "trt"
-    export_model(llm.manifest.source.path, art, target="trt", dtype="fp32", max_seq=256, max_batch=2, progress=False,
-                 plugins="never")
-    trt_emulator.emulate_engines(art)
     trt_emulator.install(monkeypatch)
-    img = _image(np.random.default_rng(), 100, 160)
-    _fresh(llm)
-    with LLM.load(art, backend="trt") as trt:
-        for msgs in ([{"role": "user", "content": "Hello world!"}], _ask(img)):
-            want = llm.chat(msgs, max_new_tokens=6, temperature=0).token_ids
-            if trt.vision is None and msgs[0]["content"] != "Hello world!":
-                with pytest.raises(DecodertError) as e:
-                    trt.chat(msgs, max_new_tokens=6, temperature=0)
-                assert "\n" not in str(e.value)
-            else:
-                assert trt.chat(msgs, max_new_tokens=6, temperature=0).token_ids == want
+    rng = np.random.default_rng()
+    asks = [_ask(_image(rng, h, w)) for h, w in ((70, 50), (120, 300))]
+    asks += [_ask(_image(rng, 90, 60), _image(rng, 64, 64), text="and"), [{"role": "user", "content": "Hi"}]]
+    with LLM.load(q35trt, backend="ort") as ref, LLM.load(q35trt, backend="trt") as llm:
+        assert llm.vision is not None and llm.backend.name == "trt"
+        want = [ref.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
+        assert [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks] == want
+        _fresh(llm)
+        batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
+        assert [r.token_ids for r in batch] == want
+        _check_verify(llm.backend, llm._chat_prompt(asks[1], {})[2])
+        _fresh(llm)
+        plain = llm.chat(asks[0], max_new_tokens=16, temperature=0).token_ids
+        _fresh(llm)
+        assert llm.chat(asks[0], max_new_tokens=16, temperature=0, speculative="ngram").token_ids == plain
+        chat = llm.session()
+        first = chat.chat(asks[1][0], max_new_tokens=5, temperature=0)
+        second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)
+        assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens
+        assert second.token_ids == ref.chat(chat.history[:-1], max_new_tokens=5, temperature=0).token_ids
+        chat.close()
+        _fresh(llm)
+        img = asks[1][0]["content"][0]["image"]
+        llm.chat(_ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
+        again = llm.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
+        assert again.metrics.cached_tokens >= 32  # K/V blocks and the states at a boundary inside the image
+        assert again.token_ids == ref.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6,
+                                           temperature=0).token_ids
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ HISTORY_LINES = 1000
 COMMANDS = (("/help", "this help"), ("/reset", "forget the conversation (the system message stays)"),
             ("/undo", "forget the last message and its answer"),
             ("/image FILE", "attach an image to the next message (vision-language models)"),
+            ("/video DIR", "attach a video (a folder of frame images, or FILE,FILE,...) to the next message (Qwen-VL)"),
             ("/exit", "quit (also /quit, Ctrl-D)"))
 EXIT = ("/exit", "/quit", "/bye")
 
@@ -47,14 +48,54 @@ def add_chat_flags(p: argparse.ArgumentParser) -> None:
 def add_image_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", action="append", default=[], metavar="FILE", type=Path,
                    help="an image for the (first) message, repeatable (vision-language models)")
+    p.add_argument("--video", action="append", dest="image", metavar="FRAME_DIR_OR_FILES", type=Frames.parse,
+                   help="a video for the (first) message: a folder of frame images (in name order) or frame files "
+                        "separated by commas; repeatable (Qwen2.5-VL, Qwen3-VL)")
+    p.add_argument("--video-fps", type=float, metavar="FPS",
+                   help="the rate the --video frames were taken at (default: 24, as transformers assumes)")
+
+
+FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+class Frames(list):
+    """The frame files of one --video (a list of paths) and their rate."""
+
+    fps: float | None = None
+
+    @classmethod
+    def parse(cls, value: str) -> "Frames":
+        if not value.strip():
+            raise argparse.ArgumentTypeError("no folder or frame files given")
+        path = Path(value)
+        if path.is_dir():
+            frames = cls(sorted(f for f in path.iterdir() if f.suffix.lower() in FRAME_SUFFIXES))
+            if not frames:
+                raise argparse.ArgumentTypeError(f"{value} holds no frame images ({', '.join(FRAME_SUFFIXES)})")
+            return frames
+        frames = cls(Path(f) for f in value.split(",") if f)
+        missing = [str(f) for f in frames if not f.is_file()]
+        if not frames or missing:
+            raise argparse.ArgumentTypeError(f"{missing[0] if missing else value!r} is not a frame file or a folder")
+        return frames
+
+
+def media(args: argparse.Namespace) -> list:
+    """--image files and --video Frames in command-line order, the videos given --video-fps."""
+    items = list(getattr(args, "image", None) or [])
+    for item in items:
+        if isinstance(item, Frames):
+            item.fps = getattr(args, "video_fps", None)
+    return items
 
 
 def user_message(text: str, images: list) -> dict:
-    """A user message: the text, after the images when there are any."""
+    """A user message: the text, after the images (paths) and videos (Frames) when there are any."""
     if not images:
         return {"role": "user", "content": text}
-    return {"role": "user", "content": [*({"type": "image", "image": Path(i)} for i in images),
-                                        {"type": "text", "text": text}]}
+    parts = [{"type": "video", "video": list(i), "fps": i.fps} if isinstance(i, Frames) else
+             {"type": "image", "image": Path(i)} for i in images]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -71,7 +112,7 @@ def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] | None =
     session = llm.session(system=system, overflow=getattr(args, "overflow", "truncate"))
     history = None if read is not None else LineHistory.open()
     read = read or inputs.line_reader(llm.max_seq)
-    pending = list(getattr(args, "image", None) or [])  # images for the next message (--image, /image)
+    pending = media(args)  # images and videos for the next message (--image, --video, /image)
     if (sys.stdin.isatty() if banner is None else banner):
         print(f"decodert chat: context {llm.max_seq} tokens. /help for commands, /reset forgets, /exit or Ctrl-D quits, "
               "Ctrl-C stops an answer.", file=err)
@@ -106,13 +147,8 @@ def command(session, text: str, err: TextIO, pending: list | None = None) -> boo
     name = text.split()[0].lower()
     if name in EXIT:
         return True
-    if name == "/image" and pending is not None:
-        path = Path(text.split(None, 1)[1].strip()) if len(text.split(None, 1)) > 1 else None
-        if path is None or not path.is_file():
-            print(f"[/image needs an image file; {path} is not one]" if path else "[/image needs a file]", file=err)
-        else:
-            pending.append(path)
-            print(f"[image {path.name} will go with the next message]", file=err)
+    if name in ("/image", "/video") and pending is not None:
+        attach(name, text.split(None, 1)[1].strip() if len(text.split(None, 1)) > 1 else "", err, pending)
         return False
     if name == "/help":
         width = max(len(c) for c, _ in COMMANDS)
@@ -131,6 +167,23 @@ def command(session, text: str, err: TextIO, pending: list | None = None) -> boo
     else:
         print(f"unknown command {name}; /help lists the commands (// sends a message that begins with /)", file=err)
     return False
+
+
+def attach(name: str, value: str, err: TextIO, pending: list) -> None:
+    """/image FILE or /video DIR_OR_FILES: queue it for the next message, or say in one line why not."""
+    if name == "/image":
+        path = Path(value) if value else None
+        if path is None or not path.is_file():
+            print(f"[/image needs an image file; {path} is not one]" if path else "[/image needs a file]", file=err)
+        else:
+            pending.append(path)
+            print(f"[image {path.name} will go with the next message]", file=err)
+        return
+    try:
+        pending.append(Frames.parse(value))
+        print(f"[video of {len(pending[-1])} frames will go with the next message]", file=err)
+    except argparse.ArgumentTypeError as e:
+        print(f"[/video needs a folder of frame images or frame files: {e}]", file=err)
 
 
 def turn(session, message: str, args: argparse.Namespace, out: TextIO, err: TextIO, pending: list | None = None) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from decodert.cli import common, inputs
-from decodert.cli.chat import add_image_flag, user_message
+from decodert.cli.chat import add_image_flag, media, user_message
 
 
 def add_parser(subparsers: Any) -> None:
@@ -30,7 +30,7 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = common.load(args.out, args.backend, args.verify, common.draft_of(args))
     if prompt is None:  # bounded by the artifact's max_seq, so it is read after loading
         prompt = inputs.read_prompt_file(args.prompt_file, llm.max_seq)
-    messages = [user_message(prompt, args.image)] if args.chat or args.image else None
+    messages = [user_message(prompt, media(args))] if args.chat or args.image else None
     return answer(llm, prompt, messages, args)
 
 

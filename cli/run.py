@@ -11,7 +11,7 @@ from typing import Any
 
 from decodert.cli import common, inputs
 from decodert.export.prepare import QUANT_CHOICES
-from decodert.cli.chat import add_chat_flags, chat_loop, user_message
+from decodert.cli.chat import add_chat_flags, chat_loop, media, user_message
 from decodert.cli.generate import answer
 
 
@@ -46,4 +46,4 @@ def run_run(args: argparse.Namespace) -> int:
     if (args.raw or not llm.chat_template) and not args.image:
         return answer(llm, args.prompt, None, args)
     system = [{"role": "system", "content": args.system}] if args.system else []
-    return answer(llm, args.prompt, system + [user_message(args.prompt, args.image)], args)
+    return answer(llm, args.prompt, system + [user_message(args.prompt, media(args))], args)

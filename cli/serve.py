@@ -59,6 +59,10 @@ def add_parser(subparsers: Any) -> None:
     v.add_argument("--max-image-pixels", type=int, default=DEFAULT_LIMITS.max_pixels,
                    help="most pixels (width x height) of one image, checked before decoding")
     v.add_argument("--max-images", type=int, default=DEFAULT_LIMITS.max_images, help="most images per request")
+    v.add_argument("--max-video-frames", type=int, default=DEFAULT_LIMITS.max_frames,
+                   help="most video frames per request (video_url parts: lists of frame data URLs)")
+    v.add_argument("--max-video-pixels", type=int, default=DEFAULT_LIMITS.max_video_pixels,
+                   help="most pixels over all video frames of a request")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
                    help="the HTTP server's log level on stderr (default warning; info logs every request)")
     r = p.add_argument_group("Ray Serve (pip install .[ray]; docs/SERVING.md)")
@@ -111,7 +115,8 @@ def options(args: argparse.Namespace):
                         args.drain_timeout, args.backend, args.verify, args.log_level, speculative, draft,
                         args.prefix_cache_mb, args.client_timeout, _hosts(args.allowed_hosts), args.tool_parser,
                         _loras(args.lora),
-                        image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images),
+                        image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images,
+                                                 args.max_video_frames, args.max_video_pixels),
                         allow_image_urls=args.allow_image_urls)
 
 

@@ -96,7 +96,39 @@ def write_vision(ckpt: Any, vision: VisionSpec, weights: dict[str, onnx.TensorPr
     onnx.save_model(build_vision_graph(vision, dtype, weights, ir_version), path)
     onnx.checker.check_model(str(path), full_check=True)
     graph = from_json(GraphRecord, {"file": VISION_FILE, **vision_contract(vision, dtype)}, "vision.graph")
-    return VisionRecord(graph=graph, spec=vision.to_dict(), processor=family_settings(ckpt, vision))
+    processor = family_settings(ckpt, vision)
+    declared = getattr(ckpt.family, "video_processor", None)
+    if declared is not None:  # families without one take no video (runtime/vision/encoder.py refuses it)
+        processor["video"] = video_settings(Path(ckpt.source), declared(ckpt.config), vision)
+    return VisionRecord(graph=graph, spec=vision.to_dict(), processor=processor)
+
+
+def video_settings(folder: Path, declared: dict[str, Any], vision: VisionSpec) -> dict[str, Any]:
+    """The checkpoint's video processor config (processor_config.json's video_processor, else
+    video_preprocessor_config.json, else preprocessor_config.json: transformers' order) over the family's
+    defaults, checked against the tower (runtime/vision/qwen_video.py reads it)."""
+    nested = _json(folder / "processor_config.json").get("video_processor")
+    raw = nested if isinstance(nested, dict) else (_json(folder / "video_preprocessor_config.json")
+                                                   or _json(folder / "preprocessor_config.json"))
+    defaults = declared["defaults"]
+    settings = {k: raw.get(k, v) for k, v in defaults.items()}
+    size = dict(settings["size"] or {})
+    if declared["pixels_keys"]:  # Qwen2VLVideoProcessor: min_pixels / max_pixels override size
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if raw.get(key) is not None:
+                size[edge] = raw[key]
+    where = f"{folder}: the video processor config"
+    if not all(isinstance(size.get(k), int) and size[k] > 0 for k in ("shortest_edge", "longest_edge")):
+        raise DecodertError(f"{where} needs size.shortest_edge/longest_edge as positive integers")
+    tower = (vision.patch_size, vision.temporal_patch_size, vision.scale_factor)
+    if (settings["patch_size"], settings["temporal_patch_size"], settings["merge_size"]) != tower:
+        raise DecodertError(f"{where}: patch_size/temporal_patch_size/merge_size differ from the tower's {list(tower)}")
+    if settings["resample"] not in range(6):
+        raise DecodertError(f"{where}: resample {settings['resample']!r} is not supported")
+    if settings["fps"] is not None and settings["num_frames"] is not None:
+        raise DecodertError(f"{where}: fps and num_frames are mutually exclusive")
+    return {**settings, "size": size, "min_pixels": size["shortest_edge"], "max_pixels": size["longest_edge"],
+            **{k: declared[k] for k in ("sampling", "timestamps", "video_token_id", "tokens_per_second")}}
 
 
 def family_settings(ckpt: Any, vision: VisionSpec) -> dict[str, Any]:

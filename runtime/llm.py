@@ -53,6 +53,7 @@ from decodert.runtime.vision.encoder import Vision
 from decodert.runtime.vision.images import DEFAULT_LIMITS
 from decodert.runtime.vision.messages import split_images
 from decodert.runtime.vision.tokens import is_image, text_ids
+from decodert.runtime.vision.video import Video
 
 if TYPE_CHECKING:
     from decodert.runtime.chat.session import Session
@@ -254,15 +255,18 @@ class LLM(CacheRuns):
         text = self._render(turn)
         return turn, text, self.prompt_ids(text, images)
 
-    def split_images(self, messages: Seq[Message]) -> tuple[Seq[Message], list[np.ndarray]]:
-        """Image parts -> ``{"type": "image"}`` for the template, and the decoded images (runtime/vision/messages.py)."""
+    def split_images(self, messages: Seq[Message]) -> tuple[Seq[Message], list[np.ndarray | Video]]:
+        """Image / video parts -> ``{"type": "image"}`` / ``{"type": "video"}`` for the template, and the decoded
+        images and videos (runtime/vision/messages.py)."""
         messages, images = split_images(messages, self.image_limits, self.fetch_image)
+        if self.vision is not None and self.vision.video is None and any(isinstance(m, Video) for m in images):
+            raise DecodertError("this model takes no video (Qwen2.5-VL and Qwen3-VL do); send frames as images")
         if images and self.vision is None:
             raise DecodertError("this model takes no images (no vision.onnx in the artifact, or TensorRT engines "
                                 "built before they took the image inputs: run `decodert build` again)")
         return messages, images
 
-    def prompt_ids(self, text: str, images: Seq[np.ndarray] = ()) -> np.ndarray:
+    def prompt_ids(self, text: str, images: Seq[np.ndarray | Video] = ()) -> np.ndarray:
         """A rendered chat prompt's ids; with images, each ``<image>`` expanded as the model's processor does
         and its tokens the image's ids (runtime/vision/encoder.py)."""
         if images and self.vision is not None:  # split_images refused images for a model without vision

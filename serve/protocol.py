@@ -52,6 +52,8 @@ class TextPart(_Strict):
     type: str
     text: Optional[str] = None
     image_url: Optional[Union[str, dict[str, Any]]] = None  # {"url": "data:image/png;base64,..."}
+    video_url: Optional[Union[str, dict[str, Any]]] = None  # {"url": ["data:image/png;base64,...", ...]}: frames
+    fps: Optional[float] = None  # video_url: the rate of its frames
 
 
 class ChatMessage(_Strict):
@@ -62,16 +64,17 @@ class ChatMessage(_Strict):
     tool_call_id: Optional[str] = None  # role "tool": the call this result answers
 
     def text(self, i: int) -> Union[str, list[dict[str, Any]]]:
-        """The message's text: a string, or its text parts joined (other parts are a 400); with image_url
-        parts, the parts as dicts (runtime/vision/messages.py decodes the images)."""
+        """The message's text: a string, or its text parts joined (other parts are a 400); with image_url or
+        video_url parts, the parts as dicts (runtime/vision/messages.py decodes the images and frames)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        if any(part.type == "image_url" for part in self.content):
-            other = [part.type for part in self.content if part.type not in ("text", "image_url")]
+        if any(part.type in ("image_url", "video_url") for part in self.content):
+            other = [part.type for part in self.content if part.type not in ("text", "image_url", "video_url")]
             if other:
-                raise ApiError(400, f"messages[{i}].content: part type {other[0]!r} is not supported (text, image_url)",
+                raise ApiError(400, f"messages[{i}].content: part type {other[0]!r} is not supported "
+                                    "(text, image_url, video_url)",
                                param=f"messages[{i}].content")
             return [part.model_dump(exclude_none=True) for part in self.content]
         for part in self.content:
@@ -248,7 +251,7 @@ class ChatCompletionRequest(_Sampling):
 _UNION_HELP = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string or a list of strings",
-    "content": "a string or a list of {'type': 'text', 'text': ...} / {'type': 'image_url', ...} parts",
+    "content": "a string or a list of {'type': 'text', 'text': ...} / {'type': 'image_url', ...} / {'type': 'video_url', ...} parts",
 }
 
 

@@ -205,3 +205,16 @@ def test_the_prefix_cache_resumes_inside_an_image(pair):
     again = llm.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
     assert again.metrics.cached_tokens >= 32
     assert again.token_ids == ref.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids
+
+
+def test_a_video_prompt_gives_the_ort_backends_tokens(pair):
+    """Video slices (Qwen2.5-VL: one grid with a time step; Qwen3-VL: a grid per slice) through the vision engine
+    and the engines' rope_offsets, beside an image (tests/test_vision_qwen_video.py compares ort with transformers)."""
+    ref, llm = pair
+    rng = np.random.default_rng()
+    frames = rng.integers(0, 256, (6, 48, 64, 3), dtype=np.uint8)
+    msgs = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 1.0},
+                                         {"type": "image", "image": _image(rng, 50, 70)},
+                                         {"type": "text", "text": "What happens?"}]}]
+    assert llm.chat(msgs, max_new_tokens=6, temperature=0).token_ids == \
+        ref.chat(msgs, max_new_tokens=6, temperature=0).token_ids

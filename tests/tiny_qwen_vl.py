@@ -20,10 +20,11 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 VOCAB = 600
 PATCH, MERGE, WINDOW = 8, 2, 32
 MIN_PIXELS, MAX_PIXELS = 32 * 32, 128 * 128
-CHAT_TEMPLATE = (  # Qwen2.5-VL's template, without its default system turn and video parts
+CHAT_TEMPLATE = (  # Qwen2.5-VL's template, without its default system turn
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
     "{{ message['content'] }}{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
@@ -55,7 +56,8 @@ def make_tiny_qwen_vl(path: str | Path, seed: int = 0, kind: str = "qwen2_5_vl")
     ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3 if kind != "qwen2_5_vl"
-                else 2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                else 2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
                 bos_token_id=0, eos_token_id=2, tie_word_embeddings=False, rope_parameters=rope)
     vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=2)
@@ -74,7 +76,7 @@ def make_tiny_qwen_vl(path: str | Path, seed: int = 0, kind: str = "qwen2_5_vl")
                         shared_expert_intermediate_size=48)
             del text["intermediate_size"]
     else:
-        vision.update(window_size=WINDOW, fullatt_block_indexes=[1])
+        vision.update(window_size=WINDOW, fullatt_block_indexes=[1], tokens_per_second=1)
     prefix = {"qwen3_vl": "Qwen3VL", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen2_5_vl": "Qwen2_5_VL"}[kind]
     Config, Model = (getattr(transformers, prefix + x) for x in ("Config", "ForConditionalGeneration"))
     config = Config(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
@@ -94,6 +96,7 @@ def make_tiny_qwen_vl(path: str | Path, seed: int = 0, kind: str = "qwen2_5_vl")
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE}, indent=2))
     (path / "preprocessor_config.json").write_text(json.dumps(processor_settings(), indent=2))
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video_settings(kind), indent=2))
     return path
 
 
@@ -103,9 +106,26 @@ def processor_settings() -> dict:
             "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
 
 
+def video_settings(kind: str) -> dict:
+    """The tiny checkpoint's video_preprocessor_config.json: Qwen2.5-VL keeps every frame (per-frame pixel bounds),
+    Qwen3-VL samples 2 per second (its bounds over frames x pixels)."""
+    common = {"patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2, "resample": 3, "do_resize": True,
+              "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "min_frames": 4, "max_frames": 768}
+    if kind == "qwen3_vl":
+        return {**common, "video_processor_type": "Qwen3VLVideoProcessor", "do_sample_frames": True, "fps": 2,
+                "size": {"shortest_edge": MIN_PIXELS, "longest_edge": 6 * 64 * 64},
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    return {**common, "video_processor_type": "Qwen2VLVideoProcessor", "do_sample_frames": False, "fps": None,
+            "min_pixels": MIN_PIXELS, "max_pixels": 96 * 96,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+
+
 def reference_processor(path: Path, kind: str = "qwen2_5_vl") -> Any:
-    """transformers' Qwen2_5_VLProcessor / Qwen3VLProcessor (AutoProcessor's choice for qwen3_vl and qwen3_5) for
-    the checkpoint, with the PIL image processor (no torchvision)."""
+    """transformers' Qwen2_5_VLProcessor / Qwen3VLProcessor (AutoProcessor's choice for qwen3_vl, qwen3_5 and
+    qwen3_5_moe) for the checkpoint, with the PIL image processor and its video processor's steps
+    (tests/qwen_video_reference.py: no torchvision)."""
+    from qwen_video_reference import ReferenceVideoProcessor
+
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -117,4 +137,6 @@ def reference_processor(path: Path, kind: str = "qwen2_5_vl") -> Any:
         def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
             return None if name == "video_processor" else super().check_argument_for_proper_class(name, arg)
 
-    return ImagesOnly(Qwen2VLImageProcessorPil(**settings), tokenizer, None, chat_template=CHAT_TEMPLATE)
+    video = {k: v for k, v in video_settings(kind).items() if k != "video_processor_type"}
+    return ImagesOnly(Qwen2VLImageProcessorPil(**settings), tokenizer, ReferenceVideoProcessor(kind, video),
+                      chat_template=CHAT_TEMPLATE)

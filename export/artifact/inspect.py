@@ -93,6 +93,12 @@ def inspect_artifact(folder: str | Path) -> str:
             lines.append(f"vision     {v['num_layers']} layers ({v.get('tower')}), hidden {v['hidden_size']}, "
                          f"{v['patch_size']}-px patches, {v['scale_factor']}x{v['scale_factor']} merge -> a token per "
                          f"{v['patch_size'] * v['scale_factor']} px square; {p['min_pixels']}..{p['max_pixels']} pixels")
+            if p.get("video"):  # runtime/vision/qwen_video.py
+                vid = p["video"]
+                rate = f"{vid['fps']} frames/s sampled" if vid["do_sample_frames"] and vid.get("fps") else "every frame"
+                lines.append(f"video      {rate}, frame pairs as grid slices, {vid['min_pixels']}..{vid['max_pixels']} "
+                             f"pixels{' over the clip' if vid['sampling'] == 'qwen3' else ' a frame'}"
+                             f"{', timestamps' if vid.get('timestamps') else ''}")
         else:
             size = p["size"]
             resize = f"{size['longest_edge']} px" if "longest_edge" in size else f"{size['height']}x{size['width']}"

@@ -14,6 +14,8 @@ images from the store never takes the rows of a prompt that has not been prefill
 from __future__ import annotations
 
 import collections
+import hashlib
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -27,7 +29,9 @@ from decodert.models.vision import VisionSpec
 from decodert.runtime.vision import gemma3
 from decodert.runtime.vision import preprocess as pre
 from decodert.runtime.vision import qwen_preprocess as qp
+from decodert.runtime.vision import qwen_video as qv
 from decodert.runtime.vision.tokens import IMAGE_FLAG, image_ids, pixel_digest
+from decodert.runtime.vision.video import Video
 
 
 # image processors by the ``kind`` their export settings name (Idefics3's have none): each module gives
@@ -42,6 +46,9 @@ class _Entry:
     rows: int
     cols: int
     extra: dict[str, np.ndarray] | None = None  # per-token features beside embeds, [k, n, hidden] (Qwen3-VL deepstack)
+    frames: int = 1  # grid slices (a video: t > 1), each rows x cols tokens
+    interval: float = 0.0  # M-RoPE temporal step between slices (runtime/vision/mrope.py)
+    split: bool = False  # each slice a grid of its own (Qwen3-VL: timestamp text between slices)
 
     def __post_init__(self) -> None:
         self.index = {int(v): k for k, v in enumerate(self.ids)}  # image id -> row
@@ -76,11 +83,15 @@ class ImageStore:
             found = {id(e): e for e in (self._where.get(int(v)) for v in ids[ids >= IMAGE_FLAG]) if e is not None}
         return list(found.values())
 
-    def locate(self, image_id: int) -> tuple[int, int, int] | None:
-        """(index in its image, rows, cols of its image's grid) of an image id, or None (runtime/vision/mrope.py)."""
+    def locate(self, image_id: int) -> tuple[int, int, int, int, float] | None:
+        """(index in its image or video, rows, cols, slices, temporal step of its grid) of an image id, or None
+        (runtime/vision/mrope.py)."""
         with self._lock:
             e = self._where.get(image_id)
-            return None if e is None else (e.index[image_id], e.rows, e.cols)
+            if e is None:
+                return None
+            k = e.index[image_id]
+            return (k % (e.rows * e.cols), e.rows, e.cols, 1, 0.0) if e.split else (k, e.rows, e.cols, e.frames, e.interval)
 
     def extra_rows(self, ids: np.ndarray, name: str) -> np.ndarray:
         """The ``name`` features [k, N, hidden] of the image ids in ``ids`` (flat order, as ``rows``)."""
@@ -113,6 +124,7 @@ class Vision:
         self.seq_len = int(settings.get("image_seq_len", 0))
         self.processor = PROCESSORS[settings.get("kind", "idefics3")]
         self.qwen = spec.tower in ("qwen_vit", "qwen3_vit")  # patch rows + <|image_pad|> (runtime/vision/qwen_preprocess.py)
+        self.video: dict | None = settings.get("video")  # the video processor's settings (runtime/vision/qwen_video.py)
         self.store = ImageStore()
         self.encode_seconds = 0.0  # the last image encoded (bench/vision.py)
 
@@ -156,42 +168,90 @@ class Vision:
         grid (Qwen); Qwen3-VL's deepstack features [k, n, hidden] as extra["deepstack_embeds"]."""
         if self.qwen:
             p = qp.preprocess(rgb, self.settings, self.spec)
-            feed = {"pixel_values": p.pixels, "patch_positions": p.positions}
-            if p.taps is not None:
-                feed.update(pos_indices=p.taps[0], pos_weights=p.taps[1])
-            else:
-                feed["patch_windows"] = p.windows
-            names = [o.name for o in self.session.get_outputs()]
-            out = dict(zip(names, self.session.run(names, feed)))
-            extra = {"deepstack_embeds": out["deepstack_embeds"][:, p.restore]} if "deepstack_embeds" in out else None
-            return out["image_embeds"][p.restore], p.rows, p.cols, extra
+            embeds, extra = self._run_qwen(p)
+            return embeds, p.rows, p.cols, extra
         tiles = self.processor.preprocess(rgb, self.settings)
         embeds = self.session.run(["image_embeds"], {"pixel_values": tiles.pixels})[0]  # [n_tiles, T, hidden]
         return embeds.reshape(-1, embeds.shape[-1]), tiles.rows, tiles.cols, None
 
+    def _run_qwen(self, p: qp.Patches) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
+        """One grid slice (an image, or two frames of a video) through vision.onnx -> its rows in image order."""
+        feed = {"pixel_values": p.pixels, "patch_positions": p.positions}
+        if p.taps is not None:
+            feed.update(pos_indices=p.taps[0], pos_weights=p.taps[1])
+        else:
+            feed["patch_windows"] = p.windows
+        names = [o.name for o in self.session.get_outputs()]
+        out = dict(zip(names, self.session.run(names, feed)))
+        extra = {"deepstack_embeds": out["deepstack_embeds"][:, p.restore]} if "deepstack_embeds" in out else None
+        return out["image_embeds"][p.restore], extra
+
+    def video_entry(self, video: Video) -> tuple[_Entry, str]:
+        """A video's entry (its t slices of rows x cols tokens) and the text its placeholder becomes; from the
+        store, else preprocessed and encoded now (slice by slice)."""
+        s = self.video
+        if s is None:
+            raise DecodertError("this model takes no video (its processor has none); send the frames as images")
+        t = qv.timing(len(video.frames), video.fps, s)
+        digest = hashlib.blake2b(pixel_digest(video.frames) + repr(video.fps).encode(), digest_size=16).digest()
+        entry = self.store.get(digest)
+        if entry is None:
+            slices = qv.preprocess(video.frames, t.keep, s, self.spec)
+            runs = [self._run_qwen(p) for p in slices]
+            embeds = np.concatenate([e for e, _ in runs])
+            extra = None if runs[0][1] is None else {n: np.concatenate([x[n] for _, x in runs], axis=1)  # type: ignore[index]
+                                                     for n in runs[0][1]}
+            entry = _Entry(image_ids(digest, int(s["video_token_id"]), len(embeds)), embeds, slices[0].rows,
+                           slices[0].cols, extra, len(slices), t.interval, split=bool(s.get("timestamps")))
+            self.store.put(digest, entry)
+        return entry, qv.prompt(entry.rows, entry.cols, t.times, s)
+
     def _expand(self, entry: _Entry) -> str:
-        """The text one placeholder of the template becomes."""
+        """The text one image placeholder of the template becomes."""
         if self.qwen:
             return qp.image_prompt(entry.rows, entry.cols)
         return self.processor.prompt(pre.Tiles(np.empty(0), entry.rows, entry.cols), self.settings)
 
-    def prompt_ids(self, text: str, images: Sequence[np.ndarray], encode: Callable[[str], np.ndarray]) -> np.ndarray:
-        """The rendered prompt with one ``<image>`` per image -> ids, each image's tokens its image ids."""
+    def prompt_ids(self, text: str, media: Sequence[np.ndarray | Video], encode: Callable[[str], np.ndarray]) -> np.ndarray:
+        """The rendered prompt with one placeholder per image and per video -> ids, each image's and video's
+        tokens its image ids. Images fill the image placeholders in order, videos the video ones."""
         if self.qwen:
             mark = token = qp.IMAGE_PAD
         else:
             mark, token = self.processor.placeholder(self.settings), self.processor.image_token(self.settings)
-        parts = text.split(mark)
-        if len(parts) - 1 != len(images):
-            raise DecodertError(f"the prompt has {len(parts) - 1} {mark} placeholders for {len(images)} images "
-                                "(the chat template places one per image part)")
-        entries = [self.entry(rgb) for rgb in images]
-        expanded = parts[0] + "".join(self._expand(e) + p for e, p in zip(entries, parts[1:]))
-        ids = encode(expanded).copy()
-        at = np.flatnonzero(ids == self.image_token_id)
+        images = [m for m in media if not isinstance(m, Video)]
+        videos = [m for m in media if isinstance(m, Video)]
+        if videos and self.video is None:
+            raise DecodertError("this model takes no video (its processor has none); send the frames as images")
+        video_marks = [] if self.video is None else sorted({qv.placeholder(self.video), qv.VIDEO_PAD}, key=len, reverse=True)
+        pieces = re.split("(" + "|".join(map(re.escape, [*video_marks, mark])) + ")", text)
+        marks = pieces[1::2]
+        n_images = sum(m == mark for m in marks)
+        if n_images != len(images) or len(marks) - n_images != len(videos):
+            raise DecodertError(f"the prompt has {n_images} {mark} placeholders for {len(images)} images and "
+                                f"{len(marks) - n_images} video placeholders for {len(videos)} videos (the chat "
+                                "template places one per image or video part)" if videos or self.video is not None
+                                else f"the prompt has {n_images} {mark} placeholders for {len(images)} images "
+                                     "(the chat template places one per image part)")
+        image_it, video_it = iter(images), iter(videos)
+        entries: list[_Entry] = []
+        out = [pieces[0]]
+        for m, after in zip(marks, pieces[2::2]):
+            if m == mark:
+                entries.append(self.entry(next(image_it)))
+                out.append(self._expand(entries[-1]))
+            else:
+                entry, expanded = self.video_entry(next(video_it))
+                entries.append(entry)
+                out.append(expanded)
+            out.append(after)
+        ids = encode("".join(out)).copy()
+        tokens = [self.image_token_id] + ([int(self.video["video_token_id"])] if self.video is not None else [])
+        at = np.flatnonzero(np.isin(ids, tokens))
         want = sum(len(e.ids) for e in entries)
         if len(at) != want:
             raise DecodertError(f"the prompt has {len(at)} image tokens where its images need {want}; "
                                 f"does the text itself contain {token}?")
-        ids[at] = np.concatenate([e.ids for e in entries])
+        if want:
+            ids[at] = np.concatenate([e.ids for e in entries])
         return ids

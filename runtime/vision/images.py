@@ -26,6 +26,8 @@ class ImageLimits:
     max_bytes: int = 20 * 2**20  # encoded size
     max_pixels: int = 40_000_000  # width x height, read from the header before decoding
     max_images: int = 8  # per request / conversation turn set
+    max_frames: int = 256  # video frames per request (runtime/vision/video.py)
+    max_video_pixels: int = 100_000_000  # width x height summed over a request's video frames
 
 
 DEFAULT_LIMITS = ImageLimits()

@@ -2,7 +2,13 @@
 
 transformers' get_rope_index: text tokens count up one by one; an image of rows x cols merged tokens
 that starts when the count is ``st`` puts token k at (t, h, w) = (st, st + k // cols, st + k % cols),
-and the text after it goes on from ``st + max(rows, cols)``. Every image token is an image id
+and the text after it goes on from ``st + max(rows, cols)``. A video grid of ``frames`` slices (Qwen2.5-VL)
+puts token k of slice g at t = st + int(g * interval) (interval = tokens_per_second * seconds per slice,
+float32 as torch computes it), h and w as an image's; the text after it goes on from one past its largest
+position, st + max(int((frames - 1) * interval), rows - 1, cols - 1) + 1 (Qwen2.5-VL's own rule and the
+rope delta transformers keeps for decoding; transformers 5's get_rope_index restarts such text at
+st + max(rows, cols), which only differs when the temporal extent is the largest). Qwen3-VL's video slices
+are separate grids of one slice each (timestamp text between them). Every image token is an image id
 (runtime/vision/tokens.py) whose store entry knows its index k and its grid, so the positions of any
 block of a row follow from the ids before it (``KVCache.held``) and its own: a chunked prefill, a
 session's next turn and a reused prefix all get the same positions a full prefill gives, and a decode
@@ -19,7 +25,7 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.runtime.vision.tokens import IMAGE_FLAG
 
-Locate = Callable[[int], "tuple[int, int, int] | None"]  # image id -> (k, rows, cols) of its image
+Locate = Callable[[int], "tuple[int, int, int, int, float] | None"]  # image id -> (k, rows, cols, slices, interval)
 
 
 def positions(ids: np.ndarray, locate: Locate) -> tuple[np.ndarray, int]:
@@ -41,14 +47,15 @@ def positions(ids: np.ndarray, locate: Locate) -> tuple[np.ndarray, int]:
             found = locate(int(ids[j]))
             if found is None:
                 raise DecodertError("an image of this prompt is no longer in the image store; send it again")
-            k, rows, cols = found
-            m = min(rows * cols - k, end - j)
+            k, rows, cols, frames, interval = found
+            area = rows * cols
+            m = min(frames * area - k, end - j)
             kk = np.arange(k, k + m)
-            out[0, j : j + m] = cur
-            out[1, j : j + m] = cur + kk // cols
+            out[0, j : j + m] = cur + ((kk // area).astype(np.float32) * np.float32(interval)).astype(np.int64)
+            out[1, j : j + m] = cur + kk % area // cols
             out[2, j : j + m] = cur + kk % cols
-            if k + m == rows * cols:
-                cur += max(rows, cols)
+            if k + m == frames * area:
+                cur += max(int(np.float32(frames - 1) * np.float32(interval)) + 1 if frames > 1 else 0, rows, cols)
             j += m
         done = end
     out[:, done:] = cur + np.arange(len(ids) - done)

@@ -67,9 +67,16 @@ def preprocess(rgb: np.ndarray, settings: Mapping[str, Any], v: VisionSpec) -> P
     if img.height % (p * m) or img.width % (p * m):
         raise DecodertError(f"image {img.width}x{img.height} is not a multiple of {p * m} pixels (do_resize is off)")
     x = normalise(np.asarray(img), settings)  # [3, H, W]
-    gh, gw = x.shape[1] // p, x.shape[2] // p
-    x = x.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (uh, uw, mh, mw, C, py, px)
-    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p)).reshape(gh * gw, 3 * t * p * p)
+    return patches(np.broadcast_to(x[None], (t, *x.shape)), settings, v)  # the frame repeated t times
+
+
+def patches(frames: np.ndarray, settings: Mapping[str, Any], v: VisionSpec) -> Patches:
+    """One temporal patch: [t, 3, H, W] normalised frames (an image repeated, or t frames of a video) -> the
+    patch rows vision.onnx takes (rows of (channel, frame, py, px))."""
+    p, m, t = int(settings["patch_size"]), int(settings["merge_size"]), frames.shape[0]
+    gh, gw = frames.shape[2] // p, frames.shape[3] // p
+    x = frames.reshape(t, 3, gh // m, m, p, gw // m, m, p).transpose(2, 5, 3, 6, 1, 0, 4, 7)  # (uh, uw, mh, mw, C, T, py, px)
+    x = x.reshape(gh * gw, 3 * t * p * p)
     order, unit_window = window_order(gh // m, gw // m, v.window_size // m // p if v.window_size else 0)
     unit = m * m
     rows = (order[:, None] * unit + np.arange(unit)[None, :]).reshape(-1)  # patch rows in window order

@@ -53,6 +53,25 @@ VISION_DEFAULTS: dict[str, Any] = dict(depth=32, hidden_size=3584, hidden_act="s
                                        temporal_patch_size=2, window_size=112, out_hidden_size=3584,
                                        fullatt_block_indexes=[7, 15, 23, 31])
 HF_UNUSED = (r"visual\..*",)  # read by vision_tensor, not the text model
+# transformers' Qwen2VLVideoProcessor defaults (Qwen2.5-VL's video processor): every frame kept unless the config
+# samples; min_pixels / max_pixels at the top level override size
+VIDEO_DEFAULTS: dict[str, Any] = dict(
+    do_resize=True, size={"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}, resample=3, do_rescale=True,
+    rescale_factor=1 / 255, do_normalize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
+    image_std=[0.26862954, 0.26130258, 0.27577711], patch_size=14, temporal_patch_size=2, merge_size=2,
+    do_sample_frames=False, fps=None, num_frames=None, min_frames=4, max_frames=768, cap_pixels_per_frame=False,
+    max_video_tokens=128000)
+
+
+def video_processor(config: dict) -> dict[str, Any]:
+    """What the export resolves the checkpoint's video processor config over (export/vision_export.py):
+    defaults, the sampling rule, the video token and the M-RoPE time step (tokens_per_second)."""
+    token = config.get("video_token_id")
+    if not isinstance(token, int):
+        raise DecodertError("config.json: a qwen2_5_vl model needs an integer 'video_token_id' for video")
+    tps = (config.get("vision_config") or {}).get("tokens_per_second", 4)
+    return {"defaults": VIDEO_DEFAULTS, "sampling": "qwen2", "pixels_keys": True, "timestamps": False,
+            "video_token_id": token, "tokens_per_second": int(tps)}
 
 
 def sanitize(key: str) -> str | None:

@@ -60,6 +60,21 @@ VISION_DEFAULTS: dict[str, Any] = dict(depth=27, hidden_size=1152, hidden_act="g
                                        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
                                        num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
 HF_UNUSED = (r"visual\..*",)  # read by vision_tensor, not the text model
+# transformers' Qwen3VLVideoProcessor defaults: frames sampled at 2 per second (4 .. 768), timestamps in the prompt
+VIDEO_DEFAULTS: dict[str, Any] = dict(
+    do_resize=True, size={"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}, resample=3, do_rescale=True,
+    rescale_factor=1 / 255, do_normalize=True, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], patch_size=16,
+    temporal_patch_size=2, merge_size=2, do_sample_frames=True, fps=2, num_frames=None, min_frames=4, max_frames=768,
+    cap_pixels_per_frame=False, max_video_tokens=768)
+
+
+def video_processor(config: dict) -> dict[str, Any]:
+    """As Qwen2.5-VL's (models/families/vision/qwen2_5_vl.py), with Qwen3-VL's sampling and timestamped slices."""
+    token = config.get("video_token_id")
+    if not isinstance(token, int):
+        raise DecodertError("config.json: a qwen3_vl model needs an integer 'video_token_id' for video")
+    return {"defaults": VIDEO_DEFAULTS, "sampling": "qwen3", "pixels_keys": False, "timestamps": True,
+            "video_token_id": token, "tokens_per_second": None}
 
 
 def spec_from_hf(config: dict) -> ModelSpec:

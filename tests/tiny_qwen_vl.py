@@ -111,7 +111,7 @@ def video_settings(kind: str) -> dict:
     Qwen3-VL samples 2 per second (its bounds over frames x pixels)."""
     common = {"patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2, "resample": 3, "do_resize": True,
               "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "min_frames": 4, "max_frames": 768}
-    if kind == "qwen3_vl":
+    if kind != "qwen2_5_vl":  # Qwen3-VL's, and Qwen3.5's (AutoVideoProcessor: Qwen3VLVideoProcessor)
         return {**common, "video_processor_type": "Qwen3VLVideoProcessor", "do_sample_frames": True, "fps": 2,
                 "size": {"shortest_edge": MIN_PIXELS, "longest_edge": 6 * 64 * 64},
                 "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
@@ -138,5 +138,6 @@ def reference_processor(path: Path, kind: str = "qwen2_5_vl") -> Any:
             return None if name == "video_processor" else super().check_argument_for_proper_class(name, arg)
 
     video = {k: v for k, v in video_settings(kind).items() if k != "video_processor_type"}
-    return ImagesOnly(Qwen2VLImageProcessorPil(**settings), tokenizer, ReferenceVideoProcessor(kind, video),
+    return ImagesOnly(Qwen2VLImageProcessorPil(**settings), tokenizer, ReferenceVideoProcessor(
+        "qwen2_5_vl" if kind == "qwen2_5_vl" else "qwen3_vl", video),
                       chat_template=CHAT_TEMPLATE)

@@ -28,7 +28,8 @@ it declares is Qwen3-VL's (models/families/vision/qwen3_vl.py) less deepstack:
   rotary; Qwen3_5TextRotaryEmbedding interleaves whatever ``mrope_interleaved`` says) over get_rope_index's
   positions, which are Qwen3-VL's for images (runtime/vision/mrope.py);
 - the processor is Qwen3VLProcessor over Qwen2VLImageProcessor (transformers' AutoProcessor for qwen3_5):
-  ``<|image_pad|>`` x (h/32 * w/32) between <|vision_start|> and <|vision_end|>; image_token_id from config.json.
+  ``<|image_pad|>`` x (h/32 * w/32) between <|vision_start|> and <|vision_end|>; image_token_id from config.json;
+  videos as Qwen3-VL's (``video_processor``: Qwen3VLVideoProcessor, runtime/vision/qwen_video.py).
 Without a vision_config (qwen3_5_text, or a qwen3_5 config.json that has none) the model is text-only as before:
 plain partial RoPE, no image inputs.
 """
@@ -109,7 +110,7 @@ VISION_WEIGHTS = qwen3_vl.VISION_WEIGHTS  # visual.*: the qwen3_vit tower's name
 HF_UNUSED = (r"visual\..*",)  # read by vision_tensor (an image-text checkpoint), not by the text model
 # transformers' Qwen3_5VisionConfig / Qwen3_5Config defaults: a config.json lists only what differs
 VISION_DEFAULTS: dict[str, Any] = {**qwen3_vl.VISION_DEFAULTS, "deepstack_visual_indexes": []}
-IMAGE_TOKEN_ID = 248_056
+IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 248_056, 248_057
 IMAGE_TEXT = ("qwen3_5", "qwen3_5_moe")  # model types whose config.json nests text_config (and vision_config)
 MROPE_SECTION = [11, 11, 10]
 _ONE_PLUS_W = ("layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight", "model.norm.weight")
@@ -240,6 +241,12 @@ def _with_images(spec: ModelSpec, image_token: Any, section: Any) -> ModelSpec:
                                    mrope_interleaved=True)
     except ValueError as e:
         raise DecodertError(f"config.json: {e}") from None
+
+
+def video_processor(config: dict) -> dict[str, Any]:
+    """Qwen3-VL's video rule (AutoVideoProcessor's Qwen3VLVideoProcessor for qwen3_5: 2 frames a second,
+    timestamped slices; Qwen3_5Model.get_rope_index splits a video into its frames as Qwen3-VL's does)."""
+    return qwen3_vl.video_processor({**config, "video_token_id": config.get("video_token_id", VIDEO_TOKEN_ID)})
 
 
 def vision_from_hf(config: dict) -> VisionSpec | None:

@@ -40,7 +40,7 @@ HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
 GGUF_WEIGHTS: dict[str, str | tuple[str, ...]] = {}  # never read (no GGUF path)
 VISION_WEIGHTS = qwen3_5.VISION_WEIGHTS
 HF_UNUSED = qwen3_5.HF_UNUSED
-sanitize, hf_fix = qwen3_5.sanitize, qwen3_5.hf_fix
+sanitize, hf_fix, video_processor = qwen3_5.sanitize, qwen3_5.hf_fix, qwen3_5.video_processor
 # transformers' Qwen3_5MoeTextConfig defaults beyond Qwen3.5's (hidden 2048, 40 layers, 256 experts, top 8)
 MOE_DEFAULTS: dict[str, Any] = dict(hidden_size=2048, num_hidden_layers=40, num_experts=256, num_experts_per_tok=8,
                                     moe_intermediate_size=512, shared_expert_intermediate_size=512)

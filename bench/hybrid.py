@@ -6,7 +6,8 @@ Mamba2 hybrid) beside a dense model (Qwen3-0.6B's shape), random weights, fp32 a
                            [--repeats 3] [--threads 2] [--cache ~/.cache/decodert-bench] [--json hybrid.json]
 
 1. Writes each shape's random-weight HF checkpoint once (Qwen3.5 as a ``qwen3_5`` image-text checkpoint
-   with a one-block vision tower, which decodert skips and onnxruntime-genai's builder expects) and
+   with a one-block vision tower, which onnxruntime-genai's builder expects and decodert exports beside the
+   text graphs, whose attention then turns by M-RoPE as a real Qwen3.5 export's does) and
    exports it: decodert fp32 / int4 (block 32, accuracy level 4, min/max grids: MatMulNBits for every
    projection, DeltaNet's included), onnxruntime-genai fp32 / int4 with its builder where it accepts the model.
 2. A decodert run sets a row's context by committing N ids to its cache without running the prefill
@@ -58,9 +59,16 @@ SHAPES = {
     "qwen3-0.6b": {"model_type": "qwen3", "text": DENSE_SHAPES["qwen3-0.6b"]},
     "tiny": {"model_type": "qwen3_5", "text": {**QWEN35_08B, "vocab_size": 4096, "hidden_size": 64,
                                                "intermediate_size": 128, "num_hidden_layers": 4, "head_dim": 32,
-                                               "linear_key_head_dim": 16, "linear_value_head_dim": 16}},
+                                               "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                                               "rope_parameters": {**QWEN35_08B["rope_parameters"],  # 4 rotary pairs
+                                                                   "mrope_section": [2, 1, 1]}}},
 }
-VISION = dict(depth=1, hidden_size=64, intermediate_size=64, num_heads=2)  # skipped by decodert
+VISION = dict(depth=1, hidden_size=64, intermediate_size=64, num_heads=2)  # a one-block tower: decodert exports it too
+# Qwen3.5's preprocessor_config.json (Qwen2VLImageProcessor with 16-px patches): the tower's settings, which decodert
+# checks at export
+PREPROCESSOR = dict(image_processor_type="Qwen2VLImageProcessor", patch_size=16, temporal_patch_size=2, merge_size=2,
+                    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+                    size={"shortest_edge": 65_536, "longest_edge": 16_777_216})
 
 
 def log(msg: str) -> None:
@@ -88,12 +96,15 @@ def hf_checkpoint(name: str, cache: Path) -> Path:
     torch.manual_seed(0)
     if shape["model_type"] == "qwen3_5":
         config = Qwen3_5Config(text_config=text, vision_config={**VISION, "out_hidden_size": text["hidden_size"]},
-                               tie_word_embeddings=text["tie_word_embeddings"])
+                               tie_word_embeddings=text["tie_word_embeddings"],
+                               image_token_id=min(248_056, text["vocab_size"] - 1))  # the default, in a small vocab
         model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(shape["model_type"], **text), dtype=torch.float32)
     model.save_pretrained(tmp)
     del model
+    if shape["model_type"] == "qwen3_5":
+        (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     make_tokenizer(text["vocab_size"]).save(str(tmp / "tokenizer.json"))
     (tmp / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                            "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"}))

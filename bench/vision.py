@@ -4,9 +4,11 @@
 a Qwen2.5-VL-3B-shaped one (ViT 1280 x 32 layers, 14-px patches, 112-px windows, full attention every 8th
 layer, 2x2 merger; Qwen2.5-3B text model 2048 x 36 layers, int4) whose depths ``--depth-frac`` scales
 (1/4 by default: 8 ViT and 9 text layers, so the checkpoint, 1.2 GB exported, fits a shared machine;
-multiply the times by about 1 / depth-frac for the full shape).
+multiply the times by about 1 / depth-frac for the full shape), or (``--model qwen3_5``) Qwen3.5-0.8B's hybrid
+text model (24 layers: Gated DeltaNet and gated attention, int4) under a Qwen3-VL-2B-sized tower (an assumption:
+ViT 1024 x 24, 16-px patches, no deepstack), depths scaled the same way (``--depth-frac 1``: the full shape).
 
-    python bench/vision.py [--model smolvlm|qwen2_5_vl] [--depth-frac 0.25] [--threads 2] [--repeats 5]
+    python bench/vision.py [--model smolvlm|qwen2_5_vl|qwen3_5] [--depth-frac 0.25] [--threads 2] [--repeats 5]
                            [--work /tmp/vision-bench] [--json out.json]
 
 Two processor settings: SmolVLM-256M's own (``size.longest_edge`` 2048, splitting: a 448x448 image is
@@ -75,30 +77,58 @@ QWEN_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads
                    fullatt_block_indexes=[7, 15, 23, 31])
 
 
+# Qwen3.5-0.8B's text model (bench/hybrid.py's published shape) under a Qwen3-VL-2B-sized tower (ViT 1024 x 24
+# layers, 16-px patches, learned 48x48 positions): Qwen3.5-0.8B's own vision_config is not at hand here, so the tower
+# is an assumption; the processor is Qwen3-VL's (a 448x448 image stays 448x448: 196 tokens)
+QWEN35_VISION = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=1024,
+                     patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)
+
+
+def _qwen_config(kind: str, depth_frac: float, ids: dict[str, int]) -> tuple[object, type, dict]:
+    """(config, model class, preprocessor_config.json) of the Qwen2.5-VL-3B or Qwen3.5-0.8B shape, depths scaled."""
+    import transformers
+
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if kind == "qwen3_5":
+        from hybrid import QWEN35_08B
+
+        layers = max(4, 4 * round(QWEN35_08B["num_hidden_layers"] * depth_frac / 4))  # whole 3+1 groups
+        text = {**QWEN35_08B, "num_hidden_layers": layers,
+                "rope_parameters": {**QWEN35_08B["rope_parameters"], "mrope_section": [11, 11, 10],
+                                    "mrope_interleaved": True}}
+        vision = {**QWEN35_VISION, "depth": max(1, round(QWEN35_VISION["depth"] * depth_frac))}
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True, **tokens)
+        return config, transformers.Qwen3_5ForConditionalGeneration, {
+            "size": {"shortest_edge": 256 * 256, "longest_edge": 4096 * 4096}, "patch_size": 16, "merge_size": 2,
+            "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+    depth = max(1, round(QWEN_VISION["depth"] * depth_frac))
+    vision = {**QWEN_VISION, "depth": depth, "fullatt_block_indexes": list(range(7, depth, 8))}  # every 8th
+    text = {**QWEN_TEXT, "num_hidden_layers": max(1, round(QWEN_TEXT["num_hidden_layers"] * depth_frac)),
+            "tie_word_embeddings": True}
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **tokens)
+    return config, transformers.Qwen2_5_VLForConditionalGeneration, {  # Qwen2.5-VL-3B-Instruct's: 448x448 stays
+        "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280, "patch_size": 14, "merge_size": 2,
+        "temporal_patch_size": 2}
+
+
 VISUAL_SHARD = "model-visual.safetensors"
 
 
-def make_qwen_checkpoint(path: Path, depth_frac: float) -> Path:
-    """A random Qwen2.5-VL-3B-shaped checkpoint (depths x ``depth_frac``), written shard by shard in bf16 (the
-    model is built on the meta device: no fp32 copy in memory), with tests/tiny_qwen_vl.py's tokenizer."""
+def make_qwen_checkpoint(path: Path, depth_frac: float, kind: str = "qwen2_5_vl") -> Path:
+    """A random Qwen2.5-VL-3B- or Qwen3.5-0.8B-shaped checkpoint (depths x ``depth_frac``), written shard by shard
+    in bf16 (the model is built on the meta device: no fp32 copy in memory), with tests/tiny_qwen_vl.py's tokenizer."""
     import torch
     from safetensors.torch import save_file
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tiny_qwen_vl import CHAT_TEMPLATE, make_tokenizer
 
     tok = make_tokenizer()
-    depth = max(1, round(QWEN_VISION["depth"] * depth_frac))
-    vision = {**QWEN_VISION, "depth": depth, "fullatt_block_indexes": list(range(7, depth, 8))}  # every 8th
-    text = {**QWEN_TEXT, "num_hidden_layers": max(1, round(QWEN_TEXT["num_hidden_layers"] * depth_frac)),
-            "tie_word_embeddings": True}
     ids = {t: tok.token_to_id(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
-                              image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                              vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    config, model_class, preprocessor = _qwen_config(kind, depth_frac, ids)
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Qwen2_5_VLForConditionalGeneration(config).state_dict().items()
+        shapes = {k: v.shape for k, v in model_class(config).state_dict().items()
                   if k != "lm_head.weight"}
     gen = torch.Generator().manual_seed(0)
     path.mkdir(parents=True, exist_ok=True)
@@ -123,23 +153,23 @@ def make_qwen_checkpoint(path: Path, depth_frac: float) -> Path:
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
-    (path / "preprocessor_config.json").write_text(json.dumps({
-        "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280, "patch_size": 14, "merge_size": 2,
-        "temporal_patch_size": 2}))  # Qwen2.5-VL-3B-Instruct's: a 448x448 image stays 448x448 (256 tokens)
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     return path
 
 
-def qwen_artifact(work: Path, depth_frac: float, acc: int = 0) -> tuple[Path, Path]:
-    """(artifact, torch tower folder) of the Qwen2.5-VL-3B shape x ``depth_frac``, made when missing: checkpoint,
+def qwen_artifact(work: Path, depth_frac: float, acc: int = 0, kind: str = "qwen2_5_vl") -> tuple[Path, Path]:
+    """(artifact, torch tower folder) of the Qwen2.5-VL-3B (or ``kind`` qwen3_5) shape x ``depth_frac``, made when
+    missing: checkpoint,
     export (text int4, vision fp32), the checkpoint deleted but its vision tower shard (for
     bench/vision_encode.py's torch reference). Peak disk: checkpoint + artifact (7.5 + 4.2 GB at full depth)."""
     from decodert.export.pipeline import export_model
     from decodert.export.quantize.quant import QuantConfig
 
-    tag = f"qwen-{depth_frac:g}" + (f"-acc{acc}" if acc else "")
-    hf, art, tower = work / f"hf-{tag}", work / f"art-{tag}", work / f"torch-qwen-{depth_frac:g}"
+    prefix = "qwen" if kind == "qwen2_5_vl" else kind  # qwen-*: the folders earlier runs left
+    tag = f"{prefix}-{depth_frac:g}" + (f"-acc{acc}" if acc else "")
+    hf, art, tower = work / f"hf-{tag}", work / f"art-{tag}", work / f"torch-{prefix}-{depth_frac:g}"
     if not (art / "manifest.json").is_file():
-        make_qwen_checkpoint(hf, depth_frac)
+        make_qwen_checkpoint(hf, depth_frac, kind)
         export_model(hf, art, target="ort", dtype="fp32", max_seq=2048, max_batch=1, progress=False,
                      quant=QuantConfig(bits=4, scale_search=False, accuracy_level=acc))
         if not (tower / "visual.safetensors").is_file():
@@ -200,26 +230,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--work", type=Path, default=Path("/tmp/decodert-vision-bench"))
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--model", choices=("smolvlm", "qwen2_5_vl"), default="smolvlm")
-    ap.add_argument("--depth-frac", type=float, default=0.25, help="qwen2_5_vl: depths of the 3B shape kept")
-    ap.add_argument("--no-torch", action="store_true", help="leave out the torch tower (bench/vision_encode.py)")
+    ap.add_argument("--model", choices=("smolvlm", "qwen2_5_vl", "qwen3_5"), default="smolvlm")
+    ap.add_argument("--depth-frac", type=float, default=0.25, help="qwen2_5_vl / qwen3_5: depths of the shape kept")
+    ap.add_argument("--no-torch", action="store_true", help="leave out the torch tower (bench/vision_encode.py; "
+                    "qwen3_5 has none)")
     ap.add_argument("--accuracy-level", type=int, default=0, help="qwen2_5_vl: MatMulNBits accuracy level (4: int8 "
                     "activations, faster prefill)")
     args = ap.parse_args()
     os.environ["DECODERT_THREADS"] = str(args.threads)
     results = {}
     acc = args.accuracy_level
-    cases = ((f"qwen2.5-vl-3b shape x{args.depth_frac:g} depth (int4 text, accuracy level {acc})", None),) \
-        if args.model == "qwen2_5_vl" else (("smolvlm-256m (17 tiles)", True), ("no splitting (1 tile)", False))
+    shape = {"qwen2_5_vl": "qwen2.5-vl-3b", "qwen3_5": "qwen3.5-0.8b text, qwen3-vl-2b-sized tower,"}.get(args.model)
+    cases = ((f"{shape} shape x{args.depth_frac:g} depth (int4 text, accuracy level {acc})", None),) \
+        if shape else (("smolvlm-256m (17 tiles)", True), ("no splitting (1 tile)", False))
     for name, splitting in cases:
-        art, peer = qwen_artifact(args.work, args.depth_frac, acc) if splitting is None else \
+        art, peer = qwen_artifact(args.work, args.depth_frac, acc, args.model) if splitting is None else \
             smol_artifact(args.work, splitting)
         results[name] = measure(art, args.repeats)
         r = results[name]
         line = (f"{name}: {r['image_tokens']} image tokens | encode {r['encode_s'] * 1000:.0f} ms | TTFT first "
                 f"{r['first_s'] * 1000:.0f} ms | follow-up {r['follow_up_s'] * 1000:.0f} ms "
                 f"({r['follow_up_over_first']:.3f}x)")
-        if not args.no_torch:  # the reference peer: transformers' own tower in torch, encode alone
+        if not args.no_torch and args.model != "qwen3_5":  # the reference peer: transformers' tower, encode alone
             import vision_encode
 
             peer_r = vision_encode.measure(art, peer, args.threads, args.repeats, torch=True)

@@ -55,6 +55,7 @@ def canonical_names(spec: ModelSpec) -> list[str]:
     - ``layers.{i}.router_bias`` [E], ``experts.gate_up_bias`` [E, 2 Ie] (interleaved), ``experts.down_bias``
       [E, hidden]                                                (router_bias / expert_bias only)
     - ``layers.{i}.gate_up``, ``layers.{i}.down``               (shared_mlp only: the dense MLP beside the experts)
+    - ``layers.{i}.shared_gate`` [1, hidden]                       (shared_mlp_gate only: sigmoid(h @ it^T) scales that MLP)
     - ``layers.{i}.mlp_out_norm``   [hidden]                     (sandwich_norm only: on the MLP output)
     - ``final_norm``                [hidden]
     - ``lm_head``                   [V, hidden]                  (absent when tied)
@@ -94,6 +95,7 @@ def _layer_leaves(spec: ModelSpec, i: int) -> list[str]:
             leaves += ["experts.gate_up_bias"] if spec.expert_bias else []
             leaves += ["experts.down"] + (["experts.down_bias"] if spec.expert_bias else [])
             leaves += ["gate_up", "down"] if spec.shared_mlp else []
+            leaves += ["shared_gate"] if spec.shared_mlp_gate else []
         leaves += ["mlp_out_norm"] if spec.sandwich_norm else []
     if spec.per_layer_input_size:
         leaves += ["ple_gate", "ple_proj", "ple_norm"]
@@ -148,6 +150,7 @@ def canonical_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     shapes = {
         "router": (e, h),
         "router_bias": (e,),
+        "shared_gate": (1, h),
         "o_bias": (h,),
         "sinks": (spec.num_heads,),
         "embed": (spec.vocab_size, h),

@@ -70,6 +70,7 @@ class ModelSpec:
     router_renormalize: bool = True  # the top-k softmax weights are rescaled to sum to 1 (Qwen3-MoE norm_topk_prob)
     mlp_types: tuple[str, ...] = ()  # per layer "dense" | "moe" | "none"; () = every layer "moe" iff num_experts
     shared_mlp: bool = False  # Granite 4.0-H: a MoE layer also runs the dense MLP (intermediate_size), outputs added
+    shared_mlp_gate: bool = False  # Qwen3.5-MoE: that MLP's output x sigmoid(h @ shared_gate^T), one gate per token
     o_bias: bool = False  # gpt-oss: a bias on the attention output projection
     attn_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax (weights layers.{i}.sinks)
     router_bias: bool = False  # gpt-oss: router logits = h @ router^T + bias
@@ -126,6 +127,8 @@ class ModelSpec:
                                  f"the expert width {self.expert_intermediate_size} positive")
             if self.activation != "silu":  # the MoE/QMoE ops and plugins/ops/moe.py compute SwiGLU experts
                 raise ValueError(f"experts with activation '{self.activation}' are not supported (SwiGLU only)")
+        if self.shared_mlp_gate and not (self.num_experts and self.shared_mlp):
+            raise ValueError("shared_mlp_gate gates the shared MLP of MoE layers: it needs experts and shared_mlp")
         if self.mlp_types and (len(self.mlp_types) != self.num_layers or set(self.mlp_types) - set(MLP_TYPES)
                                or ("moe" in self.mlp_types and not self.num_experts)):
             raise ValueError(f"mlp_types must name {self.num_layers} layers, each one of {', '.join(MLP_TYPES)} "

@@ -198,11 +198,11 @@ def test_llama3_rope_from_gguf_frequency_factors():
 def test_tiny_configs_cover_every_family():
     assert set(FAMILIES) == {"llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2",
                              "smollm3"}
-    vision = {"idefics3", "qwen2_5_vl", "qwen3_vl"}
+    vision = {"idefics3", "qwen2_5_vl", "qwen3_vl", "qwen3_5_moe"}
     assert {hf(f).family for f in FAMILIES + MOE_FAMILIES + HYBRIDS + tuple(OWN_CONFIGS)} | vision == set(
         family_names())  # MoE: tests/test_moe.py; OWN_CONFIGS: their own test files (tests/test_gemma4.py);
     # the vision-language families' tiny checkpoints are tests/tiny_vision.py's and tests/tiny_qwen_vl.py's
-    # (tests/test_vision.py, tests/test_vision_qwen.py)
+    # (tests/test_vision.py, tests/test_vision_qwen.py, tests/test_vision_qwen3_5.py, tests/test_vision_qwen3_5_moe.py)
     assert {hf(f).group_size for f in FAMILIES} >= {1, 2, 4}
     assert {hf(f).head_dim for f in FAMILIES} == {16, 32}
 

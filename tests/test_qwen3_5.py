@@ -5,7 +5,8 @@ Against transformers on a tiny random checkpoint with both layer kinds, prompts 
 window and than a DeltaNet chunk (64 tokens): logits and greedy tokens for the ort, portable and trt graphs
 (the trt graph run by ONNX Runtime; and built by TensorRT-RTX),
 a ragged batch equal to the singles; then the runtime over the states: speculative equals plain, a
-session's turns equal re-prefill. The multimodal qwen3_5 checkpoint's language model is read too.
+session's turns equal re-prefill. A qwen3_5 folder's language model is read too (with images:
+tests/test_vision_qwen3_5.py).
 """
 
 from __future__ import annotations
@@ -118,13 +119,14 @@ def test_session_turns_equal_reprefill(qwen35):
 
 
 def test_multimodal_checkpoint_reads_the_language_model(qwen35, tmp_path):
-    """A qwen3_5 (image-text) folder: text_config, model.language_model.* keys, vision and MTP keys skipped."""
+    """A qwen3_5 folder without a vision_config: text_config, model.language_model.* keys read, stray vision and MTP
+    keys skipped, the model text-only (with a vision_config it sees images: tests/test_vision_qwen3_5.py)."""
     from safetensors.numpy import load_file, save_file
 
     src, model, _ = qwen35
     text = json.loads((src / "config.json").read_text())
     config = {"model_type": "qwen3_5", "text_config": {**text, "model_type": "qwen3_5_text"},
-              "vision_config": {"depth": 1}, "tie_word_embeddings": False}
+              "tie_word_embeddings": False}
     tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
                for k, v in load_file(src / "model.safetensors").items()}
     tensors["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((3, 3), np.float32)

@@ -4,6 +4,8 @@ helper), and transformers' own processor for it (the reference the tests compare
     path = make_tiny_qwen_vl(tmp_path / "qvl")   # 8-px patches, 2x2 merge, 32-px windows, 3 ViT layers
     processor = reference_processor(path)          # Qwen2_5_VLProcessor over the PIL image processor
     make_tiny_qwen_vl(path, kind="qwen3_vl")       # Qwen3-VL: learned positions, deepstack, interleaved M-RoPE
+    make_tiny_qwen_vl(path, kind="qwen3_5")        # Qwen3.5: Qwen3-VL's tower without deepstack, a hybrid text
+                                                   # model (Gated DeltaNet, gated attention, M-RoPE on a quarter)
 """
 
 from __future__ import annotations
@@ -42,27 +44,41 @@ def make_tokenizer() -> Any:
 
 def make_tiny_qwen_vl(path: str | Path, seed: int = 0, kind: str = "qwen2_5_vl") -> Path:
     """``kind``: "qwen2_5_vl" (window attention, M-RoPE sections 2/3/3) or "qwen3_vl" (q/k norm text, interleaved
-    M-RoPE, learned 6x6 positions, deepstack after ViT layers 0 and 1 into text layers 0 and 1)."""
+    M-RoPE, learned 6x6 positions, deepstack after ViT layers 0 and 1 into text layers 0 and 1) or "qwen3_5"
+    (Qwen3-VL's tower without deepstack; text: linear, full, linear layers, 2 key heads serving 4 value heads,
+    a conv of 4 taps, interleaved M-RoPE 3/3/2 on a quarter of each 64-dim head) or "qwen3_5_moe" (the same with
+    every MLP 4 experts, top 2, beside a gated shared expert)."""
     import torch
     import transformers
 
     path = Path(path)
     tok = make_tokenizer()
     ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
-    qwen3 = kind == "qwen3_vl"
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3 if qwen3 else 2,
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3 if kind != "qwen2_5_vl"
+                else 2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
                 bos_token_id=0, eos_token_id=2, tie_word_embeddings=False, rope_parameters=rope)
     vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=2)
-    if qwen3:
+    if kind == "qwen3_vl":
         text.update(head_dim=16, rope_parameters={**rope, "mrope_interleaved": True})
         vision.update(num_position_embeddings=36, deepstack_visual_indexes=[0, 1])
+    elif kind in ("qwen3_5", "qwen3_5_moe"):
+        text.update(head_dim=64, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                    linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=8,
+                    rope_parameters={**rope, "mrope_section": [3, 3, 2], "mrope_interleaved": True,
+                                     "partial_rotary_factor": 0.25})
+        vision.update(num_position_embeddings=36)
+        if kind == "qwen3_5_moe":  # 4 experts of 32, top 2, beside a gated shared expert of 48
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48)
+            del text["intermediate_size"]
     else:
         vision.update(window_size=WINDOW, fullatt_block_indexes=[1], tokens_per_second=1)
-    Config, Model = (getattr(transformers, ("Qwen3VL" if qwen3 else "Qwen2_5_VL") + x)
-                     for x in ("Config", "ForConditionalGeneration"))
+    prefix = {"qwen3_vl": "Qwen3VL", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen2_5_vl": "Qwen2_5_VL"}[kind]
+    Config, Model = (getattr(transformers, prefix + x) for x in ("Config", "ForConditionalGeneration"))
     config = Config(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                     video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                     vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
@@ -95,7 +111,7 @@ def video_settings(kind: str) -> dict:
     Qwen3-VL samples 2 per second (its bounds over frames x pixels)."""
     common = {"patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2, "resample": 3, "do_resize": True,
               "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "min_frames": 4, "max_frames": 768}
-    if kind == "qwen3_vl":
+    if kind != "qwen2_5_vl":  # Qwen3-VL's, and Qwen3.5's (AutoVideoProcessor: Qwen3VLVideoProcessor)
         return {**common, "video_processor_type": "Qwen3VLVideoProcessor", "do_sample_frames": True, "fps": 2,
                 "size": {"shortest_edge": MIN_PIXELS, "longest_edge": 6 * 64 * 64},
                 "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
@@ -105,8 +121,9 @@ def video_settings(kind: str) -> dict:
 
 
 def reference_processor(path: Path, kind: str = "qwen2_5_vl") -> Any:
-    """transformers' Qwen2_5_VLProcessor / Qwen3VLProcessor for the checkpoint, with the PIL image processor and
-    its video processor's steps (tests/qwen_video_reference.py: no torchvision)."""
+    """transformers' Qwen2_5_VLProcessor / Qwen3VLProcessor (AutoProcessor's choice for qwen3_vl, qwen3_5 and
+    qwen3_5_moe) for the checkpoint, with the PIL image processor and its video processor's steps
+    (tests/qwen_video_reference.py: no torchvision)."""
     from qwen_video_reference import ReferenceVideoProcessor
 
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen3VLProcessor
@@ -116,10 +133,11 @@ def reference_processor(path: Path, kind: str = "qwen2_5_vl") -> Any:
     settings.pop("image_processor_type")
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), eos_token="<|im_end|>",
                                         pad_token="<|endoftext|>")
-    class ImagesOnly(Qwen3VLProcessor if kind == "qwen3_vl" else Qwen2_5_VLProcessor):  # type: ignore[misc]  # no video processor: its lookup needs torchvision, images do not
+    class ImagesOnly(Qwen3VLProcessor if kind in ("qwen3_vl", "qwen3_5", "qwen3_5_moe") else Qwen2_5_VLProcessor):  # type: ignore[misc]  # no video processor: its lookup needs torchvision, images do not
         def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
             return None if name == "video_processor" else super().check_argument_for_proper_class(name, arg)
 
     video = {k: v for k, v in video_settings(kind).items() if k != "video_processor_type"}
-    return ImagesOnly(Qwen2VLImageProcessorPil(**settings), tokenizer, ReferenceVideoProcessor(kind, video),
+    return ImagesOnly(Qwen2VLImageProcessorPil(**settings), tokenizer, ReferenceVideoProcessor(
+        "qwen2_5_vl" if kind == "qwen2_5_vl" else "qwen3_vl", video),
                       chat_template=CHAT_TEMPLATE)

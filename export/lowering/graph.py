@@ -23,7 +23,8 @@
         m      = down(act(gate) * up)                      gate_up = h @ gate_up^T [T, 2I]; act = spec.activation
                  (down(act(up)) where not spec.gated_mlp)
                  or, in a MoE layer (spec.is_moe(i)), the router's top-k experts' SwiGLU (Lowering.moe)
-                 (+ the dense MLP where spec.shared_mlp: Granite 4.0-H)
+                 (+ the dense MLP where spec.shared_mlp: Granite 4.0-H; gated per token where
+                 spec.shared_mlp_gate: Qwen3.5-MoE)
         x      = x + m                                     (sandwich_norm: m = rmsnorm(m) first)
         (Granite: a and m x spec.residual_scale before their adds)
         a layer without a mixer (kind "none") skips input_norm..x + a; one without an MLP (mlp type "none")
@@ -207,7 +208,10 @@ def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpe
         down = low.moe(g, h, p, one_token_rows) if spec.is_moe(i) else _mlp(g, low, spec, i, h, linear)
         if spec.is_moe(i) and spec.shared_mlp:
             with g.scope("shared"):
-                down = g.op("Add", down, _mlp(g, low, spec, i, h, linear))
+                shared = _mlp(g, low, spec, i, h, linear)
+                if spec.shared_mlp_gate:  # Qwen3.5-MoE: x sigmoid(h @ shared_gate^T), [.., 1] per token
+                    shared = g.op("Mul", shared, g.op("Sigmoid", linear(h, "shared_gate")))
+                down = g.op("Add", down, shared)
     if spec.sandwich_norm:
         with g.scope("mlp_out_norm"):
             down = low.rms_norm(g, down, p + "mlp_out_norm")

@@ -1,8 +1,8 @@
 """Qwen3.5 (text): Gated DeltaNet linear attention in three of every four layers, gated full attention
 in the fourth.
 
-    config.json  model_type qwen3_5_text, or qwen3_5 (a multimodal checkpoint: its text_config and its
-                 language-model weights; the vision tower and the MTP head are left out)
+    config.json  model_type qwen3_5_text, or qwen3_5 (an image-text checkpoint: text_config, vision_config,
+                 image_token_id; model.language_model.*, model.visual.* and mtp.* weights, the MTP head left out)
     GGUF         general.architecture qwen35, as llama.cpp's converter writes it (conversion/qwen.py):
                  ssm_a = -exp(A_log), the conv squeezed to [C, K], (1 + w) norms stored as the factor
                  (not ssm_norm), value heads reordered from grouped-by-key-head to tiled when Hv > Hk;
@@ -18,18 +18,34 @@ What differs from Qwen3 (transformers' ``modeling_qwen3_5.py``):
   text-only M-RoPE is plain RoPE: its three position streams are equal);
 - every RMSNorm multiplies by (1 + w) (canonical norm weights are that factor), except the gated
   RMSNorm of the linear layers, which multiplies by w.
+
+With a ``vision_config`` (model_type qwen3_5: ``Qwen3_5ForConditionalGeneration``) the model sees images, and what
+it declares is Qwen3-VL's (models/families/vision/qwen3_vl.py) less deepstack:
+- the tower is ``qwen3_vit`` (transformers' Qwen3_5VisionModel is Qwen3VLVisionModel without its deepstack
+  mergers: learned positions resampled per image, LayerNorm + GELU-tanh blocks, the 2x2 merger with its
+  LayerNorm before the merge), so ``VisionSpec.deepstack`` is empty and the prefill takes no deepstack rows;
+- the text model's rotary is interleaved M-RoPE (``mrope_section``, default 11/11/10 pairs of the quarter-head
+  rotary; Qwen3_5TextRotaryEmbedding interleaves whatever ``mrope_interleaved`` says) over get_rope_index's
+  positions, which are Qwen3-VL's for images (runtime/vision/mrope.py);
+- the processor is Qwen3VLProcessor over Qwen2VLImageProcessor (transformers' AutoProcessor for qwen3_5):
+  ``<|image_pad|>`` x (h/32 * w/32) between <|vision_start|> and <|vision_end|>; image_token_id from config.json;
+  videos as Qwen3-VL's (``video_processor``: Qwen3VLVideoProcessor, runtime/vision/qwen_video.py).
+Without a vision_config (qwen3_5_text, or a qwen3_5 config.json that has none) the model is text-only as before:
+plain partial RoPE, no image inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.models.common import gguf_key, hf_rope, partial_rotary_factor, spec_from_gguf_meta, spec_from_hf_config
+from decodert.models.families.vision import qwen3_vl
 from decodert.models.spec import ModelSpec
+from decodert.models.vision import VisionSpec
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 GGUF_ARCHITECTURES = ("qwen35",)
@@ -88,13 +104,20 @@ HF_DEFAULTS: dict[str, Any] = dict(
     linear_num_value_heads=32, tie_word_embeddings=False,
 )
 KINDS = {"linear_attention": "linear_attention", "full_attention": "attention"}
-_MULTIMODAL = {"model.language_model.": "model."}
-_DROPPED = ("model.visual.", "visual.", "mtp.")
+_MULTIMODAL = {"model.language_model.": "model.", "model.visual.": "visual."}
+_DROPPED = ("mtp.",)
+VISION_WEIGHTS = qwen3_vl.VISION_WEIGHTS  # visual.*: the qwen3_vit tower's names (deepstack entries never read)
+HF_UNUSED = (r"visual\..*",)  # read by vision_tensor (an image-text checkpoint), not by the text model
+# transformers' Qwen3_5VisionConfig / Qwen3_5Config defaults: a config.json lists only what differs
+VISION_DEFAULTS: dict[str, Any] = {**qwen3_vl.VISION_DEFAULTS, "deepstack_visual_indexes": []}
+IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 248_056, 248_057
+IMAGE_TEXT = ("qwen3_5", "qwen3_5_moe")  # model types whose config.json nests text_config (and vision_config)
+MROPE_SECTION = [11, 11, 10]
 _ONE_PLUS_W = ("layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight", "model.norm.weight")
 
 
 def sanitize(key: str) -> str | None:
-    """A multimodal checkpoint's language-model keys -> the text model's; vision and MTP keys dropped."""
+    """An image-text checkpoint's keys -> the text model's (model.*) and the tower's (visual.*); MTP keys dropped."""
     if key.startswith(_DROPPED):
         return None
     for prefix, plain in _MULTIMODAL.items():
@@ -153,12 +176,12 @@ def gguf_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def text_config(config: dict) -> dict:
-    """The language model's settings: defaults, then text_config (qwen3_5) or the config itself."""
-    if config.get("model_type") != "qwen3_5":
+    """The language model's settings: defaults, then text_config (qwen3_5, qwen3_5_moe) or the config itself."""
+    if config.get("model_type") not in IMAGE_TEXT:
         return {**HF_DEFAULTS, **config}
     text = config.get("text_config")
     if not isinstance(text, dict):
-        raise DecodertError("a qwen3_5 config.json needs a 'text_config' object")
+        raise DecodertError(f"a {config['model_type']} config.json needs a 'text_config' object")
     top = {k: config[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in config}
     return {**HF_DEFAULTS, **text, **top}
 
@@ -178,22 +201,64 @@ def layer_kinds(config: dict) -> tuple[str, ...]:
     return tuple(KINDS[t] for t in types)
 
 
-def spec_from_hf(config: dict) -> ModelSpec:
+def has_vision(config: dict) -> bool:
+    return config.get("model_type") in IMAGE_TEXT and isinstance(config.get("vision_config"), dict)
+
+
+def spec_from_hf(config: dict, family: str = "qwen3_5",
+                 mlp: Callable[[dict], dict[str, Any]] | None = None) -> ModelSpec:
+    """``family``, ``mlp(text config) -> ModelSpec fields``: what a variant's MLP declares (qwen3_5_moe.py)."""
+    vision = has_vision(config)
+    image_token = config.get("image_token_id", IMAGE_TOKEN_ID)
     config = text_config(config)
     if config.get("attention_bias"):
-        raise DecodertError("attention_bias=true is not supported for qwen3_5")
+        raise DecodertError(f"attention_bias=true is not supported for {family}")
     params = config.get("rope_parameters") or {}
+    section = params.get("mrope_section") or MROPE_SECTION
     config = {**config, "rope_parameters": {k: v for k, v in params.items() if k not in ("mrope_section",
                                                                                           "mrope_interleaved")}}
     spec = spec_from_hf_config(
-        "qwen3_5", config, qk_norm=True, attn_output_gate=True, layer_kinds=layer_kinds(config),
+        family, config, qk_norm=True, attn_output_gate=True, layer_kinds=layer_kinds(config),
         conv_kernel=int(config["linear_conv_kernel_dim"]), linear_key_heads=int(config["linear_num_key_heads"]),
         linear_value_heads=int(config["linear_num_value_heads"]), linear_key_dim=int(config["linear_key_head_dim"]),
-        linear_value_dim=int(config["linear_value_head_dim"]))
+        linear_value_dim=int(config["linear_value_head_dim"]), **(mlp(config) if mlp else {}))
     factor = partial_rotary_factor({"partial_rotary_factor": 0.25, **config})
     rot = int(spec.head_dim * factor)
     rope = hf_rope(config)
-    return dataclasses.replace(spec, rope=rope if rot == spec.head_dim else dataclasses.replace(rope, rotary_dim=rot))
+    spec = dataclasses.replace(spec, rope=rope if rot == spec.head_dim else dataclasses.replace(rope, rotary_dim=rot))
+    return _with_images(spec, image_token, section) if vision else spec
+
+
+def _with_images(spec: ModelSpec, image_token: Any, section: Any) -> ModelSpec:
+    """An image-text model's text half: the image token's rows replaced, interleaved M-RoPE."""
+    if not isinstance(image_token, int) or not 0 <= image_token < spec.vocab_size:
+        raise DecodertError(f"config.json: image_token_id {image_token!r} must be a token of the {spec.vocab_size}-token "
+                            "vocabulary (its embedding row is what the image rows replace)")
+    if not isinstance(section, list) or not all(isinstance(x, int) for x in section):
+        raise DecodertError(f"config.json: rope_parameters mrope_section {section!r} must be a list of 3 integers")
+    try:
+        return dataclasses.replace(spec, image_token_id=image_token, mrope_section=tuple(section),
+                                   mrope_interleaved=True)
+    except ValueError as e:
+        raise DecodertError(f"config.json: {e}") from None
+
+
+def video_processor(config: dict) -> dict[str, Any]:
+    """Qwen3-VL's video rule (AutoVideoProcessor's Qwen3VLVideoProcessor for qwen3_5: 2 frames a second,
+    timestamped slices; Qwen3_5Model.get_rope_index splits a video into its frames as Qwen3-VL's does)."""
+    return qwen3_vl.video_processor({**config, "video_token_id": config.get("video_token_id", VIDEO_TOKEN_ID)})
+
+
+def vision_from_hf(config: dict) -> VisionSpec | None:
+    """The Qwen3-VL tower without deepstack, for a qwen3_5 config with a vision_config; else None (text-only)."""
+    if not has_vision(config):
+        return None
+    tower = qwen3_vl.tower_from_hf({**VISION_DEFAULTS, **config["vision_config"]}, ())
+    hidden = int(text_config(config)["hidden_size"])
+    if tower.out_hidden != hidden:
+        raise DecodertError(f"config.json: vision_config out_hidden_size {tower.out_hidden} differs from the text "
+                            f"model's hidden_size {hidden} (the image rows replace token embeddings)")
+    return tower
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:

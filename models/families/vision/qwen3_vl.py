@@ -95,6 +95,12 @@ def spec_from_hf(config: dict) -> ModelSpec:
 
 def vision_from_hf(config: dict) -> VisionSpec:
     v = {**VISION_DEFAULTS, **(config.get("vision_config") or {})}
+    return tower_from_hf(v, tuple(int(i) for i in v["deepstack_visual_indexes"]))
+
+
+def tower_from_hf(v: dict, deepstack: tuple[int, ...]) -> VisionSpec:
+    """The ``qwen3_vit`` tower of a complete vision_config ``v`` (defaults applied) whose layers ``deepstack`` feed
+    the text model (Qwen3.5's tower has none: models/families/hybrid/qwen3_5.py)."""
     if v["hidden_act"] not in ("gelu_pytorch_tanh", "gelu_new") or v["in_channels"] != 3:
         raise DecodertError(f"config.json: vision_config hidden_act '{v['hidden_act']}' / in_channels "
                             f"{v['in_channels']} is not supported (gelu_pytorch_tanh over RGB)")
@@ -110,8 +116,7 @@ def vision_from_hf(config: dict) -> VisionSpec:
                           num_heads=int(v["num_heads"]), layer_norm_eps=1e-6, out_hidden=int(v["out_hidden_size"]),
                           scale_factor=merge, tower="qwen3_vit", temporal_patch_size=int(v["temporal_patch_size"]),
                           full_layers=tuple(range(int(v["depth"]))), rope_theta=float(rope.get("rope_theta", 10000.0)),
-                          num_positions=int(v["num_position_embeddings"]),
-                          deepstack=tuple(int(i) for i in v["deepstack_visual_indexes"]))
+                          num_positions=int(v["num_position_embeddings"]), deepstack=deepstack)
     except ValueError as e:
         raise DecodertError(f"config.json: {e}") from None
 

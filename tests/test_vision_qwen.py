@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiny_qwen_vl import make_tiny_qwen_vl, reference_processor
+from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image, reference_inputs, reference_processor, reference_tokens
 
 torch = pytest.importorskip("torch")
 Image = pytest.importorskip("PIL.Image")
@@ -34,26 +34,6 @@ def qvl(request, tmp_path_factory):
     llm.close()
 
 
-def _image(rng, h, w):
-    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-
-
-def _ask(*images, text="What is in this image?"):
-    parts = [{"type": "image", "image": img} for img in images]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-def _reference(proc, text, images):
-    return proc(text=text, images=[Image.fromarray(i) for i in images], return_tensors="pt")
-
-
-def _reference_tokens(model, proc, text, images, n=8):
-    ref = _reference(proc, text, images)
-    with torch.no_grad():
-        out = model.generate(**ref, max_new_tokens=n, do_sample=False)
-    return out[0, ref["input_ids"].shape[1]:].tolist()
-
-
 def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
     from decodert.runtime.vision import qwen_preprocess as qp
     from decodert.runtime.vision.tokens import pixel_digest, text_ids
@@ -61,9 +41,9 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
     llm, model, proc = qvl
     rng = np.random.default_rng()
     for h, w in SIZES:
-        img = _image(rng, h, w)
-        _, text, ids = llm._chat_prompt(_ask(img), {})
-        ref = _reference(proc, text, [img])
+        img = random_image(rng, h, w)
+        _, text, ids = llm._chat_prompt(ask(img), {})
+        ref = reference_inputs(proc, text, [img])
         assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy()), (h, w)
         p = qp.preprocess(img, llm.vision.settings, llm.vision.spec)
         units = p.pixels.reshape(len(p.restore), -1)[p.restore].reshape(p.pixels.shape)  # back to image order
@@ -87,10 +67,10 @@ def test_mrope_positions_equal_get_rope_index(qvl):
 
     llm, model, proc = qvl
     rng = np.random.default_rng()
-    imgs = [_image(rng, 100, 160), _image(rng, 120, 300)]
-    msgs = _ask(*imgs) + [{"role": "assistant", "content": "A fox."}, {"role": "user", "content": "And?"}]
+    imgs = [random_image(rng, 100, 160), random_image(rng, 120, 300)]
+    msgs = ask(*imgs) + [{"role": "assistant", "content": "A fox."}, {"role": "user", "content": "And?"}]
     _, text, ids = llm._chat_prompt(msgs, {})
-    ref = _reference(proc, text, imgs)
+    ref = reference_inputs(proc, text, imgs)
     token_types = (ref["input_ids"] == model.config.image_token_id).int()
     want, delta = model.model.get_rope_index(ref["input_ids"], token_types, ref["image_grid_thw"])
     got, after = mrope.positions(ids, llm.vision.store.locate)
@@ -103,9 +83,9 @@ def test_mrope_positions_equal_get_rope_index(qvl):
 
 def test_prefill_and_decode_logits_equal_transformers(qvl):
     llm, model, proc = qvl
-    img = _image(np.random.default_rng(), 100, 160)
-    _, text, ids = llm._chat_prompt(_ask(img), {})
-    ref = _reference(proc, text, [img])
+    img = random_image(np.random.default_rng(), 100, 160)
+    _, text, ids = llm._chat_prompt(ask(img), {})
+    ref = reference_inputs(proc, text, [img])
     backend = llm.backend
     cache = backend.allocate(1)
     first = backend.prefill(cache, [0], [ids], True)
@@ -125,8 +105,8 @@ def test_prefill_and_decode_logits_equal_transformers(qvl):
 def test_a_verify_pass_after_an_image_equals_decode_steps(qvl):
     """Speculative decoding's verify pass binds the rows' M-RoPE offsets as prefill and decode do."""
     llm, _, _ = qvl
-    img = _image(np.random.default_rng(), 100, 160)
-    _, _, ids = llm._chat_prompt(_ask(img), {})
+    img = random_image(np.random.default_rng(), 100, 160)
+    _, _, ids = llm._chat_prompt(ask(img), {})
     backend = llm.backend
     cache = backend.allocate(1)
     tokens = [int(backend.prefill(cache, [0], [ids], False).next_token[0])]
@@ -148,20 +128,20 @@ def test_greedy_tokens_equal_transformers(qvl):
     llm, model, proc = qvl
     rng = np.random.default_rng()
     for h, w in SIZES[:3]:
-        img = _image(rng, h, w)
-        result = llm.chat(_ask(img), max_new_tokens=8, temperature=0)
-        _, text, _ = llm._chat_prompt(_ask(img), {})
-        assert result.token_ids == _reference_tokens(model, proc, text, [img]), (h, w)
-    two = [_image(rng, 90, 60), _image(rng, 64, 64)]  # two images in one message
-    msgs = _ask(two[0], Image.fromarray(two[1]), text="and")
+        img = random_image(rng, h, w)
+        result = llm.chat(ask(img), max_new_tokens=8, temperature=0)
+        _, text, _ = llm._chat_prompt(ask(img), {})
+        assert result.token_ids == reference_tokens(model, proc, text, [img]), (h, w)
+    two = [random_image(rng, 90, 60), random_image(rng, 64, 64)]  # two images in one message
+    msgs = ask(two[0], Image.fromarray(two[1]), text="and")
     _, text, _ = llm._chat_prompt(msgs, {})
-    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _reference_tokens(model, proc, text, two)
+    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == reference_tokens(model, proc, text, two)
 
 
 def test_a_batch_equals_the_singles(qvl):
     llm, _, _ = qvl
     rng = np.random.default_rng()
-    asks = [_ask(_image(rng, 70, 50)), _ask(_image(rng, 100, 160), text="Hello?"), [{"role": "user", "content": "Hi"}]]
+    asks = [ask(random_image(rng, 70, 50)), ask(random_image(rng, 100, 160), text="Hello?"), [{"role": "user", "content": "Hi"}]]
     singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
     batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
     assert [r.token_ids for r in batch] == singles
@@ -169,13 +149,13 @@ def test_a_batch_equals_the_singles(qvl):
 
 def test_a_chunked_prefill_through_an_image_equals_one_call(qvl):
     llm, _, _ = qvl
-    img = _image(np.random.default_rng(), 120, 300)  # 72 image tokens: chunks of 20 cut through them
-    want = llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
+    img = random_image(np.random.default_rng(), 120, 300)  # 72 image tokens: chunks of 20 cut through them
+    want = llm.chat(ask(img), max_new_tokens=6, temperature=0).token_ids
     chunk, llm.backend.prefill_chunk = llm.backend.prefill_chunk, 20
     try:
         if llm.prefix_cache is not None:
             llm.prefix_cache.clear()
-        again = llm.chat(_ask(img), max_new_tokens=6, temperature=0)
+        again = llm.chat(ask(img), max_new_tokens=6, temperature=0)
         assert again.metrics.cached_tokens == 0 and again.token_ids == want
     finally:
         llm.backend.prefill_chunk = chunk
@@ -183,9 +163,9 @@ def test_a_chunked_prefill_through_an_image_equals_one_call(qvl):
 
 def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(qvl):
     llm, _, _ = qvl
-    img = _image(np.random.default_rng(), 100, 160)
+    img = random_image(np.random.default_rng(), 100, 160)
     chat = llm.session()
-    first = chat.chat(_ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
+    first = chat.chat(ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
     second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)
     assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens  # the image was not prefilled again
     if llm.prefix_cache is not None:
@@ -207,10 +187,10 @@ def test_other_targets_turn_the_same_positions(qvl, tmp_path, target):
     llm, _, _ = qvl
     export_model(llm.manifest.source.path, tmp_path / target, target=target, dtype="fp32", max_seq=512,
                  progress=False, **({"plugins": "never"} if target == "trt" else {}))
-    img = _image(np.random.default_rng(), 100, 160)
+    img = random_image(np.random.default_rng(), 100, 160)
     with LLM.load(tmp_path / target, backend="ort") as other:
-        assert other.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids == \
-            llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
+        assert other.chat(ask(img), max_new_tokens=6, temperature=0).token_ids == \
+            llm.chat(ask(img), max_new_tokens=6, temperature=0).token_ids
 
 
 def test_the_ort_vision_graph_attends_window_by_window(qvl):
@@ -295,8 +275,8 @@ def test_server_answers_a_data_url_like_the_api(qvl):
     from serve_helpers import running
 
     llm, _, _ = qvl
-    img = _image(np.random.default_rng(), 100, 160)
-    expected = llm.chat(_ask(img), max_new_tokens=5, temperature=0).text
+    img = random_image(np.random.default_rng(), 100, 160)
+    expected = llm.chat(ask(img), max_new_tokens=5, temperature=0).text
     buf = io.BytesIO()
     Image.fromarray(img).save(buf, format="PNG")
     url_part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
@@ -317,9 +297,9 @@ def test_an_fp16_artifact_encodes_and_answers_close_to_fp32(qvl, tmp_path):
 
     llm, _, _ = qvl
     export_model(llm.manifest.source.path, tmp_path / "fp16", target="ort", dtype="fp16", max_seq=512, progress=False)
-    img = _image(np.random.default_rng(), 100, 160)
+    img = random_image(np.random.default_rng(), 100, 160)
     with LLM.load(tmp_path / "fp16", backend="ort") as half:
-        half.chat(_ask(img), max_new_tokens=2, temperature=0)
+        half.chat(ask(img), max_new_tokens=2, temperature=0)
         got = half.vision.store.get(pixel_digest(img)).embeds
     assert got.dtype == np.float16
     llm.vision.entry(img)
@@ -334,9 +314,9 @@ def test_the_prefix_cache_reuses_an_image_and_equals_a_fresh_prefill(qvl):
     llm, _, _ = qvl
     if llm.prefix_cache is None:
         pytest.skip("the prefix cache is off")
-    img = _image(np.random.default_rng(), 120, 300)
-    llm.chat(_ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
-    again = llm.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
+    img = random_image(np.random.default_rng(), 120, 300)
+    llm.chat(ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
+    again = llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
     assert again.metrics.cached_tokens >= 32  # whole blocks: the cut falls inside the image's 72 tokens
     llm.prefix_cache.clear()
-    assert llm.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids == again.token_ids
+    assert llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids == again.token_ids

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiny_qwen_vl import make_tiny_qwen_vl, reference_processor
+from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image, reference_inputs, reference_processor, reference_tokens
 
 torch = pytest.importorskip("torch")
 Image = pytest.importorskip("PIL.Image")
@@ -37,26 +37,6 @@ def q35(tmp_path_factory):
     model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(hf).eval()
     yield llm, model, reference_processor(hf, "qwen3_5")
     llm.close()
-
-
-def _image(rng, h, w):
-    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-
-
-def _ask(*images, text="What is in this image?"):
-    parts = [{"type": "image", "image": img} for img in images]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-def _reference(proc, text, images):
-    return proc(text=text, images=[Image.fromarray(i) for i in images], return_tensors="pt")
-
-
-def _reference_tokens(model, proc, text, images, n=8):
-    ref = _reference(proc, text, images)
-    with torch.no_grad():
-        out = model.generate(**ref, max_new_tokens=n, do_sample=False)
-    return out[0, ref["input_ids"].shape[1]:].tolist()
 
 
 def _fresh(llm):
@@ -119,9 +99,9 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(q35):
     llm, model, proc = q35
     rng = np.random.default_rng()
     for h, w in SIZES:
-        img = _image(rng, h, w)
-        _, text, ids = llm._chat_prompt(_ask(img), {})
-        ref = _reference(proc, text, [img])
+        img = random_image(rng, h, w)
+        _, text, ids = llm._chat_prompt(ask(img), {})
+        ref = reference_inputs(proc, text, [img])
         assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy()), (h, w)
         p = qp.preprocess(img, llm.vision.settings, llm.vision.spec)
         units = p.pixels.reshape(len(p.restore), -1)[p.restore].reshape(p.pixels.shape)
@@ -138,10 +118,10 @@ def test_mrope_positions_equal_get_rope_index(q35):
 
     llm, model, proc = q35
     rng = np.random.default_rng()
-    imgs = [_image(rng, 100, 160), _image(rng, 120, 300)]
-    msgs = _ask(*imgs) + [{"role": "assistant", "content": "A fox."}, {"role": "user", "content": "And?"}]
+    imgs = [random_image(rng, 100, 160), random_image(rng, 120, 300)]
+    msgs = ask(*imgs) + [{"role": "assistant", "content": "A fox."}, {"role": "user", "content": "And?"}]
     _, text, ids = llm._chat_prompt(msgs, {})
-    ref = _reference(proc, text, imgs)
+    ref = reference_inputs(proc, text, imgs)
     want, delta = model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"], ref["image_grid_thw"])
     got, after = mrope.positions(ids, llm.vision.store.locate)
     assert np.array_equal(got, want[:, 0].numpy())
@@ -151,11 +131,11 @@ def test_mrope_positions_equal_get_rope_index(q35):
 def test_prefill_and_decode_logits_equal_transformers(q35):
     """With an image (M-RoPE positions) and without one (the multimodal graphs on a text prompt)."""
     llm, model, proc = q35
-    img = _image(np.random.default_rng(), 100, 160)
+    img = random_image(np.random.default_rng(), 100, 160)
     backend = llm.backend
     for images in ([img], []):
-        _, text, ids = llm._chat_prompt(_ask(*images), {})
-        ref = _reference(proc, text, images) if images else proc(text=text, return_tensors="pt")
+        _, text, ids = llm._chat_prompt(ask(*images), {})
+        ref = reference_inputs(proc, text, images) if images else proc(text=text, return_tensors="pt")
         cache = backend.allocate(1)
         first = backend.prefill(cache, [0], [ids], True)
         nxt = np.array([int(first.next_token[0])], np.int64)
@@ -178,21 +158,21 @@ def test_greedy_tokens_equal_transformers(q35):
     llm, model, proc = q35
     rng = np.random.default_rng()
     for h, w in SIZES[:3]:
-        img = _image(rng, h, w)
+        img = random_image(rng, h, w)
         _fresh(llm)
-        result = llm.chat(_ask(img), max_new_tokens=8, temperature=0)
-        _, text, _ = llm._chat_prompt(_ask(img), {})
-        assert result.token_ids == _reference_tokens(model, proc, text, [img]), (h, w)
-    two = [_image(rng, 90, 60), _image(rng, 64, 64)]  # two images in one message
-    msgs = _ask(two[0], Image.fromarray(two[1]), text="and")
+        result = llm.chat(ask(img), max_new_tokens=8, temperature=0)
+        _, text, _ = llm._chat_prompt(ask(img), {})
+        assert result.token_ids == reference_tokens(model, proc, text, [img]), (h, w)
+    two = [random_image(rng, 90, 60), random_image(rng, 64, 64)]  # two images in one message
+    msgs = ask(two[0], Image.fromarray(two[1]), text="and")
     _, text, _ = llm._chat_prompt(msgs, {})
-    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _reference_tokens(model, proc, text, two)
+    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == reference_tokens(model, proc, text, two)
 
 
 def test_a_batch_equals_the_singles(q35):
     llm, _, _ = q35
     rng = np.random.default_rng()
-    asks = [_ask(_image(rng, 70, 50)), _ask(_image(rng, 100, 160), text="Hello?"), [{"role": "user", "content": "Hi"}]]
+    asks = [ask(random_image(rng, 70, 50)), ask(random_image(rng, 100, 160), text="Hello?"), [{"role": "user", "content": "Hi"}]]
     _fresh(llm)
     singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
     _fresh(llm)
@@ -203,13 +183,13 @@ def test_a_batch_equals_the_singles(q35):
 def test_a_chunked_prefill_through_an_image_equals_one_call(q35):
     """The conv and recurrent states cross chunk boundaries that cut the image's rows."""
     llm, _, _ = q35
-    img = _image(np.random.default_rng(), 120, 300)  # 72 image tokens: chunks of 20 cut through them
+    img = random_image(np.random.default_rng(), 120, 300)  # 72 image tokens: chunks of 20 cut through them
     _fresh(llm)
-    want = llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
+    want = llm.chat(ask(img), max_new_tokens=6, temperature=0).token_ids
     chunk, llm.backend.prefill_chunk = llm.backend.prefill_chunk, 20
     try:
         _fresh(llm)
-        again = llm.chat(_ask(img), max_new_tokens=6, temperature=0)
+        again = llm.chat(ask(img), max_new_tokens=6, temperature=0)
         assert again.metrics.cached_tokens == 0 and again.token_ids == want
     finally:
         llm.backend.prefill_chunk = chunk
@@ -217,9 +197,9 @@ def test_a_chunked_prefill_through_an_image_equals_one_call(q35):
 
 def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(q35):
     llm, _, _ = q35
-    img = _image(np.random.default_rng(), 100, 160)
+    img = random_image(np.random.default_rng(), 100, 160)
     chat = llm.session()
-    first = chat.chat(_ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
+    first = chat.chat(ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
     second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)
     assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens  # the image (and its state) not prefilled again
     _fresh(llm)
@@ -233,13 +213,13 @@ def test_the_prefix_cache_reuses_an_image_and_equals_a_fresh_prefill(q35):
     question about the same image loads the K/V and the states there, inside the image's tokens."""
     llm, _, _ = q35
     assert llm.prefix_cache is not None
-    img = _image(np.random.default_rng(), 120, 300)
+    img = random_image(np.random.default_rng(), 120, 300)
     _fresh(llm)
-    llm.chat(_ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
-    again = llm.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
+    llm.chat(ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
+    again = llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
     assert again.metrics.cached_tokens >= 32
     _fresh(llm)
-    assert llm.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids == again.token_ids
+    assert llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids == again.token_ids
 
 
 def test_a_verify_pass_after_an_image_equals_decode_steps(q35):
@@ -247,7 +227,7 @@ def test_a_verify_pass_after_an_image_equals_decode_steps(q35):
     tokens by the M-RoPE offsets that follow the image, as decode steps do; a rejection replays accepted tokens
     through prefill, whose offsets the chunked-prefill test checks."""
     llm, _, _ = q35
-    _check_verify(llm.backend, llm._chat_prompt(_ask(_image(np.random.default_rng(), 100, 160)), {})[2])
+    _check_verify(llm.backend, llm._chat_prompt(ask(random_image(np.random.default_rng(), 100, 160)), {})[2])
 
 
 def _check_verify(backend, ids):
@@ -280,7 +260,7 @@ def test_other_targets_give_the_same_tokens(q35, tmp_path, target):
     export_model(llm.manifest.source.path, tmp_path / target, target=target, dtype="fp32", max_seq=MAX_SEQ,
                  max_batch=2, progress=False, **({"plugins": "never"} if target == "trt" else {}))
     rng = np.random.default_rng()
-    asks = [_ask(_image(rng, 100, 160)), _ask(_image(rng, 20, 30), _image(rng, 64, 64), text="and")]
+    asks = [ask(random_image(rng, 100, 160)), ask(random_image(rng, 20, 30), random_image(rng, 64, 64), text="and")]
     with LLM.load(tmp_path / target, backend="ort") as other:
         for msgs in asks:
             _fresh(llm)
@@ -317,7 +297,7 @@ def test_a_video_beside_an_image_equals_transformers(q35):
 
     llm, model, proc = q35
     rng = np.random.default_rng()
-    img, frames = _image(rng, 60, 90), _clip(rng, 6, 48, 64)
+    img, frames = random_image(rng, 60, 90), _clip(rng, 6, 48, 64)
     msgs = [{"role": "user", "content": [_video(frames, 2.0), {"type": "image", "image": img},
                                          {"type": "text", "text": "What happens?"}]}]
     _, text, ids = llm._chat_prompt(msgs, {})
@@ -368,8 +348,8 @@ def test_the_trt_backend_answers_images_with_the_ort_tokens(q35trt, monkeypatch)
 
     trt_emulator.install(monkeypatch)
     rng = np.random.default_rng()
-    asks = [_ask(_image(rng, h, w)) for h, w in ((70, 50), (120, 300))]
-    asks += [_ask(_image(rng, 90, 60), _image(rng, 64, 64), text="and"), [{"role": "user", "content": "Hi"}]]
+    asks = [ask(random_image(rng, h, w)) for h, w in ((70, 50), (120, 300))]
+    asks += [ask(random_image(rng, 90, 60), random_image(rng, 64, 64), text="and"), [{"role": "user", "content": "Hi"}]]
     with LLM.load(q35trt, backend="ort") as ref, LLM.load(q35trt, backend="trt") as llm:
         assert llm.vision is not None and llm.backend.name == "trt"
         want = [ref.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
@@ -390,8 +370,8 @@ def test_the_trt_backend_answers_images_with_the_ort_tokens(q35trt, monkeypatch)
         chat.close()
         _fresh(llm)
         img = asks[1][0]["content"][0]["image"]
-        llm.chat(_ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
-        again = llm.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
+        llm.chat(ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
+        again = llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
         assert again.metrics.cached_tokens >= 32  # K/V blocks and the states at a boundary inside the image
-        assert again.token_ids == ref.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6,
+        assert again.token_ids == ref.chat(ask(img, text="Which colour is it?"), max_new_tokens=6,
                                            temperature=0).token_ids

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_vision_qwen3_5 import MAX_SEQ, _ask, _image, _reference, _reference_tokens
-from tiny_qwen_vl import make_tiny_qwen_vl, reference_processor
+from test_vision_qwen3_5 import MAX_SEQ
+from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image, reference_inputs, reference_processor, reference_tokens
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("PIL.Image")
@@ -47,19 +47,19 @@ def test_moe_logits_and_greedy_tokens_equal_transformers(q35moe):
     plain = family_for("qwen3_5_moe_text").spec_from_hf(text)  # the text model alone: no M-RoPE, same MLPs
     assert plain.mrope_section == () and plain.image_token_id is None and plain.shared_mlp_gate
     rng = np.random.default_rng()
-    img = _image(rng, 100, 160)
-    _, text, ids = llm._chat_prompt(_ask(img), {})
-    ref = _reference(proc, text, [img])
+    img = random_image(rng, 100, 160)
+    _, text, ids = llm._chat_prompt(ask(img), {})
+    ref = reference_inputs(proc, text, [img])
     cache = llm.backend.allocate(1)
     first = llm.backend.prefill(cache, [0], [ids], True)
     with torch.no_grad():
         out = model(**ref)
     np.testing.assert_allclose(first.logits[0], out.logits[0, -1].numpy(), atol=1e-4, rtol=1e-4)
-    for msgs in (_ask(img), _ask(_image(rng, 90, 60), _image(rng, 64, 64), text="and")):
+    for msgs in (ask(img), ask(random_image(rng, 90, 60), random_image(rng, 64, 64), text="and")):
         _, text, _ = llm._chat_prompt(msgs, {})
         images = [p["image"] for p in msgs[0]["content"] if p["type"] == "image"]
         assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == \
-            _reference_tokens(model, proc, text, images)
+            reference_tokens(model, proc, text, images)
 
 
 @pytest.mark.parametrize("target", ["portable", "trt"])
@@ -71,7 +71,7 @@ def test_moe_other_targets_give_the_ort_tokens(q35moe, tmp_path, target):
     llm, _, _ = q35moe
     export_model(llm.manifest.source.path, tmp_path / "p", target=target, dtype="fp32", max_seq=MAX_SEQ,
                  progress=False, **({"plugins": "never"} if target == "trt" else {}))
-    msgs = _ask(_image(np.random.default_rng(), 70, 50))
+    msgs = ask(random_image(np.random.default_rng(), 70, 50))
     with LLM.load(tmp_path / "p", backend="ort") as other:
         assert other.chat(msgs, max_new_tokens=6, temperature=0).token_ids == \
             llm.chat(msgs, max_new_tokens=6, temperature=0).token_ids

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trt_emulator  # noqa: E402
-from tiny_qwen_vl import make_tiny_qwen_vl  # noqa: E402
+from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image  # noqa: E402
 
 pytest.importorskip("PIL.Image")
 pytest.importorskip("torch")
@@ -51,21 +51,12 @@ def pair(artifact, emulator):
         yield ref, llm
 
 
-def _image(rng, h, w):
-    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-
-
-def _ask(*images, text="What is in this image?"):
-    parts = [{"type": "image", "image": img} for img in images]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
 def test_logits_after_an_image_equal_the_ort_backends(pair):
     """Prefill and the decode steps after it: the offsets (and Qwen3-VL's deepstack rows) reach the engines."""
     ref, llm = pair
-    img = _image(np.random.default_rng(), 100, 160)
-    ids = ref._chat_prompt(_ask(img), {})[2]
-    assert np.array_equal(llm._chat_prompt(_ask(img), {})[2], ids)
+    img = random_image(np.random.default_rng(), 100, 160)
+    ids = ref._chat_prompt(ask(img), {})[2]
+    assert np.array_equal(llm._chat_prompt(ask(img), {})[2], ids)
     logits = []
     for backend in (ref.backend, llm.backend):
         cache = backend.allocate(1)
@@ -83,8 +74,8 @@ def test_image_prompts_give_the_ort_backends_tokens(pair, emulator):
     """Several sizes, two images in one message and a text prompt; then the same prompts as one batch."""
     ref, llm = pair
     rng = np.random.default_rng()
-    asks = [_ask(_image(rng, h, w)) for h, w in ((70, 50), (20, 30), (120, 300))]
-    asks += [_ask(_image(rng, 90, 60), _image(rng, 64, 64), text="and"), [{"role": "user", "content": "Hi"}]]
+    asks = [ask(random_image(rng, h, w)) for h, w in ((70, 50), (20, 30), (120, 300))]
+    asks += [ask(random_image(rng, 90, 60), random_image(rng, 64, 64), text="and"), [{"role": "user", "content": "Hi"}]]
     want = [ref.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
     assert [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks] == want
     assert "vision.onnx" in emulator[1].deserialized  # the vision engine encoded, not an ORT session
@@ -96,8 +87,8 @@ def test_verify_passes_after_an_image_equal_decode_steps(pair):
     """The verify engine binds the rows' offsets: its logits after an image equal the decode steps' (1 and 2 rows),
     and n-gram speculation gives the plain greedy tokens."""
     ref, llm = pair
-    img = _image(np.random.default_rng(), 100, 160)
-    ids = llm._chat_prompt(_ask(img), {})[2]
+    img = random_image(np.random.default_rng(), 100, 160)
+    ids = llm._chat_prompt(ask(img), {})[2]
     backend = llm.backend
     cache = backend.allocate(1)
     tokens = [int(backend.prefill(cache, [0], [ids], False).next_token[0])]
@@ -116,8 +107,8 @@ def test_verify_passes_after_an_image_equal_decode_steps(pair):
     runs = backend.stats["verify_runs"]
     # n-gram drafts need the text to repeat a token: over 48 greedy tokens of a 600-token random model it did in every
     # run seen (2-22 verify passes); over 24 tokens with "> runs + 2" it failed once in two suites
-    plain = llm.chat(_ask(img), max_new_tokens=48, temperature=0).token_ids
-    assert llm.chat(_ask(img), max_new_tokens=48, temperature=0, speculative="ngram").token_ids == plain
+    plain = llm.chat(ask(img), max_new_tokens=48, temperature=0).token_ids
+    assert llm.chat(ask(img), max_new_tokens=48, temperature=0, speculative="ngram").token_ids == plain
     assert backend.stats["verify_runs"] > runs, "no verify pass ran"
 
 
@@ -125,18 +116,18 @@ def test_a_follow_up_and_a_chunked_prefill_equal_a_full_prefill(pair):
     """A session's second turn reuses the image and equals a re-prefill; prefill chunks shorter than the image
     (each chunk's offsets from the ids its row already holds) give the tokens of one call."""
     ref, llm = pair
-    img = _image(np.random.default_rng(), 120, 300)  # 72 image tokens
+    img = random_image(np.random.default_rng(), 120, 300)  # 72 image tokens
     chat = llm.session()
-    first = chat.chat(_ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
+    first = chat.chat(ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
     second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)
     assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens
     assert second.token_ids == ref.chat(chat.history[:-1], max_new_tokens=5, temperature=0).token_ids
     chat.close()
-    want = ref.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
+    want = ref.chat(ask(img), max_new_tokens=6, temperature=0).token_ids
     llm.backend.max_prefill = 20  # the host staging was sized for the profile's longer chunks
     if llm.prefix_cache is not None:
         llm.prefix_cache.clear()
-    assert llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids == want
+    assert llm.chat(ask(img), max_new_tokens=6, temperature=0).token_ids == want
 
 
 def test_engines_built_before_the_offsets_take_text_only(artifact, emulator, tmp_path):
@@ -165,7 +156,7 @@ def test_engines_built_before_the_offsets_take_text_only(artifact, emulator, tmp
         assert llm.chat(msgs, max_new_tokens=5, temperature=0).token_ids == \
             ref.chat(msgs, max_new_tokens=5, temperature=0).token_ids
         with pytest.raises(DecodertError, match="run `decodert build` again") as e:
-            llm.chat(_ask(_image(np.random.default_rng(), 64, 64)), max_new_tokens=2)
+            llm.chat(ask(random_image(np.random.default_rng(), 64, 64)), max_new_tokens=2)
         assert "\n" not in str(e.value)
 
 
@@ -202,11 +193,11 @@ def test_the_prefix_cache_resumes_inside_an_image(pair):
     ref, llm = pair
     if llm.prefix_cache is None:
         pytest.skip("the prefix cache is off")
-    img = _image(np.random.default_rng(), 120, 300)
-    llm.chat(_ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
-    again = llm.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
+    img = random_image(np.random.default_rng(), 120, 300)
+    llm.chat(ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
+    again = llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
     assert again.metrics.cached_tokens >= 32
-    assert again.token_ids == ref.chat(_ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids
+    assert again.token_ids == ref.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids
 
 
 def test_a_video_prompt_gives_the_ort_backends_tokens(pair):
@@ -216,7 +207,7 @@ def test_a_video_prompt_gives_the_ort_backends_tokens(pair):
     rng = np.random.default_rng()
     frames = rng.integers(0, 256, (6, 48, 64, 3), dtype=np.uint8)
     msgs = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 1.0},
-                                         {"type": "image", "image": _image(rng, 50, 70)},
+                                         {"type": "image", "image": random_image(rng, 50, 70)},
                                          {"type": "text", "text": "What happens?"}]}]
     assert llm.chat(msgs, max_new_tokens=6, temperature=0).token_ids == \
         ref.chat(msgs, max_new_tokens=6, temperature=0).token_ids

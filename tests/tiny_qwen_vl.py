@@ -141,3 +141,32 @@ def reference_processor(path: Path, kind: str = "qwen2_5_vl") -> Any:
     return ImagesOnly(Qwen2VLImageProcessorPil(**settings), tokenizer, ReferenceVideoProcessor(
         "qwen2_5_vl" if kind == "qwen2_5_vl" else "qwen3_vl", video),
                       chat_template=CHAT_TEMPLATE)
+
+
+# ---- what the Qwen-VL tests ask, and transformers' answer to it --------------------------------------------------
+def random_image(rng: Any, h: int, w: int) -> Any:
+    """An HxWx3 uint8 image of random pixels."""
+    return rng.integers(0, 256, (h, w, 3), dtype="uint8")
+
+
+def ask(*images: Any, text: str = "What is in this image?") -> list[dict]:
+    """One user message: the images, then the question."""
+    parts = [{"type": "image", "image": img} for img in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def reference_inputs(proc: Any, text: str, images: Any) -> Any:
+    """transformers' processor on the rendered text and the images (torch tensors)."""
+    from PIL import Image
+
+    return proc(text=text, images=[Image.fromarray(i) for i in images], return_tensors="pt")
+
+
+def reference_tokens(model: Any, proc: Any, text: str, images: Any, n: int = 8) -> list[int]:
+    """transformers' greedy continuation (``n`` tokens) of the text with its images."""
+    import torch
+
+    ref = reference_inputs(proc, text, images)
+    with torch.no_grad():
+        out = model.generate(**ref, max_new_tokens=n, do_sample=False)
+    return out[0, ref["input_ids"].shape[1]:].tolist()

@@ -166,3 +166,24 @@ def check_trt_emulated(ref: Path, art: Path, monkeypatch) -> None:
         fixed = SpeculativeConfig(adaptive=False, draft_len=6)
         reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps[:2]]
         assert [r.token_ids for r in llm.generate_many(reqs)] == want[:2]
+
+
+def check_verify_after_prefill(backend, ids, steps: int = 3) -> list[int]:
+    """Prefill ``ids``, ``steps`` decode steps; then verify passes of those tokens (1 row: the prefill graph or
+    engine, per position; 2 rows: the verify graph's own attention) give the decode steps' logits and tokens.
+    Returns the greedy tokens (the prefill's, then the steps')."""
+    cache = backend.allocate(1)
+    tokens = [int(backend.prefill(cache, [0], [ids], False).next_token[0])]
+    logits = []
+    for _ in range(steps):
+        out = backend.decode(cache, [0], np.array(tokens[-1:], np.int64), True)
+        logits.append(out.logits[0])
+        tokens.append(int(out.next_token[0]))
+    for rows in (1, 2):
+        cache = backend.allocate(rows)
+        backend.prefill(cache, list(range(rows)), [ids] * rows, False)
+        verified = backend.verify(cache, list(range(rows)), [np.array(tokens[:steps], np.int64)] * rows, True)
+        for r in range(rows):
+            np.testing.assert_allclose(verified.logits[r], np.stack(logits), atol=1e-4, rtol=1e-4)
+            assert verified.next_tokens[r].tolist() == tokens[1:]
+    return tokens

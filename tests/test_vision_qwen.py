@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from parity import check_verify_after_prefill
 from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image, reference_inputs, reference_processor, reference_tokens
 
 torch = pytest.importorskip("torch")
@@ -107,21 +108,7 @@ def test_a_verify_pass_after_an_image_equals_decode_steps(qvl):
     llm, _, _ = qvl
     img = random_image(np.random.default_rng(), 100, 160)
     _, _, ids = llm._chat_prompt(ask(img), {})
-    backend = llm.backend
-    cache = backend.allocate(1)
-    tokens = [int(backend.prefill(cache, [0], [ids], False).next_token[0])]
-    steps = []
-    for _ in range(3):
-        out = backend.decode(cache, [0], np.array(tokens[-1:], np.int64), True)
-        steps.append(out.logits[0])
-        tokens.append(int(out.next_token[0]))
-    for rows in (1, 2):  # one row: the prefill graph (per_position); two: the verify graph's own attention
-        cache = backend.allocate(rows)
-        backend.prefill(cache, list(range(rows)), [ids] * rows, False)
-        verified = backend.verify(cache, list(range(rows)), [np.array(tokens[:3], np.int64)] * rows, True)
-        for r in range(rows):
-            np.testing.assert_allclose(verified.logits[r], np.stack(steps), atol=1e-4, rtol=1e-4)
-            assert verified.next_tokens[r].tolist() == tokens[1:]
+    check_verify_after_prefill(llm.backend, ids)
 
 
 def test_greedy_tokens_equal_transformers(qvl):

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from parity import check_verify_after_prefill
 from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image, reference_inputs, reference_processor, reference_tokens
 
 torch = pytest.importorskip("torch")
@@ -227,26 +228,7 @@ def test_a_verify_pass_after_an_image_equals_decode_steps(q35):
     tokens by the M-RoPE offsets that follow the image, as decode steps do; a rejection replays accepted tokens
     through prefill, whose offsets the chunked-prefill test checks."""
     llm, _, _ = q35
-    _check_verify(llm.backend, llm._chat_prompt(ask(random_image(np.random.default_rng(), 100, 160)), {})[2])
-
-
-def _check_verify(backend, ids):
-    """Prefill ``ids``, three decode steps; then verify passes of those tokens (1 row: the prefill graph/engine,
-    2 rows: the verify graph, each row alone) give the decode steps' logits and tokens."""
-    cache = backend.allocate(1)
-    tokens = [int(backend.prefill(cache, [0], [ids], False).next_token[0])]
-    steps = []
-    for _ in range(3):
-        out = backend.decode(cache, [0], np.array(tokens[-1:], np.int64), True)
-        steps.append(out.logits[0])
-        tokens.append(int(out.next_token[0]))
-    for rows in (1, 2):
-        cache = backend.allocate(rows)
-        backend.prefill(cache, list(range(rows)), [ids] * rows, False)
-        verified = backend.verify(cache, list(range(rows)), [np.array(tokens[:3], np.int64)] * rows, True)
-        for r in range(rows):
-            np.testing.assert_allclose(verified.logits[r], np.stack(steps), atol=1e-4, rtol=1e-4)
-            assert verified.next_tokens[r].tolist() == tokens[1:]
+    check_verify_after_prefill(llm.backend, llm._chat_prompt(ask(random_image(np.random.default_rng(), 100, 160)), {})[2])
 
 
 @pytest.mark.parametrize("target", ["portable", "trt"])
@@ -357,7 +339,7 @@ def test_the_trt_backend_answers_images_with_the_ort_tokens(q35trt, monkeypatch)
         _fresh(llm)
         batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
         assert [r.token_ids for r in batch] == want
-        _check_verify(llm.backend, llm._chat_prompt(asks[1], {})[2])
+        check_verify_after_prefill(llm.backend, llm._chat_prompt(asks[1], {})[2])
         _fresh(llm)
         plain = llm.chat(asks[0], max_new_tokens=16, temperature=0).token_ids
         _fresh(llm)

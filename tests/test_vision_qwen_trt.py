@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trt_emulator  # noqa: E402
+from parity import check_verify_after_prefill  # noqa: E402
 from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image  # noqa: E402
 
 pytest.importorskip("PIL.Image")
@@ -90,20 +91,7 @@ def test_verify_passes_after_an_image_equal_decode_steps(pair):
     img = random_image(np.random.default_rng(), 100, 160)
     ids = llm._chat_prompt(ask(img), {})[2]
     backend = llm.backend
-    cache = backend.allocate(1)
-    tokens = [int(backend.prefill(cache, [0], [ids], False).next_token[0])]
-    steps = []
-    for _ in range(3):
-        out = backend.decode(cache, [0], np.array(tokens[-1:], np.int64), True)
-        steps.append(out.logits[0])
-        tokens.append(int(out.next_token[0]))
-    for rows in (1, 2):
-        cache = backend.allocate(rows)
-        backend.prefill(cache, list(range(rows)), [ids] * rows, False)
-        verified = backend.verify(cache, list(range(rows)), [np.array(tokens[:3], np.int64)] * rows, True)
-        for r in range(rows):
-            np.testing.assert_allclose(verified.logits[r], np.stack(steps), atol=1e-4, rtol=1e-4)
-            assert verified.next_tokens[r].tolist() == tokens[1:]
+    check_verify_after_prefill(backend, ids)
     runs = backend.stats["verify_runs"]
     # n-gram drafts need the text to repeat a token: over 48 greedy tokens of a 600-token random model it did in every
     # run seen (2-22 verify passes); over 24 tokens with "> runs + 2" it failed once in two suites

@@ -75,3 +75,22 @@ def test_moe_other_targets_give_the_ort_tokens(q35moe, tmp_path, target):
     with LLM.load(tmp_path / "p", backend="ort") as other:
         assert other.chat(msgs, max_new_tokens=6, temperature=0).token_ids == \
             llm.chat(msgs, max_new_tokens=6, temperature=0).token_ids
+
+
+@pytest.mark.trt
+def test_tensorrt_rtx_builds_the_moe_text_and_vision_engines(q35moe, tmp_path):
+    """The trt-target graphs (standard-op experts, the gated shared expert, M-RoPE offsets as engine inputs) parse
+    and build with TensorRT-RTX, the vision engine under its own profile."""
+    pytest.importorskip("tensorrt_rtx_bindings")
+    from decodert.export import trt_build
+    from decodert.export.pipeline import export_model
+
+    llm, _, _ = q35moe
+    out = tmp_path / "trt"
+    export_model(llm.manifest.source.path, out, target="trt", dtype="fp16", max_seq=256, max_batch=2, progress=False,
+                 plugins="never")
+    engines = trt_build.build_engines(out, progress=False)
+    assert {"vision", "prefill", "decode"} <= set(engines)
+    for graph in ("prefill", "decode"):
+        assert "rope_offsets" in {t["name"] for t in engines[graph].io["inputs"]}, graph
+    assert [t["name"] for t in engines["vision"].io["outputs"]] == ["image_embeds"]

@@ -35,7 +35,7 @@ from decodert.export.pipeline import export_model
 from decodert.plugins.ops.kv_dtypes import KV_DTYPES
 from decodert.runtime.backends.loading import open_tokenizer, read_manifest
 from decodert.runtime.backends.memory import kv_cache_bytes
-from decodert.runtime.backends.ort_backend import OrtBackend
+from decodert.runtime.backends.ort.backend import OrtBackend
 
 from compare import DEFAULT_GGUF
 from quality import forced_agreement, greedy, perplexity

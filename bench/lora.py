@@ -86,7 +86,7 @@ def main() -> None:
     from decodert.export.lora.layout import LoraLayout
     from decodert.runtime.adapters import Adapters
     from decodert.runtime.backends.loading import read_manifest
-    from decodert.runtime.backends.ort_backend import OrtBackend
+    from decodert.runtime.backends.ort.backend import OrtBackend
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)

@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from decodert.runtime.backends import ort_backend
+from decodert.runtime.backends.ort import backend as ort_backend
 from decodert.runtime.backends.loading import read_manifest
 from decodert.tools import bench as B
 

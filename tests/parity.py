@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from decodert.export.artifact.manifest import load_manifest
-from decodert.runtime.backends.ort_backend import OrtBackend
+from decodert.runtime.backends.ort.backend import OrtBackend
 
 
 def backend(out: Path) -> OrtBackend:

@@ -191,7 +191,7 @@ def test_shared_layers_read_a_quantized_cache_as_its_writer_stores_it(model, tmp
 
 
 def test_trt_backend_with_caches_of_two_widths(model, tmp_path, monkeypatch):
-    """runtime/backends/trt_backend.py (tests/trt_emulator.py: the engines run on ONNX Runtime) over Gemma 4's
+    """runtime/backends/trt/backend.py (tests/trt_emulator.py: the engines run on ONNX Runtime) over Gemma 4's
     caches of head_dim 16 and 32: the ort backend's tokens, continuous batching with slot moves, speculation."""
     import trt_emulator
     from decodert.runtime.speculation.speculative import SpeculativeConfig

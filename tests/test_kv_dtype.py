@@ -22,7 +22,7 @@ from decodert.plugins.ops import kv_dtypes
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert import LLM
 from decodert.runtime.backends import memory
-from decodert.runtime.backends.ort_backend import OrtBackend
+from decodert.runtime.backends.ort.backend import OrtBackend
 from decodert.runtime.prefix_cache import PrefixCache
 
 pytest.importorskip("transformers")

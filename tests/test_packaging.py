@@ -52,9 +52,9 @@ def test_tensorrt_code_type_checks(tmp_path):
 
     (tmp_path / "decodert").symlink_to(ROOT, target_is_directory=True)
 
-    files = ["plugins/trt/compat.py", "export/trt_build.py", "runtime/backends/trt_backend.py", "runtime/backends/trt_engine.py",
-             "runtime/backends/trt_verify.py", "runtime/backends/trt_images.py", "export/trt_graphs.py",
-             "runtime/backends/trt_vision.py", "runtime/backends/trt_mrope.py", "runtime/backends/trt_baked.py",
+    files = ["plugins/trt/compat.py", "export/trt_build.py", "runtime/backends/trt/backend.py", "runtime/backends/trt/engine.py",
+             "runtime/backends/trt/verify.py", "runtime/backends/trt/images.py", "export/trt_graphs.py",
+             "runtime/backends/trt/vision.py", "runtime/backends/trt/mrope.py", "runtime/backends/trt/baked.py",
              "runtime/backends/image_feeds.py",
              "plugins/cuda_mem.py", "export/artifact/manifest.py",
              "tools/verify.py", "export/trt_progress.py", "export/progress.py"]

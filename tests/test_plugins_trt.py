@@ -115,7 +115,7 @@ _GPU_SCRIPT = textwrap.dedent("""
     from decodert.plugins.trt.compat import load_trt
     from decodert.export.artifact.expand_artifact import expand_artifact
     from decodert.plugins.trt.creators import register_plugins
-    from decodert.runtime.backends.trt_backend import TrtBackend
+    from decodert.runtime.backends.trt.backend import TrtBackend
     tmp = Path({tmp!r})
     register_plugins(*load_trt())  # before deserializing: the engines hold plugin layers
     out, ref = tmp / "trt", tmp / "ref"

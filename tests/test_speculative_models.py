@@ -88,7 +88,7 @@ def test_ort_verify_takes_every_row_in_one_pass(tiny_checkpoint, tmp_path, famil
     """The ort target's verify graph attends with standard ops (GQA refuses several rows of several
     tokens over a cache): one session run for 4 rows of different lengths and widths, and every
     position's choice equals what decode steps over the same tokens choose."""
-    from decodert.runtime.backends import ort_backend
+    from decodert.runtime.backends.ort import backend as ort_backend
 
     m, be, cache = _ort_tiny(tiny_checkpoint, tmp_path, family)
     assert m.graphs["verify"].batched_past
@@ -117,7 +117,7 @@ def test_ort_one_row_verify_runs_in_the_prefill_session(tiny_checkpoint, tmp_pat
     """A one-row verify pass goes through the prefill graph (per_position=1, its own attention):
     verify.onnx is never opened, and every position's logits equal the batched verify graph's and
     those of decode steps over the same tokens; plain prefill/decode leave per_position unbound."""
-    from decodert.runtime.backends import ort_backend
+    from decodert.runtime.backends.ort import backend as ort_backend
 
     m, be, cache = _ort_tiny(tiny_checkpoint, tmp_path, family)
     assert m.graphs["prefill"].verifies_rows
@@ -236,7 +236,7 @@ def test_ort_verify_never_pads_a_row_past_its_context(tiny_checkpoint, tmp_path,
     """A short row near the end of its context beside a longer one: one padded call would write K/V and
     take RoPE positions past max_seq for the short row, so it runs alone; every position still equals
     decode steps over the same tokens."""
-    from decodert.runtime.backends import ort_backend
+    from decodert.runtime.backends.ort import backend as ort_backend
 
     m, be, cache = _ort_tiny(tiny_checkpoint, tmp_path, "llama")
     rng = np.random.default_rng(3)

@@ -1,4 +1,4 @@
-"""runtime/backends/trt_backend.py on the CPU, through tests/trt_emulator.py (CUDA memory, streams, graphs and
+"""runtime/backends/trt/backend.py on the CPU, through tests/trt_emulator.py (CUDA memory, streams, graphs and
 TensorRT contexts emulated; the graphs run on ONNX Runtime): the same tokens as the ort backend on
 the same trt-target artifact, every path of the backend, and the misuse the emulator catches."""
 

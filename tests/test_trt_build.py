@@ -30,7 +30,7 @@ from decodert.export.artifact.manifest import Manifest, load_manifest  # noqa: E
 from decodert.export.artifact.records import to_json  # noqa: E402
 from decodert.plugins.trt.compat import engine_version_problem, load_trt, parse_version, read_engine  # noqa: E402
 from decodert.plugins import cuda_mem  # noqa: E402
-from decodert.runtime.backends.trt_engine import contiguous_runs, kv_pairs  # noqa: E402
+from decodert.runtime.backends.trt.engine import contiguous_runs, kv_pairs  # noqa: E402
 
 pytestmark = pytest.mark.trt
 gpu = pytest.mark.skipif(cuda_mem.gpu_count() == 0, reason="needs an NVIDIA GPU (cuda-python found none)")
@@ -231,7 +231,7 @@ def test_engine_from_another_tensorrt_version_is_refused(built, tmp_path):
     _, info = load_trt()
     with pytest.raises(DecodertError, match=f"built with tensorrt_rtx 1.5.0.1 but tensorrt_rtx {info.version_str}"):
         read_engine(out, typed_of(out), "prefill", info)
-    from decodert.runtime.backends.trt_backend import TrtBackend
+    from decodert.runtime.backends.trt.backend import TrtBackend
 
     with pytest.raises(DecodertError, match="1.5.0.1"):  # refused before any GPU work
         TrtBackend(out, typed_of(out))
@@ -334,7 +334,7 @@ def test_engines_match_onnxruntime(built, cuda_graphs):
 @pytest.mark.gpu
 @gpu
 def test_slot_placement_and_move_slot(built):
-    from decodert.runtime.backends.trt_backend import TrtBackend
+    from decodert.runtime.backends.trt.backend import TrtBackend
 
     out = built("fp16")
     prompts = [np.array([5, 6, 7, 8, 9]), np.array([10, 11, 12])]
@@ -359,7 +359,7 @@ def test_slot_placement_and_move_slot(built):
 @pytest.mark.gpu
 @gpu
 def test_long_prompt_prefills_in_chunks(tmp_path):
-    from decodert.runtime.backends.trt_backend import TrtBackend
+    from decodert.runtime.backends.trt.backend import TrtBackend
     from decodert.tools.verify import OrtGraphReference
 
     out = trt_graphs.write_artifact(tmp_path / "a", "fp16")

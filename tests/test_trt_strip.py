@@ -1,4 +1,4 @@
-"""Weight-stripped TensorRT engines (export/trt_build.py, runtime/backends/trt_refit.py), as far as a machine
+"""Weight-stripped TensorRT engines (export/trt_build.py, runtime/backends/trt/refit.py), as far as a machine
 without a GPU allows: the flags reach the builder, CPU builds fall back to self-contained engines and
 say why, the refit at load calls TensorRT's refitter and turns every failure into one line."""
 
@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime.backends.trt_refit import refit_from_onnx  # noqa: E402
+from decodert.runtime.backends.trt.refit import refit_from_onnx  # noqa: E402
 
 trt = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
 

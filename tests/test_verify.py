@@ -19,7 +19,7 @@ from tiny import FAMILIES  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.artifact.manifest import load_manifest  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
-from decodert.runtime.backends.ort_backend import OrtBackend  # noqa: E402
+from decodert.runtime.backends.ort.backend import OrtBackend  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""A CPU stand-in for CUDA and a TensorRT runtime, so runtime/backends/trt_backend.py runs in tests on a machine
+"""A CPU stand-in for CUDA and a TensorRT runtime, so runtime/backends/trt/backend.py runs in tests on a machine
 without a GPU (no GPU is lent to CI; the backend's logic is otherwise never executed).
 
 What is emulated, and what it checks:
@@ -208,7 +208,7 @@ class EmulatedTensorRT:
 def install(monkeypatch: Any, free_bytes: int = 8 << 30) -> tuple[Device, EmulatedTensorRT]:
     """Point plugins/cuda_mem.py and the trt backend's TensorRT at the emulator (undone by ``monkeypatch``)."""
     from decodert.plugins import cuda_mem
-    from decodert.runtime.backends import trt_backend
+    from decodert.runtime.backends.trt import backend as trt_backend
 
     device = Device(free_bytes)
     for name, value in device.api().items():

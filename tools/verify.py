@@ -31,11 +31,11 @@ class OrtGraphReference:
         import ml_dtypes
         import onnxruntime as ort
 
-        from decodert.runtime.backends.trt_engine import kv_pairs
+        from decodert.runtime.backends.trt.engine import kv_pairs
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        from decodert.runtime.backends.ort_backend import open_session  # expands --plugins nodes
+        from decodert.runtime.backends.ort.backend import open_session  # expands --plugins nodes
 
         self.sessions = {k: open_session(artifact_dir / manifest.graphs[k].file, opts, ["CPUExecutionProvider"])
                          for k in GRAPHS}
@@ -84,7 +84,7 @@ def default_prompts(artifact_dir: Path, manifest: Manifest, n: int) -> list[np.n
 
 def verify(artifact_dir: str | Path, steps: int = 16, rows: int = 2, cuda_graphs: bool = True) -> dict[str, Any]:
     """Prefill ``rows`` prompts and decode ``steps`` tokens on both; return agreement and logit error."""
-    from decodert.runtime.backends.trt_backend import TrtBackend
+    from decodert.runtime.backends.trt.backend import TrtBackend
 
     folder = Path(artifact_dir)
     manifest = load_manifest(folder, verify="fast")
@@ -160,7 +160,7 @@ class _Compare:
 
 def bench(artifact_dir: str | Path, batches: Sequence[int] = (1, 4), steps: int = 64) -> list[dict[str, Any]]:
     """Decode tokens/s per batch size, with and without CUDA graphs (greedy, no logits copied)."""
-    from decodert.runtime.backends.trt_backend import TrtBackend
+    from decodert.runtime.backends.trt.backend import TrtBackend
 
     folder = Path(artifact_dir)
     manifest = load_manifest(folder, verify="fast")

@@ -1,5 +1,5 @@
-"""What a backend binds for a vision-language model beyond the ids, on ort (runtime/backends/ort_backend.py) and trt
-(runtime/backends/trt_images.py, trt_mrope.py) alike: the image rows (Gemma 3's image_ahead, Qwen3-VL's deepstack
+"""What a backend binds for a vision-language model beyond the ids, on ort (runtime/backends/ort/backend.py) and trt
+(runtime/backends/trt/images.py, trt_mrope.py) alike: the image rows (Gemma 3's image_ahead, Qwen3-VL's deepstack
 rows) at the image ids' positions, and M-RoPE's rope_offsets, all read from the image store
 (runtime/vision/encoder.py) and the ids a row holds (runtime/vision/mrope.py)."""
 

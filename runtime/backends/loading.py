@@ -92,10 +92,10 @@ def open_backend(path: Path, manifest: Manifest, choice: str = "auto") -> Any:
                                 f"`decodert build OUT`")
         if not manifest.engines:
             raise DecodertError(f"{path} has no TensorRT engines; run `decodert build {path}` or use --backend ort")
-        from decodert.runtime.backends.trt_backend import TrtBackend
+        from decodert.runtime.backends.trt.backend import TrtBackend
 
         return TrtBackend(path, manifest)
-    from decodert.runtime.backends.ort_backend import OrtBackend
+    from decodert.runtime.backends.ort.backend import OrtBackend
 
     return OrtBackend(path, manifest)
 
@@ -105,7 +105,7 @@ def _trt_usable() -> bool:
     if not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")):
         return False  # cheap check first: no driver, no GPU
     try:
-        importlib.import_module("decodert.runtime.backends.trt_backend")
+        importlib.import_module("decodert.runtime.backends.trt.backend")
         return importlib.import_module("decodert.plugins.cuda_mem").gpu_count() > 0
     except (ImportError, OSError, DecodertError):
         return False

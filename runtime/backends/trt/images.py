@@ -1,11 +1,11 @@
-"""Images on the trt backend (runtime/backends/trt_backend.py): whether the engines take them, and the prefill
+"""Images on the trt backend (runtime/backends/trt/backend.py): whether the engines take them, and the prefill
 engine's image inputs.
 
     prefill.engine  image_embeds [N, hidden], image_positions [N] (b*S + s of the bound [k, S] block) and,
                     for Gemma 3, image_ahead [N], for Qwen3-VL deepstack_embeds [k, N, hidden]: the store's rows
                     at a call's image ids (``ImageInputs.bind``, the arrays runtime/backends/image_feeds.py makes
                     for ort too), 0 rows for a call without images (the build profile allows 0: export/trt_graphs.py)
-    vision.engine   runtime/backends/trt_vision.py;  M-RoPE's rope_offsets: runtime/backends/trt_mrope.py
+    vision.engine   runtime/backends/trt/vision.py;  M-RoPE's rope_offsets: runtime/backends/trt/mrope.py
 
 Host staging is pinned and device buffers grow to the largest call seen; each call syncs the stream
 before its staging is written again, so a buffer is never rewritten while a copy reads it.
@@ -21,8 +21,8 @@ from decodert.errors import DecodertError
 from decodert.export.artifact.weights import NUMPY_DTYPES
 from decodert.plugins.trt.compat import read_engine
 from decodert.runtime.backends.image_feeds import image_arrays
-from decodert.runtime.backends.trt_engine import Staged
-from decodert.runtime.backends.trt_vision import VisionRunner
+from decodert.runtime.backends.trt.engine import Staged
+from decodert.runtime.backends.trt.vision import VisionRunner
 from decodert.runtime.vision.tokens import is_image
 
 

@@ -1,4 +1,4 @@
-"""The vision engine of the trt backend (runtime/backends/trt_backend.py), with an ORT-session-like ``run`` and
+"""The vision engine of the trt backend (runtime/backends/trt/backend.py), with an ORT-session-like ``run`` and
 ``get_outputs`` so runtime/vision/encoder.py calls it as it calls vision.onnx on ONNX Runtime.
 
     feeds (host) --h2d-->  every input of the vision graph:  pixel_values [n, 3, S, S] (SigLIP towers) or
@@ -18,7 +18,7 @@ import numpy as np
 
 from decodert.export.artifact.manifest import GraphRecord, TensorInfo
 from decodert.export.artifact.weights import NUMPY_DTYPES
-from decodert.runtime.backends.trt_engine import Engine, Staged, bind
+from decodert.runtime.backends.trt.engine import Engine, Staged, bind
 
 HOST_DTYPES: dict[str, Any] = {**NUMPY_DTYPES, "int64": np.int64}
 

@@ -1,5 +1,5 @@
 """ONNX Runtime verify passes (speculative decoding) and the binding of a cache's buffers, for
-runtime/backends/ort_backend.py: a session's IOBindings per slot range and width, over fixed buffers."""
+runtime/backends/ort/backend.py: a session's IOBindings per slot range and width, over fixed buffers."""
 
 from __future__ import annotations
 

@@ -3,14 +3,14 @@
     host (pinned)                          device
     ids     [B*W] int64     --h2d-->       input_ids     [n, w]      right-padded per row
     lens    [B]   int64     --h2d-->       past_lengths  [n]
-    (M-RoPE)                --h2d-->       rope_offsets  [3, n, w]   runtime/backends/trt_mrope.py
+    (M-RoPE)                --h2d-->       rope_offsets  [3, n, w]   runtime/backends/trt/mrope.py
     next    [B*W] int64     <--d2h--       next_tokens   [n, w]      (argmax on the GPU)
     logits  [B*W*V] f32     <--d2h--       seq_logits    [n, w, V]   (only when asked for)
                                            past_* == present_*       the backend's cache, at the run's first slot
 
 Rows run per contiguous slot run in one call (the trt target's verify graph takes several rows over
 caches), KV bound at the run's first slot as prefill does; a row whose padded width would pass the
-end of its context runs alone (runtime/backends/trt_engine.py ``fitting_runs``). Rejected tokens are dropped
+end of its context runs alone (runtime/backends/trt/engine.py ``fitting_runs``). Rejected tokens are dropped
 by the caller rewinding the cache (``KVCache.rewind``), as on every backend.
 
 The engine is deserialized at the first ``prepare_verify`` or ``verify``, not at load: it holds its
@@ -29,7 +29,7 @@ from decodert.plugins import cuda_mem as cm
 from decodert.plugins.trt.compat import read_engine
 from decodert.runtime.backends.backend import VerifyOutput, window_outputs
 from decodert.runtime.backends.kv_cache import KVCache
-from decodert.runtime.backends.trt_engine import Engine, TrtHost, bind, fitting_runs
+from decodert.runtime.backends.trt.engine import Engine, TrtHost, bind, fitting_runs
 
 
 def verify_width(backend: TrtHost) -> int:
@@ -111,7 +111,7 @@ class TrtVerifier:
         self.h["lens"].array[:k] = cache.lengths[row0 : row0 + k]
         for key, nbytes in (("ids", k * w * 8), ("lens", k * 8)):
             cm.copy_async(self.d[key].ptr, self.h[key].ptr, nbytes, b.stream, "h2d")
-        if b.mrope is not None:  # M-RoPE: each row's offsets after what its slot holds (runtime/backends/trt_mrope.py)
+        if b.mrope is not None:  # M-RoPE: each row's offsets after what its slot holds (runtime/backends/trt/mrope.py)
             b.mrope.write("verify", cache, [(s, rows[j]) for j, s in run], w)
         shapes = {name: shape for name, shape in b.io_shapes(k, w).items() if name != "seq_lengths"}
         addresses = {"input_ids": self.d["ids"].ptr, "past_lengths": self.d["lens"].ptr,

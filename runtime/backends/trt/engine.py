@@ -1,5 +1,5 @@
-"""TensorRT engines and execution contexts, shared by the trt backend's steps (runtime/backends/trt_backend.py)
-and its verify passes (runtime/backends/trt_verify.py): deserialize and check an engine, make a context on
+"""TensorRT engines and execution contexts, shared by the trt backend's steps (runtime/backends/trt/backend.py)
+and its verify passes (runtime/backends/trt/verify.py): deserialize and check an engine, make a context on
 shared scratch memory, bind addresses and shapes, stage per-call inputs (``Staged``), and group a call's rows
 into runs of slots.
 """
@@ -19,11 +19,11 @@ from decodert.plugins import cuda_mem as cm
 from decodert.plugins.trt.compat import TrtInfo
 from decodert.runtime.backends import kv_cache
 from decodert.runtime.backends.kv_cache import KVCache
-from decodert.runtime.backends.trt_refit import refit_from_onnx
+from decodert.runtime.backends.trt.refit import refit_from_onnx
 
 
 class TrtHost(Protocol):
-    """What engines and the verifier use of the trt backend (runtime/backends/trt_backend.py TrtBackend)."""
+    """What engines and the verifier use of the trt backend (runtime/backends/trt/backend.py TrtBackend)."""
 
     trt: Any
     info: TrtInfo
@@ -39,7 +39,7 @@ class TrtHost(Protocol):
     max_seq: int
     vocab_size: int
     itemsize: int
-    mrope: Any  # runtime/backends/trt_mrope.py RopeOffsets, or None (no rope_offsets input)
+    mrope: Any  # runtime/backends/trt/mrope.py RopeOffsets, or None (no rope_offsets input)
 
     def check_validity(self, path: Path, blob: bytes) -> None: ...
 

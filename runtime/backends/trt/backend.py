@@ -5,7 +5,7 @@
     dec_ids  [B]    int64   --h2d-->      input_ids     [n, 1]      (decode)
     *_len    [B]    int64   --h2d-->      past_lengths  [n]
     pre_seq  [B]    int64   --h2d-->      seq_lengths   [n]         (decode: ones, written once)
-    offsets  [3*B*S] int64  --h2d-->      rope_offsets  [3, n, S]   (M-RoPE models: runtime/backends/trt_mrope.py)
+    offsets  [3*B*S] int64  --h2d-->      rope_offsets  [3, n, S]   (M-RoPE models: runtime/backends/trt/mrope.py)
                                           past_key.i == present_key.i  [slots, Hkv, Smax, D] one buffer
     next     [B]    int64   <--d2h--      next_token    [n]         (argmax on the GPU)
     logits   [B, V] f32     <--d2h--      logits        [n, V]      (only when asked for)
@@ -14,12 +14,12 @@ Decode over slots 0..n-1 (the scheduler keeps active rows compact) runs in one c
 size n, bound once; its second call captures [h2d ids, h2d lengths, execute_async_v3, d2h
 next_token] into a CUDA graph that later steps replay (the first call runs plainly: TensorRT-RTX
 JIT-compiles its kernels there). Any capture failure falls back to plain execute_async_v3. Those
-contexts and graphs are kept per recent cache (runtime/backends/trt_baked.py).
+contexts and graphs are kept per recent cache (runtime/backends/trt/baked.py).
 Rows that are not a prefix (prefill of a new slot, or odd decode calls) run per contiguous slot
 run with the KV tensors bound at that run's first row; a row whose right-padded chunk would pass the
-end of its context runs alone (runtime/backends/trt_engine.py). All contexts share one scratch buffer (they
-run one after another on one stream). Verify passes (speculative decoding): runtime/backends/trt_verify.py;
-images: the prefill engine's image inputs runtime/backends/trt_images.py, the vision engine trt_vision.py.
+end of its context runs alone (runtime/backends/trt/engine.py). All contexts share one scratch buffer (they
+run one after another on one stream). Verify passes (speculative decoding): runtime/backends/trt/verify.py;
+images: the prefill engine's image inputs runtime/backends/trt/images.py, the vision engine trt_vision.py.
 Without a GPU, tests/trt_emulator.py runs all of this on the CPU.
 """
 
@@ -39,11 +39,11 @@ from decodert.plugins import cuda_mem as cm
 from decodert.runtime.backends import kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache
-from decodert.runtime.backends.trt_baked import BakedCaches, capture
-from decodert.runtime.backends.trt_engine import Engine, bind, contiguous_runs, fitting_runs
-from decodert.runtime.backends.trt_images import open_images
-from decodert.runtime.backends.trt_mrope import RopeOffsets, takes_offsets
-from decodert.runtime.backends.trt_verify import TrtVerifier, verify_width
+from decodert.runtime.backends.trt.baked import BakedCaches, capture
+from decodert.runtime.backends.trt.engine import Engine, bind, contiguous_runs, fitting_runs
+from decodert.runtime.backends.trt.images import open_images
+from decodert.runtime.backends.trt.mrope import RopeOffsets, takes_offsets
+from decodert.runtime.backends.trt.verify import TrtVerifier, verify_width
 
 GRAPHS = ("prefill", "decode")
 ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -82,15 +82,15 @@ class TrtBackend:
         self._load_runtime_cache()
         self.images: Any = None  # the image store runtime/vision/encoder.py sets; read by image_inputs and mrope
         widths = {"prefill": self.max_prefill, "decode": 1, "verify": verify_width(self)}
-        self.mrope = RopeOffsets(self, widths) if takes_offsets(manifest) else None  # runtime/backends/trt_mrope.py
-        self.image_inputs, self.vision = open_images(self)  # runtime/backends/trt_images.py (None: no images)
+        self.mrope = RopeOffsets(self, widths) if takes_offsets(manifest) else None  # runtime/backends/trt/mrope.py
+        self.image_inputs, self.vision = open_images(self)  # runtime/backends/trt/images.py (None: no images)
         self._takes_images = self.vision is not None
         scratch = [e.scratch_bytes for e in (*self.engines.values(), *([self.vision.engine] if self.vision else []))]
         self.scratch = cm.DeviceBuffer(max(scratch))
         self._alloc_io()
         self._prefill_ctx = self.engines["prefill"].context(self.scratch)
         self._runs_ctx = self.engines["decode"].context(self.scratch)  # decode of non-prefix slots
-        self.baked = BakedCaches()  # each recent cache's decode contexts and CUDA graphs (runtime/backends/trt_baked.py)
+        self.baked = BakedCaches()  # each recent cache's decode contexts and CUDA graphs (runtime/backends/trt/baked.py)
         self.cache: KVCache | None = None
         self.verifier = TrtVerifier(self)  # opens the verify engine at the first verify pass
 
@@ -181,7 +181,7 @@ class TrtBackend:
         return cache
 
     def _use(self, cache: KVCache) -> None:
-        """Make ``cache`` the bound one (its decode contexts and CUDA graphs: runtime/backends/trt_baked.py)."""
+        """Make ``cache`` the bound one (its decode contexts and CUDA graphs: runtime/backends/trt/baked.py)."""
         self.cache = cache
         self.baked.use(cache)
 
@@ -245,7 +245,7 @@ class TrtBackend:
         ids[:] = 0
         for r, (j, _) in enumerate(run):
             ids[r, : lens[r]] = chunk[j]
-        if self.mrope is not None:  # each row's offsets after what its slot holds (runtime/backends/trt_mrope.py)
+        if self.mrope is not None:  # each row's offsets after what its slot holds (runtime/backends/trt/mrope.py)
             self.mrope.write("prefill", cache, [(s, chunk[j]) for j, s in run], seq)
         images = self.image_inputs.bind(ids) if self.image_inputs is not None else ({}, {})  # ids -> text ids
         self.h["pre_len"].array[:k] = cache.lengths[row0 : row0 + k]
@@ -296,7 +296,7 @@ class TrtBackend:
         return self.verifier.width
 
     def verify(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
-        """Each row's tokens over its cache, the output after every one (runtime/backends/trt_verify.py)."""
+        """Each row's tokens over its cache, the output after every one (runtime/backends/trt/verify.py)."""
         self._use(cache)
         return self.verifier.verify(cache, slots, ids, want_logits)
 

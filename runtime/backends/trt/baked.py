@@ -1,4 +1,4 @@
-"""Decode contexts and CUDA graphs of the trt backend (runtime/backends/trt_backend.py), kept per KV cache.
+"""Decode contexts and CUDA graphs of the trt backend (runtime/backends/trt/backend.py), kept per KV cache.
 
 A decode context binds a cache's addresses once per batch size, and its CUDA graph bakes them in, so
 they are kept per cache, for the last ``KEEP_BAKED`` caches used (the shared cache and a session's:

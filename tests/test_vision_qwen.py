@@ -7,13 +7,15 @@ import numpy as np
 import pytest
 
 from parity import check_verify_after_prefill
-from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image, reference_inputs, reference_processor, reference_tokens
+from tiny_qwen_vl import (
+    SIZES, ask, check_batch_equals_singles, check_chunked_prefill, check_follow_up, check_greedy_tokens,
+    make_tiny_qwen_vl, random_image, reference_inputs, reference_processor,
+)
 
 torch = pytest.importorskip("torch")
 Image = pytest.importorskip("PIL.Image")
 
 # (height, width): rounded to 16 px, upscaled to min_pixels, several 2x2-unit windows, scaled down to max_pixels
-SIZES = [(70, 50), (20, 30), (100, 160), (120, 300)]
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
@@ -112,54 +114,19 @@ def test_a_verify_pass_after_an_image_equals_decode_steps(qvl):
 
 
 def test_greedy_tokens_equal_transformers(qvl):
-    llm, model, proc = qvl
-    rng = np.random.default_rng()
-    for h, w in SIZES[:3]:
-        img = random_image(rng, h, w)
-        result = llm.chat(ask(img), max_new_tokens=8, temperature=0)
-        _, text, _ = llm._chat_prompt(ask(img), {})
-        assert result.token_ids == reference_tokens(model, proc, text, [img]), (h, w)
-    two = [random_image(rng, 90, 60), random_image(rng, 64, 64)]  # two images in one message
-    msgs = ask(two[0], Image.fromarray(two[1]), text="and")
-    _, text, _ = llm._chat_prompt(msgs, {})
-    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == reference_tokens(model, proc, text, two)
+    check_greedy_tokens(*qvl)
 
 
 def test_a_batch_equals_the_singles(qvl):
-    llm, _, _ = qvl
-    rng = np.random.default_rng()
-    asks = [ask(random_image(rng, 70, 50)), ask(random_image(rng, 100, 160), text="Hello?"), [{"role": "user", "content": "Hi"}]]
-    singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
-    batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
-    assert [r.token_ids for r in batch] == singles
+    check_batch_equals_singles(qvl[0])
 
 
 def test_a_chunked_prefill_through_an_image_equals_one_call(qvl):
-    llm, _, _ = qvl
-    img = random_image(np.random.default_rng(), 120, 300)  # 72 image tokens: chunks of 20 cut through them
-    want = llm.chat(ask(img), max_new_tokens=6, temperature=0).token_ids
-    chunk, llm.backend.prefill_chunk = llm.backend.prefill_chunk, 20
-    try:
-        if llm.prefix_cache is not None:
-            llm.prefix_cache.clear()
-        again = llm.chat(ask(img), max_new_tokens=6, temperature=0)
-        assert again.metrics.cached_tokens == 0 and again.token_ids == want
-    finally:
-        llm.backend.prefill_chunk = chunk
+    check_chunked_prefill(qvl[0])
 
 
 def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(qvl):
-    llm, _, _ = qvl
-    img = random_image(np.random.default_rng(), 100, 160)
-    chat = llm.session()
-    first = chat.chat(ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
-    second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)
-    assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens  # the image was not prefilled again
-    if llm.prefix_cache is not None:
-        llm.prefix_cache.clear()
-    fresh = llm.chat(chat.history[:-1], max_new_tokens=5, temperature=0)
-    assert second.token_ids == fresh.token_ids
-    chat.close()
+    check_follow_up(qvl[0])
 
 
 @pytest.mark.parametrize("target", ["portable", "trt"])

@@ -14,13 +14,15 @@ import numpy as np
 import pytest
 
 from parity import check_verify_after_prefill
-from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image, reference_inputs, reference_processor, reference_tokens
+from tiny_qwen_vl import (
+    SIZES, ask, check_batch_equals_singles, check_chunked_prefill, check_follow_up, check_greedy_tokens, fresh,
+    make_tiny_qwen_vl, random_image, reference_inputs, reference_processor,
+)
 
 torch = pytest.importorskip("torch")
 Image = pytest.importorskip("PIL.Image")
 
 # (height, width): rounded to 16 px, upscaled to min_pixels, a wide one, scaled down to max_pixels
-SIZES = [(70, 50), (20, 30), (100, 160), (120, 300)]
 MAX_SEQ = 512
 
 
@@ -38,11 +40,6 @@ def q35(tmp_path_factory):
     model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(hf).eval()
     yield llm, model, reference_processor(hf, "qwen3_5")
     llm.close()
-
-
-def _fresh(llm):
-    if llm.prefix_cache is not None:
-        llm.prefix_cache.clear()
 
 
 def test_spec_declares_the_tower_and_mrope(q35):
@@ -156,57 +153,21 @@ def test_prefill_and_decode_logits_equal_transformers(q35):
 
 
 def test_greedy_tokens_equal_transformers(q35):
-    llm, model, proc = q35
-    rng = np.random.default_rng()
-    for h, w in SIZES[:3]:
-        img = random_image(rng, h, w)
-        _fresh(llm)
-        result = llm.chat(ask(img), max_new_tokens=8, temperature=0)
-        _, text, _ = llm._chat_prompt(ask(img), {})
-        assert result.token_ids == reference_tokens(model, proc, text, [img]), (h, w)
-    two = [random_image(rng, 90, 60), random_image(rng, 64, 64)]  # two images in one message
-    msgs = ask(two[0], Image.fromarray(two[1]), text="and")
-    _, text, _ = llm._chat_prompt(msgs, {})
-    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == reference_tokens(model, proc, text, two)
+    check_greedy_tokens(*q35)
 
 
 def test_a_batch_equals_the_singles(q35):
-    llm, _, _ = q35
-    rng = np.random.default_rng()
-    asks = [ask(random_image(rng, 70, 50)), ask(random_image(rng, 100, 160), text="Hello?"), [{"role": "user", "content": "Hi"}]]
-    _fresh(llm)
-    singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
-    _fresh(llm)
-    batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
-    assert [r.token_ids for r in batch] == singles
+    check_batch_equals_singles(q35[0])
 
 
 def test_a_chunked_prefill_through_an_image_equals_one_call(q35):
     """The conv and recurrent states cross chunk boundaries that cut the image's rows."""
-    llm, _, _ = q35
-    img = random_image(np.random.default_rng(), 120, 300)  # 72 image tokens: chunks of 20 cut through them
-    _fresh(llm)
-    want = llm.chat(ask(img), max_new_tokens=6, temperature=0).token_ids
-    chunk, llm.backend.prefill_chunk = llm.backend.prefill_chunk, 20
-    try:
-        _fresh(llm)
-        again = llm.chat(ask(img), max_new_tokens=6, temperature=0)
-        assert again.metrics.cached_tokens == 0 and again.token_ids == want
-    finally:
-        llm.backend.prefill_chunk = chunk
+    check_chunked_prefill(q35[0])
 
 
 def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(q35):
-    llm, _, _ = q35
-    img = random_image(np.random.default_rng(), 100, 160)
-    chat = llm.session()
-    first = chat.chat(ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
-    second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)
-    assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens  # the image (and its state) not prefilled again
-    _fresh(llm)
-    fresh = llm.chat(chat.history[:-1], max_new_tokens=5, temperature=0)
-    assert second.token_ids == fresh.token_ids
-    chat.close()
+    """The image (and the hybrid's states after it) is not prefilled again."""
+    check_follow_up(q35[0])
 
 
 def test_the_prefix_cache_reuses_an_image_and_equals_a_fresh_prefill(q35):
@@ -215,11 +176,11 @@ def test_the_prefix_cache_reuses_an_image_and_equals_a_fresh_prefill(q35):
     llm, _, _ = q35
     assert llm.prefix_cache is not None
     img = random_image(np.random.default_rng(), 120, 300)
-    _fresh(llm)
+    fresh(llm)
     llm.chat(ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
     again = llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
     assert again.metrics.cached_tokens >= 32
-    _fresh(llm)
+    fresh(llm)
     assert llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids == again.token_ids
 
 
@@ -245,7 +206,7 @@ def test_other_targets_give_the_same_tokens(q35, tmp_path, target):
     asks = [ask(random_image(rng, 100, 160)), ask(random_image(rng, 20, 30), random_image(rng, 64, 64), text="and")]
     with LLM.load(tmp_path / target, backend="ort") as other:
         for msgs in asks:
-            _fresh(llm)
+            fresh(llm)
             assert other.chat(msgs, max_new_tokens=6, temperature=0).token_ids == \
                 llm.chat(msgs, max_new_tokens=6, temperature=0).token_ids
 
@@ -294,13 +255,13 @@ def test_a_video_beside_an_image_equals_transformers(q35):
     with torch.no_grad():
         out = model(**ref)
     np.testing.assert_allclose(first.logits[0], out.logits[0, -1].numpy(), atol=1e-4, rtol=1e-4)
-    _fresh(llm)
+    fresh(llm)
     assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _video_tokens(model, ref)
     chat = llm.session()
     one = chat.chat(msgs[0], max_new_tokens=5, temperature=0)
     two = chat.chat("And then?", max_new_tokens=5, temperature=0)
     assert chat.last_turn.reused_tokens >= one.metrics.prompt_tokens
-    _fresh(llm)
+    fresh(llm)
     assert two.token_ids == llm.chat(chat.history[:-1], max_new_tokens=5, temperature=0).token_ids
     chat.close()
 
@@ -336,13 +297,13 @@ def test_the_trt_backend_answers_images_with_the_ort_tokens(q35trt, monkeypatch)
         assert llm.vision is not None and llm.backend.name == "trt"
         want = [ref.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
         assert [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks] == want
-        _fresh(llm)
+        fresh(llm)
         batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
         assert [r.token_ids for r in batch] == want
         check_verify_after_prefill(llm.backend, llm._chat_prompt(asks[1], {})[2])
-        _fresh(llm)
+        fresh(llm)
         plain = llm.chat(asks[0], max_new_tokens=16, temperature=0).token_ids
-        _fresh(llm)
+        fresh(llm)
         assert llm.chat(asks[0], max_new_tokens=16, temperature=0, speculative="ngram").token_ids == plain
         chat = llm.session()
         first = chat.chat(asks[1][0], max_new_tokens=5, temperature=0)
@@ -350,7 +311,7 @@ def test_the_trt_backend_answers_images_with_the_ort_tokens(q35trt, monkeypatch)
         assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens
         assert second.token_ids == ref.chat(chat.history[:-1], max_new_tokens=5, temperature=0).token_ids
         chat.close()
-        _fresh(llm)
+        fresh(llm)
         img = asks[1][0]["content"][0]["image"]
         llm.chat(ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
         again = llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)

@@ -170,3 +170,76 @@ def reference_tokens(model: Any, proc: Any, text: str, images: Any, n: int = 8) 
     with torch.no_grad():
         out = model.generate(**ref, max_new_tokens=n, do_sample=False)
     return out[0, ref["input_ids"].shape[1]:].tolist()
+
+
+# ---- checks every Qwen tower runs (Qwen2.5-VL, Qwen3-VL, Qwen3.5): llm is an LLM on the tiny checkpoint ---------
+SIZES = [(70, 50), (20, 30), (100, 160), (120, 300)]
+
+
+def fresh(llm: Any) -> None:
+    """Forget what the prefix cache holds, so the next call prefills from the start."""
+    if llm.prefix_cache is not None:
+        llm.prefix_cache.clear()
+
+
+def check_greedy_tokens(llm: Any, model: Any, proc: Any) -> None:
+    """Greedy tokens equal transformers' for three image sizes and for two images in one message."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng()
+    for h, w in SIZES[:3]:
+        img = random_image(rng, h, w)
+        fresh(llm)
+        result = llm.chat(ask(img), max_new_tokens=8, temperature=0)
+        _, text, _ = llm._chat_prompt(ask(img), {})
+        assert result.token_ids == reference_tokens(model, proc, text, [img]), (h, w)
+    two = [random_image(rng, 90, 60), random_image(rng, 64, 64)]  # two images in one message
+    msgs = ask(two[0], Image.fromarray(two[1]), text="and")
+    _, text, _ = llm._chat_prompt(msgs, {})
+    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == reference_tokens(model, proc, text, two)
+
+
+def check_batch_equals_singles(llm: Any) -> None:
+    """Two image prompts of different sizes and a text one in a batch give each one's tokens alone."""
+    import numpy as np
+
+    rng = np.random.default_rng()
+    asks = [ask(random_image(rng, 70, 50)), ask(random_image(rng, 100, 160), text="Hello?"),
+            [{"role": "user", "content": "Hi"}]]
+    fresh(llm)
+    singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
+    fresh(llm)
+    batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
+    assert [r.token_ids for r in batch] == singles
+
+
+def check_chunked_prefill(llm: Any) -> None:
+    """Prefill chunks of 20 tokens cutting through an image's 72 give the tokens of one call."""
+    import numpy as np
+
+    img = random_image(np.random.default_rng(), 120, 300)
+    fresh(llm)
+    want = llm.chat(ask(img), max_new_tokens=6, temperature=0).token_ids
+    chunk, llm.backend.prefill_chunk = llm.backend.prefill_chunk, 20
+    try:
+        fresh(llm)
+        again = llm.chat(ask(img), max_new_tokens=6, temperature=0)
+        assert again.metrics.cached_tokens == 0 and again.token_ids == want
+    finally:
+        llm.backend.prefill_chunk = chunk
+
+
+def check_follow_up(llm: Any) -> None:
+    """A session's second question about an image prefills only the new turn and equals a full re-prefill."""
+    import numpy as np
+
+    img = random_image(np.random.default_rng(), 100, 160)
+    chat = llm.session()
+    first = chat.chat(ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
+    second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)
+    assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens  # the image was not prefilled again
+    fresh(llm)
+    again = llm.chat(chat.history[:-1], max_new_tokens=5, temperature=0)
+    assert second.token_ids == again.token_ids
+    chat.close()

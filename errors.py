@@ -16,6 +16,15 @@ class MissingDependencyError(DecodertError):
     server answers 500, not 400). The message names the package and how to install it."""
 
 
+class RequestError(DecodertError):
+    """A request that cannot be run, with the part of it at fault (``param``: "messages", "tools", "prompt",
+    ...), which a server reports beside the message."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def first_line(e: BaseException) -> str:
     """The first line of a third-party exception's message ('' if it has none), to quote in a
     one-line DecodertError."""

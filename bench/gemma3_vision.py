@@ -97,7 +97,7 @@ def measure(vision_art: Path, text_art: Path, repeats: int) -> dict:
             rows["encode_s"].append(time.perf_counter() - t0)
             ask = {"role": "user", "content": [{"type": "image", "image": img},
                                                {"type": "text", "text": "What is in this image?"}]}
-            _, _, ids = vl._chat_prompt([ask], {})
+            _, _, ids = vl.prepare([ask], chat=True).rendered
             rows["image_prefill_s"].append(prefill_s(vl, ids))
             rows["same_length_text_prefill_s"].append(prefill_s(tl, np.resize(text_ids, len(ids))))
             vl.vision.store = type(vl.vision.store)()  # forget it: "first" encodes again

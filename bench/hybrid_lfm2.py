@@ -106,7 +106,7 @@ def session_ttft(art: Path, threads: int, repeats: int, turns: int) -> list[dict
         for t in range(turns):
             text = " ".join(words[(t + k) % len(words)] for k in range(120))
             r = session.chat(text, max_new_tokens=16)
-            history = llm._chat_ids(session.history[:-1])
+            history = llm.prepare(session.history[:-1], chat=True).ids
             full = llm.generate(history, max_new_tokens=16)  # the whole conversation prefilled again
             if rep == 0:
                 rows.append({"turn": t + 1, "prompt": int(r.metrics.prompt_tokens), "cached": int(r.metrics.cached_tokens),

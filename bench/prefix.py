@@ -60,7 +60,7 @@ def w_session(job: dict) -> dict:
     llm.generate("Warm up.", max_new_tokens=4, temperature=0)
     session, out = llm.session(system=SYSTEM), []
     for u in job["users"]:
-        prompt_ids = [int(t) for t in llm._chat_ids(session.history + [{"role": "user", "content": u}])]
+        prompt_ids = [int(t) for t in llm.prepare(session.history + [{"role": "user", "content": u}], chat=True).ids]
         r = session.chat(u, max_new_tokens=job["reply"], temperature=0)
         out.append({"ttft_s": r.metrics.ttft_s, "prompt_tokens": r.metrics.prompt_tokens,
                     "cached_tokens": r.metrics.cached_tokens, "tokens": r.token_ids, "prompt_ids": prompt_ids})

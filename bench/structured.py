@@ -39,18 +39,18 @@ SCHEMAS = [  # four different constraints, each long enough for the timed steps
     {"type": "object", "additionalProperties": False, "required": ["readings"], "properties": {"readings": {
         "type": "array", "minItems": 40, "maxItems": 40, "items": {"type": "integer", "minimum": -500, "maximum": 500}}}},
 ]
+_CACHE = None  # the benchmark's own KV cache, beside the LLM's engine
 PROMPT = "Write JSON data about people, places and numbers."
 
 
 def _sequences(llm, batch: int, constrained: bool, steps: int) -> list:
     from decodert.runtime.constraints import Constraint
 
-    ids = llm._chat_ids([{"role": "user", "content": PROMPT}])
-    params = llm.params(temperature=0, max_new_tokens=steps + 2)
     seqs = []
     for i in range(batch):
         c = Constraint.of(json_schema=SCHEMAS[i % len(SCHEMAS)]) if constrained else None
-        seq = llm._sequence(ids, params, constraint=c)
+        seq = llm.engine.sequence(llm.prepare([{"role": "user", "content": PROMPT}], chat=True, constraint=c,
+                                              temperature=0, max_new_tokens=steps + 2))
         if not constrained:
             seq.stop_ids = frozenset()  # run the full length, like the constrained rows
         seqs.append(seq)
@@ -63,7 +63,10 @@ def time_steps(llm, batch: int, mode: str, steps: int) -> list[float]:
     from decodert.runtime.decoding.generate import decode_step, prefill
 
     seqs = _sequences(llm, batch, mode != "plain", steps)
-    cache = llm._cache = llm._cache or llm.backend.allocate(int(llm.backend.max_batch))
+    global _CACHE
+    if _CACHE is None:  # one cache for every timed run (allocating per run would be timed too)
+        _CACHE = llm.backend.allocate(int(llm.backend.max_batch))
+    cache = _CACHE
     slots = list(range(batch))
     mask_overlap.OVERLAP = mode != "inline"
     default_min = mask_overlap.OVERLAP_MIN_S
@@ -96,7 +99,7 @@ def guide_cost(llm, batch: int, steps: int) -> tuple[float, float]:
     from decodert.runtime.constraints import Constraint
     from decodert.runtime.mask_overlap import compute_masks
 
-    ids = llm._chat_ids([{"role": "user", "content": PROMPT}])
+    ids = llm.prepare([{"role": "user", "content": PROMPT}], chat=True).ids
     schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(batch)]
     traces = [llm.generate(ids, temperature=0, max_new_tokens=steps, json_schema=s).token_ids for s in schemas]
     if min(len(t) for t in traces) < steps:

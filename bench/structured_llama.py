@@ -76,7 +76,7 @@ def run_llama(proc, llm, reqs: list[dict]) -> list[dict]:
     out = []
     for r in reqs:
         job = {k: r[k] for k in ("schema", "max_new_tokens", "temperature", "seed")}
-        job["prompt_ids"] = [int(t) for t in llm._chat_ids(r["messages"])]  # the same prompt tokens as decodert's
+        job["prompt_ids"] = [int(t) for t in llm.prepare(r["messages"], chat=True).ids]  # the same prompt tokens as decodert's
         proc.stdin.write(json.dumps(job) + "\n")
         proc.stdin.flush()
         out.append(json.loads(proc.stdout.readline()))

@@ -48,10 +48,10 @@ def run(llm, mode: dict, steps: int):
     params = dict(mode)
     budget = params.pop("budget", steps)
     fmt = params.pop("response_format", None)
-    turn = llm.chat_turn(MESSAGES, params)
-    ids = llm.encode(llm._render(turn), add_bos=False)
-    constraint = turn.constraint(Constraint.from_response_format(fmt))
-    seq = llm._sequence(ids, llm.params(max_new_tokens=budget, temperature=0.0, stop_token_ids=()), constraint=constraint)
+    prepared = llm.prepare(MESSAGES, chat=True, constraint=Constraint.from_response_format(fmt), max_new_tokens=budget,
+                           temperature=0.0, stop_token_ids=(), **params)
+    seq = llm.engine.sequence(prepared)
+    constraint = prepared.constraint
     seq.stop_ids = frozenset()  # run the whole budget
     cache = llm.backend.allocate(1)
     prefill(llm.backend, cache, [0], [seq])

@@ -10,8 +10,9 @@
     llm = LLM.load("out/lora", adapters={"sql": "adapters/sql"}); llm.generate("Hi", adapter="sql")  # LoRA per call
     chat = llm.session(system="Be brief."); chat.chat("Hi"); chat.chat("And then?")   # runtime/chat/session.py
 
-One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
-runs one generation at a time. Starting one ends an unfinished stream of the same thread. From
+Every run goes through the LLM's engine (runtime/engine/): ``prepare`` builds the request, the engine runs
+it. One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
+runs one generation at a time (runtime/engine/runs.py). Starting one ends an unfinished stream of the same thread. From
 several threads, runs serialise: a call waits while another thread's generation or open stream
 holds the cache (``busy_timeout`` seconds at most, then DecodertError; default: no limit); a
 stream left open by a thread that has exited no longer counts (the next run ends it). A
@@ -34,9 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence as Seq, Union
 
 import numpy as np
 
-from decodert.errors import DecodertError
+from decodert.errors import DecodertError, RequestError
 from decodert.export.artifact.manifest import Manifest, TokenizerRecord, tokenizer_file
-from decodert.runtime.decoding.runs import CacheRuns
 from decodert.runtime import validate
 from decodert.runtime.adapters import Adapters
 from decodert.runtime.chat.harmony import markup_decoder
@@ -48,11 +48,13 @@ from decodert.runtime.decoding.generate import GenerationResult, Sequence, TextS
 from decodert.runtime.backends.loading import (  # noqa: F401  (open_tokenizer, read_manifest: re-exported)
     make_prefix_cache, model_defaults, open_backend, open_tokenizer, read_manifest)
 from decodert.runtime.decoding.sampling import SamplingParams, sampling_params
-from decodert.runtime.speculation.speculative import Speculator, resolve as resolve_speculative
+from decodert.runtime.engine.engine import Engine
+from decodert.runtime.engine.request import Prepared
+from decodert.runtime.engine.runs import Runs
+from decodert.runtime.speculation.speculative import Speculator
 from decodert.runtime.vision.encoder import Vision
 from decodert.runtime.vision.images import DEFAULT_LIMITS
 from decodert.runtime.vision.messages import split_images
-from decodert.runtime.vision.tokens import is_image, text_ids
 from decodert.runtime.vision.video import Video
 
 if TYPE_CHECKING:
@@ -74,7 +76,7 @@ class Request:
     adapter: str | None = None  # a LoRA adapter loaded by name (LLM.load(adapters=...)); None: the base model
 
 
-class LLM(CacheRuns):
+class LLM:
     """A backend (runtime/backends/backend.py), a ``tokenizers.Tokenizer`` and the artifact manifest.
 
     Generation keyword arguments are the SamplingParams fields: max_new_tokens=256,
@@ -90,31 +92,73 @@ class LLM(CacheRuns):
 
     def __init__(self, backend: Any, tokenizer: Any, manifest: Manifest | None = None,
                  draft: "LLM | None" = None, prefix_cache_mb: float | None = None, tool_parser: str | None = None) -> None:
-        self.backend = backend
         self.tool_parser = tool_parser  # tool-call format (runtime/chat/tool_calls.py); None: from the template
         self.draft = draft  # the draft model of speculative="draft"
-        self.speculator = Speculator(draft.backend if draft is not None else None)
         self.tokenizer = tokenizer
         self.manifest = manifest
         tok = manifest.tokenizer if manifest else TokenizerRecord()
         model_eos, model_bos = (manifest.model.eos_token_ids, manifest.model.bos_token_id) if manifest else ((), None)
-        self.eos_token_ids = tuple(tok.eos_token_ids or model_eos)
         self.bos_token_id = tok.bos_token_id if tok.bos_token_id is not None else model_bos
         self.add_bos_token = tok.add_bos_token
         self.chat_template = tok.chat_template
-        self._text_decoder = markup_decoder(tokenizer, self.chat_template)  # harmony: keeps the channel markup
         self.sampling_defaults = model_defaults(manifest)
-        CacheRuns.__init__(self)
         self._guidance: Guidance | None = None  # llguidance tokenizer, made on the first constrained request
-        self._guidance_lock = threading.Lock()  # not self._lock: building it must not hold up a running step
-        self.prefix_cache = make_prefix_cache(backend, prefix_cache_mb)  # None: off
+        self._guidance_lock = threading.Lock()  # not the runs' lock: building it must not hold up a running step
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # closed with the LLM
-        self.vision = Vision.attach(backend, manifest)  # images in (runtime/vision/); None: text only
         self.image_limits = DEFAULT_LIMITS  # bytes, pixels and images per request (the server sets its own)
         self.fetch_image: Callable[[str, str], bytes] | None = None  # remote image URLs: refused unless set
         layout = manifest.lora_layout if manifest else None  # LoRA slots: adapters by name (runtime/adapters.py)
         self.adapters = Adapters(layout, manifest.model.spec() if manifest and layout else None,
                                  getattr(backend, "lora_weights", None))
+        self.engine = Engine(backend, decoder=markup_decoder(tokenizer, self.chat_template),  # harmony keeps its markup
+                             eos_token_ids=tuple(tok.eos_token_ids or model_eos),
+                             prefix_cache=make_prefix_cache(backend, prefix_cache_mb),  # None: off
+                             speculator=Speculator(draft.backend if draft is not None else None),
+                             vision=Vision.attach(backend, manifest),  # images in (runtime/vision/); None: text only
+                             adapters=self.adapters, guidance=lambda: self.guidance, manifest=manifest)
+        self.runs = Runs(self.engine)  # callers' runs take the engine one at a time
+
+    # -- what the engine owns, seen from here ------------------------------------------------------
+    @property
+    def backend(self) -> Any:
+        return self.engine.backend
+
+    @backend.setter
+    def backend(self, backend: Any) -> None:
+        self.engine.backend = backend
+
+    @property
+    def prefix_cache(self) -> Any:
+        return self.engine.prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, prefix: Any) -> None:
+        self.engine.prefix_cache = prefix
+
+    @property
+    def vision(self) -> Any:
+        return self.engine.vision
+
+    @property
+    def speculator(self) -> Speculator:
+        return self.engine.speculator
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.engine.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: Seq[int]) -> None:
+        self.engine.eos_token_ids = tuple(ids)
+
+    @property
+    def busy_timeout(self) -> float | None:
+        """Seconds a run waits for another thread's open stream (None: as long as it takes)."""
+        return self.runs.busy_timeout
+
+    @busy_timeout.setter
+    def busy_timeout(self, seconds: float | None) -> None:
+        self.runs.busy_timeout = seconds
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
@@ -162,16 +206,16 @@ class LLM(CacheRuns):
     def load_adapter(self, name: str, folder: str | Path) -> None:
         """Load a PEFT LoRA folder into a free adapter slot as ``name`` (no re-export; the same name is replaced,
         when no generation is running: its rows would change adapter mid-answer)."""
-        with self._lock:
-            if self._live is not None and name in self.adapters.names:
+        with self.runs.lock:
+            if self.runs.busy and name in self.adapters.names:
                 raise DecodertError(f"adapter {name!r} is loaded and a run is in progress; replace it when no "
                                     "generation is running, or load it under another name")
             self.adapters.load(name, folder)
 
     def unload_adapter(self, name: str) -> None:
         """Free ``name``'s slot; K/V computed under it are never reused (their tag is not loaded again)."""
-        with self._lock:
-            if self._live is not None:
+        with self.runs.lock:
+            if self.runs.busy:
                 raise DecodertError(f"adapter {name!r}: a run is in progress; unload it when no generation is running")
             self.adapters.unload(name)
 
@@ -188,14 +232,14 @@ class LLM(CacheRuns):
     @property
     def slots_in_use(self) -> int:
         """Cache slots held by the current run (0 whenever no run is in progress)."""
-        return len(self._active)
+        return self.engine.slots_in_use
 
     def close(self) -> None:
         """Release the backend's resources (GPU memory for trt) when it has a ``close``."""
         close = getattr(self.backend, "close", None)
-        with self._lock:
-            self._end_live()
-            self._cache = None
+        with self.runs.lock:
+            self.runs.end()
+            self.engine.release_cache()
             for session in list(self._sessions):
                 session.close()
             if self.prefix_cache is not None:
@@ -229,31 +273,72 @@ class LLM(CacheRuns):
     def apply_chat_template(self, messages: Seq[Message], add_generation_prompt: bool = True, **options: Any) -> str:
         """Render chat messages with the model's template (sandboxed) -> prompt text. ``options``: tools,
         tool_choice, parallel_tool_calls, enable_thinking, chat_template_kwargs (runtime/chat/turn.py)."""
-        turn = self.chat_turn(messages, options)
-        return self._render(turn, add_generation_prompt)
+        return self._render(self.chat_turn(messages, options), add_generation_prompt)
 
     def chat_turn(self, messages: Seq[Message], options: Mapping[str, Any]) -> ChatTurn:
         """The checked turn for ``messages`` and the chat options (tools, thinking, template arguments)."""
         return chat_turn(self.chat_template, messages, options, self.tool_parser)
 
+    def prepare(self, source: Prompt | Seq[Message], what: str = "prompt", chat: bool | None = None,
+                **params: Any) -> Prepared:
+        """The one way to build a request: a prompt (text or ids) or chat messages, and the generation keyword
+        arguments (sampling over the model's defaults; json_schema / regex / grammar, or ``constraint=``;
+        ``speculative``, ``adapter``; for messages the chat options: tools, tool_choice, parallel_tool_calls,
+        enable_thinking, chat_template_kwargs) -> a Prepared (runtime/engine/request.py).
+
+        Messages are rendered with the chat template (the template writes any BOS itself, as transformers'
+        apply_chat_template); images and videos in them are decoded and their tokens expanded. ``chat``: whether
+        ``source`` is messages (None: a non-empty list of dicts is). RequestError
+        (a DecodertError) names the part at fault: "messages", "tools", "prompt" or the parameter."""
+        params = dict(params)
+        spec, adapter, given = params.pop("speculative", None), params.pop("adapter", None), params.pop("constraint", None)
+        if not (_is_messages(source) if chat is None else chat):
+            sp, constraint = self._params_and_constraint(params, given)
+            return Prepared(self.encode(source, what=what), sp, constraint, spec, adapter, what=what)
+        turn, text, ids = self._chat(source, pop_options(params))
+        sp, constraint = self._params_and_constraint(params, given)
+        try:
+            constraint = turn.constraint(constraint)
+        except DecodertError as e:
+            raise RequestError(str(e), "tools") from None
+        return Prepared(ids, sp, constraint, spec, adapter, turn, text, what)
+
+    def _params_and_constraint(self, params: dict, given: Constraint | None) -> tuple[SamplingParams, Constraint | None]:
+        sp, constraint = self.split_params(params)
+        if given is not None:
+            if constraint is not None:
+                raise DecodertError("pass one of constraint= or json_schema= / regex= / grammar=, not both")
+            if not isinstance(given, Constraint):
+                raise DecodertError(f"constraint must be a Constraint (Constraint.of(json_schema=...)), got {type(given).__name__}")
+            constraint = given
+        return sp, constraint
+
+    def _chat(self, messages: Seq[Message], options: Mapping[str, Any]) -> tuple[ChatTurn, str, np.ndarray]:
+        """Messages and chat options -> (turn, rendered prompt, its ids); RequestError naming the part at fault."""
+        try:
+            messages, images = self.split_images(messages)
+        except DecodertError as e:
+            raise RequestError(str(e), "messages") from None
+        try:
+            turn = self.chat_turn(messages, options)
+        except DecodertError as e:
+            message = str(e)
+            raise RequestError(message, "messages" if message.startswith("chat message")
+                               else "tools" if "tool" in message else "messages") from None
+        try:
+            text = self._render(turn)
+            return turn, text, self.prompt_ids(text, images)
+        except DecodertError as e:
+            raise RequestError(str(e), "messages") from None
+
     def _render(self, turn: ChatTurn, add_generation_prompt: bool = True) -> str:
+        eos = self.eos_token_ids
         return render_chat(self.chat_template, turn.messages, bos_token=self._token_str(self.bos_token_id),
-                           eos_token=self._token_str(self.eos_token_ids[0] if self.eos_token_ids else None),
+                           eos_token=self._token_str(eos[0] if eos else None),
                            add_generation_prompt=add_generation_prompt, **turn.template_kwargs)
 
     def _token_str(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.tokenizer.id_to_token(int(token_id)) or "")
-
-    def _chat_ids(self, messages: Seq[Message]) -> np.ndarray:
-        return self._chat_prompt(messages, {})[2]
-
-    def _chat_prompt(self, messages: Seq[Message], options: Mapping[str, Any]) -> tuple[ChatTurn, str, np.ndarray]:
-        """The chat options (``pop_options``) for ``messages`` -> (turn, rendered prompt, its ids).
-        The template writes any BOS itself (as transformers' apply_chat_template)."""
-        messages, images = self.split_images(messages)
-        turn = self.chat_turn(messages, options)
-        text = self._render(turn)
-        return turn, text, self.prompt_ids(text, images)
 
     def split_images(self, messages: Seq[Message]) -> tuple[Seq[Message], list[np.ndarray | Video]]:
         """Image / video parts -> ``{"type": "image"}`` / ``{"type": "video"}`` for the template, and the decoded
@@ -281,82 +366,41 @@ class LLM(CacheRuns):
                 self._guidance = Guidance.for_tokenizer(self.tokenizer, self.backend.vocab_size, self.eos_token_ids)
             return self._guidance
 
-    def _sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt",
-                  constraint: Constraint | None = None, speculative: Any = None, adapter: str | None = None) -> Sequence:
-        if ids.size == 0:
-            raise DecodertError(f"{what} is empty")
-        if ids.size > self.max_seq - 1:
-            raise DecodertError(f"{what} has {ids.size} tokens but the model was exported with --max-seq "
-                                f"{self.max_seq}, which leaves no room to generate; re-export with a larger --max-seq")
-        if is_image(ids).any() and self.vision is None:
-            raise DecodertError(f"{what} has image ids but this model takes no images")
-        if ids.min() < 0 or text_ids(ids).max() >= self.backend.vocab_size:
-            raise DecodertError(f"{what} has token ids outside the vocabulary [0, {self.backend.vocab_size})")
-        if any(t >= self.backend.vocab_size for t, _ in params.logit_bias):
-            raise DecodertError(f"logit_bias has token ids outside the vocabulary [0, {self.backend.vocab_size})")
-        guide = None
-        if constraint is not None:
-            try:
-                guide = self.guidance.guide(constraint)
-            except DecodertError as e:
-                raise (DecodertError(f"{what}: {e}") if what != "prompt" else e) from None
-        seq = Sequence(ids, params, self._text_decoder, self.eos_token_ids, self.max_seq, guide)
-        if self.vision is not None:  # its images' rows stay readable until it is done (runtime/vision/encoder.py)
-            seq.images = self.vision.store.pin(ids)
-        seq.adapter = self.adapters.resolve(adapter)
-        config = resolve_speculative(speculative)
-        if config is not None and not params.logprobs:  # logprobs rows decode one token a step (docs/SERVING.md)
-            self._check_speculation()
-            seq.spec = self.speculator.state(config, seq)
-        return seq
-
-    def _check_speculation(self) -> None:
-        if not hasattr(self.backend, "verify"):
-            raise DecodertError(f"the {self.backend.name} backend has no verify pass; speculative decoding "
-                                "runs on the ort and trt backends")
-        if not getattr(self.backend, "verify_width", 0):
-            if self.manifest is not None and "verify" in self.manifest.graphs:  # trt: engines built before it
-                raise DecodertError("this artifact has no verify engine (built before speculative decoding); "
-                                    "run `decodert build` on it again to use speculative decoding")
-            raise DecodertError("this artifact has no verify graph (exported before speculative decoding); "
-                                "re-export it to use speculative decoding")
-
     def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""
-        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
-        sp, c = self.split_params(params)
         if not validate.is_batch(prompt):
-            return self._finish([self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec, adapter=lora)])[0]
-        return self._finish([self._sequence(self.encode(p, what=f"prompt {i}"), sp, f"prompt {i}", c, spec, lora)
-                             for i, p in enumerate(prompt)])
+            return self.run([self.engine.sequence(self.prepare(prompt, **params))])[0]
+        return self.run([self.engine.sequence(self.prepare(p, f"prompt {i}", **params)) for i, p in enumerate(prompt)])
 
     def stream(self, prompt: Prompt, **params: Any) -> TextStream:
         """Iterate the generated text as deltas (str); see TextStream for the final result."""
         if validate.is_batch(prompt):
             raise DecodertError(f"stream takes one prompt, got a batch of {len(prompt)}; use generate or generate_many")
-        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
-        sp, c = self.split_params(params)
-        seq = self._sequence(self.encode(prompt), sp, constraint=c, speculative=spec, adapter=lora)
-        return TextStream(self._stream([seq]), seq)
+        return self.run_stream(self.engine.sequence(self.prepare(prompt, **params)))
 
     def chat(self, messages: Seq[Message], **params: Any) -> GenerationResult:
         """Apply the chat template (with the generation prompt) and generate the reply. Chat options:
         ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``enable_thinking``, ``chat_template_kwargs``;
         the result's ``tool_calls`` and ``reasoning`` are split from its text (runtime/chat/turn.py)."""
-        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
-        turn, prompt, ids = self._chat_prompt(messages, pop_options(params))
-        sp, c = self.split_params(params)
-        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec, adapter=lora)
-        return turn.finish(self._finish([seq])[0], prompt)
+        prepared = self.prepare(messages, chat=True, **params)
+        return prepared.turn.finish(self.run([self.engine.sequence(prepared)])[0], prepared.text)
 
     def stream_chat(self, messages: Seq[Message], **params: Any) -> TextStream | ChatStream:
         """``chat`` as a stream of text deltas (with tools or reasoning: the content's, in a ChatStream)."""
-        spec, lora = params.pop("speculative", None), params.pop("adapter", None)
-        turn, prompt, ids = self._chat_prompt(messages, pop_options(params))
-        sp, c = self.split_params(params)
-        seq = self._sequence(ids, sp, constraint=turn.constraint(c), speculative=spec, adapter=lora)
-        stream = TextStream(self._stream([seq]), seq)
-        return stream if turn.plain else ChatStream(stream, turn.output(prompt), turn.tools is not None)
+        prepared = self.prepare(messages, chat=True, **params)
+        stream = self.run_stream(self.engine.sequence(prepared))
+        turn = prepared.turn
+        return stream if turn.plain else ChatStream(stream, turn.output(prepared.text), turn.tools is not None)
+
+    def run(self, seqs: Seq[Sequence], row: Any = None) -> list[GenerationResult]:
+        """Run sequences (``engine.sequence``) to their end in one run of the engine -> their results, in order.
+        ``row``: a session's pinned row (one sequence)."""
+        self.runs.finish(lambda: [self.engine.add(s, row) for s in seqs])
+        return [s.result() for s in seqs]
+
+    def run_stream(self, seq: Sequence, row: Any = None) -> TextStream:
+        """One sequence as a stream of text deltas; the run holds the engine until the stream ends or closes."""
+        return TextStream(_by_id(self.runs.stream(lambda: [self.engine.add(seq, row)])), seq)
 
     def session(self, system: str | None = None, overflow: str = "truncate") -> "Session":
         """A conversation whose K/V stays in its own cache row between turns (runtime/chat/session.py):
@@ -373,25 +417,40 @@ class LLM(CacheRuns):
         validate.check_sequence_arg(requests, "requests")
         if not requests:
             raise DecodertError("the list of requests is empty")
-        return self._finish([self._request_sequence(r, i) for i, r in enumerate(requests)])
+        return self.run([self._request_sequence(r, i) for i, r in enumerate(requests)])
 
     def _request_sequence(self, req: Request | Mapping[str, Any], i: int) -> Sequence:
         validate.check_request(req, i, Request)
+        what = f"request {i}"
         if isinstance(req, Mapping):
-            sp, c = self.split_params({k: v for k, v in req.items()
-                                       if k not in ("prompt", "messages", "speculative", "adapter")})
-            req = Request(req.get("prompt"), sp, req.get("messages"), c, req.get("speculative"), req.get("adapter"))
-        elif req.params is None:
-            req = Request(req.prompt, self.params(), req.messages, req.constraint, req.speculative, req.adapter)
+            rest = {k: v for k, v in req.items() if k not in ("prompt", "messages")}
+            req = Request(req.get("prompt"), None, req.get("messages"), None, None, None)
         else:
-            sampling_params(req.params)  # validate
-        if req.constraint is not None and not isinstance(req.constraint, Constraint):
-            raise DecodertError(f"request {i}: constraint must be a Constraint (Constraint.of(json_schema=...)), "
-                                f"got {type(req.constraint).__name__}")
+            if req.params is not None:
+                sampling_params(req.params)  # validate
+            if req.constraint is not None and not isinstance(req.constraint, Constraint):
+                raise DecodertError(f"request {i}: constraint must be a Constraint (Constraint.of(json_schema=...)), "
+                                    f"got {type(req.constraint).__name__}")
+            rest = {"speculative": req.speculative, "adapter": req.adapter, "constraint": req.constraint}
         if (req.prompt is None) == (req.messages is None):
             raise DecodertError(f"request {i} needs exactly one of 'prompt' or 'messages'")
-        ids = self.encode(req.prompt, what=f"request {i}") if req.messages is None else self._chat_ids(req.messages)
-        try:
-            return self._sequence(ids, req.params, f"request {i}", req.constraint, req.speculative, req.adapter)
-        except DecodertError as e:
-            raise (DecodertError(f"request {i}: {e}") if str(e).startswith("unknown adapter") else e) from None
+        prepared = self.prepare(req.prompt if req.messages is None else req.messages, what, req.messages is not None, **rest)
+        if isinstance(req, Request) and req.params is not None:  # an object is used as it is
+            prepared = Prepared(prepared.ids, req.params, prepared.constraint, prepared.speculative, prepared.adapter,
+                                prepared.turn, prepared.text, what)
+        return self.engine.sequence(prepared)
+
+
+def _by_id(events: Any) -> Any:
+    """(handle, delta) events -> (request id, delta); closing it closes the run's stream."""
+    try:
+        for handle, delta in events:
+            yield handle.id, delta
+    finally:
+        events.close()
+
+
+def _is_messages(source: Any) -> bool:
+    """Chat messages (a list of dicts) rather than a prompt (text, ids)."""
+    return isinstance(source, (list, tuple)) and bool(source) and isinstance(source[0], Mapping)
+

@@ -77,7 +77,7 @@ def batching_phase(llm: LLM, n: int, rounds: int) -> dict:
         finished += sum(res.finish_reason in ("stop", "length") for res in results)
         tokens += sum(len(res.token_ids) for res in results)
         held.append(llm.slots_in_use)
-        lengths.append([int(x) for x in llm._cache.lengths] if llm._cache is not None else [])
+        lengths.append([int(x) for x in llm.engine.cache.lengths] if llm.engine.cache is not None else [])
         rss.append(round(_rss_mb(), 1))
     return {"requests": n * rounds, "rounds": rounds, "finished": finished, "tokens": tokens,
             "seconds": round(time.perf_counter() - t0, 1), "slots": int(llm.backend.max_batch),

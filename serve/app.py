@@ -1,4 +1,4 @@
-"""The OpenAI-compatible ASGI app over one Engine (FastAPI routes, SSE streams, a guard middleware).
+"""The OpenAI-compatible ASGI app over one EngineThread (FastAPI routes, SSE streams, a guard middleware).
 
     app = build_app(engine, ServeConfig(model_name="smollm2", api_key="..."))
 
@@ -25,7 +25,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decodert.errors import first_line
-from decodert.runtime.decoding.engine import CANCELLED, Engine
+from decodert.runtime.engine.request import CANCELLED
+from decodert.runtime.engine.thread import EngineThread
 from decodert.serve.guard import Guard
 from decodert.serve.jobs import COMPLETION_DEFAULT_MAX_TOKENS, Job, encode_chat_turn, encode_prompts, prepare
 from decodert.serve.logprobs import logprob_format
@@ -47,7 +48,7 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback and the bound address ("*": any)
 
 
-def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
+def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
     metrics = ServerMetrics(engine)
 
     @contextlib.asynccontextmanager
@@ -93,18 +94,17 @@ def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
                                                    adapter)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
                               Reply("completion", req.model, logprob_format(req, engine.llm.tokenizer, False)),
-                              [len(p) for p in prompts], config)
+                              [len(p.ids) for p in prompts], config)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         received = time.perf_counter()
         req = parse(ChatCompletionRequest, await request.body())
         adapter = _check_model(req.model, config, engine)
-        turn, prompt, prompts, choices = await run_in_threadpool(_chat_and_prepare, engine, req, config.speculative,
-                                                                 adapter)
+        prepared, choices = await run_in_threadpool(_chat_and_prepare, engine, req, config.speculative, adapter)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
-                              Reply("chat", req.model, logprob_format(req, engine.llm.tokenizer, True), turn, prompt),
-                              [len(p) for p in prompts], config)
+                              Reply("chat", req.model, logprob_format(req, engine.llm.tokenizer, True), prepared.turn,
+                                    prepared.text), [len(prepared.ids)], config)
 
     return app
 
@@ -128,20 +128,20 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(ApiError(500, message, type="server_error").body(), status_code=500)
 
 
-def _encode_and_prepare(encode, engine: Engine, inputs, req, limit: int | None, default: int | None,
+def _encode_and_prepare(encode, engine: EngineThread, inputs, req, limit: int | None, default: int | None,
                         speculative: Any, adapter: str | None = None):
     """Tokenize (or render the chat template) and check the request in one thread-pool hop, not two."""
-    prompts = encode(engine, inputs)
+    prompts = encode(engine, inputs, req)
     return prompts, prepare(engine, prompts, req, limit, default, speculative, adapter)
 
 
-def _chat_and_prepare(engine: Engine, req: ChatCompletionRequest, speculative: Any, adapter: str | None = None):
+def _chat_and_prepare(engine: EngineThread, req: ChatCompletionRequest, speculative: Any, adapter: str | None = None):
     """Render the chat turn (tools, thinking) and check the request in one thread-pool hop."""
-    turn, prompt, prompts = encode_chat_turn(engine, req)
-    return turn, prompt, prompts, prepare(engine, prompts, req, req.limit, None, speculative, adapter)
+    prepared = encode_chat_turn(engine, req)
+    return prepared, prepare(engine, [prepared], req, req.limit, None, speculative, adapter)
 
 
-def _model_card(engine: Engine, config: ServeConfig, adapter: str | None) -> dict[str, Any]:
+def _model_card(engine: EngineThread, config: ServeConfig, adapter: str | None) -> dict[str, Any]:
     """The base model's card, or a LoRA adapter's: id "MODEL:NAME", its parent the base model."""
     card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "decodert",
             "max_model_len": engine.llm.max_seq}
@@ -151,7 +151,7 @@ def _model_card(engine: Engine, config: ServeConfig, adapter: str | None) -> dic
     return card
 
 
-def _check_model(name: str, config: ServeConfig, engine: Engine) -> str | None:
+def _check_model(name: str, config: ServeConfig, engine: EngineThread) -> str | None:
     """The request's model -> the LoRA adapter it names (None: the base model): "MODEL", "MODEL:NAME" or
     "NAME" (as vLLM); anything else is a 404 model_not_found, as OpenAI's API."""
     if name == config.model_name:

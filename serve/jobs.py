@@ -1,6 +1,7 @@
-"""One HTTP request's generations: prompts -> validated Sequences -> engine requests -> an asyncio stream.
+"""One HTTP request's generations: prompts -> prepared requests (``LLM.prepare``) -> validated Sequences ->
+engine requests -> an asyncio stream.
 
-``prepare`` runs in a worker thread (tokenizing and the chat template take milliseconds, which
+``encode_prompts`` / ``encode_chat_turn`` and ``prepare`` run in a worker thread (tokenizing and the chat template take milliseconds, which
 the event loop must not spend); ``Job`` submits every choice to the engine at once (all or
 none) and turns the engine thread's events into ``(choice index, Event)`` on an asyncio queue.
 """
@@ -13,12 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence as Seq, Union
 
-import numpy as np
-
-from decodert.errors import DecodertError, MissingDependencyError
-from decodert.runtime.decoding.engine import Engine, EngineClosed, Event, Handle, QueueFull
+from decodert.errors import DecodertError, MissingDependencyError, RequestError
 from decodert.runtime.decoding.generate import Sequence
 from decodert.runtime.decoding.sampling import SamplingParams
+from decodert.runtime.engine.request import Prepared
+from decodert.runtime.engine.thread import EngineClosed, EngineThread, Event, Handle, QueueFull
 from decodert.serve.protocol import ApiError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the rest of the context
@@ -34,7 +34,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
                     "frequency_penalty")
 
 
-def sampling(engine: Engine, req, max_new_tokens: int, seed: int | None) -> SamplingParams:
+def sampling(engine: EngineThread, req, max_new_tokens: int, seed: int | None) -> SamplingParams:
     """SamplingParams of one choice: the fields the request set, over the model's sampling defaults
     (manifest.sampling, as ``LLM.generate``; greedy when the model has none)."""
     given = {name: getattr(req, name) for name in _SAMPLING_FIELDS
@@ -46,9 +46,9 @@ def sampling(engine: Engine, req, max_new_tokens: int, seed: int | None) -> Samp
         raise ApiError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
 
-def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, default: int | None,
+def prepare(engine: EngineThread, prompts: Seq[Prepared], req, limit: int | None, default: int | None,
             speculative: Any = None, adapter: str | None = None) -> list[Choice]:
-    """Sequences for ``req.n`` choices of every prompt (ids [L] each); ApiError 400 when one cannot run.
+    """Sequences for ``req.n`` choices of every prepared prompt; ApiError 400 when one cannot run.
 
     ``limit`` is the requested max_tokens (None: ``default``, or the rest of the context when
     that is None too); prompt + limit must fit the context (the artifact's max_seq).
@@ -70,15 +70,17 @@ def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, de
         engine.speculation(spec)
     except DecodertError as e:
         raise ApiError(400, str(e), param="speculative") from None
-    if req.constraint is not None:
+    constraint = prompts[0].constraint if prompts else None  # the same for every prompt (tools' included)
+    if constraint is not None:
         try:
-            engine.llm.guidance.guide(req.constraint)  # compiled once here (cached), so a bad schema is its own 400
+            engine.llm.guidance.guide(constraint)  # compiled once here (cached), so a bad schema is its own 400
         except MissingDependencyError as e:  # the server's installation is at fault, not the request
             raise ApiError(500, str(e), type="server_error", code="missing_dependency") from None
         except DecodertError as e:
             raise ApiError(400, str(e), param="response_format") from None
     choices = []
-    for p, ids in enumerate(prompts):
+    for p, base in enumerate(prompts):
+        ids = base.ids
         room = max_seq - len(ids)
         if limit is not None and len(ids) + limit > max_seq or room < 1:
             asked = limit if limit is not None else 1
@@ -88,19 +90,21 @@ def prepare(engine: Engine, prompts: Seq[np.ndarray], req, limit: int | None, de
         n_new = limit if limit is not None else min(room, default) if default is not None else room
         for j in range(req.n):
             seed = None if req.seed is None else req.seed + j
+            prepared = dataclasses.replace(base, params=sampling(engine, req, n_new, seed), speculative=spec,
+                                           adapter=adapter, what="prompt" if len(prompts) == 1 else f"prompt {p}")
             try:
-                seq = engine.sequence(ids, sampling(engine, req, n_new, seed),
-                                      "prompt" if len(prompts) == 1 else f"prompt {p}", req.constraint, spec, adapter)
+                seq = engine.sequence(prepared)
             except DecodertError as e:
                 raise ApiError(400, str(e), param="logit_bias" if str(e).startswith("logit_bias") else "prompt") from None
             choices.append(Choice(seq, p))
     return choices
 
 
-def encode_prompts(engine: Engine, prompts: Seq[Union[str, list[int]]]) -> list[np.ndarray]:
+def encode_prompts(engine: EngineThread, prompts: Seq[Union[str, list[int]]], req) -> list[Prepared]:
+    """A completions request's prompts, prepared (sampling is set per choice by ``prepare``)."""
     llm = engine.llm
     try:
-        return [llm.encode(p) for p in prompts]
+        return [llm.prepare(p, chat=False, constraint=req.constraint) for p in prompts]
     except DecodertError as e:
         raise ApiError(400, str(e), param="prompt") from None
 
@@ -108,7 +112,7 @@ def encode_prompts(engine: Engine, prompts: Seq[Union[str, list[int]]]) -> list[
 class Job:
     """The engine requests of one HTTP request; ``events()`` yields ``(choice index, Event)`` until all ended."""
 
-    def __init__(self, engine: Engine, choices: list[Choice], received: float, observe=None) -> None:
+    def __init__(self, engine: EngineThread, choices: list[Choice], received: float, observe=None) -> None:
         self.choices = choices
         self.received = received  # time.perf_counter() when the request arrived
         self._observe = observe  # observe(result, ttft_s) on the engine thread for every finished choice
@@ -157,26 +161,12 @@ def now() -> float:
 
 
 
-def encode_chat_turn(engine: Engine, req) -> tuple[Any, str, list[np.ndarray]]:
-    """A chat request's turn (tools, thinking: runtime/chat/turn.py), rendered prompt and ids; the tools'
-    constraint becomes the request's (``req.constraint``). ApiError 400 on bad messages or tools."""
-    llm = engine.llm
-    try:
-        messages, images = llm.split_images(req.message_dicts())  # image_url parts: decoded under the limits
-    except DecodertError as e:
-        raise ApiError(400, str(e), param="messages") from None
-    try:
-        turn = llm.chat_turn(messages, req.chat_options())
-    except DecodertError as e:
-        message = str(e)
-        param = "messages" if message.startswith("chat message") else "tools" if "tool" in message else "messages"
-        raise ApiError(400, message, param=param) from None
-    try:
-        req._constraint = turn.constraint(req.constraint)
-    except DecodertError as e:
-        raise ApiError(400, str(e), param="tools") from None
-    try:
-        prompt = llm._render(turn)
-        return turn, prompt, [llm.prompt_ids(prompt, images)]
+def encode_chat_turn(engine: EngineThread, req) -> Prepared:
+    """A chat request, prepared: its turn (tools, thinking: runtime/chat/turn.py), rendered prompt and ids, the
+    tools' constraint merged with response_format's. ApiError 400 on bad messages or tools."""
+    try:  # image_url parts are decoded under the limits
+        return engine.llm.prepare(req.message_dicts(), chat=True, constraint=req.constraint, **req.chat_options())
+    except RequestError as e:
+        raise ApiError(400, str(e), param=e.param or "messages") from None
     except DecodertError as e:
         raise ApiError(400, str(e), param="messages") from None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from decodert.runtime.decoding.engine import Engine
+from decodert.runtime.engine.thread import EngineThread
 from decodert.runtime.decoding.generate import GenerationResult
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -20,7 +20,7 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineThread) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("decodert_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)

@@ -49,7 +49,7 @@ def model_name(options: ServeOptions) -> str:
 
 def make_app(options: ServeOptions):
     """Load the artifact and build the app (the engine starts with the app's lifespan)."""
-    from decodert.runtime.decoding.engine import Engine
+    from decodert.runtime.engine.thread import EngineThread
     from decodert.runtime.llm import LLM
     from decodert.serve.app import ServeConfig, build_app
 
@@ -59,7 +59,7 @@ def make_app(options: ServeOptions):
     llm.image_limits = options.image_limits
     if options.allow_image_urls:
         llm.fetch_image = functools.partial(fetch_url, limits=options.image_limits)
-    engine = Engine(llm, max_queue=options.max_queue)
+    engine = EngineThread(llm, max_queue=options.max_queue)
     try:
         engine.speculation(options.speculative)  # a default the model cannot do fails now, not per request
     except DecodertError as e:

@@ -112,7 +112,7 @@ def check_session_turns(llm) -> None:
     session = llm.session(system="be brief")
     for question in ("Hello world!", "How are you today?", "The quick brown fox"):
         r = session.chat(question, max_new_tokens=8)
-        again = llm.generate(llm._chat_ids(session.history[:-1]), max_new_tokens=8)
+        again = llm.generate(llm.prepare(session.history[:-1], chat=True).ids, max_new_tokens=8)
         assert r.token_ids == again.token_ids
 
 

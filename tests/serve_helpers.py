@@ -32,7 +32,7 @@ def running(llm, model_name: str = "tiny", **config):
     """Serve ``llm`` on 127.0.0.1:<free port> in this process; yields (base_url, app)."""
     import uvicorn
 
-    from decodert.runtime.decoding.engine import Engine
+    from decodert.runtime.engine.thread import EngineThread as Engine
     from decodert.serve.app import ServeConfig, build_app
     from decodert.serve.connections import http_protocol
     from decodert.serve.server import bind

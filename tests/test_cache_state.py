@@ -36,8 +36,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import FakeBackend, fake_manifest, make_tokenizer, mix_state, reference_tokens  # noqa: E402
 
-from decodert.runtime.decoding.engine import CANCELLED, Engine, Event  # noqa: E402
-from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.engine.thread import CANCELLED, EngineThread as Engine, Event  # noqa: E402
 from decodert.runtime.llm import LLM  # noqa: E402
 from decodert.runtime.prefix_cache import PrefixCache  # noqa: E402
 from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
@@ -157,8 +156,8 @@ class World:
 
         try:
             for j, (i, n, spec, _) in enumerate(reqs):
-                seq = engine.sequence(self.prompts[i], SamplingParams(max_new_tokens=n, temperature=0),
-                                      speculative=engine.speculation(SPEC[spec]))
+                seq = engine.sequence(engine.llm.prepare(self.prompts[i], max_new_tokens=n, temperature=0,
+                                                         speculative=engine.speculation(SPEC[spec])))
                 handles[j] = engine.submit(seq, sink_for(j))
             assert done.wait(30), "the engine did not finish its requests"
         finally:
@@ -171,7 +170,7 @@ class World:
     def op_turn(self, k: int, q: int, n: int, spec: int) -> None:
         s = self.sessions[k]
         r = s.chat(QUESTIONS[q], max_new_tokens=n, temperature=0, speculative=SPEC[spec])
-        assert r.token_ids == self.expect(self.llm._chat_ids(s.history[:-1]), n)
+        assert r.token_ids == self.expect(self.llm.prepare(s.history[:-1], chat=True).ids, n)
 
     def op_stream_turn(self, k: int, q: int, n: int, spec: int, take: int, then: str) -> None:
         s = self.sessions[k]
@@ -181,7 +180,7 @@ class World:
             pass
         if then == "finish":
             list(stream)
-            assert stream.result.token_ids == self.expect(self.llm._chat_ids(s.history[:-1]), n)
+            assert stream.result.token_ids == self.expect(self.llm.prepare(s.history[:-1], chat=True).ids, n)
             return
         if then == "close_stream":
             stream.close()
@@ -214,11 +213,11 @@ class World:
     def check(self) -> None:
         llm = self.llm
         assert llm.slots_in_use == 0
-        if llm._cache is not None:
-            assert not llm._cache.lengths.any(), "a row of the shared cache is left in use"
+        if llm.engine.cache is not None:
+            assert not llm.engine.cache.lengths.any(), "a row of the shared cache is left in use"
         for s in self.sessions:
-            if s._cache is not None:
-                _rows_hold_their_ids(s._cache)
+            if s.row is not None:
+                _rows_hold_their_ids(s.row.cache)
         draft = llm.speculator._draft
         if draft is not None:
             _rows_hold_their_ids(draft.cache)
@@ -297,7 +296,7 @@ def test_session_reset_mid_stream_cancels_the_turn():
     assert list(it) == [] and s.history == [] and s.cached_tokens == 0
     assert it.result.finish_reason == CANCELLED
     r = s.chat(QUESTIONS[2], max_new_tokens=12, temperature=0)
-    assert r.token_ids == world.expect(world.llm._chat_ids(s.history[:-1]), 12)
+    assert r.token_ids == world.expect(world.llm.prepare(s.history[:-1], chat=True).ids, 12)
 
 
 def test_session_undo_mid_stream_returns_the_cancelled_turn():

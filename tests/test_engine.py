@@ -1,4 +1,4 @@
-"""The engine thread (runtime/decoding/engine.py): requests from many threads join one continuous batch between steps."""
+"""The engine thread (runtime/engine/thread.py): requests from many threads join one continuous batch between steps."""
 
 import sys
 import threading
@@ -10,8 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-
 from fake_backend import FakeBackend, make_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.runtime.decoding.engine import CANCELLED, Engine, EngineClosed, QueueFull  # noqa: E402
-from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.engine.thread import CANCELLED, EngineThread as Engine, EngineClosed, QueueFull  # noqa: E402
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a", "héllo wörld: accents", "lazy dog", "STOP here."]
 
@@ -61,7 +60,7 @@ def _engine(max_batch=2, max_queue=8, gated=False, **kw):
 
 
 def _submit(engine, prompt, n, sink=None, **params):
-    seq = engine.sequence(engine.llm.encode(prompt), SamplingParams(max_new_tokens=n, **params))
+    seq = engine.sequence(engine.llm.prepare(prompt, max_new_tokens=n, **params))
     sink = sink or Collect()
     return engine.submit(seq, sink), sink
 
@@ -188,7 +187,7 @@ def test_finished_requests_leave_the_run_state():
 
     def next_short(event):  # each short request's last event submits the next one, in the same run
         if event.last:
-            sizes.append(len(engine._seqs))
+            sizes.append(len(engine._reqs) + len(engine.llm.engine.unfinished()))
             if len(chain) < 20:
                 chain.append(_submit(engine, PROMPTS[len(chain) % 6], 2, next_short)[1])
 
@@ -215,7 +214,7 @@ def test_bad_settings_and_prompts():
         Engine(make_llm(), max_queue=-1)
     engine = _engine()
     with pytest.raises(DecodertError, match="empty"):
-        engine.sequence([], SamplingParams())
+        engine.sequence(engine.llm.prepare([]))
     with pytest.raises(DecodertError, match="temperature"):
-        engine.sequence([5], SamplingParams(temperature=-1))
+        engine.sequence(engine.llm.prepare([5], temperature=-1))
     engine.stop()

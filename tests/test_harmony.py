@@ -59,7 +59,7 @@ def test_markup_survives_decoding_only_for_harmony_templates():
 
 def test_chat_returns_final_as_text_and_analysis_as_reasoning():
     llm, _ = harmony_llm(REPLY)
-    _, prompt, _ = llm._chat_prompt(USER, {})
+    _, prompt, _ = llm.prepare(USER, chat=True).rendered
     assert prompt.startswith("<|start|>system<|message|>Current date: ") and prompt.endswith(
         "<|start|>user<|message|>Hi<|end|><|start|>assistant")
     got = llm.chat(USER, max_new_tokens=80)
@@ -168,7 +168,7 @@ def harmony_loop_llm():
 
 def test_chat_returns_tool_calls_and_renders_the_result_back_in_harmony():
     llm = harmony_loop_llm()
-    _, prompt, _ = llm._chat_prompt(ASK, {"tools": TOOLS})
+    _, prompt, _ = llm.prepare(ASK, chat=True, tools=TOOLS).rendered
     assert "type get_weather = (_: {" in prompt  # the template rendered the tools
     got = llm.chat(ASK, tools=TOOLS, max_new_tokens=120)
     assert (got.text, got.reasoning, got.finish_reason) == ("", "Need the weather.", "tool_calls")
@@ -178,7 +178,7 @@ def test_chat_returns_tool_calls_and_renders_the_result_back_in_harmony():
     assert "".join(stream) == "" and assemble(stream.deltas)[2][0]["function"]["name"] == "get_weather"
     follow = ASK + [{"role": "assistant", "content": None, "tool_calls": got.tool_calls},
                     {"role": "tool", "tool_call_id": got.tool_calls[0]["id"], "content": "21 C"}]
-    _, prompt, _ = llm._chat_prompt(follow, {"tools": TOOLS})
+    _, prompt, _ = llm.prepare(follow, chat=True, tools=TOOLS).rendered
     assert prompt.endswith('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
                            '{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary'
                            '<|message|>"21 C"<|end|><|start|>assistant')

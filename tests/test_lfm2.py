@@ -123,7 +123,7 @@ def test_session_turns_equal_reprefill(lfm2):
     reused = []
     for question in ("Hello world!", "Why?", "Ok."):
         r = session.chat(question, max_new_tokens=8)
-        again = llm.generate(llm._chat_ids(session.history[:-1]), max_new_tokens=8)
+        again = llm.generate(llm.prepare(session.history[:-1], chat=True).ids, max_new_tokens=8)
         assert r.token_ids == again.token_ids
         assert session.last_turn.dropped_turns == 0
         reused.append(session.last_turn.reused_tokens)

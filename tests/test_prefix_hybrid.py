@@ -108,7 +108,7 @@ def test_a_boundary_without_state_is_not_loaded(artifacts):
     other = np.r_[base[:25], rng.integers(3, 500, 9)]
     assert llm.generate(other, max_new_tokens=2, temperature=0).metrics.cached_tokens == 24  # cut stopped at 24
     llm.prefix_cache.budget_bytes = llm.prefix_cache.block_bytes  # a state does not fit: nothing stored, nothing stops
-    assert llm.prefix_cache.stops(llm._cache or llm.backend.allocate(1), 0, base) == []
+    assert llm.prefix_cache.stops(llm.engine.cache or llm.backend.allocate(1), 0, base) == []
 
 
 def test_session_first_turn_stores_and_later_turns_load(artifacts):

@@ -142,7 +142,7 @@ def test_kv_cache_too_big_is_refused_before_allocating(art, monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 10)
     with pytest.raises(DecodertError, match=r"KV cache needs .* lower --max-seq or --max-batch"):
         llm.generate("hello", max_new_tokens=2)
-    assert llm._cache is None
+    assert llm.engine.cache is None
     monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 30)
     assert len(llm.generate("hello", max_new_tokens=2).token_ids) == 2
 
@@ -214,7 +214,7 @@ def test_threads_share_one_llm_safely():
         assert results[k * n: k * n + len(prompts)] == expected
         assert results[k * n + len(prompts)] == expected[:3]
         assert results[k * n + len(prompts) + 1] == text
-    assert llm.slots_in_use == 0 and not llm._cache.lengths.any()
+    assert llm.slots_in_use == 0 and not llm.engine.cache.lengths.any()
 
 
 def test_another_threads_call_waits_for_an_open_stream():
@@ -255,7 +255,7 @@ def interrupt_on(backend, step: int) -> list[int]:
 
 
 def _no_slot_held(llm):
-    assert llm.slots_in_use == 0 and not np.asarray(llm._cache.lengths).any()
+    assert llm.slots_in_use == 0 and not np.asarray(llm.engine.cache.lengths).any()
 
 
 def test_ctrl_c_in_the_decode_loop_leaves_the_llm_usable():

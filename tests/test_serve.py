@@ -387,7 +387,7 @@ def test_structured_output_without_llguidance_is_a_server_error(art, monkeypatch
 
 def test_the_servers_draft_len_applies_to_requests_that_pick_a_method(llm, monkeypatch):
     """`decodert serve --speculative ngram --draft-len 2`: a request's own "ngram" keeps the server's draft length."""
-    from decodert.runtime.decoding.engine import Engine
+    from decodert.runtime.engine.thread import EngineThread as Engine
     from decodert.runtime.speculation.speculative import SpeculativeConfig
 
     seen = []

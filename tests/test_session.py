@@ -28,7 +28,7 @@ def _llm(template=CHATML, **kw):
 
 def _expected(llm, messages, n):
     """The fake model's greedy reply to ``messages``, from scratch."""
-    ids = llm._chat_ids(messages)
+    ids = llm.prepare(messages, chat=True).ids
     return reference_tokens(llm.backend, ids, n, stop_ids=[0])
 
 
@@ -42,7 +42,7 @@ def test_turns_match_the_full_conversation_and_prefill_only_the_new_part():
         info = session.last_turn
         assert info.prompt_tokens == r.metrics.prompt_tokens and info.reused_tokens == r.metrics.cached_tokens
         if i:  # everything up to the last reply is kept; only the new turn is prefilled
-            assert r.metrics.cached_tokens >= len(llm._chat_ids(session.history[:-3])), info
+            assert r.metrics.cached_tokens >= len(llm.prepare(session.history[:-3], chat=True).ids), info
     assert [m["role"] for m in session.history] == ["system"] + ["user", "assistant"] * 4
     assert session.cached_tokens == r.metrics.prompt_tokens + len(r.token_ids) - 1
 
@@ -54,7 +54,7 @@ def test_a_template_that_renders_earlier_turns_differently_is_rewound_not_truste
     for q in QUESTIONS[:3]:
         r = session.chat(q, max_new_tokens=6)
         assert r.token_ids == _expected(llm, session.history[:-1], 6)
-        now = llm._chat_ids(session.history[:-1])
+        now = llm.prepare(session.history[:-1], chat=True).ids
         assert r.metrics.cached_tokens == common_prefix(before, now, len(now)) < 8  # "turns: N" differs at once
         before = now
 
@@ -70,7 +70,7 @@ def test_undo_reset_and_history():
     assert session.history == before
     r = session.chat(QUESTIONS[2], max_new_tokens=5)
     assert r.token_ids == _expected(llm, session.history[:-1], 5)
-    assert r.metrics.cached_tokens >= len(llm._chat_ids(before)) - 1  # rewound to before the undone turn
+    assert r.metrics.cached_tokens >= len(llm.prepare(before, chat=True).ids) - 1  # rewound to before the undone turn
     session.history.append({"role": "user", "content": "not kept"})  # a copy
     session.reset()
     assert session.history == [{"role": "system", "content": "sys"}] and session.cached_tokens == 0

@@ -73,13 +73,13 @@ USER = [{"role": "user", "content": "Weather?"}]
 
 def test_thinking_switch_renders_and_splits_the_reply():
     llm, _ = scripted_llm("<think>Warm, probably.</think>Sunny.", chat_template=SMOLLM3_LIKE, max_seq=512)
-    _, prompt, _ = llm._chat_prompt(USER, {})
+    _, prompt, _ = llm.prepare(USER, chat=True).rendered
     assert "Reasoning Mode: /think" in prompt and not prompt.endswith("</think>\n")
     got = llm.chat(USER, max_new_tokens=40)
     assert (got.text, got.reasoning) == ("Sunny.", "Warm, probably.")
     for messages, options in ((USER, {"enable_thinking": False}),
                               ([{"role": "system", "content": "Be brief. /no_think"}, *USER], {})):
-        _, prompt, _ = llm._chat_prompt(messages, options)
+        _, prompt, _ = llm.prepare(messages, chat=True, **options).rendered
         assert "Reasoning Mode: /no_think" in prompt and prompt.endswith("<think>\n\n</think>\n")
     quiet, _ = scripted_llm("Sunny.", chat_template=SMOLLM3_LIKE, max_seq=512)
     got = quiet.chat(USER, max_new_tokens=20, enable_thinking=False)

@@ -1,4 +1,4 @@
-"""Incremental detokenizer and stop strings (runtime/chat/text.py)."""
+"""Incremental detokenizer and stop strings (runtime/decoding/text.py)."""
 
 import sys
 from pathlib import Path
@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import make_tokenizer  # noqa: E402
 
-from decodert.runtime.chat.text import IncrementalDetokenizer, StopMatcher  # noqa: E402
+from decodert.runtime.decoding.text import IncrementalDetokenizer, StopMatcher  # noqa: E402
 
 TEXT = "héllo 😀 wörld, the quick 🦊 fox"
 

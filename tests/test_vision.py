@@ -59,7 +59,7 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(vlm):
     rng = np.random.default_rng()
     for h, w in SIZES:
         img = _image(rng, h, w)
-        _, text, ids = llm._chat_prompt(_ask(img), {})
+        _, text, ids = llm.prepare(_ask(img), chat=True).rendered
         ref = proc(text=text, images=[Image.fromarray(img)], return_tensors="pt")
         assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy()), (h, w)
         assert is_image(ids).sum() == (ids == llm.vision.image_token_id).sum() + len(llm.vision.store.get(
@@ -77,12 +77,12 @@ def test_greedy_tokens_equal_transformers(vlm):
     for h, w in SIZES[:3]:
         img = _image(rng, h, w)
         result = llm.chat(_ask(img), max_new_tokens=8, temperature=0)
-        _, text, _ = llm._chat_prompt(_ask(img), {})
+        _, text, _ = llm.prepare(_ask(img), chat=True).rendered
         assert result.token_ids == _reference_tokens(model, proc, text, [img]), (h, w)
     two = [_image(rng, 90, 60), _image(rng, 64, 64)]  # two images in one message
     msgs = [{"role": "user", "content": [{"type": "image", "image": two[0]}, {"type": "text", "text": "and"},
                                          {"type": "image", "image": Image.fromarray(two[1])}]}]
-    _, text, _ = llm._chat_prompt(msgs, {})
+    _, text, _ = llm.prepare(msgs, chat=True).rendered
     assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _reference_tokens(model, proc, text, two)
 
 
@@ -122,8 +122,8 @@ def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(vlm):
     assert second.token_ids == fresh.token_ids
     other = _image(np.random.default_rng(), 100, 160)  # another image of the same size: not the cached one
     swapped = [{**history[0], "content": [{"type": "image", "image": other}, {"type": "text", "text": "What?"}]}]
-    _, _, ids_a = llm._chat_prompt(history[:1], {})
-    _, _, ids_b = llm._chat_prompt(swapped, {})
+    _, _, ids_a = llm.prepare(history[:1], chat=True).rendered
+    _, _, ids_b = llm.prepare(swapped, chat=True).rendered
     first_image = int(np.flatnonzero(ids_a >= 1 << 62)[0])
     assert np.array_equal(ids_a[:first_image], ids_b[:first_image]) and ids_a[first_image] != ids_b[first_image]
     chat.close()
@@ -272,10 +272,10 @@ def test_a_pinned_image_outlives_the_store_capacity(vlm):
     store, llm.vision.store = llm.vision.store, ImageStore(capacity=1)
     llm.backend.images = llm.vision.store
     try:
-        _, _, ids = llm._chat_prompt(_ask(img), {})
-        seq = llm._sequence(ids, llm.params(max_new_tokens=4, temperature=0))
+        seq = llm.engine.sequence(llm.prepare(_ask(img), chat=True, max_new_tokens=4, temperature=0))
+        ids = seq.prompt
         llm.vision.entry(_image(rng, 64, 64))  # another image evicts it from the store's LRU
-        assert [r.token_ids for r in llm._finish([seq])] == [want]  # the sequence's pin kept its rows
+        assert [r.token_ids for r in llm.run([seq])] == [want]  # the sequence's pin kept its rows
         del seq
         import gc
         gc.collect()
@@ -298,7 +298,7 @@ def test_smolvlm2_checkpoints_run_the_same_way(tmp_path):
     model = SmolVLMForConditionalGeneration.from_pretrained(hf).eval()
     img = _image(np.random.default_rng(), 100, 160)
     with LLM.load(tmp_path / "art", backend="ort") as llm:
-        _, text, _ = llm._chat_prompt(_ask(img), {})
+        _, text, _ = llm.prepare(_ask(img), chat=True).rendered
         got = llm.chat(_ask(img), max_new_tokens=8, temperature=0).token_ids
     assert got == _reference_tokens(model, reference_processor(hf), text, [img])
 

@@ -70,7 +70,7 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(g3):
     rng = np.random.default_rng()
     for h, w in SIZES:
         img = _image(rng, h, w)
-        _, text, ids = llm._chat_prompt(_ask(img), {})
+        _, text, ids = llm.prepare(_ask(img), chat=True).rendered
         ref = proc(text=text, images=[Image.fromarray(img)], return_tensors="pt")
         assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy()), (h, w)
         assert np.array_equal(is_image(ids), ref["token_type_ids"][0].numpy() == 1)  # the image ids are its tokens
@@ -90,7 +90,7 @@ def test_logits_and_greedy_tokens_equal_transformers(g3, target):
     rng = np.random.default_rng()
     for h, w in SIZES[:3]:
         img = _image(rng, h, w)
-        _, text, ids = llm._chat_prompt(_ask(img), {})
+        _, text, ids = llm.prepare(_ask(img), chat=True).rendered
         tokens, logits, causal = _reference(model, proc, text, [img])
         mine = _last_logits(llm, ids)
         np.testing.assert_allclose(mine, logits, atol=1e-4)
@@ -99,7 +99,7 @@ def test_logits_and_greedy_tokens_equal_transformers(g3, target):
     two = [_image(rng, 90, 60), _image(rng, 64, 64)]
     msgs = [{"role": "user", "content": [{"type": "image", "image": two[0]}, {"type": "text", "text": "and"},
                                          {"type": "image", "image": Image.fromarray(two[1])}]}]
-    _, text, _ = llm._chat_prompt(msgs, {})
+    _, text, _ = llm.prepare(msgs, chat=True).rendered
     assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _reference(model, proc, text, two)[0]
 
 

@@ -45,7 +45,7 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
     rng = np.random.default_rng()
     for h, w in SIZES:
         img = random_image(rng, h, w)
-        _, text, ids = llm._chat_prompt(ask(img), {})
+        _, text, ids = llm.prepare(ask(img), chat=True).rendered
         ref = reference_inputs(proc, text, [img])
         assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy()), (h, w)
         p = qp.preprocess(img, llm.vision.settings, llm.vision.spec)
@@ -72,7 +72,7 @@ def test_mrope_positions_equal_get_rope_index(qvl):
     rng = np.random.default_rng()
     imgs = [random_image(rng, 100, 160), random_image(rng, 120, 300)]
     msgs = ask(*imgs) + [{"role": "assistant", "content": "A fox."}, {"role": "user", "content": "And?"}]
-    _, text, ids = llm._chat_prompt(msgs, {})
+    _, text, ids = llm.prepare(msgs, chat=True).rendered
     ref = reference_inputs(proc, text, imgs)
     token_types = (ref["input_ids"] == model.config.image_token_id).int()
     want, delta = model.model.get_rope_index(ref["input_ids"], token_types, ref["image_grid_thw"])
@@ -87,7 +87,7 @@ def test_mrope_positions_equal_get_rope_index(qvl):
 def test_prefill_and_decode_logits_equal_transformers(qvl):
     llm, model, proc = qvl
     img = random_image(np.random.default_rng(), 100, 160)
-    _, text, ids = llm._chat_prompt(ask(img), {})
+    _, text, ids = llm.prepare(ask(img), chat=True).rendered
     ref = reference_inputs(proc, text, [img])
     backend = llm.backend
     cache = backend.allocate(1)
@@ -109,7 +109,7 @@ def test_a_verify_pass_after_an_image_equals_decode_steps(qvl):
     """Speculative decoding's verify pass binds the rows' M-RoPE offsets as prefill and decode do."""
     llm, _, _ = qvl
     img = random_image(np.random.default_rng(), 100, 160)
-    _, _, ids = llm._chat_prompt(ask(img), {})
+    _, _, ids = llm.prepare(ask(img), chat=True).rendered
     check_verify_after_prefill(llm.backend, ids)
 
 

@@ -98,7 +98,7 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(q35):
     rng = np.random.default_rng()
     for h, w in SIZES:
         img = random_image(rng, h, w)
-        _, text, ids = llm._chat_prompt(ask(img), {})
+        _, text, ids = llm.prepare(ask(img), chat=True).rendered
         ref = reference_inputs(proc, text, [img])
         assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy()), (h, w)
         p = qp.preprocess(img, llm.vision.settings, llm.vision.spec)
@@ -118,7 +118,7 @@ def test_mrope_positions_equal_get_rope_index(q35):
     rng = np.random.default_rng()
     imgs = [random_image(rng, 100, 160), random_image(rng, 120, 300)]
     msgs = ask(*imgs) + [{"role": "assistant", "content": "A fox."}, {"role": "user", "content": "And?"}]
-    _, text, ids = llm._chat_prompt(msgs, {})
+    _, text, ids = llm.prepare(msgs, chat=True).rendered
     ref = reference_inputs(proc, text, imgs)
     want, delta = model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"], ref["image_grid_thw"])
     got, after = mrope.positions(ids, llm.vision.store.locate)
@@ -132,7 +132,7 @@ def test_prefill_and_decode_logits_equal_transformers(q35):
     img = random_image(np.random.default_rng(), 100, 160)
     backend = llm.backend
     for images in ([img], []):
-        _, text, ids = llm._chat_prompt(ask(*images), {})
+        _, text, ids = llm.prepare(ask(*images), chat=True).rendered
         ref = reference_inputs(proc, text, images) if images else proc(text=text, return_tensors="pt")
         cache = backend.allocate(1)
         first = backend.prefill(cache, [0], [ids], True)
@@ -189,7 +189,7 @@ def test_a_verify_pass_after_an_image_equals_decode_steps(q35):
     tokens by the M-RoPE offsets that follow the image, as decode steps do; a rejection replays accepted tokens
     through prefill, whose offsets the chunked-prefill test checks."""
     llm, _, _ = q35
-    check_verify_after_prefill(llm.backend, llm._chat_prompt(ask(random_image(np.random.default_rng(), 100, 160)), {})[2])
+    check_verify_after_prefill(llm.backend, llm.prepare(ask(random_image(np.random.default_rng(), 100, 160)), chat=True).ids)
 
 
 @pytest.mark.parametrize("target", ["portable", "trt"])
@@ -243,7 +243,7 @@ def test_a_video_beside_an_image_equals_transformers(q35):
     img, frames = random_image(rng, 60, 90), _clip(rng, 6, 48, 64)
     msgs = [{"role": "user", "content": [_video(frames, 2.0), {"type": "image", "image": img},
                                          {"type": "text", "text": "What happens?"}]}]
-    _, text, ids = llm._chat_prompt(msgs, {})
+    _, text, ids = llm.prepare(msgs, chat=True).rendered
     ref = _reference(proc, text, [(frames, 2.0)], [img])
     assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy())
     want, delta = _rope_index(model, ref)
@@ -300,7 +300,7 @@ def test_the_trt_backend_answers_images_with_the_ort_tokens(q35trt, monkeypatch)
         fresh(llm)
         batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
         assert [r.token_ids for r in batch] == want
-        check_verify_after_prefill(llm.backend, llm._chat_prompt(asks[1], {})[2])
+        check_verify_after_prefill(llm.backend, llm.prepare(asks[1], chat=True).ids)
         fresh(llm)
         plain = llm.chat(asks[0], max_new_tokens=16, temperature=0).token_ids
         fresh(llm)

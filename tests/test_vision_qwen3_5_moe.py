@@ -48,7 +48,7 @@ def test_moe_logits_and_greedy_tokens_equal_transformers(q35moe):
     assert plain.mrope_section == () and plain.image_token_id is None and plain.shared_mlp_gate
     rng = np.random.default_rng()
     img = random_image(rng, 100, 160)
-    _, text, ids = llm._chat_prompt(ask(img), {})
+    _, text, ids = llm.prepare(ask(img), chat=True).rendered
     ref = reference_inputs(proc, text, [img])
     cache = llm.backend.allocate(1)
     first = llm.backend.prefill(cache, [0], [ids], True)
@@ -56,7 +56,7 @@ def test_moe_logits_and_greedy_tokens_equal_transformers(q35moe):
         out = model(**ref)
     np.testing.assert_allclose(first.logits[0], out.logits[0, -1].numpy(), atol=1e-4, rtol=1e-4)
     for msgs in (ask(img), ask(random_image(rng, 90, 60), random_image(rng, 64, 64), text="and")):
-        _, text, _ = llm._chat_prompt(msgs, {})
+        _, text, _ = llm.prepare(msgs, chat=True).rendered
         images = [p["image"] for p in msgs[0]["content"] if p["type"] == "image"]
         assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == \
             reference_tokens(model, proc, text, images)

@@ -56,8 +56,8 @@ def test_logits_after_an_image_equal_the_ort_backends(pair):
     """Prefill and the decode steps after it: the offsets (and Qwen3-VL's deepstack rows) reach the engines."""
     ref, llm = pair
     img = random_image(np.random.default_rng(), 100, 160)
-    ids = ref._chat_prompt(ask(img), {})[2]
-    assert np.array_equal(llm._chat_prompt(ask(img), {})[2], ids)
+    ids = ref.prepare(ask(img), chat=True).ids
+    assert np.array_equal(llm.prepare(ask(img), chat=True).ids, ids)
     logits = []
     for backend in (ref.backend, llm.backend):
         cache = backend.allocate(1)
@@ -89,7 +89,7 @@ def test_verify_passes_after_an_image_equal_decode_steps(pair):
     and n-gram speculation gives the plain greedy tokens."""
     ref, llm = pair
     img = random_image(np.random.default_rng(), 100, 160)
-    ids = llm._chat_prompt(ask(img), {})[2]
+    ids = llm.prepare(ask(img), chat=True).ids
     backend = llm.backend
     check_verify_after_prefill(backend, ids)
     runs = backend.stats["verify_runs"]

@@ -86,7 +86,7 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
     rng = np.random.default_rng()
     for t, h, w, fps in CLIPS:
         frames = _clip(rng, t, h, w)
-        _, text, ids = llm._chat_prompt(_ask(_video(frames, fps)), {})
+        _, text, ids = llm.prepare(_ask(_video(frames, fps)), chat=True).rendered
         ref = _reference(proc, text, [(frames, fps)])
         assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy()), (t, h, w, fps)
         slices = _slices(llm, frames, fps)
@@ -124,7 +124,7 @@ def test_mrope_positions_equal_get_rope_index(qvl):
     img, frames = rng.integers(0, 256, (60, 90, 3), dtype=np.uint8), _clip(rng, 4, 48, 64)
     msgs = _ask({"type": "image", "image": img}, _video(frames, 2.0)) + [
         {"role": "assistant", "content": "A fox runs."}, {"role": "user", "content": "And?"}]
-    _, text, ids = llm._chat_prompt(msgs, {})
+    _, text, ids = llm.prepare(msgs, chat=True).rendered
     ref = _reference(proc, text, [(frames, 2.0)], [img])
     want, delta = _rope_index(model, ref)
     got, after = mrope.positions(ids, llm.vision.store.locate)
@@ -143,7 +143,7 @@ def test_a_long_clip_continues_text_after_its_last_time_step(qvl):
 
     llm, model, proc = qvl
     frames = _clip(np.random.default_rng(), 6, 48, 64)
-    _, text, ids = llm._chat_prompt(_ask(_video(frames, 0.5)), {})
+    _, text, ids = llm.prepare(_ask(_video(frames, 0.5)), chat=True).rendered
     ref = _reference(proc, text, [(frames, 0.5)])
     want = _rope_index(model, ref)[0][:, 0].numpy()
     got, after = mrope.positions(ids, llm.vision.store.locate)
@@ -162,7 +162,7 @@ def test_prefill_logits_and_greedy_tokens_equal_transformers(qvl):
     rng = np.random.default_rng()
     for t, h, w, fps in [CLIPS[0], CLIPS[1]]:
         frames = _clip(rng, t, h, w)
-        _, text, ids = llm._chat_prompt(_ask(_video(frames, fps)), {})
+        _, text, ids = llm.prepare(_ask(_video(frames, fps)), chat=True).rendered
         ref = _reference(proc, text, [(frames, fps)])
         cache = llm.backend.allocate(1)
         first = llm.backend.prefill(cache, [0], [ids], True)
@@ -181,7 +181,7 @@ def test_images_and_videos_in_one_message_equal_transformers(qvl):
     img, one, two = rng.integers(0, 256, (64, 80, 3), dtype=np.uint8), _clip(rng, 6, 40, 56), _clip(rng, 4, 32, 48)
     msgs = _ask(_video(one, 2.0), {"type": "image", "image": img}, _video([Image.fromarray(f) for f in two], 1.0),
                 text="Which comes first?")
-    _, text, _ = llm._chat_prompt(msgs, {})
+    _, text, _ = llm.prepare(msgs, chat=True).rendered
     videos = [(one, 2.0), (two, 1.0)]
     ref = _reference(proc, text, videos, [img])
     assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _reference_tokens(model, ref)

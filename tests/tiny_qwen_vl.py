@@ -192,11 +192,11 @@ def check_greedy_tokens(llm: Any, model: Any, proc: Any) -> None:
         img = random_image(rng, h, w)
         fresh(llm)
         result = llm.chat(ask(img), max_new_tokens=8, temperature=0)
-        _, text, _ = llm._chat_prompt(ask(img), {})
+        _, text, _ = llm.prepare(ask(img), chat=True).rendered
         assert result.token_ids == reference_tokens(model, proc, text, [img]), (h, w)
     two = [random_image(rng, 90, 60), random_image(rng, 64, 64)]  # two images in one message
     msgs = ask(two[0], Image.fromarray(two[1]), text="and")
-    _, text, _ = llm._chat_prompt(msgs, {})
+    _, text, _ = llm.prepare(msgs, chat=True).rendered
     assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == reference_tokens(model, proc, text, two)
 
 

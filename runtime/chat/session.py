@@ -25,7 +25,9 @@ tokens (max_seq: the context the model was exported with). When that does not fi
 The answer of a turn that hits the end of the context ends with finish_reason "length";
 ``last_turn.cut_by`` tells "context" from "max_new_tokens".
 
-State. The row's cache (runtime/backends/kv_cache.py) records which ids its K/V holds; the session keeps no
+State. The session's row is pinned in the LLM's engine (``Engine.pin``, runtime/engine/scheduler.py): a
+cache of its own that keeps the conversation between turns, and every turn is a request the engine runs on
+it. The row's cache (runtime/backends/kv_cache.py) records which ids its K/V holds; the session keeps no
 copy of its own, so the turns and the row cannot disagree. ``reset``, ``undo`` or ``close`` while a
 ``stream_chat`` is running cancel that turn: the stream ends (its result's finish_reason is
 "cancelled"), nothing of it is kept in the history, and the row is not touched by it again.
@@ -37,15 +39,11 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator, Mapping
 
-import numpy as np
-
 from decodert.errors import DecodertError
 from decodert.runtime.chat.chat import Message, check_messages
-from decodert.runtime.chat.turn import ChatStream, ChatTurn, pop_options
-from decodert.runtime.decoding.engine import CANCELLED
-from decodert.runtime.decoding.generate import GenerationResult, Sequence, TextStream, decode_step, prefill
-from decodert.runtime.speculation import speculative
-from decodert.runtime.prefix_cache import LookupOnly
+from decodert.runtime.chat.turn import ChatStream
+from decodert.runtime.decoding.generate import GenerationResult, Sequence, TextStream
+from decodert.runtime.engine.request import CANCELLED, Handle, Prepared
 
 
 OVERFLOW_POLICIES = ("truncate", "error")
@@ -73,7 +71,7 @@ class Session:
         self.llm, self.overflow = llm, overflow
         self._system = [{"role": "system", "content": system}] if system else []
         self._turns: list[dict] = []  # user / assistant messages after the system message
-        self._cache: Any = None  # the session's own one-slot KV cache, allocated on the first turn
+        self._row: Any = None  # the session's pinned row in the engine (runtime/engine/scheduler.py Row), on the first turn
         self._running: _Running | None = None  # the turn in flight (a stream not finished yet)
         self.last_turn: TurnInfo | None = None
         self.dropping = 0  # oldest turns the turn being started drops: known before its answer (last_turn: after)
@@ -87,20 +85,27 @@ class Session:
     @property
     def cached_tokens(self) -> int:
         """Tokens whose K/V the session's row holds now."""
-        return 0 if self._cache is None else int(self._cache.lengths[0])
+        return 0 if self._row is None else self._row.length
+
+    @property
+    def row(self) -> Any:
+        """The session's pinned row (its ``cache`` holds the conversation's K/V), or None before the first turn."""
+        return self._row
 
     def chat(self, message: str | Message, **params: Any) -> GenerationResult:
         """Add a user message (text, or a message dict), generate the reply and keep both.
         ``params``: as ``LLM.chat`` (sampling, json_schema / regex / grammar, speculative)."""
-        seq, turns, dropped, turn, prompt = self._begin(message, params)
-        result = self.llm._finish([seq], runner=self._turn(seq, turns, dropped))[0]
-        return turn.finish(result, prompt)
+        prepared, seq, turns, dropped = self._begin(message, params)
+        for _ in self._turn(seq, turns, dropped):
+            pass
+        return prepared.turn.finish(seq.result(), prepared.text)
 
     def stream_chat(self, message: str | Message, **params: Any) -> TextStream:
         """``chat`` as a stream of text deltas; closing it early keeps the part of the reply shown."""
-        seq, turns, dropped, turn, prompt = self._begin(message, params)
-        stream = TextStream(self.llm._stream([seq], runner=self._turn(seq, turns, dropped)), seq)
-        return stream if turn.plain else ChatStream(stream, turn.output(prompt), turn.tools is not None)
+        prepared, seq, turns, dropped = self._begin(message, params)
+        stream = TextStream(self._turn(seq, turns, dropped), seq)
+        turn = prepared.turn
+        return stream if turn.plain else ChatStream(stream, turn.output(prepared.text), turn.tools is not None)
 
     def undo(self) -> list[dict]:
         """Remove the last turn (the last user message and the replies after it); returns it.
@@ -120,55 +125,54 @@ class Session:
         with self._quiet():
             self._cancel()
             self._turns = []
-            if self._cache is not None:
-                self._cache.reset(0)
+            if self._row is not None:
+                self._row.cache.reset(0)
 
     def close(self) -> None:
         """Free the session's cache row now (the session stays usable: a later turn allocates again).
         Cancels a running stream."""
         with self._quiet():
             self._cancel()
-            cache, self._cache = self._cache, None
-            if cache is not None and hasattr(cache, "free"):
-                cache.free()
+            row, self._row = self._row, None
+            if row is not None and hasattr(row.cache, "free"):
+                row.cache.free()
 
     @contextlib.contextmanager
     def _quiet(self) -> Iterator[None]:
-        """Hold the LLM's lock: a step of a stream on another thread finishes before the row changes."""
-        lock = getattr(self.llm, "_lock", None)
-        with lock if lock is not None else contextlib.nullcontext():
+        """Hold the engine's run lock: a step of a stream on another thread finishes before the row changes."""
+        with self.llm.runs.lock:
             yield
 
     def _cancel(self) -> "_Running | None":
         """End the turn in flight, if any: its stream stops at its next step and writes nothing back."""
         running, self._running = self._running, None
-        if running is not None and not running.seq.done:
+        if running is not None and running.handle is not None and not running.seq.done:
+            self.llm.engine.abort(running.handle, CANCELLED)  # off the row: no step touches it again
+        elif running is not None and not running.seq.done:
             running.seq.finish_reason = CANCELLED
         return running
 
     # -- one turn --------------------------------------------------------------------------------
-    def _begin(self, message: str | Message, params: Mapping[str, Any]) -> tuple[Sequence, list[dict], int, ChatTurn, str]:
-        """Validate, fit the conversation into the context -> (sequence, turns it renders, dropped, chat turn,
-        rendered prompt)."""
+    def _begin(self, message: str | Message, params: Mapping[str, Any]) -> tuple[Prepared, Sequence, list[dict], int]:
+        """Validate, fit the conversation into the context -> (the prepared turn, its sequence, the turns it
+        renders, turns dropped)."""
         if isinstance(message, str):
             message = {"role": "user", "content": message}
         msg = check_messages([message])[0]
         params = dict(params)
-        spec, adapter = params.pop("speculative", None), params.pop("adapter", None)  # adapter: a LoRA name
-        options = pop_options(params)  # tools, enable_thinking, ... (runtime/chat/turn.py)
-        sp, constraint = self.llm.split_params(params)  # the model's sampling defaults under what was passed
-        turns, (turn, prompt, ids), dropped = self._fit(self._turns + [msg], sp.max_new_tokens, options)
+        max_new = self.llm.params(**{k: v for k, v in params.items() if k == "max_new_tokens"}).max_new_tokens
+        turns, prepared, dropped = self._fit(self._turns + [msg], max_new, params)
         self.dropping = dropped
-        seq = self.llm._sequence(ids, sp, constraint=turn.constraint(constraint), speculative=spec, adapter=adapter)
-        return seq, turns, dropped, turn, prompt
+        return prepared, self.llm.engine.sequence(prepared), turns, dropped
 
     def _fit(self, turns: list[dict], max_new_tokens: int,
-             options: Mapping[str, Any]) -> tuple[list[dict], tuple[ChatTurn, str, np.ndarray], int]:
-        """The turns that fit with room for the answer -> (turns, their (chat turn, prompt, ids), turns dropped)."""
+             params: Mapping[str, Any]) -> tuple[list[dict], Prepared, int]:
+        """The turns that fit with room for the answer -> (turns, their prepared request, turns dropped).
+        ``params``: the turn's generation and chat options (``LLM.prepare``)."""
         max_seq = self.llm.max_seq
         room = min(max_new_tokens, max_seq // 2)
-        rendered = self.llm._chat_prompt(self._system + turns, options)
-        ids = rendered[2]
+        rendered = self.llm.prepare(self._system + turns, chat=True, **params)
+        ids = rendered.ids
         if len(ids) + room <= max_seq:
             return turns, rendered, 0
         if self.overflow == "error":
@@ -181,40 +185,41 @@ class Session:
             if end is None:
                 break
             turns, dropped = turns[end:], dropped + 1
-            rendered = self.llm._chat_prompt(self._system + turns, options)
-            ids = rendered[2]
+            rendered = self.llm.prepare(self._system + turns, chat=True, **params)
+            ids = rendered.ids
         if len(ids) >= max_seq:
             raise DecodertError(f"the message needs {len(ids)} tokens with the system message, but the context holds "
                                 f"{max_seq} (--max-seq at export); send a shorter message")
         return turns, rendered, dropped
 
-    def _row(self) -> Any:
-        if self._cache is None:
-            self._cache = self.llm.backend.allocate(1)
-        return self._cache
-
     def _turn(self, seq: Sequence, turns: list[dict], dropped: int) -> Generator[tuple[int, str], None, None]:
-        """Run one turn on the session's row: prefill what the row does not hold yet (generate.prefill
-        rewinds it to the longest common prefix), decode; keep the turn unless it was cancelled."""
-        self._cancel()  # a turn left running (an abandoned stream) is over
+        """Run one turn as a request on the session's pinned row (the engine's prefill rewinds the row to the
+        longest common prefix of what it holds and the new prompt, then prefills the rest); keep the turn
+        unless it was cancelled."""
+        with self._quiet():
+            self._cancel()  # a turn left running (an abandoned stream) is over
         me = self._running = _Running(turns[-1], seq)
-        backend, cache = self.llm.backend, self._row()
-        prefix = self.llm.prefix_cache
-        if prefix is not None and self._turns:  # only the first turn stores (its system prompt's blocks)
-            prefix = LookupOnly(prefix)
+        if self._row is None:
+            self._row = self.llm.engine.pin()
+        row = self._row
+        row.store_prefix = not self._turns  # only the first turn stores (its system prompt's blocks)
+
+        def add() -> list[Handle]:
+            me.handle = self.llm.engine.add(seq, row)
+            return [me.handle]
+
+        events = self.llm.runs.stream(add)
         started = finished = False
         try:
-            first = prefill(backend, cache, [0], [seq], prefix)[0]
-            started = True
-            yield 0, first
-            step = speculative.step if seq.spec is not None else decode_step
-            while not seq.done:
-                yield 0, step(backend, cache, [0], [seq])[0]
-            finished = True
+            for handle, delta in events:
+                started = True
+                yield handle.id, delta
+            finished = started  # done, or ended by a newer run: a stopped turn keeps the reply shown so far
         except (GeneratorExit, KeyboardInterrupt):
-            finished = started  # a stopped turn keeps the reply shown so far
+            finished = started
             raise
         finally:
+            events.close()
             if finished and self._running is me:  # not cancelled by reset / undo / close
                 self._turns = turns + [{"role": "assistant", "content": "".join(seq.parts)}]
                 self.last_turn = TurnInfo(len(seq.prompt), seq.cached_tokens, dropped, _cut_by(seq))
@@ -228,6 +233,7 @@ class _Running:
 
     message: dict
     seq: Sequence
+    handle: Handle | None = None  # once the engine has it
 
 
 def _first_turn_end(turns: list[dict]) -> int | None:

@@ -1,6 +1,6 @@
 """The decode loop's verbs: a sequence's state, choosing tokens, prefill and one decode step.
 
-The loop itself (which slots run when) is the generator in runtime/decoding/scheduler.py. Nothing here
+The loop itself (which slots run when) is the engine, runtime/engine/. Nothing here
 imports onnxruntime or tensorrt: a backend is anything that follows runtime/backends/backend.py.
 """
 
@@ -18,7 +18,7 @@ from decodert.runtime.mask_overlap import masks_ahead
 from decodert.runtime.decoding.metrics import Metrics, Timer
 from decodert.runtime.decoding.sampling import (SamplingParams, apply_processors, draw, greedy, log_normalise, log_softmax,
                                                 make_distribution, make_logits_processors, make_sampler)
-from decodert.runtime.chat.text import Decoder, IncrementalDetokenizer, StopMatcher
+from decodert.runtime.decoding.text import Decoder, IncrementalDetokenizer, StopMatcher
 from decodert.runtime.vision.tokens import text_ids
 
 

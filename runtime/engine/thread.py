@@ -1,15 +1,15 @@
-"""One engine thread owns an LLM; requests from any thread join its continuous batch between steps.
+"""A thread that drives an LLM's engine for many callers: requests from any thread join its batch between steps.
 
-    engine = Engine(llm, max_queue=64).start()
-    seq = engine.sequence(engine.llm.encode("Hello"), SamplingParams(max_new_tokens=32))
-    handle = engine.submit(seq, sink)      # sink(Event) is called on the engine thread
+    worker = EngineThread(llm, max_queue=64).start()
+    seq = worker.sequence(llm.prepare("Hello", max_new_tokens=32))
+    handle = worker.submit(seq, sink)      # sink(Event) is called on the engine thread
     handle.cancel()                        # finished "cancelled"; its slot is freed before the next step
-    engine.stop(drain_s=30)                # no new requests; wait for the rest, then cancel them
+    worker.stop(drain_s=30)                # no new requests; wait for the rest, then cancel them
 
-The thread runs ``scheduler.run`` over the LLM's one cache with an ``admit`` hook: before every
-step (a prefill of newly admitted rows, or one decode step of all active rows) the hook moves the
-submitted requests into the run and applies cancellations. When nothing is left, the run ends and
-the thread sleeps until the next ``submit``. Callers never wait for a step: ``submit`` and
+The thread runs one run of the LLM's engine (runtime/engine/runs.py) per busy period with an ``admit``
+hook: before every step (an admission of new rows, one decode step of all running rows) the hook adds the
+submitted requests to the engine (``Engine.add``) and applies cancellations (``Engine.abort``). When nothing
+is left, the run ends and the thread sleeps until the next ``submit``. Callers never wait for a step: ``submit`` and
 ``cancel`` only take a lock for a few list operations, and a sink must not block either (the
 server's sink hands the event to its asyncio loop).
 """
@@ -21,15 +21,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 from decodert.errors import DecodertError, first_line
-from decodert.runtime.constraints import Constraint
 from decodert.runtime.decoding.generate import GenerationResult, Sequence
-from decodert.runtime.decoding.sampling import SamplingParams
-from decodert.runtime.speculation.speculative import SpeculativeConfig, resolve as resolve_speculative
-
-CANCELLED = "cancelled"  # finish_reason of a request cancelled before it finished
+from decodert.runtime.engine.request import CANCELLED, Handle as EngineHandle, Prepared
+from decodert.runtime.speculation.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -74,21 +69,22 @@ class _Request:
     id: int
     seq: Sequence
     sink: Sink
+    handle: EngineHandle | None = None  # once added to the engine
     logprobs_sent: int = 0  # seq.logprobs entries already sent in events
 
 
 class Handle:
     """A submitted request: ``cancel()`` it from any thread."""
 
-    def __init__(self, engine: "Engine", rid: int) -> None:
+    def __init__(self, engine: "EngineThread", rid: int) -> None:
         self._engine, self.id = engine, rid
 
     def cancel(self) -> None:
         self._engine.cancel(self.id)
 
 
-class Engine:
-    """The one thread that runs an LLM for many callers (see the module docstring)."""
+class EngineThread:
+    """The one thread that runs an LLM's engine for many callers (see the module docstring)."""
 
     def __init__(self, llm, max_queue: int = 64) -> None:
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 0:
@@ -106,13 +102,12 @@ class Engine:
         self._stopping = False  # the thread ends once the inbox is empty
         self._thread: threading.Thread | None = None
         # engine thread only:
-        self._seqs: dict[int, Sequence] = {}  # the scheduler's view: request id -> Sequence
-        self._reqs: dict[int, _Request] = {}  # requests in the run without their last event yet
-        self._retired: list[int] = []  # finished ids still in _seqs (removed at the next turn)
+        self._reqs: dict[int, _Request] = {}  # requests in the run without their last event yet, by id
+        self._by_handle: dict[int, _Request] = {}  # the same, by engine handle id
         self._rows_since_turn = 0
 
     # -- any thread ------------------------------------------------------------------------------
-    def start(self) -> "Engine":
+    def start(self) -> "EngineThread":
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="decodert-engine", daemon=True)
             self._thread.start()
@@ -132,22 +127,14 @@ class Engine:
         """Requests waiting for a slot."""
         return max(0, len(self._pending) - self.llm.slots_in_use)
 
-    def sequence(self, ids: np.ndarray, params: SamplingParams, what: str = "prompt",
-                 constraint: Constraint | None = None, speculative: Any = None, adapter: str | None = None) -> Sequence:
-        """A validated Sequence for prompt ids [L] (DecodertError: empty, too long, ids outside the
-        vocabulary, an invalid structured-output ``constraint``, speculation this LLM cannot do, an
-        unknown LoRA ``adapter``)."""
-        return self.llm._sequence(np.asarray(ids, dtype=np.int64).reshape(-1), params.validate(), what, constraint,
-                                  speculative, adapter)
+    def sequence(self, prepared: Prepared) -> Sequence:
+        """A validated Sequence for a prepared request (``LLM.prepare``); DecodertError as ``Engine.sequence``."""
+        return self.llm.engine.sequence(prepared)
 
     def speculation(self, value: Any) -> SpeculativeConfig | None:
         """A ``speculative=`` value ("ngram" | "draft" | None) checked against this LLM (DecodertError:
         unknown method, no verify graph, no draft model)."""
-        config = resolve_speculative(value)
-        if config is not None:
-            self.llm._check_speculation()
-            self.llm.speculator.drafter(config)
-        return config
+        return self.llm.engine.speculation(value)
 
     def submit(self, seq: Sequence, sink: Sink) -> Handle:
         """Queue a request; its events go to ``sink``. QueueFull / EngineClosed when it cannot be taken."""
@@ -191,11 +178,12 @@ class Engine:
             self._busy_period()
 
     def _busy_period(self) -> None:
-        """One scheduler run: from the first submitted request until nothing is left."""
+        """One run of the engine: from the first submitted request until nothing is left."""
+        self.llm.engine.open = True  # requests arrive while it runs: speculation never drains
         try:
-            for rid, delta in self.llm._stream(self._seqs, admit=self._admit):
+            for handle, delta in self.llm.runs.stream(lambda: (), admit=self._admit):
                 self._rows_since_turn += 1
-                req = self._reqs[rid]
+                req = self._by_handle[handle.id]
                 if req.seq.done:
                     self._finish(req, Event(delta, result=req.seq.result(), logprobs=self._new_logprobs(req)))
                 elif delta:
@@ -207,9 +195,8 @@ class Engine:
                 self.stats.failed += 1
         finally:
             self._count_step()
-            self._seqs.clear()
             self._reqs.clear()
-            self._retired.clear()
+            self._by_handle.clear()
 
     @staticmethod
     def _new_logprobs(req: _Request) -> tuple:
@@ -219,25 +206,23 @@ class Engine:
         new, req.logprobs_sent = tuple(entries[req.logprobs_sent:]), len(entries)
         return new
 
-    def _admit(self) -> list[int]:
-        """The scheduler's hook, once per turn: new requests in, cancelled ones finished."""
+    def _admit(self) -> None:
+        """The run's hook, once per step: new requests into the engine, cancelled ones finished."""
         self._count_step()
-        for rid in self._retired:  # finished earlier: out of their slots by now
-            del self._seqs[rid]
-        self._retired = []
+        engine = self.llm.engine
         with self._cond:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
         for req in new:
-            self._seqs[req.id] = req.seq
             self._reqs[req.id] = req
+            req.handle = engine.add(req.seq)
+            self._by_handle[req.handle.id] = req
         for rid in cancels:
             req = self._reqs.get(rid)
             if req is not None and not req.seq.done:
-                req.seq.finish_reason = CANCELLED
+                engine.abort(req.handle, CANCELLED)  # type: ignore[arg-type]
                 self.stats.cancelled += 1
                 self._finish(req, Event(result=req.seq.result()))
-        return [req.id for req in new if not req.seq.done]
 
     def _count_step(self) -> None:
         rows, self._rows_since_turn = self._rows_since_turn, 0
@@ -255,7 +240,8 @@ class Engine:
 
     def _finish(self, req: _Request, event: Event) -> None:
         self._reqs.pop(req.id, None)
-        self._retired.append(req.id)
+        if req.handle is not None:
+            self._by_handle.pop(req.handle.id, None)
         self.stats.finished += 1
         self._send(req, event)
         with self._cond:

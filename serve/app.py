@@ -28,7 +28,7 @@ from decodert.errors import first_line
 from decodert.runtime.engine.request import CANCELLED
 from decodert.runtime.engine.thread import EngineThread
 from decodert.serve.guard import Guard
-from decodert.serve.jobs import COMPLETION_DEFAULT_MAX_TOKENS, Job, encode_chat_turn, encode_prompts, prepare
+from decodert.serve.jobs import Job, chat_choices, completion_choices
 from decodert.serve.logprobs import logprob_format
 from decodert.serve.metrics import CONTENT_TYPE, ServerMetrics
 from decodert.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
@@ -89,9 +89,7 @@ def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
         received = time.perf_counter()
         req = parse(CompletionRequest, await request.body())
         adapter = _check_model(req.model, config, engine)
-        prompts, choices = await run_in_threadpool(_encode_and_prepare, encode_prompts, engine, req.prompts(), req,
-                                                   req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, config.speculative,
-                                                   adapter)
+        prompts, choices = await run_in_threadpool(completion_choices, engine, req, config.speculative, adapter)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
                               Reply("completion", req.model, logprob_format(req, engine.llm.tokenizer, False)),
                               [len(p.ids) for p in prompts], config)
@@ -101,7 +99,7 @@ def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
         received = time.perf_counter()
         req = parse(ChatCompletionRequest, await request.body())
         adapter = _check_model(req.model, config, engine)
-        prepared, choices = await run_in_threadpool(_chat_and_prepare, engine, req, config.speculative, adapter)
+        prepared, choices = await run_in_threadpool(chat_choices, engine, req, config.speculative, adapter)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
                               Reply("chat", req.model, logprob_format(req, engine.llm.tokenizer, True), prepared.turn,
                                     prepared.text), [len(prepared.ids)], config)
@@ -126,19 +124,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         message = f"internal error: {type(e).__name__}: {first_line(e)}"
         return JSONResponse(ApiError(500, message, type="server_error").body(), status_code=500)
-
-
-def _encode_and_prepare(encode, engine: EngineThread, inputs, req, limit: int | None, default: int | None,
-                        speculative: Any, adapter: str | None = None):
-    """Tokenize (or render the chat template) and check the request in one thread-pool hop, not two."""
-    prompts = encode(engine, inputs, req)
-    return prompts, prepare(engine, prompts, req, limit, default, speculative, adapter)
-
-
-def _chat_and_prepare(engine: EngineThread, req: ChatCompletionRequest, speculative: Any, adapter: str | None = None):
-    """Render the chat turn (tools, thinking) and check the request in one thread-pool hop."""
-    prepared = encode_chat_turn(engine, req)
-    return prepared, prepare(engine, [prepared], req, req.limit, None, speculative, adapter)
 
 
 def _model_card(engine: EngineThread, config: ServeConfig, adapter: str | None) -> dict[str, Any]:

@@ -100,6 +100,18 @@ def prepare(engine: EngineThread, prompts: Seq[Prepared], req, limit: int | None
     return choices
 
 
+def completion_choices(engine: EngineThread, req, speculative: Any, adapter: str | None = None) -> tuple[list[Prepared], list[Choice]]:
+    """A completions request -> its prepared prompts and every choice's sequence, in one thread-pool hop."""
+    prompts = encode_prompts(engine, req.prompts(), req)
+    return prompts, prepare(engine, prompts, req, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, speculative, adapter)
+
+
+def chat_choices(engine: EngineThread, req, speculative: Any, adapter: str | None = None) -> tuple[Prepared, list[Choice]]:
+    """A chat request -> its prepared turn (tools, thinking) and every choice's sequence, in one thread-pool hop."""
+    prepared = encode_chat_turn(engine, req)
+    return prepared, prepare(engine, [prepared], req, req.limit, None, speculative, adapter)
+
+
 def encode_prompts(engine: EngineThread, prompts: Seq[Union[str, list[int]]], req) -> list[Prepared]:
     """A completions request's prompts, prepared (sampling is set per choice by ``prepare``)."""
     llm = engine.llm

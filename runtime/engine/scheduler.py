@@ -77,14 +77,14 @@ class Scheduler:
     def next(self, has_state: bool) -> Work | None:
         """The next step's work, or None when nothing is left. ``has_state``: the cache keeps hybrid states
         (a shared prefix must then have a state stored before followers load it)."""
-        shared = self._shared(has_state)
-        if self.rows and (shared is None or self._rows_turn):
+        shared_work = bool(self.running) or any(not h.done for h in self.waiting)
+        if self.rows and (not shared_work or self._rows_turn):
             self._rows_turn = False
             row = self.rows.pop(0)
             self.rows.append(row)  # round robin among pinned rows
             return Work("row", [row.handle], row=row)  # type: ignore[list-item]
         self._rows_turn = bool(self.rows)
-        return shared
+        return self._shared(has_state)
 
     def _shared(self, has_state: bool) -> Work | None:
         new: list[Handle] = []

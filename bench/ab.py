@@ -6,7 +6,7 @@ Every round runs each artifact once, in a fresh process (so no artifact's ONNX R
 pool spins while another is timed): load, then 3 greedy requests of ``--prompt-len`` prompt and
 ``--gen`` tokens, timing every decode step. The first request is a warm-up. A round reports the
 median step time, and the summary is the median of the rounds' medians. This is how the
-optimisation log in docs/BENCHMARKS.md compares graph variants on a noisy machine.
+optimisation log in docs/benchmarks/history.md compares graph variants on a noisy machine.
 """
 
 from __future__ import annotations

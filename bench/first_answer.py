@@ -5,7 +5,7 @@
 
 Each setting is ``temperature/top_p`` or ``temperature/top_p/repetition_penalty``; every seed
 0..N-1 runs ``LLM.chat`` once, and the line printed counts the replies that contain ``--expect``,
-plus the greedy reply. This is how docs/BENCHMARKS.md ("First run") chose SmolLM2's defaults.
+plus the greedy reply. This is how docs/benchmarks/history.md ("First run") chose SmolLM2's defaults.
 """
 
 from __future__ import annotations

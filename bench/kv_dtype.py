@@ -6,7 +6,7 @@
 Exports the GGUF as `decodert run` does (fp32 weights, ort target, max_seq 2048, batch 4) once per KV dtype
 (into ``--work``, kept between runs), then per dtype:
 
-- perplexity over bench/fixed_text.txt (the figure docs/BENCHMARKS.md quotes for the weights, 34.0 at fp32)
+- perplexity over bench/fixed_text.txt (the figure docs/benchmarks/history.md ("Quality") quotes for the weights, 34.0 at fp32)
   and over the first ``--long`` tokens of README.md, teacher-forced one decode step per token
   (bench/quality.py's method): the cache holds every earlier token in the KV dtype;
 - greedy agreement with the fp32 cache on ``PROMPTS`` (32 tokens each): identical free-running answers, and

@@ -18,7 +18,8 @@
     blocks) after each of many distinct requests under a tiny budget.
 
 Each contender runs in a fresh worker process (its own interpreter for the competitors), rounds
-alternate contenders; medians over ``--rounds``. No figure is asserted here: docs/BENCHMARKS.md.
+alternate contenders; medians over ``--rounds``. No figure is asserted here: docs/benchmarks/history.md,
+"Prefix and conversation KV reuse (issue 13)".
 """
 
 from __future__ import annotations

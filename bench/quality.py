@@ -36,7 +36,7 @@ from compare import DEFAULT_GGUF
 TEXT = Path(__file__).with_name("fixed_text.txt")
 VARIANTS = {
     "fp32": None,
-    "int8": QuantConfig(bits=8),  # accuracy level 0 (fp32 compute): slow on ORT CPU, see docs/BENCHMARKS.md
+    "int8": QuantConfig(bits=8),  # accuracy level 0 (fp32 compute): slow on ORT CPU, see docs/benchmarks/history.md ("Quality")
     "int8 acc4": QuantConfig(bits=8, accuracy_level=4),
     "int4 acc0": QuantConfig(bits=4, accuracy_level=0),
     "int4 acc4": QuantConfig(bits=4, accuracy_level=4),

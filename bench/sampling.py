@@ -4,7 +4,7 @@ one row of logits [1, V], as the loop runs them when the graph's argmax cannot b
     python bench/sampling.py [--vocab 49152] [--module path/to/other/sampling.py]
 
 ``--module`` times another version of the file (e.g. ``git show REV:runtime/decoding/sampling.py``) with
-the same cases, for before/after figures (docs/BENCHMARKS.md).
+the same cases, for before/after figures (docs/benchmarks/history.md, "Sampling on the host").
 """
 
 from __future__ import annotations

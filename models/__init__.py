@@ -3,7 +3,7 @@
 A family file is any module in a group of ``models/families/`` (dense, moe, hybrid, vision) that declares
 ``MODEL_TYPES`` (config.json ``model_type`` values)
 and ``GGUF_ARCHITECTURES`` (GGUF ``general.architecture`` values); the registry below is built
-from those declarations, so adding a family is adding its file (docs/ARCHITECTURE.md).
+from those declarations, so adding a family is adding its file (docs/features/families.md).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class ModelSpec:
     residual_scale: float = 1.0  # Granite: each mixer and MLP output x this before its residual add
     logits_scaling: float = 1.0  # Granite: logits / this
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate per head; attention output *= sigmoid(gate)
-    # -- hybrid models: what mixes tokens in each layer, and the state it keeps (docs/ARCHITECTURE.md, "Cache state")
+    # -- hybrid models: what mixes tokens in each layer, and the state it keeps (docs/features/cache-state.md)
     layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYER_KINDS; () = every layer "attention"
     conv_kernel: int = 0  # K of the layers' causal depthwise conv (LFM2 conv_L_cache; DeltaNet/Mamba2 conv); state K-1
     conv_bias: bool = False  # LFM2: biases on the conv layer's in/out projections and the conv

@@ -23,7 +23,7 @@ _executor: Any = None
 _pool_lock = threading.Lock()
 OVERLAP = True  # compute next-step masks on a worker thread while the backend runs (bench/structured.py)
 # Masks that took less than this (all rows together, last step) are computed inline after the
-# step instead. Measured (docs/BENCHMARKS.md): a JSON mask takes 10-20 us per row, so overlapping
+# step instead. Measured (docs/benchmarks/history.md, "Structured output"): a JSON mask takes 10-20 us per row, so overlapping
 # it could save < 0.1% of a step, less than the thread hand-off (~15 us) and the risk of taking a
 # core from ONNX Runtime's threads; a fresh grammar's first masks (up to ~6 ms) are overlapped.
 OVERLAP_MIN_S = 1e-3

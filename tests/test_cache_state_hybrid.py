@@ -1,5 +1,5 @@
-"""The cache owner's rule for rows with conv / recurrent states (hybrid models; docs/ARCHITECTURE.md,
-"Cache state"): such a row is rewound only to a point it can return to exactly (its length, 0, or its
+"""The cache owner's rule for rows with conv / recurrent states (hybrid models;
+docs/features/cache-state.md): such a row is rewound only to a point it can return to exactly (its length, 0, or its
 snapshot), every other rewind is refused, a row that holds nothing has zero states, and a commit may
 carry the states the model computed after the ids (the prefix cache)."""
 

@@ -172,7 +172,7 @@ def _ort_tiny(tiny_checkpoint, tmp_path, family):
 
 
 def test_bench_verify_cost_prints_every_width(tiny_checkpoint, tmp_path, capsys):
-    """bench/verify_cost.py (the verify-cost figures of docs/BENCHMARKS.md) runs on an artifact."""
+    """bench/verify_cost.py (the verify-cost figures of docs/benchmarks/history.md) runs on an artifact."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import verify_cost
 
@@ -185,7 +185,7 @@ def test_bench_verify_cost_prints_every_width(tiny_checkpoint, tmp_path, capsys)
 
 
 def test_bench_drafter_cost_checks_both_votes(tiny_checkpoint, tmp_path, capsys):
-    """bench/drafter_cost.py (the drafter figures of docs/BENCHMARKS.md) runs on an artifact, and
+    """bench/drafter_cost.py (the drafter figures of docs/benchmarks/history.md) runs on an artifact, and
     the plain-Python vote and the numpy one draft the same on every step it replays."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import drafter_cost
@@ -198,7 +198,7 @@ def test_bench_drafter_cost_checks_both_votes(tiny_checkpoint, tmp_path, capsys)
 
 
 def test_bench_ngram_ceiling_prints_every_policy(tiny_checkpoint, tmp_path, capsys):
-    """bench/ngram_ceiling.py (the prompt-lookup ceiling table of docs/BENCHMARKS.md) runs on an
+    """bench/ngram_ceiling.py (the prompt-lookup ceiling table of docs/benchmarks/history.md) runs on an
     artifact, and its oracles are upper bounds of the drafters they are compared with."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import ngram_ceiling

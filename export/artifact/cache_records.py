@@ -1,5 +1,5 @@
 """The manifest's cache records: the K/V geometry and, for hybrid models, each layer's kind and states
-(docs/ARCHITECTURE.md, "Cache state"); export/artifact/manifest.py reads and checks them."""
+(docs/features/cache-state.md); export/artifact/manifest.py reads and checks them."""
 
 from __future__ import annotations
 

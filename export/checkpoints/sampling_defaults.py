@@ -37,7 +37,7 @@ _GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": 
 MODEL_CARDS: tuple[tuple[re.Pattern, bool, dict[str, float], str], ...] = (
     # The card says top_p 0.9; with it SmolLM2-135M answered "What is the capital of France?" in French
     # or in a loop in 5 of 20 seeds (fp32, as transformers does), with top_p 0.5 in 0 of 20 (measured
-    # 2026-12-03, docs/BENCHMARKS.md "First run"): the card's temperature, a tighter nucleus.
+    # 2026-12-03, docs/benchmarks/history.md "First run"): the card's temperature, a tighter nucleus.
     (re.compile(r"smollm2", re.I), True, {"temperature": 0.2, "top_p": 0.5},
      "the SmolLM2-Instruct model card's temperature (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct), "
      "with top_p 0.5 instead of its 0.9 (wrong answers in 5 of 20 seeds with 0.9, measured)"),

@@ -10,7 +10,7 @@ int8-activation kernels of ONNX Runtime CPU):
                  34.0) the fast level-4 kernels round activations to int8, and that flips SmolLM2's
                  flagship answer (greedy "L'Etoile de la Cite ..." instead of Paris; 6/20 seeds say
                  Paris vs 15/20 at fp32); level 0 keeps the answer but is 11x slower per step
-                 (docs/BENCHMARKS.md, "First run"). `--quant int4` asks for the small export.
+                 (docs/benchmarks/history.md, "First run"). `--quant int4` asks for the small export.
     Q8_0         int8, transcoded exactly
     Q4_K Q5_K Q6_K  int8, rounded to nearest (16-64 levels per block onto 256: near exact)
     F32 F16 BF16, an HF folder   fp32 (float weights stay float)

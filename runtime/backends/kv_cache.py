@@ -14,7 +14,7 @@ for new ids), ``rewind`` (drop positions from the end: rejected drafts, a sessio
 row ran under too: ``use_adapter`` sets it (the graphs read ``adapters`` as each row's ``lora_index``) and
 empties a row that holds K/V of another adapter, so no row ever mixes them. ``lengths``
 is a read-only view: nothing else can change what a row says it holds, so the prefix cache, sessions
-and speculation read the ids from here instead of assuming them (docs/ARCHITECTURE.md, "Cache state").
+and speculation read the ids from here instead of assuming them (docs/features/cache-state.md).
 
 Hybrid models (models/spec.py ``LAYER_KINDS``): only attention layers keep K/V (``kv_layers``: their
 model layer numbers); a conv / linear-attention / Mamba2 layer keeps states ``states[j]``

@@ -90,7 +90,7 @@ class OrtBackend:
         self._prefill_with_past_batch = get_target(manifest.target).multi_token_rows or self.max_batch
         # a long one-row prompt runs in chunks of this many tokens (0: in one call): GQA's CPU prefill
         # attends over the whole square, so 512-token chunks cut its share of a 4096-token prompt
-        # by about a fifth while the GEMMs stay large (docs/BENCHMARKS.md, issue 32)
+        # by about a fifth while the GEMMs stay large (docs/benchmarks/history.md, "Sizes users deploy (issue 32)")
         self.prefill_chunk = int(os.environ.get("DECODERT_PREFILL_CHUNK", "512"))
         self._decode_bindings: dict[tuple[int, int, int], _Binding] = {}
         self._options, self._providers = options, providers

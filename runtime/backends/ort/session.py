@@ -58,7 +58,7 @@ def thread_pins(threads: int, setting: str) -> str:
     """ORT's affinity string pinning the pool's workers (all but the caller's thread) one per core,
     from the cores this process may use, when ``$DECODERT_PIN_THREADS`` is 1; else "".
     Off by default: measured on this project's 2-vCPU machine it changed nothing
-    (docs/BENCHMARKS.md, issue 32), and pinning fights other processes for the same cores."""
+    (docs/benchmarks/history.md, "Sizes users deploy (issue 32)"), and pinning fights other processes for the same cores."""
     if setting in ("", "0"):
         return ""
     if setting != "1":

@@ -121,3 +121,24 @@ def test_commit_with_the_states_the_model_computed():
         cache.commit([2], [np.arange(3)], states=[kept[:1]])
     assert cache.lengths[2] == 0 and all((buf[2] == 0).all() for buf in cache.states)  # refused: nothing written
     assert KVCache(2, 16, 1, 2, 4, np.float32).read_states(0) == []
+
+
+def test_switching_adapter_empties_the_states_and_the_snapshot():
+    """``use_adapter`` with another adapter: the row holds nothing, so its states are zero and the snapshot taken
+    under the other adapter is gone (a later rewind must not restore it); the same adapter keeps the row."""
+    cache = _cache()
+    cache.use_adapter(0, 1, 11)
+    cache.commit([0], [np.arange(5)])
+    _write(cache, 0, 1.0)
+    cache.snapshot(0)
+    cache.use_adapter(0, 1, 11)
+    assert cache.lengths[0] == 5 and cache.rewind_point(0, 3) == 0 and (cache.states[0][0] == 1.0).all()
+    cache.commit([0], [np.arange(5, 9)])
+    _write(cache, 0, 2.0)
+    cache.use_adapter(0, 2, 12)
+    assert cache.lengths[0] == 0 and all((buf[0] == 0).all() for buf in cache.states)
+    cache.commit([0], [np.arange(9)])  # the same ids again, under adapter 12
+    _write(cache, 0, 3.0)
+    assert cache.rewind_point(0, 6) == 0  # not 5: that snapshot's states were adapter 11's
+    cache.rewind(0, 0)
+    assert cache.adapter_tag(0) == 12 and int(cache.adapters[0]) == 2

@@ -12,7 +12,7 @@ only writer of that record, through four verbs: ``commit`` (a backend, or the pr
 for new ids), ``rewind`` (drop positions from the end: rejected drafts, a session turn that diverges),
 ``reset``, and ``move`` (a backend copied a row to another slot). K/V depend on the LoRA adapter the
 row ran under too: ``use_adapter`` sets it (the graphs read ``adapters`` as each row's ``lora_index``) and
-empties a row that holds K/V of another adapter, so no row ever mixes them. ``lengths``
+empties a row that holds K/V (and states) of another adapter, so no row ever mixes them. ``lengths``
 is a read-only view: nothing else can change what a row says it holds, so the prefix cache, sessions
 and speculation read the ids from here instead of assuming them (docs/ARCHITECTURE.md, "Cache state").
 
@@ -159,9 +159,10 @@ class KVCache:
 
     def use_adapter(self, slot: int, index: int, tag: int) -> None:
         """Row ``slot``'s next K/V are computed under the adapter loaded as ``tag`` into LoRA slot ``index``
-        (0, 0: none). A row holding K/V of another adapter is emptied first: K/V never mix adapters."""
+        (0, 0: none). A row holding K/V of another adapter is emptied first (``reset``: its states zeroed,
+        its snapshot dropped, both computed under the other adapter): K/V and states never mix adapters."""
         if self._adapter_tag[slot] != tag:
-            self._lengths[slot] = 0
+            self.reset(slot)
         self._adapter[slot], self._adapter_tag[slot] = index, tag
 
     def adapter_tag(self, slot: int) -> int:

@@ -12,6 +12,10 @@ ids themselves (its "K/V"), so ``reference_tokens`` can recompute everything fro
 ``sum_t h[t] * (t+1)`` mod ``MIX_MOD``), updated by every call over the ids it runs (``mix_state``), as a
 linear layer's state summarises a row; every call asserts that the row's state is the one of the
 ids its K/V holds (the model reads its state, so a wrong one would be a wrong answer).
+
+Each row's write is one graph run: the state and the "K/V" are written in place, then the ids committed,
+inside ``KVCache.writing`` as a real backend does. ``interrupt_in = k`` raises KeyboardInterrupt in the
+k-th run from now, after its in-place writes and before its commit (where Ctrl-C lands mid-prefill).
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class FakeBackend:
         self.H = rng.standard_normal((vocab_size, vocab_size)).astype(np.float32)  # [V, V]
         self.rule = rule
         self.calls: list[tuple[str, tuple[int, ...], bool]] = []  # (kind, slots, want_logits)
+        self.interrupt_in: int | None = None  # runs until one is interrupted before its commit (None: never)
 
     # -- the model ------------------------------------------------------------------------
     def logits_for(self, history: np.ndarray) -> np.ndarray:
@@ -146,14 +151,20 @@ class FakeBackend:
         start = int(cache.lengths[slot])
         assert row.ndim == 1 and row.size >= 1, "empty row"
         assert start + row.size <= cache.max_seq, f"slot {slot}: {start}+{row.size} tokens > max_seq {cache.max_seq}"
-        if cache.states:  # the graph reads the row's state and writes it forward over the new ids, in place
-            n, mix = (int(x) for x in cache.states[0][slot])
-            assert n == start and mix == mix_state(cache.tokens[slot, :start])[1], \
-                f"slot {slot}: state {[n, mix]} is not the one of the {start} ids its K/V holds"
-            cache.states[0][slot] = [start + row.size,
-                                     (mix + int((row * np.arange(start + 1, start + row.size + 1)).sum())) % MIX_MOD]
-        cache.tokens[slot, start:start + row.size] = row
-        cache.commit([slot], [row])
+        with cache.writing([slot]):
+            if cache.states:  # the graph reads the row's state and writes it forward over the new ids, in place
+                n, mix = (int(x) for x in cache.states[0][slot])
+                assert n == start and mix == mix_state(cache.tokens[slot, :start])[1], \
+                    f"slot {slot}: state {[n, mix]} is not the one of the {start} ids its K/V holds"
+                cache.states[0][slot] = [start + row.size,
+                                         (mix + int((row * np.arange(start + 1, start + row.size + 1)).sum())) % MIX_MOD]
+            cache.tokens[slot, start:start + row.size] = row
+            if self.interrupt_in is not None:
+                self.interrupt_in -= 1
+                if self.interrupt_in == 0:
+                    self.interrupt_in = None
+                    raise KeyboardInterrupt
+            cache.commit([slot], [row])
 
     def _output(self, cache: FakeCache, slots: Sequence[int], want_logits: bool) -> StepOutput:
         logits = np.stack([self.logits_for(cache.tokens[s, :cache.lengths[s]]) for s in slots])  # [n, V]

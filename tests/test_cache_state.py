@@ -14,7 +14,8 @@ Operations: generate (one prompt or a batch), streams closed after k deltas, gen
 mixed requests (stop strings, plain, ngram, draft), sessions' turns and streamed turns with reset,
 undo or close at any point (mid-stream too), speculation by prompt lookup and by a draft model,
 eos inside accepted drafts, max_new_tokens and the context's end landing inside a verify pass, a
-prefix cache of a few blocks, requests through the server's engine thread cancelled mid-run.
+prefix cache of a few blocks, requests through the server's engine thread cancelled mid-run, and
+Ctrl-C inside a graph run (after its in-place writes, before its commit) of a turn or a request.
 The same runs again with a hybrid fake (``states=True``: every row also keeps a recurrent state,
 tests/fake_backend.py): every row's state is the one of the ids it holds, every prefix entry's
 state the one of its chain's ids, so a prefix hit resumes a linear layer exactly.
@@ -92,6 +93,8 @@ ops_st = st.lists(st.one_of(
     st.tuples(st.just("stream_turn"), st.integers(0, 1), st.integers(0, 3), new_st, spec_st, st.integers(0, 6),
               st.sampled_from(["finish", "close_stream", "reset", "undo", "close"])),
     st.tuples(st.sampled_from(["reset", "undo", "close"]), st.integers(0, 1)),
+    st.tuples(st.just("interrupted_turn"), st.integers(0, 1), st.integers(0, 3), new_st, spec_st, st.integers(1, 6)),
+    st.tuples(st.just("interrupted_generate"), st.integers(0, 4), new_st, spec_st, st.integers(1, 6)),
     st.tuples(st.just("engine"), st.lists(st.tuples(st.integers(0, 4), new_st, spec_st, st.integers(-1, 8)),
                                           min_size=1, max_size=5)),
 ), min_size=1, max_size=8)
@@ -198,6 +201,25 @@ class World:
         # CANCELLED, or its own reason when the last token came before it was drained: in flight all the same
         assert stream.result.finish_reason in (CANCELLED, "stop", "length")
         assert s._turns == ([] if then == "reset" else before)
+
+    def op_interrupted_turn(self, k: int, q: int, n: int, spec: int, at: int) -> None:
+        """A turn whose ``at``-th graph run of the target is interrupted (a reply cut short, or no reply at all)."""
+        self.llm.backend.interrupt_in = at
+        try:
+            self.sessions[k].chat(QUESTIONS[q], max_new_tokens=n, temperature=0, speculative=SPEC[spec])
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.llm.backend.interrupt_in = None
+
+    def op_interrupted_generate(self, i: int, n: int, spec: int, at: int) -> None:
+        self.llm.backend.interrupt_in = at
+        try:
+            self.llm.generate(self.prompts[i], max_new_tokens=n, temperature=0, speculative=SPEC[spec])
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.llm.backend.interrupt_in = None
 
     def op_reset(self, k: int) -> None:
         self.sessions[k].reset()

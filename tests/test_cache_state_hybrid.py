@@ -121,3 +121,64 @@ def test_commit_with_the_states_the_model_computed():
         cache.commit([2], [np.arange(3)], states=[kept[:1]])
     assert cache.lengths[2] == 0 and all((buf[2] == 0).all() for buf in cache.states)  # refused: nothing written
     assert KVCache(2, 16, 1, 2, 4, np.float32).read_states(0) == []
+
+
+def test_a_run_interrupted_before_its_commit_leaves_the_row_as_recorded():
+    """``writing``: a graph updated the states of a row in place and the commit never came (an exception,
+    Ctrl-C between two prefill chunks): the row goes back to its snapshot, or to 0 without one; a committed
+    row, or another row, is left as it is."""
+    cache = _cache()
+    cache.commit([0], [np.arange(5)])
+    _write(cache, 0, 1.0)
+    cache.snapshot(0)
+    cache.commit([0, 1], [np.arange(5, 9), np.arange(3)])
+    _write(cache, 0, 2.0)
+    _write(cache, 1, 7.0)
+    with pytest.raises(KeyboardInterrupt):
+        with cache.writing([0, 1]):
+            _write(cache, 0, 3.0)  # the graph ran over both rows
+            _write(cache, 1, 8.0)
+            cache.commit([1], [[3]])  # row 1's ids recorded, row 0's not
+            raise KeyboardInterrupt
+    assert cache.lengths[0] == 5 and all((buf[0] == 1.0).all() for buf in cache.states)  # its snapshot
+    np.testing.assert_array_equal(cache.held(0), np.arange(5))
+    assert cache.lengths[1] == 4 and all((buf[1] == 8.0).all() for buf in cache.states)
+    waited = []
+    with pytest.raises(DecodertError, match="engine failed"):
+        with cache.writing([1], wait=lambda: waited.append(1)):
+            _write(cache, 1, 9.0)
+            raise DecodertError("engine failed")
+    assert waited == [1] and cache.lengths[1] == 0 and all((buf[1] == 0).all() for buf in cache.states)  # no snapshot
+    with cache.writing([2]):
+        _write(cache, 2, 4.0)
+        cache.commit([2], [[1, 2]])
+    assert cache.lengths[2] == 2 and (cache.states[0][2] == 4.0).all()
+    with cache.writing([2]):  # ended without its commit: not a state of the ids either
+        _write(cache, 2, 5.0)
+    assert cache.lengths[2] == 0 and (cache.states[0][2] == 0).all()
+    plain = KVCache(1, 16, 1, 2, 4, np.float32)
+    plain.commit([0], [np.arange(4)])
+    with pytest.raises(KeyboardInterrupt), plain.writing([0]):  # K/V alone: positions past the length are unread
+        raise KeyboardInterrupt
+    assert plain.lengths[0] == 4
+
+
+def test_switching_adapter_empties_the_states_and_the_snapshot():
+    """``use_adapter`` with another adapter: the row holds nothing, so its states are zero and the snapshot taken
+    under the other adapter is gone (a later rewind must not restore it); the same adapter keeps the row."""
+    cache = _cache()
+    cache.use_adapter(0, 1, 11)
+    cache.commit([0], [np.arange(5)])
+    _write(cache, 0, 1.0)
+    cache.snapshot(0)
+    cache.use_adapter(0, 1, 11)
+    assert cache.lengths[0] == 5 and cache.rewind_point(0, 3) == 0 and (cache.states[0][0] == 1.0).all()
+    cache.commit([0], [np.arange(5, 9)])
+    _write(cache, 0, 2.0)
+    cache.use_adapter(0, 2, 12)
+    assert cache.lengths[0] == 0 and all((buf[0] == 0).all() for buf in cache.states)
+    cache.commit([0], [np.arange(9)])  # the same ids again, under adapter 12
+    _write(cache, 0, 3.0)
+    assert cache.rewind_point(0, 6) == 0  # not 5: that snapshot's states were adapter 11's
+    cache.rewind(0, 0)
+    assert cache.adapter_tag(0) == 12 and int(cache.adapters[0]) == 2

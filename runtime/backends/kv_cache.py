@@ -12,7 +12,7 @@ only writer of that record, through four verbs: ``commit`` (a backend, or the pr
 for new ids), ``rewind`` (drop positions from the end: rejected drafts, a session turn that diverges),
 ``reset``, and ``move`` (a backend copied a row to another slot). K/V depend on the LoRA adapter the
 row ran under too: ``use_adapter`` sets it (the graphs read ``adapters`` as each row's ``lora_index``) and
-empties a row that holds K/V of another adapter, so no row ever mixes them. ``lengths``
+empties a row that holds K/V (and states) of another adapter, so no row ever mixes them. ``lengths``
 is a read-only view: nothing else can change what a row says it holds, so the prefix cache, sessions
 and speculation read the ids from here instead of assuming them (docs/features/cache-state.md).
 
@@ -30,11 +30,25 @@ place), or the caller gives the states the model computed for exactly the ids th
 ``rewind(slot, to, states)`` (a verify pass's per-position states) and ``commit(slots, ids, states)``
 (the prefix cache: K/V blocks copied in, and the states a row had when it held exactly those ids,
 ``read_states``). So whatever a row holds, its states are the model's after ``held(slot)``.
+
+A graph updates states in place before anything records the ids it ran, so a run and its commit are
+one step that an exception or Ctrl-C can split (between the chunks of a long prefill, or between a
+graph run and its commit). The rule that keeps the record true: **a backend runs a graph over rows
+with states only inside ``writing(slots)``, and commits the ids it ran inside it** (one run, one
+commit: a chunked prefill commits every chunk). From the start of the block until its commit a row
+is in flight; a row still in flight when the block ends (the commit never came) is taken back at
+once to the furthest point whose states are known: its snapshot (states restored) or 0 (zeroed).
+So an interrupted prefill, decode or verify leaves every row as its record says, the next turn of a
+session or request on the row computes from the right states, and the prefix cache (which stores
+``read_states`` beside ``held``) never stores states a run left ahead of its ids. Rows with K/V alone
+need no block (K/V beyond ``lengths`` is never read): ``writing`` does nothing for them. Switching
+a row's adapter (``use_adapter``) empties it like ``reset``: lengths, states and snapshot.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -92,6 +106,7 @@ class KVCache:
         else:
             self.states = [DeviceBuffer(slots * n) for n in self.state_bytes]
         self._snapshots: dict[int, tuple[int, list[bytes]]] = {}  # slot -> (position, each state's bytes)
+        self._in_flight: set[int] = set()  # rows a graph may have updated whose ids are not committed yet (``writing``)
         self._lengths = np.zeros(slots, np.int64)  # [slots] tokens cached = the next write index
         self.lengths = self._lengths.view()  # read-only: only the verbs below change it
         self.lengths.flags.writeable = False
@@ -151,17 +166,53 @@ class KVCache:
             raise ValueError(f"commit: states for slots {list(slots)} are not {len(slots)} x {self.state_bytes} bytes")
         self.check_room(slots, [len(r) for r in rows])
         for j, (slot, row) in enumerate(zip(slots, rows)):
+            self._in_flight.discard(slot)
             start = self._lengths[slot]
             self._held[slot, start : start + len(row)] = row
             self._lengths[slot] = start + len(row)
             if states is not None:
                 self._write_states(slot, list(states[j]))
 
+    @contextmanager
+    def writing(self, slots: Sequence[int], wait: Callable[[], None] | None = None) -> Iterator[None]:
+        """The block in which a backend runs a graph that updates the states of rows ``slots`` in place
+        and commits the ids it ran (see the module docstring). A row not committed when the block ends
+        (an exception, KeyboardInterrupt) goes back to its snapshot or to 0, so its states match its ids.
+        ``wait``: called first when a row goes back (the trt backend's stream sync: its graph may still
+        be writing). Nothing to do for K/V alone."""
+        if not self.states:
+            yield
+            return
+        rows = [int(s) for s in slots]
+        self._in_flight.update(rows)
+        try:
+            yield
+        finally:
+            left = [s for s in rows if s in self._in_flight]
+            if left:
+                try:
+                    if wait is not None:
+                        wait()
+                finally:
+                    for slot in left:
+                        self._take_back(slot)
+
+    def _take_back(self, slot: int) -> None:
+        """Row ``slot``'s states are not those of its ids: back to its snapshot (restored) or to 0."""
+        self._in_flight.discard(slot)
+        snap = self._snapshots.get(slot)
+        if snap is None or snap[0] > self._lengths[slot]:
+            self.reset(slot)
+            return
+        self._write_states(slot, snap[1])
+        self._lengths[slot] = snap[0]
+
     def use_adapter(self, slot: int, index: int, tag: int) -> None:
         """Row ``slot``'s next K/V are computed under the adapter loaded as ``tag`` into LoRA slot ``index``
-        (0, 0: none). A row holding K/V of another adapter is emptied first: K/V never mix adapters."""
+        (0, 0: none). A row holding K/V of another adapter is emptied first (``reset``: its states zeroed,
+        its snapshot dropped, both computed under the other adapter): K/V and states never mix adapters."""
         if self._adapter_tag[slot] != tag:
-            self._lengths[slot] = 0
+            self.reset(slot)
         self._adapter[slot], self._adapter_tag[slot] = index, tag
 
     def adapter_tag(self, slot: int) -> int:
@@ -221,6 +272,7 @@ class KVCache:
         self._lengths[slice(None) if slot is None else slot] = 0
         for s in range(self.slots) if slot is None else (slot,):
             self._snapshots.pop(s, None)
+            self._in_flight.discard(s)
             if self.states:
                 self._write_states(s, [bytes(n) for n in self.state_bytes])
 
@@ -263,6 +315,8 @@ class KVCache:
         self._held[dst, :n] = self._held[src, :n]
         self._lengths[dst], self._lengths[src] = n, 0
         self._snapshots.pop(dst, None)
+        self._in_flight.discard(src)
+        self._in_flight.discard(dst)
         if src in self._snapshots:
             self._snapshots[dst] = self._snapshots.pop(src)
         if self.states:  # src starts again from zero states (dst's were copied by the backend)

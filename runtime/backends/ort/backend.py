@@ -138,27 +138,32 @@ class OrtBackend:
             b.ids[:] = 0
             for j, r in enumerate(rows):
                 b.ids[j, : lens[r] - done] = ids[r][done:]
-                self._set_offsets(b, j, cache, slots[r], ids[r][:done], ids[r][done:])
-            b.past[:] = cache.lengths[start : start + n] + done
+                self._set_offsets(b, j, cache, slots[r], ids[r][done:])
+            b.past[:] = cache.lengths[start : start + n]
             b.seq[:] = lens[rows] - done
             self._bind_images(b)
-            _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
+            group = [slots[r] for r in rows]
+            with cache.writing(group):  # a row's states and its record change together (kv_cache.py)
+                _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
+                cache.commit(group, [ids[r][done:] for r in rows])
             _gather(out, rows, b, want_logits)
-        cache.commit(slots, ids)
         return out
 
     def _prefill_chunks(self, cache: KVCache, start: int, row: np.ndarray) -> int:
         """All but the last ``prefill_chunk`` tokens of one row's prompt, a chunk per call (GQA takes
-        several tokens over a non-empty cache at batch 1); returns how many were run."""
+        several tokens over a non-empty cache at batch 1), each committed after its call; returns how
+        many were run."""
         chunk, done, b = self.prefill_chunk, 0, None
         while len(row) - done > chunk:
             b = b or self._bind(cache, "prefill", start, 1, chunk)
             b.ids[0] = row[done : done + chunk]
-            self._set_offsets(b, 0, cache, start, row[:done], row[done : done + chunk])
-            b.past[:] = cache.lengths[start] + done
+            self._set_offsets(b, 0, cache, start, row[done : done + chunk])
+            b.past[:] = cache.lengths[start]
             b.seq[:] = chunk
             self._bind_images(b)
-            _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
+            with cache.writing([start]):
+                _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
+                cache.commit([start], [row[done : done + chunk]])
             done += chunk
         return done
 
@@ -176,9 +181,11 @@ class OrtBackend:
             b.past[:] = cache.lengths[start : start + n]
             if b.offsets is not None:  # each row's next text position (runtime/vision/mrope.py)
                 b.offsets[:, :, 0] = [image_feeds.next_offset(cache.held(start + j), self.images) for j in range(n)]
-            _run_bound(self.sessions["decode"], b.io, self.dir, "decode")
+            run = [slots[r] for r in rows]
+            with cache.writing(run):
+                _run_bound(self.sessions["decode"], b.io, self.dir, "decode")
+                cache.commit(run, ids[rows].reshape(-1, 1))
             _gather(out, rows, b, want_logits)
-        cache.commit(slots, ids.reshape(-1, 1))
         return out
 
     @property
@@ -216,13 +223,15 @@ class OrtBackend:
                 ids_buf[j, : lens[r]] = ids[r]
                 image_feeds.set_offsets(offsets, j, cache.held(slots[r]), ids[r], self.images)  # M-RoPE
             past_buf[:] = cache.lengths[start : start + n]
-            _run_bound(state.session, io, self.dir, state.kind)
+            run = [slots[r] for r in rows]
+            with cache.writing(run):
+                _run_bound(state.session, io, self.dir, state.kind)
+                cache.commit(run, [ids[r] for r in rows])
             out.next_tokens[rows, :w] = next_buf
             if out.logits is not None:
                 out.logits[rows, :w] = logits_buf
             if out.windows is not None:
                 out.windows[rows[0]] = {name: buf[0].copy() for name, buf in wins.items()}
-        cache.commit(slots, ids)
         return out
 
     def prepare_verify(self, rows: int) -> None:
@@ -295,10 +304,10 @@ class OrtBackend:
         return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
-    def _set_offsets(self, b: _Binding, j: int, cache: KVCache, slot: int, before: np.ndarray, new: np.ndarray) -> None:
-        """Row ``j``'s M-RoPE offsets for ``new`` ids, written after what ``slot`` holds and ``before``."""
+    def _set_offsets(self, b: _Binding, j: int, cache: KVCache, slot: int, new: np.ndarray) -> None:
+        """Row ``j``'s M-RoPE offsets for ``new`` ids, written after what ``slot`` holds."""
         if b.offsets is not None:
-            image_feeds.set_offsets(b.offsets, j, np.concatenate([cache.held(slot), before]), new, self.images)
+            image_feeds.set_offsets(b.offsets, j, cache.held(slot), new, self.images)
 
     def _bind_images(self, b: _Binding) -> None:
         """Image ids in ``b.ids`` (runtime/vision/tokens.py) -> the ``<image>`` token, their rows bound as

@@ -255,11 +255,12 @@ class TrtBackend:
         ctx = self._prefill_ctx
         bind(ctx, {**self._io_addresses("prefill"), **self.kv_addresses(cache, row0), **images[0]},
              {**self.io_shapes(k, seq), **images[1]})
-        self.execute(ctx, "prefill")
-        self.stats["plain_runs"] += 1
-        cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, k * 8, self.stream, "d2h")
-        self._collect(run, out)
-        cache.commit([s for _, s in run], [chunk[j] for j, _ in run])
+        with cache.writing([s for _, s in run], self.stream.sync):  # states and record together (kv_cache.py)
+            self.execute(ctx, "prefill")
+            self.stats["plain_runs"] += 1
+            cm.copy_async(self.h["next"].ptr, self.d["next"].ptr, k * 8, self.stream, "d2h")
+            self._collect(run, out)
+            cache.commit([s for _, s in run], [chunk[j] for j, _ in run])
 
     def decode(self, cache: KVCache, slots: Sequence[int], ids: np.ndarray, want_logits: bool) -> StepOutput:
         """One token per slot; slots 0..n-1 take the bound context / CUDA graph path."""
@@ -273,8 +274,10 @@ class TrtBackend:
             self.h["dec_len"].array[:n] = cache.lengths[:n]
             if self.mrope is not None:
                 self.mrope.write_decode(cache, range(n))
-            self._decode_prefix(cache, n)
-            self._collect([(j, j) for j in range(n)], out)
+            with cache.writing(range(n), self.stream.sync):
+                self._decode_prefix(cache, n)
+                self._collect([(j, j) for j in range(n)], out)
+                cache.commit(range(n), tokens.reshape(-1, 1))
         else:
             for run in contiguous_runs(slots):
                 k, row0 = len(run), run[0][1]
@@ -284,10 +287,11 @@ class TrtBackend:
                     self.mrope.write_decode(cache, [s for _, s in run])
                 bind(self._runs_ctx, {**self._io_addresses("decode"), **self.kv_addresses(cache, row0)},
                      self.io_shapes(k, 1))
-                self._decode_enqueue(self._runs_ctx, k)
-                self.stats["plain_runs"] += 1
-                self._collect(run, out)
-        cache.commit(slots, tokens.reshape(-1, 1))
+                with cache.writing([s for _, s in run], self.stream.sync):
+                    self._decode_enqueue(self._runs_ctx, k)
+                    self.stats["plain_runs"] += 1
+                    self._collect(run, out)
+                    cache.commit([s for _, s in run], tokens[[j for j, _ in run]].reshape(-1, 1))
         return out
 
     @property

@@ -97,8 +97,9 @@ class TrtVerifier:
             out.windows = [{} for _ in slots]
         for run in fitting_runs(slots, cache.lengths, lens, b.max_seq):
             for part in [[pair] for pair in run] if cache.has_state else [run]:  # hybrid rows: unpadded, alone
-                self._run(cache, part, rows, out)
-        cache.commit(slots, rows)
+                with cache.writing([s for _, s in part], b.stream.sync):  # states and record together (kv_cache.py)
+                    self._run(cache, part, rows, out)
+                    cache.commit([s for _, s in part], [rows[j] for j, _ in part])
         return out
 
     def _run(self, cache: KVCache, run: list[tuple[int, int]], rows: list[np.ndarray], out: VerifyOutput) -> None:

@@ -1,6 +1,6 @@
 """decodert: export LLM checkpoints to prefill/decode ONNX graphs and TensorRT engines, run them lean."""
 
-from decodert.export.artifact.version import __version__  # noqa: E402
+from decodert.artifact.version import __version__  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 

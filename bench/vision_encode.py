@@ -84,8 +84,8 @@ def rebuild_graph(art: Path) -> None:
     the before/after of a graph change on one artifact)."""
     import onnx
 
-    from decodert.export.artifact.artifact_files import file_record
-    from decodert.export.artifact.manifest import write_manifest
+    from decodert.artifact.artifact_files import file_record
+    from decodert.artifact.manifest import write_manifest
     from decodert.export.lowering.targets import get_target
     from decodert.export.lowering.vision_graph import build_vision_graph
     from decodert.models.vision import VisionSpec

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence as Seq, Union
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.manifest import Manifest, TokenizerRecord, tokenizer_file
+from decodert.artifact.manifest import Manifest, TokenizerRecord, tokenizer_file
 from decodert.runtime.decoding.runs import CacheRuns
 from decodert.runtime import validate
 from decodert.runtime.adapters import Adapters

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from decodert import LLM
-from decodert.export.artifact.manifest import load_manifest
+from decodert.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
 from decodert.runtime.backends.ort.backend import OrtBackend
 

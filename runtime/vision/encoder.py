@@ -135,7 +135,7 @@ class Vision:
         runner when it has one (trt: vision.engine), else on ONNX Runtime."""
         if manifest is None or manifest.vision is None or not getattr(backend, "_takes_images", False):
             return None
-        from decodert.export.artifact.weights import NUMPY_DTYPES
+        from decodert.artifact.weights import NUMPY_DTYPES
 
         v = manifest.vision
         session = getattr(backend, "vision", None)

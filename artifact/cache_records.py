@@ -1,13 +1,13 @@
 """The manifest's cache records: the K/V geometry and, for hybrid models, each layer's kind and states
-(docs/ARCHITECTURE.md, "Cache state"); export/artifact/manifest.py reads and checks them."""
+(docs/ARCHITECTURE.md, "Cache state"); artifact/manifest.py reads and checks them."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from decodert.export.artifact.records import Record
-from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.artifact.records import Record
+from decodert.artifact.weights import NUMPY_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,7 +142,7 @@ def measure(art: Path, peer: Path, threads: int, repeats: int, torch: bool = Tru
 
     from decodert.models.vision import VisionSpec
     from decodert.runtime.backends.loading import read_manifest
-    from decodert.runtime.backends.ort.session import open_session, session_options
+    from decodert.runtime.backends.ort_session import open_session, session_options
     from decodert.runtime.vision import qwen_preprocess as qp
     from decodert.runtime.vision.encoder import Vision
 

@@ -35,7 +35,7 @@ class OrtGraphReference:
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        from decodert.runtime.backends.ort.session import open_session  # expands --plugins nodes
+        from decodert.runtime.backends.ort_session import open_session  # expands --plugins nodes
 
         self.sessions = {k: open_session(artifact_dir / manifest.graphs[k].file, opts, ["CPUExecutionProvider"])
                          for k in GRAPHS}

@@ -140,7 +140,7 @@ class Vision:
         v = manifest.vision
         session = getattr(backend, "vision", None)
         if session is None:
-            from decodert.runtime.backends.ort.session import open_session
+            from decodert.runtime.backends.ort_session import open_session
 
             session = open_session(Path(backend.dir) / v.graph.file, backend._options, backend._providers)
         token = manifest.model.extra.get("image_token_id")

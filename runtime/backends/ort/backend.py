@@ -30,7 +30,7 @@ from decodert.artifact.onnx_check import check_external_data, check_session_io
 from decodert.runtime.backends import image_feeds, kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput, window_outputs
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
-from decodert.runtime.backends.ort.session import default_providers, open_session, session_options
+from decodert.runtime.backends.ort_session import default_providers, open_session, session_options
 from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
 from decodert.runtime.backends.ort.verify import VerifyState, bind_cache
 from decodert.runtime.vision.tokens import is_image

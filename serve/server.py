@@ -50,7 +50,7 @@ def model_name(options: ServeOptions) -> str:
 def make_app(options: ServeOptions):
     """Load the artifact and build the app (the engine starts with the app's lifespan)."""
     from decodert.runtime.decoding.engine import Engine
-    from decodert.runtime.llm import LLM
+    from decodert.api import LLM  # an artifact folder, or a checkpoint exported once into the cache
     from decodert.serve.app import ServeConfig, build_app
 
     llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify, draft=options.draft,

@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FLOORS = ("errors", "models", "plugins", "artifact", "export", "runtime", "tools", "serve", "cli")
+FLOORS = ("errors", "models", "plugins", "artifact", "export", "runtime", "api", "tools", "serve", "cli")
 NOT_PACKAGE = {"tests", "bench", "scripts", "docs", "build"}
 TOP = {"decodert", "decodert.__main__"}  # the package itself and `python -m decodert` sit above every floor
 

@@ -1,6 +1,6 @@
 """decodert: export LLM checkpoints to prefill/decode ONNX graphs and TensorRT engines, run them lean."""
 
-from decodert.export.artifact.version import __version__  # noqa: E402
+from decodert.artifact.version import __version__  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 
@@ -8,9 +8,10 @@ __all__ = ["DecodertError", "LLM", "__version__"]
 
 
 def __getattr__(name: str):
-    # `from decodert import LLM` without importing onnxruntime at package import time.
+    # `from decodert import LLM` (the façade: a checkpoint is exported on first load) without importing
+    # onnxruntime at package import time.
     if name == "LLM":
-        from decodert.runtime.llm import LLM
+        from decodert.api import LLM
 
         return LLM
     raise AttributeError(name)

@@ -181,7 +181,7 @@ def step_bytes(folder: Path, ctx: int) -> int:
     """Bytes one batch-1 step reads at context ``ctx``: weights, K/V of every attention layer, states x2."""
     from decodert.runtime.backends.loading import read_manifest
 
-    from decodert.export.artifact.graph_contract import kv_storage
+    from decodert.artifact.graph_contract import kv_storage
 
     m = read_manifest(folder)
     item = {"fp32": 4, "fp16": 2, "bf16": 2}[m.dtype]

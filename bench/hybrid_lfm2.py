@@ -61,7 +61,7 @@ def _ms(fn, repeats: int) -> list[float]:
 
 
 def rewind_costs(art: Path, threads: int, repeats: int, context: int) -> dict:
-    from decodert.export.artifact.manifest import load_manifest
+    from decodert.artifact.manifest import load_manifest
     from decodert.runtime.backends.ort.backend import OrtBackend
 
     be = OrtBackend(art, load_manifest(art), threads=threads)

@@ -83,7 +83,7 @@ class Run:
 
 def main() -> None:
     from decodert.export.fetch import smollm2_gguf
-    from decodert.export.lora.layout import LoraLayout
+    from decodert.artifact.lora_layout import LoraLayout
     from decodert.runtime.adapters import Adapters
     from decodert.runtime.backends.loading import read_manifest
     from decodert.runtime.backends.ort.backend import OrtBackend

@@ -84,8 +84,8 @@ def rebuild_graph(art: Path) -> None:
     the before/after of a graph change on one artifact)."""
     import onnx
 
-    from decodert.export.artifact.artifact_files import file_record
-    from decodert.export.artifact.manifest import write_manifest
+    from decodert.artifact.artifact_files import file_record
+    from decodert.artifact.manifest import write_manifest
     from decodert.export.lowering.targets import get_target
     from decodert.export.lowering.vision_graph import build_vision_graph
     from decodert.models.vision import VisionSpec
@@ -142,7 +142,7 @@ def measure(art: Path, peer: Path, threads: int, repeats: int, torch: bool = Tru
 
     from decodert.models.vision import VisionSpec
     from decodert.runtime.backends.loading import read_manifest
-    from decodert.runtime.backends.ort.session import open_session, session_options
+    from decodert.runtime.backends.ort_session import open_session, session_options
     from decodert.runtime.vision import qwen_preprocess as qp
     from decodert.runtime.vision.encoder import Vision
 

@@ -166,14 +166,14 @@ def artifact_only(model: str | Path, command: str) -> Path:
 
 
 def load(path: Path, backend: str, verify: str = "fast", draft: Path | None = None):
-    """``LLM.load`` (imported here so that ``decodert --help`` never loads onnxruntime) of
-    ``artifact_of(path)`` (a model name or checkpoint is exported once into the cache).
+    """``decodert.LLM.load`` (api.py; imported here so that ``decodert --help`` never loads onnxruntime) of
+    ``path`` and ``draft``: an artifact folder, or a model name or checkpoint exported once into the cache.
 
     When ``--backend auto`` falls back to ONNX Runtime for an artifact with TensorRT engines, a
     line on stderr says so (and why), so the backend that ran is never a guess."""
-    from decodert.runtime.llm import LLM
+    from decodert.api import LLM
 
-    llm = LLM.load(artifact_of(path), backend=backend, verify=verify, draft=artifact_of(draft) if draft else None)
+    llm = LLM.load(path, backend=backend, verify=verify, draft=draft)
     if backend == "auto" and llm.manifest.engines and getattr(llm.backend, "name", None) == "ort":
         print("decodert: running on ONNX Runtime (CPU), not the TensorRT engines: no usable NVIDIA GPU / TensorRT "
               "here (--backend trt says why)", file=sys.stderr)

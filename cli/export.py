@@ -9,7 +9,7 @@ from typing import Any
 
 from decodert.errors import DecodertError
 from decodert.export.fetch import SMOLLM2
-from decodert.export.artifact.manifest import MANIFEST
+from decodert.artifact.manifest import MANIFEST
 
 
 def add_parser(sub: Any) -> None:
@@ -71,7 +71,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from decodert.export.lora.layout import LoraLayout
+    from decodert.artifact.lora_layout import LoraLayout
     from decodert.export.pipeline import export_model
     from decodert.export.quantize.quant import QuantConfig
 

@@ -19,9 +19,9 @@ from decodert.errors import DecodertError
 from decodert.export.artifact import destination
 from decodert.export.checkpoints.checkpoint import is_experts
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint
-from decodert.export.lora.layout import LoraLayout, LoraRecord
+from decodert.artifact.lora_layout import LoraLayout, LoraRecord
 from decodert.export.lora.merge import MergedCheckpoint
-from decodert.export.lora.peft import read_peft
+from decodert.artifact.peft import read_peft
 from decodert.export.lowering.graph import build_graph
 from decodert.export.lowering.io_contract import VERIFY_WIDTH, io_contract, verifies_rows
 from decodert.export.quantize.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
@@ -29,15 +29,15 @@ from decodert.export.quantize.quant_gguf import transcoded_as
 from decodert.export.checkpoints.sampling_defaults import sampling_record
 from decodert.export.lowering.targets import get_target
 from decodert.export.quantize.weight_layouts import WeightLayout
-from decodert.export.artifact.artifact_files import file_record
-from decodert.export.artifact.cache_records import StateRecord
-from decodert.export.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, GraphRecord, KVRecord, Manifest, ModelRecord, PluginsRecord,
+from decodert.artifact.artifact_files import file_record
+from decodert.artifact.cache_records import StateRecord
+from decodert.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, GraphRecord, KVRecord, Manifest, ModelRecord, PluginsRecord,
                                       QuantRecord, SamplingRecord, SourceRecord, TokenizerRecord, WeightsRecord, from_json,
                                       write_manifest)
 from decodert.export.progress import Stage
 from decodert.export.vision_export import vision_of, write_vision
 from decodert.export.lowering.semantics import tokenizer_vocab
-from decodert.export.artifact.weights import WeightsWriter
+from decodert.artifact.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, rope_head_dim, rope_tables, state_specs
 from decodert.models.canonical import canonical_names, canonical_shape
 from decodert.models.vision import VisionSpec, vision_names, vision_shape
@@ -45,7 +45,7 @@ from decodert.plugins.ops.kv_dtypes import KVDtype
 from decodert.plugins.ops.kv_dtypes import kv_dtype as kv_dtype_of
 from decodert.plugins.selection import choose_plugins
 from decodert.export.quantize import kv_calibrate
-from decodert.export.artifact.version import __version__
+from decodert.artifact.version import __version__
 
 DTYPES = ("fp32", "fp16", "bf16")
 WEIGHTS = "weights.bin"
@@ -70,7 +70,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     (plugins/ops/kv_dtypes.py); a quantized cache's per-channel scales are calibrated here
     (export/quantize/kv_calibrate.py). ``manifest.kv_dtype`` records it.
 
-    ``lora``: adapter slots the graphs take at run time (export/lora/layout.py); ``merge_lora``: PEFT
+    ``lora``: adapter slots the graphs take at run time (artifact/lora_layout.py); ``merge_lora``: PEFT
     adapter folders whose updates are added to the weights (export/lora/merge.py).
     """
     tgt = get_target(target)

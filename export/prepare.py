@@ -16,7 +16,7 @@ from typing import Any
 
 from decodert.errors import DecodertError
 from decodert.export.fetch import SMOLLM2, cache_dir, smollm2_gguf
-from decodert.export.artifact.manifest import MANIFEST
+from decodert.artifact.manifest import MANIFEST
 
 QUANT_CHOICES = ("auto", "none", "int4", "int8")  # auto: keep the checkpoint's precision; none: fp32
 ARTIFACTS = "artifacts"  # the cache's folder of exports
@@ -56,7 +56,7 @@ def _check_artifact(path: Path, max_seq: int | None, quant: str) -> None:
         raise DecodertError(f"--quant {quant}: {path} is already exported; --quant applies to a checkpoint "
                             f"(re-export it with `decodert export SRC -o OUT --quant ...`)")
     if max_seq is not None:
-        from decodert.export.artifact.manifest import load_manifest
+        from decodert.artifact.manifest import load_manifest
 
         exported = load_manifest(path, verify="none").max_seq
         if exported != max_seq:

@@ -20,33 +20,31 @@ import datetime as dt
 import hashlib
 import os
 import shutil
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.destination import file_mode, linked_copy, swap_in
-from decodert.export.lowering.io_contract import DEFAULTED_INPUTS
-from decodert.export.trt_graphs import VISION, graph_of, max_patches, max_tiles, profile_shapes, without_input_defaults
-from decodert.export.lowering.targets import get_target
+from decodert.artifact.artifact_files import write_atomic
+from decodert.artifact.trt_engines import VISION, check_io, engine_io, graph_of, make_logger, trt_dtype_name
+from decodert.export.artifact.destination import linked_copy, swap_in
+from decodert.export.trt_graphs import max_patches, max_tiles, profile_shapes, without_input_defaults
+from decodert.artifact.targets import target_info
 from decodert.export.trt_progress import make_progress
-from decodert.export.artifact.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
+from decodert.artifact.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
 from decodert.plugins.trt.compat import TrtInfo, load_trt
 
 GRAPHS = ("prefill", "decode")
 PRECISIONS = ("fp16", "bf16", "fp32")
-_DTYPE_NAMES = {"HALF": "fp16", "BF16": "bf16", "FLOAT": "fp32", "INT64": "int64", "INT32": "int32",
-                "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
 
 
 # ---------------------------------------------------------------- small helpers
 def read_manifest(out_dir: Path, verify: str = "fast") -> Manifest:
     """Load and validate OUT/manifest.json and verify its files ("fast": sizes + edge hashes, "full": sha256)."""
     manifest = load_manifest(out_dir, verify=verify)
-    target = get_target(manifest.target)
+    target = target_info(manifest.target)
     if not target.runs_on("trt"):
         raise DecodertError(f"{Path(out_dir) / MANIFEST}: the graphs were exported for --target {target.name} "
                             f"({target.about}); re-export with --target trt to build TensorRT engines")
@@ -56,30 +54,9 @@ def read_manifest(out_dir: Path, verify: str = "fast") -> Manifest:
     return manifest
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temp file beside ``path`` and rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, file_mode())  # mkstemp makes 0600; the artifact's files follow the umask
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def staged(path: Path) -> Path:
     """Where a new ``path`` is written before it replaces the old one."""
     return path.with_name(f".{path.name}.new")
-
-
-def trt_dtype_name(dtype: Any) -> str:
-    """tensorrt DataType -> manifest dtype string ("fp16", "bf16", "fp32", "int64", ...)."""
-    name = getattr(dtype, "name", str(dtype).split(".")[-1])
-    return _DTYPE_NAMES.get(name, name.lower())
 
 
 def network_layer_types(network: Any) -> Counter[str]:
@@ -145,39 +122,6 @@ def network_io(network: Any, graph: GraphRecord) -> dict[str, list[dict[str, Any
             "outputs": [entry(network.get_output(i)) for i in range(network.num_outputs)]}
 
 
-def engine_io(trt: ModuleType, engine: Any, graph: GraphRecord) -> dict[str, list[dict[str, Any]]]:
-    """The deserialized engine's I/O in manifest form, with the input each output aliases."""
-    symbolic = {name: t.shape for name, t in graph.io().items()}
-    io: dict[str, list[dict[str, Any]]] = {"inputs": [], "outputs": []}
-    for i in range(engine.num_io_tensors):
-        name = engine.get_tensor_name(i)
-        names: tuple[int | str, ...] = symbolic.get(name, ())
-        shape = [names[k] if d < 0 and k < len(names) else int(d) for k, d in enumerate(engine.get_tensor_shape(name))]
-        rec: dict[str, Any] = {"name": name, "dtype": trt_dtype_name(engine.get_tensor_dtype(name)), "shape": shape}
-        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-            io["inputs"].append(rec)
-        else:
-            if hasattr(engine, "get_aliased_input_tensor"):
-                rec["aliases"] = engine.get_aliased_input_tensor(name)
-            io["outputs"].append(rec)
-    return io
-
-
-def check_io(io: Mapping[str, Any], graph: GraphRecord, where: str) -> None:
-    """DecodertError when the network/engine I/O (``network_io`` form) disagrees with the manifest's graph contract."""
-    problems = []
-    for kind, tensors in (("inputs", graph.inputs), ("outputs", graph.outputs)):
-        got = {t["name"]: (t["dtype"], list(t["shape"])) for t in io[kind]}
-        want = {t.name: (t.dtype, list(t.shape)) for t in tensors}
-        for name in sorted(set(got) | set(want)):
-            if kind == "inputs" and name in DEFAULTED_INPUTS and name not in got:
-                continue  # an input with a default initializer: TensorRT's parser folds it into a constant
-            if got.get(name) != want.get(name):
-                problems.append(f"{name}: manifest {want.get(name)} vs engine {got.get(name)}")
-    if problems:
-        raise DecodertError(f"{where}: I/O does not match manifest.json: {'; '.join(problems)}")
-
-
 # ---------------------------------------------------------------- build settings
 def make_config(trt: ModuleType, info: TrtInfo, builder: Any, network: Any,
                 shapes: dict[str, tuple[list[int], ...]], settings: dict[str, Any]) -> Any:
@@ -228,12 +172,6 @@ def config_flags(trt: ModuleType, config: Any) -> list[str]:
 
 
 # ---------------------------------------------------------------- build
-def make_logger(trt: ModuleType) -> Any:
-    """A TensorRT logger: errors only, everything with DECODERT_TRT_VERBOSE=1."""
-    level = trt.Logger.INFO if os.environ.get("DECODERT_TRT_VERBOSE") else trt.Logger.ERROR
-    return trt.Logger(level)
-
-
 def _deserialized_io(trt: ModuleType, logger: Any, blob: bytes, graph: GraphRecord) -> dict[str, Any] | None:
     """Engine I/O read back from the plan when this machine can deserialize it (needs a GPU)."""
     from decodert.plugins.cuda_mem import gpu_count

@@ -1,10 +1,10 @@
-"""What ``decodert build`` builds each engine from: the graph record of an engine name (a text graph or the
-vision graph), the graph's bytes as TensorRT parses them, and the optimization profile (export/trt_build.py).
+"""What ``decodert build`` builds each engine from: the graph's bytes as TensorRT parses them and the optimization
+profile (export/trt_build.py); the graph record of an engine name is artifact/trt_engines.py ``graph_of``.
 
 A vision-language prefill graph's image inputs (image_embeds / image_positions / image_ahead / Qwen3-VL's
 deepstack_embeds) have empty defaults, and an M-RoPE model's graphs (prefill, decode, verify) default
 rope_offsets to zeros; TensorRT's parser would fold those into constants, so the build parses each graph
-without them (io_contract.ENGINE_INPUTS) and the engine takes them: image_tokens 0 .. B*S (the trt backend
+without them (artifact/graph_contract.py ENGINE_INPUTS) and the engine takes them: image_tokens 0 .. B*S (the trt backend
 binds 0 rows for text), rope_offsets [3, batch, seq] over the graph's own batch and seq ranges.
 """
 
@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decodert.export.artifact.manifest import GraphRecord, Manifest
-from decodert.export.lowering.io_contract import DEFAULTED_INPUTS, ENGINE_INPUTS
-
-VISION = "vision"  # vision-language artifacts: vision.onnx (manifest.vision.graph)
+from decodert.artifact.manifest import GraphRecord, Manifest
+from decodert.artifact.graph_contract import DEFAULTED_INPUTS, ENGINE_INPUTS
 
 
 def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int,
@@ -49,13 +47,6 @@ def without_input_defaults(path: Path) -> bytes | None:
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
     return model.SerializeToString()
-
-
-def graph_of(manifest: Manifest, name: str) -> GraphRecord:
-    """The record of graph ``name``: one of manifest.graphs, or "vision" (manifest.vision.graph)."""
-    if name == VISION and manifest.vision is not None:
-        return manifest.vision.graph
-    return manifest.graphs[name]
 
 
 def max_tiles(manifest: Manifest) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 import onnx
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.manifest import GraphRecord, VisionRecord, from_json
+from decodert.artifact.manifest import GraphRecord, VisionRecord, from_json
 from decodert.export.lowering.lowering import Lowering
 from decodert.export.lowering.vision_graph import build_vision_graph, vision_contract
 from decodert.models.vision import VisionSpec

@@ -1,7 +1,7 @@
 """The LoRA adapters one LLM serves: a name -> a slot of the artifact's stacked adapter inputs.
 
 An artifact exported with ``--lora-slots N --lora-rank R`` takes N adapters at run time
-(export/lora/layout.py); the backend owns the input arrays (bound once) and this table writes adapters
+(artifact/lora_layout.py); the backend owns the input arrays (bound once) and this table writes adapters
 into them and takes them out, without a re-export. Each load gets a fresh ``tag``: a row's K/V and the
 prefix cache's blocks are keyed by it (runtime/backends/kv_cache.py ``use_adapter``), so K/V computed
 under an adapter that was unloaded, or replaced in its slot, are never read again.
@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.lora.layout import LoraLayout
-from decodert.export.lora.peft import read_peft
+from decodert.artifact.lora_layout import LoraLayout
+from decodert.artifact.peft import read_peft
 from decodert.models.spec import ModelSpec
 
 _TAGS = itertools.count(1)  # load tags, unique in the process (0 = no adapter)

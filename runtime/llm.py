@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence as Seq, Union
 import numpy as np
 
 from decodert.errors import DecodertError, RequestError
-from decodert.export.artifact.manifest import Manifest, TokenizerRecord, tokenizer_file
+from decodert.artifact.manifest import MANIFEST, Manifest, TokenizerRecord, tokenizer_file
 from decodert.runtime import validate
 from decodert.runtime.adapters import Adapters
 from decodert.runtime.chat.harmony import markup_decoder
@@ -163,28 +163,24 @@ class LLM:
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
              draft: str | Path | None = None, prefix_cache_mb: float | None = None,
-             max_seq: int | None = None, quant: str = "auto", tool_parser: str | None = None,
-             adapters: Mapping[str, str | Path] | None = None) -> "LLM":
-        """Open a model: what ``decodert run`` accepts (export/prepare.py).
+             tool_parser: str | None = None, adapters: Mapping[str, str | Path] | None = None) -> "LLM":
+        """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``).
 
-        ``path``: an artifact folder written by ``decodert export`` (and maybe ``decodert build``),
-        or a checkpoint that is exported once into the cache ($DECODERT_CACHE, ~/.cache/decodert)
-        and reused: "smollm2" (the bundled SmolLM2-135M-Instruct), a .gguf file or an HF folder.
-        ``max_seq`` (default min(context, 2048)) and ``quant`` ("auto": the checkpoint's own
-        precision; "none" = fp32, "int4", "int8") choose that export.
+        A checkpoint ("smollm2", a .gguf file, an HF folder) is exported first by the façade above
+        export and runtime, ``decodert.LLM`` (api.py), whose ``load`` then calls this one.
         ``verify``: "fast" (sizes + sha256 of each file's first and last MiB), "full" (the whole
         sha256 of every file, as ``--full-verify``) or "none"; a mismatch names the file.
-        ``draft``: a second model with the same tokenizer, the drafter of ``speculative="draft"``.
+        ``draft``: a second model with the same tokenizer, the drafter of ``speculative="draft"`` (opened
+        by ``cls.load``: through the façade, it may be a checkpoint too).
         ``prefix_cache_mb``: the prefix cache's budget in MiB (None: the default; 0: off).
         ``tool_parser``: the tool-call format ("hermes" | "llama3" | "mistral" | "phi4"; None: the template's).
         ``adapters``: LoRA adapters by name -> PEFT folder, for an artifact exported with ``--lora-slots``;
         ``adapter="name"`` then picks one per call or request (``load_adapter`` / ``unload_adapter`` later).
         """
-        from decodert.export.prepare import is_checkpoint_source, prepare_model
-
-        if is_checkpoint_source(path) or max_seq is not None or quant != "auto":
-            path = prepare_model(path, max_seq=max_seq, quant=quant)
         path = Path(path)
+        if not (path / MANIFEST).is_file():
+            raise DecodertError(f"{path}: not an artifact folder (no {MANIFEST}); runtime's LLM.load opens exports only, "
+                                "decodert.LLM.load (decodert/api.py) also takes 'smollm2', a .gguf file or an HF folder")
         manifest = read_manifest(path, verify)
         tokenizer_file(manifest, path)  # the tokenizer must be one of the verified files
         tokenizer = open_tokenizer(path, manifest)  # cheap checks before the backend loads weights

@@ -49,8 +49,8 @@ def model_name(options: ServeOptions) -> str:
 
 def make_app(options: ServeOptions):
     """Load the artifact and build the app (the engine starts with the app's lifespan)."""
+    from decodert.api import LLM  # an artifact folder, or a checkpoint exported once into the cache
     from decodert.runtime.engine.thread import EngineThread
-    from decodert.runtime.llm import LLM
     from decodert.serve.app import ServeConfig, build_app
 
     llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify, draft=options.draft,

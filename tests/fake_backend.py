@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from decodert.export.artifact.manifest import (FORMAT, FORMAT_VERSION, KVRecord, Manifest, ModelRecord, SamplingRecord, TokenizerRecord,
+from decodert.artifact.manifest import (FORMAT, FORMAT_VERSION, KVRecord, Manifest, ModelRecord, SamplingRecord, TokenizerRecord,
                                       WeightsRecord)
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache

@@ -145,7 +145,7 @@ def add_fake_engines(folder: Path) -> Path:
     """Record two random 'engines' in ``folder``'s manifest (read_engine checks them; no GPU needed)."""
     import hashlib
 
-    from decodert.export.artifact.manifest import MANIFEST
+    from decodert.artifact.manifest import MANIFEST
 
     manifest = json.loads((folder / MANIFEST).read_text())
     engines = {}
@@ -179,8 +179,8 @@ def make_samples(root: Path) -> dict[str, Path]:
 
 def add_listed_file(art: Path, name: str, data: bytes) -> Path:
     """Put ``name`` into the artifact and record it (size + hashes) in the manifest."""
-    from decodert.export.artifact.artifact_files import file_record
-    from decodert.export.artifact.manifest import load_manifest, write_manifest
+    from decodert.artifact.artifact_files import file_record
+    from decodert.artifact.manifest import load_manifest, write_manifest
 
     (art / name).write_bytes(data)
     manifest = load_manifest(art, verify="none")

@@ -51,7 +51,7 @@ def _onnx(path: Path) -> None:
 
 
 def _engine(path: Path) -> None:
-    from decodert.export.artifact.manifest import load_manifest
+    from decodert.artifact.manifest import load_manifest
     from decodert.plugins.trt.compat import TrtInfo, parse_version, read_engine
 
     flags = dict.fromkeys(("can_build", "has_kv_cache_update_layer", "has_rotary_layer", "has_attention_layer",

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decodert.export.artifact.manifest import load_manifest
+from decodert.artifact.manifest import load_manifest
 from decodert.runtime.backends.ort.backend import OrtBackend
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from decodert.cli import main
 from decodert.export import progress
-from decodert.export.artifact.manifest import load_manifest
+from decodert.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
 from decodert.export.quantize.quant import QuantConfig
 from decodert.tools.bench import bytes_per_step

@@ -18,7 +18,8 @@ from tiny import make_tiny_gguf  # noqa: E402
 from decodert.cli import main  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
-from decodert.runtime.llm import LLM  # noqa: E402
+from decodert.api import LLM  # noqa: E402  (the façade: a checkpoint is exported on first load)
+from decodert.runtime import llm as runtime_llm  # noqa: E402
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -74,8 +75,20 @@ def test_llm_load_of_a_gguf_exports_once_into_the_cache(q4_gguf, cache, monkeypa
     assert LLM.load(q4_gguf, max_seq=40, quant="none").max_seq == 40 and len(calls) == 2
     with pytest.raises(DecodertError, match="--quant 'int3'"):
         LLM.load(q4_gguf, quant="int3")
-    with pytest.raises(DecodertError, match="not a folder"):  # neither a checkpoint nor an artifact
+    with pytest.raises(DecodertError, match="unknown model"):  # neither a checkpoint nor an artifact
         LLM.load(cache / "nothing")
+
+
+def test_the_runtime_opens_artifacts_and_the_facade_checkpoints(q4_gguf, cache):
+    """runtime's LLM.load never exports (runtime does not import export): a checkpoint is one line naming the façade,
+    which ``from decodert import LLM`` gives, and whose draft= goes through the same export."""
+    import decodert
+
+    assert decodert.LLM is LLM and issubclass(LLM, runtime_llm.LLM)
+    with pytest.raises(DecodertError, match=r"not an artifact folder .*decodert\.LLM\.load \(decodert/api\.py\)"):
+        runtime_llm.LLM.load(q4_gguf)
+    llm = LLM.load(q4_gguf, draft=q4_gguf)
+    assert type(llm) is LLM and type(llm.draft) is LLM and llm.draft.manifest.created == llm.manifest.created
 
 
 def test_llm_load_of_the_named_model_from_the_wheel_cache(tmp_path, cache, monkeypatch):

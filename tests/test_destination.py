@@ -16,8 +16,9 @@ import pytest
 
 from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
+from decodert.artifact import artifact_files
 from decodert.export.artifact import destination
-from decodert.export.artifact.manifest import load_manifest
+from decodert.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder holding the decodert package
@@ -105,7 +106,7 @@ def test_artifact_modes_follow_the_umask(samples, tmp_path, umask):
     try:
         out = tmp_path / "out"
         _export(samples["hf"], out)
-        assert destination.file_mode() == 0o666 & ~umask
+        assert artifact_files.file_mode() == 0o666 & ~umask
     finally:
         os.umask(previous)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from decodert.cli import main as cli_main
-from decodert.export.artifact.manifest import load_manifest
+from decodert.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
 from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts
 from tiny import FAMILIES

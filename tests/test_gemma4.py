@@ -19,7 +19,7 @@ from parity import backend, decodert_greedy, hf_reference, logits_parity, random
 from tiny import tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.artifact.manifest import load_manifest  # noqa: E402
+from decodert.artifact.manifest import load_manifest  # noqa: E402
 from decodert.export.checkpoints import checkpoint_hf  # noqa: E402
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint
-from decodert.export.artifact.manifest import WeightQuantRecord, load_manifest
+from decodert.artifact.manifest import WeightQuantRecord, load_manifest
 from decodert.export.pipeline import export_model
 from decodert.export.quantize.quant import QuantConfig, WeightQuant, dequantize, quantize
 from decodert.export.quantize.quant_gguf import transcode, transcoded_as

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.manifest import load_manifest
+from decodert.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
 from decodert.plugins.ops import kv_dtypes
 from decodert.plugins.onnx_builder import GraphBuilder

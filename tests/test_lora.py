@@ -13,7 +13,7 @@ from tiny import load_torch, make_tiny_checkpoint
 
 from decodert.errors import DecodertError
 from decodert.export.pipeline import export_model
-from decodert.export.lora.layout import LoraLayout
+from decodert.artifact.lora_layout import LoraLayout
 from decodert.runtime.llm import LLM
 
 torch = pytest.importorskip("torch")

@@ -1,4 +1,4 @@
-"""The typed manifest (export/artifact/manifest.py, export/artifact/records.py): schema versions, one-line field errors,
+"""The typed manifest (artifact/manifest.py, artifact/records.py): schema versions, one-line field errors,
 unknown keys kept on rewrite, and artifacts written by the dict-based exporter (format_version 1) loading."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.artifact.manifest import FORMAT_VERSION, Manifest, load_manifest, write_manifest  # noqa: E402
-from decodert.export.artifact.records import Record, read_record, to_json  # noqa: E402
+from decodert.artifact.manifest import FORMAT_VERSION, Manifest, load_manifest, write_manifest  # noqa: E402
+from decodert.artifact.records import Record, read_record, to_json  # noqa: E402
 
 
 def _raw(art: Path) -> dict:

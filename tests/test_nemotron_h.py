@@ -30,7 +30,7 @@ from parity import (check_continuous_batching, check_greedy, check_session_turns
 from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.artifact.manifest import load_manifest  # noqa: E402
+from decodert.artifact.manifest import load_manifest  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.models import family_for  # noqa: E402
 from decodert.plugins.catalog import get_op  # noqa: E402

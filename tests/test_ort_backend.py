@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from decodert import LLM
-from decodert.export.artifact.manifest import load_manifest
+from decodert.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
 from decodert.runtime.backends.ort.backend import OrtBackend
 
@@ -57,7 +57,7 @@ def test_chunked_prefill_matches_one_call(tiny_art, monkeypatch):
 def test_session_pools_stop_spinning_after_a_run(tiny_art):
     """The prefill/decode and verify sessions (and a draft model's) run one after another: a pool
     left spinning after its run took the cores from the next session's run."""
-    from decodert.runtime.backends.ort import session as ort_session
+    from decodert.runtime.backends import ort_session
 
     assert ort_session.session_options(None).get_session_config_entry("session.force_spinning_stop") == "1"
     be = OrtBackend(tiny_art, load_manifest(tiny_art))
@@ -70,7 +70,7 @@ def test_pinned_threads_take_one_core_each(monkeypatch):
     """$DECODERT_PIN_THREADS=1 pins the pool's workers (ORT numbers cores from 1; the caller's
     thread is not ORT's to pin); off by default, and a bad value is one line."""
     from decodert.errors import DecodertError
-    from decodert.runtime.backends.ort import session as ort_session
+    from decodert.runtime.backends import ort_session
 
     monkeypatch.setattr(ort_session.os, "sched_getaffinity", lambda _pid: {4, 5, 6, 7}, raising=False)
     assert ort_session.thread_pins(4, "1") == "6;7;8"

@@ -56,7 +56,7 @@ def test_tensorrt_code_type_checks(tmp_path):
              "runtime/backends/trt/verify.py", "runtime/backends/trt/images.py", "export/trt_graphs.py",
              "runtime/backends/trt/vision.py", "runtime/backends/trt/mrope.py", "runtime/backends/trt/baked.py",
              "runtime/backends/image_feeds.py",
-             "plugins/cuda_mem.py", "export/artifact/manifest.py",
+             "plugins/cuda_mem.py", "artifact/manifest.py", "artifact/trt_engines.py",
              "tools/verify.py", "export/trt_progress.py", "export/progress.py"]
     res = subprocess.run([*_checker("mypy"), "--no-incremental", "--ignore-missing-imports", "--follow-imports=silent",
                           *(f"decodert/{f}" for f in files)],

@@ -23,7 +23,7 @@ from onnx import helper, numpy_helper
 import kernel_cases
 from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
-from decodert.export.artifact.manifest import load_manifest
+from decodert.artifact.manifest import load_manifest
 from decodert.plugins.onnx_builder import DTYPES
 from decodert.export.pipeline import export_model
 from decodert.export.artifact.expand_artifact import expand_artifact

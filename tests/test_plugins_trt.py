@@ -110,7 +110,7 @@ _GPU_SCRIPT = textwrap.dedent("""
     from tiny import make_tiny_checkpoint
     from parity import backend
     from decodert.export import trt_build
-    from decodert.export.artifact.manifest import load_manifest
+    from decodert.artifact.manifest import load_manifest
     from decodert.export.pipeline import export_model
     from decodert.plugins.trt.compat import load_trt
     from decodert.export.artifact.expand_artifact import expand_artifact

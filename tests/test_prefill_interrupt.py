@@ -20,8 +20,7 @@ from tiny import make_tiny_checkpoint  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.runtime.backends.ort import backend as ort_backend  # noqa: E402
-from decodert.runtime.decoding.engine import Engine  # noqa: E402
-from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
+from decodert.runtime.engine.thread import EngineThread as Engine  # noqa: E402
 from decodert.runtime.llm import LLM  # noqa: E402
 
 CHUNK = 16  # $DECODERT_PREFILL_CHUNK: a 60-token prompt runs in four calls
@@ -126,7 +125,7 @@ def _engine_run(engine: Engine, ids: np.ndarray, n: int):
         if event.last:
             done.set()
 
-    engine.submit(engine.sequence(ids, SamplingParams(max_new_tokens=n, temperature=0, logprobs=True)), sink)
+    engine.submit(engine.sequence(engine.llm.prepare(ids, max_new_tokens=n, temperature=0, logprobs=True)), sink)
     assert done.wait(120), "the engine gave no last event"
     return events[-1]
 

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from decodert.cli import main as cli_main
-from decodert.export.artifact.manifest import load_manifest
+from decodert.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
 from decodert.export.quantize.quant import QuantConfig, dequantize, pack_nibbles, quantize, unpack_nibbles
 from parity import hf_reference, logits_parity

@@ -27,7 +27,7 @@ from parity import (backend, check_continuous_batching, check_greedy, check_sess
 from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.artifact.manifest import load_manifest  # noqa: E402
+from decodert.artifact.manifest import load_manifest  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.models import family_for  # noqa: E402
 from decodert.runtime.llm import LLM  # noqa: E402

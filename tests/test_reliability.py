@@ -24,8 +24,8 @@ from fake_backend import FakeBackend, make_llm, reference_tokens  # noqa: E402
 from fuzz_samples import add_listed_file, flip_byte  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.artifact.artifact_files import file_record  # noqa: E402
-from decodert.export.artifact.manifest import load_manifest, write_manifest  # noqa: E402
+from decodert.artifact.artifact_files import file_record  # noqa: E402
+from decodert.artifact.manifest import load_manifest, write_manifest  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
@@ -92,7 +92,7 @@ def _point_external_data(graph: Path, location: str) -> None:
 
 @pytest.mark.parametrize("location", ["../secret", "{abs}", "link.bin", "sub/../../secret"])
 def test_external_data_outside_the_artifact_is_refused(art, tmp_path, location):
-    from decodert.export.lowering.onnx_check import check_external_data
+    from decodert.artifact.onnx_check import check_external_data
 
     secret = tmp_path / "secret"
     secret.write_bytes(b"s" * (4 << 20))

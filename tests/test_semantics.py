@@ -156,8 +156,8 @@ def test_a_tokenizer_larger_than_the_model_is_refused(samples, tmp_path):
 def test_a_replaced_smaller_tokenizer_is_refused_at_load(samples, tmp_path):
     from tokenizers import Tokenizer
 
-    from decodert.export.artifact.artifact_files import file_record
-    from decodert.export.artifact.manifest import MANIFEST, load_manifest, write_manifest
+    from decodert.artifact.artifact_files import file_record
+    from decodert.artifact.manifest import MANIFEST, load_manifest, write_manifest
     from decodert.runtime.llm import LLM
 
     art = shutil.copytree(samples["art"], tmp_path / "art")

@@ -1,4 +1,5 @@
-"""export/lowering/targets.py: one Target per target holds every per-target decision; nothing else branches on a name."""
+"""export/lowering/targets.py: one Target per target holds every per-target decision (what it promises the runtimes:
+artifact/targets.py, one TargetInfo per target); nothing else branches on a name."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from decodert.artifact.targets import TARGET_INFOS, target_info
 from decodert.errors import DecodertError
 from decodert.export.quantize.quant import QuantConfig
 from decodert.export.lowering.targets import ORT, PORTABLE, TARGETS, TRT, get_target
 from decodert.export.quantize.weight_layouts import NBITS, QDQ
 
 ROOT = Path(__file__).resolve().parent.parent
-ALLOWED = {"export/lowering/targets.py", "export/quantize/weight_layouts.py", "export/lowering/lowering.py",
+ALLOWED = {"export/lowering/targets.py", "artifact/targets.py", "export/quantize/weight_layouts.py", "export/lowering/lowering.py",
            "export/lowering/lower_ort.py", "export/lowering/lower_trt.py"}
 NAMES = set(TARGETS) | {NBITS.name, QDQ.name}
 
@@ -21,12 +23,19 @@ NAMES = set(TARGETS) | {NBITS.name, QDQ.name}
 def test_each_target_states_its_policy():
     assert (ORT.weight_layout, TRT.weight_layout, PORTABLE.weight_layout) == (NBITS, QDQ, QDQ)
     assert TRT.symmetric_weights and not ORT.symmetric_weights and not PORTABLE.symmetric_weights
-    assert TRT.runs_on("trt") and PORTABLE.runs_on("trt") and not ORT.runs_on("trt")
-    assert all(t.runs_on("ort") for t in TARGETS.values())
+    assert TRT.info.runs_on("trt") and PORTABLE.info.runs_on("trt") and not ORT.info.runs_on("trt")
+    assert all(t.info.runs_on("ort") for t in TARGETS.values())
     assert TRT.tensorrt_native_since == (10, 15) and TRT.plugin_nodes and not ORT.plugin_nodes
-    assert ORT.multi_token_rows == 1 and TRT.multi_token_rows is None
-    with pytest.raises(DecodertError, match="unknown target 'tensorrt'; choose one of: ort, trt, portable"):
-        get_target("tensorrt")
+    assert ORT.info.multi_token_rows == 1 and TRT.info.multi_token_rows is None
+    for get in (get_target, target_info):
+        with pytest.raises(DecodertError, match="unknown target 'tensorrt'; choose one of: ort, trt, portable"):
+            get("tensorrt")
+
+
+def test_every_described_target_is_exported_and_the_other_way():
+    """The runtimes read a target's description (artifact/targets.py), export pairs each with its lowering."""
+    assert list(TARGETS) == list(TARGET_INFOS)
+    assert all(t.info is TARGET_INFOS[name] and get_target(name) is t for name, t in TARGETS.items())
 
 
 def test_quant_config_per_target():

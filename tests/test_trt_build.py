@@ -25,9 +25,9 @@ import trt_graphs  # noqa: E402  (tests/ is on sys.path via conftest)
 from decodert.cli import main as cli_main  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export import trt_build  # noqa: E402
-from decodert.export.artifact.artifact_files import file_record  # noqa: E402
-from decodert.export.artifact.manifest import Manifest, load_manifest  # noqa: E402
-from decodert.export.artifact.records import to_json  # noqa: E402
+from decodert.artifact.artifact_files import file_record  # noqa: E402
+from decodert.artifact.manifest import Manifest, load_manifest  # noqa: E402
+from decodert.artifact.records import to_json  # noqa: E402
 from decodert.plugins.trt.compat import engine_version_problem, load_trt, parse_version, read_engine  # noqa: E402
 from decodert.plugins import cuda_mem  # noqa: E402
 from decodert.runtime.backends.trt.engine import contiguous_runs, kv_pairs  # noqa: E402
@@ -62,7 +62,7 @@ def manifest_of(out: Path) -> dict:
 
 
 def typed_of(out: Path) -> Manifest:
-    """The Manifest the runtime reads (export/artifact/manifest.py)."""
+    """The Manifest the runtime reads (artifact/manifest.py)."""
     return load_manifest(out, verify="none")
 
 

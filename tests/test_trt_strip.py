@@ -41,7 +41,7 @@ def test_strip_flags_reach_the_builder_config():
 
 
 def test_cpu_build_embeds_the_weights_and_says_why(trt_art):
-    from decodert.export.artifact.manifest import load_manifest
+    from decodert.artifact.manifest import load_manifest
     from decodert.export.trt_build import strip_problem
     from decodert.plugins.cuda_mem import gpu_count
 

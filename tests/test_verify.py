@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import FAMILIES  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.artifact.manifest import load_manifest  # noqa: E402
+from decodert.artifact.manifest import load_manifest  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.runtime.backends.ort.backend import OrtBackend  # noqa: E402
 

@@ -31,8 +31,9 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulator import Device, EmulatorError  # noqa: E402
 
-from decodert.export.artifact.manifest import EngineRecord, load_manifest, write_manifest  # noqa: E402
-from decodert.export.trt_graphs import VISION, graph_of, max_patches, max_tiles, profile_shapes  # noqa: E402
+from decodert.artifact.manifest import EngineRecord, load_manifest, write_manifest  # noqa: E402
+from decodert.artifact.trt_engines import VISION, graph_of  # noqa: E402
+from decodert.export.trt_graphs import max_patches, max_tiles, profile_shapes  # noqa: E402
 
 __all__ = ["Device", "EmulatorError", "EmulatedTensorRT", "emulate_engines", "install"]
 

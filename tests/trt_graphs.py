@@ -29,8 +29,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from decodert.export.artifact.artifact_files import file_record
-from decodert.export.artifact.records import to_json
+from decodert.artifact.artifact_files import file_record
+from decodert.artifact.records import to_json
 
 OPSET = 24
 

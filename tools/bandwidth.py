@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from decodert.export.artifact.manifest import Manifest
+from decodert.artifact.manifest import Manifest
 
 
 def memcopy_gbps(mib: int = 256, tries: int = 5, threads: int | None = None) -> float:

@@ -37,8 +37,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.manifest import Manifest
-from decodert.export.artifact.records import to_json
+from decodert.artifact.manifest import Manifest
+from decodert.artifact.records import to_json
 from decodert.runtime.decoding.metrics import peak_rss_mb
 from decodert.tools.bandwidth import bytes_per_step, memcopy_gbps, memread_gbps
 

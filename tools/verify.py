@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from decodert.export.artifact.manifest import Manifest, load_manifest
-from decodert.export.lowering.targets import get_target
+from decodert.artifact.manifest import Manifest, load_manifest
+from decodert.artifact.targets import target_info
 
 GRAPHS = ("prefill", "decode")
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -35,7 +35,7 @@ class OrtGraphReference:
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        from decodert.runtime.backends.ort.backend import open_session  # expands --plugins nodes
+        from decodert.runtime.backends.ort_session import open_session  # expands --plugins nodes
 
         self.sessions = {k: open_session(artifact_dir / manifest.graphs[k].file, opts, ["CPUExecutionProvider"])
                          for k in GRAPHS}
@@ -132,7 +132,7 @@ def check_verifiable(folder: Path, manifest: Manifest) -> None:
     from decodert.errors import DecodertError
     from decodert.plugins.cuda_mem import gpu_count
 
-    if not get_target(manifest.target).runs_on("trt"):  # no TensorRT engines can be built from it
+    if not target_info(manifest.target).runs_on("trt"):  # no TensorRT engines can be built from it
         raise DecodertError(f"{folder} is a --target {manifest.target} artifact; verify compares TensorRT engines "
                             f"with ONNX Runtime: export with --target trt, then `decodert build OUT` and verify that")
     if not manifest.engines:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Iterator
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.manifest import FORMAT, MANIFEST
+from decodert.artifact.manifest import FORMAT, MANIFEST
 
 _TMP, _OLD = ".tmp-", ".old-"
 _RENAME_EXCHANGE = 2
@@ -220,17 +220,6 @@ def recover(out: Path) -> None:
                 os.rename(p, out)
                 continue
         shutil.rmtree(p, ignore_errors=True)
-
-
-def file_mode() -> int:
-    """The mode a new file gets under the user's umask (for files made by mkstemp, which uses 0600)."""
-    try:
-        with open("/proc/self/status") as f:
-            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        mask = os.umask(0o022)
-        os.umask(mask)
-    return 0o666 & ~mask
 
 
 def _alive(pid: int) -> bool:

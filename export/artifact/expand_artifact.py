@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decodert.export.artifact.artifact_files import file_record
-from decodert.export.artifact.manifest import GRAPHS, load_manifest, write_manifest
+from decodert.artifact.artifact_files import file_record
+from decodert.artifact.manifest import GRAPHS, load_manifest, write_manifest
 from decodert.plugins.expand import expand_file
 
 

@@ -6,8 +6,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from decodert.export.artifact.manifest import SourceRecord, load_manifest
-from decodert.export.lowering.onnx_check import load_graph
+from decodert.artifact.manifest import SourceRecord, load_manifest
+from decodert.artifact.onnx_check import load_graph
 from decodert.export.checkpoints.sampling_defaults import describe
 from decodert.export.quantize.weight_layouts import NBITS
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.export.checkpoints.checkpoint import Checkpoint, build_spec
-from decodert.export.checkpoints.checkpoint_safetensors import SafetensorsFile
+from decodert.artifact.safetensors_file import SafetensorsFile
 from decodert.export.lowering.semantics import check_tensors_used
 from decodert.export.quantize import quant_packed
 from decodert.export.quantize.quant import QuantConfig, QuantizedWeight, WeightQuant

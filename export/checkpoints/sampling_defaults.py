@@ -2,8 +2,9 @@
 
     manifest["sampling"] = {"defaults": {"temperature": 0.2, "top_p": 0.5}, "source": "..."}
 
-The runtime fills every generation parameter a caller does not pass from ``defaults``
-(explicit arguments always win, one parameter at a time). Where they come from, first match:
+The manifest checks the record (artifact/manifest.py ``sampling_problem``). The runtime fills every
+generation parameter a caller does not pass from ``defaults`` (explicit arguments always win, one
+parameter at a time). Where they come from, first match:
 
 1. an HF folder's ``generation_config.json`` that sets do_sample or a sampling parameter: with
    ``do_sample: true`` its temperature, top_k, top_p, min_p and repetition_penalty, the unset
@@ -23,8 +24,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-# The generation parameters a manifest may set (a subset of runtime/decoding/sampling.py's SamplingParams).
-KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+from decodert.artifact.manifest import KNOBS
+
 _INT_KNOBS = ("top_k",)
 
 HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' GenerationConfig
@@ -114,14 +115,3 @@ def describe(record: Any) -> str:
         text = ", ".join(f"{k} {v:g}" for k, v in d.items())
     return f"{text}  (from {record.source}; explicit arguments override)"
 
-
-def check_record(record: Any) -> str | None:
-    """None when ``record`` is a well-formed manifest["sampling"], else what is wrong."""
-    if not isinstance(record, dict) or not isinstance(record.get("defaults"), dict):
-        return "sampling must be an object with a 'defaults' object"
-    for k, v in record["defaults"].items():
-        if k not in KNOBS:
-            return f"sampling.defaults.{k} is not a generation parameter ({', '.join(KNOBS)})"
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            return f"sampling.defaults.{k} must be a finite number"
-    return None

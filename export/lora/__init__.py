@@ -1,1 +1,2 @@
-"""LoRA adapters: PEFT folders read into canonical form (peft.py), the graph's adapter slots (layout.py)."""
+"""LoRA at export: adapters merged into the weights (merge.py, ``--merge-lora``). The adapter slots and PEFT folders
+both sides read are decodert/artifact/ (lora_layout.py, peft.py)."""

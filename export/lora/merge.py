@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from decodert.export.lora.layout import LoraAdapter
+from decodert.artifact.lora_layout import LoraAdapter
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(qkv|o|gate_up|down)$")
 

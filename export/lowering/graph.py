@@ -59,7 +59,7 @@ import onnx
 from onnx import numpy_helper
 
 from decodert.errors import DecodertError
-from decodert.export.lora.layout import LoraLayout
+from decodert.artifact.lora_layout import LoraLayout
 from decodert.export.lowering.delta_net import delta_net_mixer
 from decodert.export.lowering.mamba2 import mamba2_mixer
 from decodert.export.lowering.lora_graph import LoraGraph
@@ -67,7 +67,7 @@ from decodert.export.lowering import per_layer
 from decodert.export.lowering.io_contract import GraphKind, io_contract, verifies_rows
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
-from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.artifact.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec, rope_table_of, state_specs, window_layers
 
 

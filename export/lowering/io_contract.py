@@ -1,5 +1,6 @@
 """A graph's inputs and outputs, by name, dtype and shape: what export writes to the manifest and what
-every backend binds (the graph recipe itself is export/lowering/graph.py).
+every backend binds (the graph recipe itself is export/lowering/graph.py; what the manifest promises of it,
+artifact/graph_contract.py).
 
     input_ids [B,S], past_lengths [B], seq_lengths [B] (not in verify graphs: every position is an output)
     logits [B,V] + next_token [B]  (verify: seq_logits [B,S,V] + next_tokens [B,S])
@@ -13,18 +14,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from decodert.export.lora.layout import LoraLayout
+from decodert.artifact.lora_layout import LoraLayout
 from decodert.export.lowering.lowering import Lowering
 from decodert.models.spec import ModelSpec, state_specs, window_layers
 from decodert.plugins.ops.kv_dtypes import KV_DTYPES, KVDtype
 
 GraphKind = Literal["prefill", "decode", "verify"]
-# inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
-# TensorRT's ONNX parser folds such an input into a constant, so ``decodert build`` parses the graphs without
-# the defaults of ENGINE_INPUTS (the engines take those) and folds the rest (export/trt_graphs.py)
-DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "image_ahead", "deepstack_embeds", "rope_offsets")
-IMAGE_INPUTS = ("image_embeds", "image_positions", "image_ahead", "deepstack_embeds")  # what a prefill with images binds
-ENGINE_INPUTS = (*IMAGE_INPUTS, "rope_offsets")  # defaulted inputs a TensorRT engine keeps (M-RoPE: every graph)
+# the inputs with a default initializer, and those a TensorRT engine keeps: artifact/graph_contract.py
 VERIFY_WIDTH = 16  # tokens one verify call can check per row (draft length + 1), the TensorRT profile's seq max
 
 
@@ -41,7 +37,7 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
     """Names, dtypes and shapes of a graph's inputs and outputs (also written to the manifest);
     ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``);
     ``kv``: the cache's element type (default ``dtype``): its storage and packed width.
-    ``lora``: the adapter slots' inputs (export/lora/layout.py)."""
+    ``lora``: the adapter slots' inputs (artifact/lora_layout.py)."""
     seq: int | str = 1 if kind == "decode" else "seq"
     kv = kv or KV_DTYPES[dtype]
     inputs: list[dict] = [

@@ -1,6 +1,6 @@
 """LoRA adapters in the graph: stacked slot weights (runtime inputs) and a per-row slot index.
 
-Layout of the inputs: export/lora/layout.py. Per adapted linear (every qkv, o, gate_up, down), in
+Layout of the inputs: artifact/lora_layout.py. Per adapted linear (every qkv, o, gate_up, down), in
 standard ONNX ops only (so every target that takes LoRA inputs lowers it the same way):
 
     lora_index [B] --Equal(1..N)--> one-hot [B, N] --Expand--> mask [B, 1, P*N*R] | [T, P*N*R]  (once per P)
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from decodert.export.lora.layout import TARGET_PARTS, LoraLayout
+from decodert.artifact.lora_layout import TARGET_PARTS, LoraLayout
 from decodert.models.spec import ModelSpec
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 

@@ -47,7 +47,7 @@ from decodert.plugins.ops import mrope
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quantize.quant import quantized_embedding
 from decodert.export.quantize.weight_layouts import NBITS
-from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.artifact.weights import NUMPY_DTYPES
 from decodert.models.canonical import canonical_shape
 
 

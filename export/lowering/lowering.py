@@ -18,7 +18,7 @@ import numpy as np
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.export.quantize.weight_layouts import QDQ, WeightLayout
-from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.artifact.weights import NUMPY_DTYPES
 from decodert.models.spec import ModelSpec
 from decodert.models.canonical import canonical_shape
 from decodert.plugins.ops import cached_attention as ca

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.artifact.weights import NUMPY_DTYPES
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.models.spec import ModelSpec, rope_table_of
 from decodert.plugins.onnx_builder import GraphBuilder

@@ -1,6 +1,6 @@
 """Checks that a structurally valid checkpoint also makes sense, before anything is exported.
 
-The header walks (export/checkpoints/gguf_header.py, export/checkpoints/checkpoint_safetensors.py) prove a file can be
+The header walks (export/checkpoints/gguf_header.py, artifact/safetensors_file.py) prove a file can be
 read; these prove what it says is consistent, as llama.cpp refuses such files too:
 
 - ``check_spec``: float settings finite and positive where they must be (RoPE base, RMS epsilon...);

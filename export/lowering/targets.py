@@ -1,5 +1,6 @@
 """The export targets, one ``Target`` each: every decision that differs between targets lives here
-(and in the lowering a target names), so no other module branches on a target's name.
+(and in the lowering a target names, and in what the target promises the runtimes: artifact/targets.py,
+one ``TargetInfo`` each), so no other module branches on a target's name.
 
     ort       ONNX Runtime contrib ops (GroupQueryAttention, MatMulNBits, SkipSimplifiedLayerNorm)
     trt       standard ONNX TensorRT parses (Attention, TensorScatter, RMSNormalization; decodert
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping
 
+from decodert.artifact.targets import TargetInfo, target_info
 from decodert.errors import DecodertError
 from decodert.export.lowering.lower_ort import OrtLowering
 from decodert.export.lowering.lower_trt import TrtLowering
@@ -27,15 +29,16 @@ from decodert.plugins.selection import NATIVE_SINCE
 
 @dataclass(frozen=True)
 class Target:
-    name: str
+    info: TargetInfo  # name, the backends that run its graphs, what a step may ask of them (artifact/targets.py)
     lowering: type[Lowering]  # attention, norm and matmul lowering; the graphs' opsets
-    backends: tuple[str, ...]  # runtime backends that can run its graphs (trt: after `decodert build`)
     symmetric_weights: bool = False  # quantized weights without zero points (TensorRT's int4/int8)
     plugin_nodes: bool = False  # may emit decodert plugin nodes (--plugins, --trt-version)
     tensorrt_native_since: tuple[int, ...] | None = None  # TensorRT with the native layers; older needs plugins
-    multi_token_rows: int | None = None  # rows a multi-token step over a non-empty cache may have (None: any)
     lora_inputs: bool = True  # graphs may take LoRA adapter slots (--lora-slots); --merge-lora works everywhere
-    about: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.info.name
 
     @property
     def weight_layout(self) -> WeightLayout:
@@ -72,20 +75,13 @@ class Target:
             raise DecodertError(f"--lora-slots: --target {self.name} graphs take no LoRA adapters at run time; "
                                 "merge one with --merge-lora, or export --target ort or portable")
 
-    def runs_on(self, backend: str) -> bool:
-        return backend in self.backends
 
-
-ORT = Target("ort", OrtLowering, backends=("ort",), multi_token_rows=1,  # GroupQueryAttention: batch 1 with a cache
-             about="ONNX Runtime contrib ops")
-TRT = Target("trt", TrtLowering, backends=("trt", "ort"), symmetric_weights=True, plugin_nodes=True,
-             tensorrt_native_since=NATIVE_SINCE, lora_inputs=False,  # the TensorRT backend binds no adapter slots
-             about="standard ONNX TensorRT parses")
-PORTABLE = Target("portable", Lowering, backends=("ort", "trt"), about="standard ONNX ops only")
+ORT = Target(target_info("ort"), OrtLowering)
+TRT = Target(target_info("trt"), TrtLowering, symmetric_weights=True, plugin_nodes=True,
+             tensorrt_native_since=NATIVE_SINCE, lora_inputs=False)  # the TensorRT backend binds no adapter slots
+PORTABLE = Target(target_info("portable"), Lowering)
 TARGETS: dict[str, Target] = {t.name: t for t in (ORT, TRT, PORTABLE)}
 
 
 def get_target(name: str) -> Target:
-    if name not in TARGETS:
-        raise DecodertError(f"unknown target '{name}'; choose one of: {', '.join(TARGETS)}")
-    return TARGETS[name]
+    return TARGETS[target_info(name).name]  # an unknown name: target_info's one-line error

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
-from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.artifact.weights import NUMPY_DTYPES
 from decodert.export.lowering.lowering import Lowering
 from decodert.export.lowering.vision_qwen import build_qwen_vision, qwen_contract
 from decodert.models.vision import VisionSpec

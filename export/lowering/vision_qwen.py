@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.artifact.weights import NUMPY_DTYPES
 from decodert.export.lowering.lowering import Lowering
 from decodert.models.vision import VisionSpec
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder

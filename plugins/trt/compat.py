@@ -172,7 +172,7 @@ def engine_version_problem(built: Mapping[str, Any], info: TrtInfo, version_comp
 def read_engine(artifact_dir: Path, manifest: Any, name: str, info: TrtInfo) -> bytes:
     """The engine's bytes after the checks that need no GPU: recorded TensorRT version, size, sha256.
 
-    ``manifest``: an export/artifact/manifest.py Manifest (this floor sits below export, so it is not named here)."""
+    ``manifest``: an artifact/manifest.py Manifest (this floor sits below export, so it is not named here)."""
     rec = (manifest.engines or {}).get(name)
     if rec is None:
         raise DecodertError(f"{artifact_dir / 'manifest.json'} has no '{name}' engine; run `decodert build {artifact_dir}`")

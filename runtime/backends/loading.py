@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.manifest import Manifest, TokenizerRecord, load_manifest
+from decodert.artifact.manifest import Manifest, TokenizerRecord, load_manifest
+from decodert.artifact.targets import target_info
 from decodert.runtime.backends.memory import available_bytes
 from decodert.runtime.prefix_cache import PrefixCache
 from decodert.runtime.decoding.sampling import sampling_params
@@ -52,7 +53,7 @@ def model_defaults(manifest: Manifest | None) -> dict[str, Any]:
 
 
 def read_manifest(path: Path, verify: str = "fast") -> Manifest:
-    """``path/manifest.json``, validated (export/artifact/manifest.py) and its files verified ("fast" | "full" | "none")."""
+    """``path/manifest.json``, validated (artifact/manifest.py) and its files verified ("fast" | "full" | "none")."""
     return load_manifest(path, verify=verify)
 
 
@@ -84,9 +85,7 @@ def open_backend(path: Path, manifest: Manifest, choice: str = "auto") -> Any:
     if choice == "trt" and manifest.lora_layout is not None:
         raise DecodertError(f"{path} takes LoRA adapters at run time (--lora-slots), which run on --backend ort only")
     if choice == "trt":
-        from decodert.export.lowering.targets import get_target  # the lowerings import onnx: only when asked for trt
-
-        if not manifest.engines and not get_target(manifest.target).runs_on("trt"):
+        if not manifest.engines and not target_info(manifest.target).runs_on("trt"):
             raise DecodertError(f"{path} has no TensorRT engines: it is a --target {manifest.target} artifact, which "
                                 f"runs on ONNX Runtime (--backend ort); for TensorRT export with --target trt, then "
                                 f"`decodert build OUT`")

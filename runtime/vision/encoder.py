@@ -135,12 +135,12 @@ class Vision:
         runner when it has one (trt: vision.engine), else on ONNX Runtime."""
         if manifest is None or manifest.vision is None or not getattr(backend, "_takes_images", False):
             return None
-        from decodert.export.artifact.weights import NUMPY_DTYPES
+        from decodert.artifact.weights import NUMPY_DTYPES
 
         v = manifest.vision
         session = getattr(backend, "vision", None)
         if session is None:
-            from decodert.runtime.backends.ort.session import open_session
+            from decodert.runtime.backends.ort_session import open_session
 
             session = open_session(Path(backend.dir) / v.graph.file, backend._options, backend._providers)
         token = manifest.model.extra.get("image_token_id")

@@ -1,2 +1,2 @@
-"""The ONNX Runtime backend: session options and thread pins, the prefill/decode graphs bound in place, the verify
-pass."""
+"""The ONNX Runtime backend: the prefill/decode graphs bound in place, the verify pass (its sessions'
+options and thread pins: runtime/backends/ort_session.py)."""

@@ -22,15 +22,15 @@ import numpy as np
 import onnxruntime as ort
 
 from decodert.errors import DecodertError, first_line
-from decodert.export.artifact.graph_contract import kv_storage
-from decodert.export.artifact.manifest import Manifest
+from decodert.artifact.graph_contract import kv_storage
+from decodert.artifact.manifest import Manifest
 from decodert.plugins.ops.kv_dtypes import NUMPY_STORAGE
-from decodert.export.lowering.targets import get_target
-from decodert.export.lowering.onnx_check import check_external_data, check_session_io
+from decodert.artifact.targets import target_info
+from decodert.artifact.onnx_check import check_external_data, check_session_io
 from decodert.runtime.backends import image_feeds, kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput, window_outputs
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
-from decodert.runtime.backends.ort.session import default_providers, open_session, session_options
+from decodert.runtime.backends.ort_session import default_providers, open_session, session_options
 from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
 from decodert.runtime.backends.ort.verify import VerifyState, bind_cache
 from decodert.runtime.vision.tokens import is_image
@@ -87,7 +87,7 @@ class OrtBackend:
             check_session_io(self.sessions[kind], manifest.graphs[kind], path)
         self.sessions.setdefault("decode", self.sessions["prefill"])
         # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
-        self._prefill_with_past_batch = get_target(manifest.target).multi_token_rows or self.max_batch
+        self._prefill_with_past_batch = target_info(manifest.target).multi_token_rows or self.max_batch
         # a long one-row prompt runs in chunks of this many tokens (0: in one call): GQA's CPU prefill
         # attends over the whole square, so 512-token chunks cut its share of a 4096-token prompt
         # by about a fifth while the GEMMs stay large (docs/benchmarks/history.md, "Sizes users deploy (issue 32)")

@@ -32,8 +32,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.manifest import Manifest
-from decodert.export.trt_build import make_logger, write_atomic
+from decodert.artifact.manifest import Manifest
+from decodert.artifact.artifact_files import write_atomic
+from decodert.artifact.trt_engines import make_logger
 from decodert.plugins.trt.compat import load_trt, read_engine
 from decodert.plugins import cuda_mem as cm
 from decodert.runtime.backends import kv_blocks

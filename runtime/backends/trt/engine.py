@@ -12,9 +12,8 @@ from typing import Any, Iterator, Mapping, Protocol, Sequence
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.manifest import GraphRecord, Manifest
-from decodert.export.trt_build import check_io, engine_io
-from decodert.export.trt_graphs import graph_of
+from decodert.artifact.manifest import GraphRecord, Manifest
+from decodert.artifact.trt_engines import check_io, engine_io, graph_of
 from decodert.plugins import cuda_mem as cm
 from decodert.plugins.trt.compat import TrtInfo
 from decodert.runtime.backends import kv_cache

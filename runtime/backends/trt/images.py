@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.artifact.weights import NUMPY_DTYPES
 from decodert.plugins.trt.compat import read_engine
 from decodert.runtime.backends.image_feeds import image_arrays
 from decodert.runtime.backends.trt.engine import Staged

@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from decodert.export.artifact.manifest import GraphRecord, TensorInfo
-from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.artifact.manifest import GraphRecord, TensorInfo
+from decodert.artifact.weights import NUMPY_DTYPES
 from decodert.runtime.backends.trt.engine import Engine, Staged, bind
 
 HOST_DTYPES: dict[str, Any] = {**NUMPY_DTYPES, "int64": np.int64}

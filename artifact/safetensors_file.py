@@ -1,4 +1,5 @@
-"""A minimal lazy safetensors reader: header validated up front, tensors read through mmap.
+"""A minimal lazy safetensors reader: header validated up front, tensors read through mmap. Export reads HF
+checkpoints with it (export/checkpoints/checkpoint_hf.py), the runtime PEFT adapter folders (artifact/peft.py).
 
 Own reader instead of ``safetensors.safe_open`` so that bf16 works without torch or ml_dtypes and
 every size in the header is checked against the file before anything is read.

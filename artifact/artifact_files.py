@@ -1,14 +1,17 @@
-"""The files of an artifact: their size and hashes (``FileRecord``) and checking them against the manifest."""
+"""The files of an artifact: their size and hashes (``FileRecord``), checking them against the manifest, and writing
+one atomically with the mode the user's umask gives (``write_atomic``: engines, the trt backend's runtime cache)."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import tempfile
 from pathlib import Path
 from typing import Mapping
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.records import Record
+from decodert.artifact.records import Record
 
 _EDGE = 1 << 20  # fast verification hashes the first and last MiB
 
@@ -59,3 +62,29 @@ def verify_files(folder: Path, files: Mapping[str, FileRecord], full: bool = Fal
             ok = rec.edge_sha256 is None or edge_hash(p) == rec.edge_sha256
         if not ok:
             raise DecodertError(f"{p}: sha256 does not match the manifest; the file is damaged or was replaced")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temp file beside ``path`` and rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, file_mode())  # mkstemp makes 0600; the artifact's files follow the umask
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def file_mode() -> int:
+    """The mode a new file gets under the user's umask (for files made by mkstemp, which uses 0600)."""
+    try:
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask

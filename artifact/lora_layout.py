@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from decodert.export.artifact.records import Record
+from decodert.artifact.records import Record
 from decodert.errors import DecodertError
 from decodert.models.spec import ModelSpec
 from decodert.models.canonical import canonical_shape
@@ -129,7 +129,7 @@ class LoraLayout:
 
 @dataclass(frozen=True)
 class LoraRecord(Record):
-    """LoRA adapters: the slots the graphs take at run time (``--lora-slots/--lora-rank``; export/lora/layout.py)
+    """LoRA adapters: the slots the graphs take at run time (``--lora-slots/--lora-rank``; this module)
     and the adapters merged into the weights (``--merge-lora``)."""
     slots: int = 0  # 0: the graphs take no adapters
     rank: int = 0

@@ -1,5 +1,6 @@
-"""How the ort backend's ONNX Runtime sessions are made: options (threads, spinning, pinned workers),
-execution providers, and a graph's session with decodert's plugin nodes expanded."""
+"""How decodert's ONNX Runtime sessions are made: options (threads, spinning, pinned workers), execution
+providers, and a graph's session with decodert's plugin nodes expanded. The ort backend (runtime/backends/ort/)
+opens its graphs with it and the vision encoder (runtime/vision/encoder.py) vision.onnx, so it sits beside both."""
 
 from __future__ import annotations
 

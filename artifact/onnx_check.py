@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping
 import onnx
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.manifest import GraphRecord
+from decodert.artifact.manifest import GraphRecord
 
 # manifest dtype -> onnxruntime type string
 ORT_TYPES = {"int64": "tensor(int64)", "int32": "tensor(int32)", "fp32": "tensor(float)", "fp16": "tensor(float16)",

@@ -1,13 +1,13 @@
 """The manifest's cache records: the K/V geometry and, for hybrid models, each layer's kind and states
-(docs/features/cache-state.md); export/artifact/manifest.py reads and checks them."""
+(docs/features/cache-state.md); artifact/manifest.py reads and checks them."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from decodert.export.artifact.records import Record
-from decodert.export.artifact.weights import NUMPY_DTYPES
+from decodert.artifact.records import Record
+from decodert.artifact.weights import NUMPY_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,23 +15,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 from decodert.errors import DecodertError
-from decodert.export.artifact.artifact_files import FileRecord, verify_files
-from decodert.export.artifact.graph_contract import check_contract, check_verify, need
-from decodert.export.artifact.cache_records import KVRecord
-from decodert.export.artifact.records import R, Record, read_record, to_json
-from decodert.export.checkpoints.sampling_defaults import check_record
-from decodert.export.lora.layout import LoraLayout, LoraRecord
+from decodert.artifact.artifact_files import FileRecord, verify_files
+from decodert.artifact.graph_contract import check_contract, check_verify, need
+from decodert.artifact.cache_records import KVRecord
+from decodert.artifact.records import R, Record, read_record, to_json
+from decodert.artifact.lora_layout import LoraLayout, LoraRecord
 from decodert.models.spec import ModelSpec
 from decodert.plugins.ops.kv_dtypes import KV_DTYPES
 
 FORMAT = "decodert-artifact"
 FORMAT_VERSION = 1  # the schema version this decodert writes
 READS = (1,)  # schema versions this decodert reads
+# The generation parameters a manifest's sampling.defaults may set (a subset of runtime/decoding/sampling.py's SamplingParams).
+KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 MANIFEST = "manifest.json"
 VERIFY_MODES = ("fast", "full", "none")
 GRAPHS = ("prefill", "decode")
@@ -139,8 +141,8 @@ class QuantRecord(Record):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingRecord(Record):
-    """The model's recommended sampling settings (export/checkpoints/sampling_defaults.py)."""
-    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # SamplingParams field -> value (checked by check_record)
+    """The model's recommended sampling settings (found at export: export/checkpoints/sampling_defaults.py)."""
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # SamplingParams field -> value (sampling_problem)
     source: str | None = None  # where they come from
 
 
@@ -327,10 +329,22 @@ def validate(m: Manifest, path: Path) -> None:
     need(_ids(tok.eos_token_ids) and _ids([tok.bos_token_id, tok.pad_token_id]) and (tok.vocab_size or 1) >= 1, path,
           "tokenizer token ids / add_bos_token / chat_template / vocab_size are malformed")
     if m.sampling is not None:
-        problem = check_record(to_json(m.sampling))
+        problem = sampling_problem(to_json(m.sampling))
         need(problem is None, path, str(problem))
     for name, eng in (m.engines or {}).items():
         need(safe_name(eng.file) and eng.size >= 0 and _hex(eng.sha256), path, f"engines.{name} is malformed")
+
+
+def sampling_problem(record: Any) -> str | None:
+    """None when ``record`` is a well-formed manifest["sampling"], else what is wrong."""
+    if not isinstance(record, dict) or not isinstance(record.get("defaults"), dict):
+        return "sampling must be an object with a 'defaults' object"
+    for k, v in record["defaults"].items():
+        if k not in KNOBS:
+            return f"sampling.defaults.{k} is not a generation parameter ({', '.join(KNOBS)})"
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            return f"sampling.defaults.{k} must be a finite number"
+    return None
 
 
 def safe_name(name: Any) -> bool:

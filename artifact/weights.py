@@ -1,4 +1,5 @@
-"""Stream tensors into one external-data file that both graphs reference.
+"""The weights file: tensors streamed into one external-data file that both graphs reference, and the
+artifact's float dtypes as numpy types (``NUMPY_DTYPES``, which the runtime reads too).
 
 Each tensor is converted to the target dtype and written as soon as it is produced, so export
 holds one tensor at a time, never the whole model. Offsets are aligned for mmap-friendly reads.

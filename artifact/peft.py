@@ -2,7 +2,7 @@
 
 What PEFT writes and what is read from it:
 - tensors ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` [r, in] and ``...lora_B.weight``
-  [out, r], one pair per adapted module; the module names map to canonical parts by ``layout.PEFT_MODULES``;
+  [out, r], one pair per adapted module; the module names map to canonical parts by ``lora_layout.PEFT_MODULES``;
 - ``r`` / ``lora_alpha`` (+ ``rank_pattern`` / ``alpha_pattern`` per module), ``use_rslora``: the scale folded
   into B is ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA; the rank of each module is its tensors' shape.
 Anything decodert cannot apply exactly is a one-line DecodertError: DoRA, LoRA biases, ``modules_to_save``,
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.export.checkpoints.checkpoint_safetensors import SafetensorsFile
-from decodert.export.lora.layout import PEFT_MODULES, LoraAdapter, in_features, part_rows
+from decodert.artifact.safetensors_file import SafetensorsFile
+from decodert.artifact.lora_layout import PEFT_MODULES, LoraAdapter, in_features, part_rows
 from decodert.models.spec import ModelSpec
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

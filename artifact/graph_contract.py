@@ -1,5 +1,6 @@
 """The graph I/O contract a manifest promises: every input and output the backends bind, with the dtypes and
-shapes its kv / max_seq / vocab / states / LoRA slots imply (checked by export/artifact/manifest.validate)."""
+shapes its kv / max_seq / vocab / states / LoRA slots imply (checked by artifact/manifest.validate), and the
+inputs that have defaults (which a TensorRT engine keeps or folds: ``decodert build`` and the trt backend)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from typing import Any
 from decodert.errors import DecodertError
 from decodert.plugins.ops.kv_dtypes import KV_DTYPES, KVDtype
 
-Manifest = Any  # export/artifact/manifest.Manifest (which imports this module, so it is not imported here)
+Manifest = Any  # artifact/manifest.Manifest (which imports this module, so it is not imported here)
+# inputs whose value defaults to an initializer of the same name (a call that does not bind them gets it);
+# TensorRT's ONNX parser folds such an input into a constant, so ``decodert build`` parses the graphs without
+# the defaults of ENGINE_INPUTS (the engines take those) and folds the rest (export/trt_graphs.py)
+DEFAULTED_INPUTS = ("per_position", "image_embeds", "image_positions", "image_ahead", "deepstack_embeds", "rope_offsets")
+IMAGE_INPUTS = ("image_embeds", "image_positions", "image_ahead", "deepstack_embeds")  # what a prefill with images binds
+ENGINE_INPUTS = (*IMAGE_INPUTS, "rope_offsets")  # defaulted inputs a TensorRT engine keeps (M-RoPE: every graph)
 
 
 def need(ok: bool, path: Path, what: str) -> None:

@@ -265,6 +265,11 @@ class Guide:
         self.stale, self.mask_s = False, time.perf_counter() - start
         self._raise_if_error()
 
+    def set_mask(self, mask: np.ndarray, seconds: float) -> None:
+        """Take a mask computed for the current state elsewhere (runtime/mask_overlap.py: several rows at once)."""
+        self.mask, self.stale, self.mask_s = mask, False, seconds
+        self._raise_if_error()
+
     def allowed(self) -> np.ndarray:
         """[V] bool: tokens the grammar allows next."""
         if self.stale:

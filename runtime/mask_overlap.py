@@ -51,8 +51,7 @@ def compute_masks(guides: Sequence[Guide]) -> None:
                                               masks.ctypes.data, words * 4, len(stale))
         share = (time.perf_counter() - start) / len(stale)
         for k, g in enumerate(stale):
-            g.mask, g.stale, g.mask_s = masks[k], False, share
-            g._raise_if_error()
+            g.set_mask(masks[k], share)
 
 
 @contextmanager

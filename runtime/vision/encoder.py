@@ -19,7 +19,6 @@ import re
 import threading
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -133,16 +132,14 @@ class Vision:
         """The artifact's vision path over ``backend`` (its prefill then reads this store), or None for a
         text-only artifact or a backend whose prefill takes no images. The graph runs on the backend's own
         runner when it has one (trt: vision.engine), else on ONNX Runtime."""
-        if manifest is None or manifest.vision is None or not getattr(backend, "_takes_images", False):
+        if manifest is None or manifest.vision is None or not getattr(backend, "takes_images", False):
             return None
         from decodert.artifact.weights import NUMPY_DTYPES
 
         v = manifest.vision
         session = getattr(backend, "vision", None)
         if session is None:
-            from decodert.runtime.backends.ort_session import open_session
-
-            session = open_session(Path(backend.dir) / v.graph.file, backend._options, backend._providers)
+            session = backend.open_graph(v.graph.file)
         token = manifest.model.extra.get("image_token_id")
         vision = cls(session, VisionSpec.from_dict(dict(v.spec)), dict(v.processor), int(token),
                      NUMPY_DTYPES[manifest.dtype])

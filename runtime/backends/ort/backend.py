@@ -101,7 +101,7 @@ class OrtBackend:
         self._windows = window_outputs(manifest)  # conv state name -> K-1: per-position states of a verify pass
         # vision-language: the image store (runtime/vision/encoder.py) whose rows a prefill binds at its image ids
         self.images: Any = None
-        self._takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)
+        self.takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)  # read by Vision.attach
         self._mrope = any(t.name == "rope_offsets" for t in manifest.graphs["prefill"].inputs)  # Qwen-VL
         self._deepstack = int(manifest.model.extra.get("deepstack_layers") or 0)  # Qwen3-VL: bound with the images
         # Gemma 3: an image's tokens see each other, so one call holds all of them (no chunk cuts an image)
@@ -248,6 +248,10 @@ class OrtBackend:
                                                      self._windows if kind == "verify" else None, self.lora_weights)
         return state
 
+    def open_graph(self, file: str) -> ort.InferenceSession:
+        """A session for another graph of the artifact (``vision.onnx``), with this backend's options and providers."""
+        return open_session(Path(self.dir) / file, self._options, self._providers)
+
     def _open_verify(self) -> ort.InferenceSession:
         graph = self.manifest.graphs.get("verify")
         if graph is None:
@@ -312,7 +316,7 @@ class OrtBackend:
     def _bind_images(self, b: _Binding) -> None:
         """Image ids in ``b.ids`` (runtime/vision/tokens.py) -> the ``<image>`` token, their rows bound as
         image_embeds at image_positions (empty when none: the binding may be reused chunk after chunk)."""
-        if not self._takes_images:
+        if not self.takes_images:
             return
         arrays = image_feeds.image_arrays(b.ids, self.images, self.hidden, self.np_dtype, self._deepstack,
                                           self._image_ahead)

@@ -85,7 +85,7 @@ class TrtBackend:
         widths = {"prefill": self.max_prefill, "decode": 1, "verify": verify_width(self)}
         self.mrope = RopeOffsets(self, widths) if takes_offsets(manifest) else None  # runtime/backends/trt/mrope.py
         self.image_inputs, self.vision = open_images(self)  # runtime/backends/trt/images.py (None: no images)
-        self._takes_images = self.vision is not None
+        self.takes_images = self.vision is not None
         scratch = [e.scratch_bytes for e in (*self.engines.values(), *([self.vision.engine] if self.vision else []))]
         self.scratch = cm.DeviceBuffer(max(scratch))
         self._alloc_io()

@@ -48,6 +48,12 @@ class GraphBuilder:
         finally:
             self._scope.pop()
 
+    def nested(self, name: str) -> "GraphBuilder":
+        """A builder for a subgraph (an If branch) named ``name``, its node names continuing this one's scope."""
+        body = GraphBuilder(name, self.opsets)
+        body._scope = [*self._scope, name]
+        return body
+
     def input(self, name: str, dtype: str, shape: Sequence[int | str]) -> str:
         self.inputs.append(helper.make_tensor_value_info(name, DTYPES[dtype], list(shape)))
         return name

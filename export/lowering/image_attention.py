@@ -42,8 +42,7 @@ def widen(g: GraphBuilder, low: Any, ctx: Any, q: str, rotated: bool, gqa_out: s
     s = low.spec
     d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
     past_key, past_value, present_key, present_value = cache
-    body = GraphBuilder("image_attention", g.opsets)
-    body._scope = [*g._scope, "image_attention"]
+    body = g.nested("image_attention")
     if not rotated:
         q = body.op("RotaryEmbedding", q, ctx.cos_cache, ctx.sin_cache, ctx.positions, num_heads=h, interleaved=0)
     keys = body.op("Unsqueeze", body.op("Add", body.op("ReduceMax", ctx.positions, keepdims=0),
@@ -55,8 +54,7 @@ def widen(g: GraphBuilder, low: Any, ctx: Any, q: str, rotated: bool, gqa_out: s
                        first(present_value, past_value), visible, num_heads=h, kv_heads=hkv, head_dim=d,
                        max_seq=keys, scale=low.scale, dtype=low.dtype, softcap=low.softcap, sinks=sinks)
     then = _subgraph(g, body, y, "image_attention_then", low.dtype)
-    other = GraphBuilder("image_attention_else", g.opsets)
-    other._scope = [*g._scope, "image_attention_else"]
+    other = g.nested("image_attention_else")
     z = other.op("Identity", gqa_out)
     return g.op("If", ctx.any_ahead, then_branch=then, else_branch=_subgraph(g, other, z, "image_attention_else",
                                                                                low.dtype))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py importable as `tiny`
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # tests/helpers/tiny.py importable as `tiny`, from every folder
 
 from tiny import make_tiny_checkpoint  # noqa: E402
 
@@ -94,7 +94,7 @@ def smollm2_reference(smollm2_hf_model):
 
 @pytest.fixture(scope="session")
 def samples(tmp_path_factory):
-    """Tiny artifacts and checkpoints for the damage tests (tests/fuzz_samples.py), made once per
+    """Tiny artifacts and checkpoints for the damage tests (tests/helpers/fuzz_samples.py), made once per
     session: copy one (see ``art``) before changing it."""
     from fuzz_samples import make_samples
 

@@ -1,12 +1,9 @@
 """Chat templates: rendering, the sandbox, and LLM.chat over the fake backend (runtime/chat/chat.py)."""
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import make_llm, make_tokenizer  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

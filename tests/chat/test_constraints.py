@@ -2,20 +2,17 @@
 
 A random model writes anything the mask lets through, so these tests exercise the constraint
 machinery hard and fast: every output must still match its schema / regex / grammar. The real
-model (SmolLM2) is in tests/test_constraints_smollm2.py.
+model (SmolLM2) is in tests/chat/test_constraints_smollm2.py.
 """
 
 import json
 import re
-import sys
 import threading
-from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import make_llm  # noqa: E402
 from structured_schemas import SCHEMAS  # noqa: E402
 

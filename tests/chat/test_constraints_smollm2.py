@@ -3,14 +3,11 @@ mask checked against an independent brute-force reference over the whole 49k voc
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from structured_schemas import DEFAULT, SCHEMAS  # noqa: E402
 
 from decodert.runtime.constraints import Constraint  # noqa: E402

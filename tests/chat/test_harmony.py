@@ -3,13 +3,10 @@ its final channel the content, whole and streamed, through LLM.chat and the serv
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import make_llm, make_tokenizer  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -192,7 +189,7 @@ def test_chat_returns_tool_calls_and_renders_the_result_back_in_harmony():
 def test_server_returns_openai_tool_calls(stream):
     openai = pytest.importorskip("openai")
     from serve_helpers import running
-    from test_serve_tools import reassemble, whole
+    from serve_helpers import reassemble, whole
 
     with running(harmony_loop_llm()) as (url, _):
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)

@@ -1,12 +1,9 @@
 """Incremental detokenizer and stop strings (runtime/chat/text.py)."""
 
-import sys
-from pathlib import Path
 
 from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import make_tokenizer  # noqa: E402
 
 from decodert.runtime.chat.text import IncrementalDetokenizer, StopMatcher  # noqa: E402

@@ -1,6 +1,6 @@
 """Tool calling and reasoning in the Python API: parsers per format, streaming splits, constrained calls.
 
-The models are tests/fake_backend.py's: ``scripted_llm`` writes a given reply; ``make_llm``'s random
+The models are tests/helpers/fake_backend.py's: ``scripted_llm`` writes a given reply; ``make_llm``'s random
 model samples anything the constraint allows, so every constrained call is checked with jsonschema.
 """
 
@@ -12,26 +12,12 @@ import jsonschema
 import pytest
 
 from fake_backend import make_llm, scripted_llm
+from tool_cases import ADD, SCHEMAS, TEMPLATE, THINKING, TOOLS, USER, WEATHER
 
 from decodert.errors import DecodertError
 from decodert.runtime.chat.output import ChatOutput, assemble
 from decodert.runtime.chat.tool_calls import FORMATS, tool_format
 from decodert.runtime.chat.tools import check_tools
-
-# a tiny template that renders tools (HF's ``tools`` variable), assistant tool_calls and tool results
-TEMPLATE = ("{% if tools %}<|user|>tools: {{ tools | tojson }}\n{% endif %}"
-            "{% for m in messages %}<|user|>{{ m.role }}: {{ m.content }}"
-            "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>"
-            "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-THINKING = TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}"
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                            "unit": {"enum": ["c", "f"]}}, "required": ["city"]}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
-SCHEMAS = {"get_weather": WEATHER, "add": ADD}
-USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def split(fmt: str | None, text: str, think: bool = False, pieces: int = 0):

@@ -126,7 +126,7 @@ def test_bench_reports_progress_on_stderr_when_not_a_terminal(tiny_artifact, mon
 
 
 def _bench_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    script = Path(__file__).resolve().parents[1] / "bench" / name
+    script = Path(__file__).resolve().parents[2] / "bench" / name
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
 
 
@@ -151,7 +151,7 @@ def test_prefix_bench_runs_on_a_tiny_artifact(tiny_checkpoint, tmp_path):
     art = tmp_path / "prefix"
     export_model(tiny_checkpoint("llama"), art, max_seq=512, max_batch=2, progress=False)
     out = tmp_path / "prefix.json"
-    bench = Path(__file__).resolve().parents[1] / "bench" / "prefix.py"
+    bench = Path(__file__).resolve().parents[2] / "bench" / "prefix.py"
     proc = subprocess.run([sys.executable, str(bench), "--artifact", str(art), "--small-artifact", str(art),
                            "--turns", "3", "--reply", "4", "--requests", "3", "--gen", "3", "--system-words", "40", "--rounds", "1",
                            "--memory-turns", "12", "--threads", "1", "--json", str(out)],

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SIZES = Path(__file__).resolve().parents[1] / "bench" / "sizes.py"
+SIZES = Path(__file__).resolve().parents[2] / "bench" / "sizes.py"
 
 
 def _sizes(*args: str) -> subprocess.CompletedProcess:

@@ -4,11 +4,9 @@ ended early, handles /commands locally, and edits lines with readline on a termi
 import io
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import make_llm  # noqa: E402
 
 from decodert.cli import build_parser  # noqa: E402

@@ -1,12 +1,9 @@
 """The run commands' CLI (cli/generate.py, cli/chat.py, cli/run.py): generate, chat, run, over the fake backend (moved from test_generate.py)."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import make_llm, scripted_llm  # noqa: E402
 from fuzz_samples import add_listed_file, flip_byte  # noqa: E402
 
@@ -84,7 +81,7 @@ def test_cli_chat_loop_keeps_history_and_survives_ctrl_c(capsys):
     assert "[conversation cleared]" in capsys.readouterr().err
 
 
-# run smollm2 from the wheel cache: tests/test_cli_first_run.py::test_llm_load_of_the_named_model_from_the_wheel_cache
+# run smollm2 from the wheel cache: tests/cli/test_cli_first_run.py::test_llm_load_of_the_named_model_from_the_wheel_cache
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from fuzz_samples import add_fake_engines  # noqa: E402
 from tiny import make_tiny_gguf  # noqa: E402
 

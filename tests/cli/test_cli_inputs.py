@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import make_llm, make_tokenizer  # noqa: E402
 
 from decodert.cli import main as cli_main  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.runtime import validate  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _one_line_error(capsys, argv, match):

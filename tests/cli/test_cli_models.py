@@ -5,12 +5,10 @@ cache; build and verify, which need a --target trt export, say what to run inste
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_tiny_gguf  # noqa: E402
 
 from decodert.cli import build_parser, main  # noqa: E402

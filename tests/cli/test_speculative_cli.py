@@ -18,7 +18,7 @@ import pytest
 from decodert.errors import DecodertError
 from decodert.export.pipeline import export_model
 
-ROOT = Path(__file__).resolve().parents[2]  # the folder holding the decodert package
+ROOT = Path(__file__).resolve().parents[3]  # the folder holding the decodert package
 PROMPT = "one two three four one two three four one two three"
 
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from tiny import CHAT_TEMPLATE, FAMILIES, assert_matches, load_torch, one_line_error, torch_weights  # noqa: E402
 
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402

@@ -20,7 +20,7 @@ from decodert.export.artifact import destination
 from decodert.export.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
 
-ROOT = Path(__file__).resolve().parents[2]  # the folder holding the decodert package
+ROOT = Path(__file__).resolve().parents[3]  # the folder holding the decodert package
 
 
 def _export(src, out, max_seq=64):

@@ -4,11 +4,9 @@ export progress on stderr, --keep-q4-1 refused off the ort target."""
 import io
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_tiny_gguf  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

@@ -6,12 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.artifact.manifest import FORMAT_VERSION, Manifest, load_manifest, write_manifest  # noqa: E402

@@ -2,12 +2,9 @@
 manifest, used by the API (and the CLI) for every parameter the caller does not pass."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_tiny_gguf  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

@@ -18,7 +18,7 @@ from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 from fuzz_samples import make_gguf
-from test_fuzz import _gguf_field
+from fuzz_harness import gguf_field
 
 
 def _refused(path, match):
@@ -34,7 +34,7 @@ def _refused(path, match):
 
 def _edited(samples, tmp_path, *edits):
     path = tmp_path / "edited.gguf"
-    path.write_bytes(_gguf_field(samples["gguf"].read_bytes(), *edits))
+    path.write_bytes(gguf_field(samples["gguf"].read_bytes(), *edits))
     return path
 
 

@@ -12,7 +12,7 @@ from decodert.export.quantize.quant import QuantConfig
 from decodert.export.lowering.targets import ORT, PORTABLE, TARGETS, TRT, get_target
 from decodert.export.quantize.weight_layouts import NBITS, QDQ
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALLOWED = {"export/lowering/targets.py", "export/quantize/weight_layouts.py", "export/lowering/lowering.py",
            "export/lowering/lower_ort.py", "export/lowering/lower_trt.py"}
 NAMES = set(TARGETS) | {NBITS.name, QDQ.name}

@@ -1,7 +1,7 @@
 """`decodert build`: ONNX artifact -> TensorRT(-RTX) engines, and the TensorRT backend's CPU-side checks.
 
 Builds run on CPU with TensorRT-RTX (no GPU needed); running engines needs a GPU (`-m gpu`).
-Tiny graphs (tests/trt_graphs.py and tests/tiny.py checkpoints) build in well under a second each.
+Tiny graphs (tests/helpers/trt_graphs.py and tests/helpers/tiny.py checkpoints) build in well under a second each.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed: pip install tensorrt-rtx-cu13-libs "
                     "tensorrt-rtx-cu13-bindings")
 
-import trt_graphs  # noqa: E402  (tests/ is on sys.path via conftest)
+import trt_graphs  # noqa: E402  (tests/helpers/ is on sys.path via tests/conftest.py)
 
 from decodert.cli import main as cli_main  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402

@@ -4,12 +4,10 @@ say why, the refit at load calls TensorRT's refitter and turns every failure int
 
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.runtime.backends.trt.refit import refit_from_onnx  # noqa: E402

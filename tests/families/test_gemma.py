@@ -26,8 +26,7 @@ from decodert.models import family_for
 from decodert.models.families.dense import gemma2, gemma3
 from decodert.models.spec import RopeSpec
 from parity import backend, decodert_greedy, hf_reference, logits_parity
-from test_models import gguf_meta
-from tiny import make_tiny_gguf, tiny_config
+from tiny import gguf_meta, make_tiny_gguf, tiny_config
 
 GEMMAS = ("gemma3", "gemma2")
 

@@ -5,8 +5,6 @@ layers, a final soft-cap; every target's logits, int4, TensorRT builds, speculat
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -14,7 +12,6 @@ import pytest
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).parent))
 from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
@@ -191,7 +188,7 @@ def test_shared_layers_read_a_quantized_cache_as_its_writer_stores_it(model, tmp
 
 
 def test_trt_backend_with_caches_of_two_widths(model, tmp_path, monkeypatch):
-    """runtime/backends/trt/backend.py (tests/trt_emulator.py: the engines run on ONNX Runtime) over Gemma 4's
+    """runtime/backends/trt/backend.py (tests/helpers/trt_emulator.py: the engines run on ONNX Runtime) over Gemma 4's
     caches of head_dim 16 and 32: the ort backend's tokens, continuous batching with slot moves, speculation."""
     import trt_emulator
     from decodert.runtime.speculation.speculative import SpeculativeConfig

@@ -3,8 +3,6 @@ SwiGLU experts; every target's logits, int4 experts, MXFP4 experts read exactly,
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -12,7 +10,6 @@ import pytest
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).parent))
 from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 

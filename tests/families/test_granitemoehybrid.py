@@ -2,7 +2,7 @@
 variant the router's experts beside it; every Granite multiplier away from 1.
 
 Against transformers on tiny random checkpoints (the Mamba2 math and the runtime over its states are tested at
-length in tests/test_nemotron_h.py): logits and greedy tokens for the ort, portable and trt graphs, dense and MoE,
+length in tests/families/test_nemotron_h.py): logits and greedy tokens for the ort, portable and trt graphs, dense and MoE,
 a ragged batch equal to the singles; speculative equals plain; a GGUF in llama.cpp's layout; an unknown layer kind
 refused in one line.
 """
@@ -10,14 +10,12 @@ refused in one line.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
 
@@ -100,8 +98,7 @@ def make_granite_gguf(src: Path, path: Path) -> Path:
     map; the shared MLP's input_linear split into ffn_gate and ffn_up; ssm tensors as for nemotron_h)."""
     import gguf
     from safetensors.numpy import load_file
-    from test_nemotron_h import _to_llama_cpp_layout
-    from tiny import _gguf_tokenizer_meta
+    from tiny import _gguf_tokenizer_meta, mamba2_llama_cpp_layout
 
     cfg = json.loads((src / "config.json").read_text())
     types = cfg["layer_types"]
@@ -135,7 +132,7 @@ def make_granite_gguf(src: Path, path: Path) -> Path:
         hf = key.replace(".dt_bias", ".dt_proj.bias").replace("shared_mlp.output_linear", "mlp.down_proj")
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, key
-        writer.add_tensor(name, np.ascontiguousarray(_to_llama_cpp_layout(key, w, fields), np.float32))
+        writer.add_tensor(name, np.ascontiguousarray(mamba2_llama_cpp_layout(key, w, fields), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

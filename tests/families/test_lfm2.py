@@ -3,21 +3,19 @@
 Against transformers on a tiny random checkpoint with every layer kind and a kernel of 4 (prompts and
 decode steps longer than the conv window): logits and greedy tokens for the ort, portable and trt
 graphs (the trt graph run by ONNX Runtime), a ragged batch equal to the singles; then the runtime
-over the state: speculative equals plain, a session's turns equal re-prefill (the prefix cache: tests/test_prefix_hybrid.py).
+over the state: speculative equals plain, a session's turns equal re-prefill (the prefix cache: tests/runtime/test_prefix_hybrid.py).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 from parity import backend, check_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
 
@@ -118,7 +116,7 @@ def test_speculative_equals_plain(lfm2, tmp_path):
 def test_session_turns_equal_reprefill(lfm2):
     _, _, get = lfm2
     llm = LLM.load(get("ort"), backend="ort", prefix_cache_mb=8)
-    assert llm.prefix_cache is not None  # K/V blocks with states at block boundaries (tests/test_prefix_hybrid.py)
+    assert llm.prefix_cache is not None  # K/V blocks with states at block boundaries (tests/runtime/test_prefix_hybrid.py)
     session = llm.session(system="be brief")
     reused = []
     for question in ("Hello world!", "Why?", "Ok."):
@@ -157,7 +155,7 @@ def test_trt_graphs_build_with_tensorrt_rtx(tmp_path):
 
 
 def test_trt_backend_on_the_emulator(lfm2, monkeypatch):
-    """The trt backend binds the states like K/V (tests/trt_emulator.py runs the engines' graphs on the CPU):
+    """The trt backend binds the states like K/V (tests/helpers/trt_emulator.py runs the engines' graphs on the CPU):
     the ort backend's tokens, a ragged batch, continuous batching and speculation at batch 2."""
     import trt_emulator
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny import FAMILIES, HYBRIDS, MOE_FAMILIES, OWN_CONFIGS, tiny_config  # noqa: E402
+from tiny import FAMILIES, HYBRIDS, MOE_FAMILIES, OWN_CONFIGS, gguf_meta, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.checkpoints.checkpoint import source_keys  # noqa: E402
@@ -96,7 +93,7 @@ def test_linear_rope_and_head_dim_default():
     np.testing.assert_allclose(s.rope.inv_freq(16), RopeSpec().inv_freq(16) / 2)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "longrope"])  # yarn: tests/test_gpt_oss.py
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])  # yarn: tests/families/test_gpt_oss.py
 def test_unsupported_rope_types(kind):
     with pytest.raises(DecodertError, match=f"rope scaling '{kind}' is not supported yet"):
         hf("llama", rope_scaling={"rope_type": kind, "factor": 2.0})
@@ -134,16 +131,6 @@ def test_rejects_qwen_sliding_layers_and_missing_fields():
     del config["hidden_size"]
     with pytest.raises(DecodertError, match="'hidden_size'"):
         llama.spec_from_hf(config)
-
-
-def gguf_meta(arch: str, **extra) -> dict:
-    meta = {"general.architecture": arch, f"{arch}.block_count": 2, f"{arch}.context_length": 2048,
-            f"{arch}.embedding_length": 64, f"{arch}.feed_forward_length": 128, f"{arch}.attention.head_count": 4,
-            f"{arch}.attention.head_count_kv": 2, f"{arch}.rope.freq_base": np.float32(10000.0),
-            f"{arch}.attention.layer_norm_rms_epsilon": np.float32(1e-5), f"{arch}.vocab_size": 512,
-            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 7}
-    meta.update({f"{arch}.{k}": v for k, v in extra.items()})  # extra keys are relative to the arch
-    return meta
 
 
 def test_spec_from_gguf_metadata():
@@ -200,9 +187,9 @@ def test_tiny_configs_cover_every_family():
                              "smollm3"}
     vision = {"idefics3", "qwen2_5_vl", "qwen3_vl", "qwen3_5_moe"}
     assert {hf(f).family for f in FAMILIES + MOE_FAMILIES + HYBRIDS + tuple(OWN_CONFIGS)} | vision == set(
-        family_names())  # MoE: tests/test_moe.py; OWN_CONFIGS: their own test files (tests/test_gemma4.py);
-    # the vision-language families' tiny checkpoints are tests/tiny_vision.py's and tests/tiny_qwen_vl.py's
-    # (tests/test_vision.py, tests/test_vision_qwen.py, tests/test_vision_qwen3_5.py, tests/test_vision_qwen3_5_moe.py)
+        family_names())  # MoE: tests/families/test_moe.py; OWN_CONFIGS: their own test files (tests/families/test_gemma4.py);
+    # the vision-language families' tiny checkpoints are tests/helpers/tiny_vision.py's and tests/helpers/tiny_qwen_vl.py's
+    # (tests/vision/test_vision.py, tests/vision/test_vision_qwen.py, tests/vision/test_vision_qwen3_5.py, tests/vision/test_vision_qwen3_5_moe.py)
     assert {hf(f).group_size for f in FAMILIES} >= {1, 2, 4}
     assert {hf(f).head_dim for f in FAMILIES} == {16, 32}
 

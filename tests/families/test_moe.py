@@ -5,8 +5,6 @@ with fp32), batching and speculative decoding, TensorRT builds, and the one-line
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -14,7 +12,6 @@ import pytest
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).parent))
 from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +22,10 @@ import pytest
 import torch
 from onnx import helper
 
-sys.path.insert(0, str(Path(__file__).parent))
 from parity import (check_continuous_batching, check_greedy, check_session_turns,  # noqa: E402
                     check_speculation, check_trt_emulated, check_trt_engines, hf_reference,
                     logits_parity, random_prompts)
-from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
+from tiny import make_tiny_checkpoint, mamba2_llama_cpp_layout, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.artifact.manifest import load_manifest  # noqa: E402
@@ -173,7 +171,7 @@ def test_trt_graphs_build_on_tensorrt_rtx(nemotron, tmp_path):
 
 
 def test_trt_backend_on_the_emulator(nemotron, monkeypatch):
-    """The trt backend binds both states of every Mamba2 layer like K/V (tests/trt_emulator.py runs the engines'
+    """The trt backend binds both states of every Mamba2 layer like K/V (tests/helpers/trt_emulator.py runs the engines'
     graphs on the CPU): the ort backend's tokens, continuous batching and speculation."""
     _, _, get = nemotron
     art = get("trt")
@@ -210,20 +208,6 @@ def test_unknown_or_moe_block_is_one_line(tmp_path, pattern, match):
 
 
 # ---- GGUF: llama.cpp's nemotron_h files -----------------------------------------------------------------------
-def _to_llama_cpp_layout(key: str, w: np.ndarray, cfg: dict) -> np.ndarray:
-    """What llama.cpp's converter (Mamba2 / NemotronH models) does to a tensor: A_log -> -exp(A_log) [H, 1],
-    D [H, 1], the conv squeezed [C, K], the gated norm [G, Di/G]."""
-    if key.endswith("A_log"):
-        return -np.exp(w)[:, None]
-    if key.endswith((".mixer.D", ".mamba.D")):
-        return w[:, None]
-    if key.endswith("conv1d.weight"):
-        return w.reshape(w.shape[0], -1)
-    if key.endswith((".mixer.norm.weight", ".mamba.norm.weight")):
-        return w.reshape(cfg["n_groups"], -1)
-    return w
-
-
 def make_nemotron_gguf(src: Path, path: Path) -> Path:
     """The tiny checkpoint as llama.cpp's converter writes it (names from the gguf package's NEMOTRON_H map;
     per-layer head_count_kv and feed_forward_length say each block's type)."""
@@ -253,7 +237,7 @@ def make_nemotron_gguf(src: Path, path: Path) -> Path:
         hf = key.replace(".dt_bias", ".dt_proj.bias")
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, key
-        writer.add_tensor(name, np.ascontiguousarray(_to_llama_cpp_layout(key, w, cfg), np.float32))
+        writer.add_tensor(name, np.ascontiguousarray(mamba2_llama_cpp_layout(key, w, cfg), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

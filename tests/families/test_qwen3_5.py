@@ -6,13 +6,12 @@ window and than a DeltaNet chunk (64 tokens): logits and greedy tokens for the o
 (the trt graph run by ONNX Runtime; and built by TensorRT-RTX),
 a ragged batch equal to the singles; then the runtime over the states: speculative equals plain, a
 session's turns equal re-prefill. A qwen3_5 folder's language model is read too (with images:
-tests/test_vision_qwen3_5.py).
+tests/vision/test_vision_qwen3_5.py).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,6 @@ import onnx
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 from parity import (backend, check_continuous_batching, check_greedy, check_session_turns,  # noqa: E402
                     check_speculation, check_trt_emulated, check_trt_engines, decodert_greedy, hf_reference,
                     logits_parity, random_prompts)
@@ -94,7 +92,7 @@ def test_trt_graphs_build_on_tensorrt_rtx(qwen35, tmp_path):
 
 
 def test_trt_backend_on_the_emulator(qwen35, monkeypatch):
-    """The trt backend binds both states of every linear layer like K/V (tests/trt_emulator.py runs the engines'
+    """The trt backend binds both states of every linear layer like K/V (tests/helpers/trt_emulator.py runs the engines'
     graphs on the CPU): the ort backend's tokens, continuous batching (rows end, slots move) and speculation."""
     _, _, get = qwen35
     art = get("trt")
@@ -120,7 +118,7 @@ def test_session_turns_equal_reprefill(qwen35):
 
 def test_multimodal_checkpoint_reads_the_language_model(qwen35, tmp_path):
     """A qwen3_5 folder without a vision_config: text_config, model.language_model.* keys read, stray vision and MTP
-    keys skipped, the model text-only (with a vision_config it sees images: tests/test_vision_qwen3_5.py)."""
+    keys skipped, the model text-only (with a vision_config it sees images: tests/vision/test_vision_qwen3_5.py)."""
     from safetensors.numpy import load_file, save_file
 
     src, model, _ = qwen35

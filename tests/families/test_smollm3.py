@@ -1,21 +1,18 @@
 """SmolLM3: layers without RoPE (NoPE) and the template's thinking switch.
 
 Logits of every target against transformers, the GGUF reader and the TensorRT build are the generic
-runners' (tests/test_export.py, test_checkpoint_gguf.py, test_trt_build.py over tiny.FAMILIES).
+runners' (tests/export/test_export.py, test_checkpoint_gguf.py, test_trt_build.py over tiny.FAMILIES).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import scripted_llm  # noqa: E402
 from parity import hf_reference, logits_parity  # noqa: E402
 from tiny import tiny_config  # noqa: E402

@@ -1,5 +1,5 @@
 """A CPU stand-in for the CUDA runtime that plugins/cuda_mem.py wraps, for tests without a GPU
-(used by tests/trt_emulator.py, which adds TensorRT).
+(used by tests/helpers/trt_emulator.py, which adds TensorRT).
 
 - **Memory**: device buffers and pinned host buffers are numpy allocations with real addresses.
   Every copy and every tensor an emulated engine reads or writes must lie inside one live

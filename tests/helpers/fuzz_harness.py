@@ -1,6 +1,6 @@
-"""Fuzz harness for tests/test_fuzz.py (bounded) and scripts/fuzz.py (long runs).
+"""Fuzz harness for tests/project/test_fuzz.py (bounded) and scripts/fuzz.py (long runs).
 
-A case damages one file of a pristine sample (tests/fuzz_samples.py) with a mutator and runs a
+A case damages one file of a pristine sample (tests/helpers/fuzz_samples.py) with a mutator and runs a
 *target* (the loader a user would hit) on the copy, in a ``Worker`` subprocess:
 - a segfault/abort of a native reader (onnxruntime, the gguf reader's numpy views) is reported as
   "crash" instead of killing pytest;
@@ -247,7 +247,7 @@ class Fuzzer:
 
 
 class Worker:
-    """A subprocess running targets (tests/fuzz_worker.py); restarted after a crash or a hang."""
+    """A subprocess running targets (tests/helpers/fuzz_worker.py); restarted after a crash or a hang."""
 
     def __init__(self, mem_limit_gb: float = 6.0) -> None:
         self.mem_limit = int(mem_limit_gb * 2**30)
@@ -284,3 +284,14 @@ class Worker:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
+
+
+def gguf_field(data: bytes, *edits: tuple[str, int]) -> bytes:
+    """Header numbers (named as walk_gguf records them) set to new values."""
+    from decodert.export.checkpoints.gguf_header import walk_gguf
+
+    fields = {what: (offset, code) for offset, code, what in walk_gguf(data, len(data), record=True).fields}
+    for what, value in edits:
+        offset, code = fields[what]
+        data = data[:offset] + struct.pack("<" + code, value) + data[offset + struct.calcsize(code):]
+    return data

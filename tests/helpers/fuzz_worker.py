@@ -1,4 +1,4 @@
-"""The fuzz harness's worker process (tests/fuzz_harness.py starts it).
+"""The fuzz harness's worker process (tests/helpers/fuzz_harness.py starts it).
 
 Reads one JSON line per case, ``{"target": name, "path": damaged sample}``, runs the target and
 answers ``{"status": "ok" | "error" | "bug", "message": ...}``. Runs under ``RLIMIT_AS`` =
@@ -74,7 +74,7 @@ def _template(path: Path) -> None:
 
 
 def _selftest(path: Path) -> None:
-    """Failures the harness must notice (tests/test_fuzz.py): path.name says which."""
+    """Failures the harness must notice (tests/project/test_fuzz.py): path.name says which."""
     import numpy as np
 
     if path.name == "crash":

@@ -1,6 +1,6 @@
-"""Triton kernel cases vs the numpy references (test helper for tests/test_plugins.py).
+"""Triton kernel cases vs the numpy references (test helper for tests/plugins/test_plugins.py).
 
-Run as a script with TRITON_INTERPRET=1 (CPU): ``python tests/kernel_cases.py [names...]`` prints
+Run as a script with TRITON_INTERPRET=1 (CPU): ``python tests/helpers/kernel_cases.py [names...]`` prints
 one JSON object {case: [max|err| per output, ...]}. Triton reads TRITON_INTERPRET when a kernel
 is decorated (module import), so the CPU run lives in its own process; on a GPU the same
 cases run in-process on CUDA tensors (``run_case(name, "cuda")``).

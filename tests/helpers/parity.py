@@ -144,7 +144,7 @@ def check_trt_engines(src: Path, out: Path) -> None:
 
 
 def check_trt_emulated(ref: Path, art: Path, monkeypatch) -> None:
-    """The trt backend on trt artifact ``art`` (tests/trt_emulator.py runs its engines' graphs on the CPU) gives
+    """The trt backend on trt artifact ``art`` (tests/helpers/trt_emulator.py runs its engines' graphs on the CPU) gives
     the ort backend's greedy tokens on ``ref``: single requests, uneven batches (rows end, slots move) and
     fixed-width speculation."""
     import trt_emulator

@@ -103,3 +103,47 @@ class ReferenceVideoProcessor:
             metas.append(meta)
         return BatchFeature({"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids),
                              "video_metadata": metas})
+
+
+# ---- what the video tests of several files share ----------------------------------------------------------------
+def clip(rng, t, h, w):
+    """A random uint8 clip [t, h, w, 3]."""
+    return rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8)
+
+
+def video_part(frames, fps=None):
+    """A chat message's video part (``fps``: the frames' rate, when known)."""
+    return {"type": "video", "video": frames, **({"fps": fps} if fps else {})}
+
+
+def reference(proc, text, videos, images=()):
+    """transformers' processor over the same frames, told their rate as transformers' VideoMetadata."""
+    from PIL import Image
+
+    meta = [{"total_num_frames": len(v), "fps": fps, "frames_indices": list(range(len(v)))} for v, fps in videos]
+    out = proc(text=text, videos=[v for v, _ in videos], video_metadata=meta,
+               images=[Image.fromarray(i) for i in images] or None, return_tensors="pt")
+    out.pop("video_metadata", None)
+    return out
+
+
+def reference_tokens(model, ref, n=8):
+    """transformers' greedy tokens for the processor output ``ref``."""
+    import torch
+
+    model.model.rope_deltas = None
+    with torch.no_grad():
+        out = model.generate(**ref, max_new_tokens=n, do_sample=False)
+    return out[0, ref["input_ids"].shape[1]:].tolist()
+
+
+def rope_index(model, ref):
+    """transformers' get_rope_index over the processor output ``ref``: (positions [3, 1, S], rope delta)."""
+    import torch
+
+    types = torch.zeros_like(ref["input_ids"], dtype=torch.int)
+    types[ref["input_ids"] == model.config.image_token_id] = 1
+    types[ref["input_ids"] == model.config.video_token_id] = 2
+    extra = {"second_per_grid_ts": ref["second_per_grid_ts"]} if "second_per_grid_ts" in ref else {}
+    return model.model.get_rope_index(ref["input_ids"], types, image_grid_thw=ref.get("image_grid_thw"),
+                                      video_grid_thw=ref["video_grid_thw"], **extra)

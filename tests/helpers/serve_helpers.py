@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def export_tiny(root: Path, max_batch: int = 4, max_seq: int = 256) -> Path:
@@ -77,3 +77,29 @@ def start_cli(art: Path, *args: str, env: dict | None = None, pattern: str = r"o
             break
     proc.kill()
     raise AssertionError(f"`decodert serve` did not start (exit {proc.wait()})")
+
+
+# ---- the openai client's replies, streamed or whole, as one tuple to compare ----------------------------------------
+def reassemble(chunks) -> tuple:
+    """Stream chunks -> (content, reasoning, [(name, arguments)], finish_reason, ids), as the OpenAI SDK users do."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            for tc in delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                call["name"] += (tc.function.name or "") if tc.function else ""
+                call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            finish = choice.finish_reason or finish
+    ordered = [calls[k] for k in sorted(calls)]
+    return (content or None, reasoning or None, [(c["name"], c["arguments"]) for c in ordered], finish,
+            [c["id"] for c in ordered])
+
+
+def whole(r) -> tuple:
+    m = r.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+    return (m.content, getattr(m, "reasoning_content", None), calls, r.choices[0].finish_reason,
+            [c.id for c in m.tool_calls or []])

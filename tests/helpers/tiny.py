@@ -52,7 +52,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}),
 }
-MOE_FAMILIES = ("qwen3_moe", "gpt_oss")  # their own tests (tests/test_moe.py): experts have no GGUF writer here yet
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss")  # their own tests (tests/families/test_moe.py): experts have no GGUF writer here yet
 FAMILIES = tuple(f for f in CONFIGS if f not in MOE_FAMILIES)
 # Hybrid models (per-layer state beyond K/V: models/spec.py LAYER_KINDS). Kept apart from CONFIGS: the generic
 # tests over FAMILIES read llama-shaped modules and write GGUFs; each hybrid has its own test file.
@@ -334,6 +334,36 @@ def _rope_freqs(cfg: dict) -> Any:
     plain = type(rope)(theta=rope.theta)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return (plain.inv_freq(head_dim) / rope.inv_freq(head_dim)).astype("float32")
+
+
+def gguf_meta(arch: str, **extra) -> dict:
+    """GGUF metadata of a tiny llama-shaped `arch` model (what spec_from_gguf reads); ``extra`` keys are relative to
+    the arch."""
+    import numpy as np
+
+    meta = {"general.architecture": arch, f"{arch}.block_count": 2, f"{arch}.context_length": 2048,
+            f"{arch}.embedding_length": 64, f"{arch}.feed_forward_length": 128, f"{arch}.attention.head_count": 4,
+            f"{arch}.attention.head_count_kv": 2, f"{arch}.rope.freq_base": np.float32(10000.0),
+            f"{arch}.attention.layer_norm_rms_epsilon": np.float32(1e-5), f"{arch}.vocab_size": 512,
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 7}
+    meta.update({f"{arch}.{k}": v for k, v in extra.items()})  # extra keys are relative to the arch
+    return meta
+
+
+def mamba2_llama_cpp_layout(key: str, w: Any, cfg: dict) -> Any:
+    """What llama.cpp's converter (Mamba2 / NemotronH models) does to a tensor: A_log -> -exp(A_log) [H, 1],
+    D [H, 1], the conv squeezed [C, K], the gated norm [G, Di/G]."""
+    import numpy as np
+
+    if key.endswith("A_log"):
+        return -np.exp(w)[:, None]
+    if key.endswith((".mixer.D", ".mamba.D")):
+        return w[:, None]
+    if key.endswith("conv1d.weight"):
+        return w.reshape(w.shape[0], -1)
+    if key.endswith((".mixer.norm.weight", ".mamba.norm.weight")):
+        return w.reshape(cfg["n_groups"], -1)
+    return w
 
 
 def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict | None = None,

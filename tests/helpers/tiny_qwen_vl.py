@@ -123,7 +123,7 @@ def video_settings(kind: str) -> dict:
 def reference_processor(path: Path, kind: str = "qwen2_5_vl") -> Any:
     """transformers' Qwen2_5_VLProcessor / Qwen3VLProcessor (AutoProcessor's choice for qwen3_vl, qwen3_5 and
     qwen3_5_moe) for the checkpoint, with the PIL image processor and its video processor's steps
-    (tests/qwen_video_reference.py: no torchvision)."""
+    (tests/helpers/qwen_video_reference.py: no torchvision)."""
     from qwen_video_reference import ReferenceVideoProcessor
 
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen3VLProcessor

@@ -3,7 +3,7 @@ without a GPU (no GPU is lent to CI; the backend's logic is otherwise never exec
 
 What is emulated, and what it checks:
 
-- **CUDA** (plugins/cuda_mem.py): tests/cuda_emulator.py, bounds-checked memory, streams, graphs.
+- **CUDA** (plugins/cuda_mem.py): tests/helpers/cuda_emulator.py, bounds-checked memory, streams, graphs.
 - **TensorRT**: an engine file written by ``emulate_engines`` names the artifact's ONNX graph and the
   build profile (export/trt_graphs.py ``profile_shapes``, as ``decodert build`` uses). Its execution
   context checks that an input shape lies in the profile (``set_input_shape`` returns False

@@ -1,6 +1,6 @@
 """Tiny hand-built trt-target artifacts that follow the graph contract (docs/ARCHITECTURE.md).
 
-Used by tests/test_trt_build.py to exercise `decodert build` without the real exporter. One
+Used by tests/export/test_trt_build.py to exercise `decodert build` without the real exporter. One
 decoder layer, the way the trt lowering spells it (standard ops TensorRT maps to native layers):
 
     input_ids [B,S] -> Gather(embed) -> x [B,S,E]

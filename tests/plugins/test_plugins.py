@@ -2,7 +2,7 @@
 --plugins exports vs transformers, TensorRT-RTX plugin registration + build, Triton kernels.
 
 Random inputs are fresh each run (seed printed on failure; DECODERT_TEST_SEED=n repeats one).
-Triton kernels run on CPU through TRITON_INTERPRET=1 in a child process (tests/kernel_cases.py);
+Triton kernels run on CPU through TRITON_INTERPRET=1 in a child process (tests/helpers/kernel_cases.py);
 the same cases run on CUDA under ``-m gpu``.
 """
 
@@ -268,7 +268,7 @@ def interpreted():
     if reason:
         pytest.skip(reason)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = Path(__file__).with_name("kernel_cases.py")
+    script = Path(kernel_cases.__file__)
     proc = subprocess.run([sys.executable, str(script), str(SEED)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -291,7 +291,7 @@ def test_triton_prefill_many_tiles_interpreted():
     if reason:
         pytest.skip(reason)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = Path(__file__).with_name("kernel_cases.py")
+    script = Path(kernel_cases.__file__)
     proc = subprocess.run([sys.executable, str(script), str(SEED), *kernel_cases.SLOW_ATTENTION], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

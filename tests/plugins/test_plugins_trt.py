@@ -61,7 +61,7 @@ def test_tensorrt_rtx_parses_and_builds_plugin_graphs(tmp_path):
     from decodert.plugins.trt.creators import rtx_alias_dir
 
     env = {**os.environ, "LD_LIBRARY_PATH": f"{rtx_alias_dir(tmp_path)}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    script = _TRT_SCRIPT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
+    script = _TRT_SCRIPT.format(tests=str(Path(__file__).parents[1] / "helpers"), tmp=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -150,7 +150,7 @@ def test_tensorrt_plugin_engines_match_onnxruntime(tmp_path):
     from decodert.plugins.trt.creators import rtx_alias_dir
 
     env = {**os.environ, "LD_LIBRARY_PATH": f"{rtx_alias_dir(tmp_path)}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    script = _GPU_SCRIPT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
+    script = _GPU_SCRIPT.format(tests=str(Path(__file__).parents[1] / "helpers"), tmp=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]

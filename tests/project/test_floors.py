@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FLOORS = ("errors", "models", "plugins", "export", "runtime", "tools", "serve", "cli")
 NOT_PACKAGE = {"tests", "bench", "scripts", "docs", "build"}
 TOP = {"decodert", "decodert.__main__"}  # the package itself and `python -m decodert` sit above every floor

@@ -2,7 +2,7 @@
 
 Property tests (hypothesis, a few dozen examples per format, derandomised so CI is stable) and the
 regression cases the long fuzzer (scripts/fuzz.py) found. Targets run in a worker subprocess with a
-time limit and an address-space limit (tests/fuzz_harness.py): a segfault, hang or MemoryError is a
+time limit and an address-space limit (tests/helpers/fuzz_harness.py): a segfault, hang or MemoryError is a
 reported failure, not a dead pytest.
 """
 
@@ -12,17 +12,14 @@ import json
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fuzz_harness import GOOD, PLANS, Fuzzer, dump_json  # noqa: E402
+from fuzz_harness import GOOD, PLANS, Fuzzer, dump_json, gguf_field  # noqa: E402
 from fuzz_samples import make_samples  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.checkpoints.gguf_header import walk_gguf  # noqa: E402
 
 EXAMPLES = 60  # per format (~5 s each on 2 cores); scripts/fuzz.py runs thousands
 
@@ -65,15 +62,6 @@ def test_harness_reports_crash_hang_memory_and_tracebacks(tmp_path, kind, status
 
 
 # -- regression cases found by scripts/fuzz.py ---------------------------------------------------------
-def _gguf_field(data: bytes, *edits: tuple[str, int]) -> bytes:
-    """Header numbers (named as walk_gguf records them) set to new values."""
-    fields = {what: (offset, code) for offset, code, what in walk_gguf(data, len(data), record=True).fields}
-    for what, value in edits:
-        offset, code = fields[what]
-        data = data[:offset] + struct.pack("<" + code, value) + data[offset + struct.calcsize(code):]
-    return data
-
-
 def _nested_gguf(depth: int) -> bytes:
     """A header with one key whose value is an array of arrays ... ``depth`` deep."""
     value = struct.pack("<IQ", 0, 0)  # innermost: empty uint8 array
@@ -97,7 +85,7 @@ HANG = [("item type of 'tokenizer.ggml.token_type'", 0), ("length of 'tokenizer.
     ("data offset of tensor 'output_norm.weight'", 2**63),
 ])
 def test_gguf_header_regressions(fuzzer, edit):
-    data = _gguf_field(fuzzer.samples["gguf"].read_bytes(), *(edit if isinstance(edit, list) else [edit]))
+    data = gguf_field(fuzzer.samples["gguf"].read_bytes(), *(edit if isinstance(edit, list) else [edit]))
     out = fuzzer.run_bytes("gguf", "mini.gguf", data)
     assert out.status == "error", out.report()
 
@@ -212,7 +200,7 @@ def test_a_graph_that_loads_but_cannot_run_is_a_one_line_error(fuzzer):
 # -- the CLI: exit code 2, one line on stderr, no traceback ---------------------------------------------
 def test_cli_export_of_a_damaged_gguf_exits_2_without_traceback(fuzzer, tmp_path):
     bad = tmp_path / "bad.gguf"
-    bad.write_bytes(_gguf_field(fuzzer.samples["gguf"].read_bytes(), *HANG))
+    bad.write_bytes(gguf_field(fuzzer.samples["gguf"].read_bytes(), *HANG))
     res = subprocess.run([sys.executable, "-m", "decodert", "export", str(bad), "-o", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr

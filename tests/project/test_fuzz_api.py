@@ -5,13 +5,10 @@ says which of the two each input must give (valid inputs are never refused)."""
 import collections
 import math
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import make_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

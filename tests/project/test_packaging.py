@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_package_folder_is_listed_in_pyproject():
@@ -42,7 +42,7 @@ def test_lint_clean():
 
 
 def test_tensorrt_code_type_checks(tmp_path):
-    """The TensorRT modules run here only through tests/trt_emulator.py; mypy checks them against the installed API.
+    """The TensorRT modules run here only through tests/helpers/trt_emulator.py; mypy checks them against the installed API.
 
     mypy runs on ``decodert/...`` paths through a link named ``decodert`` to this tree: the repository root is the
     package, so mypy names modules after the folder a clone happens to be in (``ci-clone`` is no package name), and

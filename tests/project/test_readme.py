@@ -5,7 +5,7 @@ import json
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _python_blocks(text: str) -> list[str]:

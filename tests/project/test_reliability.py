@@ -19,7 +19,6 @@ import numpy as np
 import onnx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import FakeBackend, make_llm, reference_tokens  # noqa: E402
 from fuzz_samples import add_listed_file, flip_byte  # noqa: E402
 
@@ -29,7 +28,7 @@ from decodert.export.artifact.manifest import load_manifest, write_manifest  # n
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- no code execution from files ------------------------------------------------------------------
@@ -151,14 +150,14 @@ def test_tensors_larger_than_the_file_are_refused_before_allocating(samples, tmp
     import struct
 
     from decodert.export.checkpoints.checkpoint_open import open_checkpoint
-    from test_fuzz import _gguf_field
+    from fuzz_harness import gguf_field
 
     hf = shutil.copytree(samples["hf"], tmp_path / "hf")
     header = json.dumps({"model.embed_tokens.weight": {"dtype": "F32", "shape": [1 << 20, 1 << 20],
                                                        "data_offsets": [0, 1 << 42]}}).encode()
     (hf / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
     gguf = tmp_path / "big.gguf"
-    gguf.write_bytes(_gguf_field(samples["gguf"].read_bytes(), ("dim 1 of tensor 'token_embd.weight'", 1 << 40)))
+    gguf.write_bytes(gguf_field(samples["gguf"].read_bytes(), ("dim 1 of tensor 'token_embd.weight'", 1 << 40)))
     for path, match in ((hf, "past the end of the file"), (gguf, "past the end of the file")):
         tracemalloc.start()
         with pytest.raises(DecodertError, match=match):
@@ -317,7 +316,7 @@ def _export_steps():
 
     return {"build_graph": (pipeline, "build_graph", lambda *a, **k: a[3] == "decode"),  # after weights.bin
             "write_manifest": (pipeline, "write_manifest", lambda *a, **k: True),
-            "swap": (destination, "swap_in", lambda tmp, out: True)}  # the final swap (tests/test_destination.py: each rename)
+            "swap": (destination, "swap_in", lambda tmp, out: True)}  # the final swap (tests/export/test_destination.py: each rename)
 
 
 @pytest.mark.parametrize("step", ["build_graph", "write_manifest", "swap"])

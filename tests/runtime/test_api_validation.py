@@ -1,13 +1,10 @@
 """Wrong types at the public API end in one DecodertError naming the argument (runtime/validate.py),
 before any backend work; odd-but-valid values give the same result as their plain form."""
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import make_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

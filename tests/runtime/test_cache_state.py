@@ -1,6 +1,6 @@
 """What a cache row holds, model-checked: random interleavings of everything that writes cache rows.
 
-The fake backend (tests/fake_backend.py) stores the token ids themselves as its "K/V", so after
+The fake backend (tests/helpers/fake_backend.py) stores the token ids themselves as its "K/V", so after
 every operation the state can be checked against the rule of runtime/backends/kv_cache.py:
 
 - every row of the shared cache, of each session and of the draft model holds K/V equal to the
@@ -16,24 +16,21 @@ undo or close at any point (mid-stream too), speculation by prompt lookup and by
 eos inside accepted drafts, max_new_tokens and the context's end landing inside a verify pass, a
 prefix cache of a few blocks, requests through the server's engine thread cancelled mid-run.
 The same runs again with a hybrid fake (``states=True``: every row also keeps a recurrent state,
-tests/fake_backend.py): every row's state is the one of the ids it holds, every prefix entry's
+tests/helpers/fake_backend.py): every row's state is the one of the ids it holds, every prefix entry's
 state the one of its chain's ids, so a prefix hit resumes a linear layer exactly.
 ``-m slow`` runs many more examples.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import FakeBackend, fake_manifest, make_tokenizer, mix_state, reference_tokens  # noqa: E402
 
 from decodert.runtime.decoding.engine import CANCELLED, Engine, Event  # noqa: E402

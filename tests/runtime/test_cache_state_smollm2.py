@@ -4,12 +4,9 @@ speculation on, as every OpenAI client does), give the tokens of a plain re-pref
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 
 from decodert.runtime.llm import LLM  # noqa: E402
 

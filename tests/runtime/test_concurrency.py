@@ -2,13 +2,10 @@
 results; a stream left open by a thread that has exited does not block the object; an interrupt
 in the middle of a stream leaves the same greedy output for the next call."""
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import make_llm  # noqa: E402
 
 PROMPTS = ["hello world", "the quick brown fox", "lazy dog", "héllo wörld"]

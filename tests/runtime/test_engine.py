@@ -1,12 +1,9 @@
 """The engine thread (runtime/decoding/engine.py): requests from many threads join one continuous batch between steps."""
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import FakeBackend, make_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

@@ -1,12 +1,10 @@
 """The generate loop and continuous batching over the fake backend (runtime/decoding/generate.py, scheduler.py, llm.py)."""
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import FakeBackend, fake_manifest, make_llm, make_tokenizer, reference_tokens, scripted_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

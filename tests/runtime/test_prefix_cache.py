@@ -2,13 +2,10 @@
 ids themselves and whose logits depend on the whole history: a block copied to the wrong
 position or from the wrong prompt changes the output."""
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import FakeBackend, make_llm, reference_tokens  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

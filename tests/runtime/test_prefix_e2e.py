@@ -2,13 +2,10 @@
 the prefix cache and sessions, on tiny random checkpoints of every family (Mistral with a
 sliding window shorter than the prompts) and on SmolLM2."""
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from tiny import FAMILIES  # noqa: E402
 
 from decodert.runtime.llm import LLM, Request  # noqa: E402

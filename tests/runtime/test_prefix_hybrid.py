@@ -6,13 +6,11 @@ backend on the emulator."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_tiny_checkpoint  # noqa: E402
 
 from decodert.export.pipeline import export_model  # noqa: E402

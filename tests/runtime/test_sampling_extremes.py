@@ -1,14 +1,11 @@
 """Sampling at the edges of every parameter (runtime/decoding/sampling.py): a drawn id is always the argmax
 or a token with non-zero probability under an independent float64 reference; never NaN's pick."""
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import make_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

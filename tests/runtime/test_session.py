@@ -1,14 +1,11 @@
 """Chat sessions (runtime/chat/session.py) over the fake backend: every turn's tokens are checked against
-the fake model run from scratch on the rendered conversation (tests/fake_backend.py), so a row
+the fake model run from scratch on the rendered conversation (tests/helpers/fake_backend.py), so a row
 rewound to the wrong length or a prefill of the wrong tokens shows."""
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import make_llm, reference_tokens  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

@@ -5,13 +5,10 @@ identical, whatever the drafts; sampling must have plain sampling's distribution
 against the exact distribution of a small Markov model).
 """
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import FakeBackend, make_llm, make_tokenizer, scripted_llm  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

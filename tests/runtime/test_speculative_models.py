@@ -1,7 +1,7 @@
 """Speculative decoding on exported models: tiny random checkpoints of every family and SmolLM2.
 
 Greedy speculative output must be token-for-token the plain greedy output of the same artifact
-(itself checked against transformers in tests/test_export.py), at batch 1 and batch 4.
+(itself checked against transformers in tests/export/test_export.py), at batch 1 and batch 4.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from tiny import FAMILIES  # noqa: E402
 
 from decodert.export.pipeline import export_model  # noqa: E402
@@ -173,7 +172,7 @@ def _ort_tiny(tiny_checkpoint, tmp_path, family):
 
 def test_bench_verify_cost_prints_every_width(tiny_checkpoint, tmp_path, capsys):
     """bench/verify_cost.py (the verify-cost figures of docs/BENCHMARKS.md) runs on an artifact."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import verify_cost
 
     out = tmp_path / "art"
@@ -187,7 +186,7 @@ def test_bench_verify_cost_prints_every_width(tiny_checkpoint, tmp_path, capsys)
 def test_bench_drafter_cost_checks_both_votes(tiny_checkpoint, tmp_path, capsys):
     """bench/drafter_cost.py (the drafter figures of docs/BENCHMARKS.md) runs on an artifact, and
     the plain-Python vote and the numpy one draft the same on every step it replays."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import drafter_cost
 
     out = tmp_path / "art"
@@ -200,7 +199,7 @@ def test_bench_drafter_cost_checks_both_votes(tiny_checkpoint, tmp_path, capsys)
 def test_bench_ngram_ceiling_prints_every_policy(tiny_checkpoint, tmp_path, capsys):
     """bench/ngram_ceiling.py (the prompt-lookup ceiling table of docs/BENCHMARKS.md) runs on an
     artifact, and its oracles are upper bounds of the drafters they are compared with."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import ngram_ceiling
 
     out = tmp_path / "art"
@@ -218,7 +217,7 @@ def test_bench_speculative_report_counts_every_repeat():
     """bench/speculative.py's table: tok/step and acceptance are means over every repeat, and a
     row is "same" only when every repeat gave the reference's tokens (the first repeat alone
     once decided both, so a repeat that never speculated set tok/step 1.00 beside a 1.23x median)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import speculative as bench
 
     jobs = [bench.Job("decodert", "fp32", 1, "plain", "p"), bench.Job("decodert", "fp32", 1, "ngram", "p")]

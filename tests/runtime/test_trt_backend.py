@@ -1,16 +1,13 @@
-"""runtime/backends/trt/backend.py on the CPU, through tests/trt_emulator.py (CUDA memory, streams, graphs and
+"""runtime/backends/trt/backend.py on the CPU, through tests/helpers/trt_emulator.py (CUDA memory, streams, graphs and
 TensorRT contexts emulated; the graphs run on ONNX Runtime): the same tokens as the ort backend on
 the same trt-target artifact, every path of the backend, and the misuse the emulator catches."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 import trt_emulator  # noqa: E402
 from tiny import FAMILIES  # noqa: E402
 

@@ -1,19 +1,17 @@
 """The verify graph (speculative decoding): k+1 tokens over rows that already have a cache.
 
 Checked against the step-by-step decode of the same artifact (itself checked against
-transformers in tests/test_export.py): per-position argmax and logits, ragged batches, rewind by
+transformers in tests/export/test_export.py): per-position argmax and logits, ragged batches, rewind by
 length only, every family and target, and the TensorRT profile.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from tiny import FAMILIES  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402

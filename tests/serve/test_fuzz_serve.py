@@ -4,15 +4,12 @@ dead server (it must still answer a valid request after every case)."""
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install .[serve]")
 httpx = pytest.importorskip("httpx")
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_backend import make_llm  # noqa: E402
 from serve_helpers import running  # noqa: E402
 

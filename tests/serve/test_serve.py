@@ -4,14 +4,12 @@ import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install .[serve]")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from serve_helpers import export_tiny, running  # noqa: E402
 
 from decodert.runtime.llm import LLM  # noqa: E402

@@ -3,15 +3,12 @@
 import json
 import signal
 import socket
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install .[serve]")
 httpx = pytest.importorskip("httpx")
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from serve_helpers import export_tiny, start_cli  # noqa: E402
 
 from decodert.runtime.llm import LLM  # noqa: E402

@@ -5,15 +5,12 @@ only failed at the first step, requests that can never fit, an unknown model."""
 import json
 import logging
 import socket
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install .[serve]")
 httpx = pytest.importorskip("httpx")
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers under --import-mode=importlib
 from fake_backend import make_llm  # noqa: E402
 from serve_helpers import running  # noqa: E402
 

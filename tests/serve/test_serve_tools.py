@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from fake_backend import make_llm, make_tokenizer, scripted_llm
-from serve_helpers import running
+from serve_helpers import reassemble, running, whole
 from structured_schemas import SCHEMAS as JSON_SCHEMAS
 from decodert.runtime.constraints import Constraint
-from test_tools import SCHEMAS, TEMPLATE, THINKING, TOOLS, USER
+from tool_cases import SCHEMAS, TEMPLATE, THINKING, TOOLS, USER
 
 openai = pytest.importorskip("openai")
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -24,31 +24,6 @@ ANSWER = "It is 21 C in Paris."
 
 def client(url: str):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-
-
-def reassemble(chunks) -> tuple:
-    """Stream chunks -> (content, reasoning, [(name, arguments)], finish_reason, ids), as the OpenAI SDK users do."""
-    content, reasoning, calls, finish = "", "", {}, None
-    for chunk in chunks:
-        for choice in chunk.choices:
-            delta = choice.delta
-            content += delta.content or ""
-            reasoning += getattr(delta, "reasoning_content", None) or ""
-            for tc in delta.tool_calls or []:
-                call = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
-                call["name"] += (tc.function.name or "") if tc.function else ""
-                call["arguments"] += (tc.function.arguments or "") if tc.function else ""
-            finish = choice.finish_reason or finish
-    ordered = [calls[k] for k in sorted(calls)]
-    return (content or None, reasoning or None, [(c["name"], c["arguments"]) for c in ordered], finish,
-            [c["id"] for c in ordered])
-
-
-def whole(r) -> tuple:
-    m = r.choices[0].message
-    calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
-    return (m.content, getattr(m, "reasoning_content", None), calls, r.choices[0].finish_reason,
-            [c.id for c in m.tool_calls or []])
 
 
 def loop_llm():

@@ -232,21 +232,20 @@ def test_a_video_beside_an_image_equals_transformers(q35):
     """Qwen3.5 takes videos as Qwen3-VL does (Qwen3VLVideoProcessor: sampled at 2 a second, timestamped slices):
     placeholder ids, get_rope_index positions, prefill logits and greedy tokens for a clip beside an image; a
     session's follow-up about it equals a full re-prefill (the hybrid's states after the video kept)."""
-    from test_vision_qwen_video import _clip, _reference, _rope_index, _video
-    from test_vision_qwen_video import _reference_tokens as _video_tokens
+    from qwen_video_reference import clip, reference, reference_tokens, rope_index, video_part
 
     from decodert.runtime.vision import mrope
     from decodert.runtime.vision.tokens import text_ids
 
     llm, model, proc = q35
     rng = np.random.default_rng()
-    img, frames = random_image(rng, 60, 90), _clip(rng, 6, 48, 64)
-    msgs = [{"role": "user", "content": [_video(frames, 2.0), {"type": "image", "image": img},
+    img, frames = random_image(rng, 60, 90), clip(rng, 6, 48, 64)
+    msgs = [{"role": "user", "content": [video_part(frames, 2.0), {"type": "image", "image": img},
                                          {"type": "text", "text": "What happens?"}]}]
     _, text, ids = llm._chat_prompt(msgs, {})
-    ref = _reference(proc, text, [(frames, 2.0)], [img])
+    ref = reference(proc, text, [(frames, 2.0)], [img])
     assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy())
-    want, delta = _rope_index(model, ref)
+    want, delta = rope_index(model, ref)
     got, after = mrope.positions(ids, llm.vision.store.locate)
     assert np.array_equal(got, want[:, 0].numpy()) and after - len(ids) == int(delta[0, 0])
     cache = llm.backend.allocate(1)
@@ -256,7 +255,7 @@ def test_a_video_beside_an_image_equals_transformers(q35):
         out = model(**ref)
     np.testing.assert_allclose(first.logits[0], out.logits[0, -1].numpy(), atol=1e-4, rtol=1e-4)
     fresh(llm)
-    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _video_tokens(model, ref)
+    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == reference_tokens(model, ref)
     chat = llm.session()
     one = chat.chat(msgs[0], max_new_tokens=5, temperature=0)
     two = chat.chat("And then?", max_new_tokens=5, temperature=0)
@@ -268,7 +267,7 @@ def test_a_video_beside_an_image_equals_transformers(q35):
 
 @pytest.fixture(scope="module")
 def q35trt(q35, tmp_path_factory):
-    """The image-text checkpoint as a trt-target artifact with emulated engines (tests/trt_emulator.py)."""
+    """The image-text checkpoint as a trt-target artifact with emulated engines (tests/helpers/trt_emulator.py)."""
     import trt_emulator
 
     from decodert.export.pipeline import export_model

@@ -1,5 +1,5 @@
 """Qwen3.5-MoE with images (Qwen3_5MoeForConditionalGeneration): Qwen3.5's mixers, tower and M-RoPE
-(tests/test_vision_qwen3_5.py) with every MLP a renormalised top-k of SwiGLU experts beside a shared expert gated
+(tests/vision/test_vision_qwen3_5.py) with every MLP a renormalised top-k of SwiGLU experts beside a shared expert gated
 per token. Against transformers on a tiny random checkpoint: logits and greedy tokens with one and two images; the
 portable and trt-target graphs' tokens."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_vision_qwen3_5 import MAX_SEQ
 from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image, reference_inputs, reference_processor, reference_tokens
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("PIL.Image")
+MAX_SEQ = 512  # as tests/vision/test_vision_qwen3_5.py
 
 
 @pytest.fixture(scope="module")

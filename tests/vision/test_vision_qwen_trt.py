@@ -1,20 +1,17 @@
-"""Qwen2.5-VL and Qwen3-VL images on the trt backend (TensorRT and CUDA emulated: tests/trt_emulator.py runs the
+"""Qwen2.5-VL and Qwen3-VL images on the trt backend (TensorRT and CUDA emulated: tests/helpers/trt_emulator.py runs the
 engines' graphs on ONNX Runtime): the engines take rope_offsets (prefill, decode, verify) and deepstack_embeds
 (prefill), the backend binds them by the rule the ort backend uses (runtime/backends/image_feeds.py), and the
 vision engine takes the towers' patch inputs. Reference: the ort backend on the same trt-target artifact (itself
-compared with transformers in tests/test_vision_qwen.py)."""
+compared with transformers in tests/vision/test_vision_qwen.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 import trt_emulator  # noqa: E402
 from parity import check_verify_after_prefill  # noqa: E402
 from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image  # noqa: E402
@@ -190,7 +187,7 @@ def test_the_prefix_cache_resumes_inside_an_image(pair):
 
 def test_a_video_prompt_gives_the_ort_backends_tokens(pair):
     """Video slices (Qwen2.5-VL: one grid with a time step; Qwen3-VL: a grid per slice) through the vision engine
-    and the engines' rope_offsets, beside an image (tests/test_vision_qwen_video.py compares ort with transformers)."""
+    and the engines' rope_offsets, beside an image (tests/vision/test_vision_qwen_video.py compares ort with transformers)."""
     ref, llm = pair
     rng = np.random.default_rng()
     frames = rng.integers(0, 256, (6, 48, 64, 3), dtype=np.uint8)

@@ -1,5 +1,5 @@
 """Qwen2.5-VL / Qwen3-VL video against transformers running the model's own processor and video processor steps
-(tests/qwen_video_reference.py), on tiny random checkpoints: placeholder ids and grids, pixels, vision embeddings,
+(tests/helpers/qwen_video_reference.py), on tiny random checkpoints: placeholder ids and grids, pixels, vision embeddings,
 M-RoPE positions, logits, greedy tokens (a video alone, and beside an image), a session's follow-up, the server's
 video_url parts, and the one-line refusals."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from qwen_video_reference import clip, reference, reference_tokens, rope_index, video_part
 from tiny_qwen_vl import make_tiny_qwen_vl, reference_processor
 
 torch = pytest.importorskip("torch")
@@ -37,38 +38,14 @@ def qvl(request, tmp_path_factory):
     llm.close()
 
 
-def _clip(rng, t, h, w):
-    return rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8)
-
-
-def _video(frames, fps=None):
-    return {"type": "video", "video": frames, **({"fps": fps} if fps else {})}
-
-
 def _ask(*parts, text="What happens?"):
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-def _reference(proc, text, videos, images=()):
-    """transformers' processor over the same frames, told their rate as transformers' VideoMetadata."""
-    meta = [{"total_num_frames": len(v), "fps": fps, "frames_indices": list(range(len(v)))} for v, fps in videos]
-    out = proc(text=text, videos=[v for v, _ in videos], video_metadata=meta,
-               images=[Image.fromarray(i) for i in images] or None, return_tensors="pt")
-    out.pop("video_metadata", None)
-    return out
 
 
 def _our_pixels(llm, videos):
     """Our patch rows for ``videos``, back in image order, concatenated as pixel_values_videos."""
     return np.concatenate([np.concatenate([p.pixels.reshape(len(p.restore), -1)[p.restore].reshape(p.pixels.shape)
                                            for p in _slices(llm, v, fps)]) for v, fps in videos])
-
-
-def _reference_tokens(model, ref, n=8):
-    model.model.rope_deltas = None
-    with torch.no_grad():
-        out = model.generate(**ref, max_new_tokens=n, do_sample=False)
-    return out[0, ref["input_ids"].shape[1]:].tolist()
 
 
 def _slices(llm, frames, fps):
@@ -85,9 +62,9 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
     llm, model, proc = qvl
     rng = np.random.default_rng()
     for t, h, w, fps in CLIPS:
-        frames = _clip(rng, t, h, w)
-        _, text, ids = llm._chat_prompt(_ask(_video(frames, fps)), {})
-        ref = _reference(proc, text, [(frames, fps)])
+        frames = clip(rng, t, h, w)
+        _, text, ids = llm._chat_prompt(_ask(video_part(frames, fps)), {})
+        ref = reference(proc, text, [(frames, fps)])
         assert np.array_equal(text_ids(ids), ref["input_ids"][0].numpy()), (t, h, w, fps)
         slices = _slices(llm, frames, fps)
         assert [len(slices), 2 * slices[0].rows, 2 * slices[0].cols] == ref["video_grid_thw"][0].tolist()
@@ -105,15 +82,6 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
             np.testing.assert_allclose(entry.extra["deepstack_embeds"], deep, atol=1e-4, rtol=1e-4)
 
 
-def _rope_index(model, ref):
-    types = torch.zeros_like(ref["input_ids"], dtype=torch.int)
-    types[ref["input_ids"] == model.config.image_token_id] = 1
-    types[ref["input_ids"] == model.config.video_token_id] = 2
-    extra = {"second_per_grid_ts": ref["second_per_grid_ts"]} if "second_per_grid_ts" in ref else {}
-    return model.model.get_rope_index(ref["input_ids"], types, image_grid_thw=ref.get("image_grid_thw"),
-                                      video_grid_thw=ref["video_grid_thw"], **extra)
-
-
 def test_mrope_positions_equal_get_rope_index(qvl):
     """An image, a video and a second turn: the positions derived from the ids are transformers' exactly; any
     split of the ids gives the same offsets."""
@@ -121,12 +89,12 @@ def test_mrope_positions_equal_get_rope_index(qvl):
 
     llm, model, proc = qvl
     rng = np.random.default_rng()
-    img, frames = rng.integers(0, 256, (60, 90, 3), dtype=np.uint8), _clip(rng, 4, 48, 64)
-    msgs = _ask({"type": "image", "image": img}, _video(frames, 2.0)) + [
+    img, frames = rng.integers(0, 256, (60, 90, 3), dtype=np.uint8), clip(rng, 4, 48, 64)
+    msgs = _ask({"type": "image", "image": img}, video_part(frames, 2.0)) + [
         {"role": "assistant", "content": "A fox runs."}, {"role": "user", "content": "And?"}]
     _, text, ids = llm._chat_prompt(msgs, {})
-    ref = _reference(proc, text, [(frames, 2.0)], [img])
-    want, delta = _rope_index(model, ref)
+    ref = reference(proc, text, [(frames, 2.0)], [img])
+    want, delta = rope_index(model, ref)
     got, after = mrope.positions(ids, llm.vision.store.locate)
     assert np.array_equal(got, want[:, 0].numpy())
     assert after - len(ids) == int(delta[0, 0]) == mrope.next_offset(ids, llm.vision.store.locate)
@@ -142,10 +110,10 @@ def test_a_long_clip_continues_text_after_its_last_time_step(qvl):
     from decodert.runtime.vision import mrope
 
     llm, model, proc = qvl
-    frames = _clip(np.random.default_rng(), 6, 48, 64)
-    _, text, ids = llm._chat_prompt(_ask(_video(frames, 0.5)), {})
-    ref = _reference(proc, text, [(frames, 0.5)])
-    want = _rope_index(model, ref)[0][:, 0].numpy()
+    frames = clip(np.random.default_rng(), 6, 48, 64)
+    _, text, ids = llm._chat_prompt(_ask(video_part(frames, 0.5)), {})
+    ref = reference(proc, text, [(frames, 0.5)])
+    want = rope_index(model, ref)[0][:, 0].numpy()
     got, after = mrope.positions(ids, llm.vision.store.locate)
     video = np.flatnonzero(ref["input_ids"][0].numpy() == model.config.video_token_id)
     assert np.array_equal(got[:, : video[-1] + 1], want[:, : video[-1] + 1])
@@ -161,37 +129,37 @@ def test_prefill_logits_and_greedy_tokens_equal_transformers(qvl):
     llm, model, proc = qvl
     rng = np.random.default_rng()
     for t, h, w, fps in [CLIPS[0], CLIPS[1]]:
-        frames = _clip(rng, t, h, w)
-        _, text, ids = llm._chat_prompt(_ask(_video(frames, fps)), {})
-        ref = _reference(proc, text, [(frames, fps)])
+        frames = clip(rng, t, h, w)
+        _, text, ids = llm._chat_prompt(_ask(video_part(frames, fps)), {})
+        ref = reference(proc, text, [(frames, fps)])
         cache = llm.backend.allocate(1)
         first = llm.backend.prefill(cache, [0], [ids], True)
         model.model.rope_deltas = None
         with torch.no_grad():
             out = model(**ref)
         np.testing.assert_allclose(first.logits[0], out.logits[0, -1].numpy(), atol=1e-4, rtol=1e-4)
-        result = llm.chat(_ask(_video(frames, fps)), max_new_tokens=8, temperature=0)
-        assert result.token_ids == _reference_tokens(model, ref), (t, h, w)
+        result = llm.chat(_ask(video_part(frames, fps)), max_new_tokens=8, temperature=0)
+        assert result.token_ids == reference_tokens(model, ref), (t, h, w)
 
 
 def test_images_and_videos_in_one_message_equal_transformers(qvl):
     """A video, an image and another video (frames given as PIL images) in one message."""
     llm, model, proc = qvl
     rng = np.random.default_rng()
-    img, one, two = rng.integers(0, 256, (64, 80, 3), dtype=np.uint8), _clip(rng, 6, 40, 56), _clip(rng, 4, 32, 48)
-    msgs = _ask(_video(one, 2.0), {"type": "image", "image": img}, _video([Image.fromarray(f) for f in two], 1.0),
+    img, one, two = rng.integers(0, 256, (64, 80, 3), dtype=np.uint8), clip(rng, 6, 40, 56), clip(rng, 4, 32, 48)
+    msgs = _ask(video_part(one, 2.0), {"type": "image", "image": img}, video_part([Image.fromarray(f) for f in two], 1.0),
                 text="Which comes first?")
     _, text, _ = llm._chat_prompt(msgs, {})
     videos = [(one, 2.0), (two, 1.0)]
-    ref = _reference(proc, text, videos, [img])
-    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _reference_tokens(model, ref)
+    ref = reference(proc, text, videos, [img])
+    assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == reference_tokens(model, ref)
 
 
 def test_a_follow_up_about_the_same_video_equals_a_full_prefill(qvl):
     llm, _, _ = qvl
-    frames = _clip(np.random.default_rng(), 4, 48, 64)
+    frames = clip(np.random.default_rng(), 4, 48, 64)
     chat = llm.session()
-    first = chat.chat(_ask(_video(list(frames), 2.0), text="What?")[0], max_new_tokens=5, temperature=0)
+    first = chat.chat(_ask(video_part(list(frames), 2.0), text="What?")[0], max_new_tokens=5, temperature=0)
     second = chat.chat("And then?", max_new_tokens=5, temperature=0)
     assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens  # the video was not prefilled again
     if llm.prefix_cache is not None:
@@ -206,8 +174,8 @@ def test_a_batch_a_chunked_prefill_and_the_prefix_cache_equal_the_single_answer(
     and a second question taking the video's K/V from the prefix cache all answer as the video alone does."""
     llm, _, _ = qvl
     rng = np.random.default_rng()
-    clip = _ask(_video(_clip(rng, 6, 48, 64), 2.0), text="What moves?")
-    asks = [clip, _ask({"type": "image", "image": rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)}),
+    about_video = _ask(video_part(clip(rng, 6, 48, 64), 2.0), text="What moves?")
+    asks = [about_video, _ask({"type": "image", "image": rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)}),
             [{"role": "user", "content": "Hi"}]]
     singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
     batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
@@ -216,11 +184,11 @@ def test_a_batch_a_chunked_prefill_and_the_prefix_cache_equal_the_single_answer(
         llm.prefix_cache.clear()
     chunk, llm.backend.prefill_chunk = llm.backend.prefill_chunk, 10
     try:
-        assert llm.chat(clip, max_new_tokens=6, temperature=0).token_ids == singles[0]
+        assert llm.chat(about_video, max_new_tokens=6, temperature=0).token_ids == singles[0]
     finally:
         llm.backend.prefill_chunk = chunk
     if llm.prefix_cache is not None:
-        other = _ask(clip[0]["content"][0], text="What colour is it?")
+        other = _ask(about_video[0]["content"][0], text="What colour is it?")
         again = llm.chat(other, max_new_tokens=6, temperature=0)
         assert again.metrics.cached_tokens >= 32  # whole blocks of the video's tokens
         llm.prefix_cache.clear()
@@ -233,18 +201,18 @@ def test_bad_videos_get_one_line_errors(qvl, tmp_path):
 
     llm, _, _ = qvl
     rng = np.random.default_rng()
-    frames = _clip(rng, 4, 32, 32)
+    frames = clip(rng, 4, 32, 32)
     bad = {
-        "a non-empty list of frames": _video([]),
-        "must share one size": _video([frames[0], frames[1, :16]]),
-        "fps must be a positive number": _video(frames, -1),
-        "TxHxWx3 uint8": _video(frames.astype(np.float32)),
-        "could not be decoded": _video([b"not an image"]),
+        "a non-empty list of frames": video_part([]),
+        "must share one size": video_part([frames[0], frames[1, :16]]),
+        "fps must be a positive number": video_part(frames, -1),
+        "TxHxWx3 uint8": video_part(frames.astype(np.float32)),
+        "could not be decoded": video_part([b"not an image"]),
         "needs a 'video'": {"type": "video"},
         "video files are not decoded": {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
     }
     if llm.vision.video.get("sampling") == "qwen3":
-        bad["at least 2 frames"] = _video(frames[:1], 2.0)
+        bad["at least 2 frames"] = video_part(frames[:1], 2.0)
     for needle, part in bad.items():
         with pytest.raises(DecodertError, match=needle) as e:
             llm.chat(_ask(part), max_new_tokens=2)
@@ -252,9 +220,9 @@ def test_bad_videos_get_one_line_errors(qvl, tmp_path):
     limits, llm.image_limits = llm.image_limits, ImageLimits(max_frames=6, max_video_pixels=5 * 32 * 32)
     try:
         with pytest.raises(DecodertError, match="too many video frames"):
-            llm.chat(_ask(_video(frames), _video(frames)), max_new_tokens=2)
+            llm.chat(_ask(video_part(frames), video_part(frames)), max_new_tokens=2)
         with pytest.raises(DecodertError, match="pixels in all"):
-            llm.chat(_ask(_video(list(_clip(rng, 6, 32, 32)))), max_new_tokens=2)
+            llm.chat(_ask(video_part(list(clip(rng, 6, 32, 32)))), max_new_tokens=2)
     finally:
         llm.image_limits = limits
 
@@ -270,8 +238,8 @@ def test_the_server_takes_frames_as_data_urls(qvl):
     from serve_helpers import running
 
     llm, _, _ = qvl
-    frames = _clip(np.random.default_rng(), 4, 48, 64)
-    expected = llm.chat(_ask(_video(frames, 2.0)), max_new_tokens=5, temperature=0).text
+    frames = clip(np.random.default_rng(), 4, 48, 64)
+    expected = llm.chat(_ask(video_part(frames, 2.0)), max_new_tokens=5, temperature=0).text
     urls = []
     for f in frames:
         buf = io.BytesIO()
@@ -308,7 +276,7 @@ def test_a_model_without_video_refuses_it_in_one_line(tmp_path):
     with LLM.load(tmp_path / "art", backend="ort") as llm:
         assert llm.vision is not None and llm.vision.video is None
         with pytest.raises(DecodertError, match="takes no video") as e:
-            llm.chat(_ask(_video(_clip(rng, 4, 32, 32))), max_new_tokens=2)
+            llm.chat(_ask(video_part(clip(rng, 4, 32, 32))), max_new_tokens=2)
         assert "\n" not in str(e.value)
         img = {"type": "image", "image": rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)}
         assert llm.chat(_ask(img), max_new_tokens=2, temperature=0).token_ids
@@ -322,13 +290,13 @@ def test_cli_video_flag_and_repl_video_command(qvl, tmp_path, capsys):
     from decodert.cli.generate import answer
 
     llm, _, _ = qvl
-    frames = _clip(np.random.default_rng(), 4, 48, 64)
+    frames = clip(np.random.default_rng(), 4, 48, 64)
     folder = tmp_path / "clip"
     folder.mkdir()
     for k, f in enumerate(frames):  # written out of order: read back by name
         Image.fromarray(f).save(folder / f"frame_{k:03d}.png")
     (folder / "notes.txt").write_text("not a frame")
-    expected = llm.chat(_ask(_video(frames, 2.0), text="Hi"), max_new_tokens=4, temperature=0).text
+    expected = llm.chat(_ask(video_part(frames, 2.0), text="Hi"), max_new_tokens=4, temperature=0).text
     args = build_parser().parse_args(["generate", "OUT", "--prompt", "Hi", "--video", str(folder), "--video-fps", "2",
                                       "--json", "--greedy", "--max-new-tokens", "4"])
     assert answer(llm, "Hi", [user_message("Hi", media(args))], args) == 0
@@ -354,7 +322,7 @@ def test_cli_video_flag_and_repl_video_command(qvl, tmp_path, capsys):
     out, err = io.StringIO(), io.StringIO()
     args = build_parser().parse_args(["chat", "OUT", "--no-stats", "--greedy", "--max-new-tokens", "4"])
     assert chat_loop(llm, args, read=read, out=out, err=err, banner=False) == 0  # /video DIR in the REPL
-    assert out.getvalue().strip() == llm.chat(_ask(_video(frames), text="Hi"), max_new_tokens=4, temperature=0).text.strip()
+    assert out.getvalue().strip() == llm.chat(_ask(video_part(frames), text="Hi"), max_new_tokens=4, temperature=0).text.strip()
     assert "video of 4 frames will go with the next message" in err.getvalue()
     assert "'nowhere' is not a frame file or a folder" in err.getvalue()
 

@@ -1,16 +1,13 @@
-"""Images on the trt backend (TensorRT and CUDA emulated: tests/trt_emulator.py; the engines' graphs run on ONNX
+"""Images on the trt backend (TensorRT and CUDA emulated: tests/helpers/trt_emulator.py; the engines' graphs run on ONNX
 Runtime): the vision engine encodes, the prefill engine takes the image rows, and the greedy tokens equal the
 ort backend's on the same artifact, for SmolVLM (Idefics3) and Gemma 3 (bidirectional image attention)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 import trt_emulator  # noqa: E402
 from tiny_gemma3_vision import make_tiny_gemma3_vlm  # noqa: E402
 from tiny_vision import make_tiny_vlm  # noqa: E402

@@ -12,8 +12,27 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # tests/helpers/tiny.py importable as `tiny`, from every folder
 
+from seeds import repeat_line, rng_for  # noqa: E402
 from tiny import make_tiny_checkpoint  # noqa: E402
 
+
+def pytest_report_header(config):
+    return repeat_line()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Every failure says which seed its random inputs came from (tests/helpers/seeds.py)."""
+    report = yield
+    if report.failed:
+        report.sections.append(("decodert test seed", repeat_line()))
+    return report
+
+
+@pytest.fixture
+def rng(request):
+    """A numpy Generator for this test's fresh random inputs, seeded from the run's seed and the test's id."""
+    return rng_for(request)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ the trt graphs built by TensorRT-RTX; a GGUF in llama.cpp's layout; bad block ty
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ import pytest
 import torch
 from onnx import helper
 
+from seeds import RUN_SEED  # noqa: E402
 from parity import (check_continuous_batching, check_greedy, check_session_turns,  # noqa: E402
                     check_speculation, check_trt_emulated, check_trt_engines, hf_reference,
                     logits_parity, random_prompts)
@@ -38,7 +38,7 @@ from decodert.plugins.registry import DOMAIN  # noqa: E402
 from decodert.runtime.llm import LLM  # noqa: E402
 
 nh = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
-SEED = int(os.environ.get("DECODERT_TEST_SEED") or np.random.SeedSequence().entropy % 2**31)
+SEED = RUN_SEED  # the run's seed (tests/helpers/seeds.py): $DECODERT_TEST_SEED, else drawn once
 MAX_SEQ = 112
 KINDS = ("mamba2", "mamba2", "attention", "none", "mamba2", "none")  # the tiny pattern MM*-M-
 

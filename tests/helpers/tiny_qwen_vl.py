@@ -182,12 +182,10 @@ def fresh(llm: Any) -> None:
         llm.prefix_cache.clear()
 
 
-def check_greedy_tokens(llm: Any, model: Any, proc: Any) -> None:
+def check_greedy_tokens(llm: Any, model: Any, proc: Any, rng: Any) -> None:
     """Greedy tokens equal transformers' for three image sizes and for two images in one message."""
-    import numpy as np
     from PIL import Image
 
-    rng = np.random.default_rng()
     for h, w in SIZES[:3]:
         img = random_image(rng, h, w)
         fresh(llm)
@@ -200,11 +198,8 @@ def check_greedy_tokens(llm: Any, model: Any, proc: Any) -> None:
     assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == reference_tokens(model, proc, text, two)
 
 
-def check_batch_equals_singles(llm: Any) -> None:
+def check_batch_equals_singles(llm: Any, rng: Any) -> None:
     """Two image prompts of different sizes and a text one in a batch give each one's tokens alone."""
-    import numpy as np
-
-    rng = np.random.default_rng()
     asks = [ask(random_image(rng, 70, 50)), ask(random_image(rng, 100, 160), text="Hello?"),
             [{"role": "user", "content": "Hi"}]]
     fresh(llm)
@@ -214,11 +209,9 @@ def check_batch_equals_singles(llm: Any) -> None:
     assert [r.token_ids for r in batch] == singles
 
 
-def check_chunked_prefill(llm: Any) -> None:
+def check_chunked_prefill(llm: Any, rng: Any) -> None:
     """Prefill chunks of 20 tokens cutting through an image's 72 give the tokens of one call."""
-    import numpy as np
-
-    img = random_image(np.random.default_rng(), 120, 300)
+    img = random_image(rng, 120, 300)
     fresh(llm)
     want = llm.chat(ask(img), max_new_tokens=6, temperature=0).token_ids
     chunk, llm.backend.prefill_chunk = llm.backend.prefill_chunk, 20
@@ -230,11 +223,9 @@ def check_chunked_prefill(llm: Any) -> None:
         llm.backend.prefill_chunk = chunk
 
 
-def check_follow_up(llm: Any) -> None:
+def check_follow_up(llm: Any, rng: Any) -> None:
     """A session's second question about an image prefills only the new turn and equals a full re-prefill."""
-    import numpy as np
-
-    img = random_image(np.random.default_rng(), 100, 160)
+    img = random_image(rng, 100, 160)
     chat = llm.session()
     first = chat.chat(ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
     second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)

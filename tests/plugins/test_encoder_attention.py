@@ -37,8 +37,7 @@ def _run(low: type[Lowering], q, k, v, valid=None, bias=None, np_dtype=np.float3
 
 
 @pytest.mark.parametrize("low", [Lowering, OrtLowering])
-def test_encoder_attention_equals_numpy(low):
-    rng = np.random.default_rng()
+def test_encoder_attention_equals_numpy(low, rng):
     b, s = int(rng.integers(1, 4)), int(rng.integers(5, 40))
     q, k, v = (rng.standard_normal((b, s, HEADS * D)).astype(np.float32) for _ in range(3))
     scale = D ** -0.5
@@ -55,9 +54,8 @@ def test_encoder_attention_equals_numpy(low):
     assert "MultiHeadAttention" not in ops
 
 
-def test_fp16_keeps_the_standard_ops_on_ort():
+def test_fp16_keeps_the_standard_ops_on_ort(rng):
     """MultiHeadAttention's CPU kernel is float32 only: an fp16 vision graph attends in standard ops."""
-    rng = np.random.default_rng()
     q, k, v = (rng.standard_normal((2, 9, HEADS * D)).astype(np.float32) for _ in range(3))
     y, ops = _run(OrtLowering, q, k, v, np_dtype=np.float16)
     assert "MultiHeadAttention" not in ops

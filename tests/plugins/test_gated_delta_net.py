@@ -7,8 +7,6 @@ Random inputs are fresh each run (seed printed on failure; DECODERT_TEST_SEED=n 
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -16,6 +14,7 @@ import pytest
 import torch
 from onnx import helper
 
+from seeds import RUN_SEED
 from decodert.plugins.catalog import get_op
 from decodert.plugins.expand import expand_plugin_nodes
 from decodert.plugins.ops.gated_delta_net import gated_delta_net_ref
@@ -24,7 +23,7 @@ from decodert.plugins.registry import DOMAIN
 from decodert.plugins.ops.rms_norm import rms_norm_ref
 
 q35 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
-SEED = int(os.environ.get("DECODERT_TEST_SEED") or np.random.SeedSequence().entropy % 2**31)
+SEED = RUN_SEED  # the run's seed (tests/helpers/seeds.py): $DECODERT_TEST_SEED, else drawn once
 
 
 def _close(got, want, tol, what):

@@ -21,6 +21,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import kernel_cases
+from seeds import RUN_SEED
 from decodert.cli import main as cli_main
 from decodert.errors import DecodertError
 from decodert.export.artifact.manifest import load_manifest
@@ -34,7 +35,7 @@ from decodert.export.lowering.targets import ORT, TRT
 from decodert.plugins.selection import choose_plugins
 from decodert.plugins.ops.weight_gemm import dequantize_ref
 
-SEED = int(os.environ.get("DECODERT_TEST_SEED") or np.random.SeedSequence().entropy % 2**31)
+SEED = RUN_SEED  # the run's seed (tests/helpers/seeds.py): $DECODERT_TEST_SEED, else drawn once
 NP_TO_ONNX = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16"}
 
 

@@ -12,6 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from seeds import rng_for
 from tiny_vision import make_tiny_vlm, reference_processor
 
 torch = pytest.importorskip("torch")
@@ -21,14 +22,14 @@ SIZES = [(70, 50), (100, 160), (64, 64), (120, 300)]  # (height, width): split 3
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
+def vlm(request, tmp_path_factory):
     from transformers import Idefics3ForConditionalGeneration
 
     from decodert.export.pipeline import export_model
     from decodert.runtime.llm import LLM
 
     root = tmp_path_factory.mktemp("vlm")
-    hf = make_tiny_vlm(root / "hf", seed=int(np.random.default_rng().integers(1000)))
+    hf = make_tiny_vlm(root / "hf", seed=int(rng_for(request).integers(1000)))
     export_model(hf, root / "art", target="ort", dtype="fp32", max_seq=1024, max_batch=4, progress=False)
     llm = LLM.load(root / "art", backend="ort")
     model = Idefics3ForConditionalGeneration.from_pretrained(hf).eval()
@@ -51,12 +52,11 @@ def _reference_tokens(model, proc, text, images, n=8):
     return out[0, ref["input_ids"].shape[1]:].tolist()
 
 
-def test_placeholders_pixels_and_embeddings_match_the_processor(vlm):
+def test_placeholders_pixels_and_embeddings_match_the_processor(vlm, rng):
     from decodert.runtime.vision import preprocess as pre
     from decodert.runtime.vision.tokens import is_image, pixel_digest, text_ids
 
     llm, model, proc = vlm
-    rng = np.random.default_rng()
     for h, w in SIZES:
         img = _image(rng, h, w)
         _, text, ids = llm._chat_prompt(_ask(img), {})
@@ -71,9 +71,8 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(vlm):
         np.testing.assert_allclose(llm.vision.store.get(pixel_digest(img)).embeds, feats.numpy(), atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_tokens_equal_transformers(vlm):
+def test_greedy_tokens_equal_transformers(vlm, rng):
     llm, model, proc = vlm
-    rng = np.random.default_rng()
     for h, w in SIZES[:3]:
         img = _image(rng, h, w)
         result = llm.chat(_ask(img), max_new_tokens=8, temperature=0)
@@ -86,18 +85,17 @@ def test_greedy_tokens_equal_transformers(vlm):
     assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _reference_tokens(model, proc, text, two)
 
 
-def test_a_batch_equals_the_singles(vlm):
+def test_a_batch_equals_the_singles(vlm, rng):
     llm, _, _ = vlm
-    rng = np.random.default_rng()
     asks = [_ask(_image(rng, 70, 50)), _ask(_image(rng, 64, 64), "Hello?"), [{"role": "user", "content": "Hi"}]]
     singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
     batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
     assert [r.token_ids for r in batch] == singles
 
 
-def test_a_chunked_prefill_binds_each_chunks_own_image_rows(vlm):
+def test_a_chunked_prefill_binds_each_chunks_own_image_rows(vlm, rng):
     llm, model, proc = vlm
-    img = _image(np.random.default_rng(), 70, 50)  # 200 tokens: chunks of 48 cut through the image tokens
+    img = _image(rng, 70, 50)  # 200 tokens: chunks of 48 cut through the image tokens
     want = llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
     chunk, llm.backend.prefill_chunk = llm.backend.prefill_chunk, 48
     try:
@@ -109,9 +107,9 @@ def test_a_chunked_prefill_binds_each_chunks_own_image_rows(vlm):
         llm.backend.prefill_chunk = chunk
 
 
-def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(vlm):
+def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(vlm, rng):
     llm, _, _ = vlm
-    img = _image(np.random.default_rng(), 100, 160)
+    img = _image(rng, 100, 160)
     chat = llm.session()
     first = chat.chat({"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "What?"}]},
                       max_new_tokens=5, temperature=0)
@@ -120,7 +118,7 @@ def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(vlm):
     history = chat.history[:-1]
     fresh = llm.chat(history, max_new_tokens=5, temperature=0)
     assert second.token_ids == fresh.token_ids
-    other = _image(np.random.default_rng(), 100, 160)  # another image of the same size: not the cached one
+    other = _image(rng, 100, 160)  # another image of the same size: not the cached one
     swapped = [{**history[0], "content": [{"type": "image", "image": other}, {"type": "text", "text": "What?"}]}]
     _, _, ids_a = llm._chat_prompt(history[:1], {})
     _, _, ids_b = llm._chat_prompt(swapped, {})
@@ -151,11 +149,11 @@ def _bomb() -> bytes:
     return buf.getvalue()
 
 
-def test_server_accepts_a_data_url_and_refuses_bad_images(vlm):
+def test_server_accepts_a_data_url_and_refuses_bad_images(vlm, rng):
     from serve_helpers import running
 
     llm, _, _ = vlm
-    img = _image(np.random.default_rng(), 70, 50)
+    img = _image(rng, 70, 50)
     expected = llm.chat(_ask(img), max_new_tokens=5, temperature=0).text
 
     def body(*urls):
@@ -189,13 +187,13 @@ def test_text_only_models_refuse_images(tmp_path):
             llm.chat(_ask(np.zeros((8, 8, 3), np.uint8)))
 
 
-def test_cli_image_flag_and_repl_image_command(vlm, tmp_path, capsys):
+def test_cli_image_flag_and_repl_image_command(vlm, tmp_path, capsys, rng):
     from decodert.cli import build_parser
     from decodert.cli.chat import chat_loop, user_message
     from decodert.cli.generate import answer
 
     llm, _, _ = vlm
-    img = _image(np.random.default_rng(), 70, 50)
+    img = _image(rng, 70, 50)
     path = tmp_path / "cat.png"
     path.write_bytes(_png(img))
     expected = llm.chat(_ask(img, "Hi"), max_new_tokens=4, temperature=0).text
@@ -217,7 +215,7 @@ def test_cli_image_flag_and_repl_image_command(vlm, tmp_path, capsys):
     assert "will go with the next message" in err.getvalue() and "nowhere.png is not one" in err.getvalue()
 
 
-def test_portable_target_places_images_the_same(vlm, tmp_path):
+def test_portable_target_places_images_the_same(vlm, tmp_path, rng):
     """The flat-token layout ([T, hidden], portable and trt graphs) scatters the image rows the same way; the
     portable vision graph's standard-op attention encodes as the ort one's MultiHeadAttention and FastGelu."""
     import onnx
@@ -229,7 +227,7 @@ def test_portable_target_places_images_the_same(vlm, tmp_path):
     llm, _, _ = vlm
     src = llm.manifest.source.path
     export_model(src, tmp_path / "portable", target="portable", dtype="fp32", max_seq=1024, progress=False)
-    img = _image(np.random.default_rng(), 100, 160)
+    img = _image(rng, 100, 160)
     with LLM.load(tmp_path / "portable", backend="ort") as other:
         assert other.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids == \
             llm.chat(_ask(img), max_new_tokens=6, temperature=0).token_ids
@@ -259,12 +257,11 @@ def test_vision_graph_builds_with_tensorrt_rtx_under_its_own_profile(vlm, tmp_pa
     assert [t["name"] for t in engines["vision"].io["outputs"]] == ["image_embeds"]
 
 
-def test_a_pinned_image_outlives_the_store_capacity(vlm):
+def test_a_pinned_image_outlives_the_store_capacity(vlm, rng):
     from decodert.errors import DecodertError
     from decodert.runtime.vision.encoder import ImageStore
 
     llm, _, _ = vlm
-    rng = np.random.default_rng()
     img = _image(rng, 64, 64)
     want = llm.chat(_ask(img), max_new_tokens=4, temperature=0).token_ids
     if llm.prefix_cache is not None:
@@ -285,7 +282,7 @@ def test_a_pinned_image_outlives_the_store_capacity(vlm):
         llm.vision.store = llm.backend.images = store
 
 
-def test_smolvlm2_checkpoints_run_the_same_way(tmp_path):
+def test_smolvlm2_checkpoints_run_the_same_way(tmp_path, rng):
     """model_type smolvlm (SmolVLM2): the same tower, connector and text model. transformers' SmolVLMProcessor needs
     num2words (for video), so the reference inputs come from Idefics3Processor, whose image path it shares."""
     from transformers import SmolVLMForConditionalGeneration
@@ -296,7 +293,7 @@ def test_smolvlm2_checkpoints_run_the_same_way(tmp_path):
     hf = make_tiny_vlm(tmp_path / "hf", seed=3, kind="smolvlm")
     export_model(hf, tmp_path / "art", target="ort", dtype="fp32", max_seq=1024, progress=False)
     model = SmolVLMForConditionalGeneration.from_pretrained(hf).eval()
-    img = _image(np.random.default_rng(), 100, 160)
+    img = _image(rng, 100, 160)
     with LLM.load(tmp_path / "art", backend="ort") as llm:
         _, text, _ = llm._chat_prompt(_ask(img), {})
         got = llm.chat(_ask(img), max_new_tokens=8, temperature=0).token_ids

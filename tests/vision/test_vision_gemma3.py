@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
+from seeds import rng_for
 from tiny_gemma3_vision import make_tiny_gemma3_vlm, reference_processor
 
 torch = pytest.importorskip("torch")
@@ -19,14 +20,14 @@ SIZES = [(50, 70), (64, 64), (120, 30), (200, 180)]  # (height, width): every on
 
 
 @pytest.fixture(scope="module")
-def g3(tmp_path_factory):
+def g3(request, tmp_path_factory):
     from transformers import Gemma3ForConditionalGeneration
 
     from decodert.export.pipeline import export_model
     from decodert.runtime.llm import LLM
 
     root = tmp_path_factory.mktemp("g3")
-    hf = make_tiny_gemma3_vlm(root / "hf", seed=int(np.random.default_rng().integers(1000)))
+    hf = make_tiny_gemma3_vlm(root / "hf", seed=int(rng_for(request).integers(1000)))
     llms = {}
     for target in ("ort", "portable"):
         export_model(hf, root / target, target=target, dtype="fp32", max_seq=256, max_batch=4, progress=False)
@@ -61,13 +62,12 @@ def _last_logits(llm, ids):
     return llm.backend.prefill(cache, [0], [ids], True).logits[0]
 
 
-def test_placeholders_pixels_and_embeddings_match_the_processor(g3):
+def test_placeholders_pixels_and_embeddings_match_the_processor(g3, rng):
     from decodert.runtime.vision import gemma3 as pre
     from decodert.runtime.vision.tokens import is_image, pixel_digest, text_ids
 
     llms, model, proc, _ = g3
     llm = llms["ort"]
-    rng = np.random.default_rng()
     for h, w in SIZES:
         img = _image(rng, h, w)
         _, text, ids = llm._chat_prompt(_ask(img), {})
@@ -82,12 +82,11 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(g3):
 
 
 @pytest.mark.parametrize("target", ["ort", "portable"])
-def test_logits_and_greedy_tokens_equal_transformers(g3, target):
+def test_logits_and_greedy_tokens_equal_transformers(g3, target, rng):
     """Several sizes, then two images in one message; the image attends both ways (the sliding window, 8,
     is shorter than an image's 16 tokens), which a causal-only reference would not match."""
     llms, model, proc, _ = g3
     llm = llms[target]
-    rng = np.random.default_rng()
     for h, w in SIZES[:3]:
         img = _image(rng, h, w)
         _, text, ids = llm._chat_prompt(_ask(img), {})
@@ -103,9 +102,8 @@ def test_logits_and_greedy_tokens_equal_transformers(g3, target):
     assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == _reference(model, proc, text, two)[0]
 
 
-def test_a_batch_equals_the_singles_and_image_prompts_are_not_chunked(g3):
+def test_a_batch_equals_the_singles_and_image_prompts_are_not_chunked(g3, rng):
     llm = g3[0]["ort"]
-    rng = np.random.default_rng()
     asks = [_ask(_image(rng, 70, 50)), _ask(_image(rng, 64, 64), "Hello?"), [{"role": "user", "content": "Hi"}]]
     singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
     batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
@@ -121,9 +119,9 @@ def test_a_batch_equals_the_singles_and_image_prompts_are_not_chunked(g3):
 
 
 @pytest.mark.parametrize("target", ["ort", "portable"])
-def test_a_follow_up_about_the_image_equals_a_full_prefill(g3, target):
+def test_a_follow_up_about_the_image_equals_a_full_prefill(g3, target, rng):
     llm = g3[0][target]
-    img = _image(np.random.default_rng(), 100, 160)
+    img = _image(rng, 100, 160)
     chat = llm.session()
     first = chat.chat(_ask(img, "What?")[0], max_new_tokens=5, temperature=0)
     second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)

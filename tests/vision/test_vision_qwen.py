@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from parity import check_verify_after_prefill
+from seeds import rng_for
 from tiny_qwen_vl import (
     SIZES, ask, check_batch_equals_singles, check_chunked_prefill, check_follow_up, check_greedy_tokens,
     make_tiny_qwen_vl, random_image, reference_inputs, reference_processor,
@@ -27,7 +28,7 @@ def qvl(request, tmp_path_factory):
 
     kind = request.param
     root = tmp_path_factory.mktemp(kind)
-    hf = make_tiny_qwen_vl(root / "hf", seed=int(np.random.default_rng().integers(1000)), kind=kind)
+    hf = make_tiny_qwen_vl(root / "hf", seed=int(rng_for(request).integers(1000)), kind=kind)
     export_model(hf, root / "art", target="ort", dtype="fp32", max_seq=1024, max_batch=4, progress=False)
     llm = LLM.load(root / "art", backend="ort")
     Model = transformers.Qwen3VLForConditionalGeneration if kind == "qwen3_vl" else \
@@ -37,12 +38,11 @@ def qvl(request, tmp_path_factory):
     llm.close()
 
 
-def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
+def test_placeholders_pixels_and_embeddings_match_the_processor(qvl, rng):
     from decodert.runtime.vision import qwen_preprocess as qp
     from decodert.runtime.vision.tokens import pixel_digest, text_ids
 
     llm, model, proc = qvl
-    rng = np.random.default_rng()
     for h, w in SIZES:
         img = random_image(rng, h, w)
         _, text, ids = llm._chat_prompt(ask(img), {})
@@ -64,12 +64,11 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
             np.testing.assert_allclose(entry.extra["deepstack_embeds"], deep, atol=1e-4, rtol=1e-4)
 
 
-def test_mrope_positions_equal_get_rope_index(qvl):
+def test_mrope_positions_equal_get_rope_index(qvl, rng):
     """Two images and a second turn: the positions the runtime derives from the ids are transformers' exactly."""
     from decodert.runtime.vision import mrope
 
     llm, model, proc = qvl
-    rng = np.random.default_rng()
     imgs = [random_image(rng, 100, 160), random_image(rng, 120, 300)]
     msgs = ask(*imgs) + [{"role": "assistant", "content": "A fox."}, {"role": "user", "content": "And?"}]
     _, text, ids = llm._chat_prompt(msgs, {})
@@ -84,9 +83,9 @@ def test_mrope_positions_equal_get_rope_index(qvl):
                           got[:, cut:] - np.arange(cut, len(ids)))
 
 
-def test_prefill_and_decode_logits_equal_transformers(qvl):
+def test_prefill_and_decode_logits_equal_transformers(qvl, rng):
     llm, model, proc = qvl
-    img = random_image(np.random.default_rng(), 100, 160)
+    img = random_image(rng, 100, 160)
     _, text, ids = llm._chat_prompt(ask(img), {})
     ref = reference_inputs(proc, text, [img])
     backend = llm.backend
@@ -105,32 +104,32 @@ def test_prefill_and_decode_logits_equal_transformers(qvl):
     np.testing.assert_allclose(second.logits[0], out2.logits[0, -1].numpy(), atol=1e-4, rtol=1e-4)
 
 
-def test_a_verify_pass_after_an_image_equals_decode_steps(qvl):
+def test_a_verify_pass_after_an_image_equals_decode_steps(qvl, rng):
     """Speculative decoding's verify pass binds the rows' M-RoPE offsets as prefill and decode do."""
     llm, _, _ = qvl
-    img = random_image(np.random.default_rng(), 100, 160)
+    img = random_image(rng, 100, 160)
     _, _, ids = llm._chat_prompt(ask(img), {})
     check_verify_after_prefill(llm.backend, ids)
 
 
-def test_greedy_tokens_equal_transformers(qvl):
-    check_greedy_tokens(*qvl)
+def test_greedy_tokens_equal_transformers(qvl, rng):
+    check_greedy_tokens(*qvl, rng)
 
 
-def test_a_batch_equals_the_singles(qvl):
-    check_batch_equals_singles(qvl[0])
+def test_a_batch_equals_the_singles(qvl, rng):
+    check_batch_equals_singles(qvl[0], rng)
 
 
-def test_a_chunked_prefill_through_an_image_equals_one_call(qvl):
-    check_chunked_prefill(qvl[0])
+def test_a_chunked_prefill_through_an_image_equals_one_call(qvl, rng):
+    check_chunked_prefill(qvl[0], rng)
 
 
-def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(qvl):
-    check_follow_up(qvl[0])
+def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(qvl, rng):
+    check_follow_up(qvl[0], rng)
 
 
 @pytest.mark.parametrize("target", ["portable", "trt"])
-def test_other_targets_turn_the_same_positions(qvl, tmp_path, target):
+def test_other_targets_turn_the_same_positions(qvl, tmp_path, target, rng):
     if target == "trt" and qvl[0].vision.spec.deepstack:
         pytest.skip("one model is enough for the trt graph's rotation; the portable one checks deepstack's scatter")
     """The standard-op rotation (portable) and RotaryEmbedding-23 without position ids (the trt graphs, run by
@@ -141,7 +140,7 @@ def test_other_targets_turn_the_same_positions(qvl, tmp_path, target):
     llm, _, _ = qvl
     export_model(llm.manifest.source.path, tmp_path / target, target=target, dtype="fp32", max_seq=512,
                  progress=False, **({"plugins": "never"} if target == "trt" else {}))
-    img = random_image(np.random.default_rng(), 100, 160)
+    img = random_image(rng, 100, 160)
     with LLM.load(tmp_path / target, backend="ort") as other:
         assert other.chat(ask(img), max_new_tokens=6, temperature=0).token_ids == \
             llm.chat(ask(img), max_new_tokens=6, temperature=0).token_ids
@@ -188,12 +187,11 @@ def test_spec_and_settings_from_the_checkpoint(qvl):
     assert "1024..16384 pixels" in inspect_artifact(llm.backend.dir)  # decodert inspect
 
 
-def test_mrope_reference_and_pair_axes():
+def test_mrope_reference_and_pair_axes(rng):
     from decodert.plugins.ops.mrope import axis_of_pairs, mrope_ref
 
     assert axis_of_pairs((2, 3, 3), False).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
     assert axis_of_pairs((3, 3, 2), True).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]  # Qwen3-VL's interleaving
-    rng = np.random.default_rng()
     cos, sin = rng.standard_normal((2, 50, 8))
     pos = rng.integers(0, 50, (3, 2, 5))
     c, _ = mrope_ref(pos, cos, sin, (2, 3, 3))
@@ -219,7 +217,7 @@ def test_qwen_vision_graph_builds_with_tensorrt_rtx_over_patch_rows(qvl, tmp_pat
     assert outputs == (["image_embeds", "deepstack_embeds"] if llm.vision.spec.deepstack else ["image_embeds"])
 
 
-def test_server_answers_a_data_url_like_the_api(qvl):
+def test_server_answers_a_data_url_like_the_api(qvl, rng):
     """The server's OpenAI image_url parts reach the Qwen placeholder and M-RoPE path unchanged."""
     import base64
     import io
@@ -229,7 +227,7 @@ def test_server_answers_a_data_url_like_the_api(qvl):
     from serve_helpers import running
 
     llm, _, _ = qvl
-    img = random_image(np.random.default_rng(), 100, 160)
+    img = random_image(rng, 100, 160)
     expected = llm.chat(ask(img), max_new_tokens=5, temperature=0).text
     buf = io.BytesIO()
     Image.fromarray(img).save(buf, format="PNG")
@@ -243,7 +241,7 @@ def test_server_answers_a_data_url_like_the_api(qvl):
             assert json.loads(r.read())["choices"][0]["message"]["content"] == expected
 
 
-def test_an_fp16_artifact_encodes_and_answers_close_to_fp32(qvl, tmp_path):
+def test_an_fp16_artifact_encodes_and_answers_close_to_fp32(qvl, tmp_path, rng):
     """fp16 vision.onnx (rotary and norms in float32 inside, casts around them) and fp16 text graphs run."""
     from decodert.export.pipeline import export_model
     from decodert.runtime.llm import LLM
@@ -251,7 +249,7 @@ def test_an_fp16_artifact_encodes_and_answers_close_to_fp32(qvl, tmp_path):
 
     llm, _, _ = qvl
     export_model(llm.manifest.source.path, tmp_path / "fp16", target="ort", dtype="fp16", max_seq=512, progress=False)
-    img = random_image(np.random.default_rng(), 100, 160)
+    img = random_image(rng, 100, 160)
     with LLM.load(tmp_path / "fp16", backend="ort") as half:
         half.chat(ask(img), max_new_tokens=2, temperature=0)
         got = half.vision.store.get(pixel_digest(img)).embeds
@@ -261,14 +259,14 @@ def test_an_fp16_artifact_encodes_and_answers_close_to_fp32(qvl, tmp_path):
     np.testing.assert_allclose(got.astype(np.float32), want, atol=5e-3 * float(np.abs(want).max()))
 
 
-def test_the_prefix_cache_reuses_an_image_and_equals_a_fresh_prefill(qvl):
+def test_the_prefix_cache_reuses_an_image_and_equals_a_fresh_prefill(qvl, rng):
     """A second request about the same image takes its K/V from the prefix cache (whole blocks, so the prefill
     resumes inside the image); the rest still gets the image's positions and the ones after it (derived from the
     ids the restored row holds)."""
     llm, _, _ = qvl
     if llm.prefix_cache is None:
         pytest.skip("the prefix cache is off")
-    img = random_image(np.random.default_rng(), 120, 300)
+    img = random_image(rng, 120, 300)
     llm.chat(ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
     again = llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
     assert again.metrics.cached_tokens >= 32  # whole blocks: the cut falls inside the image's 72 tokens

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from parity import check_verify_after_prefill
+from seeds import rng_for
 from tiny_qwen_vl import (
     SIZES, ask, check_batch_equals_singles, check_chunked_prefill, check_follow_up, check_greedy_tokens, fresh,
     make_tiny_qwen_vl, random_image, reference_inputs, reference_processor,
@@ -27,14 +28,14 @@ MAX_SEQ = 512
 
 
 @pytest.fixture(scope="module")
-def q35(tmp_path_factory):
+def q35(request, tmp_path_factory):
     import transformers
 
     from decodert.export.pipeline import export_model
     from decodert.runtime.llm import LLM
 
     root = tmp_path_factory.mktemp("qwen3_5_vl")
-    hf = make_tiny_qwen_vl(root / "hf", seed=int(np.random.default_rng().integers(1000)), kind="qwen3_5")
+    hf = make_tiny_qwen_vl(root / "hf", seed=int(rng_for(request).integers(1000)), kind="qwen3_5")
     export_model(hf, root / "art", target="ort", dtype="fp32", max_seq=MAX_SEQ, max_batch=4, progress=False)
     llm = LLM.load(root / "art", backend="ort")
     model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(hf).eval()
@@ -90,12 +91,11 @@ def test_a_bad_image_text_config_is_one_line(q35, tmp_path, change, named):
     assert "\n" not in str(e.value)
 
 
-def test_placeholders_pixels_and_embeddings_match_the_processor(q35):
+def test_placeholders_pixels_and_embeddings_match_the_processor(q35, rng):
     from decodert.runtime.vision import qwen_preprocess as qp
     from decodert.runtime.vision.tokens import pixel_digest, text_ids
 
     llm, model, proc = q35
-    rng = np.random.default_rng()
     for h, w in SIZES:
         img = random_image(rng, h, w)
         _, text, ids = llm._chat_prompt(ask(img), {})
@@ -111,11 +111,10 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(q35):
         np.testing.assert_allclose(llm.vision.store.get(pixel_digest(img)).embeds, feats, atol=1e-4, rtol=1e-4)
 
 
-def test_mrope_positions_equal_get_rope_index(q35):
+def test_mrope_positions_equal_get_rope_index(q35, rng):
     from decodert.runtime.vision import mrope
 
     llm, model, proc = q35
-    rng = np.random.default_rng()
     imgs = [random_image(rng, 100, 160), random_image(rng, 120, 300)]
     msgs = ask(*imgs) + [{"role": "assistant", "content": "A fox."}, {"role": "user", "content": "And?"}]
     _, text, ids = llm._chat_prompt(msgs, {})
@@ -126,10 +125,10 @@ def test_mrope_positions_equal_get_rope_index(q35):
     assert after - len(ids) == int(delta[0, 0]) < 0
 
 
-def test_prefill_and_decode_logits_equal_transformers(q35):
+def test_prefill_and_decode_logits_equal_transformers(q35, rng):
     """With an image (M-RoPE positions) and without one (the multimodal graphs on a text prompt)."""
     llm, model, proc = q35
-    img = random_image(np.random.default_rng(), 100, 160)
+    img = random_image(rng, 100, 160)
     backend = llm.backend
     for images in ([img], []):
         _, text, ids = llm._chat_prompt(ask(*images), {})
@@ -152,30 +151,30 @@ def test_prefill_and_decode_logits_equal_transformers(q35):
         np.testing.assert_allclose(second.logits[0], out2.logits[0, -1].numpy(), atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_tokens_equal_transformers(q35):
-    check_greedy_tokens(*q35)
+def test_greedy_tokens_equal_transformers(q35, rng):
+    check_greedy_tokens(*q35, rng)
 
 
-def test_a_batch_equals_the_singles(q35):
-    check_batch_equals_singles(q35[0])
+def test_a_batch_equals_the_singles(q35, rng):
+    check_batch_equals_singles(q35[0], rng)
 
 
-def test_a_chunked_prefill_through_an_image_equals_one_call(q35):
+def test_a_chunked_prefill_through_an_image_equals_one_call(q35, rng):
     """The conv and recurrent states cross chunk boundaries that cut the image's rows."""
-    check_chunked_prefill(q35[0])
+    check_chunked_prefill(q35[0], rng)
 
 
-def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(q35):
+def test_a_follow_up_prefills_only_the_new_turn_and_equals_a_full_prefill(q35, rng):
     """The image (and the hybrid's states after it) is not prefilled again."""
-    check_follow_up(q35[0])
+    check_follow_up(q35[0], rng)
 
 
-def test_the_prefix_cache_reuses_an_image_and_equals_a_fresh_prefill(q35):
+def test_the_prefix_cache_reuses_an_image_and_equals_a_fresh_prefill(q35, rng):
     """A hybrid resumes only where a state was stored (a block boundary its first prefill stopped at); a second
     question about the same image loads the K/V and the states there, inside the image's tokens."""
     llm, _, _ = q35
     assert llm.prefix_cache is not None
-    img = random_image(np.random.default_rng(), 120, 300)
+    img = random_image(rng, 120, 300)
     fresh(llm)
     llm.chat(ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
     again = llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
@@ -184,16 +183,16 @@ def test_the_prefix_cache_reuses_an_image_and_equals_a_fresh_prefill(q35):
     assert llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids == again.token_ids
 
 
-def test_a_verify_pass_after_an_image_equals_decode_steps(q35):
+def test_a_verify_pass_after_an_image_equals_decode_steps(q35, rng):
     """Speculative decoding's verify pass over a hybrid row (run alone, its states carried) turns the drafted
     tokens by the M-RoPE offsets that follow the image, as decode steps do; a rejection replays accepted tokens
     through prefill, whose offsets the chunked-prefill test checks."""
     llm, _, _ = q35
-    check_verify_after_prefill(llm.backend, llm._chat_prompt(ask(random_image(np.random.default_rng(), 100, 160)), {})[2])
+    check_verify_after_prefill(llm.backend, llm._chat_prompt(ask(random_image(rng, 100, 160)), {})[2])
 
 
 @pytest.mark.parametrize("target", ["portable", "trt"])
-def test_other_targets_give_the_same_tokens(q35, tmp_path, target):
+def test_other_targets_give_the_same_tokens(q35, tmp_path, target, rng):
     """The standard-op M-RoPE (portable: per-token tables; trt graphs, run by ONNX Runtime here: RotaryEmbedding-23
     on the rotary quarter) and the Loop-form DeltaNet give the ort target's tokens, for two sizes and two images."""
     from decodert.export.pipeline import export_model
@@ -202,7 +201,6 @@ def test_other_targets_give_the_same_tokens(q35, tmp_path, target):
     llm, _, _ = q35
     export_model(llm.manifest.source.path, tmp_path / target, target=target, dtype="fp32", max_seq=MAX_SEQ,
                  max_batch=2, progress=False, **({"plugins": "never"} if target == "trt" else {}))
-    rng = np.random.default_rng()
     asks = [ask(random_image(rng, 100, 160)), ask(random_image(rng, 20, 30), random_image(rng, 64, 64), text="and")]
     with LLM.load(tmp_path / target, backend="ort") as other:
         for msgs in asks:
@@ -228,7 +226,7 @@ def test_tensorrt_rtx_builds_the_vision_and_hybrid_text_graphs(q35, tmp_path):
     assert [t["name"] for t in engines["vision"].io["outputs"]] == ["image_embeds"]
 
 
-def test_a_video_beside_an_image_equals_transformers(q35):
+def test_a_video_beside_an_image_equals_transformers(q35, rng):
     """Qwen3.5 takes videos as Qwen3-VL does (Qwen3VLVideoProcessor: sampled at 2 a second, timestamped slices):
     placeholder ids, get_rope_index positions, prefill logits and greedy tokens for a clip beside an image; a
     session's follow-up about it equals a full re-prefill (the hybrid's states after the video kept)."""
@@ -238,7 +236,6 @@ def test_a_video_beside_an_image_equals_transformers(q35):
     from decodert.runtime.vision.tokens import text_ids
 
     llm, model, proc = q35
-    rng = np.random.default_rng()
     img, frames = random_image(rng, 60, 90), clip(rng, 6, 48, 64)
     msgs = [{"role": "user", "content": [video_part(frames, 2.0), {"type": "image", "image": img},
                                          {"type": "text", "text": "What happens?"}]}]
@@ -279,7 +276,7 @@ def q35trt(q35, tmp_path_factory):
     return art
 
 
-def test_the_trt_backend_answers_images_with_the_ort_tokens(q35trt, monkeypatch):
+def test_the_trt_backend_answers_images_with_the_ort_tokens(q35trt, monkeypatch, rng):
     """The trt backend (CUDA and TensorRT emulated) over the hybrid with images: rope_offsets reach the prefill,
     decode and verify engines, the DeltaNet/conv states live on the device through KVCache. Against the ort backend
     on the same artifact: several sizes, two images and a text prompt; the batch of them; verify passes after an image
@@ -289,7 +286,6 @@ def test_the_trt_backend_answers_images_with_the_ort_tokens(q35trt, monkeypatch)
     from decodert.runtime.llm import LLM
 
     trt_emulator.install(monkeypatch)
-    rng = np.random.default_rng()
     asks = [ask(random_image(rng, h, w)) for h, w in ((70, 50), (120, 300))]
     asks += [ask(random_image(rng, 90, 60), random_image(rng, 64, 64), text="and"), [{"role": "user", "content": "Hi"}]]
     with LLM.load(q35trt, backend="ort") as ref, LLM.load(q35trt, backend="trt") as llm:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from seeds import rng_for
 from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image, reference_inputs, reference_processor, reference_tokens
 
 torch = pytest.importorskip("torch")
@@ -19,7 +20,7 @@ MAX_SEQ = 512  # as tests/vision/test_vision_qwen3_5.py
 
 
 @pytest.fixture(scope="module")
-def q35moe(tmp_path_factory):
+def q35moe(request, tmp_path_factory):
     """Qwen3.5-MoE: the same tower and mixers, every MLP 4 experts (top 2) beside a gated shared expert."""
     import transformers
 
@@ -27,7 +28,7 @@ def q35moe(tmp_path_factory):
     from decodert.runtime.llm import LLM
 
     root = tmp_path_factory.mktemp("qwen3_5_moe_vl")
-    hf = make_tiny_qwen_vl(root / "hf", seed=int(np.random.default_rng().integers(1000)), kind="qwen3_5_moe")
+    hf = make_tiny_qwen_vl(root / "hf", seed=int(rng_for(request).integers(1000)), kind="qwen3_5_moe")
     export_model(hf, root / "art", target="ort", dtype="fp32", max_seq=MAX_SEQ, max_batch=2, progress=False)
     llm = LLM.load(root / "art", backend="ort")
     model = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(hf).eval()
@@ -35,7 +36,7 @@ def q35moe(tmp_path_factory):
     llm.close()
 
 
-def test_moe_logits_and_greedy_tokens_equal_transformers(q35moe):
+def test_moe_logits_and_greedy_tokens_equal_transformers(q35moe, rng):
     llm, model, proc = q35moe
     spec = llm.manifest.model.spec()
     assert (spec.family, spec.num_experts, spec.experts_per_token, spec.expert_intermediate_size) == \
@@ -46,7 +47,6 @@ def test_moe_logits_and_greedy_tokens_equal_transformers(q35moe):
     text = json.loads((Path(llm.manifest.source.path) / "config.json").read_text())["text_config"]
     plain = family_for("qwen3_5_moe_text").spec_from_hf(text)  # the text model alone: no M-RoPE, same MLPs
     assert plain.mrope_section == () and plain.image_token_id is None and plain.shared_mlp_gate
-    rng = np.random.default_rng()
     img = random_image(rng, 100, 160)
     _, text, ids = llm._chat_prompt(ask(img), {})
     ref = reference_inputs(proc, text, [img])
@@ -63,7 +63,7 @@ def test_moe_logits_and_greedy_tokens_equal_transformers(q35moe):
 
 
 @pytest.mark.parametrize("target", ["portable", "trt"])
-def test_moe_other_targets_give_the_ort_tokens(q35moe, tmp_path, target):
+def test_moe_other_targets_give_the_ort_tokens(q35moe, tmp_path, target, rng):
     """The standard-op experts and the gated shared expert (portable; trt graphs run by ONNX Runtime)."""
     from decodert.export.pipeline import export_model
     from decodert.runtime.llm import LLM
@@ -71,7 +71,7 @@ def test_moe_other_targets_give_the_ort_tokens(q35moe, tmp_path, target):
     llm, _, _ = q35moe
     export_model(llm.manifest.source.path, tmp_path / "p", target=target, dtype="fp32", max_seq=MAX_SEQ,
                  progress=False, **({"plugins": "never"} if target == "trt" else {}))
-    msgs = ask(random_image(np.random.default_rng(), 70, 50))
+    msgs = ask(random_image(rng, 70, 50))
     with LLM.load(tmp_path / "p", backend="ort") as other:
         assert other.chat(msgs, max_new_tokens=6, temperature=0).token_ids == \
             llm.chat(msgs, max_new_tokens=6, temperature=0).token_ids

@@ -14,6 +14,7 @@ import pytest
 
 import trt_emulator  # noqa: E402
 from parity import check_verify_after_prefill  # noqa: E402
+from seeds import rng_for
 from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image  # noqa: E402
 
 pytest.importorskip("PIL.Image")
@@ -27,7 +28,7 @@ def artifact(request, tmp_path_factory):
     from decodert.export.pipeline import export_model
 
     root = tmp_path_factory.mktemp(f"trt-{request.param}")
-    hf = make_tiny_qwen_vl(root / "hf", seed=int(np.random.default_rng().integers(1000)), kind=request.param)
+    hf = make_tiny_qwen_vl(root / "hf", seed=int(rng_for(request).integers(1000)), kind=request.param)
     out = root / "trt"
     export_model(hf, out, target="trt", dtype="fp32", max_seq=512, max_batch=4, progress=False, plugins="never")
     trt_emulator.emulate_engines(out, scratch={"prefill": 8192, "decode": 4096, "verify": 16384, "vision": 4096})
@@ -49,10 +50,10 @@ def pair(artifact, emulator):
         yield ref, llm
 
 
-def test_logits_after_an_image_equal_the_ort_backends(pair):
+def test_logits_after_an_image_equal_the_ort_backends(pair, rng):
     """Prefill and the decode steps after it: the offsets (and Qwen3-VL's deepstack rows) reach the engines."""
     ref, llm = pair
-    img = random_image(np.random.default_rng(), 100, 160)
+    img = random_image(rng, 100, 160)
     ids = ref._chat_prompt(ask(img), {})[2]
     assert np.array_equal(llm._chat_prompt(ask(img), {})[2], ids)
     logits = []
@@ -68,10 +69,9 @@ def test_logits_after_an_image_equal_the_ort_backends(pair):
     assert ("deepstack_embeds" in engines["prefill"]) == bool(llm.manifest.model.extra.get("deepstack_layers"))
 
 
-def test_image_prompts_give_the_ort_backends_tokens(pair, emulator):
+def test_image_prompts_give_the_ort_backends_tokens(pair, emulator, rng):
     """Several sizes, two images in one message and a text prompt; then the same prompts as one batch."""
     ref, llm = pair
-    rng = np.random.default_rng()
     asks = [ask(random_image(rng, h, w)) for h, w in ((70, 50), (20, 30), (120, 300))]
     asks += [ask(random_image(rng, 90, 60), random_image(rng, 64, 64), text="and"), [{"role": "user", "content": "Hi"}]]
     want = [ref.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
@@ -81,11 +81,11 @@ def test_image_prompts_give_the_ort_backends_tokens(pair, emulator):
     assert [r.token_ids for r in batch] == want[:4]
 
 
-def test_verify_passes_after_an_image_equal_decode_steps(pair):
+def test_verify_passes_after_an_image_equal_decode_steps(pair, rng):
     """The verify engine binds the rows' offsets: its logits after an image equal the decode steps' (1 and 2 rows),
     and n-gram speculation gives the plain greedy tokens."""
     ref, llm = pair
-    img = random_image(np.random.default_rng(), 100, 160)
+    img = random_image(rng, 100, 160)
     ids = llm._chat_prompt(ask(img), {})[2]
     backend = llm.backend
     check_verify_after_prefill(backend, ids)
@@ -97,11 +97,11 @@ def test_verify_passes_after_an_image_equal_decode_steps(pair):
     assert backend.stats["verify_runs"] > runs, "no verify pass ran"
 
 
-def test_a_follow_up_and_a_chunked_prefill_equal_a_full_prefill(pair):
+def test_a_follow_up_and_a_chunked_prefill_equal_a_full_prefill(pair, rng):
     """A session's second turn reuses the image and equals a re-prefill; prefill chunks shorter than the image
     (each chunk's offsets from the ids its row already holds) give the tokens of one call."""
     ref, llm = pair
-    img = random_image(np.random.default_rng(), 120, 300)  # 72 image tokens
+    img = random_image(rng, 120, 300)  # 72 image tokens
     chat = llm.session()
     first = chat.chat(ask(img, text="What?")[0], max_new_tokens=5, temperature=0)
     second = chat.chat("And the colour?", max_new_tokens=5, temperature=0)
@@ -115,7 +115,7 @@ def test_a_follow_up_and_a_chunked_prefill_equal_a_full_prefill(pair):
     assert llm.chat(ask(img), max_new_tokens=6, temperature=0).token_ids == want
 
 
-def test_engines_built_before_the_offsets_take_text_only(artifact, emulator, tmp_path):
+def test_engines_built_before_the_offsets_take_text_only(artifact, emulator, tmp_path, rng):
     """Engines that fold rope_offsets (built before this change) still run text; an image gets one line."""
     import shutil
 
@@ -141,7 +141,7 @@ def test_engines_built_before_the_offsets_take_text_only(artifact, emulator, tmp
         assert llm.chat(msgs, max_new_tokens=5, temperature=0).token_ids == \
             ref.chat(msgs, max_new_tokens=5, temperature=0).token_ids
         with pytest.raises(DecodertError, match="run `decodert build` again") as e:
-            llm.chat(ask(random_image(np.random.default_rng(), 64, 64)), max_new_tokens=2)
+            llm.chat(ask(random_image(rng, 64, 64)), max_new_tokens=2)
         assert "\n" not in str(e.value)
 
 
@@ -173,23 +173,22 @@ def test_tensorrt_rtx_builds_the_engines_with_offsets_and_deepstack(kind, tmp_pa
     assert all(engines["vision"].profile[n]["max"][0] == 256 for n in inputs["vision"])
 
 
-def test_the_prefix_cache_resumes_inside_an_image(pair):
+def test_the_prefix_cache_resumes_inside_an_image(pair, rng):
     """Whole cached blocks end inside the image: the rest of it still gets its positions (from the ids held)."""
     ref, llm = pair
     if llm.prefix_cache is None:
         pytest.skip("the prefix cache is off")
-    img = random_image(np.random.default_rng(), 120, 300)
+    img = random_image(rng, 120, 300)
     llm.chat(ask(img, text="What is it?"), max_new_tokens=3, temperature=0)
     again = llm.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0)
     assert again.metrics.cached_tokens >= 32
     assert again.token_ids == ref.chat(ask(img, text="Which colour is it?"), max_new_tokens=6, temperature=0).token_ids
 
 
-def test_a_video_prompt_gives_the_ort_backends_tokens(pair):
+def test_a_video_prompt_gives_the_ort_backends_tokens(pair, rng):
     """Video slices (Qwen2.5-VL: one grid with a time step; Qwen3-VL: a grid per slice) through the vision engine
     and the engines' rope_offsets, beside an image (tests/vision/test_vision_qwen_video.py compares ort with transformers)."""
     ref, llm = pair
-    rng = np.random.default_rng()
     frames = rng.integers(0, 256, (6, 48, 64, 3), dtype=np.uint8)
     msgs = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 1.0},
                                          {"type": "image", "image": random_image(rng, 50, 70)},

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from qwen_video_reference import clip, reference, reference_tokens, rope_index, video_part
+from seeds import rng_for
 from tiny_qwen_vl import make_tiny_qwen_vl, reference_processor
 
 torch = pytest.importorskip("torch")
@@ -28,7 +29,7 @@ def qvl(request, tmp_path_factory):
 
     kind = request.param
     root = tmp_path_factory.mktemp(kind)
-    hf = make_tiny_qwen_vl(root / "hf", seed=int(np.random.default_rng().integers(1000)), kind=kind)
+    hf = make_tiny_qwen_vl(root / "hf", seed=int(rng_for(request).integers(1000)), kind=kind)
     export_model(hf, root / "art", target="ort", dtype="fp32", max_seq=1024, max_batch=2, progress=False)
     llm = LLM.load(root / "art", backend="ort")
     Model = transformers.Qwen3VLForConditionalGeneration if kind == "qwen3_vl" else \
@@ -55,12 +56,11 @@ def _slices(llm, frames, fps):
     return qv.preprocess(frames, qv.timing(len(frames), fps, s).keep, s, llm.vision.spec)
 
 
-def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
+def test_placeholders_pixels_and_embeddings_match_the_processor(qvl, rng):
     from decodert.runtime.vision.tokens import text_ids
     from decodert.runtime.vision.video import Video
 
     llm, model, proc = qvl
-    rng = np.random.default_rng()
     for t, h, w, fps in CLIPS:
         frames = clip(rng, t, h, w)
         _, text, ids = llm._chat_prompt(_ask(video_part(frames, fps)), {})
@@ -82,13 +82,12 @@ def test_placeholders_pixels_and_embeddings_match_the_processor(qvl):
             np.testing.assert_allclose(entry.extra["deepstack_embeds"], deep, atol=1e-4, rtol=1e-4)
 
 
-def test_mrope_positions_equal_get_rope_index(qvl):
+def test_mrope_positions_equal_get_rope_index(qvl, rng):
     """An image, a video and a second turn: the positions derived from the ids are transformers' exactly; any
     split of the ids gives the same offsets."""
     from decodert.runtime.vision import mrope
 
     llm, model, proc = qvl
-    rng = np.random.default_rng()
     img, frames = rng.integers(0, 256, (60, 90, 3), dtype=np.uint8), clip(rng, 4, 48, 64)
     msgs = _ask({"type": "image", "image": img}, video_part(frames, 2.0)) + [
         {"role": "assistant", "content": "A fox runs."}, {"role": "user", "content": "And?"}]
@@ -103,14 +102,14 @@ def test_mrope_positions_equal_get_rope_index(qvl):
                               got[:, cut:] - np.arange(cut, len(ids)))
 
 
-def test_a_long_clip_continues_text_after_its_last_time_step(qvl):
+def test_a_long_clip_continues_text_after_its_last_time_step(qvl, rng):
     """Qwen2.5-VL: slices 4 positions apart (tokens_per_second 1 x 2 frames / 0.5 fps); the video tokens sit where
     get_rope_index puts them and the text after goes on one past the largest (the rope delta transformers decodes
     with; its get_rope_index restarts that text at st + max(rows, cols))."""
     from decodert.runtime.vision import mrope
 
     llm, model, proc = qvl
-    frames = clip(np.random.default_rng(), 6, 48, 64)
+    frames = clip(rng, 6, 48, 64)
     _, text, ids = llm._chat_prompt(_ask(video_part(frames, 0.5)), {})
     ref = reference(proc, text, [(frames, 0.5)])
     want = rope_index(model, ref)[0][:, 0].numpy()
@@ -125,9 +124,8 @@ def test_a_long_clip_continues_text_after_its_last_time_step(qvl):
     assert after == got[0, -1] + 1 and mrope.next_offset(ids, llm.vision.store.locate) == after - len(ids)
 
 
-def test_prefill_logits_and_greedy_tokens_equal_transformers(qvl):
+def test_prefill_logits_and_greedy_tokens_equal_transformers(qvl, rng):
     llm, model, proc = qvl
-    rng = np.random.default_rng()
     for t, h, w, fps in [CLIPS[0], CLIPS[1]]:
         frames = clip(rng, t, h, w)
         _, text, ids = llm._chat_prompt(_ask(video_part(frames, fps)), {})
@@ -142,10 +140,9 @@ def test_prefill_logits_and_greedy_tokens_equal_transformers(qvl):
         assert result.token_ids == reference_tokens(model, ref), (t, h, w)
 
 
-def test_images_and_videos_in_one_message_equal_transformers(qvl):
+def test_images_and_videos_in_one_message_equal_transformers(qvl, rng):
     """A video, an image and another video (frames given as PIL images) in one message."""
     llm, model, proc = qvl
-    rng = np.random.default_rng()
     img, one, two = rng.integers(0, 256, (64, 80, 3), dtype=np.uint8), clip(rng, 6, 40, 56), clip(rng, 4, 32, 48)
     msgs = _ask(video_part(one, 2.0), {"type": "image", "image": img}, video_part([Image.fromarray(f) for f in two], 1.0),
                 text="Which comes first?")
@@ -155,9 +152,9 @@ def test_images_and_videos_in_one_message_equal_transformers(qvl):
     assert llm.chat(msgs, max_new_tokens=8, temperature=0).token_ids == reference_tokens(model, ref)
 
 
-def test_a_follow_up_about_the_same_video_equals_a_full_prefill(qvl):
+def test_a_follow_up_about_the_same_video_equals_a_full_prefill(qvl, rng):
     llm, _, _ = qvl
-    frames = clip(np.random.default_rng(), 4, 48, 64)
+    frames = clip(rng, 4, 48, 64)
     chat = llm.session()
     first = chat.chat(_ask(video_part(list(frames), 2.0), text="What?")[0], max_new_tokens=5, temperature=0)
     second = chat.chat("And then?", max_new_tokens=5, temperature=0)
@@ -169,11 +166,10 @@ def test_a_follow_up_about_the_same_video_equals_a_full_prefill(qvl):
     chat.close()
 
 
-def test_a_batch_a_chunked_prefill_and_the_prefix_cache_equal_the_single_answer(qvl):
+def test_a_batch_a_chunked_prefill_and_the_prefix_cache_equal_the_single_answer(qvl, rng):
     """Video rows batched with an image row and a text row, a prefill in chunks of 10 cutting through the slices,
     and a second question taking the video's K/V from the prefix cache all answer as the video alone does."""
     llm, _, _ = qvl
-    rng = np.random.default_rng()
     about_video = _ask(video_part(clip(rng, 6, 48, 64), 2.0), text="What moves?")
     asks = [about_video, _ask({"type": "image", "image": rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)}),
             [{"role": "user", "content": "Hi"}]]
@@ -195,12 +191,11 @@ def test_a_batch_a_chunked_prefill_and_the_prefix_cache_equal_the_single_answer(
         assert llm.chat(other, max_new_tokens=6, temperature=0).token_ids == again.token_ids
 
 
-def test_bad_videos_get_one_line_errors(qvl, tmp_path):
+def test_bad_videos_get_one_line_errors(qvl, tmp_path, rng):
     from decodert.errors import DecodertError
     from decodert.runtime.vision.images import ImageLimits
 
     llm, _, _ = qvl
-    rng = np.random.default_rng()
     frames = clip(rng, 4, 32, 32)
     bad = {
         "a non-empty list of frames": video_part([]),
@@ -227,7 +222,7 @@ def test_bad_videos_get_one_line_errors(qvl, tmp_path):
         llm.image_limits = limits
 
 
-def test_the_server_takes_frames_as_data_urls(qvl):
+def test_the_server_takes_frames_as_data_urls(qvl, rng):
     """OpenAI-style video_url parts whose url is a list of frame data URLs answer as llm.chat; a video file is a 400."""
     import base64
     import io
@@ -238,7 +233,7 @@ def test_the_server_takes_frames_as_data_urls(qvl):
     from serve_helpers import running
 
     llm, _, _ = qvl
-    frames = clip(np.random.default_rng(), 4, 48, 64)
+    frames = clip(rng, 4, 48, 64)
     expected = llm.chat(_ask(video_part(frames, 2.0)), max_new_tokens=5, temperature=0).text
     urls = []
     for f in frames:
@@ -261,7 +256,7 @@ def test_the_server_takes_frames_as_data_urls(qvl):
         assert e.value.code == 400 and b"video files are not decoded" in e.value.read()
 
 
-def test_a_model_without_video_refuses_it_in_one_line(tmp_path):
+def test_a_model_without_video_refuses_it_in_one_line(tmp_path, rng):
     """Idefics3 (SmolVLM) declares no video processor: a video part is refused; its images still work (Gemma 3's
     artifacts go the same way: no ``video`` in their processor settings)."""
     from tiny_vision import make_tiny_vlm
@@ -272,7 +267,6 @@ def test_a_model_without_video_refuses_it_in_one_line(tmp_path):
 
     export_model(make_tiny_vlm(tmp_path / "hf"), tmp_path / "art", target="ort", dtype="fp32", max_seq=512,
                  progress=False)
-    rng = np.random.default_rng()
     with LLM.load(tmp_path / "art", backend="ort") as llm:
         assert llm.vision is not None and llm.vision.video is None
         with pytest.raises(DecodertError, match="takes no video") as e:
@@ -282,7 +276,7 @@ def test_a_model_without_video_refuses_it_in_one_line(tmp_path):
         assert llm.chat(_ask(img), max_new_tokens=2, temperature=0).token_ids
 
 
-def test_cli_video_flag_and_repl_video_command(qvl, tmp_path, capsys):
+def test_cli_video_flag_and_repl_video_command(qvl, tmp_path, capsys, rng):
     import json
 
     from decodert.cli import build_parser
@@ -290,7 +284,7 @@ def test_cli_video_flag_and_repl_video_command(qvl, tmp_path, capsys):
     from decodert.cli.generate import answer
 
     llm, _, _ = qvl
-    frames = clip(np.random.default_rng(), 4, 48, 64)
+    frames = clip(rng, 4, 48, 64)
     folder = tmp_path / "clip"
     folder.mkdir()
     for k, f in enumerate(frames):  # written out of order: read back by name
@@ -345,12 +339,11 @@ def test_the_artifact_records_the_video_processor(qvl):
 
 
 @pytest.mark.parametrize("mode,resample", [("bicubic", 3), ("bilinear", 2)])
-def test_the_frame_resize_is_torchs_uint8_kernel_exactly(mode, resample):
+def test_the_frame_resize_is_torchs_uint8_kernel_exactly(mode, resample, rng):
     """torchvision resizes a uint8 video tensor on the CPU with torch's native antialiased uint8 kernel (bicubic;
     bilinear on AVX2 / arm64): runtime/vision/qwen_video.py's numpy version gives the same bytes, down and up."""
     from decodert.runtime.vision.qwen_video import resize
 
-    rng = np.random.default_rng()
     for h, w, H, W in [(70, 50, 64, 48), (333, 517, 112, 176), (20, 30, 48, 64), (7, 9, 32, 32), (600, 40, 224, 28)]:
         frame = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         x = torch.from_numpy(frame).permute(2, 0, 1)[None].contiguous()

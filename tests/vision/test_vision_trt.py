@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import trt_emulator  # noqa: E402
+from seeds import rng_for
 from tiny_gemma3_vision import make_tiny_gemma3_vlm  # noqa: E402
 from tiny_vision import make_tiny_vlm  # noqa: E402
 
@@ -23,7 +24,7 @@ def artifact(request, tmp_path_factory):
     from decodert.export.pipeline import export_model
 
     root = tmp_path_factory.mktemp(f"trt-{request.param}")
-    hf = MAKERS[request.param](root / "hf", seed=int(np.random.default_rng().integers(1000)))
+    hf = MAKERS[request.param](root / "hf", seed=int(rng_for(request).integers(1000)))
     out = root / "trt"
     export_model(hf, out, target="trt", dtype="fp32", max_seq=512, max_batch=4, progress=False)
     trt_emulator.emulate_engines(out, scratch={"prefill": 8192, "decode": 4096, "verify": 16384, "vision": 4096})
@@ -39,11 +40,10 @@ def _ask(img, text="What is in this image?"):
     return [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": text}]}]
 
 
-def test_image_prompts_give_the_ort_backends_tokens(artifact, emulator):
+def test_image_prompts_give_the_ort_backends_tokens(artifact, emulator, rng):
     from decodert.runtime.llm import LLM
 
     _, trt = emulator
-    rng = np.random.default_rng()
     images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((70, 50), (64, 64), (100, 160))]
     asks = [_ask(img) for img in images] + [[{"role": "user", "content": "Hi"}]]
     with LLM.load(artifact, backend="ort") as ref, LLM.load(artifact, backend="trt") as llm:
@@ -81,13 +81,13 @@ def test_engines_take_the_image_inputs_with_tensorrt_rtx(family, tmp_path):
     assert [t["name"] for t in engines["vision"].io["outputs"]] == ["image_embeds"]
 
 
-def test_prefill_chunks_and_images(artifact, emulator):
+def test_prefill_chunks_and_images(artifact, emulator, rng):
     """Chunks shorter than an image: SmolVLM's causal image tokens give the same tokens chunk by chunk; a Gemma 3
     image, whose tokens see each other, must not be cut: a one-line error names the rebuild."""
     from decodert.errors import DecodertError
     from decodert.runtime.llm import LLM
 
-    img = np.random.default_rng().integers(0, 256, (70, 50, 3), dtype=np.uint8)
+    img = rng.integers(0, 256, (70, 50, 3), dtype=np.uint8)
     with LLM.load(artifact, backend="ort") as ref, LLM.load(artifact, backend="trt") as llm:
         llm.backend.max_prefill = 8  # the host staging was sized for the profile's longer chunks
         if llm.manifest.model.extra.get("bidirectional_images"):

@@ -49,6 +49,14 @@ def tiny_checkpoint(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def family_artifacts(tiny_checkpoint, tmp_path_factory):
+    """The battery's checkpoints, transformers models and fp32 exports (tests/helpers/battery.py), made once."""
+    from battery import Artifacts
+
+    return Artifacts(tiny_checkpoint, tmp_path_factory)
+
+
 def _gguf_in(folder: Path) -> Path | None:
     hits = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
     return hits[0] if hits else None

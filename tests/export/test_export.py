@@ -1,4 +1,6 @@
-"""Export parity: every family x every target against transformers, and the real SmolLM2 GGUF."""
+"""Export: greedy parity over 64 tokens, the graphs and the manifest, each target's ops, plugins, the CLI's bad inputs,
+atomic replacement; the real SmolLM2 GGUF against transformers (every tiny family x target: the battery,
+tests/helpers/battery.py)."""
 
 from __future__ import annotations
 
@@ -8,45 +10,25 @@ import sys
 
 import onnx
 import pytest
-import torch
-import transformers
 
 from decodert.cli import main as cli_main
 from decodert.export.artifact.manifest import load_manifest
 from decodert.export.pipeline import export_model
+from battery import Family
 from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts
-from tiny import FAMILIES
 
 TARGETS = ("ort", "trt", "portable")
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def exported(tiny_checkpoint, tmp_path_factory):
-    made = {}
-
+def exported(family_artifacts):
+    """(family, target) -> (its fp32 export, max_seq 128, max_batch 4; transformers' model): the battery's."""
     def get(family: str, target: str):
-        if (family, target) not in made:
-            src = tiny_checkpoint(family)
-            out = tmp_path_factory.mktemp(f"{family}-{target}") / "artifact"
-            export_model(src, out, target=target, dtype="fp32", max_seq=128, max_batch=4, progress=False)
-            model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-            made[family, target] = (out, model)
-        return made[family, target]
+        entry = Family(family)
+        return family_artifacts.artifact(entry, target), family_artifacts.model(entry)
 
     return get
-
-
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tiny_logits_match_transformers(exported, family, target):
-    out, model = exported(family, target)
-    # mistral's sliding window is 64: the long row crosses it
-    lengths = (70, 9, 33) if family == "mistral" else (11, 4, 7)
-    prompts = random_prompts(lengths, vocab=model.config.vocab_size)
-    refs = [hf_reference(model, p, 17) for p in prompts]
-    assert logits_parity(out, refs[:1], prompts[:1], steps=16) < TOL  # batch 1
-    assert logits_parity(out, refs, prompts, steps=16) < TOL  # ragged batch of 3
 
 
 @pytest.mark.parametrize("target", TARGETS)

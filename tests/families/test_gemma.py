@@ -1,8 +1,8 @@
 """Gemma 3 / Gemma 2 families: config and GGUF readings against transformers and llama.cpp's rules,
 multimodal checkpoint names, greedy tokens against transformers past the sliding window, soft-capping.
 
-The logits of every target are checked by the generic runner (test_export.py over tiny.FAMILIES);
-the TensorRT-RTX builds by test_trt_build.py.
+The battery (tests/helpers/battery.py) runs both: every target's logits and greedy tokens against
+transformers, batching, speculation, sessions, TensorRT-RTX builds and the emulated trt backend at fp16.
 """
 
 from __future__ import annotations
@@ -25,10 +25,15 @@ from decodert.export.quantize.quant import QuantConfig, dequantize, quantize
 from decodert.models import family_for
 from decodert.models.families.dense import gemma2, gemma3
 from decodert.models.spec import RopeSpec
+from battery import Family, Parity, Runtime, TrtBuild, TrtEmulator, attention_engines
 from parity import backend, decodert_greedy, hf_reference, logits_parity
 from tiny import gguf_meta, make_tiny_gguf, tiny_config
 
 GEMMAS = ("gemma3", "gemma2")
+
+
+class TestBattery(Parity, Runtime, TrtBuild, TrtEmulator):
+    entries = tuple(Family(f, trt_layers=attention_engines, emulator="fp16") for f in GEMMAS)
 
 
 def _spec(family: str, **overrides):

@@ -1,6 +1,9 @@
 """Gemma 4 text (E2B/E4B layout) against transformers: per-layer inputs, K/V shared by the last layers (fewer
 caches, not copies), double-wide MLPs on those layers, v norm, the layer scalar, proportional RoPE on the full
-layers, a final soft-cap; every target's logits, int4, TensorRT builds, speculation and batching."""
+layers, a final soft-cap. The battery (tests/helpers/battery.py): every target's logits and greedy tokens,
+batching, speculation, sessions, TensorRT-RTX builds (fp16 and int4); here: the spec, the caches kept, each
+declaration's effect, int4 and quantized caches, the trt backend over caches of two widths, the streamed
+per-layer table, an image-text checkpoint's text part."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import pytest
 import torch
 import transformers
 
-from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
+from battery import Family, Parity, Runtime, TrtBuild
+from parity import backend, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -28,10 +32,17 @@ from decodert.runtime.llm import LLM, Request  # noqa: E402
 TOL = 1e-4
 
 
+# the decode steps of the battery's parity cross the window of 4; int4 weights build on TensorRT-RTX too
+GEMMA4 = Family("gemma4", steps=12, trt_quants=(None, QuantConfig(bits=4, block_size=16, symmetric=True)))
+
+
+class TestBattery(Parity, Runtime, TrtBuild):
+    entries = (GEMMA4,)
+
+
 @pytest.fixture(scope="module")
-def model(tiny_checkpoint):
-    src = tiny_checkpoint("gemma4")
-    return src, transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+def model(family_artifacts):
+    return family_artifacts.source(GEMMA4), family_artifacts.model(GEMMA4)
 
 
 def test_spec_matches_transformers(model):
@@ -73,16 +84,10 @@ def test_what_cannot_be_mapped_is_refused_in_one_line(overrides, match):
 
 
 @pytest.mark.parametrize("target", ["ort", "portable", "trt"])
-def test_logits_and_greedy_match_transformers(model, tmp_path, target):
-    src, m = model
-    out = tmp_path / "a"
-    export_model(src, out, target=target, max_seq=64, max_batch=4, progress=False)
-    prompts = random_prompts((11, 4, 7))
-    refs = [hf_reference(m, p, 13) for p in prompts]  # decode steps cross the window of 4
-    assert logits_parity(out, refs[:1], prompts[:1], steps=12) < TOL
-    assert logits_parity(out, refs, prompts, steps=12) < TOL
-    assert decodert_greedy(backend(out), prompts, 13) == [toks for toks, _ in refs]
-    # fewer caches, not copies: only layers 0-2 have K/V; layers 3 and 4 read 1's and 2's
+def test_only_the_layers_that_store_keep_a_cache(family_artifacts, target):
+    """Fewer caches, not copies: only layers 0-2 have K/V (the full one twice as wide); layers 3 and 4 read 1's and
+    2's (the battery's exports: their logits and tokens are transformers')."""
+    out = family_artifacts.artifact(GEMMA4, target)
     kv = load_manifest(out, verify="none").kv
     assert kv.num_layers == 3 and kv.layers == (0, 1, 2) and kv.dims == (16, 16, 32)
     for kind in ("prefill", "decode", "verify"):
@@ -142,31 +147,6 @@ def test_int4_equals_the_dequantized_model_and_agrees_with_fp32(model, tmp_path)
     # chance is 1/512. The exact check above is the one that says the int4 graph computes what it should.
     print(f"int4 block 16 vs fp32, teacher-forced top-1 agreement: {agree}/{total}")
     assert agree / total >= 0.15
-
-
-def test_speculative_decoding_and_batching(model, tmp_path):
-    out = tmp_path / "a"
-    export_model(model[0], out, target="ort", max_seq=128, max_batch=4, progress=False)
-    llm = LLM.load(out, backend="ort")
-    rng = np.random.default_rng(5)
-    ps = [np.tile(rng.integers(3, 512, 5), 4), rng.integers(3, 512, 9), rng.integers(3, 512, 3)]
-    plain = [llm.generate(p, max_new_tokens=24).token_ids for p in ps]
-    assert plain[1] == hf_reference(model[1], ps[1], 24)[0]
-    assert [llm.generate(p, max_new_tokens=24, speculative="ngram").token_ids for p in ps] == plain
-    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=24), speculative="ngram") for p in ps])
-    assert [r.token_ids for r in batch] == plain
-
-
-@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4, block_size=16, symmetric=True)])
-def test_trt_builds(model, tmp_path, quant):
-    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
-    from decodert.export import trt_build
-
-    out = tmp_path / "t"
-    export_model(model[0], out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False, quant=quant)
-    engines = trt_build.build_engines(out, progress=False)
-    for rec in engines.values():  # K/V written by the 3 layers that keep a cache only
-        assert rec.layers["KV_CACHE_UPDATE"] == 6, rec.layers
 
 
 def test_shared_layers_read_a_quantized_cache_as_its_writer_stores_it(model, tmp_path):

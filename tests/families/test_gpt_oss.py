@@ -1,5 +1,7 @@
 """gpt-oss against transformers: attention sinks, sliding (window 4 here) / full layers, YaRN, biases, clamped
-SwiGLU experts; every target's logits, int4 experts, MXFP4 experts read exactly, TensorRT builds."""
+SwiGLU experts. The battery (tests/helpers/battery.py): every target's logits and greedy tokens, batching,
+speculation, sessions, TensorRT-RTX builds (fp16 and int4), the emulated trt backend; here: the spec and YaRN,
+the sinks' lowering, int4 experts, MXFP4 experts read exactly, GGUF, an int8 cache."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import pytest
 import torch
 import transformers
 
-from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
+from battery import Family, Parity, Runtime, TrtBuild, TrtEmulator
+from parity import hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -20,16 +23,40 @@ from decodert.export.quantize.mxfp4 import dequantize_mxfp4  # noqa: E402
 from decodert.export.quantize.quant import QuantConfig, dequantize, quantize  # noqa: E402
 from decodert.models.families.moe import gpt_oss  # noqa: E402
 from decodert.models.common import hf_rope  # noqa: E402
-from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
-from decodert.runtime.llm import LLM, Request  # noqa: E402
 
 TOL = 1e-4
 
 
+def sinks_engines(engines: dict, m, quant) -> None:
+    """Sinks: the decomposed attention (TensorRT's attention layer has none)."""
+    for name, rec in engines.items():
+        assert "ATTENTION_INPUT" not in rec.layers, (name, rec.layers)
+
+
+# the decode steps of the battery's parity cross the window of 4
+GPT_OSS = Family("gpt_oss", steps=12, trt_quants=(None, QuantConfig(bits=4, block_size=16, symmetric=True)),
+                 trt_layers=sinks_engines)
+
+
+class TestBattery(Parity, Runtime, TrtBuild, TrtEmulator):
+    entries = (GPT_OSS,)
+
+
 @pytest.fixture(scope="module")
-def model(tiny_checkpoint):
-    src = tiny_checkpoint("gpt_oss")
-    return src, transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+def model(family_artifacts):
+    return family_artifacts.source(GPT_OSS), family_artifacts.model(GPT_OSS)
+
+
+def test_the_sinks_ride_on_group_query_attention(family_artifacts):
+    """The ort graph (the battery's export) hands each layer's sinks to GroupQueryAttention's head_sink input."""
+    graph = onnx.load(family_artifacts.artifact(GPT_OSS, "ort") / "decode.onnx", load_external_data=False).graph
+    gqa = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and all(n.input[11].endswith(".sinks") for n in gqa)
+
+
+def test_sinks_have_no_plugin_kernel(model, tmp_path):
+    with pytest.raises(DecodertError, match="attention sinks has no CachedAttention plugin kernel"):
+        export_model(model[0], tmp_path / "p", target="trt", dtype="fp16", max_seq=64, progress=False, plugins="always")
 
 
 def test_spec_and_yarn_match_transformers(model):
@@ -48,34 +75,6 @@ def test_spec_and_yarn_match_transformers(model):
     explicit = hf_rope({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                             "original_max_position_embeddings": 64, "attention_factor": 0.5}})
     assert explicit.attention_factor == 0.5 and explicit.truncate
-
-
-@pytest.mark.parametrize("target", ["ort", "portable", "trt"])
-def test_logits_and_greedy_match_transformers(model, tmp_path, target):
-    src, m = model
-    out = tmp_path / "a"
-    export_model(src, out, target=target, max_seq=64, max_batch=4, progress=False)
-    prompts = random_prompts((11, 4, 7))
-    refs = [hf_reference(m, p, 13) for p in prompts]  # decode steps cross the window of 4
-    assert logits_parity(out, refs[:1], prompts[:1], steps=12) < TOL
-    assert logits_parity(out, refs, prompts, steps=12) < TOL
-    assert decodert_greedy(backend(out), prompts, 13) == [toks for toks, _ in refs]
-    graph = onnx.load(out / "decode.onnx", load_external_data=False).graph
-    if target == "ort":  # the sinks ride on GroupQueryAttention's head_sink input
-        gqa = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
-        assert len(gqa) == 2 and all(n.input[11].endswith(".sinks") for n in gqa)
-
-
-def test_speculative_decoding_and_batching(model, tmp_path):
-    out = tmp_path / "a"
-    export_model(model[0], out, target="ort", max_seq=128, max_batch=4, progress=False)
-    llm = LLM.load(out, backend="ort")
-    rng = np.random.default_rng(5)
-    ps = [np.tile(rng.integers(3, 512, 5), 4), rng.integers(3, 512, 9)]
-    plain = [llm.generate(p, max_new_tokens=24).token_ids for p in ps]
-    assert [llm.generate(p, max_new_tokens=24, speculative="ngram").token_ids for p in ps] == plain
-    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=24), speculative="ngram") for p in ps])
-    assert [r.token_ids for r in batch] == plain
 
 
 def test_int4_experts_equal_the_dequantized_model(model, tmp_path):
@@ -132,21 +131,6 @@ def test_mxfp4_experts_are_dequantized_exactly(model, tmp_path):
     export_model(folder, tmp_path / "out", target="ort", max_seq=64, progress=False)
     prompts = random_prompts((8,), 4)
     assert logits_parity(tmp_path / "out", [hf_reference(ref, p, 6) for p in prompts], prompts, steps=5) < TOL
-
-
-@pytest.mark.trt
-@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4, block_size=16, symmetric=True)])
-def test_trt_builds(model, tmp_path, quant):
-    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
-    from decodert.export import trt_build
-
-    out = tmp_path / "t"
-    export_model(model[0], out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False, quant=quant)
-    engines = trt_build.build_engines(out, progress=False)
-    for rec in engines.values():  # sinks: the decomposed attention (TensorRT's attention layer has none)
-        assert rec.layers["KV_CACHE_UPDATE"] == 4 and "ATTENTION_INPUT" not in rec.layers
-    with pytest.raises(DecodertError, match="attention sinks has no CachedAttention plugin kernel"):
-        export_model(model[0], tmp_path / "p", target="trt", dtype="fp16", max_seq=64, progress=False, plugins="always")
 
 
 @pytest.mark.parametrize("qtype", ["F32", "MXFP4"])

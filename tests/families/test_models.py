@@ -1,4 +1,7 @@
-"""Family files: config / GGUF metadata -> ModelSpec, weight tables, llama's GGUF row permutation."""
+"""Family files: config / GGUF metadata -> ModelSpec, weight tables, llama's GGUF row permutation; and the
+battery (tests/helpers/battery.py) of the llama-shaped families (llama, llama3, tied llama, mistral, qwen2, qwen3,
+phi3): every target's logits and greedy tokens against transformers, batching, speculation, sessions,
+TensorRT-RTX builds and the emulated trt backend at fp16."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from battery import Family, Parity, Runtime, TrtBuild, TrtEmulator, attention_engines
 from tiny import FAMILIES, HYBRIDS, MOE_FAMILIES, OWN_CONFIGS, gguf_meta, tiny_config  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -16,6 +20,12 @@ from decodert.models.canonical import canonical_names  # noqa: E402
 from decodert.models.spec import ModelSpec, RopeSpec  # noqa: E402
 
 MODULES = (llama, mistral, qwen2, qwen3, phi3)
+
+
+class TestBattery(Parity, Runtime, TrtBuild, TrtEmulator):
+    entries = tuple(Family(f, trt_layers=attention_engines, emulator="fp16",
+                           lengths=(70, 9, 33) if f == "mistral" else (11, 4, 7))  # the long row crosses mistral's window (64)
+                    for f in ("llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "phi3"))
 
 
 def hf(family: str, **overrides) -> ModelSpec:

@@ -1,6 +1,7 @@
-"""Mixture-of-experts (Qwen3-MoE) against transformers: the spec, the experts read one at a time, logits and
-greedy tokens of every target, int4 experts (exact against the dequantized model, and their agreement
-with fp32), batching and speculative decoding, TensorRT builds, and the one-line errors."""
+"""Mixture-of-experts (Qwen3-MoE) against transformers. The battery (tests/helpers/battery.py): logits and greedy
+tokens of every target, batching, speculation, sessions, TensorRT-RTX builds (fp16 and int4 experts), the
+emulated trt backend; here: the spec, the experts read one at a time, each target's ops, int4 experts (exact
+against the dequantized model, and their agreement with fp32), the memory check, GGUF, the one-line errors."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from battery import Family, Parity, Runtime, TrtBuild, TrtEmulator
 from parity import backend, decodert_greedy, hf_reference, logits_parity, random_prompts  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
@@ -23,24 +25,39 @@ from decodert.export.quantize.quant import QuantConfig, dequantize, quantize  # 
 from decodert.models.families.moe import qwen3_moe  # noqa: E402
 from decodert.plugins.ops.moe import moe_ref  # noqa: E402
 from decodert.runtime.backends import memory  # noqa: E402
-from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
-from decodert.runtime.llm import LLM, Request  # noqa: E402
-from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
 
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def moe(tiny_checkpoint):
-    src = tiny_checkpoint("qwen3_moe")
-    return src, transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+def experts_engines(engines: dict, m, quant) -> None:
+    """TensorRT-RTX builds the experts as standard layers (TopK, Gather, MatMul; int4 as block DEQUANTIZE), no
+    plugin."""
+    for name, rec in engines.items():
+        assert rec.layers["TOPK"] >= 2, (name, rec.layers)  # the router and the argmax
+        assert (rec.layers.get("DEQUANTIZE", 0) >= 2) == (quant is not None), (name, rec.layers)
+
+
+QWEN3_MOE = Family("qwen3_moe", trt_quants=(None, QuantConfig(bits=4, block_size=32, symmetric=True)),
+                   trt_layers=experts_engines)
+
+
+class TestBattery(Parity, Runtime, TrtBuild, TrtEmulator):
+    entries = (QWEN3_MOE,)
 
 
 @pytest.fixture(scope="module")
-def exported(moe, tmp_path_factory):
+def moe(family_artifacts):
+    return family_artifacts.source(QWEN3_MOE), family_artifacts.model(QWEN3_MOE)
+
+
+@pytest.fixture(scope="module")
+def exported(moe, family_artifacts, tmp_path_factory):
+    """(target, quant) -> the export (fp32 weights: the battery's, max_seq 128)."""
     made: dict = {}
 
     def get(target: str, quant: QuantConfig | None = None):
+        if quant is None:
+            return family_artifacts.artifact(QWEN3_MOE, target)
         key = (target, quant)
         if key not in made:
             out = tmp_path_factory.mktemp(f"moe-{target}") / "a"
@@ -133,15 +150,10 @@ def test_numpy_reference_equals_the_transformers_block(moe):
 
 
 @pytest.mark.parametrize("target", ["ort", "portable", "trt"])
-def test_logits_and_greedy_match_transformers(moe, exported, target):
-    _, model = moe
-    out = exported(target)
-    prompts = random_prompts((11, 4, 7))
-    refs = [hf_reference(model, p, 17) for p in prompts]
-    assert logits_parity(out, refs[:1], prompts[:1], steps=16) < TOL  # batch 1
-    assert logits_parity(out, refs, prompts, steps=16) < TOL  # ragged batch of 3
-    assert decodert_greedy(backend(out), prompts, 17) == [toks for toks, _ in refs]
-    ops = {n.op_type for n in onnx.load(out / "decode.onnx", load_external_data=False).graph.node}
+def test_the_experts_lower_to_each_targets_ops(exported, target):
+    """The ort graph runs the experts in ONNX Runtime's MoE op, the others as TopK, Gather and MatMuls (the battery's
+    exports: their logits and tokens are transformers')."""
+    ops = {n.op_type for n in onnx.load(exported(target) / "decode.onnx", load_external_data=False).graph.node}
     assert ("MoE" in ops) == (target == "ort") and ("TopK" in ops) == (target != "ort")
 
 
@@ -187,20 +199,6 @@ def test_int4_agrees_with_fp32_on_most_tokens(exported):
     assert rate >= 0.6, rate
 
 
-def test_batching_and_speculative_decoding(exported):
-    llm = LLM.load(exported("ort"), backend="ort")
-    rng = np.random.default_rng(4)
-    ps = [np.tile(rng.integers(3, 512, 6), 4), rng.integers(3, 512, 9), llm.encode("Hello world! How are you?")]
-    plain = [llm.generate(p, max_new_tokens=32).token_ids for p in ps]
-    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=32)) for p in ps])
-    assert [r.token_ids for r in batch] == plain
-    spec = [llm.generate(p, max_new_tokens=32, speculative="ngram").token_ids for p in ps]
-    assert spec == plain
-    fixed = SpeculativeConfig(adaptive=False, draft_len=4)
-    spec_batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=32), speculative=fixed) for p in ps])
-    assert [r.token_ids for r in spec_batch] == plain
-
-
 def test_export_streams_experts(moe, tmp_path, monkeypatch):
     """The export reads experts one at a time (Checkpoint.expert), never a layer's stack (Checkpoint.tensor)."""
     read = []
@@ -236,22 +234,6 @@ def test_block_size_must_divide_the_expert_width(moe, tmp_path):
         export_model(moe[0], tmp_path / "q", target="ort", max_seq=32, progress=False,
                      quant=QuantConfig(bits=4, block_size=64))
     assert not (tmp_path / "q").exists()
-
-
-@pytest.mark.trt
-@pytest.mark.parametrize("quant", [None, QuantConfig(bits=4, block_size=32, symmetric=True)])
-def test_trt_builds(moe, tmp_path, quant):
-    """TensorRT-RTX parses and builds the experts as standard layers (TopK, Gather, MatMul; int4 as
-    block DEQUANTIZE), no plugin."""
-    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
-    from decodert.export import trt_build
-
-    out = tmp_path / "t"
-    export_model(moe[0], out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False, quant=quant)
-    engines = trt_build.build_engines(out, progress=False)
-    for rec in engines.values():
-        assert rec.layers["TOPK"] >= 2 and rec.layers["KV_CACHE_UPDATE"] == 4  # the router and the argmax
-        assert (rec.layers.get("DEQUANTIZE", 0) >= 2) == (quant is not None)
 
 
 def test_gguf_stacked_experts(tmp_path):

@@ -1,12 +1,11 @@
 """Qwen3.5 (Gated DeltaNet beside gated full attention): a hybrid whose linear layers keep a conv state
 and a recurrent state.
 
-Against transformers on a tiny random checkpoint with both layer kinds, prompts longer than the conv
-window and than a DeltaNet chunk (64 tokens): logits and greedy tokens for the ort, portable and trt graphs
-(the trt graph run by ONNX Runtime; and built by TensorRT-RTX),
-a ragged batch equal to the singles; then the runtime over the states: speculative equals plain, a
-session's turns equal re-prefill. A qwen3_5 folder's language model is read too (with images:
-tests/vision/test_vision_qwen3_5.py).
+The battery (tests/helpers/battery.py) on a tiny random checkpoint with both layer kinds, prompts longer than
+the conv window and than a DeltaNet chunk (64 tokens): logits and greedy tokens of the ort, portable and trt
+graphs against transformers, batching, speculation and sessions over the states, TensorRT-RTX builds and the
+emulated trt backend, the manifest's states, a GGUF in llama.cpp's layout. Here: the spec, and a qwen3_5
+folder's language model read (with images: tests/vision/test_vision_qwen3_5.py).
 """
 
 from __future__ import annotations
@@ -15,140 +14,13 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnx
-import pytest
-import torch
 
-from parity import (backend, check_continuous_batching, check_greedy, check_session_turns,  # noqa: E402
-                    check_speculation, check_trt_emulated, check_trt_engines, decodert_greedy, hf_reference,
-                    logits_parity, random_prompts)
-from tiny import make_tiny_checkpoint, tiny_config  # noqa: E402
+from battery import Family, LlamaCppGguf, Parity, Refused, Runtime, States, TrtBuild, TrtEmulator, recurrent_engines
+from parity import backend, decodert_greedy, hf_reference, random_prompts
+from tiny import tiny_config
 
-from decodert.errors import DecodertError  # noqa: E402
-from decodert.export.artifact.manifest import load_manifest  # noqa: E402
-from decodert.export.pipeline import export_model  # noqa: E402
-from decodert.models import family_for  # noqa: E402
-from decodert.runtime.llm import LLM  # noqa: E402
-
-MAX_SEQ = 112
-
-
-@pytest.fixture(scope="module")
-def qwen35(tmp_path_factory):
-    src = make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("qwen3_5-src"))
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    made: dict[str, Path] = {}
-
-    def get(target: str) -> Path:
-        if target not in made:
-            made[target] = tmp_path_factory.mktemp(f"qwen3_5-{target}")
-            export_model(src, made[target], target=target, dtype="fp32", max_seq=MAX_SEQ, max_batch=4,
-                         progress=False)
-        return made[target]
-
-    return src, model, get
-
-
-def test_spec_declares_the_layer_kinds_and_states():
-    spec = family_for("qwen3_5").spec_from_hf(tiny_config("qwen3_5"))
-    assert spec.layer_kinds == ("linear_attention", "attention", "linear_attention") and spec.kv_layers == (1,)
-    assert spec.conv_kernel == 4 and spec.qk_norm and spec.attn_output_gate and spec.rope.rotary_dim == 8
-    assert (spec.linear_key_heads, spec.linear_value_heads, spec.linear_key_dim, spec.linear_value_dim) == (2, 4, 16, 8)
-    assert spec.qkv_size == (2 * 4 + 2 * 2) * 32  # q, gate, k, v rows
-
-
-@pytest.mark.parametrize("target", ["ort", "portable", "trt"])
-def test_logits_and_greedy_match_transformers(qwen35, target):
-    _, model, get = qwen35
-    prompts = random_prompts((70, 5, 1))  # ragged; one longer than a DeltaNet chunk, one shorter than the conv window
-    refs = [hf_reference(model, p, 9) for p in prompts]
-    assert logits_parity(get(target), refs, prompts, steps=8) < 1e-4
-    check_greedy(get(target), prompts, refs, 9)
-
-
-def test_manifest_records_kinds_and_state_shapes(qwen35):
-    _, _, get = qwen35
-    m = load_manifest(get("ort"))
-    assert m.kv.layer_kinds == ("linear_attention", "attention", "linear_attention") and m.kv.layers == (1,)
-    channels = 2 * 2 * 16 + 4 * 8
-    assert [(s.layer, s.name, s.shape) for s in m.kv.states] == [
-        (0, "conv", ("batch", channels, 3)), (0, "recurrent", ("batch", 4, 8, 16)),
-        (2, "conv", ("batch", channels, 3)), (2, "recurrent", ("batch", 4, 8, 16))]
-    ops = {n.op_type for n in onnx.load(str(get("ort") / "decode.onnx"), load_external_data=False).graph.node}
-    assert {"GatedDeltaNet", "CausalConvWithState", "GroupQueryAttention"} <= ops
-    ops = {n.op_type for n in onnx.load(str(get("portable") / "prefill.onnx"), load_external_data=False).graph.node}
-    assert "Loop" in ops and not ops & {"GatedDeltaNet", "CausalConvWithState"}
-
-
-@pytest.mark.trt
-def test_trt_graphs_build_on_tensorrt_rtx(qwen35, tmp_path):
-    """TensorRT has layers for all of it: MatMuls for a decode step, an ILoop over the tokens in prefill;
-    fp16, with the recurrent state in float32."""
-    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
-    src, _, _ = qwen35
-    check_trt_engines(src, tmp_path / "fp16")
-
-
-def test_trt_backend_on_the_emulator(qwen35, monkeypatch):
-    """The trt backend binds both states of every linear layer like K/V (tests/helpers/trt_emulator.py runs the engines'
-    graphs on the CPU): the ort backend's tokens, continuous batching (rows end, slots move) and speculation."""
-    _, _, get = qwen35
-    art = get("trt")
-    check_trt_emulated(art, art, monkeypatch)
-
-
-def test_continuous_batching_equals_singles(qwen35):
-    """More requests (5) than slots (the artifact's max_batch 4): rows finish at different steps, new ones take
-    their slots, on the ort backend."""
-    _, _, get = qwen35
-    check_continuous_batching(LLM.load(get("ort"), backend="ort"))
-
-
-def test_speculative_equals_plain(qwen35):
-    _, _, get = qwen35
-    check_speculation(LLM.load(get("ort"), backend="ort"))
-
-
-def test_session_turns_equal_reprefill(qwen35):
-    _, _, get = qwen35
-    check_session_turns(LLM.load(get("ort"), backend="ort"))
-
-
-def test_multimodal_checkpoint_reads_the_language_model(qwen35, tmp_path):
-    """A qwen3_5 folder without a vision_config: text_config, model.language_model.* keys read, stray vision and MTP
-    keys skipped, the model text-only (with a vision_config it sees images: tests/vision/test_vision_qwen3_5.py)."""
-    from safetensors.numpy import load_file, save_file
-
-    src, model, _ = qwen35
-    text = json.loads((src / "config.json").read_text())
-    config = {"model_type": "qwen3_5", "text_config": {**text, "model_type": "qwen3_5_text"},
-              "tie_word_embeddings": False}
-    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
-               for k, v in load_file(src / "model.safetensors").items()}
-    tensors["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((3, 3), np.float32)
-    tensors["mtp.fc.weight"] = np.zeros((2, 2), np.float32)
-    mm = tmp_path / "mm"
-    mm.mkdir()
-    save_file(tensors, mm / "model.safetensors")
-    (mm / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (mm / name).write_text((src / name).read_text())
-    export_model(mm, tmp_path / "out", target="ort", dtype="fp32", max_seq=32, max_batch=1, progress=False)
-    prompt = random_prompts((9,))[0]
-    ref = hf_reference(model, prompt, 6)
-    assert decodert_greedy(backend(tmp_path / "out"), [prompt], 6) == [ref[0]]
-
-
-def test_unknown_layer_kind_is_one_line(tmp_path):
-    src = make_tiny_checkpoint("qwen3_5", tmp_path / "m")
-    config = json.loads((src / "config.json").read_text())
-    config["layer_types"] = ["linear_attention", "mamba_attention", "linear_attention"]
-    (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DecodertError, match="mamba_attention") as e:
-        export_model(src, tmp_path / "out", max_seq=32, progress=False)
-    assert "\n" not in str(e.value)
+from decodert.export.pipeline import export_model
+from decodert.models import family_for
 
 
 # ---- GGUF: llama.cpp's qwen35 files ------------------------------------------------------------------
@@ -212,23 +84,50 @@ def make_qwen35_gguf(src: Path, path: Path) -> Path:
     return path
 
 
-def test_gguf_as_llama_cpp_writes_it(tmp_path):
-    """A qwen35 GGUF in llama.cpp's layout: llama.cpp itself (llama-cpp-python) reads it as transformers' model
-    (so the layout is llama.cpp's), and decodert's export of it gives transformers' logits and tokens.
-    llama.cpp takes the value head dim to be the key head dim (as in every released Qwen3.5): Dv = Dk here."""
-    from transformers import AutoModelForCausalLM
+CHANNELS = 2 * 2 * 16 + 4 * 8  # the conv over q, k (2 key heads of 16) and v (4 value heads of 8)
+QWEN35 = Family("qwen3_5", lengths=(70, 5, 1), steps=8,  # ragged; one longer than a DeltaNet chunk, one shorter than the conv
+                trt_layers=recurrent_engines, replays=True, kinds=("linear_attention", "attention", "linear_attention"), kv_layers=(1,),
+                states=tuple((i, name, shape) for i in (0, 2) for name, shape in (
+                    ("conv", ("batch", CHANNELS, 3)), ("recurrent", ("batch", 4, 8, 16)))),
+                ops=(("ort", "decode", frozenset({"GatedDeltaNet", "CausalConvWithState", "GroupQueryAttention"}), frozenset()),
+                     ("portable", "prefill", frozenset({"Loop"}), frozenset({"GatedDeltaNet", "CausalConvWithState"}))),
+                refused=(({"layer_types": ["linear_attention", "mamba_attention", "linear_attention"]}, "mamba_attention"),),
+                # llama.cpp takes the value head dim to be the key head dim (as in every released Qwen3.5): Dv = Dk
+                gguf=make_qwen35_gguf, gguf_overrides={"linear_value_head_dim": 16})
 
-    src = make_tiny_checkpoint("qwen3_5", tmp_path / "src", linear_value_head_dim=16)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    path = make_qwen35_gguf(src, tmp_path / "tiny-qwen35.gguf")
-    prompt = random_prompts((13,), seed=3)[0]
-    ref = hf_reference(model, prompt, 9)
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
-                          type_k=0, type_v=0)  # an F32 KV cache (its default F16 moves logits by 1e-3)
-    llm.eval(list(map(int, prompt)))
-    want = model(torch.tensor([list(map(int, prompt))])).logits[0, -1].detach().numpy()
-    assert np.abs(np.asarray(llm.scores[len(prompt) - 1]) - want).max() < 1e-3 * np.abs(want).max()
-    out = tmp_path / "out"
-    export_model(path, out, target="ort", dtype="fp32", max_seq=32, max_batch=1, progress=False)
-    assert logits_parity(out, [ref], [prompt], steps=8) < 1e-4
+
+class TestBattery(Parity, Runtime, TrtBuild, TrtEmulator, States, Refused, LlamaCppGguf):
+    entries = (QWEN35,)
+
+
+def test_spec_declares_the_layer_kinds_and_states():
+    spec = family_for("qwen3_5").spec_from_hf(tiny_config("qwen3_5"))
+    assert spec.layer_kinds == ("linear_attention", "attention", "linear_attention") and spec.kv_layers == (1,)
+    assert spec.conv_kernel == 4 and spec.qk_norm and spec.attn_output_gate and spec.rope.rotary_dim == 8
+    assert (spec.linear_key_heads, spec.linear_value_heads, spec.linear_key_dim, spec.linear_value_dim) == (2, 4, 16, 8)
+    assert spec.qkv_size == (2 * 4 + 2 * 2) * 32  # q, gate, k, v rows
+
+
+def test_multimodal_checkpoint_reads_the_language_model(family_artifacts, tmp_path):
+    """A qwen3_5 folder without a vision_config: text_config, model.language_model.* keys read, stray vision and MTP
+    keys skipped, the model text-only (with a vision_config it sees images: tests/vision/test_vision_qwen3_5.py)."""
+    from safetensors.numpy import load_file, save_file
+
+    src, model = family_artifacts.source(QWEN35), family_artifacts.model(QWEN35)
+    text = json.loads((src / "config.json").read_text())
+    config = {"model_type": "qwen3_5", "text_config": {**text, "model_type": "qwen3_5_text"},
+              "tie_word_embeddings": False}
+    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in load_file(src / "model.safetensors").items()}
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((3, 3), np.float32)
+    tensors["mtp.fc.weight"] = np.zeros((2, 2), np.float32)
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    save_file(tensors, mm / "model.safetensors")
+    (mm / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (mm / name).write_text((src / name).read_text())
+    export_model(mm, tmp_path / "out", target="ort", dtype="fp32", max_seq=32, max_batch=1, progress=False)
+    prompt = random_prompts((9,))[0]
+    ref = hf_reference(model, prompt, 6)
+    assert decodert_greedy(backend(tmp_path / "out"), [prompt], 6) == [ref[0]]

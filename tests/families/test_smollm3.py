@@ -1,7 +1,8 @@
 """SmolLM3: layers without RoPE (NoPE) and the template's thinking switch.
 
-Logits of every target against transformers, the GGUF reader and the TensorRT build are the generic
-runners' (tests/export/test_export.py, test_checkpoint_gguf.py, test_trt_build.py over tiny.FAMILIES).
+The battery (tests/helpers/battery.py): every target's logits and greedy tokens against transformers, batching,
+speculation, sessions, TensorRT-RTX builds and the emulated trt backend at fp16; the GGUF reader:
+tests/export/test_checkpoint_gguf.py over tiny.FAMILIES.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from battery import Family, Parity, Runtime, TrtBuild, TrtEmulator, attention_engines
 from fake_backend import scripted_llm  # noqa: E402
 from parity import hf_reference, logits_parity  # noqa: E402
 from tiny import tiny_config  # noqa: E402
@@ -22,6 +24,10 @@ from decodert.export.checkpoints import checkpoint_hf  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.models.families.dense import smollm3  # noqa: E402
 from decodert.models.spec import rope_table_of, rope_tables  # noqa: E402
+
+
+class TestBattery(Parity, Runtime, TrtBuild, TrtEmulator):
+    entries = (Family("smollm3", trt_layers=attention_engines, emulator="fp16"),)
 
 
 def test_nope_layers_from_the_interval_or_the_list():

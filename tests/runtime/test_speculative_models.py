@@ -1,7 +1,8 @@
-"""Speculative decoding on exported models: tiny random checkpoints of every family and SmolLM2.
+"""Speculative decoding on exported models: tiny random checkpoints and SmolLM2.
 
 Greedy speculative output must be token-for-token the plain greedy output of the same artifact
-(itself checked against transformers in tests/export/test_export.py), at batch 1 and batch 4.
+(itself checked against transformers by the battery), at batch 1 and batch 4; every tiny family's
+greedy identity is the battery's (tests/helpers/battery.py, Runtime).
 """
 
 from __future__ import annotations
@@ -12,15 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiny import FAMILIES  # noqa: E402
+from battery import GROUNDED
 
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
-
-GROUNDED = ("Fix the spelling: 'The quick brown fox jumsp over the lazzy dog.' Corrected: "
-            "'The quick brown fox jumps over the lazy dog.'")
 
 
 def prompts(llm: LLM) -> list[np.ndarray]:
@@ -28,24 +26,6 @@ def prompts(llm: LLM) -> list[np.ndarray]:
     repeat = rng.integers(3, llm.backend.vocab_size, 6)
     return [llm.encode("Hello world! How are you today?"), llm.encode(GROUNDED),
             np.tile(repeat, 4), rng.integers(3, llm.backend.vocab_size, 9)]
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_identical_every_family(tiny_checkpoint, tmp_path, family):
-    out = tmp_path / "art"
-    export_model(tiny_checkpoint(family), out, target="ort", max_seq=128, max_batch=4, progress=False)
-    llm = LLM.load(out, backend="ort")
-    ps = prompts(llm)
-    plain = [llm.generate(p, max_new_tokens=48) for p in ps]
-    spec = [llm.generate(p, max_new_tokens=48, speculative="ngram") for p in ps]
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    fixed = SpeculativeConfig(adaptive=False, draft_len=6)
-    batch = llm.generate_many([Request(p, SamplingParams(max_new_tokens=48), speculative=fixed) for p in ps])
-    assert [r.token_ids for r in batch] == [r.token_ids for r in plain]
-    assert max(r.metrics.accepted_per_step for r in batch) > 1.0  # some drafts were accepted
-    tail = [llm.generate(p, max_new_tokens=200, speculative=fixed) for p in ps[2:]]  # into max_seq (or eos)
-    want = [llm.generate(p, max_new_tokens=200) for p in ps[2:]]
-    assert [(r.token_ids, r.finish_reason) for r in tail] == [(r.token_ids, r.finish_reason) for r in want]
 
 
 def test_sampling_runs_on_a_real_model(tiny_checkpoint, tmp_path):

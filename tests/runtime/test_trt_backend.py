@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import trt_emulator  # noqa: E402
-from tiny import FAMILIES  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
@@ -190,25 +189,6 @@ def test_prefix_cache_reuses_device_blocks(trt_artifact, emulator):
             if name == "trt":
                 assert llm.prefix_cache is not None and llm.prefix_cache.stats.hit_tokens >= 32
     assert got["trt"] == got["ort"]
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_fp16(tiny_checkpoint, tmp_path, emulator, family):
-    """fp16 engines (the trt default) of every family: the ort backend's tokens on the same graphs,
-    plainly and with speculation at batch 2 (one verify call for both rows)."""
-    from decodert.runtime.speculation.speculative import SpeculativeConfig
-
-    out = tmp_path / "art"
-    export_model(tiny_checkpoint(family), out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False)
-    trt_emulator.emulate_engines(out)
-    rng = np.random.default_rng(2)
-    with LLM.load(out, backend="ort") as ref, LLM.load(out, backend="trt") as llm:
-        ps = [np.tile(rng.integers(3, ref.backend.vocab_size, 5), 3), rng.integers(3, ref.backend.vocab_size, 9)]
-        want = [ref.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps]
-        assert [llm.generate(p, max_new_tokens=20, temperature=0).token_ids for p in ps] == want
-        fixed = SpeculativeConfig(adaptive=False, draft_len=6)
-        reqs = [Request(p, SamplingParams(max_new_tokens=20, temperature=0), speculative=fixed) for p in ps]
-        assert [r.token_ids for r in llm.generate_many(reqs)] == want
 
 
 def test_decodert_verify_command(trt_artifact, emulator, capsys):

@@ -38,7 +38,7 @@ def make_checkpoint(path: Path) -> Path:
     import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
     from tiny_gemma3_vision import CHAT_TEMPLATE, SPECIAL, TOKENS, make_tokenizer
 
     tok = make_tokenizer()

@@ -86,7 +86,7 @@ def hf_checkpoint(name: str, cache: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "helpers"))
     from tiny import make_tokenizer
 
     shape = SHAPES[name]

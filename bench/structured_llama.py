@@ -4,7 +4,7 @@
 
 ART is a decodert artifact exported from GGUF; llama.cpp (llama-cpp-python, run in its own
 interpreter as a worker process) loads GGUF itself and constrains with
-``LlamaGrammar.from_json_schema``. Every schema of tests/structured_schemas.py runs greedy and
+``LlamaGrammar.from_json_schema``. Every schema of tests/helpers/structured_schemas.py runs greedy and
 sampled (temperature 0.9, seed = schema index) at batch 1, with the same prompt tokens (decodert's
 chat template rendering, handed to llama.cpp's ``create_completion`` as ids: its
 ``create_chat_completion`` segfaults in llama-cpp-python 0.3.36 on this machine, with or without a
@@ -44,7 +44,7 @@ for line in sys.stdin:
 
 
 def requests(max_new_tokens: int) -> list[dict]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
     from structured_schemas import SCHEMAS
 
     return [{"name": name, "schema": schema, "temperature": t, "seed": i, "max_new_tokens": max_new_tokens,

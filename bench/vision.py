@@ -45,11 +45,11 @@ VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num
 
 
 def make_checkpoint(path: Path, splitting: bool) -> Path:
-    """A random SmolVLM-256M-shaped Idefics3 checkpoint with tests/tiny_vision.py's tokenizer layout."""
+    """A random SmolVLM-256M-shaped Idefics3 checkpoint with tests/helpers/tiny_vision.py's tokenizer layout."""
     import torch
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
     from tiny_vision import CHAT_TEMPLATE, make_vlm_tokenizer
 
     tok = make_vlm_tokenizer()
@@ -117,11 +117,11 @@ VISUAL_SHARD = "model-visual.safetensors"
 
 def make_qwen_checkpoint(path: Path, depth_frac: float, kind: str = "qwen2_5_vl") -> Path:
     """A random Qwen2.5-VL-3B- or Qwen3.5-0.8B-shaped checkpoint (depths x ``depth_frac``), written shard by shard
-    in bf16 (the model is built on the meta device: no fp32 copy in memory), with tests/tiny_qwen_vl.py's tokenizer."""
+    in bf16 (the model is built on the meta device: no fp32 copy in memory), with tests/helpers/tiny_qwen_vl.py's tokenizer."""
     import torch
     from safetensors.torch import save_file
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
     from tiny_qwen_vl import CHAT_TEMPLATE, make_tokenizer
 
     tok = make_tokenizer()

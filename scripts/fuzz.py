@@ -3,8 +3,8 @@
     python scripts/fuzz.py                          # 2,000 hypothesis examples per target
     python scripts/fuzz.py --examples 20000 --targets gguf,safetensors --out /tmp/fuzz
 
-The same mutators and targets as tests/test_fuzz.py (which runs a few dozen examples per target in
-the default test run), from tests/fuzz_harness.py: each example damages one file of a small
+The same mutators and targets as tests/project/test_fuzz.py (which runs a few dozen examples per target in
+the default test run), from tests/helpers/fuzz_harness.py: each example damages one file of a small
 pristine sample (truncation, bit flips, interesting integers, header-field and JSON-tree edits,
 ONNX external-data locations) and runs the loader a user would hit, in a worker subprocess with a
 time limit and an address-space limit. Every example must end "ok" (harmless damage) or "error"
@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402

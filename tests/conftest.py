@@ -10,10 +10,29 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py importable as `tiny`
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # tests/helpers/tiny.py importable as `tiny`, from every folder
 
+from seeds import repeat_line, rng_for  # noqa: E402
 from tiny import make_tiny_checkpoint  # noqa: E402
 
+
+def pytest_report_header(config):
+    return repeat_line()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Every failure says which seed its random inputs came from (tests/helpers/seeds.py)."""
+    report = yield
+    if report.failed:
+        report.sections.append(("decodert test seed", repeat_line()))
+    return report
+
+
+@pytest.fixture
+def rng(request):
+    """A numpy Generator for this test's fresh random inputs, seeded from the run's seed and the test's id."""
+    return rng_for(request)
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +47,14 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def family_artifacts(tiny_checkpoint, tmp_path_factory):
+    """The battery's checkpoints, transformers models and fp32 exports (tests/helpers/battery.py), made once."""
+    from battery import Artifacts
+
+    return Artifacts(tiny_checkpoint, tmp_path_factory)
 
 
 def _gguf_in(folder: Path) -> Path | None:
@@ -94,7 +121,7 @@ def smollm2_reference(smollm2_hf_model):
 
 @pytest.fixture(scope="session")
 def samples(tmp_path_factory):
-    """Tiny artifacts and checkpoints for the damage tests (tests/fuzz_samples.py), made once per
+    """Tiny artifacts and checkpoints for the damage tests (tests/helpers/fuzz_samples.py), made once per
     session: copy one (see ``art``) before changing it."""
     from fuzz_samples import make_samples
 

@@ -237,7 +237,7 @@ def write_gather_tables(writer, name: str, qw: QuantizedWeight, wq: WeightQuant,
     points with the same rank as the data (one unpacked zero point per block); these copies are
     small (a 1/32 of the weights' element count). A symmetric weight gets none: without them
     GatherBlockQuantized takes the midpoint of uint8 data, 8 for 4 bits and 128 for 8 bits
-    (ONNX Runtime 1.32; tests/test_gguf_transcode.py checks it against numpy).
+    (ONNX Runtime 1.32; tests/export/test_gguf_transcode.py checks it against numpy).
     """
     from onnx import TensorProto
 

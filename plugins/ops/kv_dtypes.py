@@ -11,7 +11,7 @@
 A quantized cache has one float32 scale per layer, per K and V, per (kv head, channel):
 ``kv_scale.key.{i}`` / ``kv_scale.value.{i}`` [1, Hkv, 1, D], calibrated at export
 (export/quantize/kv_calibrate.py). The int8 and int4 codes are exactly what ONNX Runtime's
-GroupQueryAttention writes with ``k_quant_type=PER_CHANNEL`` (checked in tests/test_kv_dtype.py), so
+GroupQueryAttention writes with ``k_quant_type=PER_CHANNEL`` (checked in tests/export/test_kv_dtype.py), so
 its graphs and the standard-op bodies below (the portable target, ort's verify graph) share one cache.
 """
 

@@ -20,7 +20,7 @@ run with the KV tensors bound at that run's first row; a row whose right-padded 
 end of its context runs alone (runtime/backends/trt/engine.py). All contexts share one scratch buffer (they
 run one after another on one stream). Verify passes (speculative decoding): runtime/backends/trt/verify.py;
 images: the prefill engine's image inputs runtime/backends/trt/images.py, the vision engine trt_vision.py.
-Without a GPU, tests/trt_emulator.py runs all of this on the CPU.
+Without a GPU, tests/helpers/trt_emulator.py runs all of this on the CPU.
 """
 
 from __future__ import annotations

@@ -1,0 +1,17 @@
+"""Two tools, their schemas and a tiny template that renders them: the tool-calling cases of the API tests
+(tests/chat/test_tools.py) and the server tests (tests/serve/test_serve_tools.py) (test-only helper)."""
+
+# a tiny template that renders tools (HF's ``tools`` variable), assistant tool_calls and tool results
+TEMPLATE = ("{% if tools %}<|user|>tools: {{ tools | tojson }}\n{% endif %}"
+            "{% for m in messages %}<|user|>{{ m.role }}: {{ m.content }}"
+            "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>"
+            "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+THINKING = TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "unit": {"enum": ["c", "f"]}}, "required": ["city"]}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+USER = [{"role": "user", "content": "Weather in Paris?"}]

@@ -1,6 +1,6 @@
 """Model families: one small file each, looked up by HF `model_type` or GGUF `general.architecture`.
 
-A family file is any module in a group of ``models/families/`` (dense, moe, hybrid, vision) that declares
+A family file is any module of ``models/families/`` that declares
 ``MODEL_TYPES`` (config.json ``model_type`` values)
 and ``GGUF_ARCHITECTURES`` (GGUF ``general.architecture`` values); the registry below is built
 from those declarations, so adding a family is adding its file (docs/ARCHITECTURE.md).
@@ -40,7 +40,7 @@ def family_names() -> tuple[str, ...]:
 
 
 def family_for(model_type: str, source: str = "the checkpoint") -> ModuleType:
-    """The family module (``decodert.models.families.<group>.<family>``) for a model_type / GGUF architecture."""
+    """The family module (``decodert.models.families.<family>``) for a model_type / GGUF architecture."""
     module = registry().get(str(model_type).lower())
     if module is None:
         raise DecodertError(

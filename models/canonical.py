@@ -1,6 +1,6 @@
 """Canonical weights: the names and shapes the graph recipe reads, for any ModelSpec.
 
-Every family's checkpoint reader maps its keys onto these (models/families/<group>/<family>.py tables); the export writes
+Every family's checkpoint reader maps its keys onto these (models/families/<family>.py tables); the export writes
 them to weights.bin in this order and checks each tensor's shape against ``canonical_shape``.
 """
 

@@ -1,6 +1,6 @@
 """The frozen model description every other part of decodert reads.
 
-A family file (``models/families/dense/llama.py`` ...) turns a Hugging Face ``config.json`` dict or GGUF
+A family file (``models/families/llama.py`` ...) turns a Hugging Face ``config.json`` dict or GGUF
 metadata into a :class:`ModelSpec` and declares where each *canonical* weight comes from.
 Graph code only ever sees canonical names (``canonical_names`` in models/canonical.py), never checkpoint keys.
 Norm weights are canonical as the factor that multiplies: a checkpoint that stores ``w`` for a
@@ -21,7 +21,7 @@ from decodert.models.rope import RopeSpec  # defined in models/rope.py; imported
 class ModelSpec:
     """Everything the graph recipe needs about a decoder-only transformer."""
 
-    family: str  # models/families/<group>/<family>.py
+    family: str  # models/families/<family>.py
     vocab_size: int
     hidden_size: int
     intermediate_size: int

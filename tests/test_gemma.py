@@ -23,7 +23,7 @@ from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 from decodert.export.pipeline import export_model
 from decodert.export.quantize.quant import QuantConfig, dequantize, quantize
 from decodert.models import family_for
-from decodert.models.families.dense import gemma2, gemma3
+from decodert.models.families import gemma2, gemma3
 from decodert.models.spec import RopeSpec
 from parity import backend, decodert_greedy, hf_reference, logits_parity
 from test_models import gguf_meta

@@ -24,7 +24,7 @@ from decodert.export.checkpoints import checkpoint_hf  # noqa: E402
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.export.quantize.quant import QuantConfig, dequantize, quantize  # noqa: E402
-from decodert.models.families.dense import gemma4  # noqa: E402
+from decodert.models.families import gemma4  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 

@@ -21,7 +21,7 @@ from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa:
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.export.quantize.mxfp4 import dequantize_mxfp4  # noqa: E402
 from decodert.export.quantize.quant import QuantConfig, dequantize, quantize  # noqa: E402
-from decodert.models.families.moe import gpt_oss  # noqa: E402
+from decodert.models.families import gpt_oss  # noqa: E402
 from decodert.models.common import hf_rope  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402

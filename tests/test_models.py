@@ -14,7 +14,7 @@ from tiny import FAMILIES, HYBRIDS, MOE_FAMILIES, OWN_CONFIGS, tiny_config  # no
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.checkpoints.checkpoint import source_keys  # noqa: E402
 from decodert.models import family_for, family_names, registry  # noqa: E402
-from decodert.models.families.dense import llama, mistral, phi3, qwen2, qwen3  # noqa: E402
+from decodert.models.families import llama, mistral, phi3, qwen2, qwen3  # noqa: E402
 from decodert.models.canonical import canonical_names  # noqa: E402
 from decodert.models.spec import ModelSpec, RopeSpec  # noqa: E402
 

@@ -23,7 +23,7 @@ from decodert.export.checkpoints.checkpoint import Checkpoint  # noqa: E402
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.export.quantize.quant import QuantConfig, dequantize, quantize  # noqa: E402
-from decodert.models.families.moe import qwen3_moe  # noqa: E402
+from decodert.models.families import qwen3_moe  # noqa: E402
 from decodert.plugins.ops.moe import moe_ref  # noqa: E402
 from decodert.runtime.backends import memory  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402

@@ -23,7 +23,7 @@ from tiny import tiny_config  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.checkpoints import checkpoint_hf  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
-from decodert.models.families.dense import smollm3  # noqa: E402
+from decodert.models.families import smollm3  # noqa: E402
 from decodert.models.spec import rope_table_of, rope_tables  # noqa: E402
 
 

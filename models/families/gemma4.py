@@ -17,7 +17,7 @@ from typing import Any
 
 from decodert.errors import DecodertError
 from decodert.models.common import hf_rope, spec_from_hf_config
-from decodert.models.families.dense import gemma3
+from decodert.models.families import gemma3
 from decodert.models.spec import ModelSpec, RopeSpec
 
 MODEL_TYPES = ("gemma4_text", "gemma4")

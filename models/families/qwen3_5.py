@@ -20,7 +20,7 @@ What differs from Qwen3 (transformers' ``modeling_qwen3_5.py``):
   RMSNorm of the linear layers, which multiplies by w.
 
 With a ``vision_config`` (model_type qwen3_5: ``Qwen3_5ForConditionalGeneration``) the model sees images, and what
-it declares is Qwen3-VL's (models/families/vision/qwen3_vl.py) less deepstack:
+it declares is Qwen3-VL's (models/families/qwen3_vl.py) less deepstack:
 - the tower is ``qwen3_vit`` (transformers' Qwen3_5VisionModel is Qwen3VLVisionModel without its deepstack
   mergers: learned positions resampled per image, LayerNorm + GELU-tanh blocks, the 2x2 merger with its
   LayerNorm before the merge), so ``VisionSpec.deepstack`` is empty and the prefill takes no deepstack rows;
@@ -43,7 +43,7 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.models.common import gguf_key, hf_rope, partial_rotary_factor, spec_from_gguf_meta, spec_from_hf_config
-from decodert.models.families.vision import qwen3_vl
+from decodert.models.families import qwen3_vl
 from decodert.models.spec import ModelSpec
 from decodert.models.vision import VisionSpec
 

@@ -6,7 +6,7 @@ interleaved M-RoPE whose first layers add the tower's earlier features at the im
                  num_position_embeddings, deepstack_visual_indexes, gelu_pytorch_tanh); image_token_id
     weights      model.language_model.*, model.visual.*, lm_head.* (``sanitize``: as Qwen2.5-VL's)
 
-What differs from Qwen2.5-VL (models/families/vision/qwen2_5_vl.py), declared here and built by the shared recipes:
+What differs from Qwen2.5-VL (models/families/qwen2_5_vl.py), declared here and built by the shared recipes:
 ``ModelSpec.mrope_interleaved`` (plugins/ops/mrope.py), ``deepstack_layers`` (the prefill graph's deepstack_embeds
 input, export/lowering/graph.py), and the ``qwen3_vit`` tower (export/lowering/vision_qwen.py).
 """
@@ -17,8 +17,8 @@ import dataclasses
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import qwen3
-from decodert.models.families.vision.qwen2_5_vl import sanitize, text_config
+from decodert.models.families import qwen3
+from decodert.models.families.qwen2_5_vl import sanitize, text_config
 from decodert.models.spec import ModelSpec
 from decodert.models.vision import VisionSpec
 
@@ -69,7 +69,7 @@ VIDEO_DEFAULTS: dict[str, Any] = dict(
 
 
 def video_processor(config: dict) -> dict[str, Any]:
-    """As Qwen2.5-VL's (models/families/vision/qwen2_5_vl.py), with Qwen3-VL's sampling and timestamped slices."""
+    """As Qwen2.5-VL's (models/families/qwen2_5_vl.py), with Qwen3-VL's sampling and timestamped slices."""
     token = config.get("video_token_id")
     if not isinstance(token, int):
         raise DecodertError("config.json: a qwen3_vl model needs an integer 'video_token_id' for video")
@@ -100,7 +100,7 @@ def vision_from_hf(config: dict) -> VisionSpec:
 
 def tower_from_hf(v: dict, deepstack: tuple[int, ...]) -> VisionSpec:
     """The ``qwen3_vit`` tower of a complete vision_config ``v`` (defaults applied) whose layers ``deepstack`` feed
-    the text model (Qwen3.5's tower has none: models/families/hybrid/qwen3_5.py)."""
+    the text model (Qwen3.5's tower has none: models/families/qwen3_5.py)."""
     if v["hidden_act"] not in ("gelu_pytorch_tanh", "gelu_new") or v["in_channels"] != 3:
         raise DecodertError(f"config.json: vision_config hidden_act '{v['hidden_act']}' / in_channels "
                             f"{v['in_channels']} is not supported (gelu_pytorch_tanh over RGB)")

@@ -3,7 +3,7 @@ followed by a SwiGLU MLP (``shared_mlp``) and, in the MoE models, a mixture of e
 
 What differs from Llama (transformers' ``modeling_granitemoehybrid.py``):
 - ``layer_types``: "mamba" / "linear_attention" layers (``layer_kinds`` "mamba2": the Mamba2 mixer of
-  models/families/hybrid/nemotron_h.py, the same math) and "attention" / "full_attention" layers;
+  models/families/nemotron_h.py, the same math) and "attention" / "full_attention" layers;
 - attention: softmax scale ``attention_multiplier``; RoPE only with ``position_embedding_type`` "rope"
   (Granite 4.0-H has none: every layer reads the identity rotation);
 - embeddings x ``embedding_multiplier``, each mixer and MLP output x ``residual_multiplier`` before its residual
@@ -30,7 +30,7 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.models.common import gguf_key, spec_from_gguf_meta, spec_from_hf_config
-from decodert.models.families.hybrid import nemotron_h
+from decodert.models.families import nemotron_h
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("granitemoehybrid",)

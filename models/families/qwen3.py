@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import llama
+from decodert.models.families import llama
 from decodert.models.common import spec_from_gguf_meta, spec_from_hf_config
-from decodert.models.families.dense.qwen2 import reject_sliding_layers
+from decodert.models.families.qwen2 import reject_sliding_layers
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("qwen3",)

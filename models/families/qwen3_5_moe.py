@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE (transformers' ``qwen3_5_moe``): Qwen3.5 (models/families/hybrid/qwen3_5.py: Gated DeltaNet in
+"""Qwen3.5-MoE (transformers' ``qwen3_5_moe``): Qwen3.5 (models/families/qwen3_5.py: Gated DeltaNet in
 three of four layers, gated attention, the same Qwen3-VL tower without deepstack and interleaved M-RoPE with a
 vision_config) whose every MLP is a mixture of experts beside a gated shared expert.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.families.hybrid import qwen3_5
+from decodert.models.families import qwen3_5
 from decodert.models.spec import ModelSpec
 from decodert.models.vision import VisionSpec
 

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import qwen2
+from decodert.models.families import qwen2
 from decodert.models.spec import ModelSpec
 from decodert.models.vision import VisionSpec
 

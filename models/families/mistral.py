@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import llama
+from decodert.models.families import llama
 from decodert.models.common import gguf_key, spec_from_gguf_meta, spec_from_hf_config
 from decodert.models.spec import ModelSpec
 

@@ -5,7 +5,7 @@
                  ``image_token_id`` the ``<image>`` token the image embeddings replace
     weights      model.text_model.* (the Llama text model), model.vision_model.*, model.connector.*
 
-The text model is Llama's (models/families/dense/llama.py tables, keys renamed by ``sanitize``); the vision tower is
+The text model is Llama's (models/families/llama.py tables, keys renamed by ``sanitize``); the vision tower is
 declared by ``vision_from_hf`` and ``VISION_WEIGHTS`` (models/vision.py) and exported as vision.onnx.
 """
 
@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import llama
+from decodert.models.families import llama
 from decodert.models.spec import ModelSpec
 from decodert.models.vision import VisionSpec
 

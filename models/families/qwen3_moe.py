@@ -13,9 +13,9 @@ holds a layer's experts in float32 at once.
 from __future__ import annotations
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import qwen3
+from decodert.models.families import qwen3
 from decodert.models.common import gguf_key, spec_from_gguf_meta, spec_from_hf_config
-from decodert.models.families.dense.qwen2 import reject_sliding_layers
+from decodert.models.families.qwen2 import reject_sliding_layers
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("qwen3_moe",)

@@ -260,7 +260,7 @@ def test_export_and_build_every_family(tiny_checkpoint, tmp_path, family):
     for name, rec in engines.items():
         assert rec.layers["KV_CACHE_UPDATE"] == 2 * layers, (family, name)
         assert rec.layers["ROTARY_EMBEDDING"] == 2 * layers, (family, name)
-        if m.model.spec().attn_softcap is None:
+        if m.model.spec().attention.softcap is None:
             assert rec.layers["ATTENTION_INPUT"] == layers, (family, name)
         else:  # TensorRT's attention layer has no soft-capping: the decomposed body, no attention layer
             assert "ATTENTION_INPUT" not in rec.layers, (family, name)

@@ -30,8 +30,8 @@ def reject_sliding_layers(config: dict) -> None:
 
 def spec_from_hf(config: dict) -> ModelSpec:
     reject_sliding_layers(config)
-    return spec_from_hf_config("qwen2", config, qkv_bias=True)
+    return spec_from_hf_config("qwen2", config, attention={"qkv_bias": True})
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
-    return spec_from_gguf_meta("qwen2", meta, qkv_bias=True)
+    return spec_from_gguf_meta("qwen2", meta, attention={"qkv_bias": True})

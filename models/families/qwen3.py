@@ -29,8 +29,8 @@ def spec_from_hf(config: dict) -> ModelSpec:
     if config.get("attention_bias"):
         raise DecodertError("attention_bias=true is not supported for qwen3")
     reject_sliding_layers(config)
-    return spec_from_hf_config("qwen3", config, qk_norm=True)
+    return spec_from_hf_config("qwen3", config, attention={"qk_norm": True})
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
-    return spec_from_gguf_meta("qwen3", meta, qk_norm=True)
+    return spec_from_gguf_meta("qwen3", meta, attention={"qk_norm": True})

@@ -143,7 +143,7 @@ class Vision:
             from decodert.runtime.backends.ort.session import open_session
 
             session = open_session(Path(backend.dir) / v.graph.file, backend._options, backend._providers)
-        token = manifest.model.extra.get("image_token_id")
+        token = manifest.model.images.token_id if manifest.model.images is not None else None
         vision = cls(session, VisionSpec.from_dict(dict(v.spec)), dict(v.processor), int(token),
                      NUMPY_DTYPES[manifest.dtype])
         backend.images = vision.store

@@ -56,15 +56,15 @@ def check_contract(m: Manifest, path: Path, kinds: tuple[str, ...]) -> None:
               f"kv.num_layers {m.kv.num_layers} does not match graphs.{kind}.inputs")
         bound = runtime_io(m)
         _check_tensors(listed, bound, path, f"graphs.{kind}", "kv/max_seq/model.vocab_size")
-        if kind == "prefill" and m.model.extra.get("image_token_id") is not None:
+        images = m.model.images
+        if kind == "prefill" and images is not None:
             bound.update(image_embeds=(m.dtype, ["image_tokens", m.model.hidden_size]),
                          image_positions=("int64", ["image_tokens"]))
-            if m.model.extra.get("bidirectional_images"):
+            if images.bidirectional:
                 bound["image_ahead"] = ("int64", ["image_tokens"])
-            if m.model.extra.get("deepstack_layers"):
-                bound["deepstack_embeds"] = (m.dtype, [m.model.extra["deepstack_layers"], "image_tokens",
-                                                       m.model.hidden_size])
-        if m.model.extra.get("mrope_section"):  # M-RoPE: every graph takes the 3-D position offsets
+            if images.deepstack_layers:
+                bound["deepstack_embeds"] = (m.dtype, [images.deepstack_layers, "image_tokens", m.model.hidden_size])
+        if m.model.mrope is not None:  # M-RoPE: every graph takes the 3-D position offsets
             bound["rope_offsets"] = ("int64", [3, "batch", "seq" if kind != "decode" else 1])
         if kind == "prefill" and g.verifies_rows:
             _check_per_position(m, listed, path)
@@ -103,7 +103,7 @@ def check_verify(m: Manifest, path: Path) -> None:
     bound.pop("seq_lengths"), bound.pop("logits"), bound.pop("next_token")
     bound["seq_logits"] = ("fp32", ["batch", "seq", m.model.vocab_size])
     bound["next_tokens"] = ("int64", ["batch", "seq"])
-    if m.model.extra.get("mrope_section"):
+    if m.model.mrope is not None:
         bound["rope_offsets"] = ("int64", [3, "batch", "seq"])
     listed = g.io()
     _check_tensors(listed, bound, path, "graphs.verify", "kv/max_seq/model.vocab_size")

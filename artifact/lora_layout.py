@@ -51,10 +51,12 @@ PEFT_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def part_rows(spec: ModelSpec, target: str) -> dict[str, int]:
     """Output rows of each part of ``target``, in row order."""
-    if spec.layer_head_dims or spec.mlp_sizes or spec.kv_sources:
+    n = spec.num_layers
+    if (not spec.uniform_head_dim or len({spec.mlp_size(i) for i in range(n) if spec.has_mlp(i)}) > 1
+            or any(spec.kv_source(i) != i for i in range(n))):
         raise DecodertError(f"LoRA adapters are not supported for {spec.family}: its layers differ in shape "
                             "(per-layer head dims, MLP widths or shared K/V)")
-    q, kv, inter, h = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size, spec.hidden_size
+    q, kv, inter, h = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.mlp_size(0), spec.hidden_size
     rows = {"qkv": (q, kv, kv), "o": (h,), "gate_up": (inter, inter), "down": (h,)}[target]
     return dict(zip(TARGET_PARTS[target], rows))
 

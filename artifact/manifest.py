@@ -27,6 +27,7 @@ from decodert.artifact.cache_records import KVRecord
 from decodert.artifact.records import R, Record, read_record, to_json
 from decodert.artifact.lora_layout import LoraLayout, LoraRecord
 from decodert.models.spec import ModelSpec
+from decodert.models.spec_v1 import upgrade_model
 from decodert.plugins.ops.kv_dtypes import KV_DTYPES
 
 FORMAT = "decodert-artifact"
@@ -65,8 +66,23 @@ class GraphRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class ImagesRecord(Record):
+    """The spec's image tokens (models/spec.py ``ImageTokens``): prefill takes image embeddings at their rows."""
+    token_id: int
+    deepstack_layers: int = 0
+    bidirectional: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MRopeRecord(Record):
+    section: tuple[int, ...]
+    interleaved: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelRecord(Record):
-    """The model spec (models/spec.py ``ModelSpec.to_dict()``); the fields below are typed, the rest kept in ``extra``."""
+    """The model spec (models/spec.py ``ModelSpec.to_dict()``); the fields below are typed, the rest (the layers by
+    kind) kept in ``extra``. A format-1 spec (one flat dict) is converted when the manifest is read."""
     vocab_size: int
     family: str | None = None
     hidden_size: int | None = None
@@ -76,10 +92,20 @@ class ModelRecord(Record):
     head_dim: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    images: ImagesRecord | None = None  # vision-language models
+    mrope: MRopeRecord | None = None  # M-RoPE models: every graph takes rope_offsets
 
     def spec(self) -> ModelSpec:
         """The whole ModelSpec the artifact was exported from (its fields beyond these are in ``extra``)."""
         return ModelSpec.from_dict(to_json(self))
+
+    @property
+    def experts(self) -> tuple[int, int]:
+        """(experts, experts per token) of the first MoE layer; (0, 0) without experts."""
+        mlps = self.extra.get("mlps")
+        moe = next((m for m in mlps if isinstance(m, Mapping) and m.get("kind") == "moe"), None) \
+            if isinstance(mlps, (list, tuple)) else None
+        return (int(moe.get("num_experts") or 0), int(moe.get("experts_per_token") or 0)) if moe else (0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +286,8 @@ def load_manifest(folder: Path | str, verify: str = "fast") -> Manifest:
 def parse_manifest(raw: Any, path: Path) -> Manifest:
     """Parsed JSON -> a validated Manifest; DecodertError names the file and the field."""
     _check_version(raw, path)
+    if isinstance(raw.get("model"), dict):  # an artifact exported before the layers were declared by kind
+        raw = {**raw, "model": upgrade_model(raw["model"])}
     try:
         m = read_record(Manifest, raw, "manifest")
     except DecodertError as e:
@@ -318,7 +346,7 @@ def validate(m: Manifest, path: Path) -> None:
     check_contract(m, path, GRAPHS)
     if m.vision is not None:
         _listed(m, m.vision.graph.file, path, "vision.graph.file")
-        need(m.model.extra.get("image_token_id") is not None, path, "vision needs model.image_token_id")
+        need(m.model.images is not None, path, "vision needs model.images (the image token)")
     if "verify" in m.graphs:
         _listed(m, m.graphs["verify"].file, path, "graphs.verify.file")
     check_verify(m, path)

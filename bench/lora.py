@@ -33,7 +33,7 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
-    q, kv, h, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, spec.intermediate_size
+    q, kv, h, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, spec.mlp_size(0)
     dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
             "up_proj": (h, inter), "down_proj": (inter, h)}  # (in, out)
     tensors = {}

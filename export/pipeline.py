@@ -17,7 +17,7 @@ import onnx
 
 from decodert.errors import DecodertError
 from decodert.export.artifact import destination
-from decodert.export.checkpoints.checkpoint import is_experts
+from decodert.export.checkpoints.checkpoint import is_experts, num_experts
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 from decodert.artifact.lora_layout import LoraLayout, LoraRecord
 from decodert.export.lora.merge import MergedCheckpoint
@@ -244,7 +244,7 @@ def _write_experts(w: WeightsWriter, ckpt, name: str, spec: ModelSpec, quant: Qu
     """A layer's experts [E, rows, in], read, converted (or quantized) and written one expert at a time:
     never the layer's experts in float32 at once (int4: the layer's quantized experts, 1/8 of that)."""
     shape = canonical_shape(spec, name)
-    experts = (ckpt.expert(name, j) for j in range(spec.num_experts))
+    experts = (ckpt.expert(name, j) for j in range(num_experts(spec, name)))
     if quant is None or not quant.applies_to(name):
         w.add_stacked(name, experts, dtype, shape)
         return None
@@ -309,7 +309,7 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, kv: KVDtype, max_s
         model=from_json(ModelRecord, spec.to_dict(), "model"), target=target, dtype=dtype,
         max_seq=max_seq, max_batch=max_batch, kv_dtype=kv.name,
         kv=KVRecord(num_layers=len(spec.kv_layers), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                    head_dims=spec.head_dims if spec.layer_head_dims else (),
+                    head_dims=() if spec.uniform_head_dim else spec.head_dims,
                     dtype=kv.storage, shape=("batch", spec.num_kv_heads, max_seq, kv.width(spec.head_dim)),
                     inplace=True, scales="per_channel" if kv.quantized else None, layer_kinds=spec.layer_kinds,
                     states=tuple(StateRecord(layer=st.layer, name=st.name, shape=("batch", *st.shape), dtype=st.dtype)

@@ -27,7 +27,7 @@ _KEYS = tuple(PROCESSOR_DEFAULTS)
 
 def vision_of(ckpt: Any) -> VisionSpec | None:
     """The checkpoint's vision tower, when its family declares one (HF folders only)."""
-    read = getattr(ckpt.family, "vision_from_hf", None)
+    read = ckpt.family.vision_from_hf
     return read(ckpt.config) if read is not None and getattr(ckpt, "config", None) is not None else None
 
 
@@ -99,7 +99,7 @@ def write_vision(ckpt: Any, vision: VisionSpec, weights: dict[str, onnx.TensorPr
     onnx.checker.check_model(str(path), full_check=True)
     graph = from_json(GraphRecord, {"file": VISION_FILE, **vision_contract(vision, dtype)}, "vision.graph")
     processor = family_settings(ckpt, vision)
-    declared = getattr(ckpt.family, "video_processor", None)
+    declared = ckpt.family.video_processor
     if declared is not None:  # families without one take no video (runtime/vision/encoder.py refuses it)
         processor["video"] = video_settings(Path(ckpt.source), declared(ckpt.config), vision)
     return VisionRecord(graph=graph, spec=vision.to_dict(), processor=processor)
@@ -137,7 +137,7 @@ def family_settings(ckpt: Any, vision: VisionSpec) -> dict[str, Any]:
     """The family's ``image_processor(preprocessor, processor, tokenizer_config, vision)`` over the folder's
     JSON files, when it declares one (its settings name their ``kind``: runtime/vision/encoder.py), else Idefics3's."""
     folder = Path(ckpt.source)
-    read = getattr(ckpt.family, "image_processor", None)
+    read = ckpt.family.image_processor
     if read is None:
         return processor_settings(folder, vision)
     try:

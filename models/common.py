@@ -1,4 +1,5 @@
-"""Helpers shared by the family files: config/metadata fields -> ModelSpec pieces.
+"""Helpers shared by the family files: config/metadata fields -> ModelSpec pieces (core settings, the
+attention and dense MLP most layers have, the layer count).
 
 Family files stay declarative; anything two families read the same way lives here.
 Errors carry no file name: ``open_checkpoint`` adds it.
@@ -6,13 +7,15 @@ Errors carry no file name: ``open_checkpoint`` adds it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.spec import ModelSpec, RopeSpec
+from decodert.models.layers import AttentionSpec, DenseMLPSpec, LayerSpec, MoESpec
+from decodert.models.spec import MAX_LAYERS, ModelSpec, RopeSpec
 
 # Config keys that mean "not a plain dense decoder" when set to a truthy value.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -102,20 +105,58 @@ def _req(source: dict, key: str, what: str) -> Any:
     return source[key]
 
 
-def spec_from_hf_config(family: str, config: dict, **extra: Any) -> ModelSpec:
-    """The fields every family reads the same way from config.json; `extra` overrides."""
-    reject_unsupported_hf(config, check_activation="activation" not in extra, check_moe="num_experts" not in extra)
+def layer_count(value: Any, what: str) -> int:
+    """A declared layer count, checked before any per-layer list is built from it (the checkpoint's tensors
+    bound it later, export/checkpoints/checkpoint.py ``build_spec``)."""
+    n = int(value)
+    if not 0 < n <= MAX_LAYERS:
+        raise DecodertError(f"{what} {n} must be 1..{MAX_LAYERS} layers")
+    return n
+
+
+def declared(cls: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``cls(*args, **kwargs)`` (a kind spec), its refusal of the settings as a one-line DecodertError."""
+    try:
+        return cls(*args, **kwargs)
+    except ValueError as e:
+        raise DecodertError(str(e)) from None
+
+
+def hf_layers(config: dict) -> int:
+    return layer_count(_req(config, "num_hidden_layers", "config.json"), "num_hidden_layers")
+
+
+def hf_attention(config: dict, **variants: Any) -> AttentionSpec:
+    """The attention of config.json's heads and head_dim; ``variants``: the family's AttentionSpec settings."""
     hidden = int(_req(config, "hidden_size", "config.json"))
     heads = int(_req(config, "num_attention_heads", "config.json"))
+    return declared(AttentionSpec, num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                    head_dim=int(config.get("head_dim") or hidden // heads), **variants)
+
+
+def hf_mlp(config: dict, **settings: Any) -> DenseMLPSpec:
+    """The dense MLP of config.json's intermediate_size; ``settings``: activation, gated."""
+    return declared(DenseMLPSpec, int(_req(config, "intermediate_size", "config.json")), **settings)
+
+
+Layers = Union[tuple[LayerSpec, ...], Callable[[int], LayerSpec], None]
+
+
+Part = Union[AttentionSpec, DenseMLPSpec, MoESpec, Mapping[str, Any], None]
+
+
+def spec_from_hf_config(family: str, config: dict, layers: Layers = None, *, attention: Part = None,
+                        mlp: Part = None, check_activation: bool = True, check_moe: bool = True,
+                        **core: Any) -> ModelSpec:
+    """The core settings every family reads the same way from config.json, ``core`` overriding, and the layers:
+    ``layers`` (a tuple, or layer index -> LayerSpec), else every layer ``attention`` then ``mlp`` (a spec, or the
+    settings ``hf_attention`` / ``hf_mlp`` add to config.json's sizes). ``check_activation`` / ``check_moe``:
+    refuse a non-SiLU hidden_act / MoE keys (a family that reads its own activation or experts turns them off)."""
+    reject_unsupported_hf(config, check_activation=check_activation, check_moe=check_moe)
     fields: dict[str, Any] = dict(
         family=family,
         vocab_size=int(_req(config, "vocab_size", "config.json")),
-        hidden_size=hidden,
-        intermediate_size=int(_req(config, "intermediate_size", "config.json")),
-        num_layers=int(_req(config, "num_hidden_layers", "config.json")),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
+        hidden_size=int(_req(config, "hidden_size", "config.json")),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope=hf_rope(config),
         max_position=int(config.get("max_position_embeddings", 4096)),
@@ -123,8 +164,13 @@ def spec_from_hf_config(family: str, config: dict, **extra: Any) -> ModelSpec:
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids(config.get("eos_token_id")),
     )
-    fields.update(extra)
-    return _build(fields)
+    fields.update(core)
+    if layers is None:
+        layer = LayerSpec(_part(attention, lambda **v: hf_attention(config, **v)), _part(mlp, lambda **v: hf_mlp(config, **v)))
+        layers = (layer,) * hf_layers(config)
+    elif callable(layers):
+        layers = tuple(declared(layers, i) for i in range(hf_layers(config)))
+    return _build({**fields, "layers": layers})
 
 
 def gguf_key(meta: dict, key: str, default: Any = ...) -> Any:
@@ -157,30 +203,58 @@ def gguf_rope(meta: dict, head_dim: int) -> RopeSpec:
     raise DecodertError(f"rope scaling '{kind}' is not supported yet")
 
 
-def spec_from_gguf_meta(family: str, meta: dict, **extra: Any) -> ModelSpec:
-    """The fields every family reads the same way from GGUF metadata; `extra` overrides."""
-    reject_unsupported_gguf(meta, check_moe="num_experts" not in extra)
+def gguf_layers(meta: dict) -> int:
+    return layer_count(gguf_key(meta, "block_count"), "block_count")
+
+
+def gguf_attention(meta: dict, **variants: Any) -> AttentionSpec:
+    """The attention of the metadata's heads and key length; ``variants``: the family's AttentionSpec settings."""
     hidden = int(gguf_key(meta, "embedding_length"))
     heads = int(gguf_key(meta, "attention.head_count"))
-    head_dim = int(gguf_key(meta, "attention.key_length", hidden // heads))
+    return declared(AttentionSpec, num_heads=heads, num_kv_heads=int(gguf_key(meta, "attention.head_count_kv", heads)),
+                    head_dim=int(gguf_key(meta, "attention.key_length", hidden // heads)), **variants)
+
+
+def gguf_mlp(meta: dict, **settings: Any) -> DenseMLPSpec:
+    return declared(DenseMLPSpec, int(gguf_key(meta, "feed_forward_length")), **settings)
+
+
+def spec_from_gguf_meta(family: str, meta: dict, layers: Layers = None, *, attention: Part = None,
+                        mlp: Part = None, check_moe: bool = True, **core: Any) -> ModelSpec:
+    """The core settings every family reads the same way from GGUF metadata, ``core`` overriding, and the layers
+    as ``spec_from_hf_config`` takes them (the parts' defaults: ``gguf_attention``, ``gguf_mlp``)."""
+    reject_unsupported_gguf(meta, check_moe=check_moe)
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
     fields: dict[str, Any] = dict(
         family=family,
         vocab_size=int(gguf_key(meta, "vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(gguf_key(meta, "feed_forward_length")),
-        num_layers=int(gguf_key(meta, "block_count")),
-        num_heads=heads,
-        num_kv_heads=int(gguf_key(meta, "attention.head_count_kv", heads)),
-        head_dim=head_dim,
+        hidden_size=int(gguf_key(meta, "embedding_length")),
         rms_norm_eps=f32(gguf_key(meta, "attention.layer_norm_rms_epsilon", 1e-6)),
-        rope=gguf_rope(meta, head_dim),
         max_position=int(gguf_key(meta, "context_length", 4096)),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids([e for e in eos if e is not None]),
     )
-    fields.update(extra)
-    return _build(fields)
+    if "rope" not in core:
+        fields["rope"] = gguf_rope(meta, gguf_attention(meta).head_dim)
+    fields.update(core)
+    if layers is None:
+        layer = LayerSpec(_part(attention, lambda **v: gguf_attention(meta, **v)), _part(mlp, lambda **v: gguf_mlp(meta, **v)))
+        layers = (layer,) * gguf_layers(meta)
+    elif callable(layers):
+        layers = tuple(declared(layers, i) for i in range(gguf_layers(meta)))
+    return _build({**fields, "layers": layers})
+
+
+def replace_attention(spec: ModelSpec, **changes: Any) -> ModelSpec:
+    """``spec`` with ``changes`` to the settings of every attention layer (the other layers as they are)."""
+    layers = tuple(dataclasses.replace(layer, mixer=dataclasses.replace(layer.mixer, **changes))
+                   if isinstance(layer.mixer, AttentionSpec) else layer for layer in spec.layers)
+    return dataclasses.replace(spec, layers=layers)
+
+
+def _part(part: Part, make: Callable[..., Any]) -> Any:
+    """A layer part as given, or made from the config with the given settings (none: the plain one)."""
+    return part if part is not None and not isinstance(part, Mapping) else make(**(part or {}))
 
 
 def _build(fields: dict[str, Any]) -> ModelSpec:

@@ -1,6 +1,6 @@
 """The frozen description of a vision tower + projector (``vision.onnx``), beside the text ``ModelSpec``.
 
-A vision-language family (models/families/vision/idefics3.py) declares ``vision_from_hf(config) -> VisionSpec`` and
+A vision-language family (models/families/idefics3.py) declares ``vision_from_hf(config) -> VisionSpec`` and
 ``VISION_WEIGHTS`` (canonical vision name -> checkpoint key). The text model's ``ModelSpec`` carries
 only ``image_token_id``: the token whose embedding rows the image embeddings replace in prefill.
 

@@ -58,8 +58,7 @@ def bytes_per_step(artifact_dir: Path, manifest: Manifest, rows: int = 1) -> int
     import onnx
 
     graph = onnx.load(str(artifact_dir / manifest.graphs["decode"].file), load_external_data=False).graph
-    spec = manifest.model.extra
-    experts, active = int(spec.get("num_experts") or 0), int(spec.get("experts_per_token") or 0)
+    experts, active = manifest.model.experts
     uses: dict[str, list[tuple[str, int]]] = {}
     for node in graph.node:
         for pos, name in enumerate(node.input):

@@ -21,21 +21,21 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from decodert.errors import DecodertError, first_line
 from decodert.export.lowering.semantics import check_finite, check_spec
+from decodert.models.family import Family
+from decodert.models.layers import MoESpec
 from decodert.models.spec import ModelSpec
-from decodert.models.canonical import canonical_names, canonical_shape
+from decodert.models.canonical import canonical_names, canonical_shape, fused_rows
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # What a family's spec_from_* raises on a value of the wrong type or range (metadata is untrusted).
 _BAD_VALUE = (TypeError, ValueError, OverflowError, ZeroDivisionError, KeyError, IndexError, AttributeError)
-_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-             "max_position")
+_POSITIVE = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_position")
 
 
 def one_line(e: BaseException) -> str:
@@ -51,8 +51,9 @@ def build_spec(make: Callable[[], ModelSpec], where: Path | str, n_tensors: int)
     """
     try:
         spec = make()
-        for name in _POSITIVE:
-            value = getattr(spec, name)
+        sizes = [(name, getattr(spec, name)) for name in _POSITIVE]
+        sizes += [("intermediate_size", m.size) for m in {spec.dense_mlp(i) for i in range(spec.num_layers)} - {None}]
+        for name, value in sizes:
             if not isinstance(value, int) or value < 1:
                 raise DecodertError(f"{name} {value!r} must be a positive integer")
     except DecodertError as e:
@@ -93,6 +94,14 @@ def is_experts(name: str) -> bool:
     return ".experts." in name
 
 
+def num_experts(spec: ModelSpec, name: str) -> int:
+    """The experts of canonical weight ``name``'s layer (of the model's first MoE layer for any other name; 0: none)."""
+    parts = name.split(".")
+    mlp = spec.mlp(int(parts[1])) if parts[0] == "layers" and len(parts) > 2 and parts[1].isdigit() else None
+    moe = mlp if isinstance(mlp, MoESpec) else spec.experts()
+    return moe.num_experts if moe is not None else 0
+
+
 def part_shapes(spec: ModelSpec, name: str, n_parts: int) -> list[tuple[int, ...]]:
     """Expected shape of each checkpoint part that is concatenated (axis 0) into `name`."""
     full = canonical_shape(spec, name)
@@ -101,9 +110,8 @@ def part_shapes(spec: ModelSpec, name: str, n_parts: int) -> list[tuple[int, ...
         return [(full[0] // n_parts, *full[1:])] * n_parts
     if n_parts == 1:
         return [full]
-    leaf = name.rsplit(".", 1)[-1]
     rest = full[1:]
-    rows = spec.fused_rows(leaf, int(name.split(".")[1]) if name.startswith("layers.") else 0)
+    rows = fused_rows(spec, name)
     if rows is not None and len(rows) == n_parts:
         return [(r, *rest) for r in rows]
     if full[0] % n_parts:
@@ -116,7 +124,7 @@ class Checkpoint:
 
     kind: str = "?"  # "hf" | "gguf"
 
-    def __init__(self, source: Path, spec: ModelSpec, family: ModuleType, table: dict) -> None:
+    def __init__(self, source: Path, spec: ModelSpec, family: Family, table: dict) -> None:
         """``spec`` must come from ``build_spec`` (checked against the file)."""
         self.source = source
         self.spec = spec
@@ -161,7 +169,7 @@ class Checkpoint:
         shape = self._shape(m.group(1))
         if len(shape) < 2 or int(m.group(2)) >= shape[0]:
             raise DecodertError(f"{self.source}: tensor '{m.group(1)}' {list(shape)} has no expert {m.group(2)}; "
-                                f"the config declares {self.spec.num_experts} experts")
+                                f"the config declares {num_experts(self.spec, key)} experts")
         return shape[1:]
 
     def _read_part(self, key: str) -> np.ndarray:
@@ -178,7 +186,7 @@ class Checkpoint:
         keys = source_keys(self.table, name)
         if not is_experts(name):
             return keys
-        return tuple(k for j in range(self.spec.num_experts) for k in expert_keys(keys, j))
+        return tuple(k for j in range(num_experts(self.spec, name)) for k in expert_keys(keys, j))
 
     def _parts(self, name: str) -> tuple[str, ...]:
         """Checkpoint keys of `name` (every expert's, for experts), after checking each exists with the expected shape."""
@@ -227,7 +235,7 @@ class Checkpoint:
         if name not in self._names:
             raise KeyError(f"'{name}' is not a canonical weight of this {self.spec.family} model")
         if is_experts(name):
-            return np.stack([self.expert(name, j) for j in range(self.spec.num_experts)])
+            return np.stack([self.expert(name, j) for j in range(num_experts(self.spec, name))])
         return self._fused(self._parts(name), interleave=False)
 
     def rows(self, name: str) -> Iterator[np.ndarray]:
@@ -265,12 +273,12 @@ class Checkpoint:
         (parts concatenated along axis 0: q|k|v), as a fresh float32 array."""
         template = re.sub(r"\.layers\.(\d+)\.", ".layers.{i}.", name)
         index = m.group(1) if (m := re.search(r"\.layers\.(\d+)\.", name)) else None
-        keys = self.family.VISION_WEIGHTS[template]
+        keys = self.family.vision_weights[template]
         keys = tuple(k.format(i=index) for k in ((keys,) if isinstance(keys, str) else keys))
         parts = [self._read(key) for key in keys]
         check_finite(parts, keys[0], self.source)
         w = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0), dtype=np.float32)
-        fix = getattr(self.family, "vision_fix", None)  # a family's stored layout -> the canonical one
+        fix = self.family.vision_fix  # a family's stored layout -> the canonical one
         w = np.ascontiguousarray(fix(name, w), dtype=np.float32) if fix is not None else w
         if len(shape) == 2 and w.ndim > 2 and w.shape[0] == shape[0] and w.size == math.prod(shape):
             w = w.reshape(shape)  # a conv kernel [C, ...window] read as a linear over its flattened window

@@ -52,12 +52,12 @@ class GGUFCheckpoint(Checkpoint):
         except DecodertError as e:
             raise DecodertError(f"{path}: {e}") from None
         arch = self.meta.get("general.architecture", "<missing general.architecture>")
-        family = family_for(arch, str(path))
+        self.family = family = family_for(arch, str(path))
         if "token_embd.weight" in self._tensors:  # vocab_size is optional metadata
             self.meta.setdefault(f"{arch}.vocab_size", self._shape("token_embd.weight")[0])
         spec = build_spec(lambda: self._spec_from_tensors(family.spec_from_gguf(self.meta), family), path,
                           len(self._tensors))
-        super().__init__(path, spec, family, family.GGUF_WEIGHTS)
+        super().__init__(path, spec, family, family.gguf_weights)
 
     def _spec_from_tensors(self, spec: Any, family: Any) -> Any:
         """Facts GGUF stores as tensors rather than metadata: tied output, rope frequency factors."""
@@ -65,7 +65,7 @@ class GGUFCheckpoint(Checkpoint):
         if "rope_factors_long.weight" in self._tensors:
             raise DecodertError("rope scaling 'longrope' is not supported yet")
         if "rope_freqs.weight" in self._tensors:
-            hook = getattr(family, "gguf_rope_freqs", None)
+            hook = family.gguf_rope_freqs
             if hook is None:
                 raise DecodertError(f"rope_freqs.weight is not supported for {spec.family}")
             spec = hook(spec, self.meta, self._read("rope_freqs.weight"))
@@ -81,7 +81,7 @@ class GGUFCheckpoint(Checkpoint):
         # GGUF lists ne[0] (the contiguous, inner dim) first: reversed = [out, in]. A family may say how a
         # stored shape reads canonically (qwen3_5: the conv's squeezed [C, K] is [C, 1, K]).
         shape = tuple(int(d) for d in reversed(self._tensor_info(key).shape.tolist()))
-        hook = getattr(getattr(self, "family", None), "gguf_shape", None)
+        hook = self.family.gguf_shape
         return hook(key, shape) if hook else shape
 
     def _check_key(self, key: str) -> gguf.GGMLQuantizationType:
@@ -109,7 +109,7 @@ class GGUFCheckpoint(Checkpoint):
         return np.array(w, dtype=np.float32).reshape(self._shape(key)[1:])
 
     def _fix(self, key: str, w: np.ndarray) -> np.ndarray:
-        fix = getattr(self.family, "gguf_fix", None)
+        fix = self.family.gguf_fix
         return fix(key, w, self.spec) if fix else w
 
     def _row_order(self, key: str) -> np.ndarray | None:
@@ -168,5 +168,5 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
     ckpt = GGUFCheckpoint(path)
     ckpt.validate()
     used = ckpt.used_keys() | {"rope_freqs.weight"}  # rope_freqs is read into the spec
-    check_tensors_used(ckpt._tensors, used, ckpt.spec.num_layers, path, getattr(ckpt.family, "GGUF_UNUSED", ()))
+    check_tensors_used(ckpt._tensors, used, ckpt.spec.num_layers, path, ckpt.family.gguf_unused)
     return ckpt

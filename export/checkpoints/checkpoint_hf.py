@@ -62,12 +62,12 @@ class HFCheckpoint(Checkpoint):
         self._files: dict[Path, SafetensorsFile] = {}
         stored = _index(folder) or self._single_file(folder)
         try:
-            self._where, self._stored = _sanitized(folder, stored, getattr(family, "sanitize", None))
+            self._where, self._stored = _sanitized(folder, stored, family.sanitize)
             spec = build_spec(lambda: family.spec_from_hf(self.config), config_path, len(self._where))
         except DecodertError:
             self.close()
             raise
-        super().__init__(folder, spec, family, family.HF_WEIGHTS)
+        super().__init__(folder, spec, family, family.hf_weights)
         try:
             self.packed_format = packed_format(self.config, str(config_path))  # GPTQ / AWQ linear layers
         except DecodertError:
@@ -164,7 +164,7 @@ class HFCheckpoint(Checkpoint):
         return used | {b + s for b in bases for s in quant_packed.SUFFIXES if b + s in self._where}
 
     def _fix(self, key: str, w: np.ndarray) -> np.ndarray:
-        fix = getattr(self.family, "hf_fix", None)
+        fix = self.family.hf_fix
         return fix(key, w, self.spec) if fix else w
 
     def close(self) -> None:
@@ -201,7 +201,7 @@ def open_hf(folder: Path) -> HFCheckpoint:
     ckpt = HFCheckpoint(folder)
     ckpt.validate()
     check_tensors_used(ckpt._where, ckpt.used_keys(), ckpt.spec.num_layers, folder,
-                       getattr(ckpt.family, "HF_UNUSED", ()), strict=False)  # layers past num_hidden_layers
+                       ckpt.family.hf_unused, strict=False)  # layers past num_hidden_layers
     return ckpt
 
 

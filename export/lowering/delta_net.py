@@ -1,4 +1,5 @@
-"""The "linear_attention" layer kind's token mixer (Qwen3.5's Gated DeltaNet), one recipe for every target.
+"""The "linear_attention" layer kind's lowering (models/layers/delta_net.py: Qwen3.5's Gated DeltaNet), one recipe
+for every target.
 
     h [T or B,S, hidden]
       |  linear_in (one GEMM: in_proj_qkv | z | b | a rows)
@@ -31,13 +32,13 @@ def single_token(g: GraphBuilder, inp: GraphInputs) -> bool:
     return False
 
 
-def delta_net_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
-                    linear: Callable[..., str]) -> str:
+def mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
+          linear: Callable[..., str]) -> str:
     """Gated DeltaNet over layer ``i``'s conv and recurrent states -> the out projection's output;
     ``linear(x, target)``: the layer's linears (graph._layer's, with each row's LoRA update)."""
-    p = f"layers.{i}."
-    hv, dv = spec.linear_value_heads, spec.linear_value_dim
-    kd, vd = spec.linear_key_heads * spec.linear_key_dim, hv * dv
+    p, s = f"layers.{i}.", spec.mixer(i)
+    hv, dv = s.value_heads, s.value_dim
+    kd, vd = s.key_heads * s.key_dim, hv * dv
     channels = 2 * kd + vd
     with g.scope("linear_attn"):
         with g.scope("in"):
@@ -49,13 +50,13 @@ def delta_net_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec:
                            for x, n in ((mixed, channels), (b, hv), (a, hv)))
         with g.scope("conv"):
             conv = low.causal_conv(g, g.op("Transpose", mixed, perm=[0, 2, 1]), p + "linear_conv", None,
-                                   (f"past_conv.{i}", f"present_conv.{i}"), inp.seq_lengths, channels=channels,
-                                   activation="silu")
+                                   (f"past_conv.{i}", f"present_conv.{i}"), inp.seq_lengths, s.kernel,
+                                   channels=channels, activation="silu")
             conv = g.op("Transpose", conv, perm=[0, 2, 1])  # [B, S, C]
         q, k, v = g.op("Split", conv, g.const([kd, kd, vd]), axis=-1, outputs=3)
         with g.scope("delta_rule"):
             y = low.gated_delta_net(g, (q, k, v, a, b), p + "linear_a_log", p + "linear_dt_bias",
-                                    (f"past_recurrent.{i}", f"present_recurrent.{i}"), inp.seq_lengths,
+                                    (f"past_recurrent.{i}", f"present_recurrent.{i}"), inp.seq_lengths, s,
                                     single=single_token(g, inp))
         with g.scope("gated_norm"):
             lead = [-1] if low.flat_tokens else [0, 0]

@@ -39,8 +39,8 @@ def widen(g: GraphBuilder, low: Any, ctx: Any, q: str, rotated: bool, gqa_out: s
     """``gqa_out`` [B,S,H*D], or, when the call holds image tokens, the attention under the widened mask.
     ``q`` [B,S,H*D]: rotated already when ``rotated`` (partial rotary), else roped here. ``ctx``: the
     GqaContext (positions, ahead, any_ahead, window, cos/sin caches)."""
-    s = low.spec
-    d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+    s = low.attn
+    d, h, hkv = low.head_dim, s.num_heads, s.num_kv_heads
     past_key, past_value, present_key, present_value = cache
     body = g.nested("image_attention")
     if not rotated:

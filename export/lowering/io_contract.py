@@ -54,15 +54,16 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
         {"name": "seq_logits", "dtype": "fp32", "shape": ["batch", "seq", spec.vocab_size]},
         {"name": "next_tokens", "dtype": "int64", "shape": ["batch", "seq"]},
     ]
-    if kind == "prefill" and spec.image_token_id is not None:
+    images = spec.images
+    if kind == "prefill" and images is not None:
         inputs += [{"name": "image_embeds", "dtype": dtype, "shape": ["image_tokens", spec.hidden_size]},
                    {"name": "image_positions", "dtype": "int64", "shape": ["image_tokens"]}]
-        if spec.bidirectional_images:
+        if images.bidirectional:
             inputs.append({"name": "image_ahead", "dtype": "int64", "shape": ["image_tokens"]})
-        if spec.deepstack_layers:  # Qwen3-VL: the vision tower's earlier features, added after the first layers
+        if images.deepstack_layers:  # Qwen3-VL: the vision tower's earlier features, added after the first layers
             inputs.append({"name": "deepstack_embeds", "dtype": dtype,
-                           "shape": [spec.deepstack_layers, "image_tokens", spec.hidden_size]})
-    if spec.mrope_section:  # M-RoPE (plugins/ops/mrope.py): position - cache index on each axis t, h, w
+                           "shape": [images.deepstack_layers, "image_tokens", spec.hidden_size]})
+    if spec.mrope is not None:  # M-RoPE (plugins/ops/mrope.py): position - cache index on each axis t, h, w
         inputs.append({"name": "rope_offsets", "dtype": "int64", "shape": [3, "batch", seq]})
     if per_position:
         inputs.append({"name": "per_position", "dtype": "int64", "shape": [1]})

@@ -49,6 +49,7 @@ from decodert.export.quantize.quant import quantized_embedding
 from decodert.export.quantize.weight_layouts import NBITS
 from decodert.artifact.weights import NUMPY_DTYPES
 from decodert.models.canonical import canonical_shape
+from decodert.models.layers import GatedDeltaNetSpec, Mamba2Spec, MoESpec
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class OrtLowering(Lowering):
     @property
     def use_gqa(self) -> bool:
         return not self.standard_attention and all(
-            self.spec.head_dim_of(i) % 16 == 0 for i in range(self.spec.num_layers))
+            self.spec.head_dim_of(i) % 16 == 0 for i in range(self.spec.num_layers))  # head_dim_of: the model's
+        # head_dim for a layer of another kind
 
     @property
     def batched_past(self) -> bool:
@@ -96,7 +98,7 @@ class OrtLowering(Lowering):
 
     def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
         if self.standard_attention:
-            return verify_attention.context(g, inp, self.spec.num_kv_heads, self.max_seq, window, self.mrope(g, inp))
+            return verify_attention.context(g, inp, self.attn.num_kv_heads, self.max_seq, window, self.mrope(g, inp))
         if not self.use_gqa:
             return super().context(g, inp, window)
         with g.scope("attn_context"):
@@ -104,7 +106,7 @@ class OrtLowering(Lowering):
             last = g.op("Sub", g.op("Add", inp.past_lengths, seq), g.const(np.int64(1)))
             total = g.op("Add", g.op("ReduceMax", inp.past_lengths, keepdims=0), seq)
             cos = sin = pos3 = None
-            if self.spec.mrope_section:  # M-RoPE: 3-D positions, q and k rotated before GQA (plugins/ops/mrope.py)
+            if self.spec.mrope is not None:  # M-RoPE: 3-D positions, q and k rotated before GQA (plugins/ops/mrope.py)
                 pos3 = mrope.positions3(g, inp.past_lengths, inp.input_ids)
             elif self.rotary_dim != self.head_dim:  # GQA rotates whole heads only: rotate before it
                 pos = g.op("Add", g.op("Unsqueeze", inp.past_lengths, g.const([1])),
@@ -162,7 +164,7 @@ class OrtLowering(Lowering):
         return g.op("Add", y, g.op("MatMul", sums, f"{weight}.mins"))
 
     def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
-                    seq_lengths: str, channels: int | None = None, activation: str = "none",
+                    seq_lengths: str, kernel: int, channels: int | None = None, activation: str = "none",
                     window: str | None = None) -> str:
         """com.microsoft.CausalConvWithState (activation fused) over Concat(past, x), its first K-1 outputs dropped.
 
@@ -171,7 +173,7 @@ class OrtLowering(Lowering):
         must have no reader besides the one node that precedes the write of present (the same
         buffer). So past is read by the Concat only, and present is taken per row as in the portable body."""
         past, present = state
-        k = self.spec.conv_kernel
+        k = kernel
         cat = cc.full_window(g, x, past)  # [B, C, K-1+S]
         if window:
             g.op("Identity", cat, outputs=[window])
@@ -180,17 +182,16 @@ class OrtLowering(Lowering):
         cc.next_state(g, cat, seq_lengths, k, present)
         return g.op("Slice", y, g.const([k - 1]), g.const([np.iinfo(np.int64).max]), g.const([2]))  # [B, C, S]
 
-    def moe(self, g: GraphBuilder, x: str, prefix: str, one_token_rows: bool) -> str:
+    def moe(self, g: GraphBuilder, x: str, prefix: str, s: MoESpec, one_token_rows: bool) -> str:
         """com.microsoft.MoE (float experts) or QMoE (block-quantized): softmax over the router logits,
         top-k, renormalised when the spec says so, SwiGLU experts with gate/up interleaved (the only
         fused layout ORT's CPU kernel takes, and the canonical one); x [B, S, hidden] as is."""
-        s = self.spec
         router_bias = prefix + "router_bias" if s.router_bias else None
         logits = g.op("Reshape", self.linear(g, x, prefix + "router", router_bias), g.const([-1, s.num_experts]))  # [T, E]
         gate_up, down = prefix + "experts.gate_up", prefix + "experts.down"
         b1, b2 = (gate_up + "_bias", down + "_bias") if s.expert_bias else ("", "")
         common: dict[str, Any] = dict(domain="com.microsoft", k=s.experts_per_token, activation_type="swiglu", swiglu_fusion=1,
-                      normalize_routing_weights=int(s.router_renormalize), swiglu_limit=s.swiglu_limit,
+                      normalize_routing_weights=int(s.renormalize), swiglu_limit=s.swiglu_limit,
                       activation_alpha=s.swiglu_alpha if s.swiglu_alpha != 1.0 else None,  # None: ORT's default
                       activation_beta=s.swiglu_beta or None)
         if gate_up not in self.quantized:
@@ -208,7 +209,7 @@ class OrtLowering(Lowering):
             return verify_attention.attention(g, self, ctx, qkv, cache, sinks)
         if not isinstance(ctx, GqaContext):
             return super().attention(g, ctx, qkv, cache, sinks)
-        s = self.spec
+        s, m = self.attn, self.spec.mrope
         past_key, past_value, present_key, present_value = cache
         quant: dict[str, Any] = {}
         extra = ["", "", sinks or ""]  # position_ids, attention_bias, head_sink (gpt-oss's attention sinks)
@@ -224,10 +225,10 @@ class OrtLowering(Lowering):
                          g.const([0, 0, n * d])) for x, n in ((q, h), (k, hkv)))
             qkv_in, rope = [q, k, v], ["", ""]
         elif ctx.mrope is not None:
-            d, h, hkv = s.head_dim, s.num_heads, s.num_kv_heads
+            d, h, hkv = self.head_dim, s.num_heads, s.num_kv_heads
             q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
             q, k = (g.op("MRotaryEmbedding", x, ctx.mrope, ctx.cos_cache, ctx.sin_cache, domain="com.microsoft",
-                         num_heads=n, mrope_section=list(s.mrope_section), mrope_layout=int(s.mrope_interleaved),
+                         num_heads=n, mrope_section=list(m.section), mrope_layout=int(m.interleaved),
                          rotary_embedding_dim=self.rotary_dim if self.rotary_dim != d else None)
                     for x, n in ((q, h), (k, hkv)))
             qkv_in, rope = [q, k, v], ["", ""]
@@ -240,13 +241,12 @@ class OrtLowering(Lowering):
         )
         if ctx.ahead is not None:  # bidirectional image tokens: GQA is causal only
             q = qkv_in[0] if ctx.cos is not None else g.op("Slice", qkv, g.const([0]),
-                                                          g.const([s.num_heads * s.head_dim]), g.const([2]))
+                                                          g.const([s.num_heads * self.head_dim]), g.const([2]))
             return image_attention.widen(g, self, ctx, q, ctx.cos is not None, y, cache, sinks)
         return y
 
     def gated_delta_net(self, g: GraphBuilder, qkvab: tuple[str, str, str, str, str], a_log: str, dt_bias: str,
-                        state: tuple[str, str], seq_lengths: str, single: bool = False) -> str:
-        s = self.spec
+                        state: tuple[str, str], seq_lengths: str, s: GatedDeltaNetSpec, single: bool = False) -> str:
         q, k, v, a, b = qkvab
         past, present = state
         if not single:  # padded tokens: softplus(-1e4 + dt_bias) = 0 -> decay 1; sigmoid(-1e4) = 0 -> beta 0
@@ -257,25 +257,24 @@ class OrtLowering(Lowering):
         # l2norm here, as transformers does (x * rsqrt(sum x^2 + 1e-6)): the kernel's qk_l2_norm uses another
         # epsilon, which moves small q/k heads by 1e-3
         t = NUMPY_DTYPES[self.dtype]
-        qn = l2norm_body(g, heads(q, s.linear_key_heads, s.linear_key_dim), t)
-        kn = l2norm_body(g, heads(k, s.linear_key_heads, s.linear_key_dim), t)
-        y, _ = g.op("GatedDeltaNet", qn, kn, heads(v, s.linear_value_heads, s.linear_value_dim),
+        qn = l2norm_body(g, heads(q, s.key_heads, s.key_dim), t)
+        kn = l2norm_body(g, heads(k, s.key_heads, s.key_dim), t)
+        y, _ = g.op("GatedDeltaNet", qn, kn, heads(v, s.value_heads, s.value_dim),
                     "", a, b, past, self.float32(g, a_log), self.float32(g, dt_bias), domain="com.microsoft",
                     outputs=[None, present], gate_activation="softplus", beta_activation="sigmoid", qk_l2_norm=0,
-                    scale=s.linear_key_dim ** -0.5)
-        return g.op("Reshape", y, g.const([0, 0, s.linear_value_heads * s.linear_value_dim]))
+                    scale=s.key_dim ** -0.5)
+        return g.op("Reshape", y, g.const([0, 0, s.value_heads * s.value_dim]))
 
     def mamba2_ssm(self, g: GraphBuilder, xdtbc: tuple[str, str, str, str], prefix: str, state: tuple[str, str],
-                   seq_lengths: str, single: bool = False) -> str:
+                   seq_lengths: str, s: Mamba2Spec, single: bool = False) -> str:
         """com.microsoft.LinearAttention, update_rule "gated" (plugins/ops/mamba2_ssm.py): query c, key b (each group's
         rows repeated for its heads), value dt x, log decay -exp(a_log) dt, scale 1; its state [B, H, N, Dh] is the
         bound buffer. dt and the rest in float32; the D skip added after."""
-        s = self.spec
         x, dt, b, c = (self.float32(g, v) for v in xdtbc)
         a_log, dt_bias, d = (self.float32(g, prefix + n) for n in ("mamba_a_log", "mamba_dt_bias", "mamba_d"))
-        h, n, dh = s.ssm_heads, s.ssm_state, s.ssm_head_dim
+        h, n, dh = s.heads, s.state, s.head_dim
         x4, value, log_decay = m2.gates(g, x, dt, a_log, dt_bias, "" if single else seq_lengths, heads=h, head_dim=dh)
-        key, query = (g.op("Reshape", m2.per_head(g, v, heads=h, groups=s.ssm_groups, state=n), g.const([0, 0, h * n]))
+        key, query = (g.op("Reshape", m2.per_head(g, v, heads=h, groups=s.groups, state=n), g.const([0, 0, h * n]))
                       for v in (b, c))
         y, _ = g.op("LinearAttention", query, key, g.op("Reshape", value, g.const([0, 0, h * dh])), state[0], log_decay,
                     domain="com.microsoft", outputs=[None, state[1]], update_rule="gated", q_num_heads=h,

@@ -28,6 +28,7 @@ from decodert.errors import DecodertError
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
+from decodert.models.layers import AttentionSpec
 from decodert.models.spec import ModelSpec
 from decodert.plugins.ops.cached_attention import attend_body, positions_and_visibility
 from decodert.plugins.ops.kv_dtypes import KVDtype
@@ -72,15 +73,16 @@ class TrtLowering(Lowering):
         if unknown:
             raise ValueError(f"no trt plugin lowering for {sorted(unknown)}; known: {PLUGIN_OPS}")
         self.plugins = tuple(op for op in PLUGIN_OPS if op in plugins)
-        if "CachedAttention" in self.plugins and spec.mrope_section:
+        attention = [a for a in (spec.mixer(i) for i in range(spec.num_layers)) if isinstance(a, AttentionSpec)]
+        if "CachedAttention" in self.plugins and spec.mrope is not None:
             raise DecodertError(f"{spec.family}'s M-RoPE has no CachedAttention plugin kernel; export it for a "
                                 "TensorRT with native attention layers (>= 10.15, --plugins never) or --target ort")
-        if "CachedAttention" in self.plugins and (self.softcap or spec.attn_sinks):
-            what = "soft-capping" if self.softcap else "sinks"
+        if "CachedAttention" in self.plugins and any(a.softcap or a.sinks for a in attention):
+            what = "soft-capping" if any(a.softcap for a in attention) else "sinks"
             raise DecodertError(f"{spec.family}'s attention {what} has no CachedAttention plugin kernel; "
                                 "export it for a TensorRT with native attention layers (>= 10.15, --plugins never) "
                                 "or for --target ort")
-        if "CachedAttention" in self.plugins and spec.bidirectional_images:
+        if "CachedAttention" in self.plugins and spec.images is not None and spec.images.bidirectional:
             raise DecodertError(f"{spec.family}'s bidirectional attention within an image has no CachedAttention "
                                 "plugin kernel; export it for a TensorRT with native attention layers (--plugins never)")
         if self.plugins:  # block DequantizeLinear (quantized weights) needs opset 21
@@ -122,7 +124,7 @@ class TrtLowering(Lowering):
 
     def attention(self, g: GraphBuilder, ctx: Any, qkv: str, cache: tuple[str, str, str, str],
                   sinks: str | None = None) -> str:
-        s = self.spec
+        s = self.attn
         past_key, past_value, present_key, present_value = cache
         d, h, hkv = self.head_dim, s.num_heads, s.num_kv_heads
         q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)

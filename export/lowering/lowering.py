@@ -19,6 +19,7 @@ from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.export.quantize.weight_layouts import QDQ, WeightLayout
 from decodert.artifact.weights import NUMPY_DTYPES
+from decodert.models.layers import AttentionSpec, GatedDeltaNetSpec, Mamba2Spec, MoESpec
 from decodert.models.spec import ModelSpec
 from decodert.models.canonical import canonical_shape
 from decodert.plugins.ops import cached_attention as ca
@@ -62,10 +63,16 @@ class Lowering:
         self.spec, self.dtype, self.max_seq = spec, dtype, max_seq
         self.kv = kv or KV_DTYPES[dtype]
         self.quant, self.quantized = quant, dict(quantized or {})
-        self.head_dim = spec.head_dim  # the layer's (for_layer): Gemma 4's full layers have another
-        self.rotary_dim = spec.rope.rotary_dim or spec.head_dim
-        self.scale = spec.softmax_scale
-        self.softcap = spec.attn_softcap or 0.0  # 0 = none (the ONNX / ORT attribute convention)
+        self._attend(spec.attention)
+
+    def _attend(self, attn: AttentionSpec | None) -> None:
+        """Take ``attn``'s settings: the attention the ops below lower (the first attention layer's by default;
+        ``for_layer`` gives each layer its own: Gemma 4's full layers have another head_dim)."""
+        self.attn = attn
+        self.head_dim = attn.head_dim if attn is not None else 0
+        self.rotary_dim = self.spec.rope.rotary_dim or self.head_dim
+        self.scale = attn.softmax_scale if attn is not None else 1.0
+        self.softcap = (attn.softcap or 0.0) if attn is not None else 0.0  # 0 = none (the ONNX / ORT convention)
 
     @property
     def batched_past(self) -> bool:
@@ -94,12 +101,12 @@ class Lowering:
         return self
 
     def for_layer(self, layer: int) -> "Lowering":
-        """The lowering of layer ``layer``'s attention: this one, or a copy with the layer's head_dim."""
-        d = self.spec.head_dim_of(layer)
-        if d == self.head_dim:
+        """The lowering of layer ``layer``: this one, or a copy with the layer's attention settings."""
+        attn = self.spec.mixer(layer)
+        if not isinstance(attn, AttentionSpec) or attn == self.attn:
             return self
         low = copy.copy(self)
-        low.head_dim, low.rotary_dim = d, self.spec.rope.rotary_dim or d
+        low._attend(attn)
         return low
 
     # ---- per-graph shared values -------------------------------------------------------------
@@ -115,10 +122,11 @@ class Lowering:
 
     def mrope(self, g: GraphBuilder, inp: GraphInputs) -> tuple[str, str] | None:
         """Per-token (cos, sin) [B,S,R/2] from the 3-D positions of an M-RoPE model (plugins/ops/mrope.py), else None."""
-        if not self.spec.mrope_section:
+        m = self.spec.mrope
+        if m is None:
             return None
         return mrope.mrope_tables(g, inp.past_lengths, inp.input_ids, inp.cos_cache, inp.sin_cache,
-                                  self.spec.mrope_section, self.spec.mrope_interleaved, NUMPY_DTYPES[self.dtype])
+                                  m.section, m.interleaved, NUMPY_DTYPES[self.dtype])
 
     # ---- ops ---------------------------------------------------------------------------------
     def embed(self, g: GraphBuilder, ids: str) -> str:
@@ -137,13 +145,13 @@ class Lowering:
         s = g.op("Add", residual, x)
         return self.rms_norm(g, s, weight), s
 
-    def activation(self, g: GraphBuilder, x: str) -> str:
-        """The MLP gate's activation (spec.activation), elementwise."""
-        if self.spec.activation == "gelu_tanh":
+    def activation(self, g: GraphBuilder, x: str, kind: str = "silu") -> str:
+        """An MLP gate's activation ``kind`` (models/layers/mlp.py ACTIVATIONS), elementwise."""
+        if kind == "gelu_tanh":
             if self.opsets.get("", 0) >= 20:
                 return g.op("Gelu", x, approximate="tanh")
             return gelu_tanh_body(g, x, self.dtype)
-        if self.spec.activation == "relu2":
+        if kind == "relu2":
             r = g.op("Relu", x)
             return g.op("Mul", r, r)
         return g.op("Mul", x, g.op("Sigmoid", x))  # silu
@@ -167,17 +175,16 @@ class Lowering:
             w = g.op("Slice", w, g.const([0]), g.const([k]), g.const([1]))
         return g.op("Gemm", x, w, *([bias] if bias else []), transB=1)
 
-    def moe(self, g: GraphBuilder, x: str, prefix: str, one_token_rows: bool) -> str:
-        """The MoE MLP of layer ``prefix`` (plugins/ops/moe.py) on x [T, hidden] -> [T, hidden].
+    def moe(self, g: GraphBuilder, x: str, prefix: str, s: MoESpec, one_token_rows: bool) -> str:
+        """The experts of layer ``prefix`` (plugins/ops/moe.py) on x [T, hidden] -> [T, hidden].
 
         ``one_token_rows`` (the decode graph) gathers the chosen experts' weights: it reads only
         those, and decoding is bound by the bytes read; prefill and verify compute every expert
         under a top-k mask, reading each expert once instead of copying k of them per token."""
-        s = self.spec
         logits = self.linear(g, x, prefix + "router", prefix + "router_bias" if s.router_bias else None)
-        weights, idx = moe_op.route(g, logits, s.experts_per_token, s.router_renormalize,
+        weights, idx = moe_op.route(g, logits, s.experts_per_token, s.renormalize,
                                     None if self.dtype == "fp32" else DTYPES[self.dtype])
-        ie = s.expert_intermediate_size
+        ie = s.expert_size
         gate_up, down = prefix + "experts.gate_up", prefix + "experts.down"
         glu = moe_op.SwiGlu(s.swiglu_limit, s.swiglu_alpha, s.swiglu_beta)
         biases = (gate_up + "_bias", down + "_bias") if s.expert_bias else None
@@ -212,8 +219,7 @@ class Lowering:
         bind one buffer to past and present.
         """
         past_key, past_value, present_key, present_value = cache
-        s = self.spec
-        d, h, hkv = self.head_dim, s.num_heads, s.num_kv_heads
+        d, h, hkv = self.head_dim, self.attn.num_heads, self.attn.num_kv_heads
         q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
         q4 = ca.rope_body(g, g.op("Reshape", q, g.const([0, 0, h, d])), ctx, d, self.rotary_dim)
         k4 = ca.rope_body(g, g.op("Reshape", k, g.const([0, 0, hkv, d])), ctx, d, self.rotary_dim)
@@ -239,17 +245,16 @@ class Lowering:
         values, so it runs after that layer wrote this call's K/V, and writes nothing. The reference body on
         every target (ONNX Runtime's GroupQueryAttention and TensorRT's KV update always append K/V)."""
         past_key, past_value, present_key, present_value = source
-        s = self.spec
-        d, h, hkv = self.head_dim, s.num_heads, s.num_kv_heads
+        d, h, hkv = self.head_dim, self.attn.num_heads, self.attn.num_kv_heads
         q4 = ca.rope_body(g, g.op("Reshape", q, g.const([0, 0, h, d])), ctx, d, self.rotary_dim)
         keys, values = self.kv_load(g, present_key, past_key), self.kv_load(g, present_value, past_value)
         return ca.attend_body(g, q4, keys, values, ctx.visible, num_heads=h, kv_heads=hkv, head_dim=d,
                               max_seq=self.max_seq, scale=self.scale, dtype=self.dtype, softcap=self.softcap)
 
     def causal_conv(self, g: GraphBuilder, x: str, weight: str, bias: str | None, state: tuple[str, str],
-                    seq_lengths: str, channels: int | None = None, activation: str = "none",
+                    seq_lengths: str, kernel: int, channels: int | None = None, activation: str = "none",
                     window: str | None = None) -> str:
-        """Depthwise causal conv over a rolling state: x [B, C, S] -> y [B, C, S]; ``weight`` [C, 1, K]
+        """Depthwise causal conv over a rolling state: x [B, C, S] -> y [B, C, S]; ``weight`` [C, 1, K], K = ``kernel``
         (plugins/ops/causal_conv.py, the op's definition):
 
             cat     = Concat(past [B, C, K-1], x)             the only reader of past
@@ -260,7 +265,7 @@ class Lowering:
         (the verify graph's per-position states, docs/SPECULATIVE.md).
         """
         past, present = state
-        k = self.spec.conv_kernel
+        k = kernel
         full = cc.full_window(g, x, past)
         if window:
             g.op("Identity", full, outputs=[window])
@@ -272,28 +277,26 @@ class Lowering:
         return g.op("Cast", y, to=DTYPES["bf16"]) if self.dtype == "bf16" else y
 
     def gated_delta_net(self, g: GraphBuilder, qkvab: tuple[str, str, str, str, str], a_log: str, dt_bias: str,
-                        state: tuple[str, str], seq_lengths: str, single: bool = False) -> str:
+                        state: tuple[str, str], seq_lengths: str, s: GatedDeltaNetSpec, single: bool = False) -> str:
         """The gated delta rule (plugins/ops/gated_delta_net.py) over the recurrent state [B, Hv, Dv, Dk] float32:
         q, k [B, S, Hk*Dk], v [B, S, Hv*Dv], a, b [B, S, Hv] -> y [B, S, Hv*Dv]. ``single``: S is 1 (no Loop)."""
-        s = self.spec
         q, k, v, a, b = qkvab
         past, present = state
         a_log, dt_bias = self.float32(g, a_log), self.float32(g, dt_bias)
         return gdn.gated_delta_net_body(g, q, k, v, a, b, a_log, dt_bias, past, seq_lengths, present,
-                                        hk=s.linear_key_heads, hv=s.linear_value_heads, dk=s.linear_key_dim,
-                                        dv=s.linear_value_dim, scale=s.linear_key_dim ** -0.5, dtype=self.dtype,
+                                        hk=s.key_heads, hv=s.value_heads, dk=s.key_dim,
+                                        dv=s.value_dim, scale=s.key_dim ** -0.5, dtype=self.dtype,
                                         single=single)
 
     def mamba2_ssm(self, g: GraphBuilder, xdtbc: tuple[str, str, str, str], prefix: str, state: tuple[str, str],
-                   seq_lengths: str, single: bool = False) -> str:
+                   seq_lengths: str, s: Mamba2Spec, single: bool = False) -> str:
         """The Mamba2 SSM (plugins/ops/mamba2_ssm.py) over the recurrent state [B, H, N, Dh] float32: x [B, S, H*Dh],
         dt [B, S, H], b, c [B, S, G*N] -> y [B, S, H*Dh] (with the D skip); weights ``prefix`` + mamba_a_log,
         mamba_dt_bias, mamba_d. ``single``: S is 1 (no Loop)."""
-        s = self.spec
         x, dt, b, c = xdtbc
         a_log, dt_bias, d = (self.float32(g, prefix + n) for n in ("mamba_a_log", "mamba_dt_bias", "mamba_d"))
-        return m2.mamba2_ssm_body(g, x, dt, b, c, a_log, dt_bias, d, state[0], seq_lengths, state[1], heads=s.ssm_heads,
-                                  head_dim=s.ssm_head_dim, groups=s.ssm_groups, state=s.ssm_state, dtype=self.dtype,
+        return m2.mamba2_ssm_body(g, x, dt, b, c, a_log, dt_bias, d, state[0], seq_lengths, state[1], heads=s.heads,
+                                  head_dim=s.head_dim, groups=s.groups, state=s.state, dtype=self.dtype,
                                   single=single)
 
     def float32(self, g: GraphBuilder, x: str) -> str:

@@ -1,4 +1,5 @@
-"""The "mamba2" layer kind's token mixer (Nemotron-H, Granite 4.0-H), one recipe for every target.
+"""The "mamba2" layer kind's lowering (models/layers/mamba2.py: Nemotron-H, Granite 4.0-H), one recipe for every
+target.
 
     h [T or B,S, hidden]
       |  mamba_in (one GEMM: z | x, B, C | dt rows)
@@ -22,17 +23,18 @@ import numpy as np
 
 from decodert.export.lowering.delta_net import single_token
 from decodert.export.lowering.lowering import GraphInputs, Lowering
+from decodert.models.layers import Mamba2Spec
 from decodert.models.spec import ModelSpec
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 
 
-def mamba2_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
-                 linear: Callable[..., str]) -> str:
+def mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
+          linear: Callable[..., str]) -> str:
     """Mamba2 over layer ``i``'s conv and recurrent states -> the out projection's output;
     ``linear(x, target)``: the layer's linears (graph._layer's, with each row's LoRA update)."""
-    p = f"layers.{i}."
-    di, heads, gn = spec.ssm_inner, spec.ssm_heads, spec.ssm_groups * spec.ssm_state
-    channels = spec.ssm_conv_channels
+    p, s = f"layers.{i}.", spec.mixer(i)
+    di, heads, gn = s.inner, s.heads, s.groups * s.state
+    channels = s.conv_channels
     with g.scope("mamba"):
         with g.scope("in"):
             proj = linear(h, "mamba_in")
@@ -42,29 +44,29 @@ def mamba2_mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: Mo
             xbc, dt = (g.op("Reshape", v, g.op("Concat", bs, g.const([n]), axis=0)) for v, n in ((xbc, channels), (dt, heads)))
         with g.scope("conv"):
             conv = low.causal_conv(g, g.op("Transpose", xbc, perm=[0, 2, 1]), p + "mamba_conv",
-                                   p + "mamba_conv_bias" if spec.conv_bias else None,
-                                   (f"past_conv.{i}", f"present_conv.{i}"), inp.seq_lengths, channels=channels,
-                                   activation="silu")
+                                   p + "mamba_conv_bias" if s.conv_bias else None,
+                                   (f"past_conv.{i}", f"present_conv.{i}"), inp.seq_lengths, s.kernel,
+                                   channels=channels, activation="silu")
             conv = g.op("Transpose", conv, perm=[0, 2, 1])  # [B, S, C]
         x, b, c = g.op("Split", conv, g.const([di, gn, gn]), axis=-1, outputs=3)
         with g.scope("ssm"):
             y = low.mamba2_ssm(g, (x, dt, b, c), p, (f"past_recurrent.{i}", f"present_recurrent.{i}"), inp.seq_lengths,
-                               single=single_token(g, inp))
+                               s, single=single_token(g, inp))
         with g.scope("gated_norm"):
             if low.flat_tokens:
                 y = g.op("Reshape", y, g.const([-1, di]))
-            gated = _gated_norm(g, low, spec, y, z, p + "mamba_norm")
+            gated = _gated_norm(g, low, spec, s, y, z, p + "mamba_norm")
         with g.scope("out"):
             return linear(gated, "mamba_out")
 
 
-def _gated_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, y: str, z: str, weight: str) -> str:
+def _gated_norm(g: GraphBuilder, low: Lowering, spec: ModelSpec, s: Mamba2Spec, y: str, z: str, weight: str) -> str:
     """rmsnorm over each of the G groups of (y * silu(z)), in float32, then * w (transformers'
     NemotronHRMSNormGated: the gate before the norm, groups of Di/G, the weight after the cast back)."""
     f = (lambda v: g.op("Cast", v, to=1)) if low.dtype != "fp32" else (lambda v: v)  # noqa: E731
     yf, zf = f(y), f(z)
     gated = g.op("Mul", yf, g.op("Mul", zf, g.op("Sigmoid", zf)))
-    groups = g.op("Reshape", gated, g.const([0] * (1 if low.flat_tokens else 2) + [spec.ssm_groups, -1]))
+    groups = g.op("Reshape", gated, g.const([0] * (1 if low.flat_tokens else 2) + [s.groups, -1]))
     ms = g.op("ReduceMean", g.op("Mul", groups, groups), g.const([-1]), keepdims=1)
     normed = g.op("Mul", groups, g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, g.const(np.float32(spec.rms_norm_eps))))))
     normed = g.op("Reshape", normed, g.op("Shape", gated))

@@ -62,7 +62,7 @@ def attention(g: GraphBuilder, low: Any, ctx: VerifyContext, qkv: str, cache: tu
               sinks: str | None = None) -> str:
     """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D]; writes the new K/V into present (= past) in place."""
     past_key, past_value, present_key, present_value = cache
-    s = low.spec
+    s = low.attn
     d, h, hkv = low.head_dim, s.num_heads, s.num_kv_heads
     q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
     rot = low.rotary_dim if low.rotary_dim != d else None  # partial rotary (Phi-3, Qwen3.5)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import resource
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 import sys
 
 from decodert.errors import DecodertError
@@ -49,13 +48,13 @@ def check_kv_fits(nbytes: int, kv: KVDtype) -> None:
     check_fits(nbytes, f"the {kv.name} KV cache", hint)
 
 
-def check_weights_fit(nbytes: int, spec_dict: Mapping[str, Any]) -> None:
+def check_weights_fit(nbytes: int, experts: int = 0, active: int = 0) -> None:
     """Refuse weights that would not fit, before a session loads them. ``nbytes`` is the whole weights
-    file: a mixture-of-experts model holds every expert (the memory is the total parameters,
-    while a decode step reads only the active ones), and the message says so."""
-    experts = int(spec_dict.get("num_experts") or 0)
+    file: a mixture-of-experts model (``experts`` per MoE layer, ``active`` of them per token) holds every
+    expert (the memory is the total parameters, while a decode step reads only the active ones), and the
+    message says so."""
     what = "the weights" + (f" (all {experts} experts of each MoE layer, not only the "
-                            f"{spec_dict.get('experts_per_token')} a token uses)" if experts else "")
+                            f"{active} a token uses)" if experts else "")
     avail = available_bytes()
     if avail is not None and nbytes > 0.9 * avail:
         raise DecodertError(f"{what} need {nbytes / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is available; "

@@ -140,7 +140,7 @@ class Vision:
         session = getattr(backend, "vision", None)
         if session is None:
             session = backend.open_graph(v.graph.file)
-        token = manifest.model.extra.get("image_token_id")
+        token = manifest.model.images.token_id if manifest.model.images is not None else None
         vision = cls(session, VisionSpec.from_dict(dict(v.spec)), dict(v.processor), int(token),
                      NUMPY_DTYPES[manifest.dtype])
         backend.images = vision.store

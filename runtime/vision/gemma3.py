@@ -1,5 +1,5 @@
 """Gemma 3 image preprocessing in numpy + Pillow, as transformers' Gemma3ImageProcessorPil does it with
-pan-and-scan off (the settings are the checkpoint's, resolved at export: models/families/dense/gemma3.py):
+pan-and-scan off (the settings are the checkpoint's, resolved at export: models/families/gemma3.py):
 
     resize to size.height x size.width (the tower's image_size) with the configured resample,
     rescale (x rescale_factor, float64 -> float32), normalise ((x - mean) / std), channels first: one tile

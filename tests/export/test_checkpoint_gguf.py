@@ -37,10 +37,11 @@ def test_gguf_tensors_equal_hf(tiny_gguf, family):
     path = tiny_gguf(family)
     gguf_ckpt, hf_ckpt = open_checkpoint(path), open_checkpoint(path.with_suffix(".hf"))
     assert gguf_ckpt.kind == "gguf"
-    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-              "head_dim", "rms_norm_eps", "rope", "max_position", "tie_word_embeddings", "qkv_bias", "qk_norm",
-              "bos_token_id")
+    fields = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps", "rope",
+              "max_position", "tie_word_embeddings", "bos_token_id")
     assert {f: getattr(gguf_ckpt.spec, f) for f in fields} == {f: getattr(hf_ckpt.spec, f) for f in fields}
+    g, h = gguf_ckpt.spec, hf_ckpt.spec
+    assert (g.attention.qkv_bias, g.attention.qk_norm, g.mlp(0)) == (h.attention.qkv_bias, h.attention.qk_norm, h.mlp(0))
     assert gguf_ckpt.spec.family == ("llama" if family == "mistral" else hf_ckpt.spec.family)  # as llama.cpp writes
     assert_matches(gguf_ckpt, {n: hf_ckpt.tensor(n) for n in hf_ckpt.names()})
 
@@ -164,7 +165,7 @@ def smollm2_ckpt(smollm2_gguf):
 def test_smollm2_spec(smollm2_ckpt):
     ckpt = smollm2_ckpt
     s = ckpt.spec
-    assert (s.family, s.vocab_size, s.hidden_size, s.intermediate_size, s.num_layers) == ("llama", 49152, 576, 1536, 30)
+    assert (s.family, s.vocab_size, s.hidden_size, s.mlp_size(0), s.num_layers) == ("llama", 49152, 576, 1536, 30)
     assert (s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.rope.theta) == (9, 3, 64, 1e-5, 100000.0)
     assert s.tie_word_embeddings and "lm_head" not in ckpt.names()
     assert (s.bos_token_id, s.eos_token_ids, s.max_position) == (1, (2,), 8192)

@@ -106,6 +106,31 @@ def test_an_artifact_written_before_the_typed_manifest_loads(art):
     assert m.sampling is None and m.plugin_ops == () and m.engines is None and "verify" not in m.graphs
 
 
+def test_a_manifest_with_a_format_1_model_spec_loads_with_the_spec_converted(tmp_path):
+    """An artifact exported before the layers were declared by kind (tests/fixtures/manifest_v1_qwen3_5.json, written
+    by that exporter): its flat model dict reads as today's spec, the images / experts accessors read it, and a
+    rewrite (``decodert build``) stores today's layout."""
+    from tiny import tiny_config
+
+    from decodert.models import family_for
+
+    art = tmp_path / "old"
+    art.mkdir()
+    flat = json.loads((Path(__file__).parent / "fixtures" / "manifest_v1_qwen3_5.json").read_text())
+    assert "layer_kinds" in flat["model"] and "layers" not in flat["model"]
+    _rewrite(art, flat)
+    m = load_manifest(art, verify="none")
+    config = tiny_config("qwen3_5")
+    assert m.model.spec() == family_for(config["model_type"]).spec_from_hf(config)
+    assert (m.model.num_layers, m.model.num_heads, m.model.head_dim, m.model.images, m.model.mrope) == (3, 4, 32, None, None)
+    assert m.model.experts == (0, 0) and m.kv.layer_kinds == ("linear_attention", "attention", "linear_attention")
+    write_manifest(art, m)
+    again = _raw(art)
+    assert again["model"]["spec_format"] == 2 and "layer_kinds" not in again["model"]
+    assert load_manifest(art, verify="none").model.spec() == m.model.spec()
+    assert {k: v for k, v in again.items() if k != "model"} == {k: v for k, v in flat.items() if k != "model"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Sub(Record):
     n: int

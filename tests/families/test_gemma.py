@@ -23,7 +23,7 @@ from decodert.export.checkpoints.checkpoint_open import open_checkpoint
 from decodert.export.pipeline import export_model
 from decodert.export.quantize.quant import QuantConfig, dequantize, quantize
 from decodert.models import family_for
-from decodert.models.families.dense import gemma2, gemma3
+from decodert.models.families import gemma2, gemma3
 from decodert.models.spec import RopeSpec
 from battery import Family, Parity, Runtime, TrtBuild, TrtEmulator, attention_engines
 from parity import backend, decodert_greedy, hf_reference, logits_parity
@@ -41,14 +41,25 @@ def _spec(family: str, **overrides):
     return family_for(config["model_type"]).spec_from_hf(config)
 
 
+def layer_types(spec) -> tuple[str, ...]:
+    return tuple("sliding" if spec.is_sliding(i) else "full" for i in range(spec.num_layers))
+
+
+def window(spec) -> int | None:
+    """The sliding layers' window."""
+    return next(spec.layer_window(i) for i in range(spec.num_layers) if spec.is_sliding(i))
+
+
 def test_gemma3_declarations_from_config():
     s = _spec("gemma3")
-    assert (s.family, s.activation, s.sandwich_norm, s.qk_norm, s.tie_word_embeddings) == (
+    a = s.attention
+    assert (s.family, s.mlp(0).activation, s.sandwich_norm, a.qk_norm, s.tie_word_embeddings) == (
         "gemma3", "gelu_tanh", True, True, True)
-    assert s.layer_types == ("sliding", "full") and s.sliding_window == 4
+    assert layer_types(s) == ("sliding", "full") and window(s) == 4
+    assert [s.attention_of(i).rope_table for i in range(2)] == ["rope_local", "rope"]
     assert s.rope == RopeSpec(theta=1e6) and s.local_rope == RopeSpec(theta=1e4)
-    assert s.embed_scale == 8.0 and s.attn_scale == 24 ** -0.5
-    assert (s.attn_softcap, s.final_softcap) == (None, None)
+    assert s.embed_scale == 8.0 and a.scale == 24 ** -0.5
+    assert (a.softcap, s.final_softcap) == (None, None)
     # transformers 4.x spelling: rope_theta + rope_local_base_freq, rope_scaling for the full layers only
     legacy = {k: v for k, v in tiny_config("gemma3").items() if k != "rope_parameters"}
     legacy.update(rope_theta=5e5, rope_local_base_freq=1e3, rope_scaling={"rope_type": "linear", "factor": 8.0})
@@ -64,8 +75,8 @@ def test_gemma3_defaults_are_transformers_defaults():
     ref = transformers.Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
     assert (mine.vocab_size, mine.num_heads, mine.num_kv_heads, mine.head_dim) == (
         ref.vocab_size, ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim)
-    assert mine.layer_types == tuple(t.split("_")[0] for t in ref.layer_types)
-    assert mine.attn_scale == ref.query_pre_attn_scalar ** -0.5 and mine.rms_norm_eps == ref.rms_norm_eps
+    assert layer_types(mine) == tuple(t.split("_")[0] for t in ref.layer_types)
+    assert mine.attention.scale == ref.query_pre_attn_scalar ** -0.5 and mine.rms_norm_eps == ref.rms_norm_eps
     assert mine.rope.theta == ref.rope_parameters["full_attention"]["rope_theta"] and mine.rope.factor == 8.0
     assert mine.local_rope == RopeSpec(theta=ref.rope_parameters["sliding_attention"]["rope_theta"])
     assert mine.eos_token_ids == (1, 106) and mine.tie_word_embeddings and mine.max_position == 131072
@@ -73,18 +84,20 @@ def test_gemma3_defaults_are_transformers_defaults():
 
 def test_gemma2_declarations_and_transformers_defaults():
     s = _spec("gemma2")
-    assert (s.family, s.activation, s.sandwich_norm, s.qk_norm, s.local_rope) == ("gemma2", "gelu_tanh", True, False, None)
-    assert s.layer_types == ("sliding", "full") and s.sliding_window == 4 and s.rope == RopeSpec(theta=10000.0)
-    assert (s.attn_softcap, s.final_softcap, s.attn_scale, s.tie_word_embeddings) == (0.5, 0.5, 32 ** -0.5, False)
+    a = s.attention
+    assert (s.family, s.mlp(0).activation, s.sandwich_norm, a.qk_norm, s.local_rope) == ("gemma2", "gelu_tanh", True, False, None)
+    assert layer_types(s) == ("sliding", "full") and window(s) == 4 and s.rope == RopeSpec(theta=10000.0)
+    assert {s.attention_of(i).rope_table for i in range(2)} == {"rope"}  # one RoPE for every layer
+    assert (a.softcap, s.final_softcap, a.scale, s.tie_word_embeddings) == (0.5, 0.5, 32 ** -0.5, False)
     assert "layers.{i}.q_norm" not in gemma2.HF_WEIGHTS and "layers.{i}.attn_out_norm" in gemma2.GGUF_WEIGHTS
     bare = {"model_type": "gemma2", "hidden_size": 3584, "num_hidden_layers": 42, "num_attention_heads": 16,
             "num_key_value_heads": 8}
     mine, ref = gemma2.spec_from_hf(bare), transformers.Gemma2Config(**{k: v for k, v in bare.items() if k != "model_type"})
-    assert (mine.attn_softcap, mine.final_softcap) == (ref.attn_logit_softcapping, ref.final_logit_softcapping)
-    assert mine.layer_types == tuple(t.split("_")[0] for t in ref.layer_types) and mine.sliding_window == ref.sliding_window
-    assert mine.attn_scale == ref.query_pre_attn_scalar ** -0.5 and mine.head_dim == ref.head_dim
+    assert (mine.attention.softcap, mine.final_softcap) == (ref.attn_logit_softcapping, ref.final_logit_softcapping)
+    assert layer_types(mine) == tuple(t.split("_")[0] for t in ref.layer_types) and window(mine) == ref.sliding_window
+    assert mine.attention.scale == ref.query_pre_attn_scalar ** -0.5 and mine.head_dim == ref.head_dim
     assert mine.rope.theta == ref.rope_parameters["rope_theta"] and mine.vocab_size == ref.vocab_size
-    assert gemma2.spec_from_hf({**tiny_config("gemma2"), "attn_logit_softcapping": None}).attn_softcap is None  # null: off
+    assert gemma2.spec_from_hf({**tiny_config("gemma2"), "attn_logit_softcapping": None}).attention.softcap is None  # null: off
 
 
 def test_gemma2_gguf_follows_llama_cpp_rules():
@@ -93,9 +106,9 @@ def test_gemma2_gguf_follows_llama_cpp_rules():
     keys = {"block_count": 4, "attention.key_length": 32, "attention.sliding_window": 4096,
             "attn_logit_softcapping": np.float32(50.0), "final_logit_softcapping": np.float32(30.0)}
     s = gemma2.spec_from_gguf(gguf_meta("gemma2", **keys))
-    assert s.layer_types == ("sliding", "full") * 2 and (s.attn_softcap, s.final_softcap) == (50.0, 30.0)
-    assert s.attn_scale == 32 ** -0.5 and s.local_rope is None and not s.qk_norm
-    assert gemma2.spec_from_gguf(gguf_meta("gemma2", **{**keys, "block_count": 46})).attn_scale == 16 ** -0.5
+    assert layer_types(s) == ("sliding", "full") * 2 and (s.attention.softcap, s.final_softcap) == (50.0, 30.0)
+    assert s.attention.scale == 32 ** -0.5 and s.local_rope is None and not s.attention.qk_norm
+    assert gemma2.spec_from_gguf(gguf_meta("gemma2", **{**keys, "block_count": 46})).attention.scale == 16 ** -0.5
 
 
 def test_softcapped_attention_has_no_plugin(tiny_checkpoint, tmp_path):
@@ -123,17 +136,17 @@ def test_gemma3_gguf_follows_llama_cpp_rules():
     local base is 10000, the scale 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 62-layer 27B."""
     meta = gguf_meta("gemma3", **{"block_count": 12, "attention.key_length": 32, "attention.sliding_window": 512})
     s = gemma3.spec_from_gguf(meta)
-    assert s.layer_types == ("sliding",) * 5 + ("full",) + ("sliding",) * 5 + ("full",)
-    assert s.local_rope == RopeSpec(theta=10000.0) and s.rope.theta == 10000.0 and s.sliding_window == 512
-    assert s.attn_scale == 32 ** -0.5 and s.embed_scale == 8.0 and s.sandwich_norm and s.qk_norm
+    assert layer_types(s) == ("sliding",) * 5 + ("full",) + ("sliding",) * 5 + ("full",)
+    assert s.local_rope == RopeSpec(theta=10000.0) and s.rope.theta == 10000.0 and window(s) == 512
+    assert s.attention.scale == 32 ** -0.5 and s.embed_scale == 8.0 and s.sandwich_norm and s.attention.qk_norm
     big = gemma3.spec_from_gguf(gguf_meta("gemma3", **{"block_count": 62, "attention.key_length": 32,
                                                        "attention.sliding_window": 512}))
-    assert big.attn_scale == (64 / 4) ** -0.5
+    assert big.attention.scale == (64 / 4) ** -0.5
     stored = gemma3.spec_from_gguf({**meta, "gemma3.attention.sliding_window_pattern": [True, False] * 6,
                                     "gemma3.rope.freq_base_swa": np.float32(500.0),
                                     "gemma3.attention.scale": np.float32(0.125)})
-    assert stored.layer_types == ("sliding", "full") * 6 and stored.local_rope.theta == 500.0
-    assert stored.attn_scale == 0.125
+    assert layer_types(stored) == ("sliding", "full") * 6 and stored.local_rope.theta == 500.0
+    assert stored.attention.scale == 0.125
     with pytest.raises(DecodertError, match="lists 2 layers"):
         gemma3.spec_from_gguf({**meta, "gemma3.attention.sliding_window_pattern": [True, False]})
 

@@ -25,7 +25,8 @@ from decodert.export.checkpoints import checkpoint_hf  # noqa: E402
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.export.quantize.quant import QuantConfig, dequantize, quantize  # noqa: E402
-from decodert.models.families.dense import gemma4  # noqa: E402
+from decodert.models.family import Family as ModelFamily  # noqa: E402
+from decodert.models.families import gemma4  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams  # noqa: E402
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 
@@ -48,12 +49,14 @@ def model(family_artifacts):
 def test_spec_matches_transformers(model):
     src, m = model
     spec = open_checkpoint(src).spec
-    assert spec.layer_types == ("sliding", "sliding", "full", "sliding", "full")
-    assert spec.kv_sources == (0, 1, 2, 1, 2) and spec.kv_layers == (0, 1, 2)  # transformers' store/reuse layers
+    assert [spec.is_sliding(i) for i in range(5)] == [True, True, False, True, False]
+    assert [spec.kv_source(i) for i in range(5)] == [0, 1, 2, 1, 2] and spec.kv_layers == (0, 1, 2)  # store/reuse
     assert [m.config.kv_sharing_modes[i] == "reuse" for i in range(5)] == [False] * 3 + [True] * 2
-    assert spec.mlp_sizes == (64, 64, 64, 128, 128) and m.model.layers[3].mlp.gate_proj.out_features == 128
-    assert (spec.per_layer_input_size, spec.per_layer_vocab, spec.attn_scale, spec.final_softcap) == (8, 512, 1.0, 2.0)
-    assert spec.layer_head_dims == (16, 16, 32, 16, 32) and spec.head_dims == (16, 16, 32)  # global_head_dim 32
+    assert [spec.mlp_size(i) for i in range(5)] == [64, 64, 64, 128, 128]
+    assert m.model.layers[3].mlp.gate_proj.out_features == 128
+    assert (spec.per_layer_inputs.size, spec.per_layer_inputs.vocab, spec.final_softcap) == (8, 512, 2.0)
+    assert {spec.attention_of(i).scale for i in range(5)} == {1.0}
+    assert [spec.head_dim_of(i) for i in range(5)] == [16, 16, 32, 16, 32] and spec.head_dims == (16, 16, 32)  # global 32
     assert m.model.layers[2].self_attn.head_dim == 32
     rotary = m.model.rotary_emb
     np.testing.assert_allclose(spec.rope.inv_freq(32), rotary.full_attention_inv_freq.numpy(), rtol=1e-6)
@@ -102,12 +105,17 @@ def test_each_declaration_matters(model, tmp_path, monkeypatch):
     prompts = random_prompts((9,), 2)
     refs = [hf_reference(m, p, 6) for p in prompts]
     real = gemma4.spec_from_hf
-    monkeypatch.setattr(checkpoint_hf, "family_for", lambda *a: gemma4)
-    for name, change in (("source", dict(kv_sources=(0, 1, 2, 0, 2))), ("scalar", dict(layer_scalar=False)),
-                         ("rope", None)):
+    monkeypatch.setattr(checkpoint_hf, "family_for", lambda *a: ModelFamily.of(gemma4))
+    def other_source(spec):  # layer 3 reads layer 0's cache instead of layer 1's
+        layers = list(spec.layers)
+        layers[3] = dataclasses.replace(layers[3], mixer=dataclasses.replace(layers[3].mixer, kv_source=0))
+        return dict(layers=tuple(layers))
+
+    for name, change in (("source", other_source), ("scalar", lambda spec: dict(layer_scalar=False)),
+                         ("rope", lambda spec: dict(rope=dataclasses.replace(spec.rope, proportion=1.0)))):
         def broken(c, change=change):
             spec = real(c)
-            return dataclasses.replace(spec, **(change or dict(rope=dataclasses.replace(spec.rope, proportion=1.0))))
+            return dataclasses.replace(spec, **change(spec))
         monkeypatch.setattr(gemma4, "spec_from_hf", broken)
         export_model(src, tmp_path / name, target="ort", max_seq=64, progress=False)
         assert logits_parity(tmp_path / name, refs, prompts, steps=5) > 1e-2, name

@@ -21,7 +21,7 @@ from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa:
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.export.quantize.mxfp4 import dequantize_mxfp4  # noqa: E402
 from decodert.export.quantize.quant import QuantConfig, dequantize, quantize  # noqa: E402
-from decodert.models.families.moe import gpt_oss  # noqa: E402
+from decodert.models.families import gpt_oss  # noqa: E402
 from decodert.models.common import hf_rope  # noqa: E402
 
 TOL = 1e-4
@@ -62,12 +62,14 @@ def test_sinks_have_no_plugin_kernel(model, tmp_path):
 def test_spec_and_yarn_match_transformers(model):
     src, m = model
     spec = open_checkpoint(src).spec
-    assert spec.layer_types == ("sliding", "full") and spec.sliding_window == 4 and spec.attn_sinks
-    assert (spec.swiglu_limit, spec.swiglu_alpha, spec.swiglu_beta) == (7.0, 1.702, 1.0)
+    assert [spec.layer_window(i) for i in range(2)] == [4, None] and spec.attention.sinks
+    moe = spec.mlp(0)
+    assert (moe.swiglu_limit, moe.swiglu_alpha, moe.swiglu_beta) == (7.0, 1.702, 1.0) and spec.mlp(1) is moe
     rotary = m.model.rotary_emb
     np.testing.assert_allclose(spec.rope.inv_freq(spec.head_dim), rotary.inv_freq.numpy(), rtol=1e-6)
     assert spec.rope.attention_factor == pytest.approx(rotary.attention_scaling)
-    assert gpt_oss.spec_from_hf(tiny_config("gpt_oss", layer_types=None)).layer_types == ("sliding", "full")
+    default = gpt_oss.spec_from_hf(tiny_config("gpt_oss", layer_types=None))
+    assert [default.is_sliding(i) for i in range(2)] == [True, False]
     with pytest.raises(DecodertError, match="attention_bias"):
         gpt_oss.spec_from_hf(tiny_config("gpt_oss", attention_bias=False))
     with pytest.raises(DecodertError, match="layer_types must list 2"):

@@ -88,8 +88,10 @@ class TestBattery(Parity, Runtime, TrtBuild, TrtEmulator, Refused, LlamaCppGguf)
 def test_spec_reads_kinds_multipliers_and_experts():
     spec = family_for("granitemoehybrid").spec_from_hf(tiny_config("granitemoehybrid"))
     assert spec.layer_kinds == ("mamba2", "attention", "mamba2") and spec.kv_layers == (1,)
-    assert (spec.ssm_heads, spec.ssm_head_dim, spec.ssm_state, spec.ssm_groups) == (8, 16, 16, 2)
-    assert (spec.embed_scale, spec.residual_scale, spec.attn_scale, spec.logits_scaling) == (3.0, 0.5, 0.1, 2.0)
-    assert spec.num_experts == 0 and spec.intermediate_size == 96 and spec.nope_layers == (0, 1, 2)
-    moe = family_for("granitemoehybrid").spec_from_hf(tiny_config("granitemoehybrid", num_local_experts=4))
-    assert moe.num_experts == 4 and moe.shared_mlp and moe.expert_intermediate_size == 32 and moe.is_moe(0)
+    m = spec.mixer(0)
+    assert (m.heads, m.head_dim, m.state, m.groups) == (8, 16, 16, 2)
+    assert (spec.embed_scale, spec.residual_scale, spec.attention.scale, spec.logits_scaling) == (3.0, 0.5, 0.1, 2.0)
+    assert spec.experts() is None and spec.mlp_size(0) == 96
+    assert spec.attention.rope_table == "rope_none"  # no position embedding: the identity rotation
+    moe = family_for("granitemoehybrid").spec_from_hf(tiny_config("granitemoehybrid", num_local_experts=4)).mlp(0)
+    assert moe.num_experts == 4 and moe.shared.size == 96 and moe.expert_size == 32

@@ -93,8 +93,8 @@ def lfm2(family_artifacts):
 def test_spec_declares_the_layer_kinds_and_states():
     spec = family_for("lfm2").spec_from_hf(tiny_config("lfm2"))
     assert spec.layer_kinds == ("conv", "attention", "conv") and spec.kv_layers == (1,)
-    assert spec.conv_kernel == 4 and spec.qk_norm and spec.tie_word_embeddings
-    assert spec.intermediate_size == 128  # Lfm2MLP: int(2 * 192 / 3) rounded up to a multiple of 32
+    assert spec.mixer(0).kernel == 4 and spec.attention.qk_norm and spec.tie_word_embeddings
+    assert spec.mlp_size(0) == 128  # Lfm2MLP: int(2 * 192 / 3) rounded up to a multiple of 32
 
 
 def test_a_hybrid_draft_model_equals_plain(lfm2, tmp_path):

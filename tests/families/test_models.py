@@ -5,6 +5,10 @@ TensorRT-RTX builds and the emulated trt backend at fp16."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +18,11 @@ from tiny import FAMILIES, HYBRIDS, MOE_FAMILIES, OWN_CONFIGS, gguf_meta, tiny_c
 
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.checkpoints.checkpoint import source_keys  # noqa: E402
-from decodert.models import family_for, family_names, registry  # noqa: E402
-from decodert.models.families.dense import llama, mistral, phi3, qwen2, qwen3  # noqa: E402
+from decodert.models import families, family_for, family_names, registry  # noqa: E402
+from decodert.models.family import Family as ModelFamily  # noqa: E402
+from decodert.models.families import llama, mistral, phi3, qwen2, qwen3  # noqa: E402
 from decodert.models.canonical import canonical_names  # noqa: E402
+from decodert.models.layers import AttentionSpec, DenseMLPSpec, LayerSpec  # noqa: E402
 from decodert.models.spec import ModelSpec, RopeSpec  # noqa: E402
 
 MODULES = (llama, mistral, qwen2, qwen3, phi3)
@@ -36,8 +42,8 @@ def hf(family: str, **overrides) -> ModelSpec:
 def test_family_for_known_and_unknown():
     for module in MODULES:
         for t in (*module.MODEL_TYPES, *module.GGUF_ARCHITECTURES):
-            assert family_for(t) is module
-    assert family_for("LLAMA") is llama
+            assert family_for(t).module is module and family_for(t) == ModelFamily.of(module)
+    assert family_for("LLAMA").module is llama
     with pytest.raises(DecodertError) as e:
         family_for("gpt_neox", "/x/config.json")
     assert str(e.value) == (
@@ -47,23 +53,45 @@ def test_family_for_known_and_unknown():
 
 
 def test_registry_is_built_from_the_declarations():
-    """Every file in models/ that declares MODEL_TYPES is found, under each name it declares, and only there."""
+    """Every file in models/families/ is found, under each name it declares, and only there."""
     reg = registry()
-    modules = set(reg.values())
-    assert set(MODULES) <= modules
-    for module in modules:
-        declared = {n.lower() for n in (*module.MODEL_TYPES, *module.GGUF_ARCHITECTURES)}
-        assert {name for name, m in reg.items() if m is module} == declared
-        assert callable(module.spec_from_hf) and module.HF_WEIGHTS
-        if module.GGUF_ARCHITECTURES:  # a family that reads GGUF files (qwen3_5 does not yet)
-            assert callable(module.spec_from_gguf) and module.GGUF_WEIGHTS
+    assert set(MODULES) <= {f.module for f in reg.values()}
+    folder = Path(__file__).resolve().parents[1] / "models" / "families"
+    assert {f.name for f in families()} == {p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")}
+    for family in families():
+        declared = {n.lower() for n in (*family.model_types, *family.gguf_architectures)}
+        assert {name for name, f in reg.items() if f is family} == declared
+        assert callable(family.spec_from_hf) and family.hf_weights
+        if family.gguf_architectures:  # a family that reads GGUF files
+            assert callable(family.spec_from_gguf) and family.gguf_weights
+    assert {f.name for f in families() if "vision" in f.tags} == {f.name for f in families() if f.vision_from_hf}
+    assert family_for("qwen3_5_moe").tags == {"hybrid", "moe", "vision"} and family_for("llama").tags == set()
+
+
+@pytest.mark.parametrize("declarations,match", [
+    (dict(spec_from_hf=len, HF_WEIGHTS={"embed": "e"}), "declares no MODEL_TYPES"),
+    (dict(MODEL_TYPES=("x",), HF_WEIGHTS={"embed": "e"}), "declares no spec_from_hf"),
+    (dict(MODEL_TYPES="x", spec_from_hf=len, HF_WEIGHTS={"embed": "e"}), "MODEL_TYPES must be a tuple of strings"),
+    (dict(MODEL_TYPES=("x",), spec_from_hf=len, HF_WEIGHTS={"embed": "e"}, GGUF_ARCHITECTURES=("x",)),
+     "GGUF_ARCHITECTURES needs spec_from_gguf and GGUF_WEIGHTS"),
+    (dict(MODEL_TYPES=("x",), spec_from_hf=len, HF_WEIGHTS={"embed": "e"}, TAGS=("dense",)), "TAGS 'dense'"),
+    (dict(MODEL_TYPES=("x",), spec_from_hf=len, HF_WEIGHTS={"embed": "e"}, vision_from_hf=len,
+          VISION_WEIGHTS={"v": "v"}), "tagged 'vision'"),
+    (dict(MODEL_TYPES=("x",), spec_from_hf=len, HF_WEIGHTS={"embed": "e"}, hf_fix=3), "hf_fix must be a function"),
+])
+def test_a_family_file_missing_a_part_is_refused_naming_it(declarations, match):
+    module = types.ModuleType("decodert.models.families.broken")
+    module.__dict__.update(declarations)
+    with pytest.raises(TypeError, match=match) as e:
+        ModelFamily.of(module)
+    assert "decodert.models.families.broken" in str(e.value)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_canonical_name_has_a_source(family):
     spec = hf(family)
-    module = family_for(spec.family)
-    for table in (module.HF_WEIGHTS, module.GGUF_WEIGHTS):
+    family = family_for(spec.family)
+    for table in (family.hf_weights, family.gguf_weights):
         for name in canonical_names(spec):
             keys = source_keys(table, name)
             assert all("{i}" not in k for k in keys)
@@ -73,18 +101,19 @@ def test_every_canonical_name_has_a_source(family):
 
 def test_spec_values_from_tiny_configs():
     s = hf("llama")
-    assert (s.family, s.vocab_size, s.hidden_size, s.intermediate_size, s.num_layers) == ("llama", 512, 64, 128, 2)
-    assert (s.num_heads, s.num_kv_heads, s.head_dim, s.group_size) == (4, 2, 16, 2)
+    assert (s.family, s.vocab_size, s.hidden_size, s.mlp_size(0), s.num_layers) == ("llama", 512, 64, 128, 2)
+    assert (s.num_heads, s.num_kv_heads, s.head_dim, s.attention.group_size) == (4, 2, 16, 2)
     assert s.rms_norm_eps == 1e-5 and s.max_position == 1024 and s.rope == RopeSpec(theta=10000.0)
     assert (s.bos_token_id, s.eos_token_ids, s.tie_word_embeddings) == (0, (2,), False)
-    assert not (s.qkv_bias or s.qk_norm) and s.sliding_window is None
+    assert s.layers == (LayerSpec(AttentionSpec(4, 2, 16), DenseMLPSpec(128)),) * 2  # one instance, every layer
+    assert s.layers[0] is s.layers[1]
     assert hf("llama_tied").tie_word_embeddings
-    assert hf("mistral").sliding_window == 64 and hf("mistral").num_kv_heads == 1
-    assert hf("mistral", sliding_window=None).sliding_window is None
-    q2 = hf("qwen2")
-    assert q2.qkv_bias and not q2.qk_norm and q2.rope.theta == 1e6
-    q3 = hf("qwen3")
-    assert q3.qk_norm and not q3.qkv_bias and (q3.head_dim, q3.num_kv_heads, q3.qkv_size) == (32, 4, 384)
+    assert hf("mistral").attention.window == 64 and hf("mistral").num_kv_heads == 1
+    assert hf("mistral", sliding_window=None).attention.window is None
+    q2 = hf("qwen2").attention
+    assert q2.qkv_bias and not q2.qk_norm and hf("qwen2").rope.theta == 1e6
+    q3 = hf("qwen3").attention
+    assert q3.qk_norm and not q3.qkv_bias and (q3.head_dim, q3.num_kv_heads, q3.qkv_rows) == (32, 4, 384)
 
 
 def test_llama3_rope_scaling_both_config_styles():
@@ -113,7 +142,7 @@ def test_phi3_rope_and_partial_rotary():
     s = hf("phi3")
     assert s.family == "phi3" and s.head_dim == 16 and s.rope.rotary_dim == 8
     assert hf("phi3", partial_rotary_factor=None).rope.rotary_dim is None
-    assert hf("phi3", sliding_window=2047).sliding_window == 2047
+    assert hf("phi3", sliding_window=2047).attention.window == 2047
     for kind in ("longrope", "su"):
         with pytest.raises(DecodertError, match=f"rope scaling '{kind}' is not supported yet"):
             hf("phi3", rope_scaling={"type": kind, "short_factor": [1.0], "long_factor": [1.0]})
@@ -145,15 +174,15 @@ def test_rejects_qwen_sliding_layers_and_missing_fields():
 
 def test_spec_from_gguf_metadata():
     s = llama.spec_from_gguf(gguf_meta("llama"))
-    assert (s.num_layers, s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim) == (
+    assert (s.num_layers, s.hidden_size, s.mlp_size(0), s.num_heads, s.num_kv_heads, s.head_dim) == (
         2, 64, 128, 4, 2, 16)
     assert s.rms_norm_eps == 1e-5 and s.rope.theta == 10000.0 and s.max_position == 2048
     assert (s.bos_token_id, s.eos_token_ids, s.vocab_size) == (1, (2, 7), 512)
     q3 = qwen3.spec_from_gguf(gguf_meta("qwen3", **{"attention.key_length": 32}))
-    assert q3.qk_norm and q3.head_dim == 32
-    assert qwen2.spec_from_gguf(gguf_meta("qwen2")).qkv_bias
+    assert q3.attention.qk_norm and q3.head_dim == 32
+    assert qwen2.spec_from_gguf(gguf_meta("qwen2")).attention.qkv_bias
     p3 = phi3.spec_from_gguf(gguf_meta("phi3", **{"rope.dimension_count": 8, "attention.sliding_window": 2047}))
-    assert p3.rope.rotary_dim == 8 and p3.sliding_window == 2047
+    assert p3.rope.rotary_dim == 8 and p3.attention.window == 2047
     lin = llama.spec_from_gguf(gguf_meta("llama", **{"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}))
     assert lin.rope.scaling == "linear" and lin.rope.factor == 4.0
     with pytest.raises(DecodertError, match="rope scaling 'yarn'"):
@@ -192,46 +221,87 @@ def test_llama3_rope_from_gguf_frequency_factors():
         llama.gguf_rope_freqs(spec, {}, np.linspace(1, 3, 8, dtype=np.float32))
 
 
-def test_tiny_configs_cover_every_family():
-    assert set(FAMILIES) == {"llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2",
-                             "smollm3"}
-    vision = {"idefics3", "qwen2_5_vl", "qwen3_vl", "qwen3_5_moe"}
-    assert {hf(f).family for f in FAMILIES + MOE_FAMILIES + HYBRIDS + tuple(OWN_CONFIGS)} | vision == set(
-        family_names())  # MoE: tests/families/test_moe.py; OWN_CONFIGS: their own test files (tests/families/test_gemma4.py);
-    # the vision-language families' tiny checkpoints are tests/helpers/tiny_vision.py's and tests/helpers/tiny_qwen_vl.py's
-    # (tests/vision/test_vision.py, tests/vision/test_vision_qwen.py, tests/vision/test_vision_qwen3_5.py, tests/vision/test_vision_qwen3_5_moe.py)
-    assert {hf(f).group_size for f in FAMILIES} >= {1, 2, 4}
+def test_every_family_is_tested():
+    """Found by convention, not listed: every family is the family of a tiny config (tests/helpers/tiny.py) or is named,
+    by its file name or a model_type, in a test file (its own tests/families/test_<family>.py, or the vision tests)."""
+    tiny = {hf(f).family for f in FAMILIES + MOE_FAMILIES + HYBRIDS + tuple(OWN_CONFIGS)}
+    sources = "\n".join(p.read_text() for p in Path(__file__).parents[1].rglob("test_*.py"))
+    for family in families():
+        names = (family.name, *family.model_types)
+        assert family.name in tiny or any(f'"{n}"' in sources for n in names), f"no test names {family.name}"
+    assert set(FAMILIES) >= {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2", "smollm3"}
+    assert {hf(f).attention.group_size for f in FAMILIES} >= {1, 2, 4}
     assert {hf(f).head_dim for f in FAMILIES} == {16, 32}
 
 
 def test_family_declarations_default_to_llama_and_round_trip():
     s = hf("llama")
-    assert (s.activation, s.sandwich_norm, s.embed_scale, s.layer_types, s.local_rope) == ("silu", False, None, (), None)
-    assert (s.attn_softcap, s.final_softcap, s.softmax_scale) == (None, None, 0.25)
+    assert (s.sandwich_norm, s.embed_scale, s.local_rope, s.final_softcap) == (False, None, None, None)
+    a = s.attention
+    assert (a.window, a.rope_table, a.scale, a.softcap, a.softmax_scale, s.mlp(0).activation) == (
+        None, "rope", None, None, 0.25, "silu")
     assert [s.layer_window(i) for i in range(2)] == [None, None] and s.layer_rope(1) is s.rope
     m = hf("mistral")
     assert [m.is_sliding(i) for i in range(2)] == [True, True] and m.layer_window(0) == 64
-    mixed = ModelSpec("x", 32, 16, 24, 2, 4, 2, 4, 1e-6, sliding_window=8, layer_types=("sliding", "full"),
-                      local_rope=RopeSpec(theta=10.0), attn_scale=0.5, attn_softcap=50.0, final_softcap=30.0,
-                      activation="gelu_tanh", sandwich_norm=True, embed_scale=4.0)
+    full = AttentionSpec(4, 2, 4, scale=0.5, softcap=50.0)
+    sliding = dataclasses.replace(full, window=8, rope_table="rope_local")
+    mlp = DenseMLPSpec(24, activation="gelu_tanh")
+    mixed = ModelSpec("x", 32, 16, 1e-6, (LayerSpec(sliding, mlp), LayerSpec(full, mlp)), local_rope=RopeSpec(theta=10.0),
+                      final_softcap=30.0, sandwich_norm=True, embed_scale=4.0)
     assert [mixed.layer_window(i) for i in range(2)] == [8, None]
     assert mixed.layer_rope(0).theta == 10.0 and mixed.layer_rope(1).theta == 10000.0
     assert ModelSpec.from_dict(mixed.to_dict()) == mixed
-    old = {k: v for k, v in s.to_dict().items() if k not in ("activation", "layer_types", "local_rope")}
-    assert ModelSpec.from_dict(old) == s  # a manifest written before these fields existed
+    assert ModelSpec.from_dict(json.loads(json.dumps(mixed.to_dict()))) == mixed  # through the manifest's JSON
     names = canonical_names(mixed)
     assert names[names.index("layers.0.o") + 1] == "layers.0.attn_out_norm"
     assert names[names.index("layers.0.down") + 1] == "layers.0.mlp_out_norm"
 
 
-@pytest.mark.parametrize("fields,match", [
-    (dict(activation="relu"), "activation 'relu'"),
-    (dict(layer_types=("sliding",)), "layer_types must name 2 layers"),
-    (dict(layer_types=("sliding", "global")), "layer_types must name 2 layers"),
-    (dict(layer_types=("sliding", "full")), "need a sliding_window"),
-    (dict(attn_softcap=0.0), "attn_softcap 0.0 must be positive"),
-    (dict(local_rope=RopeSpec(rotary_dim=2)), "same dims"),
+V1 = json.loads((Path(__file__).parent / "fixtures" / "model_specs_v1.json").read_text())
+
+
+@pytest.mark.parametrize("source", sorted(V1))
+def test_format_1_specs_read_as_the_spec_they_were_written_from(source):
+    """The flat model dict of artifacts exported before the layers were declared by kind (written by that exporter,
+    tests/fixtures/model_specs_v1.json; the sources: scripts/graph_hashes.py's) reads as the spec today's family
+    declares for the same checkpoint; every format-1 setting lands in the layer it describes."""
+    flat, old = V1[source], ModelSpec.from_dict(V1[source])
+    if source in tiny_configs():  # the tiny checkpoints' config.json is tiny_config's
+        config = tiny_config(source)
+        assert old == family_for(config["model_type"]).spec_from_hf(config)
+    assert ModelSpec.from_dict(old.to_dict()) == old
+    assert (old.num_layers, old.layer_kinds, old.head_dim) == (flat["num_layers"], tuple(flat["layer_kinds"]),
+                                                               flat["head_dim"])
+    assert [old.layer_window(i) for i in range(old.num_layers)] == [
+        flat["sliding_window"] if (flat["layer_types"][i] == "sliding" if flat["layer_types"] else flat["sliding_window"])
+        and old.layer_kind(i) == "attention" else None for i in range(old.num_layers)]
+    assert [old.is_moe(i) for i in range(old.num_layers)] == [
+        (flat["mlp_types"][i] == "moe") if flat["mlp_types"] else bool(flat["num_experts"]) for i in range(old.num_layers)]
+
+
+def tiny_configs() -> set[str]:
+    return set(FAMILIES) | set(MOE_FAMILIES) | set(HYBRIDS) | set(OWN_CONFIGS)
+
+
+def test_a_format_1_dict_without_later_keys_takes_their_defaults():
+    flat = {k: v for k, v in V1["llama"].items() if k not in ("activation", "layer_types", "local_rope", "nope_layers")}
+    assert ModelSpec.from_dict(flat) == hf("llama")  # a manifest written before these keys existed
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: DenseMLPSpec(8, activation="relu"), "activation 'relu'"),
+    (lambda: AttentionSpec(4, 3, 4), "not a multiple"),
+    (lambda: AttentionSpec(4, 2, 4, softcap=0.0), "softcap 0.0 must be positive"),
+    (lambda: AttentionSpec(4, 2, 4, rope_table="rope_global"), "rope_table 'rope_global'"),
+    (lambda: LayerSpec(None, None), "needs a mixer or an MLP"),
+    (lambda: ModelSpec("x", 32, 16, 1e-6, (LAYER,) * 2, local_rope=RopeSpec(rotary_dim=2)), "same dims"),
+    (lambda: ModelSpec("x", 32, 16, 1e-6, (LayerSpec(AttentionSpec(4, 2, 4, rope_table="rope_local"), None),)),
+     "needs a local_rope"),
+    (lambda: ModelSpec("x", 32, 16, 1e-6, [LAYER]), "tuple of LayerSpec"),
 ])
-def test_bad_declarations_are_refused(fields, match):
+def test_bad_declarations_are_refused(make, match):
     with pytest.raises(ValueError, match=match):
-        ModelSpec("x", 32, 16, 24, 2, 4, 2, 4, 1e-6, **fields)
+        make()
+
+
+LAYER = LayerSpec(AttentionSpec(4, 2, 4), DenseMLPSpec(24))

@@ -22,7 +22,8 @@ from decodert.export.checkpoints.checkpoint import Checkpoint  # noqa: E402
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.export.quantize.quant import QuantConfig, dequantize, quantize  # noqa: E402
-from decodert.models.families.moe import qwen3_moe  # noqa: E402
+from decodert.models.families import qwen3_moe  # noqa: E402
+from decodert.models.spec import ModelSpec  # noqa: E402
 from decodert.plugins.ops.moe import moe_ref  # noqa: E402
 from decodert.runtime.backends import memory  # noqa: E402
 
@@ -70,14 +71,19 @@ def exported(moe, family_artifacts, tmp_path_factory):
 
 def test_spec_reads_the_router_and_the_dense_layers():
     spec = qwen3_moe.spec_from_hf(tiny_config("qwen3_moe"))
-    assert (spec.num_experts, spec.experts_per_token, spec.expert_intermediate_size) == (8, 2, 32)
-    assert spec.router_renormalize and spec.mlp_types == ("moe", "dense")
+    moe = spec.mlp(0)
+    assert (moe.num_experts, moe.experts_per_token, moe.expert_size) == (8, 2, 32)
+    assert moe.renormalize and mlp_kinds(spec) == ("moe", "dense")
     cfg = tiny_config("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[], decoder_sparse_step=2,
                       norm_topk_prob=False)
     cfg["num_local_experts"] = cfg.pop("num_experts")  # transformers 5 writes num_experts under this name
     spec = qwen3_moe.spec_from_hf(cfg)
-    assert spec.mlp_types == ("dense", "moe", "dense", "moe") and not spec.router_renormalize
-    assert [n for n in spec.to_dict()["mlp_types"]] == list(spec.mlp_types)
+    assert mlp_kinds(spec) == ("dense", "moe", "dense", "moe") and not spec.mlp(1).renormalize
+    assert mlp_kinds(ModelSpec.from_dict(spec.to_dict())) == mlp_kinds(spec)
+
+
+def mlp_kinds(spec) -> tuple[str, ...]:
+    return tuple(layer.mlp_kind for layer in spec.layers)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -127,7 +133,7 @@ def test_experts_are_read_one_at_a_time_and_interleaved(moe):
     src, model = moe
     ckpt = open_checkpoint(src)
     experts = model.model.layers[0].mlp.experts  # transformers 5: gate_up_proj [E, 2 Ie, h] rows gate | up
-    ie = ckpt.spec.expert_intermediate_size
+    ie = ckpt.spec.mlp(0).expert_size
     for j in (0, 5):
         gate_up = ckpt.expert("layers.0.experts.gate_up", j)
         ref = experts.gate_up_proj[j].detach().numpy()
@@ -246,7 +252,7 @@ def test_gguf_stacked_experts(tmp_path):
 
     path = make_tiny_gguf("qwen3_moe", tmp_path / "m.gguf", mlp_only_layers=[])
     ckpt, hf = open_checkpoint(path), open_checkpoint(path.with_suffix(".hf"))
-    assert ckpt.spec == hf.spec and ckpt.spec.mlp_types == ("moe", "moe")
+    assert ckpt.spec == hf.spec and mlp_kinds(ckpt.spec) == ("moe", "moe")
     for name in hf.names():
         np.testing.assert_array_equal(ckpt.tensor(name), hf.tensor(name))
     model = transformers.AutoModelForCausalLM.from_pretrained(path.with_suffix(".hf"), dtype=torch.float32).eval()

@@ -94,10 +94,11 @@ class TestBattery(Parity, Runtime, TrtBuild, TrtEmulator, States, Refused, Llama
 def test_spec_declares_blocks_and_states():
     spec = family_for("nemotron_h").spec_from_hf(tiny_config("nemotron_h"))
     assert spec.layer_kinds == KINDS and spec.kv_layers == (2,)
-    assert spec.mlp_types == ("none", "none", "none", "dense", "none", "dense")
-    assert not spec.gated_mlp and spec.activation == "relu2" and spec.conv_bias
-    assert (spec.ssm_heads, spec.ssm_head_dim, spec.ssm_state, spec.ssm_groups) == (4, 8, 16, 2)
-    assert spec.nope_layers == tuple(range(6))  # no position embedding in the attention block
+    assert tuple(layer.mlp_kind for layer in spec.layers) == ("none", "none", "none", "dense", "none", "dense")
+    mlp, m = spec.mlp(3), spec.mixer(0)
+    assert not mlp.gated and mlp.activation == "relu2" and m.conv_bias
+    assert (m.heads, m.head_dim, m.state, m.groups) == (4, 8, 16, 2)
+    assert spec.attention.rope_table == "rope_none"  # no position embedding in the attention block
 
 
 # ---- the op: reference against transformers, body against the reference ---------------------------------------

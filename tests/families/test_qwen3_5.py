@@ -103,9 +103,10 @@ class TestBattery(Parity, Runtime, TrtBuild, TrtEmulator, States, Refused, Llama
 def test_spec_declares_the_layer_kinds_and_states():
     spec = family_for("qwen3_5").spec_from_hf(tiny_config("qwen3_5"))
     assert spec.layer_kinds == ("linear_attention", "attention", "linear_attention") and spec.kv_layers == (1,)
-    assert spec.conv_kernel == 4 and spec.qk_norm and spec.attn_output_gate and spec.rope.rotary_dim == 8
-    assert (spec.linear_key_heads, spec.linear_value_heads, spec.linear_key_dim, spec.linear_value_dim) == (2, 4, 16, 8)
-    assert spec.qkv_size == (2 * 4 + 2 * 2) * 32  # q, gate, k, v rows
+    a, d = spec.attention, spec.mixer(0)
+    assert d.kernel == 4 and a.qk_norm and a.output_gate and spec.rope.rotary_dim == 8
+    assert (d.key_heads, d.value_heads, d.key_dim, d.value_dim) == (2, 4, 16, 8) and spec.mixer(2) is d
+    assert a.qkv_rows == (2 * 4 + 2 * 2) * 32  # q, gate, k, v rows
 
 
 def test_multimodal_checkpoint_reads_the_language_model(family_artifacts, tmp_path):

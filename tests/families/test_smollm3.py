@@ -7,7 +7,6 @@ tests/export/test_checkpoint_gguf.py over tiny.FAMILIES.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -22,7 +21,9 @@ from tiny import tiny_config  # noqa: E402
 from decodert.errors import DecodertError  # noqa: E402
 from decodert.export.checkpoints import checkpoint_hf  # noqa: E402
 from decodert.export.pipeline import export_model  # noqa: E402
-from decodert.models.families.dense import smollm3  # noqa: E402
+from decodert.models.common import replace_attention  # noqa: E402
+from decodert.models.family import Family as ModelFamily  # noqa: E402
+from decodert.models.families import smollm3  # noqa: E402
 from decodert.models.spec import rope_table_of, rope_tables  # noqa: E402
 
 
@@ -31,10 +32,10 @@ class TestBattery(Parity, Runtime, TrtBuild, TrtEmulator):
 
 
 def test_nope_layers_from_the_interval_or_the_list():
-    assert smollm3.spec_from_hf(tiny_config("smollm3")).nope_layers == (3,)
-    assert smollm3.spec_from_hf(tiny_config("smollm3", no_rope_layer_interval=2)).nope_layers == (1, 3)
+    assert nope_layers(smollm3.spec_from_hf(tiny_config("smollm3"))) == (3,)
+    assert nope_layers(smollm3.spec_from_hf(tiny_config("smollm3", no_rope_layer_interval=2))) == (1, 3)
     spec = smollm3.spec_from_hf(tiny_config("smollm3", no_rope_layers=[0, 1, 1, 0]))
-    assert spec.nope_layers == (0, 3) and spec.rope.theta == 2000000.0
+    assert nope_layers(spec) == (0, 3) and spec.rope.theta == 2000000.0
     assert [rope_table_of(spec, i) for i in range(4)] == ["rope_none", "rope", "rope", "rope_none"]
     cos, sin = rope_tables(spec)["rope_none"].cos_sin(spec.head_dim, 8)
     assert (cos == 1).all() and (sin == 0).all()  # the identity rotation: x*1 + rot(x)*0 is x exactly
@@ -44,7 +45,11 @@ def test_nope_layers_from_the_interval_or_the_list():
         smollm3.spec_from_hf(tiny_config("smollm3", use_sliding_window=True, sliding_window=8))
     meta = {"general.architecture": "smollm3", "smollm3.block_count": 8, "smollm3.embedding_length": 64,
             "smollm3.attention.head_count": 4, "smollm3.feed_forward_length": 128, "smollm3.vocab_size": 512}
-    assert smollm3.spec_from_gguf(meta).nope_layers == (3, 7)  # llama.cpp's fixed rule: every 4th layer
+    assert nope_layers(smollm3.spec_from_gguf(meta)) == (3, 7)  # llama.cpp's fixed rule: every 4th layer
+
+
+def nope_layers(spec) -> tuple[int, ...]:
+    return tuple(i for i in range(spec.num_layers) if rope_table_of(spec, i) == "rope_none")
 
 
 def test_rope_on_the_nope_layers_would_not_match(tiny_checkpoint, tmp_path, monkeypatch):
@@ -56,8 +61,8 @@ def test_rope_on_the_nope_layers_would_not_match(tiny_checkpoint, tmp_path, monk
     export_model(src, tmp_path / "ok", target="ort", max_seq=64, progress=False)
     assert logits_parity(tmp_path / "ok", refs, prompts, steps=5) < 1e-4
     real = smollm3.spec_from_hf
-    monkeypatch.setattr(smollm3, "spec_from_hf", lambda c: dataclasses.replace(real(c), nope_layers=()))
-    monkeypatch.setattr(checkpoint_hf, "family_for", lambda *a: smollm3)
+    monkeypatch.setattr(smollm3, "spec_from_hf", lambda c: replace_attention(real(c), rope_table="rope"))
+    monkeypatch.setattr(checkpoint_hf, "family_for", lambda *a: ModelFamily.of(smollm3))
     export_model(src, tmp_path / "bad", target="ort", max_seq=64, progress=False)
     assert logits_parity(tmp_path / "bad", refs, prompts, steps=5) > 1e-2
 

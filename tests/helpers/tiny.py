@@ -449,9 +449,9 @@ def torch_weights(model, spec) -> dict:
             out[p + "qkv"] = arr(a.qkv_proj.weight)
         else:
             out[p + "qkv"] = arr(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
-        if spec.qkv_bias:
+        if spec.attention.qkv_bias:
             out[p + "qkv_bias"] = arr(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
-        if spec.qk_norm:
+        if spec.attention.qk_norm:
             out[p + "q_norm"], out[p + "k_norm"] = norm(a.q_norm), norm(a.k_norm)
         out[p + "gate_up"] = (arr(mlp.gate_up_proj.weight) if hasattr(mlp, "gate_up_proj")
                               else arr(mlp.gate_proj.weight, mlp.up_proj.weight))

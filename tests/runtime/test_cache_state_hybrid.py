@@ -89,20 +89,20 @@ def test_a_cache_without_states_rewinds_by_length():
 
 
 def test_every_layer_kind_has_its_weights_or_is_refused():
-    import dataclasses
-
-    from decodert.models.spec import ModelSpec
     from decodert.models.canonical import canonical_names
+    from decodert.models.layers import (MIXERS, AttentionSpec, DenseMLPSpec, LayerSpec, Mamba2Spec, ShortConvSpec,
+                                        kind_from_dict)
+    from decodert.models.spec import ModelSpec
 
-    spec = ModelSpec("x", 64, 32, 64, 2, 4, 2, 8, 1e-5, layer_kinds=("attention", "conv"), conv_kernel=3)
-    assert "layers.1.conv_in" in canonical_names(spec)
-    mamba = dataclasses.replace(spec, layer_kinds=("mamba2", "attention"), ssm_heads=2, ssm_head_dim=4, ssm_state=8,
-                                ssm_groups=1)
+    attention, mlp = LayerSpec(AttentionSpec(4, 2, 8), DenseMLPSpec(64)), DenseMLPSpec(64)
+    spec = ModelSpec("x", 64, 32, 1e-5, (attention, LayerSpec(ShortConvSpec(3), mlp)))
+    assert "layers.1.conv_in" in canonical_names(spec) and spec.layer_kinds == ("attention", "conv")
+    mamba = ModelSpec("x", 64, 32, 1e-5, (LayerSpec(Mamba2Spec(2, 4, 8, 1, kernel=3), mlp), attention))
     assert {"layers.0.mamba_in", "layers.0.mamba_a_log", "layers.1.qkv"} <= set(canonical_names(mamba))
     with pytest.raises(ValueError, match="mamba2 layers need positive ssm sizes"):
-        dataclasses.replace(spec, layer_kinds=("mamba2", "attention"))
+        Mamba2Spec(0, 4, 8, 1, kernel=3)
     with pytest.raises(ValueError, match="layer kind 'gated_rnn'"):
-        dataclasses.replace(spec, layer_kinds=("gated_rnn", "attention"))
+        kind_from_dict({"kind": "gated_rnn"}, MIXERS)
 
 
 def test_commit_with_the_states_the_model_computed():

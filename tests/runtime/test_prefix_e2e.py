@@ -53,7 +53,7 @@ def test_reuse_exact_tiny_llama(tiny_checkpoint, tmp_path):
 
 def test_reuse_exact_tiny_mistral_sliding_window(tiny_checkpoint, tmp_path):
     art = _export(tiny_checkpoint, tmp_path, "mistral")
-    assert LLM.load(art).manifest.model.spec().sliding_window == 16
+    assert LLM.load(art).manifest.model.spec().attention.window == 16
     _, session, _ = _check_reuse_is_exact(art)
     assert session.last_turn.reused_tokens > 16  # reused K/V reaches past the window
 

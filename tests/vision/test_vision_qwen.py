@@ -171,9 +171,9 @@ def test_the_ort_vision_graph_attends_window_by_window(qvl):
 def test_spec_and_settings_from_the_checkpoint(qvl):
     llm, _, _ = qvl
     spec = llm.manifest.model.spec()
-    assert spec.mrope_section == (2, 3, 3) and spec.image_token_id == llm.vision.image_token_id
+    assert spec.mrope.section == (2, 3, 3) and spec.images.token_id == llm.vision.image_token_id
     if spec.family == "qwen3_vl":
-        assert spec.mrope_interleaved and spec.qk_norm and spec.deepstack_layers == 2
+        assert spec.mrope.interleaved and spec.attention.qk_norm and spec.images.deepstack_layers == 2
         assert llm.vision.spec.tower == "qwen3_vit" and llm.vision.spec.deepstack == (0, 1)
     else:
         assert llm.vision.spec.tower == "qwen_vit" and llm.vision.spec.full_layers == (1,)

@@ -49,17 +49,17 @@ def test_spec_declares_the_tower_and_mrope(q35):
     llm, _, _ = q35
     spec = llm.manifest.model.spec()
     assert spec.family == "qwen3_5" and spec.layer_kinds == ("linear_attention", "attention", "linear_attention")
-    assert spec.mrope_section == (3, 3, 2) and spec.mrope_interleaved and spec.rope.rotary_dim == 16
-    assert spec.image_token_id == llm.vision.image_token_id and spec.deepstack_layers == 0
+    assert spec.mrope.section == (3, 3, 2) and spec.mrope.interleaved and spec.rope.rotary_dim == 16
+    assert spec.images.token_id == llm.vision.image_token_id and spec.images.deepstack_layers == 0
     v = llm.vision.spec
     assert v.tower == "qwen3_vit" and v.deepstack == () and v.num_positions == 36
     assert (llm.vision.settings["min_pixels"], llm.vision.settings["max_pixels"]) == (32 * 32, 128 * 128)
     config = json.loads((Path(llm.manifest.source.path) / "config.json").read_text())
     family = family_for("qwen3_5")
     text_only = family.spec_from_hf({k: v for k, v in config.items() if k != "vision_config"})
-    assert text_only.mrope_section == () and text_only.image_token_id is None
+    assert text_only.mrope is None and text_only.images is None
     assert family.vision_from_hf({k: v for k, v in config.items() if k != "vision_config"}) is None
-    assert family.spec_from_hf({**config["text_config"], "model_type": "qwen3_5_text"}).mrope_section == ()
+    assert family.spec_from_hf({**config["text_config"], "model_type": "qwen3_5_text"}).mrope is None
 
 
 @pytest.mark.parametrize("change,named", [

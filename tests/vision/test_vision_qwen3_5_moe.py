@@ -39,14 +39,14 @@ def q35moe(request, tmp_path_factory):
 def test_moe_logits_and_greedy_tokens_equal_transformers(q35moe, rng):
     llm, model, proc = q35moe
     spec = llm.manifest.model.spec()
-    assert (spec.family, spec.num_experts, spec.experts_per_token, spec.expert_intermediate_size) == \
-        ("qwen3_5_moe", 4, 2, 32)
-    assert spec.shared_mlp and spec.shared_mlp_gate and spec.intermediate_size == 48 and spec.mrope_section
+    moe = spec.mlp(0)
+    assert (spec.family, moe.num_experts, moe.experts_per_token, moe.expert_size) == ("qwen3_5_moe", 4, 2, 32)
+    assert moe.shared_gate and moe.shared.size == 48 and spec.mrope is not None and {spec.mlp(i) for i in range(3)} == {moe}
     from decodert.models import family_for
 
     text = json.loads((Path(llm.manifest.source.path) / "config.json").read_text())["text_config"]
     plain = family_for("qwen3_5_moe_text").spec_from_hf(text)  # the text model alone: no M-RoPE, same MLPs
-    assert plain.mrope_section == () and plain.image_token_id is None and plain.shared_mlp_gate
+    assert plain.mrope is None and plain.images is None and plain.mlp(0) == moe
     img = random_image(rng, 100, 160)
     _, text, ids = llm.prepare(ask(img), chat=True).rendered
     ref = reference_inputs(proc, text, [img])

@@ -66,7 +66,7 @@ def test_logits_after_an_image_equal_the_ort_backends(pair, rng):
     np.testing.assert_allclose(logits[1], logits[0], atol=1e-4, rtol=1e-4)
     engines = {n: rec.profile for n, rec in llm.manifest.engines.items()}
     assert all("rope_offsets" in engines[n] for n in ("prefill", "decode", "verify"))
-    assert ("deepstack_embeds" in engines["prefill"]) == bool(llm.manifest.model.extra.get("deepstack_layers"))
+    assert ("deepstack_embeds" in engines["prefill"]) == bool(llm.manifest.model.images.deepstack_layers)
 
 
 def test_image_prompts_give_the_ort_backends_tokens(pair, emulator, rng):

@@ -90,7 +90,7 @@ def test_prefill_chunks_and_images(artifact, emulator, rng):
     img = rng.integers(0, 256, (70, 50, 3), dtype=np.uint8)
     with LLM.load(artifact, backend="ort") as ref, LLM.load(artifact, backend="trt") as llm:
         llm.backend.max_prefill = 8  # the host staging was sized for the profile's longer chunks
-        if llm.manifest.model.extra.get("bidirectional_images"):
+        if llm.manifest.model.images.bidirectional:
             with pytest.raises(DecodertError, match="spans the prefill engine's 8-token chunk") as e:
                 llm.chat(_ask(img), max_new_tokens=4, temperature=0)
             assert "\n" not in str(e.value)

@@ -78,7 +78,7 @@ class OrtBackend:
         kinds = ("prefill", "decode") if separate_decode else ("prefill",)
         weights = self.dir / manifest.weights.file
         if weights.is_file():  # check_external_data names a missing one
-            check_weights_fit(weights.stat().st_size, manifest.model.extra or {})
+            check_weights_fit(weights.stat().st_size, *manifest.model.experts)
         self.sessions = {}
         for kind in kinds:
             path = self.dir / manifest.graphs[kind].file
@@ -103,7 +103,8 @@ class OrtBackend:
         self.images: Any = None
         self.takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)  # read by Vision.attach
         self._mrope = any(t.name == "rope_offsets" for t in manifest.graphs["prefill"].inputs)  # Qwen-VL
-        self._deepstack = int(manifest.model.extra.get("deepstack_layers") or 0)  # Qwen3-VL: bound with the images
+        images = manifest.model.images
+        self._deepstack = images.deepstack_layers if images is not None else 0  # Qwen3-VL: bound with the images
         # Gemma 3: an image's tokens see each other, so one call holds all of them (no chunk cuts an image)
         self._image_ahead = any(t.name == "image_ahead" for t in manifest.graphs["prefill"].inputs)
         # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them

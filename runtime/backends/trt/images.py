@@ -38,8 +38,8 @@ def open_images(backend: Any) -> tuple["ImageInputs | None", "VisionRunner | Non
         return None, None
     images = ImageInputs(backend, inputs)
     complete = ("vision" in recs and m.vision is not None
-                and (backend.mrope is not None or not m.model.extra.get("mrope_section"))
-                and ("deepstack_embeds" in inputs or not m.model.extra.get("deepstack_layers")))
+                and (backend.mrope is not None or m.model.mrope is None)
+                and ("deepstack_embeds" in inputs or not (m.model.images and m.model.images.deepstack_layers)))
     if not complete:
         return images, None
     return images, VisionRunner(backend, read_engine(backend.dir, m, "vision", backend.info))
@@ -51,7 +51,8 @@ class ImageInputs:
     def __init__(self, backend: Any, names: list[str]) -> None:
         self.backend = backend
         self.ahead = "image_ahead" in names
-        self.deepstack = int(backend.manifest.model.extra.get("deepstack_layers") or 0) if "deepstack_embeds" in names else 0
+        images = backend.manifest.model.images
+        self.deepstack = images.deepstack_layers if "deepstack_embeds" in names and images is not None else 0
         self.dtype = NUMPY_DTYPES[backend.manifest.dtype]
         self.hidden = int(backend.manifest.model.hidden_size)
         self._bufs = {n: Staged() for n in ("image_embeds", "image_positions", "image_ahead", "deepstack_embeds")}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from decodert.models.families.dense import gemma3
+from decodert.models.families import gemma3
 from decodert.models.common import spec_from_gguf_meta, spec_from_hf_config
 from decodert.models.spec import ModelSpec
 

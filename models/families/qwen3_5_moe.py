@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE (transformers' ``qwen3_5_moe``): Qwen3.5 (models/families/hybrid/qwen3_5.py: Gated DeltaNet in
+"""Qwen3.5-MoE (transformers' ``qwen3_5_moe``): Qwen3.5 (models/families/qwen3_5.py: Gated DeltaNet in
 three of four layers, gated attention, the same Qwen3-VL tower without deepstack and interleaved M-RoPE with a
 vision_config) whose every MLP is a mixture of experts beside a gated shared expert.
 
@@ -9,9 +9,9 @@ vision_config) whose every MLP is a mixture of experts beside a gated shared exp
 
 What the MLP declares (transformers' Qwen3NextSparseMoeBlock with Qwen3VLMoeTextTopKRouter):
 - router = softmax(h @ gate^T) over ``num_experts``, the top ``num_experts_per_tok`` rescaled to sum 1
-  (``router_renormalize``), SwiGLU experts of ``moe_intermediate_size`` (the MoE lowering Qwen3-MoE uses);
-- plus the shared expert, a SwiGLU of ``shared_expert_intermediate_size`` (``shared_mlp``; ModelSpec's
-  intermediate_size), times sigmoid(h @ shared_expert_gate^T), one gate per token (``shared_mlp_gate``).
+  (``MoESpec.renormalize``), SwiGLU experts of ``moe_intermediate_size`` (the MoE lowering Qwen3-MoE uses);
+- plus the shared expert, a SwiGLU of ``shared_expert_intermediate_size`` (``MoESpec.shared``), times
+  sigmoid(h @ shared_expert_gate^T), one gate per token (``MoESpec.shared_gate``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from __future__ import annotations
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.families.hybrid import qwen3_5
+from decodert.models.common import declared
+from decodert.models.families import qwen3_5
+from decodert.models.layers import DenseMLPSpec, MoESpec
 from decodert.models.spec import ModelSpec
 from decodert.models.vision import VisionSpec
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
+TAGS = ('hybrid', 'moe', 'vision')
 
 _M = "model.layers.{i}.mlp."
 HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
@@ -37,7 +39,6 @@ HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
     "layers.{i}.experts.gate_up": (_M + "experts.{j}.gate_proj.weight", _M + "experts.{j}.up_proj.weight"),
     "layers.{i}.experts.down": _M + "experts.{j}.down_proj.weight",
 }
-GGUF_WEIGHTS: dict[str, str | tuple[str, ...]] = {}  # never read (no GGUF path)
 VISION_WEIGHTS = qwen3_5.VISION_WEIGHTS
 HF_UNUSED = qwen3_5.HF_UNUSED
 sanitize, hf_fix, video_processor = qwen3_5.sanitize, qwen3_5.hf_fix, qwen3_5.video_processor
@@ -46,7 +47,7 @@ MOE_DEFAULTS: dict[str, Any] = dict(hidden_size=2048, num_hidden_layers=40, num_
                                     moe_intermediate_size=512, shared_expert_intermediate_size=512)
 
 
-def _mlp(text: dict) -> dict[str, Any]:
+def _mlp(text: dict) -> MoESpec:
     """The experts and the gated shared expert of every layer."""
     try:
         experts, top = int(text["num_experts"]), int(text["num_experts_per_tok"])
@@ -56,8 +57,7 @@ def _mlp(text: dict) -> dict[str, Any]:
                             "shared_expert_intermediate_size must be integers") from None
     if experts < 1 or shared < 1:
         raise DecodertError(f"config.json: qwen3_5_moe needs experts ({experts}) and a shared expert ({shared} wide)")
-    return dict(num_experts=experts, experts_per_token=top, expert_intermediate_size=width, router_renormalize=True,
-                intermediate_size=shared, shared_mlp=True, shared_mlp_gate=True)
+    return declared(MoESpec, experts, top, width, renormalize=True, shared=declared(DenseMLPSpec, shared), shared_gate=True)
 
 
 def _with_defaults(config: dict) -> dict:
@@ -76,7 +76,3 @@ def spec_from_hf(config: dict) -> ModelSpec:
 def vision_from_hf(config: dict) -> VisionSpec | None:
     """Qwen3.5's tower (the same Qwen3_5VisionModel), for a qwen3_5_moe config with a vision_config."""
     return qwen3_5.vision_from_hf(_with_defaults(config))
-
-
-def spec_from_gguf(meta: dict) -> ModelSpec:
-    raise DecodertError("qwen3_5_moe GGUF files are not supported; export the Hugging Face folder")

@@ -13,15 +13,17 @@ refused in one line naming it: ``attention_k_eq_v`` (and the per-layer K/V head 
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.common import hf_rope, spec_from_hf_config
-from decodert.models.families.dense import gemma3
-from decodert.models.spec import ModelSpec, RopeSpec
+from decodert.models.common import hf_attention, hf_layers, hf_mlp, hf_rope, spec_from_hf_config
+from decodert.models.families import gemma3
+from decodert.models.layers import LayerSpec
+from decodert.models.spec import ModelSpec, PerLayerInputs, RopeSpec
 
 MODEL_TYPES = ("gemma4_text", "gemma4")
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
 _L = "model.layers.{i}."
 HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
@@ -35,7 +37,6 @@ HF_WEIGHTS: dict[str, str | tuple[str, ...]] = {
     "layers.{i}.ple_norm": _L + "post_per_layer_input_norm.weight",
     "layers.{i}.layer_scalar": _L + "layer_scalar",
 }
-GGUF_WEIGHTS: dict[str, str | tuple[str, ...]] = {}
 
 # transformers' Gemma4TextConfig defaults: a multimodal config.json lists only what differs.
 HF_DEFAULTS: dict[str, Any] = dict(
@@ -73,7 +74,7 @@ def _text_config(config: dict) -> dict:
 
 def layer_types(config: dict) -> list[str]:
     """transformers' rule: every 6th layer full unless listed; the last layer is always full."""
-    layers = int(config["num_hidden_layers"])
+    layers = hf_layers(config)
     kinds = list(config.get("layer_types") or
                  ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)])
     if any(k not in ("sliding_attention", "full_attention") for k in kinds) or len(kinds) != layers:
@@ -153,25 +154,27 @@ def spec_from_hf(config: dict) -> ModelSpec:
     kinds = layer_types(config)
     dims = layer_head_dims(config, kinds)
     full, local = _ropes(config)
-    layers, inter = int(config["num_hidden_layers"]), int(config["intermediate_size"])
     sources = kv_sources(kinds, int(config.get("num_kv_shared_layers") or 0))
     double = bool(config.get("use_double_wide_mlp")) and bool(sources)
     per_layer = int(config.get("hidden_size_per_layer_input") or 0)
     window = config.get("sliding_window")
+    if not window and "sliding_attention" in kinds:
+        raise DecodertError("sliding layers need a sliding_window")
+    attention = hf_attention(config, qk_norm=True, v_norm=True, scale=1.0)
+    mlp = hf_mlp(config, activation="gelu_tanh")
+    wide = dataclasses.replace(mlp, size=2 * mlp.size)
+
+    def layer(i: int) -> LayerSpec:
+        a = dataclasses.replace(attention, head_dim=dims[i], kv_source=sources[i] if sources and sources[i] != i else None)
+        if kinds[i] != "full_attention":
+            a = dataclasses.replace(a, window=int(window) if window else None, rope_table="rope_local")
+        return LayerSpec(a, wide if double and sources[i] != i else mlp)
+
     return spec_from_hf_config(
-        "gemma4", config, activation="gelu_tanh", sandwich_norm=True, qk_norm=True, v_norm=True,
-        embed_scale=float(config["hidden_size"]) ** 0.5, attn_scale=1.0, rope=full, local_rope=local,
-        layer_types=tuple("full" if k == "full_attention" else "sliding" for k in kinds),
-        sliding_window=int(window) if window else None,
+        "gemma4", config, layer, check_activation=False, sandwich_norm=True,
+        embed_scale=float(config["hidden_size"]) ** 0.5, rope=full, local_rope=local,
         final_softcap=gemma3._positive(config.get("final_logit_softcapping")),
-        kv_sources=sources,
-        mlp_sizes=tuple(inter * (2 if double and sources[i] != i else 1) for i in range(layers)) if double else (),
-        per_layer_input_size=per_layer,
-        per_layer_vocab=int(config.get("vocab_size_per_layer_input") or 0) if per_layer else 0,
-        layer_scalar=True, layer_head_dims=dims if len(set(dims)) > 1 else (),
-        head_dim=int(config["head_dim"]),
+        per_layer_inputs=PerLayerInputs(per_layer, int(config.get("vocab_size_per_layer_input") or 0), "gelu_tanh")
+        if per_layer else None,
+        layer_scalar=True,
     )
-
-
-def spec_from_gguf(meta: dict) -> ModelSpec:
-    raise DecodertError("gemma4 GGUF files are not supported (HF checkpoints only)")

@@ -20,7 +20,7 @@ What differs from Qwen3 (transformers' ``modeling_qwen3_5.py``):
   RMSNorm of the linear layers, which multiplies by w.
 
 With a ``vision_config`` (model_type qwen3_5: ``Qwen3_5ForConditionalGeneration``) the model sees images, and what
-it declares is Qwen3-VL's (models/families/vision/qwen3_vl.py) less deepstack:
+it declares is Qwen3-VL's (models/families/qwen3_vl.py) less deepstack:
 - the tower is ``qwen3_vit`` (transformers' Qwen3_5VisionModel is Qwen3VLVisionModel without its deepstack
   mergers: learned positions resampled per image, LayerNorm + GELU-tanh blocks, the 2x2 merger with its
   LayerNorm before the merge), so ``VisionSpec.deepstack`` is empty and the prefill takes no deepstack rows;
@@ -42,12 +42,15 @@ from typing import Any, Callable
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.common import gguf_key, hf_rope, partial_rotary_factor, spec_from_gguf_meta, spec_from_hf_config
-from decodert.models.families.vision import qwen3_vl
-from decodert.models.spec import ModelSpec
+from decodert.models.common import (declared, gguf_attention, gguf_key, gguf_layers, gguf_mlp, hf_attention, hf_mlp, hf_rope,
+                                    partial_rotary_factor, spec_from_gguf_meta, spec_from_hf_config)
+from decodert.models.families import qwen3_vl
+from decodert.models.layers import AttentionSpec, GatedDeltaNetSpec, LayerSpec, MLPSpec, MoESpec
+from decodert.models.spec import ImageTokens, ModelSpec, MRopeSpec
 from decodert.models.vision import VisionSpec
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+TAGS = ('hybrid', 'vision')
 GGUF_ARCHITECTURES = ("qwen35",)
 
 _L = "model.layers.{i}."
@@ -141,10 +144,15 @@ def _query_then_gate(w: np.ndarray, spec: ModelSpec) -> np.ndarray:
     return np.concatenate([heads[:, 0].reshape(h * d, -1), heads[:, 1].reshape(h * d, -1)], axis=0)
 
 
+def delta_net(spec: ModelSpec) -> GatedDeltaNetSpec:
+    """The model's Gated DeltaNet layers' spec (one for every linear_attention layer)."""
+    return next(layer.mixer for layer in spec.layers if isinstance(layer.mixer, GatedDeltaNetSpec))
+
+
 def _grouped(w: np.ndarray, spec: ModelSpec, head_dim: int, axis: int = 0) -> np.ndarray:
     """Value heads in llama.cpp's tiled order (k0, k1, .., k0, k1, ..) -> transformers' grouped order (each key
     head's value heads together), along ``axis``."""
-    hk, hv = spec.linear_key_heads, spec.linear_value_heads
+    hk, hv = delta_net(spec).key_heads, delta_net(spec).value_heads
     if hk == hv:
         return w
     x = np.moveaxis(w, axis, 0)
@@ -154,7 +162,8 @@ def _grouped(w: np.ndarray, spec: ModelSpec, head_dim: int, axis: int = 0) -> np
 
 def gguf_fix(key: str, w: np.ndarray, spec: ModelSpec) -> np.ndarray:
     """Undo llama.cpp's converter: de-interleave q and gate, A_log from -exp(A_log), value heads grouped again."""
-    kd, dv = spec.linear_key_heads * spec.linear_key_dim, spec.linear_value_dim
+    d = delta_net(spec)
+    kd, dv = d.key_heads * d.key_dim, d.value_dim
     if key.endswith("attn_q.weight"):
         return _query_then_gate(w, spec)
     if key.endswith("ssm_a"):
@@ -205,9 +214,8 @@ def has_vision(config: dict) -> bool:
     return config.get("model_type") in IMAGE_TEXT and isinstance(config.get("vision_config"), dict)
 
 
-def spec_from_hf(config: dict, family: str = "qwen3_5",
-                 mlp: Callable[[dict], dict[str, Any]] | None = None) -> ModelSpec:
-    """``family``, ``mlp(text config) -> ModelSpec fields``: what a variant's MLP declares (qwen3_5_moe.py)."""
+def spec_from_hf(config: dict, family: str = "qwen3_5", mlp: Callable[[dict], MLPSpec] | None = None) -> ModelSpec:
+    """``family``, ``mlp(text config) -> every layer's MLP``: what a variant declares (qwen3_5_moe.py)."""
     vision = has_vision(config)
     image_token = config.get("image_token_id", IMAGE_TOKEN_ID)
     config = text_config(config)
@@ -217,11 +225,13 @@ def spec_from_hf(config: dict, family: str = "qwen3_5",
     section = params.get("mrope_section") or MROPE_SECTION
     config = {**config, "rope_parameters": {k: v for k, v in params.items() if k not in ("mrope_section",
                                                                                           "mrope_interleaved")}}
-    spec = spec_from_hf_config(
-        family, config, qk_norm=True, attn_output_gate=True, layer_kinds=layer_kinds(config),
-        conv_kernel=int(config["linear_conv_kernel_dim"]), linear_key_heads=int(config["linear_num_key_heads"]),
-        linear_value_heads=int(config["linear_num_value_heads"]), linear_key_dim=int(config["linear_key_head_dim"]),
-        linear_value_dim=int(config["linear_value_head_dim"]), **(mlp(config) if mlp else {}))
+    kinds = layer_kinds(config)
+    delta = declared(GatedDeltaNetSpec, int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"]),
+                              int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"]),
+                              kernel=int(config["linear_conv_kernel_dim"]))
+    layer_mlp = mlp(config) if mlp else hf_mlp(config)
+    spec = spec_from_hf_config(family, config, _layers(kinds, hf_attention(config, **ATTENTION), delta, layer_mlp),
+                               check_moe=not isinstance(layer_mlp, MoESpec))
     factor = partial_rotary_factor({"partial_rotary_factor": 0.25, **config})
     rot = int(spec.head_dim * factor)
     rope = hf_rope(config)
@@ -237,8 +247,7 @@ def _with_images(spec: ModelSpec, image_token: Any, section: Any) -> ModelSpec:
     if not isinstance(section, list) or not all(isinstance(x, int) for x in section):
         raise DecodertError(f"config.json: rope_parameters mrope_section {section!r} must be a list of 3 integers")
     try:
-        return dataclasses.replace(spec, image_token_id=image_token, mrope_section=tuple(section),
-                                   mrope_interleaved=True)
+        return dataclasses.replace(spec, images=ImageTokens(image_token), mrope=MRopeSpec(tuple(section), interleaved=True))
     except ValueError as e:
         raise DecodertError(f"config.json: {e}") from None
 
@@ -264,13 +273,20 @@ def vision_from_hf(config: dict) -> VisionSpec | None:
 def spec_from_gguf(meta: dict) -> ModelSpec:
     """llama.cpp's keys: the attention's as for Qwen3, the linear layers' under ssm.*, every
     full_attention_interval-th layer full (llama.cpp's rule)."""
-    layers = int(gguf_key(meta, "block_count"))
+    layers = gguf_layers(meta)
     interval = int(gguf_key(meta, "full_attention_interval", 4))
     kinds = tuple("attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers))
     hv, inner = int(gguf_key(meta, "ssm.time_step_rank")), int(gguf_key(meta, "ssm.inner_size"))
     if hv < 1 or inner % hv:
         raise DecodertError(f"qwen35.ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {hv}")
-    return spec_from_gguf_meta(
-        "qwen3_5", meta, qk_norm=True, attn_output_gate=True, layer_kinds=kinds,
-        conv_kernel=int(gguf_key(meta, "ssm.conv_kernel")), linear_key_heads=int(gguf_key(meta, "ssm.group_count")),
-        linear_value_heads=hv, linear_key_dim=int(gguf_key(meta, "ssm.state_size")), linear_value_dim=inner // hv)
+    delta = declared(GatedDeltaNetSpec, int(gguf_key(meta, "ssm.group_count")), hv, int(gguf_key(meta, "ssm.state_size")),
+                              inner // hv, kernel=int(gguf_key(meta, "ssm.conv_kernel")))
+    return spec_from_gguf_meta("qwen3_5", meta, _layers(kinds, gguf_attention(meta, **ATTENTION), delta, gguf_mlp(meta)))
+
+
+ATTENTION = dict(qk_norm=True, output_gate=True)  # gated attention: q_proj also yields a gate per head
+
+
+def _layers(kinds: tuple[str, ...], attention: AttentionSpec, delta: GatedDeltaNetSpec,
+            mlp: MLPSpec) -> tuple[LayerSpec, ...]:
+    return tuple(LayerSpec(attention if kind == "attention" else delta, mlp) for kind in kinds)

@@ -5,7 +5,7 @@
                  ``image_token_id`` the ``<image>`` token the image embeddings replace
     weights      model.text_model.* (the Llama text model), model.vision_model.*, model.connector.*
 
-The text model is Llama's (models/families/dense/llama.py tables, keys renamed by ``sanitize``); the vision tower is
+The text model is Llama's (models/families/llama.py tables, keys renamed by ``sanitize``); the vision tower is
 declared by ``vision_from_hf`` and ``VISION_WEIGHTS`` (models/vision.py) and exported as vision.onnx.
 """
 
@@ -15,15 +15,14 @@ import dataclasses
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import llama
-from decodert.models.spec import ModelSpec
+from decodert.models.families import llama
+from decodert.models.spec import ImageTokens, ModelSpec
 from decodert.models.vision import VisionSpec
 
 MODEL_TYPES = ("idefics3", "smolvlm")
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
+TAGS = ('vision',)
 
 HF_WEIGHTS = llama.HF_WEIGHTS
-GGUF_WEIGHTS = llama.GGUF_WEIGHTS  # never read: llama.cpp writes SmolVLM's text model as a llama GGUF (that family's)
 _V = "model.vision_model."
 _VL = _V + "encoder.layers.{i}."
 VISION_WEIGHTS: dict[str, str | tuple[str, ...]] = {
@@ -74,7 +73,7 @@ def spec_from_hf(config: dict) -> ModelSpec:
     if not isinstance(image_token, int):
         raise DecodertError("config.json: an idefics3 model needs an integer 'image_token_id'")
     spec = llama.spec_from_hf(_text_config(config))
-    return dataclasses.replace(spec, family="idefics3", image_token_id=image_token)
+    return dataclasses.replace(spec, family="idefics3", images=ImageTokens(image_token))
 
 
 def vision_from_hf(config: dict) -> VisionSpec:
@@ -91,8 +90,4 @@ def vision_from_hf(config: dict) -> VisionSpec:
                           scale_factor=int(config.get("scale_factor", 2)))
     except ValueError as e:
         raise DecodertError(f"config.json: {e}") from None
-
-
-def spec_from_gguf(meta: dict) -> ModelSpec:
-    raise DecodertError("idefics3 / SmolVLM GGUF files are not supported; export the Hugging Face folder")
 

@@ -17,11 +17,14 @@ from typing import Any
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.common import f32, gguf_key, hf_rope, spec_from_gguf_meta, spec_from_hf_config
-from decodert.models.spec import ModelSpec, RopeSpec
+from decodert.models.common import (f32, gguf_attention, gguf_key, gguf_layers, gguf_mlp, gguf_rope, hf_attention,
+                                    hf_layers, hf_mlp, hf_rope, spec_from_gguf_meta, spec_from_hf_config)
+from decodert.models.layers import AttentionSpec, DenseMLPSpec, LayerSpec
+from decodert.models.spec import ImageTokens, ModelSpec, RopeSpec
 from decodert.models.vision import VisionSpec
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
+TAGS = ('vision',)
 GGUF_ARCHITECTURES = ("gemma3",)
 
 _L = "model.layers.{i}."
@@ -129,8 +132,18 @@ def text_config(config: dict, defaults: dict[str, Any]) -> dict:
     return {**defaults, **text, **top}
 
 
-def hf_gemma_fields(family: str, config: dict) -> dict[str, Any]:
-    """What Gemma 2 and 3 read alike: activation, norms, embed scale, layer pattern, scale, soft-caps."""
+def gemma_layers(types: tuple[str, ...], attention: AttentionSpec, mlp: DenseMLPSpec, window: int | None,
+                 local: bool) -> tuple[LayerSpec, ...]:
+    """Sliding layers (``types`` "sliding": the window, and the local RoPE table where ``local``) and full ones."""
+    if "sliding" in types and not window:
+        raise DecodertError("sliding layers need a sliding_window")
+    sliding = dataclasses.replace(attention, window=window, rope_table="rope_local" if local else "rope")
+    return tuple(LayerSpec(sliding if t == "sliding" else attention, mlp) for t in types)
+
+
+def hf_gemma_fields(family: str, config: dict, local: bool = False, **attention: Any) -> dict[str, Any]:
+    """What Gemma 2 and 3 read alike: activation, norms, embed scale, layer pattern, scale, soft-caps;
+    ``local``: the sliding layers read the local RoPE; ``attention``: more attention settings (q/k norm)."""
     if config.get("use_bidirectional_attention"):
         raise DecodertError("use_bidirectional_attention=true is not supported (decodert is causal)")
     if config.get("attention_bias"):
@@ -138,7 +151,7 @@ def hf_gemma_fields(family: str, config: dict) -> dict[str, Any]:
     act = config.get("hidden_activation") or config.get("hidden_act")
     if act not in GELU_TANH:
         raise DecodertError(f"hidden_activation '{act}' is not supported for {family} (only gelu_pytorch_tanh)")
-    layers = int(config["num_hidden_layers"])
+    layers = hf_layers(config)
     kinds = config.get("layer_types")
     if kinds is None:  # transformers' rule: every pattern-th layer is full
         pattern = int(config["sliding_window_pattern"])
@@ -147,11 +160,12 @@ def hf_gemma_fields(family: str, config: dict) -> dict[str, Any]:
     if not isinstance(kinds, list) or any(k not in names for k in kinds):
         raise DecodertError(f"layer_types must list sliding_attention / full_attention per layer (got {kinds!r})")
     window = config.get("sliding_window")
+    attn = hf_attention(config, scale=float(config["query_pre_attn_scalar"]) ** -0.5,
+                        softcap=_positive(config.get("attn_logit_softcapping")), **attention)
     return dict(
-        activation="gelu_tanh", sandwich_norm=True, embed_scale=math.sqrt(int(config["hidden_size"])),
-        layer_types=tuple(names[k] for k in kinds), sliding_window=int(window) if window else None,
-        attn_scale=float(config["query_pre_attn_scalar"]) ** -0.5,
-        attn_softcap=_positive(config.get("attn_logit_softcapping")),
+        layers=gemma_layers(tuple(names[k] for k in kinds), attn, hf_mlp(config, activation="gelu_tanh"),
+                            int(window) if window else None, local),
+        check_activation=False, sandwich_norm=True, embed_scale=math.sqrt(int(config["hidden_size"])),
         final_softcap=_positive(config.get("final_logit_softcapping")),
     )
 
@@ -182,9 +196,9 @@ def spec_from_hf(config: dict) -> ModelSpec:
         raise DecodertError(f"config.json: image_token_index {image_token} is outside the {config['vocab_size']}-token "
                             "vocabulary (its embedding row is what the image rows replace)")
     full, local = hf_ropes(config)
-    return spec_from_hf_config("gemma3", config, qk_norm=True, rope=full, local_rope=local,
-                               image_token_id=image_token, bidirectional_images=vision,
-                               **hf_gemma_fields("gemma3", config))
+    return spec_from_hf_config("gemma3", config, rope=full, local_rope=local,
+                               images=ImageTokens(image_token, bidirectional=True) if vision else None,
+                               **hf_gemma_fields("gemma3", config, local=True, qk_norm=True))
 
 
 def _has_vision(config: dict) -> bool:
@@ -272,23 +286,28 @@ def gguf_layer_types(meta: dict, layers: int, pattern: int) -> tuple[str, ...]:
     return tuple("sliding" if n < 1 or (i + 1) % n else "full" for i in range(layers))
 
 
-def gguf_gemma_fields(meta: dict, pattern: int, large_layers: int) -> dict[str, Any]:
+def gguf_gemma_fields(meta: dict, pattern: int, large_layers: int, local: bool = False,
+                      **attention: Any) -> dict[str, Any]:
     """Gemma 2 and 3 from llama.cpp metadata. llama.cpp's softmax scale: 1/sqrt(hidden / heads) for the
-    27B model (``large_layers`` blocks), else 1/sqrt(head_dim); `attention.scale` wins when stored."""
+    27B model (``large_layers`` blocks), else 1/sqrt(head_dim); `attention.scale` wins when stored.
+    ``local`` and ``attention`` as for ``hf_gemma_fields``."""
     hidden, heads = int(gguf_key(meta, "embedding_length")), int(gguf_key(meta, "attention.head_count"))
     layers, head_dim = int(gguf_key(meta, "block_count")), int(gguf_key(meta, "attention.key_length", hidden // heads))
     stored = gguf_key(meta, "attention.scale", None)
     scale = f32(stored) if stored is not None else (hidden / heads if layers == large_layers else head_dim) ** -0.5
     window = gguf_key(meta, "attention.sliding_window", None)
+    attn = gguf_attention(meta, scale=scale, softcap=_positive(f32(gguf_key(meta, "attn_logit_softcapping", 0.0))),
+                          **attention)
     return dict(
-        activation="gelu_tanh", sandwich_norm=True, embed_scale=math.sqrt(hidden), attn_scale=scale,
-        layer_types=gguf_layer_types(meta, layers, pattern), sliding_window=int(window) if window else None,
-        attn_softcap=_positive(f32(gguf_key(meta, "attn_logit_softcapping", 0.0))),
+        layers=gemma_layers(gguf_layer_types(meta, gguf_layers(meta), pattern), attn,
+                            gguf_mlp(meta, activation="gelu_tanh"), int(window) if window else None, local),
+        sandwich_norm=True, embed_scale=math.sqrt(hidden),
         final_softcap=_positive(f32(gguf_key(meta, "final_logit_softcapping", 0.0))),
     )
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
-    spec = spec_from_gguf_meta("gemma3", meta, qk_norm=True, **gguf_gemma_fields(meta, pattern=6, large_layers=62))
-    local = RopeSpec(theta=f32(gguf_key(meta, "rope.freq_base_swa", 10_000.0)), rotary_dim=spec.rope.rotary_dim)
-    return dataclasses.replace(spec, local_rope=local)
+    rope = gguf_rope(meta, gguf_attention(meta).head_dim)
+    local = RopeSpec(theta=f32(gguf_key(meta, "rope.freq_base_swa", 10_000.0)), rotary_dim=rope.rotary_dim)
+    return spec_from_gguf_meta("gemma3", meta, rope=rope, local_rope=local,
+                               **gguf_gemma_fields(meta, pattern=6, large_layers=62, local=True, qk_norm=True))

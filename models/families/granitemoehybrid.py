@@ -3,7 +3,7 @@ followed by a SwiGLU MLP (``shared_mlp``) and, in the MoE models, a mixture of e
 
 What differs from Llama (transformers' ``modeling_granitemoehybrid.py``):
 - ``layer_types``: "mamba" / "linear_attention" layers (``layer_kinds`` "mamba2": the Mamba2 mixer of
-  models/families/hybrid/nemotron_h.py, the same math) and "attention" / "full_attention" layers;
+  models/families/nemotron_h.py, the same math) and "attention" / "full_attention" layers;
 - attention: softmax scale ``attention_multiplier``; RoPE only with ``position_embedding_type`` "rope"
   (Granite 4.0-H has none: every layer reads the identity rotation);
 - embeddings x ``embedding_multiplier``, each mixer and MLP output x ``residual_multiplier`` before its residual
@@ -22,18 +22,19 @@ What differs from Llama (transformers' ``modeling_granitemoehybrid.py``):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.common import gguf_key, spec_from_gguf_meta, spec_from_hf_config
-from decodert.models.families.hybrid import nemotron_h
+from decodert.models.common import declared, gguf_attention, gguf_key, gguf_mlp, hf_attention, spec_from_gguf_meta, spec_from_hf_config
+from decodert.models.families import nemotron_h
+from decodert.models.layers import AttentionSpec, DenseMLPSpec, LayerSpec, Mamba2Spec, MLPSpec, MoESpec
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("granitemoehybrid",)
+TAGS = ('hybrid', 'moe')
 GGUF_ARCHITECTURES = ("granitehybrid",)
 
 _L = "model.layers.{i}."
@@ -117,25 +118,25 @@ def spec_from_hf(config: dict) -> ModelSpec:
     head_dim = config["mamba_d_head"]
     head_dim = int(config["mamba_expand"]) * hidden // heads if head_dim == "auto" else int(head_dim)
     experts = int(config.get("num_local_experts") or 0)
-    moe: dict[str, Any] = dict(num_experts=0)
+    shared = declared(DenseMLPSpec, int(config["shared_intermediate_size"]))
+    mlp: MLPSpec = shared
     if experts:
-        moe = dict(num_experts=experts, experts_per_token=int(config["num_experts_per_tok"]),
-                   expert_intermediate_size=int(config["intermediate_size"]), router_renormalize=True, shared_mlp=True)
-    spec = spec_from_hf_config(
-        "granitemoehybrid", {**config, "intermediate_size": config["shared_intermediate_size"]}, **moe,
-        layer_kinds=kinds, rms_norm_eps=float(config["rms_norm_eps"]), attn_scale=float(config["attention_multiplier"]),
+        mlp = declared(MoESpec, experts, int(config["num_experts_per_tok"]), int(config["intermediate_size"]), renormalize=True,
+                      shared=shared)
+    mamba = declared(Mamba2Spec, heads, head_dim, int(config["mamba_d_state"]), int(config["mamba_n_groups"]),
+                       kernel=int(config["mamba_d_conv"]), conv_bias=bool(config["mamba_conv_bias"]))
+    attention = hf_attention(config, scale=float(config["attention_multiplier"]),
+                             rope_table="rope" if config["position_embedding_type"] == "rope" else "rope_none")
+    return spec_from_hf_config(
+        "granitemoehybrid", config, _layers(kinds, attention, mamba, mlp), check_moe=False,
+        rms_norm_eps=float(config["rms_norm_eps"]),
         embed_scale=float(config["embedding_multiplier"]) if config["embedding_multiplier"] != 1 else None,
-        residual_scale=float(config["residual_multiplier"]),
-        logits_scaling=float(config["logits_scaling"]), conv_kernel=int(config["mamba_d_conv"]),
-        conv_bias=bool(config["mamba_conv_bias"]), ssm_heads=heads, ssm_head_dim=head_dim,
-        ssm_state=int(config["mamba_d_state"]), ssm_groups=int(config["mamba_n_groups"]))
-    if config["position_embedding_type"] != "rope":  # no position embedding: the identity rotation everywhere
-        spec = _no_rope(spec)
-    return spec
+        residual_scale=float(config["residual_multiplier"]), logits_scaling=float(config["logits_scaling"]))
 
 
-def _no_rope(spec: ModelSpec) -> ModelSpec:
-    return dataclasses.replace(spec, nope_layers=tuple(range(spec.num_layers)))
+def _layers(kinds: tuple[str, ...], attention: AttentionSpec, mamba: Mamba2Spec, mlp: MLPSpec) -> tuple[LayerSpec, ...]:
+    """Mamba2 and attention layers (no position embedding: attention reads the identity rotation), each with the MLP."""
+    return tuple(LayerSpec(attention if kind == "attention" else mamba, mlp) for kind in kinds)
 
 
 def hf_fix(key: str, w: np.ndarray, spec: ModelSpec) -> np.ndarray:
@@ -155,17 +156,17 @@ def spec_from_gguf(meta: dict) -> ModelSpec:
         raise DecodertError(f"granitehybrid ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {heads}")
     if meta.get(f"{arch}.expert_count"):
         raise DecodertError("granitehybrid GGUF files with experts are not supported yet (dense MLP only)")
-    spec = spec_from_gguf_meta(
-        "granitemoehybrid", {**meta, f"{arch}.attention.head_count_kv": max(kv)},
-        layer_kinds=tuple("attention" if k else "mamba2" for k in kv),
-        attn_scale=float(gguf_key(meta, "attention.scale", 0.0)) or None,
-        embed_scale=float(gguf_key(meta, "embedding_scale", 1.0)) if gguf_key(meta, "embedding_scale", 1.0) != 1 else None,
-        residual_scale=float(gguf_key(meta, "residual_scale", 1.0)),
-        logits_scaling=float(gguf_key(meta, "logit_scale", 1.0)), conv_kernel=int(gguf_key(meta, "ssm.conv_kernel")),
-        conv_bias=True, ssm_heads=heads, ssm_head_dim=inner // heads, ssm_state=int(gguf_key(meta, "ssm.state_size")),
-        ssm_groups=int(gguf_key(meta, "ssm.group_count")))
+    meta = {**meta, f"{arch}.attention.head_count_kv": max(kv)}
+    mamba = declared(Mamba2Spec, heads, inner // heads, int(gguf_key(meta, "ssm.state_size")), int(gguf_key(meta, "ssm.group_count")),
+                       kernel=int(gguf_key(meta, "ssm.conv_kernel")), conv_bias=True)
     # llama.cpp's rule: RoPE unless rope.scaling.finetuned is false (how its converter marks Granite 4.0-H's "nope")
-    return spec if meta.get(f"{arch}.rope.scaling.finetuned", True) else _no_rope(spec)
+    attention = gguf_attention(meta, scale=float(gguf_key(meta, "attention.scale", 0.0)) or None,
+                               rope_table="rope" if meta.get(f"{arch}.rope.scaling.finetuned", True) else "rope_none")
+    return spec_from_gguf_meta(
+        "granitemoehybrid", meta, _layers(tuple("attention" if k else "mamba2" for k in kv), attention, mamba,
+                                          gguf_mlp(meta)),
+        embed_scale=float(gguf_key(meta, "embedding_scale", 1.0)) if gguf_key(meta, "embedding_scale", 1.0) != 1 else None,
+        residual_scale=float(gguf_key(meta, "residual_scale", 1.0)), logits_scaling=float(gguf_key(meta, "logit_scale", 1.0)))
 
 
 gguf_shape = nemotron_h.gguf_shape

@@ -13,13 +13,17 @@ dequantizes them exactly, one expert at a time (export/quantize/mxfp4.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from decodert.errors import DecodertError
-from decodert.models.common import f32, gguf_key, spec_from_gguf_meta, spec_from_hf_config
+from decodert.models.common import (declared, f32, gguf_attention, gguf_key, gguf_layers, hf_attention, hf_layers,
+                                    spec_from_gguf_meta, spec_from_hf_config)
+from decodert.models.layers import AttentionSpec, LayerSpec, MoESpec
 from decodert.models.spec import ModelSpec, RopeSpec
 
 MODEL_TYPES = ("gpt_oss",)
+TAGS = ('moe',)
 GGUF_ARCHITECTURES = ("gpt-oss",)
 
 _L = "model.layers.{i}."
@@ -84,24 +88,29 @@ def spec_from_hf(config: dict) -> ModelSpec:
     experts = config.get("num_local_experts", config.get("num_experts"))
     if not experts:
         raise DecodertError("gpt_oss config has no num_local_experts (a router needs experts)")
-    layers = config.get("num_hidden_layers")
-    layers = int(layers) if isinstance(layers, int) else 0
     limit = config.get("swiglu_limit")
-    return spec_from_hf_config(
-        "gpt_oss", config, qkv_bias=True, o_bias=True, attn_sinks=True, layer_types=_layer_types(config, layers),
-        sliding_window=int(config["sliding_window"]), num_experts=int(experts),
-        experts_per_token=int(config.get("num_experts_per_tok", 4)),
-        expert_intermediate_size=int(config["intermediate_size"]), router_renormalize=True, router_bias=True,
-        expert_bias=True, swiglu_limit=None if limit is None else float(limit),
-        swiglu_alpha=float(config.get("swiglu_alpha", SWIGLU_ALPHA)), swiglu_beta=1.0,
-        mlp_types=("moe",) * layers)
+    moe = declared(MoESpec, int(experts), int(config.get("num_experts_per_tok", 4)), int(config["intermediate_size"]),
+                  router_bias=True, expert_bias=True, swiglu_limit=None if limit is None else float(limit),
+                  swiglu_alpha=float(config.get("swiglu_alpha", SWIGLU_ALPHA)), swiglu_beta=1.0)
+    return spec_from_hf_config("gpt_oss", config, _layers(_layer_types(config, hf_layers(config)),
+                                                          hf_attention(config, **ATTENTION), moe,
+                                                          int(config["sliding_window"])), check_moe=False)
+
+
+ATTENTION = dict(qkv_bias=True, o_bias=True, sinks=True)
+
+
+def _layers(types: tuple[str, ...], attention: AttentionSpec, moe: MoESpec, window: int) -> tuple[LayerSpec, ...]:
+    """Sliding and full attention layers in turn, every MLP the experts."""
+    sliding = dataclasses.replace(attention, window=window)
+    return tuple(LayerSpec(sliding if t == "sliding" else attention, moe) for t in types)
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
     """llama.cpp's gpt-oss metadata, and its fixed rules where it stores none: sliding layers are the even
     ones, SwiGLU limit 7 and alpha 1.702; YaRN as the Hugging Face config has it (betas 32/1 unless stored,
     no truncation, attention factor 0.1 ln(factor) + 1)."""
-    layers = int(gguf_key(meta, "block_count"))
+    layers = gguf_layers(meta)
     arch = meta.get("general.architecture", "gpt-oss")
     meta = {f"{arch}.feed_forward_length": gguf_key(meta, "expert_feed_forward_length"), **meta}
     theta = f32(gguf_key(meta, "rope.freq_base", 150000.0))
@@ -114,11 +123,10 @@ def spec_from_gguf(meta: dict) -> ModelSpec:
                     beta_slow=f32(gguf_key(meta, "rope.scaling.yarn_beta_slow", 1.0)), truncate=False,
                     attention_factor=0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
     plain = {k: v for k, v in meta.items() if k != f"{arch}.rope.scaling.type"}  # the YaRN read above replaces it
-    return spec_from_gguf_meta(
-        "gpt_oss", plain, rope=rope, qkv_bias=True, o_bias=True, attn_sinks=True,
-        layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(layers)),
-        sliding_window=int(gguf_key(meta, "attention.sliding_window", 128)),
-        num_experts=int(gguf_key(meta, "expert_count")), experts_per_token=int(gguf_key(meta, "expert_used_count")),
-        expert_intermediate_size=int(gguf_key(meta, "expert_feed_forward_length")), router_renormalize=True,
-        router_bias=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=SWIGLU_ALPHA, swiglu_beta=1.0,
-        mlp_types=("moe",) * layers)
+    moe = declared(MoESpec, int(gguf_key(meta, "expert_count")), int(gguf_key(meta, "expert_used_count")),
+                  int(gguf_key(meta, "expert_feed_forward_length")), router_bias=True, expert_bias=True,
+                  swiglu_limit=7.0, swiglu_alpha=SWIGLU_ALPHA, swiglu_beta=1.0)
+    types = tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
+    return spec_from_gguf_meta("gpt_oss", plain, _layers(types, gguf_attention(plain, **ATTENTION), moe,
+                                                         int(gguf_key(meta, "attention.sliding_window", 128))),
+                               rope=rope, check_moe=False)

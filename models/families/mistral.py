@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import llama
+from decodert.models.families import llama
 from decodert.models.common import gguf_key, spec_from_gguf_meta, spec_from_hf_config
 from decodert.models.spec import ModelSpec
 
@@ -18,9 +18,9 @@ def spec_from_hf(config: dict) -> ModelSpec:
     if config.get("attention_bias"):
         raise DecodertError("attention_bias=true is not supported for mistral")
     window = config.get("sliding_window")
-    return spec_from_hf_config("mistral", config, sliding_window=int(window) if window else None)
+    return spec_from_hf_config("mistral", config, attention={"window": int(window) if window else None})
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
     window = gguf_key(meta, "attention.sliding_window", None)
-    return spec_from_gguf_meta("mistral", meta, sliding_window=int(window) if window else None)
+    return spec_from_gguf_meta("mistral", meta, attention={"window": int(window) if window else None})

@@ -9,9 +9,13 @@ chat template's; the reply's ``<think>`` block comes back as reasoning (runtime/
 
 from __future__ import annotations
 
+import dataclasses
+
 from decodert.errors import DecodertError
-from decodert.models.families.dense import llama
-from decodert.models.common import gguf_key, spec_from_gguf_meta, spec_from_hf_config
+from decodert.models.families import llama
+from decodert.models.common import (gguf_attention, gguf_mlp, hf_attention, hf_layers, hf_mlp, spec_from_gguf_meta,
+                                    spec_from_hf_config)
+from decodert.models.layers import AttentionSpec, LayerSpec
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("smollm3",)
@@ -40,9 +44,14 @@ def spec_from_hf(config: dict) -> ModelSpec:
         raise DecodertError("attention_bias=true is not supported for smollm3")
     if config.get("use_sliding_window"):
         raise DecodertError("use_sliding_window=true is not supported for smollm3")
-    layers = config.get("num_hidden_layers")
-    return spec_from_hf_config("smollm3", config, rope=_hf_rope(config),
-                               nope_layers=nope_layers(config, int(layers) if isinstance(layers, int) else 0))
+    nope = nope_layers(config, hf_layers(config))
+    attention, mlp = hf_attention(config), hf_mlp(config)
+    return spec_from_hf_config("smollm3", config, lambda i: LayerSpec(_no_rope(attention) if i in nope else attention, mlp),
+                               rope=_hf_rope(config))
+
+
+def _no_rope(attention: AttentionSpec) -> AttentionSpec:
+    return dataclasses.replace(attention, rope_table="rope_none")
 
 
 def _hf_rope(config: dict):
@@ -54,6 +63,6 @@ def _hf_rope(config: dict):
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
-    layers = int(gguf_key(meta, "block_count"))
-    return spec_from_gguf_meta("smollm3", meta, nope_layers=tuple(
-        i for i in range(layers) if (i + 1) % GGUF_NO_ROPE_INTERVAL == 0))
+    attention, mlp = gguf_attention(meta), gguf_mlp(meta)
+    return spec_from_gguf_meta("smollm3", meta, lambda i: LayerSpec(
+        _no_rope(attention) if (i + 1) % GGUF_NO_ROPE_INTERVAL == 0 else attention, mlp))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import llama
+from decodert.models.families import llama
 from decodert.models.common import spec_from_gguf_meta, spec_from_hf_config
-from decodert.models.families.dense.qwen2 import reject_sliding_layers
+from decodert.models.families.qwen2 import reject_sliding_layers
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("qwen3",)
@@ -29,8 +29,8 @@ def spec_from_hf(config: dict) -> ModelSpec:
     if config.get("attention_bias"):
         raise DecodertError("attention_bias=true is not supported for qwen3")
     reject_sliding_layers(config)
-    return spec_from_hf_config("qwen3", config, qk_norm=True)
+    return spec_from_hf_config("qwen3", config, attention={"qk_norm": True})
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
-    return spec_from_gguf_meta("qwen3", meta, qk_norm=True)
+    return spec_from_gguf_meta("qwen3", meta, attention={"qk_norm": True})

@@ -19,16 +19,20 @@ Every norm multiplies by plain w; the final one is ``norm_f``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.common import gguf_key, spec_from_gguf_meta, spec_from_hf_config
+from decodert.models.common import (declared, gguf_attention, gguf_key, gguf_layers, gguf_mlp, hf_attention, hf_mlp,
+                                    spec_from_gguf_meta, spec_from_hf_config)
+from decodert.models.layers import AttentionSpec, DenseMLPSpec, LayerSpec, Mamba2Spec
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("nemotron_h",)
+TAGS = ('hybrid',)
 GGUF_ARCHITECTURES = ("nemotron_h",)
 
 _L = "model.layers.{i}."
@@ -120,6 +124,14 @@ def layer_plan(types: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(_BLOCKS[t][0] for t in types), tuple(_BLOCKS[t][1] for t in types)
 
 
+def block_layers(types: list[str], attention: AttentionSpec, mamba: Mamba2Spec, mlp: DenseMLPSpec) -> tuple[LayerSpec, ...]:
+    """One layer per block: a Mamba2 or attention mixer alone (attention without position embedding: the
+    identity rotation), or an MLP alone."""
+    kinds, mlps = layer_plan(types)
+    mixers = {"attention": dataclasses.replace(attention, rope_table="rope_none"), "mamba2": mamba, "none": None}
+    return tuple(LayerSpec(mixers[k], mlp if m == "dense" else None) for k, m in zip(kinds, mlps))
+
+
 def _check(config: dict) -> None:
     if config.get("use_bias"):
         raise DecodertError("nemotron_h use_bias=true (biases on the Mamba2 in/out projections) is not supported")
@@ -136,16 +148,16 @@ def spec_from_hf(config: dict) -> ModelSpec:
     config = {**HF_DEFAULTS, **{_LEGACY_KEYS.get(k, k): v for k, v in config.items()}}
     _check(config)
     types = block_types(config)
-    kinds, mlps = layer_plan(types)
-    layers = len(types)
-    return spec_from_hf_config(
-        # num_experts=0: the config's MoE settings (defaults in every config.json) serve no block here
-        "nemotron_h", {**config, "num_hidden_layers": layers}, num_experts=0, activation="relu2", gated_mlp=False,
-        layer_kinds=kinds,
-        mlp_types=mlps, nope_layers=tuple(range(layers)), rms_norm_eps=float(config["layer_norm_epsilon"]),
-        conv_kernel=int(config["conv_kernel"]), conv_bias=bool(config["use_conv_bias"]),
-        ssm_heads=int(config["mamba_num_heads"]), ssm_head_dim=int(config["mamba_head_dim"]),
-        ssm_state=int(config["ssm_state_size"]), ssm_groups=int(config["n_groups"]))
+    config = {**config, "num_hidden_layers": len(types)}
+    mamba = declared(Mamba2Spec, int(config["mamba_num_heads"]), int(config["mamba_head_dim"]), int(config["ssm_state_size"]),
+                       int(config["n_groups"]), kernel=int(config["conv_kernel"]), conv_bias=bool(config["use_conv_bias"]))
+    layers = block_layers(types, hf_attention(config), mamba, hf_mlp(config, **MLP))
+    # check_moe=False: the config's MoE settings (defaults in every config.json) serve no block here
+    return spec_from_hf_config("nemotron_h", config, layers, check_moe=False, check_activation=False,
+                               rms_norm_eps=float(config["layer_norm_epsilon"]))
+
+
+MLP = dict(activation="relu2", gated=False)  # down(relu(up)^2)
 
 
 def _per_layer(meta: dict, key: str, layers: int) -> list[int]:
@@ -160,10 +172,9 @@ def spec_from_gguf(meta: dict) -> ModelSpec:
     """llama.cpp's keys: per-layer head_count_kv and feed_forward_length say each block's type; ssm.* the
     Mamba2 sizes (inner_size = H Dh, time_step_rank = H)."""
     arch = meta.get("general.architecture", "nemotron_h")
-    layers = int(gguf_key(meta, "block_count"))
+    layers = gguf_layers(meta)
     kv, ffn = _per_layer(meta, "attention.head_count_kv", layers), _per_layer(meta, "feed_forward_length", layers)
     types = ["attention" if k else "mlp" if f else "mamba" for k, f in zip(kv, ffn)]
-    kinds, mlps = layer_plan(types)
     heads, inner = int(gguf_key(meta, "ssm.time_step_rank")), int(gguf_key(meta, "ssm.inner_size"))
     if heads < 1 or inner % heads:
         raise DecodertError(f"nemotron_h ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {heads}")
@@ -171,11 +182,10 @@ def spec_from_gguf(meta: dict) -> ModelSpec:
     eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon", meta.get(f"{arch}.attention.layer_norm_epsilon"))
     if eps is not None:  # llama.cpp reads nemotron_h's RMS epsilon from layer_norm_epsilon
         meta[f"{arch}.attention.layer_norm_rms_epsilon"] = eps
-    return spec_from_gguf_meta(
-        "nemotron_h", meta, num_experts=0, activation="relu2", gated_mlp=False, layer_kinds=kinds, mlp_types=mlps,
-        nope_layers=tuple(range(layers)), conv_kernel=int(gguf_key(meta, "ssm.conv_kernel")), conv_bias=True,
-        ssm_heads=heads, ssm_head_dim=inner // heads, ssm_state=int(gguf_key(meta, "ssm.state_size")),
-        ssm_groups=int(gguf_key(meta, "ssm.group_count")))
+    mamba = declared(Mamba2Spec, heads, inner // heads, int(gguf_key(meta, "ssm.state_size")), int(gguf_key(meta, "ssm.group_count")),
+                       kernel=int(gguf_key(meta, "ssm.conv_kernel")), conv_bias=True)
+    return spec_from_gguf_meta("nemotron_h", meta, block_layers(types, gguf_attention(meta), mamba, gguf_mlp(meta, **MLP)),
+                               check_moe=False)
 
 
 def gguf_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -13,10 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.common import spec_from_gguf_meta, spec_from_hf_config
+from decodert.models.common import (declared, gguf_attention, gguf_mlp, hf_attention, hf_layers, spec_from_gguf_meta,
+                                    spec_from_hf_config)
+from decodert.models.layers import AttentionSpec, DenseMLPSpec, LayerSpec, ShortConvSpec
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("lfm2",)
+TAGS = ('hybrid',)
 GGUF_ARCHITECTURES = ("lfm2",)
 
 # transformers' Lfm2Config defaults a config.json may leave out
@@ -99,12 +102,17 @@ def spec_from_hf(config: dict) -> ModelSpec:
     config["tie_word_embeddings"] = config.get("tie_embedding", config["tie_word_embeddings"])
     if config.get("intermediate_size") is None:
         raise DecodertError("config.json has no 'intermediate_size'")
-    layers = int(config.get("num_hidden_layers") or 0)
     hidden, heads = int(config.get("hidden_size") or 0), int(config.get("num_attention_heads") or 1)
-    return spec_from_hf_config("lfm2", {**config, "head_dim": hidden // heads}, layer_kinds=hf_layer_kinds(config, layers),
-                               intermediate_size=ffn_size(config), rms_norm_eps=float(config["norm_eps"]),
-                               conv_kernel=int(config["conv_L_cache"]), conv_bias=bool(config["conv_bias"]),
-                               qk_norm=True, tie_word_embeddings=bool(config["tie_word_embeddings"]))
+    config = {**config, "head_dim": hidden // heads}
+    conv = declared(ShortConvSpec, int(config["conv_L_cache"]), bias=bool(config["conv_bias"]))
+    return spec_from_hf_config("lfm2", config, _layers(hf_layer_kinds(config, hf_layers(config)),
+                                                       hf_attention(config, qk_norm=True), conv, declared(DenseMLPSpec, ffn_size(config))),
+                               rms_norm_eps=float(config["norm_eps"]), tie_word_embeddings=bool(config["tie_word_embeddings"]))
+
+
+def _layers(kinds: tuple[str, ...], attention: AttentionSpec, conv: ShortConvSpec,
+            mlp: DenseMLPSpec) -> tuple[LayerSpec, ...]:
+    return tuple(LayerSpec(attention if kind == "attention" else conv, mlp) for kind in kinds)
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
@@ -118,8 +126,8 @@ def spec_from_gguf(meta: dict) -> ModelSpec:
         raise DecodertError(f"lfm2 GGUF metadata has no '{arch}.shortconv.l_cache'")
     kinds = tuple("attention" if n else "conv" for n in per_layer)
     meta = {**meta, f"{arch}.attention.head_count_kv": max(int(n) for n in per_layer)}
-    return spec_from_gguf_meta("lfm2", meta, layer_kinds=kinds, conv_kernel=int(meta[f"{arch}.shortconv.l_cache"]),
-                               qk_norm=True)
+    conv = declared(ShortConvSpec, int(meta[f"{arch}.shortconv.l_cache"]))
+    return spec_from_gguf_meta("lfm2", meta, _layers(kinds, gguf_attention(meta, qk_norm=True), conv, gguf_mlp(meta)))
 
 
 def gguf_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:

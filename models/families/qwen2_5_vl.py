@@ -18,15 +18,14 @@ import dataclasses
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import qwen2
-from decodert.models.spec import ModelSpec
+from decodert.models.families import qwen2
+from decodert.models.spec import ImageTokens, ModelSpec, MRopeSpec
 from decodert.models.vision import VisionSpec
 
 MODEL_TYPES = ("qwen2_5_vl",)
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
+TAGS = ('vision',)
 
 HF_WEIGHTS = qwen2.HF_WEIGHTS
-GGUF_WEIGHTS = qwen2.GGUF_WEIGHTS  # never read (no GGUF path)
 _V = "visual."
 _VL = _V + "blocks.{i}."
 VISION_WEIGHTS: dict[str, str | tuple[str, ...]] = {
@@ -102,8 +101,8 @@ def spec_from_hf(config: dict, family: str = "qwen2_5_vl") -> ModelSpec:
                             "rope mrope_section")
     spec = qwen2.spec_from_hf(text)
     try:
-        return dataclasses.replace(spec, family=family, image_token_id=image_token,
-                                   mrope_section=tuple(int(x) for x in section))
+        return dataclasses.replace(spec, family=family, images=ImageTokens(image_token),
+                                   mrope=MRopeSpec(tuple(int(x) for x in section)))
     except ValueError as e:
         raise DecodertError(f"config.json: {e}") from None
 
@@ -125,7 +124,3 @@ def vision_from_hf(config: dict) -> VisionSpec:
                           rope_theta=float(rope.get("rope_theta", 10000.0)))
     except ValueError as e:
         raise DecodertError(f"config.json: {e}") from None
-
-
-def spec_from_gguf(meta: dict) -> ModelSpec:
-    raise DecodertError("qwen2_5_vl GGUF files are not supported; export the Hugging Face folder")

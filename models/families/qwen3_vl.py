@@ -6,8 +6,8 @@ interleaved M-RoPE whose first layers add the tower's earlier features at the im
                  num_position_embeddings, deepstack_visual_indexes, gelu_pytorch_tanh); image_token_id
     weights      model.language_model.*, model.visual.*, lm_head.* (``sanitize``: as Qwen2.5-VL's)
 
-What differs from Qwen2.5-VL (models/families/vision/qwen2_5_vl.py), declared here and built by the shared recipes:
-``ModelSpec.mrope_interleaved`` (plugins/ops/mrope.py), ``deepstack_layers`` (the prefill graph's deepstack_embeds
+What differs from Qwen2.5-VL (models/families/qwen2_5_vl.py), declared here and built by the shared recipes:
+``MRopeSpec.interleaved`` (plugins/ops/mrope.py), ``ImageTokens.deepstack_layers`` (the prefill graph's deepstack_embeds
 input, export/lowering/graph.py), and the ``qwen3_vit`` tower (export/lowering/vision_qwen.py).
 """
 
@@ -17,17 +17,16 @@ import dataclasses
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import qwen3
-from decodert.models.families.vision.qwen2_5_vl import sanitize, text_config
-from decodert.models.spec import ModelSpec
+from decodert.models.families import qwen3
+from decodert.models.families.qwen2_5_vl import sanitize, text_config
+from decodert.models.spec import ImageTokens, ModelSpec, MRopeSpec
 from decodert.models.vision import VisionSpec
 
 __all__ = ["sanitize"]
 MODEL_TYPES = ("qwen3_vl",)
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
+TAGS = ('vision',)
 
 HF_WEIGHTS = qwen3.HF_WEIGHTS
-GGUF_WEIGHTS = qwen3.GGUF_WEIGHTS  # never read (no GGUF path)
 _V = "visual."
 _VL = _V + "blocks.{i}."
 _D = _V + "deepstack_merger_list.{i}."
@@ -69,7 +68,7 @@ VIDEO_DEFAULTS: dict[str, Any] = dict(
 
 
 def video_processor(config: dict) -> dict[str, Any]:
-    """As Qwen2.5-VL's (models/families/vision/qwen2_5_vl.py), with Qwen3-VL's sampling and timestamped slices."""
+    """As Qwen2.5-VL's (models/families/qwen2_5_vl.py), with Qwen3-VL's sampling and timestamped slices."""
     token = config.get("video_token_id")
     if not isinstance(token, int):
         raise DecodertError("config.json: a qwen3_vl model needs an integer 'video_token_id' for video")
@@ -86,9 +85,8 @@ def spec_from_hf(config: dict) -> ModelSpec:
     deep = (config.get("vision_config") or {}).get("deepstack_visual_indexes", VISION_DEFAULTS["deepstack_visual_indexes"])
     spec = qwen3.spec_from_hf(text)
     try:
-        return dataclasses.replace(spec, family="qwen3_vl", image_token_id=image_token,
-                                   mrope_section=tuple(int(x) for x in section), mrope_interleaved=True,
-                                   deepstack_layers=len(deep))
+        return dataclasses.replace(spec, family="qwen3_vl", images=ImageTokens(image_token, deepstack_layers=len(deep)),
+                                   mrope=MRopeSpec(tuple(int(x) for x in section), interleaved=True))
     except ValueError as e:
         raise DecodertError(f"config.json: {e}") from None
 
@@ -100,7 +98,7 @@ def vision_from_hf(config: dict) -> VisionSpec:
 
 def tower_from_hf(v: dict, deepstack: tuple[int, ...]) -> VisionSpec:
     """The ``qwen3_vit`` tower of a complete vision_config ``v`` (defaults applied) whose layers ``deepstack`` feed
-    the text model (Qwen3.5's tower has none: models/families/hybrid/qwen3_5.py)."""
+    the text model (Qwen3.5's tower has none: models/families/qwen3_5.py)."""
     if v["hidden_act"] not in ("gelu_pytorch_tanh", "gelu_new") or v["in_channels"] != 3:
         raise DecodertError(f"config.json: vision_config hidden_act '{v['hidden_act']}' / in_channels "
                             f"{v['in_channels']} is not supported (gelu_pytorch_tanh over RGB)")
@@ -119,7 +117,3 @@ def tower_from_hf(v: dict, deepstack: tuple[int, ...]) -> VisionSpec:
                           num_positions=int(v["num_position_embeddings"]), deepstack=deepstack)
     except ValueError as e:
         raise DecodertError(f"config.json: {e}") from None
-
-
-def spec_from_gguf(meta: dict) -> ModelSpec:
-    raise DecodertError("qwen3_vl GGUF files are not supported; export the Hugging Face folder")

@@ -43,13 +43,12 @@ def spec_from_hf(config: dict) -> ModelSpec:
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind != "default":
         raise DecodertError(f"rope scaling '{kind}' is not supported yet")
-    spec = spec_from_hf_config("phi3", config)
     window = config.get("sliding_window")
+    spec = spec_from_hf_config("phi3", config, attention={"window": int(window) if window else None})
     rot = int(spec.head_dim * partial_rotary_factor(config))
-    rope_spec = spec.rope if rot == spec.head_dim else replace(spec.rope, rotary_dim=rot)
-    return replace(spec, rope=rope_spec, sliding_window=int(window) if window else None)
+    return spec if rot == spec.head_dim else replace(spec, rope=replace(spec.rope, rotary_dim=rot))
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
     window = gguf_key(meta, "attention.sliding_window", None)
-    return spec_from_gguf_meta("phi3", meta, sliding_window=int(window) if window else None)
+    return spec_from_gguf_meta("phi3", meta, attention={"window": int(window) if window else None})

@@ -12,13 +12,17 @@ holds a layer's experts in float32 at once.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from decodert.errors import DecodertError
-from decodert.models.families.dense import qwen3
-from decodert.models.common import gguf_key, spec_from_gguf_meta, spec_from_hf_config
-from decodert.models.families.dense.qwen2 import reject_sliding_layers
+from decodert.models.families import qwen3
+from decodert.models.common import declared, gguf_key, hf_attention, hf_mlp, spec_from_gguf_meta, spec_from_hf_config
+from decodert.models.families.qwen2 import reject_sliding_layers
+from decodert.models.layers import LayerSpec, MoESpec
 from decodert.models.spec import ModelSpec
 
 MODEL_TYPES = ("qwen3_moe",)
+TAGS = ('moe',)
 GGUF_ARCHITECTURES = ("qwen3moe",)
 
 _M = "model.layers.{i}.mlp."
@@ -39,10 +43,10 @@ GGUF_WEIGHTS = {
 }
 
 
-def _mlp_types(layers: int, sparse_step: int, dense: list) -> tuple[str, ...]:
+def _is_moe(sparse_step: int, dense: list) -> Callable[[int], bool]:
     if sparse_step < 1:
         raise DecodertError(f"decoder_sparse_step {sparse_step} must be >= 1")
-    return tuple("moe" if i not in dense and (i + 1) % sparse_step == 0 else "dense" for i in range(layers))
+    return lambda i: i not in dense and (i + 1) % sparse_step == 0
 
 
 def spec_from_hf(config: dict) -> ModelSpec:
@@ -54,24 +58,19 @@ def spec_from_hf(config: dict) -> ModelSpec:
         raise DecodertError("qwen3_moe config has no num_experts (a router needs experts)")
     if config.get("shared_expert_intermediate_size"):
         raise DecodertError("qwen3_moe with a shared expert (shared_expert_intermediate_size) is not supported")
-    layers = int(config["num_hidden_layers"])
     mlp_only = config.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
         raise DecodertError(f"mlp_only_layers {mlp_only!r} must be a list of layer indices")
-    return spec_from_hf_config(
-        "qwen3_moe", config, qk_norm=True, num_experts=int(experts),
-        experts_per_token=int(config.get("num_experts_per_tok", 8)),
-        expert_intermediate_size=int(config.get("moe_intermediate_size", 0)),
-        router_renormalize=bool(config.get("norm_topk_prob", False)),
-        mlp_types=_mlp_types(layers, int(config.get("decoder_sparse_step", 1)), mlp_only))
+    moe = declared(MoESpec, int(experts), int(config.get("num_experts_per_tok", 8)), int(config.get("moe_intermediate_size", 0)),
+                  renormalize=bool(config.get("norm_topk_prob", False)))
+    is_moe = _is_moe(int(config.get("decoder_sparse_step", 1)), mlp_only)
+    attention, dense = hf_attention(config, qk_norm=True), hf_mlp(config)
+    return spec_from_hf_config("qwen3_moe", config, lambda i: LayerSpec(attention, moe if is_moe(i) else dense),
+                               check_moe=False)
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
-    layers = int(gguf_key(meta, "block_count"))
-    return spec_from_gguf_meta(
-        "qwen3_moe", meta, qk_norm=True, num_experts=int(gguf_key(meta, "expert_count")),
-        experts_per_token=int(gguf_key(meta, "expert_used_count")),
-        expert_intermediate_size=int(gguf_key(meta, "expert_feed_forward_length")),
-        intermediate_size=int(gguf_key(meta, "feed_forward_length", gguf_key(meta, "expert_feed_forward_length"))),
-        router_renormalize=True,  # llama.cpp's qwen3moe graph always renormalizes the top-k weights
-        mlp_types=("moe",) * layers)
+    moe = declared(MoESpec, int(gguf_key(meta, "expert_count")), int(gguf_key(meta, "expert_used_count")),
+                  int(gguf_key(meta, "expert_feed_forward_length")),
+                  renormalize=True)  # llama.cpp's qwen3moe graph always renormalizes the top-k weights
+    return spec_from_gguf_meta("qwen3_moe", meta, attention={"qk_norm": True}, mlp=moe, check_moe=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from decodert.errors import DecodertError
-from decodert.models.families.dense import llama
+from decodert.models.families import llama
 from decodert.models.common import spec_from_gguf_meta, spec_from_hf_config
 from decodert.models.spec import ModelSpec
 
@@ -30,8 +30,8 @@ def reject_sliding_layers(config: dict) -> None:
 
 def spec_from_hf(config: dict) -> ModelSpec:
     reject_sliding_layers(config)
-    return spec_from_hf_config("qwen2", config, qkv_bias=True)
+    return spec_from_hf_config("qwen2", config, attention={"qkv_bias": True})
 
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
-    return spec_from_gguf_meta("qwen2", meta, qkv_bias=True)
+    return spec_from_gguf_meta("qwen2", meta, attention={"qkv_bias": True})

@@ -1,1 +1,0 @@
-"""Attention-only transformers: one file per family."""

@@ -1,1 +1,0 @@
-"""Mixture-of-experts families: one file per family."""

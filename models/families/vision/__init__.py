@@ -1,1 +1,0 @@
-"""Vision-language families (a text model plus a vision tower): one file per family."""

@@ -264,3 +264,19 @@ def _build(fields: dict[str, Any]) -> ModelSpec:
         return ModelSpec(**fields)
     except ValueError as e:
         raise DecodertError(str(e)) from None
+
+
+def positive_or_none(value: Any) -> float | None:
+    """A setting that only matters when positive (a softcap): its float, or None for 0 / None / absent."""
+    return float(value) if value else None
+
+
+def gguf_per_layer(meta: dict, key: str, layers: int) -> list[int]:
+    """A GGUF key that is either one value for every layer or a list of one per layer -> the per-layer ints."""
+    value = gguf_key(meta, key)
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * layers
+    if len(values) != layers:
+        arch = meta.get("general.architecture", "?")
+        raise DecodertError(f"{arch} GGUF '{key}' lists {len(values)} layers, block_count is {layers}")
+    return [int(v) for v in values]
+

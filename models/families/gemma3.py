@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.common import (f32, gguf_attention, gguf_key, gguf_layers, gguf_mlp, gguf_rope, hf_attention,
+from decodert.models.common import (f32, positive_or_none, gguf_attention, gguf_key, gguf_layers, gguf_mlp, gguf_rope, hf_attention,
                                     hf_layers, hf_mlp, hf_rope, spec_from_gguf_meta, spec_from_hf_config)
 from decodert.models.layers import AttentionSpec, DenseMLPSpec, LayerSpec
 from decodert.models.spec import ImageTokens, ModelSpec, RopeSpec
@@ -161,17 +161,14 @@ def hf_gemma_fields(family: str, config: dict, local: bool = False, **attention:
         raise DecodertError(f"layer_types must list sliding_attention / full_attention per layer (got {kinds!r})")
     window = config.get("sliding_window")
     attn = hf_attention(config, scale=float(config["query_pre_attn_scalar"]) ** -0.5,
-                        softcap=_positive(config.get("attn_logit_softcapping")), **attention)
+                        softcap=positive_or_none(config.get("attn_logit_softcapping")), **attention)
     return dict(
         layers=gemma_layers(tuple(names[k] for k in kinds), attn, hf_mlp(config, activation="gelu_tanh"),
                             int(window) if window else None, local),
         check_activation=False, sandwich_norm=True, embed_scale=math.sqrt(int(config["hidden_size"])),
-        final_softcap=_positive(config.get("final_logit_softcapping")),
+        final_softcap=positive_or_none(config.get("final_logit_softcapping")),
     )
 
-
-def _positive(value: Any) -> float | None:
-    return float(value) if value else None
 
 
 def hf_ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
@@ -296,13 +293,13 @@ def gguf_gemma_fields(meta: dict, pattern: int, large_layers: int, local: bool =
     stored = gguf_key(meta, "attention.scale", None)
     scale = f32(stored) if stored is not None else (hidden / heads if layers == large_layers else head_dim) ** -0.5
     window = gguf_key(meta, "attention.sliding_window", None)
-    attn = gguf_attention(meta, scale=scale, softcap=_positive(f32(gguf_key(meta, "attn_logit_softcapping", 0.0))),
+    attn = gguf_attention(meta, scale=scale, softcap=positive_or_none(f32(gguf_key(meta, "attn_logit_softcapping", 0.0))),
                           **attention)
     return dict(
         layers=gemma_layers(gguf_layer_types(meta, gguf_layers(meta), pattern), attn,
                             gguf_mlp(meta, activation="gelu_tanh"), int(window) if window else None, local),
         sandwich_norm=True, embed_scale=math.sqrt(hidden),
-        final_softcap=_positive(f32(gguf_key(meta, "final_logit_softcapping", 0.0))),
+        final_softcap=positive_or_none(f32(gguf_key(meta, "final_logit_softcapping", 0.0))),
     )
 
 

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.common import hf_attention, hf_layers, hf_mlp, hf_rope, spec_from_hf_config
+from decodert.models.common import hf_attention, hf_layers, hf_mlp, hf_rope, positive_or_none, spec_from_hf_config
 from decodert.models.families import gemma3
 from decodert.models.layers import LayerSpec
 from decodert.models.spec import ModelSpec, PerLayerInputs, RopeSpec
@@ -173,7 +173,7 @@ def spec_from_hf(config: dict) -> ModelSpec:
     return spec_from_hf_config(
         "gemma4", config, layer, check_activation=False, sandwich_norm=True,
         embed_scale=float(config["hidden_size"]) ** 0.5, rope=full, local_rope=local,
-        final_softcap=gemma3._positive(config.get("final_logit_softcapping")),
+        final_softcap=positive_or_none(config.get("final_logit_softcapping")),
         per_layer_inputs=PerLayerInputs(per_layer, int(config.get("vocab_size_per_layer_input") or 0), "gelu_tanh")
         if per_layer else None,
         layer_scalar=True,

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.common import declared, gguf_attention, gguf_key, gguf_mlp, hf_attention, spec_from_gguf_meta, spec_from_hf_config
+from decodert.models.common import (declared, gguf_attention, gguf_key, gguf_mlp, gguf_per_layer, hf_attention, spec_from_gguf_meta,
+                                    spec_from_hf_config)
 from decodert.models.families import nemotron_h
 from decodert.models.layers import AttentionSpec, DenseMLPSpec, LayerSpec, Mamba2Spec, MLPSpec, MoESpec
 from decodert.models.spec import ModelSpec
@@ -150,7 +151,7 @@ def spec_from_gguf(meta: dict) -> ModelSpec:
     """llama.cpp's keys: per-layer head_count_kv says each layer's kind (0: Mamba2); the scales as their names."""
     arch = meta.get("general.architecture", "granitehybrid")
     layers = int(gguf_key(meta, "block_count"))
-    kv = nemotron_h._per_layer(meta, "attention.head_count_kv", layers)
+    kv = gguf_per_layer(meta, "attention.head_count_kv", layers)
     heads, inner = int(gguf_key(meta, "ssm.time_step_rank")), int(gguf_key(meta, "ssm.inner_size"))
     if heads < 1 or inner % heads:
         raise DecodertError(f"granitehybrid ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {heads}")

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.common import (declared, gguf_attention, gguf_key, gguf_layers, gguf_mlp, hf_attention, hf_mlp,
+from decodert.models.common import (declared, gguf_per_layer, gguf_attention, gguf_key, gguf_layers, gguf_mlp, hf_attention, hf_mlp,
                                     spec_from_gguf_meta, spec_from_hf_config)
 from decodert.models.layers import AttentionSpec, DenseMLPSpec, LayerSpec, Mamba2Spec
 from decodert.models.spec import ModelSpec
@@ -160,20 +160,13 @@ def spec_from_hf(config: dict) -> ModelSpec:
 MLP = dict(activation="relu2", gated=False)  # down(relu(up)^2)
 
 
-def _per_layer(meta: dict, key: str, layers: int) -> list[int]:
-    value = gguf_key(meta, key)
-    values = list(value) if isinstance(value, (list, tuple)) else [value] * layers
-    if len(values) != layers:
-        raise DecodertError(f"nemotron_h GGUF '{key}' lists {len(values)} layers, block_count is {layers}")
-    return [int(v) for v in values]
-
 
 def spec_from_gguf(meta: dict) -> ModelSpec:
     """llama.cpp's keys: per-layer head_count_kv and feed_forward_length say each block's type; ssm.* the
     Mamba2 sizes (inner_size = H Dh, time_step_rank = H)."""
     arch = meta.get("general.architecture", "nemotron_h")
     layers = gguf_layers(meta)
-    kv, ffn = _per_layer(meta, "attention.head_count_kv", layers), _per_layer(meta, "feed_forward_length", layers)
+    kv, ffn = gguf_per_layer(meta, "attention.head_count_kv", layers), gguf_per_layer(meta, "feed_forward_length", layers)
     types = ["attention" if k else "mlp" if f else "mamba" for k, f in zip(kv, ffn)]
     heads, inner = int(gguf_key(meta, "ssm.time_step_rank")), int(gguf_key(meta, "ssm.inner_size"))
     if heads < 1 or inner % heads:

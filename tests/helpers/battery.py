@@ -247,7 +247,7 @@ def attention_engines(engines: dict, m: Any, quant: Any) -> None:
     layers = m.model.num_layers
     for name, rec in engines.items():
         assert rec.layers["ROTARY_EMBEDDING"] == 2 * layers, (name, rec.layers)
-        if m.model.spec().attn_softcap is None:
+        if m.model.spec().attention.softcap is None:
             assert rec.layers["ATTENTION_INPUT"] == layers, (name, rec.layers)
         else:  # TensorRT's attention layer has no soft-capping
             assert "ATTENTION_INPUT" not in rec.layers, (name, rec.layers)

@@ -4,9 +4,9 @@
     python scripts/graph_hashes.py --out after.json --compare before.json
     python scripts/graph_hashes.py --only llama,lfm2 --variants ort:fp32,trt:int4
 
-Each source is a tiny random checkpoint of tests/tiny.py (every family of CONFIGS, HYBRID_CONFIGS and OWN_CONFIGS),
-a tiny vision-language checkpoint (tests/tiny_vision.py, tiny_gemma3_vision.py, tiny_qwen_vl.py: their vision.onnx
-too) or a tiny GGUF (tests/tiny.py's make_tiny_gguf); each is exported once per variant (target ort | trt | portable
+Each source is a tiny random checkpoint of tests/helpers/tiny.py (every family of CONFIGS, HYBRID_CONFIGS and OWN_CONFIGS),
+a tiny vision-language checkpoint (tests/helpers/tiny_vision.py, tiny_gemma3_vision.py, tiny_qwen_vl.py: their vision.onnx
+too) or a tiny GGUF (tests/helpers/tiny.py's make_tiny_gguf); each is exported once per variant (target ort | trt | portable
 | trt-plugins, precision fp32 | int4, plus a few settings of their own: an int8 KV cache, LoRA slots, fp16) into a
 temporary folder. The record of an export is the sha256 of every file it wrote but manifest.json, the manifest
 without its model section, its creation time and its source path (``manifest``: compared whole), and the model
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # tests/tiny*.py importable as modules, as conftest.py does
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # tests/helpers/tiny*.py importable as modules, as conftest.py does
 
 # name -> (target, precision, extra export_model arguments)
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {

@@ -116,7 +116,7 @@ def test_a_manifest_with_a_format_1_model_spec_loads_with_the_spec_converted(tmp
 
     art = tmp_path / "old"
     art.mkdir()
-    flat = json.loads((Path(__file__).parent / "fixtures" / "manifest_v1_qwen3_5.json").read_text())
+    flat = json.loads((Path(__file__).parents[1] / "fixtures" / "manifest_v1_qwen3_5.json").read_text())
     assert "layer_kinds" in flat["model"] and "layers" not in flat["model"]
     _rewrite(art, flat)
     m = load_manifest(art, verify="none")

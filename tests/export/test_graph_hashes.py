@@ -8,7 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "graph_hashes.py"
+_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "graph_hashes.py"
 
 
 def _script():

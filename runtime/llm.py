@@ -27,6 +27,7 @@ Opening the folder (manifest, tokenizer, backend choice, prefix-cache budget) is
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass
@@ -418,24 +419,25 @@ class LLM:
     def _request_sequence(self, req: Request | Mapping[str, Any], i: int) -> Sequence:
         validate.check_request(req, i, Request)
         what = f"request {i}"
+        own: SamplingParams | None = None  # a Request's own SamplingParams: validated, then used as it is
         if isinstance(req, Mapping):
+            prompt, messages = req.get("prompt"), req.get("messages")
             rest = {k: v for k, v in req.items() if k not in ("prompt", "messages")}
-            req = Request(req.get("prompt"), None, req.get("messages"), None, None, None)
         else:
-            if req.params is not None:
-                sampling_params(req.params)  # validate
+            own = req.params
+            if own is not None:
+                sampling_params(own)  # validate
             if req.constraint is not None and not isinstance(req.constraint, Constraint):
                 raise DecodertError(f"request {i}: constraint must be a Constraint (Constraint.of(json_schema=...)), "
                                     f"got {type(req.constraint).__name__}")
+            prompt, messages = req.prompt, req.messages
             rest = {"speculative": req.speculative, "adapter": req.adapter, "constraint": req.constraint}
-        if (req.prompt is None) == (req.messages is None):
+        if (prompt is None) == (messages is None):
             raise DecodertError(f"request {i} needs exactly one of 'prompt' or 'messages'")
-        prepared = self.prepare(req.prompt if req.messages is None else req.messages, what, req.messages is not None, **rest)
-        if isinstance(req, Request) and req.params is not None:  # an object is used as it is
-            prepared = Prepared(prepared.ids, req.params, prepared.constraint, prepared.speculative, prepared.adapter,
-                                prepared.turn, prepared.text, what)
+        prepared = self.prepare(prompt if messages is None else messages, what, messages is not None, **rest)
+        if own is not None:
+            prepared = dataclasses.replace(prepared, params=own)
         return self.engine.sequence(prepared)
-
 
 def _by_id(events: Any) -> Any:
     """(handle, delta) events -> (request id, delta); closing it closes the run's stream."""

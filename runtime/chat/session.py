@@ -159,19 +159,16 @@ class Session:
         if isinstance(message, str):
             message = {"role": "user", "content": message}
         msg = check_messages([message])[0]
-        params = dict(params)
-        max_new = self.llm.params(**{k: v for k, v in params.items() if k == "max_new_tokens"}).max_new_tokens
-        turns, prepared, dropped = self._fit(self._turns + [msg], max_new, params)
+        turns, prepared, dropped = self._fit(self._turns + [msg], params)
         self.dropping = dropped
         return prepared, self.llm.engine.sequence(prepared), turns, dropped
 
-    def _fit(self, turns: list[dict], max_new_tokens: int,
-             params: Mapping[str, Any]) -> tuple[list[dict], Prepared, int]:
+    def _fit(self, turns: list[dict], params: Mapping[str, Any]) -> tuple[list[dict], Prepared, int]:
         """The turns that fit with room for the answer -> (turns, their prepared request, turns dropped).
         ``params``: the turn's generation and chat options (``LLM.prepare``)."""
         max_seq = self.llm.max_seq
-        room = min(max_new_tokens, max_seq // 2)
         rendered = self.llm.prepare(self._system + turns, chat=True, **params)
+        room = min(rendered.params.max_new_tokens, max_seq // 2)
         ids = rendered.ids
         if len(ids) + room <= max_seq:
             return turns, rendered, 0

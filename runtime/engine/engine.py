@@ -48,7 +48,7 @@ class Engine:
         self.speculator = speculator  # runtime/speculation/speculative.py Speculator
         self.vision = vision  # runtime/vision/encoder.py Vision, or None (text only)
         self.adapters = adapters  # runtime/adapters.py Adapters
-        self.open = False  # requests may arrive while it runs (a server): speculation never drains
+        self.open = False  # the current run takes requests while it runs (a server's): speculation never drains
         self.eos_token_ids = tuple(eos_token_ids)  # a sequence stops at any of these
         self._decoder = decoder
         self._guidance = guidance  # () -> Guidance, built on the first constrained request
@@ -96,8 +96,7 @@ class Engine:
 
     def unfinished(self) -> list[Handle]:
         """Every request queued or running, pinned rows' included."""
-        s = self._scheduler
-        return list(s.waiting) + list(s.running) + [r.handle for r in s.rows if r.handle is not None]
+        return self._scheduler.handles()
 
     def release_cache(self) -> None:
         """Drop every request and the shared cache (``LLM.close``); a later request allocates again."""
@@ -189,7 +188,7 @@ class Engine:
             return
         if handle in s.running:
             if seq.done:
-                self._leave_finished()
+                self.settle()
             else:
                 self._vacate(s.running.index(handle))
 
@@ -203,7 +202,7 @@ class Engine:
         """Run one step -> (handle, text delta) for each row it advanced ([] when nothing is left).
         A handle whose ``done`` is set has finished; its slot is free before the next step."""
         s = self._scheduler
-        self._leave_finished()
+        self.settle()
         work = s.next(self._cache is not None and self._cache.has_state)
         if work is None:
             return []
@@ -238,29 +237,21 @@ class Engine:
         row, handle = work.row, work.handles[0]
         assert row is not None
         seq = handle.seq
-        try:
-            if not row.started:
-                prefix = self.prefix_cache
-                if prefix is not None and not row.store_prefix:
-                    prefix = LookupOnly(prefix)
-                delta = prefill(self.backend, row.cache, [0], [seq], prefix)[0]
-                row.started = True
-            else:
-                delta = strategy_for([seq]).step(self.backend, row.cache, [0], [seq], True)[0]
-        except BaseException:
-            self._scheduler.unpin(row)
-            raise
+        if not row.started:
+            prefix = self.prefix_cache
+            if prefix is not None and not row.store_prefix:
+                prefix = LookupOnly(prefix)
+            delta = prefill(self.backend, row.cache, [0], [seq], prefix)[0]
+            row.started = True
+        else:  # a session's turn never drains: its planner weighs the step as one row among others would
+            delta = strategy_for([seq]).step(self.backend, row.cache, [0], [seq], False)[0]
         if seq.done:
             self._scheduler.unpin(row)
         return [(handle, delta)]
 
     def settle(self) -> None:
-        """Let finished rows leave their slots now (``step`` does it first anyway): a run that ends frees
-        what it held without waiting for another step."""
-        self._leave_finished()
-
-    def _leave_finished(self) -> None:
-        """Finished rows leave their slots: their blocks are stored first, then the last rows move in."""
+        """Finished rows leave their slots: their blocks are stored first, then the last rows move in. ``step``
+        does it first; a run that ends calls it so that what it held is free without another step."""
         s = self._scheduler
         finished = s.finished_slots()
         if self.prefix_cache is not None:

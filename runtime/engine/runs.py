@@ -49,17 +49,16 @@ class Runs:
                 self._live = None
                 self._free.notify_all()
 
-    def finish(self, add: Callable[[], Iterable[Handle]]) -> list[Handle]:
+    def finish(self, add: Callable[[], Iterable[Handle]]) -> None:
         """Start a run (``add()`` queues its requests once the engine is this thread's) and step it to its end."""
         with self.lock:
-            run, handles = self._start(add, None)
+            run = self._start(add, None)
             try:
                 for _ in run:
                     pass
             finally:
                 if self._live is run:
                     self.end()
-        return handles
 
     def stream(self, add: Callable[[], Iterable[Handle]], admit: Callable[[], None] | None = None) -> Events:
         """Start a run -> its events ``(handle, text delta)``, one locked step at a time; the run holds the
@@ -67,7 +66,7 @@ class Runs:
         inbox); the run then lasts until the engine is idle, not just until the first requests are done.
         Nothing starts before the first ``next``: a stream closed before it was read never held the engine."""
         with self.lock:
-            run, _ = self._start(add, admit)
+            run = self._start(add, admit)
         try:
             while True:
                 with self.lock:
@@ -82,18 +81,18 @@ class Runs:
                 if self._live is run:  # done, closed early (stream.close(), Ctrl-C) or garbage: free the slots
                     self.end()
 
-    def _start(self, add: Callable[[], Iterable[Handle]], admit: Callable[[], None] | None) -> tuple[Events, list[Handle]]:
+    def _start(self, add: Callable[[], Iterable[Handle]], admit: Callable[[], None] | None) -> Events:
         me = threading.current_thread()
         if not self._wait_free(me):
             raise DecodertError(f"this LLM is busy: a stream of another thread is still open after "
                                 f"{self.busy_timeout} s (busy_timeout); finish or close it, or use one LLM per thread")
         self.end()
-        handles = list(add())
-        self._live, self._live_thread = self._steps(handles, admit), me
-        return self._live, handles
+        self._live, self._live_thread = self._steps(list(add()), admit), me
+        return self._live
 
     def _steps(self, handles: list[Handle], admit: Callable[[], None] | None) -> Events:
         engine = self.engine
+        engine.open = admit is not None  # a run open to new requests never drains its speculation
         try:
             while True:
                 if admit is not None:

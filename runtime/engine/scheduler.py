@@ -125,9 +125,13 @@ class Scheduler:
         if row in self.rows:
             self.rows.remove(row)
 
+    def handles(self) -> list[Handle]:
+        """Every request queued or running, pinned rows' included."""
+        return list(self.waiting) + list(self.running) + [r.handle for r in self.rows if r.handle is not None]
+
     def drop_all(self) -> list[Handle]:
         """Forget every request (a step failed): -> the ones dropped; the caller resets the shared slots."""
-        dropped = list(self.waiting) + list(self.running) + [r.handle for r in self.rows if r.handle is not None]
+        dropped = self.handles()
         self.waiting.clear()
         self.running.clear()
         for row in list(self.rows):

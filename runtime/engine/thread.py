@@ -179,7 +179,6 @@ class EngineThread:
 
     def _busy_period(self) -> None:
         """One run of the engine: from the first submitted request until nothing is left."""
-        self.llm.engine.open = True  # requests arrive while it runs: speculation never drains
         try:
             for handle, delta in self.llm.runs.stream(lambda: (), admit=self._admit):
                 self._rows_since_turn += 1

@@ -13,15 +13,15 @@
                                                            tokens of its own image each image token also sees;
                                                            ahead [B,S] (0 elsewhere) widens the causal mask:
                                                            key j visible to query i iff j <= pos_i + ahead_i
-    per layer i (spec.layers[i]: a mixer and an MLP of their kinds, each lowered by export/lowering/layers.py's table):
+    per layer i (spec.layers[i]: a mixer and an MLP of their kinds, each lowered by export/lowering/layers/__init__.py's table):
         h      = rmsnorm(x)                                (fused with the residual add below)
-        a      = mixer(h)                                  attention (export/lowering/attention.py: qkv, q/k norm,
+        a      = mixer(h)                                  attention (export/lowering/layers/attention.py: qkv, q/k norm,
                                                            CachedAttention over past/present.i in place, o), short
                                                            conv, Gated DeltaNet or Mamba2 over the layer's states
                                                            (sandwich_norm: a = rmsnorm(a))
         x, h   = x + a,  rmsnorm(x + a)
-        m      = mlp(h)                                    dense (down(act(gate) * up), export/lowering/mlp.py) or
-                                                           the router's top-k experts (export/lowering/moe.py)
+        m      = mlp(h)                                    dense (down(act(gate) * up), export/lowering/layers/mlp.py) or
+                                                           the router's top-k experts (export/lowering/layers/moe.py)
         x      = x + m                                     (sandwich_norm: m = rmsnorm(m) first)
         (Granite: a and m x spec.residual_scale before their adds; Gemma 4: export/lowering/per_layer.py after)
         a layer without a mixer skips input_norm..x + a; one without an MLP skips post_norm..m, and its a is the
@@ -56,7 +56,8 @@ from onnx import numpy_helper
 
 from decodert.errors import DecodertError
 from decodert.artifact.lora_layout import LoraLayout
-from decodert.export.lowering import attention, per_layer
+from decodert.export.lowering import per_layer
+from decodert.export.lowering.layers import attention
 from decodert.export.lowering.layers import MIXERS, MLPS
 from decodert.export.lowering.lora_graph import LoraGraph
 from decodert.export.lowering.io_contract import GraphKind, io_contract, verifies_rows

@@ -7,7 +7,7 @@
     and, at the end of layer i (x: the residual stream after the MLP's add):
         x    = x + rmsnorm(ple_proj(act(ple_gate(x)) * ple[:, i]))
         x    = x * layer_scalar                                            (spec.layer_scalar)
-(the layers that share K/V are attention layers with a ``kv_source``: export/lowering/attention.py)
+(the layers that share K/V are attention layers with a ``kv_source``: export/lowering/layers/attention.py)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ A layer is a token mixer and an MLP (``LayerSpec``), either of which may be abse
 
 Each kind spec declares its settings, the leaf names and shapes of its weights (``leaves``, ``shapes``), the
 checkpoint parts fused into one weight (``fused_rows``) and the per-slot states it keeps (``states``); its
-lowering is export/lowering/<kind>.py, found through export/lowering/layers.py's table. A new kind is a module
+lowering is export/lowering/<kind>.py, found through export/lowering/layers/__init__.py's table. A new kind is a module
 here, its entry in ``MIXERS`` or ``MLPS`` and its lowering; a family that reuses kinds touches none of them.
 """
 

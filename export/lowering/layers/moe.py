@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from decodert.export.lowering import mlp as dense_mlp
+from decodert.export.lowering.layers import mlp as dense_mlp
 from decodert.export.lowering.lowering import Lowering
 from decodert.models.layers import MoESpec
 from decodert.models.spec import ModelSpec

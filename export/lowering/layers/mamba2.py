@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from decodert.export.lowering.delta_net import single_token
+from decodert.export.lowering.layers.delta_net import single_token
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.models.layers import Mamba2Spec
 from decodert.models.spec import ModelSpec

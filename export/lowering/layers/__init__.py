@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from decodert.export.lowering import attention, delta_net, mamba2, mlp, moe, short_conv
+from decodert.export.lowering.layers import attention, delta_net, mamba2, mlp, moe, short_conv
 
 MIXERS: dict[str, Callable[..., str]] = {"attention": attention.mixer, "conv": short_conv.mixer,
                                          "linear_attention": delta_net.mixer, "mamba2": mamba2.mixer}

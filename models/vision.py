@@ -156,3 +156,28 @@ def vision_shape(v: VisionSpec, name: str) -> tuple[int, ...]:
         "proj": (v.out_hidden, c * (v.scale_factor ** 2 if v.connector == "pixel_shuffle" else 1)),
     }
     return shapes.get(leaf, (c,))  # the norms and the remaining biases
+
+
+def siglip_weights(tower: str) -> dict[str, str | tuple[str, ...]]:
+    """The canonical names of a SigLIP tower (the "siglip" layout above, projector not included) -> the checkpoint
+    keys under ``tower`` ("model.vision_model." for Idefics3 / SmolVLM, "model.vision_tower." for Gemma 3)."""
+    layer = tower + "encoder.layers.{i}."
+    return {
+        "vision.patch_embed": tower + "embeddings.patch_embedding.weight",
+        "vision.patch_embed_bias": tower + "embeddings.patch_embedding.bias",
+        "vision.pos_embed": tower + "embeddings.position_embedding.weight",
+        "vision.layers.{i}.ln1": layer + "layer_norm1.weight",
+        "vision.layers.{i}.ln1_bias": layer + "layer_norm1.bias",
+        "vision.layers.{i}.qkv": tuple(layer + f"self_attn.{x}_proj.weight" for x in "qkv"),
+        "vision.layers.{i}.qkv_bias": tuple(layer + f"self_attn.{x}_proj.bias" for x in "qkv"),
+        "vision.layers.{i}.o": layer + "self_attn.out_proj.weight",
+        "vision.layers.{i}.o_bias": layer + "self_attn.out_proj.bias",
+        "vision.layers.{i}.ln2": layer + "layer_norm2.weight",
+        "vision.layers.{i}.ln2_bias": layer + "layer_norm2.bias",
+        "vision.layers.{i}.fc1": layer + "mlp.fc1.weight",
+        "vision.layers.{i}.fc1_bias": layer + "mlp.fc1.bias",
+        "vision.layers.{i}.fc2": layer + "mlp.fc2.weight",
+        "vision.layers.{i}.fc2_bias": layer + "mlp.fc2.bias",
+        "vision.post_ln": tower + "post_layernorm.weight",
+        "vision.post_ln_bias": tower + "post_layernorm.bias",
+    }

@@ -21,7 +21,7 @@ from decodert.models.common import (f32, positive_or_none, gguf_attention, gguf_
                                     hf_layers, hf_mlp, hf_rope, spec_from_gguf_meta, spec_from_hf_config)
 from decodert.models.layers import AttentionSpec, DenseMLPSpec, LayerSpec
 from decodert.models.spec import ImageTokens, ModelSpec, RopeSpec
-from decodert.models.vision import VisionSpec
+from decodert.models.vision import VisionSpec, siglip_weights
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
 TAGS = ('vision',)
@@ -76,26 +76,9 @@ _MULTIMODAL = {"model.language_model.": "model.", "language_model.model.": "mode
                "vision_tower.vision_model.": "model.vision_tower.", "model.vision_tower.": "model.vision_tower.",
                "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."}
 _V = "model.vision_tower."
-_VL = _V + "encoder.layers.{i}."
 _P = "model.multi_modal_projector."
 VISION_WEIGHTS: dict[str, str | tuple[str, ...]] = {
-    "vision.patch_embed": _V + "embeddings.patch_embedding.weight",
-    "vision.patch_embed_bias": _V + "embeddings.patch_embedding.bias",
-    "vision.pos_embed": _V + "embeddings.position_embedding.weight",
-    "vision.layers.{i}.ln1": _VL + "layer_norm1.weight",
-    "vision.layers.{i}.ln1_bias": _VL + "layer_norm1.bias",
-    "vision.layers.{i}.qkv": tuple(_VL + f"self_attn.{x}_proj.weight" for x in "qkv"),
-    "vision.layers.{i}.qkv_bias": tuple(_VL + f"self_attn.{x}_proj.bias" for x in "qkv"),
-    "vision.layers.{i}.o": _VL + "self_attn.out_proj.weight",
-    "vision.layers.{i}.o_bias": _VL + "self_attn.out_proj.bias",
-    "vision.layers.{i}.ln2": _VL + "layer_norm2.weight",
-    "vision.layers.{i}.ln2_bias": _VL + "layer_norm2.bias",
-    "vision.layers.{i}.fc1": _VL + "mlp.fc1.weight",
-    "vision.layers.{i}.fc1_bias": _VL + "mlp.fc1.bias",
-    "vision.layers.{i}.fc2": _VL + "mlp.fc2.weight",
-    "vision.layers.{i}.fc2_bias": _VL + "mlp.fc2.bias",
-    "vision.post_ln": _V + "post_layernorm.weight",
-    "vision.post_ln_bias": _V + "post_layernorm.bias",
+    **siglip_weights(_V),
     "vision.proj_norm": _P + "mm_soft_emb_norm.weight",
     "vision.proj": _P + "mm_input_projection_weight",  # stored [C_v, hidden]: transposed by vision_fix
 }

@@ -17,32 +17,15 @@ from typing import Any
 from decodert.errors import DecodertError
 from decodert.models.families import llama
 from decodert.models.spec import ImageTokens, ModelSpec
-from decodert.models.vision import VisionSpec
+from decodert.models.vision import VisionSpec, siglip_weights
 
 MODEL_TYPES = ("idefics3", "smolvlm")
 TAGS = ('vision',)
 
 HF_WEIGHTS = llama.HF_WEIGHTS
 _V = "model.vision_model."
-_VL = _V + "encoder.layers.{i}."
 VISION_WEIGHTS: dict[str, str | tuple[str, ...]] = {
-    "vision.patch_embed": _V + "embeddings.patch_embedding.weight",
-    "vision.patch_embed_bias": _V + "embeddings.patch_embedding.bias",
-    "vision.pos_embed": _V + "embeddings.position_embedding.weight",
-    "vision.layers.{i}.ln1": _VL + "layer_norm1.weight",
-    "vision.layers.{i}.ln1_bias": _VL + "layer_norm1.bias",
-    "vision.layers.{i}.qkv": tuple(_VL + f"self_attn.{x}_proj.weight" for x in "qkv"),
-    "vision.layers.{i}.qkv_bias": tuple(_VL + f"self_attn.{x}_proj.bias" for x in "qkv"),
-    "vision.layers.{i}.o": _VL + "self_attn.out_proj.weight",
-    "vision.layers.{i}.o_bias": _VL + "self_attn.out_proj.bias",
-    "vision.layers.{i}.ln2": _VL + "layer_norm2.weight",
-    "vision.layers.{i}.ln2_bias": _VL + "layer_norm2.bias",
-    "vision.layers.{i}.fc1": _VL + "mlp.fc1.weight",
-    "vision.layers.{i}.fc1_bias": _VL + "mlp.fc1.bias",
-    "vision.layers.{i}.fc2": _VL + "mlp.fc2.weight",
-    "vision.layers.{i}.fc2_bias": _VL + "mlp.fc2.bias",
-    "vision.post_ln": _V + "post_layernorm.weight",
-    "vision.post_ln_bias": _V + "post_layernorm.bias",
+    **siglip_weights(_V),
     "vision.proj": "model.connector.modality_projection.proj.weight",
 }
 # transformers' Idefics3VisionConfig defaults: a config.json lists only what differs

@@ -39,3 +39,21 @@ def test_the_two_commands_come_first():
         assert name in before.split("Run the tests")[1]
     ci = (README.parent / ".ci" / "run").read_text().splitlines()
     assert [line for line in ci if line.startswith("python -m pytest")] == ["python -m pytest"]
+
+
+def test_the_tiny_checkpoint_script_writes_a_family_that_exports(tmp_path, capsys):
+    """README: `python scripts/tiny_checkpoint.py FAMILY OUT` makes a checkpoint `decodert run` takes; bad input exits 2."""
+    import importlib.util
+
+    from decodert.export.pipeline import export_model
+
+    spec = importlib.util.spec_from_file_location("tiny_checkpoint", README.parent / "scripts" / "tiny_checkpoint.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert "python scripts/tiny_checkpoint.py qwen3 /tmp/tiny-qwen3" in README.read_text()
+    assert script.main(["no_such_family", str(tmp_path / "x")]) == 2
+    assert "unknown family 'no_such_family'" in capsys.readouterr().err
+    assert script.main(["llama", str(tmp_path / "ckpt")]) == 0
+    assert script.main(["llama", str(tmp_path / "ckpt")]) == 2  # never writes over a folder that holds files
+    manifest = export_model(tmp_path / "ckpt", tmp_path / "art")
+    assert manifest.model.num_layers >= 1 and (tmp_path / "art" / "decode.onnx").exists()

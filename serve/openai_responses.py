@@ -137,7 +137,25 @@ class ResponsesRequest(BaseModel):
                 body[name] = value
         if (self.reasoning or {}).get("effort") == "none":
             body["enable_thinking"] = False
-        return parse(ChatCompletionRequest, json.dumps(body).encode())
+        try:
+            return parse(ChatCompletionRequest, json.dumps(body).encode())
+        except ApiError as e:
+            raise responses_error(e) from None
+
+
+_PARAMS = (("messages", "input"), ("response_format", "text.format"), ("max_tokens", "max_output_tokens"))
+
+
+def responses_error(e: ApiError) -> ApiError:
+    """An error of the chat path with its ``param`` named as the Responses request names it (messages -> input,
+    response_format -> text.format); the message is the chat path's (its "chat message i" counts the translated
+    messages: the instructions first, a function_call joined to the assistant message before it)."""
+    param = e.param
+    for chat, ours in _PARAMS:
+        if param is not None and (param == chat or param.startswith(chat + "[") or param.startswith(chat + ".")):
+            param = ours + param[len(chat):]
+            break
+    return ApiError(e.status, e.message, e.type, param, e.code, e.headers)
 
 
 # ---- request translation: items -> chat messages, tools -> chat tools -------------------------------------------
@@ -498,7 +516,10 @@ def add_routes(app: FastAPI, engine: Any, config: Any, metrics: Any, check_model
             raise ApiError(400, "store is not available: this server keeps no responses (--responses-store 0)",
                            param="store")
         history = store.get(req.previous_response_id, "previous_response_id").items if req.previous_response_id else []
-        run = await ChatRun.start(engine, req.chat_request(history), config.speculative, adapter, metrics.observe)
+        try:
+            run = await ChatRun.start(engine, req.chat_request(history), config.speculative, adapter, metrics.observe)
+        except ApiError as e:
+            raise responses_error(e) from None
         head = ResponseHead(req, bool(req.store))
 
         def keep(body: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import jsonschema
@@ -238,6 +239,9 @@ def test_stored_continuation_equals_the_whole_history():
     ({"text": {"verbosity": "high"}}, "text.verbosity", "verbosity"),
     ({"reasoning": {"effort": "huge"}}, "reasoning.effort", "reasoning.effort"),
     ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
+    ({"max_output_tokens": 5000}, "input", "the context is 1024 tokens"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input", "not valid JSON"),
+    ({"tools": RESPONSES_TOOLS, "text": {"format": {"type": "json_object"}}}, "tools", "either tools or"),
     ({"store": True, "previous_response_id": "resp_1"}, "previous_response_id", "no stored response"),
 ])
 def test_what_cannot_be_honoured_is_a_one_line_error(body, param, message):
@@ -249,6 +253,32 @@ def test_what_cannot_be_honoured_is_a_one_line_error(body, param, message):
         ok = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "hi", "metadata": {"k": "v"},
                                                      "user": "u", "service_tier": "auto", "prompt_cache_key": "k"})
         assert ok.status_code == 200 and ok.json()["metadata"] == {"k": "v"}
+
+
+def test_a_client_gone_mid_stream_cancels_the_turn():
+    slow = scripted(lambda _: "word " * 100)
+    rule = slow.backend.rule
+    slow.backend.rule = lambda history: (time.sleep(0.05), rule(history))[1]  # 100 tokens: 5 s unless cancelled
+    with running(slow) as (url, app):
+        body = {"model": "tiny", "input": "Talk", "stream": True}
+        with httpx.stream("POST", f"{url}/v1/responses", json=body) as r:
+            lines = r.iter_lines()
+            while "output_text.delta" not in next(lines):
+                pass
+            assert app.state.engine.llm.slots_in_use == 1
+        deadline = time.time() + 2
+        while app.state.engine.in_flight and time.time() < deadline:
+            time.sleep(0.01)
+        assert not app.state.engine.in_flight and app.state.engine.llm.slots_in_use == 0
+
+
+def test_an_image_for_a_text_model_is_a_400():
+    png = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+    with running(scripted(lambda _: "ok")) as (url, _):
+        r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": png}]}]})
+        error = r.json()["error"]
+        assert r.status_code == 400 and "takes no images" in error["message"] and error["param"] == "input", r.text
 
 
 def test_a_server_without_a_store_refuses_store():
@@ -311,3 +341,37 @@ def test_pydantic_ai_responses_model_runs_a_tool_agent():
 
         result = agent.run_sync("Weather in Paris?")
         assert calls == ["Paris"] and result.output == ANSWER
+
+
+# ---- SmolLM2-135M served as the README says (`decodert serve smollm2`; the GGUF fixture's file) -----------------------
+@pytest.fixture(scope="module")
+def smol_url(smollm2_gguf):
+    from serve_helpers import start_cli
+
+    proc, url = start_cli(smollm2_gguf, "--model-name", "smollm2", timeout=600)
+    yield url
+    proc.terminate()
+    assert proc.wait(60) == 0
+
+
+def test_smollm2_agent_calls_a_real_tool_and_answers(smol_url):
+    """openai-agents' default model class against SmolLM2: the first turn must call (tool_choice "required"; the
+    agent resets it to auto after the call, as it does by default), the tool runs, the answer uses its result."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    settings = agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=120)
+    outputs = _agent_runs(agents, smol_url, "smollm2", settings, streamed=False)
+    assert "21" in outputs[0]
+
+
+def test_smollm2_stored_continuation_reuses_the_cached_prefix(smol_url):
+    c = client(smol_url)
+    kw = dict(model="smollm2", temperature=0, max_output_tokens=48)
+    first = c.responses.create(input="Name three colours of the rainbow.", store=True, **kw)
+    follow = [{"role": "user", "content": "And two more?"}]
+    cont = c.responses.create(input=follow, previous_response_id=first.id, **kw)
+    whole = c.responses.create(input=[{"role": "user", "content": "Name three colours of the rainbow."},
+                                      *[i.model_dump(exclude_none=True) for i in first.output], *follow], **kw)
+    assert cont.output_text == whole.output_text and cont.usage.input_tokens == whole.usage.input_tokens
+    # the first turn's prompt and reply (whole 32-token blocks) come from the prefix cache
+    assert cont.usage.input_tokens_details.cached_tokens >= 32, cont.usage

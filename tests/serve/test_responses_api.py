@@ -130,10 +130,28 @@ def test_constrained_calls_validate(choice):
                                    max_output_tokens=200, temperature=1.0, extra_body={"seed": seed},
                                    parallel_tool_calls=seed % 2 == 0)
             calls = [item for item in r.output if item.type == "function_call"]
-            assert calls and r.output_text == ""
+            assert calls and r.output_text == "" and (len(calls) == 1 or seed % 2 == 0)
             for call in calls if r.status == "completed" else []:
                 assert call.name == "add" or choice == "required"
                 jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+def test_sampling_fields_and_tool_choice_none_match_chat_completions():
+    """The same turn as chat completions renders and samples: temperature, top_p, seed and max_output_tokens
+    reach the sampler, tool_choice "none" leaves the tools out."""
+    llm = make_llm(eos=(0,), chat_template=TEMPLATE, max_seq=1024)
+    with running(llm) as (url, _):
+        c = client(url)
+        for seed, extra in ((1, {}), (2, {"tools": "none"})):
+            tools = dict(tools=RESPONSES_TOOLS, tool_choice="none") if extra else {}
+            r = c.responses.create(model="tiny", input="Weather?", instructions="Answer.", temperature=0.9, top_p=0.8,
+                                   max_output_tokens=20, extra_body={"seed": seed}, **tools)
+            chat_tools = dict(tools=TOOLS, tool_choice="none") if extra else {}
+            want = c.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Answer."},
+                                                                     {"role": "user", "content": "Weather?"}],
+                                             temperature=0.9, top_p=0.8, max_tokens=20, seed=seed, **chat_tools)
+            assert r.output_text == want.choices[0].message.content
+            assert (r.usage.input_tokens, r.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -360,6 +360,28 @@ def test_pydantic_ai_responses_model_runs_a_tool_agent():
         result = agent.run_sync("Weather in Paris?")
         assert calls == ["Paris"] and result.output == ANSWER
 
+        async def streamed() -> str:
+            async with agent.run_stream("Weather in Paris?") as run:
+                return await run.get_output()
+
+        assert asyncio.run(streamed()) == ANSWER and calls == ["Paris", "Paris"]
+
+
+def test_langchain_responses_api_gets_tool_calls():
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    with running(weather_model()) as (url, _):
+        chat = ChatOpenAI(model="tiny", base_url=f"{url}/v1", api_key="none", use_responses_api=True, max_retries=0)
+        bound = chat.bind_tools(TOOLS[:1])
+        message = bound.invoke("Weather in Paris?")
+        assert [(c["name"], c["args"]) for c in message.tool_calls] == [("get_weather", {"city": "Paris"})]
+        chunks = list(bound.stream("Weather in Paris?"))
+        total = chunks[0]
+        for chunk in chunks[1:]:
+            total += chunk
+        assert [(c["name"], c["args"]) for c in total.tool_calls] == [("get_weather", {"city": "Paris"})]
+
 
 # ---- SmolLM2-135M served as the README says (`decodert serve smollm2`; the GGUF fixture's file) -----------------------
 @pytest.fixture(scope="module")

@@ -27,11 +27,8 @@ accepted and have no effect.
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -42,6 +39,7 @@ from sse_starlette.sse import EventSourceResponse
 from decodert.runtime.chat.output import Delta
 from decodert.serve.chat_run import ChatRun, TurnReply
 from decodert.serve.protocol import ApiError, ChatCompletionRequest, parse
+from decodert.serve.response_store import ResponseStore, Stored
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _REFUSED = (("background", "runs every response in the foreground"), ("conversation", "keeps no conversations"),
@@ -456,50 +454,6 @@ class EventWriter:
 
 def _copy(value: Any) -> Any:
     return json.loads(json.dumps(value))
-
-
-# ---- the store -----------------------------------------------------------------------------------------------------
-@dataclass
-class Stored:
-    body: dict[str, Any]  # the response object, as it was answered
-    items: list[dict[str, Any]]  # its whole history as input items: earlier turns, its input, its output
-
-
-class ResponseStore:
-    """Stored responses, at most ``size``, least recently used dropped first; thread-safe (handlers run on one
-    event loop, but GET / DELETE and a finishing stream interleave)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._entries: OrderedDict[str, Stored] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def put(self, stored: Stored) -> None:
-        if self.size < 1:
-            return
-        with self._lock:
-            self._entries[stored.body["id"]] = stored
-            self._entries.move_to_end(stored.body["id"])
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-
-    def get(self, response_id: str, param: str | None = None) -> Stored:
-        with self._lock:
-            stored = self._entries.get(response_id)
-            if stored is not None:
-                self._entries.move_to_end(response_id)
-        if stored is None:
-            raise ApiError(404, f"no stored response {response_id!r:.80} (responses are kept only with store: true, the "
-                                f"{self.size} most recently used)", param=param, code="not_found")
-        return stored
-
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        with self._lock:
-            self._entries.pop(response_id, None)
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 # ---- the routes ----------------------------------------------------------------------------------------------------

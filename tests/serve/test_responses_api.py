@@ -415,3 +415,23 @@ def test_smollm2_stored_continuation_reuses_the_cached_prefix(smol_url):
     assert cont.output_text == whole.output_text and cont.usage.input_tokens == whole.usage.input_tokens
     # the first turn's prompt and reply (whole 32-token blocks) come from the prefix cache
     assert cont.usage.input_tokens_details.cached_tokens >= 32, cont.usage
+
+
+def test_the_store_drops_the_least_recently_used():
+    from decodert.serve.protocol import ApiError
+    from decodert.serve.response_store import ResponseStore, Stored
+
+    store = ResponseStore(2)
+    for name in "ab":
+        store.put(Stored({"id": name}, []))
+    store.get("a")  # a is used again: b is now the oldest
+    store.put(Stored({"id": "c"}, []))
+    assert len(store) == 2 and store.get("a") and store.get("c")
+    with pytest.raises(ApiError, match="no stored response 'b'"):
+        store.get("b")
+    store.delete("a")
+    with pytest.raises(ApiError):
+        store.delete("a")
+    none = ResponseStore(0)
+    none.put(Stored({"id": "x"}, []))
+    assert len(none) == 0

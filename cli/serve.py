@@ -19,7 +19,7 @@ API_KEY_ENV = "DECODERT_API_KEY"
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "serve", help="serve an exported model over an OpenAI-compatible HTTP API",
-        description="POST /v1/completions and /v1/chat/completions (streamed over SSE with stream: true), "
+        description="POST /v1/completions, /v1/chat/completions and /v1/responses (streamed over SSE with stream: true), "
                     "GET /v1/models, /health and /metrics (Prometheus). One engine thread batches the requests "
                     "of every client; SIGTERM drains them (see docs/SERVING.md).")
     p.add_argument("artifact", metavar="MODEL", type=Path, help=common.MODEL_HELP)
@@ -50,6 +50,9 @@ def add_parser(subparsers: Any) -> None:
                         "(default: room for two full contexts; 0 = off)")
     common.add_speculative(p, help="speculative decoding for every request that does not set its own 'speculative' "
                                    "(ngram: prompt lookup; draft: a draft model, --draft)")
+    p.add_argument("--responses-store", type=int, default=256, metavar="N",
+                   help="/v1/responses created with store: true that are kept for previous_response_id and GET "
+                        "(in memory, least recently used dropped first; default 256; 0 = none)")
     p.add_argument("--tool-parser", default=None, metavar="FORMAT",
                    help="tool-call format: hermes, llama3, mistral or phi4 (default: the one the chat template writes)")
     v = p.add_argument_group("images (vision-language models)")
@@ -97,6 +100,8 @@ def options(args: argparse.Namespace):
         raise DecodertError(f"--api-key is empty (or ${API_KEY_ENV} is set but empty); give a key, or unset both")
     if args.prefix_cache_mb is not None and not args.prefix_cache_mb >= 0:
         raise DecodertError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
+    if args.responses_store < 0:
+        raise DecodertError(f"--responses-store must be >= 0 (0 = none), got {args.responses_store}")
     if args.tool_parser is not None:
         from decodert.runtime.chat.tool_calls import tool_format
 
@@ -117,7 +122,7 @@ def options(args: argparse.Namespace):
                         _loras(args.lora),
                         image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images,
                                                  args.max_video_frames, args.max_video_pixels),
-                        allow_image_urls=args.allow_image_urls)
+                        allow_image_urls=args.allow_image_urls, responses_store=args.responses_store)
 
 
 def _loras(values: list[str]) -> tuple[tuple[str, Path], ...]:

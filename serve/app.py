@@ -10,7 +10,6 @@ shutdown (after uvicorn has drained the connections), stops it, cancelling what 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -25,16 +24,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decodert.errors import first_line
-from decodert.runtime.engine.request import CANCELLED
 from decodert.runtime.engine.thread import EngineThread
 from decodert.serve.guard import Guard
 from decodert.serve.jobs import Job, chat_choices, completion_choices
 from decodert.serve.logprobs import logprob_format
 from decodert.serve.metrics import CONTENT_TYPE, ServerMetrics
+from decodert.serve.openai_responses import add_routes as add_responses_routes
 from decodert.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from decodert.serve.responses import Reply, usage
-
-SHUTDOWN = "the server is shutting down"
 
 
 @dataclass(frozen=True)
@@ -46,6 +43,7 @@ class ServeConfig:
     speculative: Any = None  # speculative decoding for requests that do not choose ("ngram" | "draft" | a SpeculativeConfig)
     client_timeout_s: float = 30.0  # a body must arrive, and each stream write be taken, within this (slow clients)
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback and the bound address ("*": any)
+    responses_store: int = 256  # /v1/responses kept for previous_response_id (store: true), LRU; 0: none
 
 
 def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
@@ -104,6 +102,7 @@ def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
                               Reply("chat", req.model, logprob_format(req, engine.llm.tokenizer, True), prepared.turn,
                                     prepared.text), [len(prepared.ids)], config)
 
+    add_responses_routes(app, engine, config, metrics, lambda name: _check_model(name, config, engine))
     return app
 
 
@@ -158,49 +157,8 @@ async def _respond(request: Request, job: Job, req, reply: Reply, prompt_lengths
         # a reader that takes no bytes for client_timeout_s is dropped (its generator closes: the job is cancelled)
         return EventSourceResponse(_stream(job, req, reply, prompt_lengths), sep="\n", ping=15,
                                    shutdown_grace_period=config.drain_s, send_timeout=config.client_timeout_s)
-    results = await _collect(request, job)
+    results = await job.collect(request)
     return JSONResponse(reply.body(results, usage(prompt_lengths, results)))
-
-
-async def _collect(request: Request, job: Job) -> list:
-    """Every choice's result; a client that goes away first cancels them (ApiError 499, never sent)."""
-    results: list = [None] * len(job.choices)
-
-    async def gather() -> None:
-        async for j, event in job.events():
-            if event.last:
-                results[j] = _finished(job, event)
-
-    gathering = asyncio.ensure_future(gather())
-    watching = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({gathering, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watching.cancel()
-        if not gathering.done():
-            job.cancel()
-            gathering.cancel()
-    if not gathering.done() or gathering.cancelled():
-        raise ApiError(499, "the client closed the connection")
-    gathering.result()
-    return results
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _finished(job: Job, event):
-    """A choice's result from its last event; an engine error or a shutdown cancel becomes an ApiError."""
-    if event.error is not None:
-        job.cancel()
-        raise ApiError(500, event.error, type="server_error", code="generation_failed")
-    result = event.result
-    if result.finish_reason == CANCELLED:
-        job.cancel()
-        raise ApiError(503, SHUTDOWN, type="server_error", code="unavailable")
-    return result
 
 
 async def _stream(job: Job, req, reply: Reply, prompt_lengths: list[int]) -> AsyncIterator[str]:
@@ -216,7 +174,7 @@ async def _stream(job: Job, req, reply: Reply, prompt_lengths: list[int]) -> Asy
                 for chunk in reply.text_chunks(j, event.text, want_usage, event.logprobs):  # content, reasoning, tool calls
                     yield json.dumps(chunk)
             if event.last:
-                results[j] = _finished(job, event)
+                results[j] = job.finished(event)
                 for chunk in reply.end_chunks(j, results[j].finish_reason, want_usage):
                     yield json.dumps(chunk)
         if want_usage:

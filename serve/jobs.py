@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence as Seq, Union
 
 from decodert.errors import DecodertError, MissingDependencyError, RequestError
-from decodert.runtime.decoding.generate import Sequence
+from decodert.runtime.decoding.generate import GenerationResult, Sequence
 from decodert.runtime.decoding.sampling import SamplingParams
-from decodert.runtime.engine.request import Prepared
+from decodert.runtime.engine.request import CANCELLED, Prepared
 from decodert.runtime.engine.thread import EngineClosed, EngineThread, Event, Handle, QueueFull
 from decodert.serve.protocol import ApiError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the rest of the context
+SHUTDOWN = "the server is shutting down"
 
 
 @dataclass
@@ -157,6 +158,40 @@ class Job:
                 self._open -= 1
             yield j, event
 
+    async def collect(self, request) -> list[GenerationResult]:
+        """Every choice's result; a client that goes away first cancels them (ApiError 499, never sent)."""
+        results: list = [None] * len(self.choices)
+
+        async def gather() -> None:
+            async for j, event in self.events():
+                if event.last:
+                    results[j] = self.finished(event)
+
+        gathering = asyncio.ensure_future(gather())
+        watching = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({gathering, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watching.cancel()
+            if not gathering.done():
+                self.cancel()
+                gathering.cancel()
+        if not gathering.done() or gathering.cancelled():
+            raise ApiError(499, "the client closed the connection")
+        gathering.result()
+        return results
+
+    def finished(self, event: Event) -> GenerationResult:
+        """A choice's result from its last event; an engine error or a shutdown cancel becomes an ApiError."""
+        if event.error is not None:
+            self.cancel()
+            raise ApiError(500, event.error, type="server_error", code="generation_failed")
+        result = event.result
+        if result.finish_reason == CANCELLED:
+            self.cancel()
+            raise ApiError(503, SHUTDOWN, type="server_error", code="unavailable")
+        return result
+
     def cancel(self) -> None:
         """Cancel every choice still running (a disconnect, a failed sibling); finished ones are left alone."""
         for handle in self._handles:
@@ -170,6 +205,11 @@ class Job:
 
 def now() -> float:
     return time.perf_counter()
+
+
+async def _disconnected(request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 

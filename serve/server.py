@@ -41,6 +41,7 @@ class ServeOptions:
     lora: tuple[tuple[str, Path], ...] = ()  # (name, PEFT folder): served as model "NAME:adapter" (--lora)
     image_limits: ImageLimits = DEFAULT_LIMITS  # bytes, pixels and images per request (runtime/vision/images.py)
     allow_image_urls: bool = False  # fetch remote http(s) image_url parts (off: an open fetcher is an SSRF hole)
+    responses_store: int = 256  # /v1/responses kept for previous_response_id (store: true), LRU; 0: none
 
 
 def model_name(options: ServeOptions) -> str:
@@ -66,7 +67,8 @@ def make_app(options: ServeOptions):
         method = getattr(options.speculative, "method", options.speculative)
         raise DecodertError(f"--speculative {method}: {e}") from None
     config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s,
-                         options.speculative, options.client_timeout_s, options.allowed_hosts)
+                         options.speculative, options.client_timeout_s, options.allowed_hosts,
+                         responses_store=options.responses_store)
     return build_app(engine, config)
 
 

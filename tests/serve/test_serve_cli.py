@@ -74,7 +74,8 @@ def test_flag_errors_are_one_line(art, tmp_path, capsys):
              ((art, "--speculative", "draft"), "--speculative draft needs --draft"),
              ((art, "--prefix-cache-mb", "-1"), "--prefix-cache-mb must be >= 0"),
              ((art, "--client-timeout", "0"), "--client-timeout must be > 0"),
-             ((art, "--tool-parser", "xml"), "--tool-parser: unknown tool parser 'xml'")]
+             ((art, "--tool-parser", "xml"), "--tool-parser: unknown tool parser 'xml'"),
+             ((art, "--responses-store", "-1"), "--responses-store must be >= 0")]
     for args, message in cases:
         assert main(["serve", *map(str, args)]) == 2
         err = capsys.readouterr().err

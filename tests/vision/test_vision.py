@@ -176,6 +176,23 @@ def test_server_accepts_a_data_url_and_refuses_bad_images(vlm, rng):
         assert status == 400 and "too many images" in out["error"]["message"]
 
 
+def test_responses_api_takes_input_image_parts(vlm, rng):
+    """/v1/responses: an input_image part (a data URL) reaches the model as chat's image_url does."""
+    from serve_helpers import running
+
+    llm, _, _ = vlm
+    img = _image(rng, 100, 160)
+    expected = llm.chat(_ask(img), max_new_tokens=5, temperature=0).text
+    url_ = "data:image/png;base64," + base64.b64encode(_png(img)).decode()
+    body = {"model": "tiny", "max_output_tokens": 5, "temperature": 0, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": url_}, {"type": "input_text", "text": "What is in this image?"}]}]}
+    with running(llm) as (url, _):
+        req = urllib.request.Request(url + "/v1/responses", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+        assert out["output"][-1]["content"][0]["text"] == expected
+
+
 def test_text_only_models_refuse_images(tmp_path):
     from serve_helpers import export_tiny
 

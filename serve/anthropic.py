@@ -19,6 +19,7 @@ path (serve/jobs.py ``chat_choices``): the same template, tools, constraints and
       (absent: disabled, as Anthropic's API)
     output_config.format json_schema            ->  response_format json_schema (strict)
     max_tokens (required), stop_sequences, temperature (0-1), top_p, top_k -> the same sampling fields
+      (unset: the model's defaults, as on the OpenAI routes; ``seed``, a decodert extension, as there)
 
 and back: the reasoning as a thinking block, the content as a text block, each call as a tool_use block
 (its input the call's arguments); ``stop_reason`` tool_use when calls were made, max_tokens on length,
@@ -155,6 +156,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
+    seed: Optional[int] = None  # a decodert extension (as on the OpenAI routes): sampling repeats for a seed
 
     def check(self) -> None:
         super().check()
@@ -171,7 +173,7 @@ class MessagesRequest(CountTokensRequest):
 
     def _sampling(self) -> dict[str, Any]:
         given = {"max_tokens": self.max_tokens, "stream": self.stream, "stop": self.stop_sequences}
-        given.update({k: getattr(self, k) for k in ("temperature", "top_p", "top_k")})
+        given.update({k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "seed")})
         return {k: v for k, v in given.items() if v is not None}
 
 

@@ -36,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
                    help="a PEFT LoRA adapter served as model 'MODEL:NAME' (or 'NAME'), repeatable; the artifact must be "
                         "exported with --lora-slots (as vLLM's --lora-modules)")
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
+                   help=f"require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/* (default: ${API_KEY_ENV} if set)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a free slot; beyond that the server answers 429 (default 64)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")

@@ -37,7 +37,7 @@ from decodert.serve.responses import Reply, usage
 @dataclass(frozen=True)
 class ServeConfig:
     model_name: str
-    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
+    api_key: str | None = None  # required on /v1/* when set: "Authorization: Bearer KEY" or "x-api-key: KEY"
     max_body_bytes: int = 4 << 20
     drain_s: float = 30.0  # SIGTERM: seconds streams may still run before they are cancelled
     speculative: Any = None  # speculative decoding for requests that do not choose ("ngram" | "draft" | a SpeculativeConfig)

@@ -1,4 +1,5 @@
-"""ASGI middleware in front of every route: the API key, the body size limit and request counting.
+"""ASGI middleware in front of every route: the Host and CORS checks, the API key, the body size limit,
+request counting and the request log.
 
 - ``/v1/*`` needs the key when one is set, as ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (the
   Anthropic SDK's header), compared in constant time; ``/health`` and ``/metrics`` stay open for probes

@@ -248,6 +248,10 @@ def test_translation_of_blocks_to_chat_messages():
     assert got[3:] == [{"role": "tool", "content": "Error: boom", "tool_call_id": "t1"},
                        {"role": "user", "content": "and?"}]
     assert chat.enable_thinking is False and chat.max_tokens == 8
+    remote = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": [IMAGE, {"type": "text", "text": "?"}]}]})
+    assert remote.chat(allow_urls=True).message_dicts()[0]["content"][0] == {
+        "type": "image_url", "image_url": {"url": IMAGE["source"]["url"]}}  # fetched under --allow-image-urls
 
 
 def test_smollm2_tool_use_round_trip(smollm2_gguf, tmp_path_factory):

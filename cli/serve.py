@@ -19,18 +19,24 @@ API_KEY_ENV = "DECODERT_API_KEY"
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "serve", help="serve an exported model over an OpenAI-compatible HTTP API",
-        description="POST /v1/completions, /v1/chat/completions and /v1/responses (streamed over SSE with stream: true), "
+        description="POST /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages (Anthropic) "
+                    "(streamed over SSE with stream: true), "
                     "GET /v1/models, /health and /metrics (Prometheus). One engine thread batches the requests "
                     "of every client; SIGTERM drains them (see docs/SERVING.md).")
     p.add_argument("artifact", metavar="MODEL", type=Path, help=common.MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port, printed)")
     p.add_argument("--model-name", help="the model id clients send (default: the model name, file stem or folder name given)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME[,NAME...]",
+                   help="the model's names, comma-separated: the first replaces --model-name, the others are aliases; "
+                        "all are listed in /v1/models and accepted")
+    p.add_argument("--accept-any-model", action="store_true",
+                   help="accept any model name in requests as this model (for clients that hard-code one)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="a PEFT LoRA adapter served as model 'MODEL:NAME' (or 'NAME'), repeatable; the artifact must be "
                         "exported with --lora-slots (as vLLM's --lora-modules)")
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
+                   help=f"require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/* (default: ${API_KEY_ENV} if set)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a free slot; beyond that the server answers 429 (default 64)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default 4 MiB)")
@@ -42,6 +48,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--allowed-hosts", default="", metavar="HOST[,HOST...]",
                    help="Host header names to accept besides 127.0.0.1, localhost, [::1] and the address listened on "
                         "(e.g. the name a proxy or clients use; '*' = any); others get 421 (DNS-rebinding protection)")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGIN[,ORIGIN...]",
+                   help="web origins (scheme://host[:port]) browsers may call the API from (CORS; '*' = any); "
+                        "default none: preflights are refused")
     p.add_argument("--backend", choices=("auto", "ort", "trt"), default="auto", help="execution backend")
     p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
                    help="check the whole sha256 of every artifact file at load")
@@ -114,7 +123,8 @@ def options(args: argparse.Namespace):
     if not artifact.is_dir():
         raise DecodertError(f"{args.artifact} is not an artifact folder (written by `decodert export`) nor a model "
                             f"`decodert run` takes ('smollm2', a .gguf file, an HF folder)")
-    name = args.model_name or (Path(args.artifact).stem if artifact != args.artifact else None)
+    names = _names(args.served_model_name, args.model_name)
+    name = names[0] if names else (Path(args.artifact).stem if artifact != args.artifact else None)
     draft = common.artifact_of(args.draft) if args.draft is not None else None
     return ServeOptions(artifact, args.host, args.port, name, key, args.max_queue, args.max_body_bytes,
                         args.drain_timeout, args.backend, args.verify, args.log_level, speculative, draft,
@@ -122,7 +132,9 @@ def options(args: argparse.Namespace):
                         _loras(args.lora),
                         image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images,
                                                  args.max_video_frames, args.max_video_pixels),
-                        allow_image_urls=args.allow_image_urls, responses_store=args.responses_store)
+                        allow_image_urls=args.allow_image_urls, responses_store=args.responses_store,
+                        aliases=tuple(names[1:]),
+                        accept_any_model=args.accept_any_model, allowed_origins=_origins(args.allowed_origins))
 
 
 def _loras(values: list[str]) -> tuple[tuple[str, Path], ...]:
@@ -160,6 +172,29 @@ def _hosts(text: str) -> tuple[str, ...]:
     if bad is not None:
         raise DecodertError(f"--allowed-hosts takes host names or name:port, comma-separated, got {bad!r}")
     return hosts
+
+
+def _names(served: str | None, model_name: str | None) -> list[str]:
+    """--served-model-name A,B,C (or --model-name A) -> the names, the first the main one."""
+    if served is None:
+        return [model_name] if model_name else []
+    if model_name is not None:
+        raise DecodertError("give --model-name or --served-model-name, not both")
+    names = [n.strip() for n in served.split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise DecodertError(f"--served-model-name takes distinct non-empty names, comma-separated, got {served!r}")
+    return names
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins values: '*' or origins as browsers send them (scheme://host[:port], no path)."""
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for o in origins:
+        scheme, sep, rest = o.partition("://")
+        if o != "*" and (not sep or scheme not in ("http", "https") or not rest or any(c in rest for c in " /?#@")):
+            raise DecodertError(f"--allowed-origins takes '*' or origins like https://app.example:8443, comma-separated, "
+                                f"got {o!r}")
+    return origins
 
 
 def _loopback(host: str) -> bool:

@@ -25,10 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decodert.errors import first_line
 from decodert.runtime.engine.thread import EngineThread
+from decodert.serve import anthropic
 from decodert.serve.guard import Guard
 from decodert.serve.jobs import Job, chat_choices, completion_choices
 from decodert.serve.logprobs import logprob_format
 from decodert.serve.metrics import CONTENT_TYPE, ServerMetrics
+from decodert.serve.models import card_for, check_model, model_list
 from decodert.serve.openai_responses import add_routes as add_responses_routes
 from decodert.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from decodert.serve.responses import Reply, usage
@@ -37,13 +39,17 @@ from decodert.serve.responses import Reply, usage
 @dataclass(frozen=True)
 class ServeConfig:
     model_name: str
-    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
+    api_key: str | None = None  # required on /v1/* when set: "Authorization: Bearer KEY" or "x-api-key: KEY"
     max_body_bytes: int = 4 << 20
     drain_s: float = 30.0  # SIGTERM: seconds streams may still run before they are cancelled
     speculative: Any = None  # speculative decoding for requests that do not choose ("ngram" | "draft" | a SpeculativeConfig)
     client_timeout_s: float = 30.0  # a body must arrive, and each stream write be taken, within this (slow clients)
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback and the bound address ("*": any)
     responses_store: int = 256  # /v1/responses kept for previous_response_id (store: true), LRU; 0: none
+    aliases: tuple[str, ...] = ()  # more names of the base model (serve/models.py), listed and accepted
+    accept_any_model: bool = False  # any model name means the base model
+    created: int = 0  # /v1/models "created": when the artifact was exported (serve/models.py created_time)
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins granted cross-origin access (serve/guard.py; "*": any)
 
 
 def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
@@ -58,9 +64,12 @@ def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
     app = FastAPI(title="decodert", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics,
-                       body_timeout_s=config.client_timeout_s, allowed_hosts=config.allowed_hosts)
+                       body_timeout_s=config.client_timeout_s, allowed_hosts=config.allowed_hosts,
+                       allowed_origins=config.allowed_origins)
 
     _add_error_handlers(app)
+    anthropic.add_routes(app, engine, config, metrics)  # /v1/messages, /v1/messages/count_tokens
+    add_responses_routes(app, engine, config, metrics, lambda name: check_model(name, config, engine))  # /v1/responses
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -75,18 +84,17 @@ def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(engine, config, None)]
-                + [_model_card(engine, config, a) for a in engine.llm.adapters.names]}
+        return {"object": "list", "data": model_list(engine, config)}
 
     @app.get("/v1/models/{name}")
     async def model(name: str) -> dict[str, Any]:
-        return _model_card(engine, config, _check_model(name, config, engine))
+        return card_for(name, engine, config)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         received = time.perf_counter()
         req = parse(CompletionRequest, await request.body())
-        adapter = _check_model(req.model, config, engine)
+        adapter = check_model(req.model, config, engine)
         prompts, choices = await run_in_threadpool(completion_choices, engine, req, config.speculative, adapter)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
                               Reply("completion", req.model, logprob_format(req, engine.llm.tokenizer, False)),
@@ -96,22 +104,23 @@ def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         received = time.perf_counter()
         req = parse(ChatCompletionRequest, await request.body())
-        adapter = _check_model(req.model, config, engine)
+        adapter = check_model(req.model, config, engine)
         prepared, choices = await run_in_threadpool(chat_choices, engine, req, config.speculative, adapter)
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
                               Reply("chat", req.model, logprob_format(req, engine.llm.tokenizer, True), prepared.turn,
                                     prepared.text), [len(prepared.ids)], config)
 
-    add_responses_routes(app, engine, config, metrics, lambda name: _check_model(name, config, engine))
     return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error in OpenAI's shape: ApiError as it says, 404/405, and any other exception as a one-line 500."""
+    """Every error in OpenAI's shape (Anthropic's on its routes): ApiError as it says, 404/405, and any other
+    exception as a one-line 500."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        body = anthropic.error_body(e.status, e.message) if anthropic.speaks(request.url.path) else e.body()
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405 in OpenAI's shape
@@ -121,38 +130,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        message = f"internal error: {type(e).__name__}: {first_line(e)}"
-        return JSONResponse(ApiError(500, message, type="server_error").body(), status_code=500)
-
-
-def _model_card(engine: EngineThread, config: ServeConfig, adapter: str | None) -> dict[str, Any]:
-    """The base model's card, or a LoRA adapter's: id "MODEL:NAME", its parent the base model."""
-    card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "decodert",
-            "max_model_len": engine.llm.max_seq}
-    if adapter is not None:
-        card.update(id=f"{config.model_name}:{adapter}", parent=config.model_name,
-                    root=engine.llm.adapters.info(adapter).source)
-    return card
-
-
-def _check_model(name: str, config: ServeConfig, engine: EngineThread) -> str | None:
-    """The request's model -> the LoRA adapter it names (None: the base model): "MODEL", "MODEL:NAME" or
-    "NAME" (as vLLM); anything else is a 404 model_not_found, as OpenAI's API."""
-    if name == config.model_name:
-        return None
-    names = engine.llm.adapters.names
-    base, _, adapter = name.rpartition(":")
-    if base == config.model_name and adapter in names:
-        return adapter
-    if name in names:
-        return name
-    served = ", ".join(repr(n) for n in [config.model_name] + [f"{config.model_name}:{a}" for a in names])
-    raise ApiError(404, f"the model {name!r} does not exist; this server serves {served}",
-                   param="model", code="model_not_found")
+        return await api_error(request, ApiError(500, f"internal error: {type(e).__name__}: {first_line(e)}",
+                                                 type="server_error"))
 
 
 async def _respond(request: Request, job: Job, req, reply: Reply, prompt_lengths: list[int],
                    config: ServeConfig) -> Response:
+    request.state.job = job  # the request log's token counts (serve/guard.py)
     if req.stream:
         # a reader that takes no bytes for client_timeout_s is dropped (its generator closes: the job is cancelled)
         return EventSourceResponse(_stream(job, req, reply, prompt_lengths), sep="\n", ping=15,
@@ -174,7 +158,7 @@ async def _stream(job: Job, req, reply: Reply, prompt_lengths: list[int]) -> Asy
                 for chunk in reply.text_chunks(j, event.text, want_usage, event.logprobs):  # content, reasoning, tool calls
                     yield json.dumps(chunk)
             if event.last:
-                results[j] = job.finished(event)
+                results[j] = job.outcome(event)
                 for chunk in reply.end_chunks(j, results[j].finish_reason, want_usage):
                     yield json.dumps(chunk)
         if want_usage:

@@ -77,7 +77,7 @@ class ChatRun:
                         self._deltas.append(d)
                         yield d
                 if event.last:
-                    result = self.job.finished(event)
+                    result = self.job.outcome(event)
                     for d in out.finish() if out is not None else []:
                         self._deltas.append(d)
                         yield d

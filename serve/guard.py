@@ -1,7 +1,12 @@
-"""ASGI middleware in front of every route: the API key, the body size limit and request counting.
+"""ASGI middleware in front of every route: the Host and CORS checks, the API key, the body size limit,
+request counting and the request log.
 
-- ``/v1/*`` needs ``Authorization: Bearer KEY`` when a key is set (compared in constant time);
-  ``/health`` and ``/metrics`` stay open for probes and scrapers.
+- ``/v1/*`` needs the key when one is set, as ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (the
+  Anthropic SDK's header), compared in constant time; ``/health`` and ``/metrics`` stay open for probes
+  and scrapers.
+- CORS (serve/cors.py): a preflight is answered before the key and Content-Type checks (204 for an
+  origin in ``allowed_origins``, 403 otherwise), and every response to an allowed origin carries
+  ``Access-Control-Allow-Origin``.
 - A body over ``max_body_bytes`` is refused with 413, by its Content-Length before it is read,
   or as soon as the bytes received pass the limit.
 - A body that has not fully arrived ``body_timeout_s`` after the request began is refused with
@@ -10,9 +15,13 @@
   address the connection came in on (host:port), or one of ``allowed_hosts`` ("*": any); others
   get 421, so a web page cannot reach the server through DNS rebinding.
 - POSTs to ``/v1/*`` need ``Content-Type: application/json`` (415 otherwise): a web page cannot
-  send that cross-origin without a CORS preflight, which this server never grants.
+  send that cross-origin without a CORS preflight, which only the origins in ``allowed_origins`` are
+  granted (none by default); a page of any other origin cannot post to the API at all.
 - A client that closes the connection before its body arrived is one log line, counted as 499.
-- Every response's status is counted per endpoint (unknown paths count as "other").
+- Every response's status is counted per endpoint (unknown paths count as "other"), and logged at info
+  (``--log-level info``) as one line: method, path, status, prompt and completion tokens where the
+  route ran a job (``request.state.job``), milliseconds; never a body, a header or a key.
+- Errors on the Anthropic routes are in Anthropic's shape (serve/anthropic.py ``error_body``).
 """
 
 from __future__ import annotations
@@ -27,11 +36,14 @@ from typing import Any, Awaitable, Callable
 from sse_starlette.sse import SendTimeoutError
 from starlette.requests import ClientDisconnect
 
+from decodert.serve import anthropic
+from decodert.serve.cors import Cors
+
 Scope = dict[str, Any]
 Message = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health", "/metrics")
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 log = logging.getLogger("uvicorn.error")  # the server's log, at its --log-level
 
@@ -44,8 +56,10 @@ class _BodyRefused(Exception):
 
 class Guard:
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: Any,
-                 body_timeout_s: float = 30.0, allowed_hosts: tuple[str, ...] = ()) -> None:
+                 body_timeout_s: float = 30.0, allowed_hosts: tuple[str, ...] = (),
+                 allowed_origins: tuple[str, ...] = ()) -> None:
         self.app = app
+        self.cors = Cors(allowed_origins)
         self.any_host = "*" in allowed_hosts
         self.hosts = frozenset(h.strip().lower() for h in allowed_hosts)
         self.key = api_key.encode() if api_key else None
@@ -59,16 +73,22 @@ class Guard:
         path = scope.get("path", "")
         endpoint = next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
         status: list[int] = []
+        began = time.perf_counter()
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", ())}
+        cors = self.cors.headers(headers)
 
         async def counted_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status.append(message["status"])
+                if cors:
+                    message = {**message, "headers": [*message.get("headers", ()), *cors]}
             await send(message)
 
+        scope.setdefault("state", {})  # where a route leaves its job (request.state.job) for the log line
         try:
-            refusal = self._refuse(scope, path)
+            refusal = self._refuse(scope, path, headers)
             if refusal is not None:
-                return await _error(counted_send, *refusal)
+                return await _error(counted_send, path, *refusal)
             await self.app(scope, self._limited(receive), counted_send)
         except SendTimeoutError:  # a stream reader that stopped taking bytes: its stream was closed, drop it
             self.metrics.stalled_readers.inc()
@@ -79,24 +99,38 @@ class Guard:
         except _BodyRefused as e:
             if status:
                 raise
-            await _error(counted_send, e.status, e.message, "invalid_request_error", e.code)
+            await _error(counted_send, path, e.status, e.message, "invalid_request_error", e.code)
         finally:
-            self.metrics.requests.labels(endpoint, str(status[0] if status else 499)).inc()
+            code = status[0] if status else 499
+            self.metrics.requests.labels(endpoint, str(code)).inc()
+            if log.isEnabledFor(logging.INFO):
+                job = (scope.get("state") or {}).get("job")
+                tokens = " prompt_tokens=%d completion_tokens=%d" % job.tokens() if job is not None else ""
+                log.info("%s %s %d%s %.1f ms", scope.get("method", ""), path, code, tokens,
+                         (time.perf_counter() - began) * 1000)
 
-    def _refuse(self, scope: Scope, path: str) -> tuple | None:
-        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", ())}
+    def _refuse(self, scope: Scope, path: str, headers: dict[str, bytes]) -> tuple | None:
         host = headers.get("host")
         if host is not None and not self._host_allowed(host.decode("latin-1").strip().lower(), scope.get("server")):
             return (421, f"the Host header {host.decode('latin-1')[:100]!r} does not name this server; start it "
                          "with --allowed-hosts NAME to accept it (DNS-rebinding protection)", "invalid_request_error",
                     "host_not_allowed")
+        if Cors.is_preflight(scope.get("method", ""), headers):
+            answer = self.cors.preflight(headers)
+            if answer is None:
+                origin = headers.get("origin", b"").decode("latin-1")[:100]
+                return (403, f"cross-origin requests from {origin!r} are not allowed; start the server with "
+                             "--allowed-origins ORIGIN to allow them", "invalid_request_error", "origin_not_allowed")
+            return (204, "", "", None, answer)
         if self.key is not None and path.startswith("/v1/"):
             auth = headers.get("authorization", b"")
             scheme, _, given = auth.partition(b" ")
+            if "x-api-key" in headers and not auth:
+                scheme, given = b"bearer", headers["x-api-key"]
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
-                what = "missing" if not auth else "wrong"
-                return (401, f"the API key is {what}; send it as 'Authorization: Bearer KEY'", "invalid_request_error",
-                        "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                what = "missing" if not auth and "x-api-key" not in headers else "wrong"
+                return (401, f"the API key is {what}; send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                        "invalid_request_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         kind = headers.get("content-type", b"").split(b";")[0].strip().lower()
         if scope.get("method") == "POST" and path.startswith("/v1/") and kind != b"application/json":
             return (415, f"the request body must be JSON sent with 'Content-Type: application/json', got "
@@ -157,8 +191,17 @@ def _split_host(host: str) -> tuple[str, str]:
     return host, ""  # a name, or a bare IPv6 address
 
 
-async def _error(send, status: int, message: str, type: str, code: str | None, headers: dict | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+async def _error(send, path: str, status: int, message: str = "", type: str = "", code: str | None = None,
+                 headers: dict | None = None) -> None:
+    """A refusal in the route's error shape (OpenAI's; Anthropic's on its routes); 204: an empty preflight answer
+    (the CORS headers are added by the guard's send)."""
+    if status == 204:
+        raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        await send({"type": "http.response.start", "status": 204, "headers": raw})
+        return await send({"type": "http.response.body", "body": b""})
+    shaped = anthropic.error_body(status, message) if anthropic.speaks(path) else \
+        {"error": {"message": message, "type": type, "param": None, "code": code}}
+    body = json.dumps(shaped).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})

@@ -42,6 +42,9 @@ class ServeOptions:
     image_limits: ImageLimits = DEFAULT_LIMITS  # bytes, pixels and images per request (runtime/vision/images.py)
     allow_image_urls: bool = False  # fetch remote http(s) image_url parts (off: an open fetcher is an SSRF hole)
     responses_store: int = 256  # /v1/responses kept for previous_response_id (store: true), LRU; 0: none
+    aliases: tuple[str, ...] = ()  # more names of the model (--served-model-name A B ...: the names after the first)
+    accept_any_model: bool = False  # any model name means the served model (--accept-any-model)
+    allowed_origins: tuple[str, ...] = ()  # CORS: web origins allowed to call the API (--allowed-origins; "*": any)
 
 
 def model_name(options: ServeOptions) -> str:
@@ -53,6 +56,7 @@ def make_app(options: ServeOptions):
     from decodert.api import LLM  # an artifact folder, or a checkpoint exported once into the cache
     from decodert.runtime.engine.thread import EngineThread
     from decodert.serve.app import ServeConfig, build_app
+    from decodert.serve.models import created_time
 
     llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify, draft=options.draft,
                    prefix_cache_mb=options.prefix_cache_mb, tool_parser=options.tool_parser,
@@ -68,7 +72,9 @@ def make_app(options: ServeOptions):
         raise DecodertError(f"--speculative {method}: {e}") from None
     config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s,
                          options.speculative, options.client_timeout_s, options.allowed_hosts,
-                         responses_store=options.responses_store)
+                         responses_store=options.responses_store,
+                         aliases=options.aliases, accept_any_model=options.accept_any_model,
+                         created=created_time(options.artifact, llm.manifest), allowed_origins=options.allowed_origins)
     return build_app(engine, config)
 
 
@@ -102,7 +108,8 @@ def serve(options: ServeOptions) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(app, log_level=options.log_level, timeout_graceful_shutdown=max(1, int(options.drain_s)),
-                            lifespan="on", access_log=False, http=http_protocol(options.client_timeout_s))
+                            lifespan="on", access_log=False,  # requests are logged by serve/guard.py, at info
+                            http=http_protocol(options.client_timeout_s))
     server = uvicorn.Server(config)
     print(f"decodert: serving {app.state.config.model_name!r} on http://{shown}:{port}/v1 "
           f"({app.state.engine.slots} slots, queue {options.max_queue}); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)

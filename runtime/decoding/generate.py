@@ -45,6 +45,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, with logprobs=True
     reasoning: str | None = None  # chat: the model's reasoning (<think>...</think>), apart from text
     tool_calls: list[dict] | None = None  # chat with tools: OpenAI [{id, type, function: {name, arguments}}]
+    stop_sequence: str | None = None  # the stop string that ended it (None: eos, a stop token id, or length)
 
     def to_dict(self) -> dict:
         out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -55,6 +56,8 @@ class GenerationResult:
             out["reasoning"] = self.reasoning
         if self.tool_calls is not None:
             out["tool_calls"] = self.tool_calls
+        if self.stop_sequence is not None:
+            out["stop_sequence"] = self.stop_sequence
         return out
 
 
@@ -186,7 +189,8 @@ class Sequence:
         if self.spec is not None:
             metrics = self.spec.annotate(metrics)
         return GenerationResult("".join(self.parts), self.generated.tolist(), self.finish_reason, metrics,
-                                None if self.logprobs is None else list(self.logprobs))
+                                None if self.logprobs is None else list(self.logprobs),
+                                stop_sequence=self.stopper.matched if self.finish_reason == "stop" else None)
 
 
 class TextStream:

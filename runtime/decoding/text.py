@@ -60,12 +60,14 @@ class StopMatcher:
 
     ``push(text)`` returns ``(safe_text, stopped)``: ``safe_text`` never includes a stop string or
     anything after it, and holds back the longest tail that is a prefix of some stop string.
+    ``matched``: the stop string found (the earliest in the text; of two there, the longer), else None.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None
 
     def push(self, text: str) -> tuple[str, bool]:
         if self.stopped:
@@ -73,8 +75,9 @@ class StopMatcher:
         if not self._stops:
             return text, False
         pending = self._held + text
-        cut = min((i for i in (pending.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, -len(s), s) for s in self._stops if (i := pending.find(s)) >= 0]
+        if found:
+            cut, _, self.matched = min(found)
             self._held, self.stopped = "", True
             return pending[:cut], True
         keep = self._partial_tail(pending)

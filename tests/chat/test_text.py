@@ -87,7 +87,10 @@ def test_held_text_released_when_not_a_stop():
 
 def test_earliest_of_several_stops_wins():
     m = StopMatcher(["world", "lo w"])
-    assert m.push("hello world") == ("hel", True)
+    assert m.push("hello world") == ("hel", True) and m.matched == "lo w"
+    m = StopMatcher(["lo", "lo w", "xyz"])  # two at the same place: the longer is the one that matched
+    assert m.push("hel") == ("he", False) and m.push("lo world") == ("l", True) and m.matched == "lo w"
+    assert StopMatcher(["x"]).matched is None
 
 
 def test_no_stops_passes_through():

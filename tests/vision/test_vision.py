@@ -193,6 +193,23 @@ def test_responses_api_takes_input_image_parts(vlm, rng):
         assert out["output"][-1]["content"][0]["text"] == expected
 
 
+def test_anthropic_messages_take_a_base64_image_block(vlm, rng):
+    """/v1/messages (serve/anthropic.py): an image block with a base64 source reads as the same image."""
+    from serve_helpers import running
+
+    llm, _, _ = vlm
+    img = _image(rng, 64, 64)
+    expected = llm.chat(_ask(img), max_new_tokens=5, temperature=0).text
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(_png(img)).decode()}
+    blocks = [{"type": "image", "source": source}, {"type": "text", "text": "What is in this image?"}]
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "messages": [{"role": "user", "content": blocks}]}
+    with running(llm) as (url, _):
+        req = urllib.request.Request(url + "/v1/messages", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+    assert "".join(b["text"] for b in out["content"] if b["type"] == "text") == expected
+
+
 def test_text_only_models_refuse_images(tmp_path):
     from serve_helpers import export_tiny
 

@@ -7,7 +7,7 @@ imports onnxruntime or tensorrt: a backend is anything that follows runtime/back
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, Iterable, Sequence as Seq
+from typing import Any, Callable, Generator, Iterable, Sequence as Seq
 
 import numpy as np
 
@@ -89,6 +89,8 @@ class Sequence:
         self.images: Any = None  # the image store entries its prompt's image ids need (runtime/vision/encoder.py)
         self.spec = None  # speculative decoding state (runtime/speculation/speculative.py), when asked for
         self.adapter = (0, 0)  # LoRA (slot index, load tag) the row runs under (runtime/adapters.py); (0, 0): none
+        self.watch: Callable[[str], bool] | None = None  # fed each shown text; True ends the row ("stop"): a chat
+        # turn's repeated tool call (runtime/chat/turn.py ChatTurn.watcher)
 
     @property
     def needs_logits(self) -> bool:
@@ -158,7 +160,7 @@ class Sequence:
         if token in self.stop_ids:
             return self._finish("stop", self._safe(self.detok.flush()))
         text = self._safe(self.detok.push(token))
-        if self.stopper.stopped:
+        if self.stopper.stopped or (self.watch is not None and self.watch(text)):
             return self._finish("stop", text)
         if self.guide is not None and self.guide.finished:  # complete: only eos could follow
             return self._finish("stop", text + self._safe(self.detok.flush()))

@@ -221,11 +221,17 @@ class ChatOutput:
         return False  # held to the end of the output (finish reads it)
 
     def _end_loose(self, out: list[Delta]) -> bool:
-        """The whole reply held in ``loose``: announce it when it is one call of a declared function."""
-        calls = parse_whole(self.fmt, self._buf)  # type: ignore[arg-type]
-        if not (calls and len(calls) == 1 and calls[0].name in self.names and calls[0].arguments.lstrip()[:1] == "{"):
+        """The whole reply held in ``loose``: announce it when it is one call object of a declared function,
+        ``{"name": ..., "arguments": {...}}`` and nothing else."""
+        try:
+            value = json.loads(self._buf)
+        except (json.JSONDecodeError, RecursionError, ValueError):
             return False
-        self._announce(out, calls)
+        keys = {"name", self.fmt.args_key} if self.fmt else set()
+        if not (isinstance(value, dict) and set(value) == keys and value["name"] in self.names
+                and isinstance(value[self.fmt.args_key], dict)):  # type: ignore[union-attr]
+            return False
+        self._announce(out, [Partial(value["name"], json.dumps(value[self.fmt.args_key]), True)])  # type: ignore[union-attr]
         self._buf, self._state = "", "after"
         return True
 

@@ -187,14 +187,40 @@ def _unquote(s: str) -> str:
 
 # -- grammars: constrained calls through llguidance's Lark (runtime/constraints.py) ----------------
 def call_schema(fmt: ToolFormat, functions: Sequence[dict]) -> dict:
-    """A JSON schema for one call of any of ``functions`` ({"name", "parameters"}), "name" first."""
-    options = []
+    """A JSON schema for one call of any of ``functions`` ({"name", "parameters"}), "name" first.
+
+    Parameters that refer into themselves (``"$ref": "#"``, pydantic's ``"#/$defs/Loc"``) are moved to the
+    call schema's ``$defs`` under their function's name, with each such reference re-rooted there, so they
+    resolve to the parameters schema, not to the call wrapper."""
+    options, defs = [], {}
     for f in functions:
         params = f.get("parameters") or {"type": "object", "properties": {}}
+        if _refers_home(params):
+            defs[f["name"]] = _rerooted(params, f"#/$defs/{f['name']}")
+            params = {"$ref": f"#/$defs/{f['name']}"}
         options.append({"type": "object", "properties": {"name": {"const": f["name"]}, fmt.args_key: params},
                         "required": ["name", fmt.args_key], "additionalProperties": False})
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    if defs:
+        schema = {**schema, "$defs": defs}
     return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+
+
+def _refers_home(node: Any) -> bool:
+    """Whether a schema holds a ``$ref`` into its own document (``#...``)."""
+    if isinstance(node, dict):
+        return any((k == "$ref" and isinstance(v, str) and v.startswith("#")) or _refers_home(v) for k, v in node.items())
+    return isinstance(node, list) and any(_refers_home(v) for v in node)
+
+
+def _rerooted(node: Any, root: str) -> Any:
+    """``node`` with every ``"$ref": "#..."`` pointing under ``root`` instead of the document's root."""
+    if isinstance(node, dict):
+        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rerooted(v, root))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rerooted(v, root) for v in node]
+    return node
 
 
 def _lit(text: str) -> str:

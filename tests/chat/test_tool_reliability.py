@@ -185,3 +185,29 @@ def test_tools_that_are_not_plain_json_are_a_request_error(tool):
     with pytest.raises(RequestError, match=r"tools\[0\] must be plain JSON") as e:
         llm.chat(USER, tools=[tool], max_new_tokens=2)
     assert e.value.param == "tools"
+
+
+TREE = {"type": "object", "properties": {"label": {"type": "string", "maxLength": 4},
+                                         "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["label", "child"]}
+PYDANTIC = {"$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+                              "title": "Loc"}},
+            "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"], "title": "Args"}
+
+
+@pytest.mark.parametrize("params", [TREE, PYDANTIC], ids=["ref-root", "pydantic-defs"])
+def test_references_in_tool_parameters_resolve_to_the_parameters(params):
+    """``"$ref": "#"`` means the parameters schema, and pydantic's $defs work as they do in response_format."""
+    llm = make_llm(eos=(0,), chat_template=TEMPLATE, max_seq=1024)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    for seed in range(6):
+        r = llm.chat(USER, tools=tools, tool_choice="required", parallel_tool_calls=False, max_new_tokens=160,
+                     temperature=1.5, seed=seed)
+        (call,) = r.tool_calls
+        args = json.loads(call["function"]["arguments"])
+        jsonschema.validate(args, params)
+    assert llm.chat(USER, json_schema=PYDANTIC, max_new_tokens=60, temperature=1.0, seed=1).text
+    value = {"label": "a", "child": {"label": "b", "child": None}} if params is TREE else {"loc": {"city": "Paris"}}
+    reply = '<tool_call>{"name": "f", "arguments": ' + json.dumps(value) + "}</tool_call>"
+    llm, _ = scripted_llm(reply, chat_template=TEMPLATE, max_seq=1024)  # the model's own nested call is allowed as written
+    r = llm.chat(USER, tools=tools, tool_choice="required", max_new_tokens=160, temperature=0)
+    assert [json.loads(c["function"]["arguments"]) for c in r.tool_calls] == [value]

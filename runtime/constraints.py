@@ -326,6 +326,7 @@ class Guide:
         self.matcher = matcher
         self.closer = closer  # None: no budget-aware closing
         self.cut = False  # the output was closed early to fit max_tokens (finish_reason "length")
+        self.forced = False  # the last token ``fit`` gave came from a closing path, not from the model's draw
         self._need: int | None = None  # tokens the last closing path took
         self._path: list[int] = []  # the closing path being followed
         self.vocab_size = vocab_size
@@ -377,9 +378,11 @@ class Guide:
     def fit(self, token: int, budget: int) -> int:
         """``token`` if a complete output can still follow it within ``budget`` tokens (this one
         included); else the next token of a closing path (runtime/closing.py), and ``cut`` is set."""
+        self.forced = False
         if self.closer is None:
             return token
         if self._path:
+            self.forced = True
             return self._path.pop(0)
         if self._need is None:
             found = self.closer.path(self.matcher, 4096)
@@ -394,7 +397,7 @@ class Guide:
         path = self.closer.path(self.matcher, budget)
         if not path:  # no completion fits at all: let the model go on
             return token
-        self.cut, self._path = True, path[1:]
+        self.cut, self._path, self.forced = True, path[1:], True
         return path[0]
 
     # -- speculative decoding: check a draft run, commit or take back tokens --------------------

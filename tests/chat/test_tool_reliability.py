@@ -211,3 +211,21 @@ def test_references_in_tool_parameters_resolve_to_the_parameters(params):
     llm, _ = scripted_llm(reply, chat_template=TEMPLATE, max_seq=1024)  # the model's own nested call is allowed as written
     r = llm.chat(USER, tools=tools, tool_choice="required", max_new_tokens=160, temperature=0)
     assert [json.loads(c["function"]["arguments"]) for c in r.tool_calls] == [value]
+
+
+def test_logprobs_of_tokens_the_budget_forced_agree_with_their_top_logprobs():
+    """Greedy: the chosen token is always the top-1 of the distribution reported, forced closing tokens
+    included (reported as certain), for a required call and a json_schema closed by their budget."""
+    llm = make_llm(eos=(0,), chat_template=TEMPLATE, max_seq=1024)
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+    for kw in (dict(tools=TOOLS, tool_choice="required"), dict(json_schema=schema)):
+        prepared = llm.prepare(USER, **kw)
+        need = len(llm.guidance.closer.path(llm.guidance.compile(prepared.constraint), 4096))
+        forced = 0
+        for budget in (need, need + 4):
+            r = llm.chat(USER, max_new_tokens=budget, temperature=0, logprobs=True, top_logprobs=3, **kw)
+            assert len(r.logprobs) == len(r.token_ids)
+            for e in r.logprobs:
+                assert e.top[0] == (e.token_id, e.logprob), (budget, e)
+                forced += e.logprob == 0.0 and len(e.top) == 1
+        assert forced

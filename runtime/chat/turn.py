@@ -73,10 +73,13 @@ class ChatTurn:
         repeats an earlier one, which ends the reply (None: no tools, nothing to watch)."""
         if self.tools is None or self.harmony:
             return None
-        out = self.output(prompt)
+        out, pending = self.output(prompt), [""]
 
-        def watch(text: str) -> bool:
-            out.feed(text)
+        def watch(text: str) -> bool:  # a call can only be complete at a "}", "]" or ">": the text is read there
+            pending[0] += text
+            if any(c in text for c in "}]>"):
+                out.feed(pending[0])
+                pending[0] = ""
             return out.repeated
 
         return watch

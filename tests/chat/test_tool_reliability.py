@@ -20,7 +20,6 @@ from decodert.errors import DecodertError, RequestError
 from decodert.runtime.chat.output import ChatOutput, assemble
 from decodert.runtime.chat.tool_calls import FORMATS
 from decodert.runtime.chat.tools import check_tools
-from decodert.runtime.constraints import Constraint
 
 NAMED = {"type": "function", "function": {"name": "add"}}
 NAMES = frozenset({"get_weather", "add"})

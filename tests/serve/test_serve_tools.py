@@ -15,7 +15,7 @@ from fake_backend import make_llm, make_tokenizer, scripted_llm
 from serve_helpers import reassemble, running, whole
 from structured_schemas import SCHEMAS as JSON_SCHEMAS
 from decodert.runtime.constraints import Constraint
-from tool_cases import SCHEMAS, TEMPLATE, THINKING, TOOLS, USER
+from tool_cases import OPENS_THINK, SCHEMAS, TEMPLATE, THINKING, TOOLS, USER
 
 openai = pytest.importorskip("openai")
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -208,3 +208,20 @@ def test_named_choice_one_call_pydantic_defs_and_no_markup_when_max_tokens_cuts(
             chunks = list(r) if stream else None
             content, _, calls, finish, _ = reassemble(chunks) if stream else whole(r)
             assert not content and finish == "length", (budget, content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("reply, template, choice, want", [
+    ("\n".join([CALL] * 6), TEMPLATE, "auto", (None, None, [("get_weather", '{"city": "Paris"}')], "tool_calls")),
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', TEMPLATE, "auto",
+     (None, None, [("get_weather", '{"city": "Paris"}')], "tool_calls")),
+    (CALL, OPENS_THINK, "required", (None, None, [("get_weather", '{"city": "Paris"}')], "tool_calls")),
+    ("Let me see.</think>" + CALL, OPENS_THINK, "auto", (None, "Let me see.", [("get_weather", '{"city": "Paris"}')],
+                                                         "tool_calls")),
+], ids=["repeated-call", "bare-json", "think-required", "think-auto"])
+def test_calls_agents_rely_on_stream_as_whole(stream, reply, template, choice, want):
+    llm, _ = scripted_llm(reply, chat_template=template, max_seq=1024)
+    with running(llm) as (url, _):
+        r = client(url).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=choice,
+                                                max_tokens=300, temperature=0, stream=stream)
+        assert (reassemble(r) if stream else whole(r))[:4] == want

@@ -228,3 +228,12 @@ def test_logprobs_of_tokens_the_budget_forced_agree_with_their_top_logprobs():
                 assert e.top[0] == (e.token_id, e.logprob), (budget, e)
                 forced += e.logprob == 0.0 and len(e.top) == 1
         assert forced
+
+
+def test_generate_many_splits_chat_requests_as_chat_does():
+    llm = make_llm(eos=(0,), chat_template=TEMPLATE, max_seq=1024)
+    kw = dict(tools=TOOLS, tool_choice=NAMED, max_new_tokens=120, temperature=1.0, seed=3)
+    (many, plain) = llm.generate_many([{"messages": USER, **kw}, {"prompt": "hello", "max_new_tokens": 3}])
+    one = llm.chat(USER, **kw)
+    assert calls_of(many) == calls_of(one) and many.finish_reason == one.finish_reason == "tool_calls"
+    assert many.text == "" and plain.tool_calls is None

@@ -10,6 +10,13 @@ Budget: ``Closer.path(matcher, limit)`` finds a short way to finish the grammar 
 state: it takes the tokens llguidance forces (``compute_ff_tokens``), and where there is a choice
 the first allowed of a few closing tokens (``"`` ``}`` ``]`` ``0`` ...), else the allowed token with
 the lowest id (a single byte in byte-level BPE vocabularies); eos last when the grammar accepts.
+That choice depends on the allowed-token mask alone, so a mask met again on the path would repeat
+itself (an email's local part takes ``}`` or ``0`` forever, a URI's path ``0``: no closing ``"`` ever
+comes). There the closer escapes: it takes the first single printable character (closers first,
+then in ASCII order) after which the mask is one the path has not met (``@`` in an email, ``.`` in its
+domain, ``:`` after a URI's scheme), and goes on; where none gives a new mask it keeps its choice. So
+every string ``format`` llguidance accepts (email, uri, duration, uuid, date-time, ipv4/6, hostname,
+...) closes within a budget that holds its shortest value.
 ``Guide.fit`` (runtime/constraints.py) uses it to refuse a token after which no such path fits the
 remaining ``max_tokens``, and then follows the path: the output closes, and finish_reason is "length".
 """
@@ -68,12 +75,16 @@ class Closer:
         self.words = (vocab_size + 31) // 32
         ids = [lltokenizer.tokenize_str(s) for s in CLOSERS]
         self.closers = [t[0] for t in ids if len(t) == 1 and t[0] < vocab_size]
+        chars = [lltokenizer.tokenize_str(chr(c)) for c in range(33, 127)]  # the escape alphabet: printable ASCII
+        singles = [t[0] for t in chars if len(t) == 1 and t[0] < vocab_size]
+        self.escapes = list(dict.fromkeys(self.closers + singles))  # closers first, then ASCII order
 
     def path(self, matcher: Any, limit: int) -> list[int] | None:
         """Tokens that complete the grammar from ``matcher``'s state (unchanged), at most ``limit``; None if not found."""
         m = matcher.deep_copy()
         mask = np.zeros(self.words, np.int32)  # [words]
         out: list[int] = []
+        seen: set[bytes] = set()  # the masks met on this path
         while len(out) <= limit:
             if m.is_stopped():
                 return out
@@ -86,7 +97,11 @@ class Closer:
             m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
             if m.is_accepting() and self._allowed(mask, self.eos):
                 return out + [self.eos] if len(out) < limit else None
-            token = next((t for t in self.closers if self._allowed(mask, t)), None)
+            key = mask.tobytes()
+            token = self._escape(m, mask, seen) if key in seen else None
+            seen.add(key)
+            if token is None:
+                token = next((t for t in self.closers if self._allowed(mask, t)), None)
             if token is None:
                 bits = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
                 if bits.size == 0:
@@ -95,6 +110,20 @@ class Closer:
             if not m.consume_token(token):
                 return None
             out.append(token)
+        return None
+
+    def _escape(self, m: Any, mask: np.ndarray, seen: set[bytes]) -> int | None:
+        """The first allowed escape character after which the mask is new to the path (None: none is)."""
+        child = np.zeros_like(mask)
+        for t in self.escapes:
+            if not self._allowed(mask, t):
+                continue
+            after = m.deep_copy()
+            if not after.consume_token(t):
+                continue
+            after.unsafe_compute_mask_ptr(child.ctypes.data, child.nbytes)
+            if child.tobytes() not in seen:
+                return t
         return None
 
     @staticmethod

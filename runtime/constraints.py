@@ -21,6 +21,10 @@
   accepts (the rest is cut before verification); ``draft_masks(tokens)`` gives the mask at every
   verified position; ``advance_many`` / ``rollback`` move the state.
 
+Special tokens: a schema whose output must spell a special token's text (a ``const`` / ``enum`` value or a
+property name holding ``<|im_end|>``, in a json_schema or in a tool's parameters) is refused when it is
+compiled, in one line: the text would tokenize to the special token, which the grammar cannot take.
+
 JSON whitespace: by default each place where JSON allows whitespace takes ``JSON_WHITESPACE``:
 one line break and an indentation of up to 24 spaces or 6 tabs, or 1-2 spaces, so a small model
 cannot loop on blank lines or tabs (seen with SmolLM2 under llguidance's default, any whitespace). A
@@ -182,6 +186,80 @@ def _describe_error(c: Constraint, message: str) -> str:
     return f"invalid {what}: {line if len(line) <= MAX_MESSAGE else line[:MAX_MESSAGE] + '...'}"
 
 
+def _special_texts(tokenizer_json: str) -> tuple[str, ...]:
+    """The text of the tokenizer's special added tokens (two characters or more)."""
+    try:
+        added = json.loads(tokenizer_json).get("added_tokens") or []
+    except (json.JSONDecodeError, AttributeError):
+        return ()
+    return tuple(t["content"] for t in added if isinstance(t, dict) and t.get("special") and len(t.get("content") or "") > 1)
+
+
+def _written_strings(schema: Any) -> list[str]:
+    """Strings a JSON schema makes the output write verbatim: const and enum values, property names."""
+    out: list[str] = []
+
+    def values(v: Any) -> None:
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, list):
+            for x in v:
+                values(x)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                out.append(k)
+                values(x)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for x in node:
+                walk(x)
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                if k in ("const", "enum"):
+                    values(v)
+                elif k == "properties" and isinstance(v, dict):
+                    out.extend(v)
+                    walk(list(v.values()))
+                elif k not in ("default", "examples", "description", "title"):
+                    walk(v)
+
+    walk(schema)
+    return out
+
+
+def _schemas_in(c: Constraint) -> list[Any]:
+    """The JSON schemas of a constraint: a json_schema's, and each ``%json {...}`` of a Lark grammar (tools)."""
+    if c.kind == "json_schema":
+        return [json.loads(c.text)]
+    if c.kind != "grammar":
+        return []
+    out, decoder, at = [], json.JSONDecoder(), c.text.find("%json")
+    while at >= 0:
+        start = c.text.find("{", at)
+        try:
+            value, end = decoder.raw_decode(c.text, start) if start >= 0 else (None, at + 5)
+            out.append(value)
+        except (json.JSONDecodeError, RecursionError):
+            end = at + 5
+        at = c.text.find("%json", end)
+    return out
+
+
+def _refuse_special_text(c: Constraint, specials: Sequence[str]) -> None:
+    if not specials:
+        return
+    try:
+        written = [w for schema in _schemas_in(c) for w in _written_strings(schema)]
+    except RecursionError:
+        return  # llguidance refuses it in its own words
+    for text in written:
+        token = next((t for t in specials if t in text), None)
+        if token is not None:
+            raise DecodertError(f"unsupported JSON schema: the output would have to spell {text[:60]!r}, which holds "
+                                f"this model's special token {token!r}; constrained output cannot write special tokens as text")
+
+
 class Guidance:
     """The llguidance tokenizer of one model, and the constraints compiled for it."""
 
@@ -196,6 +274,7 @@ class Guidance:
         self.vocab_size = int(vocab_size)
         self.words = (self.vocab_size + 31) // 32  # int32 words per bitmask
         self.closer = Closer(self.tokenizer, self.vocab_size, int(eos_token_ids[0]))  # budget-aware closing
+        self.specials = _special_texts(tokenizer_json)  # special tokens' text, which constrained output cannot spell
         self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -217,6 +296,7 @@ class Guidance:
                 self._compiled.move_to_end(c)
                 return base.deep_copy()
         llg = _llguidance()
+        _refuse_special_text(c, self.specials)
         try:
             grammar = c.grammar_text()
         except ValueError as e:
@@ -246,6 +326,7 @@ class Guide:
         self.matcher = matcher
         self.closer = closer  # None: no budget-aware closing
         self.cut = False  # the output was closed early to fit max_tokens (finish_reason "length")
+        self.forced = False  # the last token ``fit`` gave came from a closing path, not from the model's draw
         self._need: int | None = None  # tokens the last closing path took
         self._path: list[int] = []  # the closing path being followed
         self.vocab_size = vocab_size
@@ -297,9 +378,11 @@ class Guide:
     def fit(self, token: int, budget: int) -> int:
         """``token`` if a complete output can still follow it within ``budget`` tokens (this one
         included); else the next token of a closing path (runtime/closing.py), and ``cut`` is set."""
+        self.forced = False
         if self.closer is None:
             return token
         if self._path:
+            self.forced = True
             return self._path.pop(0)
         if self._need is None:
             found = self.closer.path(self.matcher, 4096)
@@ -314,7 +397,7 @@ class Guide:
         path = self.closer.path(self.matcher, budget)
         if not path:  # no completion fits at all: let the model go on
             return token
-        self.cut, self._path = True, path[1:]
+        self.cut, self._path, self.forced = True, path[1:], True
         return path[0]
 
     # -- speculative decoding: check a draft run, commit or take back tokens --------------------

@@ -410,13 +410,16 @@ class LLM:
         return session
 
     def generate_many(self, requests: Seq[Request | Mapping[str, Any]]) -> list[GenerationResult]:
-        """Continuous batching: requests take free cache slots as others finish; results in order."""
+        """Continuous batching: requests take free cache slots as others finish; results in order (a chat
+        request's split as ``chat`` splits it: reasoning, tool_calls, finish_reason)."""
         validate.check_sequence_arg(requests, "requests")
         if not requests:
             raise DecodertError("the list of requests is empty")
-        return self.run([self._request_sequence(r, i) for i, r in enumerate(requests)])
+        prepared = [self._request_prepared(r, i) for i, r in enumerate(requests)]
+        results = self.run([self.engine.sequence(p) for p in prepared])
+        return [r if p.turn is None else p.turn.finish(r, p.text or "") for p, r in zip(prepared, results)]
 
-    def _request_sequence(self, req: Request | Mapping[str, Any], i: int) -> Sequence:
+    def _request_prepared(self, req: Request | Mapping[str, Any], i: int) -> Prepared:
         validate.check_request(req, i, Request)
         what = f"request {i}"
         own: SamplingParams | None = None  # a Request's own SamplingParams: validated, then used as it is
@@ -437,7 +440,7 @@ class LLM:
         prepared = self.prepare(prompt if messages is None else messages, what, messages is not None, **rest)
         if own is not None:
             prepared = dataclasses.replace(prepared, params=own)
-        return self.engine.sequence(prepared)
+        return prepared
 
 def _by_id(events: Any) -> Any:
     """(handle, delta) events -> (request id, delta); closing it closes the run's stream."""

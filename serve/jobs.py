@@ -77,8 +77,10 @@ def prepare(engine: EngineThread, prompts: Seq[Prepared], req, limit: int | None
             engine.llm.guidance.guide(constraint)  # compiled once here (cached), so a bad schema is its own 400
         except MissingDependencyError as e:  # the server's installation is at fault, not the request
             raise ApiError(500, str(e), type="server_error", code="missing_dependency") from None
-        except DecodertError as e:
-            raise ApiError(400, str(e), param="response_format") from None
+        except DecodertError as e:  # the tools' constraint is the tools' fault (prepared.turn.tools: runtime/chat/turn.py)
+            turn = getattr(prompts[0], "turn", None)
+            tools = turn is not None and getattr(turn, "tools", None) is not None
+            raise ApiError(400, str(e), param="tools" if tools else "response_format") from None
     choices = []
     for p, base in enumerate(prompts):
         ids = base.ids

@@ -6,6 +6,8 @@ import time
 import uuid
 from typing import Any, Sequence as Seq
 
+from decodert.runtime.chat.output import assemble
+from decodert.runtime.chat.turn import call_finish
 from decodert.runtime.decoding.generate import GenerationResult
 
 
@@ -18,7 +20,7 @@ class Reply:
         self.turn = None if turn is None or turn.plain else turn  # a chat turn whose replies are split
         self.prompt = prompt  # the rendered chat prompt (it may open <think>)
         self._outputs: dict[int, Any] = {}  # choice -> its ChatOutput (streams)
-        self._called: set[int] = set()  # choices that streamed a tool call
+        self._called: dict[int, list] = {}  # choice -> the tool-call deltas it streamed
         prefix = "chatcmpl" if self.chat else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -85,19 +87,19 @@ class Reply:
         return chunks
 
     def end_chunks(self, j: int, finish_reason: str, usage: bool = False) -> list[dict[str, Any]]:
-        """What is left of choice ``j``'s split text, then its finish reason ("tool_calls" after calls)."""
+        """What is left of choice ``j``'s split text, then its finish reason ("tool_calls" after complete calls)."""
         chunks = []
         if self.turn is not None:
             out = self._outputs.setdefault(j, self.turn.output(self.prompt))
             chunks = [self._delta_chunk(j, d, usage) for d in out.finish()]
-            if j in self._called and finish_reason == "stop":
-                finish_reason = "tool_calls"
+            if j in self._called:  # "tool_calls" when its calls are complete (runtime/chat/turn.py call_finish)
+                finish_reason = call_finish(finish_reason, assemble(self._called[j])[2])
         return chunks + [self.chunk(j, finish_reason=finish_reason, usage=usage)]
 
     def _delta_chunk(self, j: int, d: Any, usage: bool) -> dict[str, Any]:
         out = self.chunk(j, usage=usage)
         if d.kind == "tool":
-            self._called.add(j)
+            self._called.setdefault(j, []).append(d)
             call: dict[str, Any] = {"index": d.index, "function": {"arguments": d.text}}
             if d.id is not None:
                 call.update(id=d.id, type="function", function={"name": d.name, "arguments": d.text})

@@ -15,7 +15,14 @@ that makes a constrained call valid.
 Special-token markers (`<|python_tag|>`, `[TOOL_CALLS]`, `<|tool_call|>` in those tokenizers) are not
 in the decoded text (special tokens are skipped), so those formats also accept the JSON at the very
 start of the output ("bare" start), and their constrained grammars write the JSON without the
-marker. Gemma has no tool-call format of its own in its template; use ``tool_parser="hermes"``.
+marker. A hermes reply that is nothing but one call's JSON object, without its tags, is read as that
+call when it names a declared function (``loose``: small models, SmolLM2 among them, often drop the
+tags); runtime/chat/output.py applies that rule. Gemma has no tool-call format of its own in its
+template; use ``tool_parser="hermes"``.
+
+Constrained calls (``call_grammar``): a named function is one call; ``required`` is one call, and
+another only where the model writes the next call's opening itself (whitespace after a call may also
+end the output, so a newline never forces a second call).
 """
 
 from __future__ import annotations
@@ -36,10 +43,11 @@ class ToolFormat:
     array: bool  # the body is a JSON list of calls, not one call
     args_key: str  # "arguments" | "parameters"
     bare: str = ""  # a character that opens the body at the output's start without the marker ("": none)
+    loose: bool = False  # a whole reply that is one call object without the markers is that call
 
 
 FORMATS = {
-    "hermes": ToolFormat("hermes", "<tool_call>", "</tool_call>", False, "arguments"),
+    "hermes": ToolFormat("hermes", "<tool_call>", "</tool_call>", False, "arguments", loose=True),
     "llama3": ToolFormat("llama3", "<|python_tag|>", "", False, "parameters", bare="{"),
     "mistral": ToolFormat("mistral", "[TOOL_CALLS]", "", True, "arguments", bare="["),
     "phi4": ToolFormat("phi4", "<|tool_call|>", "<|/tool_call|>", True, "arguments", bare="["),
@@ -138,6 +146,16 @@ def scan(fmt: ToolFormat, body: str) -> list[Partial]:
         pos = nxt.end()
 
 
+def opens_call(fmt: ToolFormat, text: str) -> bool | None:
+    """Whether ``text`` (a body, from its start) begins a call object (``{"name"``, in a list for array
+    formats): True, False, or None while too little is written to tell."""
+    head = '[{"name"' if fmt.array else '{"name"'
+    compact = re.sub(r"\s+", "", text[:64])
+    if compact.startswith(head):
+        return True
+    return None if head.startswith(compact) else False
+
+
 def parse_whole(fmt: ToolFormat, body: str) -> list[Partial] | None:
     """A complete body read as JSON (any key order) -> calls, or None when it is not calls."""
     text = body.strip()
@@ -169,14 +187,40 @@ def _unquote(s: str) -> str:
 
 # -- grammars: constrained calls through llguidance's Lark (runtime/constraints.py) ----------------
 def call_schema(fmt: ToolFormat, functions: Sequence[dict]) -> dict:
-    """A JSON schema for one call of any of ``functions`` ({"name", "parameters"}), "name" first."""
-    options = []
+    """A JSON schema for one call of any of ``functions`` ({"name", "parameters"}), "name" first.
+
+    Parameters that refer into themselves (``"$ref": "#"``, pydantic's ``"#/$defs/Loc"``) are moved to the
+    call schema's ``$defs`` under their function's name, with each such reference re-rooted there, so they
+    resolve to the parameters schema, not to the call wrapper."""
+    options, defs = [], {}
     for f in functions:
         params = f.get("parameters") or {"type": "object", "properties": {}}
+        if _refers_home(params):
+            defs[f["name"]] = _rerooted(params, f"#/$defs/{f['name']}")
+            params = {"$ref": f"#/$defs/{f['name']}"}
         options.append({"type": "object", "properties": {"name": {"const": f["name"]}, fmt.args_key: params},
                         "required": ["name", fmt.args_key], "additionalProperties": False})
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    if defs:
+        schema = {**schema, "$defs": defs}
     return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+
+
+def _refers_home(node: Any) -> bool:
+    """Whether a schema holds a ``$ref`` into its own document (``#...``)."""
+    if isinstance(node, dict):
+        return any((k == "$ref" and isinstance(v, str) and v.startswith("#")) or _refers_home(v) for k, v in node.items())
+    return isinstance(node, list) and any(_refers_home(v) for v in node)
+
+
+def _rerooted(node: Any, root: str) -> Any:
+    """``node`` with every ``"$ref": "#..."`` pointing under ``root`` instead of the document's root."""
+    if isinstance(node, dict):
+        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rerooted(v, root))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rerooted(v, root) for v in node]
+    return node
 
 
 def _lit(text: str) -> str:
@@ -185,16 +229,16 @@ def _lit(text: str) -> str:
 
 def call_grammar(fmt: ToolFormat, functions: Sequence[dict], required: bool, parallel: bool) -> str:
     """Lark text: ``required``: only calls; else free text, or text then calls (hermes), or text or calls
-    (bare formats: calls only at the start). Each call's JSON validates against its function's schema."""
+    (bare formats: calls only at the start). Each call's JSON validates against its function's schema.
+    ``parallel``: more calls may follow the first, each opened by the model (never forced by a separator)."""
     one = "call: %json " + json.dumps(call_schema(fmt, functions))
-    sep = _lit(", " if fmt.array else "\n")
     if fmt.array:
-        calls = f'"[" call ({sep} call)* "]"' if parallel else '"[" call "]"'
+        calls = '"[" call (", " call)* "]"' if parallel else '"[" call "]"'
     else:
-        calls = f"call ({sep} call)*" if parallel else "call"
+        calls = 'call ("\\n" call)*' if parallel else "call"
     if fmt.close and not fmt.array:  # hermes: every call is wrapped
         wrapped = f"{_lit(fmt.open)} call {_lit(fmt.close)}"
-        calls = f'{wrapped} ("\\n" {wrapped})*' if parallel else wrapped
+        calls = f'{wrapped} ("\\n"? {wrapped})* "\\n"?' if parallel else wrapped
     elif fmt.close:
         calls = f"{calls} {_lit(fmt.close)}"
     if required:

@@ -7,19 +7,28 @@
 
 A template that renders ``tools`` itself gets them as the jinja variable ``tools`` (as Hugging Face
 templates take them); for one that does not (SmolLM2's), the tools are described in the system
-message in the chosen format (runtime/chat/tools.py ``system_prompt``) and earlier calls and tool
-results are rendered as text turns.
+message in the chosen format (runtime/chat/tools.py ``system_prompt``). Earlier calls reach a template
+that reads ``tool_calls`` as they are, and are written into the assistant's text (in the chosen format)
+for one that does not. Tool results reach the template as ``role: "tool"`` messages wherever it
+renders one (a probe render shows their content: Qwen's wraps them in ``<tool_response>`` itself,
+SmolLM2's writes a ``tool`` turn); only a template that refuses or drops them gets them as user
+messages holding ``<tool_response>...</tool_response>``.
+
+The reply's finish reason is "tool_calls" whenever it returns calls whose arguments are complete JSON
+(``call_finish``): a reply the model ended, one a repeated call ended (``watcher``), and one the token
+budget closed (runtime/closing.py) alike; "length" stays where the budget cut a call's arguments.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from functools import lru_cache
+from typing import Any, Callable, Mapping
 
 from decodert.errors import DecodertError
-from decodert.runtime.chat.chat import check_messages
+from decodert.runtime.chat.chat import check_messages, render_chat
 from decodert.runtime.chat.harmony import HarmonyOutput, speaks_harmony
-from decodert.runtime.chat.output import ChatOutput, Delta, THINK_CLOSE, THINK_OPEN, assemble
+from decodert.runtime.chat.output import ChatOutput, Delta, THINK_CLOSE, THINK_OPEN, assemble, complete
 from decodert.runtime.chat.tool_calls import ToolFormat, tool_format
 from decodert.runtime.chat.tools import ToolSpec, check_tools, flatten_tool_messages, with_tools
 
@@ -34,11 +43,12 @@ class ChatTurn:
     fmt: ToolFormat | None = None  # the tool-call format read from the reply (None: no tools)
     think: bool = False  # the template thinks in <think>...</think>
     harmony: bool = False  # the template speaks harmony (gpt-oss): analysis channel = reasoning, final = content
+    results: bool = False  # the conversation holds tool results (an echoed <tool_response> wrapper is removed)
 
     @property
     def plain(self) -> bool:
         """Nothing to split: the reply is all content (as before tools and reasoning existed)."""
-        return self.tools is None and not self.think and not self.harmony
+        return self.tools is None and not self.think and not self.harmony and not self.results
 
     def constraint(self, other: Any) -> Any:
         """The tools' constraint, or ``other`` (json_schema / regex / grammar); both at once is an error."""
@@ -55,7 +65,24 @@ class ChatTurn:
             return HarmonyOutput(tools=self.tools is not None)
         tail = prompt.rstrip()
         in_think = self.think and tail.endswith(THINK_OPEN)
-        return ChatOutput(self.fmt, think=self.think, in_think=in_think)
+        names = self.tools.names if self.tools is not None else frozenset()
+        return ChatOutput(self.fmt, think=self.think, in_think=in_think, names=names, echo=self.results)
+
+    def watcher(self, prompt: str) -> Callable[[str], bool] | None:
+        """For the engine (``Sequence.watch``): fed the reply's text as it is made, True once a tool call
+        repeats an earlier one, which ends the reply (None: no tools, nothing to watch)."""
+        if self.tools is None or self.harmony:
+            return None
+        out, pending = self.output(prompt), [""]
+
+        def watch(text: str) -> bool:  # a call can only be complete at a "}", "]" or ">": the text is read there
+            pending[0] += text
+            if any(c in text for c in "}]>"):
+                out.feed(pending[0])
+                pending[0] = ""
+            return out.repeated
+
+        return watch
 
     def finish(self, result: Any, prompt: str) -> Any:
         """The GenerationResult with its text split into content, ``reasoning`` and ``tool_calls``."""
@@ -67,9 +94,14 @@ class ChatTurn:
 
 def split_result(result: Any, deltas: list[Delta], tools: bool) -> Any:
     content, reasoning, calls = assemble(deltas)
-    reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
     return replace(result, text=content or "", reasoning=reasoning, tool_calls=calls if tools else None,
-                   finish_reason=reason)
+                   finish_reason=call_finish(result.finish_reason, calls))
+
+
+def call_finish(reason: str, calls: list[dict]) -> str:
+    """The finish reason of a reply that returns ``calls``: "tool_calls" when they are all complete and the
+    reply ended ("stop") or was closed to fit its budget ("length"); else ``reason``."""
+    return "tool_calls" if reason in ("stop", "length") and complete(calls) else reason
 
 
 def pop_options(params: dict) -> dict:
@@ -84,19 +116,38 @@ def chat_turn(template: str | None, messages: Any, options: Mapping[str, Any], t
     kwargs = dict(_template_kwargs(options))
     harmony = speaks_harmony(template)
     think = bool(template) and THINK_CLOSE in (template or "") and not harmony
+    results = any(m.get("role") == "tool" for m in msgs) and not harmony
+    history = results or any(m.get("tool_calls") for m in msgs)
+    fmt = tool_format(template, tool_parser) if spec is not None or history else None
+    if fmt is not None and not harmony:  # calls into the text where the template does not read them; results as it takes them
+        msgs = flatten_tool_messages(msgs, fmt, calls="tool_calls" not in (template or ""),
+                                     results=not renders_tool_role(template))
     if spec is None:
-        if any(m.get("tool_calls") or m.get("role") == "tool" for m in msgs) and "tool" not in (template or ""):
-            msgs = flatten_tool_messages(msgs)
-        return ChatTurn(msgs, kwargs, None, None, think, harmony)
+        return ChatTurn(msgs, kwargs, None, None, think, harmony, results)
     if harmony and spec.choice != "auto":
         raise DecodertError(f"tool_choice {spec.choice!r} is not supported for a harmony (gpt-oss) template: its calls "
                             "are read from the reply, not constrained; use tool_choice 'auto'")
-    fmt = tool_format(template, tool_parser)
     if template and "tools" in template:
         kwargs["tools"] = spec.template_tools()
     else:
-        msgs = with_tools(flatten_tool_messages(msgs), spec, fmt)
-    return ChatTurn(msgs, kwargs, spec, fmt, think, harmony)
+        msgs = with_tools(msgs, spec, fmt)  # type: ignore[arg-type]
+    return ChatTurn(msgs, kwargs, spec, fmt, think, harmony, results)
+
+
+_PROBE = "decodert-tool-result-probe"
+
+
+@lru_cache(maxsize=16)
+def renders_tool_role(template: str | None) -> bool:
+    """Whether ``template`` renders a ``role: "tool"`` message's content (a probe render; False when it
+    raises, or drops the message)."""
+    if not template:
+        return False
+    probe = [{"role": "user", "content": "q"}, {"role": "tool", "tool_call_id": "call_0", "content": _PROBE}]
+    try:
+        return _PROBE in render_chat(template, probe)
+    except DecodertError:
+        return False
 
 
 def _template_kwargs(options: Mapping[str, Any]) -> dict:

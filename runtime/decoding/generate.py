@@ -7,7 +7,7 @@ imports onnxruntime or tensorrt: a backend is anything that follows runtime/back
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, Iterable, Sequence as Seq
+from typing import Any, Callable, Generator, Iterable, Sequence as Seq
 
 import numpy as np
 
@@ -24,7 +24,12 @@ from decodert.runtime.vision.tokens import text_ids
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's log-probability under the distribution it was drawn from (``logprobs=True``)."""
+    """One generated token's log-probability under the distribution it was drawn from (``logprobs=True``):
+    the logits after the grammar's mask, penalties and logit_bias, then (when sampling) temperature,
+    top-k, min-p and top-p, renormalised; greedy: their log_softmax. Under SmolLM2's default top_p 0.5 a
+    confident step keeps one token: logprob 0.0, one alternative (pass top_p=1.0 for the fuller picture).
+    A token the token budget forced to close a structured output (runtime/closing.py) was not drawn:
+    logprob 0.0, itself the only alternative. docs/SERVING.md "logprobs" says the same for the server."""
 
     token_id: int
     logprob: float  # <= 0; the distribution it was drawn from: Sequence._choose_logged
@@ -92,6 +97,8 @@ class Sequence:
         self.images: Any = None  # the image store entries its prompt's image ids need (runtime/vision/encoder.py)
         self.spec = None  # speculative decoding state (runtime/speculation/speculative.py), when asked for
         self.adapter = (0, 0)  # LoRA (slot index, load tag) the row runs under (runtime/adapters.py); (0, 0): none
+        self.watch: Callable[[str], bool] | None = None  # fed each shown text; True ends the row ("stop"): a chat
+        # turn's repeated tool call (runtime/chat/turn.py ChatTurn.watcher)
 
     @property
     def needs_logits(self) -> bool:
@@ -125,7 +132,7 @@ class Sequence:
     def _choose_logged(self, row: np.ndarray) -> int:
         """``choose`` that records the token's log-probability (and the top ones) from the same
         distribution it draws from, with the same random draws as without logprobs (a guided row's
-        closing token, when its budget forces one, is recorded from that distribution too)."""
+        closing token, when its budget forces one, was not drawn: it is recorded as certain, logprob 0)."""
         p = self.params
         if p.greedy:
             logp = log_softmax(row)  # [V] float64
@@ -135,6 +142,9 @@ class Sequence:
             token = int(draw(probs, self.rng)[0])  # what self.sampler would draw
             logp = log_normalise(probs[0])
         token = self.fit(token)
+        if self.guide is not None and self.guide.forced:  # a closing token, not a draw: certain
+            self.logprobs.append(TokenLogprob(token, 0.0, ((token, 0.0),) if p.top_logprobs else ()))  # type: ignore[union-attr]
+            return token
         top: tuple[tuple[int, float], ...] = ()
         if p.top_logprobs:
             k = min(p.top_logprobs, logp.size)
@@ -161,7 +171,7 @@ class Sequence:
         if token in self.stop_ids:
             return self._finish("stop", self._safe(self.detok.flush()))
         text = self._safe(self.detok.push(token))
-        if self.stopper.stopped:
+        if self.stopper.stopped or (self.watch is not None and self.watch(text)):
             return self._finish("stop", text)
         if self.guide is not None and self.guide.finished:  # complete: only eos could follow
             return self._finish("stop", text + self._safe(self.detok.flush()))

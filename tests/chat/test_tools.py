@@ -111,7 +111,12 @@ def test_tools_and_tool_results_render_into_the_template():
     assert "tool: 21 C" in text
     plain = make_llm(eos=(0,), chat_template="{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
     text = plain.apply_chat_template(messages, tools=TOOLS)  # no tools in the template: a system message says them
-    assert text.startswith("system: Functions you may call:") and "<tool_response>\n21 C" in text
+    assert text.startswith("system: Functions you may call:")  # the call in the assistant's text, the result as a tool turn
+    assert 'assistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\ntool: 21 C\n' in text
+    strict = make_llm(eos=(0,), chat_template=(  # a template that takes user and assistant turns only
+        "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('roles!') }}"
+        "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}"))
+    assert "user: <tool_response>\n21 C\n</tool_response>" in strict.apply_chat_template(messages, tools=TOOLS)
 
 
 def test_a_scripted_call_is_returned_with_an_id_and_finish_reason_tool_calls():

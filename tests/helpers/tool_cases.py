@@ -15,3 +15,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "add", "parameters": ADD}}]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
+# a Qwen3-Thinking-style template: its generation prompt opens <think> (the reply starts inside the reasoning)
+OPENS_THINK = TEMPLATE + "{% if add_generation_prompt %}<think>\n{% endif %}{# </think> #}"
+CITY = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'

@@ -15,7 +15,7 @@ from fake_backend import make_llm, make_tokenizer, scripted_llm
 from serve_helpers import reassemble, running, whole
 from structured_schemas import SCHEMAS as JSON_SCHEMAS
 from decodert.runtime.constraints import Constraint
-from tool_cases import SCHEMAS, TEMPLATE, THINKING, TOOLS, USER
+from tool_cases import OPENS_THINK, SCHEMAS, TEMPLATE, THINKING, TOOLS, USER
 
 openai = pytest.importorskip("openai")
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -155,3 +155,73 @@ def test_tool_calls_and_logprobs_together_stream_as_whole():
         assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
         assert len(entries) == r.usage.completion_tokens
         assert all(e.logprob <= 0 and e.top_logprobs[0].logprob == e.logprob for e in entries)
+
+
+SPECIAL = {"type": "object", "properties": {"role": {"enum": ["<|user|>", "x"]}}, "required": ["role"]}
+PYDANTIC = {"$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}},
+            "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"]}
+TWO_CALLS = [{"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_a", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}},
+    {"id": "call_b", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}]}]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": SPECIAL}}], "tool_choice": "required"},
+     "tools", "special token '<|user|>'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SPECIAL}}},
+     "response_format", "special token '<|user|>'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}}}], "tool_choice": "required"}, "tools", "nope"),
+    ({"tools": [{"type": "function", "function": {"name": "</tool_call>"}}]}, "tools", "must match ^[a-zA-Z0-9_-]{1,64}$"),
+    ({"messages": USER + TWO_CALLS + [{"role": "tool", "tool_call_id": "call_a", "content": "3"}]}, "messages",
+     "an assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'"),
+    ({"messages": USER + TWO_CALLS[:1] + [{"role": "tool", "tool_call_id": "call_a", "content": "3"},
+                                          {"role": "tool", "tool_call_id": "call_x", "content": "7"}]},
+     "messages", "no pending call has id 'call_x'"),
+])
+def test_tool_schemas_names_and_results_that_cannot_work_are_one_line_400s(body, param, message):
+    llm = make_llm(eos=(0,), chat_template=TEMPLATE, max_seq=1024)
+    with running(llm) as (url, _):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 20, **body})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert message in error["message"] and error["param"] == param and "\n" not in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_choice_one_call_pydantic_defs_and_no_markup_when_max_tokens_cuts(stream):
+    llm = make_llm(eos=(0,), chat_template=TEMPLATE, max_seq=1024)
+    tools = TOOLS + [{"type": "function", "function": {"name": "where", "parameters": PYDANTIC}}]
+    with running(llm) as (url, _):
+        c = client(url)
+        for seed in range(3):
+            for name, schema in (("add", SCHEMAS["add"]), ("where", PYDANTIC)):
+                r = c.chat.completions.create(model="tiny", messages=USER, tools=tools, max_tokens=200, temperature=1.0,
+                                              seed=seed, tool_choice={"type": "function", "function": {"name": name}},
+                                              parallel_tool_calls=True, stream=stream)
+                content, _, calls, finish, _ = reassemble(r) if stream else whole(r)
+                assert content is None and len(calls) == 1 and finish == "tool_calls" and calls[0][0] == name
+                jsonschema.validate(json.loads(calls[0][1]), schema)
+        for budget in (1, 3, 6, 9):  # too few tokens for any call: cut, and never markup as content
+            r = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=budget,
+                                          temperature=0, stream=stream)
+            chunks = list(r) if stream else None
+            content, _, calls, finish, _ = reassemble(chunks) if stream else whole(r)
+            assert not content and finish == "length", (budget, content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("reply, template, choice, want", [
+    ("\n".join([CALL] * 6), TEMPLATE, "auto", (None, None, [("get_weather", '{"city": "Paris"}')], "tool_calls")),
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', TEMPLATE, "auto",
+     (None, None, [("get_weather", '{"city": "Paris"}')], "tool_calls")),
+    (CALL, OPENS_THINK, "required", (None, None, [("get_weather", '{"city": "Paris"}')], "tool_calls")),
+    ("Let me see.</think>" + CALL, OPENS_THINK, "auto", (None, "Let me see.", [("get_weather", '{"city": "Paris"}')],
+                                                         "tool_calls")),
+], ids=["repeated-call", "bare-json", "think-required", "think-auto"])
+def test_calls_agents_rely_on_stream_as_whole(stream, reply, template, choice, want):
+    llm, _ = scripted_llm(reply, chat_template=template, max_seq=1024)
+    with running(llm) as (url, _):
+        r = client(url).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=choice,
+                                                max_tokens=300, temperature=0, stream=stream)
+        assert (reassemble(r) if stream else whole(r))[:4] == want

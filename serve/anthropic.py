@@ -1,7 +1,7 @@
 """The Anthropic Messages API: ``POST /v1/messages`` (whole or streamed) and ``POST /v1/messages/count_tokens``.
 
 A Messages request is translated into a chat-completions request (serve/protocol.py) and runs on the chat
-path (serve/jobs.py ``chat_choices``): the same template, tools, constraints and reasoning split as
+path (serve/chat_run.py ``ChatRun``, as /v1/responses): the same template, tools, constraints and reasoning split as
 ``/v1/chat/completions`` (runtime/chat/). The translation:
 
     Messages                                        chat completions
@@ -43,7 +43,6 @@ is bounded by max_tokens only), the anthropic-version / anthropic-beta headers.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
@@ -54,7 +53,8 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from decodert.runtime.chat.output import Delta
-from decodert.serve.jobs import Job, chat_choices, encode_chat_turn
+from decodert.serve.chat_run import ChatRun, TurnReply
+from decodert.serve.jobs import encode_chat_turn
 from decodert.serve.models import check_model
 from decodert.serve.protocol import ApiError, ChatCompletionRequest, parse
 
@@ -350,70 +350,65 @@ def _input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _stop_reason(result: Any, called: bool) -> str:
-    if result.finish_reason == "length":
+def _stop_reason(reply: TurnReply) -> str:
+    if reply.finish_reason == "length":
         return "max_tokens"
-    if called:
+    if reply.tool_calls:
         return "tool_use"
-    return "stop_sequence" if result.stop_sequence is not None else "end_turn"
+    return "stop_sequence" if reply.stop_sequence is not None else "end_turn"
 
 
-def _usage(prompt_tokens: int, result: Any) -> dict[str, Any]:
-    cached = int(getattr(result.metrics, "cached_tokens", 0) or 0)
-    return {"input_tokens": prompt_tokens - cached, "output_tokens": len(result.token_ids),
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+def _usage(reply: TurnReply) -> dict[str, Any]:
+    return {"input_tokens": reply.input_tokens - reply.cached_tokens, "output_tokens": reply.output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": reply.cached_tokens}
 
 
 class MessageReply:
-    """One reply: its id and model, the prepared turn that splits the text, whole or as stream events."""
+    """One reply over a ChatRun (serve/chat_run.py: the chat path splits the text): its id and model, whole or
+    as stream events."""
 
-    def __init__(self, model: str, prepared: Any) -> None:
+    def __init__(self, model: str, run: ChatRun) -> None:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model = model
-        turn = prepared.turn
-        self.turn = None if turn is None or turn.plain else turn
-        self.prompt = prepared.text or ""
-        self.prompt_tokens = len(prepared.ids)
+        self.run = run
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
 
-    def body(self, result: Any) -> dict[str, Any]:
-        split = self.turn.finish(result, self.prompt) if self.turn is not None else result
+    async def body(self, request: Request) -> dict[str, Any]:
+        reply = await self.run.whole(request)
         blocks: list[dict[str, Any]] = []
-        if split.reasoning:
-            blocks.append({"type": "thinking", "thinking": split.reasoning, "signature": ""})
-        if split.text:
-            blocks.append({"type": "text", "text": split.text})
-        for call in split.tool_calls or ():
+        if reply.reasoning:
+            blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+        if reply.content:
+            blocks.append({"type": "text", "text": reply.content})
+        for call in reply.tool_calls:
             blocks.append({"type": "tool_use", "id": _tool_id(call["id"]), "name": call["function"]["name"],
                            "input": _input(call["function"]["arguments"])})
-        return {**self._head(), "content": blocks, "stop_reason": _stop_reason(result, bool(split.tool_calls)),
-                "stop_sequence": result.stop_sequence, "usage": _usage(self.prompt_tokens, result)}
+        return {**self._head(), "content": blocks, "stop_reason": _stop_reason(reply),
+                "stop_sequence": reply.stop_sequence, "usage": _usage(reply)}
 
-    async def events(self, job: Job) -> AsyncIterator[dict[str, str]]:
-        """The SSE events of a streamed reply (``{"event", "data"}``); the job is cancelled when it ends."""
-        out = self.turn.output(self.prompt) if self.turn is not None else None
+    async def events(self) -> AsyncIterator[dict[str, str]]:
+        """The SSE events of a streamed reply (``{"event", "data"}``); the run is cancelled when it ends."""
         blocks = _Blocks()
         start = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None,
-                 "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
+                 "usage": {"input_tokens": len(self.run.prepared.ids), "output_tokens": 0}}
+        deltas = self.run.deltas()
         try:
             yield _event("message_start", message=start)
-            async for _, event in job.events():
-                if event.text:
-                    for e in blocks.feed(out.feed(event.text) if out is not None else [Delta("content", event.text)]):
-                        yield e
-                if event.last:
-                    result = job.outcome(event)
-                    for e in blocks.feed(out.finish() if out is not None else []) + blocks.close():
-                        yield e
-                    delta = {"stop_reason": _stop_reason(result, blocks.called), "stop_sequence": result.stop_sequence}
-                    yield _event("message_delta", delta=delta, usage=_usage(self.prompt_tokens, result))
-                    yield _event("message_stop")
+            async for d in deltas:
+                for e in blocks.feed([d]):
+                    yield e
+            for e in blocks.close():
+                yield e
+            reply = self.run.reply
+            delta = {"stop_reason": _stop_reason(reply), "stop_sequence": reply.stop_sequence}
+            yield _event("message_delta", delta=delta, usage=_usage(reply))
+            yield _event("message_stop")
         except ApiError as e:
             yield {"event": "error", "data": json.dumps(error_body(e.status, e.message))}
         finally:  # done, failed, or cancelled by a disconnect / the shutdown grace period
-            job.cancel()
+            await deltas.aclose()
 
 
 def _event(kind: str, **fields: Any) -> dict[str, str]:
@@ -472,19 +467,16 @@ def add_routes(app: FastAPI, engine: Any, config: Any, metrics: Any) -> None:
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        received = time.perf_counter()
         req = parse(MessagesRequest, await request.body())
         adapter = check_model(req.model, config, engine)
         chat = req.chat(allow_urls())
-        prepared, choices = await run_in_threadpool(chat_choices, engine, chat, config.speculative, adapter)
-        job = Job(engine, choices, received, metrics.observe)
-        request.state.job = job  # the request log's token counts (serve/guard.py)
-        reply = MessageReply(req.model, prepared)
+        run = await ChatRun.start(engine, chat, config.speculative, adapter, metrics.observe)
+        request.state.job = run.job  # the request log's token counts (serve/guard.py)
+        reply = MessageReply(req.model, run)
         if req.stream:
-            return EventSourceResponse(reply.events(job), sep="\n", ping=15, shutdown_grace_period=config.drain_s,
+            return EventSourceResponse(reply.events(), sep="\n", ping=15, shutdown_grace_period=config.drain_s,
                                        send_timeout=config.client_timeout_s)
-        results = await job.collect(request)
-        return JSONResponse(reply.body(results[0]))
+        return JSONResponse(await reply.body(request))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 from starlette.concurrency import run_in_threadpool
 
 from decodert.runtime.chat.output import Delta, assemble
+from decodert.runtime.chat.turn import call_finish
 from decodert.runtime.engine.request import Prepared
 from decodert.runtime.engine.thread import EngineThread
 from decodert.serve.jobs import Job, chat_choices
@@ -38,6 +39,7 @@ class TurnReply:
     output_tokens: int = 0  # generated tokens (a final eos included)
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     reasoning_tokens: int = 0  # the reasoning text's tokens (re-encoded: the engine does not label tokens)
+    stop_sequence: str | None = None  # the stop string that ended the reply (None: another end)
 
 
 class ChatRun:
@@ -91,7 +93,8 @@ class ChatRun:
         return self._turn is not None and self._turn.tools is not None
 
     def _reply(self, result: Any, content: str, reasoning: str | None, calls: list[dict]) -> TurnReply:
-        reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
+        reason = call_finish(result.finish_reason, calls)
         tokens = self.engine.llm.tokenizer.encode(reasoning, add_special_tokens=False).ids if reasoning else []
         return TurnReply(content, reasoning, calls, reason, len(self.prepared.ids), len(result.token_ids),
-                         int(getattr(result.metrics, "cached_tokens", 0) or 0), min(len(tokens), len(result.token_ids)))
+                         int(getattr(result.metrics, "cached_tokens", 0) or 0), min(len(tokens), len(result.token_ids)),
+                         result.stop_sequence)

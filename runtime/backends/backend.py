@@ -19,7 +19,8 @@ class StepOutput:
     """Result of one prefill or decode call, rows in the order of the ``slots`` argument."""
 
     next_token: np.ndarray  # [n] int64, argmax of the logits (computed on the graph / device)
-    logits: np.ndarray | None = None  # [n, V] float32, only when asked for
+    logits: np.ndarray | None = None  # [n, V] float32, when asked for (or given for rows whose next_token's score
+    #                                   is NaN / inf; the other rows then read 0: see generate.choose_tokens)
 
 
 @dataclass

@@ -352,6 +352,12 @@ def _gather(out: StepOutput, rows: list[int], b: _Binding, want_logits: bool) ->
     out.next_token[rows] = b.next_token
     if want_logits and out.logits is not None:
         out.logits[rows] = b.logits
+    elif not np.isfinite(b.logits[np.arange(len(rows)), b.next_token]).all():  # [n]: O(n) per step
+        # the graph's ArgMax over NaN / inf scores (a damaged model; ORT picks a leading NaN): these rows' logits
+        # go with the step, so greedy decoding chooses as the sampler does, or fails as it does (generate.choose_tokens)
+        if out.logits is None:
+            out.logits = np.zeros((len(out.next_token), b.logits.shape[-1]), np.float32)
+        out.logits[rows] = b.logits
 
 
 def _run_bound(session: ort.InferenceSession, io: Any, folder: Path, kind: str) -> None:

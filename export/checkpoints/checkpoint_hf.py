@@ -16,7 +16,7 @@ from decodert.export.lowering.semantics import check_tensors_used
 from decodert.export.quantize import quant_packed
 from decodert.export.quantize.quant import QuantConfig, QuantizedWeight, WeightQuant
 from decodert.export.quantize.quant_packed import packed_format
-from decodert.export.quantize.mxfp4 import dequantize_mxfp4
+from decodert.export.quantize.mxfp4 import dequantize_mxfp4, mxfp4_shape
 from decodert.models import family_for
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
@@ -106,7 +106,9 @@ class HFCheckpoint(Checkpoint):
             assert self.packed_format is not None
             return quant_packed.packed_shape(self.packed_format, self._packed_stored(base), self._packed_where(base))
         if self._mxfp4(key):  # [E, N, G, 16] -> transformers' parameter [E, G * 32, N]
-            e, n, groups, _ = self._shape(key + "_blocks")
+            e, n, groups = mxfp4_shape(*((self._file(key + x).dtype(self._stored.get(key + x, key + x)),
+                                          self._file(key + x).shape(self._stored.get(key + x, key + x)))
+                                         for x in ("_blocks", "_scales")), f"{self.source}: tensor '{key}'")
             return (e, groups * 32, n)
         return self._file(key).shape(self._stored.get(key, key))
 
@@ -127,6 +129,7 @@ class HFCheckpoint(Checkpoint):
         and laid out as transformers' parameter ([in, out], as the float checkpoints store them)."""
         if not self._mxfp4(key):
             return self._file(key).read_row(self._stored.get(key, key), row)
+        self._shape(key)  # blocks and scales U8 and paired (mxfp4_shape)
         blocks, scales = (self._file(key + s).raw_row(self._stored.get(key + s, key + s), row) for s in ("_blocks", "_scales"))
         try:
             return dequantize_mxfp4(blocks, scales).T.copy()

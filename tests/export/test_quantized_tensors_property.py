@@ -1,6 +1,6 @@
 """The standing guard over quantized checkpoint tensors (issue 45: 6, 7, 18): for every quantized layout the
-exporter reads -- GPTQ and AWQ packed int32 words (export/quantize/quant_packed.py) and GGUF Q4_0 / Q8_0 /
-Q4_1 blocks (export/quantize/quant_gguf.py) -- a checkpoint whose tensors have any dtype, shape or values
+exporter reads -- GPTQ and AWQ packed int32 words (export/quantize/quant_packed.py), GGUF Q4_0 / Q8_0 /
+Q4_1 blocks (export/quantize/quant_gguf.py) and MXFP4 experts (export/quantize/mxfp4.py) -- a checkpoint whose tensors have any dtype, shape or values
 (NaN, inf, huge scales, zero points past 4 bits, groups out of range, a changed GGUF type or dims) is
 
     read exactly: what the export stores (the transcoded weight) and the float read both equal the layout's
@@ -376,3 +376,84 @@ def test_gguf_blocks_are_read_exactly_or_refused_in_one_line(gguf_checkpoint, tm
             reference[name] = None if any(r is None for r in refs) else np.concatenate(refs)
     _check(got, reference, packed=False, damaged=changed)
     path.unlink()
+
+
+# -- MXFP4 (gpt-oss experts: *_blocks U8 [E, N, G, 16] + *_scales U8 [E, N, G]) ----------------------------------------
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]  # OCP FP4 E2M1 codes
+EXPERTS = {f"model.layers.{i}.mlp.experts.{w}": f"layers.{i}.experts.{c}" for i in range(2)
+           for w, c in (("gate_up_proj", "gate_up"), ("down_proj", "down"))}
+
+
+def mxfp4_reference(blocks: tuple[str, np.ndarray], scales: tuple[str, np.ndarray]) -> np.ndarray | None:
+    """Experts [E, N, G * 32] float32: value 2i in the low, 2i + 1 in the high nibble of byte i of a block, times
+    2 ** (scale - 127); None when the tensors are not that layout or a value overflows float32."""
+    (bd, b), (sd, s) = blocks, scales
+    if bd != "U8" or sd != "U8" or b.ndim != 4 or b.shape[-1] != 16 or s.shape != b.shape[:3]:
+        return None
+    codes = np.stack([b & 15, b >> 4], axis=-1).reshape(*b.shape[:3], 32)  # [E, N, G, 32]
+    with np.errstate(over="ignore"):
+        w = np.asarray(E2M1, np.float32)[codes] * np.exp2(s.astype(np.float32) - 127)[..., None]
+    return w.reshape(*b.shape[:2], -1).astype(np.float32) if np.isfinite(w).all() else None
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """A gpt-oss checkpoint whose experts are MXFP4 of random valid blocks (scales around 2 ** -6)."""
+    from safetensors.numpy import load_file
+
+    src = tiny_checkpoint("gpt_oss")
+    tensors = {k: ("F32", v.astype(np.float32)) for k, v in load_file(str(src / "model.safetensors")).items()}
+    rng = np.random.default_rng(45)
+    for key in EXPERTS:
+        e, k, n = tensors.pop(key)[1].shape  # transformers' parameter [E, in, out]
+        tensors[key + "_blocks"] = ("U8", rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8))
+        tensors[key + "_scales"] = ("U8", rng.integers(118, 124, (e, n, k // 32), dtype=np.uint8))
+    folder = tmp_path_factory.mktemp("mxfp4")
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, folder / f.name)
+    return folder, tensors
+
+
+@settings(SETTINGS, max_examples=20)
+@given(data=st.data())
+def test_mxfp4_experts_are_read_exactly_or_refused_in_one_line(mxfp4_checkpoint, tmp_path_factory, data):
+    folder, tensors = mxfp4_checkpoint
+    kind = data.draw(st.sampled_from(["none", "dtype", "shape", "values", "missing"]), label="kind")
+    damaged = dict(tensors)
+    if kind != "none":
+        key = data.draw(st.sampled_from(sorted(EXPERTS)), label="experts") + data.draw(
+            st.sampled_from(["_blocks", "_scales"]), label="tensor")
+        dtype, a = damaged[key]
+        if kind == "missing":
+            del damaged[key]
+        elif kind == "dtype":
+            damaged[key] = _redtype(dtype, a, data.draw(st.sampled_from([d for d in NP if d != dtype]), label="dtype"))
+        elif kind == "shape":
+            damaged[key] = (dtype, _reshape(a, data.draw(st.sampled_from(
+                ["drop-row", "add-row", "drop-col", "add-col", "transpose", "flatten", "add-dim"]), label="shape")))
+        else:
+            a = a.copy()
+            at = data.draw(st.lists(st.integers(0, a.size - 1), min_size=1, max_size=3), label="at")
+            a.flat[at] = data.draw(st.sampled_from([0, 127, 200, 254, 255]) if key.endswith("_scales")
+                                   else st.integers(0, 255), label="byte")
+            damaged[key] = (dtype, a)
+    copy = tmp_path_factory.mktemp("case")
+    for f in folder.iterdir():
+        (copy / f.name).symlink_to(f)
+    save_safetensors(copy / "model.safetensors", damaged)
+    try:
+        ckpt = open_checkpoint(copy)
+        got = {name: np.stack([ckpt.expert(name, j) for j in range(8)]) for name in EXPERTS.values()}
+        ckpt.close()
+    except DecodertError as e:
+        _one_line(e)
+        assert kind != "none", "an undamaged checkpoint was refused"
+        got = None
+    for key, name in EXPERTS.items():
+        if got is not None:
+            pair = (damaged.get(key + "_blocks"), damaged.get(key + "_scales"))
+            ref = None if None in pair else mxfp4_reference(*pair)
+            assert ref is not None, f"{name}: read although its tensors are not a valid layout"
+            np.testing.assert_array_equal(got[name], ref, err_msg=name)
+    shutil.rmtree(copy)

@@ -270,8 +270,9 @@ def test_a_users_folder_named_like_a_temp_folder_survives_refused_and_accepted_e
 
 
 SIGNALLED = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     from pathlib import Path
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as on a terminal, even when the tests run under nohup
     from decodert.cli import main
     from decodert.export import pipeline
     src, out = sys.argv[1], sys.argv[2]

@@ -1,7 +1,7 @@
-"""Greedy decoding over NaN / inf scores (issue 45, 6), plain and speculative: the graph's ArgMax (of a decode step or
-a verify pass) is not trusted where its score is not
-finite (ONNX Runtime's picks a leading NaN, so a damaged model decoded token 0 forever). Such a row is chosen
-as ``greedy`` chooses from the logits (NaN never), and a row with no finite score is the sampler's error."""
+"""Greedy decoding over NaN / inf scores (issue 45, 6), plain and speculative: the graph's ArgMax (of a decode
+step or a verify pass) is not trusted where its score is not finite (ONNX Runtime's picks a leading NaN, so a
+damaged model decoded token 0 forever). Such a row is chosen as ``greedy`` chooses from the logits (NaN never),
+and a row with no finite score is the sampler's error."""
 
 from __future__ import annotations
 

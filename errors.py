@@ -11,6 +11,16 @@ class DecodertError(Exception):
     exit_code = 2
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during work that cleans up after itself (an export's temp folder), raised in the
+    main thread as SIGINT raises KeyboardInterrupt, so the same cleanup runs. The CLI prints one line and
+    exits 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 class MissingDependencyError(DecodertError):
     """A package decodert needs is not installed: the installation's fault, not the input's (the
     server answers 500, not 400). The message names the package and how to install it."""

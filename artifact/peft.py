@@ -7,6 +7,10 @@ What PEFT writes and what is read from it:
   into B is ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA; the rank of each module is its tensors' shape.
 Anything decodert cannot apply exactly is a one-line DecodertError: DoRA, LoRA biases, ``modules_to_save``,
 embedding or lm_head adapters, a module name outside the table, or shapes/layers the base model does not have.
+So is a config PEFT itself could not load: ``r`` / ``rank_pattern`` values that are not positive integers (or
+differ from the tensors' rank), ``lora_alpha`` / ``alpha_pattern`` values that are not positive finite numbers
+(``"x"``, ``true``, 0, -8), pattern keys that are not regular expressions, and weights or a scaled B that are
+not finite float32 (``lora_alpha: 1e300``).
 """
 
 from __future__ import annotations
@@ -53,7 +57,39 @@ def read_config(folder: Path) -> dict[str, Any]:
     for bad, what in problems:
         if bad:
             raise DecodertError(f"LoRA adapter {folder}: {what}")
+    _check_numbers(config, f"LoRA adapter {folder}: {CONFIG}")
     return config
+
+
+def _rank_ok(v: Any) -> bool:
+    return type(v) is int and v > 0
+
+
+def _alpha_ok(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _check_numbers(config: dict, where: str) -> None:
+    """``r``, ``lora_alpha``, ``use_rslora`` and the per-module patterns have the types PEFT gives them."""
+    for key, ok, what in (("r", _rank_ok, "a positive integer"), ("lora_alpha", _alpha_ok, "a positive finite number")):
+        if key in config and not ok(config[key]):
+            raise DecodertError(f"{where}: {key} must be {what}, got {json.dumps(config[key])[:40]}")
+    if "use_rslora" in config and not isinstance(config["use_rslora"], bool):
+        raise DecodertError(f"{where}: use_rslora must be true or false, got {json.dumps(config['use_rslora'])[:40]}")
+    for key, ok, what in (("rank_pattern", _rank_ok, "positive integers"),
+                          ("alpha_pattern", _alpha_ok, "positive finite numbers")):
+        patterns = config.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise DecodertError(f"{where}: {key} must map module names to {what}, got {json.dumps(patterns)[:40]}")
+        for name, value in patterns.items():
+            if not ok(value):
+                raise DecodertError(f"{where}: {key}[{name!r}] must be one of {what}, got {json.dumps(value)[:40]}")
+            try:
+                re.compile(name)
+            except re.error as e:
+                raise DecodertError(f"{where}: {key} key {name!r} is not a regular expression ({e})") from None
 
 
 def read_peft(folder: str | Path, spec: ModelSpec, name: str | None = None) -> LoraAdapter:
@@ -102,13 +138,24 @@ def _add_module(adapter: LoraAdapter, spec: ModelSpec, config: dict, where: str,
                             f"lora_B {list(b.shape)}, the model has {spec.num_layers} layers and expects "
                             f"[r, {in_features(spec, target)}] / [{want_out}, r] there")
     r = a.shape[0]
+    configured = _pattern(config.get("rank_pattern"), module, config.get("r", r))
+    if configured != r:
+        raise DecodertError(f"{where}: {module} lora_A {list(a.shape)} has rank {r}, but {CONFIG} says r {configured}")
     alpha = float(_pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
     scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-    if not (math.isfinite(scale) and np.isfinite(a).all() and np.isfinite(b).all()):
-        raise DecodertError(f"{where}: {module} has non-finite weights or scale")
+    for ab_name, w in (("lora_A", a), ("lora_B", b)):
+        if not np.isfinite(w).all():
+            raise DecodertError(f"{where}: {module}.{ab_name} holds {int(w.size - np.isfinite(w).sum())} NaN or "
+                                "infinite values (a damaged file)")
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = b * np.float32(scale) if scale <= np.finfo(np.float32).max else np.full_like(b, np.inf)
+    if not np.isfinite(scaled).all():
+        rule = "lora_alpha / sqrt(r)" if config.get("use_rslora") else "lora_alpha / r"
+        raise DecodertError(f"{where}: {module}: lora_B times its scale {rule} = {scale:g} (lora_alpha {alpha:g}) "
+                            "is not a finite float32")
     start = 0
     for part in parts:
-        adapter.parts[(layer, part)] = (a, b[start : start + rows[part]] * np.float32(scale))
+        adapter.parts[(layer, part)] = (a, scaled[start : start + rows[part]])
         start += rows[part]
 
 

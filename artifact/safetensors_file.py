@@ -97,6 +97,10 @@ class SafetensorsFile:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._entries[key][1]
 
+    def dtype(self, key: str) -> str:
+        """The stored element type's safetensors name ("I32", "F16", "BF16", ...)."""
+        return self._entries[key][0]
+
     def read(self, key: str) -> np.ndarray:
         """A fresh float32 copy of tensor `key`."""
         dtype, shape, start, end = self._entries[key]

@@ -7,11 +7,12 @@ One module per command in this package; each has ``add_parser(subparsers)``, whi
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from decodert import __version__
 from decodert.cli import bench, build, cache, chat, export, generate, inspect, run, serve, verify
-from decodert.errors import DecodertError
+from decodert.errors import DecodertError, Terminated
 
 COMMANDS = (export, inspect, build, generate, chat, run, serve, verify, bench, cache)  # the order of `decodert --help`
 
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except DecodertError as e:
         print(f"decodert: error: {e}", file=sys.stderr)
         return e.exit_code
+    except Terminated as e:  # SIGTERM / SIGHUP where a command cleans up as for SIGINT (export/artifact/destination.py)
+        print(f"decodert: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("decodert: interrupted", file=sys.stderr)
         return 130

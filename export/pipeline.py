@@ -86,38 +86,39 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     kv = kv_dtype_of(kv_dtype, dtype)
     tgt.make_lowering(spec, dtype, max_seq, plugins=plugin_ops, kv=kv)  # refuses a KV dtype the target cannot keep
 
-    tmp = destination.make_temp(out_dir)
-    try:
-        layout = tgt.weight_layout
-        vision = vision_of(ckpt)
-        weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout, vision)
-        vision_weights = {k: weights.pop(k) for k in [k for k in weights if k.startswith("vision.")]}
-        lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized, plugins=plugin_ops, kv=kv)
-        with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
-            tokenizer = ckpt.write_tokenizer(tmp)
-            if kv.quantized:  # per-channel scales from the float-cache graph over a built-in text
-                weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
-                                                   weights, kv, tmp)}
-            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora)
-            vision_record = None if vision is None else write_vision(ckpt, vision, vision_weights, dtype, tmp,
-                                                                     lowering.ir_version, type(lowering))
-            tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
-            manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
-            bar.update()
-            manifest = manifest.replace(
-                sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
-                plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
-                quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora), vision=vision_record)
-            write_manifest(tmp, manifest)
-            destination.swap_in(tmp, out_dir)
-            bar.update()
-    except OSError as e:  # disk full, permissions, a file system that went away
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise DecodertError(f"-o {out_dir}: writing the artifact failed ({e.strerror or e})") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return manifest
+    with destination.terminating_raises():  # SIGTERM / SIGHUP remove the temp folder as SIGINT does
+        tmp = destination.make_temp(out_dir)
+        try:
+            layout = tgt.weight_layout
+            vision = vision_of(ckpt)
+            weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout, vision)
+            vision_weights = {k: weights.pop(k) for k in [k for k in weights if k.startswith("vision.")]}
+            lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized, plugins=plugin_ops, kv=kv)
+            with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
+                tokenizer = ckpt.write_tokenizer(tmp)
+                if kv.quantized:  # per-channel scales from the float-cache graph over a built-in text
+                    weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
+                                                       weights, kv, tmp)}
+                graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora)
+                vision_record = None if vision is None else write_vision(ckpt, vision, vision_weights, dtype, tmp,
+                                                                         lowering.ir_version, type(lowering))
+                tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
+                manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
+                bar.update()
+                manifest = manifest.replace(
+                    sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
+                    plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
+                    quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora), vision=vision_record)
+                write_manifest(tmp, manifest)
+                destination.swap_in(tmp, out_dir)
+                bar.update()
+        except OSError as e:  # disk full, permissions, a file system that went away
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DecodertError(f"-o {out_dir}: writing the artifact failed ({e.strerror or e})") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return manifest
 
 
 def _open_source(src: str | Path, tgt: Any, quant: QuantConfig | None, lora: LoraLayout | None,
@@ -316,5 +317,6 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, kv: KVDtype, max_s
                                  for st in state_specs(spec))),
         graphs=graphs, weights=WeightsRecord(file=WEIGHTS, bytes=(folder / WEIGHTS).stat().st_size),
         tokenizer=from_json(TokenizerRecord, {"file": "tokenizer.json", **tokenizer}, "tokenizer"),
-        files={p.name: file_record(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST},
+        files={p.name: file_record(p) for p in sorted(folder.iterdir())
+               if p.is_file() and p.name not in (MANIFEST, destination.MARKER)},
     )

@@ -2,18 +2,28 @@
 
 The protocol (crash-safe at every step, SIGKILL included):
 
-1. ``prepare(DIR)`` resolves ``DIR``, refuses a folder that holds anything besides a decodert
-   artifact (a decodert ``manifest.json``, the files it lists, its engines), and cleans what
-   earlier runs that died left beside it (``recover``).
-2. The export writes into ``.DIR.tmp-PID-XXXX`` (a sibling; created with the user's umask).
+1. ``prepare(DIR)`` resolves ``DIR`` and refuses a folder that holds anything besides a decodert
+   artifact (a decodert ``manifest.json``, the files it lists, its engines); it deletes nothing (an
+   old artifact a killed swap moved aside is put back where ``DIR`` is missing).
+2. Once the export is accepted, ``make_temp`` cleans what earlier runs that died left beside ``DIR``
+   (``recover``) and creates ``.DIR.tmp-PID-XXXXXXXX`` (a sibling, with the user's umask) holding
+   ``MARKER``: the creating PID and a random token whose first 8 hex digits are the name's.
 3. ``swap_in`` makes it ``DIR``. On Linux that is one ``renameat2(RENAME_EXCHANGE)`` call: at every
    instant ``DIR`` is the complete old artifact or the complete new one; the old one, now in the
    temp folder, is deleted after. Where the kernel or file system cannot exchange, the old folder
-   is renamed to ``.DIR.old-PID`` first and back if the second rename fails; a process killed
+   is renamed to ``.DIR.old-PID-XXXXXXXX`` first and back if the second rename fails; a process killed
    between the two renames leaves it there, and the next export (``recover``) renames it back.
+   The old artifact gets a copy of the marker before either, so wherever it lands it is provably
+   decodert's; ``DIR`` loses its copy after the swap.
    SIGINT/SIGTERM/SIGHUP are held back during the swap (main thread) and delivered after it.
 
-A leftover ``.DIR.tmp-PID-*`` or ``.DIR.old-PID`` is stale when process PID is gone.
+A leftover ``.DIR.tmp-PID-*`` or ``.DIR.old-PID-*`` is removed only when it holds the marker naming it
+(that PID and the name's token) and process PID is gone: never a folder by its name alone (a user's
+``.model.tmp-123-ab12cd34`` stays). ``MARKER`` is never part of an artifact: the manifest does not list
+it, and one a killed swap left in ``DIR`` is allowed there and removed by the next ``recover``.
+
+``terminating_raises`` makes SIGTERM and SIGHUP raise ``Terminated`` (a KeyboardInterrupt) during an
+export, as SIGINT does, so the same cleanup removes the temp folder.
 
 ``decodert build`` uses the same swap: ``linked_copy`` makes the temp folder from hard links to
 the artifact's files, the engines and the new manifest are written there, and the folder is
@@ -27,6 +37,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -34,7 +45,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-from decodert.errors import DecodertError
+from decodert.errors import DecodertError, Terminated
 from decodert.artifact.manifest import FORMAT, MANIFEST
 
 _TMP, _OLD = ".tmp-", ".old-"
@@ -42,6 +53,8 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _DEFERRED = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, s))
 _SHOWN = 5  # names listed in the "files in the way" error
+MARKER = ".decodert-export"  # inside every folder decodert makes or moves aside: {"pid": int, "token": 32 hex}
+_NAME_TOKEN = 8  # hex digits of the token in the folder's name
 
 
 def prepare(out: str | Path) -> Path:
@@ -62,7 +75,7 @@ def prepare(out: str | Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DecodertError(f"-o {given}: cannot create {path.parent} ({e.strerror or e})") from None
-    recover(path)
+    recover(path, clean=False)  # nothing deleted before the export is accepted (make_temp cleans)
     return path
 
 
@@ -79,7 +92,8 @@ def _check_replaceable(path: Path, given: str) -> None:
         names = ", ".join(p.name for p in entries[:_SHOWN]) + (", ..." if len(entries) > _SHOWN else "")
         raise DecodertError(f"-o {given}: exists, is not empty and is not a decodert artifact ({names}); "
                             "choose another -o")
-    extra = [p for p in entries if (p.name not in owned and not _staged(p.name)) or p.is_symlink() or not p.is_file()]
+    extra = [p for p in entries
+             if (p.name not in owned and not _staged(p.name) and p.name != MARKER) or p.is_symlink() or not p.is_file()]
     if extra:
         names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in extra[:_SHOWN])
         more = f" and {len(extra) - _SHOWN} more" if len(extra) > _SHOWN else ""
@@ -113,16 +127,26 @@ def _staged(name: str) -> bool:
 
 
 def make_temp(out: Path) -> Path:
-    """Create ``.NAME.tmp-PID-XXXX`` beside ``out`` with the user's umask (not 0700)."""
+    """Clean what dead runs left beside ``out`` (``recover``), then create ``.NAME.tmp-PID-XXXXXXXX``
+    there with the user's umask (not 0700), holding its ``MARKER``. Called once the export is accepted."""
+    recover(out)
     for _ in range(100):
-        tmp = out.with_name(f".{out.name}{_TMP}{os.getpid()}-{secrets.token_hex(4)}")
+        token = secrets.token_hex(16)
+        tmp = out.with_name(f".{out.name}{_TMP}{os.getpid()}-{token[:_NAME_TOKEN]}")
         try:
             os.mkdir(tmp, 0o777)
-            return tmp
         except FileExistsError:
             continue
         except OSError as e:
             raise DecodertError(f"-o {out}: cannot create a folder in {out.parent} ({e.strerror or e})") from None
+        try:
+            (tmp / MARKER).write_text(json.dumps({"pid": os.getpid(), "token": token}), encoding="utf-8")
+        except BaseException as e:  # a disk error, or a signal between the two calls
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise DecodertError(f"-o {out}: cannot write in {tmp} ({e.strerror or e})") from None
+            raise
+        return tmp
     raise DecodertError(f"-o {out}: could not pick a free temporary folder name in {out.parent}")
 
 
@@ -135,10 +159,11 @@ def linked_copy(out: Path) -> Path | None:
     cwd = Path.cwd().resolve()
     if out == cwd or out in cwd.parents or out == Path(out.anchor):
         return None
-    recover(out)
     tmp = make_temp(out)
     try:
         for p in out.iterdir():
+            if p.name == MARKER:  # one a killed swap left: not the artifact's
+                continue
             if p.is_symlink() or not p.is_file():
                 raise OSError(f"{p.name} is not a plain file")
             os.link(p, tmp / p.name)
@@ -149,22 +174,32 @@ def linked_copy(out: Path) -> Path | None:
 
 
 def swap_in(tmp: Path, out: Path) -> None:
-    """Make the finished folder ``tmp`` the artifact ``out`` (see the module docstring)."""
+    """Make the finished folder ``tmp`` (made by ``make_temp``) the artifact ``out`` (see the module docstring)."""
     with _signals_deferred():
         try:
             if not os.path.lexists(out):
                 os.rename(tmp, out)
-            elif _exchange(tmp, out):
-                shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old artifact
             else:
-                _swap_by_renames(tmp, out)
+                shutil.copyfile(tmp / MARKER, out / MARKER)  # the old artifact, wherever it lands, is ours to delete
+                if _exchange(tmp, out):
+                    shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old artifact
+                else:
+                    _swap_by_renames(tmp, out)
         except OSError as e:
             raise DecodertError(f"-o {out}: cannot move the new artifact into place ({e.strerror or e})") from None
+        finally:
+            _unmark(out)  # the new artifact, or the old one put back
+
+
+def _unmark(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        (folder / MARKER).unlink(missing_ok=True)
 
 
 def _swap_by_renames(tmp: Path, out: Path) -> None:
-    old = out.with_name(f".{out.name}{_OLD}{os.getpid()}")
-    shutil.rmtree(old, ignore_errors=True)
+    old = out.with_name(f".{out.name}{_OLD}{tmp.name[len(out.name) + 1 + len(_TMP):]}")  # tmp's PID-XXXXXXXX
+    if os.path.lexists(old):  # never ours to replace: tmp's name was free when it was made
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(old))
     try:
         os.rename(out, old)
         os.rename(tmp, out)
@@ -202,24 +237,49 @@ def _libc() -> ctypes.CDLL | None:
     return _LIBC[0]
 
 
-def recover(out: Path) -> None:
-    """Clean up beside ``out`` after export runs whose process is gone: delete their temp folders,
-    and put an old artifact moved aside back in place when ``out`` is missing (else delete it)."""
-    prefix = f".{out.name}"
+def recover(out: Path, clean: bool = True) -> None:
+    """After export runs whose process is gone, beside ``out``: put an old artifact one moved aside
+    back in place when ``out`` is missing; with ``clean``, delete their other folders and the marker
+    one left in ``out``. Only folders holding the marker that names them count (``_ours``)."""
+    pattern = re.compile(re.escape(f".{out.name}") + rf"({re.escape(_TMP)}|{re.escape(_OLD)})(\d+)-([0-9a-f]{{{_NAME_TOKEN}}})")
     try:
-        siblings = [p for p in out.parent.iterdir() if p.name.startswith(prefix + _TMP) or p.name.startswith(prefix + _OLD)]
+        siblings = sorted((p for p in out.parent.iterdir() if pattern.fullmatch(p.name)), key=lambda p: p.name)
     except OSError:
         return
-    for p in sorted(siblings, key=lambda p: p.name):
-        kind, _, rest = p.name[len(prefix):].partition("-")
-        pid = rest.split("-")[0]
-        if not pid.isdigit() or _alive(int(pid)) or not p.is_dir() or p.is_symlink():
+    for p in siblings:
+        kind, pid, name_token = pattern.fullmatch(p.name).groups()  # type: ignore[union-attr]
+        if _alive(int(pid)) or not _ours(p, int(pid), name_token):
             continue
-        if kind + "-" == _OLD and not os.path.lexists(out):
+        if kind == _OLD and not os.path.lexists(out):
             with contextlib.suppress(OSError):
                 os.rename(p, out)
+                _unmark(out)
                 continue
-        shutil.rmtree(p, ignore_errors=True)
+        if clean:
+            shutil.rmtree(p, ignore_errors=True)
+    stray = _marker(out) if clean else None
+    if stray is not None and not _alive(stray["pid"]):
+        _unmark(out)
+
+
+def _marker(folder: Path) -> dict | None:
+    """The ``MARKER`` in ``folder`` ({"pid", "token"}), or None when there is none or it is not one of ours."""
+    path = folder / MARKER
+    try:
+        if folder.is_symlink() or path.is_symlink() or not path.is_file() or path.stat().st_size > 4096:
+            return None
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(m, dict) and type(m.get("pid")) is int and isinstance(m.get("token"), str) \
+        and re.fullmatch(r"[0-9a-f]{32}", m["token"]) is not None
+    return m if ok else None
+
+
+def _ours(folder: Path, pid: int, name_token: str) -> bool:
+    """Did a decodert process ``pid`` make (or move aside) ``folder``: a real folder whose marker names it?"""
+    m = _marker(folder)
+    return folder.is_dir() and m is not None and m["pid"] == pid and m["token"][:_NAME_TOKEN] == name_token
 
 
 def _alive(pid: int) -> bool:
@@ -252,3 +312,27 @@ def _signals_deferred() -> Iterator[None]:
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         for sig in dict.fromkeys(caught):
             signal.raise_signal(sig)
+
+
+@contextlib.contextmanager
+def terminating_raises() -> Iterator[None]:
+    """During the block (main thread only), SIGTERM and SIGHUP raise ``Terminated`` (a KeyboardInterrupt)
+    where they would have ended the process: the cleanup SIGINT gets then runs for them too. A handler
+    someone else installed, or an ignored signal (``nohup``), is left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, _frame: object) -> None:
+        raise Terminated(signum)
+
+    previous = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, terminate)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -16,7 +16,7 @@ from decodert.export.lowering.semantics import check_tensors_used
 from decodert.export.quantize import quant_packed
 from decodert.export.quantize.quant import QuantConfig, QuantizedWeight, WeightQuant
 from decodert.export.quantize.quant_packed import packed_format
-from decodert.export.quantize.mxfp4 import dequantize_mxfp4
+from decodert.export.quantize.mxfp4 import dequantize_mxfp4, mxfp4_shape
 from decodert.models import family_for
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
@@ -70,6 +70,10 @@ class HFCheckpoint(Checkpoint):
         super().__init__(folder, spec, family, family.hf_weights)
         try:
             self.packed_format = packed_format(self.config, str(config_path))  # GPTQ / AWQ linear layers
+            if self.packed_format is not None and not any(k.endswith(".qweight") for k in self._where):
+                raise DecodertError(f"{config_path}: quantization_config says {self.packed_format.method}, but the "
+                                    "checkpoint holds no qweight tensors (its weights are float: remove "
+                                    "quantization_config, or point at the quantized checkpoint)")
         except DecodertError:
             self.close()
             raise
@@ -98,12 +102,13 @@ class HFCheckpoint(Checkpoint):
 
     def _shape(self, key: str) -> tuple[int, ...]:
         base = self._packed_base(key)
-        if base is not None:  # [N, K] of a GPTQ / AWQ linear, from its qweight and scales
-            fmt, words = self.packed_format, self._file(base + "qweight").shape(self._stored.get(base + "qweight", base + "qweight"))
-            n = self._file(base + "scales").shape(self._stored.get(base + "scales", base + "scales"))[-1]
-            return (n, words[0] * 8) if fmt is not None and fmt.method == "gptq" else (n, words[0])
+        if base is not None:  # [N, K] of a GPTQ / AWQ linear, every packed tensor's dtype and shape checked
+            assert self.packed_format is not None
+            return quant_packed.packed_shape(self.packed_format, self._packed_stored(base), self._packed_where(base))
         if self._mxfp4(key):  # [E, N, G, 16] -> transformers' parameter [E, G * 32, N]
-            e, n, groups, _ = self._shape(key + "_blocks")
+            e, n, groups = mxfp4_shape(*((self._file(key + x).dtype(self._stored.get(key + x, key + x)),
+                                          self._file(key + x).shape(self._stored.get(key + x, key + x)))
+                                         for x in ("_blocks", "_scales")), f"{self.source}: tensor '{key}'")
             return (e, groups * 32, n)
         return self._file(key).shape(self._stored.get(key, key))
 
@@ -124,6 +129,7 @@ class HFCheckpoint(Checkpoint):
         and laid out as transformers' parameter ([in, out], as the float checkpoints store them)."""
         if not self._mxfp4(key):
             return self._file(key).read_row(self._stored.get(key, key), row)
+        self._shape(key)  # blocks and scales U8 and paired (mxfp4_shape)
         blocks, scales = (self._file(key + s).raw_row(self._stored.get(key + s, key + s), row) for s in ("_blocks", "_scales"))
         try:
             return dequantize_mxfp4(blocks, scales).T.copy()
@@ -138,14 +144,22 @@ class HFCheckpoint(Checkpoint):
         base = key[: -len("weight")]
         return base if base + "qweight" in self._where else None
 
+    def _packed_stored(self, base: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """suffix -> (stored dtype, shape) of the packed tensors of linear ``base``."""
+        keys = {suffix: base + suffix for suffix in quant_packed.SUFFIXES if base + suffix in self._where}
+        return {suffix: (self._file(key).dtype(self._stored.get(key, key)), self._file(key).shape(self._stored.get(key, key)))
+                for suffix, key in keys.items()}
+
+    def _packed_where(self, base: str):
+        return lambda suffix: f"{self.source}: tensor '{self._stored.get(base + suffix, base + suffix)}'"
+
     def _unpack(self, base: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         assert self.packed_format is not None
-        tensors = {}
-        for suffix in quant_packed.SUFFIXES:
-            key = base + suffix
-            if key in self._where:
-                tensors[suffix] = self._file(key).raw(self._stored.get(key, key))
-        return quant_packed.unpack(self.packed_format, tensors, f"{self.source}: {base}qweight")
+        where = self._packed_where(base)
+        stored = self._packed_stored(base)
+        quant_packed.packed_shape(self.packed_format, stored, where)
+        tensors = {suffix: self._file(base + suffix).raw(self._stored.get(base + suffix, base + suffix)) for suffix in stored}
+        return quant_packed.unpack(self.packed_format, tensors, where)
 
     def native_quant(self) -> QuantConfig | None:
         return None if self.packed_format is None else self.packed_format.quant_config()

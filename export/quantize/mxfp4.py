@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from decodert.errors import DecodertError
+
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
@@ -23,5 +25,16 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     values = np.empty(blocks.shape[:-1] + (32,), np.float32)
     values[..., 0::2] = E2M1[blocks & 0x0F]
     values[..., 1::2] = E2M1[blocks >> 4]
-    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    with np.errstate(over="ignore"):  # a huge exponent gives inf, which the checkpoint then refuses (check_finite)
+        values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
     return values.reshape(*blocks.shape[:-2], -1)
+
+
+def mxfp4_shape(blocks: tuple[str, tuple[int, ...]], scales: tuple[str, tuple[int, ...]], where: str) -> tuple[int, int, int]:
+    """[E, N, G] of stacked MXFP4 experts from their tensors' stored (dtype, shape): blocks U8 [E, N, G, 16]
+    and scales U8 [E, N, G], else a one-line DecodertError naming what ``where`` holds and what it should."""
+    (bd, bs), (sd, ss) = blocks, scales
+    if bd != "U8" or sd != "U8" or len(bs) != 4 or bs[-1] != 16 or tuple(ss) != tuple(bs[:3]):
+        raise DecodertError(f"{where}: MXFP4 experts must be _blocks U8 [E, N, G, 16] and _scales U8 [E, N, G]; "
+                            f"found _blocks {bd} {list(bs)} and _scales {sd} {list(ss)}")
+    return bs[0], bs[1], bs[2]

@@ -19,7 +19,8 @@ class StepOutput:
     """Result of one prefill or decode call, rows in the order of the ``slots`` argument."""
 
     next_token: np.ndarray  # [n] int64, argmax of the logits (computed on the graph / device)
-    logits: np.ndarray | None = None  # [n, V] float32, only when asked for
+    logits: np.ndarray | None = None  # [n, V] float32, when asked for (or given for rows whose next_token's score
+    #                                   is NaN / inf; the other rows then read 0: see generate.choose_tokens)
 
 
 @dataclass
@@ -27,7 +28,7 @@ class VerifyOutput:
     """Result of one verify call (speculative decoding), rows in the order of the ``slots`` argument."""
 
     next_tokens: np.ndarray  # [n, W] int64: next_tokens[j, i] is the argmax after row j's token i
-    logits: np.ndarray | None = None  # [n, W, V] float32, only when asked for
+    logits: np.ndarray | None = None  # [n, W, V] float32, when asked for (or given, as StepOutput.logits)
     # hybrid models whose states are all conv states, where the backend binds the verify graph's windows:
     # per row, state name -> [C, K-1+w] the conv inputs before and of the pass (the state after accepting
     # a tokens is [:, a : a+K-1]); None: the backend gives none (speculation replays instead)

@@ -231,11 +231,15 @@ class TextStream:
 
 
 def choose_tokens(seqs: Seq[Sequence], step: StepOutput) -> np.ndarray:
-    """Next token per row [n] int64: the graph's argmax, or the row's processors + sampler."""
+    """Next token per row [n] int64: the graph's argmax, or the row's processors + sampler. An argmax whose
+    score is NaN or infinite (where the backend gives that row's logits) is ``greedy``'s choice instead: NaN
+    never chosen, and a row with no finite score the error sampling gives."""
     tokens = np.asarray(step.next_token, dtype=np.int64).reshape(-1).copy()  # [n]
     for j, seq in enumerate(seqs):
         if seq.needs_logits:
             tokens[j] = seq.choose(step.logits[j], int(tokens[j]))
+        elif step.logits is not None and not np.isfinite(step.logits[j, tokens[j]]):
+            tokens[j] = int(greedy(step.logits[j][None, :])[0])
     return tokens
 
 

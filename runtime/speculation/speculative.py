@@ -41,7 +41,7 @@ from decodert.runtime.speculation.drafters import Drafter, NgramDrafter
 from decodert.runtime.speculation.planner import StepCosts, plan
 from decodert.runtime.decoding.generate import Sequence, decode_step
 from decodert.runtime.decoding.metrics import Metrics
-from decodert.runtime.decoding.sampling import apply_processors, draw, make_distribution
+from decodert.runtime.decoding.sampling import apply_processors, draw, greedy, make_distribution
 
 METHODS = ("ngram", "draft")
 PRIOR = 0.5  # acceptance of a kind of proposal nobody has verified yet (one pseudo-observation)
@@ -322,8 +322,8 @@ def _commit(seq: Sequence, drafts: np.ndarray, next_tokens: np.ndarray, logits: 
 def _choose(seq: Sequence, argmax: int, logits: np.ndarray | None, draft: int | None) -> int:
     """The target's token at one position: plain decoding's choice (greedy), or speculative
     sampling's (draft accepted with probability p(draft), else a draw from p without it)."""
-    if not seq.needs_logits:
-        return argmax
+    if not seq.needs_logits:  # the graph's argmax; over NaN / inf scores (their logits given) greedy's choice
+        return argmax if logits is None or np.isfinite(logits[argmax]) else int(greedy(logits[None, :])[0])
     assert logits is not None
     spec = seq.spec
     if seq.params.greedy or spec is None or spec.distribution is None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -215,14 +217,91 @@ def test_sigkill_at_a_rename_then_the_next_run_recovers(old, samples, mode, name
         assert _tree(out) == before  # the old artifact, byte for byte
 
 
+def _marked(parent: Path, name: str, kind: str, pid: int, token: str | None = None) -> Path:
+    """A folder as decodert makes one beside artifact ``name``: ``.NAME.tmp-PID-XXXXXXXX`` holding its marker."""
+    token = token or secrets.token_hex(16)
+    folder = parent / f".{name}.{kind}-{pid}-{token[:8]}"
+    folder.mkdir()
+    (folder / destination.MARKER).write_text(json.dumps({"pid": pid, "token": token}))
+    return folder
+
+
 def test_recover_keeps_live_and_foreign_folders(tmp_path):
     out, dead, live = tmp_path / "out", _dead_pid(), os.getppid()
-    for name in (f".out.tmp-{dead}-ab12", f".out.tmp-{live}-cd34", f".out.old-{dead}", ".out.tmp-x", ".other.tmp-1-ab"):
-        (tmp_path / name).mkdir()
-    (tmp_path / f".out.old-{dead}" / "manifest.json").write_text(json.dumps({"format": "decodert-artifact"}))
-    destination.recover(out)  # out is missing: the moved-aside old artifact is put back
-    assert _siblings(out) == [".other.tmp-1-ab", f".out.tmp-{live}-cd34", ".out.tmp-x", "out"]
-    assert (out / "manifest.json").is_file()
-    (tmp_path / f".out.old-{dead}").mkdir()
+    stale = _marked(tmp_path, "out", "tmp", dead)
+    moved = _marked(tmp_path, "out", "old", dead)
+    (moved / "manifest.json").write_text(json.dumps({"format": "decodert-artifact"}))
+    kept = [_marked(tmp_path, "out", "tmp", live).name, _marked(tmp_path, "other", "tmp", dead).name]
+    for name in (f".out.tmp-{dead}-ab12cd34", f".out.old-{dead}-ab12cd34", f".out.old-{dead}", ".out.tmp-x"):
+        (tmp_path / name).mkdir()  # named like ours, but no marker: a user's folder
+    kept += [f".out.tmp-{dead}-ab12cd34", f".out.old-{dead}-ab12cd34", f".out.old-{dead}", ".out.tmp-x"]
+    wrong = _marked(tmp_path, "out", "tmp", dead)  # a marker that does not name this folder
+    (wrong / destination.MARKER).write_text(json.dumps({"pid": dead, "token": secrets.token_hex(16)}))
+    kept.append(wrong.name)
+    destination.recover(out)  # out is missing: the moved-aside old artifact is put back, without its marker
+    assert _siblings(out) == sorted([*kept, "out"])
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"] and not stale.exists()
+    moved = _marked(tmp_path, "out", "old", dead)
     destination.recover(out)  # out is there: a moved-aside copy is deleted
-    assert f".out.old-{dead}" not in _siblings(out) and (out / "manifest.json").is_file()
+    assert not moved.exists() and _siblings(out) == sorted([*kept, "out"])
+
+
+def test_a_users_folder_named_like_a_temp_folder_survives_refused_and_accepted_exports(old, samples, capsys):
+    """Only folders holding decodert's marker are removed, and only once an export is accepted."""
+    out, _ = old
+    dead = _dead_pid()
+    users = [out.with_name(f".out.tmp-{dead}-ab12cd34"), out.with_name(f".out.old-{dead}-ab12cd34"),
+             out.with_name(f".out.old-{dead}")]
+    for folder in users:
+        folder.mkdir()
+        (folder / "thesis.tex").write_text("precious")
+    (users[2] / "manifest.json").write_text(json.dumps({"format": "decodert-artifact"}))
+    stale = _marked(out.parent, "out", "tmp", dead)
+    (stale / "weights.bin").write_bytes(b"half-written")
+    assert cli_main(["export", str(samples["hf"]), "-o", str(out), "--max-seq", "32"]) == 2
+    assert "add --force" in capsys.readouterr().err
+    assert stale.is_dir() and _siblings(out) == sorted([stale.name, "out", *(f.name for f in users)])
+    assert cli_main(["export", str(samples["hf"]), "-o", str(out), "--max-seq", "32", "--force"]) == 0
+    assert not stale.exists() and _siblings(out) == sorted(["out", *(f.name for f in users)])
+    assert all((f / "thesis.tex").read_text() == "precious" for f in users)
+    manifest = load_manifest(out, verify="full")
+    assert manifest.max_seq == 32 and destination.MARKER not in manifest.files
+    assert not (out / destination.MARKER).exists()
+
+
+SIGNALLED = textwrap.dedent("""
+    import signal, sys, time
+    from pathlib import Path
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as on a terminal, even when the tests run under nohup
+    from decodert.cli import main
+    from decodert.export import pipeline
+    src, out = sys.argv[1], sys.argv[2]
+    real = pipeline._write_graphs
+    def slow(*args, **kwargs):  # the weights are written: stop here until signalled
+        Path(out + ".ready").write_text("")
+        time.sleep(120)
+        return real(*args, **kwargs)
+    pipeline._write_graphs = slow
+    sys.exit(main(["export", src, "-o", out, "--max-seq", "32"]))
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_mid_export_removes_the_temp_folder(samples, tmp_path, sig):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED, str(samples["hf"]), str(out)], stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "out.ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        temp = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+        assert len(temp) == 1 and (temp[0] / "weights.bin").is_file()  # half-way: the weights are there
+        proc.send_signal(sig)
+        err = proc.communicate(timeout=60)[1].decode()
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    assert err.count("\n") == 1 and signal.Signals(sig).name in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.ready"]

@@ -236,3 +236,100 @@ def test_run_keeps_a_gptq_checkpoint_as_it_is(packed_pair):
     quant, about = keep_precision(open_checkpoint(qdir))
     assert quant is not None and quant.block_size == 64 and about == "int4: GPTQ blocks transcoded exactly"
     assert keep_precision(open_checkpoint(rdir))[0] is None
+
+
+# -- damaged packed tensors and settings: refused in one line, naming the tensor (issue 45: 6, 7, 18, 20) ------------
+Q = "model.layers.0.self_attn.q_proj."
+
+
+def _rewritten(qdir: Path, out: Path, change=None, config=None) -> Path:
+    """A copy of ``qdir`` with ``change(tensors)`` applied to its tensors and ``config(cfg)`` to its config.json."""
+    from safetensors.numpy import load_file, save_file
+
+    bad = shutil.copytree(qdir, out)
+    if change is not None:
+        tensors = load_file(str(bad / "model.safetensors"))
+        change(tensors)
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(bad / "model.safetensors"))
+    if config is not None:
+        cfg = json.loads((bad / "config.json").read_text())
+        config(cfg)
+        (bad / "config.json").write_text(json.dumps(cfg))
+    return bad
+
+
+def _set(key: str, make):
+    def change(t: dict) -> None:
+        t[key] = make(t[key])
+    return change
+
+
+def _nan_at(value: float):
+    def make(s: np.ndarray) -> np.ndarray:
+        s = s.copy()
+        s.flat[3] = value
+        return s
+    return make
+
+
+DAMAGED = {  # id -> (change, the message's parts)
+    "qweight-float32": (_set(Q + "qweight", lambda w: w.astype(np.float32)), ["qweight", "must be 2-D I32", "found F32"]),
+    "qweight-int64": (_set(Q + "qweight", lambda w: w.astype(np.int64)), ["qweight", "unsupported dtype I64"]),
+    "qzeros-float16": (_set(Q + "qzeros", lambda w: (w % 1000).astype(np.float16)), ["qzeros", "found F16"]),
+    "g_idx-float32": (_set(Q + "g_idx", lambda w: w.astype(np.float32)), ["g_idx", "found F32"]),
+    "scales-int32": (_set(Q + "scales", lambda w: w.astype(np.int32)), ["scales", "F16 / BF16 / F32", "found I32"]),
+    "scales-nan": (_set(Q + "scales", _nan_at(np.nan)), ["scales", "NaN, infinite or too large"]),
+    "scales-inf": (_set(Q + "scales", _nan_at(np.inf)), ["scales", "NaN, infinite or too large"]),
+    "scales-huge-f32": (_set(Q + "scales", lambda s: _nan_at(3e38)(s.astype(np.float32))), ["scales", "too large"]),
+    "qzeros-shape": (_set(Q + "qzeros", lambda w: w[:, :-1]), ["qzeros", "must be I32 [2, 8]", "found I32 [2, 7]"]),
+    "scales-shape": (_set(Q + "scales", lambda w: w[:-1]), ["scales", "found F16 [1, 64]"]),
+    "scales-outputs": (_set(Q + "scales", lambda w: w[:, :-3]), ["scales", "not a multiple of the 8"]),
+    "qweight-shape": (_set(Q + "qweight", lambda w: w[:, :-8]), ["qweight", "found I32 [8, 56]"]),
+    "g_idx-shape": (_set(Q + "g_idx", lambda w: w[:-1]), ["g_idx", "must be I32 [64]"]),
+    "g_idx-range": (_set(Q + "g_idx", lambda w: np.where(np.arange(w.size) == 5, 7, w).astype(np.int32)), ["g_idx", "group 7"]),
+    "qzeros-missing": (lambda t: t.pop(Q + "qzeros"), ["qweight", "has no qzeros"]),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_damaged_packed_tensors_refused_in_one_line(packed_pair, tmp_path, case, capsys):
+    from decodert.cli import main as cli_main
+
+    change, parts = DAMAGED[case]
+    bad = _rewritten(packed_pair("gptq-g32-actorder-zeros")[0], tmp_path / "bad", change)
+    capsys.readouterr()  # the fixture's own output
+    assert cli_main(["export", str(bad), "-o", str(tmp_path / "x"), "--max-seq", "32"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(p in err for p in parts), err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_float_checkpoint_claiming_gptq_is_refused(packed_pair, tmp_path):
+    _, rdir = packed_pair("gptq-g64-sym")
+    bad = _rewritten(rdir, tmp_path / "bad", config=lambda c: c.update(
+        quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 64}))
+    with pytest.raises(DecodertError, match="says gptq, but the checkpoint holds no qweight tensors") as e:
+        export_model(bad, tmp_path / "x", max_seq=32, progress=False)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("qc,message", [
+    ("gptq", "quantization_config must be an object (quant_method, bits, group_size), got the string 'gptq'"),
+    ([4], "quantization_config must be an object"),
+    ({"quant_method": "gptq", "bits": "4", "group_size": 64}, "quantization_config.bits must be an integer, got the string '4'"),
+    ({"quant_method": "gptq", "bits": 4.0, "group_size": 64}, "bits must be an integer, got the number 4.0"),
+    ({"quant_method": "gptq", "bits": True, "group_size": 64}, "bits must be an integer, got true"),
+    ({"quant_method": "gptq", "group_size": 64}, "bits must be an integer, got null"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 64.0}, "group_size must be an integer, got the number 64.0"),
+    ({"quant_method": ["gptq"], "bits": 4, "group_size": 64}, "quant_method ['gptq'] is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 64, "checkpoint_format": 2}, "checkpoint_format must be a string"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": "yes"}, "zero_point must be true or false"),
+])
+def test_bad_quantization_settings_are_exit_2_in_one_line(packed_pair, tmp_path, qc, message, capsys):
+    from decodert.cli import main as cli_main
+
+    bad = _rewritten(packed_pair("gptq-g64-sym")[0], tmp_path / "bad", config=lambda c: c.update(quantization_config=qc))
+    capsys.readouterr()
+    assert cli_main(["export", str(bad), "-o", str(tmp_path / "x"), "--max-seq", "32"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err

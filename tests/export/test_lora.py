@@ -4,6 +4,7 @@ different adapters in one batch, --merge-lora, K/V never mixed across adapters, 
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import numpy as np
@@ -249,3 +250,57 @@ def test_adapters_are_refused_where_they_cannot_map(world, tmp_path, family, wha
         with pytest.raises(DecodertError, match=f"not supported on a {what}") as e:
             export_model(src, tmp_path / "out", max_seq=32, progress=False, **kw)
         assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern['q_proj'] must be one of positive finite numbers, got \"x\""),
+    ({"alpha_pattern": {"q_proj": True}}, "alpha_pattern['q_proj'] must be one of positive finite numbers, got true"),
+    ({"alpha_pattern": {"q_proj": -8}}, "alpha_pattern['q_proj'] must be one of positive finite numbers, got -8"),
+    ({"alpha_pattern": ["q_proj"]}, "alpha_pattern must map module names to positive finite numbers"),
+    ({"alpha_pattern": {"(q_proj": 8}}, "alpha_pattern key '(q_proj' is not a regular expression"),
+    ({"rank_pattern": {"q_proj": 4.0}}, "rank_pattern['q_proj'] must be one of positive integers, got 4.0"),
+    ({"rank_pattern": {"q_proj": 2}}, "has rank 4, but adapter_config.json says r 2"),
+    ({"r": "4"}, "r must be a positive integer, got \"4\""),
+    ({"r": 0}, "r must be a positive integer, got 0"),
+    ({"r": True}, "r must be a positive integer, got true"),
+    ({"r": 8}, "has rank 4, but adapter_config.json says r 8"),
+    ({"lora_alpha": "8"}, "lora_alpha must be a positive finite number, got \"8\""),
+    ({"lora_alpha": 0}, "lora_alpha must be a positive finite number, got 0"),
+    ({"lora_alpha": -8}, "lora_alpha must be a positive finite number, got -8"),
+    ({"lora_alpha": False}, "lora_alpha must be a positive finite number, got false"),
+    ({"lora_alpha": 1e300}, "scale lora_alpha / r = 2.5e+299 (lora_alpha 1e+300) is not a finite float32"),
+    ({"alpha_pattern": {"v_proj": 4e39}}, "v_proj: lora_B times its scale lora_alpha / r = 1e+39"),
+    ({"use_rslora": "yes"}, "use_rslora must be true or false"),
+])
+def test_bad_adapter_settings_are_one_line_errors(world, tmp_path, change, message):
+    """Issue 45 (17, 6): every bad number in adapter_config.json is a DecodertError from load_adapter, with no
+    RuntimeWarning on the way (lora_alpha 1e300 overflowed float32 and decoded token 0 forever)."""
+    import warnings
+
+    _, _, adapters, art = world
+    bad = shutil.copytree(adapters["a"], tmp_path / "bad")
+    config = json.loads((bad / "adapter_config.json").read_text())
+    config.update(change)
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    llm = LLM.load(art)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(DecodertError) as e:
+            llm.load_adapter("bad", bad)
+    assert "\n" not in str(e.value) and message in str(e.value), str(e.value)
+    assert "bad" not in llm.adapters.names
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_adapter_weights_are_refused(world, tmp_path, value):
+    from safetensors.numpy import load_file, save_file
+
+    _, _, adapters, art = world
+    bad = shutil.copytree(adapters["a"], tmp_path / "bad")
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    key = next(k for k in sorted(tensors) if k.endswith("k_proj.lora_B.weight"))
+    tensors[key][1, 2] = value
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(DecodertError, match=r"k_proj\.lora_B holds 1 NaN or infinite values") as e:
+        LLM.load(art).load_adapter("bad", bad)
+    assert "\n" not in str(e.value)

@@ -367,19 +367,20 @@ def mamba2_llama_cpp_layout(key: str, w: Any, cfg: dict) -> Any:
 
 
 def make_tiny_gguf(family: str, path: str | Path, qtype: str = "F32", raw: dict | None = None,
-                   drop: tuple = (), meta: dict | None = None, **overrides: Any) -> Path:
+                   drop: tuple = (), meta: dict | None = None, hf_dir: Path | None = None, **overrides: Any) -> Path:
     """A tiny GGUF of `family` converted from make_tiny_checkpoint's weights, llama.cpp style.
 
     `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) applies to 2-D weights; norms stay F32.
     `raw` maps GGUF tensor names to (qtype_name, uint8 bytes) written as-is; `drop` leaves tensors out;
-    `meta` adds metadata keys (float -> float32, int -> uint32, str -> string).
+    `meta` adds metadata keys (float -> float32, int -> uint32, str -> string); `hf_dir`: convert that
+    tiny HF checkpoint of `family` (one the ``tiny_checkpoint`` fixture made) instead of making one.
     """
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
 
     path = Path(path)
-    hf_dir = make_tiny_checkpoint(family, path.with_suffix(".hf"), **overrides)
+    hf_dir = hf_dir or make_tiny_checkpoint(family, path.with_suffix(".hf"), **overrides)
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[family]
     writer = gguf.GGUFWriter(str(path), arch)

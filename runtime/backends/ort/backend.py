@@ -229,6 +229,8 @@ class OrtBackend:
                 _run_bound(state.session, io, self.dir, state.kind)
                 cache.commit(run, [ids[r] for r in rows])
             out.next_tokens[rows, :w] = next_buf
+            if out.logits is None and not _chosen_finite(logits_buf, next_buf):  # as _gather does
+                out.logits = np.zeros((len(slots), width, self.vocab_size), np.float32)
             if out.logits is not None:
                 out.logits[rows, :w] = logits_buf
             if out.windows is not None:
@@ -348,9 +350,20 @@ class OrtBackend:
         return b
 
 
+def _chosen_finite(logits: np.ndarray, chosen: np.ndarray) -> bool:
+    """Are the scores ``logits`` [..., V] at the graph's ArgMax ``chosen`` [...] all finite (O(n), the usual case)?"""
+    return bool(np.isfinite(np.take_along_axis(logits, chosen[..., None], axis=-1)).all())
+
+
 def _gather(out: StepOutput, rows: list[int], b: _Binding, want_logits: bool) -> None:
     out.next_token[rows] = b.next_token
     if want_logits and out.logits is not None:
+        out.logits[rows] = b.logits
+    elif not _chosen_finite(b.logits, b.next_token):
+        # the graph's ArgMax over NaN / inf scores (a damaged model; ORT picks a leading NaN): these rows' logits
+        # go with the step, so greedy decoding chooses as the sampler does, or fails as it does (generate.choose_tokens)
+        if out.logits is None:
+            out.logits = np.zeros((len(out.next_token), b.logits.shape[-1]), np.float32)
         out.logits[rows] = b.logits
 
 

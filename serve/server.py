@@ -65,6 +65,7 @@ def make_app(options: ServeOptions):
     except DecodertError as e:
         method = getattr(options.speculative, "method", options.speculative)
         raise DecodertError(f"--speculative {method}: {e}") from None
+    llm.engine.reserve()  # a shared cache that cannot be allocated is refused now (exit 2), not at the first request
     config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s,
                          options.speculative, options.client_timeout_s, options.allowed_hosts)
     return build_app(engine, config)

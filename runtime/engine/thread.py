@@ -188,10 +188,12 @@ class EngineThread:
                 elif delta:
                     self._send(req, Event(delta, logprobs=self._new_logprobs(req)))
         except Exception as e:  # a failed step ends every request of the run with its reason
-            reason = f"generation failed: {type(e).__name__}: {first_line(e)}"
-            for req in list(self._reqs.values()):
-                self._finish(req, Event(error=reason))
-                self.stats.failed += 1
+            failed = list(self._reqs.values())
+            if not failed:  # the run failed before it took any request: the inbox's would be retried forever
+                with self._cond:
+                    failed, self._inbox = self._inbox, []
+            for req in failed:
+                self._fail(req, e)
         finally:
             self._count_step()
             self._reqs.clear()
@@ -214,7 +216,11 @@ class EngineThread:
             cancels, self._cancels = self._cancels, set()
         for req in new:
             self._reqs[req.id] = req
-            req.handle = engine.add(req.seq)
+            try:
+                req.handle = engine.add(req.seq)
+            except Exception as e:  # e.g. the shared cache cannot be allocated: this request fails, never retried
+                self._fail(req, e)
+                continue
             self._by_handle[req.handle.id] = req
         for rid in cancels:
             req = self._reqs.get(rid)
@@ -222,6 +228,11 @@ class EngineThread:
                 engine.abort(req.handle, CANCELLED)  # type: ignore[arg-type]
                 self.stats.cancelled += 1
                 self._finish(req, Event(result=req.seq.result()))
+
+    def _fail(self, req: _Request, e: Exception) -> None:
+        """End ``req`` with the one-line reason of ``e`` (a server answers 500 generation_failed)."""
+        self.stats.failed += 1
+        self._finish(req, Event(error=f"generation failed: {type(e).__name__}: {first_line(e)}"))
 
     def _count_step(self) -> None:
         rows, self._rows_since_turn = self._rows_since_turn, 0

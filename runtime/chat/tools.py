@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from decodert.errors import DecodertError
+from decodert.runtime import validate
 from decodert.runtime.chat.tool_calls import ToolFormat, call_grammar
 
 CHOICES = ("auto", "none", "required")
@@ -123,9 +124,9 @@ def _tool_call(i: int, k: int, call: Any) -> dict:
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            raise _err(f"{where}.function.arguments is not valid JSON: {e}") from None
+            args = validate.load_json(args, f"{where}.function.arguments") if args.strip() else {}
+        except DecodertError as e:
+            raise _err(str(e)) from None
     if not isinstance(args, Mapping):
         raise _err(f"{where}.function.arguments must be a JSON object")
     return {**call, "type": "function", "function": {"name": fn["name"], "arguments": dict(args)}}

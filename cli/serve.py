@@ -56,6 +56,10 @@ def add_parser(subparsers: Any) -> None:
     v = p.add_argument_group("images (vision-language models)")
     v.add_argument("--allow-image-urls", action="store_true",
                    help="fetch remote http(s) image_url parts (default: refused; only data: URLs are read)")
+    v.add_argument("--image-fetch-timeout", type=float, default=10.0,
+                   help="seconds one remote image may take in all: connect, redirects and body (default 10)")
+    v.add_argument("--max-image-fetches", type=int, default=8,
+                   help="remote images fetched at once, server-wide; one more request gets 503 (default 8)")
     v.add_argument("--max-image-bytes", type=int, default=DEFAULT_LIMITS.max_bytes, help="largest encoded image")
     v.add_argument("--max-image-pixels", type=int, default=DEFAULT_LIMITS.max_pixels,
                    help="most pixels (width x height) of one image, checked before decoding")
@@ -119,15 +123,16 @@ def options(args: argparse.Namespace):
                         _loras(args.lora),
                         image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images,
                                                  args.max_video_frames, args.max_video_pixels),
-                        allow_image_urls=args.allow_image_urls)
+                        allow_image_urls=args.allow_image_urls, image_fetch_timeout_s=args.image_fetch_timeout,
+                        max_image_fetches=args.max_image_fetches)
 
 
 # every other numeric flag's lowest value (None: not given); floats must also be finite
-_LOWEST = {"max_image_bytes": 1, "max_image_pixels": 1, "max_images": 0, "max_video_frames": 0,
+_LOWEST = {"max_image_fetches": 1, "max_image_bytes": 1, "max_image_pixels": 1, "max_images": 0, "max_video_frames": 0,
            "max_video_pixels": 1, "replicas": 1, "min_replicas": 0, "max_replicas": 1}
-_FLOATS = {"drain_timeout": 0.0, "client_timeout": 0.0, "prefix_cache_mb": 0.0, "target_ongoing_requests": 0.0,
+_FLOATS = {"image_fetch_timeout": 0.0, "drain_timeout": 0.0, "client_timeout": 0.0, "prefix_cache_mb": 0.0, "target_ongoing_requests": 0.0,
            "replica_cpus": 0.0, "replica_gpus": 0.0}
-_ABOVE = {"client_timeout", "target_ongoing_requests", "replica_cpus"}  # must be above their lowest, not at it
+_ABOVE = {"image_fetch_timeout", "client_timeout", "target_ongoing_requests", "replica_cpus"}  # must be above their lowest, not at it
 
 
 def _check_ranges(args: argparse.Namespace) -> None:

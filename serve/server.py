@@ -10,13 +10,13 @@ from __future__ import annotations
 import signal
 import socket
 import sys
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.runtime.vision.images import DEFAULT_LIMITS, ImageLimits, fetch_url
+from decodert.runtime.vision.fetch import Fetcher
+from decodert.runtime.vision.images import DEFAULT_LIMITS, ImageLimits
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class ServeOptions:
     lora: tuple[tuple[str, Path], ...] = ()  # (name, PEFT folder): served as model "NAME:adapter" (--lora)
     image_limits: ImageLimits = DEFAULT_LIMITS  # bytes, pixels and images per request (runtime/vision/images.py)
     allow_image_urls: bool = False  # fetch remote http(s) image_url parts (off: an open fetcher is an SSRF hole)
+    image_fetch_timeout_s: float = 10.0  # the whole of one image fetch (runtime/vision/fetch.py)
+    max_image_fetches: int = 8  # image fetches at once, server-wide (one more: 503)
 
 
 def model_name(options: ServeOptions) -> str:
@@ -58,7 +60,7 @@ def make_app(options: ServeOptions):
                    adapters=dict(options.lora) or None)
     llm.image_limits = options.image_limits
     if options.allow_image_urls:
-        llm.fetch_image = functools.partial(fetch_url, limits=options.image_limits)
+        llm.fetch_image = Fetcher(options.image_limits, options.image_fetch_timeout_s, options.max_image_fetches)
     engine = EngineThread(llm, max_queue=options.max_queue)
     try:
         engine.speculation(options.speculative)  # a default the model cannot do fails now, not per request

@@ -121,6 +121,31 @@ def load_json(text: str, what: str) -> Any:
                             "(the limit)") from None
 
 
+def special_text_in(schema: Any, specials: Any) -> str | None:
+    """The first special-token text (``<|im_end|>``) a JSON schema makes constrained output spell: inside a
+    ``const``, an ``enum`` value or a property name; None when there is none. Such output cannot be written (the
+    grammar forbids special tokens, and their text tokenizes to nothing else), so a step would fail mid-run."""
+    specials = [t for t in specials if t]
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        spelled = [node.get("const")] + (node["enum"] if isinstance(node.get("enum"), list) else [])
+        if isinstance(node.get("properties"), dict):
+            spelled += list(node["properties"])
+        for text in spelled:
+            if isinstance(text, str):
+                hit = next((t for t in specials if t in text), None)
+                if hit is not None:
+                    return hit
+        stack.extend(node.values())
+    return None
+
+
 CHARS_PER_TOKEN = 64  # a prompt longer than this many characters per token of max_seq cannot fit
 PIECE = 1 << 20  # text is tokenized in pieces of at most this many characters
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence as Seq, Union
 
 from decodert.errors import Busy, DecodertError, MissingDependencyError, RequestError
+from decodert.runtime import validate
 from decodert.runtime.decoding.generate import Sequence
 from decodert.runtime.decoding.sampling import SamplingParams
 from decodert.runtime.engine.request import Prepared
@@ -72,6 +73,7 @@ def prepare(engine: EngineThread, prompts: Seq[Prepared], req, limit: int | None
         raise ApiError(400, str(e), param="speculative") from None
     constraint = prompts[0].constraint if prompts else None  # the same for every prompt (tools' included)
     if constraint is not None:
+        _check_special_text(engine, req)
         try:
             engine.llm.guidance.guide(constraint)  # compiled once here (cached), so a bad schema is its own 400
         except MissingDependencyError as e:  # the server's installation is at fault, not the request
@@ -98,6 +100,27 @@ def prepare(engine: EngineThread, prompts: Seq[Prepared], req, limit: int | None
                 raise ApiError(400, str(e), param="logit_bias" if str(e).startswith("logit_bias") else "prompt") from None
             choices.append(Choice(seq, p))
     return choices
+
+
+def _check_special_text(engine: EngineThread, req) -> None:
+    """ApiError 400 when response_format's schema or a tool's parameters make the output spell a special token's
+    text (``{"const": "<|im_end|>"}``): the grammar cannot write it, and the request failed at its first steps (500)."""
+    specials = [t.content for t in engine.llm.tokenizer.get_added_tokens_decoder().values() if t.special]
+    fmt = req.response_format if isinstance(req.response_format, dict) else {}
+    spec = fmt.get("json_schema")
+    places = [("response_format", spec.get("schema") if isinstance(spec, dict) else None)]
+    places += [(f"tools[{i}]", t.get("function", {}).get("parameters") if isinstance(t, dict) else None)
+               for i, t in enumerate(getattr(req, "tools", None) or [])]
+    for param, schema in places:
+        if isinstance(schema, str):  # a schema given as JSON text (runtime/constraints.py reads it so)
+            try:
+                schema = validate.load_json(schema, param)
+            except DecodertError:
+                continue  # its own error comes from compiling it
+        hit = validate.special_text_in(schema, specials)
+        if hit is not None:
+            raise ApiError(400, f"{param}: the schema makes the output spell {hit!r}, a special token of this model's "
+                                "tokenizer, which structured output cannot write", param=param)
 
 
 def completion_choices(engine: EngineThread, req, speculative: Any, adapter: str | None = None) -> tuple[list[Prepared], list[Choice]]:

@@ -12,6 +12,7 @@ Chat takes ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (runtime/chat/t
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
@@ -25,6 +26,7 @@ MAX_STOPS = 16  # stop strings per request
 MAX_CHOICES = 16  # prompts x n per request
 MAX_BIASED = 1024  # logit_bias entries per request
 MAX_JSON_DEPTH = 201  # nesting the body's JSON parser (pydantic-core) reads; tests/serve/test_serve_validation.py
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 MAX_ID_DIGITS = 18  # digits of a logit_bias key (a token id below 2**63)
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit); chat's top_logprobs go to MAX_TOP_LOGPROBS
 
@@ -221,6 +223,7 @@ class ChatCompletionRequest(_Sampling):
                            param="top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        self._check_tool_names()
         try:
             check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
         except DecodertError as e:
@@ -228,6 +231,17 @@ class ChatCompletionRequest(_Sampling):
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise ApiError(400, f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}",
                            param="max_completion_tokens")
+
+    def _check_tool_names(self) -> None:
+        """Function names as OpenAI's API takes them (``^[a-zA-Z0-9_-]{1,64}$``): a name such as ``</tool_call>`` or
+        ``<|im_end|>`` would be written into the call markup or the grammar as text (tests/serve/test_fuzz_requests.py
+        found ``</tool_call>`` answered as content with no call)."""
+        for i, tool in enumerate(self.tools or []):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if isinstance(name, str) and not TOOL_NAME.fullmatch(name):
+                raise ApiError(400, f"tools[{i}].function.name must match ^[a-zA-Z0-9_-]{{1,64}}$ (OpenAI's rule), "
+                                    f"got {_short(name)}", param=f"tools[{i}].function.name")
 
     def sampling_extras(self) -> dict[str, Any]:
         extras = super().sampling_extras()

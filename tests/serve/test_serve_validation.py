@@ -127,3 +127,29 @@ def test_every_numeric_serve_flag_is_checked_before_the_server_starts(tmp_path, 
     assert main(["serve", str(tmp_path), flag, value]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"decodert: error: {flag} must be") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("name", ["</tool_call>", "<|eos|>", "get weather", "x" * 65, "é"])
+def test_tool_names_outside_openais_rule_are_a_400(client, name):
+    """A function named '</tool_call>' came back as content with no call (found by tests/serve/test_fuzz_requests.py)."""
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+    err = _refused(client, {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "required"},
+                   "tools[0].function.name must match ^[a-zA-Z0-9_-]{1,64}$")
+    assert err["param"] == "tools[0].function.name"
+
+
+@pytest.mark.parametrize("schema", [{"const": "<|eos|>"}, {"enum": ["a", "x<|user|>"]},
+                                    {"type": "object", "properties": {"<|assistant|>": {"type": "string"}},
+                                     "required": ["<|assistant|>"]},
+                                    {"anyOf": [{"type": "integer"}, {"const": "<|eos|>"}]}])
+def test_schemas_that_spell_a_special_token_are_a_400(client, schema):
+    """The grammar cannot write a special token's text: these failed at their first steps (500 'Parser Error')."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    for path, extra in (("/v1/completions", {"prompt": "0"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        err = _refused(client, {"response_format": fmt, **extra}, "a special token of this model's tokenizer", path)
+        assert err["param"] == "response_format"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": schema},
+                                                                           "required": ["a"]}}}]
+    err = _refused(client, {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "required"},
+                   "a special token of this model's tokenizer")
+    assert err["param"] == "tools[0]"

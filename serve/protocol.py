@@ -239,7 +239,7 @@ class ChatCompletionRequest(_Sampling):
         for i, tool in enumerate(self.tools or []):
             fn = tool.get("function") if isinstance(tool, dict) else None
             name = fn.get("name") if isinstance(fn, dict) else None
-            if isinstance(name, str) and not TOOL_NAME.fullmatch(name):
+            if isinstance(name, str) and name and not TOOL_NAME.fullmatch(name):  # "": check_tools names it
                 raise ApiError(400, f"tools[{i}].function.name must match ^[a-zA-Z0-9_-]{{1,64}}$ (OpenAI's rule), "
                                     f"got {_short(name)}", param=f"tools[{i}].function.name")
 

@@ -9,7 +9,10 @@
 The thread runs one run of the LLM's engine (runtime/engine/runs.py) per busy period with an ``admit``
 hook: before every step (an admission of new rows, one decode step of all running rows) the hook adds the
 submitted requests to the engine (``Engine.add``) and applies cancellations (``Engine.abort``). When nothing
-is left, the run ends and the thread sleeps until the next ``submit``. Callers never wait for a step: ``submit`` and
+is left, the run ends and the thread sleeps until the next ``submit``. Nothing is retried: a request the engine
+cannot take (``Engine.add`` raises, e.g. the shared cache cannot be allocated) ends at once with an error event, the
+others going on; a step that raises ends every request of its run so; a run that fails before it took any request
+ends the waiting ones. Callers never wait for a step: ``submit`` and
 ``cancel`` only take a lock for a few list operations, and a sink must not block either (the
 server's sink hands the event to its asyncio loop).
 """

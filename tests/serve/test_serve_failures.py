@@ -3,6 +3,7 @@
 never retried; /health's queue is empty once they have failed."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,7 +23,7 @@ TOO_BIG = "the fp32 KV cache needs 48.83 GiB but only 22.86 GiB is available; ex
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(ROOT.parent), "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "decodert", *args], capture_output=True, text=True, timeout=120,
                           env=env)
 

@@ -29,8 +29,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_an_artifact_whose_cache_cannot_fit_is_refused_at_start(tmp_path):
-    """4,000,000 slots x 512 tokens of fp32 K/V (~490 GiB): `serve` exits 2 before it listens, with `generate`'s line."""
-    art = export_tiny(tmp_path, max_batch=4_000_000, max_seq=512)
+    """40,000,000 slots x 512 tokens of fp32 K/V (~4.8 TiB): `serve` exits 2 before it listens, with `generate`'s line."""
+    art = export_tiny(tmp_path, max_batch=40_000_000, max_seq=512)
     served, generated = _cli("serve", str(art), "--port", "0"), _cli("generate", str(art), "--prompt", "hi")
     assert served.returncode == generated.returncode == 2, served.stderr
     lines = served.stderr.strip().splitlines()

@@ -26,6 +26,11 @@ class MissingDependencyError(DecodertError):
     server answers 500, not 400). The message names the package and how to install it."""
 
 
+class Busy(DecodertError):
+    """What a request needs is taken by others right now (e.g. every image-fetch place): retry later (a server
+    answers 503 with Retry-After, not 400: the request is not at fault)."""
+
+
 class RequestError(DecodertError):
     """A request that cannot be run, with the part of it at fault (``param``: "messages", "tools", "prompt",
     ...), which a server reports beside the message."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import sys
 from pathlib import Path
@@ -67,6 +68,10 @@ def add_parser(subparsers: Any) -> None:
     v = p.add_argument_group("images (vision-language models)")
     v.add_argument("--allow-image-urls", action="store_true",
                    help="fetch remote http(s) image_url parts (default: refused; only data: URLs are read)")
+    v.add_argument("--image-fetch-timeout", type=float, default=10.0,
+                   help="seconds one remote image may take in all: connect, redirects and body (default 10)")
+    v.add_argument("--max-image-fetches", type=int, default=8,
+                   help="remote images fetched at once, server-wide; one more request gets 503 (default 8)")
     v.add_argument("--max-image-bytes", type=int, default=DEFAULT_LIMITS.max_bytes, help="largest encoded image")
     v.add_argument("--max-image-pixels", type=int, default=DEFAULT_LIMITS.max_pixels,
                    help="most pixels (width x height) of one image, checked before decoding")
@@ -109,8 +114,7 @@ def options(args: argparse.Namespace):
         raise DecodertError(f"--api-key is empty (or ${API_KEY_ENV} is set but empty); give a key, or unset both")
     if args.prefix_cache_mb is not None and not args.prefix_cache_mb >= 0:
         raise DecodertError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
-    if args.responses_store < 0:
-        raise DecodertError(f"--responses-store must be >= 0 (0 = none), got {args.responses_store}")
+    _check_ranges(args)
     if args.tool_parser is not None:
         from decodert.runtime.chat.tool_calls import tool_format
 
@@ -134,7 +138,33 @@ def options(args: argparse.Namespace):
                                                  args.max_video_frames, args.max_video_pixels),
                         allow_image_urls=args.allow_image_urls, responses_store=args.responses_store,
                         aliases=tuple(names[1:]),
-                        accept_any_model=args.accept_any_model, allowed_origins=_origins(args.allowed_origins))
+                        accept_any_model=args.accept_any_model, allowed_origins=_origins(args.allowed_origins),
+                        image_fetch_timeout_s=args.image_fetch_timeout, max_image_fetches=args.max_image_fetches)
+
+
+# every other numeric flag's lowest value (None: not given); floats must also be finite
+_LOWEST = {"max_image_fetches": 1, "max_image_bytes": 1, "max_image_pixels": 1, "max_images": 0, "max_video_frames": 0,
+           "max_video_pixels": 1, "replicas": 1, "min_replicas": 0, "max_replicas": 1,
+           "responses_store": 0}
+_FLOATS = {"image_fetch_timeout": 0.0, "drain_timeout": 0.0, "client_timeout": 0.0, "prefix_cache_mb": 0.0, "target_ongoing_requests": 0.0,
+           "replica_cpus": 0.0, "replica_gpus": 0.0}
+_ABOVE = {"image_fetch_timeout", "client_timeout", "target_ongoing_requests", "replica_cpus"}  # must be above their lowest, not at it
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range, one line naming it (``--max-images -1``, ``--max-image-pixels 0``,
+    ``--drain-timeout inf`` used to start a server that refused every image, or to fail at shutdown)."""
+    for name, low in _LOWEST.items():
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise DecodertError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    for name, low in _FLOATS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag, above = f"--{name.replace('_', '-')}", name in _ABOVE
+        if not math.isfinite(value) or value < low or (above and value == low):
+            raise DecodertError(f"{flag} must be a finite number {'>' if above else '>='} {low:g}, got {value}")
 
 
 def _loras(values: list[str]) -> tuple[tuple[str, Path], ...]:

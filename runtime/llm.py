@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence as Seq, Union
 
 import numpy as np
 
-from decodert.errors import DecodertError, RequestError
+from decodert.errors import Busy, DecodertError, RequestError
 from decodert.artifact.manifest import MANIFEST, Manifest, TokenizerRecord, tokenizer_file
 from decodert.runtime import validate
 from decodert.runtime.adapters import Adapters
@@ -314,6 +314,8 @@ class LLM:
         """Messages and chat options -> (turn, rendered prompt, its ids); RequestError naming the part at fault."""
         try:
             messages, images = self.split_images(messages)
+        except Busy:  # not the request's fault: a server answers 503
+            raise
         except DecodertError as e:
             raise RequestError(str(e), "messages") from None
         try:

@@ -10,6 +10,8 @@ that mix text and ids are refused rather than guessed at.
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
 
 import numpy as np
@@ -102,6 +104,21 @@ def check_sequence_arg(value: Any, what: str) -> None:
     """A list argument (requests, messages) must be a list or tuple, not a str, a dict or a number."""
     if not isinstance(value, (list, tuple)):
         raise DecodertError(f"{what} is a {_kind(value)}; expected a non-empty list")
+
+
+def load_json(text: str, what: str) -> Any:
+    """``json.loads(text)`` with every failure one DecodertError naming ``what``: malformed JSON, nesting deeper
+    than Python's recursion limit allows (``"[" * 100000``: RecursionError), an integer of more digits than
+    Python converts (``sys.get_int_max_str_digits()``, 4300: ValueError)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DecodertError(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise DecodertError(f"{what} is nested too deeply to read (beyond Python's recursion limit)") from None
+    except ValueError:  # only the integer-digits limit: JSONDecodeError is caught above
+        raise DecodertError(f"{what} holds an integer of more than {sys.get_int_max_str_digits()} digits "
+                            "(the limit)") from None
 
 
 CHARS_PER_TOKEN = 64  # a prompt longer than this many characters per token of max_seq cannot fit

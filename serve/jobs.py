@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence as Seq, Union
 
-from decodert.errors import DecodertError, MissingDependencyError, RequestError
+from decodert.errors import Busy, DecodertError, MissingDependencyError, RequestError
 from decodert.runtime.decoding.generate import GenerationResult, Sequence
 from decodert.runtime.decoding.sampling import SamplingParams
 from decodert.runtime.engine.request import CANCELLED, Prepared
@@ -235,6 +235,8 @@ def encode_chat_turn(engine: EngineThread, req) -> Prepared:
     tools' constraint merged with response_format's. ApiError 400 on bad messages or tools."""
     try:  # image_url parts are decoded under the limits
         return engine.llm.prepare(req.message_dicts(), chat=True, constraint=req.constraint, **req.chat_options())
+    except Busy as e:  # every image-fetch place is taken (runtime/vision/fetch.py)
+        raise ApiError(503, str(e), type="server_error", code="unavailable", headers={"Retry-After": "1"}) from None
     except RequestError as e:
         raise ApiError(400, str(e), param=e.param or "messages") from None
     except DecodertError as e:

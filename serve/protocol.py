@@ -24,6 +24,8 @@ from decodert.runtime.decoding.sampling import MAX_TOP_LOGPROBS
 MAX_STOPS = 16  # stop strings per request
 MAX_CHOICES = 16  # prompts x n per request
 MAX_BIASED = 1024  # logit_bias entries per request
+MAX_JSON_DEPTH = 201  # nesting the body's JSON parser (pydantic-core) reads; tests/serve/test_serve_validation.py
+MAX_ID_DIGITS = 18  # digits of a logit_bias key (a token id below 2**63)
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit); chat's top_logprobs go to MAX_TOP_LOGPROBS
 
 
@@ -137,6 +139,9 @@ class _Sampling(_Strict):
         if len(bias) > MAX_BIASED:
             raise ApiError(400, f"logit_bias has {len(bias)} entries; at most {MAX_BIASED}", param="logit_bias")
         for key, value in bias.items():
+            if len(key) > MAX_ID_DIGITS:  # int() of a 5,000-digit key was a ValueError, a 500
+                raise ApiError(400, f"logit_bias keys are token ids; {key[:20]!r}... has {len(key)} characters "
+                                    f"(at most {MAX_ID_DIGITS} digits)", param="logit_bias")
             if not (key.isascii() and key.isdigit()) or not math.isfinite(value) or not -100 <= value <= 100:
                 raise ApiError(400, f"logit_bias maps token ids (decimal strings) to biases between -100 and 100, "
                                     f"got {key[:20]!r}: {value!r}", param="logit_bias")
@@ -270,6 +275,9 @@ def parse(model: type[_Strict], body: bytes) -> Any:
 def _validation_error(e: ValidationError) -> ApiError:
     err = e.errors()[0]
     if err["type"] == "json_invalid":
+        if "recursion limit" in err["msg"]:  # valid JSON, nested deeper than pydantic's parser reads
+            return ApiError(400, f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep "
+                                 "(the server's limit)")
         return ApiError(400, f"the request body is not valid JSON: {err['msg']}")
     if err["type"] == "model_type":
         return ApiError(400, "the request body must be a JSON object")

@@ -10,13 +10,13 @@ from __future__ import annotations
 import signal
 import socket
 import sys
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.runtime.vision.images import DEFAULT_LIMITS, ImageLimits, fetch_url
+from decodert.runtime.vision.fetch import Fetcher
+from decodert.runtime.vision.images import DEFAULT_LIMITS, ImageLimits
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ class ServeOptions:
     aliases: tuple[str, ...] = ()  # more names of the model (--served-model-name A B ...: the names after the first)
     accept_any_model: bool = False  # any model name means the served model (--accept-any-model)
     allowed_origins: tuple[str, ...] = ()  # CORS: web origins allowed to call the API (--allowed-origins; "*": any)
+    image_fetch_timeout_s: float = 10.0  # the whole of one image fetch (runtime/vision/fetch.py)
+    max_image_fetches: int = 8  # image fetches at once, server-wide (one more: 503)
 
 
 def model_name(options: ServeOptions) -> str:
@@ -63,13 +65,14 @@ def make_app(options: ServeOptions):
                    adapters=dict(options.lora) or None)
     llm.image_limits = options.image_limits
     if options.allow_image_urls:
-        llm.fetch_image = functools.partial(fetch_url, limits=options.image_limits)
+        llm.fetch_image = Fetcher(options.image_limits, options.image_fetch_timeout_s, options.max_image_fetches)
     engine = EngineThread(llm, max_queue=options.max_queue)
     try:
         engine.speculation(options.speculative)  # a default the model cannot do fails now, not per request
     except DecodertError as e:
         method = getattr(options.speculative, "method", options.speculative)
         raise DecodertError(f"--speculative {method}: {e}") from None
+    llm.engine.reserve()  # a shared cache that cannot be allocated is refused now (exit 2), not at the first request
     config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s,
                          options.speculative, options.client_timeout_s, options.allowed_hosts,
                          responses_store=options.responses_store,

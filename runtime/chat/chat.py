@@ -99,3 +99,14 @@ def render_chat(template: str | None, messages: Sequence[Message], *, bos_token:
     except Exception as e:  # template errors of any kind (TemplateError, TypeError, ...): one line
         raise DecodertError(f"chat template failed to render: {type(e).__name__}: {str(e)[:200]}") from None
     return validate.check_text(text, "the rendered chat prompt")
+
+
+def _own_parameters(*functions: Any) -> frozenset[str]:
+    import inspect
+
+    return frozenset(name for f in functions for name, p in inspect.signature(f).parameters.items()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+# what extra template variables (chat_template_kwargs) cannot be named: the render calls' own parameters
+RENDER_PARAMETERS = _own_parameters(render_chat, render_limited)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from decodert.errors import DecodertError
+from decodert.runtime import validate
 from decodert.runtime.chat.tool_calls import ToolFormat, call_grammar
 
 CHOICES = ("auto", "none", "required")
@@ -175,9 +176,9 @@ def _tool_call(i: int, k: int, call: Any) -> dict:
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            raise _err(f"{where}.function.arguments is not valid JSON: {e}") from None
+            args = validate.load_json(args, f"{where}.function.arguments") if args.strip() else {}
+        except DecodertError as e:
+            raise _err(str(e)) from None
     if not isinstance(args, Mapping):
         raise _err(f"{where}.function.arguments must be a JSON object")
     if not isinstance(call.get("id"), str) or not call["id"]:

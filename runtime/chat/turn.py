@@ -26,7 +26,7 @@ from functools import lru_cache
 from typing import Any, Callable, Mapping
 
 from decodert.errors import DecodertError
-from decodert.runtime.chat.chat import check_messages, render_chat
+from decodert.runtime.chat.chat import RENDER_PARAMETERS, check_messages, render_chat
 from decodert.runtime.chat.harmony import HarmonyOutput, speaks_harmony
 from decodert.runtime.chat.output import ChatOutput, Delta, THINK_CLOSE, THINK_OPEN, assemble, complete
 from decodert.runtime.chat.tool_calls import ToolFormat, tool_format
@@ -155,9 +155,8 @@ def _template_kwargs(options: Mapping[str, Any]) -> dict:
     if extra is not None and (not isinstance(extra, Mapping) or not all(isinstance(k, str) for k in extra)):
         raise DecodertError("chat_template_kwargs must be a dict with string keys")
     out = dict(extra or {})
-    for reserved in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
-        if reserved in out:
-            raise DecodertError(f"chat_template_kwargs cannot set {reserved!r} (it has its own argument)")
+    for reserved in sorted(out.keys() & (RENDER_PARAMETERS | {"tools"})):  # a collision was a TypeError, a 500
+        raise DecodertError(f"chat_template_kwargs cannot set {reserved!r} (it has its own argument)")
     thinking = options.get("enable_thinking")
     if thinking is not None:
         if not isinstance(thinking, bool):

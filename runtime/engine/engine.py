@@ -168,11 +168,18 @@ class Engine:
         """Queue a sequence (``row``: a session's pinned row, which must be free) -> its handle."""
         if row is not None and row.handle is not None:
             raise DecodertError("this session row already runs a request")
-        if row is None and self._cache is None:
-            self._cache = self.backend.allocate(self.slots)  # DecodertError naming --max-batch / --max-seq
+        if row is None:
+            self.reserve()
         handle = Handle(next(self._ids), seq, row)
         self._scheduler.queue(handle)
         return handle
+
+    def reserve(self) -> None:
+        """Allocate the shared cache now, if it is not (``add`` does on the first request). DecodertError naming
+        --max-batch / --max-seq when it cannot fit; nothing is queued then. A server reserves at start, so that an
+        artifact whose cache cannot be allocated is refused before it listens, not at its first request."""
+        if self._cache is None:
+            self._cache = self.backend.allocate(self.slots)
 
     def abort(self, handle: Handle, reason: str | None = None) -> None:
         """End a request between steps. ``reason`` (e.g. "cancelled"): it finishes with that reason and leaves

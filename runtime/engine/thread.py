@@ -9,7 +9,10 @@
 The thread runs one run of the LLM's engine (runtime/engine/runs.py) per busy period with an ``admit``
 hook: before every step (an admission of new rows, one decode step of all running rows) the hook adds the
 submitted requests to the engine (``Engine.add``) and applies cancellations (``Engine.abort``). When nothing
-is left, the run ends and the thread sleeps until the next ``submit``. Callers never wait for a step: ``submit`` and
+is left, the run ends and the thread sleeps until the next ``submit``. Nothing is retried: a request the engine
+cannot take (``Engine.add`` raises, e.g. the shared cache cannot be allocated) ends at once with an error event, the
+others going on; a step that raises ends every request of its run so; a run that fails before it took any request
+ends the waiting ones. Callers never wait for a step: ``submit`` and
 ``cancel`` only take a lock for a few list operations, and a sink must not block either (the
 server's sink hands the event to its asyncio loop).
 """
@@ -188,10 +191,12 @@ class EngineThread:
                 elif delta:
                     self._send(req, Event(delta, logprobs=self._new_logprobs(req)))
         except Exception as e:  # a failed step ends every request of the run with its reason
-            reason = f"generation failed: {type(e).__name__}: {first_line(e)}"
-            for req in list(self._reqs.values()):
-                self._finish(req, Event(error=reason))
-                self.stats.failed += 1
+            failed = list(self._reqs.values())
+            if not failed:  # the run failed before it took any request: the inbox's would be retried forever
+                with self._cond:
+                    failed, self._inbox = self._inbox, []
+            for req in failed:
+                self._fail(req, e)
         finally:
             self._count_step()
             self._reqs.clear()
@@ -214,7 +219,11 @@ class EngineThread:
             cancels, self._cancels = self._cancels, set()
         for req in new:
             self._reqs[req.id] = req
-            req.handle = engine.add(req.seq)
+            try:
+                req.handle = engine.add(req.seq)
+            except Exception as e:  # e.g. the shared cache cannot be allocated: this request fails, never retried
+                self._fail(req, e)
+                continue
             self._by_handle[req.handle.id] = req
         for rid in cancels:
             req = self._reqs.get(rid)
@@ -222,6 +231,11 @@ class EngineThread:
                 engine.abort(req.handle, CANCELLED)  # type: ignore[arg-type]
                 self.stats.cancelled += 1
                 self._finish(req, Event(result=req.seq.result()))
+
+    def _fail(self, req: _Request, e: Exception) -> None:
+        """End ``req`` with the one-line reason of ``e`` (a server answers 500 generation_failed)."""
+        self.stats.failed += 1
+        self._finish(req, Event(error=f"generation failed: {type(e).__name__}: {first_line(e)}"))
 
     def _count_step(self) -> None:
         rows, self._rows_since_turn = self._rows_since_turn, 0

@@ -108,20 +108,3 @@ def _check_pixels(size: tuple[int, int], what: str, limits: ImageLimits) -> None
         raise DecodertError(f"{what} has {w}x{h} pixels; the limit is {limits.max_pixels}")
     if w < 1 or h < 1:
         raise DecodertError(f"{what} is empty ({w}x{h})")
-
-
-def fetch_url(url: str, what: str, limits: ImageLimits = DEFAULT_LIMITS, timeout: float = 10.0) -> bytes:
-    """GET an http(s) image URL (only where the server was started with --allow-image-urls), at most
-    ``max_bytes`` read; a failure is a one-line DecodertError."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "decodert"}),
-                                    timeout=timeout) as r:  # noqa: S310 (http(s) only: checked by the caller)
-            data = r.read(limits.max_bytes + 1)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise DecodertError(f"{what}: fetching {url[:100]} failed ({getattr(e, 'reason', e)})") from None
-    if len(data) > limits.max_bytes:
-        raise DecodertError(f"{what} at {url[:100]} is over {limits.max_bytes} bytes")
-    return data

@@ -7,7 +7,7 @@ array or a data URL (runtime/vision/images.py decodes each under the image limit
 share one size. ``fps``: the rate the frames were taken at (optional; the model's video processor uses it to
 sample frames and to time them: runtime/vision/qwen_video.py). Every refusal is a one-line DecodertError
 naming the video: no frames, more than ``max_frames`` frames in the request, more than
-``max_video_pixels`` pixels over all of its frames, frames of different sizes, a bad fps.
+``max_video_pixels`` pixels over all of its frames, frames of different sizes, an fps outside [0.001, 1000].
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from decodert.errors import DecodertError
 from decodert.runtime.vision.images import ImageLimits, load_image
 
 
+MIN_FPS, MAX_FPS = 1e-3, 1e3  # a frame every 1000 s .. 1000 frames a second
+
+
 @dataclass(frozen=True, eq=False)
 class Video:
     frames: np.ndarray  # [T, H, W, 3] uint8
@@ -33,8 +36,8 @@ def load_video(value: Any, fps: Any, what: str, limits: ImageLimits, frames_befo
                pixels_before: int = 0) -> Video:
     """``value`` -> a Video; ``frames_before`` / ``pixels_before``: what earlier videos of the request used."""
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps)
-                            or fps <= 0):
-        raise DecodertError(f"{what}: fps must be a positive number, got {fps!r}")
+                            or not MIN_FPS <= fps <= MAX_FPS):  # 1e-300 overflowed the frame count (a 500)
+        raise DecodertError(f"{what}: fps must be a number between {MIN_FPS:g} and {MAX_FPS:g}, got {fps!r:.40}")
     if isinstance(value, np.ndarray) and value.ndim == 4:
         if value.shape[-1] != 3 or value.dtype != np.uint8 or 0 in value.shape:
             raise DecodertError(f"{what}: an array must be TxHxWx3 uint8 RGB, got {value.dtype} {list(value.shape)}")

@@ -200,7 +200,7 @@ def test_bad_videos_get_one_line_errors(qvl, tmp_path, rng):
     bad = {
         "a non-empty list of frames": video_part([]),
         "must share one size": video_part([frames[0], frames[1, :16]]),
-        "fps must be a positive number": video_part(frames, -1),
+        "fps must be a number between 0.001 and 1000": video_part(frames, -1),
         "TxHxWx3 uint8": video_part(frames.astype(np.float32)),
         "could not be decoded": video_part([b"not an image"]),
         "needs a 'video'": {"type": "video"},

@@ -44,6 +44,19 @@ class Embedder:
         self._dense: list[tuple[np.ndarray, np.ndarray | None]] | None = None
         self._lock = threading.Lock()
 
+    @classmethod
+    def open(cls, folder: Path | str, verify: str = "fast") -> "Embedder":
+        """The embedder of an artifact folder without its generation backend (``decodert embed``)."""
+        from decodert.artifact.manifest import tokenizer_file
+        from decodert.runtime.backends.loading import open_tokenizer, read_manifest
+
+        folder = Path(folder)
+        manifest = read_manifest(folder, verify)
+        tokenizer_file(manifest, folder)
+        tok = manifest.tokenizer
+        bos = tok.bos_token_id if tok.bos_token_id is not None else manifest.model.bos_token_id
+        return cls(folder, manifest, open_tokenizer(folder, manifest), bos, tok.add_bos_token)
+
     @property
     def dimensions(self) -> int:
         """The full vector size."""

@@ -82,8 +82,8 @@ def reference_vectors(path: Path, texts: Sequence[str], pooling: str = "lasttoke
         x = hidden[np.arange(len(texts)), np.argmax(mask, axis=1)]
     else:
         x = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
-    modules = json.loads((Path(path) / "modules.json").read_text())
-    for m in modules:
+    listed = Path(path) / "modules.json"
+    for m in json.loads(listed.read_text()) if listed.is_file() else []:
         if m["type"].endswith("Dense"):
             w = load_file(str(Path(path) / m["path"] / "model.safetensors"))
             x = x @ w["linear.weight"].T + w["linear.bias"]

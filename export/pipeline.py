@@ -34,9 +34,9 @@ from decodert.export.lowering.targets import get_target
 from decodert.export.quantize.weight_layouts import WeightLayout
 from decodert.artifact.artifact_files import file_record
 from decodert.artifact.cache_records import StateRecord
-from decodert.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, EmbeddingRecord, GraphRecord, KVRecord, Manifest, ModelRecord, PluginsRecord,
-                                      QuantRecord, SamplingRecord, SourceRecord, TokenizerRecord, WeightsRecord, from_json,
-                                      write_manifest)
+from decodert.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, EmbeddingRecord, GraphRecord, KVRecord,
+                                        Manifest, ModelRecord, PluginsRecord, QuantRecord, SamplingRecord, SourceRecord,
+                                        TokenizerRecord, WeightsRecord, from_json, write_manifest)
 from decodert.export.progress import Stage
 from decodert.export.vision_export import vision_of, write_vision
 from decodert.export.lowering.semantics import tokenizer_vocab

@@ -6,6 +6,8 @@ hidden state instead of the logits (the graph recipe: export/lowering/graph.py).
     visible     [B,1,S,S]: key j of row b seen by query i iff j < seq_lengths[b] and
                   causal:         j <= i         (a sliding layer also i - j < window)
                   bidirectional:  every such j   (a sliding layer |i - j| < window // 2 + 1, transformers' Gemma 3)
+                a padding query (i >= seq_lengths[b]) sees every valid key: its row is never all masked, so no NaN
+                reaches the values the valid queries read (0 x NaN is NaN)
     per layer   the target's own norms, linears and MLPs (its Lowering); attention = the reference attend body
                 (plugins/ops/cached_attention.py) over the row's own S keys: no cache inputs, nothing written
     hidden      rmsnorm(x + mlp) at every position   [B,S,hidden] float32   (the final norm, no lm_head)
@@ -77,14 +79,18 @@ class EmbedLowering:
             steps = g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1)))  # [S]
             queries = g.op("Unsqueeze", steps, g.const([0, 1, 3]))  # [1,1,S,1]
             keys = g.op("Unsqueeze", steps, g.const([0, 1, 2]))  # [1,1,1,S]
-            visible = g.op("Less", keys, g.op("Unsqueeze", inp.seq_lengths, g.const([1, 2, 3])))  # [B,1,1,S]
+            lengths = g.op("Unsqueeze", inp.seq_lengths, g.const([1, 2, 3]))  # [B,1,1,1]
+            valid = g.op("Less", keys, lengths)  # [B,1,1,S]
+            rule = None
             if self.causal:
-                visible = g.op("And", visible, g.op("LessOrEqual", keys, queries))
+                rule = g.op("LessOrEqual", keys, queries)
                 if window:
-                    visible = g.op("And", visible, g.op("Greater", keys, g.op("Sub", queries, g.const(np.int64(window)))))
+                    rule = g.op("And", rule, g.op("Greater", keys, g.op("Sub", queries, g.const(np.int64(window)))))
             elif window:
-                near = g.op("Less", g.op("Abs", g.op("Sub", queries, keys)), g.const(np.int64(window // 2 + 1)))
-                visible = g.op("And", visible, near)
+                rule = g.op("Less", g.op("Abs", g.op("Sub", queries, keys)), g.const(np.int64(window // 2 + 1)))
+            if rule is not None:  # a padding query sees every valid key: never a row of no keys (NaN in its values)
+                rule = g.op("Or", rule, g.op("GreaterOrEqual", queries, lengths))
+            visible = valid if rule is None else g.op("And", valid, rule)
             positions = g.op("Unsqueeze", steps, g.const([0]))  # [1,S]
             cos = g.op("Unsqueeze", g.op("Gather", inp.cos_cache, positions, axis=0), g.const([2]))
             sin = g.op("Unsqueeze", g.op("Gather", inp.sin_cache, positions, axis=0), g.const([2]))

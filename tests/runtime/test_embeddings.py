@@ -149,3 +149,22 @@ def test_embed_cli(qwen3_embedding, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("decodert: error:")
         assert __import__("re").search(message, err)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "gpt_oss", "qwen3_moe", "phi3", "smollm3"])
+def test_families_last_hidden_state_matches_transformers(tmp_path, family):
+    """Sliding windows with local RoPE (gemma3), softcapping (gemma2), sinks and experts (gpt_oss), experts
+    (qwen3_moe), partial rotary (phi3), NoPE layers and tied embeddings (smollm3): the decoder's own body."""
+    src = make_tiny_checkpoint(family, tmp_path / "hf")
+    export_model(src, tmp_path / "art", max_seq=64, max_batch=2, progress=False, embeddings=True)
+    vectors = LLM.load(tmp_path / "art").embed(TEXTS)
+    assert np.abs(vectors - reference_vectors(src, TEXTS, "lasttoken", padding_side="right")).max() < 1e-4
+
+
+@pytest.mark.parametrize("family, message", [("lfm2", "lfm2 has layers with conv or recurrent state"),
+                                             ("gemma4", "gemma4 has layers that read another layer's K/V")])
+def test_models_embed_onnx_cannot_take_are_refused_in_one_line(tmp_path, family, message):
+    src = make_tiny_checkpoint(family, tmp_path / "hf")
+    with pytest.raises(DecodertError, match=f"--embeddings: {message}"):
+        export_model(src, tmp_path / "art", max_seq=64, max_batch=2, progress=False, embeddings=True)
+    assert not (tmp_path / "art" / "manifest.json").exists()

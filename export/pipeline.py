@@ -161,6 +161,9 @@ def _check_embeddings(embeddings: bool | None, ckpt: Any) -> bool:
     source = Path(ckpt.source)
     if embeddings is None:
         embeddings = source.is_dir() and is_embedding_checkpoint(source)
+    if (getattr(ckpt, "config", None) or {}).get("use_bidirectional_attention") and not embeddings:
+        raise DecodertError(f"{source}: use_bidirectional_attention=true is an embedding model (EmbeddingGemma): "
+                            "export it with --embeddings (decodert's decoder graphs are causal; it does not generate)")
     problem = embed_problem(ckpt.spec) if embeddings else None
     if problem is not None:
         raise DecodertError(f"--embeddings: {problem}")

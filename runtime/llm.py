@@ -290,6 +290,10 @@ class LLM:
         apply_chat_template); images and videos in them are decoded and their tokens expanded. ``chat``: whether
         ``source`` is messages (None: a non-empty list of dicts is). RequestError
         (a DecodertError) names the part at fault: "messages", "tools", "prompt" or the parameter."""
+        embedding = self.manifest.embedding if self.manifest is not None else None
+        if embedding is not None and not embedding.causal:
+            raise RequestError("this is an embedding model with bidirectional attention (EmbeddingGemma): it does not "
+                               "generate text; use LLM.embed or /v1/embeddings", "model")
         params = dict(params)
         spec, adapter, given = params.pop("speculative", None), params.pop("adapter", None), params.pop("constraint", None)
         if not (_is_messages(source) if chat is None else chat):

@@ -4,6 +4,8 @@ reference vectors of transformers for them.
     path = make_tiny_embedding(tmp / "emb")                      # Qwen3-Embedding style: a qwen3 folder, last-token
                                                                  # pooling, the tokenizer appends <|endoftext|>
     path = make_tiny_embedding(tmp / "mean", pooling="mean", family="llama", dense=(48, 32))   # + two Dense layers
+    path = make_tiny_embedding(tmp / "eg", family="gemma3", pooling="mean", dense=(128, 64), bidirectional=True)
+                                                                 # EmbeddingGemma style: a bare Gemma3TextModel
     vectors = reference_vectors(path, texts)                     # transformers' AutoModel, pooled, normalised
 """
 
@@ -23,14 +25,20 @@ ALL_MODES = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode
 
 
 def make_tiny_embedding(path: Path, family: str = "qwen3", pooling: str = "lasttoken", dense: Sequence[int] = (),
-                        append_eos: bool = True, seed: int = 0) -> Path:
+                        append_eos: bool = True, seed: int = 0, bidirectional: bool = False) -> Path:
     """A tiny random ``family`` checkpoint plus modules.json, 1_Pooling/config.json and one Dense folder per
     entry of ``dense`` (its out_features; identity activation, with bias); ``append_eos``: the tokenizer's
-    post-processor appends <|endoftext|> to every text, as Qwen3-Embedding's does."""
+    post-processor appends <|endoftext|> to every text, as Qwen3-Embedding's does; ``bidirectional``: the config's
+    use_bidirectional_attention, the weights saved as the bare text model (EmbeddingGemma's layout: no "model."
+    prefix, no lm_head)."""
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, processors
 
-    path = make_tiny_checkpoint(family, path, seed=seed)
+    path = make_tiny_checkpoint(family, path, seed=seed, **({"use_bidirectional_attention": True} if bidirectional else {}))
+    if bidirectional:
+        from transformers import AutoModel
+
+        AutoModel.from_pretrained(str(path)).save_pretrained(str(path))
     cfg = json.loads((path / "config.json").read_text())
     if append_eos:
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))

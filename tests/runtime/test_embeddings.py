@@ -168,3 +168,25 @@ def test_models_embed_onnx_cannot_take_are_refused_in_one_line(tmp_path, family,
     with pytest.raises(DecodertError, match=f"--embeddings: {message}"):
         export_model(src, tmp_path / "art", max_seq=64, max_batch=2, progress=False, embeddings=True)
     assert not (tmp_path / "art" / "manifest.json").exists()
+
+
+def test_embeddinggemma_style_bidirectional_mean_dense(tmp_path):
+    """gemma3_text with use_bidirectional_attention (a bare Gemma3TextModel, sliding layers |i - j| < window//2 + 1),
+    mean pooling and two Dense layers: transformers' AutoModel + the Dense layers in numpy (sentence-transformers is
+    not installed here). Batch == singles holds although every valid token sees the later ones."""
+    src = make_tiny_embedding(tmp_path / "hf", family="gemma3", pooling="mean", dense=(128, 64), append_eos=False,
+                              bidirectional=True)
+    with pytest.raises(DecodertError, match="use_bidirectional_attention=true is an embedding model"):
+        export_model(src, tmp_path / "plain", max_seq=64, max_batch=2, progress=False, embeddings=False)
+    out = tmp_path / "art"
+    export_model(src, out, max_seq=64, max_batch=2, progress=False)
+    m = load_manifest(out)
+    assert (m.embedding.pooling, m.embedding.causal, m.embedding.dimensions, m.embedding.matryoshka) == \
+        ("mean", False, 64, True)
+    llm = LLM.load(out)
+    vectors = llm.embed(TEXTS)
+    expected = reference_vectors(src, TEXTS, "mean", padding_side="right")
+    assert np.abs(vectors - expected).max() < 1e-4 and (vectors * expected).sum(axis=1).min() > 0.9999
+    assert np.abs(vectors - np.concatenate([llm.embed(t) for t in TEXTS])).max() < 1e-5
+    with pytest.raises(RequestError, match="embedding model with bidirectional attention .* does not generate"):
+        llm.generate("hello", max_new_tokens=2)

@@ -108,7 +108,8 @@ class LLM:
         self._guidance: Guidance | None = None  # llguidance tokenizer, made on the first constrained request
         self._guidance_lock = threading.Lock()  # not the runs' lock: building it must not hold up a running step
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # closed with the LLM
-        self._embedder: Embedder | None = None  # opened by the first embed call
+        self._embedder: Embedder | None = None  # made by the first embed call
+        self._embedder_lock = threading.Lock()
         self.image_limits = DEFAULT_LIMITS  # bytes, pixels and images per request (the server sets its own)
         self.fetch_image: Callable[[str, str], bytes] | None = None  # remote image URLs: refused unless set
         layout = manifest.lora_layout if manifest else None  # LoRA slots: adapters by name (runtime/adapters.py)
@@ -409,10 +410,11 @@ class LLM:
     @property
     def embedder(self) -> Embedder:
         """embed.onnx and its pooling rule (runtime/embedding.py); DecodertError when the artifact has none."""
-        if self._embedder is None:
-            self._embedder = Embedder(self.backend.dir, self.manifest, self.tokenizer, self.bos_token_id,
-                                      self.add_bos_token)
-        return self._embedder
+        with self._embedder_lock:  # one Embedder (one embed.onnx session) per LLM, whichever thread asks first
+            if self._embedder is None:
+                self._embedder = Embedder(self.backend.dir, self.manifest, self.tokenizer, self.bos_token_id,
+                                          self.add_bos_token)
+            return self._embedder
 
     def embed(self, inputs: EmbedInput | Seq[EmbedInput], dimensions: int | None = None) -> np.ndarray:
         """Unit vectors [n, d] float32 of texts or token id lists (one text or one id list: n = 1), pooled as the

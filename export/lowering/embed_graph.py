@@ -8,8 +8,10 @@ hidden state instead of the logits (the graph recipe: export/lowering/graph.py).
                   bidirectional:  every such j   (a sliding layer |i - j| < window // 2 + 1, transformers' Gemma 3)
                 a padding query (i >= seq_lengths[b]) sees every valid key: its row is never all masked, so no NaN
                 reaches the values the valid queries read (0 x NaN is NaN)
-    per layer   the target's own norms, linears and MLPs (its Lowering); attention = the reference attend body
-                (plugins/ops/cached_attention.py) over the row's own S keys: no cache inputs, nothing written
+    per layer   the target's own norms, linears and MLPs (its Lowering); attention over the row's own S keys, no
+                cache inputs, nothing written: the target's kernel where it takes a call without a cache
+                (``Lowering.cacheless_attention``: ort's GroupQueryAttention, causal, seqlens_k = S - 1 in every
+                row as in prefill), else the reference attend body (plugins/ops/cached_attention.py) with the mask
     hidden      rmsnorm(x + mlp) at every position   [B,S,hidden] float32   (the final norm, no lm_head)
 
 Pooling, the dense layers and normalisation happen on the rows the runtime reads (runtime/embedding.py). Layers
@@ -72,8 +74,11 @@ class EmbedLowering:
     def for_layer(self, layer: int) -> "EmbedLowering":
         return EmbedLowering(self.inner.for_layer(layer), self.causal)
 
-    def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> EmbedContext:
-        """Positions arange(S), the visibility rule above, RoPE at those positions ([1,S,1,R/2])."""
+    def context(self, g: GraphBuilder, inp: GraphInputs, window: int = 0) -> Any:
+        """The target's own context over an empty cache where its attention takes no cache (``inp.past_lengths``:
+        zeros); else positions arange(S), the visibility rule above, RoPE at those positions ([1,S,1,R/2])."""
+        if self.causal and self.inner.cacheless_attention():
+            return self.inner.context(g, inp, window)
         with g.scope("embed_context"):
             seq = g.op("Gather", g.op("Shape", inp.input_ids), g.const(np.int64(1)), axis=0)
             steps = g.op("Range", g.const(np.int64(0)), seq, g.const(np.int64(1)))  # [S]
@@ -99,8 +104,11 @@ class EmbedLowering:
 
     def attention(self, g: GraphBuilder, ctx: EmbedContext, qkv: str, cache: tuple[str, str, str, str],
                   sinks: str | None = None) -> str:
-        """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D] over the row's own keys; ``cache`` is not read (no cache here)."""
+        """qkv [B,S,(H+2Hkv)*D] -> y [B,S,H*D] over the row's own keys; ``cache`` is not read (no cache here): the
+        target's kernel with no past and scratch present values, or the reference attend body."""
         low = self.inner
+        if not isinstance(ctx, EmbedContext):  # cacheless_attention: causal over each row's first keys
+            return low.attention(g, ctx, qkv, ("", "", "scratch_" + cache[2], "scratch_" + cache[3]), sinks)
         d, h, hkv = low.head_dim, low.attn.num_heads, low.attn.num_kv_heads
         q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d]), axis=2, outputs=3)
         q4 = ca.rope_body(g, g.op("Reshape", q, g.const([0, 0, h, d])), ctx, d, low.rotary_dim)
@@ -123,7 +131,8 @@ def build_embed_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, on
     g = GraphBuilder(f"decodert_{spec.family}_embed", base.opsets)
     for io in embed_contract(spec)["inputs"]:
         g.input(io["name"], io["dtype"], io["shape"])
-    inp = GraphInputs("input_ids", "", "seq_lengths", "rope.cos", "rope.sin")
+    zeros = g.op("Mul", "seq_lengths", g.const(np.int64(0)))  # [B] past_lengths: no cache before the rows
+    inp = GraphInputs("input_ids", zeros, "seq_lengths", "rope.cos", "rope.sin")
     with g.scope("model"):
         contexts = attention.contexts(g, low, inp, spec)
         with g.scope("embed"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 
 from decodert.artifact.manifest import load_manifest
@@ -104,6 +105,10 @@ def test_plain_causal_lm_defaults_to_last_token(tmp_path):
     export_model(src, out, max_seq=64, max_batch=2, progress=False, embeddings=True)
     m = load_manifest(out)
     assert m.embedding.pooling == "last" and m.embedding.source.startswith("default: last-token")
+    graph = onnx.load(str(out / "embed.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]  # the ort target's own prompt kernel over no cache; no lm_head read
+    assert ops.count("GroupQueryAttention") == 2 and [i.name for i in graph.input] == ["input_ids", "seq_lengths"]
+    assert "lm_head" not in {i.name for i in graph.initializer}
     for kind in ("prefill", "decode", "verify"):  # the generation graphs do not change
         assert (out / f"{kind}.onnx").read_bytes() == (plain / f"{kind}.onnx").read_bytes()
     vectors = LLM.load(out).embed(TEXTS)

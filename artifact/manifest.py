@@ -24,7 +24,7 @@ from decodert.errors import DecodertError
 from decodert.artifact.artifact_files import FileRecord, verify_files
 from decodert.artifact.graph_contract import check_contract, check_verify, need
 from decodert.artifact.cache_records import KVRecord
-from decodert.artifact.records import R, Record, read_record, to_json
+from decodert.artifact.records import OMIT_NULL, R, Record, read_record, to_json
 from decodert.artifact.lora_layout import LoraLayout, LoraRecord
 from decodert.models.spec import ModelSpec
 from decodert.models.spec_v1 import upgrade_model
@@ -181,6 +181,32 @@ class VisionRecord(Record):
     processor: Mapping[str, Any]
 
 
+POOLING = ("last", "mean", "cls")  # the rules runtime/embedding.py applies
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseRecord(Record):
+    """One projection after pooling (sentence-transformers' Dense module): y = x @ weight^T + bias, stored
+    float32 in ``file`` (an .npz in the artifact folder: ``weight`` [out, in], ``bias`` [out] if any)."""
+    file: str
+    in_features: int
+    out_features: int
+    bias: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingRecord(Record):
+    """embed.onnx (``decodert export --embeddings``, or an embedding checkpoint): the last hidden state of every
+    position, and how the runtime turns it into one vector per input (runtime/embedding.py; docs/SERVING.md)."""
+    graph: GraphRecord
+    pooling: str  # "last" (the last valid token) | "mean" (over valid tokens) | "cls" (the first token)
+    causal: bool = True  # False: every token attends to every valid token (EmbeddingGemma)
+    dimensions: int | None = None  # the vector's size (the last dense layer's out_features, else hidden_size)
+    matryoshka: bool = False  # trained for truncation: ``dimensions`` < the full size allowed (then renormalised)
+    dense: tuple[DenseRecord, ...] = ()  # projections after pooling, in order
+    source: str | None = None  # where the rule was read ("1_Pooling/config.json", "default: causal LM")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineRecord(Record):
     """One TensorRT engine written by ``decodert build`` (docs/TENSORRT.md lists the other keys)."""
@@ -227,6 +253,7 @@ class Manifest(Record):
     vision: VisionRecord | None = None  # vision-language models: vision.onnx and the image processor
     kv_dtype: str | None = None  # --kv-dtype (None: older artifacts, the cache in ``dtype``)
     lora: LoraRecord | None = None
+    embedding: EmbeddingRecord | None = dataclasses.field(default=None, metadata=OMIT_NULL)  # embed.onnx, when exported
 
     @property
     def lora_layout(self) -> LoraLayout | None:
@@ -349,6 +376,8 @@ def validate(m: Manifest, path: Path) -> None:
         need(m.model.images is not None, path, "vision needs model.images (the image token)")
     if "verify" in m.graphs:
         _listed(m, m.graphs["verify"].file, path, "graphs.verify.file")
+    if m.embedding is not None:
+        _check_embedding(m, path)
     check_verify(m, path)
     _listed(m, m.weights.file, path, "weights.file")
     # listed in files is checked where it is opened (tokenizer_file): `decodert build` needs no tokenizer
@@ -361,6 +390,22 @@ def validate(m: Manifest, path: Path) -> None:
         need(problem is None, path, str(problem))
     for name, eng in (m.engines or {}).items():
         need(safe_name(eng.file) and eng.size >= 0 and _hex(eng.sha256), path, f"engines.{name} is malformed")
+
+
+def _check_embedding(m: Manifest, path: Path) -> None:
+    """embed.onnx listed, a known pooling rule, dense layers that chain from hidden_size to ``dimensions``."""
+    e = m.embedding
+    assert e is not None
+    _listed(m, e.graph.file, path, "embedding.graph.file")
+    need(e.pooling in POOLING, path, f"embedding.pooling {e.pooling!r} is not one of {', '.join(POOLING)}")
+    width = m.model.hidden_size
+    for i, d in enumerate(e.dense):
+        _listed(m, d.file, path, f"embedding.dense[{i}].file")
+        need(width is None or d.in_features == width, path,
+             f"embedding.dense[{i}].in_features {d.in_features} does not follow the width {width} before it")
+        width = d.out_features
+    need(e.dimensions is not None and e.dimensions >= 1 and (width is None or e.dimensions == width), path,
+         f"embedding.dimensions {e.dimensions} is not the vector's size {width}")
 
 
 def sampling_problem(record: Any) -> str | None:

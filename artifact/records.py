@@ -8,6 +8,8 @@ against its type and builds the dataclass, ``to_json(record)`` turns it back int
   ``int`` refuses booleans and floats, ``float`` takes ints, ``Any`` is kept as read.
 - Keys the class does not know are kept in ``extra`` and written back unchanged, so an older
   decodert that rewrites a newer file (``decodert build`` adding engines) loses nothing.
+- A field declared with ``OMIT_NULL`` metadata is left out while it is None, so a record that gained it
+  writes the JSON it wrote before (manifest.json's ``embedding``).
 
 Errors are one line: ``{where}.{field} is missing`` / ``... must be a list``, with the JSON path.
 """
@@ -23,6 +25,7 @@ from typing import Any, Mapping, TypeVar
 from decodert.errors import DecodertError
 
 R = TypeVar("R", bound="Record")
+OMIT_NULL = {"omit_null": True}  # dataclasses.field(default=None, metadata=OMIT_NULL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +115,8 @@ def _name(tp: Any) -> str:
 def to_json(value: Any) -> Any:
     """A record (or a value inside one) -> plain JSON values; ``extra`` keys come back after the fields."""
     if isinstance(value, Record):
-        out = {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "extra"}
+        out = {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "extra"
+               and not (f.metadata.get("omit_null") and getattr(value, f.name) is None)}
         out.update({k: v for k, v in value.extra.items() if k not in out})
         return out
     if isinstance(value, Mapping):

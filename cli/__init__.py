@@ -1,4 +1,4 @@
-"""The ``decodert`` command: export, inspect, build, generate, chat, run, serve, verify, bench, cache.
+"""The ``decodert`` command: export, inspect, build, generate, chat, run, embed, serve, verify, bench, cache.
 
 One module per command in this package; each has ``add_parser(subparsers)``, which sets
 ``func(args) -> int`` (the exit code). Every DecodertError ends as one line on stderr and exit code 2.
@@ -11,10 +11,10 @@ import signal
 import sys
 
 from decodert import __version__
-from decodert.cli import bench, build, cache, chat, export, generate, inspect, run, serve, verify
+from decodert.cli import bench, build, cache, chat, embed, export, generate, inspect, run, serve, verify
 from decodert.errors import DecodertError, Terminated
 
-COMMANDS = (export, inspect, build, generate, chat, run, serve, verify, bench, cache)  # the order of `decodert --help`
+COMMANDS = (export, inspect, build, generate, chat, run, embed, serve, verify, bench, cache)  # the order of `decodert --help`
 
 
 DESCRIPTION = "Compile an LLM checkpoint (HF folder or GGUF) to ONNX / TensorRT graphs and run it."

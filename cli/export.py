@@ -67,6 +67,9 @@ def add_parser(sub: Any) -> None:
                    help="with --lora-slots: the highest adapter rank a slot holds (default 16)")
     e.add_argument("--merge-lora", action="append", default=[], metavar="DIR",
                    help="a PEFT LoRA adapter folder to merge into the weights (repeatable): one fused model")
+    e.add_argument("--embeddings", action="store_true", default=None,
+                   help="also write embed.onnx (the last hidden state, no K/V: LLM.embed, /v1/embeddings); "
+                        "on by default for an embedding checkpoint (a sentence-transformers folder)")
     e.set_defaults(func=run_export)
 
 
@@ -93,7 +96,7 @@ def run_export(args: argparse.Namespace) -> int:
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version,
                      kv_dtype=args.kv_dtype,
                      lora=LoraLayout(args.lora_slots, args.lora_rank) if args.lora_slots else None,
-                     merge_lora=args.merge_lora)
+                     merge_lora=args.merge_lora, embeddings=args.embeddings)
     print(summary(m, args.out))
     return 0
 

@@ -1,4 +1,5 @@
-"""``decodert export``: checkpoint -> prefill.onnx + decode.onnx + weights.bin + tokenizer + manifest.
+"""``decodert export``: checkpoint -> prefill.onnx + decode.onnx + weights.bin + tokenizer + manifest
+(+ embed.onnx with ``embeddings``: export/lowering/embed_graph.py).
 
 Everything is written into a temporary sibling folder and swapped into place at the end
 (export/artifact/destination.py), so an interrupted or failed export leaves the old artifact or none.
@@ -23,6 +24,8 @@ from decodert.artifact.lora_layout import LoraLayout, LoraRecord
 from decodert.export.lora.merge import MergedCheckpoint
 from decodert.artifact.peft import read_peft
 from decodert.export.lowering.graph import build_graph
+from decodert.export.lowering.embed_graph import EMBED_FILE, build_embed_graph, embed_contract, embed_problem
+from decodert.export.checkpoints.embedding_config import embedding_rule, is_embedding_checkpoint
 from decodert.export.lowering.io_contract import VERIFY_WIDTH, io_contract, verifies_rows
 from decodert.export.quantize.quant import QuantConfig, WeightQuant, quantize, quantized_embedding, write_gather_tables
 from decodert.export.quantize.quant_gguf import transcoded_as
@@ -31,9 +34,9 @@ from decodert.export.lowering.targets import get_target
 from decodert.export.quantize.weight_layouts import WeightLayout
 from decodert.artifact.artifact_files import file_record
 from decodert.artifact.cache_records import StateRecord
-from decodert.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, GraphRecord, KVRecord, Manifest, ModelRecord, PluginsRecord,
-                                      QuantRecord, SamplingRecord, SourceRecord, TokenizerRecord, WeightsRecord, from_json,
-                                      write_manifest)
+from decodert.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, EmbeddingRecord, GraphRecord, KVRecord,
+                                        Manifest, ModelRecord, PluginsRecord, QuantRecord, SamplingRecord, SourceRecord,
+                                        TokenizerRecord, WeightsRecord, from_json, write_manifest)
 from decodert.export.progress import Stage
 from decodert.export.vision_export import vision_of, write_vision
 from decodert.export.lowering.semantics import tokenizer_vocab
@@ -55,7 +58,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                  max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None,
                  quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None,
                  kv_dtype: str | None = None, lora: LoraLayout | None = None,
-                 merge_lora: Sequence[str | Path] = ()) -> Manifest:
+                 merge_lora: Sequence[str | Path] = (), embeddings: bool | None = None) -> Manifest:
     """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
 
     ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
@@ -72,6 +75,10 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
 
     ``lora``: adapter slots the graphs take at run time (artifact/lora_layout.py); ``merge_lora``: PEFT
     adapter folders whose updates are added to the weights (export/lora/merge.py).
+
+    ``embeddings`` also writes embed.onnx (the last hidden state of every position, no K/V) and the manifest's
+    ``embedding`` record (its pooling rule: export/checkpoints/embedding_config.py); None: only for an embedding
+    checkpoint (a sentence-transformers folder). Without it the artifact is what it was before, byte for byte.
     """
     tgt = get_target(target)
     _check_settings(dtype, max_seq, max_batch)
@@ -85,6 +92,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     plugin_ops = tuple(plugin_record["ops"]) if plugin_record else ()
     kv = kv_dtype_of(kv_dtype, dtype)
     tgt.make_lowering(spec, dtype, max_seq, plugins=plugin_ops, kv=kv)  # refuses a KV dtype the target cannot keep
+    embeddings = _check_embeddings(embeddings, ckpt)
 
     with destination.terminating_raises():  # SIGTERM / SIGHUP remove the temp folder as SIGINT does
         tmp = destination.make_temp(out_dir)
@@ -105,6 +113,9 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                 tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
                 manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
                 bar.update()
+                if embeddings:
+                    manifest = manifest.replace(embedding=_write_embedding(ckpt, spec, lowering, weights, dtype, tmp))
+                    manifest = manifest.replace(files=_file_records(tmp))
                 manifest = manifest.replace(
                     sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
                     plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
@@ -143,6 +154,30 @@ def _open_source(src: str | Path, tgt: Any, quant: QuantConfig | None, lora: Lor
     if not 2 <= max_seq <= spec.max_position:
         raise DecodertError(f"--max-seq {max_seq} must be between 2 and the model's context length {spec.max_position}")
     return ckpt, quant, max_seq
+
+
+def _check_embeddings(embeddings: bool | None, ckpt: Any) -> bool:
+    """Whether embed.onnx is written (None: for an embedding checkpoint); refused in one line where it cannot be."""
+    source = Path(ckpt.source)
+    if embeddings is None:
+        embeddings = source.is_dir() and is_embedding_checkpoint(source)
+    if (getattr(ckpt, "config", None) or {}).get("use_bidirectional_attention") and not embeddings:
+        raise DecodertError(f"{source}: use_bidirectional_attention=true is an embedding model (EmbeddingGemma): "
+                            "export it with --embeddings (decodert's decoder graphs are causal; it does not generate)")
+    problem = embed_problem(ckpt.spec) if embeddings else None
+    if problem is not None:
+        raise DecodertError(f"--embeddings: {problem}")
+    return bool(embeddings)
+
+
+def _write_embedding(ckpt: Any, spec: ModelSpec, lowering: Any, weights: dict, dtype: str, tmp: Path) -> EmbeddingRecord:
+    """embed.onnx (checked) and its dense layers' files -> the manifest's ``embedding`` record."""
+    source = Path(ckpt.source)
+    rule = embedding_rule(source if source.is_dir() else None, getattr(ckpt, "config", None), spec.hidden_size, tmp)
+    path = tmp / EMBED_FILE
+    onnx.save_model(build_embed_graph(spec, lowering, weights, rule["causal"]), path)
+    onnx.checker.check_model(str(path), full_check=True)
+    return from_json(EmbeddingRecord, {"graph": {"file": EMBED_FILE, **embed_contract(spec)}, **rule}, "embedding")
 
 
 def _check_lora(tgt: Any, lora: LoraLayout | None) -> None:
@@ -300,6 +335,12 @@ def _kv_scales(spec: ModelSpec, float_cache: Any, weights: dict, kv: KVDtype, tm
     return kv_calibrate.scale_tensors(scales)
 
 
+def _file_records(folder: Path) -> dict:
+    """Every file the artifact holds (name -> size and sha256), but the manifest and the export's own marker."""
+    return {p.name: file_record(p) for p in sorted(folder.iterdir())
+            if p.is_file() and p.name not in (MANIFEST, destination.MARKER)}
+
+
 def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, kv: KVDtype, max_seq: int, max_batch: int,
               graphs: dict[str, GraphRecord], tokenizer: dict, folder: Path) -> Manifest:
     src = Path(ckpt.source)
@@ -317,6 +358,5 @@ def _manifest(ckpt, spec: ModelSpec, target: str, dtype: str, kv: KVDtype, max_s
                                  for st in state_specs(spec))),
         graphs=graphs, weights=WeightsRecord(file=WEIGHTS, bytes=(folder / WEIGHTS).stat().st_size),
         tokenizer=from_json(TokenizerRecord, {"file": "tokenizer.json", **tokenizer}, "tokenizer"),
-        files={p.name: file_record(p) for p in sorted(folder.iterdir())
-               if p.is_file() and p.name not in (MANIFEST, destination.MARKER)},
+        files=_file_records(folder),
     )

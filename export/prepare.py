@@ -5,6 +5,8 @@ target) into the cache, ``$DECODERT_CACHE/artifacts`` (default ``~/.cache/decode
 calls with the same file and settings reuse that export. By default (``quant="auto"``) the
 export keeps the checkpoint's own precision where answers hold (export/checkpoints/source_precision.py: a
 Q4_0 GGUF stays exact int4; a Q4_1 GGUF and a float checkpoint become fp32) and ``max_seq`` is min(the model's context, 2048).
+These exports also hold embed.onnx where the model's layers allow it, so ``LLM.embed`` and ``/v1/embeddings`` work
+on ``decodert serve smollm2`` (``decodert export`` writes it only when asked: ``--embeddings``).
 """
 
 from __future__ import annotations
@@ -81,19 +83,22 @@ def export_choice(ckpt, quant: str) -> tuple[Any, str]:
 def export_once(src: Path, max_seq: int | None = None, quant: str = "auto", progress: bool | None = None) -> Path:
     """Export ``src`` into the cache unless an earlier call did with the same settings; return the artifact folder."""
     from decodert.export.checkpoints.checkpoint_open import open_checkpoint
+    from decodert.export.lowering.embed_graph import embed_problem
 
     src = src.resolve()
     with open_checkpoint(src) as ckpt:
         config, what = export_choice(ckpt, quant)
         seq = min(ckpt.spec.max_position, 2048) if max_seq is None else max_seq
+        embeddings = embed_problem(ckpt.spec) is None  # embed.onnx wherever the layers allow it (LLM.embed)
     label = "fp32" if config is None else f"int{config.bits}"
     stat = src.stat()
-    stamp = f"{src}:{stat.st_mtime_ns}:{stat.st_size}:{config}:{seq}".encode()
+    stamp = f"{src}:{stat.st_mtime_ns}:{stat.st_size}:{config}:{seq}:embed".encode()  # embed.onnx (LLM.embed) too
     out = cache_dir() / ARTIFACTS / f"{src.stem}-{hashlib.sha256(stamp).hexdigest()[:10]}-ort-{label}-{seq}"
     if (out / MANIFEST).is_file():
         return out
     from decodert.export.pipeline import export_model
 
     print(f"decodert: exporting {src.name} once, {what}, max_seq {seq}, into {out}", file=sys.stderr)
-    export_model(src, out, target="ort", dtype="fp32", max_seq=seq, max_batch=4, quant=config, progress=progress)
+    export_model(src, out, target="ort", dtype="fp32", max_seq=seq, max_batch=4, quant=config, progress=progress,
+                 embeddings=embeddings)
     return out

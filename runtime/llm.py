@@ -9,6 +9,7 @@
     llm.generate("A person as JSON:", json_schema={...})  # or regex=..., grammar=... (Lark): docs/STRUCTURED.md
     llm = LLM.load("out/lora", adapters={"sql": "adapters/sql"}); llm.generate("Hi", adapter="sql")  # LoRA per call
     chat = llm.session(system="Be brief."); chat.chat("Hi"); chat.chat("And then?")   # runtime/chat/session.py
+    llm.embed(["a text", "another"], dimensions=None)  # unit vectors [n, d] from embed.onnx (runtime/embedding.py)
 
 Every run goes through the LLM's engine (runtime/engine/): ``prepare`` builds the request, the engine runs
 it. One cache of ``backend.max_batch`` slots is allocated on first use and reused; an LLM object
@@ -52,6 +53,7 @@ from decodert.runtime.decoding.sampling import SamplingParams, sampling_params
 from decodert.runtime.engine.engine import Engine
 from decodert.runtime.engine.request import Prepared
 from decodert.runtime.engine.runs import Runs
+from decodert.runtime.embedding import EmbedInput, Embedder
 from decodert.runtime.speculation.speculative import Speculator
 from decodert.runtime.vision.encoder import Vision
 from decodert.runtime.vision.images import DEFAULT_LIMITS
@@ -106,6 +108,8 @@ class LLM:
         self._guidance: Guidance | None = None  # llguidance tokenizer, made on the first constrained request
         self._guidance_lock = threading.Lock()  # not the runs' lock: building it must not hold up a running step
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # closed with the LLM
+        self._embedder: Embedder | None = None  # made by the first embed call
+        self._embedder_lock = threading.Lock()
         self.image_limits = DEFAULT_LIMITS  # bytes, pixels and images per request (the server sets its own)
         self.fetch_image: Callable[[str, str], bytes] | None = None  # remote image URLs: refused unless set
         layout = manifest.lora_layout if manifest else None  # LoRA slots: adapters by name (runtime/adapters.py)
@@ -287,6 +291,10 @@ class LLM:
         apply_chat_template); images and videos in them are decoded and their tokens expanded. ``chat``: whether
         ``source`` is messages (None: a non-empty list of dicts is). RequestError
         (a DecodertError) names the part at fault: "messages", "tools", "prompt" or the parameter."""
+        embedding = self.manifest.embedding if self.manifest is not None else None
+        if embedding is not None and not embedding.causal:
+            raise RequestError("this is an embedding model with bidirectional attention (EmbeddingGemma): it does not "
+                               "generate text; use LLM.embed or /v1/embeddings", "model")
         params = dict(params)
         spec, adapter, given = params.pop("speculative", None), params.pop("adapter", None), params.pop("constraint", None)
         if not (_is_messages(source) if chat is None else chat):
@@ -400,6 +408,26 @@ class LLM:
     def run_stream(self, seq: Sequence, row: Any = None) -> TextStream:
         """One sequence as a stream of text deltas; the run holds the engine until the stream ends or closes."""
         return TextStream(_by_id(self.runs.stream(lambda: [self.engine.add(seq, row)])), seq)
+
+    @property
+    def embedder(self) -> Embedder:
+        """embed.onnx and its pooling rule (runtime/embedding.py); DecodertError when the artifact has none."""
+        with self._embedder_lock:  # one Embedder (one embed.onnx session) per LLM, whichever thread asks first
+            if self._embedder is None:
+                self._embedder = Embedder(self.backend.dir, self.manifest, self.tokenizer, self.bos_token_id,
+                                          self.add_bos_token)
+            return self._embedder
+
+    def embed(self, inputs: EmbedInput | Seq[EmbedInput], dimensions: int | None = None) -> np.ndarray:
+        """Unit vectors [n, d] float32 of texts or token id lists (one text or one id list: n = 1), pooled as the
+        manifest's ``embedding`` says; ``dimensions``: fewer dimensions (a matryoshka model), renormalised.
+        Runs beside generation (its own session; no engine slot). RequestError: an input longer than max_seq,
+        one with no tokens, or ``dimensions`` the model does not allow."""
+        if isinstance(inputs, (str, np.ndarray)) or (isinstance(inputs, (list, tuple)) and inputs
+                                                     and all(validate.is_token_id(t) for t in inputs)):
+            inputs = [inputs]
+        embedder = self.embedder
+        return embedder.embed(embedder.token_ids(inputs), dimensions)
 
     def session(self, system: str | None = None, overflow: str = "truncate") -> "Session":
         """A conversation whose K/V stays in its own cache row between turns (runtime/chat/session.py):

@@ -27,7 +27,8 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _is_id(value: Any) -> bool:
+def is_token_id(value: Any) -> bool:
+    """An int (Python or numpy), not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -42,7 +43,7 @@ def is_batch(prompt: Any) -> bool:
     if isinstance(prompt, (list, tuple)):
         if not prompt:
             raise DecodertError(f"prompt is an empty {_kind(prompt)}; expected {BATCH_TYPES}")
-        if all(_is_id(t) for t in prompt):
+        if all(is_token_id(t) for t in prompt):
             return False
         if all(isinstance(p, (str, list, tuple, np.ndarray)) for p in prompt):
             return True
@@ -75,7 +76,7 @@ def token_ids(prompt: Any, what: str = "prompt") -> np.ndarray:
     if not isinstance(prompt, (list, tuple)):
         raise DecodertError(f"{what} is a {_kind(prompt)}; expected {PROMPT_TYPES}")
     for i, t in enumerate(prompt):
-        if not _is_id(t):
+        if not is_token_id(t):
             raise DecodertError(f"{what}: token id {i} is a {_kind(t)} ({t!r:.40}); token ids must be ints")
         if not 0 <= int(t) < _INT64_END:
             raise DecodertError(f"{what}: token id {i} ({int(t)}) is negative or not below 2**63")

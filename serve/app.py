@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from decodert.errors import first_line
 from decodert.runtime.engine.thread import EngineThread
 from decodert.serve import anthropic
+from decodert.serve.embeddings import EmbeddingRequest, Embeddings
 from decodert.serve.guard import Guard
 from decodert.serve.jobs import Job, chat_choices, completion_choices
 from decodert.serve.logprobs import logprob_format
@@ -109,6 +110,15 @@ def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
         return await _respond(request, Job(engine, choices, received, metrics.observe), req,
                               Reply("chat", req.model, logprob_format(req, engine.llm.tokenizer, True), prepared.turn,
                                     prepared.text), [len(prepared.ids)], config)
+
+    embeddings = Embeddings(engine.llm)
+
+    @app.post("/v1/embeddings")
+    async def embed(request: Request) -> JSONResponse:  # serve/embeddings.py: a worker thread, beside the engine
+        req = parse(EmbeddingRequest, await request.body())
+        if check_model(req.model, config, engine) is not None:
+            raise ApiError(400, "embeddings come from the base model; LoRA adapters do not apply to them", param="model")
+        return JSONResponse(await embeddings.respond(req))
 
     return app
 

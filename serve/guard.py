@@ -43,7 +43,8 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/models",
+             "/health", "/metrics")
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 log = logging.getLogger("uvicorn.error")  # the server's log, at its --log-level
 

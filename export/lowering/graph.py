@@ -114,7 +114,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
         for i in range(spec.num_layers):
             with g.scope(f"layers.{i}"):
                 ctx = attention.context_of(contexts, spec, i)
-                x, h = _layer(g, lowering.for_layer(i), ctx, inp, spec, i, x, h, kind == "decode", adapters)
+                x, h = decoder_layer(g, lowering.for_layer(i), ctx, inp, spec, i, x, h, kind == "decode", adapters)
                 if images is not None and i < images.deepstack_layers:
                     h = _add_deepstack(g, spec, h, i)
                 x, h = per_layer.layer_end(g, lowering, spec, i, x, h, ple)
@@ -157,7 +157,7 @@ def _image_ahead(g: GraphBuilder, ids: str) -> str:
         return g.op("Reshape", flat, shape)
 
 
-def _layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int,
+def decoder_layer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int,
            x: str, prev_mlp: str | None, one_token_rows: bool,
            lora: LoraGraph | None = None) -> tuple[str, str]:
     """One decoder layer. Returns (residual stream before the MLP add, MLP output)."""

@@ -304,6 +304,11 @@ class OrtLowering(Lowering):
         g.opsets.setdefault("com.microsoft", 1)
         return g.op("FastGelu", x, domain="com.microsoft")
 
+    def cacheless_attention(self) -> bool:
+        """GroupQueryAttention without past inputs is a prompt over its own keys (a float cache of the model's dtype:
+        a quantized one would need scales the call has no use for)."""
+        return self.use_gqa and not self.standard_attention and self.kv.name == self.dtype
+
     def kv_problem(self) -> str | None:
         """GroupQueryAttention's CPU kernel (ORT 1.32) stores int8 and int4 codes and float caches of the
         model's dtype or fp16; it has no float8 cache kernel, and no bf16 cache under float activations."""

@@ -79,6 +79,12 @@ class Lowering:
         """Whether one call may run several tokens in several rows over non-empty caches."""
         return True
 
+    def cacheless_attention(self) -> bool:
+        """Whether ``context`` and ``attention`` also take a causal call with no cache (past names "", present
+        names of scratch values): embed.onnx then runs the target's own attention kernel. The reference body
+        attends over the cache it writes: no (embed.onnx uses export/lowering/embed_graph.py's attention)."""
+        return False
+
     def kv_problem(self) -> str | None:
         """Why this lowering cannot keep its cache in ``self.kv`` (None: it can). The standard-op
         bodies store every KV dtype with Q/DQ around the cache, but float8: ScatterND (the cache

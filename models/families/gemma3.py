@@ -90,12 +90,18 @@ VISION_DEFAULTS: dict[str, Any] = dict(hidden_size=768, intermediate_size=3072, 
 MM_DEFAULTS: dict[str, Any] = dict(mm_tokens_per_image=256, image_token_index=262_144)
 
 
+BARE_TEXT_MODEL = ("embed_tokens.", "layers.", "norm.")  # a Gemma3TextModel saved on its own: no "model." prefix
+
+
 def sanitize(key: str) -> str | None:
     """A multimodal checkpoint's keys -> the text model's names (model.*) and the vision names (model.vision_tower.*,
-    model.multi_modal_projector.*, read by vision_tensor), whichever transformers version saved them."""
+    model.multi_modal_projector.*, read by vision_tensor), whichever transformers version saved them; a bare text
+    model's (Gemma3TextModel, EmbeddingGemma: embed_tokens.*, layers.*, norm.*) -> model.*."""
     for prefix, plain in _MULTIMODAL.items():
         if key.startswith(prefix):
             return plain + key[len(prefix):]
+    if key.startswith(BARE_TEXT_MODEL):
+        return "model." + key
     return key
 
 
@@ -127,8 +133,8 @@ def gemma_layers(types: tuple[str, ...], attention: AttentionSpec, mlp: DenseMLP
 def hf_gemma_fields(family: str, config: dict, local: bool = False, **attention: Any) -> dict[str, Any]:
     """What Gemma 2 and 3 read alike: activation, norms, embed scale, layer pattern, scale, soft-caps;
     ``local``: the sliding layers read the local RoPE; ``attention``: more attention settings (q/k norm)."""
-    if config.get("use_bidirectional_attention"):
-        raise DecodertError("use_bidirectional_attention=true is not supported (decodert is causal)")
+    # use_bidirectional_attention (EmbeddingGemma): the decoder graphs stay causal; the export writes embed.onnx with
+    # the bidirectional mask and refuses the model without it (export/pipeline.py); LLM.prepare refuses to generate
     if config.get("attention_bias"):
         raise DecodertError(f"attention_bias=true is not supported for {family}")
     act = config.get("hidden_activation") or config.get("hidden_act")

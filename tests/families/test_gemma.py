@@ -120,11 +120,12 @@ def test_softcapped_attention_has_no_plugin(tiny_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
-    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
 ])
 def test_gemma3_rejects_what_it_cannot_run(overrides, match):
+    """(use_bidirectional_attention, EmbeddingGemma's, is read: the export refuses it without --embeddings and
+    LLM.prepare refuses to generate with it, tests/runtime/test_embeddings.py.)"""
     with pytest.raises(DecodertError, match=match):
         _spec("gemma3", **overrides)
     with pytest.raises(DecodertError, match="text_config"):

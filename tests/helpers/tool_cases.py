@@ -18,3 +18,20 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 # a Qwen3-Thinking-style template: its generation prompt opens <think> (the reply starts inside the reasoning)
 OPENS_THINK = TEMPLATE + "{% if add_generation_prompt %}<think>\n{% endif %}{# </think> #}"
 CITY = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def tool_loop_llm(call: str, answer: str):
+    """A fake-backend model that writes ``call`` (text), and ``answer`` once the prompt holds a tool result
+    ("tool: ..."), each ended by eos 0: an agent's loop of one call and its answer."""
+    import numpy as np
+    from fake_backend import make_llm, make_tokenizer
+
+    tok = make_tokenizer()
+    call_ids, answer_ids = tok.encode(call).ids + [0], tok.encode(answer).ids + [0]
+
+    def rule(history: np.ndarray) -> int:
+        start = int(np.flatnonzero(history == 2)[-1]) + 1  # after the last <|assistant|>
+        script = answer_ids if "tool: " in tok.decode(history[:start].tolist()) else call_ids
+        return script[min(len(history) - start, len(script) - 1)]
+
+    return make_llm(tok, eos=(0,), chat_template=TEMPLATE, max_seq=1024, rule=rule)

@@ -9,12 +9,11 @@ import json
 
 import httpx
 import jsonschema
-import numpy as np
 import pytest
 
-from fake_backend import make_llm, make_tokenizer, scripted_llm
+from fake_backend import make_llm, scripted_llm
 from serve_helpers import running
-from tool_cases import SCHEMAS, TEMPLATE, THINKING
+from tool_cases import SCHEMAS, TEMPLATE, THINKING, tool_loop_llm
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -27,19 +26,6 @@ TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_sche
 
 def client(url: str, key: str = "none"):
     return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
-
-
-def loop_llm():
-    """A model that calls get_weather, and answers once the prompt holds a tool result ("tool: ...")."""
-    tok = make_tokenizer()
-    call, answer = tok.encode(CALL).ids + [0], tok.encode(ANSWER).ids + [0]
-
-    def rule(history: np.ndarray) -> int:
-        start = int(np.flatnonzero(history == 2)[-1]) + 1  # after the last <|assistant|>
-        script = answer if "tool: " in tok.decode(history[:start].tolist()) else call
-        return script[min(len(history) - start, len(script) - 1)]
-
-    return make_llm(tok, eos=(0,), chat_template=TEMPLATE, max_seq=1024, rule=rule)
 
 
 def blocks(message) -> list[tuple]:
@@ -127,7 +113,7 @@ def test_named_tool_choice_gives_one_valid_tool_use(stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_use_then_tool_result_follow_up(stream):
-    with running(loop_llm()) as (url, _):
+    with running(tool_loop_llm(CALL, ANSWER)) as (url, _):
         c = client(url)
         kw = dict(model="tiny", max_tokens=300, tools=TOOLS, extra_body={"temperature": 0.0})
         first = streamed(c, messages=USER, **kw)[1] if stream else c.messages.create(messages=USER, **kw)

@@ -8,14 +8,13 @@ import json
 
 import httpx
 import jsonschema
-import numpy as np
 import pytest
 
-from fake_backend import make_llm, make_tokenizer, scripted_llm
+from fake_backend import make_llm, scripted_llm
 from serve_helpers import reassemble, running, whole
 from structured_schemas import SCHEMAS as JSON_SCHEMAS
 from decodert.runtime.constraints import Constraint
-from tool_cases import OPENS_THINK, SCHEMAS, TEMPLATE, THINKING, TOOLS, USER
+from tool_cases import OPENS_THINK, SCHEMAS, TEMPLATE, THINKING, TOOLS, USER, tool_loop_llm
 
 openai = pytest.importorskip("openai")
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -26,22 +25,9 @@ def client(url: str):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
 
-def loop_llm():
-    """A model that calls get_weather, and answers once the prompt holds a tool result."""
-    tok = make_tokenizer()
-    call, answer = tok.encode(CALL).ids + [0], tok.encode(ANSWER).ids + [0]
-
-    def rule(history: np.ndarray) -> int:
-        start = int(np.flatnonzero(history == 2)[-1]) + 1  # after the last <|assistant|>
-        script = answer if "tool: " in tok.decode(history[:start].tolist()) else call
-        return script[min(len(history) - start, len(script) - 1)]
-
-    return make_llm(tok, eos=(0,), chat_template=TEMPLATE, max_seq=1024, rule=rule)
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_two_step_tool_loop_with_auto(stream):
-    with running(loop_llm()) as (url, _):
+    with running(tool_loop_llm(CALL, ANSWER)) as (url, _):
         c = client(url)
         messages = list(USER)
         kw = dict(model="tiny", tools=TOOLS, max_tokens=300, temperature=0)
@@ -136,7 +122,6 @@ def test_strict_json_schema_refuses_unlisted_keys_and_closes_within_max_tokens()
                                               seed=budget, response_format=fmt)
                 jsonschema.validate(json.loads(r.choices[0].message.content), schema)
                 assert r.choices[0].finish_reason in ("stop", "length")
-
 
 
 def test_tool_calls_and_logprobs_together_stream_as_whole():

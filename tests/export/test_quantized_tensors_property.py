@@ -221,14 +221,9 @@ def _reshape(a: np.ndarray, how: str) -> np.ndarray:
             "transpose": lambda: a.T}[how]()
 
 
-def _damage_packed(data, tensors: dict, bases: list[str]) -> tuple[dict, bool]:
-    """A copy of ``tensors`` with one packed tensor damaged as hypothesis draws it; (tensors, damaged?)."""
-    kind = data.draw(st.sampled_from(["none", "dtype", "shape", "values", "values", "missing"]), label="kind")
-    if kind == "none":
-        return tensors, False
-    base = data.draw(st.sampled_from(bases), label="linear")
-    key = base + data.draw(st.sampled_from([s for s in ("qweight", "qzeros", "scales", "g_idx") if base + s in tensors]),
-                           label="tensor")
+def _damaged(data, tensors: dict, key: str, kind: str, write) -> dict:
+    """A copy of ``tensors`` with ``tensors[key]`` damaged by ``kind``: "missing", "dtype" (another stored dtype),
+    "shape" (a drawn reshape) or "values" (``write(dtype, a, at) -> (dtype, a)`` writes into a copy at drawn places)."""
     out = dict(tensors)
     dtype, a = out[key]
     if kind == "missing":
@@ -240,7 +235,20 @@ def _damage_packed(data, tensors: dict, bases: list[str]) -> tuple[dict, bool]:
             ["drop-row", "add-row", "drop-col", "add-col", "transpose", "flatten", "add-dim"]), label="shape")))
     else:
         a = a.copy()
-        at = data.draw(st.lists(st.integers(0, a.size - 1), min_size=1, max_size=3), label="at")
+        out[key] = write(dtype, a, data.draw(st.lists(st.integers(0, a.size - 1), min_size=1, max_size=3), label="at"))
+    return out
+
+
+def _damage_packed(data, tensors: dict, bases: list[str]) -> tuple[dict, bool]:
+    """A copy of ``tensors`` with one packed tensor damaged as hypothesis draws it; (tensors, damaged?)."""
+    kind = data.draw(st.sampled_from(["none", "dtype", "shape", "values", "values", "missing"]), label="kind")
+    if kind == "none":
+        return tensors, False
+    base = data.draw(st.sampled_from(bases), label="linear")
+    key = base + data.draw(st.sampled_from([s for s in ("qweight", "qzeros", "scales", "g_idx") if base + s in tensors]),
+                           label="tensor")
+
+    def write(dtype: str, a: np.ndarray, at: list[int]) -> tuple[str, np.ndarray]:
         if key.endswith("scales"):
             value = data.draw(st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.05, 6e4, 3e38]), label="value")
             if value == 3e38:
@@ -251,7 +259,9 @@ def _damage_packed(data, tensors: dict, bases: list[str]) -> tuple[dict, bool]:
             a.flat[at] = data.draw(st.integers(-3, a.size // GROUP + 3), label="group")
         else:
             a.flat[at] = data.draw(st.integers(-2**31, 2**31 - 1), label="word")
-        out[key] = (dtype, a)
+        return dtype, a
+
+    out = _damaged(data, tensors, key, kind, write)
     return out, True
 
 
@@ -424,20 +434,13 @@ def test_mxfp4_experts_are_read_exactly_or_refused_in_one_line(mxfp4_checkpoint,
     if kind != "none":
         key = data.draw(st.sampled_from(sorted(EXPERTS)), label="experts") + data.draw(
             st.sampled_from(["_blocks", "_scales"]), label="tensor")
-        dtype, a = damaged[key]
-        if kind == "missing":
-            del damaged[key]
-        elif kind == "dtype":
-            damaged[key] = _redtype(dtype, a, data.draw(st.sampled_from([d for d in NP if d != dtype]), label="dtype"))
-        elif kind == "shape":
-            damaged[key] = (dtype, _reshape(a, data.draw(st.sampled_from(
-                ["drop-row", "add-row", "drop-col", "add-col", "transpose", "flatten", "add-dim"]), label="shape")))
-        else:
-            a = a.copy()
-            at = data.draw(st.lists(st.integers(0, a.size - 1), min_size=1, max_size=3), label="at")
+
+        def write(dtype: str, a: np.ndarray, at: list[int]) -> tuple[str, np.ndarray]:
             a.flat[at] = data.draw(st.sampled_from([0, 127, 200, 254, 255]) if key.endswith("_scales")
                                    else st.integers(0, 255), label="byte")
-            damaged[key] = (dtype, a)
+            return dtype, a
+
+        damaged = _damaged(data, tensors, key, kind, write)
     copy = tmp_path_factory.mktemp("case")
     for f in folder.iterdir():
         (copy / f.name).symlink_to(f)

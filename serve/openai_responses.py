@@ -474,6 +474,7 @@ def add_routes(app: FastAPI, engine: Any, config: Any, metrics: Any, check_model
             run = await ChatRun.start(engine, req.chat_request(history), config.speculative, adapter, metrics.observe)
         except ApiError as e:
             raise responses_error(e) from None
+        request.state.job = run.job  # the request log's token counts (serve/guard.py), as the other routes
         head = ResponseHead(req, bool(req.store))
 
         def keep(body: dict[str, Any]) -> None:

@@ -109,14 +109,17 @@ def test_info_logs_one_line_per_request_without_bodies_or_keys(llm):
             with httpx.stream("POST", f"{url}/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth) as r:
                 r.read()
             assert httpx.get(f"{url}/v1/models").status_code == 401
+            body = {"model": "tiny", "input": CHAT["messages"], "max_output_tokens": CHAT["max_tokens"]}
+            assert httpx.post(f"{url}/v1/responses", json=body, headers=auth).status_code == 200
         finally:
             logger.removeHandler(handler)
             logger.setLevel(level)
     messages = [r.getMessage() for r in lines if r.levelno == logging.INFO]
-    assert len(messages) == 3, messages
+    assert len(messages) == 4, messages
     chat = [m for m in messages if m.startswith("POST /v1/chat/completions 200 prompt_tokens=")]
     assert len(chat) == 2 and all("completion_tokens=3 " in m and m.endswith(" ms") for m in chat), messages
     assert messages[2].startswith("GET /v1/models 401 ") and "tokens" not in messages[2]
+    assert messages[3].startswith("POST /v1/responses 200 prompt_tokens=") and " completion_tokens=" in messages[3]
     assert not any("secret-key" in m or "hi" in m.split() for m in messages)
 
 

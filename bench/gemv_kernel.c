@@ -109,7 +109,7 @@ typedef struct {
 
 static job_t g_job;
 static _Atomic uint64_t g_next = 0xffffffffu;  // job << 32 | next chunk; 0xffffffff while no job is open
-static _Atomic int g_done, g_stop;
+static _Atomic int g_done;
 static pthread_t g_workers[64];
 static int g_nworkers;
 
@@ -130,12 +130,11 @@ static int run_chunks(void) {
 
 static void *worker(void *unused) {
     (void)unused;
-    for (int idle = 0; !atomic_load(&g_stop);) {
+    for (int idle = 0;;) {
         if (run_chunks()) idle = 0;
         else if (++idle > 2000) usleep(200);  // between decode steps: sleep, leave the core to others
         else _mm_pause();
     }
-    return NULL;
 }
 
 int q4_start(int threads) {
@@ -153,6 +152,7 @@ void q4_gemv_steps(int count, const uint8_t **w, const float **x, const int *n, 
     static uint32_t job = 0;
     int threads = g_nworkers + 1;
     for (int i = 0; i < count; i++) {
+        if (k[i] > 65536 || k[i] % 32) return;  // the static buffers above hold K <= 65536; K a multiple of the block
         int nb = k[i] / 32, tiles = (n[i] + 15) / 16, chunk = tiles / (8 * threads);
         if (chunk < 1) chunk = 1;
         quant_x(x[i], k[i], qa, sa, nasum);

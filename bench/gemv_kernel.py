@@ -52,6 +52,8 @@ def build() -> ctypes.CDLL:
     except (OSError, subprocess.CalledProcessError) as e:
         raise SystemExit(f"gemv_kernel: cannot build the kernel ({getattr(e, 'stderr', '') or e})") from None
     lib = ctypes.CDLL(str(out))
+    out.unlink()  # loaded: the mapping outlives the file
+    out.parent.rmdir()
     lib.q4_packed_bytes.restype = ctypes.c_size_t
     lib.q4_packed_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.q4_pack.argtypes = [P, P, P, ctypes.c_int, ctypes.c_int, P]

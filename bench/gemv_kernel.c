@@ -128,13 +128,14 @@ static int run_chunks(void) {
     }
 }
 
-static void *worker(void *unused) {
+static void *worker(void *unused) {  // runs until the process ends
     (void)unused;
     for (int idle = 0;;) {
         if (run_chunks()) idle = 0;
         else if (++idle > 2000) usleep(200);  // between decode steps: sleep, leave the core to others
         else _mm_pause();
     }
+    return NULL;
 }
 
 int q4_start(int threads) {

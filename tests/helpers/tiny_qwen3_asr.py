@@ -16,7 +16,7 @@ import numpy as np
 
 from tiny import SPECIAL_TOKENS, _CORPUS
 
-AUDIO_TOKENS = ["<|audio_start|>", "<|audio_end|>", "<|audio_pad|>", "<asr_text>"]
+AUDIO_TOKENS = ["<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"]
 VOCAB = 600
 MELS = 32
 RATE = 16000
@@ -37,6 +37,7 @@ def make_tokenizer() -> Any:
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL_TOKENS + AUDIO_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_CORPUS + "system user assistant language English Chinese transcribe\n"] * 4, trainer)
+    tok.add_tokens(["<asr_text>"])  # not special: transformers' parse reads it from the decoded text
     tok.add_tokens([f"<|extra_{i}|>" for i in range(VOCAB - tok.get_vocab_size())])
     return tok
 

@@ -1,0 +1,273 @@
+"""Qwen3-ASR against transformers running the model's own processor, on a tiny random checkpoint: log-mel features,
+resampling, decoding and limits, encoder embeddings, greedy transcriptions, a batch, a session, the prefix cache,
+and a TensorRT-RTX build of audio.onnx."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from tiny_qwen3_asr import MELS, RATE, make_tiny_qwen3_asr, reference_processor, speech_like
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# (seconds, seed): under the 0.5 s minimum, one partial chunk, windows of 2 chunks cut mid-window, several windows
+CLIPS = [(0.3, 0), (1.0, 1), (2.37, 2), (4.5, 3), (7.91, 4)]
+
+
+@pytest.fixture(scope="module")
+def asr(tmp_path_factory):
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    root = tmp_path_factory.mktemp("qwen3_asr")
+    hf = make_tiny_qwen3_asr(root / "hf")
+    export_model(hf, root / "art", target="ort", dtype="fp32", max_seq=1024, max_batch=4, progress=False)
+    llm = LLM.load(root / "art", backend="ort")
+    model = transformers.Qwen3ASRForConditionalGeneration.from_pretrained(hf).eval()
+    yield llm, model, reference_processor(hf)
+    llm.close()
+
+
+def _float64_extractor(fe, x: np.ndarray) -> np.ndarray:
+    """transformers' Qwen3ASRFeatureExtractor transform (its own filters) evaluated in float64: the exact values
+    its float32 STFT rounds."""
+    w = torch.from_numpy(np.asarray(x, np.float64))
+    stft = torch.stft(w, fe.n_fft, fe.hop_length, window=torch.hann_window(fe.n_fft, dtype=torch.float64),
+                      return_complex=True)
+    mel = torch.from_numpy(fe.mel_filters.astype(np.float32).astype(np.float64)).T @ (stft[..., :-1].abs() ** 2)
+    log = torch.clamp(mel, min=1e-10).log10()
+    return ((torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0).numpy()
+
+
+@pytest.mark.parametrize("mels", [MELS, 128])
+def test_log_mel_equals_the_feature_extractor(mels):
+    """Features of speech-like clips (and silence, and 30 s padding) equal Qwen3ASRFeatureExtractor's as its
+    processor calls it: shapes, valid frames (the attention mask), values. Against the extractor's transform in
+    float64 within 1e-6; against its float32 STFT within 1e-4 (that STFT's own rounding, up to ~7e-5 here)."""
+    from decodert.runtime.audio.features import MelSettings, log_mel
+
+    fe = transformers.Qwen3ASRFeatureExtractor(feature_size=mels)
+    s = MelSettings(n_mels=mels, min_samples=8000, frame_multiple=100)
+    clips = [speech_like(sec, seed) for sec, seed in CLIPS] + [np.zeros(RATE * 3 // 2, np.float32)]
+    for x in clips:
+        ref = fe(x, sampling_rate=RATE, padding=True, truncation=False, return_tensors="np", return_attention_mask=True)
+        mel, valid = log_mel(x, s)
+        assert mel.shape == ref["input_features"][0].shape and valid == int(ref["attention_mask"][0].sum())
+        np.testing.assert_allclose(mel, ref["input_features"][0], atol=1e-4, rtol=0)
+        padded = np.pad(x, (0, max(0, 8000 - x.size)))
+        exact = _float64_extractor(fe, padded)
+        np.testing.assert_allclose(mel[:, :exact.shape[1]], exact, atol=1e-6, rtol=0)
+        assert not mel[:, exact.shape[1]:].any()  # frames padded to the chunk are zeros
+    x = speech_like(3.3, 5)  # the extractor's own default: padding="max_length" to 30 s
+    ref = fe(x, sampling_rate=RATE, return_tensors="np", return_attention_mask=True)
+    mel, valid = log_mel(x, s, pad_to=30 * RATE)
+    assert mel.shape == ref["input_features"][0].shape and valid == int(ref["attention_mask"][0].sum())
+    np.testing.assert_allclose(mel, ref["input_features"][0], atol=1e-4, rtol=0)
+
+
+def test_resample_poly_equals_scipy():
+    scipy_signal = pytest.importorskip("scipy.signal")
+    from decodert.runtime.audio.clips import resample_poly
+
+    x = np.random.default_rng(0).standard_normal(2 * 44100 + 17)
+    for rate in (8000, 22050, 44100, 48000, 11025):
+        want = scipy_signal.resample_poly(x[: 2 * rate + 13], RATE, rate)
+        got = resample_poly(x[: 2 * rate + 13], RATE, rate)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0)
+
+
+def test_wav_and_flac_decode_downmix_and_resample():
+    soundfile = pytest.importorskip("soundfile")
+    from decodert.runtime.audio.clips import DEFAULT_AUDIO_LIMITS, load_audio, resample_poly
+
+    rng = np.random.default_rng(1)
+    stereo = (0.3 * rng.standard_normal((44100, 2))).astype(np.float32)
+    for fmt, subtype, tol in (("WAV", "FLOAT", 1e-7), ("FLAC", "PCM_24", 1e-6)):
+        buf = io.BytesIO()
+        soundfile.write(buf, stereo, 44100, format=fmt, subtype=subtype)
+        got = load_audio(buf.getvalue(), "clip", DEFAULT_AUDIO_LIMITS, RATE)
+        decoded = soundfile.read(io.BytesIO(buf.getvalue()), dtype="float32")[0]
+        want = resample_poly(decoded.astype(np.float64).mean(axis=1), RATE, 44100)
+        assert got.dtype == np.float32 and got.shape == (16000,)
+        np.testing.assert_allclose(got, want, atol=tol)
+    pcm = (rng.integers(-2 ** 15, 2 ** 15, 16000)).astype(np.int16)  # integer samples -> [-1, 1)
+    np.testing.assert_allclose(load_audio((pcm, RATE), "clip", DEFAULT_AUDIO_LIMITS, RATE), pcm / 32768.0, atol=1e-7)
+
+
+@pytest.mark.parametrize("source, kw, message", [
+    (b"RIFF not really a wav file at all", {}, "not a readable audio file"),
+    (np.zeros(16000, np.float32), {}, "needs its sample_rate"),
+    ((np.zeros(RATE * 11, np.float32), RATE), {"max_seconds": 10.0}, "the limit is 10 s"),
+    (b"x" * 2048, {"max_bytes": 1024}, "the limit is 1024"),
+    ("/no/such/clip.wav", {}, "no audio file"),
+    ("data:audio/wav;base64,@@@", {}, "not valid base64"),
+    ((np.full(100, np.nan, np.float32), RATE), {}, "NaN"),
+])
+def test_bad_audio_is_one_line(source, kw, message):
+    from decodert.errors import DecodertError
+    from decodert.runtime.audio.clips import AudioLimits, load_audio
+
+    with pytest.raises(DecodertError, match=message) as e:
+        load_audio(source, "clip", AudioLimits(**kw), RATE)
+    assert "\n" not in str(e.value)
+
+
+def test_audio_embeddings_equal_the_audio_tower(asr):
+    """audio.onnx rows within 1e-4 of get_audio_features (the tower and projector) on the extractor's features."""
+    llm, model, processor = asr
+    for sec, seed in CLIPS:
+        x = speech_like(sec, seed)
+        f = processor.feature_extractor(x, sampling_rate=RATE, padding=True, return_tensors="pt",
+                                        return_attention_mask=True)
+        with torch.no_grad():
+            want = model.get_audio_features(f["input_features"], f["attention_mask"]).pooler_output.numpy()
+        got = llm.audio.embeddings(x)
+        assert got.shape == want.shape == (llm.audio.spec.tokens(int(f["attention_mask"].sum())), 64)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def _reference(processor, model, x, language=None, prompt=None, n=12):
+    inputs = processor.apply_transcription_request(x, language=language, prompt=prompt)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    return inputs, out.tolist()
+
+
+@pytest.mark.parametrize("language, prompt", [(None, None), ("en", None), ("Chinese", "names: Ada, Bo")])
+def test_transcribe_gives_transformers_greedy_tokens(asr, language, prompt):
+    """LLM.transcribe builds apply_transcription_request's prompt (ids equal) and generates its greedy tokens for
+    clips of every length and silence; the text is the processor's transcription (runtime/audio/transcribe.py;
+    the processor's repetition fix, which changes only runs of 20+ repeats, is not applied)."""
+    llm, model, processor = asr
+    clips = [speech_like(sec, seed) for sec, seed in CLIPS] + [np.zeros(RATE, np.float32)]
+    for x in clips:
+        inputs, want = _reference(processor, model, x, language, prompt)
+        got = llm.transcribe(x, sample_rate=RATE, language=language, prompt=prompt, max_new_tokens=12, temperature=0)
+        assert got.token_ids[:len(want)] == want
+        assert got.text == _text(processor, want)
+
+
+def _text(processor, ids) -> str:
+    """The processor's transcription of ``ids``, less a trailing incomplete UTF-8 character (transformers decodes
+    it to U+FFFD; the incremental detokenizer holds its bytes back when generation stops inside it)."""
+    return processor.decode(ids, return_format="transcription_only").rstrip("\ufffd").strip()
+
+
+def test_prompt_ids_equal_the_processor(asr):
+    from decodert.runtime.vision.tokens import text_ids
+
+    llm, model, processor = asr
+    x = speech_like(2.37, 2)
+    inputs = processor.apply_transcription_request(x, language="en")
+    rate = llm.audio.sampling_rate
+    from decodert.runtime.audio.transcribe import transcription_messages
+
+    messages, prefill = transcription_messages(x, rate, "en")
+    messages, clips = llm.split_audio(messages)
+    ids = llm.prompt_ids(llm.apply_chat_template(messages) + prefill, (), clips)
+    assert text_ids(ids).tolist() == inputs["input_ids"][0].tolist()
+
+
+def _ask(x, text="Transcribe it."):
+    import base64
+
+    buf = io.BytesIO()
+    import soundfile
+
+    soundfile.write(buf, x, RATE, format="WAV", subtype="FLOAT")
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
+    return [{"role": "user", "content": [part, {"type": "text", "text": text}]}]
+
+
+def test_chat_with_an_input_audio_part_equals_transformers(asr):
+    """An OpenAI input_audio part (base64 WAV) in a chat message: transformers' tokens for the same messages."""
+    pytest.importorskip("soundfile")
+    llm, model, processor = asr
+    x = speech_like(2.37, 2)
+    messages = [{"role": "user", "content": [{"type": "audio", "audio": x}, {"type": "text", "text": "Transcribe it."}]}]
+    inputs = processor.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
+    with torch.no_grad():
+        want = model.generate(**inputs, max_new_tokens=10, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert llm.chat(_ask(x), max_new_tokens=10, temperature=0).token_ids[:len(want)] == want
+
+
+def test_a_batch_equals_singles(asr):
+    pytest.importorskip("soundfile")
+    llm, _, _ = asr
+    asks = [_ask(speech_like(0.3, 0)), _ask(speech_like(4.5, 3), "Again?"), [{"role": "user", "content": "Hi"}],
+            _ask(np.zeros(RATE, np.float32))]
+    _fresh(llm)
+    singles = [llm.chat(m, max_new_tokens=6, temperature=0).token_ids for m in asks]
+    _fresh(llm)
+    batch = llm.generate_many([{"messages": m, "max_new_tokens": 6, "temperature": 0} for m in asks])
+    assert [r.token_ids for r in batch] == singles
+
+
+def _fresh(llm):
+    if llm.prefix_cache is not None:
+        llm.prefix_cache.clear()
+
+
+def test_a_session_follow_up_equals_a_fresh_chat(asr):
+    """A session's second question about a clip prefills only the new turn and equals a full re-prefill."""
+    pytest.importorskip("soundfile")
+    llm, _, _ = asr
+    chat = llm.session()
+    first = chat.chat(_ask(speech_like(2.37, 2))[0], max_new_tokens=5, temperature=0)
+    second = chat.chat("And the language?", max_new_tokens=5, temperature=0)
+    assert chat.last_turn.reused_tokens >= first.metrics.prompt_tokens  # the clip was not prefilled again
+    _fresh(llm)
+    again = llm.chat(chat.history[:-1], max_new_tokens=5, temperature=0)
+    assert second.token_ids == again.token_ids
+    chat.close()
+
+
+def test_the_prefix_cache_reuses_a_clip(asr):
+    pytest.importorskip("soundfile")
+    llm, _, _ = asr
+    if llm.prefix_cache is None:
+        pytest.skip("the prefix cache is off")
+    x = speech_like(4.5, 3)
+    llm.chat(_ask(x, "What is it?"), max_new_tokens=3, temperature=0)
+    again = llm.chat(_ask(x, "What is said?"), max_new_tokens=6, temperature=0)
+    assert again.metrics.cached_tokens >= 32  # whole blocks inside the clip's 59 tokens
+    other = llm.chat(_ask(speech_like(4.5, 9), "What is said?"), max_new_tokens=6, temperature=0)
+    assert other.metrics.cached_tokens < 16  # another clip differs from its first audio token on
+    llm.prefix_cache.clear()
+    assert llm.chat(_ask(x, "What is said?"), max_new_tokens=6, temperature=0).token_ids == again.token_ids
+
+
+def test_audio_parts_are_refused_in_one_line(asr):
+    from decodert.errors import DecodertError
+
+    llm, _, _ = asr
+    bad = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aiff"}}]}]
+    with pytest.raises(DecodertError, match="format 'aiff' is not one of"):
+        llm.chat(bad, max_new_tokens=2)
+    with pytest.raises(DecodertError, match="input_audio needs a 'data'"):
+        llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], max_new_tokens=2)
+    with pytest.raises(DecodertError, match="language 'xx' is not one"):
+        llm.transcribe(np.zeros(RATE, np.float32), sample_rate=RATE, language="xx")
+
+
+@pytest.mark.trt
+def test_audio_graph_builds_with_tensorrt_rtx(asr, tmp_path):
+    """audio.onnx of the trt target parses and builds with TensorRT-RTX under its profile (clips up to 30 s), beside
+    the text engines."""
+    pytest.importorskip("tensorrt_rtx_bindings")
+    from decodert.export import trt_build
+    from decodert.export.pipeline import export_model
+
+    llm, _, _ = asr
+    out = tmp_path / "trt"
+    export_model(llm.manifest.source.path, out, target="trt", dtype="fp16", max_seq=256, max_batch=2, progress=False,
+                 plugins="never")
+    engines = trt_build.build_engines(out, progress=False)
+    profile = engines["audio"].profile
+    assert profile["input_features"]["max"] == [30, MELS, 100] and profile["key_valid"]["max"] == [15, 26]
+    assert [t["name"] for t in engines["audio"].io["outputs"]] == ["audio_embeds"]

@@ -406,6 +406,13 @@ class LLM:
         pair); ``language`` (a code or name) forces the language, ``prompt`` is context for the system turn; the
         rest are sampling parameters. -> a GenerationResult whose text is the transcription (what follows the
         model's ``<asr_text>``; runtime/audio/transcribe.py) and token_ids all the generated ids."""
+        prepared = self.prepare_transcription(audio, sample_rate, language, prompt, **params)
+        result = self.run([self.engine.sequence(prepared)])[0]
+        return dataclasses.replace(result, text=parse_transcription(result.text)[1])
+
+    def prepare_transcription(self, audio: Any, sample_rate: int | None = None, language: str | None = None,
+                              prompt: str | None = None, **params: Any) -> Prepared:
+        """The request ``transcribe`` runs (the server's /v1/audio/transcriptions runs it on its engine thread)."""
         if self.audio is None:
             raise DecodertError("this model takes no audio (no audio.onnx in the artifact)")
         rate = self.audio.sampling_rate
@@ -414,9 +421,7 @@ class LLM:
         messages, clips = self.split_audio(messages)
         text = self._render(self.chat_turn(messages, {})) + prefill
         sp, constraint = self._params_and_constraint(dict(params), None)
-        result = self.run([self.engine.sequence(Prepared(self.prompt_ids(text, (), clips), sp, constraint,
-                                                         what="audio"))])[0]
-        return dataclasses.replace(result, text=parse_transcription(result.text)[1])
+        return Prepared(self.prompt_ids(text, (), clips), sp, constraint, what="audio", text=text)
 
     def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""

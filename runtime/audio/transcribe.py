@@ -53,9 +53,47 @@ def transcription_messages(clip: np.ndarray, rate: int, language: str | None = N
     return messages, (f"language {name}{MARKER}" if name is not None else "")
 
 
+def collapse_repeats(text: str, times: int = 20, longest: int = 20) -> str:
+    """Qwen3-ASR's clean-up of a looping answer: a character repeated more than ``times`` times in a row becomes one;
+    then, scanning from the start, the first piece of 1..``longest`` characters that repeats ``times`` times in a row
+    is kept once, its further repeats dropped, and the rest of the text cleaned the same way (texts shorter than
+    2 ``times`` characters are left alone)."""
+    out, i = [], 0
+    while i < len(text):  # runs of one character
+        j = i
+        while j < len(text) and text[j] == text[i]:
+            j += 1
+        out.append(text[i] if j - i > times else text[i:j])
+        i = j
+    return _collapse_pieces("".join(out), times, longest)
+
+
+def _collapse_pieces(s: str, times: int, longest: int) -> str:
+    n = len(s)
+    if n < 2 * times:
+        return s
+    i = 0
+    kept = []
+    while i <= n - 2 * times:
+        for k in range(1, longest + 1):
+            if i + k * times > n:
+                break
+            piece = s[i:i + k]
+            if all(s[i + r * k:i + (r + 1) * k] == piece for r in range(1, times)):
+                end = i + times * k
+                while s[end:end + k] == piece and end + k <= n:
+                    end += k
+                return "".join(kept) + piece + _collapse_pieces(s[end:], times, longest)
+        kept.append(s[i])
+        i += 1
+    return "".join(kept) + s[i:]
+
+
 def parse_transcription(raw: str, forced: str | None = None) -> tuple[str | None, str]:
     """The model's answer -> (language, transcription): the text after ``<asr_text>``, stripped, and the name
-    written before it ("language English"), or ``forced`` when the prompt wrote it."""
+    written before it ("language English"), or ``forced`` when the prompt wrote it; loops collapsed first
+    (``collapse_repeats``), as Qwen3ASRProcessor's parse does."""
+    raw = collapse_repeats(raw.strip())
     if MARKER not in raw:
         return forced, raw.strip()
     head, text = raw.split(MARKER, 1)

@@ -141,8 +141,7 @@ def _reference(processor, model, x, language=None, prompt=None, n=12):
 @pytest.mark.parametrize("language, prompt", [(None, None), ("en", None), ("Chinese", "names: Ada, Bo")])
 def test_transcribe_gives_transformers_greedy_tokens(asr, language, prompt):
     """LLM.transcribe builds apply_transcription_request's prompt (ids equal) and generates its greedy tokens for
-    clips of every length and silence; the text is the processor's transcription (runtime/audio/transcribe.py;
-    the processor's repetition fix, which changes only runs of 20+ repeats, is not applied)."""
+    clips of every length and silence; the text is the processor's transcription (runtime/audio/transcribe.py)."""
     llm, model, processor = asr
     clips = [speech_like(sec, seed) for sec, seed in CLIPS] + [np.zeros(RATE, np.float32)]
     for x in clips:
@@ -271,3 +270,110 @@ def test_audio_graph_builds_with_tensorrt_rtx(asr, tmp_path):
     profile = engines["audio"].profile
     assert profile["input_features"]["max"] == [30, MELS, 100] and profile["key_valid"]["max"] == [15, 26]
     assert [t["name"] for t in engines["audio"].io["outputs"]] == ["audio_embeds"]
+
+
+def _wav(x: np.ndarray, rate: int = RATE) -> bytes:
+    import soundfile
+
+    buf = io.BytesIO()
+    soundfile.write(buf, x, rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def test_openai_client_transcriptions_equal_transformers(asr):
+    """client.audio.transcriptions.create against the served tiny model returns transformers' transcription of the
+    same clip (json, text, verbose_json; a 44.1 kHz upload is resampled; a forced language)."""
+    pytest.importorskip("soundfile")
+    openai = pytest.importorskip("openai")
+    import soundfile
+
+    from serve_helpers import running
+
+    from decodert.serve.transcriptions import MAX_TOKENS
+
+    llm, model, processor = asr
+    x = speech_like(2.37, 2)
+    wav = _wav(x)
+    decoded = soundfile.read(io.BytesIO(wav), dtype="float32")[0]  # what the server reads: 16-bit PCM
+    _, want = _reference(processor, model, decoded, n=MAX_TOKENS)
+    _, want_en = _reference(processor, model, decoded, language="en", n=MAX_TOKENS)
+    with running(llm) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        got = client.audio.transcriptions.create(model="tiny", file=("clip.wav", wav, "audio/wav"), temperature=0)
+        assert got.text == _text(processor, want)
+        text = client.audio.transcriptions.create(model="tiny", file=("clip.wav", wav), response_format="text",
+                                                  language="en")
+        assert text == _text(processor, want_en)
+        verbose = client.audio.transcriptions.create(model="tiny", file=("clip.wav", wav),
+                                                     response_format="verbose_json", language="en")
+        assert verbose.text == _text(processor, want_en) and verbose.language == "english"
+        assert verbose.duration == pytest.approx(2.37, abs=1e-3)
+
+
+def test_transcription_bad_inputs_are_one_line_400s(asr):
+    pytest.importorskip("soundfile")
+    openai = pytest.importorskip("openai")
+    import httpx
+
+    from serve_helpers import running
+
+    llm, _, _ = asr
+    wav = _wav(speech_like(1.0, 1))
+    with running(llm) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        cases = [({"file": ("a.wav", b"not audio at all")}, {}, "not a readable audio file"),
+                 ({"file": ("a.wav", wav)}, {"response_format": "srt"}, "response_format 'srt'"),
+                 ({"file": ("a.wav", wav)}, {"language": "xx"}, "language 'xx'")]
+        for files, extra, message in cases:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.audio.transcriptions.create(model="tiny", **files, **extra)
+            assert message in e.value.message and "\n" not in e.value.message
+        auth = {"Authorization": "Bearer none"}
+        r = httpx.post(url + "/v1/audio/transcriptions", data={"model": "tiny"}, files={"other": ("x", b"1")},
+                       headers=auth, timeout=30)
+        assert r.status_code == 400 and "'file' part" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/audio/transcriptions", files={"file": ("a.wav", wav)}, timeout=30)  # no auth header
+        assert r.status_code == 415 and "Authorization" in r.json()["error"]["message"]
+        limits, llm.audio_limits = llm.audio_limits, type(llm.audio_limits)(max_seconds=0.5)
+        try:
+            with pytest.raises(openai.BadRequestError, match="the limit is 0.5 s"):
+                client.audio.transcriptions.create(model="tiny", file=("a.wav", wav))
+        finally:
+            llm.audio_limits = limits
+
+
+def test_a_model_without_audio_refuses_transcriptions(tiny_checkpoint, tmp_path):
+    """A text model answers a one-line 400 on /v1/audio/transcriptions and a DecodertError from transcribe."""
+    pytest.importorskip("soundfile")
+    openai = pytest.importorskip("openai")
+    from serve_helpers import running
+
+    from decodert.errors import DecodertError
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    export_model(tiny_checkpoint("qwen3"), tmp_path / "art", target="ort", dtype="fp32", max_seq=256, progress=False)
+    with LLM.load(tmp_path / "art", backend="ort") as text_llm:
+        with pytest.raises(DecodertError, match="takes no audio"):
+            text_llm.transcribe(np.zeros(RATE, np.float32), sample_rate=RATE)
+        with running(text_llm) as (url, _):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            with pytest.raises(openai.BadRequestError, match="takes no audio"):
+                client.audio.transcriptions.create(model="tiny", file=("a.wav", _wav(speech_like(1.0, 1))))
+
+
+def test_collapse_repeats_equals_the_processors_clean_up():
+    """The loop clean-up of a transcription equals Qwen3ASRProcessor's on texts of repeated pieces around the
+    threshold (19, 20, 21 and more repeats)."""
+    import random
+
+    from transformers.models.qwen3_asr import processing_qwen3_asr as ref
+
+    from decodert.runtime.audio.transcribe import collapse_repeats
+
+    rng = random.Random(0)
+    for _ in range(500):
+        alpha = rng.choice(["ab", "abc", "a b", "xyz1"])
+        text = "".join("".join(rng.choice(alpha) for _ in range(rng.randint(1, 5))) * rng.choice([1, 2, 19, 20, 21, 30])
+                       for _ in range(rng.randint(1, 6)))
+        assert collapse_repeats(text) == ref._detect_and_fix_repetitions(text)

@@ -420,8 +420,10 @@ class LLM:
         messages, prefill = transcription_messages(clip, rate, language, prompt)
         messages, clips = self.split_audio(messages)
         text = self._render(self.chat_turn(messages, {})) + prefill
-        sp, constraint = self._params_and_constraint(dict(params), None)
-        return Prepared(self.prompt_ids(text, (), clips), sp, constraint, what="audio", text=text)
+        params = dict(params)
+        spec, adapter = params.pop("speculative", None), params.pop("adapter", None)
+        sp, constraint = self._params_and_constraint(params, None)
+        return Prepared(self.prompt_ids(text, (), clips), sp, constraint, spec, adapter, what="audio", text=text)
 
     def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""

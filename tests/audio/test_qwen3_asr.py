@@ -5,6 +5,7 @@ and a TensorRT-RTX build of audio.onnx."""
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -377,3 +378,57 @@ def test_collapse_repeats_equals_the_processors_clean_up():
         text = "".join("".join(rng.choice(alpha) for _ in range(rng.randint(1, 5))) * rng.choice([1, 2, 19, 20, 21, 30])
                        for _ in range(rng.randint(1, 6)))
         assert collapse_repeats(text) == ref._detect_and_fix_repetitions(text)
+
+
+def test_chat_completions_take_input_audio_parts(asr):
+    """The openai client's chat.completions with an input_audio part answers what LLM.chat does."""
+    pytest.importorskip("soundfile")
+    openai = pytest.importorskip("openai")
+    from serve_helpers import running
+
+    llm, _, _ = asr
+    messages = _ask(speech_like(1.0, 1))
+    want = llm.chat(messages, max_new_tokens=6, temperature=0).text
+    with running(llm) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    assert got.choices[0].message.content == want
+
+
+def test_cli_audio_flag_transcribes_and_the_repl_attaches_audio(asr, tmp_path, capsys):
+    """`run --audio FILE` (no --prompt) prints LLM.transcribe's text; --prompt with --audio and /audio in the REPL
+    send the clip with the message; a missing file is one line (argparse's exit 2, the REPL's notice)."""
+    pytest.importorskip("soundfile")
+    from decodert.cli import build_parser
+    from decodert.cli.chat import chat_loop, user_message
+    from decodert.cli.generate import answer
+    from decodert.cli.run import transcribe
+
+    llm, _, _ = asr
+    x = speech_like(1.0, 1)
+    path = tmp_path / "clip.wav"
+    path.write_bytes(_wav(x))
+    decoded = llm.transcribe(path, max_new_tokens=6, temperature=0).text
+    args = build_parser().parse_args(["run", "M", "--audio", str(path), "--greedy", "--max-new-tokens", "6"])
+    assert transcribe(llm, [a for a in args.image], args) == 0
+    assert capsys.readouterr().out.strip() == decoded
+    expected = llm.chat([user_message("Hi", args.image)], max_new_tokens=4, temperature=0).text
+    args = build_parser().parse_args(["generate", "OUT", "--prompt", "Hi", "--audio", str(path), "--json", "--greedy",
+                                      "--max-new-tokens", "4"])
+    assert answer(llm, "Hi", [user_message("Hi", args.image)], args) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == expected
+    lines = iter([f"/audio {path}", "Hi", "/audio nowhere.wav"])
+
+    def read(_prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    out, err = io.StringIO(), io.StringIO()
+    args = build_parser().parse_args(["chat", "OUT", "--no-stats", "--greedy", "--max-new-tokens", "4"])
+    assert chat_loop(llm, args, read=read, out=out, err=err, banner=False) == 0
+    assert out.getvalue().strip() == expected.strip()
+    assert "will go with the next message" in err.getvalue() and "'nowhere.wav' is not one" in err.getvalue()
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["run", "M", "--audio", str(tmp_path / "none.wav")])
+    assert e.value.code == 2

@@ -378,8 +378,14 @@ class LLM:
         if not has_audio(messages):
             return messages, []
         if self.audio is None:
-            raise DecodertError("this model takes no audio (no audio.onnx in the artifact)")
+            raise DecodertError(self.no_audio())
         return split_audio(messages, self.audio_limits, self.audio.sampling_rate)
+
+    def no_audio(self) -> str:
+        """Why this LLM takes no audio, in one line."""
+        if self.manifest is not None and self.manifest.audio is not None:
+            return "this backend does not run audio.onnx yet (the ort backend does: backend='ort')"
+        return "this model takes no audio (no audio.onnx in the artifact)"
 
     def prompt_ids(self, text: str, images: Seq[np.ndarray | Video] = (), clips: Seq[np.ndarray] = ()) -> np.ndarray:
         """A rendered chat prompt's ids; with images, each ``<image>`` expanded as the model's processor does
@@ -414,7 +420,7 @@ class LLM:
                               prompt: str | None = None, **params: Any) -> Prepared:
         """The request ``transcribe`` runs (the server's /v1/audio/transcriptions runs it on its engine thread)."""
         if self.audio is None:
-            raise DecodertError("this model takes no audio (no audio.onnx in the artifact)")
+            raise DecodertError(self.no_audio())
         rate = self.audio.sampling_rate
         clip = load_audio(audio, "audio", self.audio_limits, rate, sample_rate)
         messages, prefill = transcription_messages(clip, rate, language, prompt)

@@ -58,7 +58,7 @@ def add_routes(app: FastAPI, engine: Any, config: Any, metrics: Any, check_model
         def prepare() -> tuple[Any, float]:
             try:
                 if llm.audio is None:
-                    raise DecodertError("this model takes no audio (no audio.onnx in the artifact)")
+                    raise DecodertError(llm.no_audio())
                 rate = llm.audio.sampling_rate
                 clip = load_audio(data, "file", llm.audio_limits, rate)
                 prepared = llm.prepare_transcription((clip, rate), None, language, prompt, **params)

@@ -122,8 +122,10 @@ def main() -> int:
             for k, v in (("decodert_encode", enc), ("torch_encode", tenc), ("decodert_rtf", ours / args.seconds),
                          ("torch_rtf", theirs / args.seconds)):
                 rows[k].append(v)
+        m = got.metrics
         print(f"repeat {r}{' (warm-up)' if not r else ''}: decodert encode {enc:.3f} s, RTF {ours / args.seconds:.3f} "
-              f"({len(got.token_ids)} tokens) | torch encode {tenc:.3f} s, RTF {theirs / args.seconds:.3f}", flush=True)
+              f"({len(got.token_ids)} tokens; prefill of {m.prompt_tokens} + encode {m.ttft_s:.2f} s, "
+              f"{m.tpot_ms:.0f} ms a token) | torch encode {tenc:.3f} s, RTF {theirs / args.seconds:.3f}", flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"Qwen3-ASR-0.6B shape x{args.depth_frac:g} depth, {args.seconds:g} s clip, {args.tokens} tokens, "
           f"{args.threads} threads: decodert RTF {med['decodert_rtf']:.3f} (encode {med['decodert_encode']:.3f} s), "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -432,3 +433,17 @@ def test_cli_audio_flag_transcribes_and_the_repl_attaches_audio(asr, tmp_path, c
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["run", "M", "--audio", str(tmp_path / "none.wav")])
     assert e.value.code == 2
+
+
+def test_the_manifest_records_audio_onnx_and_inspect_shows_it(asr):
+    """manifest.audio: the graph (listed with its hash), the encoder and the log-mel settings from
+    preprocessor_config.json; `decodert inspect` prints the encoder line and the graph."""
+    from decodert.export.artifact.inspect import inspect_artifact
+
+    llm, _, _ = asr
+    m = llm.manifest
+    assert m.audio.graph.file == "audio.onnx" and "audio.onnx" in m.files
+    assert m.audio.features["n_mels"] == MELS and m.audio.features["min_samples"] == 8000
+    assert m.audio.features["frame_multiple"] == 100 and m.audio.spec["n_window_infer"] == 200
+    text = inspect_artifact(Path(m.source.path).parent / "art")  # the fixture's root/hf -> root/art
+    assert "audio      2 layers (qwen3_asr)" in text and "audio: audio.onnx" in text

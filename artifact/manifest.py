@@ -181,6 +181,15 @@ class VisionRecord(Record):
     processor: Mapping[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class AudioRecord(Record):
+    """An audio-language model's audio path: audio.onnx (graph), its encoder (models/audio.py AudioSpec fields)
+    and the checkpoint's log-mel settings (runtime/audio/features.py MelSettings fields)."""
+    graph: GraphRecord
+    spec: Mapping[str, Any]
+    features: Mapping[str, Any]
+
+
 POOLING = ("last", "mean", "cls")  # the rules runtime/embedding.py applies
 
 
@@ -254,6 +263,7 @@ class Manifest(Record):
     kv_dtype: str | None = None  # --kv-dtype (None: older artifacts, the cache in ``dtype``)
     lora: LoraRecord | None = None
     embedding: EmbeddingRecord | None = dataclasses.field(default=None, metadata=OMIT_NULL)  # embed.onnx, when exported
+    audio: AudioRecord | None = dataclasses.field(default=None, metadata=OMIT_NULL)  # audio.onnx and its log-mel settings
 
     @property
     def lora_layout(self) -> LoraLayout | None:
@@ -374,6 +384,9 @@ def validate(m: Manifest, path: Path) -> None:
     if m.vision is not None:
         _listed(m, m.vision.graph.file, path, "vision.graph.file")
         need(m.model.images is not None, path, "vision needs model.images (the image token)")
+    if m.audio is not None:
+        _listed(m, m.audio.graph.file, path, "audio.graph.file")
+        need(m.model.images is not None, path, "audio needs model.images (the audio token whose rows it fills)")
     if "verify" in m.graphs:
         _listed(m, m.graphs["verify"].file, path, "graphs.verify.file")
     if m.embedding is not None:

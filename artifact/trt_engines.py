@@ -18,6 +18,7 @@ from decodert.artifact.manifest import GraphRecord, Manifest
 from decodert.errors import DecodertError
 
 VISION = "vision"  # vision-language artifacts: vision.onnx (manifest.vision.graph)
+AUDIO = "audio"  # audio-language artifacts: audio.onnx (manifest.audio.graph)
 _DTYPE_NAMES = {"HALF": "fp16", "BF16": "bf16", "FLOAT": "fp32", "INT64": "int64", "INT32": "int32",
                 "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
 
@@ -26,6 +27,8 @@ def graph_of(manifest: Manifest, name: str) -> GraphRecord:
     """The record of graph ``name``: one of manifest.graphs, or "vision" (manifest.vision.graph)."""
     if name == VISION and manifest.vision is not None:
         return manifest.vision.graph
+    if name == AUDIO and manifest.audio is not None:
+        return manifest.audio.graph
     return manifest.graphs[name]
 
 

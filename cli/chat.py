@@ -23,6 +23,7 @@ COMMANDS = (("/help", "this help"), ("/reset", "forget the conversation (the sys
             ("/undo", "forget the last message and its answer"),
             ("/image FILE", "attach an image to the next message (vision-language models)"),
             ("/video DIR", "attach a video (a folder of frame images, or FILE,FILE,...) to the next message (Qwen-VL)"),
+            ("/audio FILE", "attach an audio clip (WAV, FLAC, ...) to the next message (audio models: Qwen3-ASR)"),
             ("/exit", "quit (also /quit, Ctrl-D)"))
 EXIT = ("/exit", "/quit", "/bye")
 
@@ -53,6 +54,19 @@ def add_image_flag(p: argparse.ArgumentParser) -> None:
                         "separated by commas; repeatable (Qwen2.5-VL, Qwen3-VL)")
     p.add_argument("--video-fps", type=float, metavar="FPS",
                    help="the rate the --video frames were taken at (default: 24, as transformers assumes)")
+    p.add_argument("--audio", action="append", dest="image", metavar="FILE", type=Clip.parse,
+                   help="an audio clip (WAV, FLAC, OGG) for the (first) message, repeatable (audio models: Qwen3-ASR); "
+                        "`decodert run MODEL --audio FILE` without --prompt prints its transcription")
+
+
+class Clip(type(Path())):  # type: ignore[misc]
+    """An --audio / /audio file (a Path that is known to be an audio clip)."""
+
+    @classmethod
+    def parse(cls, value: str) -> "Clip":
+        if not Path(value).is_file():
+            raise argparse.ArgumentTypeError(f"{value!r} is not an audio file")
+        return cls(value)
 
 
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -94,6 +108,7 @@ def user_message(text: str, images: list) -> dict:
     if not images:
         return {"role": "user", "content": text}
     parts = [{"type": "video", "video": list(i), "fps": i.fps} if isinstance(i, Frames) else
+             {"type": "audio", "audio": Path(i)} if isinstance(i, Clip) else
              {"type": "image", "image": Path(i)} for i in images]
     return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
 
@@ -147,7 +162,7 @@ def command(session, text: str, err: TextIO, pending: list | None = None) -> boo
     name = text.split()[0].lower()
     if name in EXIT:
         return True
-    if name in ("/image", "/video") and pending is not None:
+    if name in ("/image", "/video", "/audio") and pending is not None:
         attach(name, text.split(None, 1)[1].strip() if len(text.split(None, 1)) > 1 else "", err, pending)
         return False
     if name == "/help":
@@ -170,7 +185,14 @@ def command(session, text: str, err: TextIO, pending: list | None = None) -> boo
 
 
 def attach(name: str, value: str, err: TextIO, pending: list) -> None:
-    """/image FILE or /video DIR_OR_FILES: queue it for the next message, or say in one line why not."""
+    """/image FILE, /audio FILE or /video DIR_OR_FILES: queue it for the next message, or say in one line why not."""
+    if name == "/audio":
+        try:
+            pending.append(Clip.parse(value))
+            print(f"[audio {pending[-1].name} will go with the next message]", file=err)
+        except argparse.ArgumentTypeError:
+            print(f"[/audio needs an audio file; {value!r} is not one]" if value else "[/audio needs a file]", file=err)
+        return
     if name == "/image":
         path = Path(value) if value else None
         if path is None or not path.is_file():

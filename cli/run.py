@@ -11,7 +11,7 @@ from typing import Any
 
 from decodert.cli import common, inputs
 from decodert.export.prepare import QUANT_CHOICES
-from decodert.cli.chat import add_chat_flags, chat_loop, media, user_message
+from decodert.cli.chat import Clip, add_chat_flags, chat_loop, media, user_message
 from decodert.cli.generate import answer
 
 
@@ -41,9 +41,22 @@ def run_run(args: argparse.Namespace) -> int:
     inputs.argv_text(args.system, "--system")
     draft = common.draft_of(args)  # bad speculation or structured-output flags fail before the export and the load
     llm = common.load(prepare_model(args.model, max_seq=args.max_seq, quant=args.quant), args.backend, args.verify, draft)
+    clips = [m for m in media(args) if isinstance(m, Clip)]
+    if args.prompt is None and clips:  # an audio model: print each clip's transcription
+        return transcribe(llm, clips, args)
     if args.prompt is None:
         return chat_loop(llm, args)
     if (args.raw or not llm.chat_template) and not args.image:
         return answer(llm, args.prompt, None, args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     return answer(llm, args.prompt, system + [user_message(args.prompt, media(args))], args)
+
+
+def transcribe(llm: Any, clips: list, args: argparse.Namespace) -> int:
+    """--audio without --prompt: each clip's transcription on a line of its own (--json: the results)."""
+    import json
+
+    for clip in clips:
+        result = llm.transcribe(clip, **common.sampling_kwargs(args))
+        print(json.dumps(result.to_dict(), ensure_ascii=False) if args.json else result.text)
+    return 0

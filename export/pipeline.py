@@ -38,11 +38,13 @@ from decodert.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, Embedd
                                         Manifest, ModelRecord, PluginsRecord, QuantRecord, SamplingRecord, SourceRecord,
                                         TokenizerRecord, WeightsRecord, from_json, write_manifest)
 from decodert.export.progress import Stage
+from decodert.export.audio_export import audio_of, write_audio
 from decodert.export.vision_export import vision_of, write_vision
 from decodert.export.lowering.semantics import tokenizer_vocab
 from decodert.artifact.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, rope_head_dim, rope_tables, state_specs
 from decodert.models.canonical import canonical_names, canonical_shape
+from decodert.models.audio import AudioSpec, audio_names, audio_shape
 from decodert.models.vision import VisionSpec, vision_names, vision_shape
 from decodert.plugins.ops.kv_dtypes import KVDtype
 from decodert.plugins.ops.kv_dtypes import kv_dtype as kv_dtype_of
@@ -98,9 +100,11 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
         tmp = destination.make_temp(out_dir)
         try:
             layout = tgt.weight_layout
-            vision = vision_of(ckpt)
-            weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout, vision)
+            vision, audio = vision_of(ckpt), audio_of(ckpt)
+            weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout, vision,
+                                                audio)
             vision_weights = {k: weights.pop(k) for k in [k for k in weights if k.startswith("vision.")]}
+            audio_weights = {k: weights.pop(k) for k in [k for k in weights if k.startswith("audio.")]}
             lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized, plugins=plugin_ops, kv=kv)
             with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
                 tokenizer = ckpt.write_tokenizer(tmp)
@@ -110,6 +114,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                 graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora)
                 vision_record = None if vision is None else write_vision(ckpt, vision, vision_weights, dtype, tmp,
                                                                          lowering.ir_version, type(lowering))
+                audio_record = None if audio is None else write_audio(ckpt, audio, audio_weights, dtype, tmp,
+                                                                      lowering.ir_version, type(lowering))
                 tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
                 manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
                 bar.update()
@@ -119,7 +125,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                 manifest = manifest.replace(
                     sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
                     plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
-                    quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora), vision=vision_record)
+                    quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora), vision=vision_record,
+                    audio=audio_record)
                 write_manifest(tmp, manifest)
                 destination.swap_in(tmp, out_dir)
                 bar.update()
@@ -237,7 +244,8 @@ STREAMED_ROWS = ("embed_per_layer",)
 
 def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool,
                    quant: QuantConfig | None, layout: WeightLayout,
-                   vision: VisionSpec | None = None) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
+                   vision: VisionSpec | None = None,
+                   audio: AudioSpec | None = None) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
     """Stream every canonical tensor (one at a time) plus the RoPE tables into weights.bin.
 
     Returns the initializers and how each weight stored quantized is stored (by name).
@@ -271,6 +279,8 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
             w.add(f"{prefix}.sin", sin, dtype)
         for name in vision_names(vision) if vision is not None else ():  # vision.onnx's, in the graph dtype
             w.add(name, ckpt.vision_tensor(name, vision_shape(vision, name)), dtype)
+        for name in audio_names(audio) if audio is not None else ():  # audio.onnx's, in the graph dtype
+            w.add(name, ckpt.audio_tensor(name, audio_shape(audio, name)), dtype)
         w.close()
         return w.tensors, quantized
 

@@ -28,9 +28,9 @@ from typing import Any
 
 from decodert.errors import DecodertError
 from decodert.artifact.artifact_files import write_atomic
-from decodert.artifact.trt_engines import VISION, check_io, engine_io, graph_of, make_logger, trt_dtype_name
+from decodert.artifact.trt_engines import AUDIO, VISION, check_io, engine_io, graph_of, make_logger, trt_dtype_name
 from decodert.export.artifact.destination import linked_copy, swap_in
-from decodert.export.trt_graphs import max_patches, max_tiles, profile_shapes, without_input_defaults
+from decodert.export.trt_graphs import audio_ranges, max_patches, max_tiles, profile_shapes, without_input_defaults
 from decodert.artifact.targets import target_info
 from decodert.export.trt_progress import make_progress
 from decodert.artifact.manifest import MANIFEST, EngineRecord, GraphRecord, Manifest, from_json, load_manifest, write_manifest
@@ -193,7 +193,7 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
     network, _parser = parse_onnx(trt, builder, logger, out_dir / graph.file)
     check_io(network_io(network, graph), graph, f"{graph.file} (parsed)")
     shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"], max_tiles(manifest),
-                            max_patches(manifest))
+                            max_patches(manifest), audio_ranges(manifest))
     monitor = make_progress(trt, name, settings["progress"])  # a bar on a terminal, else a line every 10 s
     config = make_config(trt, info, builder, network, shapes, {**settings, "monitor": monitor})
     t0 = time.perf_counter()
@@ -286,6 +286,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     try:
         names = [n for n in (*GRAPHS, "verify") if n in manifest.graphs]  # older artifacts have no verify graph
         names += [VISION] if manifest.vision is not None else []
+        names += [AUDIO] if manifest.audio is not None else []  # audio.engine: built, not yet run by the trt backend
         engines = {name: build_one(trt, info, work, name, manifest, settings) for name in names}
         for rec in engines.values():
             os.replace(staged(work / rec.file), work / rec.file)
@@ -297,7 +298,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
             shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
-        for name in (*GRAPHS, "verify", VISION):
+        for name in (*GRAPHS, "verify", VISION, AUDIO):
             staged(work / f"{name}.engine").unlink(missing_ok=True)
     if cache is not None and cache_path is not None:
         write_atomic(cache_path, bytes(cache.serialize()))

@@ -16,13 +16,15 @@ from decodert.artifact.manifest import GraphRecord, Manifest
 from decodert.artifact.graph_contract import DEFAULTED_INPUTS, ENGINE_INPUTS
 
 
-def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int,
-                   tiles: int = 1, patches: int = 4) -> dict[str, tuple[list[int], ...]]:
+def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int, tiles: int = 1, patches: int = 4,
+                   audio: dict[str, tuple[int, int, int]] | None = None) -> dict[str, tuple[list[int], ...]]:
     """Input name -> (min, opt, max) dims from the manifest's symbolic dims ("batch", "seq", "images",
-    "image_tokens", and the Qwen-VL towers' "patches": 4 .. the patch rows of the largest image)."""
+    "image_tokens", the Qwen-VL towers' "patches": 4 .. the patch rows of the largest image, and audio.onnx's
+    chunk, window and token dims: ``audio_ranges``)."""
     opt_batch = batch if name == "decode" else max(batch // 2, 1)
     ranges = {"batch": (1, opt_batch, batch), "seq": (1, min(seq, 256), seq), "images": (1, tiles, tiles),
-              "image_tokens": (0, min(seq, 256), batch * seq), "patches": (4, min(1024, patches), patches)}
+              "image_tokens": (0, min(seq, 256), batch * seq), "patches": (4, min(1024, patches), patches),
+              **(audio or {})}
     if name == "verify":  # speculative decoding: 1 .. max_tokens per row, at every batch size
         width = min(graph.max_tokens or seq, seq)
         ranges = {"batch": (1, batch, batch), "seq": (1, min(width, 8), width)}
@@ -33,6 +35,24 @@ def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int,
         dims = [ranges[d] if isinstance(d, str) else (int(d),) * 3 for d in inp.shape]
         shapes[inp.name] = tuple([d[k] for d in dims] for k in range(3))
     return shapes
+
+
+def audio_ranges(manifest: Manifest, seconds: float = 30.0) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) of audio.onnx's dims for clips up to ``seconds`` (runtime/audio/encoder.py encoder_feeds):
+    chunks of 2 n_window frames in windows of n_window_infer frames, 13 rows a chunk."""
+    if manifest.audio is None:
+        return {}
+    from decodert.models.audio import AudioSpec
+
+    a = AudioSpec.from_dict(dict(manifest.audio.spec))
+    hop = int(manifest.audio.features.get("hop_length", 160))
+    rate = int(manifest.audio.features.get("sampling_rate", 16000))
+    chunks = -(-int(seconds * rate // hop) // a.chunk_frames)
+    per = min(a.window_chunks, chunks)
+    windows = -(-chunks // per)
+    k = a.chunk_tokens
+    return {"chunks": (1, per, windows * per), "windows": (1, 1, windows), "window_slots": (k, per * k, per * k),
+            "audio_tokens": (1, per * k, windows * per * k)}
 
 
 def without_input_defaults(path: Path) -> bytes | None:

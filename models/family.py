@@ -16,6 +16,8 @@ A family file is a plain module; its names are the protocol's, upper case for ta
                HF_UNUSED, GGUF_UNUSED      regexes of stored keys no canonical weight reads
     vision     vision_from_hf(config) -> VisionSpec | None, VISION_WEIGHTS (required together, tag "vision");
                vision_fix(name, w), image_processor(...), video_processor(config)
+    audio      audio_from_hf(config) -> AudioSpec, AUDIO_WEIGHTS, audio_features(preprocessor, audio) (required
+               together, tag "audio"; models/audio.py)
 
 Callers read a ``Family``'s attributes, each with its default, never the module's with ``getattr``.
 """
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-TAGS = ("moe", "hybrid", "vision")
+TAGS = ("moe", "hybrid", "vision", "audio")
 Table = Mapping[str, Any]  # canonical name template -> checkpoint key template(s)
 
 
@@ -56,6 +58,9 @@ class Family:
     vision_fix: Callable[..., Any] | None = None
     image_processor: Callable[..., Any] | None = None
     video_processor: Callable[[dict], Any] | None = None
+    audio_from_hf: Callable[[dict], Any] | None = None
+    audio_weights: Table = field(default_factory=dict)
+    audio_features: Callable[..., Any] | None = None
 
     @classmethod
     def of(cls, module: ModuleType) -> "Family":
@@ -83,7 +88,7 @@ class Family:
                 raise TypeError(f"{where}: {_declared(part)} must be a tuple of strings")
         if not self.model_types:
             raise TypeError(f"{where}: MODEL_TYPES names no model_type")
-        for part in ("hf_weights", "gguf_weights", "vision_weights"):
+        for part in ("hf_weights", "gguf_weights", "vision_weights", "audio_weights"):
             if not isinstance(getattr(self, part), Mapping):
                 raise TypeError(f"{where}: {_declared(part)} must be a dict of canonical names")
         for f in dataclasses.fields(self):
@@ -97,6 +102,9 @@ class Family:
             raise TypeError(f"{where}: GGUF_ARCHITECTURES needs spec_from_gguf and GGUF_WEIGHTS")
         if (self.vision_from_hf is None) != (not self.vision_weights):
             raise TypeError(f"{where}: vision_from_hf and VISION_WEIGHTS come together")
+        if not ((self.audio_from_hf is None) == (not self.audio_weights) == (self.audio_features is None)
+                == ("audio" not in self.tags)):
+            raise TypeError(f"{where}: audio_from_hf, AUDIO_WEIGHTS and audio_features come together, tagged 'audio'")
         unknown = sorted(self.tags - set(TAGS))
         if unknown:
             raise TypeError(f"{where}: TAGS '{unknown[0]}' is not one of {', '.join(TAGS)}")
@@ -105,7 +113,7 @@ class Family:
 
 
 _TABLES = {"model_types", "hf_weights", "gguf_architectures", "gguf_weights", "tags", "hf_unused", "gguf_unused",
-           "vision_weights"}  # declared in upper case
+           "vision_weights", "audio_weights"}  # declared in upper case
 _REQUIRED = ("model_types", "spec_from_hf", "hf_weights")
 
 

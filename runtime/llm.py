@@ -55,6 +55,10 @@ from decodert.runtime.engine.request import Prepared
 from decodert.runtime.engine.runs import Runs
 from decodert.runtime.embedding import EmbedInput, Embedder
 from decodert.runtime.speculation.speculative import Speculator
+from decodert.runtime.audio.clips import DEFAULT_AUDIO_LIMITS, load_audio
+from decodert.runtime.audio.encoder import Audio
+from decodert.runtime.audio.messages import has_audio, split_audio
+from decodert.runtime.audio.transcribe import parse_transcription, transcription_messages
 from decodert.runtime.vision.encoder import Vision
 from decodert.runtime.vision.images import DEFAULT_LIMITS
 from decodert.runtime.vision.messages import split_images
@@ -115,11 +119,16 @@ class LLM:
         layout = manifest.lora_layout if manifest else None  # LoRA slots: adapters by name (runtime/adapters.py)
         self.adapters = Adapters(layout, manifest.model.spec() if manifest and layout else None,
                                  getattr(backend, "lora_weights", None))
+        self.audio_limits = DEFAULT_AUDIO_LIMITS  # bytes, seconds and clips per request (runtime/audio/clips.py)
+        vision = Vision.attach(backend, manifest)  # images in (runtime/vision/); None: text only
+        audio = Audio.attach(backend, manifest)  # audio in (runtime/audio/), its rows in the same store; None: none
+        if audio is not None:
+            audio.placeholder = tokenizer.id_to_token(audio.token_id) or audio.placeholder
         self.engine = Engine(backend, decoder=markup_decoder(tokenizer, self.chat_template),  # harmony keeps its markup
                              eos_token_ids=tuple(tok.eos_token_ids or model_eos),
                              prefix_cache=make_prefix_cache(backend, prefix_cache_mb),  # None: off
                              speculator=Speculator(draft.backend if draft is not None else None),
-                             vision=Vision.attach(backend, manifest),  # images in (runtime/vision/); None: text only
+                             vision=vision, audio=audio,
                              adapters=self.adapters, guidance=lambda: self.guidance, manifest=manifest)
         self.runs = Runs(self.engine)  # callers' runs take the engine one at a time
 
@@ -143,6 +152,10 @@ class LLM:
     @property
     def vision(self) -> Any:
         return self.engine.vision
+
+    @property
+    def audio(self) -> Any:
+        return self.engine.audio
 
     @property
     def speculator(self) -> Speculator:
@@ -321,6 +334,7 @@ class LLM:
     def _chat(self, messages: Seq[Message], options: Mapping[str, Any]) -> tuple[ChatTurn, str, np.ndarray]:
         """Messages and chat options -> (turn, rendered prompt, its ids); RequestError naming the part at fault."""
         try:
+            messages, clips = self.split_audio(messages)
             messages, images = self.split_images(messages)
         except Busy:  # not the request's fault: a server answers 503
             raise
@@ -334,7 +348,7 @@ class LLM:
                                else "tools" if "tool" in message else "messages") from None
         try:
             text = self._render(turn)
-            return turn, text, self.prompt_ids(text, images)
+            return turn, text, self.prompt_ids(text, images, clips)
         except DecodertError as e:
             raise RequestError(str(e), "messages") from None
 
@@ -358,9 +372,28 @@ class LLM:
                                 "built before they took the image inputs: run `decodert build` again)")
         return messages, images
 
-    def prompt_ids(self, text: str, images: Seq[np.ndarray | Video] = ()) -> np.ndarray:
+    def split_audio(self, messages: Seq[Message]) -> tuple[Seq[Message], list[np.ndarray]]:
+        """Audio parts -> ``{"type": "audio"}`` for the template, and the clips at the model's rate
+        (runtime/audio/messages.py)."""
+        if not has_audio(messages):
+            return messages, []
+        if self.audio is None:
+            raise DecodertError(self.no_audio())
+        return split_audio(messages, self.audio_limits, self.audio.sampling_rate)
+
+    def no_audio(self) -> str:
+        """Why this LLM takes no audio, in one line."""
+        if self.manifest is not None and self.manifest.audio is not None:
+            return "this backend does not run audio.onnx yet (the ort backend does: backend='ort')"
+        return "this model takes no audio (no audio.onnx in the artifact)"
+
+    def prompt_ids(self, text: str, images: Seq[np.ndarray | Video] = (), clips: Seq[np.ndarray] = ()) -> np.ndarray:
         """A rendered chat prompt's ids; with images, each ``<image>`` expanded as the model's processor does
-        and its tokens the image's ids (runtime/vision/encoder.py)."""
+        and its tokens the image's ids (runtime/vision/encoder.py); clips likewise (runtime/audio/encoder.py)."""
+        if clips and self.audio is not None:  # split_audio refused clips for a model without audio
+            if images:
+                raise DecodertError("a prompt with both images and audio is not supported yet")
+            return self.audio.prompt_ids(text, clips, lambda t: self.encode(t, add_bos=False))
         if images and self.vision is not None:  # split_images refused images for a model without vision
             return self.vision.prompt_ids(text, images, lambda t: self.encode(t, add_bos=False))
         return self.encode(text, add_bos=False)
@@ -372,6 +405,31 @@ class LLM:
             if self._guidance is None:
                 self._guidance = Guidance.for_tokenizer(self.tokenizer, self.backend.vocab_size, self.eos_token_ids)
             return self._guidance
+
+    def transcribe(self, audio: Any, sample_rate: int | None = None, language: str | None = None,
+                   prompt: str | None = None, **params: Any) -> GenerationResult:
+        """Speech to text: ``audio`` a path, encoded bytes, or samples with ``sample_rate`` (or a (samples, rate)
+        pair); ``language`` (a code or name) forces the language, ``prompt`` is context for the system turn; the
+        rest are sampling parameters. -> a GenerationResult whose text is the transcription (what follows the
+        model's ``<asr_text>``; runtime/audio/transcribe.py) and token_ids all the generated ids."""
+        prepared = self.prepare_transcription(audio, sample_rate, language, prompt, **params)
+        result = self.run([self.engine.sequence(prepared)])[0]
+        return dataclasses.replace(result, text=parse_transcription(result.text)[1])
+
+    def prepare_transcription(self, audio: Any, sample_rate: int | None = None, language: str | None = None,
+                              prompt: str | None = None, **params: Any) -> Prepared:
+        """The request ``transcribe`` runs (the server's /v1/audio/transcriptions runs it on its engine thread)."""
+        if self.audio is None:
+            raise DecodertError(self.no_audio())
+        rate = self.audio.sampling_rate
+        clip = load_audio(audio, "audio", self.audio_limits, rate, sample_rate)
+        messages, prefill = transcription_messages(clip, rate, language, prompt)
+        messages, clips = self.split_audio(messages)
+        text = self._render(self.chat_turn(messages, {})) + prefill
+        params = dict(params)
+        spec, adapter = params.pop("speculative", None), params.pop("adapter", None)
+        sp, constraint = self._params_and_constraint(params, None)
+        return Prepared(self.prompt_ids(text, (), clips), sp, constraint, spec, adapter, what="audio", text=text)
 
     def generate(self, prompt: Prompt | Seq[Prompt], **params: Any) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list, same order)."""

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decodert.errors import first_line
 from decodert.runtime.engine.thread import EngineThread
-from decodert.serve import anthropic
+from decodert.serve import anthropic, transcriptions
 from decodert.serve.embeddings import EmbeddingRequest, Embeddings
 from decodert.serve.guard import Guard
 from decodert.serve.jobs import Job, chat_choices, completion_choices
@@ -71,6 +71,7 @@ def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
     _add_error_handlers(app)
     anthropic.add_routes(app, engine, config, metrics)  # /v1/messages, /v1/messages/count_tokens
     add_responses_routes(app, engine, config, metrics, lambda name: check_model(name, config, engine))  # /v1/responses
+    transcriptions.add_routes(app, engine, config, metrics, lambda name: check_model(name, config, engine))
 
     @app.get("/health")
     async def health() -> JSONResponse:

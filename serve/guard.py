@@ -17,6 +17,8 @@ request counting and the request log.
 - POSTs to ``/v1/*`` need ``Content-Type: application/json`` (415 otherwise): a web page cannot
   send that cross-origin without a CORS preflight, which only the origins in ``allowed_origins`` are
   granted (none by default); a page of any other origin cannot post to the API at all.
+  The one exception, ``MULTIPART_PATHS`` (OpenAI's /v1/audio/transcriptions takes multipart/form-data, which a
+  page may post without a preflight), needs an Authorization or x-api-key header, which a page cannot add without one.
 - A client that closes the connection before its body arrived is one log line, counted as 499.
 - Every response's status is counted per endpoint (unknown paths count as "other"), and logged at info
   (``--log-level info``) as one line: method, path, status, prompt and completion tokens where the
@@ -44,7 +46,8 @@ Message = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/models",
-             "/health", "/metrics")
+             "/v1/audio/transcriptions", "/health", "/metrics")
+MULTIPART_PATHS = ("/v1/audio/transcriptions",)  # POSTs that take multipart/form-data (with an auth header)
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 log = logging.getLogger("uvicorn.error")  # the server's log, at its --log-level
 
@@ -133,7 +136,12 @@ class Guard:
                 return (401, f"the API key is {what}; send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                         "invalid_request_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         kind = headers.get("content-type", b"").split(b";")[0].strip().lower()
-        if scope.get("method") == "POST" and path.startswith("/v1/") and kind != b"application/json":
+        if kind == b"multipart/form-data" and path in MULTIPART_PATHS and scope.get("method") == "POST":
+            if "authorization" not in headers and "x-api-key" not in headers:  # forces a CORS preflight
+                return (415, "a multipart upload needs an 'Authorization' (or 'x-api-key') header, as OpenAI's clients "
+                             "send, so a web page cannot post it cross-origin", "invalid_request_error",
+                        "unsupported_media_type")
+        elif scope.get("method") == "POST" and path.startswith("/v1/") and kind != b"application/json":
             return (415, f"the request body must be JSON sent with 'Content-Type: application/json', got "
                          f"{kind.decode('latin-1')[:60]!r}", "invalid_request_error", "unsupported_media_type")
         length = headers.get("content-length")

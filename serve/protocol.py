@@ -50,12 +50,16 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+MEDIA_PARTS = ("image_url", "video_url", "input_audio")  # parts handed to the LLM as dicts (decoded there)
+
+
 class TextPart(_Strict):
     type: str
     text: Optional[str] = None
     image_url: Optional[Union[str, dict[str, Any]]] = None  # {"url": "data:image/png;base64,..."}
     video_url: Optional[Union[str, dict[str, Any]]] = None  # {"url": ["data:image/png;base64,...", ...]}: frames
     fps: Optional[float] = None  # video_url: the rate of its frames
+    input_audio: Optional[dict[str, Any]] = None  # {"data": base64, "format": "wav"} (runtime/audio/messages.py)
 
 
 class ChatMessage(_Strict):
@@ -72,11 +76,11 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        if any(part.type in ("image_url", "video_url") for part in self.content):
-            other = [part.type for part in self.content if part.type not in ("text", "image_url", "video_url")]
+        if any(part.type in MEDIA_PARTS for part in self.content):
+            other = [part.type for part in self.content if part.type not in ("text", *MEDIA_PARTS)]
             if other:
                 raise ApiError(400, f"messages[{i}].content: part type {other[0]!r} is not supported "
-                                    "(text, image_url, video_url)",
+                                    "(text, image_url, video_url, input_audio)",
                                param=f"messages[{i}].content")
             return [part.model_dump(exclude_none=True) for part in self.content]
         for part in self.content:

@@ -107,6 +107,12 @@ def inspect_artifact(folder: str | Path) -> str:
                          f"{p['image_seq_len']} tokens a tile; resize to {resize}, "
                          f"splitting {'on' if p.get('do_image_splitting') else 'off'}")
         graphs.append(("vision", m.vision.graph))
+    if m.audio is not None:  # audio-language: the encoder + projector, and the log-mel settings (runtime/audio/)
+        a, f = m.audio.spec, m.audio.features
+        lines.append(f"audio      {a['num_layers']} layers ({a.get('encoder')}), d_model {a['hidden_size']}, "
+                     f"{f['n_mels']} mels at {f['sampling_rate']} Hz (hop {f['hop_length']}), chunks of "
+                     f"{2 * a['n_window']} frames, windows of {a['n_window_infer']}")
+        graphs.append(("audio", m.audio.graph))
     for kind, g in graphs:
         s = graph_summary(folder / g.file)
         lines.append(f"\n{kind}: {g.file}  {s['nodes']} nodes  opsets {s['opsets']}")

@@ -41,12 +41,13 @@ class Engine:
     become sequences (the detokenizer, eos ids, structured-output compiler, adapters, drafters, images)."""
 
     def __init__(self, backend: Any, *, decoder: Any, eos_token_ids: tuple[int, ...], prefix_cache: Any = None,
-                 speculator: Any = None, vision: Any = None, adapters: Any = None,
+                 speculator: Any = None, vision: Any = None, adapters: Any = None, audio: Any = None,
                  guidance: Callable[[], Any] | None = None, manifest: Any = None) -> None:
         self.backend = backend
         self.manifest = manifest  # the artifact's (its graphs name what the backend could not load)
         self.speculator = speculator  # runtime/speculation/speculative.py Speculator
         self.vision = vision  # runtime/vision/encoder.py Vision, or None (text only)
+        self.audio = audio  # runtime/audio/encoder.py Audio (its rows in the same store as images), or None
         self.adapters = adapters  # runtime/adapters.py Adapters
         self.open = False  # the current run takes requests while it runs (a server's): speculation never drains
         self.eos_token_ids = tuple(eos_token_ids)  # a sequence stops at any of these
@@ -114,8 +115,8 @@ class Engine:
         if ids.size > self.max_seq - 1:
             raise DecodertError(f"{what} has {ids.size} tokens but the model was exported with --max-seq "
                                 f"{self.max_seq}, which leaves no room to generate; re-export with a larger --max-seq")
-        if is_image(ids).any() and self.vision is None:
-            raise DecodertError(f"{what} has image ids but this model takes no images")
+        if is_image(ids).any() and self.vision is None and self.audio is None:
+            raise DecodertError(f"{what} has image ids but this model takes no images or audio")
         if ids.min() < 0 or text_ids(ids).max() >= vocab:
             raise DecodertError(f"{what} has token ids outside the vocabulary [0, {vocab})")
         if any(t >= vocab for t, _ in params.logit_bias):
@@ -129,8 +130,9 @@ class Engine:
         seq = Sequence(ids, params, self._decoder, self.eos_token_ids, self.max_seq, guide)
         if prepared.turn is not None:  # a chat turn may end the reply early (a repeated tool call)
             seq.watch = prepared.turn.watcher(prepared.text or "")
-        if self.vision is not None:  # its images' rows stay readable until it is done (runtime/vision/encoder.py)
-            seq.images = self.vision.store.pin(ids)
+        media = self.vision if self.vision is not None else self.audio
+        if media is not None:  # its images' and clips' rows stay readable until it is done (runtime/vision/encoder.py)
+            seq.images = media.store.pin(ids)
         if self.adapters is not None:
             try:
                 seq.adapter = self.adapters.resolve(prepared.adapter)

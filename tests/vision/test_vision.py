@@ -342,6 +342,6 @@ def test_server_messages_keep_image_parts_and_refuse_other_kinds():
                                                                    {"type": "text", "text": "What?"}]})
     assert mixed.text(0) == [{"type": "image_url", "image_url": url}, {"type": "text", "text": "What?"}]
     odd = ChatMessage.model_validate({"role": "user", "content": [{"type": "image_url", "image_url": url},
-                                                                 {"type": "input_audio"}]})
-    with pytest.raises(ApiError, match="input_audio"):
+                                                                 {"type": "file"}]})  # input_audio: tests/audio
+    with pytest.raises(ApiError, match="'file'"):
         odd.text(0)

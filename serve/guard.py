@@ -18,7 +18,9 @@ request counting and the request log.
   send that cross-origin without a CORS preflight, which only the origins in ``allowed_origins`` are
   granted (none by default); a page of any other origin cannot post to the API at all.
   The one exception, ``MULTIPART_PATHS`` (OpenAI's /v1/audio/transcriptions takes multipart/form-data, which a
-  page may post without a preflight), needs an Authorization or x-api-key header, which a page cannot add without one.
+  page may post without a preflight): a browser always names the page's ``Origin`` on such a POST, so a multipart
+  upload with an Origin header is refused (403) unless that origin is allowed or the request carries an
+  Authorization / x-api-key header (which a page cannot add without a preflight); curl and the SDKs send no Origin.
 - A client that closes the connection before its body arrived is one log line, counted as 499.
 - Every response's status is counted per endpoint (unknown paths count as "other"), and logged at info
   (``--log-level info``) as one line: method, path, status, prompt and completion tokens where the
@@ -137,10 +139,12 @@ class Guard:
                         "invalid_request_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         kind = headers.get("content-type", b"").split(b";")[0].strip().lower()
         if kind == b"multipart/form-data" and path in MULTIPART_PATHS and scope.get("method") == "POST":
-            if "authorization" not in headers and "x-api-key" not in headers:  # forces a CORS preflight
-                return (415, "a multipart upload needs an 'Authorization' (or 'x-api-key') header, as OpenAI's clients "
-                             "send, so a web page cannot post it cross-origin", "invalid_request_error",
-                        "unsupported_media_type")
+            origin = headers.get("origin")
+            authorized = "authorization" in headers or "x-api-key" in headers  # a page must preflight to add one
+            if origin is not None and not authorized and not self.cors.allowed(origin):
+                return (403, f"a multipart upload from the web origin {origin.decode('latin-1')[:100]!r} is not "
+                             "allowed; start the server with --allowed-origins ORIGIN to allow it",
+                        "invalid_request_error", "origin_not_allowed")
         elif scope.get("method") == "POST" and path.startswith("/v1/") and kind != b"application/json":
             return (415, f"the request body must be JSON sent with 'Content-Type: application/json', got "
                          f"{kind.decode('latin-1')[:60]!r}", "invalid_request_error", "unsupported_media_type")

@@ -334,8 +334,14 @@ def test_transcription_bad_inputs_are_one_line_400s(asr):
         r = httpx.post(url + "/v1/audio/transcriptions", data={"model": "tiny"}, files={"other": ("x", b"1")},
                        headers=auth, timeout=30)
         assert r.status_code == 400 and "'file' part" in r.json()["error"]["message"]
-        r = httpx.post(url + "/v1/audio/transcriptions", files={"file": ("a.wav", wav)}, timeout=30)  # no auth header
-        assert r.status_code == 415 and "Authorization" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/audio/transcriptions", data={"model": "tiny"}, files={"file": ("a.wav", wav)},
+                       timeout=30)  # curl's way: no auth header, no Origin
+        assert r.status_code == 200 and r.json()["text"] == client.audio.transcriptions.create(
+            model="tiny", file=("a.wav", wav)).text
+        page = {"Origin": "http://evil.example"}  # a web page's cross-origin form post, no preflight
+        r = httpx.post(url + "/v1/audio/transcriptions", data={"model": "tiny"}, files={"file": ("a.wav", wav)},
+                       headers=page, timeout=30)
+        assert r.status_code == 403 and "--allowed-origins" in r.json()["error"]["message"]
         limits, llm.audio_limits = llm.audio_limits, type(llm.audio_limits)(max_seconds=0.5)
         try:
             with pytest.raises(openai.BadRequestError, match="the limit is 0.5 s"):

@@ -9,6 +9,7 @@
     llm.generate("A person as JSON:", json_schema={...})  # or regex=..., grammar=... (Lark): docs/STRUCTURED.md
     llm = LLM.load("out/lora", adapters={"sql": "adapters/sql"}); llm.generate("Hi", adapter="sql")  # LoRA per call
     chat = llm.session(system="Be brief."); chat.chat("Hi"); chat.chat("And then?")   # runtime/chat/session.py
+    llm.warm([[{"role": "system", "content": "..."}]])    # prefilled into the prefix cache (runtime/warm.py)
     llm.embed(["a text", "another"], dimensions=None)  # unit vectors [n, d] from embed.onnx (runtime/embedding.py)
 
 Every run goes through the LLM's engine (runtime/engine/): ``prepare`` builds the request, the engine runs
@@ -59,6 +60,7 @@ from decodert.runtime.vision.encoder import Vision
 from decodert.runtime.vision.images import DEFAULT_LIMITS
 from decodert.runtime.vision.messages import split_images
 from decodert.runtime.vision.video import Video
+from decodert.runtime.warm import warm as warm_prompts
 
 if TYPE_CHECKING:
     from decodert.runtime.chat.session import Session
@@ -428,6 +430,13 @@ class LLM:
             inputs = [inputs]
         embedder = self.embedder
         return embedder.embed(embedder.token_ids(inputs), dimensions)
+
+    def warm(self, prompts: Seq[Any]) -> list[int]:
+        """Prefill prompts (text), chat message lists (rendered as a chat request renders them) or entries
+        (``{"messages": [...], "tools": [...]}``: runtime/warm.py) into the prefix cache, so a later request
+        that starts like one is a hit -> the tokens of each the cache now holds. DecodertError naming the
+        entry: a bad one, the cache off, or an entry that did not all stay in the cache's budget."""
+        return warm_prompts(self, prompts)
 
     def session(self, system: str | None = None, overflow: str = "truncate") -> "Session":
         """A conversation whose K/V stays in its own cache row between turns (runtime/chat/session.py):

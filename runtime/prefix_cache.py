@@ -130,6 +130,12 @@ class PrefixCache:
         self._touch(chain)
         return chain
 
+    def reach(self, ids: np.ndarray, has_state: bool = False, adapter: int = 0) -> int:
+        """Tokens of ``ids`` a load could take from the cache now (touched as used): its cached whole blocks,
+        for a row with states only up to the deepest entry that keeps them (warm start checks it)."""
+        chain = self.match(ids, None, adapter)
+        return (_deepest_state(chain) if has_state else len(chain)) * self.block_tokens
+
     def load(self, cache: Any, slot: int, ids: np.ndarray, limit: int | None = None) -> int:
         """Copy the longest cached prefix of ``ids`` into ``slot`` (committed there) -> the slot's cached length.
 

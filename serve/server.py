@@ -47,6 +47,7 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: web origins allowed to call the API (--allowed-origins; "*": any)
     image_fetch_timeout_s: float = 10.0  # the whole of one image fetch (runtime/vision/fetch.py)
     max_image_fetches: int = 8  # image fetches at once, server-wide (one more: 503)
+    warm: tuple = ()  # prompts prefilled into the prefix cache before listening (--warm: runtime/warm.py entries)
 
 
 def model_name(options: ServeOptions) -> str:
@@ -73,6 +74,10 @@ def make_app(options: ServeOptions):
         method = getattr(options.speculative, "method", options.speculative)
         raise DecodertError(f"--speculative {method}: {e}") from None
     llm.engine.reserve()  # a shared cache that cannot be allocated is refused now (exit 2), not at the first request
+    if options.warm:  # before the server says it is ready: the first request is already a hit
+        held = llm.warm(options.warm)
+        print(f"decodert: warmed {len(held)} prompts into the prefix cache ({sum(held)} tokens)", file=sys.stderr,
+              flush=True)
     config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s,
                          options.speculative, options.client_timeout_s, options.allowed_hosts,
                          responses_store=options.responses_store,

@@ -9,6 +9,7 @@
     llm.generate("A person as JSON:", json_schema={...})  # or regex=..., grammar=... (Lark): docs/STRUCTURED.md
     llm = LLM.load("out/lora", adapters={"sql": "adapters/sql"}); llm.generate("Hi", adapter="sql")  # LoRA per call
     chat = llm.session(system="Be brief."); chat.chat("Hi"); chat.chat("And then?")   # runtime/chat/session.py
+    chat.save("hi.session"); chat = llm.resume("hi.session")   # the conversation and its K/V on disk
     llm.warm([[{"role": "system", "content": "..."}]])    # prefilled into the prefix cache (runtime/warm.py)
     llm.embed(["a text", "another"], dimensions=None)  # unit vectors [n, d] from embed.onnx (runtime/embedding.py)
 
@@ -447,6 +448,15 @@ class LLM:
         session = Session(self, system, overflow)
         self._sessions.add(session)
         return session
+
+    def resume(self, path: str | Path, convert_kv: bool = False) -> "Session":
+        """A session saved by ``Session.save(path)``, its row holding the saved ids, K/V and states, so its next
+        turn is the one the saved session would have given (runtime/chat/saved.py). DamagedState (one line): a
+        damaged, truncated or foreign file. ``convert_kv``: take a file of the same model saved with another
+        float K/V type (fp32 / fp16 / bf16), converted as the cache stores values; refused without it."""
+        from decodert.runtime.chat.session import Session
+
+        return Session.resume(self, path, convert_kv)
 
     def generate_many(self, requests: Seq[Request | Mapping[str, Any]]) -> list[GenerationResult]:
         """Continuous batching: requests take free cache slots as others finish; results in order (a chat

@@ -1,0 +1,195 @@
+"""Sessions on disk (runtime/chat/saved.py): ``Session.save`` then ``LLM.resume`` in a new ``LLM.load`` gives the next
+turn the live session gives, greedy token for token and with the same reuse (``last_turn``), on tiny random
+checkpoints: dense, the hybrids (LFM2 conv, Qwen3.5 Gated DeltaNet, Nemotron-H Mamba2: states and the row's
+snapshot), across the ort backend and the trt backend on the emulator (device K/V and states), and Qwen3.5 with an
+image. Damaged, truncated, foreign and other-kv_dtype files are refused in one line; fp32 <-> fp16 K/V convert only
+when asked, exactly as ``astype`` rounds; an int8 cache never converts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from decodert.errors import DamagedState, DecodertError
+from decodert.export.pipeline import export_model
+from decodert.runtime.llm import LLM
+
+QUESTIONS = ["hello world", "the quick brown fox", "jumps over the lazy dog"]
+
+
+@pytest.fixture(scope="module")
+def art(tiny_checkpoint, tmp_path_factory):
+    """art(family, target="ort", **export options) -> an fp32 export of the tiny checkpoint, once per arguments."""
+    pytest.importorskip("transformers")
+    made: dict[tuple, Path] = {}
+
+    def get(family: str, target: str = "ort", **options) -> Path:
+        key = (family, target, tuple(sorted(options.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"saved-{family}-{target}") / "art"
+            export_model(tiny_checkpoint(family), out, target=target, dtype="fp32", max_seq=192, max_batch=2,
+                         progress=False, **options)
+            if target == "trt":
+                import trt_emulator
+
+                trt_emulator.emulate_engines(out, max_seq=16, scratch={"prefill": 8192, "decode": 4096, "verify": 16384})
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+def _live(llm, turns=2):
+    session = llm.session(system="be brief")
+    for q in QUESTIONS[:turns]:
+        session.chat(q, max_new_tokens=8, temperature=0)
+    return session
+
+
+def _check_resumed_turn(session, resumed):
+    """The resumed session holds what the saved one held, and its next turn is the live one's."""
+    assert resumed.history == session.history and resumed.system == "be brief"
+    assert resumed.cached_tokens == session.cached_tokens > 0
+    assert np.array_equal(resumed.row.cache.held(0), session.row.cache.held(0))
+    live = session.chat(QUESTIONS[2], max_new_tokens=10, temperature=0)
+    got = resumed.chat(QUESTIONS[2], max_new_tokens=10, temperature=0)
+    assert got.token_ids == live.token_ids
+    assert resumed.last_turn == session.last_turn  # the same reuse: the row (and a hybrid's snapshot) came back
+    assert resumed.last_turn.reused_tokens > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2", "qwen3_5", "nemotron_h"])
+def test_a_resumed_session_gives_the_live_next_turn(art, family, tmp_path):
+    path = tmp_path / "chat.session"
+    with LLM.load(art(family)) as llm:
+        session = _live(llm)
+        assert session.save(path) == path.stat().st_size
+        with LLM.load(art(family)) as fresh:
+            _check_resumed_turn(session, fresh.resume(path))
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_one_file_loads_on_ort_and_on_the_trt_backend(art, family, tmp_path, monkeypatch):
+    """A trt-target artifact run by both backends (trt on the emulator: K/V blocks and states in device memory)."""
+    import trt_emulator
+
+    trt_emulator.install(monkeypatch)
+    folder = art(family, "trt")
+    for saver, loader in (("ort", "trt"), ("trt", "ort")):
+        path = tmp_path / f"{saver}.session"
+        with LLM.load(folder, backend=saver) as llm:
+            assert llm.backend.name == saver
+            session = _live(llm)
+            session.save(path)
+            with LLM.load(folder, backend=loader) as other:
+                resumed = other.resume(path)
+                assert other.backend.name == loader and resumed.row.cache.device == ("cuda" if loader == "trt" else "cpu")
+                _check_resumed_turn(session, resumed)
+
+
+def test_a_session_with_an_image_resumes_with_its_image(tmp_path_factory, tmp_path, rng):
+    pytest.importorskip("transformers")
+    pytest.importorskip("PIL.Image")
+    from tiny_qwen_vl import ask, make_tiny_qwen_vl, random_image
+
+    root = tmp_path_factory.mktemp("saved-qwen3_5-vl")
+    export_model(make_tiny_qwen_vl(root / "hf", kind="qwen3_5"), root / "art", target="ort", dtype="fp32", max_seq=512,
+                 max_batch=2, progress=False)
+    image = random_image(rng, 100, 160)
+    image_file = tmp_path / "picture.png"
+    from PIL import Image
+
+    Image.fromarray(image).save(image_file)
+    path = tmp_path / "vl.session"
+    with LLM.load(root / "art") as llm:
+        session = llm.session()
+        message = ask(image_file, text="What?")[0]  # the image as a path: the file keeps its pixels, not the path
+        session.chat(message, max_new_tokens=5, temperature=0)
+        session.save(path)
+        live = session.chat("And the colour?", max_new_tokens=6, temperature=0)
+    image_file.unlink()  # the saved session has the pixels
+    with LLM.load(root / "art") as fresh:
+        resumed = fresh.resume(path)
+        part = resumed.history[0]["content"][0]
+        assert part["type"] == "image" and np.array_equal(part["image"], image)
+        got = resumed.chat("And the colour?", max_new_tokens=6, temperature=0)
+        assert got.token_ids == live.token_ids
+        assert resumed.last_turn.reused_tokens == session.last_turn.reused_tokens >= got.metrics.prompt_tokens // 2
+
+
+def _one_line(excinfo, *needles):
+    message = str(excinfo.value)
+    assert "\n" not in message and all(n in message for n in needles), message
+
+
+def test_damaged_truncated_and_foreign_files_are_refused_in_one_line(art, tmp_path):
+    path = tmp_path / "chat.session"
+    with LLM.load(art("llama")) as llm:
+        session = _live(llm)
+        session.save(path)
+        data = path.read_bytes()
+        for name, bad in (("cut", data[: len(data) // 2]), ("flip", data[:200] + bytes([data[200] ^ 1]) + data[201:]),
+                          ("empty", b""), ("text", b"hello, not a session\n")):
+            (tmp_path / name).write_bytes(bad)
+            with pytest.raises(DamagedState) as e:
+                llm.resume(tmp_path / name)
+            _one_line(e, str(tmp_path / name))
+        with pytest.raises(DecodertError) as e:
+            llm.resume(tmp_path / "missing.session")
+        _one_line(e, "missing.session", "cannot read")
+        assert session.save(path) == len(data)  # the live session is untouched by the failures
+    with LLM.load(art("lfm2")) as other:
+        with pytest.raises(DamagedState) as e:
+            other.resume(path)
+        _one_line(e, str(path), "another artifact")
+
+
+def test_a_failed_save_keeps_the_earlier_file_and_the_session(art, tmp_path):
+    path = tmp_path / "chat.session"
+    with LLM.load(art("llama")) as llm:
+        session = _live(llm, 1)
+        session.save(path)
+        before = path.read_bytes()
+        with pytest.raises(DecodertError) as e:
+            session.save(tmp_path / "no" / "such" / "dir.session")
+        _one_line(e, "cannot write the session")
+        stream = session.stream_chat(QUESTIONS[1], max_new_tokens=8, temperature=0)
+        next(iter(stream))
+        with pytest.raises(DecodertError, match="a turn is streaming"):
+            session.save(path)
+        stream.close()
+        assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["chat.session"]
+        session.save(path)
+        assert llm.resume(path).history == session.history
+
+
+def test_another_kv_dtype_converts_only_when_asked(art, tmp_path):
+    path = tmp_path / "fp32.session"
+    with LLM.load(art("llama")) as llm:
+        session = _live(llm)
+        session.save(path)
+        held = session.row.cache
+        want = np.stack([b[0, :, : session.cached_tokens] for b in held.buffers])  # [2L, H, n, D] fp32
+    with LLM.load(art("llama", kv_dtype="fp16")) as half:
+        with pytest.raises(DecodertError) as e:
+            half.resume(path)
+        _one_line(e, "fp32 K/V cache", "fp16", "convert_kv=True")
+        resumed = half.resume(path, convert_kv=True)
+        n = resumed.cached_tokens
+        got = np.stack([b[0, :, :n] for b in resumed.row.cache.buffers])
+        assert got.dtype == np.float16 and np.array_equal(got, want.astype(np.float16))
+        back = tmp_path / "fp16.session"
+        resumed.save(back)
+        live_half = _live(half)  # the fp16 cache's own session of the same turns reuses as much
+        r = resumed.chat(QUESTIONS[2], max_new_tokens=4, temperature=0)
+        assert r.metrics.cached_tokens == live_half.chat(QUESTIONS[2], max_new_tokens=4, temperature=0).metrics.cached_tokens
+    with LLM.load(art("llama")) as full:
+        again = full.resume(back, convert_kv=True)  # fp16 -> fp32 is exact
+        assert np.array_equal(np.stack([b[0, :, :n] for b in again.row.cache.buffers]),
+                              want.astype(np.float16).astype(np.float32))
+    with LLM.load(art("llama", kv_dtype="int8")) as codes:
+        with pytest.raises(DecodertError) as e:
+            codes.resume(path, convert_kv=True)
+        _one_line(e, "int8", "cannot be converted")

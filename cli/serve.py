@@ -65,6 +65,11 @@ def add_parser(subparsers: Any) -> None:
                         "a list of chat messages (rendered with the chat template as a chat request is), or "
                         "{\"messages\": [...], \"tools\": [...]} (also enable_thinking, chat_template_kwargs, adapter); "
                         "a bad entry or one that does not fit the cache is an error (docs/features/persistence.md)")
+    p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+                   help="keep the prefix cache's blocks in DIR too (e.g. $DECODERT_CACHE/prefix): a restarted server "
+                        "on the same artifact starts with them (docs/features/persistence.md)")
+    p.add_argument("--cache-dir-gb", type=float, default=None, metavar="N",
+                   help="most GB the blocks may take in --cache-dir, least recently used deleted first (default 4)")
     common.add_speculative(p, help="speculative decoding for every request that does not set its own 'speculative' "
                                    "(ngram: prompt lookup; draft: a draft model, --draft)")
     p.add_argument("--responses-store", type=int, default=256, metavar="N",
@@ -122,6 +127,10 @@ def options(args: argparse.Namespace):
     if args.prefix_cache_mb is not None and not args.prefix_cache_mb >= 0:
         raise DecodertError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
     _check_ranges(args)
+    if args.cache_dir_gb is not None and args.cache_dir is None:
+        raise DecodertError("--cache-dir-gb is the budget of --cache-dir: give --cache-dir DIR too")
+    if args.cache_dir is not None and args.prefix_cache_mb == 0:
+        raise DecodertError("--cache-dir keeps the prefix cache's blocks on disk, and --prefix-cache-mb 0 turns that cache off")
     if args.tool_parser is not None:
         from decodert.runtime.chat.tool_calls import tool_format
 
@@ -150,16 +159,19 @@ def options(args: argparse.Namespace):
                         aliases=tuple(names[1:]),
                         accept_any_model=args.accept_any_model, allowed_origins=_origins(args.allowed_origins),
                         image_fetch_timeout_s=args.image_fetch_timeout, max_image_fetches=args.max_image_fetches,
-                        warm=tuple(warm))
+                        warm=tuple(warm),
+                        cache_dir=args.cache_dir, cache_dir_gb=args.cache_dir_gb)
 
 
 # every other numeric flag's lowest value (None: not given); floats must also be finite
 _LOWEST = {"max_image_fetches": 1, "max_image_bytes": 1, "max_image_pixels": 1, "max_images": 0, "max_video_frames": 0,
            "max_video_pixels": 1, "replicas": 1, "min_replicas": 0, "max_replicas": 1,
            "responses_store": 0}
-_FLOATS = {"image_fetch_timeout": 0.0, "drain_timeout": 0.0, "client_timeout": 0.0, "prefix_cache_mb": 0.0, "target_ongoing_requests": 0.0,
+_FLOATS = {"image_fetch_timeout": 0.0, "drain_timeout": 0.0, "client_timeout": 0.0, "prefix_cache_mb": 0.0,
+           "cache_dir_gb": 0.0, "target_ongoing_requests": 0.0,
            "replica_cpus": 0.0, "replica_gpus": 0.0}
-_ABOVE = {"image_fetch_timeout", "client_timeout", "target_ongoing_requests", "replica_cpus"}  # must be above their lowest, not at it
+_ABOVE = {"image_fetch_timeout", "client_timeout", "cache_dir_gb", "target_ongoing_requests",
+          "replica_cpus"}  # must be above their lowest, not at it
 
 
 def _check_ranges(args: argparse.Namespace) -> None:

@@ -24,6 +24,8 @@ KeyboardInterrupt inside a step ends that run only: its slots are freed and the 
 Prompts that start like an earlier one reuse its K/V (runtime/prefix_cache.py): ``prefix_cache_mb``
 bounds that cache (default: room for two full contexts, at most a quarter of the free memory;
 0 = off), and ``result.metrics.cached_tokens`` says how many prompt tokens were not prefilled.
+``cache_dir`` keeps its blocks on disk too (runtime/persist/disk_tier.py, ``cache_dir_gb`` GB at most), so a
+new process on the same artifact and folder starts with them.
 
 Opening the folder (manifest, tokenizer, backend choice, prefix-cache budget) is runtime/backends/loading.py.
 """
@@ -97,7 +99,8 @@ class LLM:
     """
 
     def __init__(self, backend: Any, tokenizer: Any, manifest: Manifest | None = None,
-                 draft: "LLM | None" = None, prefix_cache_mb: float | None = None, tool_parser: str | None = None) -> None:
+                 draft: "LLM | None" = None, prefix_cache_mb: float | None = None, tool_parser: str | None = None,
+                 cache_dir: str | Path | None = None, cache_dir_gb: float | None = None, source: str | None = None) -> None:
         self.tool_parser = tool_parser  # tool-call format (runtime/chat/tool_calls.py); None: from the template
         self.draft = draft  # the draft model of speculative="draft"
         self.tokenizer = tokenizer
@@ -118,9 +121,12 @@ class LLM:
         layout = manifest.lora_layout if manifest else None  # LoRA slots: adapters by name (runtime/adapters.py)
         self.adapters = Adapters(layout, manifest.model.spec() if manifest and layout else None,
                                  getattr(backend, "lora_weights", None))
+        prefix = make_prefix_cache(backend, prefix_cache_mb, cache_dir, cache_dir_gb, manifest, source)  # None: off
+        if prefix is not None:
+            prefix.adapter_key = self.adapters.key_of  # the disk tier keys adapter rows by the adapter's content
         self.engine = Engine(backend, decoder=markup_decoder(tokenizer, self.chat_template),  # harmony keeps its markup
                              eos_token_ids=tuple(tok.eos_token_ids or model_eos),
-                             prefix_cache=make_prefix_cache(backend, prefix_cache_mb),  # None: off
+                             prefix_cache=prefix,
                              speculator=Speculator(draft.backend if draft is not None else None),
                              vision=Vision.attach(backend, manifest),  # images in (runtime/vision/); None: text only
                              adapters=self.adapters, guidance=lambda: self.guidance, manifest=manifest)
@@ -171,7 +177,8 @@ class LLM:
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
              draft: str | Path | None = None, prefix_cache_mb: float | None = None,
-             tool_parser: str | None = None, adapters: Mapping[str, str | Path] | None = None) -> "LLM":
+             tool_parser: str | None = None, adapters: Mapping[str, str | Path] | None = None, *,
+             cache_dir: str | Path | None = None, cache_dir_gb: float | None = None) -> "LLM":
         """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``).
 
         A checkpoint ("smollm2", a .gguf file, an HF folder) is exported first by the façade above
@@ -184,6 +191,8 @@ class LLM:
         ``tool_parser``: the tool-call format ("hermes" | "llama3" | "mistral" | "phi4"; None: the template's).
         ``adapters``: LoRA adapters by name -> PEFT folder, for an artifact exported with ``--lora-slots``;
         ``adapter="name"`` then picks one per call or request (``load_adapter`` / ``unload_adapter`` later).
+        ``cache_dir``: a folder where the prefix cache also keeps its blocks (runtime/persist/disk_tier.py), read
+        back by later processes on the same artifact; ``cache_dir_gb``: the most it holds there (default 4 GB).
         """
         path = Path(path)
         if not (path / MANIFEST).is_file():
@@ -200,7 +209,8 @@ class LLM:
                                     "speculative decoding needs the same vocabulary")
         if tool_parser is not None:
             tool_format(None, tool_parser)  # an unknown name fails before the weights load
-        llm = cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser)
+        llm = cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser,
+                  cache_dir, cache_dir_gb, str(path.resolve()))
         if adapters is not None and not isinstance(adapters, Mapping):
             raise DecodertError(f"adapters must map names to PEFT adapter folders, got {type(adapters).__name__}")
         for name, folder in (adapters or {}).items():
@@ -247,7 +257,7 @@ class LLM:
             for session in list(self._sessions):
                 session.close()
             if self.prefix_cache is not None:
-                self.prefix_cache.clear()
+                getattr(self.prefix_cache, "close", self.prefix_cache.clear)()  # the disk tier writes what is queued
         if close is not None:
             close()
 

@@ -22,8 +22,9 @@ Images are kept as their decoded pixels, not as the path or URL they came from, 
 the same image ids whatever happened to the file since (``session.history`` then shows arrays). Resuming
 writes K/V through the backend's ``kv_from_bytes`` / ``write_kv`` and records them with ``KVCache.commit``
 (with the states, and the snapshot by a commit up to it), so the row holds exactly the ids it says. A row
-that ran under a LoRA adapter is not saved (its K/V belong to that adapter's load): the file then holds the
-conversation only, and the next turn prefills it.
+that ran under a LoRA adapter is saved under the adapter's content key too (``Adapters.key_of``: the record's
+identity and meta ``adapter`` {name, key}); it resumes only where an adapter of that name with that key is
+loaded, and is then recorded under it (``KVCache.use_adapter``) before the commit.
 
 A file of another artifact is refused in one line. One whose only difference is the K/V element type loads
 only with ``convert_kv=True``, between fp32, fp16 and bf16: ``astype``, round to nearest even, as the graphs'
@@ -64,12 +65,14 @@ class SavedSession:
     kv: np.ndarray | None  # [bytes] uint8 in this LLM's K/V element type; None: no row saved
     states: list[bytes]
     snapshot: tuple[int, list[bytes]] | None
+    adapter: tuple[int, int] = (0, 0)  # (LoRA slot, load tag) the row's K/V were computed under; (0, 0): none
 
     def fill(self, llm: Any, cache: Any) -> None:
         """Write the row into slot 0 of ``cache`` (an empty one-slot cache) through the backend's verbs and commit it."""
         n = len(self.ids)
         if self.kv is None or n == 0:
             return
+        cache.use_adapter(0, *self.adapter)
         if n > cache.max_seq - 1:
             raise DecodertError(f"the session holds {n} tokens; this model's context is {cache.max_seq} (--max-seq)")
         backend = llm.backend
@@ -118,8 +121,16 @@ def write_session(path: str | Path, llm: Any, system: str | None, overflow: str,
     arrays: dict[str, np.ndarray] = {}
     saved_turns = [_saved_message(m, i, llm, arrays) for i, m in enumerate(turns)]
     cache = row.cache if row is not None else None
-    under_adapter = cache is not None and cache.adapter_tag(0) != 0
-    n = 0 if cache is None or under_adapter else int(cache.lengths[0])
+    tag = cache.adapter_tag(0) if cache is not None else 0
+    key = llm.adapters.key_of(tag) if tag else ""
+    adapter = None
+    if tag:
+        name = next((a for a in llm.adapters.names if llm.adapters.info(a).tag == tag), None)
+        if name is None or not key:
+            raise DecodertError("the session's row ran under a LoRA adapter that is no longer loaded (or whose files "
+                                "cannot be read for its key); its K/V cannot be saved: reset() the session or reload it")
+        adapter = {"name": name, "key": key}
+    n = 0 if cache is None else int(cache.lengths[0])
     snapshot = None
     arrays["ids"] = cache.held(0) if n else np.zeros(0, np.int64)
     if n:
@@ -138,13 +149,13 @@ def write_session(path: str | Path, llm: Any, system: str | None, overflow: str,
                 arrays[f"snapshot.{j}"] = np.frombuffer(raw, np.uint8)
     meta = {"session_version": SESSION_VERSION, "system": system, "overflow": overflow, "turns": saved_turns,
             "model": model_key(manifest), "kv_dtype": kv_dtype_of(manifest), "positions": n, "row": n > 0,
-            "snapshot": snapshot}
+            "snapshot": snapshot, "adapter": adapter}
     try:
         json.dumps(meta)
     except (TypeError, ValueError) as e:
         raise DecodertError(f"the session cannot be saved: a message holds something that is not JSON ({e})") from None
     try:
-        return write_record(path, artifact_identity(manifest), KIND, arrays, meta)
+        return write_record(path, artifact_identity(manifest, key), KIND, arrays, meta)
     except OSError as e:
         raise DecodertError(f"{path}: cannot write the session: {e.strerror or type(e).__name__}") from None
 
@@ -199,10 +210,12 @@ def read_session(path: str | Path, llm: Any, convert_kv: bool = False) -> SavedS
                            f"version {SESSION_VERSION}")
     here = kv_dtype_of(manifest)
     theirs = meta.get("kv_dtype")
-    if rec.identity != artifact_identity(manifest):
+    key, adapter = _adapter(path, llm, meta.get("adapter"))
+    identity = artifact_identity(manifest, key)
+    if rec.identity != identity:
         if meta.get("model") != model_key(manifest) or theirs == here:
             raise DamagedState(f"{path}: saved from another artifact, adapter or decodert version (identity "
-                               f"{rec.identity}, this model's {artifact_identity(manifest)})")
+                               f"{rec.identity}, this model's {identity})")
         if not convert_kv:
             raise DecodertError(f"{path}: saved with a {theirs} K/V cache, this model's is {here}; resume with "
                                 "convert_kv=True (--convert-kv) to convert it")
@@ -229,7 +242,22 @@ def read_session(path: str | Path, llm: Any, convert_kv: bool = False) -> SavedS
         if type(at) is not int or not 0 < at < n:
             raise bad("snapshot")
         snapshot = (at, _indexed(arrays, "snapshot"))
-    return SavedSession(system, overflow, [_read_message(m, arrays, bad) for m in turns], ids, kv, states, snapshot)
+    return SavedSession(system, overflow, [_read_message(m, arrays, bad) for m in turns], ids, kv, states, snapshot,
+                        adapter)
+
+
+def _adapter(path: Path, llm: Any, saved: Any) -> tuple[str, tuple[int, int]]:
+    """The saved row's adapter -> (its key for the identity, (slot, tag) of the same adapter loaded here)."""
+    if saved is None:
+        return "", (0, 0)
+    name, key = (saved.get("name"), saved.get("key")) if isinstance(saved, dict) else (None, None)
+    if not isinstance(name, str) or not isinstance(key, str) or not key:
+        raise DamagedState(f"{path}: damaged session file (adapter)")
+    loaded = llm.adapters.info(name) if name in llm.adapters.names else None
+    if loaded is None or loaded.key != key:
+        raise DamagedState(f"{path}: saved under LoRA adapter {name!r} ({key}), which is not loaded here with the same "
+                           f"files; load it as {name!r} (LLM.load(adapters=...)) to resume")
+    return key, (loaded.slot, loaded.tag)
 
 
 def _indexed(arrays: Mapping[str, np.ndarray], prefix: str) -> list[bytes]:

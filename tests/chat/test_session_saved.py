@@ -193,3 +193,32 @@ def test_another_kv_dtype_converts_only_when_asked(art, tmp_path):
         with pytest.raises(DecodertError) as e:
             codes.resume(path, convert_kv=True)
         _one_line(e, "int8", "cannot be converted")
+
+
+def test_a_row_under_a_lora_adapter_resumes_only_under_that_adapter(tiny_checkpoint, tmp_path):
+    pytest.importorskip("peft")
+    from tiny import make_adapter
+
+    from decodert.artifact.lora_layout import LoraLayout
+
+    base = tiny_checkpoint("llama")
+    sql = make_adapter(base, tmp_path / "sql", 4, 8, ["q_proj", "v_proj"], 1)
+    other = make_adapter(base, tmp_path / "other", 4, 8, ["q_proj", "v_proj"], 2)
+    art = tmp_path / "art"
+    export_model(base, art, max_seq=128, max_batch=2, progress=False, lora=LoraLayout(2, 4))
+    path = tmp_path / "lora.session"
+    with LLM.load(art, adapters={"sql": sql}) as llm:
+        session = llm.session()
+        for q in QUESTIONS[:2]:
+            session.chat(q, max_new_tokens=6, temperature=0, adapter="sql")
+        session.save(path)
+        live = session.chat(QUESTIONS[2], max_new_tokens=8, temperature=0, adapter="sql")
+    with LLM.load(art, adapters={"x": other, "sql": sql}) as fresh:  # another slot and load tag, the same files
+        resumed = fresh.resume(path)
+        got = resumed.chat(QUESTIONS[2], max_new_tokens=8, temperature=0, adapter="sql")
+        assert got.token_ids == live.token_ids and resumed.last_turn == session.last_turn
+    for adapters in ({"sql": other}, {}):
+        with LLM.load(art, adapters=adapters) as wrong:
+            with pytest.raises(DamagedState) as e:
+                wrong.resume(path)
+            _one_line(e, "LoRA adapter 'sql'", "not loaded here")

@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tiny import load_torch, make_tiny_checkpoint
+from tiny import load_torch, make_adapter, make_tiny_checkpoint
 
 from decodert.errors import DecodertError
 from decodert.export.pipeline import export_model
@@ -23,20 +23,6 @@ peft = pytest.importorskip("peft")
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = [5, 17, 99, 230, 41, 7, 300, 12]
 LONG = list(np.random.default_rng(3).integers(3, 500, 70))  # > 2 prefix-cache blocks of 32
-
-
-def make_adapter(base, path, r, alpha, targets, seed, scale=0.1, **extra):
-    """A PEFT adapter of ``base`` with random (non-zero) A and B, saved as PEFT writes it."""
-    model = load_torch(base)
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **extra)
-    pm = peft.get_peft_model(model, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=gen))
-    pm.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

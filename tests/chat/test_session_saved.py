@@ -136,6 +136,20 @@ def test_damaged_truncated_and_foreign_files_are_refused_in_one_line(art, tmp_pa
             with pytest.raises(DamagedState) as e:
                 llm.resume(tmp_path / name)
             _one_line(e, str(tmp_path / name))
+        from decodert.runtime.persist.records import artifact_identity, read_record, write_record
+
+        rec = read_record(path)
+        write_record(tmp_path / "v99", rec.identity, "session", rec.arrays, {**rec.meta, "session_version": 99})
+        write_record(tmp_path / "block", artifact_identity(llm.manifest), "prefix-block", rec.arrays, rec.meta)
+        for name, change in (("turns", {"turns": 3}), ("ids", {"positions": 5}), ("snap", {"snapshot": -1}),
+                             ("img", {"turns": [{"role": "user", "content": [{"type": "image", "image": {"saved": "x"}}]}]})):
+            write_record(tmp_path / name, rec.identity, "session", rec.arrays, {**rec.meta, **change})
+        for name, message in (("v99", "session format version 99"), ("block", "holds 'prefix-block', not 'session'"),
+                              ("turns", "damaged session file"), ("ids", "damaged session file (ids)"),
+                              ("snap", "damaged session file (snapshot)"), ("img", "damaged session file (image 'x')")):
+            with pytest.raises(DamagedState) as e:
+                llm.resume(tmp_path / name)
+            _one_line(e, str(tmp_path / name), message)
         with pytest.raises(DecodertError) as e:
             llm.resume(tmp_path / "missing.session")
         _one_line(e, "missing.session", "cannot read")

@@ -45,6 +45,7 @@ import numpy as np
 from decodert.artifact.records import to_json
 from decodert.errors import DamagedState, DecodertError
 from decodert.plugins.ops.kv_dtypes import KV_DTYPES, NUMPY_STORAGE
+from decodert.runtime.chat.chat import check_messages
 from decodert.runtime.persist.records import artifact_identity, read_record, write_record
 from decodert.runtime.vision.messages import PARTS, split_images
 from decodert.runtime.vision.video import Video
@@ -66,6 +67,7 @@ class SavedSession:
     states: list[bytes]
     snapshot: tuple[int, list[bytes]] | None
     adapter: tuple[int, int] = (0, 0)  # (LoRA slot, load tag) the row's K/V were computed under; (0, 0): none
+    path: str = "session"  # the file, for errors
 
     def fill(self, llm: Any, cache: Any) -> None:
         """Write the row into slot 0 of ``cache`` (an empty one-slot cache) through the backend's verbs and commit it."""
@@ -74,12 +76,16 @@ class SavedSession:
             return
         cache.use_adapter(0, *self.adapter)
         if n > cache.max_seq - 1:
-            raise DecodertError(f"the session holds {n} tokens; this model's context is {cache.max_seq} (--max-seq)")
+            raise DecodertError(f"{self.path}: the session holds {n} tokens; this model's context is {cache.max_seq} "
+                                "(--max-seq)")
+        sizes = [cache.state_bytes] if self.snapshot is None else [cache.state_bytes, cache.state_bytes]
+        if [[len(b) for b in st] for st in [self.states, *([self.snapshot[1]] if self.snapshot else [])]] != sizes:
+            raise DamagedState(f"{self.path}: damaged session file (its states are not this model's)")
         backend = llm.backend
         try:
             block = backend.kv_from_bytes(cache, self.kv, n)
         except ValueError as e:
-            raise DamagedState(f"the session's K/V do not fit this model's cache: {e}") from None
+            raise DamagedState(f"{self.path}: damaged session file (its K/V do not fit this model's cache: {e})") from None
         try:
             backend.write_kv(cache, 0, 0, block)
         finally:
@@ -235,6 +241,8 @@ def read_session(path: str | Path, llm: Any, convert_kv: bool = False) -> SavedS
         raise bad("kv")
     if kv is not None and theirs != here:
         kv = _convert(kv, theirs, here)
+    if kv is not None and kv.nbytes != llm.backend.kv_bytes(n):
+        raise bad(f"kv: {kv.nbytes} bytes for {n} positions")
     states = _indexed(arrays, "state")
     at = meta.get("snapshot")
     snapshot = None
@@ -242,8 +250,12 @@ def read_session(path: str | Path, llm: Any, convert_kv: bool = False) -> SavedS
         if type(at) is not int or not 0 < at < n:
             raise bad("snapshot")
         snapshot = (at, _indexed(arrays, "snapshot"))
-    return SavedSession(system, overflow, [_read_message(m, arrays, bad) for m in turns], ids, kv, states, snapshot,
-                        adapter)
+    messages = [_read_message(m, arrays, bad) for m in turns]
+    try:
+        messages = check_messages(messages) if messages else []
+    except DecodertError as e:
+        raise bad(f"turns: {e}") from None
+    return SavedSession(system, overflow, messages, ids, kv, states, snapshot, adapter, str(path))
 
 
 def _adapter(path: Path, llm: Any, saved: Any) -> tuple[str, tuple[int, int]]:

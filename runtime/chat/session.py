@@ -160,7 +160,7 @@ class Session:
         """A session read from a ``save`` file, its row holding what the saved one held (``LLM.resume``)."""
         state = saved.read_session(path, llm, convert_kv)
         session = llm.session(state.system, state.overflow)
-        session._turns = check_messages(state.turns) if state.turns else []
+        session._turns = state.turns
         if state.kv is not None and len(state.ids):
             row = llm.engine.pin()
             try:

@@ -68,6 +68,14 @@ def test_a_resumed_session_gives_the_live_next_turn(art, family, tmp_path):
         assert session.save(path) == path.stat().st_size
         with LLM.load(art(family)) as fresh:
             _check_resumed_turn(session, fresh.resume(path))
+            if family != "llama":  # a checksummed file whose states are not the model's: refused, not committed
+                from decodert.runtime.persist.records import read_record, write_record
+
+                rec = read_record(path)
+                write_record(tmp_path / "bad", rec.identity, "session", {**rec.arrays, "state.0": rec.arrays["state.0"][1:]},
+                             rec.meta)
+                with pytest.raises(DamagedState, match="its states are not this model's"):
+                    fresh.resume(tmp_path / "bad")
 
 
 @pytest.mark.parametrize("family", ["llama", "lfm2"])
@@ -142,14 +150,21 @@ def test_damaged_truncated_and_foreign_files_are_refused_in_one_line(art, tmp_pa
         write_record(tmp_path / "v99", rec.identity, "session", rec.arrays, {**rec.meta, "session_version": 99})
         write_record(tmp_path / "block", artifact_identity(llm.manifest), "prefix-block", rec.arrays, rec.meta)
         for name, change in (("turns", {"turns": 3}), ("ids", {"positions": 5}), ("snap", {"snapshot": -1}),
+                             ("role", {"turns": [{"content": "no role"}]}), ("row", {"row": False, "positions": 0}),
                              ("img", {"turns": [{"role": "user", "content": [{"type": "image", "image": {"saved": "x"}}]}]})):
             write_record(tmp_path / name, rec.identity, "session", rec.arrays, {**rec.meta, **change})
         for name, message in (("v99", "session format version 99"), ("block", "holds 'prefix-block', not 'session'"),
                               ("turns", "damaged session file"), ("ids", "damaged session file (ids)"),
-                              ("snap", "damaged session file (snapshot)"), ("img", "damaged session file (image 'x')")):
+                              ("snap", "damaged session file (snapshot)"), ("img", "damaged session file (image 'x')"),
+                              ("role", "damaged session file (turns: chat message 0"), ("row", "(ids)")):
             with pytest.raises(DamagedState) as e:
                 llm.resume(tmp_path / name)
             _one_line(e, str(tmp_path / name), message)
+        states = {**rec.arrays, "kv": rec.arrays["kv"][:-4]}  # a checksummed file whose K/V are short
+        write_record(tmp_path / "short", rec.identity, "session", states, rec.meta)
+        with pytest.raises(DamagedState) as e:
+            llm.resume(tmp_path / "short")
+        _one_line(e, "damaged session file (kv:")
         with pytest.raises(DecodertError) as e:
             llm.resume(tmp_path / "missing.session")
         _one_line(e, "missing.session", "cannot read")

@@ -55,6 +55,7 @@ Not thread-safe: the one thread that runs the loop (holding the LLM's lock) uses
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -183,7 +184,7 @@ class PrefixCache:
             self._stateful = True
             chain = chain[: _deepest_state(chain)]
         if chain and self.disk is not None and (akey := self.adapter_key(cache.adapter_tag(slot))) is not None:
-            self.disk.touch(akey, [e.dkey for e in chain])  # its files stay as recent as its entries
+            self.disk.touch(akey, [e.dkey for e in chain], time.time_ns())  # its files stay as recent as its entries
         hit = len(chain) * self.block_tokens
         if hit <= have:
             return have
@@ -368,20 +369,26 @@ class PrefixCache:
         return added
 
     def _write_behind(self, cache: Any, slot: int, chain: list[_Entry], new: int) -> None:
-        """Hand the last ``new`` entries of ``chain`` (just stored) to the disk tier, with the keys of the older
-        ones to touch; nothing without a tier, for a row under an adapter with no stable key, or when the tier's
-        queue has no room (checked before a device block is copied to the host)."""
+        """Hand the last ``new`` entries of ``chain`` (just stored) to the disk tier, first to last, and touch the
+        older ones; nothing without a tier, or for a row under an adapter with no stable key. A block the queue has
+        no room for ends it (checked before a device block is copied to the host): the blocks after it would be
+        unreachable without it."""
         disk = self.disk
         if disk is None or not disk.enabled or new <= 0:
             return
         akey = self.adapter_key(cache.adapter_tag(slot))
         if akey is None:
             return
-        fresh, older = chain[len(chain) - new :], chain[: len(chain) - new]
-        if not disk.has_room(sum(e.nbytes for e in fresh)):
-            self.stats.disk_dropped += len(fresh)
-            return
-        disk.put(akey, [(e.dkey, e.ids, self.backend.kv_to_bytes(e.kv), e.state) for e in fresh], [e.dkey for e in older])
+        stamp, first = time.time_ns(), len(chain) - new
+        for depth in range(first, len(chain)):
+            e = chain[depth]
+            if not disk.has_room(e.nbytes):
+                self.stats.disk_dropped += len(chain) - depth
+                break
+            if not disk.put(akey, e.dkey, depth, e.ids, self.backend.kv_to_bytes(e.kv), e.state, stamp):
+                self.stats.disk_dropped += len(chain) - depth - 1  # put counted this one
+                break
+        disk.touch(akey, [e.dkey for e in chain[:first]], stamp)
 
     def _new_entry(self, cache: Any, slot: int, chain: list[_Entry], key: bytes, block: np.ndarray,
                    start: int) -> _Entry | None:

@@ -105,8 +105,9 @@ def host_bytes(block: Any) -> np.ndarray:
 
 
 def host_from_bytes(buffers: Sequence[np.ndarray], data: np.ndarray, n: int) -> np.ndarray | list[np.ndarray]:
-    """``host_bytes``' inverse for a cache of ``buffers`` (what host_read would give for ``n`` positions);
-    ValueError when the size is not that block's."""
+    """``host_bytes``' inverse for a cache of ``buffers`` (what host_read would give for ``n`` positions), a view of
+    ``data`` (the caller gives up its array: a prefix entry's block is only ever read); ValueError when the size is
+    not that block's."""
     shapes = [(b.shape[1], n, b.shape[3]) for b in buffers]
     sizes = [int(np.prod(s)) * b.dtype.itemsize for s, b in zip(shapes, buffers)]
     if data.nbytes != sum(sizes):
@@ -114,8 +115,8 @@ def host_from_bytes(buffers: Sequence[np.ndarray], data: np.ndarray, n: int) -> 
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
     if len({b.shape[3] for b in buffers}) > 1:
         offsets = np.cumsum([0, *sizes])
-        return [raw[offsets[i]:offsets[i + 1]].view(b.dtype).reshape(s).copy() for i, (b, s) in enumerate(zip(buffers, shapes))]
-    return raw.view(buffers[0].dtype).reshape(len(buffers), *shapes[0]).copy()  # [2L, H_kv, n, D]
+        return [raw[offsets[i]:offsets[i + 1]].view(b.dtype).reshape(s) for i, (b, s) in enumerate(zip(buffers, shapes))]
+    return raw.view(buffers[0].dtype).reshape(len(buffers), *shapes[0])  # [2L, H_kv, n, D]
 
 
 def device_bytes(block: DeviceBlock, stream: Any) -> np.ndarray:

@@ -16,14 +16,16 @@ memory hit is. What is kept, where and when:
 - **Written on store, not on eviction**: a process that ends (restarted, killed, out of memory) evicts nothing,
   so blocks written only when evicted would be missing exactly when a restart wants them. A block is written once,
   and again when a hybrid's state joins an entry already on disk.
-- **Off the decode path**: ``put`` takes the bytes (a host block as it is; a device block copied to the host on
-  the loop thread, since it may be evicted before the writer reaches it) into a queue bounded by ``queue_bytes``,
-  and a background thread writes. A write that does not fit the queue is dropped (``disk_dropped``), never waited
-  for: decoding never blocks on the disk. Reads are synchronous, on a memory miss, and only for the blocks the prompt
+- **Off the decode path**: ``put`` takes a block's bytes (a host block as it is, a view of the memory entry's
+  array; a device block copied to the host on the loop thread, since it may be evicted before the writer reaches
+  it) into a queue bounded by ``queue_bytes`` (default 256 MiB), and a background thread writes. A block that does
+  not fit the queue is dropped (``disk_dropped``), with the rest of its store's chain, never waited for: decoding
+  never blocks on the disk. Reads are synchronous, on a memory miss, and only for the blocks the prompt
   being admitted needs (``read_chain``, up to the lookup's limit): they are what its time to first token is made of.
-- **LRU under a byte budget** over the whole directory (every identity): a file's mtime is its recency; a store
-  writes its new blocks last first and then touches the chain's older blocks, last first, and a hit touches its
-  chain so, so a block is never older than its descendants and the oldest file is a leaf. Over the budget, the
+- **LRU under a byte budget** over the whole directory (every identity): a file's mtime is its recency. A store
+  stamps every block of its chain (new ones when written, older ones touched) with the store's time less the
+  block's depth in microseconds, and a hit stamps its chain so: a block is never older than its descendants, and
+  the oldest file is a leaf. Over the budget, the
   oldest files are deleted down to 90% of it (the directory is scanned then, so other processes' files count).
 - **Damaged, truncated, foreign or wrong-version files** (``DamagedState``) are skipped with one warning line per
   file (logging.warning) and deleted, never loaded; a file of the right name whose ids differ (another prompt: a
@@ -60,7 +62,7 @@ log = logging.getLogger("decodert.prefix_disk")
 KIND = "prefix-block"
 ABOUT = "about.json"
 DEFAULT_GB = 4.0  # --cache-dir-gb when not given
-DEFAULT_QUEUE_BYTES = 64 << 20  # blocks waiting for the writer, at most
+DEFAULT_QUEUE_BYTES = 256 << 20  # blocks waiting for the writer, at most (SmolLM2 fp32: a 2,048-token context is 94 MB)
 _BLOCK = re.compile(r"^[0-9a-f]{32}\.blk$")
 _TEMP = re.compile(r"^\.[0-9a-f]{32}\.blk\..+\.tmp$|^\.about\.json\..+\.tmp$|^\.probe\..+\.tmp$")
 _IDENTITY = re.compile(r"^[0-9a-f]{24}$")
@@ -123,34 +125,34 @@ class DiskTier:
         return self.root / self.identity(adapter) / f"{key.hex()}.blk"
 
     # -- writes (loop thread: queue only) ----------------------------------------------------------
-    def put(self, adapter: str, blocks: list[tuple[bytes, np.ndarray, np.ndarray, list[bytes] | None]],
-            older: list[bytes]) -> bool:
-        """Queue one store's blocks: (chain key, ids [b], K/V bytes, states or None), first to last, and the chain
-        keys of the older blocks before them (``older``, first to last) to touch. False (dropped) when the queue
-        cannot take them or the tier is off."""
-        if not self.enabled or not blocks:
-            return False
-        size = sum(int(kv.nbytes) + sum(len(s) for s in st or ()) for _, _, kv, st in blocks)
+    def put(self, adapter: str, key: bytes, depth: int, ids: np.ndarray, kv: np.ndarray, states: list[bytes] | None,
+            stamp_ns: int) -> bool:
+        """Queue one block: its chain key, ``depth`` (its index in the chain: 0 is the first block), ids [b], K/V bytes
+        and states (None: K/V alone); ``stamp_ns``: the store's time, its file's mtime less ``depth`` microseconds.
+        False (dropped, counted) when the queue cannot take it or the tier is off."""
+        size = int(kv.nbytes) + sum(len(s) for s in states or ())
         with self._cond:
-            if self._closed or self._pending + size > self.queue_bytes:
-                self.stats.disk_dropped += len(blocks)
+            if not self.enabled or self._closed or self._pending + size > self.queue_bytes:
+                self.stats.disk_dropped += 1
                 return False
-            self._queue.append(("write", (adapter, blocks, older), size))
+            self._queue.append(("write", (adapter, key, depth, ids, kv, states, stamp_ns), size))
             self._pending += size
             self._cond.notify()
         return True
 
     def has_room(self, nbytes: int) -> bool:
-        """Whether the queue can take ``nbytes`` more now (``put`` may still drop them)."""
+        """Whether the queue can take ``nbytes`` more now."""
         return self.enabled and not self._closed and self._pending + nbytes <= self.queue_bytes
 
-    def touch(self, adapter: str, keys: list[bytes]) -> None:
-        """Mark a chain (first to last) as used; done by the writer, last first. Dropped when the queue is full."""
+    def touch(self, adapter: str, keys: list[bytes], stamp_ns: int) -> None:
+        """Mark a chain's blocks (``keys``, first to last from depth 0) as used at ``stamp_ns``, each less its depth in
+        microseconds (so an ancestor is never older than its descendants); done by the writer, dropped when the queue
+        holds 4096 items."""
         if not self.enabled or not keys:
             return
         with self._cond:
             if not self._closed and len(self._queue) < 4096:
-                self._queue.append(("touch", (adapter, keys), 0))
+                self._queue.append(("touch", (adapter, keys, stamp_ns), 0))
                 self._cond.notify()
 
     def flush(self, timeout: float | None = 30.0) -> bool:
@@ -244,7 +246,8 @@ class DiskTier:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _write(self, adapter: str, blocks: list, older: list[bytes]) -> None:
+    def _write(self, adapter: str, key: bytes, depth: int, ids: np.ndarray, kv: np.ndarray, states: list[bytes] | None,
+               stamp_ns: int) -> None:
         ident = self.identity(adapter)
         folder = self.root / ident
         if ident not in self._made:
@@ -256,32 +259,26 @@ class DiskTier:
                     json.dump(about, f)
                 os.replace(tmp, folder / ABOUT)
             self._made.add(ident)
-        added = 0
-        for key, ids, kv, states in reversed(blocks):  # last first: an ancestor is never older than its descendants
-            path = folder / f"{key.hex()}.blk"
-            if path.exists() and not is_tier_file(path):
-                continue  # someone else's file under a block's name: never replaced
-            arrays = {"ids": ids, "kv": kv}
-            for j, s in enumerate(states or ()):
-                arrays[f"state.{j}"] = np.frombuffer(s, np.uint8)
-            old = path.stat().st_size if path.exists() else 0
-            n = write_record(path, ident, KIND, arrays, meta={"block_tokens": int(len(ids)), "states": len(states or ())})
-            added += n - old
-            self.stats.disk_written_blocks += 1
-            self.stats.disk_written_bytes += n
-        self._touch(adapter, older)
-        self._bytes += added
+        path = folder / f"{key.hex()}.blk"
+        if path.exists() and not is_tier_file(path):
+            return  # someone else's file under a block's name: never replaced
+        arrays = {"ids": ids, "kv": kv}
+        for j, s in enumerate(states or ()):
+            arrays[f"state.{j}"] = np.frombuffer(s, np.uint8)
+        old = path.stat().st_size if path.exists() else 0
+        n = write_record(path, ident, KIND, arrays, meta={"block_tokens": int(len(ids)), "states": len(states or ())})
+        _stamp(path, stamp_ns - 1000 * depth)
+        self.stats.disk_written_blocks += 1
+        self.stats.disk_written_bytes += n
+        self._bytes += n - old
         if self._bytes > self.budget_bytes:
             self._bytes = self._evict()
         self.stats.disk_bytes = self._bytes
 
-    def _touch(self, adapter: str, keys: list[bytes]) -> None:
+    def _touch(self, adapter: str, keys: list[bytes], stamp_ns: int) -> None:
         folder = self.root / self.identity(adapter)
-        for key in reversed(keys):
-            try:
-                os.utime(folder / f"{key.hex()}.blk")
-            except FileNotFoundError:
-                pass
+        for depth, key in enumerate(keys):
+            _stamp(folder / f"{key.hex()}.blk", stamp_ns - 1000 * depth)
 
     # -- the directory -------------------------------------------------------------------------------
     def _files(self) -> list[tuple[float, int, Path]]:
@@ -335,6 +332,14 @@ class DiskTier:
         if self.enabled:
             self.enabled = False
             log.warning(f"decodert: prefix cache disk tier: {why}; it is off, the memory tier goes on serving")
+
+
+def _stamp(path: Path, ns: int) -> None:
+    """Set ``path``'s mtime (its recency in the LRU) to ``ns``; a file gone meanwhile is no matter."""
+    try:
+        os.utime(path, ns=(ns, ns))
+    except FileNotFoundError:
+        pass
 
 
 def is_tier_file(path: Path) -> bool:

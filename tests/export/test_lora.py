@@ -290,3 +290,17 @@ def test_non_finite_adapter_weights_are_refused(world, tmp_path, value):
     with pytest.raises(DecodertError, match=r"k_proj\.lora_B holds 1 NaN or infinite values") as e:
         LLM.load(art).load_adapter("bad", bad)
     assert "\n" not in str(e.value)
+
+
+def test_disk_tier_keys_adapter_rows_by_the_adapter_content(world, tmp_path):
+    """The prefix cache's disk tier (runtime/persist/disk_tier.py): a new LLM reads back the blocks of each adapter
+    and of the base model, each only under the same adapter weights (whatever name they are loaded as)."""
+    _, _, adapters, art = world
+    order = ["a", None, "b"]
+    with LLM.load(art, adapters=adapters, cache_dir=tmp_path / "cd") as llm:
+        first = [llm.generate(LONG, max_new_tokens=6, adapter=a, stop_token_ids=[]).token_ids for a in order]
+    assert len(list((tmp_path / "cd").iterdir())) == 3  # one identity folder per adapter and the base model
+    swapped = {"a": adapters["b"], "b": adapters["a"]}  # the names now load the other weights
+    with LLM.load(art, adapters=swapped, cache_dir=tmp_path / "cd") as llm:
+        again = [llm.generate(LONG, max_new_tokens=6, adapter=a, stop_token_ids=[]) for a in ["b", None, "a"]]
+    assert [r.token_ids for r in again] == first and [r.metrics.cached_tokens for r in again] == [64, 64, 64]

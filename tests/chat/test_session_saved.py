@@ -115,6 +115,9 @@ def test_a_session_with_an_image_resumes_with_its_image(tmp_path_factory, tmp_pa
         session = llm.session()
         message = ask(image_file, text="What?")[0]  # the image as a path: the file keeps its pixels, not the path
         session.chat(message, max_new_tokens=5, temperature=0)
+        frames = rng.integers(0, 256, (4, 48, 64, 3), dtype=np.uint8)  # a clip of 4 frames taken at 2 a second
+        session.chat({"role": "user", "content": [{"type": "video", "video": list(frames), "fps": 2.0},
+                                                  {"type": "text", "text": "And this?"}]}, max_new_tokens=5, temperature=0)
         session.save(path)
         live = session.chat("And the colour?", max_new_tokens=6, temperature=0)
     image_file.unlink()  # the saved session has the pixels
@@ -122,6 +125,8 @@ def test_a_session_with_an_image_resumes_with_its_image(tmp_path_factory, tmp_pa
         resumed = fresh.resume(path)
         part = resumed.history[0]["content"][0]
         assert part["type"] == "image" and np.array_equal(part["image"], image)
+        video = resumed.history[2]["content"][0]
+        assert video["fps"] == 2.0 and np.array_equal(video["video"], frames)
         got = resumed.chat("And the colour?", max_new_tokens=6, temperature=0)
         assert got.token_ids == live.token_ids
         assert resumed.last_turn.reused_tokens == session.last_turn.reused_tokens >= got.metrics.prompt_tokens // 2

@@ -31,6 +31,12 @@ class Busy(DecodertError):
     answers 503 with Retry-After, not 400: the request is not at fault)."""
 
 
+class DamagedState(DecodertError):
+    """A state file (a prefix-cache block, a saved session: runtime/persist/records.py) that cannot be used: truncated,
+    failing its checksum, of another artifact, adapter or format version. The message names the file and what is
+    wrong; nothing of it was loaded."""
+
+
 class RequestError(DecodertError):
     """A request that cannot be run, with the part of it at fault (``param``: "messages", "tools", "prompt",
     ...), which a server reports beside the message."""

@@ -5,6 +5,10 @@ It never ends on a full context: by default the oldest turns are dropped, with a
 notice (``--overflow error`` refuses the turn instead, and /undo or /reset go on). Answers go
 to stdout; the banner, notices, command replies and the stats line go to stderr. On a terminal
 the input line has readline editing and a history kept in $DECODERT_CACHE/chat_history.
+``/save FILE`` writes the conversation and its K/V to a file (runtime/chat/saved.py) that ``--resume FILE``
+reads back in a later ``decodert chat``: its next answer is the one this chat would have given. A /save that
+fails says why in one line and the chat goes on (a file already there is kept whole); a --resume file that is
+damaged, of another model or of another K/V type (without --convert-kv) is one line and exit 2.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ COMMANDS = (("/help", "this help"), ("/reset", "forget the conversation (the sys
             ("/image FILE", "attach an image to the next message (vision-language models)"),
             ("/video DIR", "attach a video (a folder of frame images, or FILE,FILE,...) to the next message (Qwen-VL)"),
             ("/audio FILE", "attach an audio clip (WAV, FLAC, ...) to the next message (audio models: Qwen3-ASR)"),
+            ("/save FILE", "save the conversation and its cache to FILE (decodert chat MODEL --resume FILE)"),
             ("/exit", "quit (also /quit, Ctrl-D)"))
 EXIT = ("/exit", "/quit", "/bye")
 
@@ -34,6 +39,11 @@ def add_parser(subparsers: Any) -> None:
                                           "(/reset forgets, /undo drops the last turn), /exit or Ctrl-D quits.")
     p.add_argument("out", metavar="MODEL", type=Path, help=common.MODEL_HELP)
     add_chat_flags(p)
+    p.add_argument("--resume", type=Path, metavar="FILE",
+                   help="go on with a conversation saved by /save (its system message and --overflow come with it)")
+    p.add_argument("--convert-kv", action="store_true",
+                   help="with --resume: take a file saved with another float K/V type (fp32, fp16, bf16) of the same "
+                        "model, converted as the cache stores values")
     common.add_common(p, json_flag=False)
     p.set_defaults(func=run_chat)
 
@@ -124,7 +134,8 @@ def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] | None =
     commands first (default: when stdin is a terminal; piped input gets answers only)."""
     out, err = out or sys.stdout, err or sys.stderr
     system = inputs.argv_text(getattr(args, "system", None), "--system")
-    session = llm.session(system=system, overflow=getattr(args, "overflow", "truncate"))
+    session = resume(llm, args, err) if getattr(args, "resume", None) is not None else \
+        llm.session(system=system, overflow=getattr(args, "overflow", "truncate"))
     history = None if read is not None else LineHistory.open()
     read = read or inputs.line_reader(llm.max_seq)
     pending = media(args)  # images and videos for the next message (--image, --video, /image)
@@ -157,6 +168,29 @@ def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] | None =
             history.save()
 
 
+def resume(llm, args: argparse.Namespace, err: TextIO):
+    """The session of ``--resume FILE`` (DecodertError, one line: a bad file, --system beside it)."""
+    if getattr(args, "system", None) is not None:
+        raise DecodertError("--resume takes the saved session's system message; drop --system")
+    session = llm.resume(args.resume, convert_kv=getattr(args, "convert_kv", False))
+    print(f"[resumed {len(session.history)} messages ({session.cached_tokens} tokens cached) from {args.resume}]", file=err)
+    return session
+
+
+def save(session, value: str, err: TextIO) -> None:
+    """/save FILE: write the session, or say in one line why not (the chat goes on either way)."""
+    if not value:
+        print("[/save needs a file name]", file=err)
+        return
+    try:
+        size = session.save(Path(value).expanduser())
+    except DecodertError as e:
+        print(f"decodert: error: {e}", file=err)
+        return
+    print(f"[saved {len(session.history)} messages ({session.cached_tokens} tokens cached, {size} bytes) to {value}]",
+          file=err)
+
+
 def command(session, text: str, err: TextIO, pending: list | None = None) -> bool:
     """Run a /command locally (never sent to the model); True to quit. ``pending``: images for the next message."""
     name = text.split()[0].lower()
@@ -164,6 +198,9 @@ def command(session, text: str, err: TextIO, pending: list | None = None) -> boo
         return True
     if name in ("/image", "/video", "/audio") and pending is not None:
         attach(name, text.split(None, 1)[1].strip() if len(text.split(None, 1)) > 1 else "", err, pending)
+        return False
+    if name == "/save":
+        save(session, text.split(None, 1)[1].strip() if len(text.split(None, 1)) > 1 else "", err)
         return False
     if name == "/help":
         width = max(len(c) for c, _ in COMMANDS)

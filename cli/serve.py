@@ -13,6 +13,7 @@ from typing import Any
 from decodert.cli import common
 from decodert.errors import DecodertError
 from decodert.runtime.vision.images import DEFAULT_LIMITS, ImageLimits
+from decodert.runtime.warm import read_warm_file
 
 API_KEY_ENV = "DECODERT_API_KEY"
 
@@ -58,6 +59,17 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="prefix cache budget in MiB: prompts that start like an earlier one reuse its K/V "
                         "(default: room for two full contexts; 0 = off)")
+    p.add_argument("--warm", type=Path, default=None, metavar="FILE",
+                   help="prefill these prompts into the prefix cache before listening, so the first request that starts "
+                        "like one is a hit: a JSON array, or FILE.jsonl one entry a line; an entry is a prompt string, "
+                        "a list of chat messages (rendered with the chat template as a chat request is), or "
+                        "{\"messages\": [...], \"tools\": [...]} (also enable_thinking, chat_template_kwargs, adapter); "
+                        "a bad entry or one that does not fit the cache is an error (docs/features/persistence.md)")
+    p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+                   help="keep the prefix cache's blocks in DIR too (e.g. $DECODERT_CACHE/prefix): a restarted server "
+                        "on the same artifact starts with them (docs/features/persistence.md)")
+    p.add_argument("--cache-dir-gb", type=float, default=None, metavar="N",
+                   help="most GB the blocks may take in --cache-dir, least recently used deleted first (default 4)")
     common.add_speculative(p, help="speculative decoding for every request that does not set its own 'speculative' "
                                    "(ngram: prompt lookup; draft: a draft model, --draft)")
     p.add_argument("--responses-store", type=int, default=256, metavar="N",
@@ -115,6 +127,10 @@ def options(args: argparse.Namespace):
     if args.prefix_cache_mb is not None and not args.prefix_cache_mb >= 0:
         raise DecodertError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
     _check_ranges(args)
+    if args.cache_dir_gb is not None and args.cache_dir is None:
+        raise DecodertError("--cache-dir-gb is the budget of --cache-dir: give --cache-dir DIR too")
+    if args.cache_dir is not None and args.prefix_cache_mb == 0:
+        raise DecodertError("--cache-dir keeps the prefix cache's blocks on disk, and --prefix-cache-mb 0 turns that cache off")
     if args.tool_parser is not None:
         from decodert.runtime.chat.tool_calls import tool_format
 
@@ -122,6 +138,9 @@ def options(args: argparse.Namespace):
             tool_format(None, args.tool_parser)
         except DecodertError as e:
             raise DecodertError(f"--tool-parser: {e}") from None
+    if args.warm is not None and args.prefix_cache_mb == 0:
+        raise DecodertError("--warm fills the prefix cache, which --prefix-cache-mb 0 turns off")
+    warm = read_warm_file(args.warm) if args.warm is not None else ()  # a bad entry fails before the model loads
     speculative = common.speculative_kwargs(args).get("speculative")  # a SpeculativeConfig or None
     artifact = common.artifact_of(args.artifact)  # 'smollm2', a .gguf or an HF folder: exported once into the cache
     if not artifact.is_dir():
@@ -139,16 +158,20 @@ def options(args: argparse.Namespace):
                         allow_image_urls=args.allow_image_urls, responses_store=args.responses_store,
                         aliases=tuple(names[1:]),
                         accept_any_model=args.accept_any_model, allowed_origins=_origins(args.allowed_origins),
-                        image_fetch_timeout_s=args.image_fetch_timeout, max_image_fetches=args.max_image_fetches)
+                        image_fetch_timeout_s=args.image_fetch_timeout, max_image_fetches=args.max_image_fetches,
+                        warm=tuple(warm),
+                        cache_dir=args.cache_dir, cache_dir_gb=args.cache_dir_gb)
 
 
 # every other numeric flag's lowest value (None: not given); floats must also be finite
 _LOWEST = {"max_image_fetches": 1, "max_image_bytes": 1, "max_image_pixels": 1, "max_images": 0, "max_video_frames": 0,
            "max_video_pixels": 1, "replicas": 1, "min_replicas": 0, "max_replicas": 1,
            "responses_store": 0}
-_FLOATS = {"image_fetch_timeout": 0.0, "drain_timeout": 0.0, "client_timeout": 0.0, "prefix_cache_mb": 0.0, "target_ongoing_requests": 0.0,
+_FLOATS = {"image_fetch_timeout": 0.0, "drain_timeout": 0.0, "client_timeout": 0.0, "prefix_cache_mb": 0.0,
+           "cache_dir_gb": 0.0, "target_ongoing_requests": 0.0,
            "replica_cpus": 0.0, "replica_gpus": 0.0}
-_ABOVE = {"image_fetch_timeout", "client_timeout", "target_ongoing_requests", "replica_cpus"}  # must be above their lowest, not at it
+_ABOVE = {"image_fetch_timeout", "client_timeout", "cache_dir_gb", "target_ongoing_requests",
+          "replica_cpus"}  # must be above their lowest, not at it
 
 
 def _check_ranges(args: argparse.Namespace) -> None:

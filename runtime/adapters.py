@@ -9,6 +9,7 @@ under an adapter that was unloaded, or replaced in its slot, are never read agai
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.artifact.lora_layout import LoraLayout
-from decodert.artifact.peft import read_peft
+from decodert.artifact.peft import CONFIG, WEIGHTS, read_peft
 from decodert.models.spec import ModelSpec
 
 _TAGS = itertools.count(1)  # load tags, unique in the process (0 = no adapter)
@@ -30,6 +31,7 @@ class Loaded:
     tag: int  # unique per load
     source: str  # the folder it was read from
     rank: int
+    key: str = ""  # stable across processes: blake2b of the folder's weights and config (the disk tier's adapter key)
 
 
 class Adapters:
@@ -64,8 +66,14 @@ class Adapters:
             raise DecodertError(f"adapter {name!r}: all {self.layout.slots} LoRA slots are taken "
                                 f"({', '.join(self._loaded)}); unload one, or export with more --lora-slots")
         self.layout.write(self.weights, self.spec, slot, adapter)
-        self._loaded[name] = Loaded(slot, next(_TAGS), str(folder), adapter.rank)
+        self._loaded[name] = Loaded(slot, next(_TAGS), str(folder), adapter.rank, _content_key(Path(folder)))
         return self._loaded[name]
+
+    def key_of(self, tag: int) -> str | None:
+        """The stable key of the adapter loaded as ``tag`` ("" for 0, the base model; None: not loaded now)."""
+        if tag == 0:
+            return ""
+        return next((a.key for a in self._loaded.values() if a.tag == tag and a.key), None)
 
     def unload(self, name: str) -> None:
         loaded = self._loaded.pop(self._known(name), None)
@@ -84,3 +92,17 @@ class Adapters:
             have = ", ".join(repr(n) for n in self._loaded) or "none"
             raise DecodertError(f"unknown adapter {name!r}; loaded: {have}")
         return name
+
+
+def _content_key(folder: Path) -> str:
+    """blake2b (16 hex) of an adapter folder's weights and config bytes ("" when they cannot be read)."""
+    h = hashlib.blake2b(digest_size=8)
+    try:
+        for name in (CONFIG, WEIGHTS):
+            with open(folder / name, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+                h.update(b"\0" + name.encode())
+    except OSError:
+        return ""
+    return h.hexdigest()

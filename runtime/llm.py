@@ -9,6 +9,8 @@
     llm.generate("A person as JSON:", json_schema={...})  # or regex=..., grammar=... (Lark): docs/STRUCTURED.md
     llm = LLM.load("out/lora", adapters={"sql": "adapters/sql"}); llm.generate("Hi", adapter="sql")  # LoRA per call
     chat = llm.session(system="Be brief."); chat.chat("Hi"); chat.chat("And then?")   # runtime/chat/session.py
+    chat.save("hi.session"); chat = llm.resume("hi.session")   # the conversation and its K/V on disk
+    llm.warm([[{"role": "system", "content": "..."}]])    # prefilled into the prefix cache (runtime/warm.py)
     llm.embed(["a text", "another"], dimensions=None)  # unit vectors [n, d] from embed.onnx (runtime/embedding.py)
 
 Every run goes through the LLM's engine (runtime/engine/): ``prepare`` builds the request, the engine runs
@@ -22,6 +24,8 @@ KeyboardInterrupt inside a step ends that run only: its slots are freed and the 
 Prompts that start like an earlier one reuse its K/V (runtime/prefix_cache.py): ``prefix_cache_mb``
 bounds that cache (default: room for two full contexts, at most a quarter of the free memory;
 0 = off), and ``result.metrics.cached_tokens`` says how many prompt tokens were not prefilled.
+``cache_dir`` keeps its blocks on disk too (runtime/persist/disk_tier.py, ``cache_dir_gb`` GB at most), so a
+new process on the same artifact and folder starts with them.
 
 Opening the folder (manifest, tokenizer, backend choice, prefix-cache budget) is runtime/backends/loading.py.
 """
@@ -63,6 +67,7 @@ from decodert.runtime.vision.encoder import Vision
 from decodert.runtime.vision.images import DEFAULT_LIMITS
 from decodert.runtime.vision.messages import split_images
 from decodert.runtime.vision.video import Video
+from decodert.runtime.warm import warm as warm_prompts
 
 if TYPE_CHECKING:
     from decodert.runtime.chat.session import Session
@@ -98,7 +103,8 @@ class LLM:
     """
 
     def __init__(self, backend: Any, tokenizer: Any, manifest: Manifest | None = None,
-                 draft: "LLM | None" = None, prefix_cache_mb: float | None = None, tool_parser: str | None = None) -> None:
+                 draft: "LLM | None" = None, prefix_cache_mb: float | None = None, tool_parser: str | None = None,
+                 cache_dir: str | Path | None = None, cache_dir_gb: float | None = None, source: str | None = None) -> None:
         self.tool_parser = tool_parser  # tool-call format (runtime/chat/tool_calls.py); None: from the template
         self.draft = draft  # the draft model of speculative="draft"
         self.tokenizer = tokenizer
@@ -124,9 +130,12 @@ class LLM:
         audio = Audio.attach(backend, manifest)  # audio in (runtime/audio/), its rows in the same store; None: none
         if audio is not None:
             audio.placeholder = tokenizer.id_to_token(audio.token_id) or audio.placeholder
+        prefix = make_prefix_cache(backend, prefix_cache_mb, cache_dir, cache_dir_gb, manifest, source)  # None: off
+        if prefix is not None:
+            prefix.adapter_key = self.adapters.key_of  # the disk tier keys adapter rows by the adapter's content
         self.engine = Engine(backend, decoder=markup_decoder(tokenizer, self.chat_template),  # harmony keeps its markup
                              eos_token_ids=tuple(tok.eos_token_ids or model_eos),
-                             prefix_cache=make_prefix_cache(backend, prefix_cache_mb),  # None: off
+                             prefix_cache=prefix,
                              speculator=Speculator(draft.backend if draft is not None else None),
                              vision=vision, audio=audio,
                              adapters=self.adapters, guidance=lambda: self.guidance, manifest=manifest)
@@ -181,7 +190,8 @@ class LLM:
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
              draft: str | Path | None = None, prefix_cache_mb: float | None = None,
-             tool_parser: str | None = None, adapters: Mapping[str, str | Path] | None = None) -> "LLM":
+             tool_parser: str | None = None, adapters: Mapping[str, str | Path] | None = None, *,
+             cache_dir: str | Path | None = None, cache_dir_gb: float | None = None) -> "LLM":
         """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``).
 
         A checkpoint ("smollm2", a .gguf file, an HF folder) is exported first by the façade above
@@ -194,6 +204,8 @@ class LLM:
         ``tool_parser``: the tool-call format ("hermes" | "llama3" | "mistral" | "phi4"; None: the template's).
         ``adapters``: LoRA adapters by name -> PEFT folder, for an artifact exported with ``--lora-slots``;
         ``adapter="name"`` then picks one per call or request (``load_adapter`` / ``unload_adapter`` later).
+        ``cache_dir``: a folder where the prefix cache also keeps its blocks (runtime/persist/disk_tier.py), read
+        back by later processes on the same artifact; ``cache_dir_gb``: the most it holds there (default 4 GB).
         """
         path = Path(path)
         if not (path / MANIFEST).is_file():
@@ -210,7 +222,8 @@ class LLM:
                                     "speculative decoding needs the same vocabulary")
         if tool_parser is not None:
             tool_format(None, tool_parser)  # an unknown name fails before the weights load
-        llm = cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser)
+        llm = cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser,
+                  cache_dir, cache_dir_gb, str(path.resolve()))
         if adapters is not None and not isinstance(adapters, Mapping):
             raise DecodertError(f"adapters must map names to PEFT adapter folders, got {type(adapters).__name__}")
         for name, folder in (adapters or {}).items():
@@ -257,7 +270,7 @@ class LLM:
             for session in list(self._sessions):
                 session.close()
             if self.prefix_cache is not None:
-                self.prefix_cache.clear()
+                getattr(self.prefix_cache, "close", self.prefix_cache.clear)()  # the disk tier writes what is queued
         if close is not None:
             close()
 
@@ -487,6 +500,13 @@ class LLM:
         embedder = self.embedder
         return embedder.embed(embedder.token_ids(inputs), dimensions)
 
+    def warm(self, prompts: Seq[Any]) -> list[int]:
+        """Prefill prompts (text), chat message lists (rendered as a chat request renders them) or entries
+        (``{"messages": [...], "tools": [...]}``: runtime/warm.py) into the prefix cache, so a later request
+        that starts like one is a hit -> the tokens of each the cache now holds. DecodertError naming the
+        entry: a bad one, the cache off, or an entry that did not all stay in the cache's budget."""
+        return warm_prompts(self, prompts)
+
     def session(self, system: str | None = None, overflow: str = "truncate") -> "Session":
         """A conversation whose K/V stays in its own cache row between turns (runtime/chat/session.py):
         each turn prefills only what the chat template adds. ``overflow``: "truncate" (drop the
@@ -496,6 +516,15 @@ class LLM:
         session = Session(self, system, overflow)
         self._sessions.add(session)
         return session
+
+    def resume(self, path: str | Path, convert_kv: bool = False) -> "Session":
+        """A session saved by ``Session.save(path)``, its row holding the saved ids, K/V and states, so its next
+        turn is the one the saved session would have given (runtime/chat/saved.py). DamagedState (one line): a
+        damaged, truncated or foreign file. ``convert_kv``: take a file of the same model saved with another
+        float K/V type (fp32 / fp16 / bf16), converted as the cache stores values; refused without it."""
+        from decodert.runtime.chat.session import Session
+
+        return Session.resume(self, path, convert_kv)
 
     def generate_many(self, requests: Seq[Request | Mapping[str, Any]]) -> list[GenerationResult]:
         """Continuous batching: requests take free cache slots as others finish; results in order (a chat

@@ -33,6 +33,14 @@ Eviction is LRU under a byte budget. Lookups and stores touch a chain from its l
 to its first, so a block is never older than its descendants: the LRU entry is always a leaf,
 and eviction never leaves a block that no lookup can reach.
 
+A disk tier (runtime/persist/disk_tier.py, ``disk``) keeps blocks across processes: every block a store
+adds (and a hybrid entry that gains its states) is handed to it, written in the background; a lookup that
+ends in memory before its limit asks it for the next blocks of the chain, synchronously, and the blocks it
+gives become memory entries first (under this budget, as if stored), so what a row is loaded with always
+comes from an entry here, through ``write_kv`` and ``KVCache.commit`` as any hit. Its files are keyed by
+the chain from the empty key (``_Entry.dkey``) in a folder of the artifact's identity and the adapter's
+stable key (``adapter_key``: a load tag -> that key, None: not kept on disk).
+
 How a loop uses it, per admitted request (the scheduler here, and a server's engine loop):
 
     cached = prefix.load(cache, slot, prompt)           # K/V copied into the slot, committed there
@@ -47,9 +55,10 @@ Not thread-safe: the one thread that runs the loop (holding the LLM's lock) uses
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -68,6 +77,7 @@ class _Entry:
     nbytes: int  # of kv and state
     children: int = 0
     state: list[bytes] | None = None  # hybrid models: every state of a row after the chain's ids (host bytes)
+    dkey: bytes = b""  # the chain from the empty key: the disk tier's name of the block, whatever the adapter
 
 
 @dataclass
@@ -83,6 +93,15 @@ class PrefixStats:
     bytes: int = 0
     peak_bytes: int = 0
     blocks: int = 0
+    disk_hits: int = 0  # lookups that loaded at least one block from the disk tier
+    disk_hit_tokens: int = 0  # prompt tokens of those blocks
+    disk_read_bytes: int = 0
+    disk_written_blocks: int = 0
+    disk_written_bytes: int = 0
+    disk_dropped: int = 0  # blocks not written: the writer's queue was full (or the tier off)
+    disk_evicted_blocks: int = 0
+    disk_damaged: int = 0  # damaged, truncated or foreign files skipped and deleted
+    disk_bytes: int = 0  # of the tier's files in its directory, as last counted
 
 
 class PrefixCache:
@@ -95,7 +114,8 @@ class PrefixCache:
     def __init__(self, backend: Any, budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  state_every: int | None = None) -> None:
         """``state_every``: tokens between the states a hybrid prompt keeps on its way (rounded up to whole
-        blocks; default the backend's ``prefill_chunk``, else 512)."""
+        blocks; default the backend's ``prefill_chunk``, else 512). ``disk`` (a DiskTier, attach_disk) is off
+        until attached."""
         if block_tokens < 1:
             raise DecodertError(f"prefix cache block size must be at least 1 token, not {block_tokens}")
         if budget_bytes < 0:
@@ -110,6 +130,12 @@ class PrefixCache:
         self._wanted: set[bytes] = set()  # chain keys where a hybrid prompt should stop (split_shared)
         self._stateful = False  # has seen a cache with states: its entries are useful only below a state
         self.stats = PrefixStats()
+        self.disk: Any = None  # runtime/persist/disk_tier.py DiskTier, or None
+        self.adapter_key: Callable[[int], str | None] = lambda tag: "" if tag == 0 else None
+
+    def attach_disk(self, make: Callable[[PrefixStats], Any]) -> None:
+        """Put a disk tier under this cache: ``make(stats)`` -> a DiskTier updating these stats."""
+        self.disk = make(self.stats)
 
     # -- lookups ---------------------------------------------------------------------------------
     def match(self, ids: np.ndarray, limit: int | None = None, adapter: int = 0) -> list[_Entry]:
@@ -130,6 +156,12 @@ class PrefixCache:
         self._touch(chain)
         return chain
 
+    def reach(self, ids: np.ndarray, has_state: bool = False, adapter: int = 0) -> int:
+        """Tokens of ``ids`` a load could take from the cache now (touched as used): its cached whole blocks,
+        for a row with states only up to the deepest entry that keeps them (warm start checks it)."""
+        chain = self.match(ids, None, adapter)
+        return (_deepest_state(chain) if has_state else len(chain)) * self.block_tokens
+
     def load(self, cache: Any, slot: int, ids: np.ndarray, limit: int | None = None) -> int:
         """Copy the longest cached prefix of ``ids`` into ``slot`` (committed there) -> the slot's cached length.
 
@@ -146,9 +178,13 @@ class PrefixCache:
         limit = len(ids) - 1 if limit is None else limit
         self.stats.lookups += 1
         chain = self.match(ids, limit, cache.adapter_tag(slot))
+        if self.disk is not None and self.disk.enabled and len(chain) < limit // self.block_tokens:
+            chain = self._from_disk(cache, chain, ids, limit, cache.adapter_tag(slot))
         if cache.has_state:  # a linear layer resumes only from its state at a boundary
             self._stateful = True
             chain = chain[: _deepest_state(chain)]
+        if chain and self.disk is not None and (akey := self.adapter_key(cache.adapter_tag(slot))) is not None:
+            self.disk.touch(akey, [e.dkey for e in chain], time.time_ns())  # its files stay as recent as its entries
         hit = len(chain) * self.block_tokens
         if hit <= have:
             return have
@@ -166,6 +202,45 @@ class PrefixCache:
         self.stats.hits += 1
         self.stats.hit_tokens += hit - have
         return hit
+
+    def _from_disk(self, cache: Any, chain: list[_Entry], ids: np.ndarray, limit: int, tag: int) -> list[_Entry]:
+        """``chain`` continued with the blocks the disk tier has of ``ids[:limit]``, made memory entries (a row
+        with states: only up to the deepest block with states, and only when all of that fits the budget)."""
+        akey = self.adapter_key(tag)
+        if akey is None:
+            return chain
+        b = self.block_tokens
+        dkey = chain[-1].dkey if chain else b""
+        want = []
+        for k in range(len(chain), limit // b):
+            block = ids[k * b : (k + 1) * b]
+            dkey = _chain_key(dkey, block)
+            want.append((dkey, block))
+        states = list(cache.state_bytes) if cache.has_state else None
+        found = self.disk.read_chain(akey, want, self.block_bytes, states)
+        if cache.has_state:
+            found = found[: next((k + 1 for k in range(len(found) - 1, -1, -1) if found[k].states is not None), 0)]
+        need = sum(self.block_bytes + sum(len(x) for x in f.states or ()) for f in found)
+        if not found or not self._make_room(chain, need):
+            return chain
+        key = chain[-1].key if chain else _root(tag)
+        for (dkey, block), got in zip(want, found):
+            key = _chain_key(key, block)
+            if key in self._entries:  # a 128-bit collision with other ids in memory: keep what is there
+                break
+            kv = self.backend.kv_from_bytes(cache, got.kv, b)
+            nbytes = self.block_bytes + sum(len(x) for x in got.states or ())
+            entry = _Entry(key, chain[-1] if chain else None, block.copy(), kv, nbytes, state=got.states, dkey=dkey)
+            if entry.parent is not None:
+                entry.parent.children += 1
+            self._entries[key] = entry
+            self._grow(nbytes)
+            chain.append(entry)
+            self.stats.disk_hit_tokens += b
+            self.stats.disk_read_bytes += got.nbytes
+        self.stats.disk_hits += 1
+        self._touch(chain)
+        return chain
 
     def stops(self, cache: Any, slot: int, ids: np.ndarray) -> list[int]:
         """Where a row with states should end a prefill call so its states are stored there (ascending,
@@ -259,6 +334,7 @@ class PrefixCache:
             added += 1
         self._touch(chain)
         self.stats.stored_blocks += added
+        self._write_behind(cache, slot, chain, added)
         return added
 
     def _store_with_state(self, cache: Any, slot: int, ids: np.ndarray) -> int:
@@ -289,17 +365,42 @@ class PrefixCache:
         self._touch(chain)
         self.stats.stored_blocks += added
         self.stats.stored_states += 1
+        self._write_behind(cache, slot, chain, max(added, 1))  # the entry that gained the states, at least
         return added
+
+    def _write_behind(self, cache: Any, slot: int, chain: list[_Entry], new: int) -> None:
+        """Hand the last ``new`` entries of ``chain`` (just stored) to the disk tier, first to last, and touch the
+        older ones; nothing without a tier, or for a row under an adapter with no stable key. A block the queue has
+        no room for ends it (checked before a device block is copied to the host): the blocks after it would be
+        unreachable without it."""
+        disk = self.disk
+        if disk is None or not disk.enabled or new <= 0:
+            return
+        akey = self.adapter_key(cache.adapter_tag(slot))
+        if akey is None:
+            return
+        stamp, first = time.time_ns(), len(chain) - new
+        for depth in range(first, len(chain)):
+            e = chain[depth]
+            if not disk.has_room(e.nbytes):
+                self.stats.disk_dropped += len(chain) - depth
+                break
+            if not disk.put(akey, e.dkey, depth, e.ids, self.backend.kv_to_bytes(e.kv), e.state, stamp):
+                self.stats.disk_dropped += len(chain) - depth - 1  # put counted this one
+                break
+        disk.touch(akey, [e.dkey for e in chain[:first]], stamp)
 
     def _new_entry(self, cache: Any, slot: int, chain: list[_Entry], key: bytes, block: np.ndarray,
                    start: int) -> _Entry | None:
         """A new entry for ``block`` (at ``start`` of the row) after ``chain``, appended to it; None on a
         128-bit hash collision with other ids (what is there is kept)."""
-        key = _chain_key(key, block)
+        parent_dkey = chain[-1].dkey if chain else b""
+        key, parent_key = _chain_key(key, block), key
         if key in self._entries:
             return None
+        dkey = key if parent_dkey == parent_key else _chain_key(parent_dkey, block)  # the same without an adapter
         kv = self.backend.read_kv(cache, slot, start, len(block))
-        entry = _Entry(key, chain[-1] if chain else None, block, kv, self.block_bytes)
+        entry = _Entry(key, chain[-1] if chain else None, block, kv, self.block_bytes, dkey=dkey)
         if entry.parent is not None:
             entry.parent.children += 1
         self._entries[key] = entry
@@ -307,8 +408,14 @@ class PrefixCache:
         chain.append(entry)
         return entry
 
+    def close(self) -> None:
+        """Drop every entry and close the disk tier (its queued writes are written first)."""
+        self.clear()
+        if self.disk is not None:
+            self.disk.close()
+
     def clear(self) -> None:
-        """Drop every entry (device memory is freed now)."""
+        """Drop every entry (device memory is freed now); the disk tier keeps its files."""
         for entry in self._entries.values():
             self.backend.free_kv(entry.kv)
         self._entries.clear()

@@ -3,7 +3,8 @@
 Request counters by endpoint and HTTP status; TTFT (request received -> first token, queueing
 included) and TPOT histograms; prompt, generated and prefix-cached tokens; and gauges read from
 the engine at scrape time: queue depth, slots in use, engine steps and rows (rows / steps is the
-mean batch occupancy).
+mean batch occupancy), and with a disk tier (--cache-dir) its PrefixStats: blocks and tokens read back,
+blocks written and dropped, damaged files skipped, bytes on disk.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ class ServerMetrics:
             ("decodert_engine_rows", "Rows over all engine steps", lambda: stats.rows),
         ):
             Gauge(name, doc, registry=r).set_function(read)
+        prefix = engine.llm.prefix_cache
+        if getattr(prefix, "disk", None) is not None:
+            for field, doc in (("disk_hits", "Lookups that loaded prefix blocks from the disk tier"),
+                               ("disk_hit_tokens", "Prompt tokens loaded from the disk tier"),
+                               ("disk_written_blocks", "Prefix blocks written to the disk tier"),
+                               ("disk_dropped", "Prefix blocks not written: the disk writer's queue was full or it is off"),
+                               ("disk_damaged", "Damaged or foreign disk-tier files skipped and deleted"),
+                               ("disk_bytes", "Bytes of the disk tier's files")):
+                Gauge(f"decodert_prefix_cache_{field}", doc, registry=r).set_function(
+                    lambda f=field: getattr(prefix.stats, f))
 
     def observe(self, result: GenerationResult, ttft_s: float | None) -> None:
         """Record one finished generation (``ttft_s`` measured by the server, None if no token came)."""

@@ -47,6 +47,9 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: web origins allowed to call the API (--allowed-origins; "*": any)
     image_fetch_timeout_s: float = 10.0  # the whole of one image fetch (runtime/vision/fetch.py)
     max_image_fetches: int = 8  # image fetches at once, server-wide (one more: 503)
+    warm: tuple = ()  # prompts prefilled into the prefix cache before listening (--warm: runtime/warm.py entries)
+    cache_dir: Path | None = None  # the prefix cache's disk tier (--cache-dir; runtime/persist/disk_tier.py)
+    cache_dir_gb: float | None = None  # its budget in GB (None: 4)
 
 
 def model_name(options: ServeOptions) -> str:
@@ -62,7 +65,7 @@ def make_app(options: ServeOptions):
 
     llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify, draft=options.draft,
                    prefix_cache_mb=options.prefix_cache_mb, tool_parser=options.tool_parser,
-                   adapters=dict(options.lora) or None)
+                   adapters=dict(options.lora) or None, cache_dir=options.cache_dir, cache_dir_gb=options.cache_dir_gb)
     llm.image_limits = options.image_limits
     if options.allow_image_urls:
         llm.fetch_image = Fetcher(options.image_limits, options.image_fetch_timeout_s, options.max_image_fetches)
@@ -73,6 +76,10 @@ def make_app(options: ServeOptions):
         method = getattr(options.speculative, "method", options.speculative)
         raise DecodertError(f"--speculative {method}: {e}") from None
     llm.engine.reserve()  # a shared cache that cannot be allocated is refused now (exit 2), not at the first request
+    if options.warm:  # before the server says it is ready: the first request is already a hit
+        held = llm.warm(options.warm)
+        print(f"decodert: warmed {len(held)} prompts into the prefix cache ({sum(held)} tokens)", file=sys.stderr,
+              flush=True)
     config = ServeConfig(model_name(options), options.api_key, options.max_body_bytes, options.drain_s,
                          options.speculative, options.client_timeout_s, options.allowed_hosts,
                          responses_store=options.responses_store,
@@ -121,5 +128,8 @@ def serve(options: ServeOptions) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
+    prefix = app.state.engine.llm.prefix_cache
+    if getattr(prefix, "disk", None) is not None:
+        prefix.disk.close()  # the blocks still queued are written for the next start
     print("decodert: server stopped", file=sys.stderr, flush=True)
     return 0

@@ -94,6 +94,16 @@ class Backend(Protocol):
         """Release a block's memory now (device memory; a host block just loses its reference)."""
         ...
 
+    def kv_to_bytes(self, block: Any) -> np.ndarray:
+        """A block's bytes on the host [nbytes] uint8, one layout for host and device blocks (kv_blocks.host_bytes):
+        what the prefix cache's disk tier writes. Optional: without it (and ``kv_from_bytes``) no disk tier."""
+        ...
+
+    def kv_from_bytes(self, cache: KVCache, data: np.ndarray, n: int) -> Any:
+        """``kv_to_bytes``' inverse: a block of ``n`` positions for ``write_kv`` into ``cache``; ValueError when
+        ``data`` is not that size."""
+        ...
+
 
 def window_outputs(manifest: Any) -> dict[str, int]:
     """State name ("conv.3") -> K-1 for each conv window the verify graph outputs (``window_conv.3``;

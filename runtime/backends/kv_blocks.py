@@ -93,3 +93,61 @@ def free_block(block: Any) -> None:
     free = getattr(block, "free", None)
     if free is not None:
         free()
+
+
+# ---- blocks as bytes (runtime/persist/disk_tier.py): one layout for host and device blocks alike -------------
+def host_bytes(block: Any) -> np.ndarray:
+    """A host block (an array, or host_read's list) -> its bytes [nbytes] uint8: each buffer's [H_kv, n, D_i] in
+    cache order, back to back, which is a DeviceBlock's layout too."""
+    if not isinstance(block, list):
+        return np.ascontiguousarray(block).reshape(-1).view(np.uint8)  # a view: a prefix entry's block is never written
+    return np.concatenate([np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in block])
+
+
+def host_from_bytes(buffers: Sequence[np.ndarray], data: np.ndarray, n: int) -> np.ndarray | list[np.ndarray]:
+    """``host_bytes``' inverse for a cache of ``buffers`` (what host_read would give for ``n`` positions), a view of
+    ``data`` (the caller gives up its array: a prefix entry's block is only ever read); ValueError when the size is
+    not that block's."""
+    shapes = [(b.shape[1], n, b.shape[3]) for b in buffers]
+    sizes = [int(np.prod(s)) * b.dtype.itemsize for s, b in zip(shapes, buffers)]
+    if data.nbytes != sum(sizes):
+        raise ValueError(f"a block of {n} positions is {sum(sizes)} bytes, not {data.nbytes}")
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    if len({b.shape[3] for b in buffers}) > 1:
+        offsets = np.cumsum([0, *sizes])
+        return [raw[offsets[i]:offsets[i + 1]].view(b.dtype).reshape(s) for i, (b, s) in enumerate(zip(buffers, shapes))]
+    return raw.view(buffers[0].dtype).reshape(len(buffers), *shapes[0])  # [2L, H_kv, n, D]
+
+
+def device_bytes(block: DeviceBlock, stream: Any) -> np.ndarray:
+    """A DeviceBlock -> its bytes on the host [nbytes] uint8 (through pinned memory; waits for the copy)."""
+    from decodert.plugins import cuda_mem as cm
+
+    host = cm.PinnedArray((block.nbytes,), np.uint8)
+    try:
+        cm.copy_async(host.ptr, block.buffer.ptr, block.nbytes, stream, "d2h")
+        stream.sync()
+        return host.array.copy()
+    finally:
+        host.free()
+
+
+def device_from_bytes(geo: DeviceGeometry, data: np.ndarray, n: int, stream: Any) -> DeviceBlock:
+    """Bytes of ``device_bytes`` (or ``host_bytes``) -> a new DeviceBlock of ``n`` positions; ValueError when the size
+    is not that block's."""
+    from decodert.plugins import cuda_mem as cm
+
+    if data.nbytes != geo.block_bytes(n):
+        raise ValueError(f"a block of {n} positions is {geo.block_bytes(n)} bytes, not {data.nbytes}")
+    host = cm.PinnedArray((data.nbytes,), np.uint8)
+    block = DeviceBlock(cm.DeviceBuffer(data.nbytes, zero=False), n)
+    try:
+        host.array[:] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        cm.copy_async(block.buffer.ptr, host.ptr, data.nbytes, stream, "h2d")
+        stream.sync()
+    except BaseException:
+        block.free()
+        raise
+    finally:
+        host.free()
+    return block

@@ -267,6 +267,12 @@ class KVCache:
         after ``held(slot)``. Empty without states."""
         return self._read_states(slot) if self.states else []
 
+    def read_snapshot(self, slot: int) -> tuple[int, list[bytes]] | None:
+        """A copy of ``slot``'s snapshot: (its position, every state's bytes there), or None (none kept, or
+        K/V alone). With ``commit(..., states)`` and ``snapshot`` a saved row is rebuilt exactly (a saved session)."""
+        snap = self._snapshots.get(slot)
+        return None if snap is None else (snap[0], list(snap[1]))
+
     def reset(self, slot: int | None = None) -> None:
         """Forget the cached tokens of one slot (or all); buffers are kept, not freed; states are zeroed."""
         self._lengths[slice(None) if slot is None else slot] = 0

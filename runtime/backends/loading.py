@@ -18,8 +18,12 @@ from decodert.runtime.prefix_cache import PrefixCache
 from decodert.runtime.decoding.sampling import sampling_params
 
 
-def make_prefix_cache(backend: Any, budget_mb: float | None) -> PrefixCache | None:
-    """The prefix cache of ``backend`` under ``budget_mb`` MiB (None: default budget; 0: none).
+def make_prefix_cache(backend: Any, budget_mb: float | None, cache_dir: str | Path | None = None,
+                      cache_dir_gb: float | None = None, manifest: Manifest | None = None,
+                      source: str | None = None) -> PrefixCache | None:
+    """The prefix cache of ``backend`` under ``budget_mb`` MiB (None: default budget; 0: none), and with
+    ``cache_dir`` its disk tier there (runtime/persist/disk_tier.py) under ``cache_dir_gb`` GB (default 4), keyed
+    by ``manifest``'s identity; ``source`` (the artifact's folder) is what ``decodert cache list`` names it by.
 
     Default: the K/V of two full contexts (2 x max_seq tokens), and for a hybrid model the states
     two such contexts keep on their way (one every 512 tokens and one at the end: runtime/prefix_cache.py),
@@ -27,6 +31,18 @@ def make_prefix_cache(backend: Any, budget_mb: float | None) -> PrefixCache | No
     if budget_mb is not None and (not isinstance(budget_mb, (int, float)) or isinstance(budget_mb, bool)
                                   or not budget_mb >= 0):
         raise DecodertError(f"prefix_cache_mb must be a number >= 0 (0 = off), not {budget_mb!r}")
+    if cache_dir_gb is not None and (not isinstance(cache_dir_gb, (int, float)) or isinstance(cache_dir_gb, bool)
+                                     or not cache_dir_gb > 0 or cache_dir_gb != cache_dir_gb):
+        raise DecodertError(f"cache_dir_gb must be a number > 0 (GB on disk), not {cache_dir_gb!r}")
+    if cache_dir_gb is not None and cache_dir is None:
+        raise DecodertError("cache_dir_gb is the disk tier's budget: give cache_dir (--cache-dir DIR) too")
+    if cache_dir is not None and not isinstance(cache_dir, (str, Path)):
+        raise DecodertError(f"cache_dir must be a folder path, not {type(cache_dir).__name__}")
+    if cache_dir is not None and (budget_mb == 0 or not hasattr(backend, "kv_to_bytes")):
+        why = "prefix_cache_mb is 0" if budget_mb == 0 else f"the {getattr(backend, 'name', '?')} backend cannot copy K/V blocks"
+        raise DecodertError(f"cache_dir {cache_dir}: the disk tier sits under the prefix cache, which is off ({why})")
+    if cache_dir is not None and manifest is None:
+        raise DecodertError(f"cache_dir {cache_dir}: the disk tier needs the artifact's manifest (its identity)")
     if budget_mb == 0 or not hasattr(backend, "read_kv"):
         return None
     if budget_mb is None:
@@ -39,7 +55,15 @@ def make_prefix_cache(backend: Any, budget_mb: float | None) -> PrefixCache | No
         if avail is not None and budget > 0.9 * avail:
             raise DecodertError(f"prefix_cache_mb={budget_mb:g} is more than the {avail / 2**20:.0f} MiB of memory "
                                 "available now; give a smaller budget (0 = off)")
-    return PrefixCache(backend, budget)
+    prefix = PrefixCache(backend, budget)
+    if cache_dir is not None:
+        from decodert.runtime.persist.disk_tier import DEFAULT_GB, DiskTier
+
+        about = {"artifact": source, "family": manifest.model.family, "dtype": manifest.dtype,
+                 "kv_dtype": manifest.kv_dtype or manifest.dtype, "block_tokens": prefix.block_tokens}
+        gb = DEFAULT_GB if cache_dir_gb is None else cache_dir_gb
+        prefix.attach_disk(lambda stats: DiskTier(cache_dir, manifest, int(gb * 1e9), stats, about=about))
+    return prefix
 
 
 def model_defaults(manifest: Manifest | None) -> dict[str, Any]:

@@ -4,6 +4,7 @@
     session.chat("Hi").text                              # a GenerationResult
     for delta in session.stream_chat("And then?"): ...   # text deltas (a TextStream)
     session.history; session.undo(); session.reset(); session.close()
+    session.save("chat.session"); session = llm.resume("chat.session")   # on disk (runtime/chat/saved.py)
 
 Reuse. Each turn renders the whole conversation with the chat template and compares its ids with
 the ids whose K/V the row holds. The row is rewound to their longest common prefix and only the
@@ -37,9 +38,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generator, Iterator, Mapping
 
 from decodert.errors import DecodertError
+from decodert.runtime.chat import saved
 from decodert.runtime.chat.chat import Message, check_messages
 from decodert.runtime.chat.turn import ChatStream
 from decodert.runtime.decoding.generate import GenerationResult, Sequence, TextStream
@@ -81,6 +84,11 @@ class Session:
     def history(self) -> list[dict]:
         """The messages so far (copies), system message first."""
         return [dict(m) for m in self._system + self._turns]
+
+    @property
+    def system(self) -> str | None:
+        """The system message (None: none)."""
+        return self._system[0]["content"] if self._system else None
 
     @property
     def cached_tokens(self) -> int:
@@ -136,6 +144,34 @@ class Session:
             row, self._row = self._row, None
             if row is not None and hasattr(row.cache, "free"):
                 row.cache.free()
+
+    def save(self, path: str | Path) -> int:
+        """Write the conversation, its row's ids, K/V and states, the system message and the overflow policy to
+        ``path`` (one checksummed file, written atomically: runtime/chat/saved.py) -> its bytes. ``LLM.resume``
+        reads it back. DecodertError while a stream runs (finish or close it first), or when ``path`` cannot be
+        written (an earlier file there is kept whole)."""
+        with self._quiet():
+            if self._running is not None and not self._running.seq.done:
+                raise DecodertError("a turn is streaming; finish or close its stream before saving the session")
+            return saved.write_session(path, self.llm, self.system, self.overflow, self._turns, self._row)
+
+    @classmethod
+    def resume(cls, llm: Any, path: str | Path, convert_kv: bool = False) -> "Session":
+        """A session read from a ``save`` file, its row holding what the saved one held (``LLM.resume``)."""
+        state = saved.read_session(path, llm, convert_kv)
+        session = llm.session(state.system, state.overflow)
+        session._turns = state.turns
+        if state.kv is not None and len(state.ids):
+            row = llm.engine.pin()
+            try:
+                with session._quiet():
+                    state.fill(llm, row.cache)
+            except BaseException:
+                if hasattr(row.cache, "free"):
+                    row.cache.free()
+                raise
+            session._row = row
+        return session
 
     @contextlib.contextmanager
     def _quiet(self) -> Iterator[None]:

@@ -38,12 +38,12 @@ def _prefills(llm):
 
 def test_banner_and_commands_are_local():
     llm = make_llm(chat_template=TEMPLATE, eos=[0])
-    code, out, err = _run(llm, ["/help", "/HELP me", "/frobnicate", "/undo", "/reset"])
+    code, out, err = _run(llm, ["/help", "/HELP me", "/frobnicate", "/undo", "/reset", "/save"])
     assert code == 0 and _prefills(llm) == 0  # nothing reached the model
     banner = err.splitlines()[0]
     assert all(word in banner for word in ("/exit", "/reset", "Ctrl-C", "/help"))
     assert err.count("/undo") >= 2 and "unknown command /frobnicate" in err
-    assert "[nothing to undo]" in err and "[conversation cleared]" in err
+    assert "[nothing to undo]" in err and "[conversation cleared]" in err and "[/save needs a file name]" in err
     assert out.strip() == ""
 
 
@@ -128,3 +128,50 @@ def test_the_dropped_turns_notice_comes_before_the_answer():
     for i in dropped:  # after the previous turn's last line comes the notice, then this turn's answer (not its notes)
         assert lines[i - 1] == "[answer cut at --max-new-tokens 12]", lines[i - 1: i + 2]
         assert not lines[i + 1].startswith("[answer cut"), lines[i - 1: i + 2]
+
+
+def test_save_and_resume_through_the_command_line(tiny_checkpoint, tmp_path):
+    """/save FILE in one `decodert chat`, --resume FILE in the next: its answer is the one the first chat would have
+    given; a /save that fails is one line and the chat goes on; a bad --resume file is one line and exit 2."""
+    import subprocess
+
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    art = tmp_path / "art"
+    export_model(tiny_checkpoint("llama"), art, target="ort", dtype="fp32", max_seq=128, max_batch=1, progress=False)
+    env = {**os.environ, "DECODERT_CACHE": str(tmp_path / "cache")}
+    flags = ["--greedy", "--max-new-tokens", "6", "--no-stats"]
+
+    def chat(lines, *extra):
+        return subprocess.run([sys.executable, "-m", "decodert", "chat", str(art), *flags, *extra], input="\n".join(lines),
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    saved = tmp_path / "chat.session"
+    first = chat(["hello world", f"/save {tmp_path / 'no' / 'dir' / 'x.session'}", "the quick brown fox", f"/save {saved}"],
+                 "--system", "be brief")
+    assert first.returncode == 0, first.stderr
+    failed = [line for line in first.stderr.splitlines() if line.startswith("decodert: error:")]
+    assert len(failed) == 1 and "cannot write the session" in failed[0], first.stderr
+    assert f"to {saved}]" in first.stderr and len(_answers(first.stdout)) == 2  # both questions answered
+    second = chat(["jumps over the lazy dog"], "--resume", str(saved))
+    assert second.returncode == 0 and "[resumed 5 messages" in second.stderr, second.stderr
+    with LLM.load(art) as llm:
+        live = llm.session(system="be brief")
+        for q in ("hello world", "the quick brown fox"):
+            live.chat(q, max_new_tokens=6, temperature=0)
+        want = live.chat("jumps over the lazy dog", max_new_tokens=6, temperature=0).text
+    assert _answers(second.stdout) == [want.strip()]
+    saved.write_bytes(saved.read_bytes()[:-9])
+    for extra, message in ((("--resume", str(saved)), "checksum mismatch"),
+                           (("--resume", str(tmp_path / "none.session")), "cannot read the session"),
+                           (("--resume", str(saved), "--system", "x"), "drop --system")):
+        bad = chat(["hello"], *extra)
+        assert bad.returncode == 2 and bad.stdout == "", bad
+        assert bad.stderr.startswith("decodert: error: ") and message in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def _answers(stdout: str) -> list[str]:
+    """The answers a piped `decodert chat` printed after its prompts."""
+    return [part.strip() for part in stdout.split(">>> ") if part.strip()]

@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tiny import load_torch, make_tiny_checkpoint
+from tiny import load_torch, make_adapter, make_tiny_checkpoint
 
 from decodert.errors import DecodertError
 from decodert.export.pipeline import export_model
@@ -23,20 +23,6 @@ peft = pytest.importorskip("peft")
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = [5, 17, 99, 230, 41, 7, 300, 12]
 LONG = list(np.random.default_rng(3).integers(3, 500, 70))  # > 2 prefix-cache blocks of 32
-
-
-def make_adapter(base, path, r, alpha, targets, seed, scale=0.1, **extra):
-    """A PEFT adapter of ``base`` with random (non-zero) A and B, saved as PEFT writes it."""
-    model = load_torch(base)
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **extra)
-    pm = peft.get_peft_model(model, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=gen))
-    pm.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +290,17 @@ def test_non_finite_adapter_weights_are_refused(world, tmp_path, value):
     with pytest.raises(DecodertError, match=r"k_proj\.lora_B holds 1 NaN or infinite values") as e:
         LLM.load(art).load_adapter("bad", bad)
     assert "\n" not in str(e.value)
+
+
+def test_disk_tier_keys_adapter_rows_by_the_adapter_content(world, tmp_path):
+    """The prefix cache's disk tier (runtime/persist/disk_tier.py): a new LLM reads back the blocks of each adapter
+    and of the base model, each only under the same adapter weights (whatever name they are loaded as)."""
+    _, _, adapters, art = world
+    order = ["a", None, "b"]
+    with LLM.load(art, adapters=adapters, cache_dir=tmp_path / "cd") as llm:
+        first = [llm.generate(LONG, max_new_tokens=6, adapter=a, stop_token_ids=[]).token_ids for a in order]
+    assert len(list((tmp_path / "cd").iterdir())) == 3  # one identity folder per adapter and the base model
+    swapped = {"a": adapters["b"], "b": adapters["a"]}  # the names now load the other weights
+    with LLM.load(art, adapters=swapped, cache_dir=tmp_path / "cd") as llm:
+        again = [llm.generate(LONG, max_new_tokens=6, adapter=a, stop_token_ids=[]) for a in ["b", None, "a"]]
+    assert [r.token_ids for r in again] == first and [r.metrics.cached_tokens for r in again] == [64, 64, 64]

@@ -466,6 +466,23 @@ def load_torch(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype="float32")
 
 
+def make_adapter(base, path, r, alpha, targets, seed, scale=0.1, **extra):
+    """A PEFT adapter of ``base`` with random (non-zero) A and B, saved as PEFT writes it."""
+    import peft
+    import torch
+
+    model = load_torch(base)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **extra)
+    pm = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+    pm.save_pretrained(path)
+    return path
+
+
 def assert_matches(ckpt, expected, atol=0.0):
     """Every canonical tensor of `ckpt`: float32, canonical shape, fresh and equal to expected[name]."""
     import numpy as np

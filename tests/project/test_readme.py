@@ -12,8 +12,10 @@ def _python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
-def test_the_python_snippet_runs(samples, tmp_path, capsys):
+def test_the_python_snippet_runs(samples, tmp_path, capsys, monkeypatch):
     from decodert.export.pipeline import export_model
+
+    monkeypatch.chdir(tmp_path)  # the files it writes (a saved session) go there
 
     art = tmp_path / "art"  # the samples' tiny artifact, with embed.onnx for the snippet's llm.embed
     export_model(samples["hf"], art, target="ort", dtype="fp32", max_seq=256, max_batch=2, progress=False,
@@ -30,6 +32,7 @@ def test_the_python_snippet_runs(samples, tmp_path, capsys):
     assert scope["r"].finish_reason in ("stop", "length") and len(scope["results"]) == 3 and len(scope["rs"]) == 2
     assert scope["v"].shape == (2, scope["llm"].manifest.embedding.dimensions)
     assert "decode_tps" not in capsys.readouterr().out  # printed the figure, not the attribute name
+    assert scope["chat"].history[0] == {"role": "system", "content": "Be brief."} and (tmp_path / "hi.session").is_file()
 
 
 def test_the_two_commands_come_first():

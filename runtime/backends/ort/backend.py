@@ -304,6 +304,16 @@ class OrtBackend:
     def free_kv(self, block: Any) -> None:
         kv_blocks.free_block(block)
 
+    def kv_to_bytes(self, block: Any) -> np.ndarray:
+        if isinstance(block, kv_blocks.DeviceBlock):
+            return kv_blocks.device_bytes(block, self._cuda_stream())
+        return kv_blocks.host_bytes(block)
+
+    def kv_from_bytes(self, cache: KVCache, data: np.ndarray, n: int) -> Any:
+        if cache.device == "cpu":
+            return kv_blocks.host_from_bytes(cache.buffers, data, n)
+        return kv_blocks.device_from_bytes(cache.geometry(), data, n, self._cuda_stream())
+
     def _cuda_stream(self) -> Any:
         from decodert.plugins.cuda_mem import Stream
 

@@ -212,6 +212,12 @@ class TrtBackend:
     def free_kv(self, block: kv_blocks.DeviceBlock) -> None:
         block.free()
 
+    def kv_to_bytes(self, block: kv_blocks.DeviceBlock) -> np.ndarray:
+        return kv_blocks.device_bytes(block, self.stream)
+
+    def kv_from_bytes(self, cache: KVCache, data: np.ndarray, n: int) -> kv_blocks.DeviceBlock:
+        return kv_blocks.device_from_bytes(cache.geometry(), data, n, self.stream)
+
     def check_rows(self, cache: KVCache, slots: Sequence[int], counts: Sequence[int]) -> None:
         if len(set(slots)) != len(slots) or any(not 0 <= s < cache.slots for s in slots):
             raise DecodertError(f"slots {list(slots)} must be distinct and within 0..{cache.slots - 1}")

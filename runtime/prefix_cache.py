@@ -223,7 +223,7 @@ class PrefixCache:
         need = sum(self.block_bytes + sum(len(x) for x in f.states or ()) for f in found)
         if not found or not self._make_room(chain, need):
             return chain
-        key = chain[-1].key if chain else _root(tag)
+        key, before = chain[-1].key if chain else _root(tag), len(chain)
         for (dkey, block), got in zip(want, found):
             key = _chain_key(key, block)
             if key in self._entries:  # a 128-bit collision with other ids in memory: keep what is there
@@ -238,7 +238,7 @@ class PrefixCache:
             chain.append(entry)
             self.stats.disk_hit_tokens += b
             self.stats.disk_read_bytes += got.nbytes
-        self.stats.disk_hits += 1
+        self.stats.disk_hits += len(chain) > before
         self._touch(chain)
         return chain
 

@@ -17,6 +17,7 @@ kv_dtype, K/V geometry, the state version):
             snapshot.J uint8         its snapshot's states, where it has one (the prompt's end of its last turn)
             image.K   uint8 [H, W, 3]   each image as decoded (RGB): the pixels its image ids were made from
             video.K   uint8 [T, H, W, 3]
+            audio.K   float32 [N]      each audio clip as the model read it (decoded, at its sampling rate)
 
 Images are kept as their decoded pixels, not as the path or URL they came from, so a resumed session renders
 the same image ids whatever happened to the file since (``session.history`` then shows arrays). Resuming
@@ -47,6 +48,7 @@ from decodert.errors import DamagedState, DecodertError
 from decodert.plugins.ops.kv_dtypes import KV_DTYPES, NUMPY_STORAGE
 from decodert.runtime.chat.chat import check_messages
 from decodert.runtime.persist.records import artifact_identity, read_record, write_record
+from decodert.runtime.audio.messages import PARTS as AUDIO_PARTS, has_audio
 from decodert.runtime.vision.messages import PARTS, split_images
 from decodert.runtime.vision.video import Video
 
@@ -167,7 +169,10 @@ def write_session(path: str | Path, llm: Any, system: str | None, overflow: str,
 
 
 def _saved_message(m: Mapping, i: int, llm: Any, arrays: dict[str, np.ndarray]) -> dict:
-    """A message with its image and video parts replaced by references to arrays (decoded pixels) in ``arrays``."""
+    """A message with its image and video parts replaced by references to arrays (decoded pixels) in ``arrays``,
+    and its audio parts by the clips as the model reads them (float32 samples at its rate)."""
+    if has_audio([m]):
+        m = _saved_audio(m, llm, arrays)
     content = m.get("content")
     if not isinstance(content, list) or not any(isinstance(p, Mapping) and p.get("type") in PARTS for p in content):
         return dict(m)
@@ -187,6 +192,24 @@ def _saved_message(m: Mapping, i: int, llm: Any, arrays: dict[str, np.ndarray]) 
             name = f"image.{sum(k.startswith('image.') for k in arrays)}"
             arrays[name] = item
             parts.append({"type": "image", "image": {"saved": name, "sha256": _digest(item)}})
+    return {**m, "content": parts}
+
+
+def _saved_audio(m: Mapping, llm: Any, arrays: dict[str, np.ndarray]) -> dict:
+    """``m`` with each audio part replaced by ``{"type": "audio", "audio": {"saved": "audio.K", "sha256": ...},
+    "sample_rate": rate}``, the clip (decoded, resampled: the samples its audio ids were made from) in ``arrays``."""
+    (_, clips) = llm.split_audio([m])
+    it = iter(clips)
+    parts = []
+    for part in m["content"]:
+        if isinstance(part, Mapping) and part.get("type") in AUDIO_PARTS:
+            clip = np.ascontiguousarray(next(it), np.float32)
+            name = f"audio.{sum(k.startswith('audio.') for k in arrays)}"
+            arrays[name] = clip
+            parts.append({"type": "audio", "audio": {"saved": name, "sha256": _digest(clip)},
+                          "sample_rate": int(llm.audio.sampling_rate)})
+        else:
+            parts.append(part)
     return {**m, "content": parts}
 
 
@@ -295,6 +318,15 @@ def _read_message(m: dict, arrays: Mapping[str, np.ndarray], bad: Any) -> dict:
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "audio" and isinstance(part.get("audio"), dict):
+            ref = part["audio"]
+            name = ref.get("saved")
+            clip = arrays.get(name) if isinstance(name, str) and name.startswith("audio.") else None
+            if clip is None or clip.dtype != np.float32 or clip.ndim != 1 or ref.get("sha256") != _digest(clip) \
+                    or not isinstance(part.get("sample_rate"), int):
+                raise bad(f"audio {name!r}")
+            parts.append({"type": "audio", "audio": clip, "sample_rate": part["sample_rate"]})
+            continue
         if kind not in ("image", "video"):
             parts.append(part)
             continue

@@ -228,6 +228,27 @@ def test_a_session_follow_up_equals_a_fresh_chat(asr):
     chat.close()
 
 
+@pytest.mark.parametrize("as_array", [False, True])
+def test_a_saved_session_with_a_clip_resumes_to_the_same_turn(asr, tmp_path, as_array):
+    """Session.save keeps the clip as the model read it (float32 at its rate), whether it came as a base64 WAV or
+    as (samples, rate) in the API; LLM.resume's next turn equals the live session's."""
+    pytest.importorskip("soundfile")
+    llm, _, _ = asr
+    x = speech_like(2.37, 2)
+    message = ({"role": "user", "content": [{"type": "audio", "audio": (x, RATE)}, {"type": "text", "text": "Hi"}]}
+               if as_array else _ask(x)[0])
+    live = llm.session()
+    live.chat(message, max_new_tokens=4, temperature=0)
+    live.save(tmp_path / "clip.session")
+    want = live.chat("And the language?", max_new_tokens=5, temperature=0)
+    live.close()
+    _fresh(llm)
+    resumed = llm.resume(tmp_path / "clip.session")
+    got = resumed.chat("And the language?", max_new_tokens=5, temperature=0)
+    assert got.token_ids == want.token_ids and resumed.last_turn.reused_tokens > 0
+    resumed.close()
+
+
 def test_the_prefix_cache_reuses_a_clip(asr):
     pytest.importorskip("soundfile")
     llm, _, _ = asr

@@ -1,0 +1,171 @@
+"""Gemma 4's assistant (MTP drafter) against transformers' Gemma4AssistantForCausalLM on tiny random checkpoints:
+the target's hidden-state outputs, the head artifact (its record, the target it refuses), the head's draft logits
+and its next hidden state given the same target hidden state, token and K/V (within 1e-4), plain and with ordered
+embeddings (centroids)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import transformers
+
+from tiny import _randomise, make_tiny_checkpoint  # noqa: E402
+
+from decodert.errors import DecodertError  # noqa: E402
+from decodert.artifact.manifest import load_manifest  # noqa: E402
+from decodert.export.heads import HEAD_GRAPH, export_head, load_head  # noqa: E402
+from decodert.export.pipeline import export_model  # noqa: E402
+from decodert.models.families import gemma4_assistant  # noqa: E402
+
+TOL = 1e-4
+MAX_SEQ = 32
+
+
+def assistant_config(**overrides) -> transformers.Gemma4AssistantConfig:
+    text = dict(model_type="gemma4_text", hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=4, vocab_size=512,
+                intermediate_size=48, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                rms_norm_eps=1e-5, layer_types=["sliding_attention", "full_attention", "full_attention"],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1000000.0}})
+    return transformers.Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64, **overrides)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny Gemma 4 target (K/V shared by its last layers), its transformers model, and an fp32 export with the
+    hidden-state outputs."""
+    root = tmp_path_factory.mktemp("g4a")
+    src = make_tiny_checkpoint("gemma4", root / "target")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    art = root / "target-art"
+    export_model(src, art, max_seq=MAX_SEQ, max_batch=4, progress=False, hidden_states=True)
+    return root, src, model, art
+
+
+def make_head(root, name: str, **overrides):
+    torch.manual_seed(1)
+    model = transformers.Gemma4AssistantForCausalLM(assistant_config(**overrides)).eval()
+    _randomise(model, 1)
+    if overrides.get("use_ordered_embeddings"):
+        with torch.no_grad():
+            model.masked_embedding.token_ordering.copy_(torch.randperm(512, generator=torch.Generator().manual_seed(3)))
+    model.save_pretrained(root / name)
+    return root / name, model
+
+
+def test_hidden_state_outputs_match_transformers(target):
+    """prefill.onnx's hidden_state is the final norm's output at each row's last token (transformers'
+    hidden_states[-1], what the assistant reads); verify.onnx's seq_hidden every position's."""
+    _, _, model, art = target
+    m = load_manifest(art)
+    assert [t.name for t in m.graphs["prefill"].outputs][-2:] == ["hidden_state", "seq_hidden"]
+    assert m.graphs["verify"].outputs[-1].name == "seq_hidden" and m.graphs["decode"].outputs[-1].name == "hidden_state"
+    ids = np.array([[5, 9, 33, 7, 100, 3, 41]], np.int64)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids), output_hidden_states=True).hidden_states[-1][0].numpy()  # [S, hidden]
+    sess = ort.InferenceSession(str(art / "verify.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": ids, "past_lengths": np.zeros(1, np.int64)}
+    for t in sess.get_inputs():
+        if t.name.startswith("past_") and t.name != "past_lengths":
+            feeds[t.name] = np.zeros([1 if s == "batch" else s for s in t.shape], np.float32)
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    np.testing.assert_allclose(out["seq_hidden"][0], ref, atol=TOL)
+
+
+def test_exports_without_hidden_states_are_unchanged(target, tmp_path):
+    """The option only adds outputs: without it the graphs carry none and the rest is the same."""
+    _, src, _, art = target
+    plain = tmp_path / "plain"
+    export_model(src, plain, max_seq=MAX_SEQ, max_batch=4, progress=False)
+    for kind in ("prefill", "decode", "verify"):
+        a, b = onnx.load(str(plain / f"{kind}.onnx"), load_external_data=False), onnx.load(
+            str(art / f"{kind}.onnx"), load_external_data=False)
+        assert not {"hidden_state", "seq_hidden"} & {o.name for o in a.graph.output}
+        assert [o.name for o in a.graph.output] == [o.name for o in b.graph.output][: len(a.graph.output)]
+    assert (plain / "weights.bin").read_bytes() == (art / "weights.bin").read_bytes()
+
+
+def _target_state(model, ids: list[int]):
+    """transformers' target over ``ids``: (shared K/V per kind, last hidden state [hidden], the chosen next token)."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True, return_shared_kv_states=True)
+    return out.shared_kv_states, out.hidden_states[-1][0, -1], int(out.logits[0, -1].argmax())
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_draft_logits_match_transformers(target, ordered):
+    """Three rows of different lengths (past the sliding window and not): the head's logits and hidden_out within
+    1e-4 of Gemma4AssistantForCausalLM's given the same target hidden states, tokens and K/V; then a chained step."""
+    root, _, model, art = target
+    overrides = dict(use_ordered_embeddings=True, num_centroids=16, centroid_intermediate_top_k=4) if ordered else {}
+    head_src, head = make_head(root, f"head-{int(ordered)}", **overrides)
+    out = root / f"head-art-{int(ordered)}"
+    record = export_head(head_src, out, art)
+    assert record["reads"]["kv_layers"] == {"full_attention": 2, "sliding_attention": 1}
+    assert load_head(out, load_manifest(art))["family"] == "gemma4_assistant"
+    sess = ort.InferenceSession(str(out / HEAD_GRAPH), providers=["CPUExecutionProvider"])
+    rows = [[5, 9, 33, 7, 100, 3, 41, 8], [17, 2, 250], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71]]
+    embed = model.get_input_embeddings()
+    feeds = {"token_embeds": [], "hidden": [], "past_lengths": np.array([len(r) for r in rows], np.int64)}
+    caches = {f"past_{n}.{i}": np.zeros((len(rows), 2, MAX_SEQ, d), np.float32)
+              for i, d in ((1, 16), (2, 32)) for n in ("key", "value")}
+    refs = []
+    for b, ids in enumerate(rows):
+        kv, hidden, token = _target_state(model, ids)
+        for kind, i in (("sliding_attention", 1), ("full_attention", 2)):
+            caches[f"past_key.{i}"][b, :, : len(ids)] = kv[kind][0][0].numpy()
+            caches[f"past_value.{i}"][b, :, : len(ids)] = kv[kind][1][0].numpy()
+        with torch.no_grad():
+            e = embed(torch.tensor([[token]]))  # the target's scaled embedding
+            ref = head(inputs_embeds=torch.cat([e, hidden.view(1, 1, -1)], -1), position_ids=torch.tensor([[len(ids)]]),
+                       shared_kv_states=kv)
+            t2 = int(ref.logits[0, -1].argmax())
+            ref2 = head(inputs_embeds=torch.cat([embed(torch.tensor([[t2]])), ref.last_hidden_state], -1),
+                        position_ids=torch.tensor([[len(ids)]]), shared_kv_states=kv)
+        feeds["token_embeds"].append(e[0, 0].numpy())
+        feeds["hidden"].append(hidden.numpy())
+        refs.append((ref, t2, ref2))
+    feeds = {**{k: np.stack(v) if isinstance(v, list) else v for k, v in feeds.items()}, **caches}
+    logits, next_token, hidden_out = sess.run(None, feeds)
+    for b, (ref, t2, ref2) in enumerate(refs):
+        np.testing.assert_allclose(logits[b], ref.logits[0, -1].numpy(), atol=TOL)
+        np.testing.assert_allclose(hidden_out[b], ref.last_hidden_state[0, -1].numpy(), atol=TOL)
+        assert next_token[b] == t2
+    # the chained step: its own token and hidden_out at the same position over the same K/V
+    with torch.no_grad():
+        e2 = np.stack([embed(torch.tensor([t2]))[0].numpy() for _, t2, _ in refs])
+    logits2, _, _ = sess.run(None, {**feeds, "token_embeds": e2, "hidden": hidden_out})
+    for b, (_, _, ref2) in enumerate(refs):
+        np.testing.assert_allclose(logits2[b], ref2.logits[0, -1].numpy(), atol=TOL)
+
+
+def test_head_refuses_another_target(target, tmp_path):
+    root, src, _, art = target
+    head_src, _ = make_head(root, "head-other")
+    plain = tmp_path / "plain"
+    export_model(src, plain, max_seq=MAX_SEQ, max_batch=4, progress=False)
+    with pytest.raises(DecodertError, match="export the target again with --hidden-states"):
+        export_head(head_src, tmp_path / "h", plain)
+    export_head(head_src, tmp_path / "h2", art)
+    other = tmp_path / "other"
+    export_model(make_tiny_checkpoint("gemma4", tmp_path / "t2", seed=5), other, max_seq=MAX_SEQ, progress=False,
+                 hidden_states=True)
+    with pytest.raises(DecodertError, match="exported for another target"):
+        load_head(tmp_path / "h2", load_manifest(other))
+    record = json.loads((tmp_path / "h2" / "head.json").read_text())
+    assert record["target"]["weights_sha256"] == load_manifest(art).files["weights.bin"].sha256
+
+
+def test_spec_refuses_what_it_cannot_run():
+    config = assistant_config().to_dict()
+    assert gemma4_assistant.spec_from_hf(config).kinds == ("sliding_attention", "full_attention", "full_attention")
+    config["text_config"]["num_kv_shared_layers"] = 1
+    with pytest.raises(DecodertError, match="every layer must read the target's K/V"):
+        gemma4_assistant.spec_from_hf(config)

@@ -19,20 +19,18 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
 
 from decodert.errors import DecodertError
 from decodert.artifact.graph_contract import kv_storage
+from decodert.artifact.heads import HEAD_FAMILIES, HEAD_MANIFEST, has_hidden_states, load_head, target_identity  # noqa: F401
 from decodert.artifact.manifest import load_manifest
 from decodert.artifact.safetensors_file import SafetensorsFile
 from decodert.models.families import gemma4_assistant as assistant_family
 
-HEAD_MANIFEST = "head.json"
 HEAD_GRAPH = "head.onnx"
-HEAD_FAMILIES = assistant_family.MODEL_TYPES
 
 
 def is_head_checkpoint(src: str | Path) -> bool:
@@ -42,18 +40,6 @@ def is_head_checkpoint(src: str | Path) -> bool:
         return config.is_file() and json.loads(config.read_text()).get("model_type") in HEAD_FAMILIES
     except (OSError, ValueError):
         return False
-
-
-def target_identity(manifest: Any) -> str:
-    """The target's identity a head records: the sha256 of its weights file, from its manifest."""
-    rec = manifest.files.get(manifest.weights.file)
-    if rec is None:
-        raise DecodertError(f"the target's manifest records no hash of {manifest.weights.file}")
-    return rec.sha256
-
-
-def has_hidden_states(manifest: Any) -> bool:
-    return any(t.name == "hidden_state" for t in manifest.graphs["prefill"].outputs)
 
 
 def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Path, dtype: str | None = None) -> dict:
@@ -99,25 +85,6 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
                        if not isinstance(v, dict)},
               "graph": {"file": HEAD_GRAPH, **head_contract(spec, sources, dims, dtype, target.max_seq)}}
     (out / HEAD_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
-    return record
-
-
-def load_head(folder: str | Path, target: Any) -> dict:
-    """head.json of ``folder``, checked against the target's manifest ``target`` (one line when it is another's)."""
-    path = Path(folder) / HEAD_MANIFEST
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raise DecodertError(f"{folder}: not a draft head artifact (no readable {HEAD_MANIFEST}; export one with "
-                            "`decodert export HEAD --target-artifact TARGET`)") from None
-    if record.get("format") != "decodert-head" or record.get("family") not in HEAD_FAMILIES:
-        raise DecodertError(f"{path}: not a decodert draft head record")
-    if record["target"]["weights_sha256"] != target_identity(target):
-        raise DecodertError(f"{folder}: this head was exported for another target (weights sha256 "
-                            f"{record['target']['weights_sha256'][:12]}…); export it again with --target-artifact")
-    if not has_hidden_states(target):
-        raise DecodertError("the target's graphs do not return the hidden state a head reads; "
-                            "export the target again with --hidden-states")
     return record
 
 

@@ -23,7 +23,7 @@ from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.models.families import gemma4_assistant  # noqa: E402
 
 TOL = 1e-4
-MAX_SEQ = 32
+MAX_SEQ = 128
 
 
 def assistant_config(**overrides) -> transformers.Gemma4AssistantConfig:
@@ -169,3 +169,102 @@ def test_spec_refuses_what_it_cannot_run():
     config["text_config"]["num_kv_shared_layers"] = 1
     with pytest.raises(DecodertError, match="every layer must read the target's K/V"):
         gemma4_assistant.spec_from_hf(config)
+
+
+# ---- drafting: LLM.load(target, draft=HEAD), speculative="assistant" -------------------------------------------
+PROMPTS = [[5, 9, 33, 7, 100, 3, 41, 8], [17, 2, 250], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [300, 301]]
+
+
+@pytest.fixture(scope="module")
+def assisted(target):
+    """The target loaded with its head (a head that copies the target's own choices often enough: its drafts are
+    right sometimes, wrong often), and the plain greedy tokens to compare with."""
+    from decodert.runtime.llm import LLM
+
+    root, _, _, art = target
+    head_src, _ = make_head(root, "head-llm")
+    export_head(head_src, root / "head-llm-art", art)
+    llm = LLM.load(art, backend="ort", draft=root / "head-llm-art", prefix_cache_mb=0)
+    plain = [llm.generate(p, max_new_tokens=20).token_ids for p in PROMPTS]
+    return llm, plain, root / "head-llm-art"
+
+
+def test_greedy_assistant_is_plain_decoding_batch_1_and_4(assisted):
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, plain, _ = assisted
+    fixed = SpeculativeConfig("assistant", draft_len=4, adaptive=False)  # every step drafts and verifies
+    assert [llm.generate(p, max_new_tokens=20, speculative=fixed).token_ids for p in PROMPTS] == plain
+    results = llm.generate(PROMPTS, max_new_tokens=20, speculative=fixed)
+    assert [r.token_ids for r in results] == plain
+    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=20, speculative="assistant")] == plain
+    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=20, speculative="auto")] == plain
+
+
+def test_the_head_drafts_what_transformers_drafts(assisted, target):
+    """The drafter's first proposal after a prompt: the head's greedy chain from the target's own hidden state and
+    K/V, as transformers' assistant chains it (the same position, its own hidden_out fed back)."""
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, plain, _ = assisted
+    root, _, model, _ = target
+    _, head = make_head(root, "head-llm-ref")  # the same seed: the same weights as the loaded head
+    drafter = llm.engine.speculator.drafter(SpeculativeConfig("assistant"))
+    seen = []
+    propose = drafter.propose
+
+    def spy(seqs, limits):
+        drafts, keys = propose(seqs, limits)
+        seen.append((seqs[0].history[: seqs[0].length].copy(), drafts[0].copy()))
+        return drafts, keys
+
+    drafter.propose = spy
+    try:
+        llm.generate(PROMPTS[0], max_new_tokens=6, speculative=SpeculativeConfig("assistant", draft_len=3, adaptive=False))
+    finally:
+        drafter.propose = propose
+    history, draft = seen[0]
+    kv, hidden, _ = _target_state(model, history[:-1].tolist())
+    embed, token, want = model.get_input_embeddings(), int(history[-1]), []
+    with torch.no_grad():
+        h = hidden.view(1, 1, -1)
+        for _ in range(len(draft)):
+            out = head(inputs_embeds=torch.cat([embed(torch.tensor([[token]])), h], -1),
+                       position_ids=torch.tensor([[len(history) - 1]]), shared_kv_states=kv)
+            token, h = int(out.logits[0, -1].argmax()), out.last_hidden_state
+            want.append(token)
+    assert draft.tolist() == want and len(want) == 3
+
+
+def test_sessions_and_prefix_hits_stay_exact(assisted, target):
+    from decodert.runtime.llm import LLM
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, _, head = assisted
+    _, _, _, art = target
+    fixed = SpeculativeConfig("assistant", draft_len=3, adaptive=False)
+    cached = LLM.load(art, backend="ort", draft=head)  # with the prefix cache
+    long = PROMPTS[2] * 3
+    want = llm.generate(long, max_new_tokens=12).token_ids
+    first = cached.generate(long, max_new_tokens=12, speculative=fixed)
+    again = cached.generate(long, max_new_tokens=12, speculative=fixed)
+    assert first.token_ids == want and again.token_ids == want and again.metrics.cached_tokens > 0
+    plain_session, spec_session = llm.session(), llm.session()
+    for message in ("hello there", "and again", "one more"):
+        a = plain_session.chat(message, max_new_tokens=8)
+        b = spec_session.chat(message, max_new_tokens=8, speculative=fixed)
+        assert a.token_ids == b.token_ids
+    assert spec_session.cached_tokens > 0
+
+
+def test_a_head_for_another_target_is_refused_at_load(assisted, tmp_path):
+    from decodert.runtime.llm import LLM
+
+    _, _, head = assisted
+    other = tmp_path / "other"
+    export_model(make_tiny_checkpoint("gemma4", tmp_path / "t2", seed=7), other, max_seq=MAX_SEQ, progress=False,
+                 hidden_states=True)
+    with pytest.raises(DecodertError, match="exported for another target"):
+        LLM.load(other, backend="ort", draft=head)
+    with pytest.raises(DecodertError, match="needs a draft head"):
+        LLM.load(other, backend="ort").generate([1, 2], max_new_tokens=2, speculative="assistant")

@@ -84,6 +84,11 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     ``hidden_states``: the prefill, decode and verify graphs also return the last hidden state (what a draft
     head reads: export/lowering/io_contract.hidden_outputs); without it the graphs are byte for byte as before.
     """
+    from decodert.export.heads import is_head_checkpoint
+
+    if is_head_checkpoint(src):
+        raise DecodertError(f"{src} is a draft head checkpoint; export it beside its target: `decodert export {src} "
+                            "--target-artifact TARGET -o OUT` (export/heads/)")
     tgt = get_target(target)
     _check_settings(dtype, max_seq, max_batch)
     _check_lora(tgt, lora)

@@ -268,3 +268,29 @@ def test_a_head_for_another_target_is_refused_at_load(assisted, tmp_path):
         LLM.load(other, backend="ort", draft=head)
     with pytest.raises(DecodertError, match="needs a draft head"):
         LLM.load(other, backend="ort").generate([1, 2], max_new_tokens=2, speculative="assistant")
+
+
+def test_cli_exports_a_head_and_runs_it(target, tmp_path, capsys):
+    """`decodert export HEAD --target-artifact T`, `decodert run T --draft HEAD` (implies --speculative assistant),
+    and the one-line refusals: a head without its target, a head checkpoint through the plain export, flags that
+    disagree with the --draft given."""
+    from decodert.cli import main
+
+    root, src, _, art = target
+    head_src, _ = make_head(root, "head-cli")
+    assert main(["export", str(head_src), "-o", str(tmp_path / "h")]) == 2
+    assert "--target-artifact TARGET" in capsys.readouterr().err
+    assert main(["export", str(head_src), "--target-artifact", str(art), "-o", str(tmp_path / "h")]) == 0
+    assert "exported gemma4_assistant head" in capsys.readouterr().out
+    assert main(["export", str(head_src), "--target-artifact", str(art), "-o", str(tmp_path / "h")]) == 2
+    assert "--force" in capsys.readouterr().err
+    with pytest.raises(DecodertError, match="is a draft head checkpoint"):
+        export_model(head_src, tmp_path / "x", progress=False)
+    assert main(["run", str(art), "--backend", "ort", "--draft", str(tmp_path / "h"), "--prompt", "hello",
+                 "--max-new-tokens", "4"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(art), "--backend", "ort", "--draft", str(tmp_path / "h"), "--speculative", "draft",
+                 "--prompt", "hello"]) == 2
+    assert "use --speculative assistant" in capsys.readouterr().err
+    assert main(["run", str(art), "--backend", "ort", "--speculative", "assistant", "--prompt", "hello"]) == 2
+    assert "needs --draft HEAD" in capsys.readouterr().err

@@ -294,3 +294,74 @@ def test_cli_exports_a_head_and_runs_it(target, tmp_path, capsys):
     assert "use --speculative assistant" in capsys.readouterr().err
     assert main(["run", str(art), "--backend", "ort", "--speculative", "assistant", "--prompt", "hello"]) == 2
     assert "needs --draft HEAD" in capsys.readouterr().err
+
+
+def test_speculative_sampling_keeps_the_targets_distribution(assisted, target):
+    """1200 seeds, 3 tokens (the first from the prefill, the next two from one verify pass of 2 head drafts:
+    accepted, or rejected and resampled, then the bonus token) against the exact joint distribution of the target
+    (transformers' logits under the same top-k 3 / temperature transform), plain sampling as the control."""
+    from decodert.runtime.decoding.sampling import make_distribution
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, _, _ = assisted
+    _, _, model, _ = target
+    prompt, n, temp, k = PROMPTS[1], 1200, 1.0, 3
+    dist = make_distribution(temp, top_k=k)
+
+    def probs(ids):
+        with torch.no_grad():
+            row = model(torch.tensor([ids])).logits[0, -1].numpy()[None].astype(np.float32)
+        p = dist(row)[0]
+        return p / p.sum()
+
+    exact: dict[tuple, float] = {}
+    p1 = probs(prompt)
+    for a in np.flatnonzero(p1):
+        p2 = probs(prompt + [int(a)])
+        for b in np.flatnonzero(p2):
+            p3 = probs(prompt + [int(a), int(b)])
+            for c in np.flatnonzero(p3):
+                exact[(int(a), int(b), int(c))] = p1[a] * p2[b] * p3[c]
+    cells = sorted(exact)
+    for spec in (None, SpeculativeConfig("assistant", draft_len=2, adaptive=False)):
+        counts = dict.fromkeys(cells, 0)
+        for seed in range(n):
+            ids = tuple(llm.generate(prompt, seed=seed, speculative=spec, max_new_tokens=3, temperature=temp,
+                                     top_k=k).token_ids)
+            counts[ids] += 1  # a KeyError: a sequence the target gives no probability
+        e = np.array([exact[c] * n for c in cells])
+        seen = np.array([counts[c] for c in cells], float)
+        keep = e >= 5
+        e, seen = np.append(e[keep], e[~keep].sum()), np.append(seen[keep], seen[~keep].sum())
+        chi2 = float(((seen - e) ** 2 / np.maximum(e, 1e-9)).sum())
+        assert chi2 < 1.5 * len(e) + 25, (spec, chi2, len(e))
+
+
+@pytest.mark.trt
+def test_trt_builds_the_hidden_state_graphs_and_the_head(target, tmp_path):
+    """TensorRT-RTX (on the CPU, as the other engines): a trt-target fp16 export with --hidden-states builds every
+    engine with the hidden-state outputs, and the head's graph for it parses and builds."""
+    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
+    from decodert.export import trt_build
+    from decodert.plugins.trt.compat import load_trt
+
+    root, src, _, _ = target
+    out = tmp_path / "trt"
+    export_model(src, out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False, hidden_states=True)
+    engines = trt_build.build_engines(out, progress=False)
+    assert "hidden_state" in {t["name"] for t in engines["prefill"].io["outputs"]}
+    assert "seq_hidden" in {t["name"] for t in engines["verify"].io["outputs"]}
+    head_src, _ = make_head(root, "head-trt", use_ordered_embeddings=True, num_centroids=16,
+                            centroid_intermediate_top_k=4)
+    record = export_head(head_src, tmp_path / "head", out)
+    trt, _ = load_trt(need_builder=True)
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    network, _parser = trt_build.parse_onnx(trt, builder, logger, tmp_path / "head" / HEAD_GRAPH)
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    for io in record["graph"]["inputs"]:
+        shape = lambda b: [b if s == "batch" else s for s in io["shape"]]  # noqa: E731
+        profile.set_shape(io["name"], shape(1), shape(2), shape(2))
+    config.add_optimization_profile(profile)
+    assert builder.build_serialized_network(network, config) is not None

@@ -365,3 +365,24 @@ def test_trt_builds_the_hidden_state_graphs_and_the_head(target, tmp_path):
         profile.set_shape(io["name"], shape(1), shape(2), shape(2))
     config.add_optimization_profile(profile)
     assert builder.build_serialized_network(network, config) is not None
+
+
+def test_trt_backend_binds_the_hidden_state_outputs(target, tmp_path, monkeypatch):
+    """A trt-target export with --hidden-states runs on the trt backend (every engine output bound: the emulator
+    refuses a call that leaves one unbound), plain and speculative, with the ort backend's tokens."""
+    import trt_emulator
+
+    from decodert.runtime.llm import LLM
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    _, src, _, _ = target
+    art = tmp_path / "fp16"
+    export_model(src, art, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False, hidden_states=True)
+    trt_emulator.emulate_engines(art)
+    trt_emulator.install(monkeypatch)
+    fixed = SpeculativeConfig(adaptive=False, draft_len=4)
+    with LLM.load(art, backend="ort") as reference, LLM.load(art, backend="trt") as llm:
+        want = [reference.generate(p, max_new_tokens=10).token_ids for p in PROMPTS[:2]]
+        assert [llm.generate(p, max_new_tokens=10).token_ids for p in PROMPTS[:2]] == want
+        assert [r.token_ids for r in llm.generate(PROMPTS[:2], max_new_tokens=10, speculative=fixed)] == want
+        assert llm.backend.stats["verify_runs"] > 0

@@ -99,7 +99,7 @@ def spec_from_hf(config: dict) -> AssistantSpec:
     if act not in gemma3.GELU_TANH:
         raise DecodertError(f"gemma4_assistant: hidden_activation '{act}' is not supported (only gelu_pytorch_tanh)")
     kinds = gemma4.layer_types(text)
-    full, local = gemma4._ropes(text)
+    full, local = gemma4.ropes(text)
     ordered = bool(config.get("use_ordered_embeddings"))
     centroids = int(config.get("num_centroids", 2048)) if ordered else 0
     vocab = int(text["vocab_size"])

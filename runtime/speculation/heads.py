@@ -41,14 +41,12 @@ class HeadDrafter:
     """Greedy chained drafts from a head artifact beside the target (export/heads/__init__.py ``load_head``)."""
 
     def __init__(self, backend: Any, folder: str | Path, record: dict) -> None:
-        from decodert.runtime.backends.ort_session import open_session
-
         if getattr(backend, "name", None) != "ort":
             raise DecodertError("draft heads run on the ort backend for now (--backend ort)")
         self.backend, self.record = backend, record
         self.rows = backend.keep_hidden()  # the target's hidden states per slot from now on
         folder = Path(folder)
-        self.session = open_session(folder / record["graph"]["file"], backend._options, backend._providers)
+        self.session = backend.open_graph(str((folder / record["graph"]["file"]).resolve()))  # the target's options
         spec = backend.manifest.model.spec()
         self.dtype = backend.np_dtype
         self.embed = target_embedding(backend.dir, backend.manifest)

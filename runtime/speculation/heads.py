@@ -53,6 +53,7 @@ class HeadDrafter:
         self.scale = self.dtype(spec.embed_scale) if spec.embed_scale is not None else None
         self.reads = sorted(set(int(i) for i in record["reads"]["kv_layers"].values()))
         self.seconds_per_token = 0.0  # EMA, measured
+        self._bindings: dict[tuple[int, ...], tuple[Any, dict[str, np.ndarray]]] = {}
 
     def _embeds(self, tokens: np.ndarray) -> np.ndarray:
         rows = np.asarray(self.embed[tokens], self.dtype)
@@ -78,40 +79,44 @@ class HeadDrafter:
         for run in contiguous_runs(slots):
             group = [rows[i] for i in run]
             k = max(limits[j] for j, *_ in group)
-            tokens = [[] for _ in group]
+            io, buf = self._binding(cache, group[0][1], len(group))
+            buf["hidden"][:] = np.stack([h for *_, h in group])
+            buf["past_lengths"][:] = [length for _, _, length, _ in group]
             last = np.array([seqs[j].last_token for j, *_ in group], np.int64)
-            hidden = np.stack([h for *_, h in group]).astype(self.dtype)
-            lengths = np.array([length for _, _, length, _ in group], np.int64)
-            io = self._bind(cache, group[0][1], len(group))
-            for _ in range(k):
-                embeds = np.ascontiguousarray(self._embeds(last))
-                for name, arr in (("token_embeds", embeds), ("hidden", hidden), ("past_lengths", lengths)):
-                    io.bind_cpu_input(name, arr)
-                for name in ("logits", "next_token", "hidden_out"):
-                    io.bind_output(name, "cpu")
+            tokens = np.zeros((len(group), k), np.int64)
+            for step in range(k):
+                buf["token_embeds"][:] = self._embeds(last)
                 self.session.run_with_iobinding(io)
-                _, nxt, hidden = io.copy_outputs_to_cpu()
-                last = nxt.astype(np.int64)
-                for t, tok in zip(tokens, last):
-                    t.append(int(tok))
+                last = tokens[:, step] = buf["next_token"]
+                buf["hidden"][:] = buf["hidden_out"]  # the next step's h
                 made += len(group)
-            for (j, *_), t in zip(group, tokens):
-                drafts[j] = np.array(t[: limits[j]], np.int64)
+            for r, (j, *_) in enumerate(group):
+                drafts[j] = tokens[r, : limits[j]].copy()
         per_token = (time.perf_counter() - t0) / max(made, 1)
         self.seconds_per_token = per_token if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per_token
         return drafts, [1] * len(seqs)
 
-    def _bind(self, cache: Any, start: int, n: int) -> Any:
-        """An IOBinding with the target cache's rows [start, start+n) of the layers the head reads, in place."""
+    def _binding(self, cache: Any, start: int, n: int) -> tuple[Any, dict[str, np.ndarray]]:
+        """An IOBinding for rows [start, start+n): the target cache's rows of the layers the head reads bound in
+        place, and fixed buffers for the step's inputs and outputs (kept per cache and rows)."""
+        read = [(2 * i + kv, f"past_{name}.{layer}") for i, layer in enumerate(cache.kv_layers) if layer in self.reads
+                for kv, name in enumerate(("key", "value"))]
+        key = (n, *(cache.pointer(b, start) for b, _ in read))  # the addresses themselves: a new cache binds anew
+        got = self._bindings.get(key)
+        if got is not None:
+            return got
         io = self.session.io_binding()
-        for i, layer in enumerate(cache.kv_layers):
-            if layer not in self.reads:
-                continue
-            for kv, name in enumerate(("key", "value")):
-                b = 2 * i + kv
-                io.bind_input(f"past_{name}.{layer}", cache.device, 0, cache.dtype, (n, *cache.slot_shapes[b]),
-                              cache.pointer(b, start))
-        return io
+        for b, name in read:
+            io.bind_input(name, cache.device, 0, cache.dtype, (n, *cache.slot_shapes[b]), cache.pointer(b, start))
+        width, vocab = self.embed.shape[1], self.embed.shape[0]
+        buf = {"token_embeds": np.zeros((n, width), self.dtype), "hidden": np.zeros((n, width), self.dtype),
+               "past_lengths": np.zeros(n, np.int64), "logits": np.empty((n, vocab), np.float32),
+               "next_token": np.empty(n, np.int64), "hidden_out": np.empty((n, width), self.dtype)}
+        for name, arr in buf.items():
+            bind = io.bind_input if name in ("token_embeds", "hidden", "past_lengths") else io.bind_output
+            bind(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        self._bindings[key] = (io, buf)
+        return io, buf
 
     def release(self, seq: Any) -> None:
         pass

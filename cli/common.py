@@ -50,16 +50,19 @@ def add_constraint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar", type=Path, metavar="FILE", help="the output follows this Lark grammar (llguidance syntax)")
 
 
-SPECULATIVE_HELP = "ngram: prompt lookup (drafts from n-grams of the prompt and the answer); draft: a draft model (--draft)"
+SPECULATIVE_HELP = ("ngram: prompt lookup (drafts from n-grams of the prompt and the answer); draft: a draft model "
+                    "(--draft); assistant: a draft head that reads the target's hidden states (--draft HEAD); "
+                    "auto: the head or draft model given, else ngram")
 
 
 def add_speculative(p: argparse.ArgumentParser, help: str = SPECULATIVE_HELP) -> None:
     """--speculative ngram|draft, --draft ARTIFACT, --draft-len K (docs: runtime/speculation/speculative.py); the
     same flags on run, generate, chat, serve and bench (``help``: what --speculative does there)."""
     g = p.add_argument_group("speculative decoding (the same output, several tokens per model pass)")
-    g.add_argument("--speculative", choices=("ngram", "draft"), default=None, help=help)
+    g.add_argument("--speculative", choices=("ngram", "draft", "assistant", "auto"), default=None, help=help)
     g.add_argument("--draft", type=Path, default=None, metavar="ARTIFACT",
-                   help="the draft model's artifact (same tokenizer); implies --speculative draft")
+                   help="the draft model's artifact (same tokenizer), or a draft head's (head.json: `decodert export "
+                        "HEAD --target-artifact`); implies --speculative draft, or assistant for a head")
     g.add_argument("--draft-len", type=int, default=None, metavar="K",
                    help="most tokens drafted per step (default 8; the adaptive width stays at or under it)")
 
@@ -69,13 +72,24 @@ def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     method = getattr(args, "speculative", None)
     draft, draft_len = getattr(args, "draft", None), getattr(args, "draft_len", None)
     if method is None and draft is not None:
-        method = "draft"
+        from decodert.artifact.heads import HEAD_MANIFEST
+
+        method = "assistant" if (Path(draft) / HEAD_MANIFEST).is_file() else "draft"
     if method is None:
         if draft_len is not None:
             raise DecodertError("--draft-len needs --speculative ngram|draft")
         return {}
     if method == "draft" and draft is None:
         raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
+    if method == "assistant" and draft is None:
+        raise DecodertError("--speculative assistant needs --draft HEAD (a draft head artifact)")
+    if method in ("draft", "assistant") and draft is not None:
+        from decodert.artifact.heads import HEAD_MANIFEST
+
+        head = (Path(draft) / HEAD_MANIFEST).is_file()
+        if head != (method == "assistant"):
+            raise DecodertError(f"--draft {draft} is {'a draft head' if head else 'a draft model'}: use "
+                                f"--speculative {'assistant' if head else 'draft'}")
     if draft_len is not None and draft_len < 1:
         raise DecodertError(f"--draft-len must be >= 1 (got {draft_len})")
     from decodert.runtime.speculation.speculative import SpeculativeConfig

@@ -70,6 +70,12 @@ def add_parser(sub: Any) -> None:
     e.add_argument("--embeddings", action="store_true", default=None,
                    help="also write embed.onnx (the last hidden state, no K/V: LLM.embed, /v1/embeddings); "
                         "on by default for an embedding checkpoint (a sentence-transformers folder)")
+    e.add_argument("--hidden-states", action="store_true",
+                   help="the graphs also return the last hidden state, which a draft head reads (export the "
+                        "target with it, then its head with --target-artifact); without it the graphs are unchanged")
+    e.add_argument("--target-artifact", type=Path, default=None, metavar="TARGET",
+                   help="SRC is a draft head checkpoint (gemma4_assistant): export it for this target artifact "
+                        "(exported with --hidden-states); the head records the target and is refused beside another")
     e.set_defaults(func=run_export)
 
 
@@ -78,6 +84,10 @@ def run_export(args: argparse.Namespace) -> int:
     from decodert.export.pipeline import export_model
     from decodert.export.quantize.quant import QuantConfig
 
+    from decodert.export.heads import is_head_checkpoint
+
+    if args.target_artifact is not None or is_head_checkpoint(args.src):
+        return run_head_export(args)
     check_replace(Path(args.out), args.force)
     src = args.src
     if src == SMOLLM2 and not Path(src).exists():
@@ -96,8 +106,25 @@ def run_export(args: argparse.Namespace) -> int:
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version,
                      kv_dtype=args.kv_dtype,
                      lora=LoraLayout(args.lora_slots, args.lora_rank) if args.lora_slots else None,
-                     merge_lora=args.merge_lora, embeddings=args.embeddings)
+                     merge_lora=args.merge_lora, embeddings=args.embeddings, hidden_states=args.hidden_states)
     print(summary(m, args.out))
+    return 0
+
+
+def run_head_export(args: argparse.Namespace) -> int:
+    """``decodert export HEAD --target-artifact TARGET -o OUT`` (export/heads/)."""
+    from decodert.export.heads import HEAD_MANIFEST, export_head
+
+    if args.target_artifact is None:
+        raise DecodertError(f"{args.src} is a draft head checkpoint; export it with --target-artifact TARGET "
+                            "(the target artifact it drafts for, exported with --hidden-states)")
+    out = Path(args.out)
+    if (out / HEAD_MANIFEST).is_file() and not args.force:
+        raise DecodertError(f"-o {out} already holds a head; add --force to replace it (or choose another -o)")
+    if out.exists() and any(out.iterdir()) and not (out / HEAD_MANIFEST).is_file():
+        raise DecodertError(f"-o {out} is a folder with other files; choose an empty or new folder")
+    record = export_head(args.src, out, args.target_artifact)
+    print(f"exported {record['family']} head ({record['dtype']}) for {args.target_artifact} to {out}")
     return 0
 
 

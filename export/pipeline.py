@@ -60,7 +60,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                  max_seq: int | None = None, max_batch: int = 4, progress: bool | None = None,
                  quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None,
                  kv_dtype: str | None = None, lora: LoraLayout | None = None,
-                 merge_lora: Sequence[str | Path] = (), embeddings: bool | None = None) -> Manifest:
+                 merge_lora: Sequence[str | Path] = (), embeddings: bool | None = None,
+                 hidden_states: bool = False) -> Manifest:
     """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
 
     ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
@@ -81,7 +82,15 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     ``embeddings`` also writes embed.onnx (the last hidden state of every position, no K/V) and the manifest's
     ``embedding`` record (its pooling rule: export/checkpoints/embedding_config.py); None: only for an embedding
     checkpoint (a sentence-transformers folder). Without it the artifact is what it was before, byte for byte.
+
+    ``hidden_states``: the prefill, decode and verify graphs also return the last hidden state (what a draft
+    head reads: export/lowering/io_contract.hidden_outputs); without it the graphs are byte for byte as before.
     """
+    from decodert.export.heads import is_head_checkpoint
+
+    if is_head_checkpoint(src):
+        raise DecodertError(f"{src} is a draft head checkpoint; export it beside its target: `decodert export {src} "
+                            "--target-artifact TARGET -o OUT` (export/heads/)")
     tgt = get_target(target)
     _check_settings(dtype, max_seq, max_batch)
     _check_lora(tgt, lora)
@@ -111,7 +120,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                 if kv.quantized:  # per-channel scales from the float-cache graph over a built-in text
                     weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
                                                        weights, kv, tmp)}
-                graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora)
+                graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora, hidden_states)
                 vision_record = None if vision is None else write_vision(ckpt, vision, vision_weights, dtype, tmp,
                                                                          lowering.ir_version, type(lowering))
                 audio_record = None if audio is None else write_audio(ckpt, audio, audio_weights, dtype, tmp,
@@ -213,15 +222,16 @@ def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:
 
 
 def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max_seq: int, tmp: Path,
-                  bar: Stage, lora: LoraLayout | None = None) -> dict[str, GraphRecord]:
-    """prefill.onnx, decode.onnx and verify.onnx (checked) -> their manifest records."""
+                  bar: Stage, lora: LoraLayout | None = None, hidden: bool = False) -> dict[str, GraphRecord]:
+    """prefill.onnx, decode.onnx and verify.onnx (checked) -> their manifest records (``hidden``: with the
+    hidden-state outputs a draft head reads)."""
     graphs = {}
     for kind in ("prefill", "decode", "verify"):
         path = tmp / f"{kind}.onnx"
-        onnx.save_model(build_graph(spec, lowering, weights, kind, lora), path)
+        onnx.save_model(build_graph(spec, lowering, weights, kind, lora, hidden), path)
         onnx.checker.check_model(str(path), full_check=True)
         contract = {"file": path.name,
-                    **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind), lowering.kv, lora)}
+                    **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind), lowering.kv, lora, hidden)}
         if kind == "verify":
             contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
             contract["batched_past"] = lowering.for_graph(kind).batched_past

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence as Seq, Union
 import numpy as np
 
 from decodert.errors import Busy, DecodertError, RequestError
+from decodert.artifact.heads import HEAD_MANIFEST, load_head
 from decodert.artifact.manifest import MANIFEST, Manifest, TokenizerRecord, tokenizer_file
 from decodert.runtime import validate
 from decodert.runtime.adapters import Adapters
@@ -104,7 +105,8 @@ class LLM:
 
     def __init__(self, backend: Any, tokenizer: Any, manifest: Manifest | None = None,
                  draft: "LLM | None" = None, prefix_cache_mb: float | None = None, tool_parser: str | None = None,
-                 cache_dir: str | Path | None = None, cache_dir_gb: float | None = None, source: str | None = None) -> None:
+                 cache_dir: str | Path | None = None, cache_dir_gb: float | None = None, source: str | None = None,
+                 head: Any = None) -> None:
         self.tool_parser = tool_parser  # tool-call format (runtime/chat/tool_calls.py); None: from the template
         self.draft = draft  # the draft model of speculative="draft"
         self.tokenizer = tokenizer
@@ -136,7 +138,7 @@ class LLM:
         self.engine = Engine(backend, decoder=markup_decoder(tokenizer, self.chat_template),  # harmony keeps its markup
                              eos_token_ids=tuple(tok.eos_token_ids or model_eos),
                              prefix_cache=prefix,
-                             speculator=Speculator(draft.backend if draft is not None else None),
+                             speculator=Speculator(draft.backend if draft is not None else None, head),
                              vision=vision, audio=audio,
                              adapters=self.adapters, guidance=lambda: self.guidance, manifest=manifest)
         self.runs = Runs(self.engine)  # callers' runs take the engine one at a time
@@ -199,7 +201,8 @@ class LLM:
         ``verify``: "fast" (sizes + sha256 of each file's first and last MiB), "full" (the whole
         sha256 of every file, as ``--full-verify``) or "none"; a mismatch names the file.
         ``draft``: a second model with the same tokenizer, the drafter of ``speculative="draft"`` (opened
-        by ``cls.load``: through the façade, it may be a checkpoint too).
+        by ``cls.load``: through the façade, it may be a checkpoint too); or a draft head's artifact (head.json:
+        ``decodert export HEAD --target-artifact``), the drafter of ``speculative="assistant"`` (and of "auto").
         ``prefix_cache_mb``: the prefix cache's budget in MiB (None: the default; 0: off).
         ``tool_parser``: the tool-call format ("hermes" | "llama3" | "mistral" | "phi4"; None: the template's).
         ``adapters``: LoRA adapters by name -> PEFT folder, for an artifact exported with ``--lora-slots``;
@@ -214,16 +217,23 @@ class LLM:
         manifest = read_manifest(path, verify)
         tokenizer_file(manifest, path)  # the tokenizer must be one of the verified files
         tokenizer = open_tokenizer(path, manifest)  # cheap checks before the backend loads weights
-        drafter = None
-        if draft is not None:
+        drafter = head = None
+        if draft is not None and (Path(draft) / HEAD_MANIFEST).is_file():
+            record = load_head(draft, manifest)  # refuses a head exported for another target
+        elif draft is not None:
             drafter = cls.load(draft, backend, verify, prefix_cache_mb=0)
             if drafter.tokenizer.get_vocab(with_added_tokens=True) != tokenizer.get_vocab(with_added_tokens=True):
                 raise DecodertError(f"draft model {draft} has another tokenizer than {path}; "
                                     "speculative decoding needs the same vocabulary")
         if tool_parser is not None:
             tool_format(None, tool_parser)  # an unknown name fails before the weights load
-        llm = cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser,
-                  cache_dir, cache_dir_gb, str(path.resolve()))
+        opened = open_backend(path, manifest, backend)
+        if draft is not None and drafter is None:
+            from decodert.runtime.speculation.heads import HeadDrafter
+
+            head = HeadDrafter(opened, draft, record)
+        llm = cls(opened, tokenizer, manifest, drafter, prefix_cache_mb, tool_parser, cache_dir, cache_dir_gb,
+                  str(path.resolve()), head)
         if adapters is not None and not isinstance(adapters, Mapping):
             raise DecodertError(f"adapters must map names to PEFT adapter folders, got {type(adapters).__name__}")
         for name, folder in (adapters or {}).items():

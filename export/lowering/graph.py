@@ -35,6 +35,11 @@ The ``verify`` graph (speculative decoding) is the same body over k+1 tokens of 
 has a cache; its head runs on every position instead of the last one only:
     seq_logits  = rmsnorm(x) @ lm_head^T                   [B, S, V] float32
     next_tokens = argmax(seq_logits)                       [B, S]  (next_tokens[b, j] follows token j)
+With ``hidden`` (exported for a draft head: ``decodert export --hidden-states``, implied by a head's export) the
+graphs also return the final norm's output, the state lm_head reads, bound in place like the logits:
+    hidden_state [B, hidden] (prefill/decode: each row's last valid token), seq_hidden [B, S, hidden] (verify;
+    the prefill graph that verifies rows: [B, S*per_position, hidden])
+Without it nothing changes (no node, no output).
 It is a separate graph so that prefill keeps its one-token head (a head over a whole prompt would
 cost a [S, V] GEMM per prompt); it reads the same weights.bin.
 
@@ -60,7 +65,7 @@ from decodert.export.lowering import per_layer
 from decodert.export.lowering.layers import attention
 from decodert.export.lowering.layers import MIXERS, MLPS
 from decodert.export.lowering.lora_graph import LoraGraph
-from decodert.export.lowering.io_contract import GraphKind, io_contract, verifies_rows
+from decodert.export.lowering.io_contract import GraphKind, hidden_outputs, io_contract, verifies_rows
 from decodert.export.lowering.lowering import GraphInputs, Lowering
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.artifact.weights import NUMPY_DTYPES
@@ -68,13 +73,16 @@ from decodert.models.spec import ModelSpec, state_specs, window_layers
 
 
 def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.TensorProto],
-                kind: GraphKind, lora: LoraLayout | None = None) -> onnx.ModelProto:
+                kind: GraphKind, lora: LoraLayout | None = None, hidden: bool = False) -> onnx.ModelProto:
     """The prefill or decode graph; ``weights`` maps canonical names (+ rope caches) to tensors;
-    ``lora``: the adapter slots every linear layer takes (export/lowering/lora_graph.py)."""
+    ``lora``: the adapter slots every linear layer takes (export/lowering/lora_graph.py); ``hidden``: the
+    graph also returns the last hidden state (io_contract.hidden_outputs: what a draft head reads)."""
     per_position = verifies_rows(lowering, kind)
     lowering = lowering.for_graph(kind)
     g = GraphBuilder(f"decodert_{spec.family}_{kind}", lowering.opsets)
-    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position, lowering.kv, lora)
+    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position, lowering.kv, lora, hidden)
+    hidden_ios = contract["outputs"][len(contract["outputs"]) - len(hidden_outputs(spec, lowering.dtype, kind,
+                                                                                      per_position)):] if hidden else []
     for io in contract["inputs"]:
         g.input(io["name"], io["dtype"], io["shape"])
     for t in weights.values():
@@ -118,15 +126,19 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
                 if images is not None and i < images.deepstack_layers:
                     h = _add_deepstack(g, spec, h, i)
                 x, h = per_layer.layer_end(g, lowering, spec, i, x, h, ple)
+        states: list[str] = []  # the hidden-state outputs' values, when asked for
         if kind == "verify":
-            heads = [_verify_head(g, lowering, inp, spec, x, h)]
+            heads = [_verify_head(g, lowering, inp, spec, x, h, states if hidden else None)]
         else:
-            heads = list(_head(g, lowering, inp, spec, x, h, "per_position" if per_position else None))
+            heads = list(_head(g, lowering, inp, spec, x, h, "per_position" if per_position else None,
+                               states if hidden else None))
     values = [v for logits in heads for v in (logits, g.op("ArgMax", logits, axis=-1, keepdims=0))]
     for io, value in zip(contract["outputs"], values):
         g.output(value, io["name"], io["dtype"], io["shape"])
-    for io in contract["outputs"][len(values):]:
+    for io in contract["outputs"][len(values) : len(contract["outputs"]) - len(hidden_ios)]:
         g.outputs.append(onnx.helper.make_tensor_value_info(io["name"], DTYPES[io["dtype"]], io["shape"]))
+    for io, value in zip(hidden_ios, states):
+        g.output(value, io["name"], io["dtype"], io["shape"])
     return g.to_model(ir_version=lowering.ir_version)
 
 
@@ -207,10 +219,11 @@ def _norm(g: GraphBuilder, low: Lowering, pending: str | None, x: str, weight: s
 
 
 def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str,
-          per_position: str | None) -> tuple[str, ...]:
+          per_position: str | None, states: list[str] | None = None) -> tuple[str, ...]:
     """Residual add, gather the last valid token of each row, final norm, lm_head -> fp32 logits
     [B, V]; with ``per_position`` (an input [1]: 0 or 1) also every position's [B, S*p, V], their
-    rows appended to the same gather and GEMM."""
+    rows appended to the same gather and GEMM. ``states``: gets the final norm's output split the same
+    way ([B, hidden], then [B, S*p, hidden])."""
     with g.scope("last_token"):
         shape = g.op("Shape", inp.input_ids)
         batch = g.op("Gather", shape, g.const(np.int64(0)), axis=0)
@@ -223,30 +236,44 @@ def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: 
             idx = g.op("Concat", idx, every, axis=0)  # [B + B*S*p]
         x, mlp = low.tokens(g, x, spec.hidden_size), low.tokens(g, mlp, spec.hidden_size)
         x_last, mlp_last = g.op("Gather", x, idx, axis=0), g.op("Gather", mlp, idx, axis=0)
-    logits = _final_norm_head(g, low, spec, x_last, mlp_last)
+    logits = _final_norm_head(g, low, spec, x_last, mlp_last, states)
     if per_position is None:
         return (logits,)
     with g.scope("per_position"):
         b1 = g.op("Unsqueeze", batch, g.const([0]))
-        last = g.op("Slice", logits, g.const([0]), b1, g.const([0]))
-        every = g.op("Slice", logits, b1, g.const([np.iinfo(np.int64).max]), g.const([0]))
-        positions = g.op("Unsqueeze", g.op("Mul", seq, on), g.const([0]))
-        every = g.op("Reshape", every, g.op("Concat", b1, positions, g.const([spec.vocab_size]), axis=0), allowzero=1)
+
+        def split(rows: str, width: int) -> tuple[str, str]:  # (the op order keeps a graph without states as it was)
+            last = g.op("Slice", rows, g.const([0]), b1, g.const([0]))
+            every = g.op("Slice", rows, b1, g.const([np.iinfo(np.int64).max]), g.const([0]))
+            positions = g.op("Unsqueeze", g.op("Mul", seq, on), g.const([0]))
+            return last, g.op("Reshape", every, g.op("Concat", b1, positions, g.const([width]), axis=0), allowzero=1)
+
+        last, every = split(logits, spec.vocab_size)
+        if states:
+            states[:] = split(states[0], spec.hidden_size)
     return last, every
 
 
-def _verify_head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str) -> str:
-    """Residual add, final norm and lm_head on every token -> fp32 logits [B, S, V]."""
+def _verify_head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str,
+                 states: list[str] | None = None) -> str:
+    """Residual add, final norm and lm_head on every token -> fp32 logits [B, S, V] (``states``: gets the
+    final norm's output [B, S, hidden])."""
     x, mlp = low.tokens(g, x, spec.hidden_size), low.tokens(g, mlp, spec.hidden_size)  # [T, hidden]
-    logits = _final_norm_head(g, low, spec, x, mlp)  # [T, V]
+    logits = _final_norm_head(g, low, spec, x, mlp, states)  # [T, V]
     with g.scope("per_position"):
-        return g.op("Reshape", logits, g.op("Concat", g.op("Shape", inp.input_ids), g.const([spec.vocab_size]), axis=0))
+        shape = g.op("Shape", inp.input_ids)
+        if states:
+            states[:] = [g.op("Reshape", states[0], g.op("Concat", shape, g.const([spec.hidden_size]), axis=0))]
+        return g.op("Reshape", logits, g.op("Concat", shape, g.const([spec.vocab_size]), axis=0))
 
 
-def _final_norm_head(g: GraphBuilder, low: Lowering, spec: ModelSpec, x: str, mlp: str) -> str:
-    """rmsnorm(x + mlp) @ lm_head^T over rows [N, hidden] -> fp32 logits [N, V]."""
+def _final_norm_head(g: GraphBuilder, low: Lowering, spec: ModelSpec, x: str, mlp: str,
+                     states: list[str] | None = None) -> str:
+    """rmsnorm(x + mlp) @ lm_head^T over rows [N, hidden] -> fp32 logits [N, V]; ``states`` gets rmsnorm(x + mlp)."""
     with g.scope("final_norm"):
         h, _ = low.add_rms_norm(g, mlp, x, "final_norm")
+    if states is not None:
+        states.append(h)
     with g.scope("lm_head"):
         tied = spec.tie_word_embeddings and "lm_head" not in low.quantized  # a quantized copy when tied
         logits = low.linear(g, h, "embed" if tied else "lm_head")

@@ -33,11 +33,12 @@ def verifies_rows(lowering: Lowering, kind: GraphKind) -> bool:
 
 def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
                 per_position: bool = False, kv: KVDtype | None = None,
-                lora: LoraLayout | None = None) -> dict[str, list[dict]]:
+                lora: LoraLayout | None = None, hidden: bool = False) -> dict[str, list[dict]]:
     """Names, dtypes and shapes of a graph's inputs and outputs (also written to the manifest);
     ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``);
     ``kv``: the cache's element type (default ``dtype``): its storage and packed width.
-    ``lora``: the adapter slots' inputs (artifact/lora_layout.py)."""
+    ``lora``: the adapter slots' inputs (artifact/lora_layout.py). ``hidden``: also the last hidden state a draft
+    head reads (``HIDDEN_OUTPUTS``), listed last; without it the contract is what it was before."""
     seq: int | str = 1 if kind == "decode" else "seq"
     kv = kv or KV_DTYPES[dtype]
     inputs: list[dict] = [
@@ -82,4 +83,22 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
         outputs.append({"name": f"present_{st.io_name}", "dtype": st.dtype or dtype, "shape": ["batch", *st.shape]})
     if lora is not None:
         inputs += lora.inputs(spec, dtype)
+    if hidden:
+        outputs += hidden_outputs(spec, dtype, kind, per_position)
     return {"inputs": inputs, "outputs": outputs}
+
+
+# the target's last hidden state (after the final norm, what lm_head reads) that a draft head takes
+HIDDEN_OUTPUTS = ("hidden_state", "seq_hidden")
+
+
+def hidden_outputs(spec: ModelSpec, dtype: str, kind: GraphKind, per_position: bool = False) -> list[dict]:
+    """The hidden-state outputs of graph ``kind``, in the order the graph emits them: prefill/decode
+    ``hidden_state`` [B, hidden] (each row's last valid token; the prefill graph that verifies rows also
+    ``seq_hidden`` [B, positions, hidden]); verify ``seq_hidden`` [B, S, hidden]."""
+    if kind == "verify":
+        return [{"name": "seq_hidden", "dtype": dtype, "shape": ["batch", "seq", spec.hidden_size]}]
+    out = [{"name": "hidden_state", "dtype": dtype, "shape": ["batch", spec.hidden_size]}]
+    if per_position:
+        out.append({"name": "seq_hidden", "dtype": dtype, "shape": ["batch", "positions", spec.hidden_size]})
+    return out

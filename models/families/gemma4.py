@@ -115,7 +115,7 @@ def layer_head_dims(config: dict, kinds: list[str]) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
+def ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
     """(full layers' RoPE, sliding layers' RoPE); "proportional" turns the first partial_rotary_factor of the
     angles over the whole head (transformers' _compute_proportional_rope_parameters)."""
     params = config.get("rope_parameters") or {}
@@ -153,7 +153,7 @@ def spec_from_hf(config: dict) -> ModelSpec:
     _refuse(config)
     kinds = layer_types(config)
     dims = layer_head_dims(config, kinds)
-    full, local = _ropes(config)
+    full, local = ropes(config)
     sources = kv_sources(kinds, int(config.get("num_kv_shared_layers") or 0))
     double = bool(config.get("use_double_wide_mlp")) and bool(sources)
     per_layer = int(config.get("hidden_size_per_layer_input") or 0)

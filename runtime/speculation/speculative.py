@@ -43,14 +43,16 @@ from decodert.runtime.decoding.generate import Sequence, decode_step
 from decodert.runtime.decoding.metrics import Metrics
 from decodert.runtime.decoding.sampling import apply_processors, draw, greedy, make_distribution
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "assistant", "auto")
 PRIOR = 0.5  # acceptance of a kind of proposal nobody has verified yet (one pseudo-observation)
 HINDSIGHT = 0.25  # weight of a draft judged in hindsight (not verified) against a verified one
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``method``: "ngram" (prompt lookup) | "draft" (LLM.load(..., draft=ARTIFACT)); ``draft_len``:
+    """``method``: "ngram" (prompt lookup) | "draft" (LLM.load(..., draft=ARTIFACT)) | "assistant" (a draft head
+    that reads the target's hidden states: LLM.load(..., draft=HEAD_ARTIFACT), runtime/speculation/heads.py) |
+    "auto" (the head when one is loaded, else the draft model, else prompt lookup); ``draft_len``:
     most tokens drafted per step; ``max_ngram`` / ``min_ngram``: the match lengths prompt lookup
     tries; ``adaptive``: pick the draft length from measured acceptance and step costs."""
 
@@ -88,17 +90,26 @@ class Speculator:
     """What the rows of one LLM share: the cost table, the drafters and the acceptance seen so far
     per (drafter, kind of proposal), which is where a new row's estimates start."""
 
-    def __init__(self, draft_backend: Any = None) -> None:
+    def __init__(self, draft_backend: Any = None, head: Drafter | None = None) -> None:
         self.costs = StepCosts()
         self.seen: dict[tuple[int, int | None], list[float]] = {}  # (id(drafter), kind or None: all) -> [accepted, evaluated], decayed
         self._draft_backend = draft_backend
         self._draft: Drafter | None = None
+        self._head = head  # a head's drafter (made at load: the backend keeps hidden states from the first pass)
         self._ngram: dict[tuple[int, int], NgramDrafter] = {}
         self._making = threading.Lock()  # requests on server threads ask at once: one drafter (one draft cache) each kind
 
     def drafter(self, config: SpeculativeConfig) -> Drafter:
+        method = config.method
+        if method == "auto":
+            method = "assistant" if self._head is not None else "draft" if self._draft_backend is not None else "ngram"
+        if method == "assistant":
+            if self._head is None:
+                raise DecodertError("speculative='assistant' needs a draft head: LLM.load(path, draft=HEAD_ARTIFACT) "
+                                    "(--draft; export one with `decodert export HEAD --target-artifact TARGET`)")
+            return self._head
         with self._making:
-            if config.method == "ngram":
+            if method == "ngram":
                 key = (config.max_ngram, config.min_ngram)
                 if key not in self._ngram:
                     self._ngram[key] = NgramDrafter(*key)
@@ -141,6 +152,7 @@ class RowState:
         self.stats: dict[int, list[float]] = {}  # proposal kind -> [accepted, evaluated] (decayed sums)
         self.passes = self.proposed = self.accepted = 0
         self.pending: list[tuple[int, int, list[int]]] = []  # (kind, first position, draft) not verified yet
+        self.at: tuple[Any, int] | None = None  # (target cache, slot) of the row this step
 
     def acceptance(self, key: int) -> float:
         acc, seen = self.stats.get(key) or (self.speculator.prior(self.drafter, key), 1.0)
@@ -204,6 +216,9 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
     width_max = int(getattr(backend, "verify_width", 0) or 0)
     if width_max:
         backend.prepare_verify(len(seqs))  # open it now, not inside the first pass the plan picks
+    for slot, s in zip(slots, seqs):  # where a drafter that reads the target's rows finds them (runtime/speculation/heads.py)
+        if s.spec is not None:
+            s.spec.at = (cache, slot)
     limits = [_row_limit(s, width_max) if s.spec is not None else 0 for s in seqs]
     drafts, keys = _look(seqs, limits)
     width = plan(speculator.costs, seqs, drafts, keys, limits, drain)

@@ -29,6 +29,7 @@ from decodert.artifact.targets import target_info
 from decodert.artifact.onnx_check import check_external_data, check_session_io
 from decodert.runtime.backends import image_feeds, kv_blocks
 from decodert.runtime.backends.backend import StepOutput, VerifyOutput, window_outputs
+from decodert.runtime.backends.hidden_rows import HiddenRows
 from decodert.runtime.backends.kv_cache import KVCache, contiguous_runs, fitting_runs
 from decodert.runtime.backends.ort_session import default_providers, open_session, session_options
 from decodert.runtime.backends.memory import check_kv_fits, check_weights_fit, kv_cache_bytes
@@ -50,6 +51,7 @@ class _Binding:
     next_token: np.ndarray  # [n] int64
     images: Any = None  # {input name: array} of the image rows bound for this call (runtime/backends/image_feeds.py)
     offsets: Any = None  # [3, n, S] int64 M-RoPE rope_offsets (runtime/vision/mrope.py), bound once
+    hidden: Any = None  # [n, hidden] the last hidden state, bound when a draft head reads it (keep_hidden)
 
 
 class OrtBackend:
@@ -110,6 +112,18 @@ class OrtBackend:
         # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
         layout = manifest.lora_layout
         self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
+        self.hidden_rows: HiddenRows | None = None  # the last hidden states per slot, once a draft head asks
+
+    def keep_hidden(self) -> HiddenRows:
+        """Bind the graphs' hidden-state outputs from now on and keep each slot's (runtime/backends/hidden_rows.py)."""
+        if not any(t.name == "hidden_state" for t in self.manifest.graphs["prefill"].outputs):
+            raise DecodertError(f"{self.dir}: its graphs do not return the hidden state a draft head reads; "
+                                "export it again with --hidden-states")
+        if self.hidden_rows is None:
+            self.hidden_rows = HiddenRows()
+            self._decode_bindings.clear()
+            self._verify.clear()
+        return self.hidden_rows
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:
@@ -147,6 +161,7 @@ class OrtBackend:
             with cache.writing(group):  # a row's states and its record change together (kv_cache.py)
                 _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
                 cache.commit(group, [ids[r][done:] for r in rows])
+            self._keep_last(cache, group, b)
             _gather(out, rows, b, want_logits)
         return out
 
@@ -186,6 +201,7 @@ class OrtBackend:
             with cache.writing(run):
                 _run_bound(self.sessions["decode"], b.io, self.dir, "decode")
                 cache.commit(run, ids[rows].reshape(-1, 1))
+            self._keep_last(cache, run, b)
             _gather(out, rows, b, want_logits)
         return out
 
@@ -228,6 +244,9 @@ class OrtBackend:
             with cache.writing(run):
                 _run_bound(state.session, io, self.dir, state.kind)
                 cache.commit(run, [ids[r] for r in rows])
+            if self.hidden_rows is not None:  # every fed position's hidden state (the drafter picks the accepted one)
+                for j, r in enumerate(rows):
+                    self.hidden_rows.put(slots[r], past_buf[j], state.hidden_view(n, w)[j, : lens[r]])
             out.next_tokens[rows, :w] = next_buf
             if out.logits is None and not _chosen_finite(logits_buf, next_buf):  # as _gather does
                 out.logits = np.zeros((len(slots), width, self.vocab_size), np.float32)
@@ -248,7 +267,8 @@ class OrtBackend:
         if state is None:
             session = self.sessions["prefill"] if kind == "prefill" else self._open_verify()
             state = self._verify[kind] = VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size,
-                                                     self._windows if kind == "verify" else None, self.lora_weights)
+                                                     self._windows if kind == "verify" else None, self.lora_weights,
+                                                     (self.hidden, self.np_dtype) if self.hidden_rows is not None else None)
         return state
 
     def open_graph(self, file: str) -> ort.InferenceSession:
@@ -285,6 +305,8 @@ class OrtBackend:
                 copy_async(cache.state_pointer(j, dst), cache.state_pointer(j, src), nbytes, stream, "d2d")
             self._stream.sync()
         cache.move(src, dst)
+        if self.hidden_rows is not None:
+            self.hidden_rows.move(src, dst)
 
     # ---- KV blocks (runtime/backends/kv_blocks.py) ----------------------------------------------------
     def kv_bytes(self, n: int) -> int:
@@ -321,6 +343,12 @@ class OrtBackend:
         return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
+    def _keep_last(self, cache: KVCache, slots: list[int], b: _Binding) -> None:
+        """With a draft head: each row's last hidden state, at its last cached position."""
+        if self.hidden_rows is not None and b.hidden is not None:
+            for j, slot in enumerate(slots):
+                self.hidden_rows.put(slot, int(cache.lengths[slot]) - 1, b.hidden[j : j + 1])
+
     def _set_offsets(self, b: _Binding, j: int, cache: KVCache, slot: int, new: np.ndarray) -> None:
         """Row ``j``'s M-RoPE offsets for ``new`` ids, written after what ``slot`` holds."""
         if b.offsets is not None:
@@ -356,6 +384,9 @@ class OrtBackend:
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for name, arr in (("logits", b.logits), ("next_token", b.next_token)):
             io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        if self.hidden_rows is not None:
+            b.hidden = np.empty((n, self.hidden), self.np_dtype)
+            io.bind_output("hidden_state", "cpu", 0, b.hidden.dtype, b.hidden.shape, b.hidden.ctypes.data)
         bind_cache(io, cache, start, n, self.lora_weights)
         return b
 

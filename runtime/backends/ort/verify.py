@@ -17,9 +17,11 @@ class VerifyState:
     kind "prefill": the prefill graph with per_position=1 (one row, its last-token outputs unused)."""
 
     def __init__(self, session: ort.InferenceSession, kind: str, batch: int, width: int, vocab: int,
-                 windows: dict[str, int] | None = None, lora: dict[str, np.ndarray] | None = None) -> None:
+                 windows: dict[str, int] | None = None, lora: dict[str, np.ndarray] | None = None,
+                 hidden: tuple[int, Any] | None = None) -> None:
         """``windows``: the verify graph's conv windows to bind, state name ("conv.3") -> K-1 (its outputs
-        ``window_conv.3`` [n, C, K-1+w]: the states after each position, docs/SPECULATIVE.md)."""
+        ``window_conv.3`` [n, C, K-1+w]: the states after each position, docs/SPECULATIVE.md). ``hidden``:
+        (width, dtype) of the ``seq_hidden`` output to bind (a draft head reads it; None: not bound)."""
         self.session, self.kind, self.vocab, self.lora = session, kind, vocab, lora
         self.windows = dict(windows or {})
         self.window_bufs: dict[tuple[int, int, int, int], dict[str, np.ndarray]] = {}
@@ -27,6 +29,8 @@ class VerifyState:
         self.past = np.zeros(batch, np.int64)  # [n] past_lengths
         self.logits = np.empty(batch * width * vocab, np.float32)  # [n*W*V] seq_logits
         self.next = np.empty(batch * width, np.int64)  # [n*W] next_tokens
+        self.hidden_width = hidden[0] if hidden else 0
+        self.hidden = np.empty(batch * width * hidden[0], hidden[1]) if hidden else None  # [n*W*hidden] seq_hidden
         if kind == "prefill":
             self.seq = np.zeros(batch, np.int64)  # [n] seq_lengths (= w: one row, unpadded)
             self.on = np.ones(1, np.int64)  # per_position
@@ -38,6 +42,11 @@ class VerifyState:
     def offsets_view(self, n: int, w: int) -> np.ndarray | None:
         """rope_offsets [3, n, w] of the next call (None: the graph takes none)."""
         return None if self.offsets is None else self.offsets[: 3 * n * w].reshape(3, n, w)
+
+    def hidden_view(self, n: int, w: int) -> np.ndarray:
+        """seq_hidden [n, w, hidden] of the last call (with ``hidden``)."""
+        assert self.hidden is not None
+        return self.hidden[: n * w * self.hidden_width].reshape(n, w, -1)
 
     def binding(self, cache: KVCache, start: int, n: int, w: int) -> tuple:
         """(io, ids [n, w], past [n], logits [n, w, V], next_tokens [n, w], windows {state: [n, C, K-1+w]})
@@ -55,6 +64,8 @@ class VerifyState:
                 outputs += [("logits", self.last[0][:n]), ("next_token", self.last[1][:n])]
             if self.offsets is not None:
                 inputs.append(("rope_offsets", self.offsets_view(n, w)))
+            if self.hidden is not None:
+                outputs.append(("seq_hidden", self.hidden_view(n, w)))
             wins = self.window_bufs[key] = {}
             for name, keep in self.windows.items():
                 j = cache.state_names.index(name)

@@ -130,6 +130,10 @@ class TrtBackend:
         self.h["logits"] = cm.PinnedArray((b, v), np.float32)
         dev = {"pre_ids": b * sp * 8, "pre_len": b * 8, "pre_seq": b * 8, "dec_ids": b * 8, "dec_len": b * 8,
                "dec_seq": b * 8, "next": b * 8, "logits": b * v * 4}
+        # an export with --hidden-states (a draft head reads them on the ort backend): every output must be bound
+        self.hidden_bytes = int(self.manifest.model.hidden_size or 0) * self.itemsize
+        if any(t.name == "hidden_state" for t in self.manifest.graphs["prefill"].outputs):
+            dev["hidden_state"] = b * self.hidden_bytes
         self.d = {k: cm.DeviceBuffer(n) for k, n in dev.items()}
         ones = cm.PinnedArray((b,), np.int64)
         ones.array[:] = 1  # decode seq_lengths: always one new token per row
@@ -143,6 +147,7 @@ class TrtBackend:
                 "past_lengths": self.d["pre_len" if pre else "dec_len"].ptr,
                 "seq_lengths": self.d["pre_seq" if pre else "dec_seq"].ptr,
                 "logits": self.d["logits"].ptr, "next_token": self.d["next"].ptr,
+                **({"hidden_state": self.d["hidden_state"].ptr} if "hidden_state" in self.d else {}),
                 **(self.mrope.address(kind) if self.mrope is not None else {})}
 
     def kv_addresses(self, cache: KVCache, row0: int) -> dict[str, int]:

@@ -38,6 +38,7 @@ class TrtHost(Protocol):
     max_seq: int
     vocab_size: int
     itemsize: int
+    hidden_bytes: int  # one row of the hidden-state outputs (0 without --hidden-states: never bound)
     mrope: Any  # runtime/backends/trt/mrope.py RopeOffsets, or None (no rope_offsets input)
 
     def check_validity(self, path: Path, blob: bytes) -> None: ...

@@ -79,6 +79,8 @@ class TrtVerifier:
         for name, keep in self.windows.items():
             self.h[f"window_{name}"] = cm.PinnedArray((channels[name] * (keep + self.width) * b.itemsize,), np.uint8)
         self.d = {k: cm.DeviceBuffer(a.nbytes) for k, a in self.h.items()}
+        if any(t.name == "seq_hidden" for t in b.manifest.graphs["verify"].outputs):  # --hidden-states: bound, unread
+            self.d["seq_hidden"] = cm.DeviceBuffer(n * b.hidden_bytes)
         self.ctx = self.engine.context(scratch)
 
     def verify(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
@@ -118,6 +120,7 @@ class TrtVerifier:
         addresses = {"input_ids": self.d["ids"].ptr, "past_lengths": self.d["lens"].ptr,
                      "next_tokens": self.d["next"].ptr, "seq_logits": self.d["logits"].ptr, **b.kv_addresses(cache, row0),
                      **{f"window_{name}": self.d[f"window_{name}"].ptr for name in self.windows},
+                     **({"seq_hidden": self.d["seq_hidden"].ptr} if "seq_hidden" in self.d else {}),
                      **(b.mrope.address("verify") if b.mrope is not None else {})}
         bind(self.ctx, addresses, shapes)
         b.execute(self.ctx, "verify")

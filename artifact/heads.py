@@ -1,0 +1,47 @@
+"""A draft head's record (head.json, written by export/heads/): what it is, the target it drafts for, what it reads.
+Checked when a head is loaded beside a target (runtime/llm.py): a head exported for another target is refused in
+one line (its record names the target by the sha256 of the target's weights file)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from decodert.errors import DecodertError
+
+HEAD_MANIFEST = "head.json"
+HEAD_FAMILIES = ("gemma4_assistant",)  # models/families/gemma4_assistant.py MODEL_TYPES
+
+
+def target_identity(manifest: Any) -> str:
+    """The target's identity a head records: the sha256 of its weights file, from its manifest."""
+    rec = manifest.files.get(manifest.weights.file)
+    if rec is None:
+        raise DecodertError(f"the target's manifest records no hash of {manifest.weights.file}")
+    return rec.sha256
+
+
+def has_hidden_states(manifest: Any) -> bool:
+    return any(t.name == "hidden_state" for t in manifest.graphs["prefill"].outputs)
+
+
+def load_head(folder: str | Path, target: Any) -> dict:
+    """head.json of ``folder``, checked against the target's manifest ``target`` (one line when it is another's)."""
+    path = Path(folder) / HEAD_MANIFEST
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise DecodertError(f"{folder}: not a draft head artifact (no readable {HEAD_MANIFEST}; export one with "
+                            "`decodert export HEAD --target-artifact TARGET`)") from None
+    if record.get("format") != "decodert-head" or record.get("family") not in HEAD_FAMILIES:
+        raise DecodertError(f"{path}: not a decodert draft head record")
+    if record["target"]["weights_sha256"] != target_identity(target):
+        raise DecodertError(f"{folder}: this head was exported for another target (weights sha256 "
+                            f"{record['target']['weights_sha256'][:12]}…); export it again with --target-artifact")
+    if not has_hidden_states(target):
+        raise DecodertError("the target's graphs do not return the hidden state a head reads; "
+                            "export the target again with --hidden-states")
+    return record
+
+

@@ -70,6 +70,10 @@ def add_parser(sub: Any) -> None:
     e.add_argument("--embeddings", action="store_true", default=None,
                    help="also write embed.onnx (the last hidden state, no K/V: LLM.embed, /v1/embeddings); "
                         "on by default for an embedding checkpoint (a sentence-transformers folder)")
+    e.add_argument("--openvino-prefill", action="store_true",
+                   help="--target ort: also write prefill.portable.onnx, the prefill graph the OpenVINO execution "
+                        "provider takes (`pip install 'decodert[openvino]'`); at first load decodert measures it "
+                        "against the ort prefill and keeps the faster (docs/features/placement.md)")
     e.set_defaults(func=run_export)
 
 
@@ -96,7 +100,8 @@ def run_export(args: argparse.Namespace) -> int:
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version,
                      kv_dtype=args.kv_dtype,
                      lora=LoraLayout(args.lora_slots, args.lora_rank) if args.lora_slots else None,
-                     merge_lora=args.merge_lora, embeddings=args.embeddings)
+                     merge_lora=args.merge_lora, embeddings=args.embeddings,
+                     openvino_prefill=args.openvino_prefill)
     print(summary(m, args.out))
     return 0
 

@@ -168,7 +168,8 @@ class LLM:
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
              draft: str | Path | None = None, prefix_cache_mb: float | None = None,
-             tool_parser: str | None = None, adapters: Mapping[str, str | Path] | None = None) -> "LLM":
+             tool_parser: str | None = None, adapters: Mapping[str, str | Path] | None = None,
+             placement: Any = "auto") -> "LLM":
         """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``).
 
         A checkpoint ("smollm2", a .gguf file, an HF folder) is exported first by the façade above
@@ -181,6 +182,9 @@ class LLM:
         ``tool_parser``: the tool-call format ("hermes" | "llama3" | "mistral" | "phi4"; None: the template's).
         ``adapters``: LoRA adapters by name -> PEFT folder, for an artifact exported with ``--lora-slots``;
         ``adapter="name"`` then picks one per call or request (``load_adapter`` / ``unload_adapter`` later).
+        ``placement``: which backend runs each phase on ONNX Runtime ("auto": the fastest measured here, cached
+        beside the artifact; "measure"; "off" / "ort": today's one session; or ``{"prefill": "openvino", ...}``;
+        runtime/backends/placement.py, docs/features/placement.md).
         """
         path = Path(path)
         if not (path / MANIFEST).is_file():
@@ -191,13 +195,13 @@ class LLM:
         tokenizer = open_tokenizer(path, manifest)  # cheap checks before the backend loads weights
         drafter = None
         if draft is not None:
-            drafter = cls.load(draft, backend, verify, prefix_cache_mb=0)
+            drafter = cls.load(draft, backend, verify, prefix_cache_mb=0, placement="off")
             if drafter.tokenizer.get_vocab(with_added_tokens=True) != tokenizer.get_vocab(with_added_tokens=True):
                 raise DecodertError(f"draft model {draft} has another tokenizer than {path}; "
                                     "speculative decoding needs the same vocabulary")
         if tool_parser is not None:
             tool_format(None, tool_parser)  # an unknown name fails before the weights load
-        llm = cls(open_backend(path, manifest, backend), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser)
+        llm = cls(open_backend(path, manifest, backend, placement), tokenizer, manifest, drafter, prefix_cache_mb, tool_parser)
         if adapters is not None and not isinstance(adapters, Mapping):
             raise DecodertError(f"adapters must map names to PEFT adapter folders, got {type(adapters).__name__}")
         for name, folder in (adapters or {}).items():

@@ -46,6 +46,12 @@ class ServerMetrics:
             ("decodert_engine_rows", "Rows over all engine steps", lambda: stats.rows),
         ):
             Gauge(name, doc, registry=r).set_function(read)
+        placed = getattr(engine.llm.backend, "placement", None)  # runtime/backends/placement.py
+        if placed is not None:
+            phase = Gauge("decodert_phase_backend", "1 for the backend that runs each phase (placement)",
+                          ["phase", "backend", "source"], registry=r)
+            for name, backend in placed.phases.items():
+                phase.labels(name, backend, placed.source).set(1)
 
     def observe(self, result: GenerationResult, ttft_s: float | None) -> None:
         """Record one finished generation (``ttft_s`` measured by the server, None if no token came)."""

@@ -47,6 +47,7 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: web origins allowed to call the API (--allowed-origins; "*": any)
     image_fetch_timeout_s: float = 10.0  # the whole of one image fetch (runtime/vision/fetch.py)
     max_image_fetches: int = 8  # image fetches at once, server-wide (one more: 503)
+    placement: Any = "auto"  # which backend runs each phase (runtime/backends/placement.py; --placement)
 
 
 def model_name(options: ServeOptions) -> str:
@@ -62,7 +63,7 @@ def make_app(options: ServeOptions):
 
     llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify, draft=options.draft,
                    prefix_cache_mb=options.prefix_cache_mb, tool_parser=options.tool_parser,
-                   adapters=dict(options.lora) or None)
+                   adapters=dict(options.lora) or None, placement=options.placement)
     llm.image_limits = options.image_limits
     if options.allow_image_urls:
         llm.fetch_image = Fetcher(options.image_limits, options.image_fetch_timeout_s, options.max_image_fetches)

@@ -107,6 +107,8 @@ def inspect_artifact(folder: str | Path) -> str:
                          f"{p['image_seq_len']} tokens a tile; resize to {resize}, "
                          f"splitting {'on' if p.get('do_image_splitting') else 'off'}")
         graphs.append(("vision", m.vision.graph))
+    for name, pg in (m.phase_graphs or {}).items():  # export/phase_graphs.py: another backend's graph of a phase
+        graphs.append((f"{name} (for OpenVINO; weights {pg.weights})", pg.graph))
     for kind, g in graphs:
         s = graph_summary(folder / g.file)
         lines.append(f"\n{kind}: {g.file}  {s['nodes']} nodes  opsets {s['opsets']}")

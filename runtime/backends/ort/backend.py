@@ -9,6 +9,10 @@
   writes only the new positions, nothing is copied or allocated per step.
 - Decode keeps one IOBinding per slot range with fixed input/output buffers; a step writes the
   new token ids and lengths into them and runs.
+- Per-phase placement (runtime/backends/placement.py, docs/features/placement.md): ``phases`` may put the
+  prefill (or the decode step) on the OpenVINO execution provider, running the artifact's portable prefill
+  graph (``manifest.phase_graphs["prefill.portable"]``, or prefill.onnx of a portable artifact) over the
+  same cache buffers, bound the same way; the other phase and verify passes keep the ort sessions.
 """
 
 from __future__ import annotations
@@ -56,7 +60,9 @@ class OrtBackend:
     name = "ort"
 
     def __init__(self, artifact_dir: str | Path, manifest: Manifest, threads: int | None = None,
-                 providers: Sequence[str] | None = None, separate_decode: bool = False):
+                 providers: Sequence[str] | None = None, separate_decode: bool = False,
+                 phases: dict[str, str] | None = None):
+        """``phases``: phase ("prefill" | "decode") -> "ort" | "openvino" (default: both on ``providers``)."""
         self.dir = Path(artifact_dir)
         self.manifest = manifest
         if manifest.dtype not in NP_DTYPES:
@@ -86,8 +92,11 @@ class OrtBackend:
             self.sessions[kind] = open_session(path, options, providers)
             check_session_io(self.sessions[kind], manifest.graphs[kind], path)
         self.sessions.setdefault("decode", self.sessions["prefill"])
+        self._target_prefill = self.sessions["prefill"]  # one-row verify passes (per_position) run on it
         # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
         self._prefill_with_past_batch = target_info(manifest.target).multi_token_rows or self.max_batch
+        self.placed = {"prefill": "ort", "decode": "ort"}  # phase -> what runs it (inspect, the metrics line)
+        self.phase_sessions: dict[str, Any] = {"ort": {k: self.sessions[k] for k in ("prefill", "decode")}}
         # a long one-row prompt runs in chunks of this many tokens (0: in one call): GQA's CPU prefill
         # attends over the whole square, so 512-token chunks cut its share of a 4096-token prompt
         # by about a fifth while the GEMMs stay large (docs/benchmarks/history.md, "Sizes users deploy (issue 32)")
@@ -110,6 +119,35 @@ class OrtBackend:
         # LoRA slots (--lora-slots): the stacked adapter inputs, bound once; runtime/adapters.py writes them
         layout = manifest.lora_layout
         self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
+        for phase, name in (phases or {}).items():
+            self.place(phase, name, threads)
+
+    def place(self, phase: str, name: str, threads: int | None = None) -> None:
+        """Run ``phase`` ("prefill" | "decode") on ``name`` ("ort" | "openvino") from now on, over the same
+        cache buffers (a session opened once per name; bindings made for another session are dropped)."""
+        if phase not in self.placed or name not in ("ort", "openvino"):
+            raise DecodertError(f"cannot place {phase!r} on {name!r}: phases are prefill and decode, "
+                                "backends ort and openvino")
+        if name not in self.phase_sessions:
+            from decodert.runtime.backends.openvino import ep
+
+            graph, path = portable_prefill(self.dir, self.manifest)
+            session = ep.open_session(path, session_options(threads), threads)
+            check_session_io(session, graph, path)
+            self.phase_sessions[name] = {"prefill": session, "decode": session}
+        self.sessions[phase] = self.phase_sessions[name][phase]
+        self.placed[phase] = name
+        if phase == "prefill":  # the portable graph takes any rows over a cache; GroupQueryAttention one
+            info = target_info("portable" if name == "openvino" else self.manifest.target)
+            self._prefill_with_past_batch = info.multi_token_rows or self.max_batch
+        else:
+            self._decode_bindings.clear()
+
+    def drop_unplaced(self) -> None:
+        """Close the sessions no phase runs on any more (after a measurement tried them)."""
+        used = set(self.placed.values())
+        for name in [n for n in self.phase_sessions if n not in used and n != "ort"]:
+            del self.phase_sessions[name]
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:
@@ -144,6 +182,7 @@ class OrtBackend:
             b.seq[:] = lens[rows] - done
             self._bind_images(b)
             group = [slots[r] for r in rows]
+            self._bind_late(b, "prefill", cache, start, n)
             with cache.writing(group):  # a row's states and its record change together (kv_cache.py)
                 _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
                 cache.commit(group, [ids[r][done:] for r in rows])
@@ -162,6 +201,7 @@ class OrtBackend:
             b.past[:] = cache.lengths[start]
             b.seq[:] = chunk
             self._bind_images(b)
+            self._bind_late(b, "prefill", cache, start, 1)
             with cache.writing([start]):
                 _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
                 cache.commit([start], [row[done : done + chunk]])
@@ -183,6 +223,7 @@ class OrtBackend:
             if b.offsets is not None:  # each row's next text position (runtime/vision/mrope.py)
                 b.offsets[:, :, 0] = [image_feeds.next_offset(cache.held(start + j), self.images) for j in range(n)]
             run = [slots[r] for r in rows]
+            self._bind_late(b, "decode", cache, start, n)
             with cache.writing(run):
                 _run_bound(self.sessions["decode"], b.io, self.dir, "decode")
                 cache.commit(run, ids[rows].reshape(-1, 1))
@@ -246,7 +287,7 @@ class OrtBackend:
         kind = "prefill" if one_row and self._prefill_verifies and not self._windows else "verify"
         state = self._verify.get(kind)
         if state is None:
-            session = self.sessions["prefill"] if kind == "prefill" else self._open_verify()
+            session = self._target_prefill if kind == "prefill" else self._open_verify()
             state = self._verify[kind] = VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size,
                                                      self._windows if kind == "verify" else None, self.lora_weights)
         return state
@@ -311,6 +352,20 @@ class OrtBackend:
         return self._stream
 
     # ---- binding -----------------------------------------------------------------------------
+    def _bind_late(self, b: _Binding, kind: str, cache: KVCache, start: int, n: int) -> None:
+        """Where ``kind`` runs on the OpenVINO EP, bind the call's inputs again now that they are written: its
+        IOBinding copies an input into the provider's memory when it is bound (measured: a prefill bound before
+        its ids were written ran on zeros), so the ids, lengths and the rows' K/V (a copy of the slots' whole
+        cache, [n, H_kv, max_seq, D] per layer: 26 ms for SmolLM2 at max_seq 2048) are bound just before
+        the run. Its outputs land in the bound buffers (the present K/V in the cache itself)."""
+        if self.placed[kind] == "ort":
+            return
+        for name, arr in (("input_ids", b.ids), ("past_lengths", b.past), ("seq_lengths", b.seq)):
+            b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        if b.offsets is not None:
+            b.io.bind_input("rope_offsets", "cpu", 0, b.offsets.dtype, b.offsets.shape, b.offsets.ctypes.data)
+        bind_cache(b.io, cache, start, n, self.lora_weights)
+
     def _set_offsets(self, b: _Binding, j: int, cache: KVCache, slot: int, new: np.ndarray) -> None:
         """Row ``j``'s M-RoPE offsets for ``new`` ids, written after what ``slot`` holds."""
         if b.offsets is not None:
@@ -348,6 +403,21 @@ class OrtBackend:
             io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         bind_cache(io, cache, start, n, self.lora_weights)
         return b
+
+
+def portable_prefill(folder: Path, manifest: Manifest) -> tuple[Any, Path]:
+    """(GraphRecord, path) of the artifact's portable prefill graph: a portable artifact's prefill.onnx, or the
+    per-phase graph an ort export wrote beside its own (``--openvino-prefill``); DecodertError where there is none."""
+    if manifest.target == "portable":
+        graph = manifest.graphs["prefill"]
+    elif "prefill.portable" in (manifest.phase_graphs or {}):
+        graph = manifest.phase_graphs["prefill.portable"].graph
+    else:
+        raise DecodertError(f"{folder} has no portable prefill graph for OpenVINO (--target {manifest.target}); "
+                            "export it with --openvino-prefill (ort target) or --target portable")
+    path = folder / graph.file
+    check_external_data(path)
+    return graph, path
 
 
 def _chosen_finite(logits: np.ndarray, chosen: np.ndarray) -> bool:

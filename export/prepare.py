@@ -90,12 +90,9 @@ def export_once(src: Path, max_seq: int | None = None, quant: str = "auto", prog
         config, what = export_choice(ckpt, quant)
         seq = min(ckpt.spec.max_position, 2048) if max_seq is None else max_seq
         embeddings = embed_problem(ckpt.spec) is None  # embed.onnx wherever the layers allow it (LLM.embed)
-        openvino = openvino_prefill_default(ckpt.spec, config)
     label = "fp32" if config is None else f"int{config.bits}"
     stat = src.stat()
     stamp = f"{src}:{stat.st_mtime_ns}:{stat.st_size}:{config}:{seq}:embed".encode()  # embed.onnx (LLM.embed) too
-    if openvino:  # the portable prefill for OpenVINO too (a key of its own: exports without it keep theirs)
-        stamp += b":openvino-prefill"
     out = cache_dir() / ARTIFACTS / f"{src.stem}-{hashlib.sha256(stamp).hexdigest()[:10]}-ort-{label}-{seq}"
     if (out / MANIFEST).is_file():
         damage = _damage(out)
@@ -107,24 +104,8 @@ def export_once(src: Path, max_seq: int | None = None, quant: str = "auto", prog
 
     print(f"decodert: exporting {src.name} once, {what}, max_seq {seq}, into {out}", file=sys.stderr)
     export_model(src, out, target="ort", dtype="fp32", max_seq=seq, max_batch=4, quant=config, progress=progress,
-                 embeddings=embeddings, openvino_prefill=openvino)
+                 embeddings=embeddings)
     return out
-
-
-def openvino_prefill_default(spec: Any, quant: Any) -> bool:
-    """Does an export of the cache write the portable prefill for OpenVINO (export/phase_graphs.py)? Where the
-    OpenVINO execution provider is installed (the ``openvino`` extra, x86-64 Linux), for the models its placement
-    was tested on: attention-only text models (no per-layer states, no images, no experts), without --keep-q4-1."""
-    import importlib.util
-    import platform
-
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    if importlib.util.find_spec("onnxruntime_ep_openvino") is None:
-        return False
-    if getattr(quant, "keep_q4_1", False) or spec.layer_kinds or spec.images is not None or spec.experts() is not None:
-        return False
-    return True
 
 
 def _damage(folder: Path) -> str | None:

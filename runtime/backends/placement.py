@@ -3,10 +3,12 @@
 The rule (docs/features/placement.md):
 
 - The candidates of a phase are what is installed and what the artifact has a graph for: ``ort``
-  (ONNX Runtime's CPU provider, MLAS kernels, over the target's graphs: always) and ``openvino`` (the
-  OpenVINO execution provider, runtime/backends/openvino/ep.py, over the artifact's portable prefill
-  graph: ``--openvino-prefill`` or a portable artifact, with ``onnxruntime-ep-openvino`` installed).
-  Both phases run over the same host cache buffers (runtime/backends/ort/backend.py ``place``).
+  (ONNX Runtime's CPU provider, MLAS kernels, over the target's graphs: always); for the prefill
+  ``openvino-native`` (OpenVINO's own runtime over the ort prefill graph, runtime/backends/openvino/native.py:
+  the new rows copied into the cache) where the ``openvino`` package is installed; and for both phases
+  ``openvino`` (the OpenVINO execution provider, runtime/backends/openvino/ep.py, over the artifact's portable
+  prefill graph: ``--openvino-prefill`` or a portable artifact, with ``onnxruntime-ep-openvino`` installed).
+  All run over the same host cache buffers (runtime/backends/ort/backend.py ``place``).
 - At first load each candidate of each phase is checked against ``ort`` on two prompts (``measure``: the
   greedy tokens of the prefill and ``PARITY_STEPS`` decode steps, teacher-forced, the same or a near tie
   within ``TIE`` logits), then timed at the artifact's shapes (prompts of ``SHORT`` and ``LONG`` tokens for
@@ -41,7 +43,7 @@ from decodert.artifact.manifest import MANIFEST, Manifest
 from decodert.artifact.version import __version__
 
 PHASES = ("prefill", "decode")
-BACKENDS = ("ort", "openvino")
+BACKENDS = ("ort", "openvino", "openvino-native")
 FILE = "placement.json"
 SHORT, LONG = 128, 512  # prompt tokens of the two timed prefills (at most what the cache holds)
 PARITY_STEPS = 8  # greedy decode steps after each parity prefill
@@ -87,16 +89,24 @@ def parse(setting: Any) -> str | dict[str, str]:
 
 def candidates(manifest: Manifest) -> dict[str, list[str]]:
     """phase -> the backends installed here that have a graph for it ("ort" first, always)."""
-    from decodert.runtime.backends.openvino import ep
+    from decodert.runtime.backends.openvino import ep, native
 
-    extra = ["openvino"] if openvino_refusal(manifest) is None and ep.provider() else []
-    return {p: ["ort", *extra] for p in PHASES}
+    prefill, decode = ["ort"], ["ort"]
+    if openvino_refusal(manifest, "openvino-native") is None and native.available():
+        prefill.append("openvino-native")
+    if openvino_refusal(manifest, "openvino") is None and ep.provider():
+        prefill.append("openvino")
+        decode.append("openvino")
+    return {"prefill": prefill, "decode": decode}
 
 
-def openvino_refusal(manifest: Manifest) -> str | None:
-    """Why ``auto`` never places a phase of this artifact on OpenVINO (None: it may, after measuring)."""
-    if not (manifest.target == "portable" or "prefill.portable" in (manifest.phase_graphs or {})):
+def openvino_refusal(manifest: Manifest, name: str = "openvino") -> str | None:
+    """Why ``auto`` never places a phase of this artifact on ``name`` ("openvino": the EP over the portable prefill;
+    "openvino-native": OpenVINO's runtime over the ort prefill); None: it may, after measuring."""
+    if name == "openvino" and not (manifest.target == "portable" or "prefill.portable" in (manifest.phase_graphs or {})):
         return "no portable prefill graph (export with --openvino-prefill)"
+    if name == "openvino-native" and manifest.target != "ort":
+        return f"reads the ort target's prefill graph, not a --target {manifest.target} one"
     if manifest.dtype != "fp32" or (manifest.kv_dtype or manifest.dtype) != "fp32":
         return f"{manifest.dtype} activations / {manifest.kv_dtype} cache: only fp32 was checked on OpenVINO"
     if manifest.kv.states:  # the placement's parity and speed were checked on attention-only text models
@@ -107,6 +117,8 @@ def openvino_refusal(manifest: Manifest) -> str | None:
         return "mixture-of-experts layers: not checked on OpenVINO"
     if manifest.lora_layout is not None:
         return "LoRA slots: the adapters' inputs run on the ort graphs only"
+    if manifest.plugin_ops:
+        return "decodert plugin nodes: OpenVINO reads no such op"
     return None
 
 
@@ -157,11 +169,11 @@ _noted: list[bool] = []
 
 
 def _note_missing(manifest: Manifest) -> None:
-    """One info line per process where the artifact has a graph for OpenVINO but the EP is not installed."""
-    if openvino_refusal(manifest) is None and not _noted:
+    """One info line per process where OpenVINO could run the artifact's prefill but is not installed."""
+    if openvino_refusal(manifest, "openvino-native") is None and not _noted:
         _noted.append(True)
-        print("decodert: info: the OpenVINO execution provider is not installed, so the prefill runs on ONNX Runtime's "
-              "CPU provider (pip install 'decodert[openvino]' for the faster one)", file=sys.stderr)
+        print("decodert: info: OpenVINO is not installed, so the prefill runs on ONNX Runtime's CPU provider "
+              "(pip install 'decodert[openvino]' for the faster one)", file=sys.stderr)
 
 
 # ---- measurement ----------------------------------------------------------------------------------

@@ -40,8 +40,12 @@ def test_settings_are_checked():
             placement.parse(bad)
 
 
-def test_off_and_single_are_todays_backend(tiny_arts):
-    """Without a portable prefill there is nothing to measure: one session, no file written; "off" the same."""
+def test_off_and_single_are_todays_backend(tiny_arts, monkeypatch):
+    """Without OpenVINO there is nothing to measure: one session, no file written; "off" the same."""
+    from decodert.runtime.backends.openvino import ep, native
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(ep, "provider", lambda: None)
     for setting in ("auto", "off"):
         llm = LLM.load(tiny_arts["plain"], placement=setting)
         be = llm.backend
@@ -49,7 +53,9 @@ def test_off_and_single_are_todays_backend(tiny_arts):
         assert be.placement.source == ("single" if setting == "auto" else "off")
         llm.close()
     assert not (tiny_arts["plain"] / placement.FILE).exists()
-    assert "refused" not in str(placement.openvino_refusal(load_manifest(tiny_arts["ov"])))
+    assert placement.openvino_refusal(load_manifest(tiny_arts["ov"])) is None
+    assert "no portable prefill" in placement.openvino_refusal(load_manifest(tiny_arts["plain"]))
+    assert placement.openvino_refusal(load_manifest(tiny_arts["plain"]), "openvino-native") is None
 
 
 def test_the_cache_key_and_file(tiny_arts, tmp_path, monkeypatch):
@@ -123,10 +129,38 @@ def test_an_openvino_prefill_gives_ort_tokens(ov, tiny_arts, monkeypatch):
         llm.close()
 
 
-def test_speculation_keeps_its_tokens_on_the_placement(ov, tiny_arts):
-    llm = LLM.load(tiny_arts["ov"], placement={"prefill": "openvino"}, prefix_cache_mb=0)
+@pytest.mark.parametrize("name", ["openvino", "openvino-native"])
+def test_speculation_keeps_its_tokens_on_the_placement(ov, tiny_arts, name):
+    plain = LLM.load(tiny_arts["ov"], placement="off", prefix_cache_mb=0)
     text = ["one two three four one two three four one two three", *PROMPTS]
-    assert _greedy(llm, text, 32, speculative="ngram") == _greedy(llm, text, 32)
+    want = _greedy(plain, text, 32)
+    plain.close()
+    llm = LLM.load(tiny_arts["ov"], placement={"prefill": name}, prefix_cache_mb=0)
+    assert _greedy(llm, text, 32, speculative="ngram") == _greedy(llm, text, 32) == want
+    llm.close()
+
+
+def test_a_native_openvino_prefill_gives_ort_tokens(ov, tiny_arts):
+    """OpenVINO's runtime over the ort prefill graph: each row's whole prompt in one call, the new rows copied
+    into the cache (a fresh row and one that holds K/V already); the decode on MLAS reads them."""
+    plain = LLM.load(tiny_arts["plain"], placement="off", prefix_cache_mb=0)
+    want = _greedy(plain)
+    llm = LLM.load(tiny_arts["plain"], placement={"prefill": "openvino-native"}, prefix_cache_mb=0)
+    assert llm.backend.placed == {"prefill": "openvino-native", "decode": "ort"}
+    assert _greedy(llm) == want
+    ids = np.arange(5, 45, dtype=np.int64)
+    outs = []
+    for be in (plain.backend, llm.backend):  # 30 tokens, then 10 more over the row's cache
+        cache = be.allocate(1)
+        be.prefill(cache, [0], [ids[:30]], False)
+        outs.append(be.prefill(cache, [0], [ids[30:]], True).logits[0])
+        assert cache.held(0).tolist() == ids.tolist()
+        step = be.decode(cache, [0], np.array([7], np.int64), True)
+        outs.append(step.logits[0])
+    assert np.abs(outs[0] - outs[2]).max() < 1e-3 and np.abs(outs[1] - outs[3]).max() < 1e-3
+    with pytest.raises(DecodertError, match="runs the prefill only"):
+        llm.backend.place("decode", "openvino-native")
+    plain.close()
     llm.close()
 
 
@@ -139,7 +173,7 @@ def test_auto_measures_once_and_reads_the_cache(ov, tiny_arts, tmp_path):
     first = llm.backend.placement
     assert first.source == "measured" and Path(first.file) == art / placement.FILE
     data = json.loads((art / placement.FILE).read_text())
-    assert set(data["figures"]["prefill"]) == {"ort", "openvino"} and data["phases"] == dict(first.phases)
+    assert set(data["figures"]["prefill"]) == {"ort", "openvino", "openvino-native"} and data["phases"] == dict(first.phases)
     assert all("short_ms" in v for v in data["figures"]["prefill"].values())
     llm.close()
     again = LLM.load(art, placement="auto")
@@ -180,11 +214,12 @@ def test_int4_prefill_on_openvino(ov, tiny_checkpoint, tmp_path, monkeypatch):
     assert load_manifest(art).phase_graphs["prefill.portable"].weights == "weights.portable.bin"
     monkeypatch.delenv("DECODERT_OPENVINO_CONFIG")  # OpenVINO's defaults, as users get them
     _check_within_ties(art, PROMPTS)
+    _check_within_ties(art, PROMPTS, name="openvino-native")
 
 
-def _check_within_ties(art, prompts, n=24):
+def _check_within_ties(art, prompts, n=24, name="openvino"):
     plain = LLM.load(art, placement="off", prefix_cache_mb=0)
-    placed = LLM.load(art, placement={"prefill": "openvino"}, prefix_cache_mb=0)
+    placed = LLM.load(art, placement={"prefill": name}, prefix_cache_mb=0)
     for prompt in prompts:
         want, got = _greedy(plain, [prompt], n)[0], _greedy(placed, [prompt], n)[0]
         if want != got:
@@ -207,24 +242,28 @@ def test_smollm2_on_openvino(ov, smollm2_gguf, tmp_path, monkeypatch):
     fp32 = tmp_path / "fp32"
     export_model(smollm2_gguf, fp32, target="ort", max_seq=1024, max_batch=2, openvino_prefill=True, progress=False)
     plain = LLM.load(fp32, placement="off", prefix_cache_mb=0)
-    placed = LLM.load(fp32, placement={"prefill": "openvino"}, prefix_cache_mb=0)
-    assert [_greedy(placed, [t], 32)[0] for t in texts] == [_greedy(plain, [t], 32)[0] for t in texts]
+    want = [_greedy(plain, [t], 32)[0] for t in texts]
+    for name in ("openvino", "openvino-native"):
+        placed = LLM.load(fp32, placement={"prefill": name}, prefix_cache_mb=0)
+        assert [_greedy(placed, [t], 32)[0] for t in texts] == want, name
+        placed.close()
     plain.close()
-    placed.close()
     int4 = tmp_path / "int4"
     export_model(smollm2_gguf, int4, target="ort", max_seq=1024, max_batch=2, openvino_prefill=True, progress=False,
                  quant=QuantConfig(bits=4, accuracy_level=4))
     _check_within_ties(int4, texts, 32)
+    _check_within_ties(int4, texts, 32, name="openvino-native")
 
 
 def test_without_the_package_one_info_line(tiny_arts, monkeypatch, capsys):
-    from decodert.runtime.backends.openvino import ep
+    from decodert.runtime.backends.openvino import ep, native
 
     monkeypatch.setattr(ep, "provider", lambda: None)
+    monkeypatch.setattr(native, "available", lambda: False)
     monkeypatch.setattr(placement, "_noted", [])
     llm = LLM.load(tiny_arts["ov"], placement="auto")
     assert llm.backend.placement.source == "single" and llm.backend.placed["prefill"] == "ort"
     llm.close()
     LLM.load(tiny_arts["ov"], placement="auto").close()
-    assert capsys.readouterr().err.count("OpenVINO execution provider is not installed") == 1
+    assert capsys.readouterr().err.count("OpenVINO is not installed") == 1
     assert os.environ.get("DECODERT_OPENVINO_CONFIG") is None

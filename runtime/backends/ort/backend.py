@@ -125,9 +125,18 @@ class OrtBackend:
     def place(self, phase: str, name: str, threads: int | None = None) -> None:
         """Run ``phase`` ("prefill" | "decode") on ``name`` ("ort" | "openvino") from now on, over the same
         cache buffers (a session opened once per name; bindings made for another session are dropped)."""
-        if phase not in self.placed or name not in ("ort", "openvino"):
+        if phase not in self.placed or name not in ("ort", "openvino", "openvino-native"):
             raise DecodertError(f"cannot place {phase!r} on {name!r}: phases are prefill and decode, "
-                                "backends ort and openvino")
+                                "backends ort, openvino and openvino-native")
+        if name == "openvino-native":
+            if phase != "prefill":
+                raise DecodertError("openvino-native runs the prefill only (it copies each call's new rows into the cache)")
+            if "openvino-native" not in self.phase_sessions:
+                from decodert.runtime.backends.openvino.native import NativePrefill
+
+                self.phase_sessions[name] = {"prefill": NativePrefill(self.dir / self.manifest.graphs["prefill"].file, threads)}
+            self.placed[phase] = name
+            return
         if name not in self.phase_sessions:
             from decodert.runtime.backends.openvino import ep
 
@@ -168,6 +177,8 @@ class OrtBackend:
         cache.check_room(slots, lens, "the prompt's tokens")
         out = StepOutput(np.empty(len(slots), np.int64),
                          np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
+        if self.placed["prefill"] == "openvino-native":
+            return self._prefill_native(cache, slots, ids, out, want_logits)
         for rows in self._prefill_groups(cache, slots, lens):
             start, n = slots[rows[0]], len(rows)
             whole = self._image_ahead and bool(is_image(ids[rows[0]]).any())  # image tokens see later ones
@@ -187,6 +198,18 @@ class OrtBackend:
                 _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
                 cache.commit(group, [ids[r][done:] for r in rows])
             _gather(out, rows, b, want_logits)
+        return out
+
+    def _prefill_native(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], out: StepOutput,
+                        want_logits: bool) -> StepOutput:
+        """Each row's whole prompt in one OpenVINO call (runtime/backends/openvino/native.py), committed after it."""
+        runner = self.phase_sessions["openvino-native"]["prefill"]
+        for j, slot in enumerate(slots):
+            with cache.writing([slot]):
+                logits = runner.run(cache, slot, np.asarray(ids[j], np.int64))
+                cache.commit([slot], [ids[j]])
+            b = _Binding(None, None, None, None, logits[None], np.array([int(np.argmax(logits))], np.int64))
+            _gather(out, [j], b, want_logits)
         return out
 
     def _prefill_chunks(self, cache: KVCache, start: int, row: np.ndarray) -> int:

@@ -10,9 +10,10 @@
 - Decode keeps one IOBinding per slot range with fixed input/output buffers; a step writes the
   new token ids and lengths into them and runs.
 - Per-phase placement (runtime/backends/placement.py, docs/features/placement.md): ``phases`` may put the
-  prefill (or the decode step) on the OpenVINO execution provider, running the artifact's portable prefill
-  graph (``manifest.phase_graphs["prefill.portable"]``, or prefill.onnx of a portable artifact) over the
-  same cache buffers, bound the same way; the other phase and verify passes keep the ort sessions.
+  prefill on OpenVINO's own runtime over this prefill graph (``openvino-native``: each call's new K/V rows
+  copied into the cache buffers), or the prefill or the decode step on the OpenVINO execution provider
+  (``openvino``: the artifact's portable prefill graph, ``manifest.phase_graphs["prefill.portable"]`` or a
+  portable artifact's prefill.onnx, bound to the same buffers); verify passes keep the ort sessions.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class OrtBackend:
     def __init__(self, artifact_dir: str | Path, manifest: Manifest, threads: int | None = None,
                  providers: Sequence[str] | None = None, separate_decode: bool = False,
                  phases: dict[str, str] | None = None):
-        """``phases``: phase ("prefill" | "decode") -> "ort" | "openvino" (default: both on ``providers``)."""
+        """``phases``: phase ("prefill" | "decode") -> "ort" | "openvino" | "openvino-native" (prefill only);
+        default: both on ``providers``."""
         self.dir = Path(artifact_dir)
         self.manifest = manifest
         if manifest.dtype not in NP_DTYPES:
@@ -123,7 +125,7 @@ class OrtBackend:
             self.place(phase, name, threads)
 
     def place(self, phase: str, name: str, threads: int | None = None) -> None:
-        """Run ``phase`` ("prefill" | "decode") on ``name`` ("ort" | "openvino") from now on, over the same
+        """Run ``phase`` ("prefill" | "decode") on ``name`` ("ort" | "openvino" | "openvino-native") from now on, over the same
         cache buffers (a session opened once per name; bindings made for another session are dropped)."""
         if phase not in self.placed or name not in ("ort", "openvino", "openvino-native"):
             raise DecodertError(f"cannot place {phase!r} on {name!r}: phases are prefill and decode, "

@@ -225,10 +225,11 @@ def measure(backend: Any, cands: Mapping[str, list[str]], prompts: Mapping[str, 
                 figures[phase][name] = {"refused": problem}
             else:
                 usable[phase].append(name)
-    times: dict[str, dict[str, list[tuple]]] = {p: {n: [] for n in usable[p]} for p in PHASES}
+    # a phase with one usable candidate has nothing to choose: not timed (its figures say so)
+    times: dict[str, dict[str, list[tuple]]] = {p: {n: [] for n in usable[p]} if len(usable[p]) > 1 else {} for p in PHASES}
     for _ in range(REPEATS):  # alternated: every candidate once per round
         for phase in PHASES:
-            for name in usable[phase]:
+            for name in times[phase]:
                 backend.place(phase, name, threads)
                 times[phase][name].append(_time_phase(backend, cache, phase, prompts))
             backend.place(phase, "ort", threads)
@@ -237,6 +238,10 @@ def measure(backend: Any, cands: Mapping[str, list[str]], prompts: Mapping[str, 
         keys = ("short_ms", "long_ms") if phase == "prefill" else ("step_ms",)
         for name, samples in times[phase].items():
             figures[phase][name] = {k: round(1000 * statistics.median(s[i] for s in samples), 2) for i, k in enumerate(keys)}
+        if not times[phase]:
+            figures[phase].setdefault("ort", {"only": True})
+            chosen[phase] = "ort"
+            continue
         base = figures[phase]["ort"]
         chosen[phase] = min(usable[phase], key=lambda n: sum(figures[phase][n][k] / max(base[k], 1e-9) for k in keys))
     return chosen, figures
@@ -383,4 +388,6 @@ def _fig(v: Any) -> str:
         return str(v)
     if "refused" in v:
         return f"refused: {v['refused'][:80]}"
+    if v.get("only"):
+        return "the only candidate"
     return "/".join(f"{v[k]:g} ms" for k in ("short_ms", "long_ms", "step_ms") if k in v)

@@ -267,3 +267,26 @@ def test_without_the_package_one_info_line(tiny_arts, monkeypatch, capsys):
     LLM.load(tiny_arts["ov"], placement="auto").close()
     assert capsys.readouterr().err.count("OpenVINO is not installed") == 1
     assert os.environ.get("DECODERT_OPENVINO_CONFIG") is None
+
+
+@pytest.mark.parametrize("family, reason", [("lfm2", "per-layer states"), ("qwen3_moe", "mixture-of-experts")])
+def test_hybrid_and_moe_stay_on_ort_with_the_reason(tiny_checkpoint, tmp_path, family, reason):
+    """Kinds OpenVINO was not checked on: no OpenVINO candidate, whatever is installed; the reason is recorded."""
+    art = tmp_path / family
+    export_model(tiny_checkpoint(family), art, target="ort", max_seq=128, max_batch=2, progress=False)
+    m = load_manifest(art)
+    assert reason in placement.openvino_refusal(m, "openvino-native")
+    assert placement.candidates(m) == {"prefill": ["ort"], "decode": ["ort"]}
+    llm = LLM.load(art, placement="auto")
+    assert llm.backend.placement.source == "single" and not (art / placement.FILE).exists()
+    llm.close()
+
+
+def test_a_vision_model_stays_on_ort_with_the_reason(tmp_path):
+    from tiny_gemma3_vision import make_tiny_gemma3_vlm
+
+    art = tmp_path / "vlm"
+    export_model(make_tiny_gemma3_vlm(tmp_path / "hf"), art, target="ort", max_seq=128, max_batch=2, progress=False)
+    m = load_manifest(art)
+    assert "image inputs" in placement.openvino_refusal(m, "openvino-native")
+    assert placement.candidates(m)["prefill"] == ["ort"]

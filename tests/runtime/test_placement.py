@@ -234,7 +234,8 @@ def _check_within_ties(art, prompts, n=24, name="openvino"):
 
 @pytest.mark.slow
 def test_smollm2_on_openvino(ov, smollm2_gguf, tmp_path, monkeypatch):
-    """The real model with OpenVINO's defaults (bf16 on an AMX CPU): fp32 the same greedy tokens; int4 within ties."""
+    """The real model as users get it: fp32 (OpenVINO in f32) the same greedy tokens; int4 (OpenVINO's own default
+    precision, bf16 on an AMX CPU) within ties."""
     from decodert.export.quantize.quant import QuantConfig
 
     monkeypatch.delenv("DECODERT_OPENVINO_CONFIG")

@@ -61,22 +61,25 @@ def version() -> str | None:
     return _registered.get("version") if provider() else None
 
 
-def config() -> dict[str, dict[str, str]]:
+def config(exact: bool = False) -> dict[str, dict[str, str]]:
     """OpenVINO CPU properties the sessions load: ``$DECODERT_OPENVINO_CONFIG`` (a JSON object of CPU
-    properties, e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``) over the defaults (none: OpenVINO's own)."""
+    properties, e.g. ``{"INFERENCE_PRECISION_HINT": "bf16"}``) over the defaults: with ``exact`` (a float-weight
+    artifact) f32, else OpenVINO's own (bf16 on an AMX CPU); runtime/backends/openvino/native.py ``properties``."""
     text = os.environ.get("DECODERT_OPENVINO_CONFIG", "")
+    base = {"INFERENCE_PRECISION_HINT": "f32"} if exact else {}
     if not text:
-        return {}
+        return {"CPU": base} if base else {}
     try:
         props = json.loads(text)
     except ValueError:
         props = None
     if not isinstance(props, dict) or not all(isinstance(v, (str, int, float)) for v in props.values()):
         raise DecodertError(f"DECODERT_OPENVINO_CONFIG must be a JSON object of OpenVINO CPU properties, got {text!r}")
-    return {"CPU": {str(k): str(v) for k, v in props.items()}}
+    return {"CPU": {**base, **{str(k): str(v) for k, v in props.items()}}}
 
 
-def open_session(path: Path, options: ort.SessionOptions, threads: int | None = None) -> ort.InferenceSession:
+def open_session(path: Path, options: ort.SessionOptions, threads: int | None = None,
+                 exact: bool = False) -> ort.InferenceSession:
     """A session for the graph at ``path`` on the OpenVINO EP, the whole graph or a DecodertError naming
     what it refused (no node falls back to the CPU provider); ``threads`` (or ``$DECODERT_THREADS``):
     OpenVINO's inference threads (default: its own, one per core)."""
@@ -85,7 +88,7 @@ def open_session(path: Path, options: ort.SessionOptions, threads: int | None = 
         raise DecodertError("the OpenVINO execution provider is not installed (pip install 'decodert[openvino]')")
     options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     devices = [d for d in ort.get_ep_devices() if d.ep_name == name]
-    props = config()
+    props = config(exact)
     threads = threads or int(os.environ.get("DECODERT_THREADS", "0")) or None
     settings = {"load_config": json.dumps(props)} if props else {}
     if threads:

@@ -29,13 +29,16 @@ def available() -> bool:
     return importlib.util.find_spec("openvino") is not None
 
 
-def properties(threads: int | None) -> dict[str, Any]:
-    """The CPU plugin's properties: ``$DECODERT_OPENVINO_CONFIG`` (a JSON object) and the thread count."""
-    props: dict[str, Any] = {}
+def properties(threads: int | None, exact: bool = False) -> dict[str, Any]:
+    """The CPU plugin's properties: ``$DECODERT_OPENVINO_CONFIG`` (a JSON object) over the defaults: the thread
+    count, and with ``exact`` (a float-weight artifact) ``INFERENCE_PRECISION_HINT`` f32, so that the prefill
+    gives the tokens the ort backend gives (OpenVINO's own default on an AMX / AVX-512 BF16 CPU is bf16, which
+    changed SmolLM2 fp32's greedy chat answer); a quantized artifact keeps OpenVINO's default."""
+    props: dict[str, Any] = {"INFERENCE_PRECISION_HINT": "f32"} if exact else {}
     text = os.environ.get("DECODERT_OPENVINO_CONFIG", "")
     if text:
         try:
-            props = dict(json.loads(text))
+            props = {**props, **dict(json.loads(text))}
         except (ValueError, TypeError):
             raise DecodertError(f"DECODERT_OPENVINO_CONFIG must be a JSON object of OpenVINO CPU properties, got {text!r}") from None
     threads = threads or int(os.environ.get("DECODERT_THREADS", "0")) or None
@@ -47,7 +50,7 @@ def properties(threads: int | None) -> dict[str, Any]:
 class NativePrefill:
     """The prefill graph at ``path`` compiled by OpenVINO with its cache inputs' sequence axis free."""
 
-    def __init__(self, path: Path, threads: int | None = None) -> None:
+    def __init__(self, path: Path, threads: int | None = None, exact: bool = False) -> None:
         import openvino as ov
 
         self._ov = ov
@@ -62,7 +65,7 @@ class NativePrefill:
                     shapes[name] = ov.PartialShape([-1, dims[1], -1, dims[3]])
             model.reshape(shapes)
             self.names = {p.get_any_name() for p in model.inputs}
-            self.request = core.compile_model(model, "CPU", properties(threads)).create_infer_request()
+            self.request = core.compile_model(model, "CPU", properties(threads, exact)).create_infer_request()
         except (RuntimeError, ValueError) as e:  # an op it cannot read, a shape it cannot take
             raise DecodertError(f"{path}: OpenVINO cannot compile the graph ({first_line(e)[:300]})") from None
         self.zero = np.zeros(1, np.int64)

@@ -136,14 +136,15 @@ class OrtBackend:
             if "openvino-native" not in self.phase_sessions:
                 from decodert.runtime.backends.openvino.native import NativePrefill
 
-                self.phase_sessions[name] = {"prefill": NativePrefill(self.dir / self.manifest.graphs["prefill"].file, threads)}
+                self.phase_sessions[name] = {"prefill": NativePrefill(self.dir / self.manifest.graphs["prefill"].file, threads,
+                                                                      exact=self.manifest.quant is None)}
             self.placed[phase] = name
             return
         if name not in self.phase_sessions:
             from decodert.runtime.backends.openvino import ep
 
             graph, path = portable_prefill(self.dir, self.manifest)
-            session = ep.open_session(path, session_options(threads), threads)
+            session = ep.open_session(path, session_options(threads), threads, exact=self.manifest.quant is None)
             check_session_io(session, graph, path)
             self.phase_sessions[name] = {"prefill": session, "decode": session}
         self.sessions[phase] = self.phase_sessions[name][phase]

@@ -216,8 +216,8 @@ def measure(backend: Any, cands: Mapping[str, list[str]], prompts: Mapping[str, 
                     tokens, ref_logits = reference[key]
                     chosen, _ = _steps(backend, cache, ids, tokens)
                     problem = problem or _parity_problem(key, tokens, chosen, ref_logits)
-            except DecodertError as e:
-                problem = first_line(e)[:200]
+            except Exception as e:  # noqa: BLE001 - a candidate that fails on the graph, however it fails, is refused
+                problem = f"{type(e).__name__}: {first_line(e)[:200]}"
             finally:
                 cache.reset(0)
                 backend.place(phase, "ort", threads)

@@ -11,7 +11,7 @@ subclass puts export-on-first-load (export/prepare.py) in front of it, for the m
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 from decodert.export.prepare import prepare_model
 from decodert.runtime import llm as runtime_llm
@@ -23,7 +23,7 @@ class LLM(runtime_llm.LLM):
              draft: str | Path | None = None, prefix_cache_mb: float | None = None,
              tool_parser: str | None = None, adapters: Mapping[str, str | Path] | None = None, *,
              max_seq: int | None = None, quant: str = "auto", cache_dir: str | Path | None = None,
-             cache_dir_gb: float | None = None) -> "LLM":
+             cache_dir_gb: float | None = None, placement: Any = "auto") -> "LLM":
         """Open a model: what ``decodert run`` accepts. ``path``: an artifact folder, or a checkpoint that is
         exported once into the cache ($DECODERT_CACHE, ~/.cache/decodert) and reused: "smollm2" (the bundled
         SmolLM2-135M-Instruct), a .gguf file or an HF folder. ``max_seq`` (default min(context, 2048)) and
@@ -32,4 +32,4 @@ class LLM(runtime_llm.LLM):
         ``load`` calls ``cls.load``), so it may be a checkpoint too. The other arguments: runtime/llm.py ``LLM.load``."""
         folder = prepare_model(path, max_seq=max_seq, quant=quant)
         return super().load(folder, backend, verify, draft, prefix_cache_mb, tool_parser, adapters,
-                            cache_dir=cache_dir, cache_dir_gb=cache_dir_gb)
+                            cache_dir=cache_dir, cache_dir_gb=cache_dir_gb, placement=placement)

@@ -66,6 +66,18 @@ class GraphRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class PhaseGraphRecord(Record):
+    """A second graph for one phase, lowered for another backend than the target's (``decodert export
+    --openvino-prefill``: the portable prefill beside an ort artifact's, which the OpenVINO EP takes whole).
+    Same I/O contract as ``graphs[phase]`` minus what only the target's graph has (``per_position``:
+    verify rows stay on the target's graph); runtime/backends/placement.py chooses between them by measurement."""
+    phase: str  # "prefill"
+    lowering: str  # the target whose lowering wrote it: "portable"
+    graph: GraphRecord
+    weights: str  # the weights file its initializers are in (weights.file when it shares the target's)
+
+
+@dataclasses.dataclass(frozen=True)
 class ImagesRecord(Record):
     """The spec's image tokens (models/spec.py ``ImageTokens``): prefill takes image embeddings at their rows."""
     token_id: int
@@ -264,6 +276,8 @@ class Manifest(Record):
     lora: LoraRecord | None = None
     embedding: EmbeddingRecord | None = dataclasses.field(default=None, metadata=OMIT_NULL)  # embed.onnx, when exported
     audio: AudioRecord | None = dataclasses.field(default=None, metadata=OMIT_NULL)  # audio.onnx and its log-mel settings
+    # per-phase graphs for other backends, by name ("prefill.portable"); None: none (older exports, the option off)
+    phase_graphs: Mapping[str, PhaseGraphRecord] | None = dataclasses.field(default=None, metadata=OMIT_NULL)
 
     @property
     def lora_layout(self) -> LoraLayout | None:
@@ -391,6 +405,14 @@ def validate(m: Manifest, path: Path) -> None:
         _listed(m, m.graphs["verify"].file, path, "graphs.verify.file")
     if m.embedding is not None:
         _check_embedding(m, path)
+    for name, pg in (m.phase_graphs or {}).items():
+        need(pg.phase in m.graphs and name == f"{pg.phase}.{pg.lowering}", path,
+             f"phase_graphs.{name} must be named <phase>.<lowering> after one of graphs")
+        _listed(m, pg.graph.file, path, f"phase_graphs.{name}.graph.file")
+        _listed(m, pg.weights, path, f"phase_graphs.{name}.weights")
+        target = {t.name: t for t in m.graphs[pg.phase].inputs + m.graphs[pg.phase].outputs}
+        need(all(target.get(t.name) == t for t in pg.graph.inputs + pg.graph.outputs), path,
+             f"phase_graphs.{name}: its inputs/outputs must be those of graphs.{pg.phase}")
     check_verify(m, path)
     _listed(m, m.weights.file, path, "weights.file")
     # listed in files is checked where it is opened (tokenizer_file): `decodert build` needs no tokenizer

@@ -38,6 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the runtime's own)")
     p.add_argument("--backend", choices=["auto", "ort", "trt"], default="auto", help="execution backend (default auto)")
+    common.add_placement(p)
     common.add_speculative(p, help="time LLM.generate with this speculative decoding (ngram: prompt lookup; draft: "
                                    "--draft) and report tokens per target pass and the acceptance rate")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
@@ -51,7 +52,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     spec = common.speculative_kwargs(args).get("speculative")  # one-line errors for bad combinations, before loading
     cfg = BenchConfig(prompt_len=args.prompt_len, gen=args.gen, batches=args.batch, repeats=args.repeats,
-                      warmup=args.warmup, threads=args.threads, backend=args.backend,
+                      warmup=args.warmup, threads=args.threads, backend=args.backend, placement=args.placement,
                       speculative=spec.method if spec else None, draft=str(args.draft) if args.draft else None,
                       draft_len=args.draft_len)
     inputs.check_output_path(args.json, "--json")

@@ -124,7 +124,7 @@ def user_message(text: str, images: list) -> dict:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    return chat_loop(common.load(args.out, args.backend, args.verify, common.draft_of(args)), args)
+    return chat_loop(common.load(args.out, args.backend, args.verify, common.draft_of(args), args.placement), args)
 
 
 def chat_loop(llm, args: argparse.Namespace, read: Callable[[str], str] | None = None, out: TextIO | None = None,

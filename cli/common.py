@@ -35,11 +35,19 @@ def add_common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
     add_constraint(p)
     add_speculative(p)
     p.add_argument("--backend", choices=("auto", "ort", "trt"), default="auto", help="execution backend")
+    add_placement(p)
     p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
                    help="check the whole sha256 of every artifact file (default: size + first/last MiB)")
     if json_flag:
         p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--no-stats", dest="stats", action="store_false", help="no metrics line on stderr")
+
+
+def add_placement(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--placement", default="auto", metavar="auto|measure|off|PHASE=BACKEND,...",
+                   help="which backend runs each phase on ONNX Runtime: auto (the fastest measured on this machine, "
+                        "cached beside the artifact), measure (again), off (ONNX Runtime's CPU provider for both), or "
+                        "e.g. prefill=openvino,decode=ort (docs/features/placement.md)")
 
 
 def add_constraint(p: argparse.ArgumentParser) -> None:
@@ -179,7 +187,7 @@ def artifact_only(model: str | Path, command: str) -> Path:
     return Path(model)
 
 
-def load(path: Path, backend: str, verify: str = "fast", draft: Path | None = None):
+def load(path: Path, backend: str, verify: str = "fast", draft: Path | None = None, placement: str = "auto"):
     """``decodert.LLM.load`` (api.py; imported here so that ``decodert --help`` never loads onnxruntime) of
     ``path`` and ``draft``: an artifact folder, or a model name or checkpoint exported once into the cache.
 
@@ -187,7 +195,7 @@ def load(path: Path, backend: str, verify: str = "fast", draft: Path | None = No
     line on stderr says so (and why), so the backend that ran is never a guess."""
     from decodert.api import LLM
 
-    llm = LLM.load(path, backend=backend, verify=verify, draft=draft)
+    llm = LLM.load(path, backend=backend, verify=verify, draft=draft, placement=placement)
     if backend == "auto" and llm.manifest.engines and getattr(llm.backend, "name", None) == "ort":
         print("decodert: running on ONNX Runtime (CPU), not the TensorRT engines: no usable NVIDIA GPU / TensorRT "
               "here (--backend trt says why)", file=sys.stderr)

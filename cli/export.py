@@ -76,6 +76,10 @@ def add_parser(sub: Any) -> None:
     e.add_argument("--target-artifact", type=Path, default=None, metavar="TARGET",
                    help="SRC is a draft head checkpoint (gemma4_assistant): export it for this target artifact "
                         "(exported with --hidden-states); the head records the target and is refused beside another")
+    e.add_argument("--openvino-prefill", action="store_true",
+                   help="--target ort: also write prefill.portable.onnx, the prefill graph the OpenVINO execution "
+                        "provider takes (`pip install 'decodert[openvino]'`); at first load decodert measures it "
+                        "against the ort prefill and keeps the faster (docs/features/placement.md)")
     e.set_defaults(func=run_export)
 
 
@@ -106,7 +110,8 @@ def run_export(args: argparse.Namespace) -> int:
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version,
                      kv_dtype=args.kv_dtype,
                      lora=LoraLayout(args.lora_slots, args.lora_rank) if args.lora_slots else None,
-                     merge_lora=args.merge_lora, embeddings=args.embeddings, hidden_states=args.hidden_states)
+                     merge_lora=args.merge_lora, embeddings=args.embeddings, hidden_states=args.hidden_states,
+                     openvino_prefill=args.openvino_prefill)
     print(summary(m, args.out))
     return 0
 

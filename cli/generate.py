@@ -27,7 +27,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     prompt = inputs.argv_text(args.prompt, "--prompt")
-    llm = common.load(args.out, args.backend, args.verify, common.draft_of(args))
+    llm = common.load(args.out, args.backend, args.verify, common.draft_of(args), args.placement)
     if prompt is None:  # bounded by the artifact's max_seq, so it is read after loading
         prompt = inputs.read_prompt_file(args.prompt_file, llm.max_seq)
     messages = [user_message(prompt, media(args))] if args.chat or args.image else None

@@ -20,5 +20,11 @@ def add_parser(sub: Any) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     from decodert.export.artifact.inspect import inspect_artifact
 
-    print(inspect_artifact(common.artifact_of(args.out)))
+    from decodert.runtime.backends.placement import describe_artifact
+
+    folder = common.artifact_of(args.out)
+    print(inspect_artifact(folder))
+    placed = describe_artifact(folder)  # runtime/backends/placement.py: the choice measured at a load
+    if placed is not None:
+        print(f"placement: {placed}")
     return 0

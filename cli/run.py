@@ -40,7 +40,7 @@ def run_run(args: argparse.Namespace) -> int:
     inputs.argv_text(args.prompt, "--prompt")
     inputs.argv_text(args.system, "--system")
     draft = common.draft_of(args)  # bad speculation or structured-output flags fail before the export and the load
-    llm = common.load(prepare_model(args.model, max_seq=args.max_seq, quant=args.quant), args.backend, args.verify, draft)
+    llm = common.load(prepare_model(args.model, max_seq=args.max_seq, quant=args.quant), args.backend, args.verify, draft, args.placement)
     clips = [m for m in media(args) if isinstance(m, Clip)]
     if args.prompt is None and clips:  # an audio model: print each clip's transcription
         return transcribe(llm, clips, args)

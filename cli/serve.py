@@ -54,6 +54,7 @@ def add_parser(subparsers: Any) -> None:
                    help="web origins (scheme://host[:port]) browsers may call the API from (CORS; '*' = any); "
                         "default none: preflights are refused")
     p.add_argument("--backend", choices=("auto", "ort", "trt"), default="auto", help="execution backend")
+    common.add_placement(p)
     p.add_argument("--full-verify", dest="verify", action="store_const", const="full", default="fast",
                    help="check the whole sha256 of every artifact file at load")
     p.add_argument("--prefix-cache-mb", type=float, default=None,
@@ -156,7 +157,7 @@ def options(args: argparse.Namespace):
                         image_limits=ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images,
                                                  args.max_video_frames, args.max_video_pixels),
                         allow_image_urls=args.allow_image_urls, responses_store=args.responses_store,
-                        aliases=tuple(names[1:]),
+                        aliases=tuple(names[1:]), placement=args.placement,
                         accept_any_model=args.accept_any_model, allowed_origins=_origins(args.allowed_origins),
                         image_fetch_timeout_s=args.image_fetch_timeout, max_image_fetches=args.max_image_fetches,
                         warm=tuple(warm),

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 from decodert.errors import DecodertError
+from decodert.export import phase_graphs
 from decodert.export.artifact import destination
 from decodert.export.checkpoints.checkpoint import is_experts, num_experts
 from decodert.export.checkpoints.checkpoint_open import open_checkpoint
@@ -61,7 +62,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                  quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None,
                  kv_dtype: str | None = None, lora: LoraLayout | None = None,
                  merge_lora: Sequence[str | Path] = (), embeddings: bool | None = None,
-                 hidden_states: bool = False) -> Manifest:
+                 hidden_states: bool = False, openvino_prefill: bool = False) -> Manifest:
     """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
 
     ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
@@ -85,6 +86,9 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
 
     ``hidden_states``: the prefill, decode and verify graphs also return the last hidden state (what a draft
     head reads: export/lowering/io_contract.hidden_outputs); without it the graphs are byte for byte as before.
+
+    ``openvino_prefill`` (ort target) also writes the portable prefill graph the OpenVINO EP takes
+    (export/phase_graphs.py, manifest ``phase_graphs``); off, the artifact is what it was before, byte for byte.
     """
     from decodert.export.heads import is_head_checkpoint
 
@@ -104,6 +108,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     kv = kv_dtype_of(kv_dtype, dtype)
     tgt.make_lowering(spec, dtype, max_seq, plugins=plugin_ops, kv=kv)  # refuses a KV dtype the target cannot keep
     embeddings = _check_embeddings(embeddings, ckpt)
+    if openvino_prefill:
+        phase_graphs.check_openvino_prefill(target, kv, lora, quant)
 
     with destination.terminating_raises():  # SIGTERM / SIGHUP remove the temp folder as SIGINT does
         tmp = destination.make_temp(out_dir)
@@ -121,12 +127,17 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                     weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
                                                        weights, kv, tmp)}
                 graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora, hidden_states)
+                phases = None if not openvino_prefill else phase_graphs.write_portable_prefill(
+                    spec, dtype, max_seq, quant, weights, kv, tmp, WEIGHTS,
+                    lambda path, lay: _write_weights(ckpt, spec, path, dtype, max_seq, progress, quant, lay))
                 vision_record = None if vision is None else write_vision(ckpt, vision, vision_weights, dtype, tmp,
                                                                          lowering.ir_version, type(lowering))
                 audio_record = None if audio is None else write_audio(ckpt, audio, audio_weights, dtype, tmp,
                                                                       lowering.ir_version, type(lowering))
                 tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
                 manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
+                if phases is not None:
+                    manifest = manifest.replace(phase_graphs=phases)
                 bar.update()
                 if embeddings:
                     manifest = manifest.replace(embedding=_write_embedding(ckpt, spec, lowering, weights, dtype, tmp))

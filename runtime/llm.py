@@ -193,7 +193,8 @@ class LLM:
     def load(cls, path: str | Path, backend: str = "auto", verify: str = "fast",
              draft: str | Path | None = None, prefix_cache_mb: float | None = None,
              tool_parser: str | None = None, adapters: Mapping[str, str | Path] | None = None, *,
-             cache_dir: str | Path | None = None, cache_dir_gb: float | None = None) -> "LLM":
+             cache_dir: str | Path | None = None, cache_dir_gb: float | None = None,
+             placement: Any = "auto") -> "LLM":
         """Open an artifact folder written by ``decodert export`` (and maybe ``decodert build``).
 
         A checkpoint ("smollm2", a .gguf file, an HF folder) is exported first by the façade above
@@ -209,6 +210,9 @@ class LLM:
         ``adapter="name"`` then picks one per call or request (``load_adapter`` / ``unload_adapter`` later).
         ``cache_dir``: a folder where the prefix cache also keeps its blocks (runtime/persist/disk_tier.py), read
         back by later processes on the same artifact; ``cache_dir_gb``: the most it holds there (default 4 GB).
+        ``placement``: which backend runs each phase on ONNX Runtime ("auto": the fastest measured here, cached
+        beside the artifact; "measure"; "off" / "ort": today's one session; or ``{"prefill": "openvino", ...}``;
+        runtime/backends/placement.py, docs/features/placement.md).
         """
         path = Path(path)
         if not (path / MANIFEST).is_file():
@@ -220,14 +224,15 @@ class LLM:
         drafter = head = None
         if draft is not None and (Path(draft) / HEAD_MANIFEST).is_file():
             record = load_head(draft, manifest)  # refuses a head exported for another target
+            placement = "off"  # the head reads every pass's hidden state, which the ort sessions return
         elif draft is not None:
-            drafter = cls.load(draft, backend, verify, prefix_cache_mb=0)
+            drafter = cls.load(draft, backend, verify, prefix_cache_mb=0, placement="off")
             if drafter.tokenizer.get_vocab(with_added_tokens=True) != tokenizer.get_vocab(with_added_tokens=True):
                 raise DecodertError(f"draft model {draft} has another tokenizer than {path}; "
                                     "speculative decoding needs the same vocabulary")
         if tool_parser is not None:
             tool_format(None, tool_parser)  # an unknown name fails before the weights load
-        opened = open_backend(path, manifest, backend)
+        opened = open_backend(path, manifest, backend, placement)
         if draft is not None and drafter is None:
             from decodert.runtime.speculation.heads import HeadDrafter
 

@@ -57,6 +57,12 @@ class ServerMetrics:
                                ("disk_bytes", "Bytes of the disk tier's files")):
                 Gauge(f"decodert_prefix_cache_{field}", doc, registry=r).set_function(
                     lambda f=field: getattr(prefix.stats, f))
+        placed = getattr(engine.llm.backend, "placement", None)  # runtime/backends/placement.py
+        if placed is not None:
+            phase = Gauge("decodert_phase_backend", "1 for the backend that runs each phase (placement)",
+                          ["phase", "backend", "source"], registry=r)
+            for name, backend in placed.phases.items():
+                phase.labels(name, backend, placed.source).set(1)
 
     def observe(self, result: GenerationResult, ttft_s: float | None) -> None:
         """Record one finished generation (``ttft_s`` measured by the server, None if no token came)."""

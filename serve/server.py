@@ -50,6 +50,7 @@ class ServeOptions:
     warm: tuple = ()  # prompts prefilled into the prefix cache before listening (--warm: runtime/warm.py entries)
     cache_dir: Path | None = None  # the prefix cache's disk tier (--cache-dir; runtime/persist/disk_tier.py)
     cache_dir_gb: float | None = None  # its budget in GB (None: 4)
+    placement: Any = "auto"  # which backend runs each phase (runtime/backends/placement.py; --placement)
 
 
 def model_name(options: ServeOptions) -> str:
@@ -65,7 +66,8 @@ def make_app(options: ServeOptions):
 
     llm = LLM.load(options.artifact, backend=options.backend, verify=options.verify, draft=options.draft,
                    prefix_cache_mb=options.prefix_cache_mb, tool_parser=options.tool_parser,
-                   adapters=dict(options.lora) or None, cache_dir=options.cache_dir, cache_dir_gb=options.cache_dir_gb)
+                   adapters=dict(options.lora) or None, cache_dir=options.cache_dir, cache_dir_gb=options.cache_dir_gb,
+                   placement=options.placement)
     llm.image_limits = options.image_limits
     if options.allow_image_urls:
         llm.fetch_image = Fetcher(options.image_limits, options.image_fetch_timeout_s, options.max_image_fetches)

@@ -186,6 +186,12 @@ def time_runs(run: Callable[[], RunTiming], warmup: int, repeats: int,
     return timed
 
 
+def _placed(backend: Any) -> str:
+    """`` (prefill=openvino decode=ort (measured))`` where phases were placed (runtime/backends/placement.py)."""
+    placed = getattr(backend, "placement", None)
+    return f" ({placed.describe()})" if placed is not None and placed.source in ("explicit", "measured", "cached") else ""
+
+
 # ---- the command -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BenchConfig:
@@ -196,6 +202,7 @@ class BenchConfig:
     warmup: int = 1
     threads: int | None = None
     backend: str = "auto"
+    placement: Any = "auto"  # which backend runs each phase (runtime/backends/placement.py)
     speculative: str | None = None  # "ngram" | "draft": through LLM.generate (see the module docstring)
     draft: str | None = None  # the draft model's artifact for speculative="draft"
     draft_len: int | None = None  # most tokens drafted per step (None: SpeculativeConfig's default)
@@ -218,10 +225,10 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: 
     if cfg.speculative:
         from decodert.runtime.llm import LLM
 
-        llm = LLM.load(folder, backend=cfg.backend, draft=cfg.draft)
+        llm = LLM.load(folder, backend=cfg.backend, draft=cfg.draft, placement=cfg.placement)
         backend = llm.backend
     else:
-        backend = open_backend(folder, manifest, cfg.backend)
+        backend = open_backend(folder, manifest, cfg.backend, cfg.placement)
     load_s = time.perf_counter() - t0
     step_bytes = bytes_per_step(folder, manifest)
     ids = prompt_ids(manifest.model.vocab_size, cfg.prompt_len)
@@ -243,7 +250,7 @@ def bench(artifact_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: 
         close()
     return BenchResult(
         artifact=str(folder), model=_model_name(manifest), dtype=manifest.dtype, quant=to_json(manifest.quant),
-        backend=backend.name, threads=cfg.threads, prompt_len=cfg.prompt_len, gen=cfg.gen, warmup=cfg.warmup,
+        backend=backend.name + _placed(backend), threads=cfg.threads, prompt_len=cfg.prompt_len, gen=cfg.gen, warmup=cfg.warmup,
         repeats=cfg.repeats, weights_file_bytes=int(manifest.weights.bytes or 0), bytes_per_step=step_bytes,
         copy_gbps=copy, read_gbps=read, floor_tps=read * 1e9 / step_bytes if step_bytes else 0.0,
         peak_rss_mb=rss,

@@ -113,6 +113,8 @@ def inspect_artifact(folder: str | Path) -> str:
                      f"{f['n_mels']} mels at {f['sampling_rate']} Hz (hop {f['hop_length']}), chunks of "
                      f"{2 * a['n_window']} frames, windows of {a['n_window_infer']}")
         graphs.append(("audio", m.audio.graph))
+    for name, pg in (m.phase_graphs or {}).items():  # export/phase_graphs.py: another backend's graph of a phase
+        graphs.append((f"{name} (for OpenVINO; weights {pg.weights})", pg.graph))
     for kind, g in graphs:
         s = graph_summary(folder / g.file)
         lines.append(f"\n{kind}: {g.file}  {s['nodes']} nodes  opsets {s['opsets']}")

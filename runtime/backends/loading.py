@@ -100,14 +100,22 @@ def open_tokenizer(path: Path, manifest: Manifest | None) -> Any:
     return tokenizer
 
 
-def open_backend(path: Path, manifest: Manifest, choice: str = "auto") -> Any:
-    """Create the ort or trt backend ("auto": trt when the folder has engines and TensorRT works)."""
+def open_backend(path: Path, manifest: Manifest, choice: str = "auto", placement: Any = "off") -> Any:
+    """Create the ort or trt backend ("auto": trt when the folder has engines and TensorRT works).
+
+    ``placement`` (ort): which backend runs each phase (runtime/backends/placement.py: "auto" | "measure" |
+    "off" | a phase -> backend mapping); "off" opens the one-session ort backend as before."""
+    from decodert.runtime.backends import placement as placing
+
+    setting = placing.parse(placement)
     if choice not in ("auto", "ort", "trt"):
         raise DecodertError(f"unknown backend {choice!r}; expected auto, ort or trt (--backend)")
     if choice == "auto":
         choice = "trt" if manifest.engines and _trt_usable() else "ort"
     if choice == "trt" and manifest.lora_layout is not None:
         raise DecodertError(f"{path} takes LoRA adapters at run time (--lora-slots), which run on --backend ort only")
+    if choice == "trt" and isinstance(setting, dict):
+        raise DecodertError(f"placement {placement!r} places phases of the ort backend; TensorRT runs every phase itself")
     if choice == "trt":
         if not manifest.engines and not target_info(manifest.target).runs_on("trt"):
             raise DecodertError(f"{path} has no TensorRT engines: it is a --target {manifest.target} artifact, which "
@@ -118,9 +126,7 @@ def open_backend(path: Path, manifest: Manifest, choice: str = "auto") -> Any:
         from decodert.runtime.backends.trt.backend import TrtBackend
 
         return TrtBackend(path, manifest)
-    from decodert.runtime.backends.ort.backend import OrtBackend
-
-    return OrtBackend(path, manifest)
+    return placing.open_placed(path, manifest, setting)
 
 
 def _trt_usable() -> bool:

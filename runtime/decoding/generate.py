@@ -92,6 +92,7 @@ class Sequence:
         self.parts: list[str] = []
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # prompt tokens whose K/V was reused, not prefilled (set by prefill)
+        self.placement = ""  # which backend ran each phase (runtime/backends/placement.py; set by the engine)
         self.timer = Timer()
         self.guide = guide  # structured output (runtime/constraints.py): masks the logits, ends at the grammar's end
         self.images: Any = None  # the image store entries its prompt's image ids need (runtime/vision/encoder.py)
@@ -195,7 +196,7 @@ class Sequence:
 
     def result(self) -> GenerationResult:
         assert self.done, "result() before the sequence finished"
-        metrics = self.timer.metrics(len(self.prompt), self.cached_tokens)
+        metrics = self.timer.metrics(len(self.prompt), self.cached_tokens, self.placement)
         if self.spec is not None:
             metrics = self.spec.annotate(metrics)
         return GenerationResult("".join(self.parts), self.generated.tolist(), self.finish_reason, metrics,

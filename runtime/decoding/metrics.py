@@ -25,6 +25,7 @@ class Metrics:
     accepted_per_step: float = 0.0
     acceptance_rate: float = 0.0
     cached_tokens: int = 0  # prompt tokens reused from a session's row or the prefix cache (not prefilled)
+    placement: str = ""  # which backend ran each phase, "prefill=openvino decode=ort" ("": the backend's only one)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -36,7 +37,8 @@ class Metrics:
                 f"gen {self.generated_tokens} tok @ {self.decode_tps:.1f} tok/s ({self.tpot_ms:.2f} ms/tok) | "
                 f"peak rss {self.peak_rss_mb:.0f} MB"
                 + (f" | spec {self.accepted_per_step:.2f} tok/step, {100 * self.acceptance_rate:.0f}% accepted"
-                   if self.accepted_per_step else ""))
+                   if self.accepted_per_step else "")
+                + (f" | {self.placement}" if self.placement else ""))
 
 
 def peak_rss_mb() -> float:
@@ -72,7 +74,7 @@ class Timer:
         self.t_last = now
         self.tokens += 1
 
-    def metrics(self, prompt_tokens: int, cached_tokens: int = 0) -> Metrics:
+    def metrics(self, prompt_tokens: int, cached_tokens: int = 0, placement: str = "") -> Metrics:
         ttft = self.t_first - self.t_start if self.tokens else 0.0
         decode_s = self.t_last - self.t_first
         after_first = max(self.tokens - 1, 0)
@@ -86,4 +88,5 @@ class Timer:
             peak_rss_mb=peak_rss_mb(),
             total_s=(self.t_last - self.t_start) if self.tokens else 0.0,
             cached_tokens=cached_tokens,
+            placement=placement,
         )

@@ -128,6 +128,9 @@ class Engine:
             except DecodertError as e:
                 raise (DecodertError(f"{what}: {e}") if what != "prompt" else e) from None
         seq = Sequence(ids, params, self._decoder, self.eos_token_ids, self.max_seq, guide)
+        placed = getattr(self.backend, "placement", None)  # runtime/backends/placement.py (ort backends)
+        if placed is not None and placed.source in ("explicit", "measured", "cached"):
+            seq.placement = " ".join(f"{p}={b}" for p, b in placed.phases.items())
         if prepared.turn is not None:  # a chat turn may end the reply early (a repeated tool call)
             seq.watch = prepared.turn.watcher(prepared.text or "")
         media = self.vision if self.vision is not None else self.audio

@@ -224,7 +224,7 @@ def test_model_without_eos_is_refused():
 def _cli_llm(monkeypatch, llm):
     from decodert.cli import common
 
-    monkeypatch.setattr(common, "load", lambda path, backend, verify="fast", draft=None: llm)
+    monkeypatch.setattr(common, "load", lambda path, backend, verify="fast", draft=None, placement="auto": llm)
 
 
 def test_cli_flags(llm, monkeypatch, capsys, tmp_path):

@@ -21,7 +21,7 @@ def test_cli_generate_json_and_stream(monkeypatch, capsys, tmp_path):
     from decodert.cli import common
 
     llm, _ = scripted_llm("hello world", chat_template="{{ messages[0]['content'] }}!")
-    monkeypatch.setattr(common, "load", lambda path, backend, verify="fast", draft=None: llm)
+    monkeypatch.setattr(common, "load", lambda path, backend, verify="fast", draft=None, placement="auto": llm)
     args = _cli(["generate", str(tmp_path), "--prompt", "a", "--greedy", "--stop", "xyz", "o w", "--json"])
     assert args.temperature is None and common.sampling_kwargs(args)["temperature"] == 0.0
     assert args.func(args) == 0
@@ -99,7 +99,7 @@ def test_full_verify_flag_on_generate_chat_and_run(monkeypatch, tmp_path):
 
     seen = []
     llm, _ = scripted_llm("hello world")
-    monkeypatch.setattr(common, "load", lambda path, backend, verify="fast", draft=None: seen.append(verify) or llm)
+    monkeypatch.setattr(common, "load", lambda path, backend, verify="fast", draft=None, placement="auto": seen.append(verify) or llm)
     for argv in (["generate", str(tmp_path), "--prompt", "a", "--json"], ["chat", str(tmp_path)], ["run", "x"]):
         assert _cli(argv).verify == "fast" and _cli(argv + ["--full-verify"]).verify == "full"
     args = _cli(["generate", str(tmp_path), "--prompt", "a", "--json", "--full-verify"])

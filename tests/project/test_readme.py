@@ -40,7 +40,8 @@ def test_the_two_commands_come_first():
     first = text.index("```bash\n")
     commands = re.findall(r"```bash\n(.*?)```", text, flags=re.S)[:2]
     assert text.index("## Two commands") < first
-    assert commands[0].strip().startswith("pip install . && decodert run smollm2 --prompt ")
+    # the openvino extra: the OpenVINO execution provider, the prefill's fast CPU candidate (docs/features/placement.md)
+    assert commands[0].strip().startswith("pip install '.[openvino]' && decodert run smollm2 --prompt ")
     assert commands[1].strip() == "bash .ci/run"
     before = text[:text.index("bash .ci/run")]
     assert "16 minutes" in before and "active environment" in before  # how long, and what it installs where

@@ -9,6 +9,11 @@
   writes only the new positions, nothing is copied or allocated per step.
 - Decode keeps one IOBinding per slot range with fixed input/output buffers; a step writes the
   new token ids and lengths into them and runs.
+- Per-phase placement (runtime/backends/placement.py, docs/features/placement.md): ``phases`` may put the
+  prefill on OpenVINO's own runtime over this prefill graph (``openvino-native``: each call's new K/V rows
+  copied into the cache buffers), or the prefill or the decode step on the OpenVINO execution provider
+  (``openvino``: the artifact's portable prefill graph, ``manifest.phase_graphs["prefill.portable"]`` or a
+  portable artifact's prefill.onnx, bound to the same buffers); verify passes keep the ort sessions.
 """
 
 from __future__ import annotations
@@ -58,7 +63,10 @@ class OrtBackend:
     name = "ort"
 
     def __init__(self, artifact_dir: str | Path, manifest: Manifest, threads: int | None = None,
-                 providers: Sequence[str] | None = None, separate_decode: bool = False):
+                 providers: Sequence[str] | None = None, separate_decode: bool = False,
+                 phases: dict[str, str] | None = None):
+        """``phases``: phase ("prefill" | "decode") -> "ort" | "openvino" | "openvino-native" (prefill only);
+        default: both on ``providers``."""
         self.dir = Path(artifact_dir)
         self.manifest = manifest
         if manifest.dtype not in NP_DTYPES:
@@ -88,8 +96,11 @@ class OrtBackend:
             self.sessions[kind] = open_session(path, options, providers)
             check_session_io(self.sessions[kind], manifest.graphs[kind], path)
         self.sessions.setdefault("decode", self.sessions["prefill"])
+        self._target_prefill = self.sessions["prefill"]  # one-row verify passes (per_position) run on it
         # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
         self._prefill_with_past_batch = target_info(manifest.target).multi_token_rows or self.max_batch
+        self.placed = {"prefill": "ort", "decode": "ort"}  # phase -> what runs it (inspect, the metrics line)
+        self.phase_sessions: dict[str, Any] = {"ort": {k: self.sessions[k] for k in ("prefill", "decode")}}
         # a long one-row prompt runs in chunks of this many tokens (0: in one call): GQA's CPU prefill
         # attends over the whole square, so 512-token chunks cut its share of a 4096-token prompt
         # by about a fifth while the GEMMs stay large (docs/benchmarks/history.md, "Sizes users deploy (issue 32)")
@@ -113,17 +124,59 @@ class OrtBackend:
         layout = manifest.lora_layout
         self.lora_weights = None if layout is None else layout.allocate(manifest.model.spec(), self.np_dtype)
         self.hidden_rows: HiddenRows | None = None  # the last hidden states per slot, once a draft head asks
+        for phase, name in (phases or {}).items():
+            self.place(phase, name, threads)
 
     def keep_hidden(self) -> HiddenRows:
         """Bind the graphs' hidden-state outputs from now on and keep each slot's (runtime/backends/hidden_rows.py)."""
         if not any(t.name == "hidden_state" for t in self.manifest.graphs["prefill"].outputs):
             raise DecodertError(f"{self.dir}: its graphs do not return the hidden state a draft head reads; "
                                 "export it again with --hidden-states")
+        if any(name != "ort" for name in self.placed.values()):
+            raise DecodertError(f"a draft head reads the hidden state of every pass, which only the ort sessions "
+                                f"return; load {self.dir} with placement='off' (--placement off)")
         if self.hidden_rows is None:
             self.hidden_rows = HiddenRows()
             self._decode_bindings.clear()
             self._verify.clear()
         return self.hidden_rows
+
+    def place(self, phase: str, name: str, threads: int | None = None) -> None:
+        """Run ``phase`` ("prefill" | "decode") on ``name`` ("ort" | "openvino" | "openvino-native") from now on, over the same
+        cache buffers (a session opened once per name; bindings made for another session are dropped)."""
+        if phase not in self.placed or name not in ("ort", "openvino", "openvino-native"):
+            raise DecodertError(f"cannot place {phase!r} on {name!r}: phases are prefill and decode, "
+                                "backends ort, openvino and openvino-native")
+        if name == "openvino-native":
+            if phase != "prefill":
+                raise DecodertError("openvino-native runs the prefill only (it copies each call's new rows into the cache)")
+            if "openvino-native" not in self.phase_sessions:
+                from decodert.runtime.backends.openvino.native import NativePrefill
+
+                self.phase_sessions[name] = {"prefill": NativePrefill(self.dir / self.manifest.graphs["prefill"].file, threads,
+                                                                      exact=self.manifest.quant is None)}
+            self.placed[phase] = name
+            return
+        if name not in self.phase_sessions:
+            from decodert.runtime.backends.openvino import ep
+
+            graph, path = portable_prefill(self.dir, self.manifest)
+            session = ep.open_session(path, session_options(threads), threads, exact=self.manifest.quant is None)
+            check_session_io(session, graph, path)
+            self.phase_sessions[name] = {"prefill": session, "decode": session}
+        self.sessions[phase] = self.phase_sessions[name][phase]
+        self.placed[phase] = name
+        if phase == "prefill":  # the portable graph takes any rows over a cache; GroupQueryAttention one
+            info = target_info("portable" if name == "openvino" else self.manifest.target)
+            self._prefill_with_past_batch = info.multi_token_rows or self.max_batch
+        else:
+            self._decode_bindings.clear()
+
+    def drop_unplaced(self) -> None:
+        """Close the sessions no phase runs on any more (after a measurement tried them)."""
+        used = set(self.placed.values())
+        for name in [n for n in self.phase_sessions if n not in used and n != "ort"]:
+            del self.phase_sessions[name]
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:
@@ -144,6 +197,8 @@ class OrtBackend:
         cache.check_room(slots, lens, "the prompt's tokens")
         out = StepOutput(np.empty(len(slots), np.int64),
                          np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
+        if self.placed["prefill"] == "openvino-native":
+            return self._prefill_native(cache, slots, ids, out, want_logits)
         for rows in self._prefill_groups(cache, slots, lens):
             start, n = slots[rows[0]], len(rows)
             whole = self._image_ahead and bool(is_image(ids[rows[0]]).any())  # image tokens see later ones
@@ -158,11 +213,24 @@ class OrtBackend:
             b.seq[:] = lens[rows] - done
             self._bind_images(b)
             group = [slots[r] for r in rows]
+            self._bind_late(b, "prefill", cache, start, n)
             with cache.writing(group):  # a row's states and its record change together (kv_cache.py)
                 _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
                 cache.commit(group, [ids[r][done:] for r in rows])
             self._keep_last(cache, group, b)
             _gather(out, rows, b, want_logits)
+        return out
+
+    def _prefill_native(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], out: StepOutput,
+                        want_logits: bool) -> StepOutput:
+        """Each row's whole prompt in one OpenVINO call (runtime/backends/openvino/native.py), committed after it."""
+        runner = self.phase_sessions["openvino-native"]["prefill"]
+        for j, slot in enumerate(slots):
+            with cache.writing([slot]):
+                logits = runner.run(cache, slot, np.asarray(ids[j], np.int64))
+                cache.commit([slot], [ids[j]])
+            b = _Binding(None, None, None, None, logits[None], np.array([int(np.argmax(logits))], np.int64))
+            _gather(out, [j], b, want_logits)
         return out
 
     def _prefill_chunks(self, cache: KVCache, start: int, row: np.ndarray) -> int:
@@ -177,6 +245,7 @@ class OrtBackend:
             b.past[:] = cache.lengths[start]
             b.seq[:] = chunk
             self._bind_images(b)
+            self._bind_late(b, "prefill", cache, start, 1)
             with cache.writing([start]):
                 _run_bound(self.sessions["prefill"], b.io, self.dir, "prefill")
                 cache.commit([start], [row[done : done + chunk]])
@@ -198,6 +267,7 @@ class OrtBackend:
             if b.offsets is not None:  # each row's next text position (runtime/vision/mrope.py)
                 b.offsets[:, :, 0] = [image_feeds.next_offset(cache.held(start + j), self.images) for j in range(n)]
             run = [slots[r] for r in rows]
+            self._bind_late(b, "decode", cache, start, n)
             with cache.writing(run):
                 _run_bound(self.sessions["decode"], b.io, self.dir, "decode")
                 cache.commit(run, ids[rows].reshape(-1, 1))
@@ -265,7 +335,7 @@ class OrtBackend:
         kind = "prefill" if one_row and self._prefill_verifies and not self._windows else "verify"
         state = self._verify.get(kind)
         if state is None:
-            session = self.sessions["prefill"] if kind == "prefill" else self._open_verify()
+            session = self._target_prefill if kind == "prefill" else self._open_verify()
             state = self._verify[kind] = VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size,
                                                      self._windows if kind == "verify" else None, self.lora_weights,
                                                      (self.hidden, self.np_dtype) if self.hidden_rows is not None else None)
@@ -349,6 +419,20 @@ class OrtBackend:
             for j, slot in enumerate(slots):
                 self.hidden_rows.put(slot, int(cache.lengths[slot]) - 1, b.hidden[j : j + 1])
 
+    def _bind_late(self, b: _Binding, kind: str, cache: KVCache, start: int, n: int) -> None:
+        """Where ``kind`` runs on the OpenVINO EP, bind the call's inputs again now that they are written: its
+        IOBinding copies an input into the provider's memory when it is bound (measured: a prefill bound before
+        its ids were written ran on zeros), so the ids, lengths and the rows' K/V (a copy of the slots' whole
+        cache, [n, H_kv, max_seq, D] per layer: 26 ms for SmolLM2 at max_seq 2048) are bound just before
+        the run. Its outputs land in the bound buffers (the present K/V in the cache itself)."""
+        if self.placed[kind] == "ort":
+            return
+        for name, arr in (("input_ids", b.ids), ("past_lengths", b.past), ("seq_lengths", b.seq)):
+            b.io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        if b.offsets is not None:
+            b.io.bind_input("rope_offsets", "cpu", 0, b.offsets.dtype, b.offsets.shape, b.offsets.ctypes.data)
+        bind_cache(b.io, cache, start, n, self.lora_weights)
+
     def _set_offsets(self, b: _Binding, j: int, cache: KVCache, slot: int, new: np.ndarray) -> None:
         """Row ``j``'s M-RoPE offsets for ``new`` ids, written after what ``slot`` holds."""
         if b.offsets is not None:
@@ -389,6 +473,21 @@ class OrtBackend:
             io.bind_output("hidden_state", "cpu", 0, b.hidden.dtype, b.hidden.shape, b.hidden.ctypes.data)
         bind_cache(io, cache, start, n, self.lora_weights)
         return b
+
+
+def portable_prefill(folder: Path, manifest: Manifest) -> tuple[Any, Path]:
+    """(GraphRecord, path) of the artifact's portable prefill graph: a portable artifact's prefill.onnx, or the
+    per-phase graph an ort export wrote beside its own (``--openvino-prefill``); DecodertError where there is none."""
+    if manifest.target == "portable":
+        graph = manifest.graphs["prefill"]
+    elif "prefill.portable" in (manifest.phase_graphs or {}):
+        graph = manifest.phase_graphs["prefill.portable"].graph
+    else:
+        raise DecodertError(f"{folder} has no portable prefill graph for OpenVINO (--target {manifest.target}); "
+                            "export it with --openvino-prefill (ort target) or --target portable")
+    path = folder / graph.file
+    check_external_data(path)
+    return graph, path
 
 
 def _chosen_finite(logits: np.ndarray, chosen: np.ndarray) -> bool:

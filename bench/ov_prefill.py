@@ -10,9 +10,13 @@ OpenVINO's own runtime, with the settings each takes; prints TTFT per setting an
    ``openvino.Core().read_model(prefill.onnx)`` compiled for "CPU" with a property dict; ``-static``
    ones reshape the graph to the prompt's length first), a fresh worker process loads the prefill
    graph, runs an untimed 16-token prompt (thread pools, buffers), then times one prompt of each
-   ``--lens`` length (fixed pseudo-random ids, an empty cache) twice: ``first`` is the first call at
-   that length (what a request sees), ``again`` the second (a warm shape). Settings alternate
+   ``--lens`` length (fixed pseudo-random ids, an empty cache): ``first`` is the first call at that
+   length (what a request sees), with ``--again`` also the second (a warm shape). Settings alternate
    within every repeat with the first rotating; the table gives medians (min-max) over ``--repeats``.
+   ``ort-cpu`` is timed on the first artifact only (today's path: give the ort target first) unless
+   ``--time-refs``; on the others it is the parity reference. A setting that cannot run an
+   artifact's graph as the contract says is skipped with the reason (the OpenVINO EP on the ort
+   target; OpenVINO's runtime on the ort target without ``-rows``).
 2. The cache is fed as the graph contract says (artifact/graph_contract.py): ``past_key.i`` /
    ``past_value.i`` [1, H_kv, max_seq, D] buffers bound as the same memory as ``present_*`` where
    the runtime allows it (ORT io_binding, OpenVINO ``set_tensor`` on shared numpy memory),
@@ -243,7 +247,7 @@ def worker(spec: str) -> int:
     pre(B.prompt_ids(pre.vocab, 16, seed=1))  # warm-up: pools, buffers
     result: dict[str, Any] = {"load_s": load_s, "first": {}, "again": {}}
     for n in job["lens"]:
-        for which in ("first", "again"):
+        for which in ("first", "again") if job["again"] else ("first",):
             pre.reset()
             ids = B.prompt_ids(pre.vocab, n)
             t0 = time.perf_counter()
@@ -273,8 +277,22 @@ def parity_text(artifact: Path, vocab: int, n: int) -> np.ndarray:
     return B.prompt_ids(vocab, n, seed=2)
 
 
-def run_job(artifact: Path, config: str, args: argparse.Namespace, parity: str) -> dict[str, Any]:
-    job = {"artifact": str(artifact), "config": config, "threads": args.threads, "lens": args.lens,
+def skipped(artifact: Path, config: str) -> str | None:
+    """Why ``config`` cannot run ``artifact``'s prefill as the contract says (None: it can)."""
+    runtime, settings = CONFIGS[config]
+    target = manifest(artifact)["target"]
+    if runtime == "ep" and target != "portable":
+        return "the OpenVINO EP fails on the ort target's contrib ops (EP_FAIL: input names mismatch)"
+    if runtime == "ov" and target == "ort" and not settings.get("rows"):
+        return "OpenVINO's GroupQueryAttention appends to the past it is given: only the -rows settings write the cache"
+    if runtime == "ov" and target != "ort" and settings.get("rows"):
+        return "-rows is for the ort target's GroupQueryAttention (portable graphs scatter into the cache in place)"
+    return None
+
+
+def run_job(artifact: Path, config: str, args: argparse.Namespace, parity: str, timed: bool) -> dict[str, Any]:
+    job = {"artifact": str(artifact), "config": config, "threads": args.threads, "lens": args.lens if timed else [],
+           "again": args.again,
            "parity": parity, "parity_len": args.parity_len, "parity_gen": args.parity_gen,
            "cache_dir": str(args.work / "ov-cache")}
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
@@ -284,8 +302,9 @@ def run_job(artifact: Path, config: str, args: argparse.Namespace, parity: str) 
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"{artifact.name} {config}: worker failed: {tail[:400]}")
     out = json.loads(lines[-1])
-    times = " ".join(f"{n}: {1e3 * out['first'][str(n)]:.0f}/{1e3 * out['again'][str(n)]:.0f} ms" for n in args.lens)
-    log(f"  {artifact.name} {config}: {times} (first/again; load {os.getloadavg()[0]:.1f})")
+    times = " ".join(f"{n}: {1e3 * out['first'][n]:.0f}" + (f"/{1e3 * out['again'][n]:.0f}" if args.again else "")
+                     + " ms" for n in out["first"])
+    log(f"  {artifact.name} {config}: {times or 'parity only'} (load {os.getloadavg()[0]:.1f})")
     return out
 
 
@@ -302,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lens", default="128,1024,4096")
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma list (--list); default {DEFAULT_CONFIGS}")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--again", action="store_true", help="also time a second call at each length (a warm shape)")
+    p.add_argument("--time-refs", action="store_true",
+                   help="time ort-cpu on every artifact (default: the first only; the others are parity references)")
     p.add_argument("--threads", type=int, default=THREADS)
     p.add_argument("--parity-len", type=int, default=128)
     p.add_argument("--parity-gen", type=int, default=32)
@@ -324,17 +346,25 @@ def main(argv: list[str] | None = None) -> int:
     args.lens = [int(x) for x in args.lens.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
     log(f"machine: {B.machine_info()}")
-    jobs = [(a, c) for a in args.artifacts for c in configs]
+    jobs = []
+    for a in args.artifacts:
+        for c in configs:
+            why = skipped(a, c)
+            if why:
+                log(f"  {a.name} {c}: skipped ({why})")
+            else:
+                jobs.append((a, c))
+    timed = [c != "ort-cpu" or a == args.artifacts[0] or args.time_refs for a, c in jobs]
     results = rotate([list(range(len(jobs)))], args.repeats, lambda i: run_job(
-        jobs[i][0], jobs[i][1], args, str(args.work / f"{jobs[i][0].name}-{jobs[i][1]}.npy")), log)
+        jobs[i][0], jobs[i][1], args, str(args.work / f"{jobs[i][0].name}-{jobs[i][1]}.npy"), timed[i]), log)
     ref0 = (args.artifacts[0], "ort-cpu")
     rows = []
     log(f"\nTTFT ms, median (min-max) of {args.repeats}; 'first' = first call at that length, 'again' = second")
-    log(f"{'artifact':<28} {'setting':<18} " + " ".join(f"{'first ' + str(n):>19} {'again ' + str(n):>19}"
-                                                         for n in args.lens) + "  load s  parity")
+    heads = [f"{w} {n}" for n in args.lens for w in (("first", "again") if args.again else ("first",))]
+    log(f"{'artifact':<22} {'setting':<16} " + " ".join(f"{h:>19}" for h in heads) + "  load s  parity")
     for i, (a, c) in enumerate(jobs):
         if i not in results:
-            log(f"{a.name:<28} {c:<18} FAILED")
+            log(f"{a.name:<22} {c:<16} FAILED")
             continue
         rs = results[i]
         parity = []
@@ -346,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
             agree = int((mine.argmax(-1) == theirs.argmax(-1)).sum())
             parity.append(f"vs {ref[0].name}/{ref[1]}: max|dlogit| first {np.abs(mine[0] - theirs[0]).max():.3g}, "
                           f"all {np.abs(mine - theirs).max():.3g}; argmax {agree}/{len(mine)}")
-        cells = " ".join(f"{spread([r['first'][str(n)] for r in rs]):>19} {spread([r['again'][str(n)] for r in rs]):>19}"
-                         for n in args.lens)
-        log(f"{a.name:<28} {c:<18} {cells} {statistics.median(r['load_s'] for r in rs):6.1f}  {'; '.join(parity)}")
+        cells = " ".join(f"{spread([r[w][str(n)] for r in rs]) if timed[i] else '-':>19}"
+                         for n in args.lens for w in (("first", "again") if args.again else ("first",)))
+        log(f"{a.name:<22} {c:<16} {cells} {statistics.median(r['load_s'] for r in rs):6.1f}  {'; '.join(parity)}")
         rows.append({"artifact": str(a), "setting": c, "runs": rs, "parity": parity})
     log(f"load avg {os.getloadavg()}")
     if args.json:

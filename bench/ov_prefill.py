@@ -29,8 +29,12 @@ OpenVINO's own runtime, with the settings each takes; prints TTFT per setting an
    Printed: max |logit difference| at the prompt's last position and over every position, and on how
    many positions the argmax agrees.
 
-Uses only what is installed in this interpreter (onnxruntime, onnxruntime-ep-openvino, openvino); a
-setting whose runtime is missing or refuses the graph is reported and skipped.
+4. ``--ovgenai FOLDER`` (an ``optimum-cli export openvino`` of the same model, bench/competitors.py)
+   adds the peer's own TTFT at each length in the same rotation: OpenVINO GenAI in the ``--ov-venv``
+   environment, a fresh worker per length (load, a 16-token warm-up of other ids, the same prompt ids).
+
+Uses what is installed in this interpreter (onnxruntime, onnxruntime-ep-openvino, openvino); a
+setting whose runtime is missing or refuses the graph is reported and dropped.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from install import DEFAULT_OV_VENV
 from rotation import rotate
 
 from decodert.tools import bench as B
@@ -290,7 +295,23 @@ def skipped(artifact: Path, config: str) -> str | None:
     return None
 
 
+def run_ovgenai_job(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The peer's TTFT at each length, each a fresh OpenVINO GenAI worker (bench/competitors.run_ovgenai):
+    load, a 16-token warm-up of other ids, one request of the same ids the prefill settings get, 1 token."""
+    from competitors import run_ovgenai
+
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    python = args.ov_venv / "bin" / "python"
+    first = {str(n): run_ovgenai(python, folder, B.prompt_ids(vocab, n), 1, args.threads, 1,
+                                 B.prompt_ids(vocab, 16, seed=1), args.timeout).prefill_s for n in args.lens}
+    log(f"  {folder.name} openvino-genai: " + " ".join(f"{n}: {1e3 * t:.0f} ms" for n, t in first.items())
+        + f" (load {os.getloadavg()[0]:.1f})")
+    return {"load_s": 0.0, "first": first, "again": {}}
+
+
 def run_job(artifact: Path, config: str, args: argparse.Namespace, parity: str, timed: bool) -> dict[str, Any]:
+    if config == "openvino-genai":
+        return run_ovgenai_job(artifact, args)
     job = {"artifact": str(artifact), "config": config, "threads": args.threads, "lens": args.lens if timed else [],
            "again": args.again,
            "parity": parity, "parity_len": args.parity_len, "parity_gen": args.parity_gen,
@@ -330,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--work", type=Path, default=Path("/tmp/decodert-ov-prefill"), help="parity logits go here")
     p.add_argument("--list", action="store_true", help="print the settings and exit")
+    p.add_argument("--ovgenai", type=Path, help="also time OpenVINO GenAI on this optimum-cli export (the peer)")
+    p.add_argument("--ov-venv", type=Path, default=DEFAULT_OV_VENV, help="the environment OpenVINO GenAI is in")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if args.list:
@@ -354,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  {a.name} {c}: skipped ({why})")
             else:
                 jobs.append((a, c))
+    if args.ovgenai:
+        jobs.append((args.ovgenai, "openvino-genai"))
     timed = [c != "ort-cpu" or a == args.artifacts[0] or args.time_refs for a, c in jobs]
     results = rotate([list(range(len(jobs)))], args.repeats, lambda i: run_job(
         jobs[i][0], jobs[i][1], args, str(args.work / f"{jobs[i][0].name}-{jobs[i][1]}.npy"), timed[i]), log)
@@ -368,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rs = results[i]
         parity = []
-        for ref in ((a, "ort-cpu"), ref0) if a != ref0[0] else ((a, "ort-cpu"),):
-            if (ref[0], ref[1]) == (a, c) or jobs.index(ref) not in results:
+        for ref in ((a, "ort-cpu"), ref0) if a != ref0[0] and c != "openvino-genai" else ((a, "ort-cpu"),):
+            if (ref[0], ref[1]) == (a, c) or ref not in jobs or jobs.index(ref) not in results:
                 continue
             mine = np.load(args.work / f"{a.name}-{c}.npy")
             theirs = np.load(args.work / f"{ref[0].name}-{ref[1]}.npy")
@@ -383,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"load avg {os.getloadavg()}")
     if args.json:
         args.json.write_text(json.dumps({"machine": B.machine_info(), "configs": {c: CONFIGS[c] for c in configs},
+                                         "ovgenai": str(args.ovgenai) if args.ovgenai else None,
                                          "results": rows}, indent=1) + "\n")
     return 0
 

@@ -206,11 +206,21 @@ def run_ovgenai_job(job: Job, args: argparse.Namespace) -> dict:
 
 
 def measure(jobs: list[Job], args: argparse.Namespace) -> dict[int, list[dict]]:
-    """Every job once per repeat; jobs of one (size, workload) alternate, the first rotating."""
+    """Every job once per repeat; jobs of one (size, workload) alternate, the first rotating. Each run's
+    figures are logged as it ends (a long run can be read before its table)."""
     groups: dict[tuple[str, str], list[int]] = {}
     for i, j in enumerate(jobs):
         groups.setdefault((j.size, j.workload), []).append(i)
-    return rotate(list(groups.values()), args.repeats, lambda i: run_job(jobs[i], args), log)
+
+    def one(i: int) -> dict:
+        out, job = run_job(jobs[i], args), jobs[i]
+        steps = out["step_s"]
+        rate = f", {parse_workload(job.workload)[0] * len(steps) / sum(steps):.1f} tok/s" if steps else ""
+        log(f"  {job.size} {job.runtime} {job.workload}: TTFT {1e3 * out['prefill_s']:.0f} ms{rate} "
+            f"(load {out['load']:.1f})")
+        return out
+
+    return rotate(list(groups.values()), args.repeats, one, log)
 
 
 # ---- the command ---------------------------------------------------------------------------------

@@ -125,7 +125,8 @@ def weight_bytes(runtime: str, path: str) -> int:
     if runtime.startswith("ovgenai"):  # the whole weights file (its embedding table included)
         return (Path(path) / "openvino_model.bin").stat().st_size
     if runtime.startswith("genai"):
-        graph = SimpleNamespace(graphs={"decode": SimpleNamespace(file="model.onnx")}, model=SimpleNamespace(extra={}))
+        graph = SimpleNamespace(graphs={"decode": SimpleNamespace(file="model.onnx")},
+                                model=SimpleNamespace(extra={}, experts=(0, 0)))
         return B.bytes_per_step(Path(path), graph)  # type: ignore[arg-type]
     from decodert.runtime.backends.loading import read_manifest
 

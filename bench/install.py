@@ -27,7 +27,9 @@ from pathlib import Path
 
 PACKAGES = {"onnxruntime_genai": "onnxruntime-genai", "onnx_ir": "onnx-ir", "llama_cpp": "llama-cpp-python"}
 # onnx-ir: needed by onnxruntime-genai's model builder (python -m onnxruntime_genai.models.builder)
-OV_PACKAGES = ("openvino-genai==2026.4.*", "optimum-intel", "nncf")  # the peer, and its exporter (optimum-cli)
+# the peer and its exporter (optimum-cli); optimum-intel 2.2 exports qwen3_5 (as image-text-to-text) only with
+# transformers <= 5.2 (5.4: "Maximum required is 5.2.*"; 5.5 lacks the Qwen3_5DynamicCache it patches)
+OV_PACKAGES = ("openvino-genai==2026.4.*", "optimum-intel", "nncf", "transformers==5.2.*")
 DEFAULT_OV_VENV = Path.home() / ".cache" / "decodert-bench" / "venv-openvino"
 
 

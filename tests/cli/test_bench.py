@@ -186,3 +186,12 @@ def test_ov_prefill_times_the_portable_prefill_on_each_runtime(tiny_checkpoint, 
     assert "argmax 6/6" in rows["ov-f32"]["parity"][0]
     unknown = _bench_script("ov_prefill.py", str(art), "--configs", "ov-nonsense")
     assert unknown.returncode == 2 and "unknown setting" in unknown.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--runtimes", "decodert,nope"], "unknown runtime 'nope'"),
+    (["--max-seq", "200", "--prompt-len", "128", "--gen", "128"], "--max-seq 200 is shorter than"),
+])
+def test_compare_refuses_bad_runtimes_and_short_caches(args, message):
+    proc = _bench_script("compare.py", *args)
+    assert proc.returncode == 2 and message in proc.stderr

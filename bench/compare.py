@@ -129,7 +129,7 @@ def ovgenai_contenders(args: argparse.Namespace) -> list[Contender]:
         folder = timed(f"optimum-cli export openvino {precision}",
                        lambda: build_ovgenai(hf, args.work / name, precision, python, args.block_size))
         if folder is not None:
-            out.append(Contender("openvino-genai", precision, 1, str(folder), note="asym g32" * (precision == "int4")))
+            out.append(Contender("openvino-genai", precision, 1, str(folder), note="asym" * (precision == "int4")))
     if 4 in args.batches:
         log("  openvino-genai batch 4: skipped (bench/ovgenai_worker.py times one token stream)")
     return out

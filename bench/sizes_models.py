@@ -3,7 +3,8 @@ GGUF files llama.cpp runs, all written once into a cache folder and reused.
 
 - ``SHAPES``: hand-written configs from the published shapes of Qwen3-0.6B, Llama-3.2-1B and
   Qwen3-4B (plus ``tiny`` for the smoke test). Speed does not depend on the weight values, so
-  random weights are fair for speed (not for quality or speculation).
+  random weights are fair for speed (not for quality or speculation). ``smollm2`` is the one real
+  checkpoint: the HF folder transformers writes from the SmolLM2 GGUF fixture (bench/competitors.py).
 - ``hf_checkpoint``: ``AutoModelForCausalLM.from_config`` + ``save_pretrained`` (bf16 where the
   shape asks for it, to bound the memory), and a tokenizer: SmolLM2's (from the GGUF fixture)
   with its vocabulary padded to the shape's size by tokens no merge produces.
@@ -43,6 +44,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
     "qwen3-4b": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "dtype": "bfloat16"},  # 16 GB in fp32: stored bf16
+    "smollm2": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True},
     "tiny": {**_QWEN3, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2},
 }
@@ -60,6 +64,10 @@ def hf_checkpoint(name: str, cache: Path, tokenizer_gguf: Path) -> Path:
     folder = cache / name
     if (folder / "config.json").is_file():
         return folder
+    if name == "smollm2":  # the real weights, not a random draw at its shape
+        from competitors import make_hf_folder
+
+        return make_hf_folder(tokenizer_gguf, folder)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -54,8 +54,9 @@ def table(rows: list[dict]) -> str:
 
 def ratios(rows: list[dict]) -> list[str]:
     """decodert against each other runtime at the same size and workload and comparable precision."""
-    pairs = [("decodert-int4", "genai-int4"), ("decodert-int4", "llama-q4_0"), ("decodert-q4_0", "llama-q4_0"),
-             ("decodert-fp32", "genai-fp32"), ("decodert-fp32", "llama-f16")]
+    pairs = [("decodert-int4", "genai-int4"), ("decodert-int4", "ovgenai-int4"), ("decodert-int4", "llama-q4_0"),
+             ("decodert-q4_0", "llama-q4_0"), ("decodert-fp32", "genai-fp32"), ("decodert-fp32", "ovgenai-fp32"),
+             ("decodert-fp32", "llama-f16")]
     index = {(r["size"], r["workload"], r["runtime"]): r for r in rows}
     out = []
     for (size, workload, runtime), mine in sorted(index.items()):

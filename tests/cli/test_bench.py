@@ -166,3 +166,32 @@ def test_prefix_bench_runs_on_a_tiny_artifact(tiny_checkpoint, tmp_path):
     mem = data["memory"]
     assert mem["max_held_bytes"] <= mem["budget_bytes"] and mem["peak_bytes"] <= mem["budget_bytes"]
     assert "goal <= 0.25" in proc.stdout
+
+
+def test_ov_prefill_times_the_portable_prefill_on_each_runtime(tiny_checkpoint, tmp_path):
+    """bench/ov_prefill.py on a tiny portable export: ORT CPU, OpenVINO's runtime in f32 and the OpenVINO EP each
+    report a TTFT per length; OpenVINO f32 gives ORT's greedy tokens from the cache its prefill wrote."""
+    pytest.importorskip("openvino")
+    pytest.importorskip("onnxruntime_ep_openvino")
+    art = tmp_path / "portable"
+    export_model(tiny_checkpoint("llama"), art, max_seq=64, max_batch=1, progress=False, target="portable")
+    proc = _bench_script("ov_prefill.py", str(art), "--lens", "8,24", "--repeats", "1", "--configs", "ov-f32,ep-fp32",
+                         "--parity-len", "8", "--parity-gen", "5", "--work", str(tmp_path / "work"),
+                         "--json", str(tmp_path / "ov.json"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["setting"]: r for r in json.loads((tmp_path / "ov.json").read_text())["results"]}
+    assert set(rows) == {"ort-cpu", "ov-f32", "ep-fp32"}
+    assert all(set(run["first"]) == {"8", "24"} and len(run["tokens"]) == 6 for r in rows.values() for run in r["runs"])
+    assert rows["ov-f32"]["runs"][0]["tokens"] == rows["ort-cpu"]["runs"][0]["tokens"]
+    assert "argmax 6/6" in rows["ov-f32"]["parity"][0]
+    unknown = _bench_script("ov_prefill.py", str(art), "--configs", "ov-nonsense")
+    assert unknown.returncode == 2 and "unknown setting" in unknown.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--runtimes", "decodert,nope"], "unknown runtime 'nope'"),
+    (["--max-seq", "200", "--prompt-len", "128", "--gen", "128"], "--max-seq 200 is shorter than"),
+])
+def test_compare_refuses_bad_runtimes_and_short_caches(args, message):
+    proc = _bench_script("compare.py", *args)
+    assert proc.returncode == 2 and message in proc.stderr

@@ -16,6 +16,11 @@ from seeds import repeat_line, rng_for  # noqa: E402
 from tiny import make_tiny_checkpoint  # noqa: E402
 
 
+# Every load outside tests/runtime/test_placement.py (which clears it) runs today's single ort session: a placement
+# measured per tiny artifact would cost each first load seconds and let timing pick the backend a test checks.
+os.environ.setdefault("DECODERT_PLACEMENT", "off")
+
+
 def pytest_report_header(config):
     return repeat_line()
 

@@ -19,7 +19,8 @@ The rule (docs/features/placement.md):
   when the folder is read-only), keyed by the CPU (model name, flags), the cores this process may use,
   ``$DECODERT_THREADS``, the library versions and the artifact's manifest; a changed key measures again.
 
-Settings (``LLM.load(placement=...)``, ``--placement``): ``"auto"`` (the cached choice, else measure),
+Settings (``LLM.load(placement=...)``, ``--placement``): ``"auto"`` (the cached choice, else measure; where
+``$DECODERT_PLACEMENT`` is set, what it says instead: ``off`` there makes every load today's single session),
 ``"measure"`` (measure again and cache), ``"off"`` / ``"ort"`` (today's single ort session, nothing
 measured or written), or an explicit mapping like ``{"prefill": "openvino", "decode": "ort"}``.
 """
@@ -67,9 +68,18 @@ class Placement:
 OFF = Placement({p: "ort" for p in PHASES}, "off")
 
 
+ENV = "DECODERT_PLACEMENT"  # what "auto" means on this machine: e.g. "off" never measures (CI, reproducible runs)
+
+
 def parse(setting: Any) -> str | dict[str, str]:
     """A placement setting checked: "auto" | "measure" | "off" (None, "ort": off) or a phase -> backend mapping
-    (a CLI string ``prefill=openvino,decode=ort`` too); DecodertError names what is wrong."""
+    (a CLI string ``prefill=openvino,decode=ort`` too); DecodertError names what is wrong. "auto" is
+    ``$DECODERT_PLACEMENT`` where that is set (any setting of this list; a bad one names the variable)."""
+    if setting == "auto" and os.environ.get(ENV, "").strip() not in ("", "auto"):
+        try:
+            return parse(os.environ[ENV].strip())
+        except DecodertError as e:
+            raise DecodertError(f"${ENV}: {e}") from None
     if setting is None or setting == "ort":
         return "off"
     if isinstance(setting, str) and setting in ("auto", "measure", "off"):

@@ -19,6 +19,12 @@ PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def
 EXACT = '{"INFERENCE_PRECISION_HINT": "f32"}'  # OpenVINO in f32: a random tiny model's flat logits leave no ties to flip
 
 
+@pytest.fixture(autouse=True)
+def _auto_means_auto(monkeypatch):
+    """tests/conftest.py turns "auto" off for the rest of the suite; here it measures."""
+    monkeypatch.delenv(placement.ENV, raising=False)
+
+
 @pytest.fixture(scope="module")
 def tiny_arts(tiny_checkpoint, tmp_path_factory):
     """A tiny llama exported for ort without and with the portable prefill (fp32, and int4 with it)."""
@@ -56,6 +62,16 @@ def test_off_and_single_are_todays_backend(tiny_arts, monkeypatch):
     assert placement.openvino_refusal(load_manifest(tiny_arts["ov"])) is None
     assert "no portable prefill" in placement.openvino_refusal(load_manifest(tiny_arts["plain"]))
     assert placement.openvino_refusal(load_manifest(tiny_arts["plain"]), "openvino-native") is None
+
+
+def test_the_environment_says_what_auto_means(monkeypatch):
+    monkeypatch.setenv(placement.ENV, "off")
+    assert placement.parse("auto") == "off" and placement.parse("measure") == "measure"
+    monkeypatch.setenv(placement.ENV, "prefill=openvino-native")
+    assert placement.parse("auto") == {"prefill": "openvino-native"}
+    monkeypatch.setenv(placement.ENV, "sideways")
+    with pytest.raises(DecodertError, match=r"^\$DECODERT_PLACEMENT: placement must be"):
+        placement.parse("auto")
 
 
 def test_the_cache_key_and_file(tiny_arts, tmp_path, monkeypatch):

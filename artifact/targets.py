@@ -20,15 +20,19 @@ class TargetInfo:
     backends: tuple[str, ...]  # runtime backends that can run its graphs (trt: after `decodert build`)
     multi_token_rows: int | None = None  # rows a multi-token step over a non-empty cache may have (None: any)
     about: str = ""
+    standard_ops: bool = False  # its graphs use standard ONNX ops only: OpenVINO's execution provider takes its prefill whole
+    openvino_reads_prefill: bool = False  # OpenVINO's own runtime reads its prefill graph (placement's openvino-native)
+    portable_prefill_beside: bool = False  # its export may add a portable prefill graph beside its own (--openvino-prefill)
 
     def runs_on(self, backend: str) -> bool:
         return backend in self.backends
 
 
 TARGET_INFOS: dict[str, TargetInfo] = {t.name: t for t in (
-    TargetInfo("ort", ("ort",), multi_token_rows=1, about="ONNX Runtime contrib ops"),  # GroupQueryAttention: batch 1 with a cache
+    TargetInfo("ort", ("ort",), multi_token_rows=1, about="ONNX Runtime contrib ops",
+               openvino_reads_prefill=True, portable_prefill_beside=True),  # GroupQueryAttention: batch 1 with a cache
     TargetInfo("trt", ("trt", "ort"), about="standard ONNX TensorRT parses"),
-    TargetInfo("portable", ("ort", "trt"), about="standard ONNX ops only"),
+    TargetInfo("portable", ("ort", "trt"), about="standard ONNX ops only", standard_ops=True),
 )}
 
 

@@ -36,9 +36,10 @@ WEIGHTS = "weights.portable.bin"
 
 def check_openvino_prefill(target: str, kv: KVDtype, lora: LoraLayout | None, quant: QuantConfig | None) -> None:
     """A one-line error where ``--openvino-prefill`` cannot give the same model as the target's prefill."""
-    if target != "ort":
+    info = get_target(target).info
+    if not info.portable_prefill_beside:
         raise DecodertError(f"--openvino-prefill adds a portable prefill graph to --target ort artifacts; a --target "
-                            f"{target} artifact's prefill.onnx is {'already portable' if target == 'portable' else 'for TensorRT'}")
+                            f"{target} artifact's prefill.onnx is {'already portable' if info.standard_ops else 'for TensorRT'}")
     if kv.quantized:
         raise DecodertError(f"--openvino-prefill takes a float KV cache (--kv-dtype {kv.name} keeps calibrated scales "
                             "the portable prefill does not read)")

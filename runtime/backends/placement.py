@@ -41,6 +41,7 @@ import numpy as np
 
 from decodert.errors import DecodertError, first_line
 from decodert.artifact.manifest import MANIFEST, Manifest
+from decodert.artifact.targets import target_info
 from decodert.artifact.version import __version__
 
 PHASES = ("prefill", "decode")
@@ -113,9 +114,10 @@ def candidates(manifest: Manifest) -> dict[str, list[str]]:
 def openvino_refusal(manifest: Manifest, name: str = "openvino") -> str | None:
     """Why ``auto`` never places a phase of this artifact on ``name`` ("openvino": the EP over the portable prefill;
     "openvino-native": OpenVINO's runtime over the ort prefill); None: it may, after measuring."""
-    if name == "openvino" and not (manifest.target == "portable" or "prefill.portable" in (manifest.phase_graphs or {})):
+    info = target_info(manifest.target)
+    if name == "openvino" and not (info.standard_ops or "prefill.portable" in (manifest.phase_graphs or {})):
         return "no portable prefill graph (export with --openvino-prefill)"
-    if name == "openvino-native" and manifest.target != "ort":
+    if name == "openvino-native" and not info.openvino_reads_prefill:
         return f"reads the ort target's prefill graph, not a --target {manifest.target} one"
     if manifest.dtype != "fp32" or (manifest.kv_dtype or manifest.dtype) != "fp32":
         return f"{manifest.dtype} activations / {manifest.kv_dtype} cache: only fp32 was checked on OpenVINO"

@@ -274,7 +274,7 @@ def _nan_at(value: float):
 
 DAMAGED = {  # id -> (change, the message's parts)
     "qweight-float32": (_set(Q + "qweight", lambda w: w.astype(np.float32)), ["qweight", "must be 2-D I32", "found F32"]),
-    "qweight-int64": (_set(Q + "qweight", lambda w: w.astype(np.int64)), ["qweight", "unsupported dtype I64"]),
+    "qweight-int64": (_set(Q + "qweight", lambda w: w.astype(np.int64)), ["qweight", "must be 2-D I32", "found I64"]),
     "qzeros-float16": (_set(Q + "qzeros", lambda w: (w % 1000).astype(np.float16)), ["qzeros", "found F16"]),
     "g_idx-float32": (_set(Q + "g_idx", lambda w: w.astype(np.float32)), ["g_idx", "found F32"]),
     "scales-int32": (_set(Q + "scales", lambda w: w.astype(np.int32)), ["scales", "F16 / BF16 / F32", "found I32"]),

@@ -478,7 +478,7 @@ class OrtBackend:
 def portable_prefill(folder: Path, manifest: Manifest) -> tuple[Any, Path]:
     """(GraphRecord, path) of the artifact's portable prefill graph: a portable artifact's prefill.onnx, or the
     per-phase graph an ort export wrote beside its own (``--openvino-prefill``); DecodertError where there is none."""
-    if manifest.target == "portable":
+    if target_info(manifest.target).standard_ops:
         graph = manifest.graphs["prefill"]
     elif "prefill.portable" in (manifest.phase_graphs or {}):
         graph = manifest.phase_graphs["prefill.portable"].graph

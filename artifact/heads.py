@@ -8,10 +8,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import onnx
+
 from decodert.errors import DecodertError
 
 HEAD_MANIFEST = "head.json"
-HEAD_FAMILIES = ("gemma4_assistant",)  # models/families/gemma4_assistant.py MODEL_TYPES
+HEAD_FAMILIES = ("gemma4_assistant", "qwen3_5_mtp")  # gemma4_assistant.py MODEL_TYPES; the MTP layers of qwen3_5.py
+HEAD_METHODS = {"gemma4_assistant": "assistant", "qwen3_5_mtp": "mtp"}  # family -> the speculative= that drafts with it
 
 
 def target_identity(manifest: Any) -> str:
@@ -20,6 +24,17 @@ def target_identity(manifest: Any) -> str:
     if rec is None:
         raise DecodertError(f"the target's manifest records no hash of {manifest.weights.file}")
     return rec.sha256
+
+
+def head_method(folder: str | Path) -> str | None:
+    """The speculative= method that drafts with the head artifact ``folder`` (None: not a head artifact)."""
+    path = Path(folder) / HEAD_MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return HEAD_METHODS.get(json.loads(path.read_text()).get("family"), "assistant")
+    except (OSError, ValueError):
+        return "assistant"  # load_head says what is wrong with it
 
 
 def has_hidden_states(manifest: Any) -> bool:
@@ -45,3 +60,15 @@ def load_head(folder: str | Path, target: Any) -> dict:
     return record
 
 
+def target_embedding(folder: Path, manifest: Any) -> np.ndarray:
+    """The target's token embedding table [V, hidden], a read-only view of its weights file (the prefill graph's
+    ``embed`` initializer, stored in float); one line where it is stored quantized."""
+    graph = onnx.load(str(folder / manifest.graphs["prefill"].file), load_external_data=False)
+    init = next((t for t in graph.graph.initializer if t.name == "embed"), None)
+    if init is None or init.data_location != onnx.TensorProto.EXTERNAL or init.data_type not in (1, 10):
+        raise DecodertError(f"{folder}: the target's embedding table is not stored in float in its weights file "
+                            "(a quantized embedding); draft heads need a float one")
+    info = {e.key: e.value for e in init.external_data}
+    dtype = np.float32 if init.data_type == 1 else np.float16
+    return np.memmap(folder / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
+                     shape=tuple(init.dims))

@@ -59,7 +59,8 @@ def add_constraint(p: argparse.ArgumentParser) -> None:
 
 
 SPECULATIVE_HELP = ("ngram: prompt lookup (drafts from n-grams of the prompt and the answer); draft: a draft model "
-                    "(--draft); assistant: a draft head that reads the target's hidden states (--draft HEAD); "
+                    "(--draft); assistant: a draft head that reads the target's hidden states (--draft HEAD); mtp: a Qwen3.5 "
+                    "MTP head (--draft HEAD); "
                     "auto: the head or draft model given, else ngram")
 
 
@@ -67,10 +68,10 @@ def add_speculative(p: argparse.ArgumentParser, help: str = SPECULATIVE_HELP) ->
     """--speculative ngram|draft, --draft ARTIFACT, --draft-len K (docs: runtime/speculation/speculative.py); the
     same flags on run, generate, chat, serve and bench (``help``: what --speculative does there)."""
     g = p.add_argument_group("speculative decoding (the same output, several tokens per model pass)")
-    g.add_argument("--speculative", choices=("ngram", "draft", "assistant", "auto"), default=None, help=help)
+    g.add_argument("--speculative", choices=("ngram", "draft", "assistant", "mtp", "auto"), default=None, help=help)
     g.add_argument("--draft", type=Path, default=None, metavar="ARTIFACT",
                    help="the draft model's artifact (same tokenizer), or a draft head's (head.json: `decodert export "
-                        "HEAD --target-artifact`); implies --speculative draft, or assistant for a head")
+                        "HEAD --target-artifact`); implies --speculative draft, or the head's: assistant | mtp")
     g.add_argument("--draft-len", type=int, default=None, metavar="K",
                    help="most tokens drafted per step (default 8; the adaptive width stays at or under it)")
 
@@ -80,24 +81,24 @@ def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     method = getattr(args, "speculative", None)
     draft, draft_len = getattr(args, "draft", None), getattr(args, "draft_len", None)
     if method is None and draft is not None:
-        from decodert.artifact.heads import HEAD_MANIFEST
+        from decodert.artifact.heads import head_method
 
-        method = "assistant" if (Path(draft) / HEAD_MANIFEST).is_file() else "draft"
+        method = head_method(draft) or "draft"
     if method is None:
         if draft_len is not None:
             raise DecodertError("--draft-len needs --speculative ngram|draft")
         return {}
     if method == "draft" and draft is None:
         raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
-    if method == "assistant" and draft is None:
-        raise DecodertError("--speculative assistant needs --draft HEAD (a draft head artifact)")
-    if method in ("draft", "assistant") and draft is not None:
-        from decodert.artifact.heads import HEAD_MANIFEST
+    if method in ("assistant", "mtp") and draft is None:
+        raise DecodertError(f"--speculative {method} needs --draft HEAD (a draft head artifact)")
+    if method in ("draft", "assistant", "mtp") and draft is not None:
+        from decodert.artifact.heads import head_method
 
-        head = (Path(draft) / HEAD_MANIFEST).is_file()
-        if head != (method == "assistant"):
-            raise DecodertError(f"--draft {draft} is {'a draft head' if head else 'a draft model'}: use "
-                                f"--speculative {'assistant' if head else 'draft'}")
+        want = head_method(draft) or "draft"
+        if method != want:
+            raise DecodertError(f"--draft {draft} is {'a draft model' if want == 'draft' else 'a draft head'}: use "
+                                f"--speculative {want}")
     if draft_len is not None and draft_len < 1:
         raise DecodertError(f"--draft-len must be >= 1 (got {draft_len})")
     from decodert.runtime.speculation.speculative import SpeculativeConfig

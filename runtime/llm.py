@@ -203,7 +203,8 @@ class LLM:
         sha256 of every file, as ``--full-verify``) or "none"; a mismatch names the file.
         ``draft``: a second model with the same tokenizer, the drafter of ``speculative="draft"`` (opened
         by ``cls.load``: through the façade, it may be a checkpoint too); or a draft head's artifact (head.json:
-        ``decodert export HEAD --target-artifact``), the drafter of ``speculative="assistant"`` (and of "auto").
+        ``decodert export HEAD --target-artifact``), the drafter of ``speculative="assistant"`` or ``"mtp"`` (a Qwen3.5
+        MTP head), as its record says (and of "auto").
         ``prefix_cache_mb``: the prefix cache's budget in MiB (None: the default; 0: off).
         ``tool_parser``: the tool-call format ("hermes" | "llama3" | "mistral" | "phi4"; None: the template's).
         ``adapters``: LoRA adapters by name -> PEFT folder, for an artifact exported with ``--lora-slots``;
@@ -234,9 +235,9 @@ class LLM:
             tool_format(None, tool_parser)  # an unknown name fails before the weights load
         opened = open_backend(path, manifest, backend, placement)
         if draft is not None and drafter is None:
-            from decodert.runtime.speculation.heads import HeadDrafter
+            from decodert.runtime.speculation.heads import head_drafter
 
-            head = HeadDrafter(opened, draft, record)
+            head = head_drafter(opened, draft, record)
         llm = cls(opened, tokenizer, manifest, drafter, prefix_cache_mb, tool_parser, cache_dir, cache_dir_gb,
                   str(path.resolve()), head)
         if adapters is not None and not isinstance(adapters, Mapping):

@@ -1,6 +1,8 @@
 """Draft heads as artifacts of their own: a head checkpoint exported beside the target artifact it drafts for.
 
     decodert export HEAD_FOLDER --target-artifact TARGET -o OUT
+    decodert export TARGET_FOLDER --target-artifact TARGET -o OUT   (a checkpoint whose mtp.* layers are the head:
+                                                                     Qwen3.5, models/families/qwen3_5.MTP_WEIGHTS)
         OUT/head.json   what the head is (family), which target it belongs to (the sha256 of the target's
                         weights.bin, as the target's manifest records it), the target layers whose K/V it reads,
                         its graph's I/O
@@ -8,10 +10,11 @@
 
 A head reads the target's last hidden state, which the target's graphs return only when exported with
 ``--hidden-states`` (export/lowering/io_contract.hidden_outputs); a target without them is refused in one line, as
-is loading a head beside any other target. Families: gemma4_assistant (models/families/gemma4_assistant.py). The
-Qwen3.5 / Qwen3-Next MTP layers and EAGLE-3 heads fit the same record: their graphs take the same hidden state
-(EAGLE-3: three layers' features, more outputs of the same kind) and keep their own small K/V in a KVCache of
-their own, rewound with the target's rows as the draft model's cache is.
+is loading a head beside any other target. Families: gemma4_assistant (models/families/gemma4_assistant.py; it
+reads the target's K/V) and qwen3_5_mtp (the MTP layer of a Qwen3.5 checkpoint, exported from the target's own
+folder: the same ``--target-artifact`` path, SRC being the checkpoint the target was exported from; the head keeps
+its own small K/V, runtime/speculation/mtp.py). EAGLE-3 heads fit the same record (three layers' features, more
+outputs of the same kind).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import onnx
 
 from decodert.errors import DecodertError
 from decodert.artifact.graph_contract import kv_storage
-from decodert.artifact.heads import HEAD_FAMILIES, HEAD_MANIFEST, has_hidden_states, load_head, target_identity  # noqa: F401
+from decodert.artifact.heads import (HEAD_FAMILIES, HEAD_MANIFEST, has_hidden_states, load_head,  # noqa: F401
+                                     target_embedding, target_identity)
 from decodert.artifact.manifest import load_manifest
 from decodert.artifact.safetensors_file import SafetensorsFile
 from decodert.models.families import gemma4_assistant as assistant_family
+from decodert.models.families import qwen3_5 as mtp_family
 
 HEAD_GRAPH = "head.onnx"
 
@@ -42,50 +47,140 @@ def is_head_checkpoint(src: str | Path) -> bool:
         return False
 
 
-def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Path, dtype: str | None = None) -> dict:
-    """Export the head checkpoint ``src`` for the target artifact ``target_artifact`` into ``out_dir``; returns
-    head.json's record. ``dtype``: the target's unless given (fp32 | fp16)."""
-    from decodert.export.heads.gemma4_assistant import build_head_graph, head_contract
+def has_mtp_layers(src: str | Path) -> bool:
+    """Whether ``src`` is a checkpoint folder of a family with MTP layers that carries them (mtp.fc.weight)."""
+    src = Path(src)
+    try:
+        config = json.loads((src / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if config.get("model_type") not in mtp_family.MODEL_TYPES:
+        return False
+    for f in sorted(src.glob("*.safetensors")):
+        opened = SafetensorsFile(f)
+        try:
+            if mtp_family.MTP_WEIGHTS["fc"] in opened:
+                return True
+        finally:
+            opened.close()
+    return False
 
+
+def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Path, dtype: str | None = None) -> dict:
+    """Export the head checkpoint ``src`` (or the MTP layers of the target checkpoint ``src``) for the target
+    artifact ``target_artifact`` into ``out_dir``; returns head.json's record. ``dtype``: the target's unless given
+    (fp32 | fp16)."""
     src, out = Path(src), Path(out_dir)
     try:
         config = json.loads((src / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise DecodertError(f"{src / 'config.json'}: cannot read ({e})") from None
-    if config.get("model_type") not in HEAD_FAMILIES:
+    mtp = config.get("model_type") in mtp_family.MODEL_TYPES
+    if mtp and not has_mtp_layers(src):
+        raise DecodertError(f"{src}: this checkpoint carries no MTP layers ({mtp_family.MTP_WEIGHTS['fc']} is missing)")
+    if config.get("model_type") not in HEAD_FAMILIES and not mtp:
         raise DecodertError(f"{src}: model_type {config.get('model_type')!r} is not a draft head "
-                            f"(supported: {', '.join(HEAD_FAMILIES)})")
+                            f"(supported: {', '.join(HEAD_FAMILIES[:-1])}, or a {'/'.join(mtp_family.MODEL_TYPES)} "
+                            "checkpoint with mtp.* layers)")
     target = load_manifest(target_artifact)
-    spec = assistant_family.spec_from_hf(config)
-    tspec = target.model.spec()
     if not has_hidden_states(target):
         raise DecodertError(f"{target_artifact}: its graphs do not return the hidden state a head reads; "
                             "export the target again with --hidden-states")
-    if spec.backbone_hidden_size != tspec.hidden_size or spec.vocab_size != tspec.vocab_size:
-        raise DecodertError(f"{src}: the head drafts for a model of hidden size {spec.backbone_hidden_size} and "
-                            f"vocabulary {spec.vocab_size}; {target_artifact} has {tspec.hidden_size} and {tspec.vocab_size}")
     if kv_storage(target).quantized:
         raise DecodertError(f"{target_artifact}: a quantized KV cache ({target.kv_dtype}) is not read by draft heads yet")
     dtype = dtype or target.dtype
     if dtype != target.dtype or dtype not in ("fp32", "fp16"):
         raise DecodertError(f"the head's dtype {dtype} must be the target's, fp32 or fp16 (the target: {target.dtype})")
+    out.mkdir(parents=True, exist_ok=True)
+    if mtp:
+        record = _export_mtp(src, out, config, target, target_artifact, dtype)
+    else:
+        record = _export_assistant(src, out, config, target, target_artifact, dtype)
+    (out / HEAD_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _target_record(target, tspec) -> dict:
+    return {"weights_sha256": target_identity(target), "family": tspec.family, "hidden_size": tspec.hidden_size,
+            "vocab_size": tspec.vocab_size}
+
+
+def _export_assistant(src: Path, out: Path, config: dict, target, target_artifact, dtype: str) -> dict:
+    from decodert.export.heads.gemma4_assistant import build_head_graph, head_contract
+
+    spec = assistant_family.spec_from_hf(config)
+    tspec = target.model.spec()
+    if spec.backbone_hidden_size != tspec.hidden_size or spec.vocab_size != tspec.vocab_size:
+        raise DecodertError(f"{src}: the head drafts for a model of hidden size {spec.backbone_hidden_size} and "
+                            f"vocabulary {spec.vocab_size}; {target_artifact} has {tspec.hidden_size} and {tspec.vocab_size}")
     sources = assistant_family.source_layers(tspec, spec)
     dims = {i: tspec.head_dim_of(i) for i in sources.values()}
     weights = _read_weights(src, assistant_family.weight_names(spec))
-    out.mkdir(parents=True, exist_ok=True)
     model = build_head_graph(spec, weights, sources, dims, dtype, target.max_seq)
     onnx.save_model(model, out / HEAD_GRAPH, save_as_external_data=True, location="head.bin", size_threshold=1024)
     onnx.checker.check_model(str(out / HEAD_GRAPH), full_check=True)
-    record = {"format": "decodert-head", "version": 1, "family": "gemma4_assistant", "dtype": dtype,
-              "max_seq": target.max_seq,
-              "target": {"weights_sha256": target_identity(target), "family": tspec.family,
-                         "hidden_size": tspec.hidden_size, "vocab_size": tspec.vocab_size},
-              "reads": {"hidden": "hidden_state", "kv_layers": {k: int(v) for k, v in sources.items()}},
-              "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(spec).items()
-                       if not isinstance(v, dict)},
-              "graph": {"file": HEAD_GRAPH, **head_contract(spec, sources, dims, dtype, target.max_seq)}}
-    (out / HEAD_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
-    return record
+    return {"format": "decodert-head", "version": 1, "family": "gemma4_assistant", "dtype": dtype,
+            "max_seq": target.max_seq, "target": _target_record(target, tspec),
+            "reads": {"hidden": "hidden_state", "kv_layers": {k: int(v) for k, v in sources.items()}},
+            "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(spec).items()
+                     if not isinstance(v, dict)},
+            "graph": {"file": HEAD_GRAPH, **head_contract(spec, sources, dims, dtype, target.max_seq)}}
+
+
+_EMBED_ROWS_CHECKED = 64  # rows of the embedding compared with the target's: the head is the target checkpoint's
+
+
+def _export_mtp(src: Path, out: Path, config: dict, target, target_artifact, dtype: str) -> dict:
+    """The MTP layer of the checkpoint ``src`` (the one ``target_artifact`` was exported from: its family, sizes and
+    the first rows of its embedding must be the target's) -> head.onnx with the target's lm_head."""
+    from decodert.export.heads.qwen3_5_mtp import build_mtp_graph, mtp_contract
+
+    tspec = target.model.spec()
+    spec = mtp_family.mtp_spec(config)
+    if tspec.family != mtp_family.__name__.rsplit(".", 1)[-1] or spec.hidden_size != tspec.hidden_size \
+            or spec.vocab_size != tspec.vocab_size:
+        raise DecodertError(f"{src}: its MTP layers draft for a {config.get('model_type')} model of hidden size "
+                            f"{spec.hidden_size} and vocabulary {spec.vocab_size}; {target_artifact} is a {tspec.family} "
+                            f"model of {tspec.hidden_size} and {tspec.vocab_size}")
+    keys = _checkpoint_keys(src)
+    if mtp_family.MTP_MOE_KEY in keys:
+        raise DecodertError(f"{src}: its MTP layer's MLP is a mixture of experts (Qwen3.5-MoE / Qwen3-Next), "
+                            "not supported yet")
+    names = dict(mtp_family.MTP_WEIGHTS)
+    plain = {mtp_family.sanitize(k): k for k in keys if mtp_family.sanitize(k) is not None}
+    head = plain.get("lm_head.weight") or (plain.get("model.embed_tokens.weight") if tspec.tie_word_embeddings else None)
+    embed = plain.get("model.embed_tokens.weight")
+    if head is None or embed is None:
+        raise DecodertError(f"{src}: no lm_head / embed_tokens weight for the MTP head")
+    names["lm_head"], names["embed_rows"] = head, embed
+    weights = _read_weights(src, names)
+    rows = weights.pop("embed_rows")[:_EMBED_ROWS_CHECKED]
+    theirs = np.asarray(target_embedding(Path(target_artifact), target)[: len(rows)], np.float32)
+    if not np.allclose(rows, theirs, atol=1e-2 if dtype == "fp16" else 1e-6):
+        raise DecodertError(f"{src}: its embedding is not {target_artifact}'s; export the MTP head from the "
+                            "checkpoint the target was exported from")
+    for name in mtp_family.MTP_ONE_PLUS_W:
+        weights[name] = weights[name] + np.float32(1.0)
+    onnx.save_model(build_mtp_graph(spec, weights, dtype, target.max_seq), out / HEAD_GRAPH,
+                    save_as_external_data=True, location="head.bin", size_threshold=1024)
+    onnx.checker.check_model(str(out / HEAD_GRAPH), full_check=True)
+    return {"format": "decodert-head", "version": 1, "family": "qwen3_5_mtp", "dtype": dtype,
+            "max_seq": target.max_seq, "target": _target_record(target, tspec),
+            "reads": {"hidden": "hidden_state", "kv_layers": {}},
+            "cache": {"layers": 1, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
+            "spec": {k: v for k, v in dataclasses.asdict(spec).items() if k != "rope"},
+            "graph": {"file": HEAD_GRAPH, **mtp_contract(spec, dtype)}}
+
+
+def _checkpoint_keys(src: Path) -> set[str]:
+    keys: set[str] = set()
+    for f in sorted(src.glob("*.safetensors")):
+        opened = SafetensorsFile(f)
+        try:
+            keys.update(opened.keys())
+        finally:
+            opened.close()
+    return keys
 
 
 def _read_weights(src: Path, names: dict[str, str]) -> dict[str, np.ndarray]:

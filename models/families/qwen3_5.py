@@ -2,7 +2,8 @@
 in the fourth.
 
     config.json  model_type qwen3_5_text, or qwen3_5 (an image-text checkpoint: text_config, vision_config,
-                 image_token_id; model.language_model.*, model.visual.* and mtp.* weights, the MTP head left out)
+                 image_token_id; model.language_model.*, model.visual.* and mtp.* weights: the MTP layer is left out
+                 of the target and exported as a draft head of its own, ``MTP_WEIGHTS`` below)
     GGUF         general.architecture qwen35, as llama.cpp's converter writes it (conversion/qwen.py):
                  ssm_a = -exp(A_log), the conv squeezed to [C, K], (1 + w) norms stored as the factor
                  (not ssm_norm), value heads reordered from grouped-by-key-head to tiled when Hv > Hk;
@@ -45,6 +46,7 @@ from decodert.errors import DecodertError
 from decodert.models.common import (declared, gguf_attention, gguf_key, gguf_layers, gguf_mlp, hf_attention, hf_mlp, hf_rope,
                                     partial_rotary_factor, spec_from_gguf_meta, spec_from_hf_config)
 from decodert.models.families import qwen3_vl
+from decodert.models.rope import RopeSpec
 from decodert.models.layers import AttentionSpec, GatedDeltaNetSpec, LayerSpec, MLPSpec, MoESpec
 from decodert.models.spec import ImageTokens, ModelSpec, MRopeSpec
 from decodert.models.vision import VisionSpec
@@ -290,3 +292,63 @@ ATTENTION = dict(qk_norm=True, output_gate=True)  # gated attention: q_proj also
 def _layers(kinds: tuple[str, ...], attention: AttentionSpec, delta: GatedDeltaNetSpec,
             mlp: MLPSpec) -> tuple[LayerSpec, ...]:
     return tuple(LayerSpec(attention if kind == "attention" else delta, mlp) for kind in kinds)
+
+
+# ---- the MTP layer (multi-token prediction), a draft head of its own (export/heads/qwen3_5_mtp.py) ----------------
+# The published checkpoints' mtp.* tensors (mtp_num_hidden_layers: 1), which transformers does not load; the embedding
+# and lm_head are the target's. One step, for the pair (h_p: the target's hidden state at position p, after its final
+# norm; t: the token at p + 1), every RMSNorm (1 + w):
+#     x   = fc([pre_fc_norm_embedding(embed(t)), pre_fc_norm_hidden(h_p)])      [2 hidden] -> [hidden]
+#     x   = a full-attention decoder layer of the target's kind (gated attention, q/k norm, partial RoPE at
+#           position p, its own K/V), then its MLP, each with its residual
+#     h'  = mtp.norm(x);  logits = lm_head(h')   (h' is the next step's h, at position p + 1)
+_M = "mtp.layers.0."
+MTP_WEIGHTS: dict[str, str] = {
+    "fc": "mtp.fc.weight",  # [hidden, 2 hidden]: embedding columns first, then the hidden state's
+    "embed_norm": "mtp.pre_fc_norm_embedding.weight",
+    "hidden_norm": "mtp.pre_fc_norm_hidden.weight",
+    "input_norm": _M + "input_layernorm.weight",
+    "q": _M + "self_attn.q_proj.weight",  # per head [query | gate] rows, as the target's
+    "k": _M + "self_attn.k_proj.weight",
+    "v": _M + "self_attn.v_proj.weight",
+    "o": _M + "self_attn.o_proj.weight",
+    "q_norm": _M + "self_attn.q_norm.weight",
+    "k_norm": _M + "self_attn.k_norm.weight",
+    "post_norm": _M + "post_attention_layernorm.weight",
+    "gate": _M + "mlp.gate_proj.weight",
+    "up": _M + "mlp.up_proj.weight",
+    "down": _M + "mlp.down_proj.weight",
+    "final_norm": "mtp.norm.weight",
+    "lm_head": "lm_head.weight",  # the target's (its embedding where tied)
+}
+MTP_ONE_PLUS_W = ("embed_norm", "hidden_norm", "input_norm", "q_norm", "k_norm", "post_norm", "final_norm")
+MTP_MOE_KEY = _M + "mlp.gate.weight"  # Qwen3.5-MoE / Qwen3-Next: the MTP layer's MLP is a MoE
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpSpec:
+    """What the MTP head's graph needs (the target's attention and MLP sizes, its RoPE)."""
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeSpec  # the target's (partial: rotary_dim)
+
+
+def mtp_spec(config: dict) -> MtpSpec:
+    """The MTP head's spec from the target's config.json; more than one MTP layer refused in one line."""
+    target = spec_from_hf(config)
+    text = text_config(config)
+    layers = int(text.get("mtp_num_hidden_layers", 1) or 0)
+    if layers != 1:
+        raise DecodertError(f"qwen3_5 MTP: mtp_num_hidden_layers {layers} is not supported (one MTP layer)")
+    if str(text.get("hidden_act", "silu")) != "silu":
+        raise DecodertError(f"qwen3_5 MTP: hidden_act {text.get('hidden_act')!r} is not supported (silu)")
+    return MtpSpec(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                   num_heads=int(text["num_attention_heads"]), num_kv_heads=int(text["num_key_value_heads"]),
+                   head_dim=int(text["head_dim"]), intermediate_size=int(text["intermediate_size"]),
+                   rms_norm_eps=float(text["rms_norm_eps"]), rope=target.rope)

@@ -28,6 +28,10 @@ class HiddenRows:
             return None
         return got[1][position - got[0]]
 
+    def span(self, slot: int) -> tuple[int, np.ndarray] | None:
+        """(first position, rows [w, hidden]) of ``slot``'s last pass, if any (an MTP head catches up over them)."""
+        return self._rows.get(slot)
+
     def move(self, src: int, dst: int) -> None:
         got = self._rows.pop(src, None)
         if got is None:

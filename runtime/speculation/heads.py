@@ -17,28 +17,28 @@ from pathlib import Path
 from typing import Any, Sequence as Seq
 
 import numpy as np
-import onnx
 
+from decodert.artifact.heads import HEAD_METHODS, target_embedding
 from decodert.errors import DecodertError
 from decodert.runtime.backends.kv_cache import contiguous_runs
 
 
-def target_embedding(folder: Path, manifest: Any) -> np.ndarray:
-    """The target's token embedding table [V, hidden], a read-only view of its weights file (the prefill graph's
-    ``embed`` initializer, stored in float); one line where it is stored quantized."""
-    graph = onnx.load(str(folder / manifest.graphs["prefill"].file), load_external_data=False)
-    init = next((t for t in graph.graph.initializer if t.name == "embed"), None)
-    if init is None or init.data_location != onnx.TensorProto.EXTERNAL or init.data_type not in (1, 10):
-        raise DecodertError(f"{folder}: the target's embedding table is not stored in float in its weights file "
-                            "(a quantized embedding); draft heads need a float one")
-    info = {e.key: e.value for e in init.external_data}
-    dtype = np.float32 if init.data_type == 1 else np.float16
-    return np.memmap(folder / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
-                     shape=tuple(init.dims))
+def head_drafter(backend: Any, folder: str | Path, record: dict) -> Any:
+    """The drafter of the head artifact ``folder`` (its record ``record``): by the family head.json names."""
+    if record["family"] == "qwen3_5_mtp":
+        from decodert.runtime.speculation.mtp import MtpDrafter
+
+        drafter = MtpDrafter(backend, folder, record)
+    else:
+        drafter = HeadDrafter(backend, folder, record)
+    drafter.method = HEAD_METHODS[record["family"]]
+    return drafter
 
 
 class HeadDrafter:
     """Greedy chained drafts from a head artifact beside the target (export/heads/__init__.py ``load_head``)."""
+
+    method = "assistant"
 
     def __init__(self, backend: Any, folder: str | Path, record: dict) -> None:
         if getattr(backend, "name", None) != "ort":

@@ -43,7 +43,7 @@ from decodert.runtime.decoding.generate import Sequence, decode_step
 from decodert.runtime.decoding.metrics import Metrics
 from decodert.runtime.decoding.sampling import apply_processors, draw, greedy, make_distribution
 
-METHODS = ("ngram", "draft", "assistant", "auto")
+METHODS = ("ngram", "draft", "assistant", "mtp", "auto")
 PRIOR = 0.5  # acceptance of a kind of proposal nobody has verified yet (one pseudo-observation)
 HINDSIGHT = 0.25  # weight of a draft judged in hindsight (not verified) against a verified one
 
@@ -52,6 +52,7 @@ HINDSIGHT = 0.25  # weight of a draft judged in hindsight (not verified) against
 class SpeculativeConfig:
     """``method``: "ngram" (prompt lookup) | "draft" (LLM.load(..., draft=ARTIFACT)) | "assistant" (a draft head
     that reads the target's hidden states: LLM.load(..., draft=HEAD_ARTIFACT), runtime/speculation/heads.py) |
+    "mtp" (a Qwen3.5 MTP head, the same way: runtime/speculation/mtp.py; each head answers to its own method) |
     "auto" (the head when one is loaded, else the draft model, else prompt lookup); ``draft_len``:
     most tokens drafted per step; ``max_ngram`` / ``min_ngram``: the match lengths prompt lookup
     tries; ``adaptive``: pick the draft length from measured acceptance and step costs."""
@@ -101,12 +102,16 @@ class Speculator:
 
     def drafter(self, config: SpeculativeConfig) -> Drafter:
         method = config.method
+        head_method = getattr(self._head, "method", None)
         if method == "auto":
-            method = "assistant" if self._head is not None else "draft" if self._draft_backend is not None else "ngram"
-        if method == "assistant":
+            method = head_method or ("draft" if self._draft_backend is not None else "ngram")
+        if method in ("assistant", "mtp"):
             if self._head is None:
-                raise DecodertError("speculative='assistant' needs a draft head: LLM.load(path, draft=HEAD_ARTIFACT) "
+                raise DecodertError(f"speculative='{method}' needs a draft head: LLM.load(path, draft=HEAD_ARTIFACT) "
                                     "(--draft; export one with `decodert export HEAD --target-artifact TARGET`)")
+            if method != head_method:
+                raise DecodertError(f"speculative='{method}' does not draft with the loaded head; it is a "
+                                    f"speculative='{head_method}' head")
             return self._head
         with self._making:
             if method == "ngram":

@@ -1,0 +1,172 @@
+"""Drafting with a Qwen3.5 MTP layer (``speculative="mtp"``): a head with attention of its own, so a small K/V of its own.
+
+The head's entry at position p is the MTP layer run on the pair (h_p: the target's hidden state at p, the token at
+p + 1) at RoPE position p (export/heads/qwen3_5_mtp.py). ``MtpDrafter.propose`` for a row whose target cache holds L
+positions, the pending token t_L not run yet:
+
+    step 1      catch up: the pairs of positions M..L-1 (M: the entries the head holds for the row), from the target's
+                hidden rows of the last pass (runtime/backends/hidden_rows.py) -> their entries, and the draft d1 from
+                the last one (the pair (h_{L-1}, t_L))
+    step i > 1  the pair (the head's own hidden_out, d_{i-1}) at position L + i - 2 -> d_i; its entry is scratch
+
+``HeadCache`` owns the head's K/V, one row per target cache slot, written by the drafter through one rule:
+
+    an entry at position p is kept while the row's history still begins with the tokens 0..p+1 it was computed
+    from, p lies in the run of entries computed from the target's own hidden states, and p < the target's length.
+
+So the head is rewound with the target's rows by the same tokens: a rejected draft, a new row in the slot, a
+prefix hit or a session turn that rewound the target leave the head holding the longest beginning of the history
+its entries still describe; the drafted steps' entries (their hidden state is the head's, not the target's) are
+never kept: the next proposal catches up over them from the target's hidden rows. Where those rows do not reach
+back to the head's entries (the prompt: prefill returns only its last hidden state; a plain decode step the planner
+did not draft at) the row's run starts again at the first position they cover (``starts``): the head attends over
+the positions it holds an entry for. Drafts depend on it; the tokens committed never do (the target verifies every
+draft, as a draft model's: greedy drafts are a one-hot proposal).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Sequence as Seq
+
+import numpy as np
+
+from decodert.artifact.heads import target_embedding
+from decodert.errors import DecodertError
+from decodert.runtime.backends.kv_cache import common_prefix
+
+
+class HeadCache:
+    """The MTP head's K/V per target slot: keys / values [slots, H_kv, max_seq, D]; per slot ``starts`` / ``lengths``
+    (the run of entries [start, length) it holds) and ``tokens`` (the history they were computed from, 0..length)."""
+
+    def __init__(self, slots: int, kv_heads: int, max_seq: int, head_dim: int, dtype: Any) -> None:
+        self.keys = np.zeros((slots, kv_heads, max_seq, head_dim), dtype)
+        self.values = np.zeros_like(self.keys)
+        self.starts = np.zeros(slots, np.int64)
+        self.lengths = np.zeros(slots, np.int64)
+        self.tokens = [np.zeros(0, np.int64) for _ in range(slots)]
+
+    def kept(self, slot: int, history: np.ndarray, target_length: int) -> int:
+        """Rewind ``slot`` to the entries the rule keeps for a row of ``history`` whose target holds
+        ``target_length`` positions; returns the new length."""
+        same = common_prefix(self.tokens[slot], history, len(history))  # entry p needs tokens 0..p+1
+        n = min(int(self.lengths[slot]), same - 1, target_length)
+        if n <= self.starts[slot]:
+            self.starts[slot] = n = max(n, 0)
+        self.lengths[slot] = n
+        return n
+
+    def restart(self, slot: int, at: int) -> None:
+        """The row's run starts again at position ``at`` (the entries before it are not read any more)."""
+        self.starts[slot] = self.lengths[slot] = at
+
+    def write(self, slot: int, at: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Entries [H_kv, n, D] at positions at..at+n-1 (scratch until ``settle`` counts them)."""
+        n = keys.shape[1]
+        self.keys[slot, :, at : at + n] = keys
+        self.values[slot, :, at : at + n] = values
+
+    def settle(self, slot: int, length: int, history: np.ndarray) -> None:
+        """Entries up to ``length`` are the target's pairs, computed from history[: length + 1]."""
+        self.lengths[slot] = length
+        self.tokens[slot] = np.array(history[: length + 1], np.int64)
+
+    def past(self, slots: Seq[int], upto: int) -> tuple[np.ndarray, np.ndarray]:
+        """[n, H_kv, P, D] of the rows' first P = max(1, upto) positions (the graph's past_key / past_value)."""
+        p = max(1, upto)
+        return self.keys[list(slots), :, :p], self.values[list(slots), :, :p]
+
+
+class MtpDrafter:
+    """Greedy chained drafts from a qwen3_5_mtp head artifact (export/heads/__init__.py ``load_head``)."""
+
+    def __init__(self, backend: Any, folder: str | Path, record: dict) -> None:
+        if getattr(backend, "name", None) != "ort":
+            raise DecodertError("draft heads run on the ort backend for now (--backend ort)")
+        self.backend, self.record = backend, record
+        self.rows = backend.keep_hidden()
+        self.session = backend.open_graph(str((Path(folder) / record["graph"]["file"]).resolve()))
+        self.dtype = backend.np_dtype
+        self.embed = target_embedding(backend.dir, backend.manifest)
+        self.cache: HeadCache | None = None  # made for the first target cache seen (its slots and max_seq)
+        self.seconds_per_token = 0.0  # EMA, measured
+
+    def _head_cache(self, target: Any) -> HeadCache:
+        if self.cache is None or len(self.cache.lengths) != target.slots or self.cache.keys.shape[2] != target.max_seq:
+            c = self.record["cache"]
+            self.cache = HeadCache(target.slots, c["num_kv_heads"], target.max_seq, c["head_dim"], self.dtype)
+        return self.cache
+
+    def _run(self, embeds: np.ndarray, hidden: np.ndarray, at: np.ndarray, starts: np.ndarray, n: np.ndarray,
+             slots: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """One call: pairs [B, S] at positions at..at+n-1 over the head's entries -> (next_token, hidden_out,
+        new keys, new values)."""
+        keys, values = self.cache.past(slots, int(at.max()))
+        _, token, hidden_out, k, v = self.session.run(None, {
+            "token_embeds": embeds, "hidden": hidden, "past_lengths": at, "past_starts": starts, "seq_lengths": n,
+            "past_key.0": keys, "past_value.0": values})
+        return token, hidden_out, k, v
+
+    def propose(self, seqs: Seq[Any], limits: Seq[int]) -> tuple[list[np.ndarray], list[int]]:
+        drafts = [np.zeros(0, np.int64) for _ in seqs]
+        t0, made = time.perf_counter(), 0
+        rows = []  # (j, slot, L, M, hidden rows of positions M..L-1)
+        for j, (seq, k) in enumerate(zip(seqs, limits)):
+            at = getattr(seq.spec, "at", None)  # (cache, slot): set by speculative.step
+            if k <= 0 or at is None:
+                continue
+            target, slot = at
+            length = int(target.lengths[slot])
+            if length != seq.length - 1:
+                continue
+            cache = self._head_cache(target)
+            history = seq.history[: seq.length]
+            held = cache.kept(slot, history, length)
+            got = self.rows.span(slot)  # (first position, [w, hidden]) of the target's last pass
+            if got is None or not got[0] <= length - 1 < got[0] + len(got[1]):
+                continue
+            first, computed = got
+            if held < first:  # the target's rows do not reach back to the head's entries: a new run
+                cache.restart(slot, first)
+                held = first
+            rows.append((j, slot, length, held, computed[held - first : length - first]))
+        if not rows:
+            return drafts, [1] * len(seqs)
+        cache = self.cache
+        slots = [r[1] for r in rows]
+        width = max(len(r[4]) for r in rows)
+        b, h = len(rows), self.embed.shape[1]
+        embeds, hidden = np.zeros((b, width, h), self.dtype), np.zeros((b, width, h), self.dtype)
+        n = np.array([len(r[4]) for r in rows], np.int64)
+        at = np.array([r[3] for r in rows], np.int64)
+        for i, (j, slot, length, held, computed) in enumerate(rows):
+            hidden[i, : n[i]] = computed
+            embeds[i, : n[i]] = self.embed[seqs[j].history[held + 1 : length + 1]]  # the token after each position
+        token, hidden_out, k, v = self._run(embeds, hidden, at, cache.starts[slots], n, slots)
+        for i, (j, slot, length, held, _) in enumerate(rows):
+            cache.write(slot, held, k[i, :, : n[i]], v[i, :, : n[i]])
+            cache.settle(slot, length, seqs[j].history)
+        steps = max(limits[r[0]] for r in rows)
+        tokens = np.zeros((b, steps), np.int64)
+        tokens[:, 0] = token
+        position = np.array([r[2] for r in rows], np.int64)  # step 2's pair sits at L
+        ones = np.ones(b, np.int64)
+        made += b
+        for step in range(1, steps):
+            embeds = np.asarray(self.embed[tokens[:, step - 1]], self.dtype)[:, None]
+            token, hidden_out, k, v = self._run(embeds, hidden_out[:, None], position, cache.starts[slots], ones, slots)
+            for i, slot in enumerate(slots):  # scratch: read by the next step, overwritten by the next catch-up
+                cache.write(slot, int(position[i]), k[i], v[i])
+            tokens[:, step] = token
+            position = position + 1
+            made += b
+        for i, r in enumerate(rows):
+            drafts[r[0]] = tokens[i, : limits[r[0]]].copy()
+        per_token = (time.perf_counter() - t0) / max(made, 1)
+        self.seconds_per_token = per_token if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per_token
+        return drafts, [1] * len(seqs)
+
+    def release(self, seq: Any) -> None:
+        pass

@@ -1,0 +1,176 @@
+"""Qwen3.5's MTP layer as a draft head (speculative="mtp") on a tiny random Qwen3.5 whose safetensors carry random
+mtp.* tensors in the published layout (models/families/qwen3_5.MTP_WEIGHTS).
+
+transformers does not load the MTP layer, so there is no transformers reference for it: ``MtpReference`` below is
+an independent torch one, written from the layer definitions (the published checkpoints' mtp.* modules, as vLLM's
+and SGLang's Qwen3.5 / Qwen3-Next MTP models run them) and built of transformers' own Qwen3.5 modules with the mtp
+weights loaded into them: Qwen3_5RMSNorm (the (1 + w) norms), a Qwen3_5DecoderLayer of kind full_attention (gated
+attention, q/k norm, partial RoPE, the MLP) and Qwen3_5TextRotaryEmbedding. It runs the whole sequence of pairs
+(h_p, token p+1) at once under a causal mask, so it keeps no cache: the head's own K/V, written call by call, is
+checked by agreeing with it (draft logits within 1e-4)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+
+from tiny import _randomise, make_tiny_checkpoint  # noqa: E402
+
+from decodert.errors import DecodertError  # noqa: E402
+from decodert.artifact.manifest import load_manifest  # noqa: E402
+from decodert.export.heads import HEAD_GRAPH, export_head, load_head  # noqa: E402
+from decodert.export.pipeline import export_model  # noqa: E402
+
+TOL = 1e-4
+MAX_SEQ = 128
+
+
+class MtpReference(torch.nn.Module):
+    """The MTP module with the checkpoint's names (mtp.<name>): pre_fc_norm_embedding, pre_fc_norm_hidden, fc,
+    layers.0 (a full-attention Qwen3.5 decoder layer), norm; the target's embed_tokens and lm_head beside it."""
+
+    def __init__(self, text: transformers.Qwen3_5TextConfig) -> None:
+        super().__init__()
+        config = transformers.Qwen3_5TextConfig(**{**text.to_dict(), "num_hidden_layers": 1,
+                                                   "layer_types": ["full_attention"]})
+        config._attn_implementation = "eager"
+        h = config.hidden_size
+        self.pre_fc_norm_embedding = q35.Qwen3_5RMSNorm(h, eps=config.rms_norm_eps)
+        self.pre_fc_norm_hidden = q35.Qwen3_5RMSNorm(h, eps=config.rms_norm_eps)
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.layers = torch.nn.ModuleList([q35.Qwen3_5DecoderLayer(config, 0)])
+        self.norm = q35.Qwen3_5RMSNorm(h, eps=config.rms_norm_eps)
+        self.rotary = q35.Qwen3_5TextRotaryEmbedding(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Pairs [1, S, h] (the embedding of token p+1, the hidden state at p) at positions first..first+S-1
+        -> the normed output [1, S, h] (lm_head of it: the logits; the next step's hidden state)."""
+        s = embeds.shape[1]
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
+        positions = torch.arange(first, first + s)[None]
+        mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+        x = self.layers[0](x, position_embeddings=self.rotary(x, positions), attention_mask=mask,
+                           position_ids=positions)
+        return self.norm(x)
+
+
+def add_mtp_layers(src, seed: int = 2) -> MtpReference:
+    """Random mtp.* tensors added to the checkpoint's safetensors (and mtp_num_hidden_layers to its config.json);
+    returns the reference module holding them."""
+    config = transformers.AutoConfig.from_pretrained(src)
+    torch.manual_seed(seed)
+    ref = MtpReference(config).eval()
+    _randomise(ref, seed)
+    with torch.no_grad():  # norms near 0: Qwen3.5's RMSNorm multiplies by (1 + w)
+        for name, p in ref.named_parameters():
+            if name.endswith("norm.weight"):
+                p.sub_(1.0)
+    tensors = load_file(src / "model.safetensors")
+    tensors.update({f"mtp.{k}": v.numpy().copy() for k, v in ref.state_dict().items() if not k.startswith("rotary")})
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**raw, "mtp_num_hidden_layers": 1}, indent=2))
+    return ref
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny Qwen3.5 with MTP layers, its transformers model, the reference MTP, and an fp32 export with the
+    hidden-state outputs and its MTP head beside it."""
+    root = tmp_path_factory.mktemp("q35mtp")
+    src = make_tiny_checkpoint("qwen3_5", root / "target")
+    ref = add_mtp_layers(src)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    art = root / "target-art"
+    export_model(src, art, max_seq=MAX_SEQ, max_batch=4, progress=False, hidden_states=True)
+    head = root / "head"
+    record = export_head(src, head, art)
+    return root, src, model, ref, art, head, record
+
+
+def _pairs(model, ids: list[int]):
+    """transformers' target over ``ids``: (every position's last hidden state [n, h], the embedding of each next
+    token [n, h] (the last: the target's greedy choice), that choice)."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+        nxt = int(out.logits[0, -1].argmax())
+        embeds = model.get_input_embeddings()(torch.tensor(ids[1:] + [nxt]))
+    return out.hidden_states[-1][0], embeds, nxt
+
+
+def test_the_head_record_and_its_target(target):
+    _, _, _, _, art, head, record = target
+    assert record["family"] == "qwen3_5_mtp" and record["target"]["family"] == "qwen3_5"
+    assert record["target"]["weights_sha256"] == load_manifest(art).files["weights.bin"].sha256
+    assert load_head(head, load_manifest(art))["cache"] == {"layers": 1, "num_kv_heads": 2, "head_dim": 32}
+
+
+def test_draft_logits_match_the_reference(target):
+    """Three rows of different lengths, each caught up in two calls (the head's K/V of the first call read by the
+    second), then a chained step over its own previous hidden state: logits and hidden_out within 1e-4 of the
+    reference over the whole sequence of pairs."""
+    _, _, model, ref, _, head, _ = target
+    sess = ort.InferenceSession(str(head / HEAD_GRAPH), providers=["CPUExecutionProvider"])
+    rows = [[5, 9, 33, 7, 100, 3, 41, 8], [17, 2, 250], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71]]
+    lm_head = model.get_output_embeddings()
+    states = [_pairs(model, ids) for ids in rows]
+    n = np.array([len(r) for r in rows])
+    split = n - np.array([3, 1, 5])  # the first call's pairs per row
+    b, width, h = len(rows), int(n.max()), 64
+    cache = np.zeros((2, b, 2, MAX_SEQ, 32), np.float32)  # (key, value) [B, Hkv, max_seq, D]
+
+    def call(first, count, embeds, hidden):
+        p = max(1, int(first.max()))
+        out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {
+            "token_embeds": embeds, "hidden": hidden, "past_lengths": first, "past_starts": np.zeros(b, np.int64),
+            "seq_lengths": count, "past_key.0": cache[0, :, :, :p], "past_value.0": cache[1, :, :, :p]})))
+        for i in range(b):
+            for c, name in enumerate(("new_key.0", "new_value.0")):
+                cache[c, i, :, first[i] : first[i] + count[i]] = out[name][i, :, : count[i]]
+        return out
+
+    for lo, hi in ((np.zeros(b, np.int64), split), (split, n)):
+        count = (hi - lo).astype(np.int64)
+        embeds, hidden = np.zeros((b, int(count.max()), h), np.float32), np.zeros((b, int(count.max()), h), np.float32)
+        for i, (hs, es, _) in enumerate(states):
+            embeds[i, : count[i]] = es[lo[i] : hi[i]].numpy()
+            hidden[i, : count[i]] = hs[lo[i] : hi[i]].numpy()
+        out = call(lo.astype(np.int64), count, embeds, hidden)
+    assert width == 12
+    chained = []
+    with torch.no_grad():
+        for i, (hs, es, _) in enumerate(states):
+            y = ref(es[None], hs[None])  # [1, n, h]
+            want = lm_head(y[0, -1]).numpy()
+            np.testing.assert_allclose(out["logits"][i], want, atol=TOL)
+            np.testing.assert_allclose(out["hidden_out"][i], y[0, -1].numpy(), atol=TOL)
+            d1 = int(want.argmax())
+            assert out["next_token"][i] == d1
+            e2 = model.get_input_embeddings()(torch.tensor([d1]))
+            y2 = ref(torch.cat([es, e2])[None], torch.cat([hs, y[0, -1:]])[None])  # the pair (h', d1) at n
+            chained.append((e2[0].numpy(), lm_head(y2[0, -1]).numpy()))
+    out2 = call(n.astype(np.int64), np.ones(b, np.int64), np.stack([e for e, _ in chained])[:, None],
+                out["hidden_out"][:, None])
+    for i, (_, want) in enumerate(chained):
+        np.testing.assert_allclose(out2["logits"][i], want, atol=TOL)
+
+
+def test_the_head_refuses_what_it_cannot_draft_for(target, tmp_path):
+    root, src, _, _, art, _, _ = target
+    plain = tmp_path / "plain"
+    export_model(src, plain, max_seq=MAX_SEQ, max_batch=2, progress=False)
+    with pytest.raises(DecodertError, match="export the target again with --hidden-states"):
+        export_head(src, tmp_path / "h", plain)
+    bare = make_tiny_checkpoint("qwen3_5", tmp_path / "bare", seed=4)
+    with pytest.raises(DecodertError, match="carries no MTP layers"):
+        export_head(bare, tmp_path / "h2", art)
+    add_mtp_layers(bare)  # another checkpoint's MTP layers beside this target
+    with pytest.raises(DecodertError, match="its embedding is not"):
+        export_head(bare, tmp_path / "h3", art)

@@ -123,7 +123,7 @@ class MtpDrafter:
                 continue
             cache = self._head_cache(target)
             history = seq.history[: seq.length]
-            held = cache.kept(slot, history, length)
+            held = min(cache.kept(slot, history, length), length - 1)  # the last pair runs again: it drafts d1
             got = self.rows.span(slot)  # (first position, [w, hidden]) of the target's last pass
             if got is None or not got[0] <= length - 1 < got[0] + len(got[1]):
                 continue

@@ -174,3 +174,168 @@ def test_the_head_refuses_what_it_cannot_draft_for(target, tmp_path):
     add_mtp_layers(bare)  # another checkpoint's MTP layers beside this target
     with pytest.raises(DecodertError, match="its embedding is not"):
         export_head(bare, tmp_path / "h3", art)
+
+
+def test_the_targets_hidden_state_is_what_the_head_reads(target):
+    """The target's verify graph returns transformers' hidden_states[-1] (after the final norm), the h of the pairs."""
+    _, _, model, _, art, _, _ = target
+    ids = np.array([[5, 9, 33, 7, 100, 3, 41]], np.int64)
+    sess = ort.InferenceSession(str(art / "verify.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": ids, "past_lengths": np.zeros(1, np.int64)}
+    for t in sess.get_inputs():
+        if t.name.startswith("past_") and t.name != "past_lengths":
+            feeds[t.name] = np.zeros([1 if s == "batch" else s for s in t.shape], np.float32)
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    np.testing.assert_allclose(out["seq_hidden"][0], _pairs(model, ids[0].tolist())[0].numpy(), atol=TOL)
+
+
+# ---- drafting: LLM.load(target, draft=HEAD), speculative="mtp" --------------------------------------------------
+PROMPTS = [[5, 9, 33, 7, 100, 3, 41, 8], [17, 2, 250], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [300, 301]]
+
+
+@pytest.fixture(scope="module")
+def drafting(target):
+    from decodert.runtime.llm import LLM
+
+    _, _, _, _, art, head, _ = target
+    llm = LLM.load(art, backend="ort", draft=head, prefix_cache_mb=0)
+    plain = [llm.generate(p, max_new_tokens=20).token_ids for p in PROMPTS]
+    return llm, plain
+
+
+def test_greedy_mtp_is_plain_decoding_batch_1_and_4(drafting):
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, plain = drafting
+    fixed = SpeculativeConfig("mtp", draft_len=4, adaptive=False)  # every step drafts and verifies
+    assert [llm.generate(p, max_new_tokens=20, speculative=fixed).token_ids for p in PROMPTS] == plain
+    results = llm.generate(PROMPTS, max_new_tokens=20, speculative=fixed)
+    assert [r.token_ids for r in results] == plain
+    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=20, speculative="mtp")] == plain
+    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=20, speculative="auto")] == plain
+    with pytest.raises(DecodertError, match="it is a speculative='mtp' head"):
+        llm.generate(PROMPTS[0], max_new_tokens=2, speculative="assistant")
+
+
+def _reference_chain(model, ref, history: list[int], start: int, k: int):
+    """The reference's k greedy drafts for a row whose target holds history[:-1], the head's run starting at
+    ``start``: pairs start..L-1 from the target's hidden states, then each draft's pair (its own output, the
+    draft) -> (drafts, the K/V [H_kv, n, D] of every pair but the last draft's: the entries the head wrote)."""
+    hs, _, _ = _pairs(model, history[:-1])
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    length = len(history) - 1
+    es = embed(torch.tensor(history[start + 1 :]))
+    hs = hs[start:length]
+    out = []
+    with torch.no_grad():
+        for _ in range(k):
+            y = ref(es[None], hs[None], first=start)[0]
+            token = int(lm_head(y[-1]).argmax())
+            out.append(token)
+            es, hs = torch.cat([es, embed(torch.tensor([token]))]), torch.cat([hs, y[-1:]])
+        layer = ref.layers[0].self_attn
+        x = ref.fc(torch.cat([ref.pre_fc_norm_embedding(es[:-1]), ref.pre_fc_norm_hidden(hs[:-1])], -1))[None]
+        a = ref.layers[0].input_layernorm(x)
+        keys = layer.k_norm(layer.k_proj(a).view(1, -1, 2, 32)).transpose(1, 2)
+        values = layer.v_proj(a).view(1, -1, 2, 32).transpose(1, 2)
+        cos, sin = ref.rotary(x, torch.arange(start, start + x.shape[1])[None])
+        _, keys = q35.apply_rotary_pos_emb(keys, keys, cos, sin)
+    return out, keys[0].numpy(), values[0].numpy()
+
+
+def test_the_head_drafts_what_the_reference_drafts_and_keeps_its_rule(drafting, target):
+    """Every proposal of a speculative generation: the drafter's tokens are the reference's chain from the run of
+    entries the head held for the row; after it, the head's cache holds the target's pairs of that run (the
+    reference layer's K/V) as kept entries, no more than the target's positions, computed from the row's own
+    tokens, and the drafted pairs' K/V after them as scratch."""
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, _ = drafting
+    _, _, model, ref, _, _, _ = target
+    drafter = llm.engine.speculator.drafter(SpeculativeConfig("mtp"))
+    seen = []
+    propose = drafter.propose
+
+    def spy(seqs, limits):
+        drafts, keys = propose(seqs, limits)
+        cache, slot = seqs[0].spec.at
+        c = drafter.cache
+        seen.append((seqs[0].history[: seqs[0].length].tolist(), drafts[0].tolist(), int(c.starts[slot]),
+                     int(c.lengths[slot]), int(cache.lengths[slot]), c.keys[slot].copy(), c.values[slot].copy(),
+                     c.tokens[slot].copy()))
+        return drafts, keys
+
+    drafter.propose = spy
+    try:
+        llm.generate(PROMPTS[0], max_new_tokens=14, speculative=SpeculativeConfig("mtp", draft_len=3, adaptive=False))
+    finally:
+        drafter.propose = propose
+    assert len(seen) >= 4 and any(start < length - 1 for _, _, start, length, *_ in seen)  # runs longer than 1
+    assert sum(len(d) == 3 for _, d, *_ in seen) >= 3
+    for history, draft, start, length, target_length, keys, values, tokens in seen:
+        want, want_k, want_v = _reference_chain(model, ref, history, start, len(draft))
+        assert draft == want and len(draft) >= 1
+        assert length == target_length and tokens.tolist() == history[: length + 1]
+        end = start + want_k.shape[1]  # the kept entries [start, length), then the drafted steps' scratch
+        np.testing.assert_allclose(keys[:, start:end], want_k, atol=TOL)
+        np.testing.assert_allclose(values[:, start:end], want_v, atol=TOL)
+
+
+def test_the_head_cache_rule():
+    """HeadCache.kept: a row keeps the entries whose tokens (0..p+1) its history still begins with, below the
+    target's length, inside its run; a rewind under the run's start empties it."""
+    from decodert.runtime.speculation.mtp import HeadCache
+
+    c = HeadCache(2, 1, 16, 4, np.float32)
+    history = np.arange(10, 20)
+    c.restart(0, 2)
+    c.settle(0, 7, history)  # entries 2..6, from tokens 0..7
+    assert c.kept(0, history, 9) == 7
+    assert c.kept(0, history, 5) == 5  # the target rewound (a rejected draft, a reused slot)
+    c.settle(0, 7, history)
+    other = history.copy()
+    other[6] = 99  # the history differs from token 6 on: entries up to 4 (tokens 0..5) stay
+    assert c.kept(0, other, 9) == 5
+    c.settle(0, 7, history)
+    other[3] = 99  # differs before the run's start: nothing kept, the run starts again
+    assert c.kept(0, other, 9) == 2 and c.starts[0] == 2
+    assert c.kept(1, history, 9) == 0  # a slot never written
+
+
+def test_sessions_and_prefix_hits_stay_exact(drafting, target):
+    from decodert.runtime.llm import LLM
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, _ = drafting
+    _, _, _, _, art, head, _ = target
+    fixed = SpeculativeConfig("mtp", draft_len=3, adaptive=False)
+    cached = LLM.load(art, backend="ort", draft=head)  # with the prefix cache
+    long = PROMPTS[2] * 3
+    want = llm.generate(long, max_new_tokens=12).token_ids
+    first = cached.generate(long, max_new_tokens=12, speculative=fixed)
+    again = cached.generate(long, max_new_tokens=12, speculative=fixed)
+    assert first.token_ids == want and again.token_ids == want and again.metrics.cached_tokens > 0
+    plain_session, spec_session = llm.session(), llm.session()
+    for message in ("hello there", "and again", "one more"):
+        a = plain_session.chat(message, max_new_tokens=8)
+        b = spec_session.chat(message, max_new_tokens=8, speculative=fixed)
+        assert a.token_ids == b.token_ids
+    assert spec_session.cached_tokens > 0
+
+
+def test_cli_exports_the_mtp_head_and_runs_it(target, tmp_path, capsys):
+    """`decodert export TARGET_FOLDER --target-artifact T` writes the MTP head; `decodert run T --draft HEAD` drafts
+    with it (implies --speculative mtp); another method with it is refused in one line."""
+    from decodert.cli import main
+
+    _, src, _, _, art, _, _ = target
+    assert main(["export", str(src), "--target-artifact", str(art), "-o", str(tmp_path / "h")]) == 0
+    assert "exported qwen3_5_mtp head" in capsys.readouterr().out
+    assert main(["run", str(art), "--backend", "ort", "--draft", str(tmp_path / "h"), "--prompt", "hello",
+                 "--max-new-tokens", "4"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(art), "--backend", "ort", "--draft", str(tmp_path / "h"), "--speculative", "assistant",
+                 "--prompt", "hello"]) == 2
+    assert "use --speculative mtp" in capsys.readouterr().err
+    assert main(["run", str(art), "--backend", "ort", "--speculative", "mtp", "--prompt", "hello"]) == 2
+    assert "needs --draft HEAD" in capsys.readouterr().err

@@ -32,6 +32,13 @@ class HiddenRows:
         """(first position, rows [w, hidden]) of ``slot``'s last pass, if any (an MTP head catches up over them)."""
         return self._rows.get(slot)
 
+    def prepend(self, slot: int, start: int, earlier: np.ndarray) -> None:
+        """Rows the caller knows are still the target's for positions start.. before ``slot``'s last pass (a hybrid
+        row's replay runs the verify's accepted tokens again from the same state: their rows are the verify's)."""
+        got = self._rows.get(slot)
+        if got is not None and start <= got[0] <= start + len(earlier):
+            self._rows[slot] = (int(start), np.concatenate([earlier[: got[0] - start], got[1]]))
+
     def move(self, src: int, dst: int) -> None:
         got = self._rows.pop(src, None)
         if got is None:

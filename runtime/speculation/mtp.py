@@ -17,10 +17,11 @@ positions, the pending token t_L not run yet:
 So the head is rewound with the target's rows by the same tokens: a rejected draft, a new row in the slot, a
 prefix hit or a session turn that rewound the target leave the head holding the longest beginning of the history
 its entries still describe; the drafted steps' entries (their hidden state is the head's, not the target's) are
-never kept: the next proposal catches up over them from the target's hidden rows. Where those rows do not reach
-back to the head's entries (the prompt: prefill returns only its last hidden state; a plain decode step the planner
-did not draft at) the row's run starts again at the first position they cover (``starts``): the head attends over
-the positions it holds an entry for. Drafts depend on it; the tokens committed never do (the target verifies every
+never kept: the next catch-up runs over them from the target's hidden rows. The target keeps the hidden rows of
+its last pass only, so the head follows every pass (``follow``, at each speculative step, drafted or not). Where
+they do not reach back to the head's entries (the prompt: prefill returns only its last hidden state; a prefix
+hit's cached positions) the row's run starts again at the first position they cover (``starts``): the head
+attends over the positions it holds an entry for. Drafts depend on it; the tokens committed never do (the target verifies every
 draft, as a draft model's: greedy drafts are a one-hot proposal).
 """
 
@@ -92,6 +93,7 @@ class MtpDrafter:
         self.embed = target_embedding(backend.dir, backend.manifest)
         self.cache: HeadCache | None = None  # made for the first target cache seen (its slots and max_seq)
         self.seconds_per_token = 0.0  # EMA, measured
+        self.follow_seconds = 0.0  # spent catching up at steps that did not draft (measured, reported by nobody yet)
 
     def _head_cache(self, target: Any) -> HeadCache:
         if self.cache is None or len(self.cache.lengths) != target.slots or self.cache.keys.shape[2] != target.max_seq:
@@ -109,51 +111,25 @@ class MtpDrafter:
             "past_key.0": keys, "past_value.0": values})
         return token, hidden_out, k, v
 
+    def follow(self, seqs: Seq[Any]) -> None:
+        """Catch the rows up with the target's last pass (runtime/speculation/speculative.step calls it at every
+        step, drafted or not: the target's hidden rows are those of its last pass only)."""
+        t0 = time.perf_counter()
+        self._catch_up(seqs, range(len(seqs)))
+        self.follow_seconds += time.perf_counter() - t0
+
     def propose(self, seqs: Seq[Any], limits: Seq[int]) -> tuple[list[np.ndarray], list[int]]:
         drafts = [np.zeros(0, np.int64) for _ in seqs]
-        t0, made = time.perf_counter(), 0
-        rows = []  # (j, slot, L, M, hidden rows of positions M..L-1)
-        for j, (seq, k) in enumerate(zip(seqs, limits)):
-            at = getattr(seq.spec, "at", None)  # (cache, slot): set by speculative.step
-            if k <= 0 or at is None:
-                continue
-            target, slot = at
-            length = int(target.lengths[slot])
-            if length != seq.length - 1:
-                continue
-            cache = self._head_cache(target)
-            history = seq.history[: seq.length]
-            held = min(cache.kept(slot, history, length), length - 1)  # the last pair runs again: it drafts d1
-            got = self.rows.span(slot)  # (first position, [w, hidden]) of the target's last pass
-            if got is None or not got[0] <= length - 1 < got[0] + len(got[1]):
-                continue
-            first, computed = got
-            if held < first:  # the target's rows do not reach back to the head's entries: a new run
-                cache.restart(slot, first)
-                held = first
-            rows.append((j, slot, length, held, computed[held - first : length - first]))
+        t0 = time.perf_counter()
+        rows, token, hidden_out = self._catch_up(seqs, [j for j, k in enumerate(limits) if k > 0], last=True)
         if not rows:
             return drafts, [1] * len(seqs)
-        cache = self.cache
-        slots = [r[1] for r in rows]
-        width = max(len(r[4]) for r in rows)
-        b, h = len(rows), self.embed.shape[1]
-        embeds, hidden = np.zeros((b, width, h), self.dtype), np.zeros((b, width, h), self.dtype)
-        n = np.array([len(r[4]) for r in rows], np.int64)
-        at = np.array([r[3] for r in rows], np.int64)
-        for i, (j, slot, length, held, computed) in enumerate(rows):
-            hidden[i, : n[i]] = computed
-            embeds[i, : n[i]] = self.embed[seqs[j].history[held + 1 : length + 1]]  # the token after each position
-        token, hidden_out, k, v = self._run(embeds, hidden, at, cache.starts[slots], n, slots)
-        for i, (j, slot, length, held, _) in enumerate(rows):
-            cache.write(slot, held, k[i, :, : n[i]], v[i, :, : n[i]])
-            cache.settle(slot, length, seqs[j].history)
+        cache, slots, b = self.cache, [r[1] for r in rows], len(rows)
         steps = max(limits[r[0]] for r in rows)
         tokens = np.zeros((b, steps), np.int64)
         tokens[:, 0] = token
         position = np.array([r[2] for r in rows], np.int64)  # step 2's pair sits at L
         ones = np.ones(b, np.int64)
-        made += b
         for step in range(1, steps):
             embeds = np.asarray(self.embed[tokens[:, step - 1]], self.dtype)[:, None]
             token, hidden_out, k, v = self._run(embeds, hidden_out[:, None], position, cache.starts[slots], ones, slots)
@@ -161,12 +137,53 @@ class MtpDrafter:
                 cache.write(slot, int(position[i]), k[i], v[i])
             tokens[:, step] = token
             position = position + 1
-            made += b
         for i, r in enumerate(rows):
             drafts[r[0]] = tokens[i, : limits[r[0]]].copy()
-        per_token = (time.perf_counter() - t0) / max(made, 1)
+        per_token = (time.perf_counter() - t0) / (b * steps)
         self.seconds_per_token = per_token if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per_token
         return drafts, [1] * len(seqs)
+
+    def _catch_up(self, seqs: Seq[Any], wanted: Seq[int], last: bool = False) -> tuple[list, Any, Any]:
+        """Run the pairs of positions M..L-1 of the rows ``wanted`` (``last``: at least the pair at L-1, whose
+        output drafts d1) -> (rows (j, slot, L, M, hidden rows), next_token, hidden_out at each row's L-1)."""
+        rows = []
+        for j in wanted:
+            seq = seqs[j]
+            at = getattr(seq.spec, "at", None)  # (cache, slot): set by speculative.step
+            if at is None:
+                continue
+            target, slot = at
+            length = int(target.lengths[slot])
+            if length != seq.length - 1 or length < 1:
+                continue
+            cache = self._head_cache(target)
+            history = seq.history[: seq.length]
+            held = cache.kept(slot, history, length)
+            if last:
+                held = min(held, length - 1)  # the last pair runs again: it drafts d1
+            got = self.rows.span(slot)  # (first position, [w, hidden]) of the target's last pass
+            if held >= length or got is None or not got[0] <= length - 1 < got[0] + len(got[1]):
+                continue
+            first, computed = got
+            if held < first:  # the target's rows do not reach back to the head's entries: a new run
+                cache.restart(slot, first)
+                held = first
+            rows.append((j, slot, length, held, computed[held - first : length - first]))
+        if not rows:
+            return rows, None, None
+        cache, slots = self.cache, [r[1] for r in rows]
+        width, b, h = max(len(r[4]) for r in rows), len(rows), self.embed.shape[1]
+        embeds, hidden = np.zeros((b, width, h), self.dtype), np.zeros((b, width, h), self.dtype)
+        n = np.array([len(r[4]) for r in rows], np.int64)
+        for i, (j, _, length, held, computed) in enumerate(rows):
+            hidden[i, : n[i]] = computed
+            embeds[i, : n[i]] = self.embed[seqs[j].history[held + 1 : length + 1]]  # the token after each position
+        token, hidden_out, k, v = self._run(embeds, hidden, np.array([r[3] for r in rows], np.int64),
+                                            cache.starts[slots], n, slots)
+        for i, (j, slot, length, held, _) in enumerate(rows):
+            cache.write(slot, held, k[i, :, : n[i]], v[i, :, : n[i]])
+            cache.settle(slot, length, seqs[j].history)
+        return rows, token, hidden_out
 
     def release(self, seq: Any) -> None:
         pass

@@ -225,6 +225,9 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
         if s.spec is not None:
             s.spec.at = (cache, slot)
     limits = [_row_limit(s, width_max) if s.spec is not None else 0 for s in seqs]
+    for drafter, members in _by_drafter(seqs, limits).items():  # a head with a K/V of its own follows every pass
+        if hasattr(drafter, "follow"):
+            drafter.follow([seqs[j] for j in members])
     drafts, keys = _look(seqs, limits)
     width = plan(speculator.costs, seqs, drafts, keys, limits, drain)
     n = len(seqs)
@@ -259,9 +262,14 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
         if seq.spec is not None:
             _learn(seq, keys[j], len(drafts[j]), accepted)
     if replay:  # part of the pass's price: the planner weighs it (hybrid models only)
+        rows = getattr(backend, "hidden_rows", None)  # a draft head's: the verify's rows of the replayed positions
+        verify_rows = {slot: rows.span(slot) for slot, _ in replay} if rows is not None else {}
         t0 = time.perf_counter()
         backend.prefill(cache, [slot for slot, _ in replay], [ids for _, ids in replay], want_logits=False)
         verified += time.perf_counter() - t0
+        for slot, got in verify_rows.items():
+            if got is not None:
+                rows.prepend(slot, *got)
     speculator.costs.record(n, max(len(x) for x in ids), verified)
     return deltas
 

@@ -339,3 +339,77 @@ def test_cli_exports_the_mtp_head_and_runs_it(target, tmp_path, capsys):
     assert "use --speculative mtp" in capsys.readouterr().err
     assert main(["run", str(art), "--backend", "ort", "--speculative", "mtp", "--prompt", "hello"]) == 2
     assert "needs --draft HEAD" in capsys.readouterr().err
+
+
+def test_the_head_keeps_its_run_across_plain_steps_and_accepted_drafts(drafting, target):
+    """Proposals that alternate between two right drafts and a wrong one (the hybrid target verifies them, then
+    runs the two accepted tokens again from its snapshot) and nothing (a plain decode step): the head follows
+    every pass, so its run of entries starts at the prompt's last position and never again, the tokens are plain
+    decoding's, and at every proposal its kept entries are the reference's K/V of the target's pairs."""
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, plain = drafting
+    _, _, model, ref, _, _, _ = target
+    drafter = llm.engine.speculator.drafter(SpeculativeConfig("mtp"))
+    prompt, want = PROMPTS[0], plain[0]
+    seen, calls = [], []
+    propose = drafter.propose
+
+    def forced(seqs, limits):
+        drafts, keys = propose(seqs, limits)
+        seq = seqs[0]
+        cache, slot = seq.spec.at
+        c = drafter.cache
+        seen.append((seq.history[: seq.length].tolist(), int(c.starts[slot]), int(c.lengths[slot]),
+                     c.keys[slot].copy()))
+        g = seq.length - len(prompt)  # tokens generated so far: the next right one is want[g]
+        calls.append(g)
+        if len(calls) % 2 or g + 3 > len(want) or limits[0] < 3:
+            return [np.zeros(0, np.int64)], keys
+        return [np.array([want[g], want[g + 1], (want[g + 2] + 1) % 512], np.int64)], keys
+
+    drafter.propose = forced
+    try:
+        got = llm.generate(prompt, max_new_tokens=20, speculative=SpeculativeConfig("mtp", draft_len=3, adaptive=False))
+    finally:
+        drafter.propose = propose
+    assert got.token_ids == want and got.metrics.acceptance_rate > 0
+    assert len(seen) >= 6 and {start for _, start, *_ in seen} == {len(prompt) - 1}
+    for history, start, length, keys in seen:
+        _, want_k, _ = _reference_chain(model, ref, history, start, 1)
+        np.testing.assert_allclose(keys[:, start:length], want_k[:, : length - start], atol=TOL)
+
+
+def test_the_head_follows_the_steps_it_does_not_draft_at(drafting, target):
+    """The planner's own choice (adaptive): on a random head it soon decodes plainly, asking for no drafts; the head
+    still follows every pass, so at the end its run holds the target's pairs from the prompt's last position on
+    (the reference's K/V), and the tokens are plain decoding's."""
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, plain = drafting
+    _, _, model, ref, _, _, _ = target
+    adaptive = SpeculativeConfig("mtp")
+    drafter = llm.engine.speculator.drafter(adaptive)
+    counts = {"propose": 0, "follow": 0}
+    propose, follow = drafter.propose, drafter.follow
+
+    def counted(name, fn):
+        def call(*args):
+            counts[name] += 1
+            return fn(*args)
+        return call
+
+    drafter.propose, drafter.follow = counted("propose", propose), counted("follow", follow)
+    prompt = PROMPTS[1]
+    try:
+        got = llm.generate(prompt, max_new_tokens=20, speculative=adaptive)
+    finally:
+        drafter.propose, drafter.follow = propose, follow
+    assert got.token_ids == plain[1]
+    assert counts["propose"] < counts["follow"] - 3  # steps that drafted nothing
+    c = drafter.cache
+    start, length = int(c.starts[0]), int(c.lengths[0])
+    assert start == len(prompt) - 1 and length >= len(prompt) + 20 - 6
+    history = prompt + got.token_ids
+    _, want_k, _ = _reference_chain(model, ref, history[: length + 1], start, 1)
+    np.testing.assert_allclose(c.keys[0][:, start:length], want_k[:, : length - start], atol=TOL)

@@ -415,6 +415,7 @@ def test_the_head_follows_the_steps_it_does_not_draft_at(drafting, target):
     np.testing.assert_allclose(c.keys[0][:, start:length], want_k[:, : length - start], atol=TOL)
 
 
+@pytest.mark.slow  # ~20 s: 2400 generations
 def test_speculative_sampling_keeps_the_targets_distribution(drafting, target):
     """1200 seeds, 3 tokens (the first from the prefill, the next two from one verify pass of 2 MTP drafts:
     accepted, or rejected and resampled, then the bonus token) against the exact joint distribution of the target
@@ -454,3 +455,48 @@ def test_speculative_sampling_keeps_the_targets_distribution(drafting, target):
         e, seen = np.append(e[keep], e[~keep].sum()), np.append(seen[keep], seen[~keep].sum())
         chi2 = float(((seen - e) ** 2 / np.maximum(e, 1e-9)).sum())
         assert chi2 < 1.5 * len(e) + 25, (spec, chi2, len(e))
+
+
+@pytest.mark.trt
+def test_trt_builds_the_mtp_head(tmp_path):
+    """TensorRT-RTX (on the CPU, as the other engines): the MTP head's graph for a trt-target fp16 export with
+    --hidden-states parses and builds over its dynamic batch, pairs and past."""
+    pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX not installed")
+    from decodert.export import trt_build
+    from decodert.plugins.trt.compat import load_trt
+
+    src = make_tiny_checkpoint("qwen3_5", tmp_path / "target")
+    add_mtp_layers(src)
+    out = tmp_path / "trt"
+    export_model(src, out, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False, hidden_states=True)
+    record = export_head(src, tmp_path / "head", out)
+    assert record["dtype"] == "fp16"
+    trt, _ = load_trt(need_builder=True)
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    network, _parser = trt_build.parse_onnx(trt, builder, logger, tmp_path / "head" / HEAD_GRAPH)
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    sizes = {"batch": (1, 2, 2), "seq": (1, 4, 8), "past": (1, 32, 64)}
+    for io in record["graph"]["inputs"]:
+        def shape(i):
+            return [sizes[s][i] if isinstance(s, str) else s for s in io["shape"]]
+        profile.set_shape(io["name"], shape(0), shape(1), shape(2))
+    config.add_optimization_profile(profile)
+    assert builder.build_serialized_network(network, config) is not None
+
+
+def test_an_fp16_target_and_its_head_stay_exact(target, tmp_path):
+    """An fp16 export: the head is exported in the target's dtype (its embedding compared at fp16's precision) and
+    its greedy speculative tokens are plain decoding's, batch 4."""
+    from decodert.runtime.llm import LLM
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    _, src, _, _, _, _, _ = target
+    art = tmp_path / "fp16"
+    export_model(src, art, dtype="fp16", max_seq=MAX_SEQ, max_batch=4, progress=False, hidden_states=True)
+    assert export_head(src, tmp_path / "head", art)["dtype"] == "fp16"
+    with LLM.load(art, backend="ort", draft=tmp_path / "head", prefix_cache_mb=0) as llm:
+        plain = [llm.generate(p, max_new_tokens=12).token_ids for p in PROMPTS]
+        fixed = SpeculativeConfig("mtp", draft_len=3, adaptive=False)
+        assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=12, speculative=fixed)] == plain

@@ -51,6 +51,10 @@ def load_head(folder: str | Path, target: Any) -> dict:
                             "`decodert export HEAD --target-artifact TARGET`)") from None
     if record.get("format") != "decodert-head" or record.get("family") not in HEAD_FAMILIES:
         raise DecodertError(f"{path}: not a decodert draft head record")
+    cache = record.get("cache", {"layers": 1, "num_kv_heads": 1, "head_dim": 1})  # a head with a K/V of its own
+    if not isinstance(cache, dict) or not all(isinstance(cache.get(k), int) and cache[k] > 0
+                                              for k in ("layers", "num_kv_heads", "head_dim")):
+        raise DecodertError(f"{path}: its 'cache' record must give layers, num_kv_heads and head_dim")
     if record["target"]["weights_sha256"] != target_identity(target):
         raise DecodertError(f"{folder}: this head was exported for another target (weights sha256 "
                             f"{record['target']['weights_sha256'][:12]}…); export it again with --target-artifact")

@@ -74,8 +74,9 @@ def add_parser(sub: Any) -> None:
                    help="the graphs also return the last hidden state, which a draft head reads (export the "
                         "target with it, then its head with --target-artifact); without it the graphs are unchanged")
     e.add_argument("--target-artifact", type=Path, default=None, metavar="TARGET",
-                   help="SRC is a draft head checkpoint (gemma4_assistant): export it for this target artifact "
-                        "(exported with --hidden-states); the head records the target and is refused beside another")
+                   help="SRC is a draft head checkpoint (gemma4_assistant), or the target's own Qwen3.5 checkpoint "
+                        "whose mtp.* layer is the head: export it for this target artifact (exported with "
+                        "--hidden-states); the head records the target and is refused beside another")
     e.add_argument("--openvino-prefill", action="store_true",
                    help="--target ort: also write prefill.portable.onnx, the prefill graph the OpenVINO execution "
                         "provider takes (`pip install 'decodert[openvino]'`); at first load decodert measures it "
@@ -117,7 +118,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_head_export(args: argparse.Namespace) -> int:
-    """``decodert export HEAD --target-artifact TARGET -o OUT`` (export/heads/)."""
+    """``decodert export HEAD --target-artifact TARGET -o OUT`` (export/heads/; HEAD may be the target's own
+    checkpoint folder, whose MTP layer is the head)."""
     from decodert.export.heads import HEAD_MANIFEST, export_head
 
     if args.target_artifact is None:

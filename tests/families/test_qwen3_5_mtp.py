@@ -105,11 +105,16 @@ def _pairs(model, ids: list[int]):
     return out.hidden_states[-1][0], embeds, nxt
 
 
-def test_the_head_record_and_its_target(target):
+def test_the_head_record_and_its_target(target, tmp_path):
     _, _, _, _, art, head, record = target
     assert record["family"] == "qwen3_5_mtp" and record["target"]["family"] == "qwen3_5"
     assert record["target"]["weights_sha256"] == load_manifest(art).files["weights.bin"].sha256
     assert load_head(head, load_manifest(art))["cache"] == {"layers": 1, "num_kv_heads": 2, "head_dim": 32}
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "head.json").write_text(json.dumps({**record, "cache": {"layers": 1, "head_dim": 32}}))
+    with pytest.raises(DecodertError, match="'cache' record must give"):
+        load_head(broken, load_manifest(art))
 
 
 def test_draft_logits_match_the_reference(target):

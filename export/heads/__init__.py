@@ -32,6 +32,7 @@ from decodert.artifact.heads import (HEAD_FAMILIES, HEAD_MANIFEST, has_hidden_st
                                      target_embedding, target_identity)
 from decodert.artifact.manifest import load_manifest
 from decodert.artifact.safetensors_file import SafetensorsFile
+from decodert.models import family_for
 from decodert.models.families import gemma4_assistant as assistant_family
 from decodert.models.families import qwen3_5 as mtp_family
 
@@ -54,7 +55,7 @@ def has_mtp_layers(src: str | Path) -> bool:
         config = json.loads((src / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    if config.get("model_type") not in mtp_family.MODEL_TYPES:
+    if config.get("model_type") not in mtp_family.MTP_MODEL_TYPES:
         return False
     for f in sorted(src.glob("*.safetensors")):
         opened = SafetensorsFile(f)
@@ -75,12 +76,12 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
         config = json.loads((src / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise DecodertError(f"{src / 'config.json'}: cannot read ({e})") from None
-    mtp = config.get("model_type") in mtp_family.MODEL_TYPES
+    mtp = config.get("model_type") in mtp_family.MTP_MODEL_TYPES
     if mtp and not has_mtp_layers(src):
         raise DecodertError(f"{src}: this checkpoint carries no MTP layers ({mtp_family.MTP_WEIGHTS['fc']} is missing)")
     if config.get("model_type") not in HEAD_FAMILIES and not mtp:
         raise DecodertError(f"{src}: model_type {config.get('model_type')!r} is not a draft head "
-                            f"(supported: {', '.join(HEAD_FAMILIES[:-1])}, or a {'/'.join(mtp_family.MODEL_TYPES)} "
+                            f"(supported: {', '.join(HEAD_FAMILIES[:-1])}, or a {'/'.join(mtp_family.MTP_MODEL_TYPES)} "
                             "checkpoint with mtp.* layers)")
     target = load_manifest(target_artifact)
     if not has_hidden_states(target):
@@ -136,17 +137,20 @@ def _export_mtp(src: Path, out: Path, config: dict, target, target_artifact, dty
     from decodert.export.heads.qwen3_5_mtp import build_mtp_graph, mtp_contract
 
     tspec = target.model.spec()
-    spec = mtp_family.mtp_spec(config)
-    if tspec.family != mtp_family.__name__.rsplit(".", 1)[-1] or spec.hidden_size != tspec.hidden_size \
-            or spec.vocab_size != tspec.vocab_size:
-        raise DecodertError(f"{src}: its MTP layers draft for a {config.get('model_type')} model of hidden size "
+    ckpt = family_for(config["model_type"], str(src)).spec_from_hf(config)
+    spec = mtp_family.mtp_spec(config, ckpt)
+    if tspec.family != ckpt.family or spec.hidden_size != tspec.hidden_size or spec.vocab_size != tspec.vocab_size:
+        raise DecodertError(f"{src}: its MTP layers draft for a {ckpt.family} model of hidden size "
                             f"{spec.hidden_size} and vocabulary {spec.vocab_size}; {target_artifact} is a {tspec.family} "
                             f"model of {tspec.hidden_size} and {tspec.vocab_size}")
     keys = _checkpoint_keys(src)
-    if mtp_family.MTP_MOE_KEY in keys:
-        raise DecodertError(f"{src}: its MTP layer's MLP is a mixture of experts (Qwen3.5-MoE / Qwen3-Next), "
-                            "not supported yet")
-    names = dict(mtp_family.MTP_WEIGHTS)
+    names = {k: v for k, v in mtp_family.MTP_WEIGHTS.items() if not (spec.moe and k in mtp_family.MTP_DENSE)}
+    if spec.moe is not None:
+        for canon, key in mtp_family.MTP_MOE_WEIGHTS.items():
+            if "{j}" in key:
+                names.update({f"{canon}.{j}": key.format(j=j) for j in range(spec.moe.num_experts)})
+            else:
+                names[canon] = key
     plain = {mtp_family.sanitize(k): k for k in keys if mtp_family.sanitize(k) is not None}
     head = plain.get("lm_head.weight") or (plain.get("model.embed_tokens.weight") if tspec.tie_word_embeddings else None)
     embed = plain.get("model.embed_tokens.weight")
@@ -161,6 +165,11 @@ def _export_mtp(src: Path, out: Path, config: dict, target, target_artifact, dty
                             "checkpoint the target was exported from")
     for name in mtp_family.MTP_ONE_PLUS_W:
         weights[name] = weights[name] + np.float32(1.0)
+    if spec.moe is not None:  # the canonical experts: gate_up [E, 2 Ie, hidden] with gate and up rows interleaved
+        n = spec.moe.num_experts
+        gate, up = (np.stack([weights.pop(f"experts.{w}.{j}") for j in range(n)]) for w in ("gate", "up"))
+        weights["experts.gate_up"] = np.stack([gate, up], axis=2).reshape(n, -1, spec.hidden_size)
+        weights["experts.down"] = np.stack([weights.pop(f"experts.down.{j}") for j in range(n)])
     onnx.save_model(build_mtp_graph(spec, weights, dtype, target.max_seq), out / HEAD_GRAPH,
                     save_as_external_data=True, location="head.bin", size_threshold=1024)
     onnx.checker.check_model(str(out / HEAD_GRAPH), full_check=True)

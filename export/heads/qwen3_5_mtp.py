@@ -20,6 +20,8 @@ head's last call, or one chained draft step), over the head's own cache of earli
     hidden --norm--+                                  --norm--gate/up--silu*--down--+x --mtp.norm--> h' --lm_head
 
 A key j < P is visible to a query of the row iff start <= j < M; a key fed with the call (position M+s') iff s' <= s.
+The MLP is the target's kind: SwiGLU (qwen3_5), or (qwen3_5_moe) the router's top-k experts, every expert run under
+the top-k mask (plugins/ops/moe.py ``masked_body``), plus the shared expert x sigmoid(m @ shared_gate^T).
 Attention, norms and residuals run in float32; the linear weights are stored in the head's dtype.
 """
 
@@ -31,6 +33,7 @@ from onnx import numpy_helper
 
 from decodert.models.families.qwen3_5 import MtpSpec
 from decodert.plugins.onnx_builder import GraphBuilder
+from decodert.plugins.ops import moe as moe_op
 
 NP = {"fp32": np.float32, "fp16": np.float16}
 ONNX_FLOAT = {"fp32": 1, "fp16": 10}
@@ -63,6 +66,8 @@ def build_mtp_graph(spec: MtpSpec, weights: dict[str, np.ndarray], dtype: str, m
     for name, w in weights.items():
         if name.endswith("norm"):  # norms in float32
             g.add_initializer(numpy_helper.from_array(w.astype(np.float32).reshape(-1), name))
+        elif name.startswith("experts."):  # [E, rows, in] as plugins/ops/moe.py takes them
+            g.add_initializer(numpy_helper.from_array(w.astype(f), name))
         else:  # a linear weight [out, in] stored transposed for MatMul
             g.add_initializer(numpy_helper.from_array(np.ascontiguousarray(w.T).astype(f), name))
     d, heads, kv = spec.head_dim, spec.num_heads, spec.num_kv_heads
@@ -133,9 +138,8 @@ def build_mtp_graph(spec: MtpSpec, weights: dict[str, np.ndarray], dtype: str, m
         att = g.op("Mul", att, g.op("Sigmoid", g.op("Reshape", gate, g.const([0, 0, heads * d]))))
         x = g.op("Add", x, linear(att, "o"))
         m = norm(x, "post_norm")
-        gate_out = linear(m, "gate")
-        gated = g.op("Mul", g.op("Mul", gate_out, g.op("Sigmoid", gate_out)), linear(m, "up"))  # silu(gate) * up
-        x = g.op("Add", x, linear(gated, "down"))
+        x = g.op("Add", x, _mlp(g, spec, m, linear, dtype) if spec.moe is not None
+                 else linear(_silu_times(g, linear(m, "gate"), linear(m, "up")), "down"))
     out = norm(x, "final_norm")  # [B, S, hidden]
     rows = g.op("Add", g.op("Mul", g.op("Range", g.const(np.int64(0)), g.op("Squeeze", batch, g.const([0])),
                                         g.const(np.int64(1))), g.op("Squeeze", seq, g.const([0]))),
@@ -149,3 +153,24 @@ def build_mtp_graph(spec: MtpSpec, weights: dict[str, np.ndarray], dtype: str, m
     g.output(k_new, "new_key.0", dtype, ["batch", kv, "seq", d])
     g.output(v_new, "new_value.0", dtype, ["batch", kv, "seq", d])
     return g.to_model(ir_version=10)
+
+
+def _silu_times(g: GraphBuilder, gate: str, up: str) -> str:
+    return g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
+
+
+def _mlp(g: GraphBuilder, spec: MtpSpec, m: str, linear, dtype: str) -> str:
+    """A MoE target's MTP MLP on m [B, S, hidden] (float32): the router's top-k experts (plugins/ops/moe.py, every
+    expert under the top-k mask) plus the shared expert x sigmoid(m @ shared_gate^T)."""
+    moe = spec.moe
+    with g.scope("moe"):
+        flat = g.op("Reshape", m, g.const([-1, spec.hidden_size]))  # [T, hidden]
+        to = None if dtype == "fp32" else ONNX_FLOAT[dtype]  # the experts compute in the head's dtype
+        weights, idx = moe_op.route(g, linear(flat, "router"), moe.experts_per_token, moe.renormalize, to)
+        y = moe_op.masked_body(g, flat if to is None else g.op("Cast", flat, to=to), weights, idx, moe.num_experts,
+                               moe.expert_size, "experts.gate_up", "experts.down",
+                               lambda gb, a: gb.op("Mul", a, gb.op("Sigmoid", a)))
+        y = y if to is None else g.op("Cast", y, to=1)
+        shared = linear(_silu_times(g, linear(flat, "shared.gate"), linear(flat, "shared.up")), "shared.down")
+        shared = g.op("Mul", shared, g.op("Sigmoid", linear(flat, "shared_gate")))
+        return g.op("Reshape", g.op("Add", y, shared), g.op("Shape", m))

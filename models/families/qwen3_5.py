@@ -300,7 +300,8 @@ def _layers(kinds: tuple[str, ...], attention: AttentionSpec, delta: GatedDeltaN
 # norm; t: the token at p + 1), every RMSNorm (1 + w):
 #     x   = fc([pre_fc_norm_embedding(embed(t)), pre_fc_norm_hidden(h_p)])      [2 hidden] -> [hidden]
 #     x   = a full-attention decoder layer of the target's kind (gated attention, q/k norm, partial RoPE at
-#           position p, its own K/V), then its MLP, each with its residual
+#           position p, its own K/V), then its MLP (the target's kind: SwiGLU, or qwen3_5_moe.py's experts and
+#           gated shared expert, MTP_MOE_WEIGHTS), each with its residual
 #     h'  = mtp.norm(x);  logits = lm_head(h')   (h' is the next step's h, at position p + 1)
 _M = "mtp.layers.0."
 MTP_WEIGHTS: dict[str, str] = {
@@ -321,8 +322,19 @@ MTP_WEIGHTS: dict[str, str] = {
     "final_norm": "mtp.norm.weight",
     "lm_head": "lm_head.weight",  # the target's (its embedding where tied)
 }
+MTP_DENSE = ("gate", "up", "down")  # the MLP of a dense target's MTP layer
+MTP_MOE_WEIGHTS: dict[str, str] = {  # a MoE target's (qwen3_5_moe.py): its experts beside a gated shared expert
+    "router": _M + "mlp.gate.weight",  # [E, hidden]
+    "experts.gate": _M + "mlp.experts.{j}.gate_proj.weight",  # [Ie, hidden] per expert
+    "experts.up": _M + "mlp.experts.{j}.up_proj.weight",
+    "experts.down": _M + "mlp.experts.{j}.down_proj.weight",  # [hidden, Ie]
+    "shared.gate": _M + "mlp.shared_expert.gate_proj.weight",
+    "shared.up": _M + "mlp.shared_expert.up_proj.weight",
+    "shared.down": _M + "mlp.shared_expert.down_proj.weight",
+    "shared_gate": _M + "mlp.shared_expert_gate.weight",  # [1, hidden]: x sigmoid(h @ shared_gate^T)
+}
+MTP_MODEL_TYPES = MODEL_TYPES + ("qwen3_5_moe_text", "qwen3_5_moe")  # qwen3_5_moe.py: the same layer, MoE MLP
 MTP_ONE_PLUS_W = ("embed_norm", "hidden_norm", "input_norm", "q_norm", "k_norm", "post_norm", "final_norm")
-MTP_MOE_KEY = _M + "mlp.gate.weight"  # Qwen3.5-MoE / Qwen3-Next: the MTP layer's MLP is a MoE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,11 +349,12 @@ class MtpSpec:
     intermediate_size: int
     rms_norm_eps: float
     rope: RopeSpec  # the target's (partial: rotary_dim)
+    moe: MoESpec | None = None  # a MoE target's MTP layer: its experts (and shared expert), as the target's layers
 
 
-def mtp_spec(config: dict) -> MtpSpec:
-    """The MTP head's spec from the target's config.json; more than one MTP layer refused in one line."""
-    target = spec_from_hf(config)
+def mtp_spec(config: dict, target: ModelSpec) -> MtpSpec:
+    """The MTP head's spec from the target's config.json and spec (its family's ``spec_from_hf``: qwen3_5 or
+    qwen3_5_moe); more than one MTP layer refused in one line."""
     text = text_config(config)
     layers = int(text.get("mtp_num_hidden_layers", 1) or 0)
     if layers != 1:
@@ -351,4 +364,5 @@ def mtp_spec(config: dict) -> MtpSpec:
     return MtpSpec(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                    num_heads=int(text["num_attention_heads"]), num_kv_heads=int(text["num_key_value_heads"]),
                    head_dim=int(text["head_dim"]), intermediate_size=int(text["intermediate_size"]),
-                   rms_norm_eps=float(text["rms_norm_eps"]), rope=target.rope)
+                   rms_norm_eps=float(text["rms_norm_eps"]), rope=target.rope,
+                   moe=target.mlp(0) if isinstance(target.mlp(0), MoESpec) else None)

@@ -20,6 +20,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35moe
 
 from tiny import _randomise, make_tiny_checkpoint  # noqa: E402
 
@@ -30,22 +31,25 @@ from decodert.export.pipeline import export_model  # noqa: E402
 
 TOL = 1e-4
 MAX_SEQ = 128
+MOE = dict(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+           shared_expert_intermediate_size=40)  # a tiny Qwen3.5-MoE: 4 experts of 24, top 2, a shared expert of 40
 
 
 class MtpReference(torch.nn.Module):
     """The MTP module with the checkpoint's names (mtp.<name>): pre_fc_norm_embedding, pre_fc_norm_hidden, fc,
     layers.0 (a full-attention Qwen3.5 decoder layer), norm; the target's embed_tokens and lm_head beside it."""
 
-    def __init__(self, text: transformers.Qwen3_5TextConfig) -> None:
+    def __init__(self, text: transformers.PretrainedConfig) -> None:
         super().__init__()
-        config = transformers.Qwen3_5TextConfig(**{**text.to_dict(), "num_hidden_layers": 1,
-                                                   "layer_types": ["full_attention"]})
+        moe = text.model_type == "qwen3_5_moe_text"  # the layer of a Qwen3.5-MoE: its sparse MoE block
+        kind = transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig
+        config = kind(**{**text.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]})
         config._attn_implementation = "eager"
         h = config.hidden_size
         self.pre_fc_norm_embedding = q35.Qwen3_5RMSNorm(h, eps=config.rms_norm_eps)
         self.pre_fc_norm_hidden = q35.Qwen3_5RMSNorm(h, eps=config.rms_norm_eps)
         self.fc = torch.nn.Linear(2 * h, h, bias=False)
-        self.layers = torch.nn.ModuleList([q35.Qwen3_5DecoderLayer(config, 0)])
+        self.layers = torch.nn.ModuleList([(q35moe.Qwen3_5MoeDecoderLayer if moe else q35.Qwen3_5DecoderLayer)(config, 0)])
         self.norm = q35.Qwen3_5RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary = q35.Qwen3_5TextRotaryEmbedding(config)
 
@@ -73,19 +77,26 @@ def add_mtp_layers(src, seed: int = 2) -> MtpReference:
             if name.endswith("norm.weight"):
                 p.sub_(1.0)
     tensors = load_file(src / "model.safetensors")
-    tensors.update({f"mtp.{k}": v.numpy().copy() for k, v in ref.state_dict().items() if not k.startswith("rotary")})
+    for k, v in ref.state_dict().items():
+        v = v.numpy().copy()
+        if k.endswith("mlp.experts.gate_up_proj"):  # transformers' fused [E, 2 Ie, h] -> the published per-expert
+            for j, w in enumerate(v):
+                gate, up = np.split(w, 2)
+                tensors[f"mtp.layers.0.mlp.experts.{j}.gate_proj.weight"] = gate.copy()
+                tensors[f"mtp.layers.0.mlp.experts.{j}.up_proj.weight"] = up.copy()
+        elif k.endswith("mlp.experts.down_proj"):
+            for j, w in enumerate(v):
+                tensors[f"mtp.layers.0.mlp.experts.{j}.down_proj.weight"] = w.copy()
+        elif not k.startswith("rotary"):
+            tensors[f"mtp.{k}"] = v
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     raw = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**raw, "mtp_num_hidden_layers": 1}, indent=2))
     return ref
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    """A tiny Qwen3.5 with MTP layers, its transformers model, the reference MTP, and an fp32 export with the
-    hidden-state outputs and its MTP head beside it."""
-    root = tmp_path_factory.mktemp("q35mtp")
-    src = make_tiny_checkpoint("qwen3_5", root / "target")
+def _target(root, **overrides):
+    src = make_tiny_checkpoint("qwen3_5", root / "target", **overrides)
     ref = add_mtp_layers(src)
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     art = root / "target-art"
@@ -93,6 +104,21 @@ def target(tmp_path_factory):
     head = root / "head"
     record = export_head(src, head, art)
     return root, src, model, ref, art, head, record
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny Qwen3.5 with MTP layers, its transformers model, the reference MTP, and an fp32 export with the
+    hidden-state outputs and its MTP head beside it."""
+    return _target(tmp_path_factory.mktemp("q35mtp"))
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def any_target(request, tmp_path_factory):
+    """The dense one, and a tiny Qwen3.5-MoE whose MTP layer has its experts and shared expert."""
+    if request.param == "dense":
+        return request.getfixturevalue("target")
+    return _target(tmp_path_factory.mktemp("q35moemtp"), **MOE)
 
 
 def _pairs(model, ids: list[int]):
@@ -117,11 +143,11 @@ def test_the_head_record_and_its_target(target, tmp_path):
         load_head(broken, load_manifest(art))
 
 
-def test_draft_logits_match_the_reference(target):
+def test_draft_logits_match_the_reference(any_target):
     """Three rows of different lengths, each caught up in two calls (the head's K/V of the first call read by the
     second), then a chained step over its own previous hidden state: logits and hidden_out within 1e-4 of the
-    reference over the whole sequence of pairs."""
-    _, _, model, ref, _, head, _ = target
+    reference over the whole sequence of pairs; dense and MoE."""
+    _, _, model, ref, _, head, _ = any_target
     sess = ort.InferenceSession(str(head / HEAD_GRAPH), providers=["CPUExecutionProvider"])
     rows = [[5, 9, 33, 7, 100, 3, 41, 8], [17, 2, 250], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71]]
     lm_head = model.get_output_embeddings()
@@ -505,3 +531,30 @@ def test_an_fp16_target_and_its_head_stay_exact(target, tmp_path):
         plain = [llm.generate(p, max_new_tokens=12).token_ids for p in PROMPTS]
         fixed = SpeculativeConfig("mtp", draft_len=3, adaptive=False)
         assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=12, speculative=fixed)] == plain
+
+
+def test_drafting_is_exact_and_the_references_dense_and_moe(any_target):
+    """Dense and MoE targets with their heads: greedy speculative tokens are plain decoding's (batch 1 and 4), and
+    every proposal's drafts are the reference's chain."""
+    from decodert.runtime.llm import LLM
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    _, _, model, ref, art, head, _ = any_target
+    fixed = SpeculativeConfig("mtp", draft_len=3, adaptive=False)
+    with LLM.load(art, backend="ort", draft=head, prefix_cache_mb=0) as llm:
+        plain = [llm.generate(p, max_new_tokens=10).token_ids for p in PROMPTS]
+        assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=10, speculative=fixed)] == plain
+        drafter = llm.engine.speculator.drafter(fixed)
+        seen, propose = [], drafter.propose
+
+        def spy(seqs, limits):
+            drafts, keys = propose(seqs, limits)
+            slot = seqs[0].spec.at[1]
+            seen.append((seqs[0].history[: seqs[0].length].tolist(), int(drafter.cache.starts[slot]), drafts[0].tolist()))
+            return drafts, keys
+
+        drafter.propose = spy
+        assert llm.generate(PROMPTS[0], max_new_tokens=10, speculative=fixed).token_ids == plain[0]
+    assert len(seen) >= 3
+    for history, start, draft in seen:
+        assert draft == _reference_chain(model, ref, history, start, len(draft))[0]

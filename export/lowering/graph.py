@@ -131,7 +131,7 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
             heads = [_verify_head(g, lowering, inp, spec, x, h, states if hidden else None)]
         else:
             heads = list(_head(g, lowering, inp, spec, x, h, "per_position" if per_position else None,
-                               states if hidden else None))
+                               states if hidden else None, every_state=kind == "prefill"))
     values = [v for logits in heads for v in (logits, g.op("ArgMax", logits, axis=-1, keepdims=0))]
     for io, value in zip(contract["outputs"], values):
         g.output(value, io["name"], io["dtype"], io["shape"])
@@ -219,11 +219,12 @@ def _norm(g: GraphBuilder, low: Lowering, pending: str | None, x: str, weight: s
 
 
 def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str,
-          per_position: str | None, states: list[str] | None = None) -> tuple[str, ...]:
+          per_position: str | None, states: list[str] | None = None, every_state: bool = False) -> tuple[str, ...]:
     """Residual add, gather the last valid token of each row, final norm, lm_head -> fp32 logits
     [B, V]; with ``per_position`` (an input [1]: 0 or 1) also every position's [B, S*p, V], their
     rows appended to the same gather and GEMM. ``states``: gets the final norm's output split the same
-    way ([B, hidden], then [B, S*p, hidden])."""
+    way ([B, hidden], then [B, S*p, hidden]); with ``every_state`` (prefill) then every position's
+    [B, S, hidden] too (the final norm on every row, no lm_head)."""
     with g.scope("last_token"):
         shape = g.op("Shape", inp.input_ids)
         batch = g.op("Gather", shape, g.const(np.int64(0)), axis=0)
@@ -237,7 +238,16 @@ def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: 
         x, mlp = low.tokens(g, x, spec.hidden_size), low.tokens(g, mlp, spec.hidden_size)
         x_last, mlp_last = g.op("Gather", x, idx, axis=0), g.op("Gather", mlp, idx, axis=0)
     logits = _final_norm_head(g, low, spec, x_last, mlp_last, states)
+    prompt = None
+    if states is not None and every_state:
+        with g.scope("prompt_hidden"):
+            normed, _ = low.add_rms_norm(g, mlp, x, "final_norm")  # [T, hidden]
+            prompt = g.op("Reshape", normed, g.op("Concat", g.op("Unsqueeze", batch, g.const([0])),
+                                                 g.op("Unsqueeze", seq, g.const([0])), g.const([spec.hidden_size]),
+                                                 axis=0))
     if per_position is None:
+        if prompt is not None:
+            states.append(prompt)
         return (logits,)
     with g.scope("per_position"):
         b1 = g.op("Unsqueeze", batch, g.const([0]))
@@ -250,7 +260,7 @@ def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: 
 
         last, every = split(logits, spec.vocab_size)
         if states:
-            states[:] = split(states[0], spec.hidden_size)
+            states[:] = [*split(states[0], spec.hidden_size), *([prompt] if prompt is not None else [])]
     return last, every
 
 

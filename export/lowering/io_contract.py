@@ -95,10 +95,13 @@ HIDDEN_OUTPUTS = ("hidden_state", "seq_hidden")
 def hidden_outputs(spec: ModelSpec, dtype: str, kind: GraphKind, per_position: bool = False) -> list[dict]:
     """The hidden-state outputs of graph ``kind``, in the order the graph emits them: prefill/decode
     ``hidden_state`` [B, hidden] (each row's last valid token; the prefill graph that verifies rows also
-    ``seq_hidden`` [B, positions, hidden]); verify ``seq_hidden`` [B, S, hidden]."""
+    ``seq_hidden`` [B, positions, hidden]; every prefill graph then ``prompt_hidden`` [B, S, hidden]: every
+    position's, whatever per_position says); verify ``seq_hidden`` [B, S, hidden]."""
     if kind == "verify":
         return [{"name": "seq_hidden", "dtype": dtype, "shape": ["batch", "seq", spec.hidden_size]}]
     out = [{"name": "hidden_state", "dtype": dtype, "shape": ["batch", spec.hidden_size]}]
     if per_position:
         out.append({"name": "seq_hidden", "dtype": dtype, "shape": ["batch", "positions", spec.hidden_size]})
+    if kind == "prefill":  # every prompt position's (an MTP head's own K/V covers the prompt)
+        out.append({"name": "prompt_hidden", "dtype": dtype, "shape": ["batch", "seq", spec.hidden_size]})
     return out

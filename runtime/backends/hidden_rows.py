@@ -2,9 +2,10 @@
 
 A backend that keeps them (``keep_hidden()``, asked for by a head's drafter at load) binds its graphs' hidden-state
 outputs (export/lowering/io_contract.hidden_outputs) to fixed buffers and, after each pass over a slot, stores the
-rows of that pass: ``put(slot, start, rows)``, rows [w, hidden] for cache positions start..start+w-1 (prefill and
-decode: the last position; verify: every position fed). A rewind needs nothing here: the drafter asks for the
-position before the row's pending token, which the last pass computed whatever it kept. ``move`` follows the
+rows of that pass: ``put(slot, start, rows)``, rows [w, hidden] for cache positions start..start+w-1 (prefill: every
+position it ran, from its ``prompt_hidden``; decode: the last position; verify: every position fed). A rewind
+needs nothing here: the drafter asks for the position before the row's pending token, which the last pass computed
+whatever it kept. ``move`` follows the
 backend's ``move_slot``; ``drop`` a slot that was reset. A position the last pass did not compute reads None
 (the drafter then proposes nothing for that row: exactness never depends on it).
 """

@@ -18,11 +18,12 @@ So the head is rewound with the target's rows by the same tokens: a rejected dra
 prefix hit or a session turn that rewound the target leave the head holding the longest beginning of the history
 its entries still describe; the drafted steps' entries (their hidden state is the head's, not the target's) are
 never kept: the next catch-up runs over them from the target's hidden rows. The target keeps the hidden rows of
-its last pass only, so the head follows every pass (``follow``, at each speculative step, drafted or not). Where
-they do not reach back to the head's entries (the prompt: prefill returns only its last hidden state; a prefix
-hit's cached positions) the row's run starts again at the first position they cover (``starts``): the head
-attends over the positions it holds an entry for. Drafts depend on it; the tokens committed never do (the target verifies every
-draft, as a draft model's: greedy drafts are a one-hot proposal).
+its last pass only (a prefill's: every prompt position, ``prompt_hidden``), so the head follows every pass
+(``follow``, at each speculative step, drafted or not). Where they do not reach back to the head's entries (a
+prefix hit's cached positions, a long prompt's earlier chunks) the row's run starts again at the first position
+they cover (``starts``): the head attends over the positions it holds an entry for. Drafts depend on it; the
+tokens committed never do (the target verifies every draft, as a draft model's: greedy drafts are a one-hot
+proposal).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def test_hidden_state_outputs_match_transformers(target):
     hidden_states[-1], what the assistant reads); verify.onnx's seq_hidden every position's."""
     _, _, model, art = target
     m = load_manifest(art)
-    assert [t.name for t in m.graphs["prefill"].outputs][-2:] == ["hidden_state", "seq_hidden"]
+    assert [t.name for t in m.graphs["prefill"].outputs][-3:] == ["hidden_state", "seq_hidden", "prompt_hidden"]
     assert m.graphs["verify"].outputs[-1].name == "seq_hidden" and m.graphs["decode"].outputs[-1].name == "hidden_state"
     ids = np.array([[5, 9, 33, 7, 100, 3, 41]], np.int64)
     with torch.no_grad():

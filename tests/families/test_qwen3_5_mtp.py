@@ -208,7 +208,8 @@ def test_the_head_refuses_what_it_cannot_draft_for(target, tmp_path):
 
 
 def test_the_targets_hidden_state_is_what_the_head_reads(target):
-    """The target's verify graph returns transformers' hidden_states[-1] (after the final norm), the h of the pairs."""
+    """The target's verify graph, and its prefill graph for every prompt position (prompt_hidden), return
+    transformers' hidden_states[-1] (after the final norm), the h of the pairs."""
     _, _, model, _, art, _, _ = target
     ids = np.array([[5, 9, 33, 7, 100, 3, 41]], np.int64)
     sess = ort.InferenceSession(str(art / "verify.onnx"), providers=["CPUExecutionProvider"])
@@ -217,7 +218,17 @@ def test_the_targets_hidden_state_is_what_the_head_reads(target):
         if t.name.startswith("past_") and t.name != "past_lengths":
             feeds[t.name] = np.zeros([1 if s == "batch" else s for s in t.shape], np.float32)
     out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
-    np.testing.assert_allclose(out["seq_hidden"][0], _pairs(model, ids[0].tolist())[0].numpy(), atol=TOL)
+    want = _pairs(model, ids[0].tolist())[0].numpy()
+    np.testing.assert_allclose(out["seq_hidden"][0], want, atol=TOL)
+    # the prefill graph's prompt_hidden: every prompt position's (the MTP head's catch-up covers the prompt)
+    sess = ort.InferenceSession(str(art / "prefill.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": ids, "past_lengths": np.zeros(1, np.int64), "seq_lengths": np.array([7], np.int64)}
+    for t in sess.get_inputs():
+        if t.name.startswith("past_") and t.name != "past_lengths":
+            feeds[t.name] = np.zeros([1 if s == "batch" else s for s in t.shape], np.float32)
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    np.testing.assert_allclose(out["prompt_hidden"][0], want, atol=TOL)
+    np.testing.assert_allclose(out["hidden_state"][0], want[-1], atol=TOL)
 
 
 # ---- drafting: LLM.load(target, draft=HEAD), speculative="mtp" --------------------------------------------------
@@ -405,7 +416,7 @@ def test_the_head_keeps_its_run_across_plain_steps_and_accepted_drafts(drafting,
     finally:
         drafter.propose = propose
     assert got.token_ids == want and got.metrics.acceptance_rate > 0
-    assert len(seen) >= 6 and {start for _, start, *_ in seen} == {len(prompt) - 1}
+    assert len(seen) >= 6 and {start for _, start, *_ in seen} == {0}  # the prompt's rows: prompt_hidden
     for history, start, length, keys in seen:
         _, want_k, _ = _reference_chain(model, ref, history, start, 1)
         np.testing.assert_allclose(keys[:, start:length], want_k[:, : length - start], atol=TOL)
@@ -440,7 +451,7 @@ def test_the_head_follows_the_steps_it_does_not_draft_at(drafting, target):
     assert counts["propose"] < counts["follow"] - 3  # steps that drafted nothing
     c = drafter.cache
     start, length = int(c.starts[0]), int(c.lengths[0])
-    assert start == len(prompt) - 1 and length >= len(prompt) + 20 - 6
+    assert start == 0 and length >= len(prompt) + 20 - 6
     history = prompt + got.token_ids
     _, want_k, _ = _reference_chain(model, ref, history[: length + 1], start, 1)
     np.testing.assert_allclose(c.keys[0][:, start:length], want_k[:, : length - start], atol=TOL)

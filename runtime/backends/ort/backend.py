@@ -57,6 +57,7 @@ class _Binding:
     images: Any = None  # {input name: array} of the image rows bound for this call (runtime/backends/image_feeds.py)
     offsets: Any = None  # [3, n, S] int64 M-RoPE rope_offsets (runtime/vision/mrope.py), bound once
     hidden: Any = None  # [n, hidden] the last hidden state, bound when a draft head reads it (keep_hidden)
+    prompt: Any = None  # [n, S, hidden] every position's (prefill graphs with prompt_hidden), bound with it
 
 
 class OrtBackend:
@@ -415,7 +416,11 @@ class OrtBackend:
     # ---- binding -----------------------------------------------------------------------------
     def _keep_last(self, cache: KVCache, slots: list[int], b: _Binding) -> None:
         """With a draft head: each row's last hidden state, at its last cached position."""
-        if self.hidden_rows is not None and b.hidden is not None:
+        if self.hidden_rows is not None and b.prompt is not None:  # every position the call ran
+            for j, slot in enumerate(slots):
+                w = int(b.seq[j])
+                self.hidden_rows.put(slot, int(cache.lengths[slot]) - w, b.prompt[j, :w])
+        elif self.hidden_rows is not None and b.hidden is not None:
             for j, slot in enumerate(slots):
                 self.hidden_rows.put(slot, int(cache.lengths[slot]) - 1, b.hidden[j : j + 1])
 
@@ -471,6 +476,9 @@ class OrtBackend:
         if self.hidden_rows is not None:
             b.hidden = np.empty((n, self.hidden), self.np_dtype)
             io.bind_output("hidden_state", "cpu", 0, b.hidden.dtype, b.hidden.shape, b.hidden.ctypes.data)
+            if any(t.name == "prompt_hidden" for t in self.manifest.graphs[kind].outputs):
+                b.prompt = np.empty((n, width, self.hidden), self.np_dtype)
+                io.bind_output("prompt_hidden", "cpu", 0, b.prompt.dtype, b.prompt.shape, b.prompt.ctypes.data)
         bind_cache(io, cache, start, n, self.lora_weights)
         return b
 

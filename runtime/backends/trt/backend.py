@@ -134,6 +134,8 @@ class TrtBackend:
         self.hidden_bytes = int(self.manifest.model.hidden_size or 0) * self.itemsize
         if any(t.name == "hidden_state" for t in self.manifest.graphs["prefill"].outputs):
             dev["hidden_state"] = b * self.hidden_bytes
+        if any(t.name == "prompt_hidden" for t in self.manifest.graphs["prefill"].outputs):
+            dev["prompt_hidden"] = b * sp * self.hidden_bytes
         self.d = {k: cm.DeviceBuffer(n) for k, n in dev.items()}
         ones = cm.PinnedArray((b,), np.int64)
         ones.array[:] = 1  # decode seq_lengths: always one new token per row
@@ -148,6 +150,7 @@ class TrtBackend:
                 "seq_lengths": self.d["pre_seq" if pre else "dec_seq"].ptr,
                 "logits": self.d["logits"].ptr, "next_token": self.d["next"].ptr,
                 **({"hidden_state": self.d["hidden_state"].ptr} if "hidden_state" in self.d else {}),
+                **({"prompt_hidden": self.d["prompt_hidden"].ptr} if pre and "prompt_hidden" in self.d else {}),
                 **(self.mrope.address(kind) if self.mrope is not None else {})}
 
     def kv_addresses(self, cache: KVCache, row0: int) -> dict[str, int]:

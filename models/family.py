@@ -18,6 +18,9 @@ A family file is a plain module; its names are the protocol's, upper case for ta
                vision_fix(name, w), image_processor(...), video_processor(config)
     audio      audio_from_hf(config) -> AudioSpec, AUDIO_WEIGHTS, audio_features(preprocessor, audio) (required
                together, tag "audio"; models/audio.py)
+    enc-dec    ENCODER_DECODER = True: an encoder-decoder model (Whisper): spec_from_hf returns the family's own
+               frozen spec, HF_WEIGHTS names the encoder's and the decoder's weights, and export/seq2seq_export.py
+               writes its graphs (not the decoder-only recipe of export/lowering/graph.py)
 
 Callers read a ``Family``'s attributes, each with its default, never the module's with ``getattr``.
 """
@@ -61,6 +64,7 @@ class Family:
     audio_from_hf: Callable[[dict], Any] | None = None
     audio_weights: Table = field(default_factory=dict)
     audio_features: Callable[..., Any] | None = None
+    encoder_decoder: bool = False
 
     @classmethod
     def of(cls, module: ModuleType) -> "Family":
@@ -113,7 +117,7 @@ class Family:
 
 
 _TABLES = {"model_types", "hf_weights", "gguf_architectures", "gguf_weights", "tags", "hf_unused", "gguf_unused",
-           "vision_weights", "audio_weights"}  # declared in upper case
+           "vision_weights", "audio_weights", "encoder_decoder"}  # declared in upper case
 _REQUIRED = ("model_types", "spec_from_hf", "hf_weights")
 
 

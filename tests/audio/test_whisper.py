@@ -1,0 +1,197 @@
+"""Whisper (encoder-decoder) against transformers on a tiny random WhisperForConditionalGeneration: log-mel features
+against WhisperFeatureExtractor, encoder output, greedy tokens of ``generate`` (given and detected languages,
+silence, a clip over 30 s), a batch, the cache's cross K/V rule, LLM.load / transcribe, and one-line refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tiny_qwen3_asr import speech_like
+from tiny_whisper import RATE, make_tiny_whisper, reference_extractor
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# (seconds, seed): under half a second, a few seconds, most of a window, a window less a frame
+CLIPS = [(0.4, 0), (2.0, 1), (7.3, 2), (29.99, 3)]
+TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory):
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    root = tmp_path_factory.mktemp("whisper")
+    hf = make_tiny_whisper(root / "hf")
+    export_model(hf, root / "art", target="ort", dtype="fp32", max_batch=4, progress=False)
+    llm = LLM.load(root / "art", backend="ort")
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(hf).eval()
+    yield llm, model, hf
+    llm.close()
+
+
+def _clip(seconds: float, seed: int) -> np.ndarray:
+    return speech_like(seconds, seed) if seconds else np.zeros(2 * RATE, np.float32)
+
+
+def _reference(model, features: np.ndarray, language: str | None, n: int = TOKENS) -> list[int]:
+    """transformers' greedy ``generate`` on one window of features [M, 3000] -> its ids, <|endoftext|> dropped."""
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(features[None]), language=language, max_new_tokens=n)[0].tolist()
+    eos = model.generation_config.eos_token_id
+    while out and out[-1] == eos:
+        out.pop()
+    return out
+
+
+def _float64_extractor(fe, x: np.ndarray) -> np.ndarray:
+    """WhisperFeatureExtractor's transform (its own filters) in float64: the values its float32 STFT rounds."""
+    w = torch.from_numpy(np.asarray(x, np.float64))
+    stft = torch.stft(w, fe.n_fft, fe.hop_length, window=torch.hann_window(fe.n_fft, dtype=torch.float64),
+                      return_complex=True)
+    mel = torch.from_numpy(fe.mel_filters.astype(np.float64)).T @ (stft[..., :-1].abs() ** 2)
+    log = torch.clamp(mel, min=1e-10).log10()
+    return ((torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0).numpy()
+
+
+def test_log_mel_windows_equal_the_feature_extractor(whisper):
+    """One window (a clip padded to 30 s, silence too) equals WhisperFeatureExtractor's default call within 1e-4
+    (its float32 STFT's rounding: up to ~5e-5 here) and its transform in float64 within 1e-6; a 64 s clip's windows
+    are the extractor's whole-clip features (truncation=False, padding="longest") cut every 3000 frames, the last
+    zero-padded (transformers' long-form segments)."""
+    llm = whisper[0]
+    fe = reference_extractor()
+    for seconds, seed in CLIPS + [(0, 0)]:
+        x = _clip(seconds, seed)
+        ref = fe(x, sampling_rate=RATE, return_tensors="np")["input_features"][0]
+        got = llm.model.windows(x)
+        assert got.shape == (1, *ref.shape)
+        np.testing.assert_allclose(got[0], ref, atol=1e-4, rtol=0)
+        exact = _float64_extractor(fe, np.pad(x, (0, 30 * RATE - x.size)))
+        np.testing.assert_allclose(got[0], exact[:, :3000], atol=1e-6, rtol=0)
+    x = speech_like(64.0, 7)
+    ref = fe(x, sampling_rate=RATE, return_tensors="np", truncation=False, padding="longest",
+             return_attention_mask=True)
+    frames = int(ref["attention_mask"][0].sum())
+    got = llm.model.windows(x)
+    assert got.shape[0] == 3 and frames == 6400
+    whole = ref["input_features"][0][:, :frames]
+    np.testing.assert_allclose(np.concatenate(list(got), axis=1)[:, :frames], whole, atol=1e-4, rtol=0)
+    assert not got[2][:, frames - 6000:].any()
+
+
+def test_encoder_and_cross_kv_equal_transformers(whisper):
+    """encoder.onnx's output within 1e-4 of WhisperEncoder's; its cross K/V equal the decoder's projections of it."""
+    llm, model, _ = whisper
+    windows = np.stack([llm.model.windows(_clip(s, seed))[0] for s, seed in CLIPS[:2]])
+    outs = llm.model.encoder.run(None, {"input_features": windows})
+    names = [o.name for o in llm.model.encoder.get_outputs()]
+    with torch.no_grad():
+        hidden = model.model.encoder(torch.from_numpy(windows)).last_hidden_state
+        attn = model.model.decoder.layers[1].encoder_attn
+        k, v = attn.k_proj(hidden).numpy(), attn.v_proj(hidden).numpy()
+    np.testing.assert_allclose(outs[names.index("encoder_hidden")], hidden.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(outs[names.index("cross_key.1")], k, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(outs[names.index("cross_value.1")], v, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("language", ["en", None])
+def test_greedy_tokens_equal_transformers_generate(whisper, language):
+    """LLM.transcribe's ids equal WhisperForConditionalGeneration.generate's (its forced prompt, suppress_tokens,
+    begin_suppress_tokens; a detected language when none is given) on speech-like clips of several lengths and
+    silence; the text is the tokenizer's decode of them without special tokens."""
+    llm, model, hf = whisper
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf))
+    fe = reference_extractor()
+    for seconds, seed in CLIPS + [(0, 0)]:
+        x = _clip(seconds, seed)
+        want = _reference(model, fe(x, sampling_rate=RATE, return_tensors="np")["input_features"][0], language)
+        got = llm.transcribe(x, sample_rate=RATE, language=language, max_new_tokens=TOKENS)
+        assert got.token_ids == want, (seconds, language)
+        assert got.text == tok.decode(want, skip_special_tokens=True)
+
+
+def test_the_forced_prompt_is_the_generation_configs(whisper):
+    llm, model, _ = whisper
+    g = model.generation_config
+    w = llm.model
+    assert w.prompt(w.language_id("en"), None) == [g.decoder_start_token_id, g.lang_to_id["<|en|>"],
+                                                   g.task_to_id["transcribe"], g.no_timestamps_token_id]
+    assert w.prompt(w.language_id("german"), "translate") == [g.decoder_start_token_id, g.lang_to_id["<|de|>"],
+                                                              g.task_to_id["translate"], g.no_timestamps_token_id]
+    assert w.prompt(g.lang_to_id["<|de|>"], None, given=False) == [g.decoder_start_token_id, g.lang_to_id["<|de|>"],
+                                                                   g.no_timestamps_token_id]
+
+
+def test_a_clip_over_30_s_is_its_windows_joined(whisper):
+    """A 64 s clip: consecutive 30 s windows of transformers' long-form features, each decoded by ``generate`` with
+    <|notimestamps|>, their ids joined. (transformers' own long-form generation turns timestamps on past 30 s and
+    refuses return_timestamps=False, so it is not the reference for a no-timestamp run.)"""
+    llm, model, _ = whisper
+    fe = reference_extractor()
+    x = speech_like(64.0, 7)
+    ref = fe(x, sampling_rate=RATE, return_tensors="np", truncation=False, padding="longest", return_attention_mask=True)
+    feats = ref["input_features"][0]
+    want: list[int] = []
+    for seek in range(0, 6400, 3000):
+        part = np.zeros((feats.shape[0], 3000), np.float32)
+        piece = feats[:, seek:min(6400, seek + 3000)]
+        part[:, :piece.shape[1]] = piece
+        want += _reference(model, part, "en")
+    got = llm.transcribe(x, sample_rate=RATE, language="en", max_new_tokens=TOKENS)
+    assert got.token_ids == want and len(want) > 2 * TOKENS - 5
+    with pytest.raises(ValueError, match="timestamp"):
+        model.generate(torch.from_numpy(feats[None]), attention_mask=torch.from_numpy(ref["attention_mask"]),
+                       language="en", return_timestamps=False, max_new_tokens=4)
+
+
+def test_a_batch_equals_singles(whisper):
+    """transcribe_many over clips of one and of three windows (a batch that shrinks after the first windows)."""
+    llm = whisper[0]
+    clips = [speech_like(2.0, 1), speech_like(64.0, 7), np.zeros(RATE, np.float32), speech_like(7.3, 2)]
+    for language in ("en", None):
+        batch = llm.transcribe_many(clips, sample_rate=RATE, language=language, max_new_tokens=12)
+        singles = [llm.transcribe(c, sample_rate=RATE, language=language, max_new_tokens=12) for c in clips]
+        assert [b.token_ids for b in batch] == [s.token_ids for s in singles]
+        assert [b.text for b in batch] == [s.text for s in singles]
+
+
+def test_cross_kv_rule_of_the_cache():
+    """KVCache.use_cross: a row's K/V belong to the window whose cross K/V it holds; another window empties it."""
+    from decodert.runtime.backends.kv_cache import KVCache
+
+    cache = KVCache(2, 8, 1, 1, 2, np.float32, cross=[("cross_key.0", (3, 2)), ("cross_value.0", (3, 2))])
+    assert cache.cross[0].shape == (2, 3, 2) and cache.cross_tag(0) is None
+    assert cache.use_cross(0, b"a") is True
+    cache.commit([0], [np.array([5, 6])])
+    assert cache.use_cross(0, b"a") is False and cache.lengths[0] == 2  # the same window: the row stays
+    cache.reset(0)
+    assert cache.cross_tag(0) == b"a"  # the cross K/V depend on the clip, not on the ids
+    cache.commit([0], [np.array([7])])
+    assert cache.use_cross(0, b"b") is True and cache.lengths[0] == 0  # another window: emptied
+    cache.commit([0], [np.array([9])])
+    cache.move(0, 1)
+    assert cache.cross_tag(1) == b"b" and cache.cross_tag(0) is None and list(cache.held(1)) == [9]
+
+
+def test_bad_inputs_are_one_line(whisper, tmp_path):
+    from decodert.errors import DecodertError
+    from decodert.export.pipeline import export_model
+
+    llm, _, hf = whisper
+    x = speech_like(1.0, 1)
+    for kwargs, message in ((dict(language="klingon"), "language 'klingon' is not one this model knows"),
+                            (dict(temperature=0.7), "temperature must be 0"),
+                            (dict(task="summarise"), "task 'summarise' is not one of"),
+                            (dict(max_new_tokens=500), "max_target_positions")):
+        with pytest.raises(DecodertError, match=message) as e:
+            llm.transcribe(x, sample_rate=RATE, **kwargs)
+        assert "\n" not in str(e.value)
+    with pytest.raises(DecodertError, match="sample_rate"):
+        llm.transcribe(x)
+    with pytest.raises(DecodertError, match="transcribes audio"):
+        llm.generate("hello")
+    with pytest.raises(DecodertError, match="--target ort --dtype fp32 only"):
+        export_model(hf, tmp_path / "trt", target="trt", progress=False)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -292,9 +293,19 @@ class WhisperLLM:
 
         self.model = Whisper.open(folder, verify, threads)
         self.tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        from types import SimpleNamespace
+
+        from decodert.runtime.adapters import Adapters
+
         self.audio_limits = DEFAULT_AUDIO_LIMITS
         self.sampling_rate = self.model.sampling_rate
         self.manifest = None
+        self.lock = threading.Lock()  # one transcription at a time over the one cache (the server's threads)
+        # what the server's engine thread and /metrics read of an LLM: no text engine, nothing cached between requests
+        self.backend = SimpleNamespace(max_batch=self.model.max_batch, max_seq=self.model.spec.max_target_positions,
+                                       placement=None)
+        self.max_seq = self.model.spec.max_target_positions
+        self.slots_in_use, self.prefix_cache, self.adapters = 0, None, Adapters(None, None, None)
 
     def transcribe(self, audio: Any, sample_rate: int | None = None, language: str | None = None,
                    prompt: str | None = None, task: str | None = None, **params: Any) -> Any:
@@ -319,7 +330,8 @@ class WhisperLLM:
         samples = [load_audio(c, f"audio {i}", self.audio_limits, self.sampling_rate, sample_rate)
                    for i, c in enumerate(clips)]
         t0 = time.perf_counter()
-        found = self.model.transcribe_many(samples, language, task, max_new_tokens)
+        with self.lock:
+            found = self.model.transcribe_many(samples, language, task, max_new_tokens)
         total = time.perf_counter() - t0
         out = []
         for t in found:

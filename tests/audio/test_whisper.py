@@ -195,3 +195,32 @@ def test_bad_inputs_are_one_line(whisper, tmp_path):
         llm.generate("hello")
     with pytest.raises(DecodertError, match="--target ort --dtype fp32 only"):
         export_model(hf, tmp_path / "trt", target="trt", progress=False)
+
+
+def test_openai_client_transcriptions_of_a_whisper_artifact(whisper):
+    """client.audio.transcriptions.create against the served tiny Whisper returns transformers' text (json, text,
+    verbose_json); a bad language is a one-line 400."""
+    soundfile = pytest.importorskip("soundfile")
+    openai = pytest.importorskip("openai")
+    import io
+
+    from serve_helpers import running
+
+    llm, model, hf = whisper
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf))
+    buf = io.BytesIO()
+    soundfile.write(buf, speech_like(2.0, 1), RATE, format="WAV", subtype="PCM_16")
+    wav = buf.getvalue()
+    decoded = soundfile.read(io.BytesIO(wav), dtype="float32")[0]
+    feats = reference_extractor()(decoded, sampling_rate=RATE, return_tensors="np")["input_features"][0]
+    want = tok.decode(_reference(model, feats, "en", n=model.generation_config.max_length - 4), skip_special_tokens=True).strip()
+    with running(llm) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        assert client.audio.transcriptions.create(model="tiny", file=("a.wav", wav), language="en").text == want
+        assert client.audio.transcriptions.create(model="tiny", file=("a.wav", wav), language="en",
+                                                  response_format="text") == want
+        verbose = client.audio.transcriptions.create(model="tiny", file=("a.wav", wav), language="en",
+                                                     response_format="verbose_json")
+        assert verbose.text == want and verbose.duration == pytest.approx(2.0, abs=1e-3)
+        with pytest.raises(openai.BadRequestError, match="klingon"):
+            client.audio.transcriptions.create(model="tiny", file=("a.wav", wav), language="klingon")

@@ -21,12 +21,11 @@
 The cross K/V are computed once per window by encoder.onnx and bound like the cache (runtime/audio/whisper.py);
 the decoder never projects the encoder output. Weights are stored once in weights.bin, [in, out] (transposed
 at export), both graphs reading it as external data. ``seq2seq.json`` records the spec, the graphs' I/O, the
-log-mel settings, the generation config and the files' digests.
+log-mel settings, the generation config and the files' digests (artifact/seq2seq.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -36,17 +35,16 @@ from typing import Any
 import numpy as np
 import onnx
 
+from decodert.artifact.seq2seq import write_seq2seq
+from decodert.export.artifact import destination
 from decodert.artifact.weights import WeightsWriter
 from decodert.errors import DecodertError
 from decodert.export.lowering.lower_ort import OrtLowering
 from decodert.models import family_for
 from decodert.plugins.onnx_builder import GraphBuilder
 
-SEQ2SEQ_MANIFEST = "seq2seq.json"
 ENCODER_FILE, DECODER_FILE, WEIGHTS_FILE = "encoder.onnx", "decoder.onnx", "weights.bin"
 OPSET = 17
-FORMAT = "decodert-seq2seq"
-FORMAT_VERSION = 1
 
 
 def is_encoder_decoder(src: str | Path) -> bool:
@@ -86,29 +84,30 @@ def export_seq2seq(src: str | Path, out_dir: str | Path, target: str = "ort", dt
     tokenizer = src / "tokenizer.json"
     if not tokenizer.is_file():
         raise DecodertError(f"{src}: no tokenizer.json (the artifact decodes the text with it)")
-    tmp = out.with_name(out.name + ".tmp-export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        writer = WeightsWriter(tmp / WEIGHTS_FILE)
-        weights = _write_weights(writer, spec, family.hf_weights, tensors, src)
-        writer.close()
-        enc, dec = build_encoder(spec, weights), build_decoder(spec, weights, max_seq=spec.max_target_positions)
-        for model, name in ((enc, ENCODER_FILE), (dec, DECODER_FILE)):
-            onnx.save_model(model, tmp / name)
-            onnx.checker.check_model(str(tmp / name), full_check=True)
-        shutil.copy(tokenizer, tmp / "tokenizer.json")
-        record = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": family.name, "target": target,
-                  "dtype": dtype, "max_batch": max_batch, "spec": spec.to_dict(), "features": features,
-                  "generation": generation, "graphs": {"encoder": ENCODER_FILE, "decoder": DECODER_FILE},
-                  "files": {n: _sha256(tmp / n) for n in (ENCODER_FILE, DECODER_FILE, WEIGHTS_FILE, "tokenizer.json")}}
-        (tmp / SEQ2SEQ_MANIFEST).write_text(json.dumps(record, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    out = destination.prepare(out)  # an empty folder, or a decodert artifact to replace
+    with destination.terminating_raises():
+        tmp = destination.make_temp(out)
+        try:
+            writer = WeightsWriter(tmp / WEIGHTS_FILE)
+            weights = _write_weights(writer, spec, family.hf_weights, tensors, src)
+            writer.close()
+            enc, dec = build_encoder(spec, weights), build_decoder(spec, weights, max_seq=spec.max_target_positions)
+            for model, name in ((enc, ENCODER_FILE), (dec, DECODER_FILE)):
+                onnx.save_model(model, tmp / name)
+                onnx.checker.check_model(str(tmp / name), full_check=True)
+            shutil.copy(tokenizer, tmp / "tokenizer.json")
+            record = write_seq2seq(tmp, {"family": family.name, "target": target, "dtype": dtype,
+                                         "max_batch": max_batch, "spec": spec.to_dict(), "features": features,
+                                         "generation": generation,
+                                         "graphs": {"encoder": ENCODER_FILE, "decoder": DECODER_FILE}},
+                                   [ENCODER_FILE, DECODER_FILE, WEIGHTS_FILE, "tokenizer.json"])
+            destination.swap_in(tmp, out)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DecodertError(f"-o {out}: writing the artifact failed ({e.strerror or e})") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return record
 
 
@@ -124,14 +123,6 @@ def _json(path: Path, default: Any = None) -> dict:
     if not isinstance(value, dict):
         raise DecodertError(f"{path}: not a JSON object")
     return value
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _read_safetensors(src: Path) -> dict[str, np.ndarray]:

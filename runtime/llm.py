@@ -64,7 +64,8 @@ from decodert.runtime.audio.clips import DEFAULT_AUDIO_LIMITS, load_audio
 from decodert.runtime.audio.encoder import Audio
 from decodert.runtime.audio.messages import has_audio, split_audio
 from decodert.runtime.audio.transcribe import parse_transcription, transcription_messages
-from decodert.runtime.audio.whisper import WhisperLLM, is_seq2seq_artifact
+from decodert.runtime.audio.whisper import WhisperLLM
+from decodert.artifact.seq2seq import is_seq2seq_artifact
 from decodert.runtime.vision.encoder import Vision
 from decodert.runtime.vision.images import DEFAULT_LIMITS
 from decodert.runtime.vision.messages import split_images

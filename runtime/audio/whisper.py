@@ -1,6 +1,6 @@
 """Whisper on ONNX Runtime: a seq2seq artifact (export/seq2seq_export.py) -> transcriptions.
 
-    whisper = Whisper.open(folder)                      # encoder.onnx + decoder.onnx + seq2seq.json
+    whisper = Whisper.open(folder)                      # encoder.onnx + decoder.onnx + seq2seq.json (artifact/seq2seq.py)
     results = whisper.transcribe_many([clip, ...], language="en", max_new_tokens=64)   # [GenerationResult]
 
 One clip: its log-mel windows (``windows``), then per window, all clips of a batch together:
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import threading
 import time
 from pathlib import Path
@@ -35,12 +34,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from decodert.artifact.seq2seq import read_seq2seq
 from decodert.errors import DecodertError
 from decodert.models.families.whisper import WhisperSpec
 from decodert.runtime.audio.features import MelSettings, log_mel
 from decodert.runtime.backends.kv_cache import KVCache
 
-MANIFEST = "seq2seq.json"
 TO_CODE = {"english": "en", "german": "de", "french": "fr", "spanish": "es", "chinese": "zh", "japanese": "ja",
            "italian": "it", "portuguese": "pt", "russian": "ru", "korean": "ko", "dutch": "nl"}  # names beside codes
 
@@ -52,10 +51,6 @@ class Transcript:
     token_ids: tuple[int, ...]
     finish_reason: str  # "stop": every window ended on <|endoftext|>; "length": one ran out of tokens
     language_id: int | None
-
-
-def is_seq2seq_artifact(folder: str | Path) -> bool:
-    return (Path(folder) / MANIFEST).is_file()
 
 
 class Whisper:
@@ -85,19 +80,7 @@ class Whisper:
     @classmethod
     def open(cls, folder: str | Path, verify: str = "fast", threads: int | None = None) -> "Whisper":
         folder = Path(folder)
-        try:
-            record = json.loads((folder / MANIFEST).read_text())
-        except (OSError, ValueError) as e:
-            raise DecodertError(f"{folder / MANIFEST}: not readable ({e})") from None
-        if not isinstance(record, dict) or record.get("format") != "decodert-seq2seq":
-            raise DecodertError(f"{folder / MANIFEST}: not a decodert seq2seq manifest")
-        for name, digest in (record.get("files") or {}).items():
-            path = folder / name
-            if not path.is_file():
-                raise DecodertError(f"{folder}: the artifact's {name} is missing")
-            if verify == "full" and _sha256(path) != digest:
-                raise DecodertError(f"{folder}: {name} does not match its sha256 in {MANIFEST}")
-        return cls(folder, record, threads)
+        return cls(folder, read_seq2seq(folder, verify), threads)
 
     # -- features --------------------------------------------------------------------------------
     def windows(self, samples: np.ndarray) -> np.ndarray:
@@ -272,15 +255,6 @@ class Whisper:
 
 def _digest(window: np.ndarray) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(window).data, digest_size=16, person=b"decodert-window").digest()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 class WhisperLLM:
     """What ``LLM.load`` returns for a seq2seq artifact: ``transcribe`` / ``transcribe_many`` (GenerationResult,

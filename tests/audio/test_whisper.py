@@ -224,3 +224,43 @@ def test_openai_client_transcriptions_of_a_whisper_artifact(whisper):
         assert verbose.text == want and verbose.duration == pytest.approx(2.0, abs=1e-3)
         with pytest.raises(openai.BadRequestError, match="klingon"):
             client.audio.transcriptions.create(model="tiny", file=("a.wav", wav), language="klingon")
+
+
+def test_a_tied_head_and_narrow_heads_equal_transformers(tmp_path):
+    """proj_out tied to embed_tokens (what real Whisper checkpoints are) and head_dim 8: the same greedy ids."""
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    hf = make_tiny_whisper(tmp_path / "hf", seed=3, tie_word_embeddings=True, decoder_attention_heads=4)
+    export_model(hf, tmp_path / "art", progress=False)
+    llm = LLM.load(tmp_path / "art")
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(hf).eval()
+    fe = reference_extractor()
+    for seconds, seed in CLIPS[:2]:
+        x = _clip(seconds, seed)
+        want = _reference(model, fe(x, sampling_rate=RATE, return_tensors="np")["input_features"][0], "en")
+        assert llm.transcribe(x, sample_rate=RATE, language="en", max_new_tokens=TOKENS).token_ids == want
+
+
+def test_the_artifact_is_checked_and_replaced_as_an_artifact(whisper, tmp_path):
+    """Export replaces a seq2seq artifact but not a folder of other files; a damaged file is named at load."""
+    from decodert.errors import DecodertError
+    from decodert.export.pipeline import export_model
+    from decodert.runtime.llm import LLM
+
+    hf = whisper[2]
+    out = tmp_path / "art"
+    export_model(hf, out, progress=False)
+    export_model(hf, out, max_batch=2, progress=False)  # an artifact: replaced
+    assert LLM.load(out).model.max_batch == 2
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(DecodertError, match="is not a decodert artifact"):
+        export_model(hf, other, progress=False)
+    assert (other / "notes.txt").read_text() == "keep me"
+    with open(out / "decoder.onnx", "r+b") as f:
+        f.seek(10)
+        f.write(b"\xff\xff\xff\xff")
+    with pytest.raises(DecodertError, match="decoder.onnx: sha256 does not match"):
+        LLM.load(out)

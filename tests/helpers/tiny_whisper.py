@@ -50,8 +50,8 @@ def make_tiny_whisper(path: str | Path, seed: int = 0, **config: Any) -> Path:
                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
                     max_source_positions=1500, max_target_positions=96, decoder_start_token_id=ids["<|startoftranscript|>"],
                     eos_token_id=eos, pad_token_id=eos, bos_token_id=eos, scale_embedding=False,
-                    tie_word_embeddings=False, **config)
-    cfg = transformers.WhisperConfig(**settings)
+                    tie_word_embeddings=False)
+    cfg = transformers.WhisperConfig(**{**settings, **config})
     torch.manual_seed(seed)
     model = transformers.WhisperForConditionalGeneration(cfg).to(torch.float32)
     gen = torch.Generator().manual_seed(seed)

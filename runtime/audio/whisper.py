@@ -299,8 +299,10 @@ class WhisperLLM:
         temperature = params.pop("temperature", 0.0)
         if temperature not in (0, 0.0, None):
             raise DecodertError("Whisper transcribes greedily here: temperature must be 0")
-        if params:
-            raise DecodertError(f"unknown transcription parameter {sorted(params)[0]!r} (max_new_tokens, temperature)")
+        given = sorted(k for k, v in params.items() if v not in (None, (), [], {}, False))  # the CLI passes its defaults
+        if given:
+            raise DecodertError(f"transcription parameter {given[0]!r} is not supported for Whisper "
+                                "(max_new_tokens, temperature 0, language, task)")
         samples = [load_audio(c, f"audio {i}", self.audio_limits, self.sampling_rate, sample_rate)
                    for i, c in enumerate(clips)]
         t0 = time.perf_counter()

@@ -264,3 +264,24 @@ def test_the_artifact_is_checked_and_replaced_as_an_artifact(whisper, tmp_path):
         f.write(b"\xff\xff\xff\xff")
     with pytest.raises(DecodertError, match="decoder.onnx: sha256 does not match"):
         LLM.load(out)
+
+
+def test_cli_run_audio_prints_the_transcription(whisper, tmp_path, capsys, monkeypatch):
+    """`decodert run HF_FOLDER --audio FILE` exports the Whisper checkpoint once into the cache and prints what
+    LLM.transcribe gives; the artifact folder itself is taken as it is; --quant int4 is refused in one line."""
+    soundfile = pytest.importorskip("soundfile")
+    from decodert.cli import main
+    from decodert.errors import DecodertError
+    from decodert.export.prepare import prepare_model
+
+    llm, _, hf = whisper
+    monkeypatch.setenv("DECODERT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "clip.wav"
+    soundfile.write(path, speech_like(2.0, 1), RATE, subtype="FLOAT")
+    want = llm.transcribe(path, max_new_tokens=6).text
+    assert main(["run", str(hf), "--audio", str(path), "--greedy", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip() == want.strip()
+    art = prepare_model(hf)
+    assert art.parent.parent == tmp_path / "cache" and prepare_model(art) == art and prepare_model(hf) == art
+    with pytest.raises(DecodertError, match="--quant and --max-seq do not apply"):
+        prepare_model(hf, quant="int4")

@@ -5,7 +5,8 @@
 
 One clip: its log-mel windows (``windows``), then per window, all clips of a batch together:
 1. encoder.onnx over the windows -> each decoder layer's cross K/V, written once into the rows' ``cache.cross``
-   buffers (KVCache.use_cross: a row's K/V always belong to the window whose cross K/V it holds);
+   buffers (KVCache.use_cross: a row's K/V always belong to the window whose cross K/V it holds; a row that holds
+   this window's already, the same clip again, is not encoded again);
 2. the forced prompt, as transformers' WhisperGenerationMixin._retrieve_init_tokens builds it:
    <|startoftranscript|>, the language (given, else detected once per clip on its first window: the decoder's
    logits after <|startoftranscript|> over the languages of lang_to_id, argmax), the task (given; <|transcribe|>
@@ -135,18 +136,21 @@ class Whisper:
         return ids
 
     # -- graphs ------------------------------------------------------------------------------------
-    def encode(self, windows: np.ndarray, slots: Sequence[int], tags: Sequence[bytes]) -> np.ndarray:
-        """Run encoder.onnx over ``windows`` [n, M, 2T] and write each row's cross K/V into ``slots`` (skipped for
-        a row that already holds that window's) -> encoder_hidden [n, T, C]."""
+    def encode(self, windows: np.ndarray, slots: Sequence[int], tags: Sequence[bytes]) -> int:
+        """Give each of ``slots`` the cross K/V of its window (``windows`` [n, M, 2T], named by ``tags``): encoder.onnx
+        runs over the windows whose rows do not hold them already (KVCache.use_cross) -> how many it encoded."""
+        todo = [r for r, (slot, tag) in enumerate(zip(slots, tags)) if self.cache.use_cross(slot, tag)]
+        self.encode_seconds = 0.0
+        if not todo:
+            return 0
         t0 = time.perf_counter()
-        outs = self.encoder.run(None, {"input_features": np.ascontiguousarray(windows, np.float32)})
+        outs = self.encoder.run(None, {"input_features": np.ascontiguousarray(windows[todo], np.float32)})
         names = [o.name for o in self.encoder.get_outputs()]
-        for r, (slot, tag) in enumerate(zip(slots, tags)):
-            if self.cache.use_cross(slot, tag):
-                for j, name in enumerate(self.cache.cross_names):
-                    self.cache.cross[j][slot] = outs[names.index(name)][r]
+        for k, r in enumerate(todo):
+            for j, name in enumerate(self.cache.cross_names):
+                self.cache.cross[j][slots[r]] = outs[names.index(name)][k]
         self.encode_seconds = time.perf_counter() - t0
-        return outs[0]
+        return len(todo)
 
     def step(self, start: int, ids: np.ndarray) -> np.ndarray:
         """decoder.onnx over rows [start, start + n) for ``ids`` [n, S] (every row at the same length) -> logits
@@ -196,7 +200,7 @@ class Whisper:
         langs: list[int | None] = [lang] * len(clips)
         for w in range(max(len(ws) for ws in windows)):
             rows = [r for r, ws in enumerate(windows) if w < len(ws)]  # clips with a window here, in order
-            self.encode(np.stack([windows[r][w] for r in rows]), range(len(rows)), [digests[r][w] for r in rows])
+            self.encode(np.stack([windows[r][w] for r in rows]), list(range(len(rows))), [digests[r][w] for r in rows])
             if w == 0 and lang is None and self.gen["lang_to_id"]:
                 detected = self._detect(len(rows))
                 for k, r in enumerate(rows):

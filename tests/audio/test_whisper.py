@@ -285,3 +285,31 @@ def test_cli_run_audio_prints_the_transcription(whisper, tmp_path, capsys, monke
     assert art.parent.parent == tmp_path / "cache" and prepare_model(art) == art and prepare_model(hf) == art
     with pytest.raises(DecodertError, match="--quant and --max-seq do not apply"):
         prepare_model(hf, quant="int4")
+
+
+class _Counted:
+    """An ORT session that counts its runs."""
+
+    def __init__(self, session) -> None:
+        self.session, self.calls = session, 0
+
+    def run(self, *args, **kwargs):
+        self.calls += 1
+        return self.session.run(*args, **kwargs)
+
+    def get_outputs(self):
+        return self.session.get_outputs()
+
+
+def test_a_repeated_clip_is_not_encoded_again(whisper, monkeypatch):
+    """The rows already hold the clip's cross K/V (KVCache.use_cross): the encoder does not run, the ids are the same;
+    another clip in the row is encoded."""
+    llm = whisper[0]
+    x, y = speech_like(2.0, 11), speech_like(2.0, 12)
+    first = llm.transcribe(x, sample_rate=RATE, language="en", max_new_tokens=8)
+    counted = _Counted(llm.model.encoder)
+    monkeypatch.setattr(llm.model, "encoder", counted)
+    assert llm.transcribe(x, sample_rate=RATE, language="en", max_new_tokens=8).token_ids == first.token_ids
+    assert counted.calls == 0
+    llm.transcribe(y, sample_rate=RATE, language="en", max_new_tokens=8)
+    assert counted.calls == 1

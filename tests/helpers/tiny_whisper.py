@@ -37,7 +37,9 @@ def make_tokenizer() -> Any:
     return tok
 
 
-def make_tiny_whisper(path: str | Path, seed: int = 0, **config: Any) -> Path:
+def make_tiny_whisper(path: str | Path, seed: int = 0, noise: float = 0.2, **config: Any) -> Path:
+    """``noise``: the weights' random scale (0.2 for the tiny shapes; wide models want ~0.02, else their fp32
+    logits carry errors of ~0.1 and greedy near-ties flip between runtimes); ``config``: WhisperConfig fields."""
     import torch
     import transformers
 
@@ -55,13 +57,14 @@ def make_tiny_whisper(path: str | Path, seed: int = 0, **config: Any) -> Path:
     torch.manual_seed(seed)
     model = transformers.WhisperForConditionalGeneration(cfg).to(torch.float32)
     gen = torch.Generator().manual_seed(seed)
+    scale = noise
     with torch.no_grad():  # every parameter random (norm weights near 1), reproducibly
         for name, p in model.named_parameters():
             if "embed_positions" in name and "encoder" in name:
                 continue  # the encoder's sinusoid table (fixed in transformers)
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             norm = "layer_norm" in name
-            p.copy_(1.0 + 0.1 * noise if norm and name.endswith("weight") else 0.2 * noise)
+            p.copy_(1.0 + 0.1 * noise if norm and name.endswith("weight") else scale * noise)
     g = model.generation_config
     g.decoder_start_token_id = ids["<|startoftranscript|>"]
     g.eos_token_id = g.pad_token_id = eos

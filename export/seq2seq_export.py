@@ -6,15 +6,15 @@
         x = x^T + positions                                   [B, T, C]
         per layer: x += o(attention(q, k, v of LayerNorm(x)));  x += fc2(gelu(fc1(LayerNorm(x))))
         encoder_hidden = LayerNorm(x)                         [B, T, C]
-        cross_key.i = encoder_hidden @ xk_i^T                 [B, T, C]  (no bias)
-        cross_value.i = encoder_hidden @ xv_i^T + xv_bias_i   [B, T, C]
+        cross_key.i = encoder_hidden @ xk_i^T                 [B, H, T, D]  (no bias; heads split once here)
+        cross_value.i = encoder_hidden @ xv_i^T + xv_bias_i   [B, H, T, D]
     decoder.onnx   one step (a prompt or one token a row) over the self-attention cache and the cross K/V:
       input_ids [B, S] int64, past_lengths [B] int64 (every row's tokens in the cache: all rows equal, the
       prompt is forced and a finished row keeps stepping), past_key.i / past_value.i [B, H, S_max, D] (bound as
-      present_key.i / present_value.i too: written in place), cross_key.i / cross_value.i [B, T, C] (read only)
+      present_key.i / present_value.i too: written in place), cross_key.i / cross_value.i [B, H, T, D] (read only)
         x = embed[ids] (x sqrt C when scale_embedding) + positions[past + arange(S)]
         per layer: x += o(GQA(q, k, v of LN(x), past))        causal self-attention, the new K/V written in place
-                   x += xo(attention(xq(LN(x)), cross_key.i, cross_value.i))
+                   x += xo(MultiHeadAttention(xq(LN(x)), cross_key.i, cross_value.i))
                    x += fc2(gelu(fc1(LN(x))))
         logits = LN(x)[:, S-1] @ lm_head^T                    [B, V]
 
@@ -211,11 +211,13 @@ def build_encoder(spec: Any, weights: dict[str, onnx.TensorProto]) -> onnx.Model
                 x = _mlp(g, x, p, eps)
         x = _norm(g, x, "enc.norm", eps)
     g.output(x, "encoder_hidden", "fp32", ["batch", t, c])
+    heads, d = spec.decoder_heads, spec.head_dim
     with g.scope("cross"):
         for i in range(spec.decoder_layers):
             p = f"dec.layers.{i}."
-            g.output(_linear(g, x, p + "xk"), f"cross_key.{i}", "fp32", ["batch", t, c])
-            g.output(_linear(g, x, p + "xv", p + "xv_bias"), f"cross_value.{i}", "fp32", ["batch", t, c])
+            for kind, y in (("key", _linear(g, x, p + "xk")), ("value", _linear(g, x, p + "xv", p + "xv_bias"))):
+                y = g.op("Transpose", g.op("Reshape", y, g.const([0, t, heads, d])), perm=[0, 2, 1, 3])
+                g.output(y, f"cross_{kind}.{i}", "fp32", ["batch", heads, t, d])
     return g.to_model()
 
 
@@ -230,7 +232,7 @@ def build_decoder(spec: Any, weights: dict[str, onnx.TensorProto], max_seq: int)
             g.input(f"past_{kind}.{i}", "fp32", ["batch", heads, max_seq, d])
     for i in range(spec.decoder_layers):
         for kind in ("key", "value"):
-            g.input(f"cross_{kind}.{i}", "fp32", ["batch", t, c])
+            g.input(f"cross_{kind}.{i}", "fp32", ["batch", heads, t, d])
     for name, tensor in weights.items():
         if name.startswith("dec.") and not name.endswith(("xk", "xv", "xv_bias")):
             g.add_initializer(tensor)
@@ -257,7 +259,9 @@ def build_decoder(spec: Any, weights: dict[str, onnx.TensorProto], max_seq: int)
                 x = g.op("Add", x, _linear(g, ctx, p + "o", p + "o_bias"))
             with g.scope("cross_attn"):
                 q = _linear(g, _norm(g, x, p + "lnx", eps), p + "xq", p + "xq_bias")
-                ctx = OrtLowering.encoder_attention(g, q, f"cross_key.{i}", f"cross_value.{i}", heads, d, np.float32)
+                # com.microsoft.MultiHeadAttention takes K/V already in [B, H, T, D]: nothing moved per step
+                ctx = g.op("MultiHeadAttention", q, f"cross_key.{i}", f"cross_value.{i}", domain="com.microsoft",
+                           num_heads=heads, scale=d ** -0.5)
                 x = g.op("Add", x, _linear(g, ctx, p + "xo", p + "xo_bias"))
             x = _mlp(g, x, p, eps)
     with g.scope("head"):

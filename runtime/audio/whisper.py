@@ -74,7 +74,7 @@ class Whisper:
         self.decoder = ort.InferenceSession(str(folder / record["graphs"]["decoder"]), options, providers=["CPUExecutionProvider"])
         s = self.spec
         self.cache = KVCache(self.max_batch, s.max_target_positions, s.decoder_layers, s.decoder_heads, s.head_dim,
-                             np.float32, cross=[(f"cross_{k}.{i}", (s.max_source_positions, s.d_model))
+                             np.float32, cross=[(f"cross_{k}.{i}", (s.decoder_heads, s.max_source_positions, s.head_dim))
                                                 for i in range(s.decoder_layers) for k in ("key", "value")])
         self.encode_seconds = 0.0
 
@@ -226,8 +226,8 @@ class Whisper:
         """Rows 0..n-1 (their cross K/V written) from their prompts (one length) -> (ids without eos, reason)."""
         n, width = len(prompts), len(prompts[0])
         limit = self.spec.max_target_positions
-        if max_new_tokens is None:  # generation_config.max_length counts the prompt
-            budget = min(int(self.gen["max_length"]), limit) - width
+        if max_new_tokens is None:  # transformers: max_length + the prompt's tokens, at most max_target_positions
+            budget = min(int(self.gen["max_length"]) + min(limit // 2 - 1, width), limit) - width
         else:
             budget = max_new_tokens
             if width + budget > limit:

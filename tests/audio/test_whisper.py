@@ -83,7 +83,8 @@ def test_log_mel_windows_equal_the_feature_extractor(whisper):
 
 
 def test_encoder_and_cross_kv_equal_transformers(whisper):
-    """encoder.onnx's output within 1e-4 of WhisperEncoder's; its cross K/V equal the decoder's projections of it."""
+    """encoder.onnx's output within 1e-4 of WhisperEncoder's; its cross K/V [B, H, T, D] equal the decoder's
+    projections of it, split into heads."""
     llm, model, _ = whisper
     windows = np.stack([llm.model.windows(_clip(s, seed))[0] for s, seed in CLIPS[:2]])
     outs = llm.model.encoder.run(None, {"input_features": windows})
@@ -91,7 +92,8 @@ def test_encoder_and_cross_kv_equal_transformers(whisper):
     with torch.no_grad():
         hidden = model.model.encoder(torch.from_numpy(windows)).last_hidden_state
         attn = model.model.decoder.layers[1].encoder_attn
-        k, v = attn.k_proj(hidden).numpy(), attn.v_proj(hidden).numpy()
+        heads = lambda y: y.reshape(*y.shape[:2], attn.num_heads, -1).transpose(1, 2).numpy()  # noqa: E731 [B, H, T, D]
+        k, v = heads(attn.k_proj(hidden)), heads(attn.v_proj(hidden))
     np.testing.assert_allclose(outs[names.index("encoder_hidden")], hidden.numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(outs[names.index("cross_key.1")], k, atol=1e-4, rtol=0)
     np.testing.assert_allclose(outs[names.index("cross_value.1")], v, atol=1e-4, rtol=0)
@@ -111,6 +113,19 @@ def test_greedy_tokens_equal_transformers_generate(whisper, language):
         got = llm.transcribe(x, sample_rate=RATE, language=language, max_new_tokens=TOKENS)
         assert got.token_ids == want, (seconds, language)
         assert got.text == tok.decode(want, skip_special_tokens=True)
+
+
+def test_without_max_new_tokens_the_length_is_transformers_default(whisper):
+    """No max_new_tokens: as many tokens as generate makes by default (generation_config max_length plus the prompt,
+    at most max_target_positions)."""
+    llm, model, _ = whisper
+    x = speech_like(2.0, 1)
+    feats = reference_extractor()(x, sampling_rate=RATE, return_tensors="np")["input_features"][0]
+    with torch.no_grad():
+        want = model.generate(torch.from_numpy(feats[None]), language="en")[0].tolist()
+    eos = model.generation_config.eos_token_id
+    got = llm.transcribe(x, sample_rate=RATE, language="en")
+    assert got.token_ids == [t for t in want if t != eos] and len(want) == model.config.max_target_positions - 4
 
 
 def test_the_forced_prompt_is_the_generation_configs(whisper):

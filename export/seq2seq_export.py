@@ -78,8 +78,8 @@ def export_seq2seq(src: str | Path, out_dir: str | Path, target: str = "ort", dt
     config = _json(src / "config.json")
     family = family_for(str(config.get("model_type")), str(src / "config.json"))
     spec = family.spec_from_hf(config)
-    features = family.module.window_features(_json(src / "preprocessor_config.json", {}), spec)
-    generation = family.module.generation(config, _json(src / "generation_config.json", {}))
+    features = family.window_features(_json(src / "preprocessor_config.json", {}), spec)
+    generation = family.generation(config, _json(src / "generation_config.json", {}))
     tensors = _read_safetensors(src)
     tokenizer = src / "tokenizer.json"
     if not tokenizer.is_file():

@@ -328,3 +328,28 @@ def test_a_repeated_clip_is_not_encoded_again(whisper, monkeypatch):
     assert counted.calls == 0
     llm.transcribe(y, sample_rate=RATE, language="en", max_new_tokens=8)
     assert counted.calls == 1
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda r: r.update(format_version=9), "format_version 9"),
+    (lambda r: r.pop("generation"), "'generation' is missing"),
+    (lambda r: r["graphs"].update(decoder="../elsewhere.onnx"), "is not a listed file"),
+    (lambda r: r["files"]["weights.bin"].update(size=-1 + r["files"]["weights.bin"]["size"]), "size"),
+    (lambda r: r.update(format="decodert"), "not a decodert seq2seq record"),
+])
+def test_a_damaged_seq2seq_record_is_one_line(whisper, tmp_path, edit, message):
+    import json
+    import shutil
+
+    from decodert.artifact.seq2seq import SEQ2SEQ_MANIFEST, read_seq2seq
+    from decodert.errors import DecodertError
+
+    src = whisper[0].model.dir
+    art = tmp_path / "art"
+    shutil.copytree(src, art)
+    record = json.loads((art / SEQ2SEQ_MANIFEST).read_text())
+    edit(record)
+    (art / SEQ2SEQ_MANIFEST).write_text(json.dumps(record))
+    with pytest.raises(DecodertError, match=message) as e:
+        read_seq2seq(art)
+    assert "\n" not in str(e.value)

@@ -96,7 +96,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     if is_encoder_decoder(src):  # Whisper: its encoder and decoder graphs (export/seq2seq_export.py)
         return export_seq2seq(src, out_dir, target, dtype, max_batch, quant=quant, lora=lora,  # type: ignore[return-value]
                               merge_lora=tuple(merge_lora), embeddings=embeddings, hidden_states=hidden_states,
-                              openvino_prefill=openvino_prefill, kv_dtype=kv_dtype)
+                              openvino_prefill=openvino_prefill, kv_dtype=kv_dtype, max_seq=max_seq,
+                              trt_version=trt_version)
     if is_head_checkpoint(src):
         raise DecodertError(f"{src} is a draft head checkpoint; export it beside its target: `decodert export {src} "
                             "--target-artifact TARGET -o OUT` (export/heads/)")

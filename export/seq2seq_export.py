@@ -68,8 +68,9 @@ def export_seq2seq(src: str | Path, out_dir: str | Path, target: str = "ort", dt
     src, out = Path(src).expanduser(), Path(out_dir).expanduser()
     given = sorted(k for k, v in unsupported.items() if v not in (None, False, (), "auto", "never"))
     if given:
-        raise DecodertError(f"{src}: an encoder-decoder model is exported without --{given[0].replace('_', '-')} "
-                            "(the ort target, fp32, no quantization, LoRA or extra graphs yet)")
+        raise DecodertError(f"--{given[0].replace('_', '-')} does not apply to {src}, an encoder-decoder model "
+                            "(exported for the ort target in fp32 at its own decoder length; no quantization, LoRA "
+                            "or extra graphs yet)")
     if target != "ort" or dtype != "fp32":
         raise DecodertError(f"{src}: an encoder-decoder model (whisper) exports to --target ort --dtype fp32 only "
                             f"(got {target}, {dtype})")

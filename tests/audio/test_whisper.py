@@ -210,6 +210,21 @@ def test_bad_inputs_are_one_line(whisper, tmp_path):
         llm.generate("hello")
     with pytest.raises(DecodertError, match="--target ort --dtype fp32 only"):
         export_model(hf, tmp_path / "trt", target="trt", progress=False)
+    with pytest.raises(DecodertError, match="--max-seq does not apply to .*an encoder-decoder model"):
+        export_model(hf, tmp_path / "seq", max_seq=64, progress=False)
+
+
+def test_cli_export_writes_the_artifact(whisper, tmp_path, capsys):
+    """`decodert export HF -o OUT` prints what it wrote; --kv-dtype int8 is refused in one line (exit 2)."""
+    from decodert.cli import main
+
+    hf = whisper[2]
+    assert main(["export", str(hf), "-o", str(tmp_path / "out")]) == 0
+    assert "exported whisper (fp32, 2 + 2 layers, encoder.onnx + decoder.onnx)" in capsys.readouterr().out
+    assert (tmp_path / "out" / "seq2seq.json").is_file()
+    assert main(["export", str(hf), "-o", str(tmp_path / "q"), "--kv-dtype", "int8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--kv-dtype does not apply" in err and len(err.splitlines()) == 1
 
 
 def test_openai_client_transcriptions_of_a_whisper_artifact(whisper):

@@ -20,7 +20,8 @@
 
 The cross K/V are computed once per window by encoder.onnx and bound like the cache (runtime/audio/whisper.py);
 the decoder never projects the encoder output. Weights are stored once in weights.bin, [in, out] (transposed
-at export), both graphs reading it as external data. ``seq2seq.json`` records the spec, the graphs' I/O, the
+at export; the head [V, C] as stored, read by a Gemm, and not stored again when tied to embed_tokens), both
+graphs reading it as external data. ``seq2seq.json`` records the spec, the graphs' I/O, the
 log-mel settings, the generation config and the files' digests (artifact/seq2seq.py).
 """
 
@@ -155,14 +156,14 @@ def _write_weights(writer: WeightsWriter, spec: Any, table: dict[str, str], tens
     """Every canonical weight into weights.bin (2-D linear weights transposed to [in, out])."""
     out: dict[str, onnx.TensorProto] = {}
     for canon, key in _names(table, spec):
-        if canon == "dec.lm_head" and key not in tensors:
+        if canon == "dec.lm_head" and (spec.tie_word_embeddings or key not in tensors):
             if not spec.tie_word_embeddings:
                 raise DecodertError(f"{src}: tie_word_embeddings is false but the checkpoint has no {key}")
-            key = table["dec.embed"]
+            continue  # tied: the head reads dec.embed (no second copy)
         if key not in tensors:
             raise DecodertError(f"{src}: the checkpoint has no tensor {key} ({canon})")
         w = np.asarray(tensors[key], np.float32)
-        linear = w.ndim == 2 and canon not in ("dec.embed", "enc.positions", "dec.positions")
+        linear = w.ndim == 2 and canon not in ("dec.embed", "dec.lm_head", "enc.positions", "dec.positions")
         out[canon] = writer.add(canon, np.ascontiguousarray(w.T) if linear else w, "fp32")
     return out
 
@@ -268,7 +269,8 @@ def build_decoder(spec: Any, weights: dict[str, onnx.TensorProto], max_seq: int)
     with g.scope("head"):
         last = g.op("Sub", seq, g.const(np.array(1, np.int64)))
         x = g.op("Gather", _norm(g, x, "dec.norm", eps), last, axis=1)  # [B, C] the last position
-        logits = g.op("MatMul", x, "dec.lm_head")  # [B, V]
+        head = "dec.embed" if spec.tie_word_embeddings else "dec.lm_head"  # [V, C]
+        logits = g.op("Gemm", x, head, transB=1)  # [B, V]
     g.output(logits, "logits", "fp32", ["batch", spec.vocab_size])
     for i in range(spec.decoder_layers):
         for kind in ("key", "value"):

@@ -215,13 +215,18 @@ def test_bad_inputs_are_one_line(whisper, tmp_path):
 
 
 def test_cli_export_writes_the_artifact(whisper, tmp_path, capsys):
-    """`decodert export HF -o OUT` prints what it wrote; --kv-dtype int8 is refused in one line (exit 2)."""
+    """`decodert export HF -o OUT` prints what it wrote, `decodert inspect OUT` describes it; --kv-dtype int8 is
+    refused in one line (exit 2)."""
     from decodert.cli import main
 
     hf = whisper[2]
     assert main(["export", str(hf), "-o", str(tmp_path / "out")]) == 0
     assert "exported whisper (fp32, 2 + 2 layers, encoder.onnx + decoder.onnx)" in capsys.readouterr().out
     assert (tmp_path / "out" / "seq2seq.json").is_file()
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    shown = capsys.readouterr().out
+    assert "whisper (encoder-decoder): encoder 2 layers, decoder 2 layers, d_model 32" in shown
+    assert "80 mels, n_fft 400, hop 160, 16000 Hz, windows of 30 s" in shown
     assert main(["export", str(hf), "-o", str(tmp_path / "q"), "--kv-dtype", "int8"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--kv-dtype does not apply" in err and len(err.splitlines()) == 1

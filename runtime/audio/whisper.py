@@ -260,6 +260,10 @@ class Whisper:
 def _digest(window: np.ndarray) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(window).data, digest_size=16, person=b"decodert-window").digest()
 
+TEXT_REFUSED = ("a Whisper artifact transcribes audio (transcribe, /v1/audio/transcriptions); it does not generate "
+                "from text, chat or embed")
+
+
 class WhisperLLM:
     """What ``LLM.load`` returns for a seq2seq artifact: ``transcribe`` / ``transcribe_many`` (GenerationResult,
     as LLM.transcribe), the tokenizer, the audio limits; chat and text generation are refused in one line."""
@@ -325,10 +329,16 @@ class WhisperLLM:
     def language_name(self, language_id: int | None) -> str | None:
         return None if language_id is None else self.tokenizer.id_to_token(language_id).strip("<|>")
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        raise DecodertError("a Whisper artifact transcribes audio (transcribe); it does not generate from text")
+    fetch_image = None  # no image parts (the server's Messages route reads it)
 
-    chat = stream = generate
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise DecodertError(TEXT_REFUSED)
+
+    chat = stream = prepare = params = generate  # params / prepare: what the server's text routes call first
+
+    @property
+    def embedder(self) -> Any:
+        raise DecodertError(TEXT_REFUSED)
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]

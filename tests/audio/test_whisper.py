@@ -259,6 +259,18 @@ def test_openai_client_transcriptions_of_a_whisper_artifact(whisper):
         assert verbose.text == want and verbose.duration == pytest.approx(2.0, abs=1e-3)
         with pytest.raises(openai.BadRequestError, match="klingon"):
             client.audio.transcriptions.create(model="tiny", file=("a.wav", wav), language="klingon")
+        for call in (lambda: client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}]),
+                     lambda: client.completions.create(model="tiny", prompt="hi"),
+                     lambda: client.embeddings.create(model="tiny", input="hi"),
+                     lambda: client.responses.create(model="tiny", input="hi")):
+            with pytest.raises(openai.BadRequestError, match="does not generate from text") as e:
+                call()
+            assert "\n" not in e.value.message
+        import httpx
+
+        r = httpx.post(url + "/v1/messages", json={"model": "tiny", "max_tokens": 4,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "does not generate from text" in r.text
 
 
 def test_a_tied_head_and_narrow_heads_equal_transformers(tmp_path):

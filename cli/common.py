@@ -197,7 +197,7 @@ def load(path: Path, backend: str, verify: str = "fast", draft: Path | None = No
     from decodert.api import LLM
 
     llm = LLM.load(path, backend=backend, verify=verify, draft=draft, placement=placement)
-    if backend == "auto" and llm.manifest.engines and getattr(llm.backend, "name", None) == "ort":
+    if backend == "auto" and llm.manifest is not None and llm.manifest.engines and getattr(llm.backend, "name", None) == "ort":
         print("decodert: running on ONNX Runtime (CPU), not the TensorRT engines: no usable NVIDIA GPU / TensorRT "
               "here (--backend trt says why)", file=sys.stderr)
     return llm

@@ -113,6 +113,11 @@ def run_export(args: argparse.Namespace) -> int:
                      lora=LoraLayout(args.lora_slots, args.lora_rank) if args.lora_slots else None,
                      merge_lora=args.merge_lora, embeddings=args.embeddings, hidden_states=args.hidden_states,
                      openvino_prefill=args.openvino_prefill)
+    if isinstance(m, dict):  # an encoder-decoder export (export/seq2seq_export.py): its seq2seq.json record
+        spec = m["spec"]
+        print(f"exported {m['family']} ({m['dtype']}, {spec['encoder_layers']} + {spec['decoder_layers']} layers, "
+              f"encoder.onnx + decoder.onnx) to {args.out}")
+        return 0
     print(summary(m, args.out))
     return 0
 

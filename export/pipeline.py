@@ -40,6 +40,7 @@ from decodert.artifact.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, Embedd
                                         TokenizerRecord, WeightsRecord, from_json, write_manifest)
 from decodert.export.progress import Stage
 from decodert.export.audio_export import audio_of, write_audio
+from decodert.export.seq2seq_export import export_seq2seq, is_encoder_decoder
 from decodert.export.vision_export import vision_of, write_vision
 from decodert.export.lowering.semantics import tokenizer_vocab
 from decodert.artifact.weights import WeightsWriter
@@ -92,6 +93,11 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     """
     from decodert.export.heads import is_head_checkpoint
 
+    if is_encoder_decoder(src):  # Whisper: its encoder and decoder graphs (export/seq2seq_export.py)
+        return export_seq2seq(src, out_dir, target, dtype, max_batch, quant=quant, lora=lora,  # type: ignore[return-value]
+                              merge_lora=tuple(merge_lora), embeddings=embeddings, hidden_states=hidden_states,
+                              openvino_prefill=openvino_prefill, kv_dtype=kv_dtype, max_seq=max_seq,
+                              trt_version=trt_version)
     if is_head_checkpoint(src):
         raise DecodertError(f"{src} is a draft head checkpoint; export it beside its target: `decodert export {src} "
                             "--target-artifact TARGET -o OUT` (export/heads/)")

@@ -19,6 +19,8 @@ from typing import Any
 from decodert.errors import DecodertError
 from decodert.export.fetch import SMOLLM2, cache_dir, smollm2_gguf
 from decodert.artifact.manifest import MANIFEST
+from decodert.artifact.seq2seq import is_seq2seq_artifact, read_seq2seq
+from decodert.export.seq2seq_export import is_encoder_decoder
 
 QUANT_CHOICES = ("auto", "none", "int4", "int8")  # auto: keep the checkpoint's precision; none: fp32
 ARTIFACTS = "artifacts"  # the cache's folder of exports
@@ -27,7 +29,7 @@ ARTIFACTS = "artifacts"  # the cache's folder of exports
 def is_checkpoint_source(model: str | Path) -> bool:
     """True for what ``prepare_model`` exports: the name 'smollm2', a .gguf file or an HF folder."""
     path = Path(model).expanduser()
-    if (path / MANIFEST).is_file():
+    if (path / MANIFEST).is_file() or is_seq2seq_artifact(path):
         return False
     return (str(model) == SMOLLM2 and not path.exists()) or (path.is_file() and path.suffix.lower() == ".gguf") \
         or (path / "config.json").is_file()
@@ -43,6 +45,8 @@ def prepare_model(model: str | Path, max_seq: int | None = None, quant: str = "a
     if quant not in QUANT_CHOICES:
         raise DecodertError(f"--quant {quant!r}: expected one of {', '.join(QUANT_CHOICES)}")
     path = Path(model).expanduser()
+    if is_seq2seq_artifact(path) or is_encoder_decoder(path):  # Whisper: one export, fp32 (export/seq2seq_export.py)
+        return _seq2seq(path, max_seq, quant, progress)
     if (path / MANIFEST).is_file():
         _check_artifact(path, max_seq, quant)
         return path
@@ -51,6 +55,30 @@ def prepare_model(model: str | Path, max_seq: int | None = None, quant: str = "a
     if is_checkpoint_source(path):
         return export_once(path, max_seq, quant, progress)
     raise DecodertError(f"unknown model '{model}': use '{SMOLLM2}', a .gguf file, an HF folder or an artifact folder")
+
+
+def _seq2seq(path: Path, max_seq: int | None, quant: str, progress: bool | None) -> Path:
+    """An encoder-decoder artifact as it is, or its checkpoint exported once into the cache (fp32, the ort target)."""
+    if quant not in ("auto", "none") or max_seq is not None:
+        raise DecodertError(f"{path}: an encoder-decoder model (whisper) runs in fp32 at its own decoder length; "
+                            "--quant and --max-seq do not apply")
+    if is_seq2seq_artifact(path):
+        return path
+    src = path.resolve()
+    stat = (src / "config.json").stat()
+    stamp = f"{src}:{stat.st_mtime_ns}:{stat.st_size}:seq2seq".encode()
+    out = cache_dir() / ARTIFACTS / f"{src.stem}-{hashlib.sha256(stamp).hexdigest()[:10]}-ort-fp32-seq2seq"
+    if is_seq2seq_artifact(out):
+        try:
+            read_seq2seq(out, verify="fast")
+            return out
+        except DecodertError as e:  # the cache's own copy: made again
+            print(f"decodert: the cached export is damaged ({e}); exporting it again", file=sys.stderr)
+    from decodert.export.pipeline import export_model
+
+    print(f"decodert: exporting {src.name} once, fp32 (encoder-decoder), into {out}", file=sys.stderr)
+    export_model(src, out, target="ort", dtype="fp32", max_batch=4, progress=progress)
+    return out
 
 
 def _check_artifact(path: Path, max_seq: int | None, quant: str) -> None:

@@ -14,8 +14,9 @@ The ``qwen3_asr`` encoder (Qwen3-ASR's AuT: Whisper-like, over chunks of 2 n_win
   ``.ln2[_bias]``, ``.fc1[_bias]`` [I_a, C_a], ``.fc2[_bias]`` [C_a, I_a]
 - ``audio.ln_post[_bias]`` [C_a];  ``audio.proj1[_bias]`` [C_a, C_a];  ``audio.proj2[_bias]`` [hidden, C_a]
 
-Later families declare their own ``encoder`` kind here: Whisper's (encoder-decoder: conv1d stem, the
-cross-attention K/V computed once per clip), Gemma 4's (conformer), Qwen2-Audio's (Whisper encoder + pooling).
+Later families declare their own ``encoder`` kind here: Gemma 4's (conformer), Qwen2-Audio's (Whisper encoder +
+pooling). Whisper itself is an encoder-decoder family with its own spec (models/families/whisper.py ``WhisperSpec``,
+``ENCODER_DECODER``), not an encoder feeding a decoder-only text model.
 """
 
 from __future__ import annotations

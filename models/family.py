@@ -18,6 +18,10 @@ A family file is a plain module; its names are the protocol's, upper case for ta
                vision_fix(name, w), image_processor(...), video_processor(config)
     audio      audio_from_hf(config) -> AudioSpec, AUDIO_WEIGHTS, audio_features(preprocessor, audio) (required
                together, tag "audio"; models/audio.py)
+    enc-dec    ENCODER_DECODER = True: an encoder-decoder model (Whisper): spec_from_hf returns the family's own
+               frozen spec, HF_WEIGHTS names the encoder's and the decoder's weights, and export/seq2seq_export.py
+               writes its graphs (not the decoder-only recipe of export/lowering/graph.py); with it, required:
+               window_features(preprocessor, spec) (log-mel settings), generation(config, generation_config)
 
 Callers read a ``Family``'s attributes, each with its default, never the module's with ``getattr``.
 """
@@ -61,6 +65,9 @@ class Family:
     audio_from_hf: Callable[[dict], Any] | None = None
     audio_weights: Table = field(default_factory=dict)
     audio_features: Callable[..., Any] | None = None
+    encoder_decoder: bool = False
+    window_features: Callable[..., Any] | None = None
+    generation: Callable[..., Any] | None = None
 
     @classmethod
     def of(cls, module: ModuleType) -> "Family":
@@ -105,6 +112,11 @@ class Family:
         if not ((self.audio_from_hf is None) == (not self.audio_weights) == (self.audio_features is None)
                 == ("audio" not in self.tags)):
             raise TypeError(f"{where}: audio_from_hf, AUDIO_WEIGHTS and audio_features come together, tagged 'audio'")
+        if not isinstance(self.encoder_decoder, bool):
+            raise TypeError(f"{where}: ENCODER_DECODER must be True or False")
+        if self.encoder_decoder != (self.window_features is not None) or \
+                self.encoder_decoder != (self.generation is not None):
+            raise TypeError(f"{where}: ENCODER_DECODER = True, window_features and generation come together")
         unknown = sorted(self.tags - set(TAGS))
         if unknown:
             raise TypeError(f"{where}: TAGS '{unknown[0]}' is not one of {', '.join(TAGS)}")
@@ -113,7 +125,7 @@ class Family:
 
 
 _TABLES = {"model_types", "hf_weights", "gguf_architectures", "gguf_weights", "tags", "hf_unused", "gguf_unused",
-           "vision_weights", "audio_weights"}  # declared in upper case
+           "vision_weights", "audio_weights", "encoder_decoder"}  # declared in upper case
 _REQUIRED = ("model_types", "spec_from_hf", "hf_weights")
 
 

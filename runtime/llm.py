@@ -64,6 +64,8 @@ from decodert.runtime.audio.clips import DEFAULT_AUDIO_LIMITS, load_audio
 from decodert.runtime.audio.encoder import Audio
 from decodert.runtime.audio.messages import has_audio, split_audio
 from decodert.runtime.audio.transcribe import parse_transcription, transcription_messages
+from decodert.runtime.audio.whisper import WhisperLLM
+from decodert.artifact.seq2seq import is_seq2seq_artifact
 from decodert.runtime.vision.encoder import Vision
 from decodert.runtime.vision.images import DEFAULT_LIMITS
 from decodert.runtime.vision.messages import split_images
@@ -216,6 +218,8 @@ class LLM:
         runtime/backends/placement.py, docs/features/placement.md).
         """
         path = Path(path)
+        if is_seq2seq_artifact(path):  # an encoder-decoder export (Whisper): its own runtime (runtime/audio/whisper.py)
+            return WhisperLLM(path, verify)  # type: ignore[return-value]
         if not (path / MANIFEST).is_file():
             raise DecodertError(f"{path}: not an artifact folder (no {MANIFEST}); runtime's LLM.load opens exports only, "
                                 "decodert.LLM.load (decodert/api.py) also takes 'smollm2', a .gguf file or an HF folder")

@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from decodert.errors import DecodertError
 from decodert.runtime.audio.clips import load_audio
 from decodert.runtime.audio.transcribe import language_name, parse_transcription
+from decodert.runtime.audio.whisper import WhisperLLM
 from decodert.serve.jobs import Choice, Job
 from decodert.serve.protocol import ApiError
 
@@ -54,6 +55,8 @@ def add_routes(app: FastAPI, engine: Any, config: Any, metrics: Any, check_model
             except ValueError:
                 raise ApiError(400, f"temperature must be a number, got {temperature!r}", param="temperature") from None
         llm = engine.llm
+        if isinstance(llm, WhisperLLM):  # an encoder-decoder artifact: its own runtime, off the text engine's thread
+            return await _whisper(llm, data, fmt, language, params)
 
         def prepare() -> tuple[Any, float]:
             try:
@@ -84,6 +87,33 @@ def add_routes(app: FastAPI, engine: Any, config: Any, metrics: Any, check_model
                              "usage": {"type": "tokens", "input_tokens": result.metrics.prompt_tokens,
                                        "output_tokens": len(result.token_ids),
                                        "total_tokens": result.metrics.prompt_tokens + len(result.token_ids)}})
+
+
+async def _whisper(llm: WhisperLLM, data: bytes, fmt: str, language: str | None, params: dict) -> Response:
+    """The transcription of a Whisper artifact (runtime/audio/whisper.py): 30 s windows, greedy, each window up
+    to the model's generation_config max_length (not MAX_TOKENS)."""
+    params = {k: v for k, v in params.items() if k != "max_new_tokens"}
+
+    def run() -> tuple[Any, float]:
+        try:
+            clip = load_audio(data, "file", llm.audio_limits, llm.sampling_rate)
+            return llm.transcribe((clip, llm.sampling_rate), None, language or None, **params), clip.size / llm.sampling_rate
+        except DecodertError as e:
+            param = "language" if str(e).startswith("language") else "temperature" if "temperature" in str(e) else "file"
+            raise ApiError(400, str(e), param=param) from None
+
+    result, seconds = await run_in_threadpool(run)
+    text = result.text.strip()
+    if fmt == "text":
+        return PlainTextResponse(text)
+    if fmt == "json":
+        return JSONResponse({"text": text})
+    duration = round(seconds, 3)
+    return JSONResponse({"task": "transcribe", "language": (language or "").lower() or None, "duration": duration,
+                         "text": text, "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": text,
+                                                     "tokens": list(result.token_ids), "temperature": 0.0}],
+                         "usage": {"type": "tokens", "input_tokens": 0, "output_tokens": len(result.token_ids),
+                                   "total_tokens": len(result.token_ids)}})
 
 
 async def _form(request: Request) -> Any:

@@ -47,6 +47,7 @@ from typing import Iterator
 
 from decodert.errors import DecodertError, Terminated
 from decodert.artifact.manifest import FORMAT, MANIFEST
+from decodert.artifact.seq2seq import FORMAT as SEQ2SEQ_FORMAT, SEQ2SEQ_MANIFEST
 
 _TMP, _OLD = ".tmp-", ".old-"
 _RENAME_EXCHANGE = 2
@@ -88,6 +89,8 @@ def _check_replaceable(path: Path, given: str) -> None:
     if not entries:
         return
     owned = _artifact_files(path / MANIFEST)
+    if owned is None:  # an encoder-decoder artifact (artifact/seq2seq.py) is one too
+        owned = _artifact_files(path / SEQ2SEQ_MANIFEST, SEQ2SEQ_FORMAT)
     if owned is None:
         names = ", ".join(p.name for p in entries[:_SHOWN]) + (", ..." if len(entries) > _SHOWN else "")
         raise DecodertError(f"-o {given}: exists, is not empty and is not a decodert artifact ({names}); "
@@ -101,17 +104,17 @@ def _check_replaceable(path: Path, given: str) -> None:
                             "move them away or choose another -o")
 
 
-def _artifact_files(manifest: Path) -> set[str] | None:
-    """The names a decodert manifest owns (itself, ``files``, engines); None if it is not one."""
+def _artifact_files(manifest: Path, fmt: str = FORMAT) -> set[str] | None:
+    """The names a decodert manifest (of format ``fmt``) owns (itself, ``files``, engines); None if it is not one."""
     try:
         if not manifest.is_file() or manifest.is_symlink() or manifest.stat().st_size > 64 << 20:
             return None
         m = json.loads(manifest.read_bytes())
     except (OSError, ValueError, RecursionError):
         return None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
+    if not isinstance(m, dict) or m.get("format") != fmt:
         return None
-    owned = {MANIFEST}
+    owned = {manifest.name}
     if isinstance(m.get("files"), dict):
         owned.update(k for k in m["files"] if isinstance(k, str))
     engines = m.get("engines")

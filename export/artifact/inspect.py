@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from decodert.artifact.seq2seq import is_seq2seq_artifact
 from decodert.artifact.manifest import SourceRecord, load_manifest
 from decodert.artifact.onnx_check import load_graph
 from decodert.export.checkpoints.sampling_defaults import describe
@@ -64,8 +65,33 @@ def _mib(n: Any) -> str:
     return f"{n / 2**20:.1f} MiB" if isinstance(n, (int, float)) else f"{n!r} bytes"
 
 
+def inspect_seq2seq(folder: Path) -> str:
+    """An encoder-decoder artifact (artifact/seq2seq.py): its shape, graphs, features and forced prompt."""
+    from decodert.artifact.seq2seq import read_seq2seq
+
+    r = read_seq2seq(folder, verify="fast")
+    s, f, g = r["spec"], r["features"], r["generation"]
+    return "\n".join([
+        f"artifact   {folder}",
+        f"model      {r['family']} (encoder-decoder): encoder {s['encoder_layers']} layers, decoder "
+        f"{s['decoder_layers']} layers, d_model {s['d_model']}, heads {s['encoder_heads']}/{s['decoder_heads']}, "
+        f"vocab {s['vocab_size']}",
+        f"target     {r['target']}  dtype {r['dtype']}  max_batch {r['max_batch']}  decoder positions "
+        f"{s['max_target_positions']}",
+        f"graphs     {r['graphs']['encoder']} (30 s window -> cross K/V of every decoder layer), {r['graphs']['decoder']}",
+        f"features   {f['n_mels']} mels, n_fft {f['n_fft']}, hop {f['hop_length']}, {f['sampling_rate']} Hz, windows of "
+        f"{f['window_samples'] / f['sampling_rate']:g} s",
+        f"prompt     start {g['decoder_start_token_id']}, {len(g['lang_to_id'])} languages, tasks "
+        f"{', '.join(sorted(g['task_to_id'])) or 'none'}, no-timestamps {g['no_timestamps_token_id']}; "
+        f"{len(g['suppress_tokens'])} suppressed tokens, {len(g['begin_suppress_tokens'])} at the start",
+        f"weights    weights.bin  {_mib(r['files']['weights.bin']['size'])}",
+    ])
+
+
 def inspect_artifact(folder: str | Path) -> str:
     folder = Path(folder)
+    if is_seq2seq_artifact(folder):
+        return inspect_seq2seq(folder)
     m = load_manifest(folder, verify="fast")
     spec = m.model
     source = m.source or SourceRecord()

@@ -14,8 +14,8 @@ Qwen3ASRProcessor calls it, padding to the longest of a batch of one, no truncat
   inside the clip (its sample mask read every hop samples), n // hop for an unpadded clip;
 - the time axis is right-padded with zeros to a multiple of ``frame_multiple`` (Qwen3-ASR: 2 * n_window,
   the encoder's chunk), those frames not valid.
-Whisper's extractor is the same transform with padding to 30 s (``pad_to``) and no frame multiple: a later family
-declares its own settings, not a new transform.
+Whisper's extractor is the same transform with padding to 30 s (``pad_to``) and no frame multiple: its family
+(models/families/whisper.py ``window_features``) declares those settings, runtime/audio/whisper.py cuts the windows.
 """
 
 from __future__ import annotations

@@ -43,6 +43,14 @@ session or request on the row computes from the right states, and the prefix cac
 ``read_states`` beside ``held``) never stores states a run left ahead of its ids. Rows with K/V alone
 need no block (K/V beyond ``lengths`` is never read): ``writing`` does nothing for them. Switching
 a row's adapter (``use_adapter``) empties it like ``reset``: lengths, states and snapshot.
+
+Encoder-decoder models (Whisper): ``cross`` (io name, per-slot shape) are per-row read-only inputs, the
+cross-attention K/V of the clip window a row decodes, written once per window by the encoder graph and bound
+into every decode step beside the K/V. The rule: **a row's K/V were computed over the cross K/V it holds
+now**. ``use_cross(slot, tag)`` names the window (its digest) a row will decode; a row holding K/V of another
+window is emptied first (``reset``) and the caller writes the new cross K/V (``use_cross`` returns True when
+they must be written). ``reset`` keeps the cross K/V and their tag (they depend on the clip, not on the
+ids); ``move`` carries the tag with the row (the backend copies the buffers).
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ class KVCache:
     def __init__(self, slots: int, max_seq: int, layers: int, kv_heads: int, head_dim: int,
                  dtype: Any = None, device: str = "cpu", itemsize: int | None = None,
                  kv_layers: Sequence[int] | None = None, states: Sequence[tuple] = (),
-                 head_dims: Sequence[int] | None = None) -> None:
+                 head_dims: Sequence[int] | None = None, cross: Sequence[tuple] = ()) -> None:
         """``layers``: K/V pairs (``kv_layers``: the model layer of each, default 0..layers-1); ``head_dims``:
         each pair's last dimension where they differ (Gemma 4's full layers; default ``head_dim`` for all);
         ``states``: (io name, per-slot shape[, numpy dtype: None = the cache's]) of every other per-layer
@@ -115,6 +123,10 @@ class KVCache:
         self.adapters = self._adapter.view()  # read-only: backends bind it
         self.adapters.flags.writeable = False
         self._adapter_tag = np.zeros(slots, np.int64)  # [slots] which loaded adapter that is (unique per load; 0 none)
+        # encoder-decoder: per-row cross K/V (io name, per-slot shape), host buffers [slots, *shape]
+        self.cross_names = [c[0] for c in cross]
+        self.cross: list[np.ndarray] = [np.zeros((slots, *c[1]), self.dtype) for c in cross]
+        self._cross_tag: list[bytes | None] = [None] * slots  # the window each row's cross K/V are of
 
     def pointer(self, i: int, slot: int) -> int:
         """Address of slot ``slot`` in buffer ``i``."""
@@ -214,6 +226,20 @@ class KVCache:
         if self._adapter_tag[slot] != tag:
             self.reset(slot)
         self._adapter[slot], self._adapter_tag[slot] = index, tag
+
+    def use_cross(self, slot: int, tag: bytes) -> bool:
+        """Row ``slot`` decodes over the cross K/V of window ``tag`` from now on; True: the caller writes them into
+        ``cross[j][slot]`` now (another window's were there: the row, whose K/V were computed over those, is
+        emptied first)."""
+        if self._cross_tag[slot] == tag:
+            return False
+        self.reset(slot)
+        self._cross_tag[slot] = tag
+        return True
+
+    def cross_tag(self, slot: int) -> bytes | None:
+        """The window whose cross K/V row ``slot`` holds (None: none written)."""
+        return self._cross_tag[slot]
 
     def adapter_tag(self, slot: int) -> int:
         """The adapter (its load tag; 0: none) the K/V of row ``slot`` were computed under."""
@@ -328,6 +354,8 @@ class KVCache:
         if self.states:  # src starts again from zero states (dst's were copied by the backend)
             self._write_states(src, [bytes(n) for n in self.state_bytes])
         self._adapter[dst], self._adapter_tag[dst] = self._adapter[src], self._adapter_tag[src]
+        if self.cross:
+            self._cross_tag[dst], self._cross_tag[src] = self._cross_tag[src], None
 
     def free(self) -> None:
         """Release the buffers now (device memory is freed; host arrays lose their reference)."""

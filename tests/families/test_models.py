@@ -78,6 +78,10 @@ def test_registry_is_built_from_the_declarations():
     (dict(MODEL_TYPES=("x",), spec_from_hf=len, HF_WEIGHTS={"embed": "e"}, vision_from_hf=len,
           VISION_WEIGHTS={"v": "v"}), "tagged 'vision'"),
     (dict(MODEL_TYPES=("x",), spec_from_hf=len, HF_WEIGHTS={"embed": "e"}, hf_fix=3), "hf_fix must be a function"),
+    (dict(MODEL_TYPES=("x",), spec_from_hf=len, HF_WEIGHTS={"embed": "e"}, ENCODER_DECODER=True, generation=len),
+     "ENCODER_DECODER = True, window_features and generation come together"),
+    (dict(MODEL_TYPES=("x",), spec_from_hf=len, HF_WEIGHTS={"embed": "e"}, window_features=len, generation=len),
+     "ENCODER_DECODER = True, window_features and generation come together"),
 ])
 def test_a_family_file_missing_a_part_is_refused_naming_it(declarations, match):
     module = types.ModuleType("decodert.models.families.broken")

@@ -1,0 +1,344 @@
+"""Whisper on ONNX Runtime: a seq2seq artifact (export/seq2seq_export.py) -> transcriptions.
+
+    whisper = Whisper.open(folder)                      # encoder.onnx + decoder.onnx + seq2seq.json (artifact/seq2seq.py)
+    results = whisper.transcribe_many([clip, ...], language="en", max_new_tokens=64)   # [GenerationResult]
+
+One clip: its log-mel windows (``windows``), then per window, all clips of a batch together:
+1. encoder.onnx over the windows -> each decoder layer's cross K/V, written once into the rows' ``cache.cross``
+   buffers (KVCache.use_cross: a row's K/V always belong to the window whose cross K/V it holds; a row that holds
+   this window's already, the same clip again, is not encoded again);
+2. the forced prompt, as transformers' WhisperGenerationMixin._retrieve_init_tokens builds it:
+   <|startoftranscript|>, the language (given, else detected once per clip on its first window: the decoder's
+   logits after <|startoftranscript|> over the languages of lang_to_id, argmax), the task (given; <|transcribe|>
+   when a language was given and the config has tasks; none after a detected one), <|notimestamps|>;
+3. decoder.onnx over the prompt, then one token a step, the self-attention K/V bound in place and the cross K/V
+   bound as they are (never recomputed per token); logits with suppress_tokens at -inf at every step and
+   begin_suppress_tokens at -inf at the first generated one (SuppressTokens / SuppressTokensAtBegin); greedy;
+   a row that wrote <|endoftext|> keeps stepping on it (transformers' padding) until every row is done.
+
+Long audio (more than one window): the log-mel of the whole clip (one max for the log floor), cut into
+consecutive windows of 2T frames, the last padded with zeros (transformers' long-form ``_get_input_segment``),
+each decoded as above with <|notimestamps|>, the windows' tokens joined. transformers' own long-form generation
+turns timestamps on for audio over 30 s (``_set_return_timestamps``: return_timestamps=False raises) and seeks to
+the last timestamp, so it is not a no-timestamp run: what this equals is transformers' ``generate`` on each of
+those windows (tests/audio/test_whisper.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from decodert.artifact.seq2seq import read_seq2seq
+from decodert.errors import DecodertError
+from decodert.models.families.whisper import WhisperSpec
+from decodert.runtime.audio.features import MelSettings, log_mel
+from decodert.runtime.backends.kv_cache import KVCache
+
+TO_CODE = {"english": "en", "german": "de", "french": "fr", "spanish": "es", "chinese": "zh", "japanese": "ja",
+           "italian": "it", "portuguese": "pt", "russian": "ru", "korean": "ko", "dutch": "nl"}  # names beside codes
+
+
+@dataclasses.dataclass(frozen=True)
+class Transcript:
+    """One clip's generated ids (every window's, joined; no <|endoftext|>) and why it stopped."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop": every window ended on <|endoftext|>; "length": one ran out of tokens
+    language_id: int | None
+
+
+class Whisper:
+    """An exported Whisper: its two sessions, log-mel settings and generation config."""
+
+    def __init__(self, folder: Path, record: dict, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        from decodert.runtime.backends.ort_session import session_options
+
+        self.dir, self.record = folder, record
+        self.spec = WhisperSpec.from_dict(record["spec"])
+        self.features = MelSettings.from_dict(record["features"])
+        self.window_samples = int(record["features"]["window_samples"])
+        self.sampling_rate = self.features.sampling_rate
+        self.gen = record["generation"]
+        self.max_batch = int(record["max_batch"])
+        options = session_options(threads)
+        self.encoder = ort.InferenceSession(str(folder / record["graphs"]["encoder"]), options, providers=["CPUExecutionProvider"])
+        self.decoder = ort.InferenceSession(str(folder / record["graphs"]["decoder"]), options, providers=["CPUExecutionProvider"])
+        s = self.spec
+        self.cache = KVCache(self.max_batch, s.max_target_positions, s.decoder_layers, s.decoder_heads, s.head_dim,
+                             np.float32, cross=[(f"cross_{k}.{i}", (s.decoder_heads, s.max_source_positions, s.head_dim))
+                                                for i in range(s.decoder_layers) for k in ("key", "value")])
+        self.encode_seconds = 0.0
+
+    @classmethod
+    def open(cls, folder: str | Path, verify: str = "fast", threads: int | None = None) -> "Whisper":
+        folder = Path(folder)
+        return cls(folder, read_seq2seq(folder, verify), threads)
+
+    # -- features --------------------------------------------------------------------------------
+    def windows(self, samples: np.ndarray) -> np.ndarray:
+        """[W, M, 2T] float32 log-mel windows of one clip at the model's rate: one window padded to 30 s of
+        samples for a clip no longer (WhisperFeatureExtractor's default), else consecutive windows of the whole
+        clip's log-mel, the last zero-padded (transformers' long-form segments)."""
+        frames = self.spec.window_frames
+        x = np.asarray(samples, np.float32).reshape(-1)
+        if x.size <= self.window_samples:
+            mel, _ = log_mel(x, self.features, pad_to=self.window_samples)
+            return mel[None, :, :frames]
+        mel, valid = log_mel(x, self.features)
+        count = -(-valid // frames)
+        out = np.zeros((count, mel.shape[0], frames), np.float32)
+        for w in range(count):
+            part = mel[:, w * frames:min(valid, (w + 1) * frames)]
+            out[w, :, :part.shape[1]] = part
+        return out
+
+    # -- the forced prompt -------------------------------------------------------------------------
+    def language_id(self, language: str | None) -> int | None:
+        """A language code, name or token (<|en|>) -> its token id; None: none given."""
+        if language is None or language == "":
+            return None
+        if not isinstance(language, str):
+            raise DecodertError(f"language must be a string, got {type(language).__name__}")
+        table = self.gen["lang_to_id"]
+        if not table:
+            raise DecodertError("this Whisper model is English-only: it takes no language")
+        key = language.lower()
+        token = key if key in table else f"<|{TO_CODE.get(key, key)}|>"
+        if token not in table:
+            codes = ", ".join(sorted(t.strip("<|>") for t in table))
+            raise DecodertError(f"language {language!r} is not one this model knows ({codes})")
+        return table[token]
+
+    def prompt(self, language: int | None, task: str | None, given: bool = True) -> list[int]:
+        """The forced prompt; <|transcribe|> is implied by a ``given`` language only (a detected one adds no task,
+        as in transformers)."""
+        ids = [int(self.gen["decoder_start_token_id"])]
+        if language is not None:
+            ids.append(language)
+        tasks = self.gen["task_to_id"]
+        if task is not None:
+            if task not in tasks:
+                raise DecodertError(f"task {task!r} is not one of {', '.join(sorted(tasks)) or 'none (no tasks)'}")
+            ids.append(tasks[task])
+        elif language is not None and given and "transcribe" in tasks:
+            ids.append(tasks["transcribe"])
+        if self.gen.get("no_timestamps_token_id") is not None:
+            ids.append(int(self.gen["no_timestamps_token_id"]))
+        return ids
+
+    # -- graphs ------------------------------------------------------------------------------------
+    def encode(self, windows: np.ndarray, slots: Sequence[int], tags: Sequence[bytes]) -> int:
+        """Give each of ``slots`` the cross K/V of its window (``windows`` [n, M, 2T], named by ``tags``): encoder.onnx
+        runs over the windows whose rows do not hold them already (KVCache.use_cross) -> how many it encoded."""
+        todo = [r for r, (slot, tag) in enumerate(zip(slots, tags)) if self.cache.use_cross(slot, tag)]
+        self.encode_seconds = 0.0
+        if not todo:
+            return 0
+        t0 = time.perf_counter()
+        outs = self.encoder.run(None, {"input_features": np.ascontiguousarray(windows[todo], np.float32)})
+        names = [o.name for o in self.encoder.get_outputs()]
+        for k, r in enumerate(todo):
+            for j, name in enumerate(self.cache.cross_names):
+                self.cache.cross[j][slots[r]] = outs[names.index(name)][k]
+        self.encode_seconds = time.perf_counter() - t0
+        return len(todo)
+
+    def step(self, start: int, ids: np.ndarray) -> np.ndarray:
+        """decoder.onnx over rows [start, start + n) for ``ids`` [n, S] (every row at the same length) -> logits
+        [n, V]; the new K/V are written into the cache in place and committed."""
+        import onnxruntime as ort
+
+        n, width = ids.shape
+        rows = range(start, start + n)
+        past = np.array([self.cache.lengths[r] for r in rows], np.int64)
+        self.cache.check_room(list(rows), [width] * n, "the decoder's tokens (max_target_positions)")
+        io = self.decoder.io_binding()
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(ids, np.int64))
+        io.bind_cpu_input("past_lengths", past)
+        for i in range(self.spec.decoder_layers):
+            for j, kind in enumerate(("key", "value")):
+                buf = ort.OrtValue.ortvalue_from_numpy(self.cache.buffers[2 * i + j][start:start + n])
+                io.bind_ortvalue_input(f"past_{kind}.{i}", buf)
+                io.bind_ortvalue_output(f"present_{kind}.{i}", buf)
+        for j, name in enumerate(self.cache.cross_names):
+            io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(self.cache.cross[j][start:start + n]))
+        logits = np.empty((n, self.spec.vocab_size), np.float32)
+        io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        self.decoder.run_with_iobinding(io)
+        self.cache.commit(list(rows), ids)
+        return logits
+
+    # -- generation --------------------------------------------------------------------------------
+    def transcribe_many(self, clips: Sequence[np.ndarray], language: str | None = None, task: str | None = None,
+                        max_new_tokens: int | None = None) -> list[Transcript]:
+        """Greedy transcriptions of ``clips`` (float32 at the model's rate), up to ``max_batch`` at a time."""
+        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
+            raise DecodertError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        lang = self.language_id(language)
+        if task is not None and lang is None and not self.gen["lang_to_id"]:
+            raise DecodertError("this Whisper model is English-only: it takes no task")
+        out: list[Transcript] = []
+        for at in range(0, len(clips), self.max_batch):
+            out += self._batch(list(clips[at:at + self.max_batch]), lang, task, max_new_tokens)
+        return out
+
+    def _batch(self, clips: list[np.ndarray], lang: int | None, task: str | None,
+               max_new_tokens: int | None) -> list[Transcript]:
+        windows = [self.windows(c) for c in clips]
+        digests = [[_digest(w) for w in ws] for ws in windows]
+        tokens: list[list[int]] = [[] for _ in clips]
+        reasons = ["stop"] * len(clips)
+        langs: list[int | None] = [lang] * len(clips)
+        for w in range(max(len(ws) for ws in windows)):
+            rows = [r for r, ws in enumerate(windows) if w < len(ws)]  # clips with a window here, in order
+            self.encode(np.stack([windows[r][w] for r in rows]), list(range(len(rows))), [digests[r][w] for r in rows])
+            if w == 0 and lang is None and self.gen["lang_to_id"]:
+                detected = self._detect(len(rows))
+                for k, r in enumerate(rows):
+                    langs[r] = detected[k]
+            prompts = [self.prompt(langs[r], task, lang is not None) for r in rows]
+            for k, (r, ids) in enumerate(zip(rows, self._generate(prompts, max_new_tokens))):
+                got, reason = ids
+                tokens[r] += got
+                if reason == "length":
+                    reasons[r] = "length"
+        return [Transcript(tuple(t), why, lg) for t, why, lg in zip(tokens, reasons, langs)]
+
+    def _detect(self, n: int) -> list[int]:
+        """transformers' detect_language: the decoder's logits after <|startoftranscript|>, argmax over the
+        languages."""
+        for r in range(n):
+            self.cache.reset(r)
+        logits = self.step(0, np.full((n, 1), int(self.gen["decoder_start_token_id"]), np.int64))
+        table = np.array(sorted(self.gen["lang_to_id"].values()), np.int64)
+        return [int(table[np.argmax(row[table])]) for row in logits]
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int | None) -> list[tuple[list[int], str]]:
+        """Rows 0..n-1 (their cross K/V written) from their prompts (one length) -> (ids without eos, reason)."""
+        n, width = len(prompts), len(prompts[0])
+        limit = self.spec.max_target_positions
+        if max_new_tokens is None:  # transformers: max_length + the prompt's tokens, at most max_target_positions
+            budget = min(int(self.gen["max_length"]) + min(limit // 2 - 1, width), limit) - width
+        else:
+            budget = max_new_tokens
+            if width + budget > limit:
+                raise DecodertError(f"max_new_tokens {budget} and the {width}-token prompt exceed the model's "
+                                    f"max_target_positions {limit}")
+        eos = int(self.gen["eos_token_id"])
+        suppress = np.array(self.gen["suppress_tokens"], np.int64)
+        begin = np.array(self.gen["begin_suppress_tokens"], np.int64)
+        for r in range(n):
+            self.cache.reset(r)
+        logits = self.step(0, np.array(prompts, np.int64))
+        out: list[list[int]] = [[] for _ in range(n)]
+        done = np.zeros(n, bool)
+        for step in range(max(budget, 0)):
+            logits[:, suppress] = -np.inf
+            if step == 0:
+                logits[:, begin] = -np.inf
+            nxt = np.where(done, eos, np.argmax(logits, axis=-1))
+            for r in np.flatnonzero(~done):
+                if nxt[r] == eos:
+                    done[r] = True
+                else:
+                    out[r].append(int(nxt[r]))
+            if done.all() or step == budget - 1:
+                break
+            logits = self.step(0, nxt[:, None].astype(np.int64))
+        return [(ids, "stop" if d else "length") for ids, d in zip(out, done)]
+
+
+def _digest(window: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(window).data, digest_size=16, person=b"decodert-window").digest()
+
+TEXT_REFUSED = ("a Whisper artifact transcribes audio (transcribe, /v1/audio/transcriptions); it does not generate "
+                "from text, chat or embed")
+
+
+class WhisperLLM:
+    """What ``LLM.load`` returns for a seq2seq artifact: ``transcribe`` / ``transcribe_many`` (GenerationResult,
+    as LLM.transcribe), the tokenizer, the audio limits; chat and text generation are refused in one line."""
+
+    def __init__(self, folder: str | Path, verify: str = "fast", threads: int | None = None) -> None:
+        from tokenizers import Tokenizer
+
+        from decodert.runtime.audio.clips import DEFAULT_AUDIO_LIMITS
+
+        self.model = Whisper.open(folder, verify, threads)
+        self.tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        from types import SimpleNamespace
+
+        from decodert.runtime.adapters import Adapters
+
+        self.audio_limits = DEFAULT_AUDIO_LIMITS
+        self.sampling_rate = self.model.sampling_rate
+        self.manifest = None
+        self.lock = threading.Lock()  # one transcription at a time over the one cache (the server's threads)
+        # what the server's engine thread and /metrics read of an LLM: no text engine, nothing cached between requests
+        self.backend = SimpleNamespace(max_batch=self.model.max_batch, max_seq=self.model.spec.max_target_positions,
+                                       placement=None)
+        self.max_seq = self.model.spec.max_target_positions
+        self.slots_in_use, self.prefix_cache, self.adapters = 0, None, Adapters(None, None, None)
+
+    def transcribe(self, audio: Any, sample_rate: int | None = None, language: str | None = None,
+                   prompt: str | None = None, task: str | None = None, **params: Any) -> Any:
+        """Speech to text (LLM.transcribe's signature): ``audio`` a path, encoded bytes, or samples with
+        ``sample_rate``; ``language`` forces it (else detected); ``max_new_tokens`` per 30 s window."""
+        return self.transcribe_many([audio], sample_rate, language, prompt, task, **params)[0]
+
+    def transcribe_many(self, clips: Sequence[Any], sample_rate: int | None = None, language: str | None = None,
+                        prompt: str | None = None, task: str | None = None, **params: Any) -> list[Any]:
+        from decodert.runtime.audio.clips import load_audio
+        from decodert.runtime.decoding.generate import GenerationResult
+        from decodert.runtime.decoding.metrics import Metrics
+
+        if prompt is not None:
+            raise DecodertError("prompt (previous text for Whisper's <|startofprev|>) is not supported yet")
+        max_new_tokens = params.pop("max_new_tokens", None)
+        temperature = params.pop("temperature", 0.0)
+        if temperature not in (0, 0.0, None):
+            raise DecodertError("Whisper transcribes greedily here: temperature must be 0")
+        given = sorted(k for k, v in params.items() if v not in (None, (), [], {}, False))  # the CLI passes its defaults
+        if given:
+            raise DecodertError(f"transcription parameter {given[0]!r} is not supported for Whisper "
+                                "(max_new_tokens, temperature 0, language, task)")
+        samples = [load_audio(c, f"audio {i}", self.audio_limits, self.sampling_rate, sample_rate)
+                   for i, c in enumerate(clips)]
+        t0 = time.perf_counter()
+        with self.lock:
+            found = self.model.transcribe_many(samples, language, task, max_new_tokens)
+        total = time.perf_counter() - t0
+        out = []
+        for t in found:
+            ids = list(t.token_ids)
+            metrics = Metrics(ttft_s=0.0, prompt_tokens=0, prompt_tps=0.0, generated_tokens=len(ids), decode_tps=0.0,
+                              tpot_ms=0.0, peak_rss_mb=0.0, total_s=total)
+            out.append(GenerationResult(self.tokenizer.decode(ids, skip_special_tokens=True), ids, t.finish_reason,
+                                        metrics))
+        return out
+
+    def language_name(self, language_id: int | None) -> str | None:
+        return None if language_id is None else self.tokenizer.id_to_token(language_id).strip("<|>")
+
+    fetch_image = None  # no image parts (the server's Messages route reads it)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise DecodertError(TEXT_REFUSED)
+
+    chat = stream = prepare = params = generate  # params / prepare: what the server's text routes call first
+
+    @property
+    def embedder(self) -> Any:
+        raise DecodertError(TEXT_REFUSED)
+
+    def close(self) -> None:
+        self.model = None  # type: ignore[assignment]

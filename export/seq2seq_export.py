@@ -41,6 +41,7 @@ from decodert.export.artifact import destination
 from decodert.artifact.weights import WeightsWriter
 from decodert.errors import DecodertError
 from decodert.export.lowering.lower_ort import OrtLowering
+from decodert.export.lowering.targets import get_target
 from decodert.models import family_for
 from decodert.plugins.onnx_builder import GraphBuilder
 
@@ -72,7 +73,7 @@ def export_seq2seq(src: str | Path, out_dir: str | Path, target: str = "ort", dt
         raise DecodertError(f"--{given[0].replace('_', '-')} does not apply to {src}, an encoder-decoder model "
                             "(exported for the ort target in fp32 at its own decoder length; no quantization, LoRA "
                             "or extra graphs yet)")
-    if target != "ort" or dtype != "fp32":
+    if not get_target(target).encoder_decoder or dtype != "fp32":
         raise DecodertError(f"{src}: an encoder-decoder model (whisper) exports to --target ort --dtype fp32 only "
                             f"(got {target}, {dtype})")
     if not 1 <= max_batch <= 64:

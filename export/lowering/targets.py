@@ -35,6 +35,7 @@ class Target:
     plugin_nodes: bool = False  # may emit decodert plugin nodes (--plugins, --trt-version)
     tensorrt_native_since: tuple[int, ...] | None = None  # TensorRT with the native layers; older needs plugins
     lora_inputs: bool = True  # graphs may take LoRA adapter slots (--lora-slots); --merge-lora works everywhere
+    encoder_decoder: bool = False  # exports encoder-decoder models (Whisper: export/seq2seq_export.py)
 
     @property
     def name(self) -> str:
@@ -76,7 +77,7 @@ class Target:
                                 "merge one with --merge-lora, or export --target ort or portable")
 
 
-ORT = Target(target_info("ort"), OrtLowering)
+ORT = Target(target_info("ort"), OrtLowering, encoder_decoder=True)
 TRT = Target(target_info("trt"), TrtLowering, symmetric_weights=True, plugin_nodes=True,
              tensorrt_native_since=NATIVE_SINCE, lora_inputs=False)  # the TensorRT backend binds no adapter slots
 PORTABLE = Target(target_info("portable"), Lowering)

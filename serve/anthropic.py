@@ -8,6 +8,8 @@ path (serve/chat_run.py ``ChatRun``, as /v1/responses): the same template, tools
     system (a string or text blocks)            ->  a system message
     user text / image blocks                    ->  a user message (an image as a data: URL; a url source
                                                     only under --allow-image-urls)
+    user input_audio blocks (a decodert          ->  input_audio parts (Anthropic has no audio block; the
+      extension)                                     OpenAI part's shape, {"data": base64, "format": "wav"})
     user tool_result blocks                     ->  one "tool" message each, before the user's other blocks
                                                     (content: a string or text blocks; is_error: "Error: ...")
     assistant text / tool_use blocks            ->  an assistant message with tool_calls
@@ -204,11 +206,11 @@ def _message(i: int, m: InputMessage, allow_urls: bool) -> list[dict[str, Any]]:
     if not isinstance(m.content, list):
         raise _bad(f"{where}.content", "must be a string or a list of content blocks")
     tools: list[dict[str, Any]] = []  # user: tool results; assistant: calls
-    parts: list[dict[str, Any]] = []  # text and image parts
+    parts: list[dict[str, Any]] = []  # text, image and audio parts
     for k, block in enumerate(m.content):
         at = f"{where}.content[{k}]"
         kind = block.get("type") if isinstance(block, dict) else None
-        allowed = ("text", "image", "tool_result") if m.role == "user" else ("text", "tool_use", "thinking",
+        allowed = ("text", "image", "input_audio", "tool_result") if m.role == "user" else ("text", "tool_use", "thinking",
                                                                                "redacted_thinking")
         if kind not in allowed:
             raise _bad(at, f"block type {kind!r:.40} is not supported in a {m.role} message ({', '.join(allowed)})")
@@ -216,6 +218,8 @@ def _message(i: int, m: InputMessage, allow_urls: bool) -> list[dict[str, Any]]:
             parts.append({"type": "text", "text": _text_block(at, block)})
         elif kind == "image":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(at, block, allow_urls)}})
+        elif kind == "input_audio":  # no Anthropic audio block exists: OpenAI's input_audio part, as in chat
+            parts.append({"type": "input_audio", "input_audio": block.get("input_audio")})
         elif kind == "tool_result":
             tools.append(_tool_result(at, block))
         elif kind == "tool_use":
@@ -225,7 +229,7 @@ def _message(i: int, m: InputMessage, allow_urls: bool) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": text, **({"tool_calls": tools} if tools else {})}]
     if not parts:
         return tools
-    content: Any = parts if any(p["type"] == "image_url" for p in parts) else "".join(p["text"] for p in parts)
+    content: Any = parts if any(p["type"] != "text" for p in parts) else "".join(p["text"] for p in parts)
     return [*tools, {"role": "user", "content": content}]
 
 

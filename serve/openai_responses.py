@@ -3,7 +3,7 @@
     add_routes(app, engine, config, metrics, check_model)   # POST /v1/responses, GET / DELETE /v1/responses/{id}
 
 A request becomes a ``ChatCompletionRequest``: ``instructions`` the system message; ``input`` items the messages
-(``message`` with input_text / input_image / output_text parts; consecutive ``function_call`` items one assistant
+(``message`` with input_text / input_image / input_audio / output_text parts; consecutive ``function_call`` items one assistant
 message's tool_calls; ``function_call_output`` a role "tool" message; ``reasoning`` items passed back are accepted
 and not rendered, as thinking templates drop earlier turns' reasoning); function ``tools`` the chat tools;
 ``tool_choice`` / ``parallel_tool_calls`` as they are; ``text.format`` the response_format; ``max_output_tokens``
@@ -200,7 +200,8 @@ def _string(i: int, item: dict, key: str, empty: bool = False) -> str:
 
 
 def _content(i: int, content: Any) -> Union[str, list[dict[str, Any]]]:
-    """A message's content: a string; text parts joined; with images, chat parts (text / image_url)."""
+    """A message's content: a string; text parts joined; with images or audio, chat parts (text / image_url /
+    input_audio)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -220,9 +221,11 @@ def _content(i: int, content: Any) -> Union[str, list[dict[str, Any]]]:
                 raise ApiError(400, f"{where}: input_image needs an image_url (a data: URL; file_id is not supported)",
                                param=where)
             parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind == "input_audio":  # the same {"data": base64, "format": "wav"} as chat's part, decoded in runtime/audio
+            parts.append({"type": "input_audio", "input_audio": part.get("input_audio")})
         else:
-            raise ApiError(400, f"{where}: part type {kind!r:.40} is not supported (input_text, input_image, output_text)",
-                           param=where)
+            raise ApiError(400, f"{where}: part type {kind!r:.40} is not supported (input_text, input_image, "
+                                "input_audio, output_text)", param=where)
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
     return parts

@@ -474,3 +474,32 @@ def test_the_manifest_records_audio_onnx_and_inspect_shows_it(asr):
     assert m.audio.features["frame_multiple"] == 100 and m.audio.spec["n_window_infer"] == 200
     text = inspect_artifact(Path(m.source.path).parent / "art")  # the fixture's root/hf -> root/art
     assert "audio      2 layers (qwen3_asr)" in text and "audio: audio.onnx" in text
+
+
+def test_responses_and_messages_take_input_audio_parts(asr):
+    """The openai client's responses.create and the anthropic client's messages.create, each with an input_audio
+    part (Anthropic has no audio block: decodert takes OpenAI's part there), answer what chat completions does."""
+    pytest.importorskip("soundfile")
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    from serve_helpers import running
+
+    llm, _, _ = asr
+    messages = _ask(speech_like(1.3, 4), "What is said?")
+    audio, text = messages[0]["content"]
+    want = llm.chat(messages, max_new_tokens=6, temperature=0).text
+    assert want
+    with running(llm) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        got = client.responses.create(model="tiny", max_output_tokens=6, temperature=0, input=[
+            {"role": "user", "content": [audio, {"type": "input_text", "text": text["text"]}]}])
+        assert got.output_text == want
+        claude = anthropic.Anthropic(base_url=url, api_key="none")
+        reply = claude.messages.create(model="tiny", max_tokens=6, extra_body={"temperature": 0.0}, messages=[
+            {"role": "user", "content": [audio, text]}])
+        assert "".join(b.text for b in reply.content if b.type == "text") == want
+        bad = {**audio, "input_audio": {"data": "AAAA", "format": "aiff"}}
+        with pytest.raises(openai.BadRequestError, match="aiff"):
+            client.responses.create(model="tiny", max_output_tokens=2, input=[{"role": "user", "content": [bad]}])
+        with pytest.raises(anthropic.BadRequestError, match="aiff"):
+            claude.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [bad]}])

@@ -75,18 +75,8 @@ def add_routes(app: FastAPI, engine: Any, config: Any, metrics: Any, check_model
         result = (await job.collect(request))[0]
         forced = language_name(language) if language else None
         detected, text = parse_transcription(result.text, forced)
-        if fmt == "text":
-            return PlainTextResponse(text)
-        if fmt == "json":
-            return JSONResponse({"text": text})
-        duration = round(seconds, 3)
-        return JSONResponse({"task": "transcribe", "language": (detected or "").lower() or None, "duration": duration,
-                             "text": text, "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": text,
-                                                         "tokens": list(result.token_ids), "temperature":
-                                                         params.get("temperature", 0.0)}],
-                             "usage": {"type": "tokens", "input_tokens": result.metrics.prompt_tokens,
-                                       "output_tokens": len(result.token_ids),
-                                       "total_tokens": result.metrics.prompt_tokens + len(result.token_ids)}})
+        return _reply(fmt, text, detected, seconds, result.token_ids, params.get("temperature", 0.0),
+                      result.metrics.prompt_tokens)
 
 
 async def _whisper(llm: WhisperLLM, data: bytes, fmt: str, language: str | None, params: dict) -> Response:
@@ -103,7 +93,12 @@ async def _whisper(llm: WhisperLLM, data: bytes, fmt: str, language: str | None,
             raise ApiError(400, str(e), param=param) from None
 
     result, seconds = await run_in_threadpool(run)
-    text = result.text.strip()
+    return _reply(fmt, result.text.strip(), language, seconds, result.token_ids, 0.0, 0)
+
+
+def _reply(fmt: str, text: str, language: str | None, seconds: float, token_ids: Any, temperature: float,
+           input_tokens: int) -> Response:
+    """The transcription in ``response_format`` ``fmt``: text, json, or verbose_json (one segment over the clip)."""
     if fmt == "text":
         return PlainTextResponse(text)
     if fmt == "json":
@@ -111,9 +106,9 @@ async def _whisper(llm: WhisperLLM, data: bytes, fmt: str, language: str | None,
     duration = round(seconds, 3)
     return JSONResponse({"task": "transcribe", "language": (language or "").lower() or None, "duration": duration,
                          "text": text, "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": text,
-                                                     "tokens": list(result.token_ids), "temperature": 0.0}],
-                         "usage": {"type": "tokens", "input_tokens": 0, "output_tokens": len(result.token_ids),
-                                   "total_tokens": len(result.token_ids)}})
+                                                     "tokens": list(token_ids), "temperature": temperature}],
+                         "usage": {"type": "tokens", "input_tokens": input_tokens, "output_tokens": len(token_ids),
+                                   "total_tokens": input_tokens + len(token_ids)}})
 
 
 async def _form(request: Request) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -117,51 +116,43 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     if openvino_prefill:
         phase_graphs.check_openvino_prefill(target, kv, lora, quant)
 
-    with destination.terminating_raises():  # SIGTERM / SIGHUP remove the temp folder as SIGINT does
-        tmp = destination.make_temp(out_dir)
-        try:
-            layout = tgt.weight_layout
-            vision, audio = vision_of(ckpt), audio_of(ckpt)
-            weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout, vision,
-                                                audio)
-            vision_weights = {k: weights.pop(k) for k in [k for k in weights if k.startswith("vision.")]}
-            audio_weights = {k: weights.pop(k) for k in [k for k in weights if k.startswith("audio.")]}
-            lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized, plugins=plugin_ops, kv=kv)
-            with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
-                tokenizer = ckpt.write_tokenizer(tmp)
-                if kv.quantized:  # per-channel scales from the float-cache graph over a built-in text
-                    weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
-                                                       weights, kv, tmp)}
-                graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora, hidden_states)
-                phases = None if not openvino_prefill else phase_graphs.write_portable_prefill(
-                    spec, dtype, max_seq, quant, weights, kv, tmp, WEIGHTS,
-                    lambda path, lay: _write_weights(ckpt, spec, path, dtype, max_seq, progress, quant, lay))
-                vision_record = None if vision is None else write_vision(ckpt, vision, vision_weights, dtype, tmp,
-                                                                         lowering.ir_version, type(lowering))
-                audio_record = None if audio is None else write_audio(ckpt, audio, audio_weights, dtype, tmp,
-                                                                      lowering.ir_version, type(lowering))
-                tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
-                manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
-                if phases is not None:
-                    manifest = manifest.replace(phase_graphs=phases)
-                bar.update()
-                if embeddings:
-                    manifest = manifest.replace(embedding=_write_embedding(ckpt, spec, lowering, weights, dtype, tmp))
-                    manifest = manifest.replace(files=_file_records(tmp))
-                manifest = manifest.replace(
-                    sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
-                    plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
-                    quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora), vision=vision_record,
-                    audio=audio_record)
-                write_manifest(tmp, manifest)
-                destination.swap_in(tmp, out_dir)
-                bar.update()
-        except OSError as e:  # disk full, permissions, a file system that went away
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise DecodertError(f"-o {out_dir}: writing the artifact failed ({e.strerror or e})") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with destination.staging(out_dir) as tmp:  # SIGTERM / SIGHUP remove the temp folder as SIGINT does
+        layout = tgt.weight_layout
+        vision, audio = vision_of(ckpt), audio_of(ckpt)
+        weights, quantized = _write_weights(ckpt, spec, tmp / WEIGHTS, dtype, max_seq, progress, quant, layout, vision,
+                                            audio)
+        vision_weights = {k: weights.pop(k) for k in [k for k in weights if k.startswith("vision.")]}
+        audio_weights = {k: weights.pop(k) for k in [k for k in weights if k.startswith("audio.")]}
+        lowering = tgt.make_lowering(spec, dtype, max_seq, quant, quantized, plugins=plugin_ops, kv=kv)
+        with Stage("writing graphs and manifest", total=5, unit="step", enabled=progress) as bar:
+            tokenizer = ckpt.write_tokenizer(tmp)
+            if kv.quantized:  # per-channel scales from the float-cache graph over a built-in text
+                weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
+                                                   weights, kv, tmp)}
+            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora, hidden_states)
+            phases = None if not openvino_prefill else phase_graphs.write_portable_prefill(
+                spec, dtype, max_seq, quant, weights, kv, tmp, WEIGHTS,
+                lambda path, lay: _write_weights(ckpt, spec, path, dtype, max_seq, progress, quant, lay))
+            vision_record = None if vision is None else write_vision(ckpt, vision, vision_weights, dtype, tmp,
+                                                                     lowering.ir_version, type(lowering))
+            audio_record = None if audio is None else write_audio(ckpt, audio, audio_weights, dtype, tmp,
+                                                                  lowering.ir_version, type(lowering))
+            tokenizer["vocab_size"] = tokenizer_vocab(tmp / "tokenizer.json", spec.vocab_size, ckpt.source)
+            manifest = _manifest(ckpt, spec, target, dtype, kv, max_seq, max_batch, graphs, tokenizer, tmp)  # hashes
+            if phases is not None:
+                manifest = manifest.replace(phase_graphs=phases)
+            bar.update()
+            if embeddings:
+                manifest = manifest.replace(embedding=_write_embedding(ckpt, spec, lowering, weights, dtype, tmp))
+                manifest = manifest.replace(files=_file_records(tmp))
+            manifest = manifest.replace(
+                sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
+                plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
+                quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora), vision=vision_record,
+                audio=audio_record)
+            write_manifest(tmp, manifest)
+            destination.swap_in(tmp, out_dir)
+            bar.update()
         return manifest
 
 

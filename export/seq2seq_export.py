@@ -88,29 +88,21 @@ def export_seq2seq(src: str | Path, out_dir: str | Path, target: str = "ort", dt
     if not tokenizer.is_file():
         raise DecodertError(f"{src}: no tokenizer.json (the artifact decodes the text with it)")
     out = destination.prepare(out)  # an empty folder, or a decodert artifact to replace
-    with destination.terminating_raises():
-        tmp = destination.make_temp(out)
-        try:
-            writer = WeightsWriter(tmp / WEIGHTS_FILE)
-            weights = _write_weights(writer, spec, family.hf_weights, tensors, src)
-            writer.close()
-            enc, dec = build_encoder(spec, weights), build_decoder(spec, weights, max_seq=spec.max_target_positions)
-            for model, name in ((enc, ENCODER_FILE), (dec, DECODER_FILE)):
-                onnx.save_model(model, tmp / name)
-                onnx.checker.check_model(str(tmp / name), full_check=True)
-            shutil.copy(tokenizer, tmp / "tokenizer.json")
-            record = write_seq2seq(tmp, {"family": family.name, "target": target, "dtype": dtype,
-                                         "max_batch": max_batch, "spec": spec.to_dict(), "features": features,
-                                         "generation": generation,
-                                         "graphs": {"encoder": ENCODER_FILE, "decoder": DECODER_FILE}},
-                                   [ENCODER_FILE, DECODER_FILE, WEIGHTS_FILE, "tokenizer.json"])
-            destination.swap_in(tmp, out)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise DecodertError(f"-o {out}: writing the artifact failed ({e.strerror or e})") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with destination.staging(out) as tmp:
+        writer = WeightsWriter(tmp / WEIGHTS_FILE)
+        weights = _write_weights(writer, spec, family.hf_weights, tensors, src)
+        writer.close()
+        enc, dec = build_encoder(spec, weights), build_decoder(spec, weights, max_seq=spec.max_target_positions)
+        for model, name in ((enc, ENCODER_FILE), (dec, DECODER_FILE)):
+            onnx.save_model(model, tmp / name)
+            onnx.checker.check_model(str(tmp / name), full_check=True)
+        shutil.copy(tokenizer, tmp / "tokenizer.json")
+        record = write_seq2seq(tmp, {"family": family.name, "target": target, "dtype": dtype,
+                                     "max_batch": max_batch, "spec": spec.to_dict(), "features": features,
+                                     "generation": generation,
+                                     "graphs": {"encoder": ENCODER_FILE, "decoder": DECODER_FILE}},
+                               [ENCODER_FILE, DECODER_FILE, WEIGHTS_FILE, "tokenizer.json"])
+        destination.swap_in(tmp, out)
     return record
 
 

@@ -339,3 +339,20 @@ def terminating_raises() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def staging(out: Path) -> Iterator[Path]:
+    """The temp folder an export of ``out`` writes into (``make_temp``), under ``terminating_raises``; the block
+    ends with ``swap_in``. Whatever stops the block removes the temp folder; an OSError (disk full, permissions, a
+    file system that went away) is the one-line error naming ``-o out``."""
+    with terminating_raises():
+        tmp = make_temp(out)
+        try:
+            yield tmp
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DecodertError(f"-o {out}: writing the artifact failed ({e.strerror or e})") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise

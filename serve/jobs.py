@@ -19,7 +19,7 @@ from decodert.runtime.decoding.generate import GenerationResult, Sequence
 from decodert.runtime.decoding.sampling import SamplingParams
 from decodert.runtime.engine.request import CANCELLED, Prepared
 from decodert.runtime.engine.thread import EngineClosed, EngineThread, Event, Handle, QueueFull
-from decodert.serve.protocol import ApiError
+from decodert.serve.api_error import ApiError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default; chat defaults to the rest of the context
 SHUTDOWN = "the server is shutting down"

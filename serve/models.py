@@ -15,7 +15,7 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
-from decodert.serve.protocol import ApiError
+from decodert.serve.api_error import ApiError
 
 
 def served_names(config: Any) -> tuple[str, ...]:

@@ -312,7 +312,7 @@ def test_openai_client_transcriptions_equal_transformers(asr):
 
     from serve_helpers import running
 
-    from decodert.serve.transcriptions import MAX_TOKENS
+    from decodert.serve.protocols.transcriptions import MAX_TOKENS
 
     llm, model, processor = asr
     x = speech_like(2.37, 2)

@@ -1,4 +1,4 @@
-"""The Anthropic Messages API (serve/anthropic.py) through a real server on 127.0.0.1, with the official
+"""The Anthropic Messages API (serve/protocols/anthropic.py) through a real server on 127.0.0.1, with the official
 ``anthropic`` SDK: whole and streamed replies, tool_use blocks and a tool_result follow-up, thinking blocks,
 stop reasons, usage against count_tokens and the prefix cache, errors in Anthropic's shape; and one real
 tool_use round trip on SmolLM2."""
@@ -210,7 +210,7 @@ def test_unsupported_or_bad_requests_are_one_line_400s(body, message):
 def test_translation_of_blocks_to_chat_messages():
     """Images become data: URLs, tool results "tool" messages (first), is_error a prefix, thinking is dropped,
     cache_control and metadata change nothing."""
-    from decodert.serve.anthropic import MessagesRequest
+    from decodert.serve.protocols.anthropic import MessagesRequest
 
     req = MessagesRequest.model_validate({
         "model": "m", "max_tokens": 8, "metadata": {"user_id": "u"},

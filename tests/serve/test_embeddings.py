@@ -1,4 +1,4 @@
-"""``POST /v1/embeddings`` (serve/embeddings.py) on loopback, driven by the openai client and raw httpx: a tiny
+"""``POST /v1/embeddings`` (serve/protocols/embeddings.py) on loopback, driven by the openai client and raw httpx: a tiny
 Qwen3-Embedding-style model and SmolLM2 exported as `decodert serve smollm2` exports it (the cache's export)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tiny_embedding import make_tiny_embedding, reference_vectors  # noqa: E402
 
 from decodert.export.pipeline import export_model  # noqa: E402
 from decodert.runtime.llm import LLM  # noqa: E402
-from decodert.serve.embeddings import MAX_ITEMS  # noqa: E402
+from decodert.serve.protocols.embeddings import MAX_ITEMS  # noqa: E402
 
 TEXTS = ["Quartz watches hum.", "Seventeen violet kites drifted over the harbour.", "zebra 42"]
 

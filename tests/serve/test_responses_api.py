@@ -418,8 +418,8 @@ def test_smollm2_stored_continuation_reuses_the_cached_prefix(smol_url):
 
 
 def test_the_store_drops_the_least_recently_used():
-    from decodert.serve.protocol import ApiError
-    from decodert.serve.response_store import ResponseStore, Stored
+    from decodert.serve.api_error import ApiError
+    from decodert.serve.protocols.response_store import ResponseStore, Stored
 
     store = ResponseStore(2)
     for name in "ab":

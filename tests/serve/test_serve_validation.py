@@ -99,7 +99,7 @@ def test_a_video_fps_outside_its_range_is_a_400(client, fps):
 
 
 def test_json_nested_past_the_parsers_limit_names_the_limit(client):
-    from decodert.serve.protocol import MAX_JSON_DEPTH
+    from decodert.serve.protocols.requests import MAX_JSON_DEPTH
 
     def nested(depth: int) -> bytes:  # the body object is level 1; metadata holds the rest
         inner = depth - 1

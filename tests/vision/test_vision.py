@@ -194,7 +194,7 @@ def test_responses_api_takes_input_image_parts(vlm, rng):
 
 
 def test_anthropic_messages_take_a_base64_image_block(vlm, rng):
-    """/v1/messages (serve/anthropic.py): an image block with a base64 source reads as the same image."""
+    """/v1/messages (serve/protocols/anthropic.py): an image block with a base64 source reads as the same image."""
     from serve_helpers import running
 
     llm, _, _ = vlm
@@ -335,7 +335,8 @@ def test_smolvlm2_checkpoints_run_the_same_way(tmp_path, rng):
 
 
 def test_server_messages_keep_image_parts_and_refuse_other_kinds():
-    from decodert.serve.protocol import ApiError, ChatMessage
+    from decodert.serve.api_error import ApiError
+    from decodert.serve.protocols.requests import ChatMessage
 
     url = {"url": "data:image/png;base64,AAAA"}
     mixed = ChatMessage.model_validate({"role": "user", "content": [{"type": "image_url", "image_url": url},

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from decodert.errors import DecodertError, RequestError
-from decodert.serve.protocol import ApiError
+from decodert.serve.api_error import ApiError
 
 MAX_ITEMS = 2048  # inputs a request (OpenAI's limit)
 MAX_TOKENS = 300_000  # tokens summed over a request's inputs (OpenAI's limit)

@@ -1,4 +1,4 @@
-"""``POST /v1/responses`` (OpenAI's Responses API) as a thin adapter over a chat turn (serve/chat_run.py).
+"""``POST /v1/responses`` (OpenAI's Responses API) as a thin adapter over a chat turn (serve/protocols/chat_run.py).
 
     add_routes(app, engine, config, metrics, check_model)   # POST /v1/responses, GET / DELETE /v1/responses/{id}
 
@@ -37,9 +37,10 @@ from pydantic import BaseModel, ConfigDict
 from sse_starlette.sse import EventSourceResponse
 
 from decodert.runtime.chat.output import Delta
-from decodert.serve.chat_run import ChatRun, TurnReply
-from decodert.serve.protocol import ApiError, ChatCompletionRequest, parse
-from decodert.serve.response_store import ResponseStore, Stored
+from decodert.serve.protocols.chat_run import ChatRun, TurnReply
+from decodert.serve.api_error import ApiError
+from decodert.serve.protocols.requests import ChatCompletionRequest, parse
+from decodert.serve.protocols.response_store import ResponseStore, Stored
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _REFUSED = (("background", "runs every response in the foreground"), ("conversation", "keeps no conversations"),

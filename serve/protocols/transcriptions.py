@@ -26,7 +26,7 @@ from decodert.runtime.audio.clips import load_audio
 from decodert.runtime.audio.transcribe import language_name, parse_transcription
 from decodert.runtime.audio.whisper import WhisperLLM
 from decodert.serve.jobs import Choice, Job
-from decodert.serve.protocol import ApiError
+from decodert.serve.api_error import ApiError
 
 FORMATS = ("json", "text", "verbose_json")
 MAX_TOKENS = 448  # generated tokens at most (Whisper's decoder length; a 30 s clip is ~100 words)

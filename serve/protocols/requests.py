@@ -1,11 +1,11 @@
-"""The OpenAI request bodies the server accepts, validated strictly, and its error JSON.
+"""The OpenAI request bodies the server accepts, validated strictly (errors: serve/api_error.py).
 
 Types are strict (a string where a number belongs is a 400, not coerced); fields the server
 does not know are ignored, as many clients send extras (``user``, ``metadata``). Fields it knows
 but cannot honour (``echo``, ``suffix``, ``best_of``) are a 400 rather than silently dropped.
 Chat takes ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (runtime/chat/tools.py), and, as vLLM,
 ``chat_template_kwargs`` and ``enable_thinking``; ``logprobs`` / ``top_logprobs`` and ``logit_bias``
-(serve/logprobs.py). Extensions beyond the OpenAI API, as in vLLM: ``top_k``, ``min_p``, ``repetition_penalty``; and
+(serve/protocols/logprobs.py). Extensions beyond the OpenAI API, as in vLLM: ``top_k``, ``min_p``, ``repetition_penalty``; and
 ``speculative`` ("ngram" | "draft" | "off": speculative decoding for this request).
 """
 
@@ -20,6 +20,7 @@ from decodert.errors import DecodertError
 from decodert.runtime.chat.tools import check_tools
 from decodert.runtime.constraints import Constraint
 from decodert.runtime.decoding.sampling import MAX_TOP_LOGPROBS
+from decodert.serve.api_error import ApiError
 
 MAX_STOPS = 16  # stop strings per request
 MAX_CHOICES = 16  # prompts x n per request
@@ -27,19 +28,6 @@ MAX_BIASED = 1024  # logit_bias entries per request
 MAX_JSON_DEPTH = 201  # nesting the body's JSON parser (pydantic-core) reads; tests/serve/test_serve_validation.py
 MAX_ID_DIGITS = 18  # digits of a logit_bias key (a token id below 2**63)
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit); chat's top_logprobs go to MAX_TOP_LOGPROBS
-
-
-class ApiError(Exception):
-    """An HTTP error with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class _Strict(BaseModel):

@@ -1,7 +1,7 @@
 """The Anthropic Messages API: ``POST /v1/messages`` (whole or streamed) and ``POST /v1/messages/count_tokens``.
 
-A Messages request is translated into a chat-completions request (serve/protocol.py) and runs on the chat
-path (serve/chat_run.py ``ChatRun``, as /v1/responses): the same template, tools, constraints and reasoning split as
+A Messages request is translated into a chat-completions request (serve/protocols/requests.py) and runs on the chat
+path (serve/protocols/chat_run.py ``ChatRun``, as /v1/responses): the same template, tools, constraints and reasoning split as
 ``/v1/chat/completions`` (runtime/chat/). The translation:
 
     Messages                                        chat completions
@@ -55,10 +55,11 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from decodert.runtime.chat.output import Delta
-from decodert.serve.chat_run import ChatRun, TurnReply
+from decodert.serve.protocols.chat_run import ChatRun, TurnReply
 from decodert.serve.jobs import encode_chat_turn
 from decodert.serve.models import check_model
-from decodert.serve.protocol import ApiError, ChatCompletionRequest, parse
+from decodert.serve.api_error import ApiError
+from decodert.serve.protocols.requests import ChatCompletionRequest, parse
 
 PATHS = ("/v1/messages",)  # and below: the routes whose errors are in Anthropic's shape
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -368,7 +369,7 @@ def _usage(reply: TurnReply) -> dict[str, Any]:
 
 
 class MessageReply:
-    """One reply over a ChatRun (serve/chat_run.py: the chat path splits the text): its id and model, whole or
+    """One reply over a ChatRun (serve/protocols/chat_run.py: the chat path splits the text): its id and model, whole or
     as stream events."""
 
     def __init__(self, model: str, run: ChatRun) -> None:

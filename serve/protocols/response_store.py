@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from decodert.serve.protocol import ApiError
+from decodert.serve.api_error import ApiError
 
 
 @dataclass

@@ -16,7 +16,7 @@ class Reply:
 
     def __init__(self, kind: str, model: str, logprobs: Any = None, turn: Any = None, prompt: str = "") -> None:
         self.chat = kind == "chat"
-        self.logprobs = logprobs  # a serve/logprobs.py LogprobFormat when the request asked for logprobs
+        self.logprobs = logprobs  # a serve/protocols/logprobs.py LogprobFormat when the request asked for logprobs
         self.turn = None if turn is None or turn.plain else turn  # a chat turn whose replies are split
         self.prompt = prompt  # the rendered chat prompt (it may open <think>)
         self._outputs: dict[int, Any] = {}  # choice -> its ChatOutput (streams)

@@ -257,3 +257,26 @@ def test_audio_graph_builds_with_tensorrt_rtx(q2a, tmp_path):
     profile = engines["audio"].profile
     assert profile["input_features"]["max"] == [1, MELS, 3000] and profile["key_valid"]["max"] == [1, 1500]
     assert [t["name"] for t in engines["audio"].io["outputs"]] == ["audio_embeds"]
+
+
+def test_the_family_reads_both_weight_namings_and_refuses_bad_configs():
+    """The hub's names (language_model.model.*) and transformers 5's (model.language_model.*) map to the same
+    tables; a feature_size other than the encoder's mel bins and a scaled embedding are one-line errors."""
+    from decodert.errors import DecodertError
+    from decodert.models import family_for
+
+    family = family_for("qwen2_audio")
+    for key in ("language_model.model.layers.0.mlp.up_proj.weight", "model.language_model.layers.0.mlp.up_proj.weight"):
+        assert family.sanitize(key) == "model.layers.0.mlp.up_proj.weight"
+    assert family.sanitize("language_model.lm_head.weight") == "lm_head.weight"
+    assert family.sanitize("model.audio_tower.conv1.weight") == "audio_tower.conv1.weight"
+    config = {"model_type": "qwen2_audio", "audio_config": {"num_mel_bins": MELS, "d_model": 32, "encoder_layers": 1,
+                                                            "encoder_attention_heads": 2, "encoder_ffn_dim": 64},
+              "text_config": {"model_type": "qwen2", "hidden_size": 64}}
+    audio = family.audio_from_hf(config)
+    assert (audio.encoder, audio.max_positions, audio.out_hidden, audio.tokens(3000), audio.tokens(100)) == (
+        "whisper", 1500, 64, 750, 25)
+    with pytest.raises(DecodertError, match="feature_size 80 differs"):
+        family.audio_features({"feature_size": 80}, audio)
+    with pytest.raises(DecodertError, match="scale_embedding"):
+        family.audio_from_hf({**config, "audio_config": {**config["audio_config"], "scale_embedding": True}})

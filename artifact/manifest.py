@@ -196,10 +196,12 @@ class VisionRecord(Record):
 @dataclasses.dataclass(frozen=True)
 class AudioRecord(Record):
     """An audio-language model's audio path: audio.onnx (graph), its encoder (models/audio.py AudioSpec fields)
-    and the checkpoint's log-mel settings (runtime/audio/features.py MelSettings fields)."""
+    and the checkpoint's log-mel settings (runtime/audio/features.py MelSettings fields); ``transcription`` the
+    family's transcription request when it is not Qwen3-ASR's (runtime/audio/transcribe.py)."""
     graph: GraphRecord
     spec: Mapping[str, Any]
     features: Mapping[str, Any]
+    transcription: Mapping[str, Any] | None = dataclasses.field(default=None, metadata=OMIT_NULL)
 
 
 POOLING = ("last", "mean", "cls")  # the rules runtime/embedding.py applies

@@ -37,4 +37,5 @@ def write_audio(ckpt: Any, audio: AudioSpec, weights: dict[str, onnx.TensorProto
         features = ckpt.family.audio_features(_json(source / "preprocessor_config.json"), audio)
     except DecodertError as e:
         raise DecodertError(f"{source}: preprocessor_config.json: {e}") from None
-    return AudioRecord(graph=graph, spec=audio.to_dict(), features=features)
+    return AudioRecord(graph=graph, spec=audio.to_dict(), features=features,
+                       transcription=dict(ckpt.family.transcription) or None)

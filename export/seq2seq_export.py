@@ -40,6 +40,7 @@ from decodert.artifact.seq2seq import write_seq2seq
 from decodert.export.artifact import destination
 from decodert.artifact.weights import WeightsWriter
 from decodert.errors import DecodertError
+from decodert.export.lowering.encoder_layers import encoder_layer, gelu, layer_norm, matmul, mlp, separate_qkv
 from decodert.export.lowering.lower_ort import OrtLowering
 from decodert.export.lowering.targets import get_target
 from decodert.models import family_for
@@ -161,27 +162,6 @@ def _write_weights(writer: WeightsWriter, spec: Any, table: dict[str, str], tens
     return out
 
 
-def _gelu(g: GraphBuilder, x: str) -> str:
-    """0.5 x (1 + erf(x / sqrt 2)): torch's exact GELU."""
-    k = lambda v: g.const(np.array(v, np.float32))  # noqa: E731
-    return g.op("Mul", g.op("Mul", x, k(0.5)), g.op("Add", g.op("Erf", g.op("Mul", x, k(1 / math.sqrt(2)))), k(1.0)))
-
-
-def _linear(g: GraphBuilder, x: str, w: str, bias: str | None = None) -> str:
-    y = g.op("MatMul", x, w)  # [.., in] @ [in, out]
-    return g.op("Add", y, bias) if bias else y
-
-
-def _norm(g: GraphBuilder, x: str, name: str, eps: float) -> str:
-    return g.op("LayerNormalization", x, name, name + "_bias", axis=-1, epsilon=eps)
-
-
-def _mlp(g: GraphBuilder, x: str, p: str, eps: float) -> str:
-    with g.scope("mlp"):
-        h = _gelu(g, _linear(g, _norm(g, x, p + "ln2", eps), p + "fc1", p + "fc1_bias"))
-        return g.op("Add", x, _linear(g, h, p + "fc2", p + "fc2_bias"))
-
-
 def build_encoder(spec: Any, weights: dict[str, onnx.TensorProto]) -> onnx.ModelProto:
     g = GraphBuilder("decodert_whisper_encoder", {"": OPSET})
     c, t, eps = spec.d_model, spec.max_source_positions, spec.layer_norm_eps
@@ -191,26 +171,22 @@ def build_encoder(spec: Any, weights: dict[str, onnx.TensorProto]) -> onnx.Model
             g.add_initializer(tensor)
     with g.scope("encoder"):
         with g.scope("conv"):
-            x = _gelu(g, g.op("Conv", "input_features", "enc.conv1", "enc.conv1_bias", kernel_shape=[3], pads=[1, 1]))
-            x = _gelu(g, g.op("Conv", x, "enc.conv2", "enc.conv2_bias", kernel_shape=[3], strides=[2], pads=[1, 1]))
+            x = gelu(g, g.op("Conv", "input_features", "enc.conv1", "enc.conv1_bias", kernel_shape=[3], pads=[1, 1]))
+            x = gelu(g, g.op("Conv", x, "enc.conv2", "enc.conv2_bias", kernel_shape=[3], strides=[2], pads=[1, 1]))
             x = g.op("Add", g.op("Transpose", x, perm=[0, 2, 1]), "enc.positions")  # [B, T, C]
+        linear = matmul(g)  # weights stored [in, out]
+        attend = lambda q, k, v: OrtLowering.encoder_attention(g, q, k, v, spec.encoder_heads,  # noqa: E731
+                                                               c // spec.encoder_heads, np.float32)
         for i in range(spec.encoder_layers):
-            p = f"enc.layers.{i}."
             with g.scope(f"layers.{i}"):
-                with g.scope("attn"):
-                    h = _norm(g, x, p + "ln1", eps)
-                    q, k, v = _linear(g, h, p + "q", p + "q_bias"), _linear(g, h, p + "k"), _linear(g, h, p + "v", p + "v_bias")
-                    ctx = OrtLowering.encoder_attention(g, q, k, v, spec.encoder_heads, c // spec.encoder_heads,
-                                                        np.float32)
-                    x = g.op("Add", x, _linear(g, ctx, p + "o", p + "o_bias"))
-                x = _mlp(g, x, p, eps)
-        x = _norm(g, x, "enc.norm", eps)
+                x = encoder_layer(g, x, f"enc.layers.{i}.", eps, linear, separate_qkv(linear, f"enc.layers.{i}."), attend)
+        x = layer_norm(g, x, "enc.norm", eps)
     g.output(x, "encoder_hidden", "fp32", ["batch", t, c])
     heads, d = spec.decoder_heads, spec.head_dim
     with g.scope("cross"):
         for i in range(spec.decoder_layers):
             p = f"dec.layers.{i}."
-            for kind, y in (("key", _linear(g, x, p + "xk")), ("value", _linear(g, x, p + "xv", p + "xv_bias"))):
+            for kind, y in (("key", linear(x, p + "xk")), ("value", linear(x, p + "xv", p + "xv_bias"))):
                 y = g.op("Transpose", g.op("Reshape", y, g.const([0, t, heads, d])), perm=[0, 2, 1, 3])
                 g.output(y, f"cross_{kind}.{i}", "fp32", ["batch", heads, t, d])
     return g.to_model()
@@ -218,6 +194,7 @@ def build_encoder(spec: Any, weights: dict[str, onnx.TensorProto]) -> onnx.Model
 
 def build_decoder(spec: Any, weights: dict[str, onnx.TensorProto], max_seq: int) -> onnx.ModelProto:
     g = GraphBuilder("decodert_whisper_decoder", {"": OPSET, "com.microsoft": 1})
+    linear = matmul(g)
     c, t, eps = spec.d_model, spec.max_source_positions, spec.layer_norm_eps
     heads, d = spec.decoder_heads, spec.head_dim
     g.input("input_ids", "int64", ["batch", "seq"])
@@ -246,22 +223,22 @@ def build_decoder(spec: Any, weights: dict[str, onnx.TensorProto], max_seq: int)
         p = f"dec.layers.{i}."
         with g.scope(f"layers.{i}"):
             with g.scope("self_attn"):
-                h = _norm(g, x, p + "ln1", eps)
-                q, k, v = _linear(g, h, p + "q", p + "q_bias"), _linear(g, h, p + "k"), _linear(g, h, p + "v", p + "v_bias")
+                h = layer_norm(g, x, p + "ln1", eps)
+                q, k, v = linear(h, p + "q", p + "q_bias"), linear(h, p + "k"), linear(h, p + "v", p + "v_bias")
                 ctx, _, _ = g.op("GroupQueryAttention", q, k, v, f"past_key.{i}", f"past_value.{i}", seqlens_k, total_len,
                                  domain="com.microsoft", outputs=[None, f"present_key.{i}", f"present_value.{i}"],
                                  num_heads=heads, kv_num_heads=heads, do_rotary=0, scale=d ** -0.5)
-                x = g.op("Add", x, _linear(g, ctx, p + "o", p + "o_bias"))
+                x = g.op("Add", x, linear(ctx, p + "o", p + "o_bias"))
             with g.scope("cross_attn"):
-                q = _linear(g, _norm(g, x, p + "lnx", eps), p + "xq", p + "xq_bias")
+                q = linear(layer_norm(g, x, p + "lnx", eps), p + "xq", p + "xq_bias")
                 # com.microsoft.MultiHeadAttention takes K/V already in [B, H, T, D]: nothing moved per step
                 ctx = g.op("MultiHeadAttention", q, f"cross_key.{i}", f"cross_value.{i}", domain="com.microsoft",
                            num_heads=heads, scale=d ** -0.5)
-                x = g.op("Add", x, _linear(g, ctx, p + "xo", p + "xo_bias"))
-            x = _mlp(g, x, p, eps)
+                x = g.op("Add", x, linear(ctx, p + "xo", p + "xo_bias"))
+            x = mlp(g, x, p, eps, linear)
     with g.scope("head"):
         last = g.op("Sub", seq, g.const(np.array(1, np.int64)))
-        x = g.op("Gather", _norm(g, x, "dec.norm", eps), last, axis=1)  # [B, C] the last position
+        x = g.op("Gather", layer_norm(g, x, "dec.norm", eps), last, axis=1)  # [B, C] the last position
         head = "dec.embed" if spec.tie_word_embeddings else "dec.lm_head"  # [V, C]
         logits = g.op("Gemm", x, head, transB=1)  # [B, V]
     g.output(logits, "logits", "fp32", ["batch", spec.vocab_size])

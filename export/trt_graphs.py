@@ -11,6 +11,7 @@ binds 0 rows for text), rope_offsets [3, batch, seq] over the graph's own batch 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from decodert.artifact.manifest import GraphRecord, Manifest
 from decodert.artifact.graph_contract import DEFAULTED_INPUTS, ENGINE_INPUTS
@@ -38,8 +39,8 @@ def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int, tiles: i
 
 
 def audio_ranges(manifest: Manifest, seconds: float = 30.0) -> dict[str, tuple[int, int, int]]:
-    """(min, opt, max) of audio.onnx's dims for clips up to ``seconds`` (runtime/audio/encoder.py encoder_feeds):
-    chunks of 2 n_window frames in windows of n_window_infer frames, 13 rows a chunk."""
+    """(min, opt, max) of audio.onnx's dims for clips up to ``seconds`` (runtime/audio/encoder.py encoder_feeds),
+    by the encoder kind (``AUDIO_RANGES``)."""
     if manifest.audio is None:
         return {}
     from decodert.models.audio import AudioSpec
@@ -47,12 +48,28 @@ def audio_ranges(manifest: Manifest, seconds: float = 30.0) -> dict[str, tuple[i
     a = AudioSpec.from_dict(dict(manifest.audio.spec))
     hop = int(manifest.audio.features.get("hop_length", 160))
     rate = int(manifest.audio.features.get("sampling_rate", 16000))
-    chunks = -(-int(seconds * rate // hop) // a.chunk_frames)
+    return AUDIO_RANGES[a.encoder](a, int(seconds * rate // hop))
+
+
+def _chunk_ranges(a: Any, frames: int) -> dict[str, tuple[int, int, int]]:
+    """qwen3_asr: chunks of 2 n_window frames in windows of n_window_infer frames, 13 rows a chunk."""
+    chunks = -(-frames // a.chunk_frames)
     per = min(a.window_chunks, chunks)
     windows = -(-chunks // per)
     k = a.chunk_tokens
     return {"chunks": (1, per, windows * per), "windows": (1, 1, windows), "window_slots": (k, per * k, per * k),
             "audio_tokens": (1, per * k, windows * per * k)}
+
+
+def _window_ranges(a: Any, frames: int) -> dict[str, tuple[int, int, int]]:
+    """whisper: one clip, 2 R of its window's frames for R rows (2 .. max_positions), half as many tokens."""
+    rows = min(a.max_positions, -(-frames // 2))
+    rows += rows % 2
+    return {"clips": (1, 1, 1), "frames": (4, rows, 2 * rows), "rows": (2, rows // 2, rows),
+            "audio_tokens": (1, rows // 4, rows // 2)}
+
+
+AUDIO_RANGES = {"qwen3_asr": _chunk_ranges, "whisper": _window_ranges}  # encoder kind (models/audio.py KINDS)
 
 
 def without_input_defaults(path: Path) -> bytes | None:

@@ -14,18 +14,27 @@ The ``qwen3_asr`` encoder (Qwen3-ASR's AuT: Whisper-like, over chunks of 2 n_win
   ``.ln2[_bias]``, ``.fc1[_bias]`` [I_a, C_a], ``.fc2[_bias]`` [C_a, I_a]
 - ``audio.ln_post[_bias]`` [C_a];  ``audio.proj1[_bias]`` [C_a, C_a];  ``audio.proj2[_bias]`` [hidden, C_a]
 
-Later families declare their own ``encoder`` kind here: Gemma 4's (conformer), Qwen2-Audio's (Whisper encoder +
-pooling). Whisper itself is an encoder-decoder family with its own spec (models/families/whisper.py ``WhisperSpec``,
-``ENCODER_DECODER``), not an encoder feeding a decoder-only text model.
+The ``whisper`` encoder (Qwen2-Audio's: Whisper's encoder over one 30 s window, average-pooled by 2) names:
+
+- ``audio.conv1[_bias]``         [C_a, M, 3] / [C_a]         Conv1d padding 1, then GELU
+- ``audio.conv2[_bias]``         [C_a, C_a, 3] / [C_a]       Conv1d stride 2, padding 1, then GELU
+- ``audio.positions``            [T, C_a]                    the position table (T = max_positions rows, 1500)
+- ``audio.layers.{i}.ln1[_bias]``, ``.q[_bias]``, ``.k`` (no bias), ``.v[_bias]``, ``.o[_bias]`` [C_a, C_a],
+  ``.ln2[_bias]``, ``.fc1[_bias]``, ``.fc2[_bias]``
+- ``audio.ln_post[_bias]`` [C_a] (after the pooling);  ``audio.proj[_bias]`` [hidden, C_a]
+
+Each kind declares its names, shapes and token count in the tables at the end (``KINDS``): the export
+(export/lowering/audio_graph.py) and the runtime (runtime/audio/encoder.py) dispatch on ``AudioSpec.encoder`` the
+same way. Gemma 4's conformer is the next kind. Whisper itself is an encoder-decoder family with its own spec
+(models/families/whisper.py ``WhisperSpec``, ``ENCODER_DECODER``), not an encoder feeding a decoder-only text model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-ENCODERS = ("qwen3_asr",)
 
 
 def post_conv(frames: int) -> int:
@@ -50,13 +59,17 @@ class AudioSpec:
     n_window_infer: int = 800  # attention windows span n_window_infer mel frames (whole chunks)
     max_positions: int = 13  # rows of the sinusoid position table (>= tokens per chunk)
     layer_norm_eps: float = 1e-5
-    encoder: str = "qwen3_asr"
+    encoder: str = "qwen3_asr"  # the encoder kind (KINDS): "qwen3_asr" (Qwen3-ASR), "whisper" (Qwen2-Audio)
 
     def __post_init__(self) -> None:
-        if self.encoder not in ENCODERS:
-            raise ValueError(f"audio encoder '{self.encoder}' is not one of {', '.join(ENCODERS)}")
+        if self.encoder not in KINDS:
+            raise ValueError(f"audio encoder '{self.encoder}' is not one of {', '.join(KINDS)}")
         if self.hidden_size % self.num_heads or self.hidden_size % 2:
             raise ValueError(f"audio d_model {self.hidden_size} must be even and divisible by its {self.num_heads} heads")
+        KINDS[self.encoder].check(self)
+
+    def _check_chunks(self) -> None:
+        """Qwen3-ASR's chunks and windows."""
         if self.n_window <= 0 or self.n_window_infer % (2 * self.n_window):
             raise ValueError(f"audio n_window_infer {self.n_window_infer} must be a multiple of 2 n_window "
                              f"({2 * self.n_window})")
@@ -83,10 +96,14 @@ class AudioSpec:
         """Mel bins after the three stride-2 convolutions (F')."""
         return post_conv(self.num_mel_bins)
 
+    @property
+    def window_frames(self) -> int:
+        """Mel frames the ``whisper`` encoder reads at most (2 max_positions: 3000, 30 s)."""
+        return 2 * self.max_positions
+
     def tokens(self, frames: int) -> int:
-        """Audio tokens of a clip of ``frames`` valid mel frames (Qwen3ASRProcessor's count)."""
-        full, rest = divmod(frames, self.chunk_frames)
-        return full * self.chunk_tokens + post_conv(rest)
+        """Audio tokens of a clip of ``frames`` valid mel frames (its processor's count)."""
+        return KINDS[self.encoder].tokens(self, frames)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -98,6 +115,21 @@ class AudioSpec:
 
 def audio_names(a: AudioSpec) -> list[str]:
     """Canonical audio weight names, in weights.bin order."""
+    return KINDS[a.encoder].names(a)
+
+
+def audio_shape(a: AudioSpec, name: str) -> tuple[int, ...]:
+    """The expected shape of a canonical audio weight."""
+    return KINDS[a.encoder].shape(a, name)
+
+
+def _chunk_tokens(a: AudioSpec, frames: int) -> int:
+    """Qwen3ASRProcessor's count: 13 a full chunk, post_conv of the last one's frames."""
+    full, rest = divmod(frames, a.chunk_frames)
+    return full * a.chunk_tokens + post_conv(rest)
+
+
+def _qwen3_asr_names(a: AudioSpec) -> list[str]:
     names = [f"audio.conv{j}{b}" for j in (1, 2, 3) for b in ("", "_bias")] + ["audio.conv_out"]
     for i in range(a.num_layers):
         p = f"audio.layers.{i}."
@@ -107,8 +139,7 @@ def audio_names(a: AudioSpec) -> list[str]:
                     "audio.proj2_bias"]
 
 
-def audio_shape(a: AudioSpec, name: str) -> tuple[int, ...]:
-    """The expected shape of a canonical audio weight."""
+def _qwen3_asr_shape(a: AudioSpec, name: str) -> tuple[int, ...]:
     c, inter, d = a.hidden_size, a.intermediate_size, a.conv_channels
     leaf = name.rsplit(".", 1)[-1]
     shapes = {"conv1": (d, 1, 3, 3), "conv2": (d, d, 3, 3), "conv3": (d, d, 3, 3), "conv1_bias": (d,),
@@ -116,3 +147,48 @@ def audio_shape(a: AudioSpec, name: str) -> tuple[int, ...]:
               "qkv_bias": (3 * c,), "o": (c, c), "fc1": (inter, c), "fc1_bias": (inter,), "fc2": (c, inter),
               "proj1": (c, c), "proj1_bias": (c,), "proj2": (a.out_hidden, c), "proj2_bias": (a.out_hidden,)}
     return shapes.get(leaf, (c,))
+
+
+def whisper_rows(frames: int) -> int:
+    """Encoder rows of ``frames`` valid mel frames after the stride-2 Conv1d: (frames - 1) // 2 + 1."""
+    return (frames - 1) // 2 + 1 if frames > 0 else 0
+
+
+def _pooled_tokens(a: AudioSpec, frames: int) -> int:
+    """Qwen2AudioProcessor's count: the encoder's valid rows, average-pooled by 2 ((rows - 2) // 2 + 1)."""
+    return (whisper_rows(min(frames, a.window_frames)) - 2) // 2 + 1
+
+
+def _whisper_names(a: AudioSpec) -> list[str]:
+    names = ["audio.conv1", "audio.conv1_bias", "audio.conv2", "audio.conv2_bias", "audio.positions"]
+    for i in range(a.num_layers):
+        p = f"audio.layers.{i}."
+        names += [p + n for n in ("ln1", "ln1_bias", "q", "q_bias", "k", "v", "v_bias", "o", "o_bias", "ln2",
+                                  "ln2_bias", "fc1", "fc1_bias", "fc2", "fc2_bias")]
+    return names + ["audio.ln_post", "audio.ln_post_bias", "audio.proj", "audio.proj_bias"]
+
+
+def _whisper_shape(a: AudioSpec, name: str) -> tuple[int, ...]:
+    c, inter = a.hidden_size, a.intermediate_size
+    leaf = name.rsplit(".", 1)[-1]
+    shapes = {"conv1": (c, a.num_mel_bins, 3), "conv2": (c, c, 3), "positions": (a.max_positions, c),
+              "q": (c, c), "k": (c, c), "v": (c, c), "o": (c, c), "fc1": (inter, c), "fc1_bias": (inter,),
+              "fc2": (c, inter), "proj": (a.out_hidden, c), "proj_bias": (a.out_hidden,)}
+    return shapes.get(leaf, (c,))
+
+
+@dataclass(frozen=True)
+class EncoderKind:
+    """What an encoder kind declares: its weights' names and shapes, its audio tokens per clip, its checks."""
+
+    names: Callable[[AudioSpec], list[str]]
+    shape: Callable[[AudioSpec, str], tuple[int, ...]]
+    tokens: Callable[[AudioSpec, int], int]  # (spec, valid mel frames) -> audio tokens
+    check: Callable[[AudioSpec], None] = lambda a: None
+
+
+KINDS: dict[str, EncoderKind] = {
+    "qwen3_asr": EncoderKind(_qwen3_asr_names, _qwen3_asr_shape, _chunk_tokens, AudioSpec._check_chunks),
+    "whisper": EncoderKind(_whisper_names, _whisper_shape, _pooled_tokens),
+}
+ENCODERS = tuple(KINDS)

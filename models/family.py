@@ -17,7 +17,8 @@ A family file is a plain module; its names are the protocol's, upper case for ta
     vision     vision_from_hf(config) -> VisionSpec | None, VISION_WEIGHTS (required together, tag "vision");
                vision_fix(name, w), image_processor(...), video_processor(config)
     audio      audio_from_hf(config) -> AudioSpec, AUDIO_WEIGHTS, audio_features(preprocessor, audio) (required
-               together, tag "audio"; models/audio.py)
+               together, tag "audio"; models/audio.py); TRANSCRIPTION: the transcription request when it is not
+               Qwen3-ASR's ({"instruction": text}: a user turn of the clip and the text; runtime/audio/transcribe.py)
     enc-dec    ENCODER_DECODER = True: an encoder-decoder model (Whisper): spec_from_hf returns the family's own
                frozen spec, HF_WEIGHTS names the encoder's and the decoder's weights, and export/seq2seq_export.py
                writes its graphs (not the decoder-only recipe of export/lowering/graph.py); with it, required:
@@ -65,6 +66,7 @@ class Family:
     audio_from_hf: Callable[[dict], Any] | None = None
     audio_weights: Table = field(default_factory=dict)
     audio_features: Callable[..., Any] | None = None
+    transcription: Table = field(default_factory=dict)
     encoder_decoder: bool = False
     window_features: Callable[..., Any] | None = None
     generation: Callable[..., Any] | None = None
@@ -125,7 +127,7 @@ class Family:
 
 
 _TABLES = {"model_types", "hf_weights", "gguf_architectures", "gguf_weights", "tags", "hf_unused", "gguf_unused",
-           "vision_weights", "audio_weights", "encoder_decoder"}  # declared in upper case
+           "vision_weights", "audio_weights", "encoder_decoder", "transcription"}  # declared in upper case
 _REQUIRED = ("model_types", "spec_from_hf", "hf_weights")
 
 

@@ -406,7 +406,7 @@ class LLM:
         return messages, images
 
     def split_audio(self, messages: Seq[Message]) -> tuple[Seq[Message], list[np.ndarray]]:
-        """Audio parts -> ``{"type": "audio"}`` for the template, and the clips at the model's rate
+        """Audio parts -> ``{"type": "audio", "audio": None}`` for the template, and the clips at the model's rate
         (runtime/audio/messages.py)."""
         if not has_audio(messages):
             return messages, []
@@ -444,10 +444,11 @@ class LLM:
         """Speech to text: ``audio`` a path, encoded bytes, or samples with ``sample_rate`` (or a (samples, rate)
         pair); ``language`` (a code or name) forces the language, ``prompt`` is context for the system turn; the
         rest are sampling parameters. -> a GenerationResult whose text is the transcription (what follows the
-        model's ``<asr_text>``; runtime/audio/transcribe.py) and token_ids all the generated ids."""
+        model's ``<asr_text>``, or an instruction-prompted model's whole answer: Qwen2-Audio is asked "Detect the
+        language and recognize the speech:"; runtime/audio/transcribe.py) and token_ids all the generated ids."""
         prepared = self.prepare_transcription(audio, sample_rate, language, prompt, **params)
         result = self.run([self.engine.sequence(prepared)])[0]
-        return dataclasses.replace(result, text=parse_transcription(result.text)[1])
+        return dataclasses.replace(result, text=parse_transcription(result.text, None, self.audio.transcription)[1])
 
     def prepare_transcription(self, audio: Any, sample_rate: int | None = None, language: str | None = None,
                               prompt: str | None = None, **params: Any) -> Prepared:
@@ -456,7 +457,7 @@ class LLM:
             raise DecodertError(self.no_audio())
         rate = self.audio.sampling_rate
         clip = load_audio(audio, "audio", self.audio_limits, rate, sample_rate)
-        messages, prefill = transcription_messages(clip, rate, language, prompt)
+        messages, prefill = transcription_messages(clip, rate, language, prompt, self.audio.transcription)
         messages, clips = self.split_audio(messages)
         text = self._render(self.chat_turn(messages, {})) + prefill
         params = dict(params)

@@ -1,4 +1,5 @@
-"""``audio.onnx``: Qwen3-ASR's audio encoder (AuT) and projector, one clip a call, in standard ONNX ops but the
+"""``audio.onnx`` by encoder kind (``BUILDERS``; the ``whisper`` kind: export/lowering/whisper_audio.py), and the
+``qwen3_asr`` kind here: Qwen3-ASR's audio encoder (AuT) and projector, one clip a call, in standard ONNX ops but the
 attention, the target lowering's ``encoder_attention`` (ort: MultiHeadAttention with a key mask).
 
 The runtime (runtime/audio/encoder.py) cuts the clip's log-mel [M, T] into chunks of L = 2 n_window frames and
@@ -24,13 +25,15 @@ under a profile over N, W and A.
 
 from __future__ import annotations
 
-import math
+from typing import Callable
 
 import numpy as np
 import onnx
 
 from decodert.artifact.weights import NUMPY_DTYPES
+from decodert.export.lowering.encoder_layers import encoder_layer, gelu, gemm
 from decodert.export.lowering.lowering import Lowering
+from decodert.export.lowering.whisper_audio import build_whisper_audio, whisper_contract
 from decodert.models.audio import AudioSpec
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 
@@ -39,6 +42,17 @@ OPSET = 17  # LayerNormalization
 
 def audio_contract(a: AudioSpec, dtype: str) -> dict[str, list[dict]]:
     """Names, dtypes and shapes of audio.onnx's inputs and output (also written to the manifest)."""
+    return BUILDERS[a.encoder][0](a, dtype)
+
+
+def build_audio_graph(a: AudioSpec, dtype: str, weights: dict[str, onnx.TensorProto], ir_version: int = 10,
+                      low: type[Lowering] = Lowering) -> onnx.ModelProto:
+    """audio.onnx of ``a``'s encoder kind over ``weights`` (canonical audio names -> external tensors in weights.bin)."""
+    return BUILDERS[a.encoder][1](a, dtype, weights, ir_version, low)
+
+
+def qwen3_asr_contract(a: AudioSpec, dtype: str) -> dict[str, list[dict]]:
+    """The ``qwen3_asr`` encoder's inputs and output."""
     return {"inputs": [{"name": "input_features", "dtype": "fp32", "shape": ["chunks", a.num_mel_bins, a.chunk_frames]},
                        {"name": "key_valid", "dtype": "bool", "shape": ["windows", "window_slots"]},
                        {"name": "token_slots", "dtype": "int64", "shape": ["audio_tokens"]}],
@@ -53,11 +67,11 @@ def sinusoids(length: int, channels: int) -> np.ndarray:
     return np.concatenate([np.sin(t), np.cos(t)], axis=1).astype(np.float32)
 
 
-def build_audio_graph(a: AudioSpec, dtype: str, weights: dict[str, onnx.TensorProto], ir_version: int = 10,
-                      low: type[Lowering] = Lowering) -> onnx.ModelProto:
-    """audio.onnx over ``weights`` (canonical audio names -> external tensors in weights.bin)."""
+def build_qwen3_asr(a: AudioSpec, dtype: str, weights: dict[str, onnx.TensorProto], ir_version: int = 10,
+                    low: type[Lowering] = Lowering) -> onnx.ModelProto:
+    """audio.onnx of the ``qwen3_asr`` encoder."""
     g = GraphBuilder("decodert_audio", {"": OPSET})
-    contract = audio_contract(a, dtype)
+    contract = qwen3_asr_contract(a, dtype)
     for io in contract["inputs"]:
         g.input(io["name"], io["dtype"], io["shape"])
     for tensor in weights.values():
@@ -69,7 +83,7 @@ def build_audio_graph(a: AudioSpec, dtype: str, weights: dict[str, onnx.TensorPr
             x = "input_features" if dtype == "fp32" else g.op("Cast", "input_features", to=DTYPES[dtype])
             x = g.op("Unsqueeze", x, g.const([1]))  # [N, 1, M, L]
             for j in (1, 2, 3):
-                x = _gelu(g, g.op("Conv", x, f"audio.conv{j}", f"audio.conv{j}_bias", kernel_shape=[3, 3],
+                x = gelu(g, g.op("Conv", x, f"audio.conv{j}", f"audio.conv{j}_bias", kernel_shape=[3, 3],
                                   strides=[2, 2], pads=[1, 1, 1, 1]), np_dtype)  # [N, D_c, F, K]
             x = g.op("Transpose", x, perm=[0, 3, 1, 2])  # [N, K, D_c, F']
             x = g.op("Gemm", g.op("Reshape", x, g.const([-1, a.conv_channels * a.mel_out])), "audio.conv_out",
@@ -84,28 +98,29 @@ def build_audio_graph(a: AudioSpec, dtype: str, weights: dict[str, onnx.TensorPr
         with g.scope("out"):
             x = g.op("Gather", x, "token_slots", axis=0)  # [A, C]
             x = g.op("LayerNormalization", x, "audio.ln_post", "audio.ln_post_bias", axis=-1, epsilon=a.layer_norm_eps)
-            x = _gelu(g, g.op("Gemm", x, "audio.proj1", "audio.proj1_bias", transB=1), np_dtype)
+            x = gelu(g, g.op("Gemm", x, "audio.proj1", "audio.proj1_bias", transB=1), np_dtype)
             x = g.op("Gemm", x, "audio.proj2", "audio.proj2_bias", transB=1)
     g.output(x, "audio_embeds", dtype, contract["outputs"][0]["shape"])
     return g.to_model(ir_version=ir_version)
 
 
 def _layer(g: GraphBuilder, a: AudioSpec, p: str, x: str, batch: str, np_dtype: type, low: type[Lowering]) -> str:
-    """One pre-norm encoder layer over the [W r K, C] slot rows."""
+    """One pre-norm encoder layer over the [W r K, C] slot rows (q|k|v one fused Gemm)."""
     c, heads = a.hidden_size, a.num_heads
-    norm = lambda t, n: g.op("LayerNormalization", t, p + n, p + n + "_bias", axis=-1, epsilon=a.layer_norm_eps)  # noqa: E731
-    with g.scope("attn"):
-        qkv = g.op("Gemm", norm(x, "ln1"), p + "qkv", p + "qkv_bias", transB=1)  # [R, 3C]
-        q, kk, v = (g.op("Reshape", t, batch) for t in g.op("Split", qkv, g.const([c] * 3), axis=-1, outputs=3))
-        ctx = low.encoder_attention(g, q, kk, v, heads, c // heads, np_dtype, "key_valid")  # [W, r K, C]
-        x = g.op("Add", x, g.op("Gemm", g.op("Reshape", ctx, g.const([-1, c])), p + "o", p + "o_bias", transB=1))
-    with g.scope("mlp"):
-        h = _gelu(g, g.op("Gemm", norm(x, "ln2"), p + "fc1", p + "fc1_bias", transB=1), np_dtype)
-        x = g.op("Add", x, g.op("Gemm", h, p + "fc2", p + "fc2_bias", transB=1))
-    return x
+
+    def qkv(h: str) -> tuple[str, str, str]:
+        fused = g.op("Gemm", h, p + "qkv", p + "qkv_bias", transB=1)  # [R, 3C]
+        return tuple(g.op("Reshape", t, batch) for t in g.op("Split", fused, g.const([c] * 3), axis=-1, outputs=3))
+
+    def attend(q: str, k: str, v: str) -> str:
+        ctx = low.encoder_attention(g, q, k, v, heads, c // heads, np_dtype, "key_valid")  # [W, r K, C]
+        return g.op("Reshape", ctx, g.const([-1, c]))
+
+    return encoder_layer(g, x, p, a.layer_norm_eps, gemm(g), qkv, attend, np_dtype)
 
 
-def _gelu(g: GraphBuilder, x: str, np_dtype: type) -> str:
-    """0.5 x (1 + erf(x / sqrt 2)): torch's GELU, what ACT2FN["gelu"] and F.gelu are."""
-    k = lambda value: g.const(np.array(value, np_dtype))  # noqa: E731
-    return g.op("Mul", g.op("Mul", x, k(0.5)), g.op("Add", g.op("Erf", g.op("Mul", x, k(1 / math.sqrt(2)))), k(1.0)))
+# encoder kind (models/audio.py KINDS) -> (contract, builder); each kind's graph in its own function or module
+BUILDERS: dict[str, tuple[Callable[..., dict], Callable[..., onnx.ModelProto]]] = {
+    "qwen3_asr": (qwen3_asr_contract, build_qwen3_asr),
+    "whisper": (whisper_contract, build_whisper_audio),
+}

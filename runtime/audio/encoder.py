@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.audio import AudioSpec, post_conv
+from decodert.models.audio import AudioSpec, post_conv, whisper_rows
 from decodert.runtime.audio.features import MelSettings, log_mel
 from decodert.runtime.vision.encoder import ImageStore, _Entry
 from decodert.runtime.vision.tokens import image_ids
@@ -37,8 +37,13 @@ def clip_digest(samples: np.ndarray, rate: int) -> bytes:
 
 
 def encoder_feeds(mel: np.ndarray, valid: int, a: AudioSpec) -> dict[str, np.ndarray]:
-    """A clip's log-mel [M, T] (T a multiple of the chunk) and its valid frames -> audio.onnx's inputs: the chunks
-    grouped into windows of ``window_chunks`` (all of them when fewer), the last window padded with empty chunks."""
+    """A clip's log-mel [M, T] and its valid frames -> audio.onnx's inputs, as ``a``'s encoder kind reads them."""
+    return FEEDS[a.encoder](mel, valid, a)
+
+
+def chunk_feeds(mel: np.ndarray, valid: int, a: AudioSpec) -> dict[str, np.ndarray]:
+    """``qwen3_asr``: the log-mel (T a multiple of the chunk) cut into chunks grouped into windows of
+    ``window_chunks`` (all of them when fewer), the last window padded with empty chunks."""
     frames = a.chunk_frames
     n = -(-valid // frames)  # chunks holding valid frames
     per = min(a.window_chunks, n)
@@ -54,6 +59,24 @@ def encoder_feeds(mel: np.ndarray, valid: int, a: AudioSpec) -> dict[str, np.nda
             "token_slots": np.flatnonzero(valid_slots).astype(np.int64)}
 
 
+def window_feeds(mel: np.ndarray, valid: int, a: AudioSpec) -> dict[str, np.ndarray]:
+    """``whisper`` (export/lowering/whisper_audio.py): the first F = 2 R frames of the 30 s window, R >= n + 1
+    rows (even, at most max_positions) for the n = (valid - 1) // 2 + 1 rows the clip has, the pooled rows of its
+    n // 2 tokens. A clip longer than the window is refused (Qwen2AudioProcessor would cut it at 30 s)."""
+    if mel.shape[1] > a.window_frames:
+        raise DecodertError(f"an audio clip of {mel.shape[1]} mel frames is longer than the {a.window_frames} (one "
+                            "30 s window) this model's audio encoder reads; split it into shorter clips")
+    rows = whisper_rows(valid)
+    kept = min(rows + (1 if rows % 2 else 2), a.max_positions)  # R: even, past the last valid row
+    return {"input_features": np.ascontiguousarray(mel[None, :, :2 * kept], np.float32),
+            "key_valid": (np.arange(kept) < rows)[None, :],
+            "token_slots": np.arange(a.tokens(valid), dtype=np.int64)}
+
+
+FEEDS: dict[str, Callable[[np.ndarray, int, AudioSpec], dict[str, np.ndarray]]] = {
+    "qwen3_asr": chunk_feeds, "whisper": window_feeds}  # encoder kind (models/audio.py KINDS) -> its feeds
+
+
 class Audio:
     """An artifact's audio graph, its log-mel settings and the embedding store it fills."""
 
@@ -63,6 +86,7 @@ class Audio:
         self.sampling_rate = features.sampling_rate
         self.placeholder = AUDIO_PAD  # the audio token's text (LLM sets it from the tokenizer)
         self.encode_seconds = 0.0  # the last clip encoded (bench/audio.py)
+        self.transcription: dict | None = None  # the manifest's audio.transcription (runtime/audio/transcribe.py)
 
     @classmethod
     def attach(cls, backend: Any, manifest: Any) -> "Audio | None":
@@ -74,8 +98,10 @@ class Audio:
         session = backend.open_graph(a.graph.file)
         if getattr(backend, "images", None) is None:
             backend.images = ImageStore()
-        return cls(session, AudioSpec.from_dict(dict(a.spec)), MelSettings.from_dict(dict(a.features)),
-                   int(manifest.model.images.token_id), backend.images)
+        audio = cls(session, AudioSpec.from_dict(dict(a.spec)), MelSettings.from_dict(dict(a.features)),
+                    int(manifest.model.images.token_id), backend.images)
+        audio.transcription = dict(a.transcription) if a.transcription is not None else None
+        return audio
 
     def embeddings(self, samples: np.ndarray) -> np.ndarray:
         """[A, hidden] audio embeddings of one clip at the model's rate (not stored)."""

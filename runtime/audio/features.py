@@ -37,6 +37,7 @@ class MelSettings:
     f_max: float = 8000.0
     min_samples: int = 0  # shorter clips are zero-padded to this many samples (Qwen3-ASR: 8000)
     frame_multiple: int = 0  # the frame axis padded to a multiple of this (Qwen3-ASR: 2 * n_window); 0: none
+    pad_to: int = 0  # clips zero-padded to this many samples (Qwen2-Audio: 30 s, padding="max_length"); 0: none
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,8 +101,9 @@ def power_spectrum(x: np.ndarray, n_fft: int, hop: int) -> np.ndarray:
 
 def log_mel(samples: np.ndarray, s: MelSettings, pad_to: int | None = None) -> tuple[np.ndarray, int]:
     """One clip [n] at ``s.sampling_rate`` -> (log-mel [n_mels, T] float32, valid frames); T is the valid frames
-    (or ``pad_to // hop``) rounded up to ``s.frame_multiple``."""
+    (or ``pad_to // hop``; ``pad_to`` None: ``s.pad_to``) rounded up to ``s.frame_multiple``."""
     x = np.asarray(samples, np.float32).reshape(-1)
+    pad_to = pad_to if pad_to is not None else (s.pad_to or None)
     if x.size < s.min_samples:
         x = np.pad(x, (0, s.min_samples - x.size))
     n = x.size

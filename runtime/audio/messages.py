@@ -2,9 +2,10 @@
 
 Accepted parts: OpenAI's ``{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}`` (the server,
 and the API) and ``{"type": "audio", "audio": path | bytes | (samples, sample_rate) | array, "sample_rate": rate}``
-(the API; transformers' ``{"type": "audio", "path": ...}`` too). Each becomes ``{"type": "audio"}`` for the
-template, which writes the model's placeholder there (runtime/audio/encoder.py expands it). Clips come back as
-float32 samples at the model's rate (runtime/audio/clips.py).
+(the API; transformers' ``{"type": "audio", "path": ...}`` too). Each becomes ``{"type": "audio", "audio": None}`` for
+the template (the key too: Qwen2-Audio's template tests ``'audio' in content``), which writes the model's placeholder
+there (runtime/audio/encoder.py expands it). Clips come back as float32 samples at the model's rate
+(runtime/audio/clips.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def has_audio(messages: Any) -> bool:
 
 
 def split_audio(messages: Any, limits: AudioLimits, rate: int) -> tuple[Any, list[np.ndarray]]:
-    """(messages with each audio part replaced by ``{"type": "audio"}``, the clips at ``rate`` Hz in order).
+    """(messages with each audio part replaced by ``{"type": "audio", "audio": None}``, the clips at ``rate`` Hz in order).
     Messages without audio parts come back as they are."""
     if not has_audio(messages):
         return messages, []
@@ -44,7 +45,7 @@ def split_audio(messages: Any, limits: AudioLimits, rate: int) -> tuple[Any, lis
                     raise DecodertError(f"too many audio clips: the limit is {limits.max_clips} per request")
                 source, sample_rate = _source(part, what)
                 clips.append(load_audio(source, what, limits, rate, sample_rate))
-                parts.append({"type": "audio"})
+                parts.append({"type": "audio", "audio": None})
             else:
                 parts.append(part)
         out.append({**m, "content": parts})

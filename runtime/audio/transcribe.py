@@ -1,5 +1,6 @@
-"""The transcription request of an audio LLM (Qwen3-ASR), as Qwen3ASRProcessor.apply_transcription_request writes it,
-and the reading of its answer.
+"""The transcription request of an audio LLM, and the reading of its answer: Qwen3-ASR's as
+Qwen3ASRProcessor.apply_transcription_request writes it, or an instruction's (``style``, the manifest's
+``audio.transcription``: Qwen2-Audio, which has no fixed transcription prompt).
 
     messages, prefill = transcription_messages(clip, rate, language="en", prompt="hot words")
     language, text = parse_transcription(raw)        # "language English<asr_text>hello" -> ("English", "hello")
@@ -7,9 +8,15 @@ and the reading of its answer.
 The prompt: a system turn with ``prompt`` (context or hot words) when given, a user turn with the one audio part,
 and the assistant's turn opened by the generation prompt; a forced language is written after it as
 ``language <Name><asr_text>``, so the model writes only the text (otherwise it names the language itself).
+
+With ``style = {"instruction": text}`` (models/families/qwen2_audio.py ``TRANSCRIPTION``): the system turn as
+above, a user turn of the audio part and ``text``, the generation prompt; the answer is the transcription as it
+is (stripped). Such a prompt forces no language: a ``language`` is refused in one line.
 """
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -40,16 +47,21 @@ def language_name(language: str | None) -> str | None:
     return name
 
 
-def transcription_messages(clip: np.ndarray, rate: int, language: str | None = None,
-                           prompt: str | None = None) -> tuple[list[dict], str]:
+def transcription_messages(clip: np.ndarray, rate: int, language: str | None = None, prompt: str | None = None,
+                           style: Mapping[str, Any] | None = None) -> tuple[list[dict], str]:
     """(the chat messages of a transcription request, the text that follows the generation prompt)."""
     if prompt is not None and not isinstance(prompt, str):
         raise DecodertError(f"prompt must be a string, got {type(prompt).__name__}")
-    name = language_name(language)
+    instruction = (style or {}).get("instruction")
+    if instruction is not None and language not in (None, ""):
+        raise DecodertError(f"language {language!r} cannot be forced: this model's transcription prompt "
+                            f"({instruction!r}) lets it detect the language itself")
+    name = language_name(language) if instruction is None else None
     messages: list[dict] = []
     if prompt is not None:
         messages.append({"role": "system", "content": [{"type": "text", "text": prompt}]})
-    messages.append({"role": "user", "content": [{"type": "audio", "audio": (clip, rate)}]})
+    audio: list[dict] = [{"type": "audio", "audio": (clip, rate)}]
+    messages.append({"role": "user", "content": audio + ([{"type": "text", "text": instruction}] if instruction else [])})
     return messages, (f"language {name}{MARKER}" if name is not None else "")
 
 
@@ -89,10 +101,13 @@ def _collapse_pieces(s: str, times: int, longest: int) -> str:
     return "".join(kept) + s[i:]
 
 
-def parse_transcription(raw: str, forced: str | None = None) -> tuple[str | None, str]:
+def parse_transcription(raw: str, forced: str | None = None,
+                        style: Mapping[str, Any] | None = None) -> tuple[str | None, str]:
     """The model's answer -> (language, transcription): the text after ``<asr_text>``, stripped, and the name
     written before it ("language English"), or ``forced`` when the prompt wrote it; loops collapsed first
-    (``collapse_repeats``), as Qwen3ASRProcessor's parse does."""
+    (``collapse_repeats``), as Qwen3ASRProcessor's parse does. An instruction ``style``: the answer stripped."""
+    if (style or {}).get("instruction") is not None:
+        return forced, raw.strip()
     raw = collapse_repeats(raw.strip())
     if MARKER not in raw:
         return forced, raw.strip()

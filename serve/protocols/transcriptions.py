@@ -74,7 +74,7 @@ def add_routes(app: FastAPI, engine: Any, config: Any, metrics: Any, check_model
         request.state.job = job  # the request log's token counts (serve/guard.py)
         result = (await job.collect(request))[0]
         forced = language_name(language) if language else None
-        detected, text = parse_transcription(result.text, forced)
+        detected, text = parse_transcription(result.text, forced, llm.audio.transcription)
         return _reply(fmt, text, detected, seconds, result.token_ids, params.get("temperature", 0.0),
                       result.metrics.prompt_tokens)
 

@@ -214,7 +214,7 @@ def test_openai_client_transcriptions_equal_transformers(q2a):
     openai = pytest.importorskip("openai")
     from serve_helpers import running
 
-    from decodert.serve.transcriptions import MAX_TOKENS
+    from decodert.serve.protocols.transcriptions import MAX_TOKENS
 
     llm, model, processor = q2a
     buf = io.BytesIO()

@@ -286,7 +286,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     try:
         names = [n for n in (*GRAPHS, "verify") if n in manifest.graphs]  # older artifacts have no verify graph
         names += [VISION] if manifest.vision is not None else []
-        names += [AUDIO] if manifest.audio is not None else []  # audio.engine: built, not yet run by the trt backend
+        names += [AUDIO] if manifest.audio is not None else []  # audio.engine (runtime/backends/trt/vision.py runs it)
         engines = {name: build_one(trt, info, work, name, manifest, settings) for name in names}
         for rec in engines.values():
             os.replace(staged(work / rec.file), work / rec.file)

@@ -417,7 +417,8 @@ class LLM:
     def no_audio(self) -> str:
         """Why this LLM takes no audio, in one line."""
         if self.manifest is not None and self.manifest.audio is not None:
-            return "this backend does not run audio.onnx yet (the ort backend does: backend='ort')"
+            return ("this backend does not run audio.onnx (the trt backend runs audio.engine: run `decodert build` "
+                    "again for engines built before it; the ort backend runs the graph: backend='ort')")
         return "this model takes no audio (no audio.onnx in the artifact)"
 
     def prompt_ids(self, text: str, images: Seq[np.ndarray | Video] = (), clips: Seq[np.ndarray] = ()) -> np.ndarray:

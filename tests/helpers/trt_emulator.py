@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulator import Device, EmulatorError  # noqa: E402
 
 from decodert.artifact.manifest import EngineRecord, load_manifest, write_manifest  # noqa: E402
-from decodert.artifact.trt_engines import VISION, graph_of  # noqa: E402
-from decodert.export.trt_graphs import max_patches, max_tiles, profile_shapes  # noqa: E402
+from decodert.artifact.trt_engines import AUDIO, VISION, graph_of  # noqa: E402
+from decodert.export.trt_graphs import audio_ranges, max_patches, max_tiles, profile_shapes  # noqa: E402
 
 __all__ = ["Device", "EmulatorError", "EmulatedTensorRT", "emulate_engines", "install"]
 
@@ -220,19 +220,20 @@ def install(monkeypatch: Any, free_bytes: int = 8 << 30) -> tuple[Device, Emulat
 
 
 def emulate_engines(folder: Path, max_batch: int | None = None, max_seq: int | None = None,
-                    graphs: tuple[str, ...] = ("prefill", "decode", "verify", VISION),
+                    graphs: tuple[str, ...] = ("prefill", "decode", "verify", VISION, AUDIO),
                     scratch: dict[str, int] | None = None) -> None:
     """Write an emulated ``<graph>.engine`` per graph and record them in manifest.engines, with the
-    profiles ``decodert build --max-batch/--max-seq`` would give (the vision graph's too, when there is one)."""
+    profiles ``decodert build --max-batch/--max-seq`` would give (the vision and audio graphs' too, when there are)."""
     folder = Path(folder)
     m = load_manifest(folder, verify="none")
     batch, seq = max_batch or m.max_batch, max_seq or m.max_seq
     records = {}
     for name in graphs:
-        if name not in m.graphs and not (name == VISION and m.vision is not None):
+        if name not in m.graphs and not (name == VISION and m.vision is not None) \
+                and not (name == AUDIO and m.audio is not None):
             continue
         graph = graph_of(m, name)
-        shapes = profile_shapes(graph, name, batch, seq, max_tiles(m), max_patches(m))
+        shapes = profile_shapes(graph, name, batch, seq, max_tiles(m), max_patches(m), audio_ranges(m))
         profile = {k: {"min": v[0], "opt": v[1], "max": v[2]} for k, v in shapes.items()}
         blob = json.dumps({"magic": MAGIC, "graph": str((folder / graph.file).resolve()), "profile": profile,
                            "scratch": (scratch or {}).get(name, 1 << 12)}).encode()

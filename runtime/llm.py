@@ -219,7 +219,7 @@ class LLM:
         """
         path = Path(path)
         if is_seq2seq_artifact(path):  # an encoder-decoder export (Whisper): its own runtime (runtime/audio/whisper.py)
-            return WhisperLLM(path, verify)  # type: ignore[return-value]
+            return WhisperLLM(path, verify, backend=backend)  # type: ignore[return-value]
         if not (path / MANIFEST).is_file():
             raise DecodertError(f"{path}: not an artifact folder (no {MANIFEST}); runtime's LLM.load opens exports only, "
                                 "decodert.LLM.load (decodert/api.py) also takes 'smollm2', a .gguf file or an HF folder")

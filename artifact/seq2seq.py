@@ -4,7 +4,8 @@ runtime/audio/whisper.py reads it), beside what ``manifest.json`` is for the dec
     {"format": "decodert-seq2seq", "format_version": 1, "family": "whisper", "target": "ort", "dtype": "fp32",
      "max_batch": 4, "spec": WhisperSpec.to_dict(), "features": MelSettings + window_samples,
      "generation": the forced prompt's ids and the suppressed tokens, "graphs": {"encoder": file, "decoder": file},
-     "files": {name: FileRecord}}
+     "files": {name: FileRecord},
+     "engines": {"encoder" | "decoder": EngineRecord}}     (after `decodert build`: export/trt_seq2seq.py)
 
 Its files are checked as a manifest's are (artifact/artifact_files.py: sizes, then the first and last MiB's hash
 or, with verify="full", the whole sha256).
@@ -16,9 +17,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from decodert.artifact.artifact_files import FileRecord, file_record, verify_files
-from decodert.artifact.manifest import VERIFY_MODES, safe_name
+from decodert.artifact.artifact_files import FileRecord, file_record, verify_files, write_atomic
+from decodert.artifact.manifest import VERIFY_MODES, GraphRecord, from_json, safe_name
 from decodert.artifact.records import read_record, to_json
+from decodert.plugins.onnx_builder import DTYPES
 from decodert.errors import DecodertError
 
 SEQ2SEQ_MANIFEST = "seq2seq.json"
@@ -37,6 +39,30 @@ def write_seq2seq(folder: Path, record: dict[str, Any], files: list[str]) -> dic
            "files": {n: to_json(file_record(folder / n)) for n in files}}
     (folder / SEQ2SEQ_MANIFEST).write_text(json.dumps(out, indent=2))
     return out
+
+
+def write_engines(folder: Path, record: dict[str, Any], engines: dict[str, Any]) -> None:
+    """Rewrite ``folder/seq2seq.json`` as ``record`` with ``engines`` (name -> an EngineRecord's JSON), atomically."""
+    write_atomic(folder / SEQ2SEQ_MANIFEST, json.dumps({**record, "engines": engines}, indent=2).encode())
+
+
+def graph_record(path: Path) -> GraphRecord:
+    """A graph file's I/O as a manifest GraphRecord (symbolic dims by their names): what ``decodert build`` checks the
+    parsed network against and the trt backend checks an engine against (seq2seq.json names the files only)."""
+    import onnx
+
+    if not path.is_file():
+        raise DecodertError(f"{path} not found (seq2seq.json names it)")
+    g = onnx.load(str(path), load_external_data=False).graph
+    names = {v: k for k, v in DTYPES.items()}
+
+    def info(v: Any) -> dict[str, Any]:
+        t = v.type.tensor_type
+        return {"name": v.name, "dtype": names[t.elem_type],
+                "shape": [d.dim_param if d.dim_param else int(d.dim_value) for d in t.shape.dim]}
+
+    return from_json(GraphRecord, {"file": path.name, "inputs": [info(v) for v in g.input],
+                                   "outputs": [info(v) for v in g.output]}, path.name)
 
 
 def read_seq2seq(folder: str | Path, verify: str = "fast") -> dict[str, Any]:

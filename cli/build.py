@@ -37,10 +37,14 @@ def run_build(args: argparse.Namespace) -> int:
 
     from decodert.export.trt_build import load_trt, strip_problem
 
+    from decodert.artifact.seq2seq import is_seq2seq_artifact
+    from decodert.export.trt_seq2seq import build_seq2seq_engines
+
     common.artifact_only(args.out, "build")
-    engines = build_engines(args.out, precision=args.precision, max_batch=args.max_batch, max_seq=args.max_seq,
-                            version_compatible=args.version_compatible, timing_cache=args.timing_cache,
-                            progress=args.progress, verify=args.verify, self_contained=args.self_contained)
+    build = build_seq2seq_engines if is_seq2seq_artifact(args.out) else build_engines  # Whisper: encoder + decoder
+    engines = build(args.out, precision=args.precision, max_batch=args.max_batch, max_seq=args.max_seq,
+                    version_compatible=args.version_compatible, timing_cache=args.timing_cache,
+                    progress=args.progress, verify=args.verify, self_contained=args.self_contained)
     for name, rec in engines.items():
         print(f"{rec.file}: {rec.size / 2**20:.1f} MiB in {rec.build_seconds:.1f} s "
               f"({rec.tensorrt['flavour']} {rec.tensorrt['version']}, {rec.precision}, "

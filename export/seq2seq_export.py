@@ -1,5 +1,9 @@
 """``decodert export`` of an encoder-decoder family (``ENCODER_DECODER``, models/family.py): Whisper.
 
+Both graphs follow the target's lowering (its ``seq2seq_*`` methods; a target with Target.encoder_decoder):
+ort: com.microsoft GroupQueryAttention (self, in place) and MultiHeadAttention (cross, encoder); trt: standard ops
+TensorRT parses: TensorScatter-24 into the cache and the decomposed attention, MatMul/Softmax/MatMul elsewhere.
+
     encoder.onnx   the encoder over one 30 s window, and every decoder layer's cross-attention K/V of it:
       input_features [B, M, 2T] fp32                          (T = max_source_positions, 1500: 3000 mel frames)
         x = gelu(conv2(gelu(conv1(features))))                [B, C, T]  (kernel 3, padding 1; conv2 stride 2)
@@ -41,8 +45,8 @@ from decodert.export.artifact import destination
 from decodert.artifact.weights import WeightsWriter
 from decodert.errors import DecodertError
 from decodert.export.lowering.encoder_layers import encoder_layer, gelu, layer_norm, matmul, mlp, separate_qkv
-from decodert.export.lowering.lower_ort import OrtLowering
-from decodert.export.lowering.targets import get_target
+from decodert.export.lowering.lowering import Lowering
+from decodert.export.lowering.targets import TARGETS, get_target
 from decodert.models import family_for
 from decodert.plugins.onnx_builder import GraphBuilder
 
@@ -74,9 +78,11 @@ def export_seq2seq(src: str | Path, out_dir: str | Path, target: str = "ort", dt
         raise DecodertError(f"--{given[0].replace('_', '-')} does not apply to {src}, an encoder-decoder model "
                             "(exported for the ort target in fp32 at its own decoder length; no quantization, LoRA "
                             "or extra graphs yet)")
-    if not get_target(target).encoder_decoder or dtype != "fp32":
-        raise DecodertError(f"{src}: an encoder-decoder model (whisper) exports to --target ort --dtype fp32 only "
-                            f"(got {target}, {dtype})")
+    chosen = get_target(target)
+    if not chosen.encoder_decoder or dtype != "fp32":
+        targets = " or ".join(t.name for t in TARGETS.values() if t.encoder_decoder)
+        raise DecodertError(f"{src}: an encoder-decoder model (whisper) exports to --target {targets} with "
+                            f"--dtype fp32 only (got {target}, {dtype})")
     if not 1 <= max_batch <= 64:
         raise DecodertError(f"--max-batch {max_batch} must be between 1 and 64")
     config = _json(src / "config.json")
@@ -93,7 +99,8 @@ def export_seq2seq(src: str | Path, out_dir: str | Path, target: str = "ort", dt
         writer = WeightsWriter(tmp / WEIGHTS_FILE)
         weights = _write_weights(writer, spec, family.hf_weights, tensors, src)
         writer.close()
-        enc, dec = build_encoder(spec, weights), build_decoder(spec, weights, max_seq=spec.max_target_positions)
+        low = chosen.lowering
+        enc, dec = build_encoder(spec, weights, low), build_decoder(spec, weights, spec.max_target_positions, low)
         for model, name in ((enc, ENCODER_FILE), (dec, DECODER_FILE)):
             onnx.save_model(model, tmp / name)
             onnx.checker.check_model(str(tmp / name), full_check=True)
@@ -162,7 +169,7 @@ def _write_weights(writer: WeightsWriter, spec: Any, table: dict[str, str], tens
     return out
 
 
-def build_encoder(spec: Any, weights: dict[str, onnx.TensorProto]) -> onnx.ModelProto:
+def build_encoder(spec: Any, weights: dict[str, onnx.TensorProto], low: type[Lowering]) -> onnx.ModelProto:
     g = GraphBuilder("decodert_whisper_encoder", {"": OPSET})
     c, t, eps = spec.d_model, spec.max_source_positions, spec.layer_norm_eps
     g.input("input_features", "fp32", ["batch", spec.num_mel_bins, 2 * t])
@@ -175,8 +182,8 @@ def build_encoder(spec: Any, weights: dict[str, onnx.TensorProto]) -> onnx.Model
             x = gelu(g, g.op("Conv", x, "enc.conv2", "enc.conv2_bias", kernel_shape=[3], strides=[2], pads=[1, 1]))
             x = g.op("Add", g.op("Transpose", x, perm=[0, 2, 1]), "enc.positions")  # [B, T, C]
         linear = matmul(g)  # weights stored [in, out]
-        attend = lambda q, k, v: OrtLowering.encoder_attention(g, q, k, v, spec.encoder_heads,  # noqa: E731
-                                                               c // spec.encoder_heads, np.float32)
+        attend = lambda q, k, v: low.encoder_attention(g, q, k, v, spec.encoder_heads,  # noqa: E731
+                                                       c // spec.encoder_heads, np.float32)
         for i in range(spec.encoder_layers):
             with g.scope(f"layers.{i}"):
                 x = encoder_layer(g, x, f"enc.layers.{i}.", eps, linear, separate_qkv(linear, f"enc.layers.{i}."), attend)
@@ -192,8 +199,8 @@ def build_encoder(spec: Any, weights: dict[str, onnx.TensorProto]) -> onnx.Model
     return g.to_model()
 
 
-def build_decoder(spec: Any, weights: dict[str, onnx.TensorProto], max_seq: int) -> onnx.ModelProto:
-    g = GraphBuilder("decodert_whisper_decoder", {"": OPSET, "com.microsoft": 1})
+def build_decoder(spec: Any, weights: dict[str, onnx.TensorProto], max_seq: int, low: type[Lowering]) -> onnx.ModelProto:
+    g = GraphBuilder("decodert_whisper_decoder", low.seq2seq_opsets)
     linear = matmul(g)
     c, t, eps = spec.d_model, spec.max_source_positions, spec.layer_norm_eps
     heads, d = spec.decoder_heads, spec.head_dim
@@ -216,25 +223,20 @@ def build_decoder(spec: Any, weights: dict[str, onnx.TensorProto], max_seq: int)
         if spec.scale_embedding:
             x = g.op("Mul", x, g.const(np.array(math.sqrt(c), np.float32)))
         x = g.op("Add", x, g.op("Gather", "dec.positions", positions, axis=0))
-        total = g.op("Add", "past_lengths", seq)  # [B] tokens after this step
-        seqlens_k = g.op("Cast", g.op("Sub", total, g.const(np.array(1, np.int64))), to=onnx.TensorProto.INT32)
-        total_len = g.op("Cast", g.op("ReduceMax", total, keepdims=0), to=onnx.TensorProto.INT32)
+        ctx = low.seq2seq_context(g, "past_lengths", "input_ids", max_seq)
     for i in range(spec.decoder_layers):
         p = f"dec.layers.{i}."
         with g.scope(f"layers.{i}"):
             with g.scope("self_attn"):
                 h = layer_norm(g, x, p + "ln1", eps)
                 q, k, v = linear(h, p + "q", p + "q_bias"), linear(h, p + "k"), linear(h, p + "v", p + "v_bias")
-                ctx, _, _ = g.op("GroupQueryAttention", q, k, v, f"past_key.{i}", f"past_value.{i}", seqlens_k, total_len,
-                                 domain="com.microsoft", outputs=[None, f"present_key.{i}", f"present_value.{i}"],
-                                 num_heads=heads, kv_num_heads=heads, do_rotary=0, scale=d ** -0.5)
-                x = g.op("Add", x, linear(ctx, p + "o", p + "o_bias"))
+                cache = (f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}")
+                y = low.seq2seq_self_attention(g, ctx, q, k, v, cache, "past_lengths", heads, d, max_seq)
+                x = g.op("Add", x, linear(y, p + "o", p + "o_bias"))
             with g.scope("cross_attn"):
                 q = linear(layer_norm(g, x, p + "lnx", eps), p + "xq", p + "xq_bias")
-                # com.microsoft.MultiHeadAttention takes K/V already in [B, H, T, D]: nothing moved per step
-                ctx = g.op("MultiHeadAttention", q, f"cross_key.{i}", f"cross_value.{i}", domain="com.microsoft",
-                           num_heads=heads, scale=d ** -0.5)
-                x = g.op("Add", x, linear(ctx, p + "xo", p + "xo_bias"))
+                y = low.seq2seq_cross_attention(g, q, f"cross_key.{i}", f"cross_value.{i}", heads, d)  # [B, H, T, D] K/V
+                x = g.op("Add", x, linear(y, p + "xo", p + "xo_bias"))
             x = mlp(g, x, p, eps, linear)
     with g.scope("head"):
         last = g.op("Sub", seq, g.const(np.array(1, np.int64)))
@@ -246,4 +248,4 @@ def build_decoder(spec: Any, weights: dict[str, onnx.TensorProto], max_seq: int)
         for kind in ("key", "value"):
             g.outputs.append(onnx.helper.make_tensor_value_info(f"present_{kind}.{i}", onnx.TensorProto.FLOAT,
                                                                 ["batch", heads, max_seq, d]))
-    return g.to_model()
+    return g.to_model(ir_version=low.ir_version)

@@ -28,6 +28,7 @@ from typing import Any
 
 from decodert.errors import DecodertError
 from decodert.artifact.artifact_files import write_atomic
+from decodert.artifact.seq2seq import is_seq2seq_artifact
 from decodert.artifact.trt_engines import AUDIO, VISION, check_io, engine_io, graph_of, make_logger, trt_dtype_name
 from decodert.export.artifact.destination import linked_copy, swap_in
 from decodert.export.trt_graphs import audio_ranges, max_patches, max_tiles, profile_shapes, without_input_defaults
@@ -65,7 +66,11 @@ def network_layer_types(network: Any) -> Counter[str]:
 
 
 def resolve_precision(manifest: Manifest, precision: str | None) -> str:
-    dtype = manifest.dtype
+    return check_precision(manifest.dtype, precision)
+
+
+def check_precision(dtype: str, precision: str | None) -> str:
+    """The graphs' ``dtype`` when ``--fp16`` / ``--bf16`` (``precision``) agrees with it, else a one-line error."""
     if dtype not in PRECISIONS:
         raise DecodertError(f"manifest.json dtype '{dtype}' cannot be built; expected one of {PRECISIONS}")
     if precision is not None and precision != dtype:
@@ -188,12 +193,19 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
               settings: dict[str, Any]) -> EngineRecord:
     """Parse, build and write OUT/<name>.engine; return its manifest record."""
     graph = graph_of(manifest, name)
+    shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"], max_tiles(manifest),
+                            max_patches(manifest), audio_ranges(manifest))
+    return build_graph(trt, info, out_dir, name, graph, shapes, settings)
+
+
+def build_graph(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, graph: GraphRecord,
+                shapes: dict[str, tuple[list[int], ...]], settings: dict[str, Any]) -> EngineRecord:
+    """Parse ``graph``, build it under the profile ``shapes`` and write OUT/<name>.engine (staged: ``build_engines``
+    renames it) -> its EngineRecord."""
     logger = settings["logger"]
     builder = trt.Builder(logger)
     network, _parser = parse_onnx(trt, builder, logger, out_dir / graph.file)
     check_io(network_io(network, graph), graph, f"{graph.file} (parsed)")
-    shapes = profile_shapes(graph, name, settings["max_batch"], settings["max_seq"], max_tiles(manifest),
-                            max_patches(manifest), audio_ranges(manifest))
     monitor = make_progress(trt, name, settings["progress"])  # a bar on a terminal, else a line every 10 s
     config = make_config(trt, info, builder, network, shapes, {**settings, "monitor": monitor})
     t0 = time.perf_counter()
@@ -227,7 +239,7 @@ def build_one(trt: ModuleType, info: TrtInfo, out_dir: Path, name: str, manifest
     }, f"engines.{name}")
 
 
-def _open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tuple[Any, str]:
+def open_timing_cache(info: TrtInfo, trt: ModuleType, path: Path | None) -> tuple[Any, str]:
     """(ITimingCache or None, a note for the manifest)."""
     if path is None:
         return None, "none"
@@ -268,6 +280,9 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     in whole (export/artifact/destination.py), so a build interrupted or killed at any point changes nothing;
     where hard links cannot be made, engines are renamed into place once all are built."""
     out = Path(out_dir)
+    if is_seq2seq_artifact(out):
+        raise DecodertError(f"{out} is an encoder-decoder artifact (seq2seq.json): export/trt_seq2seq.py "
+                            "build_seq2seq_engines builds its engines (`decodert build` picks it)")
     manifest = read_manifest(out, verify)
     trt, info = load_trt(need_builder=True)
     if manifest.plugin_ops:  # decodert:: plugin nodes: the parser needs the creators
@@ -276,7 +291,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
         register_plugins(trt, info)
     batch, seq = resolve_limits(manifest, max_batch, max_seq)
     cache_path = Path(timing_cache) if timing_cache else None
-    cache, note = _open_timing_cache(info, trt, cache_path)
+    cache, note = open_timing_cache(info, trt, cache_path)
     settings = {"precision": resolve_precision(manifest, precision), "max_batch": batch, "max_seq": seq,
                 "version_compatible": version_compatible, "timing_cache_obj": cache, "timing_cache_note": note,
                 "progress": progress, "logger": make_logger(trt),
@@ -286,7 +301,7 @@ def build_engines(out_dir: str | Path, precision: str | None = None, max_batch: 
     try:
         names = [n for n in (*GRAPHS, "verify") if n in manifest.graphs]  # older artifacts have no verify graph
         names += [VISION] if manifest.vision is not None else []
-        names += [AUDIO] if manifest.audio is not None else []  # audio.engine: built, not yet run by the trt backend
+        names += [AUDIO] if manifest.audio is not None else []  # audio.engine (runtime/backends/trt/vision.py runs it)
         engines = {name: build_one(trt, info, work, name, manifest, settings) for name in names}
         for rec in engines.values():
             os.replace(staged(work / rec.file), work / rec.file)

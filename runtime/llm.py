@@ -219,7 +219,7 @@ class LLM:
         """
         path = Path(path)
         if is_seq2seq_artifact(path):  # an encoder-decoder export (Whisper): its own runtime (runtime/audio/whisper.py)
-            return WhisperLLM(path, verify)  # type: ignore[return-value]
+            return WhisperLLM(path, verify, backend=backend)  # type: ignore[return-value]
         if not (path / MANIFEST).is_file():
             raise DecodertError(f"{path}: not an artifact folder (no {MANIFEST}); runtime's LLM.load opens exports only, "
                                 "decodert.LLM.load (decodert/api.py) also takes 'smollm2', a .gguf file or an HF folder")
@@ -417,7 +417,8 @@ class LLM:
     def no_audio(self) -> str:
         """Why this LLM takes no audio, in one line."""
         if self.manifest is not None and self.manifest.audio is not None:
-            return "this backend does not run audio.onnx yet (the ort backend does: backend='ort')"
+            return ("this backend does not run audio.onnx (the trt backend runs audio.engine: run `decodert build` "
+                    "again for engines built before it; the ort backend runs the graph: backend='ort')")
         return "this model takes no audio (no audio.onnx in the artifact)"
 
     def prompt_ids(self, text: str, images: Seq[np.ndarray | Video] = (), clips: Seq[np.ndarray] = ()) -> np.ndarray:

@@ -296,6 +296,31 @@ class OrtLowering(Lowering):
         return g.op("MultiHeadAttention", q, k, v, "", mask, domain="com.microsoft", num_heads=heads,
                     scale=head_dim ** -0.5)
 
+    seq2seq_opsets = {"": 17, "com.microsoft": 1}
+
+    @classmethod
+    def seq2seq_context(cls, g: GraphBuilder, past_lengths: str, input_ids: str, max_seq: int) -> Any:
+        """GroupQueryAttention's (seqlens_k [B] int32 = tokens after the step - 1, total_sequence_length [] int32)."""
+        seq = g.op("Gather", g.op("Shape", input_ids), g.const(np.array(1, np.int64)), axis=0)  # S (scalar)
+        total = g.op("Add", past_lengths, seq)  # [B] tokens after this step
+        seqlens_k = g.op("Cast", g.op("Sub", total, g.const(np.array(1, np.int64))), to=DTYPES["int32"])
+        return seqlens_k, g.op("Cast", g.op("ReduceMax", total, keepdims=0), to=DTYPES["int32"])
+
+    @classmethod
+    def seq2seq_self_attention(cls, g: GraphBuilder, ctx: Any, q: str, k: str, v: str, cache: tuple[str, str, str, str],
+                               past_lengths: str, heads: int, head_dim: int, max_seq: int) -> str:
+        """com.microsoft.GroupQueryAttention with one shared past/present buffer (written in place), no rotary."""
+        past_key, past_value, present_key, present_value = cache
+        return g.op("GroupQueryAttention", q, k, v, past_key, past_value, *ctx, domain="com.microsoft",
+                    outputs=[None, present_key, present_value], num_heads=heads, kv_num_heads=heads, do_rotary=0,
+                    scale=head_dim ** -0.5)[0]
+
+    @classmethod
+    def seq2seq_cross_attention(cls, g: GraphBuilder, q: str, key: str, value: str, heads: int, head_dim: int) -> str:
+        """com.microsoft.MultiHeadAttention takes K/V already in [B, H, T, D]: nothing moved per step."""
+        return g.op("MultiHeadAttention", q, key, value, domain="com.microsoft", num_heads=heads,
+                    scale=head_dim ** -0.5)
+
     @classmethod
     def encoder_gelu_tanh(cls, g: GraphBuilder, x: str, np_dtype: type) -> str:
         """com.microsoft.FastGelu: one pass instead of eight elementwise ones (its CPU kernel: float32)."""

@@ -9,6 +9,11 @@
                       body instead (see below)
 The same graph runs on ONNX Runtime CPU in tests.
 
+An encoder-decoder's decoder.onnx (Whisper, export/seq2seq_export.py): self-attention = TensorScatter-24 of the
+new K/V at past_lengths + the decomposed attention over the whole [B,H,S_max,D] cache under the causal mask
+(fp32 graphs: TensorRT has no fp32 Attention kernel); cross-attention = MatMul, Softmax, MatMul over the
+encoder's [B,H,T,D] K/V (no mask: every row of the window is a key).
+
 With ``plugins`` (``--plugins always``, or ``auto`` for a TensorRT without those layers, e.g.
 Jetson JetPack 6 = 10.3 / JetPack 7.1 = 10.13), the ops listed become ``decodert::`` plugin nodes
 served by TensorRT plugins (plugins/trt/creators.py) and the graph drops to opset 17:
@@ -23,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.export.lowering.lowering import GraphInputs, Lowering
@@ -88,6 +95,32 @@ class TrtLowering(Lowering):
         if self.plugins:  # block DequantizeLinear (quantized weights) needs opset 21
             self.opsets = {"": 21 if quantized else PLUGIN_OPSET, DOMAIN: OPSET_VERSION}
             self.ir_version = 10 if quantized else 8
+
+    seq2seq_opsets = {"": 24}  # TensorScatter
+
+    @classmethod
+    def seq2seq_context(cls, g: GraphBuilder, past_lengths: str, input_ids: str, max_seq: int) -> Any:
+        """visible [B,1,S,S_max] bool: key j <= the query's position (past + arange(S))."""
+        return positions_and_visibility(g, past_lengths, input_ids, max_seq)[1]
+
+    @classmethod
+    def seq2seq_self_attention(cls, g: GraphBuilder, ctx: Any, q: str, k: str, v: str, cache: tuple[str, str, str, str],
+                               past_lengths: str, heads: int, head_dim: int, max_seq: int) -> str:
+        past_key, past_value, present_key, present_value = cache
+        to_bhsd = lambda x: g.op("Transpose", g.op("Reshape", x, g.const([0, 0, heads, head_dim])), perm=[0, 2, 1, 3])  # noqa: E731
+        g.op("TensorScatter", past_key, to_bhsd(k), past_lengths, axis=2, outputs=[present_key])
+        g.op("TensorScatter", past_value, to_bhsd(v), past_lengths, axis=2, outputs=[present_value])
+        q4 = g.op("Reshape", q, g.const([0, 0, heads, head_dim]))
+        return attend_body(g, q4, present_key, present_value, ctx, num_heads=heads, kv_heads=heads, head_dim=head_dim,
+                           max_seq=max_seq, scale=head_dim ** -0.5, dtype="fp32")
+
+    @classmethod
+    def seq2seq_cross_attention(cls, g: GraphBuilder, q: str, key: str, value: str, heads: int, head_dim: int) -> str:
+        q4 = g.op("Transpose", g.op("Reshape", q, g.const([0, 0, heads, head_dim])), perm=[0, 2, 1, 3])  # [B,H,S,D]
+        scores = g.op("MatMul", g.op("Mul", q4, g.const(np.float32(head_dim ** -0.5))),
+                      g.op("Transpose", key, perm=[0, 1, 3, 2]))  # [B,H,S,T]
+        y = g.op("MatMul", g.op("Softmax", scores, axis=-1), value)  # [B,H,S,D]
+        return g.op("Reshape", g.op("Transpose", y, perm=[0, 2, 1, 3]), g.const([0, 0, heads * head_dim]))
 
     def kv_problem(self) -> str | None:
         if self.kv.storage == self.dtype:

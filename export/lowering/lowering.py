@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from decodert.errors import DecodertError
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 from decodert.export.quantize.quant import QuantConfig, WeightQuant
 from decodert.export.quantize.weight_layouts import QDQ, WeightLayout
@@ -322,6 +323,26 @@ class Lowering:
     def encoder_gelu_tanh(cls, g: GraphBuilder, x: str, np_dtype: type) -> str:
         """gelu_pytorch_tanh of a vision encoder's MLP, in ops older than Gelu-20 (vision.onnx keeps opset 17)."""
         return gelu_tanh_body(g, x, DTYPE_OF[np.dtype(np_dtype)])
+
+    # ---- an encoder-decoder's decoder.onnx (export/seq2seq_export.py; targets with Target.encoder_decoder) -------
+    seq2seq_opsets: dict[str, int] = {}  # the decoder graph's opsets (empty: this lowering exports no decoder)
+
+    @classmethod
+    def seq2seq_context(cls, g: GraphBuilder, past_lengths: str, input_ids: str, max_seq: int) -> Any:
+        """What every layer's self-attention reads of the step (lengths, a mask), built once per graph."""
+        raise DecodertError(f"the {cls.target} lowering exports no encoder-decoder graphs")
+
+    @classmethod
+    def seq2seq_self_attention(cls, g: GraphBuilder, ctx: Any, q: str, k: str, v: str, cache: tuple[str, str, str, str],
+                               past_lengths: str, heads: int, head_dim: int, max_seq: int) -> str:
+        """Causal self-attention of q, k, v [B, S, H*D] over the cache (past_key, past_value, present_key,
+        present_value [B, H, max_seq, D], the new K/V written at past_lengths in place) -> [B, S, H*D]."""
+        raise DecodertError(f"the {cls.target} lowering exports no encoder-decoder graphs")
+
+    @classmethod
+    def seq2seq_cross_attention(cls, g: GraphBuilder, q: str, key: str, value: str, heads: int, head_dim: int) -> str:
+        """q [B, S, H*D] over every row of the encoder's key / value [B, H, T, D] -> [B, S, H*D]."""
+        raise DecodertError(f"the {cls.target} lowering exports no encoder-decoder graphs")
 
 
 DTYPE_OF = {np.dtype(v): k for k, v in NUMPY_DTYPES.items()}

@@ -79,7 +79,8 @@ class Target:
 
 ORT = Target(target_info("ort"), OrtLowering, encoder_decoder=True)
 TRT = Target(target_info("trt"), TrtLowering, symmetric_weights=True, plugin_nodes=True,
-             tensorrt_native_since=NATIVE_SINCE, lora_inputs=False)  # the TensorRT backend binds no adapter slots
+             tensorrt_native_since=NATIVE_SINCE, lora_inputs=False,  # the TensorRT backend binds no adapter slots
+             encoder_decoder=True)
 PORTABLE = Target(target_info("portable"), Lowering)
 TARGETS: dict[str, Target] = {t.name: t for t in (ORT, TRT, PORTABLE)}
 

@@ -91,11 +91,15 @@ class Audio:
     @classmethod
     def attach(cls, backend: Any, manifest: Any) -> "Audio | None":
         """The artifact's audio path over ``backend`` (its prefill then reads the store, shared with images), or
-        None for an artifact without audio.onnx or a backend whose prefill takes no embedding rows."""
-        if manifest is None or manifest.audio is None or not getattr(backend, "takes_images", False):
+        None for an artifact without audio.onnx or a backend that does not run it with its prefill taking the rows
+        (``takes_audio``). The graph runs on the backend's own runner when it has one (trt: audio.engine), else on
+        ONNX Runtime."""
+        if manifest is None or manifest.audio is None or not getattr(backend, "takes_audio", False):
             return None
         a = manifest.audio
-        session = backend.open_graph(a.graph.file)
+        session = getattr(backend, "audio", None)
+        if session is None:
+            session = backend.open_graph(a.graph.file)
         if getattr(backend, "images", None) is None:
             backend.images = ImageStore()
         audio = cls(session, AudioSpec.from_dict(dict(a.spec)), MelSettings.from_dict(dict(a.features)),

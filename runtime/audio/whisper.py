@@ -40,6 +40,7 @@ from decodert.errors import DecodertError
 from decodert.models.families.whisper import WhisperSpec
 from decodert.runtime.audio.features import MelSettings, log_mel
 from decodert.runtime.backends.kv_cache import KVCache
+from decodert.runtime.backends.loading import seq2seq_backend
 
 TO_CODE = {"english": "en", "german": "de", "french": "fr", "spanish": "es", "chinese": "zh", "japanese": "ja",
            "italian": "it", "portuguese": "pt", "russian": "ru", "korean": "ko", "dutch": "nl"}  # names beside codes
@@ -54,14 +55,59 @@ class Transcript:
     language_id: int | None
 
 
-class Whisper:
-    """An exported Whisper: its two sessions, log-mel settings and generation config."""
+class OrtGraphs:
+    """encoder.onnx and decoder.onnx on ONNX Runtime (CPU), the caches on the host."""
 
-    def __init__(self, folder: Path, record: dict, threads: int | None = None) -> None:
+    def __init__(self, folder: Path, record: dict, spec: WhisperSpec, max_batch: int, threads: int | None) -> None:
         import onnxruntime as ort
 
         from decodert.runtime.backends.ort_session import session_options
 
+        options = session_options(threads)
+        self.encoder = ort.InferenceSession(str(folder / record["graphs"]["encoder"]), options, providers=["CPUExecutionProvider"])
+        self.decoder = ort.InferenceSession(str(folder / record["graphs"]["decoder"]), options, providers=["CPUExecutionProvider"])
+        s = self.spec = spec
+        self.cache = KVCache(max_batch, s.max_target_positions, s.decoder_layers, s.decoder_heads, s.head_dim,
+                             np.float32, cross=[(f"cross_{k}.{i}", (s.decoder_heads, s.max_source_positions, s.head_dim))
+                                                for i in range(s.decoder_layers) for k in ("key", "value")])
+
+    def encode(self, windows: np.ndarray, slots: Sequence[int]) -> None:
+        """encoder.onnx over ``windows`` [n, M, 2T]; window k's cross K/V into row ``slots[k]``."""
+        outs = self.encoder.run(None, {"input_features": np.ascontiguousarray(windows, np.float32)})
+        names = [o.name for o in self.encoder.get_outputs()]
+        for k, slot in enumerate(slots):
+            for j, name in enumerate(self.cache.cross_names):
+                self.cache.cross[j][slot] = outs[names.index(name)][k]
+
+    def step(self, start: int, ids: np.ndarray) -> np.ndarray:
+        """decoder.onnx over rows [start, start + n) for ``ids`` [n, S] -> logits [n, V] (K/V written in place)."""
+        import onnxruntime as ort
+
+        n = ids.shape[0]
+        io = self.decoder.io_binding()
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(ids, np.int64))
+        io.bind_cpu_input("past_lengths", np.array(self.cache.lengths[start:start + n], np.int64))
+        for i in range(self.spec.decoder_layers):
+            for j, kind in enumerate(("key", "value")):
+                buf = ort.OrtValue.ortvalue_from_numpy(self.cache.buffers[2 * i + j][start:start + n])
+                io.bind_ortvalue_input(f"past_{kind}.{i}", buf)
+                io.bind_ortvalue_output(f"present_{kind}.{i}", buf)
+        for j, name in enumerate(self.cache.cross_names):
+            io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(self.cache.cross[j][start:start + n]))
+        logits = np.empty((n, self.spec.vocab_size), np.float32)
+        io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        self.decoder.run_with_iobinding(io)
+        return logits
+
+    def close(self) -> None:
+        self.cache.free()
+
+
+class Whisper:
+    """An exported Whisper: its graphs on a backend (``OrtGraphs``, or the trt backend's engines:
+    runtime/backends/trt/seq2seq.py), log-mel settings and generation config."""
+
+    def __init__(self, folder: Path, record: dict, threads: int | None = None, backend: str = "ort") -> None:
         self.dir, self.record = folder, record
         self.spec = WhisperSpec.from_dict(record["spec"])
         self.features = MelSettings.from_dict(record["features"])
@@ -69,19 +115,24 @@ class Whisper:
         self.sampling_rate = self.features.sampling_rate
         self.gen = record["generation"]
         self.max_batch = int(record["max_batch"])
-        options = session_options(threads)
-        self.encoder = ort.InferenceSession(str(folder / record["graphs"]["encoder"]), options, providers=["CPUExecutionProvider"])
-        self.decoder = ort.InferenceSession(str(folder / record["graphs"]["decoder"]), options, providers=["CPUExecutionProvider"])
-        s = self.spec
-        self.cache = KVCache(self.max_batch, s.max_target_positions, s.decoder_layers, s.decoder_heads, s.head_dim,
-                             np.float32, cross=[(f"cross_{k}.{i}", (s.decoder_heads, s.max_source_positions, s.head_dim))
-                                                for i in range(s.decoder_layers) for k in ("key", "value")])
+        self.backend = seq2seq_backend(folder, record, backend)
+        if self.backend == "trt":
+            from decodert.runtime.backends.trt.seq2seq import TrtSeq2seq
+
+            self.graphs: Any = TrtSeq2seq(folder, record, self.spec, self.max_batch)
+        else:
+            self.graphs = OrtGraphs(folder, record, self.spec, self.max_batch, threads)
+        self.cache: KVCache = self.graphs.cache
         self.encode_seconds = 0.0
 
     @classmethod
-    def open(cls, folder: str | Path, verify: str = "fast", threads: int | None = None) -> "Whisper":
+    def open(cls, folder: str | Path, verify: str = "fast", threads: int | None = None,
+             backend: str = "ort") -> "Whisper":
         folder = Path(folder)
-        return cls(folder, read_seq2seq(folder, verify), threads)
+        return cls(folder, read_seq2seq(folder, verify), threads, backend)
+
+    def close(self) -> None:
+        self.graphs.close()
 
     # -- features --------------------------------------------------------------------------------
     def windows(self, samples: np.ndarray) -> np.ndarray:
@@ -144,37 +195,18 @@ class Whisper:
         if not todo:
             return 0
         t0 = time.perf_counter()
-        outs = self.encoder.run(None, {"input_features": np.ascontiguousarray(windows[todo], np.float32)})
-        names = [o.name for o in self.encoder.get_outputs()]
-        for k, r in enumerate(todo):
-            for j, name in enumerate(self.cache.cross_names):
-                self.cache.cross[j][slots[r]] = outs[names.index(name)][k]
+        self.graphs.encode(windows[todo], [slots[r] for r in todo])
         self.encode_seconds = time.perf_counter() - t0
         return len(todo)
 
     def step(self, start: int, ids: np.ndarray) -> np.ndarray:
         """decoder.onnx over rows [start, start + n) for ``ids`` [n, S] (every row at the same length) -> logits
         [n, V]; the new K/V are written into the cache in place and committed."""
-        import onnxruntime as ort
-
         n, width = ids.shape
-        rows = range(start, start + n)
-        past = np.array([self.cache.lengths[r] for r in rows], np.int64)
-        self.cache.check_room(list(rows), [width] * n, "the decoder's tokens (max_target_positions)")
-        io = self.decoder.io_binding()
-        io.bind_cpu_input("input_ids", np.ascontiguousarray(ids, np.int64))
-        io.bind_cpu_input("past_lengths", past)
-        for i in range(self.spec.decoder_layers):
-            for j, kind in enumerate(("key", "value")):
-                buf = ort.OrtValue.ortvalue_from_numpy(self.cache.buffers[2 * i + j][start:start + n])
-                io.bind_ortvalue_input(f"past_{kind}.{i}", buf)
-                io.bind_ortvalue_output(f"present_{kind}.{i}", buf)
-        for j, name in enumerate(self.cache.cross_names):
-            io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(self.cache.cross[j][start:start + n]))
-        logits = np.empty((n, self.spec.vocab_size), np.float32)
-        io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-        self.decoder.run_with_iobinding(io)
-        self.cache.commit(list(rows), ids)
+        rows = list(range(start, start + n))
+        self.cache.check_room(rows, [width] * n, "the decoder's tokens (max_target_positions)")
+        logits = self.graphs.step(start, ids)
+        self.cache.commit(rows, ids)
         return logits
 
     # -- generation --------------------------------------------------------------------------------
@@ -268,12 +300,13 @@ class WhisperLLM:
     """What ``LLM.load`` returns for a seq2seq artifact: ``transcribe`` / ``transcribe_many`` (GenerationResult,
     as LLM.transcribe), the tokenizer, the audio limits; chat and text generation are refused in one line."""
 
-    def __init__(self, folder: str | Path, verify: str = "fast", threads: int | None = None) -> None:
+    def __init__(self, folder: str | Path, verify: str = "fast", threads: int | None = None,
+                 backend: str = "ort") -> None:
         from tokenizers import Tokenizer
 
         from decodert.runtime.audio.clips import DEFAULT_AUDIO_LIMITS
 
-        self.model = Whisper.open(folder, verify, threads)
+        self.model = Whisper.open(folder, verify, threads, backend)
         self.tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
         from types import SimpleNamespace
 
@@ -341,4 +374,6 @@ class WhisperLLM:
         raise DecodertError(TEXT_REFUSED)
 
     def close(self) -> None:
+        if self.model is not None:
+            self.model.close()
         self.model = None  # type: ignore[assignment]

@@ -129,6 +129,22 @@ def open_backend(path: Path, manifest: Manifest, choice: str = "auto", placement
     return placing.open_placed(path, manifest, setting)
 
 
+def seq2seq_backend(path: Path, record: dict, choice: str = "auto") -> str:
+    """The backend an encoder-decoder artifact (seq2seq.json ``record``) runs on: ``choice``, or for "auto" trt when
+    it has engines and TensorRT works, else ort; a one-line error where trt cannot run it."""
+    if choice not in ("auto", "ort", "trt"):
+        raise DecodertError(f"unknown backend {choice!r}; expected auto, ort or trt (--backend)")
+    if choice == "auto":
+        return "trt" if record.get("engines") and _trt_usable() else "ort"
+    if choice == "trt" and not record.get("engines"):
+        target = target_info(str(record.get("target")))
+        how = (f"run `decodert build {path}`" if target.runs_on("trt") else
+               f"it is a --target {target.name} artifact (ONNX Runtime only): export with --target trt, then "
+               "`decodert build OUT`")
+        raise DecodertError(f"{path} has no TensorRT engines; {how}, or use --backend ort")
+    return choice
+
+
 def _trt_usable() -> bool:
     """An NVIDIA GPU is visible (cuda-python) and the TensorRT backend imports."""
     if not (Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi")):

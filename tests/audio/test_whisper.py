@@ -87,8 +87,8 @@ def test_encoder_and_cross_kv_equal_transformers(whisper):
     projections of it, split into heads."""
     llm, model, _ = whisper
     windows = np.stack([llm.model.windows(_clip(s, seed))[0] for s, seed in CLIPS[:2]])
-    outs = llm.model.encoder.run(None, {"input_features": windows})
-    names = [o.name for o in llm.model.encoder.get_outputs()]
+    outs = llm.model.graphs.encoder.run(None, {"input_features": windows})
+    names = [o.name for o in llm.model.graphs.encoder.get_outputs()]
     with torch.no_grad():
         hidden = model.model.encoder(torch.from_numpy(windows)).last_hidden_state
         attn = model.model.decoder.layers[1].encoder_attn
@@ -208,8 +208,10 @@ def test_bad_inputs_are_one_line(whisper, tmp_path):
         llm.transcribe(x)
     with pytest.raises(DecodertError, match="transcribes audio"):
         llm.generate("hello")
-    with pytest.raises(DecodertError, match="--target ort --dtype fp32 only"):
-        export_model(hf, tmp_path / "trt", target="trt", progress=False)
+    with pytest.raises(DecodertError, match="--target ort or trt with --dtype fp32 only"):
+        export_model(hf, tmp_path / "portable", target="portable", progress=False)
+    with pytest.raises(DecodertError, match="--dtype fp32 only \\(got trt, fp16\\)"):
+        export_model(hf, tmp_path / "fp16", target="trt", dtype="fp16", progress=False)
     with pytest.raises(DecodertError, match="--max-seq does not apply to .*an encoder-decoder model"):
         export_model(hf, tmp_path / "seq", max_seq=64, progress=False)
 
@@ -354,8 +356,8 @@ def test_a_repeated_clip_is_not_encoded_again(whisper, monkeypatch):
     llm = whisper[0]
     x, y = speech_like(2.0, 11), speech_like(2.0, 12)
     first = llm.transcribe(x, sample_rate=RATE, language="en", max_new_tokens=8)
-    counted = _Counted(llm.model.encoder)
-    monkeypatch.setattr(llm.model, "encoder", counted)
+    counted = _Counted(llm.model.graphs.encoder)
+    monkeypatch.setattr(llm.model.graphs, "encoder", counted)
     assert llm.transcribe(x, sample_rate=RATE, language="en", max_new_tokens=8).token_ids == first.token_ids
     assert counted.calls == 0
     llm.transcribe(y, sample_rate=RATE, language="en", max_new_tokens=8)

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulator import Device, EmulatorError  # noqa: E402
 
 from decodert.artifact.manifest import EngineRecord, load_manifest, write_manifest  # noqa: E402
-from decodert.artifact.trt_engines import VISION, graph_of  # noqa: E402
-from decodert.export.trt_graphs import max_patches, max_tiles, profile_shapes  # noqa: E402
+from decodert.artifact.trt_engines import AUDIO, VISION, graph_of  # noqa: E402
+from decodert.export.trt_graphs import audio_ranges, max_patches, max_tiles, profile_shapes  # noqa: E402
 
-__all__ = ["Device", "EmulatorError", "EmulatedTensorRT", "emulate_engines", "install"]
+__all__ = ["Device", "EmulatorError", "EmulatedTensorRT", "emulate_engines", "emulate_seq2seq_engines", "install"]
 
 VERSION = "1.7.1.116"  # what the emulated engines say built them (a TensorRT-RTX version)
 _TRT_DTYPES = {onnx.TensorProto.FLOAT: "FLOAT", onnx.TensorProto.FLOAT16: "HALF", onnx.TensorProto.BFLOAT16: "BF16",
@@ -215,24 +215,28 @@ def install(monkeypatch: Any, free_bytes: int = 8 << 30) -> tuple[Device, Emulat
     for name, value in device.api().items():
         monkeypatch.setattr(cuda_mem, name, value)
     trt = EmulatedTensorRT(device)
+    from decodert.runtime.backends.trt import seq2seq as trt_seq2seq
+
     monkeypatch.setattr(trt_backend, "load_trt", lambda *a, **k: (trt.module, trt.info))
+    monkeypatch.setattr(trt_seq2seq, "load_trt", lambda *a, **k: (trt.module, trt.info))
     return device, trt
 
 
 def emulate_engines(folder: Path, max_batch: int | None = None, max_seq: int | None = None,
-                    graphs: tuple[str, ...] = ("prefill", "decode", "verify", VISION),
+                    graphs: tuple[str, ...] = ("prefill", "decode", "verify", VISION, AUDIO),
                     scratch: dict[str, int] | None = None) -> None:
     """Write an emulated ``<graph>.engine`` per graph and record them in manifest.engines, with the
-    profiles ``decodert build --max-batch/--max-seq`` would give (the vision graph's too, when there is one)."""
+    profiles ``decodert build --max-batch/--max-seq`` would give (the vision and audio graphs' too, when there are)."""
     folder = Path(folder)
     m = load_manifest(folder, verify="none")
     batch, seq = max_batch or m.max_batch, max_seq or m.max_seq
     records = {}
     for name in graphs:
-        if name not in m.graphs and not (name == VISION and m.vision is not None):
+        if name not in m.graphs and not (name == VISION and m.vision is not None) \
+                and not (name == AUDIO and m.audio is not None):
             continue
         graph = graph_of(m, name)
-        shapes = profile_shapes(graph, name, batch, seq, max_tiles(m), max_patches(m))
+        shapes = profile_shapes(graph, name, batch, seq, max_tiles(m), max_patches(m), audio_ranges(m))
         profile = {k: {"min": v[0], "opt": v[1], "max": v[2]} for k, v in shapes.items()}
         blob = json.dumps({"magic": MAGIC, "graph": str((folder / graph.file).resolve()), "profile": profile,
                            "scratch": (scratch or {}).get(name, 1 << 12)}).encode()
@@ -242,3 +246,29 @@ def emulate_engines(folder: Path, max_batch: int | None = None, max_seq: int | N
                                      precision=m.dtype, strongly_typed=True, max_batch=batch, max_seq=seq,
                                      profile=profile)
     write_manifest(folder, m.replace(engines=records))
+
+
+def emulate_seq2seq_engines(folder: Path, max_batch: int | None = None, max_seq: int | None = None,
+                            scratch: int = 1 << 12) -> None:
+    """An encoder-decoder artifact (seq2seq.json): an emulated encoder.engine and decoder.engine under the profiles
+    ``decodert build`` gives them (export/trt_seq2seq.py), recorded in seq2seq.json ``engines``."""
+    from decodert.artifact.records import to_json
+    from decodert.artifact.seq2seq import graph_record, read_seq2seq, write_engines
+    from decodert.export.trt_seq2seq import seq2seq_profile
+
+    folder = Path(folder)
+    record = read_seq2seq(folder, verify="none")
+    batch = max_batch or int(record["max_batch"])
+    seq = max_seq or int(record["spec"]["max_target_positions"]) // 2
+    engines = {}
+    for name, file in record["graphs"].items():
+        shapes = seq2seq_profile(graph_record(folder / file), batch, seq)
+        profile = {k: {"min": v[0], "opt": v[1], "max": v[2]} for k, v in shapes.items()}
+        blob = json.dumps({"magic": MAGIC, "graph": str((folder / file).resolve()), "profile": profile,
+                           "scratch": scratch}).encode()
+        (folder / f"{name}.engine").write_bytes(blob)
+        engines[name] = to_json(EngineRecord(file=f"{name}.engine", size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
+                                             tensorrt={"flavour": "tensorrt_rtx", "version": VERSION, "module": "emulated"},
+                                             precision=str(record["dtype"]), strongly_typed=True, max_batch=batch,
+                                             max_seq=seq, profile=profile))
+    write_engines(folder, record, engines)

@@ -55,6 +55,7 @@ def test_tensorrt_code_type_checks(tmp_path):
     files = ["plugins/trt/compat.py", "export/trt_build.py", "runtime/backends/trt/backend.py", "runtime/backends/trt/engine.py",
              "runtime/backends/trt/verify.py", "runtime/backends/trt/images.py", "export/trt_graphs.py",
              "runtime/backends/trt/vision.py", "runtime/backends/trt/mrope.py", "runtime/backends/trt/baked.py",
+             "runtime/backends/trt/seq2seq.py", "export/trt_seq2seq.py",
              "runtime/backends/image_feeds.py",
              "plugins/cuda_mem.py", "artifact/manifest.py", "artifact/trt_engines.py",
              "tools/verify.py", "export/trt_progress.py", "export/progress.py"]

@@ -116,6 +116,7 @@ class OrtBackend:
         # vision-language: the image store (runtime/vision/encoder.py) whose rows a prefill binds at its image ids
         self.images: Any = None
         self.takes_images = any(t.name == "image_embeds" for t in manifest.graphs["prefill"].inputs)  # read by Vision.attach
+        self.takes_audio = self.takes_images  # audio rows are placed as image rows (read by Audio.attach)
         self._mrope = any(t.name == "rope_offsets" for t in manifest.graphs["prefill"].inputs)  # Qwen-VL
         images = manifest.model.images
         self._deepstack = images.deepstack_layers if images is not None else 0  # Qwen3-VL: bound with the images

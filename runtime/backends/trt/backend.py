@@ -19,7 +19,8 @@ Rows that are not a prefix (prefill of a new slot, or odd decode calls) run per 
 run with the KV tensors bound at that run's first row; a row whose right-padded chunk would pass the
 end of its context runs alone (runtime/backends/trt/engine.py). All contexts share one scratch buffer (they
 run one after another on one stream). Verify passes (speculative decoding): runtime/backends/trt/verify.py;
-images: the prefill engine's image inputs runtime/backends/trt/images.py, the vision engine trt_vision.py.
+images and audio: the prefill engine's image inputs runtime/backends/trt/images.py, the vision and audio
+engines runtime/backends/trt/vision.py.
 Without a GPU, tests/helpers/trt_emulator.py runs all of this on the CPU.
 """
 
@@ -42,7 +43,7 @@ from decodert.runtime.backends.backend import StepOutput, VerifyOutput
 from decodert.runtime.backends.kv_cache import KVCache
 from decodert.runtime.backends.trt.baked import BakedCaches, capture
 from decodert.runtime.backends.trt.engine import Engine, bind, contiguous_runs, fitting_runs
-from decodert.runtime.backends.trt.images import open_images
+from decodert.runtime.backends.trt.images import open_audio, open_images
 from decodert.runtime.backends.trt.mrope import RopeOffsets, takes_offsets
 from decodert.runtime.backends.trt.verify import TrtVerifier, verify_width
 
@@ -86,7 +87,10 @@ class TrtBackend:
         self.mrope = RopeOffsets(self, widths) if takes_offsets(manifest) else None  # runtime/backends/trt/mrope.py
         self.image_inputs, self.vision = open_images(self)  # runtime/backends/trt/images.py (None: no images)
         self.takes_images = self.vision is not None
-        scratch = [e.scratch_bytes for e in (*self.engines.values(), *([self.vision.engine] if self.vision else []))]
+        self.audio = open_audio(self, self.image_inputs)  # audio.engine, its rows placed as image rows (or None)
+        self.takes_audio = self.audio is not None  # read by runtime/audio/encoder.py Audio.attach
+        encoders = [r.engine for r in (self.vision, self.audio) if r is not None]
+        scratch = [e.scratch_bytes for e in (*self.engines.values(), *encoders)]
         self.scratch = cm.DeviceBuffer(max(scratch))
         self._alloc_io()
         self._prefill_ctx = self.engines["prefill"].context(self.scratch)
@@ -376,7 +380,7 @@ class TrtBackend:
                 warnings.warn(f"could not save {self.dir / RUNTIME_CACHE}: {e}", stacklevel=2)
         self.baked.drop()
         self.verifier.close()
-        for part in [p for p in (self.image_inputs, self.vision, self.mrope) if p is not None]:
+        for part in [p for p in (self.image_inputs, self.vision, self.audio, self.mrope) if p is not None]:
             part.free()
         self._prefill_ctx = self._runs_ctx = None
         if self.cache is not None:

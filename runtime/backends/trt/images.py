@@ -1,11 +1,12 @@
-"""Images on the trt backend (runtime/backends/trt/backend.py): whether the engines take them, and the prefill
-engine's image inputs.
+"""Images and audio on the trt backend (runtime/backends/trt/backend.py): whether the engines take them, and the
+prefill engine's image inputs (an audio clip's rows are placed as image rows: docs/features/audio.md).
 
     prefill.engine  image_embeds [N, hidden], image_positions [N] (b*S + s of the bound [k, S] block) and,
                     for Gemma 3, image_ahead [N], for Qwen3-VL deepstack_embeds [k, N, hidden]: the store's rows
                     at a call's image ids (``ImageInputs.bind``, the arrays runtime/backends/image_feeds.py makes
                     for ort too), 0 rows for a call without images (the build profile allows 0: export/trt_graphs.py)
     vision.engine   runtime/backends/trt/vision.py;  M-RoPE's rope_offsets: runtime/backends/trt/mrope.py
+    audio.engine    runtime/backends/trt/vision.py (the same runner)
 
 Host staging is pinned and device buffers grow to the largest call seen; each call syncs the stream
 before its staging is written again, so a buffer is never rewritten while a copy reads it.
@@ -22,11 +23,12 @@ from decodert.artifact.weights import NUMPY_DTYPES
 from decodert.plugins.trt.compat import read_engine
 from decodert.runtime.backends.image_feeds import image_arrays
 from decodert.runtime.backends.trt.engine import Staged
-from decodert.runtime.backends.trt.vision import VisionRunner
+from decodert.artifact.trt_engines import AUDIO, VISION
+from decodert.runtime.backends.trt.vision import EncoderRunner, audio_runner, vision_runner
 from decodert.runtime.vision.tokens import is_image
 
 
-def open_images(backend: Any) -> tuple["ImageInputs | None", "VisionRunner | None"]:
+def open_images(backend: Any) -> tuple["ImageInputs | None", "EncoderRunner | None"]:
     """The prefill engine's image inputs (None: it takes none) and the vision engine. Images run when the artifact
     has a vision graph and engine and the text engines take what its model needs (Qwen-VL: rope_offsets, and
     Qwen3-VL's deepstack rows); else the vision runner is None and images are refused (engines built before those
@@ -42,7 +44,16 @@ def open_images(backend: Any) -> tuple["ImageInputs | None", "VisionRunner | Non
                 and ("deepstack_embeds" in inputs or not (m.model.images and m.model.images.deepstack_layers)))
     if not complete:
         return images, None
-    return images, VisionRunner(backend, read_engine(backend.dir, m, "vision", backend.info))
+    return images, vision_runner(backend, read_engine(backend.dir, m, VISION, backend.info))
+
+
+def open_audio(backend: Any, images: "ImageInputs | None") -> "EncoderRunner | None":
+    """The audio engine, when the artifact has audio.onnx and audio.engine and the prefill engine takes embedding
+    rows (``images``); else None, and audio is refused (engines built before audio.engine was)."""
+    m = backend.manifest
+    if images is None or m.audio is None or AUDIO not in (m.engines or {}):
+        return None
+    return audio_runner(backend, read_engine(backend.dir, m, AUDIO, backend.info))
 
 
 class ImageInputs:

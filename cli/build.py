@@ -12,7 +12,8 @@ from decodert.cli import common
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``decodert build OUT [--fp16|--bf16] [--max-batch N] [--max-seq N] ...``."""
     p: argparse.ArgumentParser = subparsers.add_parser("build", help="build TensorRT engines from an exported artifact folder",
-                              description="Build OUT/prefill.engine and OUT/decode.engine (TensorRT or TensorRT-RTX).")
+                              description="Build OUT/prefill.engine and OUT/decode.engine (TensorRT or TensorRT-RTX); "
+                                          "for a Whisper artifact OUT/encoder.engine and OUT/decoder.engine.")
     p.add_argument("out", type=Path, help="artifact folder (exported with --target trt)")
     prec = p.add_mutually_exclusive_group()
     prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="expect fp16 graphs")

@@ -1,6 +1,7 @@
-"""Whisper on ONNX Runtime: a seq2seq artifact (export/seq2seq_export.py) -> transcriptions.
+"""Whisper: a seq2seq artifact (export/seq2seq_export.py) -> transcriptions, its graphs on ONNX Runtime (``OrtGraphs``)
+or, after ``decodert build`` of a --target trt export, its engines on the trt backend (runtime/backends/trt/seq2seq.py).
 
-    whisper = Whisper.open(folder)                      # encoder.onnx + decoder.onnx + seq2seq.json (artifact/seq2seq.py)
+    whisper = Whisper.open(folder, backend="ort")       # encoder.onnx + decoder.onnx + seq2seq.json (artifact/seq2seq.py)
     results = whisper.transcribe_many([clip, ...], language="en", max_new_tokens=64)   # [GenerationResult]
 
 One clip: its log-mel windows (``windows``), then per window, all clips of a batch together:

@@ -111,7 +111,9 @@ def test_the_trt_backend_refuses_what_it_cannot_run_in_one_line(exported, emulat
         with pytest.raises(DecodertError, match=message) as e:
             LLM.load(folder, backend="trt")
         assert "\n" not in str(e.value)
-    assert LLM.load(out).model.backend == "ort"  # auto: no engines -> ort
+    auto = LLM.load(out)
+    assert auto.model.backend == "ort"  # auto: no engines -> ort
+    auto.close()
     (emulated / "decoder.engine").write_bytes(b"truncated")
     with pytest.raises(DecodertError, match="decoder.engine: 9 bytes but the manifest recorded"):
         LLM.load(emulated, backend="trt")

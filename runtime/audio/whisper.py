@@ -1,27 +1,35 @@
 """Whisper on ONNX Runtime: a seq2seq artifact (export/seq2seq_export.py) -> transcriptions.
 
     whisper = Whisper.open(folder)                      # encoder.onnx + decoder.onnx + seq2seq.json (artifact/seq2seq.py)
-    results = whisper.transcribe_many([clip, ...], language="en", max_new_tokens=64)   # [GenerationResult]
+    results = whisper.transcribe_many([clip, ...], language="en", max_new_tokens=64)   # [Transcript]
+    results = whisper.transcribe_many([clip], timestamps=True)                         # .segments too
 
-One clip: its log-mel windows (``windows``), then per window, all clips of a batch together:
-1. encoder.onnx over the windows -> each decoder layer's cross K/V, written once into the rows' ``cache.cross``
-   buffers (KVCache.use_cross: a row's K/V always belong to the window whose cross K/V it holds; a row that holds
-   this window's already, the same clip again, is not encoded again);
+One clip: its log-mel (``frames``: padded to 30 s, or the whole clip's past 30 s) and a seek (frame 0 first); then
+per round, all clips of a batch that have frames left together, transformers' sequential loop
+(WhisperGenerationMixin.generate):
+1. the 30 s window at each clip's seek (``window_at``, zero-padded past the clip's frames); encoder.onnx over the
+   windows -> each decoder layer's cross K/V, written once into the rows' ``cache.cross`` buffers
+   (KVCache.use_cross: a row's K/V always belong to the window whose cross K/V it holds; a row that holds this
+   window's already, the same clip again, is not encoded again);
 2. the forced prompt, as transformers' WhisperGenerationMixin._retrieve_init_tokens builds it:
    <|startoftranscript|>, the language (given, else detected once per clip on its first window: the decoder's
    logits after <|startoftranscript|> over the languages of lang_to_id, argmax), the task (given; <|transcribe|>
-   when a language was given and the config has tasks; none after a detected one), <|notimestamps|>;
+   when a language was given and the config has tasks; none after a detected one), <|notimestamps|> unless
+   timestamps are asked for;
 3. decoder.onnx over the prompt, then one token a step, the self-attention K/V bound in place and the cross K/V
-   bound as they are (never recomputed per token); logits with suppress_tokens at -inf at every step and
-   begin_suppress_tokens at -inf at the first generated one (SuppressTokens / SuppressTokensAtBegin); greedy;
-   a row that wrote <|endoftext|> keeps stepping on it (transformers' padding) until every row is done.
+   bound as they are (never recomputed per token); logits with begin_suppress_tokens at -inf at the first
+   generated one, suppress_tokens at every step, then with timestamps the timestamp rules
+   (runtime/audio/timestamps.py, WhisperTimeStampLogitsProcessor's); greedy; a row that wrote <|endoftext|> keeps
+   stepping on it (transformers' padding) until every row is done;
+4. each row's ids split at their timestamp pairs into segments (timestamps.split) and its seek moved to the first
+   timestamp of the last pair (what follows is decoded again there) or past the window.
 
-Long audio (more than one window): the log-mel of the whole clip (one max for the log floor), cut into
-consecutive windows of 2T frames, the last padded with zeros (transformers' long-form ``_get_input_segment``),
-each decoded as above with <|notimestamps|>, the windows' tokens joined. transformers' own long-form generation
-turns timestamps on for audio over 30 s (``_set_return_timestamps``: return_timestamps=False raises) and seeks to
-the last timestamp, so it is not a no-timestamp run: what this equals is transformers' ``generate`` on each of
-those windows (tests/audio/test_whisper.py).
+Without timestamps a clip of up to 30 s is one window (unless the model writes timestamp tokens after
+<|notimestamps|>, which transformers splits on the same way); a longer clip, which transformers decodes with
+timestamps only (``_set_return_timestamps``: return_timestamps=False raises past 30 s), is its consecutive windows
+each decoded with <|notimestamps|>, their ids joined: what transformers' ``generate`` gives on each of those
+windows (tests/audio/test_whisper.py). With timestamps short and long clips equal transformers' ``generate(...,
+return_timestamps=True, return_segments=True)`` (tests/audio/test_whisper_timestamps.py).
 """
 
 from __future__ import annotations
@@ -391,7 +399,8 @@ class WhisperLLM:
         if prompt is not None:
             raise DecodertError("prompt (previous text for Whisper's <|startofprev|>) is not supported yet")
         max_new_tokens = params.pop("max_new_tokens", None)
-        timestamps = params.pop("timestamps", False)
+        timestamps = params.pop("timestamps", None)
+        timestamps = False if timestamps is None else timestamps
         temperature = params.pop("temperature", 0.0)
         if temperature not in (0, 0.0, None):
             raise DecodertError("Whisper transcribes greedily here: temperature must be 0")

@@ -462,6 +462,9 @@ class LLM:
         messages, clips = self.split_audio(messages)
         text = self._render(self.chat_turn(messages, {})) + prefill
         params = dict(params)
+        if params.pop("timestamps", False):
+            raise DecodertError("timestamps (segments) are made by Whisper artifacts only; this model transcribes "
+                                "without them")
         spec, adapter = params.pop("speculative", None), params.pop("adapter", None)
         sp, constraint = self._params_and_constraint(params, None)
         return Prepared(self.prompt_ids(text, (), clips), sp, constraint, spec, adapter, what="audio", text=text)

@@ -6,7 +6,8 @@ the text after a forced prompt.
     config.json            model_type whisper: d_model, encoder_/decoder_ layers, attention_heads, ffn_dim,
                            num_mel_bins, max_source_positions (1500 encoder rows = 3000 mel frames), max_target_positions
     generation_config.json decoder_start_token_id (<|startoftranscript|>), lang_to_id, task_to_id,
-                           no_timestamps_token_id, suppress_tokens, begin_suppress_tokens, is_multilingual
+                           no_timestamps_token_id, suppress_tokens, begin_suppress_tokens, is_multilingual,
+                           max_initial_timestamp_index (the timestamp rules)
     preprocessor_config    WhisperFeatureExtractor: n_fft 400, hop 160, feature_size mels, 30 s windows
     weights                model.encoder.*, model.decoder.*, proj_out.weight (tied to embed_tokens by default)
 
@@ -153,7 +154,8 @@ def window_features(preprocessor: dict, spec: WhisperSpec) -> dict[str, Any]:
 
 
 def generation(config: dict, gen: dict) -> dict[str, Any]:
-    """generation_config.json -> the forced prompt's parts and the suppressed tokens (runtime/audio/whisper.py)."""
+    """generation_config.json -> the forced prompt's parts, the suppressed tokens and the timestamp rules' cap on
+    the first timestamp (runtime/audio/whisper.py, runtime/audio/timestamps.py)."""
     g = {**config, **gen}
     start = g.get("decoder_start_token_id")
     eos = g.get("eos_token_id")
@@ -165,6 +167,7 @@ def generation(config: dict, gen: dict) -> dict[str, Any]:
                 lang_to_id={str(k): int(v) for k, v in (g.get("lang_to_id") or {}).items()},
                 task_to_id={str(k): int(v) for k, v in (g.get("task_to_id") or {}).items()},
                 no_timestamps_token_id=g.get("no_timestamps_token_id"),
+                max_initial_timestamp_index=g.get("max_initial_timestamp_index"),
                 is_multilingual=g.get("is_multilingual"),
                 suppress_tokens=ids("suppress_tokens"), begin_suppress_tokens=ids("begin_suppress_tokens"),
                 max_length=int(g.get("max_length") or g.get("max_target_positions") or 448))

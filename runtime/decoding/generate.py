@@ -39,6 +39,27 @@ class TokenLogprob:
         return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(p) for p in self.top]}
 
 
+@dataclass(frozen=True)
+class TranscriptSegment:
+    """One timestamped piece of a transcription (Whisper's ``transcribe(..., timestamps=True)``): seconds from the
+    clip's start, its text, its ids (timestamp tokens included), the mel frame (100 a second) its 30 s window
+    started at, and that window's mean token log-probability, compression ratio and temperature."""
+
+    start: float
+    end: float
+    text: str
+    token_ids: list[int]
+    seek: int
+    avg_logprob: float
+    compression_ratio: float
+    temperature: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"start": self.start, "end": self.end, "text": self.text, "token_ids": self.token_ids, "seek": self.seek,
+                "avg_logprob": self.avg_logprob, "compression_ratio": self.compression_ratio,
+                "temperature": self.temperature}
+
+
 @dataclass
 class GenerationResult:
     """One finished request."""
@@ -51,6 +72,7 @@ class GenerationResult:
     reasoning: str | None = None  # chat: the model's reasoning (<think>...</think>), apart from text
     tool_calls: list[dict] | None = None  # chat with tools: OpenAI [{id, type, function: {name, arguments}}]
     stop_sequence: str | None = None  # the stop string that ended it (None: eos, a stop token id, or length)
+    segments: list[TranscriptSegment] | None = None  # a timestamped transcription's segments, in order
 
     def to_dict(self) -> dict:
         out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -63,6 +85,8 @@ class GenerationResult:
             out["tool_calls"] = self.tool_calls
         if self.stop_sequence is not None:
             out["stop_sequence"] = self.stop_sequence
+        if self.segments is not None:
+            out["segments"] = [s.to_dict() for s in self.segments]
         return out
 
 

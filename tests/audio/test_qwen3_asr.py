@@ -275,6 +275,8 @@ def test_audio_parts_are_refused_in_one_line(asr):
         llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], max_new_tokens=2)
     with pytest.raises(DecodertError, match="language 'xx' is not one"):
         llm.transcribe(np.zeros(RATE, np.float32), sample_rate=RATE, language="xx")
+    with pytest.raises(DecodertError, match="timestamps .segments. are made by Whisper artifacts only"):
+        llm.transcribe(np.zeros(RATE, np.float32), sample_rate=RATE, timestamps=True)
 
 
 @pytest.mark.trt
@@ -345,7 +347,9 @@ def test_transcription_bad_inputs_are_one_line_400s(asr):
     with running(llm) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         cases = [({"file": ("a.wav", b"not audio at all")}, {}, "not a readable audio file"),
-                 ({"file": ("a.wav", wav)}, {"response_format": "srt"}, "response_format 'srt'"),
+                 ({"file": ("a.wav", wav)}, {"response_format": "srt"}, "response_format 'srt' needs timestamps"),
+                 ({"file": ("a.wav", wav)}, {"response_format": "verbose_json", "timestamp_granularities": ["segment"]},
+                  "timestamp_granularities segment needs timestamps"),
                  ({"file": ("a.wav", wav)}, {"language": "xx"}, "language 'xx'")]
         for files, extra, message in cases:
             with pytest.raises(openai.BadRequestError) as e:

@@ -7,7 +7,10 @@ Whisper's special tokens, its generation_config (forced prompt, suppress_tokens)
 
 The vocabulary: the BPE pieces, then <|endoftext|> (eos and pad), <|startoftranscript|>, two languages, the two tasks,
 <|startoflm|>, <|startofprev|>, <|nocaptions|> and <|notimestamps|> last (no timestamp tokens: a no-timestamp
-run's long-form segments are then whole windows, as the tests need).
+run's long-form segments are then whole windows, as the tests need). ``timestamps=True`` adds Whisper's 1501
+timestamp tokens <|0.00|> .. <|30.00|> after <|notimestamps|> (timestamp_begin = no_timestamps_token_id + 1) and
+max_initial_timestamp_index to the generation config; ``timestamp_scale`` multiplies their rows of proj_out, so that
+a random model emits timestamps as often as a test needs.
 """
 
 from __future__ import annotations
@@ -25,7 +28,11 @@ SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|de|>", "<|tra
 BPE = 300
 
 
-def make_tokenizer() -> Any:
+def timestamp_tokens() -> list[str]:
+    return [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
+
+
+def make_tokenizer(timestamps: bool = False) -> Any:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -33,18 +40,22 @@ def make_tokenizer() -> Any:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=BPE, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_CORPUS] * 4, trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    extra = timestamp_tokens() if timestamps else []
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS + extra])
     return tok
 
 
-def make_tiny_whisper(path: str | Path, seed: int = 0, noise: float = 0.2, **config: Any) -> Path:
+def make_tiny_whisper(path: str | Path, seed: int = 0, noise: float = 0.2, timestamps: bool = False,
+                      timestamp_scale: float = 1.0, max_initial_timestamp_index: int | None = 50,
+                      **config: Any) -> Path:
     """``noise``: the weights' random scale (0.2 for the tiny shapes; wide models want ~0.02, else their fp32
-    logits carry errors of ~0.1 and greedy near-ties flip between runtimes); ``config``: WhisperConfig fields."""
+    logits carry errors of ~0.1 and greedy near-ties flip between runtimes); ``timestamps``: the timestamp tokens
+    (their proj_out rows times ``timestamp_scale``); ``config``: WhisperConfig fields."""
     import torch
     import transformers
 
     path = Path(path)
-    tok = make_tokenizer()
+    tok = make_tokenizer(timestamps)
     ids = {t: tok.token_to_id(t) for t in SPECIALS}
     vocab = tok.get_vocab_size()
     eos = ids["<|endoftext|>"]
@@ -65,6 +76,8 @@ def make_tiny_whisper(path: str | Path, seed: int = 0, noise: float = 0.2, **con
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             norm = "layer_norm" in name
             p.copy_(1.0 + 0.1 * noise if norm and name.endswith("weight") else scale * noise)
+        if timestamps:
+            model.proj_out.weight[ids["<|notimestamps|>"] + 1:] *= timestamp_scale
     g = model.generation_config
     g.decoder_start_token_id = ids["<|startoftranscript|>"]
     g.eos_token_id = g.pad_token_id = eos
@@ -75,6 +88,8 @@ def make_tiny_whisper(path: str | Path, seed: int = 0, noise: float = 0.2, **con
     g.suppress_tokens = [5, 17, 40, ids["<|startoflm|>"], ids["<|startofprev|>"], ids["<|nocaptions|>"]]
     g.begin_suppress_tokens = [3, eos]
     g.max_length = cfg.max_target_positions
+    if timestamps:
+        g.max_initial_timestamp_index = max_initial_timestamp_index
     g.forced_decoder_ids = None
     g._from_model_config = False  # from_pretrained then reads this file, not the model config
     model.save_pretrained(path)

@@ -41,6 +41,13 @@ def has_hidden_states(manifest: Any) -> bool:
     return any(t.name == "hidden_state" for t in manifest.graphs["prefill"].outputs)
 
 
+def hidden_width(manifest: Any) -> int:
+    """The width of one row of the graphs' hidden-state outputs (hidden, or len(hidden_layers) x hidden for an
+    EAGLE-3 target); 0 without them."""
+    out = next((t for t in manifest.graphs["prefill"].outputs if t.name == "hidden_state"), None)
+    return int(out.shape[-1]) if out is not None else 0
+
+
 def load_head(folder: str | Path, target: Any) -> dict:
     """head.json of ``folder``, checked against the target's manifest ``target`` (one line when it is another's)."""
     path = Path(folder) / HEAD_MANIFEST

@@ -78,9 +78,10 @@ def add_parser(sub: Any) -> None:
                         "head reads (eagle3: layers 2, N/2, N-3, the heads' default; or the head config's "
                         "eagle_aux_hidden_state_layer_ids); implies --hidden-states")
     e.add_argument("--target-artifact", type=Path, default=None, metavar="TARGET",
-                   help="SRC is a draft head checkpoint (gemma4_assistant), or the target's own Qwen3.5 checkpoint "
-                        "whose mtp.* layer is the head: export it for this target artifact (exported with "
-                        "--hidden-states); the head records the target and is refused beside another")
+                   help="SRC is a draft head checkpoint (gemma4_assistant; an EAGLE-3 head, whose target is exported "
+                        "with --hidden-layers), or the target's own Qwen3.5 checkpoint whose mtp.* layer is the head: "
+                        "export it for this target artifact (exported with --hidden-states); the head records the "
+                        "target and is refused beside another")
     e.add_argument("--openvino-prefill", action="store_true",
                    help="--target ort: also write prefill.portable.onnx, the prefill graph the OpenVINO execution "
                         "provider takes (`pip install 'decodert[openvino]'`); at first load decodert measures it "

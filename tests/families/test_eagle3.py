@@ -94,15 +94,16 @@ class Eagle3Reference(torch.nn.Module):
         return g, self.lm_head(self.norm(g)), k[0], v[0]
 
 
-def make_head(folder, target_src, draft_vocab: int, ids, own_embed: bool, seed: int = 5):
-    """A random EAGLE-3 head for the target checkpoint ``target_src`` written in the published layout into
-    ``folder``; returns (the reference module, d2t as a tensor (zeros: the whole vocabulary), the embedding)."""
-    tcfg = json.loads((target_src / "config.json").read_text())
+def make_head(folder, tcfg: dict, draft_vocab: int, ids, own_embed: bool, seed: int = 5, **sizes):
+    """A random EAGLE-3 head for a target of config ``tcfg`` written in the published layout into ``folder``
+    (``sizes``: config fields to set); returns (the reference module, d2t as a tensor (zeros: the whole
+    vocabulary), the head's own embedding or None)."""
+    vocab = tcfg["vocab_size"]
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
            "hidden_size": tcfg["hidden_size"], "intermediate_size": 96, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
-           "max_position_embeddings": 1024, "vocab_size": VOCAB, "draft_vocab_size": draft_vocab,
-           "rope_theta": 10000.0, "tie_word_embeddings": False}
+           "max_position_embeddings": 1024, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+           "rope_theta": 10000.0, "tie_word_embeddings": False, **sizes}
     if "rope_scaling" in tcfg:  # the Llama-3 target's llama3 scaling, as a head for it has
         cfg["rope_scaling"] = tcfg["rope_scaling"]
     if ids is not None:
@@ -112,17 +113,17 @@ def make_head(folder, target_src, draft_vocab: int, ids, own_embed: bool, seed: 
     _randomise(ref, seed)
     tensors = {k: v.detach().clone() for k, v in ref.state_dict().items() if not k.startswith("rotary")}
     gen = torch.Generator().manual_seed(seed)
-    if draft_vocab < VOCAB:  # a random subset of the target's ids, sorted
-        keep = torch.randperm(VOCAB, generator=gen)[:draft_vocab].sort().values
+    if draft_vocab < vocab:  # a random subset of the target's ids, sorted
+        keep = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
         d2t = keep - torch.arange(draft_vocab)
-        t2d = torch.zeros(VOCAB, dtype=torch.bool)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[keep] = True
         tensors["d2t"], tensors["t2d"] = d2t, t2d
     else:
         d2t = torch.zeros(draft_vocab, dtype=torch.int64)
     embed = None
     if own_embed:
-        embed = 0.05 * torch.randn(VOCAB, tcfg["hidden_size"], generator=gen)
+        embed = 0.05 * torch.randn(vocab, tcfg["hidden_size"], generator=gen)
         tensors["embed_tokens.weight"] = embed
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"))
@@ -145,7 +146,8 @@ class Case:
         export_model(self.src, self.art, max_seq=MAX_SEQ, max_batch=4, progress=False,
                      hidden_layers="eagle3" if t["ids"] is None else t["ids"])
         self.head_src = root / "head-src"
-        self.ref, self.d2t, own = make_head(self.head_src, self.src, t["draft_vocab"], t["ids"], t["own_embed"])
+        tcfg = json.loads((self.src / "config.json").read_text())
+        self.ref, self.d2t, own = make_head(self.head_src, tcfg, t["draft_vocab"], t["ids"], t["own_embed"])
         self.embed = torch.nn.Embedding.from_pretrained(own) if own is not None else self.model.get_input_embeddings()
         self.head = root / "head"
         self.record = export_head(self.head_src, self.head, self.art)
@@ -283,7 +285,7 @@ def test_the_head_refuses_what_it_cannot_draft_for(llama, tmp_path):
     with pytest.raises(DecodertError, match="layer indices of the model's 8 layers"):
         export_model(llama.src, tmp_path / "bad", max_seq=MAX_SEQ, hidden_layers=[1, 9, 3], progress=False)
     bad = tmp_path / "bad-head"
-    make_head(bad, llama.src, 200, None, False)
+    make_head(bad, json.loads((llama.src / "config.json").read_text()), 200, None, False)
     raw = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**raw, "draft_vocab_size": 100}))
     with pytest.raises(DecodertError, match=r"lm_head.weight is \[200, 64\], the config says \[100, 64\]"):
@@ -447,15 +449,37 @@ def test_cli_exports_the_head_and_runs_it(llama, tmp_path, capsys):
     assert "--hidden-layers must be 'eagle3' or layer indices" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # ~20 s: 2400 generations
+@pytest.mark.slow  # ~100 s a target: 2400 generations
 def test_speculative_sampling_keeps_the_targets_distribution(drafting, case):
-    """1200 seeds, 3 tokens (the first from the prefill, the next two from one verify pass of 2 EAGLE-3 drafts)
-    against the exact joint distribution of the target (transformers' logits, top-k 3), plain sampling as the
-    control."""
+    """1200 seeds, 3 tokens (the first from the prefill, the next two from one verify pass of 2 EAGLE-3 drafts:
+    accepted, or rejected and resampled, then the bonus token) against the exact joint distribution of the target
+    (transformers' logits, top-k 3), plain sampling as the control. A random head's drafts are seldom among the
+    target's top 3, so they would only ever be rejected: half of the first drafts (a seeded choice) are the target's
+    greedy token instead, so that passes accept, and reject and resample, with the head following both."""
     from distribution import assert_keeps_the_targets_distribution
 
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
     llm, _ = drafting
-    assert_keeps_the_targets_distribution(llm, case.model, PROMPTS[1], "eagle3", n=1200, temperature=1.0, top_k=3)
+    drafter = llm.engine.speculator.drafter(SpeculativeConfig("eagle3"))
+    propose, rng, best = drafter.propose, np.random.default_rng(11), {}
+
+    def mixed(seqs, limits):
+        drafts, keys = propose(seqs, limits)
+        for seq, draft in zip(seqs, drafts):
+            history = tuple(seq.history[: seq.length].tolist())
+            if len(draft) and rng.random() < 0.5:
+                if history not in best:
+                    with torch.no_grad():
+                        best[history] = int(case.model(torch.tensor([history])).logits[0, -1].argmax())
+                draft[0] = best[history]
+        return drafts, keys
+
+    drafter.propose = mixed
+    try:
+        assert_keeps_the_targets_distribution(llm, case.model, PROMPTS[1], "eagle3", n=1200, temperature=1.0, top_k=3)
+    finally:
+        drafter.propose = propose
 
 
 def test_an_fp16_target_and_its_head_stay_exact(llama, tmp_path):
@@ -502,3 +526,30 @@ def test_trt_builds_the_feature_graphs_and_the_head(llama, tmp_path):
         profile.set_shape(io["name"], shape(0), shape(1), shape(2))
     config.add_optimization_profile(profile)
     assert builder.build_serialized_network(network, config) is not None
+
+
+@pytest.mark.slow  # ~1 min: SmolLM2's export
+def test_a_smollm2_head_in_the_published_layout(smollm2_gguf, tmp_path):
+    """SmolLM2-135M (a llama target of 30 layers, hidden 576, tied embeddings) and a random head in the layout the
+    bench trainer writes (config.json of model_type llama with eagle_config's layer ids [2, 15, 27], a 4096-token
+    draft vocabulary with d2t / t2d, no embed_tokens): the target exports with --hidden-layers eagle3, the head for
+    it reads the target's embedding, and greedy speculative decoding is plain decoding's at batch 1 and 2."""
+    from decodert.runtime.llm import LLM
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    art = tmp_path / "smol"
+    export_model(smollm2_gguf, art, max_seq=256, max_batch=2, progress=False, hidden_layers="eagle3")
+    spec = load_manifest(art).model.spec()
+    assert (spec.num_layers, spec.hidden_size, spec.tie_word_embeddings) == (30, 576, True)
+    tcfg = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
+    make_head(tmp_path / "head-src", tcfg, 4096, [2, 15, 27], False, num_attention_heads=9, num_key_value_heads=3,
+              head_dim=64, intermediate_size=1536, rope_theta=100000.0,
+              eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 15, 27], "use_aux_hidden_state": True})
+    record = export_head(tmp_path / "head-src", tmp_path / "head", art)
+    assert record["reads"]["hidden_layers"] == [2, 15, 27] and record["embedding"] == "target"
+    prompts = [[1, 9690, 28, 2683, 253, 1345, 30, 2], [1, 504, 3458, 282, 4649, 314]]
+    fixed = SpeculativeConfig("eagle3", draft_len=3, adaptive=False)
+    with LLM.load(art, backend="ort", draft=tmp_path / "head", prefix_cache_mb=0) as llm:
+        plain = [llm.generate(p, max_new_tokens=12).token_ids for p in prompts]
+        assert llm.generate(prompts[0], max_new_tokens=12, speculative=fixed).token_ids == plain[0]
+        assert [r.token_ids for r in llm.generate(prompts, max_new_tokens=12, speculative=fixed)] == plain

@@ -14,8 +14,10 @@ import onnx
 from decodert.errors import DecodertError
 
 HEAD_MANIFEST = "head.json"
-HEAD_FAMILIES = ("gemma4_assistant", "qwen3_5_mtp")  # gemma4_assistant.py MODEL_TYPES; the MTP layers of qwen3_5.py
-HEAD_METHODS = {"gemma4_assistant": "assistant", "qwen3_5_mtp": "mtp"}  # family -> the speculative= that drafts with it
+# gemma4_assistant.py MODEL_TYPES; the MTP layers of qwen3_5.py; eagle3.py (found by its architecture)
+HEAD_FAMILIES = ("gemma4_assistant", "qwen3_5_mtp", "eagle3")
+HEAD_METHODS = {"gemma4_assistant": "assistant", "qwen3_5_mtp": "mtp", "eagle3": "eagle3"}  # family -> its speculative=
+HEAD_METHOD_NAMES = tuple(dict.fromkeys(HEAD_METHODS.values()))  # the speculative= methods that draft with a head
 
 
 def target_identity(manifest: Any) -> str:
@@ -41,6 +43,13 @@ def has_hidden_states(manifest: Any) -> bool:
     return any(t.name == "hidden_state" for t in manifest.graphs["prefill"].outputs)
 
 
+def hidden_width(manifest: Any) -> int:
+    """The width of one row of the graphs' hidden-state outputs (hidden, or len(hidden_layers) x hidden for an
+    EAGLE-3 target); 0 without them."""
+    out = next((t for t in manifest.graphs["prefill"].outputs if t.name == "hidden_state"), None)
+    return int(out.shape[-1]) if out is not None else 0
+
+
 def load_head(folder: str | Path, target: Any) -> dict:
     """head.json of ``folder``, checked against the target's manifest ``target`` (one line when it is another's)."""
     path = Path(folder) / HEAD_MANIFEST
@@ -61,7 +70,24 @@ def load_head(folder: str | Path, target: Any) -> dict:
     if not has_hidden_states(target):
         raise DecodertError("the target's graphs do not return the hidden state a head reads; "
                             "export the target again with --hidden-states")
+    reads = tuple(record.get("reads", {}).get("hidden_layers") or ())
+    if reads != tuple(target.hidden_layers or ()):
+        have = f"the inputs of layers {list(target.hidden_layers)}" if target.hidden_layers else "the final hidden state"
+        raise DecodertError(f"{folder}: the head reads {f'the inputs of layers {list(reads)}' if reads else 'the final hidden state'}"
+                            f"; the target's graphs return {have}")
     return record
+
+
+def head_embedding(folder: str | Path, record: dict, target_folder: Path, target: Any) -> np.ndarray:
+    """The token embedding a head reads [V, hidden]: the target's (``target_embedding``) unless its record names a
+    file of its own beside head.onnx (an EAGLE-3 head with its own embed_tokens), opened read-only."""
+    own = record.get("embedding", "target")
+    if own == "target":
+        return target_embedding(target_folder, target)
+    try:
+        return np.load(Path(folder) / own, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise DecodertError(f"{folder}: cannot read the head's embedding {own} ({e})") from None
 
 
 def target_embedding(folder: Path, manifest: Any) -> np.ndarray:

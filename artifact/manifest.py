@@ -280,6 +280,9 @@ class Manifest(Record):
     audio: AudioRecord | None = dataclasses.field(default=None, metadata=OMIT_NULL)  # audio.onnx and its log-mel settings
     # per-phase graphs for other backends, by name ("prefill.portable"); None: none (older exports, the option off)
     phase_graphs: Mapping[str, PhaseGraphRecord] | None = dataclasses.field(default=None, metadata=OMIT_NULL)
+    # the layers whose inputs (concatenated) the hidden-state outputs carry, for an EAGLE-3 head (--hidden-layers);
+    # None: those outputs (if any) are the final norm's output
+    hidden_layers: tuple[int, ...] | None = dataclasses.field(default=None, metadata=OMIT_NULL)
 
     @property
     def lora_layout(self) -> LoraLayout | None:

@@ -19,9 +19,9 @@ import numpy as np
 from decodert.errors import DecodertError
 
 # I32: GPTQ / AWQ packed words and g_idx; U8: MXFP4 blocks and scales (gpt-oss experts); I64: index tables
-# (Gemma 4 assistant's token_ordering, read with raw)
+# (Gemma 4 assistant's token_ordering, EAGLE-3's d2t, read with raw); BOOL: EAGLE-3's t2d
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I32": np.int32,
-           "U8": np.uint8, "I64": np.int64}
+           "U8": np.uint8, "I64": np.int64, "BOOL": np.bool_}
 
 
 def bf16_to_f32(raw: np.ndarray) -> np.ndarray:

@@ -60,24 +60,28 @@ def add_constraint(p: argparse.ArgumentParser) -> None:
 
 SPECULATIVE_HELP = ("ngram: prompt lookup (drafts from n-grams of the prompt and the answer); draft: a draft model "
                     "(--draft); assistant: a draft head that reads the target's hidden states (--draft HEAD); mtp: a Qwen3.5 "
-                    "MTP head (--draft HEAD); "
+                    "MTP head (--draft HEAD); eagle3: an EAGLE-3 head (--draft HEAD); "
                     "auto: the head or draft model given, else ngram")
 
 
 def add_speculative(p: argparse.ArgumentParser, help: str = SPECULATIVE_HELP) -> None:
     """--speculative ngram|draft, --draft ARTIFACT, --draft-len K (docs: runtime/speculation/speculative.py); the
     same flags on run, generate, chat, serve and bench (``help``: what --speculative does there)."""
+    from decodert.artifact.heads import HEAD_METHOD_NAMES
+
     g = p.add_argument_group("speculative decoding (the same output, several tokens per model pass)")
-    g.add_argument("--speculative", choices=("ngram", "draft", "assistant", "mtp", "auto"), default=None, help=help)
+    g.add_argument("--speculative", choices=("ngram", "draft", *HEAD_METHOD_NAMES, "auto"), default=None, help=help)
     g.add_argument("--draft", type=Path, default=None, metavar="ARTIFACT",
                    help="the draft model's artifact (same tokenizer), or a draft head's (head.json: `decodert export "
-                        "HEAD --target-artifact`); implies --speculative draft, or the head's: assistant | mtp")
+                        "HEAD --target-artifact`); implies --speculative draft, or the head's: assistant | mtp | eagle3")
     g.add_argument("--draft-len", type=int, default=None, metavar="K",
                    help="most tokens drafted per step (default 8; the adaptive width stays at or under it)")
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """{"speculative": SpeculativeConfig} | {} from the flags; one-line errors for bad combinations."""
+    from decodert.artifact.heads import HEAD_METHOD_NAMES
+
     method = getattr(args, "speculative", None)
     draft, draft_len = getattr(args, "draft", None), getattr(args, "draft_len", None)
     if method is None and draft is not None:
@@ -90,9 +94,9 @@ def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     if method == "draft" and draft is None:
         raise DecodertError("--speculative draft needs --draft ARTIFACT (the draft model)")
-    if method in ("assistant", "mtp") and draft is None:
+    if method in HEAD_METHOD_NAMES and draft is None:
         raise DecodertError(f"--speculative {method} needs --draft HEAD (a draft head artifact)")
-    if method in ("draft", "assistant", "mtp") and draft is not None:
+    if method in ("draft", *HEAD_METHOD_NAMES) and draft is not None:
         from decodert.artifact.heads import head_method
 
         want = head_method(draft) or "draft"

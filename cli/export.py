@@ -73,10 +73,15 @@ def add_parser(sub: Any) -> None:
     e.add_argument("--hidden-states", action="store_true",
                    help="the graphs also return the last hidden state, which a draft head reads (export the "
                         "target with it, then its head with --target-artifact); without it the graphs are unchanged")
+    e.add_argument("--hidden-layers", default=None, metavar="eagle3|I,J,K",
+                   help="the hidden-state outputs carry the inputs of these layers, concatenated: what an EAGLE-3 "
+                        "head reads (eagle3: layers 2, N/2, N-3, the heads' default; or the head config's "
+                        "eagle_aux_hidden_state_layer_ids); implies --hidden-states")
     e.add_argument("--target-artifact", type=Path, default=None, metavar="TARGET",
-                   help="SRC is a draft head checkpoint (gemma4_assistant), or the target's own Qwen3.5 checkpoint "
-                        "whose mtp.* layer is the head: export it for this target artifact (exported with "
-                        "--hidden-states); the head records the target and is refused beside another")
+                   help="SRC is a draft head checkpoint (gemma4_assistant; an EAGLE-3 head, whose target is exported "
+                        "with --hidden-layers), or the target's own Qwen3.5 checkpoint whose mtp.* layer is the head: "
+                        "export it for this target artifact (exported with --hidden-states); the head records the "
+                        "target and is refused beside another")
     e.add_argument("--openvino-prefill", action="store_true",
                    help="--target ort: also write prefill.portable.onnx, the prefill graph the OpenVINO execution "
                         "provider takes (`pip install 'decodert[openvino]'`); at first load decodert measures it "
@@ -112,6 +117,7 @@ def run_export(args: argparse.Namespace) -> int:
                      kv_dtype=args.kv_dtype,
                      lora=LoraLayout(args.lora_slots, args.lora_rank) if args.lora_slots else None,
                      merge_lora=args.merge_lora, embeddings=args.embeddings, hidden_states=args.hidden_states,
+                     hidden_layers=args.hidden_layers,
                      openvino_prefill=args.openvino_prefill)
     if isinstance(m, dict):  # an encoder-decoder export (export/seq2seq_export.py): its seq2seq.json record
         spec = m["spec"]

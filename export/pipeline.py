@@ -62,7 +62,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                  quant: QuantConfig | None = None, plugins: str = "auto", trt_version: str | None = None,
                  kv_dtype: str | None = None, lora: LoraLayout | None = None,
                  merge_lora: Sequence[str | Path] = (), embeddings: bool | None = None,
-                 hidden_states: bool = False, openvino_prefill: bool = False) -> Manifest:
+                 hidden_states: bool = False, openvino_prefill: bool = False,
+                 hidden_layers: str | Sequence[int] | None = None) -> Manifest:
     """Export ``src`` (HF folder or .gguf) into ``out_dir``; returns the manifest.
 
     ``plugins`` (auto|always|never, trt target): emit decodert plugin nodes instead of native
@@ -86,6 +87,9 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
 
     ``hidden_states``: the prefill, decode and verify graphs also return the last hidden state (what a draft
     head reads: export/lowering/io_contract.hidden_outputs); without it the graphs are byte for byte as before.
+    ``hidden_layers`` ("eagle3": (2, N // 2, N - 3) of the N layers, or the layer indices): those outputs carry
+    the inputs of these layers, concatenated (an EAGLE-3 head's features; implies ``hidden_states``); the
+    manifest's ``hidden_layers`` records them.
 
     ``openvino_prefill`` (ort target) also writes the portable prefill graph the OpenVINO EP takes
     (export/phase_graphs.py, manifest ``phase_graphs``); off, the artifact is what it was before, byte for byte.
@@ -94,7 +98,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
 
     if is_encoder_decoder(src):  # Whisper: its encoder and decoder graphs (export/seq2seq_export.py)
         return export_seq2seq(src, out_dir, target, dtype, max_batch, quant=quant, lora=lora,  # type: ignore[return-value]
-                              merge_lora=tuple(merge_lora), embeddings=embeddings, hidden_states=hidden_states,
+                              merge_lora=tuple(merge_lora), embeddings=embeddings,
+                              hidden_states=hidden_states or hidden_layers is not None,
                               openvino_prefill=openvino_prefill, kv_dtype=kv_dtype, max_seq=max_seq,
                               trt_version=trt_version)
     if is_head_checkpoint(src):
@@ -108,6 +113,8 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
     progress = True if progress is None else progress  # export/progress.py: a bar on a terminal, else lines
     ckpt, quant, max_seq = _open_source(src, tgt, quant, lora, merge_lora, max_seq, progress)
     spec: ModelSpec = ckpt.spec
+    layers = feature_layers(hidden_layers, spec)
+    hidden_states = hidden_states or bool(layers)
     plugin_record = choose_plugins(plugins, tgt, trt_version)
     plugin_ops = tuple(plugin_record["ops"]) if plugin_record else ()
     kv = kv_dtype_of(kv_dtype, dtype)
@@ -129,7 +136,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
             if kv.quantized:  # per-channel scales from the float-cache graph over a built-in text
                 weights = {**weights, **_kv_scales(spec, tgt.make_lowering(spec, dtype, max_seq, quant, quantized),
                                                    weights, kv, tmp)}
-            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora, hidden_states)
+            graphs = _write_graphs(spec, lowering, weights, dtype, max_seq, tmp, bar, lora, hidden_states, layers)
             phases = None if not openvino_prefill else phase_graphs.write_portable_prefill(
                 spec, dtype, max_seq, quant, weights, kv, tmp, WEIGHTS,
                 lambda path, lay: _write_weights(ckpt, spec, path, dtype, max_seq, progress, quant, lay))
@@ -149,7 +156,7 @@ def export_model(src: str | Path, out_dir: str | Path, target: str = "ort", dtyp
                 sampling=from_json(SamplingRecord, sampling_record(ckpt, tokenizer.get("chat_template")), "sampling"),
                 plugins=None if plugin_record is None else from_json(PluginsRecord, plugin_record, "plugins"),
                 quant=_quant_record(quant, layout, quantized), lora=_lora_record(lora, merge_lora), vision=vision_record,
-                audio=audio_record)
+                audio=audio_record, hidden_layers=layers or None)
             write_manifest(tmp, manifest)
             destination.swap_in(tmp, out_dir)
             bar.update()
@@ -230,16 +237,18 @@ def _check_settings(dtype: str, max_seq: int | None, max_batch: int) -> None:
 
 
 def _write_graphs(spec: ModelSpec, lowering: Any, weights: dict, dtype: str, max_seq: int, tmp: Path,
-                  bar: Stage, lora: LoraLayout | None = None, hidden: bool = False) -> dict[str, GraphRecord]:
+                  bar: Stage, lora: LoraLayout | None = None, hidden: bool = False,
+                  hidden_layers: tuple[int, ...] = ()) -> dict[str, GraphRecord]:
     """prefill.onnx, decode.onnx and verify.onnx (checked) -> their manifest records (``hidden``: with the
-    hidden-state outputs a draft head reads)."""
+    hidden-state outputs a draft head reads; ``hidden_layers``: which layers' inputs they carry)."""
     graphs = {}
     for kind in ("prefill", "decode", "verify"):
         path = tmp / f"{kind}.onnx"
-        onnx.save_model(build_graph(spec, lowering, weights, kind, lora, hidden), path)
+        onnx.save_model(build_graph(spec, lowering, weights, kind, lora, hidden, hidden_layers), path)
         onnx.checker.check_model(str(path), full_check=True)
         contract = {"file": path.name,
-                    **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind), lowering.kv, lora, hidden)}
+                    **io_contract(spec, dtype, max_seq, kind, verifies_rows(lowering, kind), lowering.kv, lora, hidden,
+                                  hidden_layers)}
         if kind == "verify":
             contract["max_tokens"] = VERIFY_WIDTH  # per row and call (the TensorRT profile's seq max)
             contract["batched_past"] = lowering.for_graph(kind).batched_past
@@ -361,6 +370,27 @@ def _kv_scales(spec: ModelSpec, float_cache: Any, weights: dict, kv: KVDtype, tm
     finally:
         path.unlink(missing_ok=True)
     return kv_calibrate.scale_tensors(scales)
+
+
+EAGLE3_FEATURES = "eagle3"  # hidden_layers: the layers EAGLE-3 heads read by default (models/families/eagle3.py)
+
+
+def feature_layers(value: str | Sequence[int] | None, spec: ModelSpec) -> tuple[int, ...]:
+    """``hidden_layers`` -> the layer indices ("eagle3": (2, N // 2, N - 3); a "2,15,27" string or ints); ()
+    for None. One line where one is not a layer of the model."""
+    if value is None:
+        return ()
+    n = spec.num_layers
+    if value == EAGLE3_FEATURES:
+        ids: tuple[int, ...] = (2, n // 2, n - 3)
+    else:
+        try:
+            ids = tuple(int(i) for i in (value.split(",") if isinstance(value, str) else value))
+        except (TypeError, ValueError):
+            raise DecodertError(f"--hidden-layers must be 'eagle3' or layer indices like 2,15,27 (got {value!r})") from None
+    if not ids or not all(0 <= i < n for i in ids):
+        raise DecodertError(f"--hidden-layers {list(ids)}: layer indices of the model's {n} layers (0..{n - 1})")
+    return ids
 
 
 def _file_records(folder: Path) -> dict:

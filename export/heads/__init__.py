@@ -11,10 +11,11 @@
 A head reads the target's last hidden state, which the target's graphs return only when exported with
 ``--hidden-states`` (export/lowering/io_contract.hidden_outputs); a target without them is refused in one line, as
 is loading a head beside any other target. Families: gemma4_assistant (models/families/gemma4_assistant.py; it
-reads the target's K/V) and qwen3_5_mtp (the MTP layer of a Qwen3.5 checkpoint, exported from the target's own
+reads the target's K/V), qwen3_5_mtp (the MTP layer of a Qwen3.5 checkpoint, exported from the target's own
 folder: the same ``--target-artifact`` path, SRC being the checkpoint the target was exported from; the head keeps
-its own small K/V, runtime/speculation/mtp.py). EAGLE-3 heads fit the same record (three layers' features, more
-outputs of the same kind).
+its own small K/V, runtime/speculation/mtp.py) and eagle3 (models/families/eagle3.py: a head folder in the
+published layout; it reads three layers' inputs, which the target returns when exported with ``--hidden-layers``,
+and keeps its own K/V as the MTP layer does).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from decodert.artifact.heads import (HEAD_FAMILIES, HEAD_MANIFEST, has_hidden_st
 from decodert.artifact.manifest import load_manifest
 from decodert.artifact.safetensors_file import SafetensorsFile
 from decodert.models import family_for
+from decodert.models.families import eagle3 as eagle3_family
 from decodert.models.families import gemma4_assistant as assistant_family
 from decodert.models.families import qwen3_5 as mtp_family
 
@@ -43,9 +45,10 @@ def is_head_checkpoint(src: str | Path) -> bool:
     """Whether ``src`` is a draft head's checkpoint folder (its config.json names a head family)."""
     config = Path(src) / "config.json"
     try:
-        return config.is_file() and json.loads(config.read_text()).get("model_type") in HEAD_FAMILIES
+        raw = json.loads(config.read_text()) if config.is_file() else {}
     except (OSError, ValueError):
         return False
+    return isinstance(raw, dict) and (raw.get("model_type") in HEAD_FAMILIES or eagle3_family.is_eagle3(raw))
 
 
 def has_mtp_layers(src: str | Path) -> bool:
@@ -76,13 +79,14 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
         config = json.loads((src / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise DecodertError(f"{src / 'config.json'}: cannot read ({e})") from None
-    mtp = config.get("model_type") in mtp_family.MTP_MODEL_TYPES
+    eagle3 = eagle3_family.is_eagle3(config)
+    mtp = config.get("model_type") in mtp_family.MTP_MODEL_TYPES and not eagle3
     if mtp and not has_mtp_layers(src):
         raise DecodertError(f"{src}: this checkpoint carries no MTP layers ({mtp_family.MTP_WEIGHTS['fc']} is missing)")
-    if config.get("model_type") not in HEAD_FAMILIES and not mtp:
-        raise DecodertError(f"{src}: model_type {config.get('model_type')!r} is not a draft head "
-                            f"(supported: {', '.join(HEAD_FAMILIES[:-1])}, or a {'/'.join(mtp_family.MTP_MODEL_TYPES)} "
-                            "checkpoint with mtp.* layers)")
+    if config.get("model_type") not in HEAD_FAMILIES and not mtp and not eagle3:
+        raise DecodertError(f"{src}: model_type {config.get('model_type')!r} is not a draft head (supported: "
+                            f"gemma4_assistant, an EAGLE-3 head ({eagle3_family.ARCHITECTURES[0]}), or a "
+                            f"{'/'.join(mtp_family.MTP_MODEL_TYPES)} checkpoint with mtp.* layers)")
     target = load_manifest(target_artifact)
     if not has_hidden_states(target):
         raise DecodertError(f"{target_artifact}: its graphs do not return the hidden state a head reads; "
@@ -92,8 +96,13 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
     dtype = dtype or target.dtype
     if dtype != target.dtype or dtype not in ("fp32", "fp16"):
         raise DecodertError(f"the head's dtype {dtype} must be the target's, fp32 or fp16 (the target: {target.dtype})")
+    if not eagle3 and target.hidden_layers:
+        raise DecodertError(f"{target_artifact}: its hidden-state outputs are layer features (--hidden-layers), which "
+                            "only an EAGLE-3 head reads; export the target again with --hidden-states alone")
     out.mkdir(parents=True, exist_ok=True)
-    if mtp:
+    if eagle3:
+        record = _export_eagle3(src, out, config, target, target_artifact, dtype)
+    elif mtp:
         record = _export_mtp(src, out, config, target, target_artifact, dtype)
     else:
         record = _export_assistant(src, out, config, target, target_artifact, dtype)
@@ -181,6 +190,80 @@ def _export_mtp(src: Path, out: Path, config: dict, target, target_artifact, dty
             "graph": {"file": HEAD_GRAPH, **mtp_contract(spec, dtype)}}
 
 
+def _export_eagle3(src: Path, out: Path, config: dict, target, target_artifact, dtype: str) -> dict:
+    """An EAGLE-3 head folder (config.json + safetensors in the published layout) -> head.onnx (+ embed.npy where
+    the head has an embedding of its own that is not the target's)."""
+    from decodert.export.heads.eagle3 import build_eagle3_graph, eagle3_contract
+
+    spec = eagle3_family.spec_from_hf(config)
+    tspec = target.model.spec()
+    if spec.target_hidden_size != tspec.hidden_size or spec.vocab_size != tspec.vocab_size:
+        raise DecodertError(f"{src}: the head drafts for a model of hidden size {spec.target_hidden_size} and "
+                            f"vocabulary {spec.vocab_size}; {target_artifact} has {tspec.hidden_size} and {tspec.vocab_size}")
+    if tspec.embed_scale is not None:
+        raise DecodertError(f"{target_artifact}: a target with scaled embeddings ({tspec.family}) is not read by "
+                            "EAGLE-3 heads yet")
+    ids = eagle3_family.layer_ids(spec, tspec.num_layers)
+    if tuple(target.hidden_layers or ()) != ids:
+        raise DecodertError(f"{target_artifact}: the head reads the inputs of the target's layers {list(ids)}; export "
+                            f"the target again with --hidden-layers {','.join(map(str, ids))}")
+    names = eagle3_family.weight_names(_checkpoint_keys(src))
+    weights = _read_weights(src, names, raw=("d2t", "t2d"))
+    want = {"fc": (spec.hidden_size, 3 * spec.target_hidden_size), "lm_head": (spec.draft_vocab_size, spec.hidden_size),
+            "q": (spec.num_heads * spec.head_dim, 2 * spec.hidden_size)}
+    for name, shape in want.items():
+        if weights[name].shape != shape:
+            raise DecodertError(f"{src}: {names[name]} is {list(weights[name].shape)}, the config says {list(shape)}")
+    t2d = weights.pop("t2d", None)  # d2t maps every draft id to its target id; t2d only checked against it
+    if "d2t" in weights:
+        d2t = weights["d2t"].astype(np.int64).reshape(-1)
+        ids_in_target = np.arange(len(d2t)) + d2t
+        if len(d2t) != spec.draft_vocab_size or ids_in_target.min() < 0 or ids_in_target.max() >= spec.vocab_size:
+            raise DecodertError(f"{src}: d2t must map each of the {spec.draft_vocab_size} draft ids to a target id "
+                                f"below {spec.vocab_size}")
+        if t2d is not None and (t2d.reshape(-1).shape != (spec.vocab_size,) or not t2d.reshape(-1)[ids_in_target].all()
+                                or int(t2d.sum()) != len(set(ids_in_target.tolist()))):
+            raise DecodertError(f"{src}: t2d does not mark the target ids d2t maps the draft ids to")
+        weights["d2t"] = d2t
+    elif spec.draft_vocab_size != spec.vocab_size:
+        raise DecodertError(f"{src}: a draft vocabulary of {spec.draft_vocab_size} (not the target's "
+                            f"{spec.vocab_size}) needs its d2t table")
+    embedding = _head_embedding(src, out, weights.pop("embed", None), spec, target, target_artifact, dtype)
+    onnx.save_model(build_eagle3_graph(spec, weights, dtype, target.max_seq), out / HEAD_GRAPH,
+                    save_as_external_data=True, location="head.bin", size_threshold=1024)
+    onnx.checker.check_model(str(out / HEAD_GRAPH), full_check=True)
+    return {"format": "decodert-head", "version": 1, "family": "eagle3", "dtype": dtype,
+            "max_seq": target.max_seq, "target": _target_record(target, tspec),
+            "reads": {"hidden": "hidden_state", "hidden_layers": list(ids), "kv_layers": {}},
+            "cache": {"layers": 1, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
+            "embedding": embedding,
+            "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(spec).items()
+                     if k != "rope"},
+            "graph": {"file": HEAD_GRAPH, **eagle3_contract(spec, dtype)}}
+
+
+HEAD_EMBEDDING = "embed.npy"  # an EAGLE-3 head's own token embedding, where it is not the target's
+
+
+def _head_embedding(src: Path, out: Path, embed, spec, target, target_artifact, dtype: str) -> str:
+    """"target" where the head reads the target's embedding (it has none, or a copy of the target's), else the
+    file of its own (the head's dtype) beside head.onnx."""
+    if embed is not None and embed.shape != (spec.vocab_size, spec.hidden_size):
+        raise DecodertError(f"{src}: embed_tokens.weight is {list(embed.shape)}, not [{spec.vocab_size}, "
+                            f"{spec.hidden_size}]")
+    if embed is None:
+        if spec.hidden_size != spec.target_hidden_size:
+            raise DecodertError(f"{src}: a head of hidden size {spec.hidden_size} (the target's: "
+                                f"{spec.target_hidden_size}) needs embed_tokens.weight of its own")
+        return "target"
+    if spec.hidden_size == spec.target_hidden_size:
+        theirs = np.asarray(target_embedding(Path(target_artifact), target), np.float32)
+        if np.allclose(embed, theirs, atol=1e-2 if dtype == "fp16" else 1e-6):
+            return "target"
+    np.save(out / HEAD_EMBEDDING, embed.astype(np.float16 if dtype == "fp16" else np.float32))
+    return HEAD_EMBEDDING
+
+
 def _checkpoint_keys(src: Path) -> set[str]:
     keys: set[str] = set()
     for f in sorted(src.glob("*.safetensors")):
@@ -192,8 +275,8 @@ def _checkpoint_keys(src: Path) -> set[str]:
     return keys
 
 
-def _read_weights(src: Path, names: dict[str, str]) -> dict[str, np.ndarray]:
-    """Canonical name -> float32 (token_ordering: int64) array, from the folder's safetensors files."""
+def _read_weights(src: Path, names: dict[str, str], raw: tuple[str, ...] = ("token_ordering",)) -> dict[str, np.ndarray]:
+    """Canonical name -> float32 (those named in ``raw``: int64) array, from the folder's safetensors files."""
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise DecodertError(f"{src}: no .safetensors weights")
@@ -207,7 +290,7 @@ def _read_weights(src: Path, names: dict[str, str]) -> dict[str, np.ndarray]:
                     out[canon] = np.ones(1, np.float32)
                     continue
                 raise DecodertError(f"{src}: weight {key} is missing")
-            out[canon] = f.raw(key).astype(np.int64) if canon == "token_ordering" else f.read(key)
+            out[canon] = f.raw(key).astype(np.int64) if canon in raw else f.read(key)
         return out
     finally:
         for o in opened:

@@ -73,14 +73,18 @@ from decodert.models.spec import ModelSpec, state_specs, window_layers
 
 
 def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.TensorProto],
-                kind: GraphKind, lora: LoraLayout | None = None, hidden: bool = False) -> onnx.ModelProto:
+                kind: GraphKind, lora: LoraLayout | None = None, hidden: bool = False,
+                hidden_layers: tuple[int, ...] = ()) -> onnx.ModelProto:
     """The prefill or decode graph; ``weights`` maps canonical names (+ rope caches) to tensors;
     ``lora``: the adapter slots every linear layer takes (export/lowering/lora_graph.py); ``hidden``: the
-    graph also returns the last hidden state (io_contract.hidden_outputs: what a draft head reads)."""
+    graph also returns the last hidden state (io_contract.hidden_outputs: what a draft head reads);
+    ``hidden_layers`` (with ``hidden``): those outputs carry the inputs of these layers instead, concatenated
+    (an EAGLE-3 head's features)."""
     per_position = verifies_rows(lowering, kind)
     lowering = lowering.for_graph(kind)
     g = GraphBuilder(f"decodert_{spec.family}_{kind}", lowering.opsets)
-    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position, lowering.kv, lora, hidden)
+    contract = io_contract(spec, lowering.dtype, lowering.max_seq, kind, per_position, lowering.kv, lora, hidden,
+                           hidden_layers)
     hidden_ios = contract["outputs"][len(contract["outputs"]) - len(hidden_outputs(spec, lowering.dtype, kind,
                                                                                       per_position)):] if hidden else []
     for io in contract["inputs"]:
@@ -119,7 +123,12 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
                 x = _place_images(g, spec, x)
             ple = per_layer.per_layer_inputs(g, lowering, spec, inp.input_ids, x) if spec.per_layer_inputs else None
         h = None
+        taken: dict[int, str] = {}  # hidden_layers: layer -> its input rows [T, hidden]
         for i in range(spec.num_layers):
+            if hidden and i in hidden_layers:
+                with g.scope(f"features.{i}"):
+                    stream = x if h is None else g.op("Add", x, h)
+                    taken[i] = lowering.tokens(g, stream, spec.hidden_size)
             with g.scope(f"layers.{i}"):
                 ctx = attention.context_of(contexts, spec, i)
                 x, h = decoder_layer(g, lowering.for_layer(i), ctx, inp, spec, i, x, h, kind == "decode", adapters)
@@ -127,11 +136,13 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
                     h = _add_deepstack(g, spec, h, i)
                 x, h = per_layer.layer_end(g, lowering, spec, i, x, h, ple)
         states: list[str] = []  # the hidden-state outputs' values, when asked for
+        features = None if not taken else (g.op("Concat", *(taken[i] for i in hidden_layers), axis=-1),
+                                           spec.hidden_size * len(hidden_layers))  # [T, n hidden]
         if kind == "verify":
-            heads = [_verify_head(g, lowering, inp, spec, x, h, states if hidden else None)]
+            heads = [_verify_head(g, lowering, inp, spec, x, h, states if hidden else None, features)]
         else:
             heads = list(_head(g, lowering, inp, spec, x, h, "per_position" if per_position else None,
-                               states if hidden else None, every_state=kind == "prefill"))
+                               states if hidden else None, every_state=kind == "prefill", features=features))
     values = [v for logits in heads for v in (logits, g.op("ArgMax", logits, axis=-1, keepdims=0))]
     for io, value in zip(contract["outputs"], values):
         g.output(value, io["name"], io["dtype"], io["shape"])
@@ -219,12 +230,14 @@ def _norm(g: GraphBuilder, low: Lowering, pending: str | None, x: str, weight: s
 
 
 def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str,
-          per_position: str | None, states: list[str] | None = None, every_state: bool = False) -> tuple[str, ...]:
+          per_position: str | None, states: list[str] | None = None, every_state: bool = False,
+          features: tuple[str, int] | None = None) -> tuple[str, ...]:
     """Residual add, gather the last valid token of each row, final norm, lm_head -> fp32 logits
     [B, V]; with ``per_position`` (an input [1]: 0 or 1) also every position's [B, S*p, V], their
     rows appended to the same gather and GEMM. ``states``: gets the final norm's output split the same
     way ([B, hidden], then [B, S*p, hidden]); with ``every_state`` (prefill) then every position's
-    [B, S, hidden] too (the final norm on every row, no lm_head)."""
+    [B, S, hidden] too (the final norm on every row, no lm_head). ``features`` ([T, width], width): the rows
+    ``states`` gets instead of the final norm's (hidden_layers' inputs)."""
     with g.scope("last_token"):
         shape = g.op("Shape", inp.input_ids)
         batch = g.op("Gather", shape, g.const(np.int64(0)), axis=0)
@@ -237,13 +250,17 @@ def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: 
             idx = g.op("Concat", idx, every, axis=0)  # [B + B*S*p]
         x, mlp = low.tokens(g, x, spec.hidden_size), low.tokens(g, mlp, spec.hidden_size)
         x_last, mlp_last = g.op("Gather", x, idx, axis=0), g.op("Gather", mlp, idx, axis=0)
-    logits = _final_norm_head(g, low, spec, x_last, mlp_last, states)
+    logits = _final_norm_head(g, low, spec, x_last, mlp_last, states if features is None else None)
+    width = spec.hidden_size if features is None else features[1]
+    if states is not None and features is not None:
+        with g.scope("features"):
+            states.append(g.op("Gather", features[0], idx, axis=0))  # [B (+ B*S*p), width]
     prompt = None
     if states is not None and every_state:
         with g.scope("prompt_hidden"):
-            normed, _ = low.add_rms_norm(g, mlp, x, "final_norm")  # [T, hidden]
+            normed = low.add_rms_norm(g, mlp, x, "final_norm")[0] if features is None else features[0]  # [T, width]
             prompt = g.op("Reshape", normed, g.op("Concat", g.op("Unsqueeze", batch, g.const([0])),
-                                                 g.op("Unsqueeze", seq, g.const([0])), g.const([spec.hidden_size]),
+                                                 g.op("Unsqueeze", seq, g.const([0])), g.const([width]),
                                                  axis=0))
     if per_position is None:
         if prompt is not None:
@@ -260,20 +277,23 @@ def _head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: 
 
         last, every = split(logits, spec.vocab_size)
         if states:
-            states[:] = [*split(states[0], spec.hidden_size), *([prompt] if prompt is not None else [])]
+            states[:] = [*split(states[0], width), *([prompt] if prompt is not None else [])]
     return last, every
 
 
 def _verify_head(g: GraphBuilder, low: Lowering, inp: GraphInputs, spec: ModelSpec, x: str, mlp: str,
-                 states: list[str] | None = None) -> str:
+                 states: list[str] | None = None, features: tuple[str, int] | None = None) -> str:
     """Residual add, final norm and lm_head on every token -> fp32 logits [B, S, V] (``states``: gets the
-    final norm's output [B, S, hidden])."""
+    final norm's output [B, S, hidden]; with ``features`` ([T, width], width), those rows [B, S, width])."""
     x, mlp = low.tokens(g, x, spec.hidden_size), low.tokens(g, mlp, spec.hidden_size)  # [T, hidden]
-    logits = _final_norm_head(g, low, spec, x, mlp, states)  # [T, V]
+    logits = _final_norm_head(g, low, spec, x, mlp, states if features is None else None)  # [T, V]
+    if states is not None and features is not None:
+        states.append(features[0])
     with g.scope("per_position"):
         shape = g.op("Shape", inp.input_ids)
         if states:
-            states[:] = [g.op("Reshape", states[0], g.op("Concat", shape, g.const([spec.hidden_size]), axis=0))]
+            width = spec.hidden_size if features is None else features[1]
+            states[:] = [g.op("Reshape", states[0], g.op("Concat", shape, g.const([width]), axis=0))]
         return g.op("Reshape", logits, g.op("Concat", shape, g.const([spec.vocab_size]), axis=0))
 
 

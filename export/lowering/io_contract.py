@@ -33,12 +33,14 @@ def verifies_rows(lowering: Lowering, kind: GraphKind) -> bool:
 
 def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
                 per_position: bool = False, kv: KVDtype | None = None,
-                lora: LoraLayout | None = None, hidden: bool = False) -> dict[str, list[dict]]:
+                lora: LoraLayout | None = None, hidden: bool = False,
+                hidden_layers: tuple[int, ...] = ()) -> dict[str, list[dict]]:
     """Names, dtypes and shapes of a graph's inputs and outputs (also written to the manifest);
     ``per_position``: the prefill graph's one-row verify input and outputs (``verifies_rows``);
     ``kv``: the cache's element type (default ``dtype``): its storage and packed width.
     ``lora``: the adapter slots' inputs (artifact/lora_layout.py). ``hidden``: also the last hidden state a draft
-    head reads (``HIDDEN_OUTPUTS``), listed last; without it the contract is what it was before."""
+    head reads (``HIDDEN_OUTPUTS``), listed last; without it the contract is what it was before.
+    ``hidden_layers``: those outputs carry the inputs of these layers, concatenated (an EAGLE-3 head's features)."""
     seq: int | str = 1 if kind == "decode" else "seq"
     kv = kv or KV_DTYPES[dtype]
     inputs: list[dict] = [
@@ -84,7 +86,7 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
     if lora is not None:
         inputs += lora.inputs(spec, dtype)
     if hidden:
-        outputs += hidden_outputs(spec, dtype, kind, per_position)
+        outputs += hidden_outputs(spec, dtype, kind, per_position, hidden_layers)
     return {"inputs": inputs, "outputs": outputs}
 
 
@@ -92,16 +94,20 @@ def io_contract(spec: ModelSpec, dtype: str, max_seq: int, kind: GraphKind,
 HIDDEN_OUTPUTS = ("hidden_state", "seq_hidden")
 
 
-def hidden_outputs(spec: ModelSpec, dtype: str, kind: GraphKind, per_position: bool = False) -> list[dict]:
+def hidden_outputs(spec: ModelSpec, dtype: str, kind: GraphKind, per_position: bool = False,
+                   hidden_layers: tuple[int, ...] = ()) -> list[dict]:
     """The hidden-state outputs of graph ``kind``, in the order the graph emits them: prefill/decode
-    ``hidden_state`` [B, hidden] (each row's last valid token; the prefill graph that verifies rows also
-    ``seq_hidden`` [B, positions, hidden]; every prefill graph then ``prompt_hidden`` [B, S, hidden]: every
-    position's, whatever per_position says); verify ``seq_hidden`` [B, S, hidden]."""
+    ``hidden_state`` [B, W] (each row's last valid token; the prefill graph that verifies rows also
+    ``seq_hidden`` [B, positions, W]; every prefill graph then ``prompt_hidden`` [B, S, W]: every
+    position's, whatever per_position says); verify ``seq_hidden`` [B, S, W]. W is hidden, the final norm's
+    output; with ``hidden_layers`` (the manifest's ``hidden_layers``, ``--hidden-states eagle3``) the inputs of
+    those layers concatenated in that order, W = len(hidden_layers) x hidden."""
+    w = spec.hidden_size * (len(hidden_layers) or 1)
     if kind == "verify":
-        return [{"name": "seq_hidden", "dtype": dtype, "shape": ["batch", "seq", spec.hidden_size]}]
-    out = [{"name": "hidden_state", "dtype": dtype, "shape": ["batch", spec.hidden_size]}]
+        return [{"name": "seq_hidden", "dtype": dtype, "shape": ["batch", "seq", w]}]
+    out = [{"name": "hidden_state", "dtype": dtype, "shape": ["batch", w]}]
     if per_position:
-        out.append({"name": "seq_hidden", "dtype": dtype, "shape": ["batch", "positions", spec.hidden_size]})
+        out.append({"name": "seq_hidden", "dtype": dtype, "shape": ["batch", "positions", w]})
     if kind == "prefill":  # every prompt position's (an MTP head's own K/V covers the prompt)
-        out.append({"name": "prompt_hidden", "dtype": dtype, "shape": ["batch", "seq", spec.hidden_size]})
+        out.append({"name": "prompt_hidden", "dtype": dtype, "shape": ["batch", "seq", w]})
     return out

@@ -25,10 +25,10 @@ from decodert.runtime.backends.kv_cache import contiguous_runs
 
 def head_drafter(backend: Any, folder: str | Path, record: dict) -> Any:
     """The drafter of the head artifact ``folder`` (its record ``record``): by the family head.json names."""
-    if record["family"] == "qwen3_5_mtp":
-        from decodert.runtime.speculation.mtp import MtpDrafter
+    if record["family"] in ("qwen3_5_mtp", "eagle3"):  # a K/V of its own
+        from decodert.runtime.speculation.mtp import Eagle3Drafter, MtpDrafter
 
-        drafter = MtpDrafter(backend, folder, record)
+        drafter = (Eagle3Drafter if record["family"] == "eagle3" else MtpDrafter)(backend, folder, record)
     else:
         drafter = HeadDrafter(backend, folder, record)
     drafter.method = HEAD_METHODS[record["family"]]

@@ -1,4 +1,5 @@
-"""Drafting with a Qwen3.5 MTP layer (``speculative="mtp"``): a head with attention of its own, so a small K/V of its own.
+"""Drafting with a head that has attention of its own, so a small K/V of its own: Qwen3.5's MTP layer
+(``speculative="mtp"``) and EAGLE-3 heads (``speculative="eagle3"``, ``Eagle3Drafter`` below: the same machinery).
 
 The head's entry at position p is the MTP layer run on the pair (h_p: the target's hidden state at p, the token at
 p + 1) at RoPE position p (export/heads/qwen3_5_mtp.py). ``MtpDrafter.propose`` for a row whose target cache holds L
@@ -34,7 +35,7 @@ from typing import Any, Sequence as Seq
 
 import numpy as np
 
-from decodert.artifact.heads import target_embedding
+from decodert.artifact.heads import head_embedding
 from decodert.errors import DecodertError
 from decodert.runtime.backends.kv_cache import common_prefix
 
@@ -91,7 +92,7 @@ class MtpDrafter:
         self.rows = backend.keep_hidden()
         self.session = backend.open_graph(str((Path(folder) / record["graph"]["file"]).resolve()))
         self.dtype = backend.np_dtype
-        self.embed = target_embedding(backend.dir, backend.manifest)
+        self.embed = head_embedding(folder, record, backend.dir, backend.manifest)  # [V, hidden], read-only
         self.cache: HeadCache | None = None  # made for the first target cache seen (its slots and max_seq)
         self.seconds_per_token = 0.0  # EMA, measured
         self.follow_seconds = 0.0  # spent catching up at steps that did not draft (measured, reported by nobody yet)
@@ -102,13 +103,18 @@ class MtpDrafter:
             self.cache = HeadCache(target.slots, c["num_kv_heads"], target.max_seq, c["head_dim"], self.dtype)
         return self.cache
 
+    def _inputs(self, embeds: np.ndarray, hidden: np.ndarray, chained: bool) -> dict[str, np.ndarray]:
+        """The head's own inputs for pairs (embeds, hidden) [B, S, .]: ``hidden`` is the target's rows (a
+        catch-up) or the head's own hidden_out (``chained``); the MTP layer takes either as ``hidden``."""
+        return {"token_embeds": embeds, "hidden": hidden}
+
     def _run(self, embeds: np.ndarray, hidden: np.ndarray, at: np.ndarray, starts: np.ndarray, n: np.ndarray,
-             slots: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+             slots: list[int], chained: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """One call: pairs [B, S] at positions at..at+n-1 over the head's entries -> (next_token, hidden_out,
         new keys, new values)."""
         keys, values = self.cache.past(slots, int(at.max()))
         _, token, hidden_out, k, v = self.session.run(None, {
-            "token_embeds": embeds, "hidden": hidden, "past_lengths": at, "past_starts": starts, "seq_lengths": n,
+            **self._inputs(embeds, hidden, chained), "past_lengths": at, "past_starts": starts, "seq_lengths": n,
             "past_key.0": keys, "past_value.0": values})
         return token, hidden_out, k, v
 
@@ -133,7 +139,8 @@ class MtpDrafter:
         ones = np.ones(b, np.int64)
         for step in range(1, steps):
             embeds = np.asarray(self.embed[tokens[:, step - 1]], self.dtype)[:, None]
-            token, hidden_out, k, v = self._run(embeds, hidden_out[:, None], position, cache.starts[slots], ones, slots)
+            token, hidden_out, k, v = self._run(embeds, hidden_out[:, None], position, cache.starts[slots], ones, slots,
+                                                chained=True)
             for i, slot in enumerate(slots):  # scratch: read by the next step, overwritten by the next catch-up
                 cache.write(slot, int(position[i]), k[i], v[i])
             tokens[:, step] = token
@@ -173,8 +180,8 @@ class MtpDrafter:
         if not rows:
             return rows, None, None
         cache, slots = self.cache, [r[1] for r in rows]
-        width, b, h = max(len(r[4]) for r in rows), len(rows), self.embed.shape[1]
-        embeds, hidden = np.zeros((b, width, h), self.dtype), np.zeros((b, width, h), self.dtype)
+        width, b, h, w = max(len(r[4]) for r in rows), len(rows), self.embed.shape[1], rows[0][4].shape[-1]
+        embeds, hidden = np.zeros((b, width, h), self.dtype), np.zeros((b, width, w), self.dtype)  # w: the rows' width
         n = np.array([len(r[4]) for r in rows], np.int64)
         for i, (j, _, length, held, computed) in enumerate(rows):
             hidden[i, : n[i]] = computed
@@ -188,3 +195,24 @@ class MtpDrafter:
 
     def release(self, seq: Any) -> None:
         pass
+
+
+class Eagle3Drafter(MtpDrafter):
+    """Greedy chained drafts from an eagle3 head artifact (models/families/eagle3.py): the MTP layer's machinery
+    and cache rule, with the target's rows being its three layers' inputs (fused by the head's fc in a catch-up)
+    and a chained step feeding the head's pre-norm output instead. The head's graph takes both as inputs of
+    their own (export/heads/eagle3.py): the one a call does not use is zeros."""
+
+    def _inputs(self, embeds: np.ndarray, hidden: np.ndarray, chained: bool) -> dict[str, np.ndarray]:
+        b, s = hidden.shape[:2]
+        if chained:
+            return {"token_embeds": embeds, "features": np.zeros((b, s, self.features), self.dtype), "hidden": hidden}
+        return {"token_embeds": embeds, "features": hidden, "hidden": np.zeros((b, s, self.width), self.dtype)}
+
+    @property
+    def features(self) -> int:
+        return 3 * int(self.record["spec"]["target_hidden_size"])
+
+    @property
+    def width(self) -> int:
+        return int(self.record["spec"]["hidden_size"])

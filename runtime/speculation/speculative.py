@@ -37,13 +37,14 @@ from typing import Any, Sequence as Seq
 import numpy as np
 
 from decodert.errors import DecodertError
+from decodert.artifact.heads import HEAD_METHOD_NAMES
 from decodert.runtime.speculation.drafters import Drafter, NgramDrafter
 from decodert.runtime.speculation.planner import StepCosts, plan
 from decodert.runtime.decoding.generate import Sequence, decode_step
 from decodert.runtime.decoding.metrics import Metrics
 from decodert.runtime.decoding.sampling import apply_processors, draw, greedy, make_distribution
 
-METHODS = ("ngram", "draft", "assistant", "mtp", "auto")
+METHODS = ("ngram", "draft", *HEAD_METHOD_NAMES, "auto")  # the heads': assistant, mtp, eagle3
 PRIOR = 0.5  # acceptance of a kind of proposal nobody has verified yet (one pseudo-observation)
 HINDSIGHT = 0.25  # weight of a draft judged in hindsight (not verified) against a verified one
 
@@ -52,7 +53,8 @@ HINDSIGHT = 0.25  # weight of a draft judged in hindsight (not verified) against
 class SpeculativeConfig:
     """``method``: "ngram" (prompt lookup) | "draft" (LLM.load(..., draft=ARTIFACT)) | "assistant" (a draft head
     that reads the target's hidden states: LLM.load(..., draft=HEAD_ARTIFACT), runtime/speculation/heads.py) |
-    "mtp" (a Qwen3.5 MTP head, the same way: runtime/speculation/mtp.py; each head answers to its own method) |
+    "mtp" (a Qwen3.5 MTP head, the same way: runtime/speculation/mtp.py) | "eagle3" (an EAGLE-3 head, the same
+    way; each head answers to its own method) |
     "auto" (the head when one is loaded, else the draft model, else prompt lookup); ``draft_len``:
     most tokens drafted per step; ``max_ngram`` / ``min_ngram``: the match lengths prompt lookup
     tries; ``adaptive``: pick the draft length from measured acceptance and step costs."""
@@ -105,7 +107,7 @@ class Speculator:
         head_method = getattr(self._head, "method", None)
         if method == "auto":
             method = head_method or ("draft" if self._draft_backend is not None else "ngram")
-        if method in ("assistant", "mtp"):
+        if method in HEAD_METHOD_NAMES:
             if self._head is None:
                 raise DecodertError(f"speculative='{method}' needs a draft head: LLM.load(path, draft=HEAD_ARTIFACT) "
                                     "(--draft; export one with `decodert export HEAD --target-artifact TARGET`)")

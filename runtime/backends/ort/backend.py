@@ -29,6 +29,7 @@ import onnxruntime as ort
 from decodert.errors import DecodertError, first_line
 from decodert.artifact.graph_contract import kv_storage
 from decodert.artifact.manifest import Manifest
+from decodert.artifact.heads import hidden_width
 from decodert.plugins.ops.kv_dtypes import NUMPY_STORAGE
 from decodert.artifact.targets import target_info
 from decodert.artifact.onnx_check import check_external_data, check_session_io
@@ -82,6 +83,7 @@ class OrtBackend:
         self.max_batch, self.max_seq = manifest.max_batch, manifest.max_seq
         self.vocab_size = manifest.model.vocab_size
         self.hidden = manifest.model.hidden_size or 0
+        self.hidden_width = hidden_width(manifest)  # a row of the hidden-state outputs (EAGLE-3 features: 3 hidden)
         options = session_options(threads)
         providers = list(providers or default_providers())
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
@@ -340,7 +342,7 @@ class OrtBackend:
             session = self._target_prefill if kind == "prefill" else self._open_verify()
             state = self._verify[kind] = VerifyState(session, kind, self.max_batch, self.verify_width, self.vocab_size,
                                                      self._windows if kind == "verify" else None, self.lora_weights,
-                                                     (self.hidden, self.np_dtype) if self.hidden_rows is not None else None)
+                                                     (self.hidden_width, self.np_dtype) if self.hidden_rows is not None else None)
         return state
 
     def open_graph(self, file: str) -> ort.InferenceSession:
@@ -475,10 +477,10 @@ class OrtBackend:
         for name, arr in (("logits", b.logits), ("next_token", b.next_token)):
             io.bind_output(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         if self.hidden_rows is not None:
-            b.hidden = np.empty((n, self.hidden), self.np_dtype)
+            b.hidden = np.empty((n, self.hidden_width), self.np_dtype)
             io.bind_output("hidden_state", "cpu", 0, b.hidden.dtype, b.hidden.shape, b.hidden.ctypes.data)
             if any(t.name == "prompt_hidden" for t in self.manifest.graphs[kind].outputs):
-                b.prompt = np.empty((n, width, self.hidden), self.np_dtype)
+                b.prompt = np.empty((n, width, self.hidden_width), self.np_dtype)
                 io.bind_output("prompt_hidden", "cpu", 0, b.prompt.dtype, b.prompt.shape, b.prompt.ctypes.data)
         bind_cache(io, cache, start, n, self.lora_weights)
         return b

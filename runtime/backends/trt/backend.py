@@ -34,6 +34,7 @@ import numpy as np
 
 from decodert.errors import DecodertError
 from decodert.artifact.manifest import Manifest
+from decodert.artifact.heads import hidden_width
 from decodert.artifact.artifact_files import write_atomic
 from decodert.artifact.trt_engines import make_logger
 from decodert.plugins.trt.compat import load_trt, read_engine
@@ -135,7 +136,7 @@ class TrtBackend:
         dev = {"pre_ids": b * sp * 8, "pre_len": b * 8, "pre_seq": b * 8, "dec_ids": b * 8, "dec_len": b * 8,
                "dec_seq": b * 8, "next": b * 8, "logits": b * v * 4}
         # an export with --hidden-states (a draft head reads them on the ort backend): every output must be bound
-        self.hidden_bytes = int(self.manifest.model.hidden_size or 0) * self.itemsize
+        self.hidden_bytes = hidden_width(self.manifest) * self.itemsize
         if any(t.name == "hidden_state" for t in self.manifest.graphs["prefill"].outputs):
             dev["hidden_state"] = b * self.hidden_bytes
         if any(t.name == "prompt_hidden" for t in self.manifest.graphs["prefill"].outputs):

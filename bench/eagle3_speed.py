@@ -3,9 +3,9 @@
 
     python bench/eagle3_speed.py --target out/smollm2-hs --head out/smollm2-eagle3
                                  [--gguf SmolLM2.gguf] [--head-folder ~/.cache/decodert-bench/smollm2-eagle3-head]
-                                 [--modes plain,eagle3,ngram] [--repeats 3] [--gen 128] [--threads 2] [--json out.json]
+                                 [--modes plain,eagle3,ngram] [--prompts N] [--repeats 3] [--gen 128] [--threads 2] [--json out.json]
 
-``--target`` is a decodert artifact exported with ``--hidden-states`` and ``--head`` the head artifact
+``--target`` is a decodert artifact exported with ``--hidden-layers eagle3`` and ``--head`` the head artifact
 (``decodert export HEAD_FOLDER --target-artifact TARGET -o HEAD``); with ``--gguf`` / ``--head-folder``
 missing ones are exported first through the CLI. Every repeat runs every mode in a fresh worker process
 (load, one untimed warm-up prompt that is not measured, then every held-out prompt of
@@ -36,11 +36,12 @@ def log(msg: str) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", type=Path, required=True, help="target artifact exported with --hidden-states")
+    p.add_argument("--target", type=Path, required=True, help="target artifact exported with --hidden-layers eagle3")
     p.add_argument("--head", type=Path, required=True, help="the EAGLE-3 head artifact")
     p.add_argument("--gguf", type=Path, default=None, help="export --target from this checkpoint when it is missing")
     p.add_argument("--head-folder", type=Path, default=None, help="export --head from this head folder when it is missing")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
+    p.add_argument("--prompts", type=int, default=None, help="the first N held-out prompts (default: all)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
@@ -55,7 +56,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--modes: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(MODES)}")
     if "plain" not in args.modes:
         p.error("--modes must include plain (the tokens and the speed-up are compared with it)")
-    for name in ("repeats", "gen", "threads"):
+    for name in ("repeats", "gen", "threads") + (("prompts",) if args.prompts is not None else ()):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
     for what, folder, source in (("--target", args.target, args.gguf), ("--head", args.head, args.head_folder)):
@@ -68,16 +69,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def export_missing(args: argparse.Namespace) -> None:
     """The target (with its hidden states) and the head, through ``decodert export``, where missing."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmds = []
     if not (args.target / "manifest.json").is_file():
-        cmds.append([str(args.gguf), "-o", str(args.target), "--hidden-states"])
+        cmds.append([str(args.gguf), "-o", str(args.target), "--hidden-layers", "eagle3"])
     if not args.head.exists():
         cmds.append([str(args.head_folder), "--target-artifact", str(args.target), "-o", str(args.head)])
     for cmd in cmds:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "decodert", "export", *cmd], capture_output=True, text=True, env=env)
+        proc = subprocess.run([sys.executable, "-m", "decodert", "export", *cmd], capture_output=True, text=True)
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise SystemExit(f"decodert export {' '.join(cmd)}: {tail}")
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         order = args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]
         for mode in order:
-            runs[mode].append(in_worker(mode, HELD_OUT, args))
+            runs[mode].append(in_worker(mode, HELD_OUT[: args.prompts], args))
         log(f"  repeat {r + 1}/{args.repeats} done (load avg {os.getloadavg()[0]:.2f})")
     table, same = report(runs)
     log(table)

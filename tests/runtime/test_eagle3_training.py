@@ -175,7 +175,8 @@ def test_speed_script_refuses_bad_arguments(tmp_path, capsys):
                       (["--target", str(target), "--head", str(head), "--gguf", str(tmp_path / "x.gguf")], "x.gguf does not exist"),
                       (["--target", str(target), "--head", str(head), "--modes", "plain,medusa"], "unknown medusa"),
                       (["--target", str(target), "--head", str(head), "--modes", "eagle3"], "must include plain"),
-                      (["--target", str(target), "--head", str(head), "--repeats", "0"], "--repeats must be at least 1")):
+                      (["--target", str(target), "--head", str(head), "--repeats", "0"], "--repeats must be at least 1"),
+                      (["--target", str(target), "--head", str(head), "--prompts", "0"], "--prompts must be at least 1")):
         with pytest.raises(SystemExit) as e:
             eagle3_speed.parse(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err

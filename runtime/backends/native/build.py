@@ -1,7 +1,7 @@
 """The native decode step's C library (decode_step.c beside this file), compiled at first use for this CPU.
 
-``cc -O3 -march=native -shared -fPIC`` into ``$DECODERT_CACHE/native/decode_step-<key>.so`` (default
-~/.cache/decodert), the key a hash of the source, the compiler's version line and the CPU's flags, so a changed
+``cc -O3 -march=native -ffp-contract=off -shared -fPIC`` into ``$DECODERT_CACHE/native/decode_step-<key>.so`` (default
+~/.cache/decodert), the key a hash of the source, the compiler's version line, the flags and the CPU's flags, so a changed
 source, compiler or machine builds again and a later process loads the file. Where the CPU lacks AVX-512 VNNI or
 there is no C compiler, ``refusal()`` says so in one line and the placement has no ``native-cpu`` candidate.
 """
@@ -20,6 +20,9 @@ from decodert.errors import DecodertError, first_line
 SOURCE = Path(__file__).with_name("decode_step.c")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # what the kernels' intrinsics need
 P = ctypes.c_void_p
+# -ffp-contract=off: no fused multiply-adds where the C code writes a product and a sum (the norms compute as ONNX
+# Runtime's do); the kernels' own FMAs are intrinsics
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
 
 _built: dict[str, ctypes.CDLL | str] = {}  # "lib" -> the loaded library, or "why" -> the reason there is none
 
@@ -81,7 +84,7 @@ def _load() -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError):
         version = []
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + "\n".join(version).encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + "\n".join([*version, *CFLAGS, *sorted(flags)]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("DECODERT_CACHE") or Path.home() / ".cache" / "decodert") / "native"
     out = root / f"decode_step-{key}.so"
     if not out.is_file():
@@ -90,7 +93,7 @@ def _load() -> ctypes.CDLL:
         except OSError as e:
             raise DecodertError(f"the native decode step cannot be built into {root} ({e.strerror})") from None
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        cmd = [cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-lpthread", "-lm"]
+        cmd = [cc, *CFLAGS, "-o", str(tmp), str(SOURCE), "-lpthread", "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as e:

@@ -45,7 +45,7 @@ from decodert.artifact.targets import target_info
 from decodert.artifact.version import __version__
 
 PHASES = ("prefill", "decode")
-BACKENDS = ("ort", "openvino", "openvino-native")
+BACKENDS = ("ort", "openvino", "openvino-native", "native-cpu")
 FILE = "placement.json"
 SHORT, LONG = 128, 512  # prompt tokens of the two timed prefills (at most what the cache holds)
 PARITY_STEPS = 8  # greedy decode steps after each parity prefill
@@ -108,7 +108,18 @@ def candidates(manifest: Manifest) -> dict[str, list[str]]:
     if openvino_refusal(manifest, "openvino") is None and ep.provider():
         prefill.append("openvino")
         decode.append("openvino")
+    if native_refusal(manifest) is None:
+        decode.append("native-cpu")
     return {"prefill": prefill, "decode": decode}
+
+
+def native_refusal(manifest: Manifest) -> str | None:
+    """Why the decode step of this artifact has no ``native-cpu`` candidate (decodert's own C step,
+    runtime/backends/native/: dense llama-family int4 at accuracy level 4, on a CPU with AVX-512 VNNI and a C
+    compiler); None: it has one (its decode graph is matched when the step opens: a mismatch is a refusal)."""
+    from decodert.runtime.backends.native import step
+
+    return step.refusal(manifest)
 
 
 def openvino_refusal(manifest: Manifest, name: str = "openvino") -> str | None:
@@ -169,6 +180,9 @@ def open_placed(path: Path, manifest: Manifest, setting: Any, threads: int | Non
     short = min(SHORT, backend.max_seq // 4)
     prompts = parity_prompts(path, manifest, short, min(LONG, backend.max_seq - PARITY_STEPS - 2))
     phases, figures = measure(backend, cands, prompts, threads)
+    absent = native_refusal(manifest)
+    if absent:  # why decodert's own decode step is not a candidate here (inspect shows it)
+        figures["decode"].setdefault("native-cpu", {"absent": absent})
     for phase, name in phases.items():
         backend.place(phase, name)
     backend.drop_unplaced()
@@ -400,6 +414,8 @@ def _fig(v: Any) -> str:
         return str(v)
     if "refused" in v:
         return f"refused: {v['refused'][:80]}"
+    if "absent" in v:
+        return f"absent: {v['absent'][:80]}"
     if v.get("only"):
         return "the only candidate"
     return "/".join(f"{v[k]:g} ms" for k in ("short_ms", "long_ms", "step_ms") if k in v)

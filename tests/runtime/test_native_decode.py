@@ -83,16 +83,65 @@ def test_logits_and_cache_rows_are_the_ort_graphs(int4_arts, family):
     assert list(ours.held(1)) == list(theirs.held(1))
 
 
+def test_placed_decode_gives_ort_tokens_and_records_the_cache(int4_arts):
+    """LLM.load(placement={"decode": "native-cpu"}): the one-session backend's greedy tokens (within ties) alone
+    and in a batch (several rows: the ort session), and every row holds exactly the ids it ran."""
+    art = int4_arts["llama_tied"]
+    plain = LLM.load(art, placement="off", prefix_cache_mb=0)
+    placed = LLM.load(art, placement={"decode": "native-cpu"}, prefix_cache_mb=0)
+    assert placed.backend.placed == {"prefill": "ort", "decode": "native-cpu"}
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
+    for prompt in prompts:
+        want = plain.generate(prompt, max_new_tokens=40, temperature=0).token_ids
+        got = placed.generate(prompt, max_new_tokens=40, temperature=0).token_ids
+        if want != got:  # int8 rounding may flip a near tie: then ort scores the two tokens within TIE
+            i = next(j for j, (a, b) in enumerate(zip(want, got)) if a != b)
+            ids = np.array(plain.tokenizer.encode(prompt, add_special_tokens=False).ids + want[:i], np.int64)
+            logits = plain.backend.prefill(plain.backend.allocate(1), [0], [ids], True).logits[0]
+            assert logits[want[i]] - logits[got[i]] <= placement.TIE, (prompt, i)
+    batch = [r.token_ids for r in placed.generate(prompts, max_new_tokens=8, temperature=0)]
+    assert batch == [r.token_ids for r in plain.generate(prompts, max_new_tokens=8, temperature=0)]
+    be = placed.backend
+    cache = be.allocate(1)
+    ids = np.array(placed.tokenizer.encode("Hello world", add_special_tokens=False).ids, np.int64)
+    be.prefill(cache, [0], [ids], False)
+    fed = [5, 9, 11]
+    for token in fed:
+        be.decode(cache, [0], np.array([token]), False)
+    assert list(cache.held(0)) == list(ids) + fed
+    r = placed.generate(prompts[0], max_new_tokens=4, temperature=0)
+    assert "decode=native-cpu" in r.metrics.summary()
+    plain.close()
+    placed.close()
+
+
+def test_measured_placement_times_the_native_candidate(int4_arts, tmp_path):
+    """"measure" checks native-cpu's parity against ort and times it; the choice and its figures are cached."""
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(int4_arts["llama"], art)
+    m = load_manifest(art)
+    assert "native-cpu" in placement.candidates(m)["decode"]
+    llm = LLM.load(art, placement="measure", prefix_cache_mb=0)
+    fig = llm.backend.placement.figures["decode"]
+    assert "step_ms" in fig["native-cpu"] and "step_ms" in fig["ort"], fig
+    assert llm.backend.placed["decode"] in ("ort", "native-cpu")
+    assert (art / placement.FILE).exists()
+    llm.close()
+
+
 def test_refusals_name_the_reason(int4_arts, tiny_checkpoint, tmp_path, monkeypatch):
     """fp32 weights, accuracy level 0, a hybrid: no candidate, with the reason; a decode graph with another op
     is refused when the step opens; no compiler or no VNNI: the library says so in one line."""
     fp32 = tmp_path / "fp32"
     export_model(tiny_checkpoint("llama"), fp32, target="ort", max_seq=64, max_batch=1, progress=False)
-    assert "int4 block-32" in step.refusal(load_manifest(fp32))
+    assert "int4 block-32" in placement.native_refusal(load_manifest(fp32))
+    assert "native-cpu" not in placement.candidates(load_manifest(fp32))["decode"]
     level0 = tmp_path / "level0"
     export_model(tiny_checkpoint("llama"), level0, target="ort", max_seq=64, max_batch=1, progress=False,
                  quant=QuantConfig(bits=4, accuracy_level=0))
-    assert "accuracy-level 4" in step.refusal(load_manifest(level0))
+    assert "accuracy-level 4" in placement.native_refusal(load_manifest(level0))
     with pytest.raises(DecodertError, match="no native decode step"):
         step.NativeDecode(fp32, load_manifest(fp32))
     import onnx

@@ -292,6 +292,7 @@ class NativeDecode:
                                 "the manifest's cache")
         self.max_seq = manifest.max_seq
         keep: list[Any] = []  # every array the C model points into
+        packed_sizes: list[int] = []  # the repacked products' bytes (what a step reads in full)
 
         def arr(a: np.ndarray) -> int:
             keep.append(a)
@@ -305,6 +306,7 @@ class NativeDecode:
             if q.size != m.n * m.k // 2 or s.size != m.n * m.k // 32 or (z is not None and z.size != m.n * ((m.k // 32 + 1) // 2)):
                 raise DecodertError(f"{path}: {m.q}'s initializers are not int4 blocks of 32 of [{m.n}, {m.k}]")
             lib.nd_pack(q.ctypes.data, s.ctypes.data, None if z is None else z.ctypes.data, m.n, m.k, out.ctypes.data)
+            packed_sizes.append(out.nbytes)
             return arr(out)
 
         def bias(m: Mat) -> int | None:
@@ -346,7 +348,7 @@ class NativeDecode:
         if not self.handle:
             raise DecodertError(f"{path}: out of memory for the native decode step's buffers")
         self.logits = np.zeros(-(-r.vocab // 16) * 16 + 16, np.float32)
-        self.packed_bytes = sum(a.nbytes for a in keep)
+        self.packed_bytes = sum(packed_sizes)  # read in full by every step (the embedding: one row)
         self._rows: dict[int, tuple[Any, int, Any]] = {}  # slot -> (the cache, weakly; id of its buffers; K/V pointers)
 
     def step(self, cache: Any, slot: int, token: int) -> tuple[int, np.ndarray]:

@@ -392,7 +392,27 @@ static void attn_head(const void *p, int h) {
     const float *K = a->k + (size_t)kvh * m->max_seq * D, *V = a->v + (size_t)kvh * m->max_seq * D;
     float *sc = m->scores + (size_t)h * (m->max_seq + 16), *out = m->attn + (size_t)h * D;
     float best = -INFINITY;
-    for (int t = 0; t < n; t++) {
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {  // four positions at a time: independent chains
+        const float *k0 = K + (size_t)t * D;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < D; i += 16) {
+            __mmask16 mk = tail_mask(D - i);
+            __m512 qi = _mm512_maskz_loadu_ps(mk, q + i);
+            a0 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + i), a0);
+            a1 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + D + i), a1);
+            a2 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + 2 * D + i), a2);
+            a3 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + 3 * D + i), a3);
+        }
+        float s4[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                       _mm512_reduce_add_ps(a3)};
+        for (int j = 0; j < 4; j++) {
+            float s = s4[j] * m->scale;
+            sc[t + j] = s;
+            if (s > best) best = s;
+        }
+    }
+    for (; t < n; t++) {
         const float *kt = K + (size_t)t * D;
         __m512 acc = _mm512_setzero_ps();
         for (int i = 0; i < D; i += 16) {
@@ -404,7 +424,7 @@ static void attn_head(const void *p, int h) {
         if (s > best) best = s;
     }
     __m512 mx = _mm512_set1_ps(best), sum = _mm512_setzero_ps();
-    for (int t = 0; t < n; t += 16) {
+    for (t = 0; t < n; t += 16) {
         __mmask16 mk = tail_mask(n - t);
         __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + t), mx)));
         _mm512_mask_storeu_ps(sc + t, mk, e);
@@ -414,7 +434,7 @@ static void attn_head(const void *p, int h) {
     for (int i = 0; i < D; i += 16) {
         __mmask16 mk = tail_mask(D - i);
         __m512 acc = _mm512_setzero_ps();
-        for (int t = 0; t < n; t++)
+        for (t = 0; t < n; t++)
             acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), _mm512_maskz_loadu_ps(mk, V + (size_t)t * D + i), acc);
         _mm512_mask_storeu_ps(out + i, mk, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
     }

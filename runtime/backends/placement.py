@@ -7,7 +7,9 @@ The rule (docs/features/placement.md):
   ``openvino-native`` (OpenVINO's own runtime over the ort prefill graph, runtime/backends/openvino/native.py:
   the new rows copied into the cache) where the ``openvino`` package is installed; and for both phases
   ``openvino`` (the OpenVINO execution provider, runtime/backends/openvino/ep.py, over the artifact's portable
-  prefill graph: ``--openvino-prefill`` or a portable artifact, with ``onnxruntime-ep-openvino`` installed).
+  prefill graph: ``--openvino-prefill`` or a portable artifact, with ``onnxruntime-ep-openvino`` installed); and
+  for the decode step ``native-cpu`` (decodert's own C step, runtime/backends/native/: dense llama-family int4,
+  where a C compiler and AVX-512 VNNI are there: ``native_refusal``).
   All run over the same host cache buffers (runtime/backends/ort/backend.py ``place``).
 - At first load each candidate of each phase is checked against ``ort`` on two prompts (``measure``: the
   greedy tokens of the prefill and ``PARITY_STEPS`` decode steps, teacher-forced, the same or a near tie
@@ -56,7 +58,7 @@ REPEATS = 3  # timed runs per candidate and shape (the median is kept)
 class Placement:
     """Which backend runs each phase, and why (what ``inspect`` and the metrics line show)."""
 
-    phases: Mapping[str, str]  # phase -> "ort" | "openvino"
+    phases: Mapping[str, str]  # phase -> "ort" | "openvino" | "openvino-native" | "native-cpu"
     source: str  # "off" | "explicit" | "measured" | "cached" | "single" (one candidate: nothing to measure)
     figures: Mapping[str, Any] = field(default_factory=dict)  # phase -> {candidate: ms or refusal}
     file: str | None = None  # the cache file read or written

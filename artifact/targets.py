@@ -23,6 +23,7 @@ class TargetInfo:
     standard_ops: bool = False  # its graphs use standard ONNX ops only: OpenVINO's execution provider takes its prefill whole
     openvino_reads_prefill: bool = False  # OpenVINO's own runtime reads its prefill graph (placement's openvino-native)
     portable_prefill_beside: bool = False  # its export may add a portable prefill graph beside its own (--openvino-prefill)
+    native_reads_decode: bool = False  # decodert's own CPU decode step reads its decode graph's weights (placement's native-cpu)
 
     def runs_on(self, backend: str) -> bool:
         return backend in self.backends
@@ -30,7 +31,7 @@ class TargetInfo:
 
 TARGET_INFOS: dict[str, TargetInfo] = {t.name: t for t in (
     TargetInfo("ort", ("ort",), multi_token_rows=1, about="ONNX Runtime contrib ops",
-               openvino_reads_prefill=True, portable_prefill_beside=True),  # GroupQueryAttention: batch 1 with a cache
+               openvino_reads_prefill=True, portable_prefill_beside=True, native_reads_decode=True),  # GroupQueryAttention: batch 1 with a cache
     TargetInfo("trt", ("trt", "ort"), about="standard ONNX TensorRT parses"),
     TargetInfo("portable", ("ort", "trt"), about="standard ONNX ops only", standard_ops=True),
 )}

@@ -7,7 +7,9 @@ The rule (docs/features/placement.md):
   ``openvino-native`` (OpenVINO's own runtime over the ort prefill graph, runtime/backends/openvino/native.py:
   the new rows copied into the cache) where the ``openvino`` package is installed; and for both phases
   ``openvino`` (the OpenVINO execution provider, runtime/backends/openvino/ep.py, over the artifact's portable
-  prefill graph: ``--openvino-prefill`` or a portable artifact, with ``onnxruntime-ep-openvino`` installed).
+  prefill graph: ``--openvino-prefill`` or a portable artifact, with ``onnxruntime-ep-openvino`` installed); and
+  for the decode step ``native-cpu`` (decodert's own C step, runtime/backends/native/: dense llama-family int4,
+  where a C compiler and AVX-512 VNNI are there: ``native_refusal``).
   All run over the same host cache buffers (runtime/backends/ort/backend.py ``place``).
 - At first load each candidate of each phase is checked against ``ort`` on two prompts (``measure``: the
   greedy tokens of the prefill and ``PARITY_STEPS`` decode steps, teacher-forced, the same or a near tie
@@ -45,7 +47,7 @@ from decodert.artifact.targets import target_info
 from decodert.artifact.version import __version__
 
 PHASES = ("prefill", "decode")
-BACKENDS = ("ort", "openvino", "openvino-native")
+BACKENDS = ("ort", "openvino", "openvino-native", "native-cpu")
 FILE = "placement.json"
 SHORT, LONG = 128, 512  # prompt tokens of the two timed prefills (at most what the cache holds)
 PARITY_STEPS = 8  # greedy decode steps after each parity prefill
@@ -56,7 +58,7 @@ REPEATS = 3  # timed runs per candidate and shape (the median is kept)
 class Placement:
     """Which backend runs each phase, and why (what ``inspect`` and the metrics line show)."""
 
-    phases: Mapping[str, str]  # phase -> "ort" | "openvino"
+    phases: Mapping[str, str]  # phase -> "ort" | "openvino" | "openvino-native" | "native-cpu"
     source: str  # "off" | "explicit" | "measured" | "cached" | "single" (one candidate: nothing to measure)
     figures: Mapping[str, Any] = field(default_factory=dict)  # phase -> {candidate: ms or refusal}
     file: str | None = None  # the cache file read or written
@@ -108,7 +110,18 @@ def candidates(manifest: Manifest) -> dict[str, list[str]]:
     if openvino_refusal(manifest, "openvino") is None and ep.provider():
         prefill.append("openvino")
         decode.append("openvino")
+    if native_refusal(manifest) is None:
+        decode.append("native-cpu")
     return {"prefill": prefill, "decode": decode}
+
+
+def native_refusal(manifest: Manifest) -> str | None:
+    """Why the decode step of this artifact has no ``native-cpu`` candidate (decodert's own C step,
+    runtime/backends/native/: dense llama-family int4 at accuracy level 4, on a CPU with AVX-512 VNNI and a C
+    compiler); None: it has one (its decode graph is matched when the step opens: a mismatch is a refusal)."""
+    from decodert.runtime.backends.native import step
+
+    return step.refusal(manifest)
 
 
 def openvino_refusal(manifest: Manifest, name: str = "openvino") -> str | None:
@@ -169,6 +182,9 @@ def open_placed(path: Path, manifest: Manifest, setting: Any, threads: int | Non
     short = min(SHORT, backend.max_seq // 4)
     prompts = parity_prompts(path, manifest, short, min(LONG, backend.max_seq - PARITY_STEPS - 2))
     phases, figures = measure(backend, cands, prompts, threads)
+    absent = native_refusal(manifest)
+    if absent:  # why decodert's own decode step is not a candidate here (inspect shows it)
+        figures["decode"].setdefault("native-cpu", {"absent": absent})
     for phase, name in phases.items():
         backend.place(phase, name)
     backend.drop_unplaced()
@@ -400,6 +416,8 @@ def _fig(v: Any) -> str:
         return str(v)
     if "refused" in v:
         return f"refused: {v['refused'][:80]}"
+    if "absent" in v:
+        return f"absent: {v['absent'][:80]}"
     if v.get("only"):
         return "the only candidate"
     return "/".join(f"{v[k]:g} ms" for k in ("short_ms", "long_ms", "step_ms") if k in v)

@@ -13,7 +13,9 @@
   prefill on OpenVINO's own runtime over this prefill graph (``openvino-native``: each call's new K/V rows
   copied into the cache buffers), or the prefill or the decode step on the OpenVINO execution provider
   (``openvino``: the artifact's portable prefill graph, ``manifest.phase_graphs["prefill.portable"]`` or a
-  portable artifact's prefill.onnx, bound to the same buffers); verify passes keep the ort sessions.
+  portable artifact's prefill.onnx, bound to the same buffers); or the one-row decode step on decodert's own C step
+  (``native-cpu``, runtime/backends/native/: it writes the row's K/V in the same buffers); verify passes keep the
+  ort sessions.
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ class OrtBackend:
     def __init__(self, artifact_dir: str | Path, manifest: Manifest, threads: int | None = None,
                  providers: Sequence[str] | None = None, separate_decode: bool = False,
                  phases: dict[str, str] | None = None):
-        """``phases``: phase ("prefill" | "decode") -> "ort" | "openvino" | "openvino-native" (prefill only);
-        default: both on ``providers``."""
+        """``phases``: phase ("prefill" | "decode") -> "ort" | "openvino" | "openvino-native" (prefill only) |
+        "native-cpu" (decode only); default: both on ``providers``."""
         self.dir = Path(artifact_dir)
         self.manifest = manifest
         if manifest.dtype not in NP_DTYPES:
@@ -148,9 +150,18 @@ class OrtBackend:
     def place(self, phase: str, name: str, threads: int | None = None) -> None:
         """Run ``phase`` ("prefill" | "decode") on ``name`` ("ort" | "openvino" | "openvino-native") from now on, over the same
         cache buffers (a session opened once per name; bindings made for another session are dropped)."""
-        if phase not in self.placed or name not in ("ort", "openvino", "openvino-native"):
+        if phase not in self.placed or name not in ("ort", "openvino", "openvino-native", "native-cpu"):
             raise DecodertError(f"cannot place {phase!r} on {name!r}: phases are prefill and decode, "
-                                "backends ort, openvino and openvino-native")
+                                "backends ort, openvino, openvino-native and native-cpu")
+        if name == "native-cpu":
+            if phase != "decode":
+                raise DecodertError("native-cpu runs the decode step only (decodert's own C step, one row a call)")
+            if name not in self.phase_sessions:
+                from decodert.runtime.backends.native.step import NativeDecode
+
+                self.phase_sessions[name] = {"decode": NativeDecode(self.dir, self.manifest, threads)}
+            self.placed[phase] = name
+            return
         if name == "openvino-native":
             if phase != "prefill":
                 raise DecodertError("openvino-native runs the prefill only (it copies each call's new rows into the cache)")
@@ -260,8 +271,12 @@ class OrtBackend:
         cache.check_room(slots, [1] * len(slots), "the next tokens")
         out = StepOutput(np.empty(len(slots), np.int64),
                          np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
+        native = self.phase_sessions["native-cpu"]["decode"] if self.placed["decode"] == "native-cpu" else None
         for rows in contiguous_runs(slots):
             start, n = slots[rows[0]], len(rows)
+            if native is not None and n == 1:  # one row: the native step (several rows stay on the ort session)
+                self._decode_native(native, cache, start, int(ids[rows[0]]), out, rows, want_logits)
+                continue
             key = (id(cache), start, n)
             b = self._decode_bindings.get(key)
             if b is None:
@@ -278,6 +293,15 @@ class OrtBackend:
             self._keep_last(cache, run, b)
             _gather(out, rows, b, want_logits)
         return out
+
+    def _decode_native(self, native: Any, cache: KVCache, slot: int, token: int, out: StepOutput, rows: list[int],
+                       want_logits: bool) -> None:
+        """One row's step on decodert's C step (runtime/backends/native/step.py): it writes the row's K/V at its next
+        position in the same buffers, and the id is committed after it, inside ``writing``, as the ort step does."""
+        with cache.writing([slot]):
+            best, logits = native.step(cache, slot, token)
+            cache.commit([slot], np.array([[token]], np.int64))
+        _gather(out, rows, _Binding(None, None, None, None, logits[None], np.array([best], np.int64)), want_logits)
 
     @property
     def verify_width(self) -> int:

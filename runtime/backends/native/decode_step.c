@@ -1,0 +1,484 @@
+/* decodert's own CPU decode step for dense llama-family int4 artifacts (runtime/backends/native/step.py builds
+ * this file with the system C compiler at first use and calls it through ctypes; docs/features/placement.md).
+ *
+ * One nd_step call runs one token of one row through every layer, as the ort target's decode graph does:
+ *   x = embed(token)                                   Gather (float) or GatherBlockQuantized (4-bit rows)
+ *   per layer l:
+ *     h = RMSNorm(x) * in_norm[l]                      (layer 0: RMSNormalization; later: SkipSimplifiedLayerNorm
+ *                                                       adds the previous MLP's output to x first)
+ *     qkv = W_qkv h (+ bias)      [(H + 2 H_kv) D]     MatMulNBits
+ *     q, k = RoPE(q, k, pos)  (halves, the graph's cos/sin tables); k, v written at pos of the row's cache
+ *     a = softmax(q K^T * scale) V over positions 0..pos, kv head = q head / (H / H_kv)   GroupQueryAttention
+ *     x = x + W_o a;  h = RMSNorm(x) * post_norm[l]    MatMulNBits, SkipSimplifiedLayerNormalization
+ *     g, u = W_gate_up h;  m = silu(g) * u;  d = W_down m                                  MatMulNBits, Split
+ *   x = x + d (last layer);  logits = W_lm RMSNorm(x) * final_norm
+ *
+ * Weights: 4-bit, blocks of 32 along K, asymmetric (4-bit zero point, fp32 scale per block): the MatMulNBits
+ * layout on input, repacked once by nd_pack. Activations are quantized to int8 per block of 32 (amax / 127), as
+ * MatMulNBits does at accuracy level 4; the products run on AVX-512 VNNI (vpdpbusd: unsigned weight bytes x signed
+ * activation bytes).
+ *
+ * Packed layout, per tile of 16 rows: nb x 256 bytes of nibbles, then nb x 16 fp32 scales, then nb x 16 zero
+ * points (one byte each), padded to 64 bytes. In the 256 bytes of block b, chunk j (64 bytes) holds at byte
+ * 4r+u the weight w[r, 32b+8j+u] in its low nibble and w[r, 32b+8j+4+u] in its high nibble, so one vpdpbusd on
+ * the low nibbles and one on the high nibbles (each against 4 activation bytes broadcast) add 16 rows' partial
+ * dots in the 16 int32 lanes. The zero point enters as -zp * sum(qa) in int32 (vpmaddwd), before the scale.
+ *
+ * Threads: the caller and nd_start(threads) - 1 workers take chunks of a job (tiles of a product, heads of the
+ * attention) from one atomic counter (high half: the job number, so a late worker cannot take a chunk of a
+ * finished job); the caller waits for the chunks to be done, never for a worker to arrive, so a preempted worker
+ * costs nothing but its own chunk. Workers spin briefly between jobs, then sleep 200 us at a time.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static size_t tile_bytes(int nb) { return ((size_t)nb * 336 + 63) & ~(size_t)63; }
+
+size_t nd_packed_bytes(int n, int k) { return (size_t)((n + 15) / 16) * tile_bytes(k / 32); }
+
+/* q [N, K/32, 16] (element 2i in the low nibble of byte i), scales [N, K/32], zp [N, ceil(K/64)] or NULL (8) */
+void nd_pack(const uint8_t *q, const float *scales, const uint8_t *zp, int n_rows, int k, uint8_t *out) {
+    int nb = k / 32, zstride = (nb + 1) / 2, tiles = (n_rows + 15) / 16;
+    size_t tb = tile_bytes(nb);
+    memset(out, 0, tb * tiles);
+    for (int t = 0; t < tiles; t++) {
+        uint8_t *base = out + t * tb;
+        float *sc = (float *)(base + (size_t)nb * 256);
+        uint8_t *zz = base + (size_t)nb * 320;
+        for (int b = 0; b < nb; b++)
+            for (int r = 0; r < 16 && t * 16 + r < n_rows; r++) {
+                size_t n = (size_t)t * 16 + r;
+                const uint8_t *blk = q + (n * nb + b) * 16;
+                uint8_t w[32];
+                for (int i = 0; i < 16; i++) {
+                    w[2 * i] = blk[i] & 15;
+                    w[2 * i + 1] = blk[i] >> 4;
+                }
+                for (int j = 0; j < 4; j++)
+                    for (int u = 0; u < 4; u++)
+                        base[(size_t)b * 256 + 64 * j + 4 * r + u] = (uint8_t)(w[8 * j + u] | (w[8 * j + 4 + u] << 4));
+                int z = 8;
+                if (zp) {
+                    uint8_t pair = zp[n * zstride + b / 2];
+                    z = (b & 1) ? pair >> 4 : pair & 15;
+                }
+                sc[16 * b + r] = scales[n * nb + b];
+                zz[16 * b + r] = (uint8_t)z;
+            }
+    }
+}
+
+/* ---- vector helpers ---------------------------------------------------------------------------------------- */
+/* e^x for 16 lanes: x = n ln2 + r (|r| <= ln2 / 2), e^r by its degree-7 Taylor polynomial (relative error
+ * below 1e-8 on that range), times 2^n; lanes below -87 give 0 */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split: high part exact
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tail_mask(int left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+
+/* y = (a + b if b) normalized: y = s * (1 / sqrt(mean(s^2) + eps)) * w, s = a (+ b) written back to a when b. The
+ * sum of squares in 8 lanes (a product, then a sum: not fused), the lanes added as a tree: the order in which ONNX
+ * Runtime's RMSNormalization comes out bit for bit the same here (measured on SmolLM2's rows). That matters: the
+ * int8 quantization of y that follows rounds an activation one ulp apart to the next int8 step now and then,
+ * ~3e-4 of a product's size, and 30 layers of that make the logits differ by ~3% */
+static void rms_norm(float *a, const float *b, const float *w, int n, float eps, float *y) {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) {
+            float v = b ? a[i + j] + b[i + j] : a[i + j];
+            a[i + j] = v;
+            float sq = v * v;
+            lane[j] = lane[j] + sq;
+        }
+    float ss = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    for (; i < n; i++) {
+        float v = b ? a[i] + b[i] : a[i];
+        a[i] = v;
+        ss += v * v;
+    }
+    float inv = 1.f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) y[i] = (a[i] * inv) * w[i];
+}
+
+/* x [K] -> qa [K] int8, sa [nb] block scales, nasum [nb] = -sum(qa of the block) in the low 16 bits */
+static void quant_x(const float *x, int k, int8_t *qa, float *sa, int32_t *nasum) {
+    for (int b = 0; b < k / 32; b++) {
+        __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        float scale = amax / 127.f;  // the int8 step, and its reciprocal as MatMulNBits computes it
+        __m512 inv = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+        __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        _mm_storeu_si128((__m128i *)(qa + 32 * b), _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)(qa + 32 * b + 16), _mm512_cvtsepi32_epi8(i1));
+        sa[b] = scale;
+        nasum[b] = (int32_t)(uint16_t)(int16_t)(-_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+    }
+}
+
+static void gemv_tiles(const uint8_t *w, const int8_t *qa, const float *sa, const int32_t *nasum, int nb,
+                       int t0, int t1, float *y) {
+    const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8((char)0xF0);
+    const int32_t *a4 = (const int32_t *)qa;  // 4 activation bytes at a time
+    size_t tb = tile_bytes(nb);
+    for (int t = t0; t < t1; t++) {
+        const uint8_t *p = w + (size_t)t * tb;
+        const float *sc = (const float *)(p + (size_t)nb * 256);
+        const uint8_t *zz = p + (size_t)nb * 320;
+        __m512 acc = _mm512_setzero_ps();
+        for (int b = 0; b < nb; b++, p += 256) {
+            const int32_t *a = a4 + 8 * b;
+            __m512i zpx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zz + 16 * b)));
+            __m512i dlo = _mm512_madd_epi16(zpx, _mm512_set1_epi32(nasum[b]));  // -zp * sum(qa)
+            __m512i dhi = _mm512_setzero_si512();                                // 16 x the high nibbles' dots
+            for (int j = 0; j < 4; j++) {
+                __m512i packed = _mm512_loadu_si512(p + 64 * j);
+                dlo = _mm512_dpbusd_epi32(dlo, _mm512_and_si512(packed, lo_mask), _mm512_set1_epi32(a[2 * j]));
+                dhi = _mm512_dpbusd_epi32(dhi, _mm512_and_si512(packed, hi_mask), _mm512_set1_epi32(a[2 * j + 1]));
+            }
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dlo, _mm512_srai_epi32(dhi, 4)));
+            acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * b), _mm512_set1_ps(sa[b])), acc);
+        }
+        _mm512_storeu_ps(y + 16 * t, acc);
+    }
+}
+
+/* ---- the worker pool ----------------------------------------------------------------------------------------- */
+typedef void (*chunk_fn)(const void *ctx, int chunk);
+typedef struct {
+    chunk_fn fn;
+    const void *ctx;  // lives on the caller's stack until every chunk is done
+    int chunks;
+} job_t;
+
+static job_t g_job;
+static _Atomic uint64_t g_next = 0xffffffffu;  // job << 32 | next chunk; 0xffffffff while no job is open
+static _Atomic int g_done;
+static pthread_t g_workers[64];
+static int g_nworkers;
+static uint32_t g_jobno;
+
+static int run_chunks(void) {
+    int ran = 0;
+    for (;;) {
+        uint64_t cur = atomic_load_explicit(&g_next, memory_order_acquire);
+        job_t j = g_job;  // read before the claim; a claim that succeeds proves it was this job's
+        uint32_t c = (uint32_t)cur;
+        if (c >= (uint32_t)j.chunks) return ran;
+        if (!atomic_compare_exchange_weak(&g_next, &cur, cur + 1)) continue;
+        j.fn(j.ctx, (int)c);
+        atomic_fetch_add_explicit(&g_done, 1, memory_order_release);
+        ran++;
+    }
+}
+
+static void *worker(void *unused) {  // runs until the process ends
+    (void)unused;
+    for (int idle = 0;;) {
+        if (run_chunks()) idle = 0;
+        else if (++idle > 2000) usleep(200);  // between decode steps: sleep, leave the core to others
+        else _mm_pause();
+    }
+    return NULL;
+}
+
+/* threads in all (the caller included); started once per process, later calls return the count running */
+int nd_start(int threads) {
+    if (!g_nworkers)
+        for (int i = 0; i < threads - 1 && i < 64; i++)
+            if (pthread_create(&g_workers[g_nworkers], NULL, worker, NULL) == 0) g_nworkers++;
+    return g_nworkers + 1;
+}
+
+static void run_job(chunk_fn fn, const void *ctx, int chunks) {
+    if (chunks <= 0) return;
+    if (!g_nworkers || chunks == 1) {
+        for (int c = 0; c < chunks; c++) fn(ctx, c);
+        return;
+    }
+    job_t j = {fn, ctx, chunks};
+    atomic_store(&g_next, 0xffffffffu);  // closed while the job is written
+    g_job = j;
+    atomic_store_explicit(&g_done, 0, memory_order_relaxed);
+    atomic_store_explicit(&g_next, (uint64_t)(++g_jobno) << 32, memory_order_release);
+    run_chunks();
+    while (atomic_load_explicit(&g_done, memory_order_acquire) < chunks) _mm_pause();
+}
+
+/* ---- products ------------------------------------------------------------------------------------------------ */
+typedef struct {
+    const uint8_t *w;  // packed (nd_pack)
+    const float *bias;  // [N] or NULL
+    int n, k;
+} mat_t;
+
+typedef struct {
+    const uint8_t *w;
+    const int8_t *qa;
+    const float *sa;
+    const int32_t *nasum;
+    int nb, tiles, chunk;
+    float *y;
+} gemv_ctx;
+
+static void gemv_chunk(const void *p, int c) {
+    const gemv_ctx *g = p;
+    int t0 = c * g->chunk, t1 = t0 + g->chunk < g->tiles ? t0 + g->chunk : g->tiles;
+    gemv_tiles(g->w, g->qa, g->sa, g->nasum, g->nb, t0, t1, g->y);
+}
+
+typedef struct model model_t;
+static void gemv(model_t *m, const mat_t *w, const float *x, float *y);
+
+/* ---- the model ----------------------------------------------------------------------------------------------- */
+enum { LP_IN_NORM, LP_POST_NORM, LP_QKV, LP_QKV_BIAS, LP_O, LP_O_BIAS, LP_GU, LP_GU_BIAS, LP_DOWN, LP_DOWN_BIAS, LP_COUNT };
+enum { MP_COS, MP_SIN, MP_EMBED_F, MP_EMBED_Q, MP_EMBED_S, MP_EMBED_Z, MP_FINAL_NORM, MP_LM, MP_LM_BIAS, MP_COUNT };
+enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_ROT_HALF, D_MAX_POS, D_EMBED_KIND,
+       D_MAX_SEQ, D_COUNT };
+
+struct model {
+    int layers, hidden, heads, kv_heads, head_dim, inter, vocab, rot_half, max_pos, embed_kind, max_seq;
+    float eps, scale;
+    const float *cos, *sin;  // [max_pos, rot_half]
+    const float *embed_f;    // [V, hidden] (embed_kind 0)
+    const uint8_t *embed_q;  // [V, hidden / 32, 16] nibbles (embed_kind 1), scales [V, hidden / 32], zp [V, hidden / 32]
+    const float *embed_s;
+    const uint8_t *embed_z;  // one byte per block, the zero point in its low nibble (NULL: 8)
+    const float *final_norm;
+    mat_t lm;
+    const float **in_norm, **post_norm;  // [layers] -> [hidden]
+    mat_t *qkv, *o, *gu, *down;          // [layers]
+    // scratch (padded to 16 rows)
+    float *x, *h, *qkv_out, *attn, *o_out, *gu_out, *act, *down_out, *scores;
+    int8_t *qa;
+    float *sa;
+    int32_t *nasum;
+};
+
+static void gemv(model_t *m, const mat_t *w, const float *x, float *y) {
+    int nb = w->k / 32, tiles = (w->n + 15) / 16, threads = g_nworkers + 1, chunk = tiles / (8 * threads);
+    if (chunk < 1) chunk = 1;
+    quant_x(x, w->k, m->qa, m->sa, m->nasum);
+    gemv_ctx g = {w->w, m->qa, m->sa, m->nasum, nb, tiles, chunk, y};
+    run_job(gemv_chunk, &g, (tiles + chunk - 1) / chunk);
+    if (w->bias)
+        for (int i = 0; i < w->n; i++) y[i] += w->bias[i];
+}
+
+static float *pad_alloc(size_t n) {
+    size_t bytes = ((n + 16) * sizeof(float) + 63) & ~(size_t)63;
+    float *p = aligned_alloc(64, bytes);
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
+void nd_free(void *p) {
+    model_t *m = p;
+    if (!m) return;
+    float *bufs[] = {m->x, m->h, m->qkv_out, m->attn, m->o_out, m->gu_out, m->act, m->down_out, m->scores,
+                     m->sa, (float *)m->qa, (float *)m->nasum};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+    free(m->in_norm);
+    free(m->post_norm);
+    free(m->qkv);
+    free(m->o);
+    free(m->gu);
+    free(m->down);
+    free(m);
+}
+
+/* dims [D_COUNT], fparams {eps, scale}, ptrs [MP_COUNT], layer_ptrs [layers * LP_COUNT]; the caller keeps every
+ * array alive until nd_free. NULL when out of memory. */
+void *nd_create(const int *dims, const float *fparams, void *const *ptrs, void *const *layer_ptrs) {
+    model_t *m = calloc(1, sizeof *m);
+    if (!m) return NULL;
+    m->layers = dims[D_LAYERS], m->hidden = dims[D_HIDDEN], m->heads = dims[D_HEADS], m->kv_heads = dims[D_KV_HEADS];
+    m->head_dim = dims[D_HEAD_DIM], m->inter = dims[D_INTER], m->vocab = dims[D_VOCAB], m->rot_half = dims[D_ROT_HALF];
+    m->max_pos = dims[D_MAX_POS], m->embed_kind = dims[D_EMBED_KIND], m->max_seq = dims[D_MAX_SEQ];
+    m->eps = fparams[0], m->scale = fparams[1];
+    m->cos = ptrs[MP_COS], m->sin = ptrs[MP_SIN], m->embed_f = ptrs[MP_EMBED_F], m->embed_q = ptrs[MP_EMBED_Q];
+    m->embed_s = ptrs[MP_EMBED_S], m->embed_z = ptrs[MP_EMBED_Z], m->final_norm = ptrs[MP_FINAL_NORM];
+    m->lm = (mat_t){ptrs[MP_LM], ptrs[MP_LM_BIAS], m->vocab, m->hidden};
+    int L = m->layers, qkv_n = (m->heads + 2 * m->kv_heads) * m->head_dim, q_n = m->heads * m->head_dim;
+    m->in_norm = calloc(L, sizeof *m->in_norm), m->post_norm = calloc(L, sizeof *m->post_norm);
+    m->qkv = calloc(L, sizeof *m->qkv), m->o = calloc(L, sizeof *m->o);
+    m->gu = calloc(L, sizeof *m->gu), m->down = calloc(L, sizeof *m->down);
+    int widest = m->hidden > q_n ? m->hidden : q_n;
+    if (m->inter > widest) widest = m->inter;
+    m->x = pad_alloc(m->hidden), m->h = pad_alloc(m->hidden), m->qkv_out = pad_alloc(qkv_n);
+    m->attn = pad_alloc(q_n), m->o_out = pad_alloc(m->hidden), m->gu_out = pad_alloc(2 * (size_t)m->inter);
+    m->act = pad_alloc(m->inter), m->down_out = pad_alloc(m->hidden);
+    m->scores = pad_alloc((size_t)m->heads * (m->max_seq + 16));
+    m->qa = (int8_t *)pad_alloc(widest / 4 + 16), m->sa = pad_alloc(widest / 32 + 1);
+    m->nasum = (int32_t *)pad_alloc(widest / 32 + 1);
+    if (!m->in_norm || !m->post_norm || !m->qkv || !m->o || !m->gu || !m->down || !m->x || !m->h || !m->qkv_out ||
+        !m->attn || !m->o_out || !m->gu_out || !m->act || !m->down_out || !m->scores || !m->qa || !m->sa || !m->nasum) {
+        nd_free(m);
+        return NULL;
+    }
+    for (int l = 0; l < L; l++) {
+        void *const *p = layer_ptrs + (size_t)l * LP_COUNT;
+        m->in_norm[l] = p[LP_IN_NORM], m->post_norm[l] = p[LP_POST_NORM];
+        m->qkv[l] = (mat_t){p[LP_QKV], p[LP_QKV_BIAS], qkv_n, m->hidden};
+        m->o[l] = (mat_t){p[LP_O], p[LP_O_BIAS], m->hidden, q_n};
+        m->gu[l] = (mat_t){p[LP_GU], p[LP_GU_BIAS], 2 * m->inter, m->hidden};
+        m->down[l] = (mat_t){p[LP_DOWN], p[LP_DOWN_BIAS], m->hidden, m->inter};
+    }
+    return m;
+}
+
+static void embed(const model_t *m, int64_t token, float *x) {
+    int H = m->hidden;
+    if (m->embed_kind == 0) {
+        memcpy(x, m->embed_f + (size_t)token * H, H * sizeof(float));
+        return;
+    }
+    int nb = H / 32;
+    const uint8_t *q = m->embed_q + (size_t)token * nb * 16;
+    for (int b = 0; b < nb; b++) {
+        float s = m->embed_s[(size_t)token * nb + b];
+        int z = m->embed_z ? (m->embed_z[(size_t)token * nb + b] & 15) : 8;
+        for (int i = 0; i < 16; i++) {
+            x[32 * b + 2 * i] = (float)((q[16 * b + i] & 15) - z) * s;
+            x[32 * b + 2 * i + 1] = (float)((q[16 * b + i] >> 4) - z) * s;
+        }
+    }
+}
+
+/* the first 2 * rot_half dims of each of ``heads`` vectors [D] rotated by halves at ``pos`` */
+static void rope(const model_t *m, float *v, int heads, int pos) {
+    const float *c = m->cos + (size_t)pos * m->rot_half, *s = m->sin + (size_t)pos * m->rot_half;
+    for (int h = 0; h < heads; h++) {
+        float *a = v + (size_t)h * m->head_dim, *b = a + m->rot_half;
+        for (int i = 0; i < m->rot_half; i++) {
+            float x1 = a[i], x2 = b[i];
+            a[i] = x1 * c[i] - x2 * s[i];
+            b[i] = x2 * c[i] + x1 * s[i];
+        }
+    }
+}
+
+typedef struct {
+    const model_t *m;
+    const float *k, *v;  // the layer's row: [H_kv, max_seq, D]
+    int n;               // positions 0 .. n-1
+} attn_ctx;
+
+static void attn_head(const void *p, int h) {
+    const attn_ctx *a = p;
+    const model_t *m = a->m;
+    int D = m->head_dim, n = a->n, kvh = h / (m->heads / m->kv_heads);
+    const float *q = m->qkv_out + (size_t)h * D;
+    const float *K = a->k + (size_t)kvh * m->max_seq * D, *V = a->v + (size_t)kvh * m->max_seq * D;
+    float *sc = m->scores + (size_t)h * (m->max_seq + 16), *out = m->attn + (size_t)h * D;
+    float best = -INFINITY;
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {  // four positions at a time: independent chains
+        const float *k0 = K + (size_t)t * D;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < D; i += 16) {
+            __mmask16 mk = tail_mask(D - i);
+            __m512 qi = _mm512_maskz_loadu_ps(mk, q + i);
+            a0 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + i), a0);
+            a1 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + D + i), a1);
+            a2 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + 2 * D + i), a2);
+            a3 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + 3 * D + i), a3);
+        }
+        float s4[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                       _mm512_reduce_add_ps(a3)};
+        for (int j = 0; j < 4; j++) {
+            float s = s4[j] * m->scale;
+            sc[t + j] = s;
+            if (s > best) best = s;
+        }
+    }
+    for (; t < n; t++) {
+        const float *kt = K + (size_t)t * D;
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < D; i += 16) {
+            __mmask16 mk = tail_mask(D - i);
+            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + i), _mm512_maskz_loadu_ps(mk, kt + i), acc);
+        }
+        float s = _mm512_reduce_add_ps(acc) * m->scale;
+        sc[t] = s;
+        if (s > best) best = s;
+    }
+    __m512 mx = _mm512_set1_ps(best), sum = _mm512_setzero_ps();
+    for (t = 0; t < n; t += 16) {
+        __mmask16 mk = tail_mask(n - t);
+        __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc + t), mx)));
+        _mm512_mask_storeu_ps(sc + t, mk, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    float inv = 1.f / _mm512_reduce_add_ps(sum);
+    for (int i = 0; i < D; i += 16) {
+        __mmask16 mk = tail_mask(D - i);
+        __m512 acc = _mm512_setzero_ps();
+        for (t = 0; t < n; t++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), _mm512_maskz_loadu_ps(mk, V + (size_t)t * D + i), acc);
+        _mm512_mask_storeu_ps(out + i, mk, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+    }
+}
+
+/* silu(g) * u for the gate/up halves of gu [2 * inter] */
+static void swiglu(const float *gu, int inter, float *out) {
+    for (int i = 0; i < inter; i += 16) {
+        __mmask16 mk = tail_mask(inter - i);
+        __m512 g = _mm512_maskz_loadu_ps(mk, gu + i), u = _mm512_maskz_loadu_ps(mk, gu + inter + i);
+        __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_mask_storeu_ps(out + i, mk, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+    }
+}
+
+/* One token ``token`` of one row at position ``pos`` (= the row's cached length): kv [2 * layers] the row's K and V
+ * bases ([H_kv, max_seq, D] each, k0, v0, k1, ...); K (rotated) and V written at ``pos``; logits [vocab (padded
+ * to 16)] written. Returns the argmax (the first of equal bests), or -1 when pos is out of range. */
+int64_t nd_step(void *p, int64_t token, int pos, float *const *kv, float *logits) {
+    model_t *m = p;
+    if (pos < 0 || pos >= m->max_seq || pos >= m->max_pos || token < 0 || token >= m->vocab) return -1;
+    int D = m->head_dim, q_n = m->heads * D, kv_n = m->kv_heads * D;
+    embed(m, token, m->x);
+    for (int l = 0; l < m->layers; l++) {
+        rms_norm(m->x, l ? m->down_out : NULL, m->in_norm[l], m->hidden, m->eps, m->h);
+        gemv(m, &m->qkv[l], m->h, m->qkv_out);
+        if (m->rot_half) rope(m, m->qkv_out, m->heads + m->kv_heads, pos);  // q heads then k heads
+        float *K = kv[2 * l], *V = kv[2 * l + 1];
+        for (int h = 0; h < m->kv_heads; h++) {
+            memcpy(K + ((size_t)h * m->max_seq + pos) * D, m->qkv_out + q_n + (size_t)h * D, D * sizeof(float));
+            memcpy(V + ((size_t)h * m->max_seq + pos) * D, m->qkv_out + q_n + kv_n + (size_t)h * D, D * sizeof(float));
+        }
+        attn_ctx a = {m, K, V, pos + 1};
+        run_job(attn_head, &a, m->heads);
+        gemv(m, &m->o[l], m->attn, m->o_out);
+        rms_norm(m->x, m->o_out, m->post_norm[l], m->hidden, m->eps, m->h);
+        gemv(m, &m->gu[l], m->h, m->gu_out);
+        swiglu(m->gu_out, m->inter, m->act);
+        gemv(m, &m->down[l], m->act, m->down_out);
+    }
+    rms_norm(m->x, m->down_out, m->final_norm, m->hidden, m->eps, m->h);
+    gemv(m, &m->lm, m->h, logits);
+    int64_t best = 0;
+    for (int i = 1; i < m->vocab; i++)
+        if (logits[i] > logits[best]) best = i;
+    return best;
+}

@@ -1,0 +1,198 @@
+"""decodert's own CPU decode step (runtime/backends/native/, placement's ``native-cpu``) against the ort decode graph
+it reads: logits and the K/V rows it writes on tiny random int4 llama-family artifacts over many steps and positions,
+the same greedy tokens through the placement, the cache record, refusals; and SmolLM2 int4's greedy tokens over a
+128 + 128 run (``-m slow``). Skipped where the C library cannot be had (no compiler, no AVX-512 VNNI)."""
+
+import numpy as np
+import pytest
+
+from decodert.errors import DecodertError
+from decodert.artifact.manifest import load_manifest
+from decodert.export.pipeline import export_model
+from decodert.export.quantize.quant import QuantConfig
+from decodert.runtime.backends import placement
+from decodert.runtime.backends.native import build, step
+from decodert.runtime.backends.ort.backend import OrtBackend
+from decodert.runtime.llm import LLM
+
+# the native step's tolerance against the ort decode graph's logits: both quantize the activations to int8 per
+# block of 32, but an input a rounding apart upstream (another summation order) can round one int8 step the
+# other way, moving a step's logits by up to about 2% of their largest; most steps agree to float rounding
+REL_TOL, EXACT_TOL, EXACT_SHARE = 0.03, 1e-4, 0.8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library():
+    why = build.refusal()
+    if why:
+        pytest.skip(why)
+
+
+@pytest.fixture(autouse=True)
+def _auto_means_auto(monkeypatch):
+    monkeypatch.delenv(placement.ENV, raising=False)
+
+
+@pytest.fixture(scope="module")
+def int4_arts(tiny_checkpoint, tmp_path_factory):
+    """Tiny int4 (accuracy level 4) ort exports: untied llama, tied (GatherBlockQuantized embedding), qwen2 (qkv
+    bias), llama3 (rope scaling, head_dim 32, no grouping)."""
+    root = tmp_path_factory.mktemp("native")
+    arts = {}
+    for family in ("llama", "llama_tied", "qwen2", "llama3"):
+        arts[family] = root / family
+        export_model(tiny_checkpoint(family), arts[family], target="ort", max_seq=256, max_batch=2, progress=False,
+                     quant=QuantConfig(bits=4, accuracy_level=4))
+    return arts
+
+
+def _relative(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(a - ref).max() / max(np.abs(ref).max(), 1e-6))
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "llama3"])
+def test_logits_and_cache_rows_are_the_ort_graphs(int4_arts, family):
+    """Slot 1 of a two-row cache, a prompt prefilled by ort, then 150 steps of random tokens (positions 17..166):
+    every step's logits within REL_TOL of the ort decode graph's on the same cache, most within EXACT_TOL, the
+    argmax ort's or a near tie, and the K/V it wrote at each position ort's for the same inputs."""
+    art = int4_arts[family]
+    m = load_manifest(art)
+    be = OrtBackend(art, m, threads=2, separate_decode=True)  # the exported decode graph itself
+    native = step.NativeDecode(art, m, threads=2)
+    rng = np.random.default_rng(0)
+    ours, theirs = be.allocate(2), be.allocate(2)
+    prompt = rng.integers(0, m.model.vocab_size, 17)
+    for cache in (ours, theirs):
+        be.prefill(cache, [1], [prompt], False)
+    exact, tokens = 0, rng.integers(0, m.model.vocab_size, 150)
+    for i, token in enumerate(tokens):
+        ref = be.decode(theirs, [1], np.array([token]), True)
+        best, logits = native.step(ours, 1, int(token))
+        ours.commit([1], [np.array([token])])
+        err = _relative(logits, ref.logits[0])
+        assert err <= REL_TOL, (i, err)
+        exact += err <= EXACT_TOL
+        chosen = int(ref.next_token[0])
+        assert best == int(np.argmax(logits)) and (best == chosen or ref.logits[0, chosen] - ref.logits[0, best] <= placement.TIE)
+        pos = int(theirs.lengths[1]) - 1
+        for mine, want in zip(ours.buffers, theirs.buffers):
+            assert _relative(mine[1, :, pos], want[1, :, pos]) <= REL_TOL, (i, pos)
+            mine[1, :, pos] = want[1, :, pos]  # the next step reads the same cache on both sides
+        assert not ours.buffers[0][0].any()  # the other row untouched
+    assert exact >= EXACT_SHARE * len(tokens), exact
+    assert list(ours.held(1)) == list(theirs.held(1))
+
+
+def test_placed_decode_gives_ort_tokens_and_records_the_cache(int4_arts):
+    """LLM.load(placement={"decode": "native-cpu"}): the one-session backend's greedy tokens (within ties) alone
+    and in a batch (several rows: the ort session), and every row holds exactly the ids it ran."""
+    art = int4_arts["llama_tied"]
+    plain = LLM.load(art, placement="off", prefix_cache_mb=0)
+    placed = LLM.load(art, placement={"decode": "native-cpu"}, prefix_cache_mb=0)
+    assert placed.backend.placed == {"prefill": "ort", "decode": "native-cpu"}
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
+    for prompt in prompts:
+        want = plain.generate(prompt, max_new_tokens=40, temperature=0).token_ids
+        got = placed.generate(prompt, max_new_tokens=40, temperature=0).token_ids
+        if want != got:  # int8 rounding may flip a near tie: then ort scores the two tokens within TIE
+            i = next(j for j, (a, b) in enumerate(zip(want, got)) if a != b)
+            ids = np.array(plain.tokenizer.encode(prompt, add_special_tokens=False).ids + want[:i], np.int64)
+            logits = plain.backend.prefill(plain.backend.allocate(1), [0], [ids], True).logits[0]
+            assert logits[want[i]] - logits[got[i]] <= placement.TIE, (prompt, i)
+    batch = [r.token_ids for r in placed.generate(prompts, max_new_tokens=8, temperature=0)]
+    assert batch == [r.token_ids for r in plain.generate(prompts, max_new_tokens=8, temperature=0)]
+    be = placed.backend
+    cache = be.allocate(1)
+    ids = np.array(placed.tokenizer.encode("Hello world", add_special_tokens=False).ids, np.int64)
+    be.prefill(cache, [0], [ids], False)
+    fed = [5, 9, 11]
+    for token in fed:
+        be.decode(cache, [0], np.array([token]), False)
+    assert list(cache.held(0)) == list(ids) + fed
+    r = placed.generate(prompts[0], max_new_tokens=4, temperature=0)
+    assert "decode=native-cpu" in r.metrics.summary()
+    plain.close()
+    placed.close()
+
+
+def test_measured_placement_times_the_native_candidate(int4_arts, tmp_path):
+    """"measure" checks native-cpu's parity against ort and times it; the choice and its figures are cached."""
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(int4_arts["llama"], art)
+    m = load_manifest(art)
+    assert "native-cpu" in placement.candidates(m)["decode"]
+    llm = LLM.load(art, placement="measure", prefix_cache_mb=0)
+    fig = llm.backend.placement.figures["decode"]
+    assert "step_ms" in fig["native-cpu"] and "step_ms" in fig["ort"], fig
+    assert llm.backend.placed["decode"] in ("ort", "native-cpu")
+    assert (art / placement.FILE).exists()
+    llm.close()
+
+
+def test_refusals_name_the_reason(int4_arts, tiny_checkpoint, tmp_path, monkeypatch):
+    """fp32 weights, accuracy level 0, a hybrid: no candidate, with the reason; a decode graph with another op
+    is refused when the step opens; no compiler or no VNNI: the library says so in one line."""
+    fp32 = tmp_path / "fp32"
+    export_model(tiny_checkpoint("llama"), fp32, target="ort", max_seq=64, max_batch=1, progress=False)
+    assert "int4 block-32" in placement.native_refusal(load_manifest(fp32))
+    assert "native-cpu" not in placement.candidates(load_manifest(fp32))["decode"]
+    level0 = tmp_path / "level0"
+    export_model(tiny_checkpoint("llama"), level0, target="ort", max_seq=64, max_batch=1, progress=False,
+                 quant=QuantConfig(bits=4, accuracy_level=0))
+    assert "accuracy-level 4" in placement.native_refusal(load_manifest(level0))
+    with pytest.raises(DecodertError, match="no native decode step"):
+        step.NativeDecode(fp32, load_manifest(fp32))
+    import onnx
+
+    graph = onnx.load(str(int4_arts["llama"] / "decode.onnx"), load_external_data=False).graph
+    inits = {t.name: t for t in graph.initializer}
+    step.read_graph(graph, inits)  # the real graph matches
+    sig = next(n for n in graph.node if n.op_type == "Sigmoid")
+    sig.op_type = "Tanh"
+    with pytest.raises(DecodertError, match="Tanh nodes"):
+        step.read_graph(graph, inits)
+    sig.op_type = "Sigmoid"
+    gqa = next(n for n in graph.node if n.op_type == "GroupQueryAttention")
+    gqa.attribute.append(onnx.helper.make_attribute("softcap", 30.0))
+    with pytest.raises(DecodertError, match="softcap"):
+        step.read_graph(graph, inits)
+    monkeypatch.setattr(build, "_built", {})
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx2"})
+    assert "lacks avx512f" in build.refusal()
+    monkeypatch.setattr(build, "_built", {})
+    monkeypatch.setattr(build, "cpu_flags", lambda: set(build.CPU_FLAGS))
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    assert "no C compiler" in build.refusal()
+
+
+@pytest.mark.slow
+def test_smollm2_int4_greedy_tokens_are_ort_s(smollm2_gguf, tmp_path):
+    """The real model: a 128-token prompt and 128 greedy steps, the native step's tokens exactly ort's."""
+    art = tmp_path / "int4"
+    export_model(smollm2_gguf, art, target="ort", max_seq=512, max_batch=1, progress=False,
+                 quant=QuantConfig(bits=4, accuracy_level=4))
+    m = load_manifest(art)
+    be = OrtBackend(art, m, threads=2)
+    native = step.NativeDecode(art, m, threads=2)
+    from decodert.runtime.backends.placement import TEXT
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(art / m.tokenizer.file)).encode(TEXT * 2, add_special_tokens=False).ids[:128]
+    assert len(ids) == 128
+    runs = []
+    for native_step in (False, True):
+        cache = be.allocate(1)
+        token = int(be.prefill(cache, [0], [np.array(ids, np.int64)], False).next_token[0])
+        tokens = [token]
+        for _ in range(128):
+            if native_step:
+                best, _ = native.step(cache, 0, token)
+                cache.commit([0], [np.array([token])])
+                token = best
+            else:
+                token = int(be.decode(cache, [0], np.array([token]), False).next_token[0])
+            tokens.append(token)
+        runs.append(tokens)
+    assert runs[0] == runs[1]

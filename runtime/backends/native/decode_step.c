@@ -27,7 +27,8 @@
  * Threads: the caller and nd_start(threads) - 1 workers take chunks of a job (tiles of a product, heads of the
  * attention) from one atomic counter (high half: the job number, so a late worker cannot take a chunk of a
  * finished job); the caller waits for the chunks to be done, never for a worker to arrive, so a preempted worker
- * costs nothing but its own chunk. Workers spin briefly between jobs, then sleep 200 us at a time.
+ * costs nothing but its own chunk. Workers spin briefly between jobs, then sleep 200 us at a time, then block
+ * (worker(), below).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -192,12 +193,31 @@ static int run_chunks(void) {
     }
 }
 
+/* Idle workers: spin (a step's next product comes within microseconds), then poll every 200 us (between decode
+ * steps), then, after ~50 ms without a job (no decoding), block until run_job opens one: an idle process costs no
+ * CPU. A worker counts itself in g_sleepers under g_mu before it looks for a job, and run_job looks at g_sleepers
+ * after it opens one (both sequentially consistent), so either the worker sees the job or run_job wakes it; and
+ * run_job's caller claims chunks itself, so a worker that sleeps through a job only slows it. */
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static _Atomic int g_sleepers;
+
+static int job_open(void) { return (uint32_t)atomic_load(&g_next) < (uint32_t)g_job.chunks; }
+
 static void *worker(void *unused) {  // runs until the process ends
     (void)unused;
     for (int idle = 0;;) {
         if (run_chunks()) idle = 0;
-        else if (++idle > 2000) usleep(200);  // between decode steps: sleep, leave the core to others
-        else _mm_pause();
+        else if (++idle <= 2000) _mm_pause();
+        else if (idle <= 2250) usleep(200);  // between decode steps: sleep, leave the core to others
+        else {
+            pthread_mutex_lock(&g_mu);
+            atomic_fetch_add(&g_sleepers, 1);
+            while (!job_open()) pthread_cond_wait(&g_cv, &g_mu);
+            atomic_fetch_sub(&g_sleepers, 1);
+            pthread_mutex_unlock(&g_mu);
+            idle = 0;
+        }
     }
     return NULL;
 }
@@ -220,7 +240,12 @@ static void run_job(chunk_fn fn, const void *ctx, int chunks) {
     atomic_store(&g_next, 0xffffffffu);  // closed while the job is written
     g_job = j;
     atomic_store_explicit(&g_done, 0, memory_order_relaxed);
-    atomic_store_explicit(&g_next, (uint64_t)(++g_jobno) << 32, memory_order_release);
+    atomic_store(&g_next, (uint64_t)(++g_jobno) << 32);
+    if (atomic_load(&g_sleepers)) {
+        pthread_mutex_lock(&g_mu);
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+    }
     run_chunks();
     while (atomic_load_explicit(&g_done, memory_order_acquire) < chunks) _mm_pause();
 }

@@ -134,12 +134,16 @@ def weight_bytes(runtime: str, path: str) -> int:
 
 
 # ---- timing: one run per worker process ----------------------------------------------------------
-def load_runner(runtime: str, path: str, batch: int, threads: int, n_ctx: int):
+def load_runner(runtime: str, path: str, batch: int, threads: int, n_ctx: int, placement: str | None = None):
     if runtime.startswith("decodert"):
         from decodert.runtime.backends.loading import open_backend, read_manifest
+        from decodert.runtime.backends.placement import open_placed
 
         os.environ["DECODERT_THREADS"] = str(threads)
-        return B.BackendRunner(open_backend(Path(path), read_manifest(Path(path)), "ort"), batch)
+        manifest = read_manifest(Path(path))
+        if placement:  # each phase where --placement says (docs/features/placement.md); measured: cached beside
+            return B.BackendRunner(open_placed(Path(path), manifest, placement, threads), batch)
+        return B.BackendRunner(open_backend(Path(path), manifest, "ort"), batch)
     from competitors import LlamaCppRunner, OrtGenaiRunner
 
     if runtime.startswith("genai"):
@@ -156,7 +160,7 @@ def worker(spec: str) -> int:
     job = json.loads(spec)
     batch, prompt_len = parse_workload(job["workload"])
     gen = job["gen"] if job["workload"].startswith("decode") else 1
-    runner = load_runner(job["runtime"], job["path"], batch, job["threads"], MAX_SEQ)
+    runner = load_runner(job["runtime"], job["path"], batch, job["threads"], MAX_SEQ, job.get("placement"))
     runner.run(B.prompt_ids(job["vocab"], 16, seed=1), 4)  # warm-up: thread pools, buffers
     t = runner.run(B.prompt_ids(job["vocab"], prompt_len), gen)
     rss = peak_rss_mb()
@@ -178,7 +182,7 @@ def run_job(job: Job, args: argparse.Namespace) -> dict:
     if job.runtime.startswith("ovgenai"):
         return run_ovgenai_job(job, args)
     spec = {"runtime": job.runtime, "path": job.path, "workload": job.workload, "gen": args.gen,
-            "threads": args.threads, "vocab": M.SHAPES[job.size]["vocab_size"]}
+            "threads": args.threads, "vocab": M.SHAPES[job.size]["vocab_size"], "placement": args.placement}
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
                           timeout=args.timeout)
     lines = proc.stdout.strip().splitlines()
@@ -233,6 +237,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gen", type=int, default=128, help="new tokens per decode run")
     p.add_argument("--threads", type=int, default=2, help="threads for every runtime (ORT intra-op, llama.cpp)")
+    p.add_argument("--placement", default=None, help="decodert's phases: auto | measure | prefill=B,decode=B "
+                   "(docs/features/placement.md; default: every phase on ort, as before)")
     p.add_argument("--symmetric", action="store_true", help="decodert-int4 without zero points")
     p.add_argument("--block-size", type=int, default=32, choices=(32, 64, 128), help="decodert-int4's block")
     p.add_argument("--fp32-max-gb", type=float, default=8.0, help="skip fp32 where the weights are larger")

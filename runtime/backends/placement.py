@@ -45,7 +45,7 @@ from decodert.artifact.targets import target_info
 from decodert.artifact.version import __version__
 
 PHASES = ("prefill", "decode")
-BACKENDS = ("ort", "openvino", "openvino-native")
+BACKENDS = ("ort", "openvino", "openvino-native", "openvino-sdpa")
 FILE = "placement.json"
 SHORT, LONG = 128, 512  # prompt tokens of the two timed prefills (at most what the cache holds)
 PARITY_STEPS = 8  # greedy decode steps after each parity prefill
@@ -104,7 +104,7 @@ def candidates(manifest: Manifest) -> dict[str, list[str]]:
 
     prefill, decode = ["ort"], ["ort"]
     if openvino_refusal(manifest, "openvino-native") is None and native.available():
-        prefill.append("openvino-native")
+        prefill += ["openvino-native", "openvino-sdpa"]
     if openvino_refusal(manifest, "openvino") is None and ep.provider():
         prefill.append("openvino")
         decode.append("openvino")
@@ -117,7 +117,7 @@ def openvino_refusal(manifest: Manifest, name: str = "openvino") -> str | None:
     info = target_info(manifest.target)
     if name == "openvino" and not (info.standard_ops or "prefill.portable" in (manifest.phase_graphs or {})):
         return "no portable prefill graph (export with --openvino-prefill)"
-    if name == "openvino-native" and not info.openvino_reads_prefill:
+    if name in ("openvino-native", "openvino-sdpa") and not info.openvino_reads_prefill:
         return f"reads the ort target's prefill graph, not a --target {manifest.target} one"
     if manifest.dtype != "fp32" or (manifest.kv_dtype or manifest.dtype) != "fp32":
         return f"{manifest.dtype} activations / {manifest.kv_dtype} cache: only fp32 was checked on OpenVINO"

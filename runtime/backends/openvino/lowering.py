@@ -1,0 +1,126 @@
+"""The ort prefill graph's GroupQueryAttention lowered for OpenVINO's CPU plugin (placement's ``openvino-sdpa``).
+
+OpenVINO's ONNX frontend translates com.microsoft GroupQueryAttention itself (``openvino-native``), but into
+~50 runtime nodes a layer: its positions, cos/sin rows and causal mask rebuilt in every layer from that layer's
+shapes, the K/V heads repeated by concatenation, the split in f32 with reorders around it. This module hands the
+frontend its own translation (an ``openvino.frontend.onnx.ConversionExtension``) in the shapes the CPU plugin's
+fusions take, as OpenVINO GenAI's own IR has them: RoPE on [B, S, H, D] before the transpose (fused into one
+RoPE node), one opset13 ScaledDotProductAttention over the K/V heads broadcast, and the positions, cos/sin rows
+and mask built once for all layers::
+
+    qkv [B, S, (H + 2 Hkv) D] -> Reshape [B, S, H + 2 Hkv, D] -> VariadicSplit(axis 2) -> q, k, v -> Transpose [B, *, S, D]
+    q, k: RoPE(cos[pos], sin[pos])        pos = P .. P + S - 1 (P = the past rows fed: shape(past_key)[2])
+    present_k = Concat(past_k, k)  [B, Hkv, P + S, D]      present_v likewise
+    SDPA(q, expand(present_k), expand(present_v), mask [S, P + S]: key j <= pos i, scale) -> [B, H, S, D]
+    -> Transpose [B, S, H, D] -> Reshape [B, S, H D]
+
+The same contract as the frontend's own translation (present = past + the new rows; the caller feeds the held
+rows and copies the new ones back: native.py). What it does not translate (separate K/V inputs, interleaved
+rotary, a softcap, a local window, smooth softmax, a batch of several rows with different lengths) it refuses
+with a DecodertError at compile, so placement never chooses the candidate for such a graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from decodert.errors import DecodertError
+
+DOMAIN = "com.microsoft"
+
+
+def _const(v: Any, dtype: Any = np.int64) -> Any:
+    import openvino.opset13 as op
+
+    return op.constant(np.array(v, dtype))
+
+
+class GqaToSdpa:
+    """The GroupQueryAttention translator; one instance per model read (it keeps the nodes all layers share)."""
+
+    def __init__(self) -> None:
+        self.shared: dict[str, tuple] = {}  # the cos table's name -> ((cos rows, sin rows) | None, mask): built once
+        self.refused: str | None = None  # what it did not lower (the frontend reports only that a node failed)
+
+    def extension(self) -> Any:
+        """The conversion extension to add to a Core before ``read_model`` of an ort prefill graph."""
+        from openvino.frontend.onnx import ConversionExtension
+
+        return ConversionExtension("GroupQueryAttention", DOMAIN, self)
+
+    def __call__(self, node: Any) -> list:
+        import openvino.opset13 as op
+
+        c = _const
+        attr = {name: node.get_attribute(name) if node.has_attribute(name) else default
+                for name, default in (("num_heads", 0), ("kv_num_heads", 0), ("scale", 0.0), ("do_rotary", 0),
+                                      ("rotary_interleaved", 0), ("softcap", 0.0), ("local_window_size", -1),
+                                      ("smooth_softmax", 0))}
+        h, hkv = int(attr["num_heads"]), int(attr["kv_num_heads"])
+        unsupported = [k for k, ok in (("separate key/value inputs", _absent(node, 1) and _absent(node, 2)),
+                                       ("rotary_interleaved", not attr["rotary_interleaved"]),
+                                       ("softcap", not attr["softcap"]), ("local_window_size", attr["local_window_size"] < 0),
+                                       ("smooth_softmax", not attr["smooth_softmax"]), ("num_heads", h > 0 and hkv > 0 and h % hkv == 0))
+                       if not ok]
+        if unsupported:
+            self.refused = f"GroupQueryAttention with {', '.join(unsupported)}: not lowered for OpenVINO's SDPA"
+            raise DecodertError(self.refused)
+        qkv, past_k, past_v = node.get_input(0), node.get_input(3), node.get_input(4)
+        d = past_k.get_partial_shape()[3].get_length()
+        scale = float(attr["scale"]) or 1.0 / float(np.sqrt(d))
+        x = op.reshape(qkv, c([0, 0, h + 2 * hkv, d]), True)  # [B, S, H + 2 Hkv, D]
+        q, k, v = (op.transpose(t, c([0, 2, 1, 3])) for t in op.variadic_split(x, c(2), c([h, hkv, hkv])).outputs())
+        cos = node.get_input(7) if attr["do_rotary"] else None
+        key = cos.get_node().get_friendly_name() if cos is not None else ""
+        if key not in self.shared:  # every layer has the same S and P: build these once, from this layer's shapes
+            s = op.gather(op.shape_of(qkv), c([1]), c(0))  # [1]
+            p = op.gather(op.shape_of(past_k), c([2]), c(0))  # [1] the rows fed: the new ones start there
+            t = op.add(p, s)
+            pos = op.range(op.squeeze(p, c(0)), op.squeeze(t, c(0)), c(1), "i64")  # [S]
+            rows = None
+            if cos is not None:  # [1, 1, S, D/2] each
+                rows = tuple(op.unsqueeze(op.gather(table, pos, c(0)), c([0, 1])) for table in (cos, node.get_input(8)))
+            keys = op.unsqueeze(op.range(c(0), op.squeeze(t, c(0)), c(1), "i64"), c(0))  # [1, P + S]
+            self.shared[key] = (rows, op.less_equal(keys, op.unsqueeze(pos, c(1))))  # mask [S, P + S]
+        rows, mask = self.shared[key]
+        if rows is not None:
+            q, k = _rope(q, *rows, d // 2), _rope(k, *rows, d // 2)
+        present_k, present_v = op.concat([past_k, k], 2), op.concat([past_v, v], 2)  # [B, Hkv, P + S, D]
+        attn = op.scaled_dot_product_attention(q, _expand(present_k, h, hkv, d), _expand(present_v, h, hkv, d), mask,
+                                               op.constant(np.array(scale, np.float32)), causal=False)
+        out = op.reshape(op.transpose(attn, c([0, 2, 1, 3])), c([0, 0, h * d]), True)  # [B, S, H D]
+        return [out.output(0), present_k.output(0), present_v.output(0)]
+
+
+def _absent(node: Any, i: int) -> bool:
+    """Is optional input ``i`` of ``node`` left empty (the packed-QKV form)?"""
+    if node.get_input_size() <= i:
+        return True
+    try:
+        return node.get_input(i).get_node().get_type_name() == "NullNode"
+    except RuntimeError:
+        return True
+
+
+def _rope(x: Any, cos: Any, sin: Any, half: int) -> Any:
+    """Rotate-half RoPE of x [B, H, S, D] in the form the CPU plugin fuses: [x1 cos - x2 sin, x2 cos + x1 sin]."""
+    import openvino.opset13 as op
+
+    a, b = op.variadic_split(x, _const(-1), _const([half, half])).outputs()
+    return op.concat([op.subtract(op.multiply(a, cos), op.multiply(b, sin)),
+                      op.add(op.multiply(b, cos), op.multiply(a, sin))], -1)
+
+
+def _expand(t: Any, h: int, hkv: int, d: int) -> Any:
+    """[B, Hkv, T, D] -> [B, H, T, D], each K/V head repeated for its H / Hkv query heads (Broadcast, not copies)."""
+    import openvino.opset13 as op
+
+    if h == hkv:
+        return t
+    shape = op.shape_of(t)
+    wide = op.concat([op.gather(shape, _const([0, 1]), _const(0)), _const([h // hkv]),
+                      op.gather(shape, _const([2, 3]), _const(0))], 0)
+    return op.reshape(op.broadcast(op.unsqueeze(t, _const(2)), wide), _const([0, h, -1, d]), True)
+

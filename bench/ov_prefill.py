@@ -148,7 +148,8 @@ class Prefill:
             if sdpa:
                 from decodert.runtime.backends.openvino.lowering import GqaToSdpa
 
-                self.core.add_extension(GqaToSdpa().extension())
+                for extension in GqaToSdpa().extensions():
+                    self.core.add_extension(extension)
             self.props = {"INFERENCE_NUM_THREADS": threads, **self.settings}
             self.model = self.core.read_model(str(self.path))
             if self.rows:  # the cache inputs take any length: the rows held so far

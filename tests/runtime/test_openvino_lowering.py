@@ -93,3 +93,42 @@ def test_what_it_does_not_lower_is_refused(tmp_path, attrs, named):
     _gqa_graph(tmp_path / "gqa.onnx", **attrs)
     with pytest.raises(DecodertError, match=f"OpenVINO cannot compile the graph.*{named}"):
         NativePrefill(tmp_path / "gqa.onnx", threads=1, exact=True, sdpa=True)
+
+
+def test_int4_lowering_is_the_frontends_translation(tiny_checkpoint, tmp_path):
+    """On an int4 ort prefill (q/k/v and gate/up fused MatMulNBits), in f32: the lowered graph (one FullyConnected
+    per projection, no split left) gives OpenVINO's own translation's logits and new K/V rows, fresh and after a past."""
+    from decodert.artifact.manifest import load_manifest
+    from decodert.export.pipeline import export_model
+    from decodert.export.quantize.quant import QuantConfig
+    from decodert.runtime.backends.openvino.native import NativePrefill
+
+    art = tmp_path / "int4"
+    export_model(tiny_checkpoint("llama"), art, target="ort", max_seq=64, max_batch=1,
+                 quant=QuantConfig(bits=4, accuracy_level=4), progress=False)
+    m = load_manifest(art)
+    runners = [NativePrefill(art / m.graphs["prefill"].file, threads=1, exact=True, sdpa=s) for s in (False, True)]
+    kinds = [{o.get_rt_info()["layerType"].astype(str) for o in r.request.get_compiled_model().get_runtime_model().get_ops()}
+             for r in runners]
+    assert "Split" in kinds[0] and "Split" not in kinds[1]
+    ids = np.random.default_rng(11).integers(0, m.model.vocab_size, 20)
+    kv = m.kv
+    for past in (0, 12):
+        outs = []
+        for r in runners:
+            cache = _Cache(kv.num_layers, kv.num_kv_heads, kv.head_dim)
+            if past:
+                runners[0].run(cache, 0, ids[:past])  # the same held rows for both
+                cache.lengths[0] = past
+            outs.append((r.run(cache, 0, ids[past:]), [b.copy() for b in cache.buffers]))
+        assert np.abs(outs[0][0] - outs[1][0]).max() < 1e-4
+        assert max(np.abs(a - b).max() for a, b in zip(outs[0][1], outs[1][1])) < 1e-4
+
+
+class _Cache:
+    """What NativePrefill.run reads of a KVCache: the buffers [1, H_kv, max, D], the lengths, the layers."""
+
+    def __init__(self, layers, heads, dim):
+        self.buffers = [np.zeros((1, heads, 64, dim), np.float32) for _ in range(2 * layers)]
+        self.lengths = np.zeros(1, np.int64)
+        self.kv_layers = list(range(layers))

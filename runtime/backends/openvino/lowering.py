@@ -37,6 +37,27 @@ def _const(v: Any, dtype: Any = np.int64) -> Any:
     return op.constant(np.array(v, dtype))
 
 
+def split(node: Any) -> list:
+    """ONNX Split: a compressed matmul's product split on its last axis becomes one matmul per part
+    (``split_matmul``); any other Split the VariadicSplit / Split the frontend makes of it."""
+    import openvino.opset13 as op
+
+    x = node.get_input(0)
+    axis = int(node.get_attribute("axis")) if node.has_attribute("axis") else 0
+    rank = x.get_partial_shape().rank
+    last = axis == -1 or (rank.is_static and axis == rank.get_length() - 1)
+    if node.get_input_size() > 1 and not _absent(node, 1):
+        sizes_in = node.get_input(1)
+        if last and sizes_in.get_node().get_type_name() == "Constant":
+            parts = split_matmul(x, [int(v) for v in sizes_in.get_node().get_data().ravel()])
+            if parts is not None:
+                return parts
+        return list(op.variadic_split(x, _const(axis), sizes_in).outputs())
+    if node.has_attribute("num_outputs"):
+        return list(op.split(x, _const(axis), int(node.get_attribute("num_outputs"))).outputs())
+    raise DecodertError("Split without sizes or num_outputs: not lowered for OpenVINO")
+
+
 class GqaToSdpa:
     """The GroupQueryAttention translator; one instance per model read (it keeps the nodes all layers share)."""
 
@@ -49,6 +70,12 @@ class GqaToSdpa:
         from openvino.frontend.onnx import ConversionExtension
 
         return ConversionExtension("GroupQueryAttention", DOMAIN, self)
+
+    def extensions(self) -> list:
+        """Every conversion extension of this lowering: GroupQueryAttention and Split."""
+        from openvino.frontend.onnx import ConversionExtension
+
+        return [self.extension(), ConversionExtension("Split", split)]
 
     def __call__(self, node: Any) -> list:
         import openvino.opset13 as op
@@ -70,8 +97,12 @@ class GqaToSdpa:
         qkv, past_k, past_v = node.get_input(0), node.get_input(3), node.get_input(4)
         d = past_k.get_partial_shape()[3].get_length()
         scale = float(attr["scale"]) or 1.0 / float(np.sqrt(d))
-        x = op.reshape(qkv, c([0, 0, h + 2 * hkv, d]), True)  # [B, S, H + 2 Hkv, D]
-        q, k, v = (op.transpose(t, c([0, 2, 1, 3])) for t in op.variadic_split(x, c(2), c([h, hkv, hkv])).outputs())
+        parts = split_matmul(qkv, [h * d, hkv * d, hkv * d])  # one projection each (below), else split the product
+        if parts is not None:
+            q, k, v = (op.reshape(t, c([0, 0, n, d]), True) for t, n in zip(parts, (h, hkv, hkv)))  # [B, S, *, D]
+        else:
+            q, k, v = op.variadic_split(op.reshape(qkv, c([0, 0, h + 2 * hkv, d]), True), c(2), c([h, hkv, hkv])).outputs()
+        q, k, v = (op.transpose(t, c([0, 2, 1, 3])) for t in (q, k, v))  # [B, *, S, D]
         cos = node.get_input(7) if attr["do_rotary"] else None
         key = cos.get_node().get_friendly_name() if cos is not None else ""
         if key not in self.shared:  # every layer has the same S and P: build these once, from this layer's shapes
@@ -124,3 +155,71 @@ def _expand(t: Any, h: int, hkv: int, d: int) -> Any:
                       op.gather(shape, _const([2, 3]), _const(0))], 0)
     return op.reshape(op.broadcast(op.unsqueeze(t, _const(2)), wide), _const([0, h, -1, d]), True)
 
+
+
+# ---- the fused projections split back into one FullyConnected each --------------------------------------------
+# The ort target fuses q/k/v into one MatMulNBits and gate/up into another, then splits the product. On OpenVINO
+# the split is a copy of every activation (and puts the q/k/v split in f32 beside the f32 cache); with one
+# compressed matmul per part the CPU plugin fuses SiLU into the gate's FullyConnected and RoPE reads its own
+# projection, as in OpenVINO GenAI's IR. The frontend reads MatMulNBits as a decompression chain over u4 codes:
+#
+#     MatMul(x, Reshape(Multiply(Subtract(Convert(W u4 [N, K/32, 32]), Convert(Z u4 [N, K/32, 1])),
+#                                Reshape(Convert(S f32 [N K/32])))), transpose_b)     -> [.., N]
+#
+# and the parts are that chain over rows [a, b) of W, Z and S (a byte-aligned slice of the packed codes).
+def split_matmul(y: Any, sizes: list[int]) -> list | None:
+    """``y`` (a compressed MatMul's output, last axis N = sum(sizes)) as one MatMul per part, or None where ``y``
+    is not that chain or its rows are not byte-aligned in the packed codes (the caller splits ``y`` then)."""
+    import openvino as ov
+    import openvino.opset13 as op
+
+    mm = y.get_node()
+    if mm.get_type_name() != "MatMul" or not mm.get_attributes().get("transpose_b") or mm.get_attributes().get("transpose_a"):
+        return None
+    chain = _decompression(mm.input_value(1).get_node())
+    if chain is None:
+        return None
+    w, z, s, shape = chain
+    n, groups, block = w.get_output_partial_shape(0).to_shape()
+    if sum(sizes) != n or (groups * block) % 2 or groups % 2:
+        return None
+    codes, zeros, scales = w.get_data(), z.get_data(), s.get_data().astype(np.float32).reshape(n, groups, 1)
+    wb, zb = groups * block // 2, groups // 2  # bytes a row of W / of Z
+    parts, a = [], 0
+    for size in sizes:
+        tw, tz = ov.Tensor(ov.Type.u4, [size, groups, block]), ov.Tensor(ov.Type.u4, [size, groups, 1])
+        tw.data[:] = codes[a * wb : (a + size) * wb]
+        tz.data[:] = zeros[a * zb : (a + size) * zb]
+        f32 = ov.Type.f32
+        weight = op.multiply(op.subtract(op.convert(op.constant(tw), f32), op.convert(op.constant(tz), f32)),
+                             op.constant(np.ascontiguousarray(scales[a : a + size])))
+        weight = op.reshape(weight, _const([size, shape[1]]), False)
+        parts.append(op.matmul(mm.input_value(0), weight, False, True).output(0))
+        a += size
+    return parts
+
+
+def _decompression(reshape: Any) -> tuple | None:
+    """(W, Z, S constants, the [N, K] shape) of the MatMulNBits chain ending at ``reshape`` (None: another graph)."""
+    try:
+        if reshape.get_type_name() != "Reshape":
+            return None
+        shape = reshape.get_output_partial_shape(0).to_shape()
+        mul = reshape.input_value(0).get_node()
+        sub, sc = (mul.input_value(i).get_node() for i in (0, 1))
+        if mul.get_type_name() != "Multiply" or sub.get_type_name() != "Subtract":
+            return None
+        w, z = (sub.input_value(i).get_node() for i in (0, 1))
+        w, z = (t.input_value(0).get_node() if t.get_type_name() == "Convert" else None for t in (w, z))
+        while sc is not None and sc.get_type_name() in ("Reshape", "Convert"):
+            sc = sc.input_value(0).get_node()
+        consts = (w, z, sc)
+        if any(t is None or t.get_type_name() != "Constant" for t in consts):
+            return None
+        import openvino as ov
+
+        if w.get_element_type() != ov.Type.u4 or z.get_element_type() != ov.Type.u4 or len(w.get_output_partial_shape(0)) != 3:
+            return None
+        return w, z, sc, shape
+    except (RuntimeError, AttributeError, IndexError):
+        return None

@@ -64,7 +64,8 @@ class NativePrefill:
         try:
             core = ov.Core()
             if lowering is not None:
-                core.add_extension(lowering.extension())
+                for extension in lowering.extensions():
+                    core.add_extension(extension)
             model = core.read_model(str(path))
             shapes = {}
             for port in model.inputs:

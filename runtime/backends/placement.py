@@ -5,7 +5,8 @@ The rule (docs/features/placement.md):
 - The candidates of a phase are what is installed and what the artifact has a graph for: ``ort``
   (ONNX Runtime's CPU provider, MLAS kernels, over the target's graphs: always); for the prefill
   ``openvino-native`` (OpenVINO's own runtime over the ort prefill graph, runtime/backends/openvino/native.py:
-  the new rows copied into the cache) where the ``openvino`` package is installed; and for both phases
+  the new rows copied into the cache) and ``openvino-sdpa`` (the same, its attention and fused projections
+  lowered by runtime/backends/openvino/lowering.py) where the ``openvino`` package is installed; and for both phases
   ``openvino`` (the OpenVINO execution provider, runtime/backends/openvino/ep.py, over the artifact's portable
   prefill graph: ``--openvino-prefill`` or a portable artifact, with ``onnxruntime-ep-openvino`` installed).
   All run over the same host cache buffers (runtime/backends/ort/backend.py ``place``).
@@ -56,7 +57,7 @@ REPEATS = 3  # timed runs per candidate and shape (the median is kept)
 class Placement:
     """Which backend runs each phase, and why (what ``inspect`` and the metrics line show)."""
 
-    phases: Mapping[str, str]  # phase -> "ort" | "openvino"
+    phases: Mapping[str, str]  # phase -> one of BACKENDS
     source: str  # "off" | "explicit" | "measured" | "cached" | "single" (one candidate: nothing to measure)
     figures: Mapping[str, Any] = field(default_factory=dict)  # phase -> {candidate: ms or refusal}
     file: str | None = None  # the cache file read or written

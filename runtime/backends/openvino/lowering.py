@@ -37,7 +37,7 @@ def _const(v: Any, dtype: Any = np.int64) -> Any:
     return op.constant(np.array(v, dtype))
 
 
-def split(node: Any) -> list:
+def split(node: Any, half: bool = False) -> list:
     """ONNX Split: a compressed matmul's product split on its last axis becomes one matmul per part
     (``split_matmul``); any other Split the VariadicSplit / Split the frontend makes of it."""
     import openvino.opset13 as op
@@ -49,7 +49,7 @@ def split(node: Any) -> list:
     if node.get_input_size() > 1 and not _absent(node, 1):
         sizes_in = node.get_input(1)
         if last and sizes_in.get_node().get_type_name() == "Constant":
-            parts = split_matmul(x, [int(v) for v in sizes_in.get_node().get_data().ravel()])
+            parts = split_matmul(x, [int(v) for v in sizes_in.get_node().get_data().ravel()], half)
             if parts is not None:
                 return parts
         return list(op.variadic_split(x, _const(axis), sizes_in).outputs())
@@ -61,7 +61,8 @@ def split(node: Any) -> list:
 class GqaToSdpa:
     """The GroupQueryAttention translator; one instance per model read (it keeps the nodes all layers share)."""
 
-    def __init__(self) -> None:
+    def __init__(self, half: bool = False) -> None:
+        self.half = half  # the split projections' decompression in f16 (a bf16 run), else f32 (exact)
         self.shared: dict[str, tuple] = {}  # the cos table's name -> ((cos rows, sin rows) | None, mask): built once
         self.refused: str | None = None  # what it did not lower (the frontend reports only that a node failed)
 
@@ -75,7 +76,7 @@ class GqaToSdpa:
         """Every conversion extension of this lowering: GroupQueryAttention and Split."""
         from openvino.frontend.onnx import ConversionExtension
 
-        return [self.extension(), ConversionExtension("Split", split)]
+        return [self.extension(), ConversionExtension("Split", lambda node: split(node, self.half))]
 
     def __call__(self, node: Any) -> list:
         import openvino.opset13 as op
@@ -97,7 +98,7 @@ class GqaToSdpa:
         qkv, past_k, past_v = node.get_input(0), node.get_input(3), node.get_input(4)
         d = past_k.get_partial_shape()[3].get_length()
         scale = float(attr["scale"]) or 1.0 / float(np.sqrt(d))
-        parts = split_matmul(qkv, [h * d, hkv * d, hkv * d])  # one projection each (below), else split the product
+        parts = split_matmul(qkv, [h * d, hkv * d, hkv * d], self.half)  # one projection each (below), else split the product
         if parts is not None:
             q, k, v = (op.reshape(t, c([0, 0, n, d]), True) for t, n in zip(parts, (h, hkv, hkv)))  # [B, S, *, D]
         else:
@@ -167,7 +168,7 @@ def _expand(t: Any, h: int, hkv: int, d: int) -> Any:
 #                                Reshape(Convert(S f32 [N K/32])))), transpose_b)     -> [.., N]
 #
 # and the parts are that chain over rows [a, b) of W, Z and S (a byte-aligned slice of the packed codes).
-def split_matmul(y: Any, sizes: list[int]) -> list | None:
+def split_matmul(y: Any, sizes: list[int], half: bool = False) -> list | None:
     """``y`` (a compressed MatMul's output, last axis N = sum(sizes)) as one MatMul per part, or None where ``y``
     is not that chain or its rows are not byte-aligned in the packed codes (the caller splits ``y`` then)."""
     import openvino as ov
@@ -190,10 +191,12 @@ def split_matmul(y: Any, sizes: list[int]) -> list | None:
         tw, tz = ov.Tensor(ov.Type.u4, [size, groups, block]), ov.Tensor(ov.Type.u4, [size, groups, 1])
         tw.data[:] = codes[a * wb : (a + size) * wb]
         tz.data[:] = zeros[a * zb : (a + size) * zb]
-        f32 = ov.Type.f32
-        weight = op.multiply(op.subtract(op.convert(op.constant(tw), f32), op.convert(op.constant(tz), f32)),
-                             op.constant(np.ascontiguousarray(scales[a : a + size])))
+        dt = ov.Type.f16 if half else ov.Type.f32  # f16: the decompression OpenVINO's own int4 IRs have
+        weight = op.multiply(op.subtract(op.convert(op.constant(tw), dt), op.convert(op.constant(tz), dt)),
+                             op.constant(np.ascontiguousarray(scales[a : a + size]).astype(np.float16 if half else np.float32)))
         weight = op.reshape(weight, _const([size, shape[1]]), False)
+        if half:
+            weight = op.convert(weight, ov.Type.f32)
         parts.append(op.matmul(mm.input_value(0), weight, False, True).output(0))
         a += size
     return parts

@@ -60,7 +60,7 @@ class NativePrefill:
         if sdpa:
             from decodert.runtime.backends.openvino.lowering import GqaToSdpa
 
-            lowering = GqaToSdpa()
+            lowering = GqaToSdpa(half=str(properties(threads, exact).get("INFERENCE_PRECISION_HINT", "")).lower() != "f32")
         try:
             core = ov.Core()
             if lowering is not None:

@@ -87,6 +87,10 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "ov-bf16-rows": ("ov", {"INFERENCE_PRECISION_HINT": "bf16", "rows": True}),
     "ov-f32-rows": ("ov", {"INFERENCE_PRECISION_HINT": "f32", "rows": True}),
     "ov-f32-nodq-rows": ("ov", {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0, "rows": True}),
+    # the same, its GroupQueryAttention lowered to OpenVINO's SDPA by runtime/backends/openvino/lowering.py
+    # (placement's openvino-sdpa) instead of the frontend's own translation (openvino-native)
+    "ov-bf16-sdpa-rows": ("ov", {"INFERENCE_PRECISION_HINT": "bf16", "rows": True, "sdpa": True}),
+    "ov-f32-sdpa-rows": ("ov", {"INFERENCE_PRECISION_HINT": "f32", "rows": True, "sdpa": True}),
     # compiled blobs kept in --work/ov-cache ("{cache}"): the load time of a later process
     "ep-bf16-cache": ("ep", {"precision": "FP32", "cache_dir": "{cache}",
                              "load_config": {"CPU": {"INFERENCE_PRECISION_HINT": "bf16"}}}),
@@ -131,6 +135,7 @@ class Prefill:
         self.settings = {k: cache_dir if v == "{cache}" else v for k, v in settings.items()}
         self.static = bool(self.settings.pop("static", False))
         self.rows = bool(self.settings.pop("rows", False))
+        sdpa = bool(self.settings.pop("sdpa", False))
         self.vocab = int(self.m["model"]["vocab_size"])
         self.compiled: dict[int, Any] = {}
         self.threads = threads
@@ -140,6 +145,11 @@ class Prefill:
             import openvino as ov
 
             self.core = ov.Core()
+            if sdpa:
+                from decodert.runtime.backends.openvino.lowering import GqaToSdpa
+
+                for extension in GqaToSdpa().extensions():
+                    self.core.add_extension(extension)
             self.props = {"INFERENCE_NUM_THREADS": threads, **self.settings}
             self.model = self.core.read_model(str(self.path))
             if self.rows:  # the cache inputs take any length: the rows held so far

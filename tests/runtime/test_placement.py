@@ -145,7 +145,7 @@ def test_an_openvino_prefill_gives_ort_tokens(ov, tiny_arts, monkeypatch):
         llm.close()
 
 
-@pytest.mark.parametrize("name", ["openvino", "openvino-native"])
+@pytest.mark.parametrize("name", ["openvino", "openvino-native", "openvino-sdpa"])
 def test_speculation_keeps_its_tokens_on_the_placement(ov, tiny_arts, name):
     plain = LLM.load(tiny_arts["ov"], placement="off", prefix_cache_mb=0)
     text = ["one two three four one two three four one two three", *PROMPTS]
@@ -156,13 +156,15 @@ def test_speculation_keeps_its_tokens_on_the_placement(ov, tiny_arts, name):
     llm.close()
 
 
-def test_a_native_openvino_prefill_gives_ort_tokens(ov, tiny_arts):
-    """OpenVINO's runtime over the ort prefill graph: each row's whole prompt in one call, the new rows copied
-    into the cache (a fresh row and one that holds K/V already); the decode on MLAS reads them."""
+@pytest.mark.parametrize("name", ["openvino-native", "openvino-sdpa"])
+def test_a_native_openvino_prefill_gives_ort_tokens(ov, tiny_arts, name):
+    """OpenVINO's runtime over the ort prefill graph (its attention as OpenVINO's frontend translates it, or
+    lowered to its SDPA): each row's whole prompt in one call, the new rows copied into the cache (a fresh row
+    and one that holds K/V already); the decode on MLAS reads them."""
     plain = LLM.load(tiny_arts["plain"], placement="off", prefix_cache_mb=0)
     want = _greedy(plain)
-    llm = LLM.load(tiny_arts["plain"], placement={"prefill": "openvino-native"}, prefix_cache_mb=0)
-    assert llm.backend.placed == {"prefill": "openvino-native", "decode": "ort"}
+    llm = LLM.load(tiny_arts["plain"], placement={"prefill": name}, prefix_cache_mb=0)
+    assert llm.backend.placed == {"prefill": name, "decode": "ort"}
     assert _greedy(llm) == want
     ids = np.arange(5, 45, dtype=np.int64)
     outs = []
@@ -175,7 +177,7 @@ def test_a_native_openvino_prefill_gives_ort_tokens(ov, tiny_arts):
         outs.append(step.logits[0])
     assert np.abs(outs[0] - outs[2]).max() < 1e-3 and np.abs(outs[1] - outs[3]).max() < 1e-3
     with pytest.raises(DecodertError, match="runs the prefill only"):
-        llm.backend.place("decode", "openvino-native")
+        llm.backend.place("decode", name)
     plain.close()
     llm.close()
 
@@ -189,7 +191,7 @@ def test_auto_measures_once_and_reads_the_cache(ov, tiny_arts, tmp_path):
     first = llm.backend.placement
     assert first.source == "measured" and Path(first.file) == art / placement.FILE
     data = json.loads((art / placement.FILE).read_text())
-    assert set(data["figures"]["prefill"]) == {"ort", "openvino", "openvino-native"} and data["phases"] == dict(first.phases)
+    assert set(data["figures"]["prefill"]) == {"ort", "openvino", "openvino-native", "openvino-sdpa"} and data["phases"] == dict(first.phases)
     assert all("short_ms" in v for v in data["figures"]["prefill"].values())
     llm.close()
     again = LLM.load(art, placement="auto")
@@ -231,6 +233,7 @@ def test_int4_prefill_on_openvino(ov, tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.delenv("DECODERT_OPENVINO_CONFIG")  # OpenVINO's defaults, as users get them
     _check_within_ties(art, PROMPTS)
     _check_within_ties(art, PROMPTS, name="openvino-native")
+    _check_within_ties(art, PROMPTS, name="openvino-sdpa")
 
 
 def _check_within_ties(art, prompts, n=24, name="openvino"):
@@ -260,7 +263,7 @@ def test_smollm2_on_openvino(ov, smollm2_gguf, tmp_path, monkeypatch):
     export_model(smollm2_gguf, fp32, target="ort", max_seq=1024, max_batch=2, openvino_prefill=True, progress=False)
     plain = LLM.load(fp32, placement="off", prefix_cache_mb=0)
     want = [_greedy(plain, [t], 32)[0] for t in texts]
-    for name in ("openvino", "openvino-native"):
+    for name in ("openvino", "openvino-native", "openvino-sdpa"):
         placed = LLM.load(fp32, placement={"prefill": name}, prefix_cache_mb=0)
         assert [_greedy(placed, [t], 32)[0] for t in texts] == want, name
         placed.close()
@@ -270,6 +273,7 @@ def test_smollm2_on_openvino(ov, smollm2_gguf, tmp_path, monkeypatch):
                  quant=QuantConfig(bits=4, accuracy_level=4))
     _check_within_ties(int4, texts, 32)
     _check_within_ties(int4, texts, 32, name="openvino-native")
+    _check_within_ties(int4, texts, 32, name="openvino-sdpa")
 
 
 def test_without_the_package_one_info_line(tiny_arts, monkeypatch, capsys):

@@ -48,14 +48,24 @@ def properties(threads: int | None, exact: bool = False) -> dict[str, Any]:
 
 
 class NativePrefill:
-    """The prefill graph at ``path`` compiled by OpenVINO with its cache inputs' sequence axis free."""
+    """The prefill graph at ``path`` compiled by OpenVINO with its cache inputs' sequence axis free; with ``sdpa``
+    its GroupQueryAttention nodes translated by runtime/backends/openvino/lowering.py instead of OpenVINO's frontend
+    (placement's ``openvino-sdpa``)."""
 
-    def __init__(self, path: Path, threads: int | None = None, exact: bool = False) -> None:
+    def __init__(self, path: Path, threads: int | None = None, exact: bool = False, sdpa: bool = False) -> None:
         import openvino as ov
 
         self._ov = ov
+        lowering = None
+        if sdpa:
+            from decodert.runtime.backends.openvino.lowering import GqaToSdpa
+
+            lowering = GqaToSdpa(half=str(properties(threads, exact).get("INFERENCE_PRECISION_HINT", "")).lower() != "f32")
         try:
             core = ov.Core()
+            if lowering is not None:
+                for extension in lowering.extensions():
+                    core.add_extension(extension)
             model = core.read_model(str(path))
             shapes = {}
             for port in model.inputs:
@@ -67,7 +77,8 @@ class NativePrefill:
             self.names = {p.get_any_name() for p in model.inputs}
             self.request = core.compile_model(model, "CPU", properties(threads, exact)).create_infer_request()
         except (RuntimeError, ValueError) as e:  # an op it cannot read, a shape it cannot take
-            raise DecodertError(f"{path}: OpenVINO cannot compile the graph ({first_line(e)[:300]})") from None
+            why = (lowering and lowering.refused) or first_line(e)
+            raise DecodertError(f"{path}: OpenVINO cannot compile the graph ({why[:300]})") from None
         self.zero = np.zeros(1, np.int64)
 
     def run(self, cache: Any, slot: int, ids: np.ndarray) -> np.ndarray:

@@ -11,11 +11,11 @@
   new token ids and lengths into them and runs.
 - Per-phase placement (runtime/backends/placement.py, docs/features/placement.md): ``phases`` may put the
   prefill on OpenVINO's own runtime over this prefill graph (``openvino-native``: each call's new K/V rows
-  copied into the cache buffers), or the prefill or the decode step on the OpenVINO execution provider
-  (``openvino``: the artifact's portable prefill graph, ``manifest.phase_graphs["prefill.portable"]`` or a
-  portable artifact's prefill.onnx, bound to the same buffers); or the one-row decode step on decodert's own C step
-  (``native-cpu``, runtime/backends/native/: it writes the row's K/V in the same buffers); verify passes keep the
-  ort sessions.
+  copied into the cache buffers; ``openvino-sdpa``: the same, its attention lowered to OpenVINO's SDPA), or
+  the prefill or the decode step on the OpenVINO execution provider (``openvino``: the artifact's portable
+  prefill graph, ``manifest.phase_graphs["prefill.portable"]`` or a portable artifact's prefill.onnx, bound to
+  the same buffers); or the one-row decode step on decodert's own C step (``native-cpu``,
+  runtime/backends/native/: it writes the row's K/V in the same buffers); verify passes keep the ort sessions.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ from decodert.runtime.backends.ort.verify import VerifyState, bind_cache
 from decodert.runtime.vision.tokens import is_image
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+# the prefill candidates on OpenVINO's own runtime over this prefill graph -> whether its GroupQueryAttention is
+# lowered by runtime/backends/openvino/lowering.py (True) or translated by OpenVINO's frontend (False)
+OPENVINO_RUNTIME = {"openvino-native": False, "openvino-sdpa": True}
 
 
 @dataclass
@@ -69,8 +72,8 @@ class OrtBackend:
     def __init__(self, artifact_dir: str | Path, manifest: Manifest, threads: int | None = None,
                  providers: Sequence[str] | None = None, separate_decode: bool = False,
                  phases: dict[str, str] | None = None):
-        """``phases``: phase ("prefill" | "decode") -> "ort" | "openvino" | "openvino-native" (prefill only) |
-        "native-cpu" (decode only); default: both on ``providers``."""
+        """``phases``: phase ("prefill" | "decode") -> "ort" | "openvino" | "openvino-native" | "openvino-sdpa"
+        (prefill only) | "native-cpu" (decode only); default: both on ``providers``."""
         self.dir = Path(artifact_dir)
         self.manifest = manifest
         if manifest.dtype not in NP_DTYPES:
@@ -148,11 +151,11 @@ class OrtBackend:
         return self.hidden_rows
 
     def place(self, phase: str, name: str, threads: int | None = None) -> None:
-        """Run ``phase`` ("prefill" | "decode") on ``name`` ("ort" | "openvino" | "openvino-native") from now on, over the same
+        """Run ``phase`` ("prefill" | "decode") on ``name`` ("ort" | "openvino" | one of ``OPENVINO_RUNTIME``) from now on, over the same
         cache buffers (a session opened once per name; bindings made for another session are dropped)."""
-        if phase not in self.placed or name not in ("ort", "openvino", "openvino-native", "native-cpu"):
+        if phase not in self.placed or name not in ("ort", "openvino", *OPENVINO_RUNTIME, "native-cpu"):
             raise DecodertError(f"cannot place {phase!r} on {name!r}: phases are prefill and decode, "
-                                "backends ort, openvino, openvino-native and native-cpu")
+                                f"backends ort, openvino, {', '.join(OPENVINO_RUNTIME)} and native-cpu")
         if name == "native-cpu":
             if phase != "decode":
                 raise DecodertError("native-cpu runs the decode step only (decodert's own C step, one row a call)")
@@ -162,14 +165,15 @@ class OrtBackend:
                 self.phase_sessions[name] = {"decode": NativeDecode(self.dir, self.manifest, threads)}
             self.placed[phase] = name
             return
-        if name == "openvino-native":
+        if name in OPENVINO_RUNTIME:
             if phase != "prefill":
-                raise DecodertError("openvino-native runs the prefill only (it copies each call's new rows into the cache)")
-            if "openvino-native" not in self.phase_sessions:
+                raise DecodertError(f"{name} runs the prefill only (it copies each call's new rows into the cache)")
+            if name not in self.phase_sessions:
                 from decodert.runtime.backends.openvino.native import NativePrefill
 
                 self.phase_sessions[name] = {"prefill": NativePrefill(self.dir / self.manifest.graphs["prefill"].file, threads,
-                                                                      exact=self.manifest.quant is None)}
+                                                                      exact=self.manifest.quant is None,
+                                                                      sdpa=OPENVINO_RUNTIME[name])}
             self.placed[phase] = name
             return
         if name not in self.phase_sessions:
@@ -212,7 +216,7 @@ class OrtBackend:
         cache.check_room(slots, lens, "the prompt's tokens")
         out = StepOutput(np.empty(len(slots), np.int64),
                          np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
-        if self.placed["prefill"] == "openvino-native":
+        if self.placed["prefill"] in OPENVINO_RUNTIME:
             return self._prefill_native(cache, slots, ids, out, want_logits)
         for rows in self._prefill_groups(cache, slots, lens):
             start, n = slots[rows[0]], len(rows)
@@ -239,7 +243,7 @@ class OrtBackend:
     def _prefill_native(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], out: StepOutput,
                         want_logits: bool) -> StepOutput:
         """Each row's whole prompt in one OpenVINO call (runtime/backends/openvino/native.py), committed after it."""
-        runner = self.phase_sessions["openvino-native"]["prefill"]
+        runner = self.phase_sessions[self.placed["prefill"]]["prefill"]
         for j, slot in enumerate(slots):
             with cache.writing([slot]):
                 logits = runner.run(cache, slot, np.asarray(ids[j], np.int64))

@@ -1,0 +1,228 @@
+"""The ort prefill graph's GroupQueryAttention lowered for OpenVINO's CPU plugin (placement's ``openvino-sdpa``).
+
+OpenVINO's ONNX frontend translates com.microsoft GroupQueryAttention itself (``openvino-native``), but into
+~50 runtime nodes a layer: its positions, cos/sin rows and causal mask rebuilt in every layer from that layer's
+shapes, the K/V heads repeated by concatenation, the split in f32 with reorders around it. This module hands the
+frontend its own translation (an ``openvino.frontend.onnx.ConversionExtension``) in the shapes the CPU plugin's
+fusions take, as OpenVINO GenAI's own IR has them: RoPE on [B, S, H, D] before the transpose (fused into one
+RoPE node), one opset13 ScaledDotProductAttention over the K/V heads broadcast, and the positions, cos/sin rows
+and mask built once for all layers::
+
+    qkv [B, S, (H + 2 Hkv) D] -> Reshape [B, S, H + 2 Hkv, D] -> VariadicSplit(axis 2) -> q, k, v -> Transpose [B, *, S, D]
+    q, k: RoPE(cos[pos], sin[pos])        pos = P .. P + S - 1 (P = the past rows fed: shape(past_key)[2])
+    present_k = Concat(past_k, k)  [B, Hkv, P + S, D]      present_v likewise
+    SDPA(q, expand(present_k), expand(present_v), mask [S, P + S]: key j <= pos i, scale) -> [B, H, S, D]
+    -> Transpose [B, S, H, D] -> Reshape [B, S, H D]
+
+The same contract as the frontend's own translation (present = past + the new rows; the caller feeds the held
+rows and copies the new ones back: native.py). What it does not translate (separate K/V inputs, interleaved
+rotary, a softcap, a local window, smooth softmax, a batch of several rows with different lengths) it refuses
+with a DecodertError at compile, so placement never chooses the candidate for such a graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from decodert.errors import DecodertError
+
+DOMAIN = "com.microsoft"
+
+
+def _const(v: Any, dtype: Any = np.int64) -> Any:
+    import openvino.opset13 as op
+
+    return op.constant(np.array(v, dtype))
+
+
+def split(node: Any, half: bool = False) -> list:
+    """ONNX Split: a compressed matmul's product split on its last axis becomes one matmul per part
+    (``split_matmul``); any other Split the VariadicSplit / Split the frontend makes of it."""
+    import openvino.opset13 as op
+
+    x = node.get_input(0)
+    axis = int(node.get_attribute("axis")) if node.has_attribute("axis") else 0
+    rank = x.get_partial_shape().rank
+    last = axis == -1 or (rank.is_static and axis == rank.get_length() - 1)
+    if node.get_input_size() > 1 and not _absent(node, 1):
+        sizes_in = node.get_input(1)
+        if last and sizes_in.get_node().get_type_name() == "Constant":
+            parts = split_matmul(x, [int(v) for v in sizes_in.get_node().get_data().ravel()], half)
+            if parts is not None:
+                return parts
+        return list(op.variadic_split(x, _const(axis), sizes_in).outputs())
+    if node.has_attribute("num_outputs"):
+        return list(op.split(x, _const(axis), int(node.get_attribute("num_outputs"))).outputs())
+    raise DecodertError("Split without sizes or num_outputs: not lowered for OpenVINO")
+
+
+class GqaToSdpa:
+    """The GroupQueryAttention translator; one instance per model read (it keeps the nodes all layers share)."""
+
+    def __init__(self, half: bool = False) -> None:
+        self.half = half  # the split projections' decompression in f16 (a bf16 run), else f32 (exact)
+        self.shared: dict[str, tuple] = {}  # the cos table's name -> ((cos rows, sin rows) | None, mask): built once
+        self.refused: str | None = None  # what it did not lower (the frontend reports only that a node failed)
+
+    def extension(self) -> Any:
+        """The conversion extension to add to a Core before ``read_model`` of an ort prefill graph."""
+        from openvino.frontend.onnx import ConversionExtension
+
+        return ConversionExtension("GroupQueryAttention", DOMAIN, self)
+
+    def extensions(self) -> list:
+        """Every conversion extension of this lowering: GroupQueryAttention and Split."""
+        from openvino.frontend.onnx import ConversionExtension
+
+        return [self.extension(), ConversionExtension("Split", lambda node: split(node, self.half))]
+
+    def __call__(self, node: Any) -> list:
+        import openvino.opset13 as op
+
+        c = _const
+        attr = {name: node.get_attribute(name) if node.has_attribute(name) else default
+                for name, default in (("num_heads", 0), ("kv_num_heads", 0), ("scale", 0.0), ("do_rotary", 0),
+                                      ("rotary_interleaved", 0), ("softcap", 0.0), ("local_window_size", -1),
+                                      ("smooth_softmax", 0))}
+        h, hkv = int(attr["num_heads"]), int(attr["kv_num_heads"])
+        unsupported = [k for k, ok in (("separate key/value inputs", _absent(node, 1) and _absent(node, 2)),
+                                       ("rotary_interleaved", not attr["rotary_interleaved"]),
+                                       ("softcap", not attr["softcap"]), ("local_window_size", attr["local_window_size"] < 0),
+                                       ("smooth_softmax", not attr["smooth_softmax"]), ("num_heads", h > 0 and hkv > 0 and h % hkv == 0))
+                       if not ok]
+        if unsupported:
+            self.refused = f"GroupQueryAttention with {', '.join(unsupported)}: not lowered for OpenVINO's SDPA"
+            raise DecodertError(self.refused)
+        qkv, past_k, past_v = node.get_input(0), node.get_input(3), node.get_input(4)
+        d = past_k.get_partial_shape()[3].get_length()
+        scale = float(attr["scale"]) or 1.0 / float(np.sqrt(d))
+        parts = split_matmul(qkv, [h * d, hkv * d, hkv * d], self.half)  # one projection each (below), else split the product
+        if parts is not None:
+            q, k, v = (op.reshape(t, c([0, 0, n, d]), True) for t, n in zip(parts, (h, hkv, hkv)))  # [B, S, *, D]
+        else:
+            q, k, v = op.variadic_split(op.reshape(qkv, c([0, 0, h + 2 * hkv, d]), True), c(2), c([h, hkv, hkv])).outputs()
+        q, k, v = (op.transpose(t, c([0, 2, 1, 3])) for t in (q, k, v))  # [B, *, S, D]
+        cos = node.get_input(7) if attr["do_rotary"] else None
+        key = cos.get_node().get_friendly_name() if cos is not None else ""
+        if key not in self.shared:  # every layer has the same S and P: build these once, from this layer's shapes
+            s = op.gather(op.shape_of(qkv), c([1]), c(0))  # [1]
+            p = op.gather(op.shape_of(past_k), c([2]), c(0))  # [1] the rows fed: the new ones start there
+            t = op.add(p, s)
+            pos = op.range(op.squeeze(p, c(0)), op.squeeze(t, c(0)), c(1), "i64")  # [S]
+            rows = None
+            if cos is not None:  # [1, 1, S, D/2] each
+                rows = tuple(op.unsqueeze(op.gather(table, pos, c(0)), c([0, 1])) for table in (cos, node.get_input(8)))
+            keys = op.unsqueeze(op.range(c(0), op.squeeze(t, c(0)), c(1), "i64"), c(0))  # [1, P + S]
+            self.shared[key] = (rows, op.less_equal(keys, op.unsqueeze(pos, c(1))))  # mask [S, P + S]
+        rows, mask = self.shared[key]
+        if rows is not None:
+            q, k = _rope(q, *rows, d // 2), _rope(k, *rows, d // 2)
+        present_k, present_v = op.concat([past_k, k], 2), op.concat([past_v, v], 2)  # [B, Hkv, P + S, D]
+        attn = op.scaled_dot_product_attention(q, _expand(present_k, h, hkv, d), _expand(present_v, h, hkv, d), mask,
+                                               op.constant(np.array(scale, np.float32)), causal=False)
+        out = op.reshape(op.transpose(attn, c([0, 2, 1, 3])), c([0, 0, h * d]), True)  # [B, S, H D]
+        return [out.output(0), present_k.output(0), present_v.output(0)]
+
+
+def _absent(node: Any, i: int) -> bool:
+    """Is optional input ``i`` of ``node`` left empty (the packed-QKV form)?"""
+    if node.get_input_size() <= i:
+        return True
+    try:
+        return node.get_input(i).get_node().get_type_name() == "NullNode"
+    except RuntimeError:
+        return True
+
+
+def _rope(x: Any, cos: Any, sin: Any, half: int) -> Any:
+    """Rotate-half RoPE of x [B, H, S, D] in the form the CPU plugin fuses: [x1 cos - x2 sin, x2 cos + x1 sin]."""
+    import openvino.opset13 as op
+
+    a, b = op.variadic_split(x, _const(-1), _const([half, half])).outputs()
+    return op.concat([op.subtract(op.multiply(a, cos), op.multiply(b, sin)),
+                      op.add(op.multiply(b, cos), op.multiply(a, sin))], -1)
+
+
+def _expand(t: Any, h: int, hkv: int, d: int) -> Any:
+    """[B, Hkv, T, D] -> [B, H, T, D], each K/V head repeated for its H / Hkv query heads (Broadcast, not copies)."""
+    import openvino.opset13 as op
+
+    if h == hkv:
+        return t
+    shape = op.shape_of(t)
+    wide = op.concat([op.gather(shape, _const([0, 1]), _const(0)), _const([h // hkv]),
+                      op.gather(shape, _const([2, 3]), _const(0))], 0)
+    return op.reshape(op.broadcast(op.unsqueeze(t, _const(2)), wide), _const([0, h, -1, d]), True)
+
+
+
+# ---- the fused projections split back into one FullyConnected each --------------------------------------------
+# The ort target fuses q/k/v into one MatMulNBits and gate/up into another, then splits the product. On OpenVINO
+# the split is a copy of every activation (and puts the q/k/v split in f32 beside the f32 cache); with one
+# compressed matmul per part the CPU plugin fuses SiLU into the gate's FullyConnected and RoPE reads its own
+# projection, as in OpenVINO GenAI's IR. The frontend reads MatMulNBits as a decompression chain over u4 codes:
+#
+#     MatMul(x, Reshape(Multiply(Subtract(Convert(W u4 [N, K/32, 32]), Convert(Z u4 [N, K/32, 1])),
+#                                Reshape(Convert(S f32 [N K/32])))), transpose_b)     -> [.., N]
+#
+# and the parts are that chain over rows [a, b) of W, Z and S (a byte-aligned slice of the packed codes).
+def split_matmul(y: Any, sizes: list[int], half: bool = False) -> list | None:
+    """``y`` (a compressed MatMul's output, last axis N = sum(sizes)) as one MatMul per part, or None where ``y``
+    is not that chain or its rows are not byte-aligned in the packed codes (the caller splits ``y`` then)."""
+    import openvino as ov
+    import openvino.opset13 as op
+
+    mm = y.get_node()
+    if mm.get_type_name() != "MatMul" or not mm.get_attributes().get("transpose_b") or mm.get_attributes().get("transpose_a"):
+        return None
+    chain = _decompression(mm.input_value(1).get_node())
+    if chain is None:
+        return None
+    w, z, s, shape = chain
+    n, groups, block = w.get_output_partial_shape(0).to_shape()
+    if sum(sizes) != n or (groups * block) % 2 or groups % 2:
+        return None
+    codes, zeros, scales = w.get_data(), z.get_data(), s.get_data().astype(np.float32).reshape(n, groups, 1)
+    wb, zb = groups * block // 2, groups // 2  # bytes a row of W / of Z
+    parts, a = [], 0
+    for size in sizes:
+        tw, tz = ov.Tensor(ov.Type.u4, [size, groups, block]), ov.Tensor(ov.Type.u4, [size, groups, 1])
+        tw.data[:] = codes[a * wb : (a + size) * wb]
+        tz.data[:] = zeros[a * zb : (a + size) * zb]
+        dt = ov.Type.f16 if half else ov.Type.f32  # f16: the decompression OpenVINO's own int4 IRs have
+        weight = op.multiply(op.subtract(op.convert(op.constant(tw), dt), op.convert(op.constant(tz), dt)),
+                             op.constant(np.ascontiguousarray(scales[a : a + size]).astype(np.float16 if half else np.float32)))
+        weight = op.reshape(weight, _const([size, shape[1]]), False)
+        if half:
+            weight = op.convert(weight, ov.Type.f32)
+        parts.append(op.matmul(mm.input_value(0), weight, False, True).output(0))
+        a += size
+    return parts
+
+
+def _decompression(reshape: Any) -> tuple | None:
+    """(W, Z, S constants, the [N, K] shape) of the MatMulNBits chain ending at ``reshape`` (None: another graph)."""
+    try:
+        if reshape.get_type_name() != "Reshape":
+            return None
+        shape = reshape.get_output_partial_shape(0).to_shape()
+        mul = reshape.input_value(0).get_node()
+        sub, sc = (mul.input_value(i).get_node() for i in (0, 1))
+        if mul.get_type_name() != "Multiply" or sub.get_type_name() != "Subtract":
+            return None
+        w, z = (sub.input_value(i).get_node() for i in (0, 1))
+        w, z = (t.input_value(0).get_node() if t.get_type_name() == "Convert" else None for t in (w, z))
+        while sc is not None and sc.get_type_name() in ("Reshape", "Convert"):
+            sc = sc.input_value(0).get_node()
+        consts = (w, z, sc)
+        if any(t is None or t.get_type_name() != "Constant" for t in consts):
+            return None
+        import openvino as ov
+
+        if w.get_element_type() != ov.Type.u4 or z.get_element_type() != ov.Type.u4 or len(w.get_output_partial_shape(0)) != 3:
+            return None
+        return w, z, sc, shape
+    except (RuntimeError, AttributeError, IndexError):
+        return None

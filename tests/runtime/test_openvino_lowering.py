@@ -1,0 +1,134 @@
+"""runtime/backends/openvino/lowering.py: the ort graph's GroupQueryAttention as OpenVINO's SDPA (placement's
+``openvino-sdpa``), checked on one GroupQueryAttention node against attention written here in numpy: rotary
+positions after the past rows, the K/V heads shared by their query groups, the causal mask offset by the past."""
+
+import numpy as np
+import pytest
+
+from decodert.errors import DecodertError
+
+pytest.importorskip("openvino")
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper  # noqa: E402
+
+H, HKV, D, MAX = 6, 2, 16, 64
+
+
+def _gqa_graph(path, **attrs):
+    """One com.microsoft GroupQueryAttention over packed QKV with its rotary tables, as the ort target writes it."""
+    rng = np.random.default_rng(5)
+    inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
+    angles = np.arange(MAX)[:, None] * inv[None]
+    tables = [helper.make_tensor(n, TensorProto.FLOAT, t.shape, t.astype(np.float32).ravel())
+              for n, t in (("cos", np.cos(angles)), ("sin", np.sin(angles)))]
+    node = helper.make_node("GroupQueryAttention", ["qkv", "", "", "past_key.0", "past_value.0", "seqlens_k", "total",
+                                                    "cos", "sin"], ["out", "present_key.0", "present_value.0"],
+                            domain="com.microsoft", num_heads=H, kv_num_heads=HKV, do_rotary=1, **attrs)
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [node], "gqa",
+        [helper.make_tensor_value_info("qkv", f, [1, "s", (H + 2 * HKV) * D]),
+         helper.make_tensor_value_info("past_key.0", f, [1, HKV, "p", D]),
+         helper.make_tensor_value_info("past_value.0", f, [1, HKV, "p", D]),
+         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+         helper.make_tensor_value_info("total", TensorProto.INT32, [])],
+        [helper.make_tensor_value_info("out", f, [1, "s", H * D]),
+         helper.make_tensor_value_info("present_key.0", f, [1, HKV, "t", D]),
+         helper.make_tensor_value_info("present_value.0", f, [1, HKV, "t", D])], tables)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, str(path))
+    return rng
+
+
+def _reference(qkv, past_k, past_v, p):
+    """numpy: rotate-half RoPE at positions p.., concat the past, each K/V head for H / HKV query heads, causal."""
+    s = qkv.shape[1]
+    x = qkv.reshape(1, s, H + 2 * HKV, D).transpose(0, 2, 1, 3)
+    q, k, v = x[:, :H], x[:, H : H + HKV], x[:, H + HKV :]
+    inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
+    ang = np.arange(p, p + s)[:, None] * inv[None]
+    cos, sin = np.cos(ang), np.sin(ang)
+
+    def rope(t):
+        a, b = t[..., : D // 2], t[..., D // 2 :]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+    k_all = np.concatenate([past_k, rope(k)], 2)
+    v_all = np.concatenate([past_v, v], 2)
+    ke, ve = np.repeat(k_all, H // HKV, 1), np.repeat(v_all, H // HKV, 1)
+    scores = rope(q) @ ke.transpose(0, 1, 3, 2) / np.sqrt(D)
+    allowed = np.arange(p + s)[None, :] <= np.arange(p, p + s)[:, None]
+    scores = np.where(allowed, scores, -np.inf)
+    w = np.exp(scores - scores.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return (w @ ve).transpose(0, 2, 1, 3).reshape(1, s, H * D), k_all, v_all
+
+
+@pytest.mark.parametrize("past", [0, 7])
+def test_lowered_attention_is_numpy_attention(tmp_path, past):
+    import openvino as ov
+
+    from decodert.runtime.backends.openvino.native import NativePrefill
+
+    rng = _gqa_graph(tmp_path / "gqa.onnx")
+    runner = NativePrefill(tmp_path / "gqa.onnx", threads=1, exact=True, sdpa=True)
+    s = 9
+    qkv = rng.standard_normal((1, s, (H + 2 * HKV) * D)).astype(np.float32)
+    past_k, past_v = (rng.standard_normal((1, HKV, past, D)).astype(np.float32) for _ in range(2))
+    feeds = {"qkv": qkv, "past_key.0": past_k, "past_value.0": past_v,
+             "seqlens_k": np.array([past + s - 1], np.int32), "total": np.array(past + s, np.int32)}
+    for name, arr in feeds.items():
+        runner.request.set_tensor(name, ov.Tensor(arr))
+    runner.request.infer()
+    got = [runner.request.get_tensor(n).data for n in ("out", "present_key.0", "present_value.0")]
+    for g, want in zip(got, _reference(qkv, past_k, past_v, past)):
+        assert g.shape == want.shape and np.abs(g - want).max() < 1e-4
+
+
+@pytest.mark.parametrize("attrs, named", [({"softcap": 30.0}, "softcap"), ({"local_window_size": 4}, "local_window_size"),
+                                          ({"rotary_interleaved": 1}, "rotary_interleaved")])
+def test_what_it_does_not_lower_is_refused(tmp_path, attrs, named):
+    from decodert.runtime.backends.openvino.native import NativePrefill
+
+    _gqa_graph(tmp_path / "gqa.onnx", **attrs)
+    with pytest.raises(DecodertError, match=f"OpenVINO cannot compile the graph.*{named}"):
+        NativePrefill(tmp_path / "gqa.onnx", threads=1, exact=True, sdpa=True)
+
+
+def test_int4_lowering_is_the_frontends_translation(tiny_checkpoint, tmp_path):
+    """On an int4 ort prefill (q/k/v and gate/up fused MatMulNBits), in f32: the lowered graph (one FullyConnected
+    per projection, no split left) gives OpenVINO's own translation's logits and new K/V rows, fresh and after a past."""
+    from decodert.artifact.manifest import load_manifest
+    from decodert.export.pipeline import export_model
+    from decodert.export.quantize.quant import QuantConfig
+    from decodert.runtime.backends.openvino.native import NativePrefill
+
+    art = tmp_path / "int4"
+    export_model(tiny_checkpoint("llama"), art, target="ort", max_seq=64, max_batch=1,
+                 quant=QuantConfig(bits=4, accuracy_level=4), progress=False)
+    m = load_manifest(art)
+    runners = [NativePrefill(art / m.graphs["prefill"].file, threads=1, exact=True, sdpa=s) for s in (False, True)]
+    kinds = [{o.get_rt_info()["layerType"].astype(str) for o in r.request.get_compiled_model().get_runtime_model().get_ops()}
+             for r in runners]
+    assert "Split" in kinds[0] and "Split" not in kinds[1]
+    ids = np.random.default_rng(11).integers(0, m.model.vocab_size, 20)
+    kv = m.kv
+    for past in (0, 12):
+        outs = []
+        for r in runners:
+            cache = _Cache(kv.num_layers, kv.num_kv_heads, kv.head_dim)
+            if past:
+                runners[0].run(cache, 0, ids[:past])  # the same held rows for both
+                cache.lengths[0] = past
+            outs.append((r.run(cache, 0, ids[past:]), [b.copy() for b in cache.buffers]))
+        assert np.abs(outs[0][0] - outs[1][0]).max() < 1e-4
+        assert max(np.abs(a - b).max() for a, b in zip(outs[0][1], outs[1][1])) < 1e-4
+
+
+class _Cache:
+    """What NativePrefill.run reads of a KVCache: the buffers [1, H_kv, max, D], the lengths, the layers."""
+
+    def __init__(self, layers, heads, dim):
+        self.buffers = [np.zeros((1, heads, 64, dim), np.float32) for _ in range(2 * layers)]
+        self.lengths = np.zeros(1, np.int64)
+        self.kv_layers = list(range(layers))

@@ -5,33 +5,40 @@ transformers nor the checkpoint folder (runtime/audio/features.py)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import onnx
 
 from decodert.artifact.manifest import AudioRecord, GraphRecord, from_json
 from decodert.errors import DecodertError
+from decodert.export.lowering.audio_gemma4 import build_conformer_graph, conformer_contract
 from decodert.export.lowering.audio_graph import audio_contract, build_audio_graph
 from decodert.export.lowering.lowering import Lowering
 from decodert.export.vision_export import _json
-from decodert.models.audio import AudioSpec
 
 AUDIO_FILE = "audio.onnx"
+# encoder kind (models/audio.py SPECS) -> (its graph contract, its audio.onnx builder)
+GRAPHS: dict[str, tuple[Callable[..., dict], Callable[..., onnx.ModelProto]]] = {
+    "qwen3_asr": (audio_contract, build_audio_graph),
+    "gemma4": (conformer_contract, build_conformer_graph),
+}
 
 
-def audio_of(ckpt: Any) -> AudioSpec | None:
-    """The checkpoint's audio encoder, when its family declares one (HF folders only)."""
+def audio_of(ckpt: Any) -> Any:
+    """The checkpoint's audio encoder (the spec of its kind, models/audio.py), when its family declares one (HF
+    folders only)."""
     read = ckpt.family.audio_from_hf
     return read(ckpt.config) if read is not None and getattr(ckpt, "config", None) is not None else None
 
 
-def write_audio(ckpt: Any, audio: AudioSpec, weights: dict[str, onnx.TensorProto], dtype: str, folder: Path,
+def write_audio(ckpt: Any, audio: Any, weights: dict[str, onnx.TensorProto], dtype: str, folder: Path,
                 ir_version: int, low: type[Lowering]) -> AudioRecord:
     """Write audio.onnx into ``folder`` (checked) -> the manifest's ``audio`` record."""
     path = folder / AUDIO_FILE
-    onnx.save_model(build_audio_graph(audio, dtype, weights, ir_version, low), path)
+    contract, build = GRAPHS[audio.encoder]
+    onnx.save_model(build(audio, dtype, weights, ir_version, low), path)
     onnx.checker.check_model(str(path), full_check=True)
-    graph = from_json(GraphRecord, {"file": AUDIO_FILE, **audio_contract(audio, dtype)}, "audio.graph")
+    graph = from_json(GraphRecord, {"file": AUDIO_FILE, **contract(audio, dtype)}, "audio.graph")
     source = Path(ckpt.source)
     try:
         features = ckpt.family.audio_features(_json(source / "preprocessor_config.json"), audio)

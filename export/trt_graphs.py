@@ -11,6 +11,7 @@ binds 0 rows for text), rope_offsets [3, batch, seq] over the graph's own batch 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 from decodert.artifact.manifest import GraphRecord, Manifest
 from decodert.artifact.graph_contract import DEFAULTED_INPUTS, ENGINE_INPUTS
@@ -38,21 +39,39 @@ def profile_shapes(graph: GraphRecord, name: str, batch: int, seq: int, tiles: i
 
 
 def audio_ranges(manifest: Manifest, seconds: float = 30.0) -> dict[str, tuple[int, int, int]]:
-    """(min, opt, max) of audio.onnx's dims for clips up to ``seconds`` (runtime/audio/encoder.py encoder_feeds):
-    chunks of 2 n_window frames in windows of n_window_infer frames, 13 rows a chunk."""
+    """(min, opt, max) of audio.onnx's dims for clips up to ``seconds``, by the encoder's kind (the feeds of
+    runtime/audio/encoder.py and runtime/audio/conformer.py)."""
     if manifest.audio is None:
         return {}
-    from decodert.models.audio import AudioSpec
+    from decodert.models.audio import audio_spec
 
-    a = AudioSpec.from_dict(dict(manifest.audio.spec))
+    a = audio_spec(dict(manifest.audio.spec))
     hop = int(manifest.audio.features.get("hop_length", 160))
     rate = int(manifest.audio.features.get("sampling_rate", 16000))
-    chunks = -(-int(seconds * rate // hop) // a.chunk_frames)
+    return _AUDIO_RANGES[a.encoder](a, int(seconds * rate // hop))
+
+
+def _asr_ranges(a: Any, frames: int) -> dict[str, tuple[int, int, int]]:
+    """Chunks of 2 n_window frames in windows of n_window_infer frames, 13 rows a chunk."""
+    chunks = -(-frames // a.chunk_frames)
     per = min(a.window_chunks, chunks)
     windows = -(-chunks // per)
     k = a.chunk_tokens
     return {"chunks": (1, per, windows * per), "windows": (1, 1, windows), "window_slots": (k, per * k, per * k),
             "audio_tokens": (1, per * k, windows * per * k)}
+
+
+def _conformer_ranges(a: Any, frames: int) -> dict[str, tuple[int, int, int]]:
+    """Frames padded to blocks of 4 C (a clip of 30 s: 3000 frames), halved, then C query rows a block."""
+    step = a.frame_multiple
+    most = -(-frames // step) * step
+    opt = max(step, (most // 4) // step * step)
+    return {"frames": (step, opt, most), "sub_frames": (step // 2, opt // 2, most // 2),
+            "blocks": (1, opt // step, most // step), "audio_tokens": (1, opt // 4, most // 4)}
+
+
+_AUDIO_RANGES: dict[str, Callable[[Any, int], dict[str, tuple[int, int, int]]]] = {
+    "qwen3_asr": _asr_ranges, "gemma4": _conformer_ranges}
 
 
 def without_input_defaults(path: Path) -> bytes | None:

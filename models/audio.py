@@ -14,8 +14,10 @@ The ``qwen3_asr`` encoder (Qwen3-ASR's AuT: Whisper-like, over chunks of 2 n_win
   ``.ln2[_bias]``, ``.fc1[_bias]`` [I_a, C_a], ``.fc2[_bias]`` [C_a, I_a]
 - ``audio.ln_post[_bias]`` [C_a];  ``audio.proj1[_bias]`` [C_a, C_a];  ``audio.proj2[_bias]`` [hidden, C_a]
 
-Later families declare their own ``encoder`` kind here: Gemma 4's (conformer), Qwen2-Audio's (Whisper encoder +
-pooling). Whisper itself is an encoder-decoder family with its own spec (models/families/whisper.py ``WhisperSpec``,
+Another encoder kind has its own frozen spec, named by its ``encoder`` field and found in ``SPECS`` (``audio_spec``
+reads a manifest's dict by it; a dict without the field is a ``qwen3_asr`` one): ``gemma4``, Gemma 4's conformer
+(models/audio_conformer.py ConformerSpec). ``audio_names`` / ``audio_shape`` / ``audio_dtype`` dispatch on it
+likewise. Whisper itself is an encoder-decoder family with its own spec (models/families/whisper.py ``WhisperSpec``,
 ``ENCODER_DECODER``), not an encoder feeding a decoder-only text model.
 """
 
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+from decodert.models.audio_conformer import ConformerSpec, conformer_names, conformer_shape
 
 ENCODERS = ("qwen3_asr",)
 
@@ -96,8 +100,34 @@ class AudioSpec:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-def audio_names(a: AudioSpec) -> list[str]:
-    """Canonical audio weight names, in weights.bin order."""
+SPECS: dict[str, type] = {"qwen3_asr": AudioSpec, "gemma4": ConformerSpec}  # encoder kind -> its spec
+
+
+def audio_spec(d: dict[str, Any]) -> Any:
+    """A manifest's audio spec dict -> the spec of its encoder kind."""
+    kind = d.get("encoder", "qwen3_asr")
+    if kind not in SPECS:
+        raise ValueError(f"audio encoder '{kind}' is not one of {', '.join(SPECS)}")
+    return SPECS[kind].from_dict(d)
+
+
+def audio_names(a: Any) -> list[str]:
+    """Canonical audio weight names of the encoder ``a``, in weights.bin order."""
+    return _TABLES[a.encoder][0](a)
+
+
+def audio_shape(a: Any, name: str) -> tuple[int, ...]:
+    """The expected shape of a canonical audio weight of the encoder ``a``."""
+    return _TABLES[a.encoder][1](a, name)
+
+
+def audio_dtype(a: Any, name: str, dtype: str) -> str:
+    """The dtype weights.bin stores audio weight ``name`` in: the graph's, but a clipped linear's bounds, kept
+    float32 (an infinite bound read as the float32 extreme would overflow fp16 as it is written; the graph casts)."""
+    return "fp32" if a.encoder == "gemma4" and name.endswith("_clip") else dtype
+
+
+def _asr_names(a: AudioSpec) -> list[str]:
     names = [f"audio.conv{j}{b}" for j in (1, 2, 3) for b in ("", "_bias")] + ["audio.conv_out"]
     for i in range(a.num_layers):
         p = f"audio.layers.{i}."
@@ -107,8 +137,7 @@ def audio_names(a: AudioSpec) -> list[str]:
                     "audio.proj2_bias"]
 
 
-def audio_shape(a: AudioSpec, name: str) -> tuple[int, ...]:
-    """The expected shape of a canonical audio weight."""
+def _asr_shape(a: AudioSpec, name: str) -> tuple[int, ...]:
     c, inter, d = a.hidden_size, a.intermediate_size, a.conv_channels
     leaf = name.rsplit(".", 1)[-1]
     shapes = {"conv1": (d, 1, 3, 3), "conv2": (d, d, 3, 3), "conv3": (d, d, 3, 3), "conv1_bias": (d,),
@@ -116,3 +145,7 @@ def audio_shape(a: AudioSpec, name: str) -> tuple[int, ...]:
               "qkv_bias": (3 * c,), "o": (c, c), "fc1": (inter, c), "fc1_bias": (inter,), "fc2": (c, inter),
               "proj1": (c, c), "proj1_bias": (c,), "proj2": (a.out_hidden, c), "proj2_bias": (a.out_hidden,)}
     return shapes.get(leaf, (c,))
+
+
+_TABLES: dict[str, tuple[Callable[..., list[str]], Callable[..., tuple[int, ...]]]] = {
+    "qwen3_asr": (_asr_names, _asr_shape), "gemma4": (conformer_names, conformer_shape)}

@@ -16,8 +16,8 @@ A family file is a plain module; its names are the protocol's, upper case for ta
                HF_UNUSED, GGUF_UNUSED      regexes of stored keys no canonical weight reads
     vision     vision_from_hf(config) -> VisionSpec | None, VISION_WEIGHTS (required together, tag "vision");
                vision_fix(name, w), image_processor(...), video_processor(config)
-    audio      audio_from_hf(config) -> AudioSpec, AUDIO_WEIGHTS, audio_features(preprocessor, audio) (required
-               together, tag "audio"; models/audio.py)
+    audio      audio_from_hf(config) -> AudioSpec | None, AUDIO_WEIGHTS, audio_features(preprocessor, audio) (required
+               together, tag "audio"; models/audio.py: the spec of its encoder kind); audio_fix(name, w)
     enc-dec    ENCODER_DECODER = True: an encoder-decoder model (Whisper): spec_from_hf returns the family's own
                frozen spec, HF_WEIGHTS names the encoder's and the decoder's weights, and export/seq2seq_export.py
                writes its graphs (not the decoder-only recipe of export/lowering/graph.py); with it, required:
@@ -65,6 +65,7 @@ class Family:
     audio_from_hf: Callable[[dict], Any] | None = None
     audio_weights: Table = field(default_factory=dict)
     audio_features: Callable[..., Any] | None = None
+    audio_fix: Callable[..., Any] | None = None
     encoder_decoder: bool = False
     window_features: Callable[..., Any] | None = None
     generation: Callable[..., Any] | None = None

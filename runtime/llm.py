@@ -63,7 +63,7 @@ from decodert.runtime.speculation.speculative import Speculator
 from decodert.runtime.audio.clips import DEFAULT_AUDIO_LIMITS, load_audio
 from decodert.runtime.audio.encoder import Audio
 from decodert.runtime.audio.messages import has_audio, split_audio
-from decodert.runtime.audio.transcribe import parse_transcription, transcription_messages
+from decodert.runtime.audio.transcribe import STYLES
 from decodert.runtime.audio.whisper import WhisperLLM
 from decodert.artifact.seq2seq import is_seq2seq_artifact
 from decodert.runtime.vision.encoder import Vision
@@ -134,6 +134,7 @@ class LLM:
         audio = Audio.attach(backend, manifest)  # audio in (runtime/audio/), its rows in the same store; None: none
         if audio is not None:
             audio.placeholder = tokenizer.id_to_token(audio.token_id) or audio.placeholder
+            audio.wrap = tuple("" if t is None else tokenizer.id_to_token(t) or "" for t in audio.wrap_ids)
         prefix = make_prefix_cache(backend, prefix_cache_mb, cache_dir, cache_dir_gb, manifest, source)  # None: off
         if prefix is not None:
             prefix.adapter_key = self.adapters.key_of  # the disk tier keys adapter rows by the adapter's content
@@ -447,7 +448,11 @@ class LLM:
         model's ``<asr_text>``; runtime/audio/transcribe.py) and token_ids all the generated ids."""
         prepared = self.prepare_transcription(audio, sample_rate, language, prompt, **params)
         result = self.run([self.engine.sequence(prepared)])[0]
-        return dataclasses.replace(result, text=parse_transcription(result.text)[1])
+        return dataclasses.replace(result, text=self.read_transcription(result.text)[1])
+
+    def read_transcription(self, raw: str, forced: str | None = None) -> tuple[str | None, str]:
+        """A transcription's answer -> (language, text), as the model's kind writes it (runtime/audio/transcribe.py)."""
+        return STYLES[self.audio.spec.encoder].parse(raw, forced)
 
     def prepare_transcription(self, audio: Any, sample_rate: int | None = None, language: str | None = None,
                               prompt: str | None = None, **params: Any) -> Prepared:
@@ -456,7 +461,7 @@ class LLM:
             raise DecodertError(self.no_audio())
         rate = self.audio.sampling_rate
         clip = load_audio(audio, "audio", self.audio_limits, rate, sample_rate)
-        messages, prefill = transcription_messages(clip, rate, language, prompt)
+        messages, prefill = STYLES[self.audio.spec.encoder].messages(clip, rate, language, prompt)
         messages, clips = self.split_audio(messages)
         text = self._render(self.chat_turn(messages, {})) + prefill
         params = dict(params)

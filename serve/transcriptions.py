@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from decodert.errors import DecodertError
 from decodert.runtime.audio.clips import load_audio
-from decodert.runtime.audio.transcribe import language_name, parse_transcription
+from decodert.runtime.audio.transcribe import language_name
 from decodert.runtime.audio.whisper import WhisperLLM
 from decodert.serve.jobs import Choice, Job
 from decodert.serve.protocol import ApiError
@@ -74,7 +74,7 @@ def add_routes(app: FastAPI, engine: Any, config: Any, metrics: Any, check_model
         request.state.job = job  # the request log's token counts (serve/guard.py)
         result = (await job.collect(request))[0]
         forced = language_name(language) if language else None
-        detected, text = parse_transcription(result.text, forced)
+        detected, text = llm.read_transcription(result.text, forced)
         return _reply(fmt, text, detected, seconds, result.token_ids, params.get("temperature", 0.0),
                       result.metrics.prompt_tokens)
 

@@ -15,13 +15,16 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.audio import AudioSpec, post_conv
-from decodert.runtime.audio.features import MelSettings, log_mel
+from decodert.models.audio import AudioSpec, audio_spec, post_conv
+from decodert.runtime.audio import features, features_gemma4
+from decodert.runtime.audio.conformer import conformer_feeds
+from decodert.runtime.audio.features import MelSettings
 from decodert.runtime.vision.encoder import ImageStore, _Entry
 from decodert.runtime.vision.tokens import image_ids
 
@@ -54,12 +57,31 @@ def encoder_feeds(mel: np.ndarray, valid: int, a: AudioSpec) -> dict[str, np.nda
             "token_slots": np.flatnonzero(valid_slots).astype(np.int64)}
 
 
+@dataclass(frozen=True)
+class EncoderKind:
+    """What the runtime does for one encoder kind (models/audio.py SPECS): its log-mel settings and transform,
+    and the audio.onnx feeds of a clip's features."""
+
+    settings: type  # .from_dict(manifest.audio.features)
+    log_mel: Callable[[np.ndarray, Any], tuple[np.ndarray, int]]  # (samples, settings) -> (mel, valid frames)
+    feeds: Callable[[np.ndarray, int, Any], dict[str, np.ndarray]]  # (mel, valid, spec) -> audio.onnx's inputs
+
+
+KINDS: dict[str, EncoderKind] = {
+    "qwen3_asr": EncoderKind(MelSettings, features.log_mel, encoder_feeds),
+    "gemma4": EncoderKind(features_gemma4.Gemma4MelSettings, features_gemma4.log_mel, conformer_feeds),
+}
+
+
 class Audio:
     """An artifact's audio graph, its log-mel settings and the embedding store it fills."""
 
-    def __init__(self, session: Any, spec: AudioSpec, features: MelSettings, token_id: int, store: ImageStore) -> None:
+    def __init__(self, session: Any, spec: Any, features: Any, token_id: int, store: ImageStore,
+                 wrap: tuple[str, str] = ("", "")) -> None:
         self.session, self.spec, self.features = session, spec, features
+        self.kind = KINDS[spec.encoder]
         self.token_id, self.store = token_id, store
+        self.wrap = wrap  # the text around a clip's expanded tokens (Gemma 4: <|audio> .. <audio|>; LLM sets it)
         self.sampling_rate = features.sampling_rate
         self.placeholder = AUDIO_PAD  # the audio token's text (LLM sets it from the tokenizer)
         self.encode_seconds = 0.0  # the last clip encoded (bench/audio.py)
@@ -74,13 +96,21 @@ class Audio:
         session = backend.open_graph(a.graph.file)
         if getattr(backend, "images", None) is None:
             backend.images = ImageStore()
-        return cls(session, AudioSpec.from_dict(dict(a.spec)), MelSettings.from_dict(dict(a.features)),
+        spec = audio_spec(dict(a.spec))
+        return cls(session, spec, KINDS[spec.encoder].settings.from_dict(dict(a.features)),
                    int(manifest.model.images.token_id), backend.images)
+
+    @property
+    def wrap_ids(self) -> tuple[int | None, int | None]:
+        """The ids of the tokens around a clip's (None: none), from the encoder's spec."""
+        return getattr(self.spec, "begin_token_id", None), getattr(self.spec, "end_token_id", None)
 
     def embeddings(self, samples: np.ndarray) -> np.ndarray:
         """[A, hidden] audio embeddings of one clip at the model's rate (not stored)."""
-        mel, valid = log_mel(samples, self.features)
-        feeds = encoder_feeds(mel, valid, self.spec)
+        mel, valid = self.kind.log_mel(samples, self.features)
+        if self.spec.tokens(valid) == 0:
+            raise DecodertError(f"a clip of {np.asarray(samples).size} samples is too short to make one audio token")
+        feeds = self.kind.feeds(mel, valid, self.spec)
         return self.session.run(["audio_embeds"], feeds)[0]
 
     def entry(self, samples: np.ndarray) -> _Entry:
@@ -97,7 +127,8 @@ class Audio:
 
     def prompt_ids(self, text: str, clips: Sequence[np.ndarray], encode: Callable[[str], np.ndarray]) -> np.ndarray:
         """The rendered prompt with one ``<|audio_pad|>`` per clip -> ids, each clip's tokens its audio ids
-        (Qwen3ASRProcessor: the placeholder repeated once per encoder row)."""
+        (Qwen3ASRProcessor: the placeholder repeated once per encoder row; Gemma4Processor: those rows between
+        ``wrap``'s begin and end tokens)."""
         mark = self.placeholder
         pieces = re.split("(" + re.escape(mark) + ")", text)
         marks = len(pieces) // 2
@@ -107,7 +138,7 @@ class Audio:
         entries = [self.entry(c) for c in clips]
         out = [pieces[0]]
         for entry, after in zip(entries, pieces[2::2]):
-            out += [mark * len(entry.ids), after]
+            out += [self.wrap[0] + mark * len(entry.ids) + self.wrap[1], after]
         ids = encode("".join(out)).copy()
         at = np.flatnonzero(ids == self.token_id)
         want = sum(len(e.ids) for e in entries)

@@ -1,5 +1,5 @@
-"""The transcription request of an audio LLM (Qwen3-ASR), as Qwen3ASRProcessor.apply_transcription_request writes it,
-and the reading of its answer.
+"""The transcription request of an audio LLM and the reading of its answer, by the encoder's kind (``STYLES``):
+Qwen3-ASR's as Qwen3ASRProcessor.apply_transcription_request writes it; Gemma 4's an instruction (below).
 
     messages, prefill = transcription_messages(clip, rate, language="en", prompt="hot words")
     language, text = parse_transcription(raw)        # "language English<asr_text>hello" -> ("English", "hello")
@@ -7,15 +7,23 @@ and the reading of its answer.
 The prompt: a system turn with ``prompt`` (context or hot words) when given, a user turn with the one audio part,
 and the assistant's turn opened by the generation prompt; a forced language is written after it as
 ``language <Name><asr_text>``, so the model writes only the text (otherwise it names the language itself).
+
+Gemma 4 (no transcription API in its processor): a system turn with ``prompt`` when given, then a user turn of
+the audio part followed by the instruction ``INSTRUCTION`` ("Transcribe the following speech segment in its
+original language." or, with a language, "... in English."); the answer is the generated text, stripped.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from decodert.errors import DecodertError
 
 MARKER = "<asr_text>"
+INSTRUCTION = "Transcribe the following speech segment in {language}."
 # the language names Qwen3-ASR was trained with in "language <Name>", by ISO code
 LANGUAGES = {
     "ar": "Arabic", "yue": "Cantonese", "zh": "Chinese", "cs": "Czech", "da": "Danish", "nl": "Dutch",
@@ -100,3 +108,34 @@ def parse_transcription(raw: str, forced: str | None = None) -> tuple[str | None
     head = head.strip()
     language = head[len("language"):].strip() if head.lower().startswith("language") else None
     return (language or forced), text.strip()
+
+
+def instruction_messages(clip: np.ndarray, rate: int, language: str | None = None,
+                         prompt: str | None = None) -> tuple[list[dict], str]:
+    """Gemma 4's transcription request: (messages, "") with ``INSTRUCTION`` after the audio part."""
+    if prompt is not None and not isinstance(prompt, str):
+        raise DecodertError(f"prompt must be a string, got {type(prompt).__name__}")
+    name = language_name(language)
+    messages: list[dict] = []
+    if prompt is not None:
+        messages.append({"role": "system", "content": [{"type": "text", "text": prompt}]})
+    ask = INSTRUCTION.format(language=name or "its original language")
+    messages.append({"role": "user", "content": [{"type": "audio", "audio": (clip, rate)}, {"type": "text", "text": ask}]})
+    return messages, ""
+
+
+def parse_plain(raw: str, forced: str | None = None) -> tuple[str | None, str]:
+    """An instruction-following model's answer: (the forced language, the text stripped)."""
+    return forced, raw.strip()
+
+
+@dataclass(frozen=True)
+class Style:
+    """How one encoder kind's model is asked to transcribe and how its answer reads."""
+
+    messages: Callable[..., tuple[list[dict], str]]  # (clip, rate, language, prompt) -> (messages, prefill)
+    parse: Callable[..., tuple[str | None, str]]  # (raw, forced language) -> (language, text)
+
+
+STYLES: dict[str, Style] = {"qwen3_asr": Style(transcription_messages, parse_transcription),
+                            "gemma4": Style(instruction_messages, parse_plain)}

@@ -5,6 +5,7 @@ the prompt ids, greedy tokens, a batch, a session, transcription, and a TensorRT
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,14 +243,18 @@ def test_transcribe_asks_with_the_instruction_and_equals_generate(g4, language, 
 
 
 def test_the_manifest_and_bad_clips(g4):
-    """manifest.audio names the gemma4 encoder and Gemma 4's log-mel settings; a clip too short for one token is a
-    one-line error."""
+    """manifest.audio names the gemma4 encoder and Gemma 4's log-mel settings, `decodert inspect` shows them; a clip
+    too short for one token is a one-line error."""
     from decodert.errors import DecodertError
 
     llm, _, _ = g4
     m = llm.manifest
     assert m.audio.spec["encoder"] == "gemma4" and m.audio.features["fft_length"] == 512
     assert m.audio.features["n_mels"] == MELS and m.model.images.per_layer_token == 0
+    from decodert.export.artifact.inspect import inspect_artifact
+
+    text = inspect_artifact(Path(m.source.path).parent / "art")  # the fixture's root/hf -> root/art
+    assert "audio      2 layers (gemma4), d_model 32" in text and "blocks of 12 rows, 12 rows of left" in text
     with pytest.raises(DecodertError, match="too short to make one audio token") as e:
         llm.chat(_ask(np.zeros(100, np.float32)), max_new_tokens=2)
     assert "\n" not in str(e.value)

@@ -83,6 +83,7 @@ class ImagesRecord(Record):
     token_id: int
     deepstack_layers: int = 0
     bidirectional: bool = False
+    per_layer_token: int | None = dataclasses.field(default=None, metadata=OMIT_NULL)  # Gemma 4's audio rows
 
 
 @dataclasses.dataclass(frozen=True)

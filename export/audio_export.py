@@ -14,18 +14,18 @@ from decodert.errors import DecodertError
 from decodert.export.lowering.audio_graph import audio_contract, build_audio_graph
 from decodert.export.lowering.lowering import Lowering
 from decodert.export.vision_export import _json
-from decodert.models.audio import AudioSpec
 
 AUDIO_FILE = "audio.onnx"
 
 
-def audio_of(ckpt: Any) -> AudioSpec | None:
-    """The checkpoint's audio encoder, when its family declares one (HF folders only)."""
+def audio_of(ckpt: Any) -> Any:
+    """The checkpoint's audio encoder (the spec of its kind, models/audio.py KINDS), when its family declares one
+    (HF folders only)."""
     read = ckpt.family.audio_from_hf
     return read(ckpt.config) if read is not None and getattr(ckpt, "config", None) is not None else None
 
 
-def write_audio(ckpt: Any, audio: AudioSpec, weights: dict[str, onnx.TensorProto], dtype: str, folder: Path,
+def write_audio(ckpt: Any, audio: Any, weights: dict[str, onnx.TensorProto], dtype: str, folder: Path,
                 ir_version: int, low: type[Lowering]) -> AudioRecord:
     """Write audio.onnx into ``folder`` (checked) -> the manifest's ``audio`` record."""
     path = folder / AUDIO_FILE

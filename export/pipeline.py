@@ -45,7 +45,7 @@ from decodert.export.lowering.semantics import tokenizer_vocab
 from decodert.artifact.weights import WeightsWriter
 from decodert.models.spec import ModelSpec, rope_head_dim, rope_tables, state_specs
 from decodert.models.canonical import canonical_names, canonical_shape
-from decodert.models.audio import AudioSpec, audio_names, audio_shape
+from decodert.models.audio import audio_dtype, audio_names, audio_shape
 from decodert.models.vision import VisionSpec, vision_names, vision_shape
 from decodert.plugins.ops.kv_dtypes import KVDtype
 from decodert.plugins.ops.kv_dtypes import kv_dtype as kv_dtype_of
@@ -272,7 +272,7 @@ STREAMED_ROWS = ("embed_per_layer",)
 def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, progress: bool,
                    quant: QuantConfig | None, layout: WeightLayout,
                    vision: VisionSpec | None = None,
-                   audio: AudioSpec | None = None) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
+                   audio: Any = None) -> tuple[dict[str, onnx.TensorProto], dict[str, WeightQuant]]:
     """Stream every canonical tensor (one at a time) plus the RoPE tables into weights.bin.
 
     Returns the initializers and how each weight stored quantized is stored (by name).
@@ -307,7 +307,7 @@ def _write_weights(ckpt, spec: ModelSpec, path: Path, dtype: str, max_seq: int, 
         for name in vision_names(vision) if vision is not None else ():  # vision.onnx's, in the graph dtype
             w.add(name, ckpt.vision_tensor(name, vision_shape(vision, name)), dtype)
         for name in audio_names(audio) if audio is not None else ():  # audio.onnx's, in the graph dtype
-            w.add(name, ckpt.audio_tensor(name, audio_shape(audio, name)), dtype)
+            w.add(name, ckpt.audio_tensor(name, audio_shape(audio, name)), audio_dtype(audio, name, dtype))
         w.close()
         return w.tensors, quantized
 

@@ -43,9 +43,9 @@ def audio_ranges(manifest: Manifest, seconds: float = 30.0) -> dict[str, tuple[i
     by the encoder kind (``AUDIO_RANGES``)."""
     if manifest.audio is None:
         return {}
-    from decodert.models.audio import AudioSpec
+    from decodert.models.audio import audio_spec
 
-    a = AudioSpec.from_dict(dict(manifest.audio.spec))
+    a = audio_spec(dict(manifest.audio.spec))
     hop = int(manifest.audio.features.get("hop_length", 160))
     rate = int(manifest.audio.features.get("sampling_rate", 16000))
     return AUDIO_RANGES[a.encoder](a, int(seconds * rate // hop))
@@ -69,7 +69,17 @@ def _window_ranges(a: Any, frames: int) -> dict[str, tuple[int, int, int]]:
             "audio_tokens": (1, rows // 4, rows // 2)}
 
 
-AUDIO_RANGES = {"qwen3_asr": _chunk_ranges, "whisper": _window_ranges}  # encoder kind (models/audio.py KINDS)
+def _conformer_ranges(a: Any, frames: int) -> dict[str, tuple[int, int, int]]:
+    """gemma4: frames padded to blocks of 4 C (a clip of 30 s: 3000 frames), halved, then C query rows a block."""
+    step = a.frame_multiple
+    most = -(-frames // step) * step
+    opt = max(step, (most // 4) // step * step)
+    return {"frames": (step, opt, most), "sub_frames": (step // 2, opt // 2, most // 2),
+            "blocks": (1, opt // step, most // step), "audio_tokens": (1, opt // 4, most // 4)}
+
+
+AUDIO_RANGES = {"qwen3_asr": _chunk_ranges, "whisper": _window_ranges,  # encoder kind (models/audio.py KINDS)
+                "gemma4": _conformer_ranges}
 
 
 def without_input_defaults(path: Path) -> bytes | None:

@@ -23,9 +23,13 @@ The ``whisper`` encoder (Qwen2-Audio's: Whisper's encoder over one 30 s window, 
   ``.ln2[_bias]``, ``.fc1[_bias]``, ``.fc2[_bias]``
 - ``audio.ln_post[_bias]`` [C_a] (after the pooling);  ``audio.proj[_bias]`` [hidden, C_a]
 
-Each kind declares its names, shapes and token count in the tables at the end (``KINDS``): the export
-(export/lowering/audio_graph.py) and the runtime (runtime/audio/encoder.py) dispatch on ``AudioSpec.encoder`` the
-same way. Gemma 4's conformer is the next kind. Whisper itself is an encoder-decoder family with its own spec
+The ``gemma4`` encoder (Gemma 4's conformer) has its own frozen spec and names: models/audio_conformer.py
+``ConformerSpec``.
+
+Each kind declares its spec, names, shapes, token count and stored dtypes in the tables at the end (``KINDS``;
+``audio_spec`` reads a manifest's spec dict by its ``encoder``, a dict without one being ``qwen3_asr``'s): the export
+(export/lowering/audio_graph.py) and the runtime (runtime/audio/encoder.py) dispatch on the spec's ``encoder`` the
+same way. Whisper itself is an encoder-decoder family with its own spec
 (models/families/whisper.py ``WhisperSpec``, ``ENCODER_DECODER``), not an encoder feeding a decoder-only text model.
 """
 
@@ -35,6 +39,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from decodert.models.audio_conformer import ConformerSpec, conformer_dtype, conformer_names, conformer_shape
 
 
 def post_conv(frames: int) -> int:
@@ -62,8 +67,9 @@ class AudioSpec:
     encoder: str = "qwen3_asr"  # the encoder kind (KINDS): "qwen3_asr" (Qwen3-ASR), "whisper" (Qwen2-Audio)
 
     def __post_init__(self) -> None:
-        if self.encoder not in KINDS:
-            raise ValueError(f"audio encoder '{self.encoder}' is not one of {', '.join(KINDS)}")
+        mine = [k for k, kind in KINDS.items() if kind.spec is AudioSpec]
+        if self.encoder not in mine:
+            raise ValueError(f"audio encoder '{self.encoder}' is not one of {', '.join(mine)}")
         if self.hidden_size % self.num_heads or self.hidden_size % 2:
             raise ValueError(f"audio d_model {self.hidden_size} must be even and divisible by its {self.num_heads} heads")
         KINDS[self.encoder].check(self)
@@ -113,14 +119,27 @@ class AudioSpec:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-def audio_names(a: AudioSpec) -> list[str]:
-    """Canonical audio weight names, in weights.bin order."""
+def audio_spec(d: dict[str, Any]) -> Any:
+    """A manifest's audio spec dict -> the spec of its encoder kind (an AudioSpec or a kind's own)."""
+    kind = d.get("encoder", "qwen3_asr")
+    if kind not in KINDS:
+        raise ValueError(f"audio encoder '{kind}' is not one of {', '.join(KINDS)}")
+    return KINDS[kind].spec.from_dict(d)
+
+
+def audio_names(a: Any) -> list[str]:
+    """Canonical audio weight names of the encoder ``a``, in weights.bin order."""
     return KINDS[a.encoder].names(a)
 
 
-def audio_shape(a: AudioSpec, name: str) -> tuple[int, ...]:
-    """The expected shape of a canonical audio weight."""
+def audio_shape(a: Any, name: str) -> tuple[int, ...]:
+    """The expected shape of a canonical audio weight of the encoder ``a``."""
     return KINDS[a.encoder].shape(a, name)
+
+
+def audio_dtype(a: Any, name: str, dtype: str) -> str:
+    """The dtype weights.bin stores audio weight ``name`` in: the graph's ``dtype`` unless the kind keeps it."""
+    return KINDS[a.encoder].dtype(a, name, dtype)
 
 
 def _chunk_tokens(a: AudioSpec, frames: int) -> int:
@@ -179,16 +198,21 @@ def _whisper_shape(a: AudioSpec, name: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class EncoderKind:
-    """What an encoder kind declares: its weights' names and shapes, its audio tokens per clip, its checks."""
+    """What an encoder kind declares: its weights' names and shapes, its audio tokens per clip, its checks, its
+    spec's type and the dtype weights.bin stores each weight in."""
 
-    names: Callable[[AudioSpec], list[str]]
-    shape: Callable[[AudioSpec, str], tuple[int, ...]]
-    tokens: Callable[[AudioSpec, int], int]  # (spec, valid mel frames) -> audio tokens
-    check: Callable[[AudioSpec], None] = lambda a: None
+    names: Callable[[Any], list[str]]
+    shape: Callable[[Any, str], tuple[int, ...]]
+    tokens: Callable[[Any, int], int]  # (spec, valid mel frames) -> audio tokens
+    check: Callable[[Any], None] = lambda a: None  # an AudioSpec's own checks (a kind's own spec checks itself)
+    spec: type = AudioSpec  # the frozen spec of the kind (.from_dict(manifest.audio.spec))
+    dtype: Callable[[Any, str, str], str] = lambda a, name, dtype: dtype  # (spec, name, graph dtype) -> stored
 
 
 KINDS: dict[str, EncoderKind] = {
     "qwen3_asr": EncoderKind(_qwen3_asr_names, _qwen3_asr_shape, _chunk_tokens, AudioSpec._check_chunks),
     "whisper": EncoderKind(_whisper_names, _whisper_shape, _pooled_tokens),
+    "gemma4": EncoderKind(conformer_names, conformer_shape, ConformerSpec.tokens, spec=ConformerSpec,
+                          dtype=conformer_dtype),
 }
 ENCODERS = tuple(KINDS)

@@ -16,9 +16,11 @@ A family file is a plain module; its names are the protocol's, upper case for ta
                HF_UNUSED, GGUF_UNUSED      regexes of stored keys no canonical weight reads
     vision     vision_from_hf(config) -> VisionSpec | None, VISION_WEIGHTS (required together, tag "vision");
                vision_fix(name, w), image_processor(...), video_processor(config)
-    audio      audio_from_hf(config) -> AudioSpec, AUDIO_WEIGHTS, audio_features(preprocessor, audio) (required
-               together, tag "audio"; models/audio.py); TRANSCRIPTION: the transcription request when it is not
-               Qwen3-ASR's ({"instruction": text}: a user turn of the clip and the text; runtime/audio/transcribe.py)
+    audio      audio_from_hf(config) -> the spec of its encoder kind (models/audio.py KINDS) | None, AUDIO_WEIGHTS,
+               audio_features(preprocessor, audio) (required together, tag "audio"); audio_fix(name, w);
+               TRANSCRIPTION: the transcription request when it is not Qwen3-ASR's ({"instruction": text}: a user
+               turn of the clip and the text, "instruction_language": the text for a forced language, its name
+               ``{language}``; runtime/audio/transcribe.py)
     enc-dec    ENCODER_DECODER = True: an encoder-decoder model (Whisper): spec_from_hf returns the family's own
                frozen spec, HF_WEIGHTS names the encoder's and the decoder's weights, and export/seq2seq_export.py
                writes its graphs (not the decoder-only recipe of export/lowering/graph.py); with it, required:
@@ -66,6 +68,7 @@ class Family:
     audio_from_hf: Callable[[dict], Any] | None = None
     audio_weights: Table = field(default_factory=dict)
     audio_features: Callable[..., Any] | None = None
+    audio_fix: Callable[..., Any] | None = None
     transcription: Table = field(default_factory=dict)
     encoder_decoder: bool = False
     window_features: Callable[..., Any] | None = None

@@ -60,6 +60,8 @@ class ImageTokens:
     deepstack_layers: int = 0  # Qwen3-VL: after each of the first n layers the image rows gain deepstack_embeds[i]
     bidirectional: bool = False  # Gemma 3: in prefill, the tokens of one image attend to each other both ways
     # (transformers' token_type_ids mask); prefill then takes image_ahead (export/lowering/graph.py)
+    per_layer_token: int | None = None  # Gemma 4 (audio): the per-layer inputs of the rows placed read this token's
+    # (transformers: the pad token's), not the placeholder's (export/lowering/per_layer.py)
 
 
 @dataclass(frozen=True)

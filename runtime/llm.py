@@ -134,6 +134,7 @@ class LLM:
         audio = Audio.attach(backend, manifest)  # audio in (runtime/audio/), its rows in the same store; None: none
         if audio is not None:
             audio.placeholder = tokenizer.id_to_token(audio.token_id) or audio.placeholder
+            audio.wrap = tuple("" if t is None else tokenizer.id_to_token(t) or "" for t in audio.wrap_ids)
         prefix = make_prefix_cache(backend, prefix_cache_mb, cache_dir, cache_dir_gb, manifest, source)  # None: off
         if prefix is not None:
             prefix.adapter_key = self.adapters.key_of  # the disk tier keys adapter rows by the adapter's content

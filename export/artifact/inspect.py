@@ -135,9 +135,11 @@ def inspect_artifact(folder: str | Path) -> str:
         graphs.append(("vision", m.vision.graph))
     if m.audio is not None:  # audio-language: the encoder + projector, and the log-mel settings (runtime/audio/)
         a, f = m.audio.spec, m.audio.features
+        shape = (f"chunks of {2 * a['n_window']} frames, windows of {a['n_window_infer']}" if "n_window" in a else
+                 f"blocks of {a['chunk']} rows, {a['context_left'] - 1} rows of left and {a['context_right']} of right "
+                 "context")  # the gemma4 conformer
         lines.append(f"audio      {a['num_layers']} layers ({a.get('encoder')}), d_model {a['hidden_size']}, "
-                     f"{f['n_mels']} mels at {f['sampling_rate']} Hz (hop {f['hop_length']}), chunks of "
-                     f"{2 * a['n_window']} frames, windows of {a['n_window_infer']}")
+                     f"{f['n_mels']} mels at {f['sampling_rate']} Hz (hop {f['hop_length']}), {shape}")
         graphs.append(("audio", m.audio.graph))
     for name, pg in (m.phase_graphs or {}).items():  # export/phase_graphs.py: another backend's graph of a phase
         graphs.append((f"{name} (for OpenVINO; weights {pg.weights})", pg.graph))

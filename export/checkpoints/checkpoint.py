@@ -275,17 +275,18 @@ class Checkpoint:
 
     def audio_tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """Canonical audio weight ``name`` (models/audio.py) of ``shape``, from the family's ``AUDIO_WEIGHTS``."""
-        return self._side_tensor(self.family.audio_weights, name, shape, None)
+        return self._side_tensor(self.family.audio_weights, name, shape, self.family.audio_fix)
 
     def _side_tensor(self, table: Any, name: str, shape: tuple[int, ...], fix: Any) -> np.ndarray:
         template = re.sub(r"\.layers\.(\d+)\.", ".layers.{i}.", name)
         index = m.group(1) if (m := re.search(r"\.layers\.(\d+)\.", name)) else None
         keys = table[template]
         keys = tuple(k.format(i=index) for k in ((keys,) if isinstance(keys, str) else keys))
-        parts = [self._read(key) for key in keys]
-        check_finite(parts, keys[0], self.source)
-        w = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0), dtype=np.float32)
+        parts = [self._read(key) for key in keys]  # (scalars joined as [n]: a clipped linear's four bounds)
+        w = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate([np.atleast_1d(p) for p in parts]),
+                                 dtype=np.float32)
         w = np.ascontiguousarray(fix(name, w), dtype=np.float32) if fix is not None else w
+        check_finite([w], keys[0], self.source)  # after the fix: one may map a stored infinity to a finite bound
         if len(shape) == 2 and w.ndim > 2 and w.shape[0] == shape[0] and w.size == math.prod(shape):
             w = w.reshape(shape)  # a conv kernel [C, ...window] read as a linear over its flattened window
         if w.shape != shape:

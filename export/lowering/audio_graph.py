@@ -1,4 +1,5 @@
-"""``audio.onnx`` by encoder kind (``BUILDERS``; the ``whisper`` kind: export/lowering/whisper_audio.py), and the
+"""``audio.onnx`` by encoder kind (``BUILDERS``; the ``whisper`` kind: export/lowering/whisper_audio.py, the ``gemma4``
+kind: export/lowering/audio_gemma4.py), and the
 ``qwen3_asr`` kind here: Qwen3-ASR's audio encoder (AuT) and projector, one clip a call, in standard ONNX ops but the
 attention, the target lowering's ``encoder_attention`` (ort: MultiHeadAttention with a key mask).
 
@@ -25,12 +26,13 @@ under a profile over N, W and A.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import onnx
 
 from decodert.artifact.weights import NUMPY_DTYPES
+from decodert.export.lowering.audio_gemma4 import build_conformer_graph, conformer_contract
 from decodert.export.lowering.encoder_layers import encoder_layer, gelu, gemm
 from decodert.export.lowering.lowering import Lowering
 from decodert.export.lowering.whisper_audio import build_whisper_audio, whisper_contract
@@ -40,12 +42,12 @@ from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 OPSET = 17  # LayerNormalization
 
 
-def audio_contract(a: AudioSpec, dtype: str) -> dict[str, list[dict]]:
+def audio_contract(a: Any, dtype: str) -> dict[str, list[dict]]:
     """Names, dtypes and shapes of audio.onnx's inputs and output (also written to the manifest)."""
     return BUILDERS[a.encoder][0](a, dtype)
 
 
-def build_audio_graph(a: AudioSpec, dtype: str, weights: dict[str, onnx.TensorProto], ir_version: int = 10,
+def build_audio_graph(a: Any, dtype: str, weights: dict[str, onnx.TensorProto], ir_version: int = 10,
                       low: type[Lowering] = Lowering) -> onnx.ModelProto:
     """audio.onnx of ``a``'s encoder kind over ``weights`` (canonical audio names -> external tensors in weights.bin)."""
     return BUILDERS[a.encoder][1](a, dtype, weights, ir_version, low)
@@ -123,4 +125,5 @@ def _layer(g: GraphBuilder, a: AudioSpec, p: str, x: str, batch: str, np_dtype: 
 BUILDERS: dict[str, tuple[Callable[..., dict], Callable[..., onnx.ModelProto]]] = {
     "qwen3_asr": (qwen3_asr_contract, build_qwen3_asr),
     "whisper": (whisper_contract, build_whisper_audio),
+    "gemma4": (conformer_contract, build_conformer_graph),
 }

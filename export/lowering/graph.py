@@ -121,7 +121,8 @@ def build_graph(spec: ModelSpec, lowering: Lowering, weights: dict[str, onnx.Ten
                 x = g.op("Mul", x, g.const(np.array(spec.embed_scale, NUMPY_DTYPES[lowering.dtype])))
             if images is not None:
                 x = _place_images(g, spec, x)
-            ple = per_layer.per_layer_inputs(g, lowering, spec, inp.input_ids, x) if spec.per_layer_inputs else None
+            ple = (per_layer.per_layer_inputs(g, lowering, spec, inp.input_ids, x, images is not None)
+                   if spec.per_layer_inputs else None)
         h = None
         taken: dict[int, str] = {}  # hidden_layers: layer -> its input rows [T, hidden]
         for i in range(spec.num_layers):

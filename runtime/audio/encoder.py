@@ -15,12 +15,15 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from decodert.errors import DecodertError
-from decodert.models.audio import AudioSpec, post_conv, whisper_rows
+from decodert.models.audio import AudioSpec, audio_spec, post_conv, whisper_rows
+from decodert.runtime.audio import features_gemma4
+from decodert.runtime.audio.conformer import conformer_feeds
 from decodert.runtime.audio.features import MelSettings, log_mel
 from decodert.runtime.vision.encoder import ImageStore, _Entry
 from decodert.runtime.vision.tokens import image_ids
@@ -36,9 +39,9 @@ def clip_digest(samples: np.ndarray, rate: int) -> bytes:
     return h.digest()
 
 
-def encoder_feeds(mel: np.ndarray, valid: int, a: AudioSpec) -> dict[str, np.ndarray]:
-    """A clip's log-mel [M, T] and its valid frames -> audio.onnx's inputs, as ``a``'s encoder kind reads them."""
-    return FEEDS[a.encoder](mel, valid, a)
+def encoder_feeds(mel: np.ndarray, valid: int, a: Any) -> dict[str, np.ndarray]:
+    """A clip's log-mel and its valid frames -> audio.onnx's inputs, as ``a``'s encoder kind reads them."""
+    return FEEDS[a.encoder].feeds(mel, valid, a)
 
 
 def chunk_feeds(mel: np.ndarray, valid: int, a: AudioSpec) -> dict[str, np.ndarray]:
@@ -73,16 +76,32 @@ def window_feeds(mel: np.ndarray, valid: int, a: AudioSpec) -> dict[str, np.ndar
             "token_slots": np.arange(a.tokens(valid), dtype=np.int64)}
 
 
-FEEDS: dict[str, Callable[[np.ndarray, int, AudioSpec], dict[str, np.ndarray]]] = {
-    "qwen3_asr": chunk_feeds, "whisper": window_feeds}  # encoder kind (models/audio.py KINDS) -> its feeds
+@dataclass(frozen=True)
+class Feeds:
+    """What the runtime does for one encoder kind: a clip's log-mel (its settings' type and transform) and the
+    audio.onnx feeds of it."""
+
+    feeds: Callable[[np.ndarray, int, Any], dict[str, np.ndarray]]  # (mel, valid frames, spec) -> audio.onnx's inputs
+    settings: type = MelSettings  # .from_dict(manifest.audio.features)
+    log_mel: Callable[[np.ndarray, Any], tuple[np.ndarray, int]] = log_mel  # (samples, settings) -> (mel, valid)
+
+
+FEEDS: dict[str, Feeds] = {  # encoder kind (models/audio.py KINDS) -> its features and feeds
+    "qwen3_asr": Feeds(chunk_feeds),
+    "whisper": Feeds(window_feeds),
+    "gemma4": Feeds(conformer_feeds, features_gemma4.Gemma4MelSettings, features_gemma4.log_mel),  # mel [T, M]
+}
 
 
 class Audio:
     """An artifact's audio graph, its log-mel settings and the embedding store it fills."""
 
-    def __init__(self, session: Any, spec: AudioSpec, features: MelSettings, token_id: int, store: ImageStore) -> None:
+    def __init__(self, session: Any, spec: Any, features: Any, token_id: int, store: ImageStore,
+                 wrap: tuple[str, str] = ("", "")) -> None:
         self.session, self.spec, self.features = session, spec, features
+        self.kind = FEEDS[spec.encoder]
         self.token_id, self.store = token_id, store
+        self.wrap = wrap  # the text around a clip's expanded tokens (Gemma 4: <|audio> .. <audio|>; LLM sets it)
         self.sampling_rate = features.sampling_rate
         self.placeholder = AUDIO_PAD  # the audio token's text (LLM sets it from the tokenizer)
         self.encode_seconds = 0.0  # the last clip encoded (bench/audio.py)
@@ -102,15 +121,23 @@ class Audio:
             session = backend.open_graph(a.graph.file)
         if getattr(backend, "images", None) is None:
             backend.images = ImageStore()
-        audio = cls(session, AudioSpec.from_dict(dict(a.spec)), MelSettings.from_dict(dict(a.features)),
+        spec = audio_spec(dict(a.spec))
+        audio = cls(session, spec, FEEDS[spec.encoder].settings.from_dict(dict(a.features)),
                     int(manifest.model.images.token_id), backend.images)
         audio.transcription = dict(a.transcription) if a.transcription is not None else None
         return audio
 
+    @property
+    def wrap_ids(self) -> tuple[int | None, int | None]:
+        """The ids of the tokens around a clip's (None: none), from the encoder's spec."""
+        return getattr(self.spec, "begin_token_id", None), getattr(self.spec, "end_token_id", None)
+
     def embeddings(self, samples: np.ndarray) -> np.ndarray:
         """[A, hidden] audio embeddings of one clip at the model's rate (not stored)."""
-        mel, valid = log_mel(samples, self.features)
-        feeds = encoder_feeds(mel, valid, self.spec)
+        mel, valid = self.kind.log_mel(samples, self.features)
+        if self.spec.tokens(valid) == 0:
+            raise DecodertError(f"a clip of {np.asarray(samples).size} samples is too short to make one audio token")
+        feeds = self.kind.feeds(mel, valid, self.spec)
         return self.session.run(["audio_embeds"], feeds)[0]
 
     def entry(self, samples: np.ndarray) -> _Entry:
@@ -127,7 +154,8 @@ class Audio:
 
     def prompt_ids(self, text: str, clips: Sequence[np.ndarray], encode: Callable[[str], np.ndarray]) -> np.ndarray:
         """The rendered prompt with one ``<|audio_pad|>`` per clip -> ids, each clip's tokens its audio ids
-        (Qwen3ASRProcessor: the placeholder repeated once per encoder row)."""
+        (Qwen3ASRProcessor: the placeholder repeated once per encoder row; Gemma4Processor: those rows between
+        ``wrap``'s begin and end tokens)."""
         mark = self.placeholder
         pieces = re.split("(" + re.escape(mark) + ")", text)
         marks = len(pieces) // 2
@@ -137,7 +165,7 @@ class Audio:
         entries = [self.entry(c) for c in clips]
         out = [pieces[0]]
         for entry, after in zip(entries, pieces[2::2]):
-            out += [mark * len(entry.ids), after]
+            out += [self.wrap[0] + mark * len(entry.ids) + self.wrap[1], after]
         ids = encode("".join(out)).copy()
         at = np.flatnonzero(ids == self.token_id)
         want = sum(len(e.ids) for e in entries)

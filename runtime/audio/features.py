@@ -66,13 +66,18 @@ def mel_filters(s: MelSettings) -> np.ndarray:
     Slaney mels from f_min to f_max, each scaled to unit area (Slaney norm: 2 / bandwidth)."""
     bins = s.n_fft // 2 + 1
     centres = mel_to_hz(np.linspace(hz_to_mel(s.f_min), hz_to_mel(s.f_max), s.n_mels + 2))  # [n_mels + 2] Hz
-    fft = np.linspace(0, s.sampling_rate // 2, bins)  # [bins] Hz
-    slopes = centres[None, :] - fft[:, None]  # [bins, n_mels + 2]
+    tri = triangles(np.linspace(0, s.sampling_rate // 2, bins), centres)
+    return (tri * (2.0 / (centres[2:] - centres[:-2]))[None, :]).astype(np.float32)
+
+
+def triangles(fft: np.ndarray, centres: np.ndarray) -> np.ndarray:
+    """[bins, n - 2] float64 triangular filters over the FFT bins' frequencies ``fft`` [bins] (Hz), filter k rising
+    from ``centres[k]`` to 1 at ``centres[k + 1]`` and falling to 0 at ``centres[k + 2]`` (Hz), unscaled."""
+    slopes = centres[None, :] - fft[:, None]  # [bins, n]
     width = np.diff(centres)
     down = -slopes[:, :-2] / width[:-1]
     up = slopes[:, 2:] / width[1:]
-    tri = np.maximum(0.0, np.minimum(down, up))
-    return (tri * (2.0 / (centres[2:] - centres[:-2]))[None, :]).astype(np.float32)
+    return np.maximum(0.0, np.minimum(down, up))
 
 
 _FILTERS: dict[MelSettings, np.ndarray] = {}

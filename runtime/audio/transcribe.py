@@ -1,6 +1,6 @@
 """The transcription request of an audio LLM, and the reading of its answer: Qwen3-ASR's as
 Qwen3ASRProcessor.apply_transcription_request writes it, or an instruction's (``style``, the manifest's
-``audio.transcription``: Qwen2-Audio, which has no fixed transcription prompt).
+``audio.transcription``: Qwen2-Audio and Gemma 4, which have no transcription API in their processors).
 
     messages, prefill = transcription_messages(clip, rate, language="en", prompt="hot words")
     language, text = parse_transcription(raw)        # "language English<asr_text>hello" -> ("English", "hello")
@@ -11,7 +11,9 @@ and the assistant's turn opened by the generation prompt; a forced language is w
 
 With ``style = {"instruction": text}`` (models/families/qwen2_audio.py ``TRANSCRIPTION``): the system turn as
 above, a user turn of the audio part and ``text``, the generation prompt; the answer is the transcription as it
-is (stripped). Such a prompt forces no language: a ``language`` is refused in one line.
+is (stripped). Such a prompt forces no language: a ``language`` is refused in one line, unless the style also
+has ``"instruction_language"``, a template of the instruction for a forced one, ``{language}`` its name
+(models/families/gemma4.py ``TRANSCRIPTION``: "Transcribe the following speech segment in {language}.").
 """
 
 from __future__ import annotations
@@ -52,10 +54,13 @@ def transcription_messages(clip: np.ndarray, rate: int, language: str | None = N
     """(the chat messages of a transcription request, the text that follows the generation prompt)."""
     if prompt is not None and not isinstance(prompt, str):
         raise DecodertError(f"prompt must be a string, got {type(prompt).__name__}")
-    instruction = (style or {}).get("instruction")
+    style = style or {}
+    instruction, forced = style.get("instruction"), style.get("instruction_language")
     if instruction is not None and language not in (None, ""):
-        raise DecodertError(f"language {language!r} cannot be forced: this model's transcription prompt "
-                            f"({instruction!r}) lets it detect the language itself")
+        if forced is None:
+            raise DecodertError(f"language {language!r} cannot be forced: this model's transcription prompt "
+                                f"({instruction!r}) lets it detect the language itself")
+        instruction = forced.format(language=language_name(language))
     name = language_name(language) if instruction is None else None
     messages: list[dict] = []
     if prompt is not None:

@@ -134,6 +134,11 @@ class Audio:
 
     def embeddings(self, samples: np.ndarray) -> np.ndarray:
         """[A, hidden] audio embeddings of one clip at the model's rate (not stored)."""
+        most = getattr(self.features, "max_samples", None)  # an extractor that truncates (Gemma 4's: 30 s)
+        if most is not None and np.asarray(samples).size > most:
+            raise DecodertError(f"an audio clip of {np.asarray(samples).size / self.features.sampling_rate:.2f} s is "
+                                f"longer than the {most / self.features.sampling_rate:g} s this model's audio encoder "
+                                "reads (its processor would cut it); split it into shorter clips")
         mel, valid = self.kind.log_mel(samples, self.features)
         if self.spec.tokens(valid) == 0:
             raise DecodertError(f"a clip of {np.asarray(samples).size} samples is too short to make one audio token")

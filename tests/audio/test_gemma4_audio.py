@@ -245,7 +245,7 @@ def test_transcribe_asks_with_the_instruction_and_equals_generate(g4, language, 
 
 def test_the_manifest_and_bad_clips(g4):
     """manifest.audio names the gemma4 encoder and Gemma 4's log-mel settings, `decodert inspect` shows them; a clip
-    too short for one token is a one-line error."""
+    too short for one token or longer than 30 s is a one-line error."""
     from decodert.errors import DecodertError
 
     llm, _, _ = g4
@@ -258,6 +258,10 @@ def test_the_manifest_and_bad_clips(g4):
     assert "audio      2 layers (gemma4), d_model 32" in text and "blocks of 12 rows, 12 rows of left" in text
     with pytest.raises(DecodertError, match="too short to make one audio token") as e:
         llm.chat(_ask(np.zeros(100, np.float32)), max_new_tokens=2)
+    assert "\n" not in str(e.value)
+    # longer than the 30 s Gemma4Processor cuts to: refused in one line, never cut silently
+    with pytest.raises(DecodertError, match=r"30\.01 s is longer than the 30 s") as e:
+        llm.chat(_ask(np.zeros(480_160, np.float32)), max_new_tokens=2)
     assert "\n" not in str(e.value)
 
 

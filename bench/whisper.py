@@ -38,8 +38,8 @@ def make_checkpoint(path: Path, depth_frac: float) -> Path:
         shape[k] = max(1, round(shape[k] * depth_frac))
     make = t.make_tokenizer
 
-    def padded():
-        tok = make()
+    def padded(*args, **kwargs):  # tiny_whisper's make_tokenizer, padded to the real vocabulary
+        tok = make(*args, **kwargs)
         tok.add_tokens([f"<|extra_{i}|>" for i in range(VOCAB - tok.get_vocab_size())])
         return tok
 

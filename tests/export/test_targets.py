@@ -27,7 +27,7 @@ def test_each_target_states_its_policy():
     assert all(t.info.runs_on("ort") for t in TARGETS.values())
     assert TRT.tensorrt_native_since == (10, 15) and TRT.plugin_nodes and not ORT.plugin_nodes
     assert ORT.info.multi_token_rows == 1 and TRT.info.multi_token_rows is None
-    assert ORT.encoder_decoder and not TRT.encoder_decoder and not PORTABLE.encoder_decoder  # Whisper: ort only
+    assert ORT.encoder_decoder and TRT.encoder_decoder and not PORTABLE.encoder_decoder  # Whisper: ort, and trt engines
     for get in (get_target, target_info):
         with pytest.raises(DecodertError, match="unknown target 'tensorrt'; choose one of: ort, trt, portable"):
             get("tensorrt")

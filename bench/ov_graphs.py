@@ -1,5 +1,5 @@
 """decodert's ort prefill graph on OpenVINO's runtime, as the frontend translates it (placement's ``openvino-native``)
-and lowered by runtime/backends/openvino/lowering.py (``openvino-sdpa``), beside OpenVINO GenAI's own IR, in one
+and lowered by runtime/backends/openvino/lowering.py (``openvino-sdpa``, ``openvino-paged``), beside OpenVINO GenAI's own IR, in one
 process, alternated: the first call at the length, the fastest of ``--rounds`` later calls, and where that fastest
 call spent its time (OpenVINO's performance counters, summed per node type and kernel).
 
@@ -23,25 +23,27 @@ from typing import Any, Callable
 import numpy as np
 
 
-def ours(artifact: Path, props: dict, sdpa: bool) -> tuple[Any, Callable]:
+def ours(artifact: Path, props: dict, lowering: str) -> tuple[Any, Callable]:
     from decodert.runtime.backends.openvino.native import NativePrefill
 
     m = json.loads((artifact / "manifest.json").read_text())
-    runner = NativePrefill(artifact / m["graphs"]["prefill"]["file"], props["INFERENCE_NUM_THREADS"], sdpa=sdpa)
-    req = runner.request.get_compiled_model().create_infer_request()  # NativePrefill's, with PERF_COUNT set below
+    runner = NativePrefill(artifact / m["graphs"]["prefill"]["file"], props["INFERENCE_NUM_THREADS"], lowering=lowering)
     layers, heads, dim = m["kv"]["num_layers"], m["kv"]["num_kv_heads"], m["kv"]["head_dim"]
-    names = {p.get_any_name() for p in req.model_inputs}
+    empty = Empty(layers, heads, dim)
 
-    def feeds(n: int, seed: int) -> dict:
-        f = {"input_ids": np.random.default_rng(seed).integers(0, m["model"]["vocab_size"], (1, n)),
-             "past_lengths": np.array([0]), "seq_lengths": np.array([n])}
-        if "per_position" in names:
-            f["per_position"] = np.zeros(1, np.int64)
-        for i in range(layers):
-            f[f"past_key.{i}"] = f[f"past_value.{i}"] = np.zeros((1, heads, 0, dim), np.float32)
-        return f
+    def feeds(n: int, seed: int) -> dict:  # a fresh prompt: nothing held
+        return runner.feeds(empty, 0, np.random.default_rng(seed).integers(0, m["model"]["vocab_size"], n))
 
-    return req, feeds
+    return runner.request, feeds
+
+
+class Empty:
+    """What NativePrefill.feeds reads of a cache holding nothing: lengths, layer numbers, [1, H_kv, 0, D] buffers."""
+
+    def __init__(self, layers: int, heads: int, dim: int) -> None:
+        self.lengths = np.zeros(1, np.int64)
+        self.kv_layers = list(range(layers))
+        self.buffers = [np.zeros((1, heads, 0, dim), np.float32) for _ in range(2 * layers)]
 
 
 def genai(folder: Path, props: dict) -> tuple[Any, Callable]:
@@ -79,7 +81,9 @@ def main() -> int:
     import os
 
     os.environ["DECODERT_OPENVINO_CONFIG"] = json.dumps({"INFERENCE_PRECISION_HINT": "bf16", "PERF_COUNT": True})
-    runs = {"openvino-native": ours(args.artifact, props, False), "openvino-sdpa": ours(args.artifact, props, True)}
+    from decodert.runtime.backends.ort.backend import OPENVINO_RUNTIME
+
+    runs = {name: ours(args.artifact, props, lowering) for name, lowering in OPENVINO_RUNTIME.items()}
     if args.ovgenai:
         runs["openvino-genai-ir"] = genai(args.ovgenai, props)
     first = {}

@@ -5,8 +5,9 @@ The rule (docs/features/placement.md):
 - The candidates of a phase are what is installed and what the artifact has a graph for: ``ort``
   (ONNX Runtime's CPU provider, MLAS kernels, over the target's graphs: always); for the prefill
   ``openvino-native`` (OpenVINO's own runtime over the ort prefill graph, runtime/backends/openvino/native.py:
-  the new rows copied into the cache) and ``openvino-sdpa`` (the same, its attention and fused projections
-  lowered by runtime/backends/openvino/lowering.py) where the ``openvino`` package is installed; and for both phases
+  the new rows copied into the cache), ``openvino-sdpa`` (the same, its attention and fused projections
+  lowered by runtime/backends/openvino/lowering.py) and ``openvino-paged`` (its attention as OpenVINO's
+  PagedAttention, the held rows written into its blocks) where the ``openvino`` package is installed; and for both phases
   ``openvino`` (the OpenVINO execution provider, runtime/backends/openvino/ep.py, over the artifact's portable
   prefill graph: ``--openvino-prefill`` or a portable artifact, with ``onnxruntime-ep-openvino`` installed); and
   for the decode step ``native-cpu`` (decodert's own C step, runtime/backends/native/: dense llama-family int4,
@@ -48,7 +49,7 @@ from decodert.artifact.targets import target_info
 from decodert.artifact.version import __version__
 
 PHASES = ("prefill", "decode")
-BACKENDS = ("ort", "openvino", "openvino-native", "openvino-sdpa", "native-cpu")
+BACKENDS = ("ort", "openvino", "openvino-native", "openvino-sdpa", "openvino-paged", "native-cpu")
 FILE = "placement.json"
 SHORT, LONG = 128, 512  # prompt tokens of the two timed prefills (at most what the cache holds)
 PARITY_STEPS = 8  # greedy decode steps after each parity prefill
@@ -107,7 +108,7 @@ def candidates(manifest: Manifest) -> dict[str, list[str]]:
 
     prefill, decode = ["ort"], ["ort"]
     if openvino_refusal(manifest, "openvino-native") is None and native.available():
-        prefill += ["openvino-native", "openvino-sdpa"]
+        prefill += ["openvino-native", "openvino-sdpa", "openvino-paged"]
     if openvino_refusal(manifest, "openvino") is None and ep.provider():
         prefill.append("openvino")
         decode.append("openvino")
@@ -131,7 +132,7 @@ def openvino_refusal(manifest: Manifest, name: str = "openvino") -> str | None:
     info = target_info(manifest.target)
     if name == "openvino" and not (info.standard_ops or "prefill.portable" in (manifest.phase_graphs or {})):
         return "no portable prefill graph (export with --openvino-prefill)"
-    if name in ("openvino-native", "openvino-sdpa") and not info.openvino_reads_prefill:
+    if name in ("openvino-native", "openvino-sdpa", "openvino-paged") and not info.openvino_reads_prefill:
         return f"reads the ort target's prefill graph, not a --target {manifest.target} one"
     if manifest.dtype != "fp32" or (manifest.kv_dtype or manifest.dtype) != "fp32":
         return f"{manifest.dtype} activations / {manifest.kv_dtype} cache: only fp32 was checked on OpenVINO"

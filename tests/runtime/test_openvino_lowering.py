@@ -64,35 +64,49 @@ def _reference(qkv, past_k, past_v, p):
     return (w @ ve).transpose(0, 2, 1, 3).reshape(1, s, H * D), k_all, v_all
 
 
-@pytest.mark.parametrize("past", [0, 7])
-def test_lowered_attention_is_numpy_attention(tmp_path, past):
+@pytest.mark.parametrize("lowering", ["sdpa", "paged"])
+@pytest.mark.parametrize("past", [0, 7, 40])
+def test_lowered_attention_is_numpy_attention(tmp_path, past, lowering):
+    """Fresh and after held rows (40: more than one of the paged blocks, the last one part full): the attention and
+    the new K/V rows (paged: present_* are the new rows only, the held ones written into its blocks by the runner)."""
     import openvino as ov
 
     from decodert.runtime.backends.openvino.native import NativePrefill
 
     rng = _gqa_graph(tmp_path / "gqa.onnx")
-    runner = NativePrefill(tmp_path / "gqa.onnx", threads=1, exact=True, sdpa=True)
+    runner = NativePrefill(tmp_path / "gqa.onnx", threads=1, exact=True, lowering=lowering)
     s = 9
     qkv = rng.standard_normal((1, s, (H + 2 * HKV) * D)).astype(np.float32)
     past_k, past_v = (rng.standard_normal((1, HKV, past, D)).astype(np.float32) for _ in range(2))
-    feeds = {"qkv": qkv, "past_key.0": past_k, "past_value.0": past_v,
-             "seqlens_k": np.array([past + s - 1], np.int32), "total": np.array(past + s, np.int32)}
+    feeds = {"qkv": qkv, "seqlens_k": np.array([past + s - 1], np.int32), "total": np.array(past + s, np.int32)}
+    if lowering == "paged":
+        cache = _Cache(1, HKV, D)
+        cache.buffers[0][:, :, :past], cache.buffers[1][:, :, :past] = past_k, past_v
+        cache.lengths[0] = past
+        feeds.update(runner.paged_feeds(cache, 0, past, s, ["key.0", "value.0"]))
+    else:
+        feeds.update({"past_key.0": past_k, "past_value.0": past_v})
     for name, arr in feeds.items():
-        runner.request.set_tensor(name, ov.Tensor(arr))
+        if name in runner.names:
+            runner.request.set_tensor(name, arr if isinstance(arr, ov.Tensor) else ov.Tensor(arr))
     runner.request.infer()
     got = [runner.request.get_tensor(n).data for n in ("out", "present_key.0", "present_value.0")]
-    for g, want in zip(got, _reference(qkv, past_k, past_v, past)):
-        assert g.shape == want.shape and np.abs(g - want).max() < 1e-4
+    want = list(_reference(qkv, past_k, past_v, past))
+    if lowering == "paged":
+        want[1:] = [w[:, :, past:] for w in want[1:]]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and np.abs(g - w).max() < 1e-4
 
 
+@pytest.mark.parametrize("lowering", ["sdpa", "paged"])
 @pytest.mark.parametrize("attrs, named", [({"softcap": 30.0}, "softcap"), ({"local_window_size": 4}, "local_window_size"),
                                           ({"rotary_interleaved": 1}, "rotary_interleaved")])
-def test_what_it_does_not_lower_is_refused(tmp_path, attrs, named):
+def test_what_it_does_not_lower_is_refused(tmp_path, attrs, named, lowering):
     from decodert.runtime.backends.openvino.native import NativePrefill
 
     _gqa_graph(tmp_path / "gqa.onnx", **attrs)
     with pytest.raises(DecodertError, match=f"OpenVINO cannot compile the graph.*{named}"):
-        NativePrefill(tmp_path / "gqa.onnx", threads=1, exact=True, sdpa=True)
+        NativePrefill(tmp_path / "gqa.onnx", threads=1, exact=True, lowering=lowering)
 
 
 def test_int4_lowering_is_the_frontends_translation(tiny_checkpoint, tmp_path):
@@ -107,10 +121,12 @@ def test_int4_lowering_is_the_frontends_translation(tiny_checkpoint, tmp_path):
     export_model(tiny_checkpoint("llama"), art, target="ort", max_seq=64, max_batch=1,
                  quant=QuantConfig(bits=4, accuracy_level=4), progress=False)
     m = load_manifest(art)
-    runners = [NativePrefill(art / m.graphs["prefill"].file, threads=1, exact=True, sdpa=s) for s in (False, True)]
+    runners = [NativePrefill(art / m.graphs["prefill"].file, threads=1, exact=True, lowering=k)
+               for k in ("frontend", "sdpa", "paged")]
     kinds = [{o.get_rt_info()["layerType"].astype(str) for o in r.request.get_compiled_model().get_runtime_model().get_ops()}
              for r in runners]
-    assert "Split" in kinds[0] and "Split" not in kinds[1]
+    assert "Split" in kinds[0] and "Split" not in kinds[1] and "Split" not in kinds[2]
+    assert "PagedAttention" in kinds[2] and "PagedAttention" not in kinds[1]
     ids = np.random.default_rng(11).integers(0, m.model.vocab_size, 20)
     kv = m.kv
     for past in (0, 12):
@@ -121,8 +137,9 @@ def test_int4_lowering_is_the_frontends_translation(tiny_checkpoint, tmp_path):
                 runners[0].run(cache, 0, ids[:past])  # the same held rows for both
                 cache.lengths[0] = past
             outs.append((r.run(cache, 0, ids[past:]), [b.copy() for b in cache.buffers]))
-        assert np.abs(outs[0][0] - outs[1][0]).max() < 1e-4
-        assert max(np.abs(a - b).max() for a, b in zip(outs[0][1], outs[1][1])) < 1e-4
+        for logits, buffers in outs[1:]:
+            assert np.abs(outs[0][0] - logits).max() < 1e-4
+            assert max(np.abs(a - b).max() for a, b in zip(outs[0][1], buffers)) < 1e-4
 
 
 class _Cache:

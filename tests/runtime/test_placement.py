@@ -145,7 +145,7 @@ def test_an_openvino_prefill_gives_ort_tokens(ov, tiny_arts, monkeypatch):
         llm.close()
 
 
-@pytest.mark.parametrize("name", ["openvino", "openvino-native", "openvino-sdpa"])
+@pytest.mark.parametrize("name", ["openvino", "openvino-native", "openvino-sdpa", "openvino-paged"])
 def test_speculation_keeps_its_tokens_on_the_placement(ov, tiny_arts, name):
     plain = LLM.load(tiny_arts["ov"], placement="off", prefix_cache_mb=0)
     text = ["one two three four one two three four one two three", *PROMPTS]
@@ -156,10 +156,10 @@ def test_speculation_keeps_its_tokens_on_the_placement(ov, tiny_arts, name):
     llm.close()
 
 
-@pytest.mark.parametrize("name", ["openvino-native", "openvino-sdpa"])
+@pytest.mark.parametrize("name", ["openvino-native", "openvino-sdpa", "openvino-paged"])
 def test_a_native_openvino_prefill_gives_ort_tokens(ov, tiny_arts, name):
     """OpenVINO's runtime over the ort prefill graph (its attention as OpenVINO's frontend translates it, or
-    lowered to its SDPA): each row's whole prompt in one call, the new rows copied into the cache (a fresh row
+    lowered to its SDPA or its PagedAttention): each row's whole prompt in one call, the new rows copied into the cache (a fresh row
     and one that holds K/V already); the decode on MLAS reads them."""
     plain = LLM.load(tiny_arts["plain"], placement="off", prefix_cache_mb=0)
     want = _greedy(plain)
@@ -191,7 +191,8 @@ def test_auto_measures_once_and_reads_the_cache(ov, tiny_arts, tmp_path):
     first = llm.backend.placement
     assert first.source == "measured" and Path(first.file) == art / placement.FILE
     data = json.loads((art / placement.FILE).read_text())
-    assert set(data["figures"]["prefill"]) == {"ort", "openvino", "openvino-native", "openvino-sdpa"} and data["phases"] == dict(first.phases)
+    assert set(data["figures"]["prefill"]) == {"ort", "openvino", "openvino-native", "openvino-sdpa", "openvino-paged"}
+    assert data["phases"] == dict(first.phases)
     assert all("short_ms" in v for v in data["figures"]["prefill"].values())
     llm.close()
     again = LLM.load(art, placement="auto")
@@ -234,6 +235,7 @@ def test_int4_prefill_on_openvino(ov, tiny_checkpoint, tmp_path, monkeypatch):
     _check_within_ties(art, PROMPTS)
     _check_within_ties(art, PROMPTS, name="openvino-native")
     _check_within_ties(art, PROMPTS, name="openvino-sdpa")
+    _check_within_ties(art, PROMPTS, name="openvino-paged")
 
 
 def _check_within_ties(art, prompts, n=24, name="openvino"):
@@ -263,7 +265,7 @@ def test_smollm2_on_openvino(ov, smollm2_gguf, tmp_path, monkeypatch):
     export_model(smollm2_gguf, fp32, target="ort", max_seq=1024, max_batch=2, openvino_prefill=True, progress=False)
     plain = LLM.load(fp32, placement="off", prefix_cache_mb=0)
     want = [_greedy(plain, [t], 32)[0] for t in texts]
-    for name in ("openvino", "openvino-native", "openvino-sdpa"):
+    for name in ("openvino", "openvino-native", "openvino-sdpa", "openvino-paged"):
         placed = LLM.load(fp32, placement={"prefill": name}, prefix_cache_mb=0)
         assert [_greedy(placed, [t], 32)[0] for t in texts] == want, name
         placed.close()
@@ -274,6 +276,7 @@ def test_smollm2_on_openvino(ov, smollm2_gguf, tmp_path, monkeypatch):
     _check_within_ties(int4, texts, 32)
     _check_within_ties(int4, texts, 32, name="openvino-native")
     _check_within_ties(int4, texts, 32, name="openvino-sdpa")
+    _check_within_ties(int4, texts, 32, name="openvino-paged")
 
 
 def test_without_the_package_one_info_line(tiny_arts, monkeypatch, capsys):

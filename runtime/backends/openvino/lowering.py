@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from decodert.errors import DecodertError
+from decodert.errors import DecodertError, first_line
 
 DOMAIN = "com.microsoft"
 
@@ -61,6 +61,8 @@ def split(node: Any, half: bool = False) -> list:
 class GqaToSdpa:
     """The GroupQueryAttention translator; one instance per model read (it keeps the nodes all layers share)."""
 
+    kernel = "SDPA"  # named in refusals
+
     def __init__(self, half: bool = False) -> None:
         self.half = half  # the split projections' decompression in f16 (a bf16 run), else f32 (exact)
         self.shared: dict[str, tuple] = {}  # the cos table's name -> ((cos rows, sin rows) | None, mask): built once
@@ -78,10 +80,9 @@ class GqaToSdpa:
 
         return [self.extension(), ConversionExtension("Split", lambda node: split(node, self.half))]
 
-    def __call__(self, node: Any) -> list:
-        import openvino.opset13 as op
-
-        c = _const
+    def check(self, node: Any) -> tuple[int, int, int, float, bool]:
+        """(H, H_kv, D, scale, rotary) of a GroupQueryAttention node this lowering takes; what it does not take is
+        refused (a DecodertError, also kept in ``refused`` for the compile error)."""
         attr = {name: node.get_attribute(name) if node.has_attribute(name) else default
                 for name, default in (("num_heads", 0), ("kv_num_heads", 0), ("scale", 0.0), ("do_rotary", 0),
                                       ("rotary_interleaved", 0), ("softcap", 0.0), ("local_window_size", -1),
@@ -93,21 +94,23 @@ class GqaToSdpa:
                                        ("smooth_softmax", not attr["smooth_softmax"]), ("num_heads", h > 0 and hkv > 0 and h % hkv == 0))
                        if not ok]
         if unsupported:
-            self.refused = f"GroupQueryAttention with {', '.join(unsupported)}: not lowered for OpenVINO's SDPA"
+            self.refused = f"GroupQueryAttention with {', '.join(unsupported)}: not lowered for OpenVINO's {self.kernel}"
             raise DecodertError(self.refused)
-        qkv, past_k, past_v = node.get_input(0), node.get_input(3), node.get_input(4)
-        d = past_k.get_partial_shape()[3].get_length()
-        scale = float(attr["scale"]) or 1.0 / float(np.sqrt(d))
-        parts = split_matmul(qkv, [h * d, hkv * d, hkv * d], self.half)  # one projection each (below), else split the product
-        if parts is not None:
-            q, k, v = (op.reshape(t, c([0, 0, n, d]), True) for t, n in zip(parts, (h, hkv, hkv)))  # [B, S, *, D]
-        else:
-            q, k, v = op.variadic_split(op.reshape(qkv, c([0, 0, h + 2 * hkv, d]), True), c(2), c([h, hkv, hkv])).outputs()
+        d = node.get_input(3).get_partial_shape()[3].get_length()
+        return h, hkv, d, float(attr["scale"]) or 1.0 / float(np.sqrt(d)), bool(attr["do_rotary"])
+
+    def __call__(self, node: Any) -> list:
+        import openvino.opset13 as op
+
+        c = _const
+        h, hkv, d, scale, do_rotary = self.check(node)
+        past_k, past_v = node.get_input(3), node.get_input(4)
+        q, k, v = projections(node, h, hkv, d, self.half)  # [B, S, *, D]
         q, k, v = (op.transpose(t, c([0, 2, 1, 3])) for t in (q, k, v))  # [B, *, S, D]
-        cos = node.get_input(7) if attr["do_rotary"] else None
+        cos = node.get_input(7) if do_rotary else None
         key = cos.get_node().get_friendly_name() if cos is not None else ""
         if key not in self.shared:  # every layer has the same S and P: build these once, from this layer's shapes
-            s = op.gather(op.shape_of(qkv), c([1]), c(0))  # [1]
+            s = op.gather(op.shape_of(node.get_input(0)), c([1]), c(0))  # [1]
             p = op.gather(op.shape_of(past_k), c([2]), c(0))  # [1] the rows fed: the new ones start there
             t = op.add(p, s)
             pos = op.range(op.squeeze(p, c(0)), op.squeeze(t, c(0)), c(1), "i64")  # [S]
@@ -126,6 +129,99 @@ class GqaToSdpa:
         return [out.output(0), present_k.output(0), present_v.output(0)]
 
 
+class GqaToPaged(GqaToSdpa):
+    """GroupQueryAttention as OpenVINO's PagedAttentionExtension (placement's ``openvino-paged``): the attention
+    OpenVINO GenAI's own pipeline runs, whose prompt kernel skips the masked half of the causal square.
+
+    The frontend cannot add graph inputs from a translator, so a layer's translation leaves a placeholder of the
+    attention's shape (and records its q/k/v) and ``finish`` swaps in the PagedAttention nodes and their inputs after
+    the read: per layer ``key_cache.i`` / ``value_cache.i`` (the plugin picks their element type and block layout at
+    compile: [blocks, H_kv, block, D] in ``KV_CACHE_PRECISION``), shared ``past_lens``, ``subsequence_begins``,
+    ``block_indices``, ``block_indices_begins`` and ``max_context_len``. The caller writes the held rows into the
+    blocks before a call (runtime/backends/openvino/native.py); ``present_key.i`` / ``present_value.i`` become the
+    call's new rows only ([B, H_kv, S, D], after RoPE), which the caller copies into the cache. The past length is
+    the node's total sequence length minus the new rows (its ``past_key`` inputs are not read)."""
+
+    kernel = "PagedAttention"
+    SHARED = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
+
+    def __init__(self, half: bool = False) -> None:
+        super().__init__(half)
+        self.layers: list[tuple] = []  # per layer: (its number, q [B, S, H D] (the placeholder), k, v [B, H_kv, S, D], H, H_kv, D, scale)
+
+    def __call__(self, node: Any) -> list:
+        import openvino as ov
+        import openvino.opset13 as op
+
+        c = _const
+        h, hkv, d, scale, do_rotary = self.check(node)
+        q, k, v = (op.transpose(t, c([0, 2, 1, 3])) for t in projections(node, h, hkv, d, self.half))  # [B, *, S, D]
+        cos = node.get_input(7) if do_rotary else None
+        key = cos.get_node().get_friendly_name() if cos is not None else ""
+        if key not in self.shared:  # positions P .. P + S - 1, P = total - S: built once for all layers
+            s = op.gather(op.shape_of(node.get_input(0)), c([1]), c(0))  # [1]
+            t = op.convert(op.reshape(node.get_input(6), c([1]), False), ov.Type.i64)
+            pos = op.range(op.squeeze(op.subtract(t, s), c(0)), op.squeeze(t, c(0)), c(1), "i64")  # [S]
+            rows = None
+            if cos is not None:  # [1, 1, S, D/2] each: RoPE on [B, H, S, D], the form the CPU plugin fuses
+                rows = tuple(op.unsqueeze(op.gather(table, pos, c(0)), c([0, 1])) for table in (cos, node.get_input(8)))
+            self.shared[key] = (rows, None)
+        rows = self.shared[key][0]
+        if rows is not None:
+            q, k = _rope(q, *rows, d // 2), _rope(k, *rows, d // 2)
+        hold = op.reshape(op.transpose(q, c([0, 2, 1, 3])), c([0, 0, h * d]), True)  # [B, S, H D]: the attention's place
+        names = [n for n in node.get_input(3).get_names() if n.startswith("past_key.")]  # its layer: past_key.i
+        layer = names[0].split(".", 1)[1] if names else str(len(self.layers))
+        self.layers.append((layer, hold, k, v, h, hkv, d, scale))
+        return [hold.output(0), k.output(0), v.output(0)]  # present_*: the new rows [B, H_kv, S, D]
+
+    def finish(self, model: Any) -> None:
+        """Swap each layer's placeholder for its PagedAttentionExtension node and add their inputs to ``model``."""
+        import openvino as ov
+        import openvino.opset13 as op
+        from openvino._pyopenvino.op import _PagedAttentionExtension
+
+        c = _const
+
+        def param(name: str, shape: list, dtype: Any) -> Any:
+            p = op.parameter(shape, dtype, name=name)
+            p.output(0).get_tensor().set_names({name})
+            return p
+
+        shared = {n: param(n, [] if n == "max_context_len" else [-1], ov.Type.i32) for n in self.SHARED}
+        params = list(shared.values())
+        i32 = lambda v: op.constant(np.array(v, np.int32))  # noqa: E731
+        none = lambda dt, rank=1: op.constant(np.zeros((0,) * rank, dt))  # noqa: E731  an input left empty
+        for i, hold, k, v, h, hkv, d, scale in self.layers:
+            caches = [param(f"{n}.{i}", [-1, -1, -1, -1], ov.Type.dynamic) for n in ("key_cache", "value_cache")]
+            params += caches
+            users = list(hold.output(0).get_target_inputs())  # what reads the attention: the output projection
+            q = op.reshape(hold, c([-1, h * d]), False)  # the placeholder is q's own rows
+            k2, v2 = (op.reshape(op.transpose(t, c([0, 2, 1, 3])), c([-1, hkv * d]), False) for t in (k, v))
+            # PagedAttentionExtension's 28 inputs (OpenVINO 2026): q, k, v [tokens, heads * D]; the caches; the block
+            # tables; scale, sliding window 0, no alibi; max context; then the score, rotation, xattention, sink and
+            # adaptive-RKV inputs, all left empty (what optimum's paged transformation writes for a plain model)
+            args = [q, k2, v2, *caches, shared["past_lens"], shared["subsequence_begins"],
+                    shared["block_indices"], shared["block_indices_begins"], op.constant(np.array(scale, np.float32)),
+                    i32(0), none(np.float32), shared["max_context_len"], none(np.int32), none(np.int32), none(np.int32),
+                    none(np.float32), none(np.float32), i32(0), i32(0), none(np.float32, 4), i32(0), none(np.int32),
+                    none(np.int32), none(np.int32), none(np.int32), none(np.uint8), none(np.int32)]
+            try:
+                pa = _PagedAttentionExtension([a.output(0) for a in args])
+            except RuntimeError as e:  # another OpenVINO's input list
+                self.refused = f"OpenVINO's PagedAttentionExtension takes other inputs here ({first_line(e)[:200]})"
+                raise DecodertError(self.refused) from None
+            info = pa.get_rt_info()
+            for name, value in (("k_head_size", d), ("num_k_heads", hkv), ("v_head_size", d), ("num_v_heads", hkv)):
+                info[name] = value
+            out = op.reshape(pa.output(0), op.concat([op.gather(op.shape_of(hold.input_value(0)), c([0, 1]), c(0)),
+                                                      c([h * d])], 0), False)
+            for user in users:
+                user.replace_source_output(out.output(0))
+        model.add_parameters(params)
+        model.validate_nodes_and_infer_types()
+
+
 def _absent(node: Any, i: int) -> bool:
     """Is optional input ``i`` of ``node`` left empty (the packed-QKV form)?"""
     if node.get_input_size() <= i:
@@ -134,6 +230,18 @@ def _absent(node: Any, i: int) -> bool:
         return node.get_input(i).get_node().get_type_name() == "NullNode"
     except RuntimeError:
         return True
+
+
+def projections(node: Any, h: int, hkv: int, d: int, half: bool) -> tuple:
+    """q [B, S, H, D], k and v [B, S, H_kv, D] of a GroupQueryAttention node's packed input: one compressed matmul
+    each where the product is one (``split_matmul``), else the product split."""
+    import openvino.opset13 as op
+
+    c, qkv = _const, node.get_input(0)
+    parts = split_matmul(qkv, [h * d, hkv * d, hkv * d], half)
+    if parts is not None:
+        return tuple(op.reshape(t, c([0, 0, n, d]), True) for t, n in zip(parts, (h, hkv, hkv)))
+    return tuple(op.variadic_split(op.reshape(qkv, c([0, 0, h + 2 * hkv, d]), True), c(2), c([h, hkv, hkv])).outputs())
 
 
 def _rope(x: Any, cos: Any, sin: Any, half: int) -> Any:

@@ -47,61 +47,149 @@ def properties(threads: int | None, exact: bool = False) -> dict[str, Any]:
     return props
 
 
-class NativePrefill:
-    """The prefill graph at ``path`` compiled by OpenVINO with its cache inputs' sequence axis free; with ``sdpa``
-    its GroupQueryAttention nodes translated by runtime/backends/openvino/lowering.py instead of OpenVINO's frontend
-    (placement's ``openvino-sdpa``)."""
+LOWERINGS = ("frontend", "sdpa", "paged")  # OpenVINO's own translation; lowering.py's GqaToSdpa, GqaToPaged
 
-    def __init__(self, path: Path, threads: int | None = None, exact: bool = False, sdpa: bool = False) -> None:
+
+class NativePrefill:
+    """The prefill graph at ``path`` compiled by OpenVINO with its cache inputs' sequence axis free. ``lowering``:
+    "frontend" (OpenVINO's own translation: placement's ``openvino-native``), "sdpa" or "paged" (its
+    GroupQueryAttention nodes translated by runtime/backends/openvino/lowering.py: ``openvino-sdpa``, fed the held
+    rows; ``openvino-paged``, the held rows written into its blocks)."""
+
+    def __init__(self, path: Path, threads: int | None = None, exact: bool = False, lowering: str = "frontend") -> None:
         import openvino as ov
 
-        self._ov = ov
-        lowering = None
-        if sdpa:
-            from decodert.runtime.backends.openvino.lowering import GqaToSdpa
+        from decodert.runtime.backends.openvino import lowering as lower
 
-            lowering = GqaToSdpa(half=str(properties(threads, exact).get("INFERENCE_PRECISION_HINT", "")).lower() != "f32")
+        self._ov = ov
+        if lowering not in LOWERINGS:
+            raise DecodertError(f"OpenVINO prefill lowering {lowering!r}: one of {', '.join(LOWERINGS)}")
+        props = properties(threads, exact)
+        half = str(props.get("INFERENCE_PRECISION_HINT", "")).lower() != "f32"
+        translator = {"frontend": None, "sdpa": lower.GqaToSdpa, "paged": lower.GqaToPaged}[lowering]
+        translator = translator(half=half) if translator else None
+        self.paged = lowering == "paged"
+        if self.paged:  # the blocks the caller writes the held rows into: exact in f32, else bf16 (OpenVINO's own is u8)
+            props.setdefault("KV_CACHE_PRECISION", "f32" if not half else "bf16")
         try:
             core = ov.Core()
-            if lowering is not None:
-                for extension in lowering.extensions():
+            if translator is not None:
+                for extension in translator.extensions():
                     core.add_extension(extension)
             model = core.read_model(str(path))
+            if self.paged:
+                translator.finish(model)
             shapes = {}
             for port in model.inputs:
                 name = port.get_any_name()
-                if name.startswith("past_") and name != "past_lengths":
+                if name.startswith("past_") and name not in ("past_lengths", "past_lens"):
                     dims = port.get_partial_shape()
                     shapes[name] = ov.PartialShape([-1, dims[1], -1, dims[3]])
             model.reshape(shapes)
-            self.names = {p.get_any_name() for p in model.inputs}
-            self.request = core.compile_model(model, "CPU", properties(threads, exact)).create_infer_request()
+            compiled = core.compile_model(model, "CPU", props)
+            self.request = compiled.create_infer_request()
         except (RuntimeError, ValueError) as e:  # an op it cannot read, a shape it cannot take
-            why = (lowering and lowering.refused) or first_line(e)
+            why = (translator and translator.refused) or first_line(e)
             raise DecodertError(f"{path}: OpenVINO cannot compile the graph ({why[:300]})") from None
+        self.names = {p.get_any_name() for p in compiled.inputs}
         self.zero = np.zeros(1, np.int64)
+        self.blocks: dict[str, tuple] = {}  # paged: key_cache.i / value_cache.i -> (layer, [H_kv, block, D])
+        self._blocks_held: dict[str, Any] = {}  # paged: the ov.Tensor of blocks of each (grown)
+        self.block_type = self.block = None
+        if self.paged:
+            self._check_blocks(path, compiled)
+
+    def _check_blocks(self, path: Path, compiled: Any) -> None:
+        """The plugin's block layout of the paged caches: [blocks, H_kv, block, D] in f32 / bf16 / f16 (a layout
+        with scales, such as u8, is refused: the caller writes the held rows itself)."""
+        ov = self._ov
+        for port in compiled.inputs:
+            name = port.get_any_name()
+            if "_cache." not in name:
+                continue
+            ps, et = port.get_partial_shape(), port.get_element_type()
+            layer = name.split(".", 1)[1]
+            if et not in (ov.Type.f32, ov.Type.bf16, ov.Type.f16) or ps.rank.get_length() != 4 or not all(
+                    ps[i].is_static for i in (1, 2, 3)):
+                raise DecodertError(f"{path}: OpenVINO's paged cache here is {et} {ps}: not a layout decodert writes")
+            self.block_type, self.block = et, ps[2].get_length()
+            self.blocks[name] = (layer, [ps[i].get_length() for i in (1, 2, 3)])
+
+    def feeds(self, cache: Any, slot: int, ids: np.ndarray) -> dict[str, Any]:
+        """Every input of the call that appends ``ids`` [n] to ``slot``: the ids and lengths, and the rows the slot
+        holds (``past_*`` [1, H_kv, past, D] copies; paged: written into the blocks, with their tables)."""
+        past, n = int(cache.lengths[slot]), len(ids)
+        feeds: dict[str, Any] = {"input_ids": np.ascontiguousarray(ids, np.int64).reshape(1, n),
+                                 "past_lengths": np.array([past], np.int64), "seq_lengths": np.array([n], np.int64)}
+        if "per_position" in self.names:
+            feeds["per_position"] = self.zero
+        names = _cache_names(cache)
+        if self.paged:
+            feeds.update(self.paged_feeds(cache, slot, past, n, names))
+        else:
+            for i, name in enumerate(names):
+                feeds[f"past_{name}"] = np.ascontiguousarray(cache.buffers[i][slot : slot + 1, :, :past])
+        return {k: v for k, v in feeds.items() if k in self.names}
 
     def run(self, cache: Any, slot: int, ids: np.ndarray) -> np.ndarray:
         """Append ``ids`` [n] to ``slot``'s K/V (the new rows copied into the cache); returns the logits [V]
         after the last one. The caller commits the ids."""
         ov, req = self._ov, self.request
         past, n = int(cache.lengths[slot]), len(ids)
-        feeds = {"input_ids": np.ascontiguousarray(ids, np.int64).reshape(1, n),
-                 "past_lengths": np.array([past], np.int64), "seq_lengths": np.array([n], np.int64)}
-        if "per_position" in self.names:
-            feeds["per_position"] = self.zero
-        for name, arr in feeds.items():
-            req.set_tensor(name, ov.Tensor(arr))
-        names = _cache_names(cache)
-        for i, name in enumerate(names):  # the rows the slot holds: [1, H_kv, past, D]
-            req.set_tensor(f"past_{name}", ov.Tensor(np.ascontiguousarray(cache.buffers[i][slot : slot + 1, :, :past])))
+        for name, arr in self.feeds(cache, slot, ids).items():
+            req.set_tensor(name, arr if isinstance(arr, ov.Tensor) else ov.Tensor(arr))
         try:
             req.infer()
         except RuntimeError as e:
             raise DecodertError(f"OpenVINO failed running the prefill graph ({first_line(e)[:300]})") from None
-        for i, name in enumerate(names):  # only the new rows go into the cache
-            cache.buffers[i][slot, :, past : past + n] = req.get_tensor(f"present_{name}").data[0, :, past : past + n]
+        first = 0 if self.paged else past  # paged: present_* are the new rows only
+        for i, name in enumerate(_cache_names(cache)):  # only the new rows go into the cache
+            cache.buffers[i][slot, :, past : past + n] = req.get_tensor(f"present_{name}").data[0, :, first : first + n]
         return np.array(req.get_tensor("logits").data[0], np.float32)
+
+    def paged_feeds(self, cache: Any, slot: int, past: int, n: int, names: list[str]) -> dict[str, Any]:
+        """The block tables of one sequence of ``past + n`` rows in blocks 0.., and the held rows written into
+        the blocks (in the plugin's cache type); the ``past_*`` inputs the graph keeps but does not read, empty."""
+        ov, block = self._ov, self.block
+        count = -(-(past + n) // block)
+        feeds: dict[str, Any] = {
+            "past_lens": np.array([past], np.int32), "subsequence_begins": np.array([0, n], np.int32),
+            "block_indices": np.arange(count, dtype=np.int32), "block_indices_begins": np.array([0, count], np.int32),
+            "max_context_len": np.array(past + n, np.int32)}
+        by_name = dict(zip(names, cache.buffers))
+        for cache_name, (layer, (heads, _, dim)) in self.blocks.items():
+            kind = "key" if cache_name.startswith("key") else "value"
+            tensor = self.blocks_tensor(cache_name, count, heads, dim)
+            if past:
+                _write_blocks(tensor, by_name[f"{kind}.{layer}"][slot, :, :past], block, self.block_type == ov.Type.bf16)
+            feeds[cache_name] = tensor
+            empty = f"past_{kind}.{layer}"
+            if empty in self.names:
+                feeds[empty] = np.zeros((1, heads, 0, dim), np.float32)
+        return feeds
+
+    def blocks_tensor(self, name: str, count: int, heads: int, dim: int) -> Any:
+        """``name``'s blocks, at least ``count`` of them (grown by doubling; the content is rewritten every call)."""
+        tensor = self._blocks_held.get(name)
+        if tensor is None or tensor.shape[0] < count:
+            size = max(count, 2 * (tensor.shape[0] if tensor is not None else 0), 8)
+            tensor = self._blocks_held[name] = self._ov.Tensor(self.block_type, [size, heads, self.block, dim])
+        return tensor
+
+
+def _write_blocks(tensor: Any, rows: np.ndarray, block: int, bf16: bool) -> None:
+    """rows [H_kv, P, D] (f32) into blocks [*, H_kv, block, D]: row t in block t // block at t % block."""
+    heads, past, dim = rows.shape
+    data = tensor.data
+    if bf16:  # numpy has no bfloat16: round the f32 bits to nearest-even and keep the high half
+        bits = np.ascontiguousarray(rows, np.float32).view(np.uint32)
+        rows = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        data = data.view(np.uint16)
+    full, rest = divmod(past, block)
+    if full:
+        data[:full] = rows[:, : full * block].reshape(heads, full, block, dim).transpose(1, 0, 2, 3)
+    if rest:
+        data[full, :, :rest] = rows[:, full * block :]
 
 
 def _cache_names(cache: Any) -> list[str]:

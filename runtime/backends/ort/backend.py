@@ -11,7 +11,8 @@
   new token ids and lengths into them and runs.
 - Per-phase placement (runtime/backends/placement.py, docs/features/placement.md): ``phases`` may put the
   prefill on OpenVINO's own runtime over this prefill graph (``openvino-native``: each call's new K/V rows
-  copied into the cache buffers; ``openvino-sdpa``: the same, its attention lowered to OpenVINO's SDPA), or
+  copied into the cache buffers; ``openvino-sdpa`` / ``openvino-paged``: the same, its attention lowered to
+  OpenVINO's SDPA / PagedAttention), or
   the prefill or the decode step on the OpenVINO execution provider (``openvino``: the artifact's portable
   prefill graph, ``manifest.phase_graphs["prefill.portable"]`` or a portable artifact's prefill.onnx, bound to
   the same buffers); or the one-row decode step on decodert's own C step (``native-cpu``,
@@ -45,9 +46,9 @@ from decodert.runtime.backends.ort.verify import VerifyState, bind_cache
 from decodert.runtime.vision.tokens import is_image
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
-# the prefill candidates on OpenVINO's own runtime over this prefill graph -> whether its GroupQueryAttention is
-# lowered by runtime/backends/openvino/lowering.py (True) or translated by OpenVINO's frontend (False)
-OPENVINO_RUNTIME = {"openvino-native": False, "openvino-sdpa": True}
+# the prefill candidates on OpenVINO's own runtime over this prefill graph -> how its GroupQueryAttention is
+# translated: by OpenVINO's frontend, or by runtime/backends/openvino/lowering.py into SDPA or PagedAttention
+OPENVINO_RUNTIME = {"openvino-native": "frontend", "openvino-sdpa": "sdpa", "openvino-paged": "paged"}
 
 
 @dataclass
@@ -72,7 +73,7 @@ class OrtBackend:
     def __init__(self, artifact_dir: str | Path, manifest: Manifest, threads: int | None = None,
                  providers: Sequence[str] | None = None, separate_decode: bool = False,
                  phases: dict[str, str] | None = None):
-        """``phases``: phase ("prefill" | "decode") -> "ort" | "openvino" | "openvino-native" | "openvino-sdpa"
+        """``phases``: phase ("prefill" | "decode") -> "ort" | "openvino" | one of ``OPENVINO_RUNTIME``
         (prefill only) | "native-cpu" (decode only); default: both on ``providers``."""
         self.dir = Path(artifact_dir)
         self.manifest = manifest
@@ -173,7 +174,7 @@ class OrtBackend:
 
                 self.phase_sessions[name] = {"prefill": NativePrefill(self.dir / self.manifest.graphs["prefill"].file, threads,
                                                                       exact=self.manifest.quant is None,
-                                                                      sdpa=OPENVINO_RUNTIME[name])}
+                                                                      lowering=OPENVINO_RUNTIME[name])}
             self.placed[phase] = name
             return
         if name not in self.phase_sessions:

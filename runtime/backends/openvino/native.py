@@ -65,20 +65,26 @@ class NativePrefill:
         if lowering not in LOWERINGS:
             raise DecodertError(f"OpenVINO prefill lowering {lowering!r}: one of {', '.join(LOWERINGS)}")
         props = properties(threads, exact)
-        half = str(props.get("INFERENCE_PRECISION_HINT", "")).lower() != "f32"
+        core = ov.Core()
+        try:  # what the CPU plugin will run in: the hint given, else its default here (bf16 on an AVX-512 BF16 CPU)
+            precision = props.get("INFERENCE_PRECISION_HINT") or core.get_property("CPU", "INFERENCE_PRECISION_HINT")
+        except RuntimeError:
+            precision = "f32"
+        precision = precision.get_type_name() if isinstance(precision, ov.Type) else str(precision).lower()
+        half = precision in ("bf16", "f16")
         translator = {"frontend": None, "sdpa": lower.GqaToSdpa, "paged": lower.GqaToPaged}[lowering]
         translator = translator(half=half) if translator else None
         self.paged = lowering == "paged"
-        if self.paged:  # the blocks the caller writes the held rows into: exact in f32, else bf16 (OpenVINO's own is u8)
-            props.setdefault("KV_CACHE_PRECISION", "f32" if not half else "bf16")
+        if self.paged:  # the blocks the caller writes the held rows into, in the run's precision (OpenVINO's own is u8)
+            props.setdefault("KV_CACHE_PRECISION", precision if half else "f32")
         try:
-            core = ov.Core()
             if translator is not None:
                 for extension in translator.extensions():
                     core.add_extension(extension)
             model = core.read_model(str(path))
             if self.paged:
                 translator.finish(model)
+            _keep_read(model, self.paged)
             shapes = {}
             for port in model.inputs:
                 name = port.get_any_name()
@@ -142,14 +148,26 @@ class NativePrefill:
             req.infer()
         except RuntimeError as e:
             raise DecodertError(f"OpenVINO failed running the prefill graph ({first_line(e)[:300]})") from None
-        first = 0 if self.paged else past  # paged: present_* are the new rows only
-        for i, name in enumerate(_cache_names(cache)):  # only the new rows go into the cache
-            cache.buffers[i][slot, :, past : past + n] = req.get_tensor(f"present_{name}").data[0, :, first : first + n]
+        self.collect(cache, slot, past, n)
         return np.array(req.get_tensor("logits").data[0], np.float32)
+
+    def collect(self, cache: Any, slot: int, past: int, n: int) -> None:
+        """After a call: the ``n`` new rows into ``slot``'s cache buffers at ``past`` (from ``present_*``; paged,
+        from the blocks its attention wrote them into)."""
+        names = _cache_names(cache)
+        if not self.paged:
+            for i, name in enumerate(names):
+                cache.buffers[i][slot, :, past : past + n] = self.request.get_tensor(f"present_{name}").data[0, :, past : past + n]
+            return
+        by_name = dict(zip(names, cache.buffers))
+        for cache_name, (layer, _) in self.blocks.items():
+            kind = "key" if cache_name.startswith("key") else "value"
+            _read_blocks(self._blocks_held[cache_name], by_name[f"{kind}.{layer}"][slot], past, n, self.block,
+                         self.block_type == self._ov.Type.bf16)
 
     def paged_feeds(self, cache: Any, slot: int, past: int, n: int, names: list[str]) -> dict[str, Any]:
         """The block tables of one sequence of ``past + n`` rows in blocks 0.., and the held rows written into
-        the blocks (in the plugin's cache type); the ``past_*`` inputs the graph keeps but does not read, empty."""
+        the blocks (in the plugin's cache type)."""
         ov, block = self._ov, self.block
         count = -(-(past + n) // block)
         feeds: dict[str, Any] = {
@@ -163,9 +181,6 @@ class NativePrefill:
             if past:
                 _write_blocks(tensor, by_name[f"{kind}.{layer}"][slot, :, :past], block, self.block_type == ov.Type.bf16)
             feeds[cache_name] = tensor
-            empty = f"past_{kind}.{layer}"
-            if empty in self.names:
-                feeds[empty] = np.zeros((1, heads, 0, dim), np.float32)
         return feeds
 
     def blocks_tensor(self, name: str, count: int, heads: int, dim: int) -> Any:
@@ -175,6 +190,60 @@ class NativePrefill:
             size = max(count, 2 * (tensor.shape[0] if tensor is not None else 0), 8)
             tensor = self._blocks_held[name] = self._ov.Tensor(self.block_type, [size, heads, self.block, dim])
         return tensor
+
+
+UNREAD = ("next_token", "next_tokens", "seq_logits")  # prefill outputs a call never reads (it takes the logits)
+
+
+def _keep_read(model: Any, paged: bool) -> None:
+    """Drop what a call does not read, so that OpenVINO neither computes nor allocates it: ``UNREAD``, and paged
+    the ``present_*`` outputs (its new rows are read from the blocks) and the ``past_*`` inputs it does not read."""
+    for result in list(model.get_results()):
+        names = result.output(0).get_names()
+        if names & set(UNREAD) or (paged and any(n.startswith(("present_key.", "present_value.")) for n in names)):
+            model.remove_result(result)
+    if paged:
+        for param in list(model.get_parameters()):
+            if param.get_friendly_name().startswith(("past_key.", "past_value.")) and not param.output(0).get_target_inputs():
+                model.remove_parameter(param)
+    model.validate_nodes_and_infer_types()
+
+
+def _block_spans(start: int, stop: int, block: int) -> list[tuple[int, int, int]]:
+    """Rows [start, stop) as (block, first row in it, rows) runs: a part block, whole blocks, a part block."""
+    spans, row = [], start
+    while row < stop:
+        b, off = divmod(row, block)
+        if off == 0 and stop - row >= block:  # whole blocks: one span
+            count = (stop - row) // block
+            spans.append((b, 0, count * block))
+            row += count * block
+        else:
+            take = min(block - off, stop - row)
+            spans.append((b, off, take))
+            row += take
+    return spans
+
+
+def _read_blocks(tensor: Any, rows: np.ndarray, past: int, n: int, block: int, bf16: bool) -> None:
+    """Rows past .. past + n of blocks [*, H_kv, block, D] (bf16 or f32) into ``rows`` [H_kv, max, D] f32, in place
+    (bf16 widened exactly: its bits are the high half of the f32)."""
+    data = tensor.data.view(np.uint16) if bf16 else tensor.data
+    heads, _, dim = rows.shape
+    for b, off, count in _block_spans(past, past + n, block):
+        row = b * block + off
+        dest = rows[:, row : row + count]
+        if off == 0 and count >= block:  # whole blocks [k, H, block, D] -> [H, k block, D]
+            src = data[b : b + count // block].transpose(1, 0, 2, 3)
+            dest = dest.reshape(heads, count // block, block, dim)  # a view: the row axis split
+            if not np.may_share_memory(dest, rows):
+                raise DecodertError("the cache rows are not a view of the cache (a copy would lose the new rows)")
+        else:
+            src = data[b, :, off : off + count]
+        if bf16:
+            np.left_shift(src, 16, out=dest.view(np.uint32), dtype=np.uint32, casting="unsafe")
+        else:
+            np.copyto(dest, src)
 
 
 def _write_blocks(tensor: Any, rows: np.ndarray, block: int, bf16: bool) -> None:

@@ -30,7 +30,7 @@ The ``gemma4`` encoder (Gemma 4's conformer) has its own frozen spec and names: 
 
 Each kind declares its spec, names, shapes, token count and stored dtypes in the tables at the end (``KINDS``;
 ``audio_spec`` reads a manifest's spec dict by its ``encoder``, a dict without one being ``qwen3_asr``'s): the export
-(export/lowering/audio_graph.py) and the runtime (runtime/audio/encoder.py) dispatch on the spec's ``encoder`` the
+(export/lowering/audio/graph.py) and the runtime (runtime/audio/encoder.py) dispatch on the spec's ``encoder`` the
 same way. Whisper itself is an encoder-decoder family with its own spec
 (models/families/whisper.py ``WhisperSpec``, ``ENCODER_DECODER``), not an encoder feeding a decoder-only text model.
 """

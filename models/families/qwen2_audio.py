@@ -10,7 +10,7 @@ audio embeddings.
     features     preprocessor_config.json (WhisperFeatureExtractor): Slaney mels over a 400-point STFT, hop 160 at
                  16 kHz, every clip zero-padded to 30 s (Qwen2AudioProcessor: padding="max_length")
 
-The encoder is the ``whisper`` kind of models/audio.py (export/lowering/whisper_audio.py). Qwen2AudioProcessor
+The encoder is the ``whisper`` kind of models/audio.py (export/lowering/audio/whisper.py). Qwen2AudioProcessor
 expands ``<|AUDIO|>`` to ((l - 1) // 2 + 1 - 2) // 2 + 1 tokens for l valid mel frames (``AudioSpec.tokens``); the
 text model is plain Qwen2 (1-D RoPE, q/k/v biases): an audio token advances the position by one.
 

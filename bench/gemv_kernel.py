@@ -1,12 +1,13 @@
-"""A hand-written int4 GEMV (bench/gemv_kernel.c, AVX-512 VNNI) against ONNX Runtime's MatMulNBits on the same
-weights: does a kernel of decodert's own beat MLAS at int4 batch 1 (issue 47)?
+"""decodert's own int4 GEMV (the native decode step's kernel, runtime/backends/native/decode_step.c, AVX-512 VNNI)
+against ONNX Runtime's MatMulNBits on the same weights: does the kernel beat MLAS at int4 batch 1 (issue 47)?
 
     python bench/gemv_kernel.py [--shape smollm2|llama-3.2-1b|both] [--threads 2] [--iters 150] [--per-matrix]
 
-Builds the C file with the system compiler into a temporary folder (no install step; x86-64 with
-AVX-512 VNNI only) and calls it through ctypes. For each shape it makes one decode step's products with random
-weights (int4, block 32, asymmetric: fp32 scales and 4-bit zero points), runs them as a session of
-MatMulNBits nodes (accuracy level 4, the issue's export) and as the C kernel's packed copy, and times both
+The library is the package's (``runtime/backends/native/build.py``: compiled at first use for this CPU into the
+decodert cache; x86-64 with AVX-512 VNNI only), its products run outside a model through ``nd_gemv_steps`` on the
+step's worker pool. For each shape it makes one decode step's products with random weights (int4, block 32,
+asymmetric: fp32 scales and 4-bit zero points), runs them as a session of MatMulNBits nodes (accuracy level 4, the
+issue's export) and as the kernel's packed copy (``nd_pack``, as the native step packs them), and times both
 **interleaved** (one ORT step, one C step, repeated) so both see the same load; prints the medians and minima,
 the bytes each reads per step against ``decodert.tools.bandwidth.memread_gbps`` (the floor of ``decodert bench``),
 and the largest error of each against the fp32 product of the dequantized weights. ``--per-matrix`` times
@@ -18,48 +19,30 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from decodert.errors import DecodertError
+from decodert.runtime.backends.native import build
 from decodert.tools.bandwidth import memread_gbps
 
 SHAPES = {  # (N, K) of one decode step's MatMulNBits, in graph order; the tied head last
     "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)],
     "llama-3.2-1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)] * 16 + [(128256, 2048)],
 }
-FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 P = ctypes.c_void_p
 
 
-def build() -> ctypes.CDLL:
-    """The C kernel compiled for this CPU (exit 2 without AVX-512 VNNI or a C compiler)."""
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    missing = [f for f in FLAGS if f" {f}" not in cpu]
-    if missing:
-        raise SystemExit(f"gemv_kernel: this CPU lacks {', '.join(missing)}")
-    out = Path(tempfile.mkdtemp(prefix="gemv-kernel-")) / "libgemv.so"
-    cmd = ["cc", "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-shared", "-fPIC",
-           "-o", str(out), str(Path(__file__).with_name("gemv_kernel.c")), "-lpthread"]
+def library() -> ctypes.CDLL:
+    """The native decode step's library (exit 2 where it cannot be had: no AVX-512 VNNI, no C compiler)."""
     try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise SystemExit(f"gemv_kernel: cannot build the kernel ({getattr(e, 'stderr', '') or e})") from None
-    lib = ctypes.CDLL(str(out))
-    out.unlink()  # loaded: the mapping outlives the file
-    out.parent.rmdir()
-    lib.q4_packed_bytes.restype = ctypes.c_size_t
-    lib.q4_packed_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
-    lib.q4_pack.argtypes = [P, P, P, ctypes.c_int, ctypes.c_int, P]
-    lib.q4_start.argtypes = [ctypes.c_int]
-    lib.q4_gemv_steps.argtypes = [ctypes.c_int, P, P, P, P, P]
-    return lib
+        return build.library()
+    except DecodertError as e:
+        raise SystemExit(f"gemv_kernel: {e}") from None
 
 
 def random_weights(n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -108,9 +91,9 @@ def compare(lib: ctypes.CDLL, shapes: list[tuple[int, int]], label: str, threads
     feed = {f"x{k}": x for k, x in xs.items()}
     packed = []
     for (n, k), (q, s, z) in zip(shapes, mats):
-        buf = np.empty(lib.q4_packed_bytes(n, k) + 64, np.uint8)
-        packed.append(buf[(-buf.ctypes.data) % 64:][: lib.q4_packed_bytes(n, k)])
-        lib.q4_pack(q.ctypes.data, s.ctypes.data, z.ctypes.data, n, k, packed[-1].ctypes.data)
+        buf = np.empty(lib.nd_packed_bytes(n, k) + 64, np.uint8)
+        packed.append(buf[(-buf.ctypes.data) % 64:][: lib.nd_packed_bytes(n, k)])
+        lib.nd_pack(q.ctypes.data, s.ctypes.data, z.ctypes.data, n, k, packed[-1].ctypes.data)
     ys = [np.zeros(-(-n // 16) * 16, np.float32) for n, _ in shapes]
     count = len(shapes)
     args = ((P * count)(*[w.ctypes.data for w in packed]), (P * count)(*[xs[k].ctypes.data for _, k in shapes]),
@@ -118,7 +101,8 @@ def compare(lib: ctypes.CDLL, shapes: list[tuple[int, int]], label: str, threads
             (P * count)(*[y.ctypes.data for y in ys]))
 
     def mine():
-        lib.q4_gemv_steps(count, *args)
+        if lib.nd_gemv_steps(count, *args):
+            raise SystemExit("gemv_kernel: nd_gemv_steps refused the products (K not a multiple of 32, or no memory)")
 
     def theirs():
         sess.run(None, feed)
@@ -150,7 +134,7 @@ def compare(lib: ctypes.CDLL, shapes: list[tuple[int, int]], label: str, threads
     print(f"{label}: {count} products, {threads} threads, {iters} interleaved steps")
     print(f"  MatMulNBits (acc 4): median {mo * 1e3:7.3f} ms, min {min(t_ort) * 1e3:7.3f} ms "
           f"({ort_bytes / 1e6:.1f} MB: {ort_bytes / min(t_ort) / 1e9:.1f} GB/s at the min)")
-    print(f"  gemv_kernel.c:       median {mc * 1e3:7.3f} ms, min {min(t_c) * 1e3:7.3f} ms "
+    print(f"  decode_step.c:       median {mc * 1e3:7.3f} ms, min {min(t_c) * 1e3:7.3f} ms "
           f"({c_bytes / 1e6:.1f} MB: {c_bytes / min(t_c) / 1e9:.1f} GB/s at the min)"
           f"  -> x{mo / mc:.2f} (median), x{min(t_ort) / min(t_c):.2f} (min)")
     print(f"  max error / max |y|, C / ORT: {'; '.join(errors)}")
@@ -163,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=150, help="interleaved steps (a tenth of it at the 1B shape)")
     p.add_argument("--per-matrix", action="store_true", help="also time each distinct matrix alone")
     args = p.parse_args(argv)
-    lib = build()
-    lib.q4_start(args.threads)
+    lib = library()
+    running = lib.nd_start(args.threads)
+    if running != args.threads:
+        print(f"note: the native step's pool runs {running} threads (started once per process)")
     read = memread_gbps(threads=args.threads)
     print(f"memory read (decodert bench's floor): {read:.1f} GB/s with {args.threads} threads")
     for name in SHAPES if args.shape == "both" else [args.shape]:

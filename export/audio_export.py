@@ -11,7 +11,7 @@ import onnx
 
 from decodert.artifact.manifest import AudioRecord, GraphRecord, from_json
 from decodert.errors import DecodertError
-from decodert.export.lowering.audio_graph import audio_contract, build_audio_graph
+from decodert.export.lowering.audio.graph import audio_contract, build_audio_graph
 from decodert.export.lowering.lowering import Lowering
 from decodert.export.vision_export import _json
 

@@ -44,7 +44,7 @@ from decodert.artifact.seq2seq import write_seq2seq
 from decodert.export.artifact import destination
 from decodert.artifact.weights import WeightsWriter
 from decodert.errors import DecodertError
-from decodert.export.lowering.encoder_layers import encoder_layer, gelu, layer_norm, matmul, mlp, separate_qkv
+from decodert.export.lowering.audio.encoder_layers import encoder_layer, gelu, layer_norm, matmul, mlp, separate_qkv
 from decodert.export.lowering.lowering import Lowering
 from decodert.export.lowering.targets import TARGETS, get_target
 from decodert.models import family_for

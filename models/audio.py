@@ -2,9 +2,11 @@
 
 An audio-language family (models/families/qwen3_asr.py) declares ``audio_from_hf(config) -> AudioSpec``,
 ``AUDIO_WEIGHTS`` (canonical audio name -> checkpoint key) and ``audio_features(preprocessor_config)`` (the
-log-mel settings, runtime/audio/features.py). The text model's ``ModelSpec.images`` names the audio token: its
-rows are replaced by the audio embeddings in prefill exactly as image rows are (the prefill graph's
-``image_embeds`` / ``image_positions`` carry any encoder's rows; export/lowering/graph.py).
+log-mel settings, runtime/audio/features.py); the Whisper-like families (qwen2_audio, qwen3_asr) read their
+configs through the helpers at the end of this file (``hf_audio_config``, ``hf_features``, ...). The text model's
+``ModelSpec.images`` names the audio token: its rows are replaced by the audio embeddings in prefill exactly as
+image rows are (the prefill graph's ``image_embeds`` / ``image_positions`` carry any encoder's rows;
+export/lowering/graph.py).
 
 The ``qwen3_asr`` encoder (Qwen3-ASR's AuT: Whisper-like, over chunks of 2 n_window mel frames) names:
 
@@ -28,7 +30,7 @@ The ``gemma4`` encoder (Gemma 4's conformer) has its own frozen spec and names: 
 
 Each kind declares its spec, names, shapes, token count and stored dtypes in the tables at the end (``KINDS``;
 ``audio_spec`` reads a manifest's spec dict by its ``encoder``, a dict without one being ``qwen3_asr``'s): the export
-(export/lowering/audio_graph.py) and the runtime (runtime/audio/encoder.py) dispatch on the spec's ``encoder`` the
+(export/lowering/audio/graph.py) and the runtime (runtime/audio/encoder.py) dispatch on the spec's ``encoder`` the
 same way. Whisper itself is an encoder-decoder family with its own spec
 (models/families/whisper.py ``WhisperSpec``, ``ENCODER_DECODER``), not an encoder feeding a decoder-only text model.
 """
@@ -36,9 +38,11 @@ same way. Whisper itself is an encoder-decoder family with its own spec
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from decodert.errors import DecodertError
 from decodert.models.audio_conformer import ConformerSpec, conformer_dtype, conformer_names, conformer_shape
 
 
@@ -216,3 +220,58 @@ KINDS: dict[str, EncoderKind] = {
                           dtype=conformer_dtype),
 }
 ENCODERS = tuple(KINDS)
+
+
+# ---- what the Whisper-like families (qwen2_audio, qwen3_asr) read from config.json and preprocessor_config.json alike
+
+
+def hf_audio_token(config: dict, names: tuple[str, ...], default: int, family: str) -> int:
+    """The audio placeholder's id: config.json's first key of ``names`` there, else ``default``; an integer."""
+    token = next((config[n] for n in names if n in config), default)
+    if not isinstance(token, int):
+        raise DecodertError(f"config.json: a {family} model needs an integer '{names[0]}'")
+    return token
+
+
+def hf_audio_config(config: dict, defaults: dict[str, Any]) -> dict[str, Any]:
+    """config.json's ``audio_config`` over the family's defaults (transformers' encoder config: a config.json lists
+    what differs), refused in one line unless the encoder runs GELU over unscaled embeddings."""
+    a = {**defaults, **(config.get("audio_config") or {})}
+    if a["activation_function"] != "gelu" or a["scale_embedding"]:
+        raise DecodertError(f"config.json: audio_config activation_function '{a['activation_function']}' / "
+                            "scale_embedding is not supported (gelu, unscaled)")
+    return a
+
+
+def hf_encoder_sizes(a: dict[str, Any]) -> dict[str, int]:
+    """The AudioSpec fields an ``audio_config`` names the Whisper way (d_model, encoder_layers, ...)."""
+    return dict(num_mel_bins=int(a["num_mel_bins"]), hidden_size=int(a["d_model"]),
+                intermediate_size=int(a["encoder_ffn_dim"]), num_layers=int(a["encoder_layers"]),
+                num_heads=int(a["encoder_attention_heads"]))
+
+
+@contextmanager
+def config_values() -> Iterator[None]:
+    """A ValueError in the block (a value that is not a number, an AudioSpec check) as config.json's one line."""
+    try:
+        yield
+    except ValueError as e:
+        raise DecodertError(f"config.json: {e}") from None
+
+
+def hf_features(preprocessor: dict, defaults: dict[str, Any], audio: AudioSpec) -> dict[str, Any]:
+    """preprocessor_config.json's feature settings over the family's defaults (those keys only), checked against the
+    encoder's mel bins; dither (random noise in the features) refused."""
+    f = {**defaults, **{k: v for k, v in preprocessor.items() if k in defaults}}
+    if int(f["feature_size"]) != audio.num_mel_bins:
+        raise DecodertError(f"feature_size {f['feature_size']} differs from the encoder's {audio.num_mel_bins} mel bins")
+    if float(f["dither"]):
+        raise DecodertError("dither adds random noise to the features; a checkpoint with dither 0 is supported")
+    return f
+
+
+def mel_settings(f: dict[str, Any], **more: Any) -> dict[str, Any]:
+    """The log-mel settings (runtime/audio/features.py MelSettings) of checked feature settings ``f``: Slaney mels
+    from 0 to 8 kHz, then the family's padding (``more``)."""
+    return dict(sampling_rate=int(f["sampling_rate"]), n_fft=int(f["n_fft"]), hop_length=int(f["hop_length"]),
+                n_mels=int(f["feature_size"]), f_min=0.0, f_max=8000.0, **more)

@@ -10,7 +10,7 @@ audio embeddings.
     features     preprocessor_config.json (WhisperFeatureExtractor): Slaney mels over a 400-point STFT, hop 160 at
                  16 kHz, every clip zero-padded to 30 s (Qwen2AudioProcessor: padding="max_length")
 
-The encoder is the ``whisper`` kind of models/audio.py (export/lowering/whisper_audio.py). Qwen2AudioProcessor
+The encoder is the ``whisper`` kind of models/audio.py (export/lowering/audio/whisper.py). Qwen2AudioProcessor
 expands ``<|AUDIO|>`` to ((l - 1) // 2 + 1 - 2) // 2 + 1 tokens for l valid mel frames (``AudioSpec.tokens``); the
 text model is plain Qwen2 (1-D RoPE, q/k/v biases): an audio token advances the position by one.
 
@@ -25,7 +25,7 @@ import dataclasses
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.audio import AudioSpec
+from decodert.models.audio import AudioSpec, config_values, hf_audio_config, hf_audio_token, hf_encoder_sizes, hf_features, mel_settings
 from decodert.models.families import qwen2
 from decodert.models.families.qwen2_5_vl import text_config
 from decodert.models.spec import ImageTokens, ModelSpec
@@ -81,38 +81,24 @@ def sanitize(key: str) -> str | None:
 
 def spec_from_hf(config: dict) -> ModelSpec:
     text = text_config(config)
-    token = config.get("audio_token_index", config.get("audio_token_id", 151646))
-    if not isinstance(token, int):
-        raise DecodertError("config.json: a qwen2_audio model needs an integer 'audio_token_index'")
+    token = hf_audio_token(config, ("audio_token_index", "audio_token_id"), 151646, "qwen2_audio")
     return dataclasses.replace(qwen2.spec_from_hf(text), family="qwen2_audio", images=ImageTokens(token))
 
 
 def audio_from_hf(config: dict) -> AudioSpec:
-    a = {**AUDIO_DEFAULTS, **(config.get("audio_config") or {})}
-    if a["activation_function"] != "gelu" or a["scale_embedding"]:
-        raise DecodertError(f"config.json: audio_config activation_function '{a['activation_function']}' / "
-                            "scale_embedding is not supported (gelu, unscaled)")
-    try:
-        c = int(a["d_model"])
-        return AudioSpec(num_mel_bins=int(a["num_mel_bins"]), hidden_size=c, intermediate_size=int(a["encoder_ffn_dim"]),
-                         num_layers=int(a["encoder_layers"]), num_heads=int(a["encoder_attention_heads"]),
-                         conv_channels=c, out_hidden=int(text_config(config)["hidden_size"]),
+    a = hf_audio_config(config, AUDIO_DEFAULTS)
+    with config_values():  # Whisper's encoder: the convolutions as wide as the model
+        return AudioSpec(**hf_encoder_sizes(a), conv_channels=int(a["d_model"]),
+                         out_hidden=int(text_config(config)["hidden_size"]),
                          max_positions=int(a["max_source_positions"]), encoder="whisper")
-    except ValueError as e:
-        raise DecodertError(f"config.json: {e}") from None
 
 
 def audio_features(preprocessor: dict, audio: AudioSpec) -> dict[str, Any]:
     """The log-mel settings (runtime/audio/features.py MelSettings) of preprocessor_config.json, checked against
     the encoder: every clip padded to the window (``pad_to``: chunk_length seconds of samples, 2 max_positions frames)."""
-    f = {**FEATURE_DEFAULTS, **{k: v for k, v in preprocessor.items() if k in FEATURE_DEFAULTS}}
-    if int(f["feature_size"]) != audio.num_mel_bins:
-        raise DecodertError(f"feature_size {f['feature_size']} differs from the encoder's {audio.num_mel_bins} mel bins")
-    if float(f["dither"]):
-        raise DecodertError("dither adds random noise to the features; a checkpoint with dither 0 is supported")
+    f = hf_features(preprocessor, FEATURE_DEFAULTS, audio)
     window = int(f["chunk_length"]) * int(f["sampling_rate"])
     if window // int(f["hop_length"]) != audio.window_frames:
         raise DecodertError(f"chunk_length {f['chunk_length']} s makes {window // int(f['hop_length'])} mel frames; "
                             f"the encoder reads {audio.window_frames} (2 max_source_positions)")
-    return dict(sampling_rate=int(f["sampling_rate"]), n_fft=int(f["n_fft"]), hop_length=int(f["hop_length"]),
-                n_mels=int(f["feature_size"]), f_min=0.0, f_max=8000.0, pad_to=window)
+    return mel_settings(f, pad_to=window)

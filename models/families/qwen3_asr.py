@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any
 
 from decodert.errors import DecodertError
-from decodert.models.audio import AudioSpec
+from decodert.models.audio import AudioSpec, config_values, hf_audio_config, hf_audio_token, hf_encoder_sizes, hf_features, mel_settings
 from decodert.models.families import qwen3
 from decodert.models.families.qwen2_5_vl import text_config
 from decodert.models.spec import ImageTokens, ModelSpec
@@ -76,42 +76,27 @@ def sanitize(key: str) -> str | None:
 def spec_from_hf(config: dict) -> ModelSpec:
     text = text_config(config)
     text["tie_word_embeddings"] = config.get("tie_word_embeddings", True)  # Qwen3ASRConfig's default
-    token = config.get("audio_token_id", 151676)
-    if not isinstance(token, int):
-        raise DecodertError("config.json: a qwen3_asr model needs an integer 'audio_token_id'")
+    token = hf_audio_token(config, ("audio_token_id",), 151676, "qwen3_asr")
     return dataclasses.replace(qwen3.spec_from_hf(text), family="qwen3_asr", images=ImageTokens(token))
 
 
 def audio_from_hf(config: dict) -> AudioSpec:
-    a = {**AUDIO_DEFAULTS, **(config.get("audio_config") or {})}
-    if a["activation_function"] != "gelu" or a["scale_embedding"]:
-        raise DecodertError(f"config.json: audio_config activation_function '{a['activation_function']}' / "
-                            "scale_embedding is not supported (gelu, unscaled)")
+    a = hf_audio_config(config, AUDIO_DEFAULTS)
     text = text_config(config)
     if int(a["output_dim"]) != int(text["hidden_size"]):
         raise DecodertError(f"config.json: audio_config output_dim {a['output_dim']} differs from the text "
                             f"hidden_size {text['hidden_size']}")
-    try:
-        return AudioSpec(num_mel_bins=int(a["num_mel_bins"]), hidden_size=int(a["d_model"]),
-                         intermediate_size=int(a["encoder_ffn_dim"]), num_layers=int(a["encoder_layers"]),
-                         num_heads=int(a["encoder_attention_heads"]), conv_channels=int(a["downsample_hidden_size"]),
+    with config_values():  # AuT: its own convolution width, chunks of 2 n_window frames in windows
+        return AudioSpec(**hf_encoder_sizes(a), conv_channels=int(a["downsample_hidden_size"]),
                          out_hidden=int(a["output_dim"]), n_window=int(a["n_window"]),
                          n_window_infer=int(a["n_window_infer"]), max_positions=int(a["max_position_embeddings"]))
-    except ValueError as e:
-        raise DecodertError(f"config.json: {e}") from None
 
 
 def audio_features(preprocessor: dict, audio: AudioSpec) -> dict[str, Any]:
     """The log-mel settings (runtime/audio/features.py MelSettings) of preprocessor_config.json, checked against
     the encoder. Qwen3ASRProcessor pads a single clip to itself (no 30 s padding) and the frames to 2 n_window."""
-    f = {**FEATURE_DEFAULTS, **{k: v for k, v in preprocessor.items() if k in FEATURE_DEFAULTS}}
-    if int(f["feature_size"]) != audio.num_mel_bins:
-        raise DecodertError(f"feature_size {f['feature_size']} differs from the encoder's {audio.num_mel_bins} mel bins")
+    f = hf_features(preprocessor, FEATURE_DEFAULTS, audio)
     if int(f["n_window"]) != audio.n_window or audio.n_window != 50:
         raise DecodertError(f"n_window {f['n_window']} (encoder {audio.n_window}): Qwen3ASRProcessor counts 13 "
                             "tokens per chunk, which holds for n_window 50 only")
-    if float(f["dither"]):
-        raise DecodertError("dither adds random noise to the features; a checkpoint with dither 0 is supported")
-    return dict(sampling_rate=int(f["sampling_rate"]), n_fft=int(f["n_fft"]), hop_length=int(f["hop_length"]),
-                n_mels=int(f["feature_size"]), f_min=0.0, f_max=8000.0, min_samples=int(f["min_length"]),
-                frame_multiple=2 * int(f["n_window"]))
+    return mel_settings(f, min_samples=int(f["min_length"]), frame_multiple=2 * int(f["n_window"]))

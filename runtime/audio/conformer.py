@@ -1,4 +1,4 @@
-"""The feeds of the ``gemma4`` encoder kind's audio.onnx (export/lowering/audio_gemma4.py): a clip's log-mel frames
+"""The feeds of the ``gemma4`` encoder kind's audio.onnx (export/lowering/audio/gemma4.py): a clip's log-mel frames
 padded to whole blocks, and its masks, all in numpy.
 
     feeds = conformer_feeds(mel, valid, spec)        # mel [T, M] (runtime/audio/features_gemma4.py), valid frames

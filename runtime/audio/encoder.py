@@ -63,7 +63,7 @@ def chunk_feeds(mel: np.ndarray, valid: int, a: AudioSpec) -> dict[str, np.ndarr
 
 
 def window_feeds(mel: np.ndarray, valid: int, a: AudioSpec) -> dict[str, np.ndarray]:
-    """``whisper`` (export/lowering/whisper_audio.py): the first F = 2 R frames of the 30 s window, R >= n + 1
+    """``whisper`` (export/lowering/audio/whisper.py): the first F = 2 R frames of the 30 s window, R >= n + 1
     rows (even, at most max_positions) for the n = (valid - 1) // 2 + 1 rows the clip has, the pooled rows of its
     n // 2 tokens. A clip longer than the window is refused (Qwen2AudioProcessor would cut it at 30 s)."""
     if mel.shape[1] > a.window_frames:

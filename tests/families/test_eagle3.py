@@ -22,6 +22,8 @@ import transformers
 from safetensors.torch import save_file
 from transformers.models.llama import modeling_llama
 
+from draft_battery import (PROMPTS, forced_drafts, fp16_head_stays_exact, greedy_drafting_is_plain, proposals,
+                           sessions_and_prefix_hits_stay_exact)
 from tiny import _randomise, make_tiny_checkpoint  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -300,7 +302,6 @@ def test_the_head_refuses_what_it_cannot_draft_for(llama, tmp_path):
 
 
 # ---- drafting: LLM.load(target, draft=HEAD), speculative="eagle3" ------------------------------------------------
-PROMPTS = [[5, 9, 33, 7, 100, 3, 41, 8], [17, 2, 250], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [300, 301]]
 
 
 @pytest.fixture(scope="module")
@@ -314,16 +315,8 @@ def drafting(case):
 
 
 def test_greedy_eagle3_is_plain_decoding_batch_1_and_4(drafting):
-    from decodert.runtime.speculation.speculative import SpeculativeConfig
-
     llm, plain = drafting
-    fixed = SpeculativeConfig("eagle3", draft_len=4, adaptive=False)  # every step drafts and verifies
-    assert [llm.generate(p, max_new_tokens=20, speculative=fixed).token_ids for p in PROMPTS] == plain
-    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=20, speculative=fixed)] == plain
-    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=20, speculative="eagle3")] == plain
-    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=20, speculative="auto")] == plain
-    with pytest.raises(DecodertError, match="it is a speculative='eagle3' head"):
-        llm.generate(PROMPTS[0], max_new_tokens=2, speculative="mtp")
+    greedy_drafting_is_plain(llm, plain, "eagle3", refused="mtp")
 
 
 def test_the_head_drafts_what_the_reference_drafts(drafting, case):
@@ -335,25 +328,9 @@ def test_the_head_drafts_what_the_reference_drafts(drafting, case):
 
     llm, _ = drafting
     fixed = SpeculativeConfig("eagle3", draft_len=3, adaptive=False)
-    drafter = llm.engine.speculator.drafter(fixed)
-    seen = []
-    propose = drafter.propose
-
-    def spy(seqs, limits):
-        drafts, keys = propose(seqs, limits)
-        c = drafter.cache
-        for seq, draft in zip(seqs, drafts):
-            cache, slot = seq.spec.at
-            seen.append((seq.history[: seq.length].tolist(), draft.tolist(), int(c.starts[slot]), int(c.lengths[slot]),
-                         int(cache.lengths[slot]), c.keys[slot].copy(), c.values[slot].copy(), c.tokens[slot].copy()))
-        return drafts, keys
-
-    drafter.propose = spy
-    try:
+    with proposals(llm.engine.speculator.drafter(fixed)) as seen:
         llm.generate(PROMPTS[0], max_new_tokens=12, speculative=fixed)
         llm.generate(PROMPTS, max_new_tokens=6, speculative=fixed)
-    finally:
-        drafter.propose = propose
     assert sum(len(d) == 3 for _, d, *_ in seen) >= 6
     for history, draft, start, length, target_length, keys, values, tokens in seen:
         if not len(draft):
@@ -375,30 +352,8 @@ def test_the_head_rewinds_its_kv_under_rejected_drafts(drafting, case):
 
     llm, plain = drafting
     drafter = llm.engine.speculator.drafter(SpeculativeConfig("eagle3"))
-    prompt, want = PROMPTS[0], plain[0]
-    seen, calls = [], []
-    propose = drafter.propose
-
-    def forced(seqs, limits):
-        drafts, keys = propose(seqs, limits)
-        seq = seqs[0]
-        _, slot = seq.spec.at
-        c = drafter.cache
-        seen.append((seq.history[: seq.length].tolist(), int(c.starts[slot]), int(c.lengths[slot]),
-                     c.keys[slot].copy(), c.values[slot].copy()))
-        g = seq.length - len(prompt)
-        calls.append(g)
-        if len(calls) % 2 or g + 3 > len(want) or limits[0] < 3:
-            return [np.zeros(0, np.int64)], keys
-        return [np.array([want[g], want[g + 1], (want[g + 2] + 1) % VOCAB], np.int64)], keys
-
-    drafter.propose = forced
-    try:
-        got = llm.generate(prompt, max_new_tokens=20,
-                           speculative=SpeculativeConfig("eagle3", draft_len=3, adaptive=False))
-    finally:
-        drafter.propose = propose
-    assert got.token_ids == want and 0 < got.metrics.acceptance_rate < 1
+    got, seen = forced_drafts(llm, drafter, "eagle3", PROMPTS[0], plain[0], VOCAB)
+    assert got.token_ids == plain[0] and 0 < got.metrics.acceptance_rate < 1
     assert len(seen) >= 6 and {start for _, start, *_ in seen} == {0}
     for history, start, length, keys, values in seen:
         assert length == len(history) - 1  # every position but the pending token's: nothing stale kept
@@ -408,26 +363,8 @@ def test_the_head_rewinds_its_kv_under_rejected_drafts(drafting, case):
 
 
 def test_sessions_and_prefix_hits_stay_exact(drafting, case):
-    from decodert.runtime.llm import LLM
-    from decodert.runtime.speculation.speculative import SpeculativeConfig
-
     llm, _ = drafting
-    fixed = SpeculativeConfig("eagle3", draft_len=3, adaptive=False)
-    with LLM.load(case.art, backend="ort", draft=case.head) as cached:  # with the prefix cache
-        long = PROMPTS[2] * 3
-        want = llm.generate(long, max_new_tokens=12).token_ids
-        first = cached.generate(long, max_new_tokens=12, speculative=fixed)
-        again = cached.generate(long, max_new_tokens=12, speculative=fixed)
-        assert first.token_ids == want and again.token_ids == want and again.metrics.cached_tokens > 0
-        batch = cached.generate([long, PROMPTS[0], long[:20], PROMPTS[3]], max_new_tokens=8, speculative=fixed)
-        assert [r.token_ids for r in batch] == [llm.generate(p, max_new_tokens=8).token_ids
-                                               for p in (long, PROMPTS[0], long[:20], PROMPTS[3])]
-    plain_session, spec_session = llm.session(), llm.session()
-    for message in ("hello there", "and again", "one more"):
-        a = plain_session.chat(message, max_new_tokens=8)
-        b = spec_session.chat(message, max_new_tokens=8, speculative=fixed)
-        assert a.token_ids == b.token_ids
-    assert spec_session.cached_tokens > 0
+    sessions_and_prefix_hits_stay_exact(llm, case.art, case.head, "eagle3")
 
 
 def test_cli_exports_the_head_and_runs_it(llama, tmp_path, capsys):
@@ -483,16 +420,7 @@ def test_speculative_sampling_keeps_the_targets_distribution(drafting, case):
 
 
 def test_an_fp16_target_and_its_head_stay_exact(llama, tmp_path):
-    from decodert.runtime.llm import LLM
-    from decodert.runtime.speculation.speculative import SpeculativeConfig
-
-    art = tmp_path / "fp16"
-    export_model(llama.src, art, dtype="fp16", max_seq=MAX_SEQ, max_batch=4, progress=False, hidden_layers="eagle3")
-    assert export_head(llama.head_src, tmp_path / "head", art)["dtype"] == "fp16"
-    with LLM.load(art, backend="ort", draft=tmp_path / "head", prefix_cache_mb=0) as llm:
-        plain = [llm.generate(p, max_new_tokens=12).token_ids for p in PROMPTS]
-        fixed = SpeculativeConfig("eagle3", draft_len=3, adaptive=False)
-        assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=12, speculative=fixed)] == plain
+    fp16_head_stays_exact(llama.src, llama.head_src, tmp_path, "eagle3", hidden_layers="eagle3")
 
 
 @pytest.mark.trt

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from draft_battery import PROMPTS, greedy_drafting_is_plain, sessions_and_prefix_hits_stay_exact
 from tiny import _randomise, make_tiny_checkpoint  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -172,7 +173,6 @@ def test_spec_refuses_what_it_cannot_run():
 
 
 # ---- drafting: LLM.load(target, draft=HEAD), speculative="assistant" -------------------------------------------
-PROMPTS = [[5, 9, 33, 7, 100, 3, 41, 8], [17, 2, 250], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [300, 301]]
 
 
 @pytest.fixture(scope="module")
@@ -190,15 +190,8 @@ def assisted(target):
 
 
 def test_greedy_assistant_is_plain_decoding_batch_1_and_4(assisted):
-    from decodert.runtime.speculation.speculative import SpeculativeConfig
-
     llm, plain, _ = assisted
-    fixed = SpeculativeConfig("assistant", draft_len=4, adaptive=False)  # every step drafts and verifies
-    assert [llm.generate(p, max_new_tokens=20, speculative=fixed).token_ids for p in PROMPTS] == plain
-    results = llm.generate(PROMPTS, max_new_tokens=20, speculative=fixed)
-    assert [r.token_ids for r in results] == plain
-    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=20, speculative="assistant")] == plain
-    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=20, speculative="auto")] == plain
+    greedy_drafting_is_plain(llm, plain, "assistant", refused="mtp")
 
 
 def test_the_head_drafts_what_transformers_drafts(assisted, target):
@@ -237,24 +230,9 @@ def test_the_head_drafts_what_transformers_drafts(assisted, target):
 
 
 def test_sessions_and_prefix_hits_stay_exact(assisted, target):
-    from decodert.runtime.llm import LLM
-    from decodert.runtime.speculation.speculative import SpeculativeConfig
-
     llm, _, head = assisted
     _, _, _, art = target
-    fixed = SpeculativeConfig("assistant", draft_len=3, adaptive=False)
-    cached = LLM.load(art, backend="ort", draft=head)  # with the prefix cache
-    long = PROMPTS[2] * 3
-    want = llm.generate(long, max_new_tokens=12).token_ids
-    first = cached.generate(long, max_new_tokens=12, speculative=fixed)
-    again = cached.generate(long, max_new_tokens=12, speculative=fixed)
-    assert first.token_ids == want and again.token_ids == want and again.metrics.cached_tokens > 0
-    plain_session, spec_session = llm.session(), llm.session()
-    for message in ("hello there", "and again", "one more"):
-        a = plain_session.chat(message, max_new_tokens=8)
-        b = spec_session.chat(message, max_new_tokens=8, speculative=fixed)
-        assert a.token_ids == b.token_ids
-    assert spec_session.cached_tokens > 0
+    sessions_and_prefix_hits_stay_exact(llm, art, head, "assistant")
 
 
 def test_a_head_for_another_target_is_refused_at_load(assisted, tmp_path):

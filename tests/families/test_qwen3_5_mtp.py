@@ -22,6 +22,8 @@ from safetensors.numpy import load_file, save_file
 from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35moe
 
+from draft_battery import (PROMPTS, forced_drafts, fp16_head_stays_exact, greedy_drafting_is_plain, proposals,
+                           sessions_and_prefix_hits_stay_exact)
 from tiny import _randomise, make_tiny_checkpoint  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -232,7 +234,6 @@ def test_the_targets_hidden_state_is_what_the_head_reads(target):
 
 
 # ---- drafting: LLM.load(target, draft=HEAD), speculative="mtp" --------------------------------------------------
-PROMPTS = [[5, 9, 33, 7, 100, 3, 41, 8], [17, 2, 250], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [300, 301]]
 
 
 @pytest.fixture(scope="module")
@@ -246,17 +247,8 @@ def drafting(target):
 
 
 def test_greedy_mtp_is_plain_decoding_batch_1_and_4(drafting):
-    from decodert.runtime.speculation.speculative import SpeculativeConfig
-
     llm, plain = drafting
-    fixed = SpeculativeConfig("mtp", draft_len=4, adaptive=False)  # every step drafts and verifies
-    assert [llm.generate(p, max_new_tokens=20, speculative=fixed).token_ids for p in PROMPTS] == plain
-    results = llm.generate(PROMPTS, max_new_tokens=20, speculative=fixed)
-    assert [r.token_ids for r in results] == plain
-    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=20, speculative="mtp")] == plain
-    assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=20, speculative="auto")] == plain
-    with pytest.raises(DecodertError, match="it is a speculative='mtp' head"):
-        llm.generate(PROMPTS[0], max_new_tokens=2, speculative="assistant")
+    greedy_drafting_is_plain(llm, plain, "mtp", refused="assistant")
 
 
 def _reference_chain(model, ref, history: list[int], start: int, k: int):
@@ -294,24 +286,8 @@ def test_the_head_drafts_what_the_reference_drafts_and_keeps_its_rule(drafting, 
 
     llm, _ = drafting
     _, _, model, ref, _, _, _ = target
-    drafter = llm.engine.speculator.drafter(SpeculativeConfig("mtp"))
-    seen = []
-    propose = drafter.propose
-
-    def spy(seqs, limits):
-        drafts, keys = propose(seqs, limits)
-        cache, slot = seqs[0].spec.at
-        c = drafter.cache
-        seen.append((seqs[0].history[: seqs[0].length].tolist(), drafts[0].tolist(), int(c.starts[slot]),
-                     int(c.lengths[slot]), int(cache.lengths[slot]), c.keys[slot].copy(), c.values[slot].copy(),
-                     c.tokens[slot].copy()))
-        return drafts, keys
-
-    drafter.propose = spy
-    try:
+    with proposals(llm.engine.speculator.drafter(SpeculativeConfig("mtp"))) as seen:  # one row: one entry a proposal
         llm.generate(PROMPTS[0], max_new_tokens=14, speculative=SpeculativeConfig("mtp", draft_len=3, adaptive=False))
-    finally:
-        drafter.propose = propose
     assert len(seen) >= 4 and any(start < length - 1 for _, _, start, length, *_ in seen)  # runs longer than 1
     assert sum(len(d) == 3 for _, d, *_ in seen) >= 3
     for history, draft, start, length, target_length, keys, values, tokens in seen:
@@ -345,24 +321,9 @@ def test_the_head_cache_rule():
 
 
 def test_sessions_and_prefix_hits_stay_exact(drafting, target):
-    from decodert.runtime.llm import LLM
-    from decodert.runtime.speculation.speculative import SpeculativeConfig
-
     llm, _ = drafting
     _, _, _, _, art, head, _ = target
-    fixed = SpeculativeConfig("mtp", draft_len=3, adaptive=False)
-    cached = LLM.load(art, backend="ort", draft=head)  # with the prefix cache
-    long = PROMPTS[2] * 3
-    want = llm.generate(long, max_new_tokens=12).token_ids
-    first = cached.generate(long, max_new_tokens=12, speculative=fixed)
-    again = cached.generate(long, max_new_tokens=12, speculative=fixed)
-    assert first.token_ids == want and again.token_ids == want and again.metrics.cached_tokens > 0
-    plain_session, spec_session = llm.session(), llm.session()
-    for message in ("hello there", "and again", "one more"):
-        a = plain_session.chat(message, max_new_tokens=8)
-        b = spec_session.chat(message, max_new_tokens=8, speculative=fixed)
-        assert a.token_ids == b.token_ids
-    assert spec_session.cached_tokens > 0
+    sessions_and_prefix_hits_stay_exact(llm, art, head, "mtp")
 
 
 def test_cli_exports_the_mtp_head_and_runs_it(target, tmp_path, capsys):
@@ -393,31 +354,10 @@ def test_the_head_keeps_its_run_across_plain_steps_and_accepted_drafts(drafting,
     llm, plain = drafting
     _, _, model, ref, _, _, _ = target
     drafter = llm.engine.speculator.drafter(SpeculativeConfig("mtp"))
-    prompt, want = PROMPTS[0], plain[0]
-    seen, calls = [], []
-    propose = drafter.propose
-
-    def forced(seqs, limits):
-        drafts, keys = propose(seqs, limits)
-        seq = seqs[0]
-        cache, slot = seq.spec.at
-        c = drafter.cache
-        seen.append((seq.history[: seq.length].tolist(), int(c.starts[slot]), int(c.lengths[slot]),
-                     c.keys[slot].copy()))
-        g = seq.length - len(prompt)  # tokens generated so far: the next right one is want[g]
-        calls.append(g)
-        if len(calls) % 2 or g + 3 > len(want) or limits[0] < 3:
-            return [np.zeros(0, np.int64)], keys
-        return [np.array([want[g], want[g + 1], (want[g + 2] + 1) % 512], np.int64)], keys
-
-    drafter.propose = forced
-    try:
-        got = llm.generate(prompt, max_new_tokens=20, speculative=SpeculativeConfig("mtp", draft_len=3, adaptive=False))
-    finally:
-        drafter.propose = propose
-    assert got.token_ids == want and got.metrics.acceptance_rate > 0
+    got, seen = forced_drafts(llm, drafter, "mtp", PROMPTS[0], plain[0], vocab=512)
+    assert got.token_ids == plain[0] and got.metrics.acceptance_rate > 0
     assert len(seen) >= 6 and {start for _, start, *_ in seen} == {0}  # the prompt's rows: prompt_hidden
-    for history, start, length, keys in seen:
+    for history, start, length, keys, _ in seen:
         _, want_k, _ = _reference_chain(model, ref, history, start, 1)
         np.testing.assert_allclose(keys[:, start:length], want_k[:, : length - start], atol=TOL)
 
@@ -501,17 +441,8 @@ def test_trt_builds_the_mtp_head(tmp_path):
 def test_an_fp16_target_and_its_head_stay_exact(target, tmp_path):
     """An fp16 export: the head is exported in the target's dtype (its embedding compared at fp16's precision) and
     its greedy speculative tokens are plain decoding's, batch 4."""
-    from decodert.runtime.llm import LLM
-    from decodert.runtime.speculation.speculative import SpeculativeConfig
-
     _, src, _, _, _, _, _ = target
-    art = tmp_path / "fp16"
-    export_model(src, art, dtype="fp16", max_seq=MAX_SEQ, max_batch=4, progress=False, hidden_states=True)
-    assert export_head(src, tmp_path / "head", art)["dtype"] == "fp16"
-    with LLM.load(art, backend="ort", draft=tmp_path / "head", prefix_cache_mb=0) as llm:
-        plain = [llm.generate(p, max_new_tokens=12).token_ids for p in PROMPTS]
-        fixed = SpeculativeConfig("mtp", draft_len=3, adaptive=False)
-        assert [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=12, speculative=fixed)] == plain
+    fp16_head_stays_exact(src, src, tmp_path, "mtp", hidden_states=True)
 
 
 def test_drafting_is_exact_and_the_references_dense_and_moe(any_target):

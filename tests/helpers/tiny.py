@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 _BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              vocab_size=512, intermediate_size=128, max_position_embeddings=1024, rms_norm_eps=1e-5,
@@ -126,21 +126,35 @@ def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
     return {k: v for k, v in config.items() if v is not None}
 
 
-def make_tokenizer(vocab_size: int) -> Any:
-    """A byte-level BPE `tokenizers.Tokenizer` with exactly `vocab_size` tokens."""
+def make_tokenizer(vocab_size: int, special: Sequence[str] = (), text: str = "", added: Sequence[str] = ()) -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` with exactly `vocab_size` tokens: trained on the corpus and `text`,
+    with the ChatML specials and a model's own `special` ones, then the non-special `added` tokens and fillers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + list(special),
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_CORPUS + text] * 4, trainer)
+    if added:
+        tok.add_tokens(list(added))
     filler = [f"<|extra_{i}|>" for i in range(vocab_size - tok.get_vocab_size())]
     tok.add_tokens(filler)  # a small corpus may run out of merges before vocab_size
     assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
     return tok
+
+
+def save_chatml_tokenizer(tok: Any, path: Path, chat_template: str, **extra_special_tokens: str) -> None:
+    """tokenizer.json and a tokenizer_config.json for a ChatML model (no BOS, <|im_end|> ends a turn) with its
+    chat template and, where given, its named special tokens (``audio_token="<|AUDIO|>"``...)."""
+    tok.save(str(path / "tokenizer.json"))
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+                              "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": chat_template}
+    if extra_special_tokens:
+        config["extra_special_tokens"] = extra_special_tokens
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _randomise(model: Any, seed: int) -> None:

@@ -11,11 +11,10 @@ The chat template is Qwen2-Audio-Instruct's (as its checkpoints carry it: an aud
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from tiny import SPECIAL_TOKENS, _CORPUS
+import tiny
 
 AUDIO_TOKENS = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
 VOCAB = 600
@@ -33,18 +32,8 @@ CHAT_TEMPLATE = (
 
 
 def make_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL_TOKENS + AUDIO_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     text = "system user assistant You are a helpful assistant. Audio 1: 2: Detect the language and recognize the speech\n"
-    tok.train_from_iterator([_CORPUS + text] * 4, trainer)
-    tok.add_tokens([f"<|extra_{i}|>" for i in range(VOCAB - tok.get_vocab_size())])
-    return tok
+    return tiny.make_tokenizer(VOCAB, AUDIO_TOKENS, text)
 
 
 def make_tiny_qwen2_audio(path: str | Path, seed: int = 0) -> Path:
@@ -73,12 +62,8 @@ def make_tiny_qwen2_audio(path: str | Path, seed: int = 0) -> Path:
                     else 0.05 * noise)
     model.save_pretrained(path)
     model.generation_config.save_pretrained(path)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
-        "extra_special_tokens": {"audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>",
-                                 "audio_eos_token": "<|audio_eos|>"}}, indent=2))
+    tiny.save_chatml_tokenizer(tok, path, CHAT_TEMPLATE, audio_token="<|AUDIO|>", audio_bos_token="<|audio_bos|>",
+                               audio_eos_token="<|audio_eos|>")
     fe = transformers.WhisperFeatureExtractor(feature_size=MELS, sampling_rate=RATE, return_attention_mask=True)
     fe.save_pretrained(path)  # preprocessor_config.json
     return path

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tiny import SPECIAL_TOKENS, _CORPUS
+import tiny
 
 AUDIO_TOKENS = ["<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"]
 VOCAB = 600
@@ -28,18 +28,9 @@ CHAT_TEMPLATE = (  # Qwen3-ASR's layout: turns in ChatML, an audio part as <|aud
 
 
 def make_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL_TOKENS + AUDIO_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([_CORPUS + "system user assistant language English Chinese transcribe\n"] * 4, trainer)
-    tok.add_tokens(["<asr_text>"])  # not special: transformers' parse reads it from the decoded text
-    tok.add_tokens([f"<|extra_{i}|>" for i in range(VOCAB - tok.get_vocab_size())])
-    return tok
+    # <asr_text> not special: transformers' parse reads it from the decoded text
+    return tiny.make_tokenizer(VOCAB, AUDIO_TOKENS, "system user assistant language English Chinese transcribe\n",
+                               added=["<asr_text>"])
 
 
 def make_tiny_qwen3_asr(path: str | Path, seed: int = 0, **audio: Any) -> Path:
@@ -69,12 +60,8 @@ def make_tiny_qwen3_asr(path: str | Path, seed: int = 0, **audio: Any) -> Path:
             p.copy_(1.0 + 0.1 * noise if norm and name.endswith("weight") else 0.1 * noise if "conv2d" in name
                     else 0.05 * noise)
     model.save_pretrained(path)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
-        "extra_special_tokens": {"audio_token": "<|audio_pad|>", "audio_bos_token": "<|audio_start|>",
-                                 "audio_eos_token": "<|audio_end|>"}}, indent=2))
+    tiny.save_chatml_tokenizer(tok, path, CHAT_TEMPLATE, audio_token="<|audio_pad|>",
+                               audio_bos_token="<|audio_start|>", audio_eos_token="<|audio_end|>")
     (path / "preprocessor_config.json").write_text(json.dumps({
         "feature_extractor_type": "Qwen3ASRFeatureExtractor", "feature_size": MELS, "sampling_rate": RATE,
         "hop_length": 160, "n_fft": 400, "n_window": 50, "min_length": 8000, "padding_value": 0.0,

@@ -196,3 +196,49 @@ def test_smollm2_int4_greedy_tokens_are_ort_s(smollm2_gguf, tmp_path):
             tokens.append(token)
         runs.append(tokens)
     assert runs[0] == runs[1]
+
+
+def test_products_alone_are_the_dequantized_products():
+    """``nd_gemv_steps`` (bench/gemv_kernel.py's entry point) runs the step's GEMV outside a model: each product equals
+    numpy's over the dequantized int4 weights and the activations rounded to int8 per block of 32 (amax / 127, as
+    MatMulNBits at accuracy level 4), with and without zero points, N not a multiple of 16; a K that is not a multiple
+    of 32 is refused."""
+    import ctypes
+
+    lib, rng, P = build.library(), np.random.default_rng(47), ctypes.c_void_p
+    lib.nd_start(2)
+    shapes = [(40, 96, True), (16, 64, False), (7, 32, True)]
+    packed, xs, ys, refs = [], [], [], []
+    for n, k, has_zp in shapes:
+        blocks = k // 32
+        q = rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8)
+        s = (rng.random((n, blocks), dtype=np.float32) * 0.01 + 0.001).astype(np.float32)
+        z = rng.integers(0, 256, (n, (blocks + 1) // 2), dtype=np.uint8) if has_zp else None
+        x = rng.standard_normal(k).astype(np.float32)
+        w = np.empty((n, blocks, 32), np.float32)
+        w[:, :, 0::2], w[:, :, 1::2] = q & 15, q >> 4
+        zp = np.full((n, blocks), 8.0, np.float32)
+        if z is not None:
+            both = np.stack([z & 15, z >> 4], -1).reshape(n, -1)
+            zp = both[:, :blocks].astype(np.float32)
+        amax = np.abs(x.reshape(blocks, 32)).max(1, keepdims=True)
+        step_ = amax / np.float32(127)
+        xq = np.rint(x.reshape(blocks, 32) / step_) * step_  # the activations as the kernel rounds them
+        refs.append(np.einsum("nbj,bj->n", (w - zp[:, :, None]) * s[:, :, None], xq.astype(np.float32)))
+        buf = np.zeros(lib.nd_packed_bytes(n, k) + 64, np.uint8)
+        packed.append(buf[(-buf.ctypes.data) % 64:][: lib.nd_packed_bytes(n, k)])
+        lib.nd_pack(q.ctypes.data, s.ctypes.data, None if z is None else z.ctypes.data, n, k, packed[-1].ctypes.data)
+        xs.append(x)
+        ys.append(np.full(-(-n // 16) * 16, np.nan, np.float32))
+    count = len(shapes)
+
+    def run(ks):
+        return lib.nd_gemv_steps(count, (P * count)(*[p.ctypes.data for p in packed]),
+                                 (P * count)(*[x.ctypes.data for x in xs]),
+                                 (ctypes.c_int * count)(*[n for n, _, _ in shapes]), (ctypes.c_int * count)(*ks),
+                                 (P * count)(*[y.ctypes.data for y in ys]))
+
+    assert run([k for _, k, _ in shapes]) == 0
+    for (n, _, _), y, ref in zip(shapes, ys, refs):
+        np.testing.assert_allclose(y[:n], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+    assert run([96, 63, 32]) == -1

@@ -372,6 +372,29 @@ void *nd_create(const int *dims, const float *fparams, void *const *ptrs, void *
     return m;
 }
 
+/* count products one after another, outside a model (a decode step's, in order): w[i] packed by nd_pack, x[i] [K[i]],
+ * y[i] [16 ceil(N[i] / 16)]; the kernel and the worker pool nd_step runs, for bench/gemv_kernel.py. 0, or -1 where a
+ * K is not a positive multiple of 32 or there is no memory for the activations' scratch. */
+int nd_gemv_steps(int count, const uint8_t *const *w, const float *const *x, const int *n, const int *k, float *const *y) {
+    int widest = 0;
+    for (int i = 0; i < count; i++) {
+        if (k[i] <= 0 || k[i] % 32) return -1;
+        if (k[i] > widest) widest = k[i];
+    }
+    model_t m = {0};
+    m.qa = (int8_t *)pad_alloc(widest / 4 + 16), m.sa = pad_alloc(widest / 32 + 1);
+    m.nasum = (int32_t *)pad_alloc(widest / 32 + 1);
+    int ok = m.qa && m.sa && m.nasum;
+    for (int i = 0; ok && i < count; i++) {
+        mat_t mat = {w[i], NULL, n[i], k[i]};
+        gemv(&m, &mat, x[i], y[i]);
+    }
+    free(m.qa);
+    free(m.sa);
+    free(m.nasum);
+    return ok ? 0 : -1;
+}
+
 static void embed(const model_t *m, int64_t token, float *x) {
     int H = m->hidden;
     if (m->embed_kind == 0) {

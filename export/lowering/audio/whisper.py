@@ -1,6 +1,6 @@
 """``audio.onnx`` of the ``whisper`` encoder kind (Qwen2-Audio): Whisper's encoder over the first rows of one 30 s
 log-mel window, average-pooled by 2, LayerNorm, the projector. The layers are Whisper's (export/lowering/
-encoder_layers.py), the attention the target lowering's ``encoder_attention`` with a key mask.
+audio/encoder_layers.py), the attention the target lowering's ``encoder_attention`` with a key mask.
 
 transformers always runs 3000 frames (1500 rows) and masks the keys past the clip's rows n = (l - 1) // 2 + 1
 (l the valid frames); a pooled token j < n // 2 reads rows 2j, 2j + 1 < n only, and a valid row reads mel frames
@@ -25,7 +25,7 @@ from __future__ import annotations
 import onnx
 
 from decodert.artifact.weights import NUMPY_DTYPES
-from decodert.export.lowering.encoder_layers import encoder_layer, gelu, gemm, layer_norm, separate_qkv
+from decodert.export.lowering.audio.encoder_layers import encoder_layer, gelu, gemm, layer_norm, separate_qkv
 from decodert.export.lowering.lowering import Lowering
 from decodert.models.audio import AudioSpec
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder

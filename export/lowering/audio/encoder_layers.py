@@ -1,6 +1,6 @@
 """The pre-norm transformer encoder layer of the Whisper-style audio encoders, built once for every graph that has
 one: Whisper's encoder.onnx (export/seq2seq_export.py) and audio.onnx of the ``qwen3_asr`` and ``whisper`` encoder
-kinds (export/lowering/audio_graph.py, export/lowering/whisper_audio.py).
+kinds (export/lowering/audio/graph.py, export/lowering/audio/whisper.py).
 
     per layer (p = the layer's weight prefix):
       x = x + linear(attend(qkv(LayerNorm(x; p.ln1))), p.o)          bidirectional self-attention

@@ -1,5 +1,5 @@
-"""``audio.onnx`` by encoder kind (``BUILDERS``; the ``whisper`` kind: export/lowering/whisper_audio.py, the ``gemma4``
-kind: export/lowering/audio_gemma4.py), and the
+"""``audio.onnx`` by encoder kind (``BUILDERS``; the ``whisper`` kind: export/lowering/audio/whisper.py, the ``gemma4``
+kind: export/lowering/audio/gemma4.py), and the
 ``qwen3_asr`` kind here: Qwen3-ASR's audio encoder (AuT) and projector, one clip a call, in standard ONNX ops but the
 attention, the target lowering's ``encoder_attention`` (ort: MultiHeadAttention with a key mask).
 
@@ -32,10 +32,10 @@ import numpy as np
 import onnx
 
 from decodert.artifact.weights import NUMPY_DTYPES
-from decodert.export.lowering.audio_gemma4 import build_conformer_graph, conformer_contract
-from decodert.export.lowering.encoder_layers import encoder_layer, gelu, gemm
+from decodert.export.lowering.audio.gemma4 import build_conformer_graph, conformer_contract
+from decodert.export.lowering.audio.encoder_layers import encoder_layer, gelu, gemm
 from decodert.export.lowering.lowering import Lowering
-from decodert.export.lowering.whisper_audio import build_whisper_audio, whisper_contract
+from decodert.export.lowering.audio.whisper import build_whisper_audio, whisper_contract
 from decodert.models.audio import AudioSpec
 from decodert.plugins.onnx_builder import DTYPES, GraphBuilder
 

@@ -139,8 +139,9 @@ class GqaToPaged(GqaToSdpa):
     compile: [blocks, H_kv, block, D] in ``KV_CACHE_PRECISION``), shared ``past_lens``, ``subsequence_begins``,
     ``block_indices``, ``block_indices_begins`` and ``max_context_len``. The caller writes the held rows into the
     blocks before a call (runtime/backends/openvino/native.py); ``present_key.i`` / ``present_value.i`` become the
-    call's new rows only ([B, H_kv, S, D], after RoPE), which the caller copies into the cache. The past length is
-    the node's total sequence length minus the new rows (its ``past_key`` inputs are not read)."""
+    call's new rows only ([B, H_kv, S, D], after RoPE; the caller may drop them and read the rows back from the
+    blocks). The past length is the node's total sequence length minus the new rows (its ``past_key`` inputs are
+    not read). One row a call (B = 1: the tables describe one sequence; a batch fails the attention's reshape)."""
 
     kernel = "PagedAttention"
     SHARED = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
@@ -214,8 +215,7 @@ class GqaToPaged(GqaToSdpa):
             info = pa.get_rt_info()
             for name, value in (("k_head_size", d), ("num_k_heads", hkv), ("v_head_size", d), ("num_v_heads", hkv)):
                 info[name] = value
-            out = op.reshape(pa.output(0), op.concat([op.gather(op.shape_of(hold.input_value(0)), c([0, 1]), c(0)),
-                                                      c([h * d])], 0), False)
+            out = op.reshape(pa.output(0), c([1, -1, h * d]), False)  # one row a call: [1, S, H D]
             for user in users:
                 user.replace_source_output(out.output(0))
         model.add_parameters(params)

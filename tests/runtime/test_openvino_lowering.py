@@ -152,3 +152,20 @@ class _Cache:
         self.buffers = [np.zeros((1, heads, MAX, dim), np.float32) for _ in range(2 * layers)]
         self.lengths = np.zeros(1, np.int64)
         self.kv_layers = list(range(layers))
+
+
+def test_a_graph_openvino_cannot_read_names_the_ops(tiny_checkpoint, tmp_path):
+    """A mixture-of-experts prefill (com.microsoft.QMoE, which OpenVINO's ONNX frontend has no rule for): the error
+    names the op, not OpenVINO's source location."""
+    from decodert.artifact.manifest import load_manifest
+    from decodert.export.pipeline import export_model
+    from decodert.export.quantize.quant import QuantConfig
+    from decodert.runtime.backends.openvino.native import NativePrefill
+
+    art = tmp_path / "moe"
+    export_model(tiny_checkpoint("qwen3_moe"), art, target="ort", max_seq=64, max_batch=1,
+                 quant=QuantConfig(bits=4, accuracy_level=4), progress=False)
+    for lowering in ("frontend", "paged"):
+        with pytest.raises(DecodertError, match=r"OpenVINO cannot compile the graph \(No conversion rule found for operations: "
+                                                r"com\.microsoft\.QMoE"):
+            NativePrefill(art / load_manifest(art).graphs["prefill"].file, threads=1, lowering=lowering)

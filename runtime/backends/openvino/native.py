@@ -95,7 +95,7 @@ class NativePrefill:
             compiled = core.compile_model(model, "CPU", props)
             self.request = compiled.create_infer_request()
         except (RuntimeError, ValueError) as e:  # an op it cannot read, a shape it cannot take
-            why = (translator and translator.refused) or first_line(e)
+            why = (translator and translator.refused) or openvino_reason(e)
             raise DecodertError(f"{path}: OpenVINO cannot compile the graph ({why[:300]})") from None
         self.names = {p.get_any_name() for p in compiled.inputs}
         self.zero = np.zeros(1, np.int64)
@@ -190,6 +190,17 @@ class NativePrefill:
             size = max(count, 2 * (tensor.shape[0] if tensor is not None else 0), 8)
             tensor = self._blocks_held[name] = self._ov.Tensor(self.block_type, [size, heads, self.block, dim])
         return tensor
+
+
+def openvino_reason(error: BaseException) -> str:
+    """The line of an OpenVINO error that says what failed: its frontend's summary (the ops with no conversion
+    rule first: what is missing, not what failed after it), else the first line that is not a source location."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    summary = [line[3:] for line in lines if line.startswith("-- No conversion rule found") or line.startswith("-- Conversion is failed")]
+    if summary:
+        return "; ".join(summary)
+    told = [line for line in lines if not line.startswith(("Exception from ", "Check '")) and " failed at src/" not in line]
+    return (told or lines or [type(error).__name__])[0]
 
 
 UNREAD = ("next_token", "next_tokens", "seq_logits")  # prefill outputs a call never reads (it takes the logits)

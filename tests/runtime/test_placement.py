@@ -165,6 +165,10 @@ def test_a_native_openvino_prefill_gives_ort_tokens(ov, tiny_arts, name):
     want = _greedy(plain)
     llm = LLM.load(tiny_arts["plain"], placement={"prefill": name}, prefix_cache_mb=0)
     assert llm.backend.placed == {"prefill": name, "decode": "ort"}
+    runner = llm.backend.phase_sessions[name]["prefill"]
+    assert runner.warmed_s > 0  # warmed at load (its prompts run over a scratch cache, not the rows below)
+    if runner.paged:  # its blocks made for the whole cache at load
+        assert all(t.shape[0] * runner.block >= llm.backend.max_seq for t in runner.blocks_held().values())
     assert _greedy(llm) == want
     ids = np.arange(5, 45, dtype=np.int64)
     outs = []

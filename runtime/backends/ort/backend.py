@@ -172,9 +172,10 @@ class OrtBackend:
             if name not in self.phase_sessions:
                 from decodert.runtime.backends.openvino.native import NativePrefill
 
-                self.phase_sessions[name] = {"prefill": NativePrefill(self.dir / self.manifest.graphs["prefill"].file, threads,
-                                                                      exact=self.manifest.quant is None,
-                                                                      lowering=OPENVINO_RUNTIME[name])}
+                runner = NativePrefill(self.dir / self.manifest.graphs["prefill"].file, threads,
+                                       exact=self.manifest.quant is None, lowering=OPENVINO_RUNTIME[name])
+                runner.warm(self._new_cache(1, min(self.max_seq, runner.warm_rows())), self.vocab_size, self.max_seq)
+                self.phase_sessions[name] = {"prefill": runner}
             self.placed[phase] = name
             return
         if name not in self.phase_sessions:
@@ -208,7 +209,10 @@ class OrtBackend:
         self._decode_bindings.clear()
         for state in self._verify.values():
             state.bindings.clear()
-        return KVCache(slots, self.max_seq, self.layers, self.kv_heads, self.kv_width, NUMPY_STORAGE[self.kv.storage],
+        return self._new_cache(slots, self.max_seq)
+
+    def _new_cache(self, slots: int, max_seq: int) -> KVCache:
+        return KVCache(slots, max_seq, self.layers, self.kv_heads, self.kv_width, NUMPY_STORAGE[self.kv.storage],
                        self.device, head_dims=[self.kv.width(d) for d in self.head_dims],
                        **self.manifest.kv.cache_layout(self.manifest.dtype))
 

@@ -169,3 +169,35 @@ def test_a_graph_openvino_cannot_read_names_the_ops(tiny_checkpoint, tmp_path):
         with pytest.raises(DecodertError, match=r"OpenVINO cannot compile the graph \(No conversion rule found for operations: "
                                                 r"com\.microsoft\.QMoE"):
             NativePrefill(art / load_manifest(art).graphs["prefill"].file, threads=1, lowering=lowering)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_int4_embedding_gather_is_numpy_dequantization(tmp_path, exact):
+    """com.microsoft GatherBlockQuantized (the int4 embedding table) lowered to a gather over the u4 codes: the rows
+    numpy dequantizes (two codes a byte, the low nibble first; (code - zero point) * scale per block of 32), in f32
+    exactly and in a bf16 run within f16's rounding of the scales."""
+    import openvino as ov
+
+    from decodert.runtime.backends.openvino.native import NativePrefill
+
+    rng = np.random.default_rng(21)
+    v, k, block = 50, 64, 32
+    values = rng.integers(0, 16, (v, k)).astype(np.uint8)
+    packed = (values[:, 0::2] | (values[:, 1::2] << 4)).reshape(v, k // block, block // 2)
+    scales = rng.uniform(0.01, 0.1, (v, k // block, 1)).astype(np.float32)
+    zeros = rng.integers(0, 16, (v, k // block, 1)).astype(np.uint8)
+    node = helper.make_node("GatherBlockQuantized", ["table", "ids", "scales", "zeros"], ["rows"], domain="com.microsoft",
+                            bits=4, block_size=block, gather_axis=0, quantize_axis=2)
+    graph = helper.make_graph(
+        [node], "embed", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "s"])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [1, "s", k])],
+        [onnx.numpy_helper.from_array(a, n) for a, n in ((packed, "table"), (scales, "scales"), (zeros, "zeros"))])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]),
+              str(tmp_path / "embed.onnx"))
+    runner = NativePrefill(tmp_path / "embed.onnx", threads=1, exact=exact, lowering="sdpa")
+    ids = rng.integers(0, v, (1, 7))
+    runner.request.set_tensor("ids", ov.Tensor(ids))
+    runner.request.infer()
+    want = ((values.reshape(v, k // block, block).astype(np.float32) - zeros) * scales).reshape(v, k)[ids]
+    got = runner.request.get_tensor("rows").data
+    assert np.abs(got - want).max() <= (1e-6 if exact else 2e-3 * np.abs(want).max())

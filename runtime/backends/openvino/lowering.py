@@ -75,10 +75,44 @@ class GqaToSdpa:
         return ConversionExtension("GroupQueryAttention", DOMAIN, self)
 
     def extensions(self) -> list:
-        """Every conversion extension of this lowering: GroupQueryAttention and Split."""
+        """Every conversion extension of this lowering: GroupQueryAttention, Split and GatherBlockQuantized."""
         from openvino.frontend.onnx import ConversionExtension
 
-        return [self.extension(), ConversionExtension("Split", lambda node: split(node, self.half))]
+        return [self.extension(), ConversionExtension("Split", lambda node: split(node, self.half)),
+                ConversionExtension("GatherBlockQuantized", DOMAIN, lambda node: self.gather_block_quantized(node))]
+
+    def gather_block_quantized(self, node: Any) -> list:
+        """com.microsoft GatherBlockQuantized (the int4 embedding table) as the decompression chain of the codes
+        followed by the Gather, which the CPU plugin turns into one GatherCompressed over the u4 codes (the rows a
+        call reads decompressed as it gathers them). OpenVINO's own translation folds the whole table to f32 (a
+        1 GB constant for a 128256 x 2048 vocabulary). Refused (a DecodertError): another layout than the ort
+        target's (4 bits, gather axis 0, blocks on the last axis of [V, K/block, block/2] codes, explicit zero
+        points)."""
+        import openvino as ov
+        import openvino.opset13 as op
+
+        attr = {k: int(node.get_attribute(k)) if node.has_attribute(k) else d
+                for k, d in (("bits", 4), ("block_size", 128), ("gather_axis", 0), ("quantize_axis", 1))}
+        codes, ids, scales = node.get_input(0), node.get_input(1), node.get_input(2)
+        zeros = None if _absent(node, 3) else node.get_input(3)
+        consts = [t.get_node() for t in (codes, scales, zeros) if t is not None]
+        shape = codes.get_partial_shape()
+        if (attr["bits"] != 4 or attr["gather_axis"] != 0 or zeros is None or not shape.is_static or len(shape) != 3
+                or attr["quantize_axis"] != 2 or any(c.get_type_name() != "Constant" for c in consts)
+                or shape[2].get_length() * 2 != attr["block_size"]):
+            self.refused = f"GatherBlockQuantized with {attr} and its inputs' layout: not lowered for OpenVINO"
+            raise DecodertError(self.refused)
+        v, groups, half_block = (shape[i].get_length() for i in range(3))
+        table = ov.Tensor(ov.Type.u4, [v, groups, 2 * half_block])
+        table.data[:] = consts[0].get_data().reshape(table.data.shape)  # the same bytes: two codes a byte, low first
+        dt, np_dt = (ov.Type.f16, np.float16) if self.half else (ov.Type.f32, np.float32)
+        zero = op.convert(op.constant(consts[2].get_data().reshape(v, groups, 1).astype(np.uint8)), dt)
+        scale = op.constant(consts[1].get_data().reshape(v, groups, 1).astype(np_dt))
+        weight = op.multiply(op.subtract(op.convert(op.constant(table), dt), zero), scale)
+        weight = op.reshape(weight, _const([v, groups * 2 * half_block]), False)
+        if self.half:
+            weight = op.convert(weight, ov.Type.f32)
+        return [op.gather(weight, ids, _const(0)).output(0)]
 
     def check(self, node: Any) -> tuple[int, int, int, float, bool]:
         """(H, H_kv, D, scale, rotary) of a GroupQueryAttention node this lowering takes; what it does not take is

@@ -37,7 +37,7 @@ def _const(v: Any, dtype: Any = np.int64) -> Any:
     return op.constant(np.array(v, dtype))
 
 
-def split(node: Any, half: bool = False) -> list:
+def split(node: Any, half: bool = False, keep: list | None = None) -> list:
     """ONNX Split: a compressed matmul's product split on its last axis becomes one matmul per part
     (``split_matmul``); any other Split the VariadicSplit / Split the frontend makes of it."""
     import openvino.opset13 as op
@@ -49,7 +49,7 @@ def split(node: Any, half: bool = False) -> list:
     if node.get_input_size() > 1 and not _absent(node, 1):
         sizes_in = node.get_input(1)
         if last and sizes_in.get_node().get_type_name() == "Constant":
-            parts = split_matmul(x, [int(v) for v in sizes_in.get_node().get_data().ravel()], half)
+            parts = split_matmul(x, [int(v) for v in sizes_in.get_node().get_data().ravel()], half, keep)
             if parts is not None:
                 return parts
         return list(op.variadic_split(x, _const(axis), sizes_in).outputs())
@@ -67,6 +67,9 @@ class GqaToSdpa:
         self.half = half  # the split projections' decompression in f16 (a bf16 run), else f32 (exact)
         self.shared: dict[str, tuple] = {}  # the cos table's name -> ((cos rows, sin rows) | None, mask): built once
         self.refused: str | None = None  # what it did not lower (the frontend reports only that a node failed)
+        # the frontend's u4 codes the lowered constants share (not copied): kept alive as long as this translator,
+        # which the runner keeps as long as its compiled model
+        self.kept: list = []
 
     def extension(self) -> Any:
         """The conversion extension to add to a Core before ``read_model`` of an ort prefill graph."""
@@ -78,7 +81,7 @@ class GqaToSdpa:
         """Every conversion extension of this lowering: GroupQueryAttention, Split and GatherBlockQuantized."""
         from openvino.frontend.onnx import ConversionExtension
 
-        return [self.extension(), ConversionExtension("Split", lambda node: split(node, self.half)),
+        return [self.extension(), ConversionExtension("Split", lambda node: split(node, self.half, self.kept)),
                 ConversionExtension("GatherBlockQuantized", DOMAIN, lambda node: self.gather_block_quantized(node))]
 
     def gather_block_quantized(self, node: Any) -> list:
@@ -103,12 +106,11 @@ class GqaToSdpa:
             self.refused = f"GatherBlockQuantized with {attr} and its inputs' layout: not lowered for OpenVINO"
             raise DecodertError(self.refused)
         v, groups, half_block = (shape[i].get_length() for i in range(3))
-        table = ov.Tensor(ov.Type.u4, [v, groups, 2 * half_block])
-        table.data[:] = consts[0].get_data().reshape(table.data.shape)  # the same bytes: two codes a byte, low first
+        table = _u4(consts[0].get_data().reshape(-1), [v, groups, 2 * half_block], self.kept)  # the same bytes
         dt, np_dt = (ov.Type.f16, np.float16) if self.half else (ov.Type.f32, np.float32)
         zero = op.convert(op.constant(consts[2].get_data().reshape(v, groups, 1).astype(np.uint8)), dt)
         scale = op.constant(consts[1].get_data().reshape(v, groups, 1).astype(np_dt))
-        weight = op.multiply(op.subtract(op.convert(op.constant(table), dt), zero), scale)
+        weight = op.multiply(op.subtract(op.convert(table, dt), zero), scale)
         weight = op.reshape(weight, _const([v, groups * 2 * half_block]), False)
         if self.half:
             weight = op.convert(weight, ov.Type.f32)
@@ -139,7 +141,7 @@ class GqaToSdpa:
         c = _const
         h, hkv, d, scale, do_rotary = self.check(node)
         past_k, past_v = node.get_input(3), node.get_input(4)
-        q, k, v = projections(node, h, hkv, d, self.half)  # [B, S, *, D]
+        q, k, v = projections(node, h, hkv, d, self.half, self.kept)  # [B, S, *, D]
         q, k, v = (op.transpose(t, c([0, 2, 1, 3])) for t in (q, k, v))  # [B, *, S, D]
         cos = node.get_input(7) if do_rotary else None
         key = cos.get_node().get_friendly_name() if cos is not None else ""
@@ -190,7 +192,7 @@ class GqaToPaged(GqaToSdpa):
 
         c = _const
         h, hkv, d, scale, do_rotary = self.check(node)
-        q, k, v = (op.transpose(t, c([0, 2, 1, 3])) for t in projections(node, h, hkv, d, self.half))  # [B, *, S, D]
+        q, k, v = (op.transpose(t, c([0, 2, 1, 3])) for t in projections(node, h, hkv, d, self.half, self.kept))
         cos = node.get_input(7) if do_rotary else None
         key = cos.get_node().get_friendly_name() if cos is not None else ""
         if key not in self.shared:  # positions P .. P + S - 1, P = total - S: built once for all layers
@@ -266,13 +268,13 @@ def _absent(node: Any, i: int) -> bool:
         return True
 
 
-def projections(node: Any, h: int, hkv: int, d: int, half: bool) -> tuple:
+def projections(node: Any, h: int, hkv: int, d: int, half: bool, keep: list | None = None) -> tuple:
     """q [B, S, H, D], k and v [B, S, H_kv, D] of a GroupQueryAttention node's packed input: one compressed matmul
     each where the product is one (``split_matmul``), else the product split."""
     import openvino.opset13 as op
 
     c, qkv = _const, node.get_input(0)
-    parts = split_matmul(qkv, [h * d, hkv * d, hkv * d], half)
+    parts = split_matmul(qkv, [h * d, hkv * d, hkv * d], half, keep)
     if parts is not None:
         return tuple(op.reshape(t, c([0, 0, n, d]), True) for t, n in zip(parts, (h, hkv, hkv)))
     return tuple(op.variadic_split(op.reshape(qkv, c([0, 0, h + 2 * hkv, d]), True), c(2), c([h, hkv, hkv])).outputs())
@@ -310,7 +312,7 @@ def _expand(t: Any, h: int, hkv: int, d: int) -> Any:
 #                                Reshape(Convert(S f32 [N K/32])))), transpose_b)     -> [.., N]
 #
 # and the parts are that chain over rows [a, b) of W, Z and S (a byte-aligned slice of the packed codes).
-def split_matmul(y: Any, sizes: list[int], half: bool = False) -> list | None:
+def split_matmul(y: Any, sizes: list[int], half: bool = False, keep: list | None = None) -> list | None:
     """``y`` (a compressed MatMul's output, last axis N = sum(sizes)) as one MatMul per part, or None where ``y``
     is not that chain or its rows are not byte-aligned in the packed codes (the caller splits ``y`` then)."""
     import openvino as ov
@@ -330,11 +332,10 @@ def split_matmul(y: Any, sizes: list[int], half: bool = False) -> list | None:
     wb, zb = groups * block // 2, groups // 2  # bytes a row of W / of Z
     parts, a = [], 0
     for size in sizes:
-        tw, tz = ov.Tensor(ov.Type.u4, [size, groups, block]), ov.Tensor(ov.Type.u4, [size, groups, 1])
-        tw.data[:] = codes[a * wb : (a + size) * wb]
-        tz.data[:] = zeros[a * zb : (a + size) * zb]
+        tw, tz = (_u4(data[a * n : (a + size) * n], shape, keep)
+                  for data, n, shape in ((codes, wb, [size, groups, block]), (zeros, zb, [size, groups, 1])))
         dt = ov.Type.f16 if half else ov.Type.f32  # f16: the decompression OpenVINO's own int4 IRs have
-        weight = op.multiply(op.subtract(op.convert(op.constant(tw), dt), op.convert(op.constant(tz), dt)),
+        weight = op.multiply(op.subtract(op.convert(tw, dt), op.convert(tz, dt)),
                              op.constant(np.ascontiguousarray(scales[a : a + size]).astype(np.float16 if half else np.float32)))
         weight = op.reshape(weight, _const([size, shape[1]]), False)
         if half:
@@ -342,6 +343,20 @@ def split_matmul(y: Any, sizes: list[int], half: bool = False) -> list | None:
         parts.append(op.matmul(mm.input_value(0), weight, False, True).output(0))
         a += size
     return parts
+
+
+def _u4(packed: np.ndarray, shape: list[int], keep: list | None) -> Any:
+    """A u4 Constant of ``shape`` over ``packed`` (bytes, two codes each, the low one first): sharing its memory
+    where ``keep`` holds it alive (the caller's list), else a copy."""
+    import openvino as ov
+
+    if keep is None:
+        tensor = ov.Tensor(ov.Type.u4, shape)
+        tensor.data[:] = packed.reshape(tensor.data.shape)
+        return ov.op.Constant(tensor)
+    packed = np.ascontiguousarray(packed)
+    keep.append(packed)
+    return ov.op.Constant(ov.Tensor(packed, shape, ov.Type.u4), shared_memory=True)
 
 
 def _decompression(reshape: Any) -> tuple | None:

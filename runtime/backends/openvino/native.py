@@ -101,6 +101,7 @@ class NativePrefill:
             why = (translator and translator.refused) or openvino_reason(e)
             raise DecodertError(f"{path}: OpenVINO cannot compile the graph ({why[:300]})") from None
         self.names = {p.get_any_name() for p in compiled.inputs}
+        self._translator = translator  # its kept codes back constants of the compiled model
         self.zero = np.zeros(1, np.int64)
         self.warmed_s = 0.0  # the seconds ``warm`` took (0: not warmed)
         self.blocks: dict[str, tuple] = {}  # paged: key_cache.i / value_cache.i -> (layer, [H_kv, block, D])

@@ -22,6 +22,7 @@ cache owner's rule: the record always matches the K/V and states, runtime/backen
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Any, Callable
 
 import numpy as np
@@ -34,6 +35,9 @@ from decodert.runtime.engine.strategy import strategy_for
 from decodert.runtime.prefix_cache import LookupOnly
 from decodert.runtime.speculation.speculative import SpeculativeConfig, resolve as resolve_speculative
 from decodert.runtime.vision.tokens import is_image, text_ids
+
+
+_noted_plain: list[bool] = []  # the one info line of speculation on a placement whose verify is not its decode's
 
 
 class Engine:
@@ -154,6 +158,11 @@ class Engine:
         if config is not None:
             self.check_speculation()
             self.speculator.drafter(config)
+            if not getattr(self.backend, "verify_matches_decode", True) and not _noted_plain:
+                _noted_plain.append(True)
+                print("decodert: info: speculation runs plain decode steps here: the decode step is placed on "
+                      f"{self.backend.placed['decode']}, whose rounding the verify pass (ort) does not reproduce "
+                      "(place decode=ort to speculate: --placement prefill=...,decode=ort)", file=sys.stderr)
         return config
 
     def check_speculation(self) -> None:

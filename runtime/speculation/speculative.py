@@ -221,6 +221,8 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
         if seqs[j].spec.pending:
             seqs[j].spec.hindsight(seqs[j])
     width_max = int(getattr(backend, "verify_width", 0) or 0)
+    if not getattr(backend, "verify_matches_decode", True):  # its verify would not give the plain step's tokens
+        width_max = 0
     if width_max:
         backend.prepare_verify(len(seqs))  # open it now, not inside the first pass the plan picks
     for slot, s in zip(slots, seqs):  # where a drafter that reads the target's rows finds them (runtime/speculation/heads.py)

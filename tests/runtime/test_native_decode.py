@@ -242,3 +242,25 @@ def test_products_alone_are_the_dequantized_products():
     for (n, _, _), y, ref in zip(shapes, ys, refs):
         np.testing.assert_allclose(y[:n], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     assert run([96, 63, 32]) == -1
+
+
+def test_speculation_on_the_native_step_keeps_plain_tokens(int4_arts, monkeypatch, capsys):
+    """The verify pass (ort) does not round as the native step does, so a verify could accept a token the plain step
+    would not choose at a near tie: speculation there runs plain steps (no verify pass), the plain step's tokens,
+    with one info line; on decode=ort it verifies."""
+    art = int4_arts["llama_tied"]
+    placed = LLM.load(art, placement={"decode": "native-cpu"}, prefix_cache_mb=0)
+    assert not placed.backend.verify_matches_decode
+    prompt = "one two three four one two three four one two three"
+    want = placed.generate(prompt, max_new_tokens=24, temperature=0).token_ids
+    calls = []
+    monkeypatch.setattr(placed.backend, "verify", lambda *a, **k: calls.append(a) or pytest.fail("verified"))
+    got = placed.generate(prompt, max_new_tokens=24, temperature=0, speculative="ngram").token_ids
+    assert got == want and not calls
+    assert capsys.readouterr().err.count("speculation runs plain decode steps here") <= 1
+    placed.close()
+    on_ort = LLM.load(art, placement={"decode": "ort"}, prefix_cache_mb=0)
+    assert on_ort.backend.verify_matches_decode
+    r = on_ort.generate(prompt, max_new_tokens=24, temperature=0, speculative="ngram")
+    assert r.token_ids == on_ort.generate(prompt, max_new_tokens=24, temperature=0).token_ids
+    on_ort.close()

@@ -313,6 +313,13 @@ class OrtBackend:
         _gather(out, rows, _Binding(None, None, None, None, logits[None], np.array([best], np.int64)), want_logits)
 
     @property
+    def verify_matches_decode(self) -> bool:
+        """Does a verify pass (the ort sessions) score a row as this backend's decode step does? Not where the decode
+        is placed elsewhere (native-cpu, the OpenVINO EP: other rounding, so a verify could accept a token the plain
+        step would not choose at a near tie); speculation then runs plain steps (runtime/speculation/speculative.py)."""
+        return self.placed["decode"] == "ort"
+
+    @property
     def verify_width(self) -> int:
         """Tokens one verify call checks per row (0: the artifact has no verify graph)."""
         graph = self.manifest.graphs.get("verify")

@@ -104,7 +104,7 @@ class NativePrefill:
         self._translator = translator  # its kept codes back constants of the compiled model
         self.zero = np.zeros(1, np.int64)
         self.warmed_s = 0.0  # the seconds ``warm`` took (0: not warmed)
-        self.blocks: dict[str, tuple] = {}  # paged: key_cache.i / value_cache.i -> (layer, [H_kv, block, D])
+        self.blocks: dict[str, tuple] = {}  # paged: key_cache.i / value_cache.i -> (the cache's key.i / value.i, [H_kv, block, D])
         self._blocks_held: dict[str, Any] = {}  # paged: the ov.Tensor of blocks of each (grown)
         self.block_type = self.block = None
         if self.paged:
@@ -119,12 +119,11 @@ class NativePrefill:
             if "_cache." not in name:
                 continue
             ps, et = port.get_partial_shape(), port.get_element_type()
-            layer = name.split(".", 1)[1]
             if et not in (ov.Type.f32, ov.Type.bf16, ov.Type.f16) or ps.rank.get_length() != 4 or not all(
                     ps[i].is_static for i in (1, 2, 3)):
                 raise DecodertError(f"{path}: OpenVINO's paged cache here is {et} {ps}: not a layout decodert writes")
             self.block_type, self.block = et, ps[2].get_length()
-            self.blocks[name] = (layer, [ps[i].get_length() for i in (1, 2, 3)])
+            self.blocks[name] = (name.replace("_cache.", ".", 1), [ps[i].get_length() for i in (1, 2, 3)])
 
     def warm_rows(self) -> int:
         """The cache rows ``warm`` needs (its longest prompt)."""
@@ -189,9 +188,8 @@ class NativePrefill:
                 cache.buffers[i][slot, :, past : past + n] = self.request.get_tensor(f"present_{name}").data[0, :, past : past + n]
             return
         by_name = dict(zip(names, cache.buffers))
-        for cache_name, (layer, _) in self.blocks.items():
-            kind = "key" if cache_name.startswith("key") else "value"
-            _read_blocks(self._blocks_held[cache_name], by_name[f"{kind}.{layer}"][slot], past, n, self.block,
+        for cache_name, (rows_name, _) in self.blocks.items():
+            _read_blocks(self._blocks_held[cache_name], by_name[rows_name][slot], past, n, self.block,
                          self.block_type == self._ov.Type.bf16)
 
     def paged_feeds(self, cache: Any, slot: int, past: int, n: int, names: list[str]) -> dict[str, Any]:
@@ -204,11 +202,10 @@ class NativePrefill:
             "block_indices": np.arange(count, dtype=np.int32), "block_indices_begins": np.array([0, count], np.int32),
             "max_context_len": np.array(past + n, np.int32)}
         by_name = dict(zip(names, cache.buffers))
-        for cache_name, (layer, (heads, _, dim)) in self.blocks.items():
-            kind = "key" if cache_name.startswith("key") else "value"
+        for cache_name, (rows_name, (heads, _, dim)) in self.blocks.items():
             tensor = self.blocks_tensor(cache_name, count, heads, dim)
             if past:
-                _write_blocks(tensor, by_name[f"{kind}.{layer}"][slot, :, :past], block, self.block_type == ov.Type.bf16)
+                _write_blocks(tensor, by_name[rows_name][slot, :, :past], block, self.block_type == ov.Type.bf16)
             feeds[cache_name] = tensor
         return feeds
 

@@ -84,8 +84,9 @@ def test_logits_and_cache_rows_are_the_ort_graphs(int4_arts, family):
 
 
 def test_placed_decode_gives_ort_tokens_and_records_the_cache(int4_arts):
-    """LLM.load(placement={"decode": "native-cpu"}): the one-session backend's greedy tokens (within ties) alone
-    and in a batch (several rows: the ort session), and every row holds exactly the ids it ran."""
+    """LLM.load(placement={"decode": "native-cpu"}): the one-session backend's greedy tokens (within ties) alone,
+    a batch's exactly its rows' alone (every row of a step in one C call, each as it runs alone), and every row
+    holds exactly the ids it ran."""
     art = int4_arts["llama_tied"]
     plain = LLM.load(art, placement="off", prefix_cache_mb=0)
     placed = LLM.load(art, placement={"decode": "native-cpu"}, prefix_cache_mb=0)
@@ -99,8 +100,8 @@ def test_placed_decode_gives_ort_tokens_and_records_the_cache(int4_arts):
             ids = np.array(plain.tokenizer.encode(prompt, add_special_tokens=False).ids + want[:i], np.int64)
             logits = plain.backend.prefill(plain.backend.allocate(1), [0], [ids], True).logits[0]
             assert logits[want[i]] - logits[got[i]] <= placement.TIE, (prompt, i)
-    batch = [r.token_ids for r in placed.generate(prompts, max_new_tokens=8, temperature=0)]
-    assert batch == [r.token_ids for r in plain.generate(prompts, max_new_tokens=8, temperature=0)]
+    batch = [r.token_ids for r in placed.generate(prompts, max_new_tokens=24, temperature=0)]
+    assert batch == [placed.generate(p, max_new_tokens=24, temperature=0).token_ids for p in prompts]
     be = placed.backend
     cache = be.allocate(1)
     ids = np.array(placed.tokenizer.encode("Hello world", add_special_tokens=False).ids, np.int64)
@@ -244,23 +245,68 @@ def test_products_alone_are_the_dequantized_products():
     assert run([96, 63, 32]) == -1
 
 
-def test_speculation_on_the_native_step_keeps_plain_tokens(int4_arts, monkeypatch, capsys):
-    """The verify pass (ort) does not round as the native step does, so a verify could accept a token the plain step
-    would not choose at a near tie: speculation there runs plain steps (no verify pass), the plain step's tokens,
-    with one info line; on decode=ort it verifies."""
+def test_forward_is_each_token_alone_bit_for_bit(int4_arts):
+    """``NativeDecode.forward``: two rows' next tokens in one pass (more than max_tokens: two C calls, the second
+    reading the K/V the first wrote) give the logits and K/V rows of one token a call, bit
+    for bit; so do batched steps (one token a row); a token outside the vocabulary is refused and writes nothing."""
+    art = int4_arts["qwen2"]  # biases too
+    m = load_manifest(art)
+    be = OrtBackend(art, m, threads=2)
+    native = step.NativeDecode(art, m, threads=2)
+    vocab, rows, n = native.recipe.vocab, 2, native.max_tokens // 2 + 7
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, vocab, 9 + 5 * s) for s in range(rows)]
+    fed = rng.integers(0, vocab, (rows, n))
+
+    def prefilled():
+        cache = be.allocate(rows)
+        for s in range(rows):
+            be.prefill(cache, [s], [prompts[s]], False)
+        return cache
+
+    def run(cache, slots, ids):
+        with cache.writing(slots):
+            best, logits = native.forward(cache, slots, ids)
+            cache.commit(slots, ids)
+        return best.copy(), logits.copy()
+
+    alone = prefilled()
+    want = np.array([[run(alone, [s], [fed[s, i : i + 1]])[1][0] for i in range(n)] for s in range(rows)])
+    together = prefilled()
+    best, logits = run(together, list(range(rows)), list(fed))
+    assert np.array_equal(logits.reshape(want.shape), want)
+    assert np.array_equal(best, want.reshape(rows * n, -1).argmax(-1))
+    stepped = prefilled()
+    for i in range(n):
+        _, logits = run(stepped, list(range(rows)), [fed[s, i : i + 1] for s in range(rows)])
+        assert np.array_equal(logits, want[:, i])
+    for cache in (together, stepped):
+        for a, b in zip(alone.buffers, cache.buffers):
+            assert np.array_equal(a, b)
+    held = int(together.lengths[0])
+    with pytest.raises(DecodertError, match=f"cannot run token {vocab}"):
+        native.forward(together, [0], [np.array([1, vocab])])
+    assert int(together.lengths[0]) == held
+    native.close()
+
+
+def test_speculation_on_the_native_step_keeps_plain_tokens(int4_arts):
+    """The verify pass on a native-cpu decode is the C step over the row's next positions, scoring each as the plain
+    step does: n-gram speculation verifies (fewer passes than tokens) and gives the plain step's tokens exactly,
+    at batch 1 and in a batch; the same on decode=ort."""
     art = int4_arts["llama_tied"]
-    placed = LLM.load(art, placement={"decode": "native-cpu"}, prefix_cache_mb=0)
-    assert not placed.backend.verify_matches_decode
-    prompt = "one two three four one two three four one two three"
-    want = placed.generate(prompt, max_new_tokens=24, temperature=0).token_ids
-    calls = []
-    monkeypatch.setattr(placed.backend, "verify", lambda *a, **k: calls.append(a) or pytest.fail("verified"))
-    got = placed.generate(prompt, max_new_tokens=24, temperature=0, speculative="ngram").token_ids
-    assert got == want and not calls
-    assert capsys.readouterr().err.count("speculation runs plain decode steps here") <= 1
-    placed.close()
-    on_ort = LLM.load(art, placement={"decode": "ort"}, prefix_cache_mb=0)
-    assert on_ort.backend.verify_matches_decode
-    r = on_ort.generate(prompt, max_new_tokens=24, temperature=0, speculative="ngram")
-    assert r.token_ids == on_ort.generate(prompt, max_new_tokens=24, temperature=0).token_ids
-    on_ort.close()
+    prompts = ["one two three four one two three four one two three", "a b c a b c a b c a b", "x y x y x y x y"]
+    for where in ("native-cpu", "ort"):
+        llm = LLM.load(art, placement={"decode": where}, prefix_cache_mb=0)
+        assert llm.backend.verify_matches_decode
+        calls = []
+        verify = llm.backend.verify
+        llm.backend.verify = lambda *a, **k: calls.append(len(a[2])) or verify(*a, **k)
+        for prompt in prompts:
+            want = llm.generate(prompt, max_new_tokens=24, temperature=0).token_ids
+            assert llm.generate(prompt, max_new_tokens=24, temperature=0, speculative="ngram").token_ids == want
+        assert calls, where
+        want = [llm.generate(p, max_new_tokens=24, temperature=0).token_ids for p in prompts]
+        got = [r.token_ids for r in llm.generate(prompts, max_new_tokens=24, temperature=0, speculative="ngram")]
+        assert got == want, where
+        llm.close()

@@ -114,8 +114,8 @@ def _load() -> ctypes.CDLL:
     lib.nd_create.restype = P
     lib.nd_create.argtypes = [P, P, P, P]
     lib.nd_free.argtypes = [P]
-    lib.nd_step.restype = ctypes.c_int64
-    lib.nd_step.argtypes = [P, ctypes.c_int64, ctypes.c_int, P, P]
+    lib.nd_forward.restype = ctypes.c_int
+    lib.nd_forward.argtypes = [P, ctypes.c_int, P, P, P, P, ctypes.c_int, P]
     lib.nd_gemv_steps.restype = ctypes.c_int
     lib.nd_gemv_steps.argtypes = [ctypes.c_int, P, P, P, P, P]
     return lib

@@ -1,7 +1,8 @@
 /* decodert's own CPU decode step for dense llama-family int4 artifacts (runtime/backends/native/step.py builds
  * this file with the system C compiler at first use and calls it through ctypes; docs/features/placement.md).
  *
- * One nd_step call runs one token of one row through every layer, as the ort target's decode graph does:
+ * One nd_forward call runs tokens of rows through every layer, each token as the ort target's decode graph runs one
+ * (several rows' next tokens, or one row's consecutive tokens as a verify pass scores them; the weights read once):
  *   x = embed(token)                                   Gather (float) or GatherBlockQuantized (4-bit rows)
  *   per layer l:
  *     h = RMSNorm(x) * in_norm[l]                      (layer 0: RMSNormalization; later: SkipSimplifiedLayerNorm
@@ -137,31 +138,37 @@ static void quant_x(const float *x, int k, int8_t *qa, float *sa, int32_t *nasum
     }
 }
 
-static void gemv_tiles(const uint8_t *w, const int8_t *qa, const float *sa, const int32_t *nasum, int nb,
-                       int t0, int t1, float *y) {
+/* Tiles t0..t1 of w times each of ``count`` tokens' quantized activations (token i: qa + i * qs, sa / nasum + i * ss),
+ * into y + i * ys. A tile's bytes are read from memory once and stay in L1 for the tokens after the first; each
+ * token's sums run in the one-token order, so a token's products do not depend on the tokens beside it. */
+static void gemm_tiles(const uint8_t *w, int count, const int8_t *qa, size_t qs, const float *sa, const int32_t *nasum,
+                       size_t ss, int nb, int t0, int t1, float *y, size_t ys) {
     const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8((char)0xF0);
-    const int32_t *a4 = (const int32_t *)qa;  // 4 activation bytes at a time
     size_t tb = tile_bytes(nb);
-    for (int t = t0; t < t1; t++) {
-        const uint8_t *p = w + (size_t)t * tb;
-        const float *sc = (const float *)(p + (size_t)nb * 256);
-        const uint8_t *zz = p + (size_t)nb * 320;
-        __m512 acc = _mm512_setzero_ps();
-        for (int b = 0; b < nb; b++, p += 256) {
-            const int32_t *a = a4 + 8 * b;
-            __m512i zpx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zz + 16 * b)));
-            __m512i dlo = _mm512_madd_epi16(zpx, _mm512_set1_epi32(nasum[b]));  // -zp * sum(qa)
-            __m512i dhi = _mm512_setzero_si512();                                // 16 x the high nibbles' dots
-            for (int j = 0; j < 4; j++) {
-                __m512i packed = _mm512_loadu_si512(p + 64 * j);
-                dlo = _mm512_dpbusd_epi32(dlo, _mm512_and_si512(packed, lo_mask), _mm512_set1_epi32(a[2 * j]));
-                dhi = _mm512_dpbusd_epi32(dhi, _mm512_and_si512(packed, hi_mask), _mm512_set1_epi32(a[2 * j + 1]));
+    for (int t = t0; t < t1; t++)
+        for (int i = 0; i < count; i++) {
+            const uint8_t *p = w + (size_t)t * tb;
+            const float *sc = (const float *)(p + (size_t)nb * 256);
+            const uint8_t *zz = p + (size_t)nb * 320;
+            const int32_t *a4 = (const int32_t *)(qa + i * qs);  // 4 activation bytes at a time
+            const float *sai = sa + i * ss;
+            const int32_t *nai = nasum + i * ss;
+            __m512 acc = _mm512_setzero_ps();
+            for (int b = 0; b < nb; b++, p += 256) {
+                const int32_t *a = a4 + 8 * b;
+                __m512i zpx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zz + 16 * b)));
+                __m512i dlo = _mm512_madd_epi16(zpx, _mm512_set1_epi32(nai[b]));  // -zp * sum(qa)
+                __m512i dhi = _mm512_setzero_si512();                              // 16 x the high nibbles' dots
+                for (int j = 0; j < 4; j++) {
+                    __m512i packed = _mm512_loadu_si512(p + 64 * j);
+                    dlo = _mm512_dpbusd_epi32(dlo, _mm512_and_si512(packed, lo_mask), _mm512_set1_epi32(a[2 * j]));
+                    dhi = _mm512_dpbusd_epi32(dhi, _mm512_and_si512(packed, hi_mask), _mm512_set1_epi32(a[2 * j + 1]));
+                }
+                __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dlo, _mm512_srai_epi32(dhi, 4)));
+                acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * b), _mm512_set1_ps(sai[b])), acc);
             }
-            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dlo, _mm512_srai_epi32(dhi, 4)));
-            acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * b), _mm512_set1_ps(sa[b])), acc);
+            _mm512_storeu_ps(y + i * ys + 16 * t, acc);
         }
-        _mm512_storeu_ps(y + 16 * t, acc);
-    }
 }
 
 /* ---- the worker pool ----------------------------------------------------------------------------------------- */
@@ -259,30 +266,73 @@ typedef struct {
 
 typedef struct {
     const uint8_t *w;
+    int count;
     const int8_t *qa;
+    size_t qs;
     const float *sa;
     const int32_t *nasum;
+    size_t ss;
     int nb, tiles, chunk;
     float *y;
-} gemv_ctx;
+    size_t ys;
+} gemm_ctx;
 
-static void gemv_chunk(const void *p, int c) {
-    const gemv_ctx *g = p;
+static void gemm_chunk(const void *p, int c) {
+    const gemm_ctx *g = p;
     int t0 = c * g->chunk, t1 = t0 + g->chunk < g->tiles ? t0 + g->chunk : g->tiles;
-    gemv_tiles(g->w, g->qa, g->sa, g->nasum, g->nb, t0, t1, g->y);
+    gemm_tiles(g->w, g->count, g->qa, g->qs, g->sa, g->nasum, g->ss, g->nb, t0, t1, g->y, g->ys);
 }
 
-typedef struct model model_t;
-static void gemv(model_t *m, const mat_t *w, const float *x, float *y);
+/* activation scratch for ``count`` tokens of up to ``k`` inputs: qa [count, qs], sa / nasum [count, ss] */
+typedef struct {
+    int8_t *qa;
+    float *sa;
+    int32_t *nasum;
+    size_t qs, ss;
+} act_t;
+
+/* y_i = w x_i (+ bias) for the ``count`` tokens x + i * xs -> y + i * ys (each y_i [16 ceil(N / 16)]) */
+static void gemm(const act_t *s, const mat_t *w, int count, const float *x, size_t xs, float *y, size_t ys) {
+    int nb = w->k / 32, tiles = (w->n + 15) / 16, threads = g_nworkers + 1, chunk = tiles / (8 * threads);
+    if (chunk < 1) chunk = 1;
+    for (int i = 0; i < count; i++) quant_x(x + i * xs, w->k, s->qa + i * s->qs, s->sa + i * s->ss, s->nasum + i * s->ss);
+    gemm_ctx g = {w->w, count, s->qa, s->qs, s->sa, s->nasum, s->ss, nb, tiles, chunk, y, ys};
+    run_job(gemm_chunk, &g, (tiles + chunk - 1) / chunk);
+    if (w->bias)
+        for (int i = 0; i < count; i++)
+            for (int j = 0; j < w->n; j++) y[i * ys + j] += w->bias[j];
+}
+
+static float *pad_alloc(size_t n) {
+    size_t bytes = ((n + 16) * sizeof(float) + 63) & ~(size_t)63;
+    float *p = aligned_alloc(64, bytes);
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
+static size_t pad16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+static int act_alloc(act_t *s, int count, int k) {
+    s->qs = pad16((size_t)k + 64), s->ss = pad16((size_t)k / 32 + 1);
+    s->qa = (int8_t *)pad_alloc(count * s->qs / 4), s->sa = pad_alloc(count * s->ss);
+    s->nasum = (int32_t *)pad_alloc(count * s->ss);
+    return s->qa && s->sa && s->nasum;
+}
+
+static void act_free(act_t *s) {
+    free(s->qa);
+    free(s->sa);
+    free(s->nasum);
+}
 
 /* ---- the model ----------------------------------------------------------------------------------------------- */
 enum { LP_IN_NORM, LP_POST_NORM, LP_QKV, LP_QKV_BIAS, LP_O, LP_O_BIAS, LP_GU, LP_GU_BIAS, LP_DOWN, LP_DOWN_BIAS, LP_COUNT };
 enum { MP_COS, MP_SIN, MP_EMBED_F, MP_EMBED_Q, MP_EMBED_S, MP_EMBED_Z, MP_FINAL_NORM, MP_LM, MP_LM_BIAS, MP_COUNT };
 enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_ROT_HALF, D_MAX_POS, D_EMBED_KIND,
-       D_MAX_SEQ, D_COUNT };
+       D_MAX_SEQ, D_MAX_TOKENS, D_COUNT };
 
-struct model {
-    int layers, hidden, heads, kv_heads, head_dim, inter, vocab, rot_half, max_pos, embed_kind, max_seq;
+typedef struct {
+    int layers, hidden, heads, kv_heads, head_dim, inter, vocab, rot_half, max_pos, embed_kind, max_seq, cap;
     float eps, scale;
     const float *cos, *sin;  // [max_pos, rot_half]
     const float *embed_f;    // [V, hidden] (embed_kind 0)
@@ -293,36 +343,18 @@ struct model {
     mat_t lm;
     const float **in_norm, **post_norm;  // [layers] -> [hidden]
     mat_t *qkv, *o, *gu, *down;          // [layers]
-    // scratch (padded to 16 rows)
+    // scratch for ``cap`` tokens, token i at i * its stride (each padded to 16 floats)
+    size_t sh, sq, sa, sg, si, ssc;      // strides: hidden, qkv, attention out, gate_up, inter, scores of a head
     float *x, *h, *qkv_out, *attn, *o_out, *gu_out, *act, *down_out, *scores;
-    int8_t *qa;
-    float *sa;
-    int32_t *nasum;
-};
-
-static void gemv(model_t *m, const mat_t *w, const float *x, float *y) {
-    int nb = w->k / 32, tiles = (w->n + 15) / 16, threads = g_nworkers + 1, chunk = tiles / (8 * threads);
-    if (chunk < 1) chunk = 1;
-    quant_x(x, w->k, m->qa, m->sa, m->nasum);
-    gemv_ctx g = {w->w, m->qa, m->sa, m->nasum, nb, tiles, chunk, y};
-    run_job(gemv_chunk, &g, (tiles + chunk - 1) / chunk);
-    if (w->bias)
-        for (int i = 0; i < w->n; i++) y[i] += w->bias[i];
-}
-
-static float *pad_alloc(size_t n) {
-    size_t bytes = ((n + 16) * sizeof(float) + 63) & ~(size_t)63;
-    float *p = aligned_alloc(64, bytes);
-    if (p) memset(p, 0, bytes);
-    return p;
-}
+    act_t act_q;
+} model_t;
 
 void nd_free(void *p) {
     model_t *m = p;
     if (!m) return;
-    float *bufs[] = {m->x, m->h, m->qkv_out, m->attn, m->o_out, m->gu_out, m->act, m->down_out, m->scores,
-                     m->sa, (float *)m->qa, (float *)m->nasum};
+    float *bufs[] = {m->x, m->h, m->qkv_out, m->attn, m->o_out, m->gu_out, m->act, m->down_out, m->scores};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) free(bufs[i]);
+    act_free(&m->act_q);
     free(m->in_norm);
     free(m->post_norm);
     free(m->qkv);
@@ -333,13 +365,14 @@ void nd_free(void *p) {
 }
 
 /* dims [D_COUNT], fparams {eps, scale}, ptrs [MP_COUNT], layer_ptrs [layers * LP_COUNT]; the caller keeps every
- * array alive until nd_free. NULL when out of memory. */
+ * array alive until nd_free. D_MAX_TOKENS: the most tokens one nd_forward call takes. NULL when out of memory. */
 void *nd_create(const int *dims, const float *fparams, void *const *ptrs, void *const *layer_ptrs) {
     model_t *m = calloc(1, sizeof *m);
     if (!m) return NULL;
     m->layers = dims[D_LAYERS], m->hidden = dims[D_HIDDEN], m->heads = dims[D_HEADS], m->kv_heads = dims[D_KV_HEADS];
     m->head_dim = dims[D_HEAD_DIM], m->inter = dims[D_INTER], m->vocab = dims[D_VOCAB], m->rot_half = dims[D_ROT_HALF];
     m->max_pos = dims[D_MAX_POS], m->embed_kind = dims[D_EMBED_KIND], m->max_seq = dims[D_MAX_SEQ];
+    m->cap = dims[D_MAX_TOKENS] > 0 ? dims[D_MAX_TOKENS] : 1;
     m->eps = fparams[0], m->scale = fparams[1];
     m->cos = ptrs[MP_COS], m->sin = ptrs[MP_SIN], m->embed_f = ptrs[MP_EMBED_F], m->embed_q = ptrs[MP_EMBED_Q];
     m->embed_s = ptrs[MP_EMBED_S], m->embed_z = ptrs[MP_EMBED_Z], m->final_norm = ptrs[MP_FINAL_NORM];
@@ -350,14 +383,16 @@ void *nd_create(const int *dims, const float *fparams, void *const *ptrs, void *
     m->gu = calloc(L, sizeof *m->gu), m->down = calloc(L, sizeof *m->down);
     int widest = m->hidden > q_n ? m->hidden : q_n;
     if (m->inter > widest) widest = m->inter;
-    m->x = pad_alloc(m->hidden), m->h = pad_alloc(m->hidden), m->qkv_out = pad_alloc(qkv_n);
-    m->attn = pad_alloc(q_n), m->o_out = pad_alloc(m->hidden), m->gu_out = pad_alloc(2 * (size_t)m->inter);
-    m->act = pad_alloc(m->inter), m->down_out = pad_alloc(m->hidden);
-    m->scores = pad_alloc((size_t)m->heads * (m->max_seq + 16));
-    m->qa = (int8_t *)pad_alloc(widest / 4 + 16), m->sa = pad_alloc(widest / 32 + 1);
-    m->nasum = (int32_t *)pad_alloc(widest / 32 + 1);
+    size_t c = (size_t)m->cap;
+    m->sh = pad16(m->hidden), m->sq = pad16(qkv_n), m->sa = pad16(q_n), m->sg = pad16(2 * (size_t)m->inter);
+    m->si = pad16(m->inter), m->ssc = pad16((size_t)m->max_seq + 16);
+    m->x = pad_alloc(c * m->sh), m->h = pad_alloc(c * m->sh), m->qkv_out = pad_alloc(c * m->sq);
+    m->attn = pad_alloc(c * m->sa), m->o_out = pad_alloc(c * m->sh), m->gu_out = pad_alloc(c * m->sg);
+    m->act = pad_alloc(c * m->si), m->down_out = pad_alloc(c * m->sh);
+    m->scores = pad_alloc(c * m->heads * m->ssc);
+    int acts = act_alloc(&m->act_q, m->cap, widest);
     if (!m->in_norm || !m->post_norm || !m->qkv || !m->o || !m->gu || !m->down || !m->x || !m->h || !m->qkv_out ||
-        !m->attn || !m->o_out || !m->gu_out || !m->act || !m->down_out || !m->scores || !m->qa || !m->sa || !m->nasum) {
+        !m->attn || !m->o_out || !m->gu_out || !m->act || !m->down_out || !m->scores || !acts) {
         nd_free(m);
         return NULL;
     }
@@ -373,25 +408,21 @@ void *nd_create(const int *dims, const float *fparams, void *const *ptrs, void *
 }
 
 /* count products one after another, outside a model (a decode step's, in order): w[i] packed by nd_pack, x[i] [K[i]],
- * y[i] [16 ceil(N[i] / 16)]; the kernel and the worker pool nd_step runs, for bench/gemv_kernel.py. 0, or -1 where a
- * K is not a positive multiple of 32 or there is no memory for the activations' scratch. */
+ * y[i] [16 ceil(N[i] / 16)]; the kernel and the worker pool nd_forward runs, for bench/gemv_kernel.py. 0, or -1 where
+ * a K is not a positive multiple of 32 or there is no memory for the activations' scratch. */
 int nd_gemv_steps(int count, const uint8_t *const *w, const float *const *x, const int *n, const int *k, float *const *y) {
     int widest = 0;
     for (int i = 0; i < count; i++) {
         if (k[i] <= 0 || k[i] % 32) return -1;
         if (k[i] > widest) widest = k[i];
     }
-    model_t m = {0};
-    m.qa = (int8_t *)pad_alloc(widest / 4 + 16), m.sa = pad_alloc(widest / 32 + 1);
-    m.nasum = (int32_t *)pad_alloc(widest / 32 + 1);
-    int ok = m.qa && m.sa && m.nasum;
+    act_t s;
+    int ok = act_alloc(&s, 1, widest);
     for (int i = 0; ok && i < count; i++) {
         mat_t mat = {w[i], NULL, n[i], k[i]};
-        gemv(&m, &mat, x[i], y[i]);
+        gemm(&s, &mat, 1, x[i], 0, y[i], 0);
     }
-    free(m.qa);
-    free(m.sa);
-    free(m.nasum);
+    act_free(&s);
     return ok ? 0 : -1;
 }
 
@@ -428,29 +459,33 @@ static void rope(const model_t *m, float *v, int heads, int pos) {
 
 typedef struct {
     const model_t *m;
-    const float *k, *v;  // the layer's row: [H_kv, max_seq, D]
-    int n;               // positions 0 .. n-1
+    int layer;
+    const int *pos;         // [count]: token i attends its row's positions 0 .. pos[i]
+    float *const *kv;       // [count, 2 * layers]: token i's row's K and V bases ([H_kv, max_seq, D] each)
 } attn_ctx;
 
-static void attn_head(const void *p, int h) {
+/* chunk c: token c / heads, its query head c % heads */
+static void attn_head(const void *p, int c) {
     const attn_ctx *a = p;
     const model_t *m = a->m;
-    int D = m->head_dim, n = a->n, kvh = h / (m->heads / m->kv_heads);
-    const float *q = m->qkv_out + (size_t)h * D;
-    const float *K = a->k + (size_t)kvh * m->max_seq * D, *V = a->v + (size_t)kvh * m->max_seq * D;
-    float *sc = m->scores + (size_t)h * (m->max_seq + 16), *out = m->attn + (size_t)h * D;
+    int i = c / m->heads, h = c % m->heads;
+    int D = m->head_dim, n = a->pos[i] + 1, kvh = h / (m->heads / m->kv_heads);
+    const float *q = m->qkv_out + i * m->sq + (size_t)h * D;
+    float *const *kv = a->kv + (size_t)i * 2 * m->layers;
+    const float *K = kv[2 * a->layer] + (size_t)kvh * m->max_seq * D, *V = kv[2 * a->layer + 1] + (size_t)kvh * m->max_seq * D;
+    float *sc = m->scores + ((size_t)i * m->heads + h) * m->ssc, *out = m->attn + i * m->sa + (size_t)h * D;
     float best = -INFINITY;
     int t = 0;
     for (; t + 4 <= n; t += 4) {  // four positions at a time: independent chains
         const float *k0 = K + (size_t)t * D;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int i = 0; i < D; i += 16) {
-            __mmask16 mk = tail_mask(D - i);
-            __m512 qi = _mm512_maskz_loadu_ps(mk, q + i);
-            a0 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + i), a0);
-            a1 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + D + i), a1);
-            a2 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + 2 * D + i), a2);
-            a3 = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(mk, k0 + 3 * D + i), a3);
+        for (int j = 0; j < D; j += 16) {
+            __mmask16 mk = tail_mask(D - j);
+            __m512 qj = _mm512_maskz_loadu_ps(mk, q + j);
+            a0 = _mm512_fmadd_ps(qj, _mm512_maskz_loadu_ps(mk, k0 + j), a0);
+            a1 = _mm512_fmadd_ps(qj, _mm512_maskz_loadu_ps(mk, k0 + D + j), a1);
+            a2 = _mm512_fmadd_ps(qj, _mm512_maskz_loadu_ps(mk, k0 + 2 * D + j), a2);
+            a3 = _mm512_fmadd_ps(qj, _mm512_maskz_loadu_ps(mk, k0 + 3 * D + j), a3);
         }
         float s4[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
                        _mm512_reduce_add_ps(a3)};
@@ -463,9 +498,9 @@ static void attn_head(const void *p, int h) {
     for (; t < n; t++) {
         const float *kt = K + (size_t)t * D;
         __m512 acc = _mm512_setzero_ps();
-        for (int i = 0; i < D; i += 16) {
-            __mmask16 mk = tail_mask(D - i);
-            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + i), _mm512_maskz_loadu_ps(mk, kt + i), acc);
+        for (int j = 0; j < D; j += 16) {
+            __mmask16 mk = tail_mask(D - j);
+            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + j), _mm512_maskz_loadu_ps(mk, kt + j), acc);
         }
         float s = _mm512_reduce_add_ps(acc) * m->scale;
         sc[t] = s;
@@ -479,12 +514,12 @@ static void attn_head(const void *p, int h) {
         sum = _mm512_add_ps(sum, e);
     }
     float inv = 1.f / _mm512_reduce_add_ps(sum);
-    for (int i = 0; i < D; i += 16) {
-        __mmask16 mk = tail_mask(D - i);
+    for (int j = 0; j < D; j += 16) {
+        __mmask16 mk = tail_mask(D - j);
         __m512 acc = _mm512_setzero_ps();
         for (t = 0; t < n; t++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), _mm512_maskz_loadu_ps(mk, V + (size_t)t * D + i), acc);
-        _mm512_mask_storeu_ps(out + i, mk, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), _mm512_maskz_loadu_ps(mk, V + (size_t)t * D + j), acc);
+        _mm512_mask_storeu_ps(out + j, mk, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
     }
 }
 
@@ -498,35 +533,52 @@ static void swiglu(const float *gu, int inter, float *out) {
     }
 }
 
-/* One token ``token`` of one row at position ``pos`` (= the row's cached length): kv [2 * layers] the row's K and V
- * bases ([H_kv, max_seq, D] each, k0, v0, k1, ...); K (rotated) and V written at ``pos``; logits [vocab (padded
- * to 16)] written. Returns the argmax (the first of equal bests), or -1 when pos is out of range. */
-int64_t nd_step(void *p, int64_t token, int pos, float *const *kv, float *logits) {
+/* ``count`` tokens (1 .. D_MAX_TOKENS) at once, token i = tokens[i] of a row at position pos[i] of it: kv [count,
+ * 2 * layers] that row's K and V bases ([H_kv, max_seq, D] each, k0, v0, k1, ...). Several rows (a batch's next
+ * tokens), one row's consecutive positions (a verify: token i sees the K/V tokens before it wrote, not those after),
+ * or both. Each token's K (rotated) and V are written at its position, its logits at logits + i * ls (ls >= vocab
+ * padded to 16) and its argmax (the first of equal bests) at best[i]. The weights are read once for all tokens, and
+ * every token's arithmetic is that of a call with it alone, bit for bit. 0, or -1 when a count, token or position
+ * is out of range (nothing written). */
+int nd_forward(void *p, int count, const int64_t *tokens, const int *pos, float *const *kv, float *logits, int ls,
+               int64_t *best) {
     model_t *m = p;
-    if (pos < 0 || pos >= m->max_seq || pos >= m->max_pos || token < 0 || token >= m->vocab) return -1;
-    int D = m->head_dim, q_n = m->heads * D, kv_n = m->kv_heads * D;
-    embed(m, token, m->x);
-    for (int l = 0; l < m->layers; l++) {
-        rms_norm(m->x, l ? m->down_out : NULL, m->in_norm[l], m->hidden, m->eps, m->h);
-        gemv(m, &m->qkv[l], m->h, m->qkv_out);
-        if (m->rot_half) rope(m, m->qkv_out, m->heads + m->kv_heads, pos);  // q heads then k heads
-        float *K = kv[2 * l], *V = kv[2 * l + 1];
-        for (int h = 0; h < m->kv_heads; h++) {
-            memcpy(K + ((size_t)h * m->max_seq + pos) * D, m->qkv_out + q_n + (size_t)h * D, D * sizeof(float));
-            memcpy(V + ((size_t)h * m->max_seq + pos) * D, m->qkv_out + q_n + kv_n + (size_t)h * D, D * sizeof(float));
+    if (count < 1 || count > m->cap || ls < (int)pad16(m->vocab)) return -1;
+    for (int i = 0; i < count; i++)
+        if (pos[i] < 0 || pos[i] >= m->max_seq || pos[i] >= m->max_pos || tokens[i] < 0 || tokens[i] >= m->vocab) return -1;
+    int D = m->head_dim, q_n = m->heads * D, kv_n = m->kv_heads * D, L = m->layers;
+    for (int i = 0; i < count; i++) embed(m, tokens[i], m->x + i * m->sh);
+    for (int l = 0; l < L; l++) {
+        for (int i = 0; i < count; i++)
+            rms_norm(m->x + i * m->sh, l ? m->down_out + i * m->sh : NULL, m->in_norm[l], m->hidden, m->eps, m->h + i * m->sh);
+        gemm(&m->act_q, &m->qkv[l], count, m->h, m->sh, m->qkv_out, m->sq);
+        for (int i = 0; i < count; i++) {
+            float *qkv = m->qkv_out + i * m->sq;
+            if (m->rot_half) rope(m, qkv, m->heads + m->kv_heads, pos[i]);  // q heads then k heads
+            float *K = kv[(size_t)i * 2 * L + 2 * l], *V = kv[(size_t)i * 2 * L + 2 * l + 1];
+            for (int h = 0; h < m->kv_heads; h++) {
+                memcpy(K + ((size_t)h * m->max_seq + pos[i]) * D, qkv + q_n + (size_t)h * D, D * sizeof(float));
+                memcpy(V + ((size_t)h * m->max_seq + pos[i]) * D, qkv + q_n + kv_n + (size_t)h * D, D * sizeof(float));
+            }
         }
-        attn_ctx a = {m, K, V, pos + 1};
-        run_job(attn_head, &a, m->heads);
-        gemv(m, &m->o[l], m->attn, m->o_out);
-        rms_norm(m->x, m->o_out, m->post_norm[l], m->hidden, m->eps, m->h);
-        gemv(m, &m->gu[l], m->h, m->gu_out);
-        swiglu(m->gu_out, m->inter, m->act);
-        gemv(m, &m->down[l], m->act, m->down_out);
+        attn_ctx a = {m, l, pos, kv};
+        run_job(attn_head, &a, count * m->heads);
+        gemm(&m->act_q, &m->o[l], count, m->attn, m->sa, m->o_out, m->sh);
+        for (int i = 0; i < count; i++)
+            rms_norm(m->x + i * m->sh, m->o_out + i * m->sh, m->post_norm[l], m->hidden, m->eps, m->h + i * m->sh);
+        gemm(&m->act_q, &m->gu[l], count, m->h, m->sh, m->gu_out, m->sg);
+        for (int i = 0; i < count; i++) swiglu(m->gu_out + i * m->sg, m->inter, m->act + i * m->si);
+        gemm(&m->act_q, &m->down[l], count, m->act, m->si, m->down_out, m->sh);
     }
-    rms_norm(m->x, m->down_out, m->final_norm, m->hidden, m->eps, m->h);
-    gemv(m, &m->lm, m->h, logits);
-    int64_t best = 0;
-    for (int i = 1; i < m->vocab; i++)
-        if (logits[i] > logits[best]) best = i;
-    return best;
+    for (int i = 0; i < count; i++)
+        rms_norm(m->x + i * m->sh, m->down_out + i * m->sh, m->final_norm, m->hidden, m->eps, m->h + i * m->sh);
+    gemm(&m->act_q, &m->lm, count, m->h, m->sh, logits, (size_t)ls);
+    for (int i = 0; i < count; i++) {
+        const float *y = logits + (size_t)i * ls;
+        int64_t b = 0;
+        for (int j = 1; j < m->vocab; j++)
+            if (y[j] > y[b]) b = j;
+        best[i] = b;
+    }
+    return 0;
 }

@@ -7,9 +7,13 @@ gate_up MatMulNBits + Split + SiLU, down, the final norm and the lm_head), and i
 repacked once from the weights file into the C kernel's tiles (decode_step.c). A graph with anything else (another
 op, a scale, a softcap, a window, another block size) is refused in one line, and the placement keeps ``ort``.
 
-``NativeDecode.step`` runs one row's token in one C call over the row's buffers of the same ``KVCache`` the ort
-prefill wrote: K (rotated) and V at position ``lengths[slot]``, every layer, logits and the argmax out. The caller
-(runtime/backends/ort/backend.py) commits the id inside ``writing`` as the ort decode does.
+``NativeDecode.forward`` runs rows' next tokens in one C call (``nd_forward``) over the rows' buffers of the same
+``KVCache`` the prefill wrote: a batch's next tokens (one a row), or a verify's (a row's ids at its consecutive
+next positions), or both: K (rotated) and V at each token's position, every layer, logits and the argmax out. The
+weights are read once for every token of a call, and each token's arithmetic is that of a call with it alone, bit
+for bit: a row's tokens do not depend on the rows beside it, and a verify pass scores each position exactly as the
+plain step would (so speculation on this step keeps plain decoding's tokens). The caller
+(runtime/backends/ort/backend.py) commits the ids inside ``writing`` as the ort decode does.
 """
 
 from __future__ import annotations
@@ -274,8 +278,12 @@ def _f32(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, np.float32)
 
 
+# the most tokens one C call takes (more are run in several calls, in order): its scratch is sized for them
+MAX_TOKENS = 64
+
+
 class NativeDecode:
-    """The C decode step over an artifact's weights (packed once), for one row a call."""
+    """The C decode step over an artifact's weights (packed once): the next tokens of rows, a batch's or a verify's."""
 
     def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None) -> None:
         why = refusal(manifest)
@@ -337,8 +345,10 @@ class NativeDecode:
             layer_ptrs += [arr(_f32(w[lay.in_norm])), arr(_f32(w[lay.post_norm]))]
             for name in ("qkv", "o", "gate_up", "down"):
                 layer_ptrs += [packed(lay.mats[name]), bias(lay.mats[name])]
+        verify = manifest.graphs.get("verify")
+        self.max_tokens = min(MAX_TOKENS, max(1, manifest.max_batch) * max(1, (verify.max_tokens or 1) if verify else 1))
         dims = np.array([len(r.layers), r.hidden, r.heads, r.kv_heads, r.head_dim, r.inter, r.vocab, rot_half, max_pos,
-                         0 if r.embed[0] == "float" else 1, self.max_seq], np.int32)
+                         0 if r.embed[0] == "float" else 1, self.max_seq, self.max_tokens], np.int32)
         fparams = np.array([r.eps, r.scale], np.float32)
         self._keep = keep
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -347,23 +357,56 @@ class NativeDecode:
         self.handle = lib.nd_create(dims.ctypes.data, fparams.ctypes.data, self._ptrs[0], self._ptrs[1])
         if not self.handle:
             raise DecodertError(f"{path}: out of memory for the native decode step's buffers")
-        self.logits = np.zeros(-(-r.vocab // 16) * 16 + 16, np.float32)
-        self.packed_bytes = sum(packed_sizes)  # read in full by every step (the embedding: one row)
-        self._rows: dict[int, tuple[Any, int, Any]] = {}  # slot -> (the cache, weakly; id of its buffers; K/V pointers)
+        self.stride = -(-r.vocab // 16) * 16  # a token's logits row, as the C products write it
+        self.logits = np.zeros((self.max_tokens, self.stride), np.float32)
+        self.best = np.zeros(self.max_tokens, np.int64)
+        self.packed_bytes = sum(packed_sizes)  # read in full by every call (the embedding: one row a token)
+        self._rows: dict[int, tuple[Any, int, np.ndarray]] = {}  # slot -> (the cache, weakly; id of its buffers; K/V pointers)
+        self._calls = (np.zeros(self.max_tokens, np.int64), np.zeros(self.max_tokens, np.int32),
+                       np.zeros((self.max_tokens, 2 * len(r.layers)), np.uint64))  # a call's tokens, positions, K/V
 
-    def step(self, cache: Any, slot: int, token: int) -> tuple[int, np.ndarray]:
-        """Run ``token`` at row ``slot``'s next position (K/V written there); (argmax, logits [V]). The caller commits."""
+    def _pointers(self, cache: Any, slot: int) -> np.ndarray:
+        """``slot``'s K and V bases in ``cache`` (every layer's, in the order of its buffers)."""
         row = self._rows.get(slot)
         if row is None or row[0]() is not cache or row[1] != id(cache.buffers):  # weak: a dropped cache is not kept
             if cache.device != "cpu" or cache.dtype != np.float32 or cache.max_seq != self.max_seq or not cache.buffers:
                 raise DecodertError("the native decode step runs over an fp32 host cache of the artifact's max_seq")
-            row = (weakref.ref(cache), id(cache.buffers),
-                   (P * len(cache.buffers))(*[cache.pointer(i, slot) for i in range(len(cache.buffers))]))
-            self._rows[slot] = row
-        best = self.lib.nd_step(self.handle, int(token), int(cache.lengths[slot]), row[2], self.logits.ctypes.data)
-        if best < 0:
-            raise DecodertError(f"the native decode step cannot run token {token} at position {int(cache.lengths[slot])}")
-        return int(best), self.logits[: self.recipe.vocab]
+            pointers = np.array([cache.pointer(i, slot) for i in range(len(cache.buffers))], np.uint64)
+            row = self._rows[slot] = (weakref.ref(cache), id(cache.buffers), pointers)
+        return row[2]
+
+    def step(self, cache: Any, slot: int, token: int) -> tuple[int, np.ndarray]:
+        """Run ``token`` at row ``slot``'s next position (K/V written there); (argmax, logits [V]). The caller commits."""
+        best, logits = self.forward(cache, [slot], [np.array([token], np.int64)])
+        return int(best[0]), logits[0]
+
+    def forward(self, cache: Any, slots: list[int], ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Each ``ids[j]`` [n_j] at row ``slots[j]``'s next positions (``lengths[slot]`` ..), K/V written there:
+        (argmax [sum n_j], logits [sum n_j, V]) in that order, row after row. The caller commits the ids."""
+        tokens, positions, kv = self._calls
+        flat = [(self._pointers(cache, slot), int(t), int(cache.lengths[slot]) + i)
+                for slot, row in zip(slots, ids) for i, t in enumerate(np.asarray(row).reshape(-1))]
+        vocab, cap = self.recipe.vocab, self.max_tokens
+        if len(flat) <= cap:
+            return self._call(flat, tokens, positions, kv), self.logits[: len(flat), :vocab]
+        best, logits = np.empty(len(flat), np.int64), np.empty((len(flat), vocab), np.float32)
+        for start in range(0, len(flat), cap):  # in order: a later call reads the K/V an earlier one wrote
+            part = flat[start : start + cap]
+            best[start : start + len(part)] = self._call(part, tokens, positions, kv)
+            logits[start : start + len(part)] = self.logits[: len(part), :vocab]
+        return best, logits
+
+    def _call(self, flat: list[tuple[np.ndarray, int, int]], tokens: np.ndarray, positions: np.ndarray,
+              kv: np.ndarray) -> np.ndarray:
+        n = len(flat)
+        for i, (pointers, token, pos) in enumerate(flat):
+            kv[i], tokens[i], positions[i] = pointers, token, pos
+        if self.lib.nd_forward(self.handle, n, tokens.ctypes.data, positions.ctypes.data, kv.ctypes.data,
+                               self.logits.ctypes.data, self.stride, self.best.ctypes.data) < 0:
+            bad = [(t, p) for _, t, p in flat if not (0 <= t < self.recipe.vocab and 0 <= p < self.max_seq)]
+            raise DecodertError(f"the native decode step cannot run token {bad[0][0] if bad else '?'} at position "
+                                f"{bad[0][1] if bad else '?'} (vocabulary {self.recipe.vocab}, max_seq {self.max_seq})")
+        return self.best[:n].copy()
 
     def close(self) -> None:
         if getattr(self, "handle", None):

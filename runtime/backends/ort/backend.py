@@ -15,8 +15,8 @@
   OpenVINO's SDPA / PagedAttention), or
   the prefill or the decode step on the OpenVINO execution provider (``openvino``: the artifact's portable
   prefill graph, ``manifest.phase_graphs["prefill.portable"]`` or a portable artifact's prefill.onnx, bound to
-  the same buffers); or the one-row decode step on decodert's own C step (``native-cpu``,
-  runtime/backends/native/: it writes the row's K/V in the same buffers); verify passes keep the ort sessions.
+  the same buffers); or the decode step and the verify passes on decodert's own C step (``native-cpu``,
+  runtime/backends/native/: every row's tokens in one call, written into the rows' K/V in the same buffers).
 """
 
 from __future__ import annotations
@@ -280,12 +280,12 @@ class OrtBackend:
         cache.check_room(slots, [1] * len(slots), "the next tokens")
         out = StepOutput(np.empty(len(slots), np.int64),
                          np.empty((len(slots), self.vocab_size), np.float32) if want_logits else None)
-        native = self.phase_sessions["native-cpu"]["decode"] if self.placed["decode"] == "native-cpu" else None
+        if self.placed["decode"] == "native-cpu":  # every row in one C call, each as it would run alone
+            best, logits = self._native_pass(cache, list(slots), [ids[j : j + 1] for j in range(len(slots))])
+            _gather(out, list(range(len(slots))), _Binding(None, None, None, None, logits, best), want_logits)
+            return out
         for rows in contiguous_runs(slots):
             start, n = slots[rows[0]], len(rows)
-            if native is not None and n == 1:  # one row: the native step (several rows stay on the ort session)
-                self._decode_native(native, cache, start, int(ids[rows[0]]), out, rows, want_logits)
-                continue
             key = (id(cache), start, n)
             b = self._decode_bindings.get(key)
             if b is None:
@@ -303,21 +303,23 @@ class OrtBackend:
             _gather(out, rows, b, want_logits)
         return out
 
-    def _decode_native(self, native: Any, cache: KVCache, slot: int, token: int, out: StepOutput, rows: list[int],
-                       want_logits: bool) -> None:
-        """One row's step on decodert's C step (runtime/backends/native/step.py): it writes the row's K/V at its next
-        position in the same buffers, and the id is committed after it, inside ``writing``, as the ort step does."""
-        with cache.writing([slot]):
-            best, logits = native.step(cache, slot, token)
-            cache.commit([slot], np.array([[token]], np.int64))
-        _gather(out, rows, _Binding(None, None, None, None, logits[None], np.array([best], np.int64)), want_logits)
+    def _native_pass(self, cache: KVCache, slots: list[int], ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows' ids at their next positions on decodert's C step (runtime/backends/native/step.py), which writes
+        their K/V in the same buffers; the ids are committed after it, inside ``writing``, as the ort step does.
+        (argmax, logits) of every id, row after row."""
+        native = self.phase_sessions["native-cpu"]["decode"]
+        with cache.writing(slots):
+            best, logits = native.forward(cache, slots, ids)
+            cache.commit(slots, [np.asarray(x, np.int64).reshape(-1) for x in ids])
+        return best, logits
 
     @property
     def verify_matches_decode(self) -> bool:
-        """Does a verify pass (the ort sessions) score a row as this backend's decode step does? Not where the decode
-        is placed elsewhere (native-cpu, the OpenVINO EP: other rounding, so a verify could accept a token the plain
-        step would not choose at a near tie); speculation then runs plain steps (runtime/speculation/speculative.py)."""
-        return self.placed["decode"] == "ort"
+        """Does a verify pass score a row as this backend's decode step does? On ort (the verify graph) and on
+        native-cpu (its verify is the same C step over the row's next positions, bit for bit); not where the decode
+        runs on the OpenVINO EP (other rounding, so a verify could accept a token the plain step would not choose at
+        a near tie): speculation then runs plain steps (runtime/speculation/speculative.py)."""
+        return self.placed["decode"] in ("ort", "native-cpu")
 
     @property
     def verify_width(self) -> int:
@@ -328,7 +330,8 @@ class OrtBackend:
     def verify(self, cache: KVCache, slots: Sequence[int], ids: Sequence[np.ndarray], want_logits: bool) -> VerifyOutput:
         """Rows over their caches; a one-row run through the prefill session where its graph verifies
         rows (GroupQueryAttention, no second copy of the weights), else through graphs.verify: several
-        rows at once where it takes several rows over caches (batched_past), else row by row."""
+        rows at once where it takes several rows over caches (batched_past), else row by row. With the decode on
+        native-cpu, every row's ids in the C step (its verify is its decode, position by position)."""
         if "verify" not in self.manifest.graphs:
             self._open_verify()  # says what to do
         lens = np.array([len(x) for x in ids], np.int64)  # [n]
@@ -338,6 +341,18 @@ class OrtBackend:
         cache.check_room(slots, lens, "the verified tokens")
         out = VerifyOutput(np.zeros((len(slots), width), np.int64),
                            np.zeros((len(slots), width, self.vocab_size), np.float32) if want_logits else None)
+        if self.placed["decode"] == "native-cpu":  # scored by the step that decodes (verify_matches_decode)
+            best, logits = self._native_pass(cache, list(slots), [np.asarray(x, np.int64) for x in ids])
+            at = np.concatenate([[0], np.cumsum(lens)])
+            for j in range(len(slots)):
+                out.next_tokens[j, : lens[j]] = best[at[j] : at[j + 1]]
+                if out.logits is not None:
+                    out.logits[j, : lens[j]] = logits[at[j] : at[j + 1]]
+            if out.logits is None and not _chosen_finite(logits, best):  # as _gather does
+                out.logits = np.zeros((len(slots), width, self.vocab_size), np.float32)
+                for j in range(len(slots)):
+                    out.logits[j, : lens[j]] = logits[at[j] : at[j + 1]]
+            return out
         if self._windows:  # every row runs alone (below): its windows are kept per row
             out.windows = [{} for _ in slots]
         batched = self.manifest.graphs["verify"].batched_past
@@ -371,7 +386,7 @@ class OrtBackend:
         return out
 
     def prepare_verify(self, rows: int) -> None:
-        if "verify" in self.manifest.graphs:
+        if "verify" in self.manifest.graphs and self.placed["decode"] != "native-cpu":
             self._verify_state(rows == 1)
 
     def _verify_state(self, one_row: bool) -> VerifyState:

@@ -1,7 +1,7 @@
 """Decode b1 tok/s of the ort decode step against decodert's own C step (placement's ``native-cpu``) on one artifact,
 alternated in one process, and the bandwidth floor (issue 47).
 
-    python bench/native_decode.py ART [--threads 2] [--prompt-len 128] [--gen 128] [--rounds 5]
+    python bench/native_decode.py ART [--threads 2] [--prompt-len 128] [--gen 128] [--rounds 5] [--passes 1,2,4,8]
 
 One OrtBackend opens the artifact; each round prefills the same prompt (pseudo-random ids, seed 0) on ort and runs
 ``--gen`` greedy decode steps on ort, then the same on the native step (``backend.place("decode", ...)``), so both
@@ -9,6 +9,10 @@ see the same load; prints each side's median tok/s (steps / their summed wall ti
 tokens were the same, and the floor: the weight bytes one step reads (``decodert.tools.bandwidth.bytes_per_step``:
 the decode graph's initializers as stored; and the native step's packed copy) over the measured memory read
 bandwidth with the same threads (``memread_gbps``).
+
+``--passes N,..`` adds what one native call costs for more tokens: a verify of N tokens of one row (the row's ids at
+its next positions), and a decode of N rows (one token each, up to the artifact's max_batch) on the native step and
+on the ort session, each the median of 12 calls after a 128-token prompt per row, medians over the rounds.
 """
 
 from __future__ import annotations
@@ -38,6 +42,48 @@ def run(backend: OrtBackend, ids: np.ndarray, gen: int) -> tuple[list[int], floa
     return tokens, gen / spent
 
 
+def passes(backend: OrtBackend, sizes: list[int], rounds: int) -> None:
+    """Milliseconds of one call: a verify of n tokens of a row on the native step; a decode of n rows on both."""
+    native = backend.phase_sessions["native-cpu"]["decode"]
+    rng = np.random.default_rng(1)
+    vocab = native.recipe.vocab
+
+    def prefilled(rows: int):
+        cache = backend.allocate(rows)
+        for s in range(rows):
+            backend.prefill(cache, [s], [rng.integers(100, vocab - 100, 128)], False)
+        return cache
+
+    def timed(call) -> float:
+        spent = []
+        for _ in range(12):
+            t = time.perf_counter()
+            call()
+            spent.append(time.perf_counter() - t)
+        return statistics.median(spent) * 1e3
+
+    ms: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for n in sizes:
+            cache = prefilled(1)
+
+            def verify(cache=cache, n=n):
+                ids = rng.integers(100, vocab - 100, n)
+                with cache.writing([0]):
+                    native.forward(cache, [0], [ids])
+                    cache.commit([0], [ids])
+
+            ms.setdefault(f"verify of {n} tokens, native-cpu", []).append(timed(verify))
+            if n <= backend.max_batch:
+                for name in ("native-cpu", "ort"):
+                    backend.place("decode", name)
+                    cache = prefilled(n)
+                    ms.setdefault(f"decode of {n} rows, {name}", []).append(
+                        timed(lambda cache=cache, n=n: backend.decode(cache, list(range(n)), rng.integers(100, vocab - 100, n), False)))
+    for what, v in ms.items():
+        print(f"{what:32s} {statistics.median(v):7.2f} ms  (rounds: {', '.join(f'{x:.2f}' for x in v)})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("artifact", type=Path)
@@ -45,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--passes", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                   help="also time one call of N verify tokens / N decode rows")
     args = p.parse_args(argv)
     manifest = load_manifest(args.artifact)
     backend = OrtBackend(args.artifact, manifest, threads=args.threads)
@@ -72,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory read: {read:.1f} GB/s with {args.threads} threads; a step reads {graph_bytes / 1e6:.0f} MB of the "
           f"graph's weights ({packed / 1e6:.0f} MB packed): floor {read * 1e9 / graph_bytes:.0f} tok/s "
           f"({read * 1e9 / packed:.0f} on the packed copy); native at {med['native-cpu'] * graph_bytes / 1e9:.1f} GB/s")
+    if args.passes:
+        passes(backend, args.passes, max(args.rounds, 1))
     return 0
 
 

@@ -138,36 +138,64 @@ static void quant_x(const float *x, int k, int8_t *qa, float *sa, int32_t *nasum
     }
 }
 
+/* One tile (16 rows, nb blocks at p) times ``g`` tokens' quantized activations (token u: a4[u], sa[u], nasum[u]) into
+ * y[u]. The tile's nibbles are loaded and masked once per block for all g tokens; each token's sums run in the
+ * one-token order (its -zp * sum(qa) first, the four chunks' dots in order, then its block's scale into its fp32
+ * accumulator block after block), so a token's products do not depend on the tokens beside it. g is a constant
+ * (1 .. 4) where it is inlined, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_tokens(const uint8_t *p, int nb, int g, const int32_t *const *a4,
+                                                              const float *const *sa, const int32_t *const *nasum,
+                                                              float *const *y) {
+    const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8((char)0xF0);
+    const float *sc = (const float *)(p + (size_t)nb * 256);
+    const uint8_t *zz = p + (size_t)nb * 320;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int b = 0; b < nb; b++, p += 256) {
+        __m512i lo[4], hi[4];
+        for (int j = 0; j < 4; j++) {
+            __m512i packed = _mm512_loadu_si512(p + 64 * j);
+            lo[j] = _mm512_and_si512(packed, lo_mask), hi[j] = _mm512_and_si512(packed, hi_mask);
+        }
+        __m512i zpx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zz + 16 * b)));
+        __m512 scale = _mm512_loadu_ps(sc + 16 * b);
+        for (int u = 0; u < g; u++) {
+            const int32_t *a = a4[u] + 8 * b;
+            __m512i dlo = _mm512_madd_epi16(zpx, _mm512_set1_epi32(nasum[u][b]));  // -zp * sum(qa)
+            __m512i dhi = _mm512_setzero_si512();                                  // 16 x the high nibbles' dots
+            for (int j = 0; j < 4; j++) {
+                dlo = _mm512_dpbusd_epi32(dlo, lo[j], _mm512_set1_epi32(a[2 * j]));
+                dhi = _mm512_dpbusd_epi32(dhi, hi[j], _mm512_set1_epi32(a[2 * j + 1]));
+            }
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dlo, _mm512_srai_epi32(dhi, 4)));
+            acc[u] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(sa[u][b])), acc[u]);
+        }
+    }
+    for (int u = 0; u < g; u++) _mm512_storeu_ps(y[u], acc[u]);
+}
+
 /* Tiles t0..t1 of w times each of ``count`` tokens' quantized activations (token i: qa + i * qs, sa / nasum + i * ss),
- * into y + i * ys. A tile's bytes are read from memory once and stay in L1 for the tokens after the first; each
- * token's sums run in the one-token order, so a token's products do not depend on the tokens beside it. */
+ * into y + i * ys, four tokens at a time: a tile's bytes come from memory once and from L1 for the next tokens. */
 static void gemm_tiles(const uint8_t *w, int count, const int8_t *qa, size_t qs, const float *sa, const int32_t *nasum,
                        size_t ss, int nb, int t0, int t1, float *y, size_t ys) {
-    const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8((char)0xF0);
     size_t tb = tile_bytes(nb);
     for (int t = t0; t < t1; t++)
-        for (int i = 0; i < count; i++) {
-            const uint8_t *p = w + (size_t)t * tb;
-            const float *sc = (const float *)(p + (size_t)nb * 256);
-            const uint8_t *zz = p + (size_t)nb * 320;
-            const int32_t *a4 = (const int32_t *)(qa + i * qs);  // 4 activation bytes at a time
-            const float *sai = sa + i * ss;
-            const int32_t *nai = nasum + i * ss;
-            __m512 acc = _mm512_setzero_ps();
-            for (int b = 0; b < nb; b++, p += 256) {
-                const int32_t *a = a4 + 8 * b;
-                __m512i zpx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zz + 16 * b)));
-                __m512i dlo = _mm512_madd_epi16(zpx, _mm512_set1_epi32(nai[b]));  // -zp * sum(qa)
-                __m512i dhi = _mm512_setzero_si512();                              // 16 x the high nibbles' dots
-                for (int j = 0; j < 4; j++) {
-                    __m512i packed = _mm512_loadu_si512(p + 64 * j);
-                    dlo = _mm512_dpbusd_epi32(dlo, _mm512_and_si512(packed, lo_mask), _mm512_set1_epi32(a[2 * j]));
-                    dhi = _mm512_dpbusd_epi32(dhi, _mm512_and_si512(packed, hi_mask), _mm512_set1_epi32(a[2 * j + 1]));
-                }
-                __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dlo, _mm512_srai_epi32(dhi, 4)));
-                acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * b), _mm512_set1_ps(sai[b])), acc);
+        for (int i = 0; i < count; i += 4) {
+            const int32_t *a4[4];
+            const float *sai[4];
+            const int32_t *nai[4];
+            float *yi[4];
+            int g = count - i < 4 ? count - i : 4;
+            for (int u = 0; u < g; u++) {
+                a4[u] = (const int32_t *)(qa + (i + u) * qs);  // 4 activation bytes at a time
+                sai[u] = sa + (i + u) * ss, nai[u] = nasum + (i + u) * ss, yi[u] = y + (i + u) * ys + 16 * t;
             }
-            _mm512_storeu_ps(y + i * ys + 16 * t, acc);
+            const uint8_t *p = w + (size_t)t * tb;
+            switch (g) {
+                case 4: tile_tokens(p, nb, 4, a4, sai, nai, yi); break;
+                case 3: tile_tokens(p, nb, 3, a4, sai, nai, yi); break;
+                case 2: tile_tokens(p, nb, 2, a4, sai, nai, yi); break;
+                default: tile_tokens(p, nb, 1, a4, sai, nai, yi); break;
+            }
         }
 }
 

@@ -161,6 +161,7 @@ def open_placed(path: Path, manifest: Manifest, setting: Any, threads: int | Non
         return backend
     if isinstance(choice, dict):
         backend = OrtBackend(path, manifest, threads=threads, phases=choice)
+        backend.drop_unplaced()
         backend.placement = Placement({**OFF.phases, **choice}, "explicit")
         return backend
     cands = candidates(manifest)
@@ -176,6 +177,7 @@ def open_placed(path: Path, manifest: Manifest, setting: Any, threads: int | Non
         phases = {p: b for p, b in cached["phases"].items() if b != "ort"}
         try:
             backend = OrtBackend(path, manifest, threads=threads, phases=phases)
+            backend.drop_unplaced()
             backend.placement = Placement({**OFF.phases, **cached["phases"]}, "cached", cached.get("figures", {}), str(file))
             return backend
         except DecodertError:

@@ -118,6 +118,14 @@ def ov(monkeypatch):
     return ep
 
 
+@pytest.fixture
+def ov_runtime(monkeypatch):
+    """OpenVINO's own runtime (openvino-native / -sdpa / -paged need no execution provider: the EP's plugin lists no
+    device on some CPUs, e.g. an AMD EPYC, where OpenVINO itself runs)."""
+    pytest.importorskip("openvino")
+    monkeypatch.setenv("DECODERT_OPENVINO_CONFIG", EXACT)
+
+
 def _greedy(llm, prompts=PROMPTS, n=24, **kw):
     return [r.token_ids for r in llm.generate(list(prompts), max_new_tokens=n, temperature=0, **kw)]
 
@@ -146,7 +154,8 @@ def test_an_openvino_prefill_gives_ort_tokens(ov, tiny_arts, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["openvino", "openvino-native", "openvino-sdpa", "openvino-paged"])
-def test_speculation_keeps_its_tokens_on_the_placement(ov, tiny_arts, name):
+def test_speculation_keeps_its_tokens_on_the_placement(request, tiny_arts, name):
+    request.getfixturevalue("ov" if name == "openvino" else "ov_runtime")
     plain = LLM.load(tiny_arts["ov"], placement="off", prefix_cache_mb=0)
     text = ["one two three four one two three four one two three", *PROMPTS]
     want = _greedy(plain, text, 32)
@@ -157,7 +166,7 @@ def test_speculation_keeps_its_tokens_on_the_placement(ov, tiny_arts, name):
 
 
 @pytest.mark.parametrize("name", ["openvino-native", "openvino-sdpa", "openvino-paged"])
-def test_a_native_openvino_prefill_gives_ort_tokens(ov, tiny_arts, name):
+def test_a_native_openvino_prefill_gives_ort_tokens(ov_runtime, tiny_arts, name):
     """OpenVINO's runtime over the ort prefill graph (its attention as OpenVINO's frontend translates it, or
     lowered to its SDPA or its PagedAttention): each row's whole prompt in one call, the new rows copied into the cache (a fresh row
     and one that holds K/V already); the decode on MLAS reads them."""
@@ -237,9 +246,49 @@ def test_int4_prefill_on_openvino(ov, tiny_checkpoint, tmp_path, monkeypatch):
     assert load_manifest(art).phase_graphs["prefill.portable"].weights == "weights.portable.bin"
     monkeypatch.delenv("DECODERT_OPENVINO_CONFIG")  # OpenVINO's defaults, as users get them
     _check_within_ties(art, PROMPTS)
-    _check_within_ties(art, PROMPTS, name="openvino-native")
-    _check_within_ties(art, PROMPTS, name="openvino-sdpa")
-    _check_within_ties(art, PROMPTS, name="openvino-paged")
+
+
+@pytest.fixture(scope="module")
+def int4_art(tiny_checkpoint, tmp_path_factory):
+    from decodert.export.quantize.quant import QuantConfig
+
+    art = tmp_path_factory.mktemp("placed-int4") / "int4"
+    export_model(tiny_checkpoint("llama"), art, target="ort", max_seq=256, max_batch=3,
+                 quant=QuantConfig(bits=4, accuracy_level=4), progress=False)
+    return art
+
+
+def test_int4_prefill_on_openvino_runtime(ov_runtime, int4_art, monkeypatch):
+    """int4 on OpenVINO's own runtime (OpenVINO's defaults, as users get them): ort's greedy tokens within ties."""
+    monkeypatch.delenv("DECODERT_OPENVINO_CONFIG")
+    for name in ("openvino-native", "openvino-sdpa", "openvino-paged"):
+        _check_within_ties(int4_art, PROMPTS, name=name)
+
+
+def test_no_phase_on_ort_releases_its_sessions(ov_runtime, int4_art, monkeypatch):
+    """Prefill on openvino-paged and decode on native-cpu: nothing runs on the ort sessions, so they are closed (the
+    int4 weights are not held a third time); every row's tokens in a batch are its tokens alone, speculation keeps
+    them and verifies on the C step; placing a phase back on ort opens them again, with the same tokens."""
+    from decodert.runtime.backends import native
+
+    if native.build.refusal():
+        pytest.skip(native.build.refusal())
+    monkeypatch.delenv("DECODERT_OPENVINO_CONFIG")
+    llm = LLM.load(int4_art, placement={"prefill": "openvino-paged", "decode": "native-cpu"}, prefix_cache_mb=0)
+    be = llm.backend
+    assert "ort" not in be.phase_sessions and not be.sessions
+    text = ["one two three four one two three four one two three", *PROMPTS]
+    alone = [_greedy(llm, [p], 32)[0] for p in text]
+    assert _greedy(llm, text, 32) == alone
+    assert _greedy(llm, text, 32, speculative="ngram") == alone
+    be.place("decode", "ort")
+    assert "ort" in be.phase_sessions and be.sessions["prefill"] is be.sessions["decode"]
+    ort_decode = [_greedy(llm, [p], 32)[0] for p in text]
+    llm.close()
+    on_ort = LLM.load(int4_art, placement={"prefill": "openvino-paged", "decode": "ort"}, prefix_cache_mb=0)
+    assert "ort" in on_ort.backend.phase_sessions
+    assert [_greedy(on_ort, [p], 32)[0] for p in text] == ort_decode
+    on_ort.close()
 
 
 def _check_within_ties(art, prompts, n=24, name="openvino"):

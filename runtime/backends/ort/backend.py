@@ -94,28 +94,21 @@ class OrtBackend:
         providers = list(providers or default_providers())
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         self._stream: Any = None
-        kinds = ("prefill", "decode") if separate_decode else ("prefill",)
+        self._kinds = ("prefill", "decode") if separate_decode else ("prefill",)
         weights = self.dir / manifest.weights.file
         if weights.is_file():  # check_external_data names a missing one
             check_weights_fit(weights.stat().st_size, *manifest.model.experts)
-        self.sessions = {}
-        for kind in kinds:
-            path = self.dir / manifest.graphs[kind].file
-            check_external_data(path)
-            self.sessions[kind] = open_session(path, options, providers)
-            check_session_io(self.sessions[kind], manifest.graphs[kind], path)
-        self.sessions.setdefault("decode", self.sessions["prefill"])
-        self._target_prefill = self.sessions["prefill"]  # one-row verify passes (per_position) run on it
+        self._options, self._providers = options, providers
+        self.phase_sessions: dict[str, Any] = {}
+        self._open_ort()
         # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
         self._prefill_with_past_batch = target_info(manifest.target).multi_token_rows or self.max_batch
         self.placed = {"prefill": "ort", "decode": "ort"}  # phase -> what runs it (inspect, the metrics line)
-        self.phase_sessions: dict[str, Any] = {"ort": {k: self.sessions[k] for k in ("prefill", "decode")}}
         # a long one-row prompt runs in chunks of this many tokens (0: in one call): GQA's CPU prefill
         # attends over the whole square, so 512-token chunks cut its share of a 4096-token prompt
         # by about a fifth while the GEMMs stay large (docs/benchmarks/history.md, "Sizes users deploy (issue 32)")
         self.prefill_chunk = int(os.environ.get("DECODERT_PREFILL_CHUNK", "512"))
         self._decode_bindings: dict[tuple[int, int, int], _Binding] = {}
-        self._options, self._providers = options, providers
         # verify passes (speculative decoding): "verify" opened on first use or by prepare_verify;
         # "prefill" (one-row passes where the prefill graph takes per_position) is the prefill session
         self._verify: dict[str, VerifyState] = {}
@@ -137,6 +130,18 @@ class OrtBackend:
         for phase, name in (phases or {}).items():
             self.place(phase, name, threads)
 
+    def _open_ort(self) -> None:
+        """The ort sessions of the artifact's graphs (the decode on the prefill's session unless separate_decode)."""
+        self.sessions = {}
+        for kind in self._kinds:
+            path = self.dir / self.manifest.graphs[kind].file
+            check_external_data(path)
+            self.sessions[kind] = open_session(path, self._options, self._providers)
+            check_session_io(self.sessions[kind], self.manifest.graphs[kind], path)
+        self.sessions.setdefault("decode", self.sessions["prefill"])
+        self._target_prefill = self.sessions["prefill"]  # one-row verify passes (per_position) run on it
+        self.phase_sessions["ort"] = {k: self.sessions[k] for k in ("prefill", "decode")}
+
     def keep_hidden(self) -> HiddenRows:
         """Bind the graphs' hidden-state outputs from now on and keep each slot's (runtime/backends/hidden_rows.py)."""
         if not any(t.name == "hidden_state" for t in self.manifest.graphs["prefill"].outputs):
@@ -157,6 +162,11 @@ class OrtBackend:
         if phase not in self.placed or name not in ("ort", "openvino", *OPENVINO_RUNTIME, "native-cpu"):
             raise DecodertError(f"cannot place {phase!r} on {name!r}: phases are prefill and decode, "
                                 f"backends ort, openvino, {', '.join(OPENVINO_RUNTIME)} and native-cpu")
+        if "ort" not in self.phase_sessions:  # released by drop_unplaced: every phase but this one runs elsewhere
+            self._open_ort()
+            for other, runs in self.placed.items():
+                if runs == "openvino":  # the EP's session stays where it was placed
+                    self.sessions[other] = self.phase_sessions["openvino"][other]
         if name == "native-cpu":
             if phase != "decode":
                 raise DecodertError("native-cpu runs the decode step only (decodert's own C step, one row a call)")
@@ -194,10 +204,19 @@ class OrtBackend:
             self._decode_bindings.clear()
 
     def drop_unplaced(self) -> None:
-        """Close the sessions no phase runs on any more (after a measurement tried them)."""
+        """Close the sessions no phase runs on any more (after a measurement tried them). The ort sessions too where
+        nothing runs on them (the prefill on OpenVINO's own runtime, the decode and verify passes on native-cpu; no
+        image or audio rows, no draft head): the 1B shape's int4 weights a third time (1.24 GB) otherwise. A later
+        ``place(..., "ort")`` opens them again."""
         used = set(self.placed.values())
         for name in [n for n in self.phase_sessions if n not in used and n != "ort"]:
             del self.phase_sessions[name]
+        if (self.placed["prefill"] in OPENVINO_RUNTIME and self.placed["decode"] == "native-cpu" and self.images is None
+                and self.hidden_rows is None and "ort" in self.phase_sessions):
+            del self.phase_sessions["ort"]
+            self.sessions, self._target_prefill = {}, None
+            self._decode_bindings.clear()
+            self._verify.clear()
 
     # ---- Backend protocol --------------------------------------------------------------------
     def allocate(self, slots: int | None = None) -> KVCache:

@@ -100,10 +100,15 @@ class OrtBackend:
             check_weights_fit(weights.stat().st_size, *manifest.model.experts)
         self._options, self._providers = options, providers
         self.phase_sessions: dict[str, Any] = {}
-        self._open_ort()
+        self.sessions: dict[str, Any] = {}
+        self._target_prefill: Any = None
+        if not _without_ort(phases or {}):  # else they are not opened at all (drop_unplaced)
+            self._open_ort()
         # GroupQueryAttention (ort target) accepts a multi-token step with a non-empty cache only at batch 1.
         self._prefill_with_past_batch = target_info(manifest.target).multi_token_rows or self.max_batch
         self.placed = {"prefill": "ort", "decode": "ort"}  # phase -> what runs it (inspect, the metrics line)
+        if not self.phase_sessions:  # each phase placed where the ort sessions are not needed (below)
+            self.placed.update(phases or {})
         # a long one-row prompt runs in chunks of this many tokens (0: in one call): GQA's CPU prefill
         # attends over the whole square, so 512-token chunks cut its share of a 4096-token prompt
         # by about a fifth while the GEMMs stay large (docs/benchmarks/history.md, "Sizes users deploy (issue 32)")
@@ -162,7 +167,7 @@ class OrtBackend:
         if phase not in self.placed or name not in ("ort", "openvino", *OPENVINO_RUNTIME, "native-cpu"):
             raise DecodertError(f"cannot place {phase!r} on {name!r}: phases are prefill and decode, "
                                 f"backends ort, openvino, {', '.join(OPENVINO_RUNTIME)} and native-cpu")
-        if "ort" not in self.phase_sessions:  # released by drop_unplaced: every phase but this one runs elsewhere
+        if "ort" not in self.phase_sessions and not _without_ort({**self.placed, phase: name}):  # closed till now
             self._open_ort()
             for other, runs in self.placed.items():
                 if runs == "openvino":  # the EP's session stays where it was placed
@@ -211,8 +216,7 @@ class OrtBackend:
         used = set(self.placed.values())
         for name in [n for n in self.phase_sessions if n not in used and n != "ort"]:
             del self.phase_sessions[name]
-        if (self.placed["prefill"] in OPENVINO_RUNTIME and self.placed["decode"] == "native-cpu" and self.images is None
-                and self.hidden_rows is None and "ort" in self.phase_sessions):
+        if _without_ort(self.placed) and self.images is None and self.hidden_rows is None and "ort" in self.phase_sessions:
             del self.phase_sessions["ort"]
             self.sessions, self._target_prefill = {}, None
             self._decode_bindings.clear()
@@ -573,6 +577,12 @@ def portable_prefill(folder: Path, manifest: Manifest) -> tuple[Any, Path]:
     path = folder / graph.file
     check_external_data(path)
     return graph, path
+
+
+def _without_ort(phases: dict[str, str]) -> bool:
+    """Do these phases run without the ort sessions: the prefill on OpenVINO's own runtime, the decode (and the
+    verify passes) on native-cpu?"""
+    return phases.get("prefill") in OPENVINO_RUNTIME and phases.get("decode") == "native-cpu"
 
 
 def _chosen_finite(logits: np.ndarray, chosen: np.ndarray) -> bool:

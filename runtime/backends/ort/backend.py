@@ -174,7 +174,7 @@ class OrtBackend:
                     self.sessions[other] = self.phase_sessions["openvino"][other]
         if name == "native-cpu":
             if phase != "decode":
-                raise DecodertError("native-cpu runs the decode step only (decodert's own C step, one row a call)")
+                raise DecodertError("native-cpu runs the decode step and the verify passes only (decodert's own C step)")
             if name not in self.phase_sessions:
                 from decodert.runtime.backends.native.step import NativeDecode
 
@@ -366,14 +366,12 @@ class OrtBackend:
                            np.zeros((len(slots), width, self.vocab_size), np.float32) if want_logits else None)
         if self.placed["decode"] == "native-cpu":  # scored by the step that decodes (verify_matches_decode)
             best, logits = self._native_pass(cache, list(slots), [np.asarray(x, np.int64) for x in ids])
+            if out.logits is None and not _chosen_finite(logits, best):  # the scores go with the pass, as _gather does
+                out.logits = np.zeros((len(slots), width, self.vocab_size), np.float32)
             at = np.concatenate([[0], np.cumsum(lens)])
             for j in range(len(slots)):
                 out.next_tokens[j, : lens[j]] = best[at[j] : at[j + 1]]
                 if out.logits is not None:
-                    out.logits[j, : lens[j]] = logits[at[j] : at[j + 1]]
-            if out.logits is None and not _chosen_finite(logits, best):  # as _gather does
-                out.logits = np.zeros((len(slots), width, self.vocab_size), np.float32)
-                for j in range(len(slots)):
                     out.logits[j, : lens[j]] = logits[at[j] : at[j + 1]]
             return out
         if self._windows:  # every row runs alone (below): its windows are kept per row

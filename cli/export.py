@@ -89,10 +89,23 @@ def add_parser(sub: Any) -> None:
     e.set_defaults(func=run_export)
 
 
+def quant_config(args: argparse.Namespace) -> Any:
+    """The QuantConfig ``--quant`` and its options ask for (None without --quant)."""
+    from decodert.export.quantize.quant import QuantConfig
+
+    if not args.quant:
+        return None
+    bits = int(args.quant[3:])
+    # ONNX Runtime 1.32 has no fast fp32-compute int8 MatMulNBits kernel on CPU (~2 s/step), so int8 defaults to 4
+    level = args.accuracy_level if args.accuracy_level is not None else (4 if bits == 8 else 0)
+    return QuantConfig(bits=bits, block_size=args.block_size, accuracy_level=level,
+                       symmetric=args.symmetric, lm_head=not args.no_quant_lm_head, keep_q8=args.keep_q8,
+                       keep_q4_1=args.keep_q4_1, scale_search=not args.no_scale_search)
+
+
 def run_export(args: argparse.Namespace) -> int:
     from decodert.artifact.lora_layout import LoraLayout
     from decodert.export.pipeline import export_model
-    from decodert.export.quantize.quant import QuantConfig
 
     from decodert.export.heads import is_head_checkpoint
 
@@ -104,14 +117,7 @@ def run_export(args: argparse.Namespace) -> int:
         from decodert.export.fetch import smollm2_gguf
 
         src = smollm2_gguf()
-    quant = None
-    if args.quant:
-        bits = int(args.quant[3:])
-        # ONNX Runtime 1.32 has no fast fp32-compute int8 MatMulNBits kernel on CPU (~2 s/step), so int8 defaults to 4
-        level = args.accuracy_level if args.accuracy_level is not None else (4 if bits == 8 else 0)
-        quant = QuantConfig(bits=bits, block_size=args.block_size, accuracy_level=level,
-                            symmetric=args.symmetric, lm_head=not args.no_quant_lm_head, keep_q8=args.keep_q8,
-                            keep_q4_1=args.keep_q4_1, scale_search=not args.no_scale_search)
+    quant = quant_config(args)
     m = export_model(src, args.out, target=args.target, dtype=args.dtype, max_seq=args.max_seq,
                      max_batch=args.max_batch, quant=quant, plugins=args.plugins, trt_version=args.trt_version,
                      kv_dtype=args.kv_dtype,
@@ -141,8 +147,11 @@ def run_head_export(args: argparse.Namespace) -> int:
         raise DecodertError(f"-o {out} already holds a head; add --force to replace it (or choose another -o)")
     if out.exists() and any(out.iterdir()) and not (out / HEAD_MANIFEST).is_file():
         raise DecodertError(f"-o {out} is a folder with other files; choose an empty or new folder")
-    record = export_head(args.src, out, args.target_artifact)
-    print(f"exported {record['family']} head ({record['dtype']}) for {args.target_artifact} to {out}")
+    if args.keep_q8 or args.keep_q4_1:
+        raise DecodertError("--keep-q8 / --keep-q4-1 are for GGUF targets; a draft head is quantized from its float weights")
+    record = export_head(args.src, out, args.target_artifact, quant=quant_config(args))
+    quant = f", int{record['quant']['bits']} linears" if record.get("quant") else ""
+    print(f"exported {record['family']} head ({record['dtype']}{quant}) for {args.target_artifact} to {out}")
     return 0
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -70,10 +71,12 @@ def has_mtp_layers(src: str | Path) -> bool:
     return False
 
 
-def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Path, dtype: str | None = None) -> dict:
+def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Path, dtype: str | None = None,
+                quant: Any = None) -> dict:
     """Export the head checkpoint ``src`` (or the MTP layers of the target checkpoint ``src``) for the target
     artifact ``target_artifact`` into ``out_dir``; returns head.json's record. ``dtype``: the target's unless given
-    (fp32 | fp16)."""
+    (fp32 | fp16). ``quant`` (a QuantConfig; EAGLE-3 heads for an ort target): the head's linears block-quantized,
+    so that a drafted token reads a quarter (int8) or an eighth (int4) of the bytes."""
     src, out = Path(src), Path(out_dir)
     try:
         config = json.loads((src / "config.json").read_text())
@@ -99,9 +102,15 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
     if not eagle3 and target.hidden_layers:
         raise DecodertError(f"{target_artifact}: its hidden-state outputs are layer features (--hidden-layers), which "
                             "only an EAGLE-3 head reads; export the target again with --hidden-states alone")
+    if quant is not None and not eagle3:
+        raise DecodertError(f"{src}: --quant for a draft head is built for EAGLE-3 heads only (this is "
+                            f"{'an MTP layer' if mtp else config.get('model_type')}); export it without --quant")
+    if quant is not None and target.target != "ort":
+        raise DecodertError(f"{target_artifact}: a quantized head runs on the ort target only (MatMulNBits); "
+                            f"this target is {target.target}")
     out.mkdir(parents=True, exist_ok=True)
     if eagle3:
-        record = _export_eagle3(src, out, config, target, target_artifact, dtype)
+        record = _export_eagle3(src, out, config, target, target_artifact, dtype, quant)
     elif mtp:
         record = _export_mtp(src, out, config, target, target_artifact, dtype)
     else:
@@ -190,7 +199,7 @@ def _export_mtp(src: Path, out: Path, config: dict, target, target_artifact, dty
             "graph": {"file": HEAD_GRAPH, **mtp_contract(spec, dtype)}}
 
 
-def _export_eagle3(src: Path, out: Path, config: dict, target, target_artifact, dtype: str) -> dict:
+def _export_eagle3(src: Path, out: Path, config: dict, target, target_artifact, dtype: str, quant: Any = None) -> dict:
     """An EAGLE-3 head folder (config.json + safetensors in the published layout) -> head.onnx (+ embed.npy where
     the head has an embedding of its own that is not the target's)."""
     from decodert.export.heads.eagle3 import build_eagle3_graph, eagle3_contract
@@ -229,10 +238,12 @@ def _export_eagle3(src: Path, out: Path, config: dict, target, target_artifact, 
         raise DecodertError(f"{src}: a draft vocabulary of {spec.draft_vocab_size} (not the target's "
                             f"{spec.vocab_size}) needs its d2t table")
     embedding = _head_embedding(src, out, weights.pop("embed", None), spec, target, target_artifact, dtype)
-    onnx.save_model(build_eagle3_graph(spec, weights, dtype, target.max_seq), out / HEAD_GRAPH,
+    onnx.save_model(build_eagle3_graph(spec, weights, dtype, target.max_seq, quant), out / HEAD_GRAPH,
                     save_as_external_data=True, location="head.bin", size_threshold=1024)
     onnx.checker.check_model(str(out / HEAD_GRAPH), full_check=True)
     return {"format": "decodert-head", "version": 1, "family": "eagle3", "dtype": dtype,
+            **({"quant": {"bits": quant.bits, "block_size": quant.block_size, "symmetric": quant.symmetric,
+                          "accuracy_level": quant.accuracy_level, "lm_head": quant.lm_head}} if quant else {}),
             "max_seq": target.max_seq, "target": _target_record(target, tspec),
             "reads": {"hidden": "hidden_state", "hidden_layers": list(ids), "kv_layers": {}},
             "cache": {"layers": 1, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},

@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 
 from decodert.export.heads.own_kv import HeadOps, add_weights, attend, cache_inputs, cache_outputs, last_rows, positions, rope
+from decodert.export.quantize.quant import QuantConfig
 from decodert.models.families.eagle3 import Eagle3Spec
 from decodert.plugins.onnx_builder import GraphBuilder
 
@@ -43,14 +44,19 @@ def eagle3_contract(spec: Eagle3Spec, dtype: str) -> dict[str, list[dict]]:
     return {"inputs": inputs, "outputs": outputs}
 
 
-def build_eagle3_graph(spec: Eagle3Spec, weights: dict[str, np.ndarray], dtype: str, max_seq: int) -> onnx.ModelProto:
+LINEARS = ("fc", "q", "k", "v", "o", "gate", "up", "down", "lm_head")
+
+
+def build_eagle3_graph(spec: Eagle3Spec, weights: dict[str, np.ndarray], dtype: str, max_seq: int,
+                       quant: QuantConfig | None = None) -> onnx.ModelProto:
     """The graph above; ``weights``: canonical name (eagle3.HF_WEIGHTS, embed and t2d left out) -> float32 array,
-    d2t int64 (absent: the draft vocabulary is the target's)."""
-    g = GraphBuilder("decodert_eagle3_head", {"": 21})
+    d2t int64 (absent: the draft vocabulary is the target's). ``quant``: the linears block-quantized (MatMulNBits;
+    lm_head too unless ``quant.lm_head`` is false)."""
+    g = GraphBuilder("decodert_eagle3_head", {"": 21, "com.microsoft": 1} if quant else {"": 21})
     for io in eagle3_contract(spec, dtype)["inputs"]:
         g.input(io["name"], io["dtype"], io["shape"])
-    add_weights(g, weights, dtype)
-    ops = HeadOps(g, dtype, spec.rms_norm_eps)
+    linears = frozenset(n for n in LINEARS if quant is not None and (n != "lm_head" or quant.lm_head))
+    ops = HeadOps(g, dtype, spec.rms_norm_eps, quant, add_weights(g, weights, dtype, quant, linears))
     norm, linear = ops.norm, ops.linear
     d, heads, kv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     p = positions(g, spec.rope, d, max_seq, "token_embeds")

@@ -8,7 +8,8 @@ row at positions M..M+S-1 over the head's cache of earlier positions, which the 
     past_key.0 / past_value.0 [B, H_kv, P, D]   the head's cache, positions 0..P-1 (P >= max M; read only)
 
 A key j < P is visible to a query of the row iff start <= j < M; a key fed with the call (position M+s') iff s' <= s.
-Attention, norms and residuals run in float32; the linear weights are stored in the head's dtype.
+Attention, norms and residuals run in float32; the linear weights are stored in the head's dtype, or block-quantized
+(``quant``: com.microsoft.MatMulNBits, the ort target's layout, export/quantize/weight_layouts.py) where asked.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
+from decodert.export.quantize.quant import QuantConfig, quantize
 from decodert.models.rope import RopeSpec
 from decodert.plugins.onnx_builder import GraphBuilder
 
@@ -36,11 +38,25 @@ def cache_outputs(dtype: str, kv: int, d: int) -> list[dict]:
     return [{"name": f"new_{n}.0", "dtype": dtype, "shape": ["batch", kv, "seq", d]} for n in CACHE]
 
 
-def add_weights(g: GraphBuilder, weights: dict[str, np.ndarray], dtype: str) -> None:
-    """Norms (``*norm``) in float32, ``experts.*`` as they are, integer tables as they are, every other weight a
-    linear [out, in] stored transposed for MatMul in the head's dtype."""
+def add_weights(g: GraphBuilder, weights: dict[str, np.ndarray], dtype: str,
+                quant: QuantConfig | None = None, quantized: frozenset[str] = frozenset()) -> dict[str, tuple[int, int]]:
+    """Norms (``*norm``) in float32, ``experts.*`` as they are, integer tables as they are, the linears named in
+    ``quantized`` block-quantized by ``quant`` (``name.q`` / ``.scales`` / ``.zero_points`` as MatMulNBits reads
+    them), every other weight a linear [out, in] stored transposed for MatMul in the head's dtype. Returns the
+    quantized ones' [out, in]."""
+    shapes = {}
     for name, w in weights.items():
-        if name.endswith("norm"):
+        if quant is not None and name in quantized:
+            qw = quantize(np.asarray(w, np.float32), quant)
+            q = qw.q.reshape(qw.n, qw.blocks, quant.block_size * quant.bits // 8)
+            g.add_initializer(numpy_helper.from_array(q, f"{name}.q"))
+            g.add_initializer(numpy_helper.from_array(qw.scales.reshape(-1).astype(NP[dtype]), f"{name}.scales"))
+            if not quant.symmetric:
+                zp = numpy_helper.from_array(qw.zero_points.reshape(-1), f"{name}.zero_points")
+                assert zp.data_type == TensorProto.UINT8
+                g.add_initializer(zp)
+            shapes[name] = (qw.n, qw.k)
+        elif name.endswith("norm"):
             g.add_initializer(numpy_helper.from_array(w.astype(np.float32).reshape(-1), name))
         elif name.startswith("experts."):  # [E, rows, in] as plugins/ops/moe.py takes them
             g.add_initializer(numpy_helper.from_array(w.astype(NP[dtype]), name))
@@ -48,6 +64,7 @@ def add_weights(g: GraphBuilder, weights: dict[str, np.ndarray], dtype: str) -> 
             g.add_initializer(numpy_helper.from_array(w, name))
         else:
             g.add_initializer(numpy_helper.from_array(np.ascontiguousarray(w.T).astype(NP[dtype]), name))
+    return shapes
 
 
 @dataclasses.dataclass
@@ -57,6 +74,8 @@ class HeadOps:
     g: GraphBuilder
     dtype: str
     eps: float
+    quant: QuantConfig | None = None
+    quantized: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # name -> [out, in] (add_weights)
 
     def norm(self, x: str, weight: str) -> str:  # float32 in, float32 out
         g = self.g
@@ -65,7 +84,13 @@ class HeadOps:
         return g.op("Mul", y, weight)
 
     def linear(self, x: str, weight: str) -> str:  # float32 [.., in] -> float32 [.., out]
-        y = self.g.op("MatMul", self.stored(x), weight)
+        if weight in self.quantized:
+            n, k, q = *self.quantized[weight], self.quant
+            zp = "" if q.symmetric else f"{weight}.zero_points"
+            y = self.g.op("MatMulNBits", self.stored(x), f"{weight}.q", f"{weight}.scales", zp, domain="com.microsoft",
+                          K=k, N=n, bits=q.bits, block_size=q.block_size, accuracy_level=q.accuracy_level)
+        else:
+            y = self.g.op("MatMul", self.stored(x), weight)
         return self.f32(y)
 
     def f32(self, x: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -421,6 +422,57 @@ def test_speculative_sampling_keeps_the_targets_distribution(drafting, case):
 
 def test_an_fp16_target_and_its_head_stay_exact(llama, tmp_path):
     fp16_head_stays_exact(llama.src, llama.head_src, tmp_path, "eagle3", hidden_layers="eagle3")
+
+
+def _head_outputs(head, pairs: int = 3, seed: int = 0):
+    """head.onnx's logits and hidden_out for one catch-up call of ``pairs`` random pairs (no held entries)."""
+    record = json.loads((head / "head.json").read_text())
+    spec = record["spec"]
+    h, f, kv, d = spec["hidden_size"], 3 * spec["target_hidden_size"], record["cache"]["num_kv_heads"], record["cache"]["head_dim"]
+    rng = np.random.default_rng(seed)
+    feeds = {"token_embeds": rng.standard_normal((1, pairs, h), np.float32),
+             "features": rng.standard_normal((1, pairs, f), np.float32), "hidden": np.zeros((1, pairs, h), np.float32),
+             "past_lengths": np.zeros(1, np.int64), "past_starts": np.zeros(1, np.int64),
+             "seq_lengths": np.array([pairs], np.int64), "past_key.0": np.zeros((1, kv, 1, d), np.float32),
+             "past_value.0": np.zeros((1, kv, 1, d), np.float32)}
+    session = ort.InferenceSession(str(head / HEAD_GRAPH), providers=["CPUExecutionProvider"])
+    logits, _, hidden, *_ = session.run(None, feeds)
+    return logits, hidden
+
+
+def test_a_quantized_head_is_close_to_the_float_one_and_stays_exact(llama, tmp_path, capsys):
+    """``--quant int8|int4`` on a head export: its linears as MatMulNBits (a drafted token reads a quarter / an
+    eighth of the bytes), recorded in head.json; int8's logits within 2% of the float head's range, and greedy
+    drafting with the int4 head is still plain decoding (the target verifies every draft). A quantized head for a
+    trt target, and the GGUF-only options, are refused in one line."""
+    from decodert.cli import main
+    from decodert.export.quantize.quant import QuantConfig
+    from decodert.runtime.llm import LLM
+
+    want, want_hidden = _head_outputs(llama.head)
+    rec = export_head(llama.head_src, tmp_path / "h8", llama.art, quant=QuantConfig(bits=8, accuracy_level=0))
+    assert rec["quant"]["bits"] == 8
+    graph = onnx.load(str(tmp_path / "h8" / HEAD_GRAPH), load_external_data=False)
+    ops = [n.op_type for n in graph.graph.node]
+    assert ops.count("MatMulNBits") == 9 and "MatMul" in ops  # the nine linears; attention's products stay float
+    got, hidden = _head_outputs(tmp_path / "h8")
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+    assert np.abs(hidden - want_hidden).max() < 0.02 * np.abs(want_hidden).max()
+
+    assert main(["export", str(llama.head_src), "--target-artifact", str(llama.art), "-o", str(tmp_path / "h4"),
+                 "--quant", "int4"]) == 0
+    assert "int4 linears" in capsys.readouterr().out
+    with LLM.load(llama.art, backend="ort", draft=tmp_path / "h4", prefix_cache_mb=0) as llm:
+        plain = [llm.generate(p, max_new_tokens=20).token_ids for p in PROMPTS]
+        greedy_drafting_is_plain(llm, plain, "eagle3", refused="mtp")
+    assert main(["export", str(llama.head_src), "--target-artifact", str(llama.art), "-o", str(tmp_path / "hq"),
+                 "--quant", "int4", "--keep-q8"]) == 2
+    assert "--keep-q8 / --keep-q4-1 are for GGUF targets" in capsys.readouterr().err
+    fp16 = tmp_path / "t16"
+    export_model(llama.src, fp16, target="trt", dtype="fp16", max_seq=64, max_batch=2, progress=False,
+                 hidden_layers="eagle3")
+    with pytest.raises(DecodertError, match="a quantized head runs on the ort target only"):
+        export_head(llama.head_src, tmp_path / "ht", fp16, quant=QuantConfig(bits=4))
 
 
 @pytest.mark.trt

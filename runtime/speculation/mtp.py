@@ -96,6 +96,9 @@ class MtpDrafter:
         self.cache: HeadCache | None = None  # made for the first target cache seen (its slots and max_seq)
         self.seconds_per_token = 0.0  # EMA, measured
         self.follow_seconds = 0.0  # spent catching up at steps that did not draft (measured, reported by nobody yet)
+        # slot -> (target length L, the head's token after t_L, its hidden_out at L-1, the HeadCache tokens it settled):
+        # the last catch-up's output, which a proposal in the same step reuses instead of running the pair L-1 again
+        self._last: dict[int, tuple[int, int, np.ndarray, np.ndarray]] = {}
 
     def _head_cache(self, target: Any) -> HeadCache:
         if self.cache is None or len(self.cache.lengths) != target.slots or self.cache.keys.shape[2] != target.max_seq:
@@ -118,17 +121,39 @@ class MtpDrafter:
             "past_key.0": keys, "past_value.0": values})
         return token, hidden_out, k, v
 
-    def follow(self, seqs: Seq[Any]) -> None:
+    def follow(self, seqs: Seq[Any]) -> dict[int, int]:
         """Catch the rows up with the target's last pass (runtime/speculation/speculative.step calls it at every
-        step, drafted or not: the target's hidden rows are those of its last pass only)."""
+        step, drafted or not: the target's hidden rows are those of its last pass only). Returns, per row index
+        caught up, its first draft (the head's token after the pending one: what a proposal now would start
+        with), which a plain step judges in hindsight, so the head's acceptance is known without verifying."""
         t0 = time.perf_counter()
-        self._catch_up(seqs, range(len(seqs)))
+        rows, token, _ = self._catch_up(seqs, range(len(seqs)))
         self.follow_seconds += time.perf_counter() - t0
+        return {r[0]: int(token[i]) for i, r in enumerate(rows)}
+
+    def _followed(self, seqs: Seq[Any], wanted: Seq[int]) -> tuple[list, Any, Any] | None:
+        """``_catch_up(seqs, wanted, last=True)``'s result from this step's ``follow`` where every wanted row is
+        still where that catch-up left it (the same target length, entries and tokens); else None."""
+        rows, tokens, hidden = [], [], []
+        for j in wanted:
+            at = getattr(seqs[j].spec, "at", None)
+            if at is None or self.cache is None:
+                return None
+            target, slot = at
+            length, last = int(target.lengths[slot]), self._last.get(slot)
+            if (last is None or last[0] != length or length != seqs[j].length - 1 or self.cache.tokens[slot] is not last[3]
+                    or self.cache.kept(slot, seqs[j].history[: seqs[j].length], length) != length):
+                return None
+            rows.append((j, slot, length, length, None))
+            tokens.append(last[1])
+            hidden.append(last[2])
+        return (rows, np.array(tokens, np.int64), np.stack(hidden)) if rows else None
 
     def propose(self, seqs: Seq[Any], limits: Seq[int]) -> tuple[list[np.ndarray], list[int]]:
         drafts = [np.zeros(0, np.int64) for _ in seqs]
         t0 = time.perf_counter()
-        rows, token, hidden_out = self._catch_up(seqs, [j for j, k in enumerate(limits) if k > 0], last=True)
+        wanted = [j for j, k in enumerate(limits) if k > 0]
+        rows, token, hidden_out = self._followed(seqs, wanted) or self._catch_up(seqs, wanted, last=True)
         if not rows:
             return drafts, [1] * len(seqs)
         cache, slots, b = self.cache, [r[1] for r in rows], len(rows)
@@ -191,6 +216,7 @@ class MtpDrafter:
         for i, (j, slot, length, held, _) in enumerate(rows):
             cache.write(slot, held, k[i, :, : n[i]], v[i, :, : n[i]])
             cache.settle(slot, length, seqs[j].history)
+            self._last[slot] = (length, int(token[i]), np.array(hidden_out[i]), cache.tokens[slot])
         return rows, token, hidden_out
 
     def release(self, seq: Any) -> None:

@@ -177,8 +177,9 @@ class RowState:
         self.speculator.observe(self.drafter, key, accepted, evaluated, weight)
 
     def remember(self, key: int, start: int, draft: np.ndarray) -> None:
-        """A prompt-lookup draft for positions ``start``.. that this step did not verify: judged in
-        hindsight (``hindsight``) once the row has generated those positions."""
+        """A draft for positions ``start``.. that this step did not verify (prompt lookup's, or the first
+        token a following head would draft): judged in hindsight (``hindsight``) once the row has generated
+        those positions."""
         self.pending.append((key, start, draft.tolist()))
 
     def hindsight(self, seq: Sequence) -> None:
@@ -229,9 +230,11 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
         if s.spec is not None:
             s.spec.at = (cache, slot)
     limits = [_row_limit(s, width_max) if s.spec is not None else 0 for s in seqs]
+    firsts: dict[int, int] = {}  # row -> the first draft its head would propose now (judged in hindsight if not asked)
     for drafter, members in _by_drafter(seqs, limits).items():  # a head with a K/V of its own follows every pass
         if hasattr(drafter, "follow"):
-            drafter.follow([seqs[j] for j in members])
+            got = drafter.follow([seqs[j] for j in members])
+            firsts.update((members[i], token) for i, token in (got or {}).items())
     drafts, keys = _look(seqs, limits)
     width = plan(speculator.costs, seqs, drafts, keys, limits, drain)
     n = len(seqs)
@@ -240,6 +243,8 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
             seqs[j].spec.passes += 1
             if keys[j] is not None and len(drafts[j]):  # prompt lookup: judged once the tokens are known
                 seqs[j].spec.remember(keys[j], seqs[j].length, drafts[j])
+            elif j in firsts:  # a head that followed the pass: its first draft judged once the step settles it
+                seqs[j].spec.remember(1, seqs[j].length, np.array([firsts[j]], np.int64))
             elif keys[j] is None and limits[j]:  # a model drafter was not asked: drift to what rows saw
                 seqs[j].spec.idle(1)
         t0 = time.perf_counter()

@@ -363,6 +363,44 @@ def test_the_head_rewinds_its_kv_under_rejected_drafts(drafting, case):
         np.testing.assert_allclose(values[:, start:length], want_v[:, : length - start], atol=TOL)
 
 
+def test_plain_steps_judge_the_heads_first_draft_and_proposals_reuse_the_catch_up(drafting, monkeypatch):
+    """The head follows every pass, so at a plain step it has already run the pair that drafts the next token: that
+    draft is judged in hindsight once the step settles the token (a head whose first verified drafts were unlucky
+    is drafted again when it turns out right: before, the planner gave up on the trained SmolLM2 head for good), and
+    a proposal in the same step starts from that catch-up instead of running the pair again (k = 1: no head call
+    beyond the follow's)."""
+    from decodert.runtime.speculation import speculative
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, plain = drafting
+    drafter = llm.engine.speculator.drafter(SpeculativeConfig("eagle3"))
+    calls = {"run": 0, "follow": 0}
+    run, follow = drafter.session.run, drafter.follow
+
+    def counted_run(*a, **k):
+        calls["run"] += 1
+        return run(*a, **k)
+
+    def counted_follow(seqs):
+        before = calls["run"]
+        got = follow(seqs)
+        calls["follow"] += calls["run"] - before
+        return got
+
+    monkeypatch.setattr(drafter.session, "run", counted_run)
+    monkeypatch.setattr(drafter, "follow", counted_follow)
+    one = SpeculativeConfig("eagle3", draft_len=1, adaptive=False)
+    assert llm.generate(PROMPTS[0], max_new_tokens=20, speculative=one).token_ids == plain[0]
+    assert calls["follow"] >= 5 and calls["run"] == calls["follow"]
+
+    seen = llm.engine.speculator.seen
+    before = seen.get((id(drafter), 1), (0.0, 0.0))[1]
+    monkeypatch.setattr(speculative, "plan", lambda *a, **k: 1)  # plain steps only: nothing is verified
+    assert llm.generate(PROMPTS[1], max_new_tokens=12, speculative="eagle3").token_ids == plain[1][:12]
+    judged = seen[(id(drafter), 1)][1] - before * (1 - 0.02 * speculative.HINDSIGHT) ** 11
+    assert judged > 8 * speculative.HINDSIGHT * 0.9  # ~one hindsight judgement per plain step after the first
+
+
 def test_sessions_and_prefix_hits_stay_exact(drafting, case):
     llm, _ = drafting
     sessions_and_prefix_hits_stay_exact(llm, case.art, case.head, "eagle3")

@@ -72,12 +72,34 @@ TOPICS = [
     "gravity", "the Olympic Games", "penguins", "bread", "democracy", "trees", "robots", "the desert",
     "sleep", "mountains", "money", "the alphabet", "glaciers", "birds' migration", "the telephone",
     "bacteria", "kindness", "comets", "the Great Wall of China", "solar panels",
+    # the second set (2026-12-07): broader subjects, none of HELD_OUT's
+    "sharks", "the stock market", "airplanes", "the microscope", "elephants", "the Renaissance", "electric cars",
+    "wind energy", "the periodic table", "DNA", "the Moon landing", "coral reefs", "volunteering",
+    "the French Revolution", "origami", "the piano", "jazz", "whales", "ants", "spiders", "mushrooms", "cheese",
+    "chocolate", "the Vikings", "castles", "samurai", "the Industrial Revolution", "steam engines", "trains",
+    "bridges", "skyscrapers", "the compass", "maps", "satellites", "Mars", "Jupiter", "the Sun", "telescopes",
+    "the speed of light", "sound", "atoms", "magnets", "algebra", "geometry", "prime numbers", "statistics",
+    "computers", "programming", "video games", "social media", "artificial intelligence", "passwords",
+    "smartphones", "batteries", "nuclear power", "plastic", "paper", "glass", "cotton", "farming", "wheat",
+    "potatoes", "apples", "spices", "cats", "dogs", "horses", "owls", "butterflies", "frogs", "snakes",
+    "polar bears", "Antarctica", "islands", "caves", "waterfalls", "lakes", "grasslands", "soil", "fossils",
+    "diamonds", "gold", "the wheel", "writing", "calendars", "clocks", "museums", "theatre", "painting",
+    "photography", "films", "novels", "fairy tales", "Greek mythology", "football", "tennis", "swimming",
+    "yoga", "languages", "trade", "banks", "cities", "architecture", "gardens", "the human brain",
+    "the skeleton", "the eye", "teeth", "blood", "the lungs", "digestion", "medicine", "first aid",
+    "octopuses", "the Silk Road", "pirates", "knitting", "board games", "puzzles", "mathematics",
 ]
 TEMPLATES = [
     "Explain {t} in simple terms.", "Write a short story about {t}.", "What are three interesting facts about {t}?",
     "Write a short poem about {t}.", "Why is {t} important?", "Describe {t} to someone who has never heard of it.",
     "Give me a brief history of {t}.", "What are common misconceptions about {t}?",
     "Write a paragraph for a school report on {t}.", "What would a curious child ask about {t}, and what would you answer?",
+    "Tell me something surprising about {t}.", "How would you explain {t} to a ten-year-old?",
+    "Write a dialogue between two friends talking about {t}.", "List five questions about {t}, with short answers.",
+    "What can we learn from {t}?", "Summarise what everyone should know about {t}.",
+    "Write a haiku about {t}, then explain it.", "How has {t} changed over time?",
+    "Write an encyclopedia-style introduction to {t}.", "Compose a short speech about {t} for a school assembly.",
+    "What jobs are connected to {t}?", "Imagine you are a museum guide. Introduce {t} to a group of visitors.",
 ]
 HOW_TO = [
     "bake bread at home", "learn to swim as an adult", "start a vegetable garden", "write a good essay",
@@ -87,6 +109,12 @@ HOW_TO = [
     "take better photos with a phone", "cook rice", "keep a journal", "improve my handwriting",
     "reduce food waste", "teach a dog to sit", "speak in public with confidence", "build a birdhouse",
     "set up a budget", "brew a cup of tea", "stay focused while working", "clean a wooden table",
+    "change a light bulb safely", "write a CV", "learn to play the guitar", "make a fruit smoothie", "paint a room",
+    "memorise a poem", "plant a tree", "choose a good book", "sew on a button", "make pancakes", "learn to draw",
+    "be a better listener", "write a short story", "apologise to a friend", "learn to type faster",
+    "start a podcast", "choose a laptop", "back up my files", "make pizza at home", "grow tomatoes", "fold a shirt",
+    "tie a tie", "read faster", "set goals for the new year", "make a cup of coffee", "write a poem",
+    "give a good presentation", "learn to juggle", "decorate a small room", "make a paper boat",
 ]
 CODE = [
     "reverses a string", "checks whether a number is prime", "returns the largest item of a list",
@@ -94,6 +122,13 @@ CODE = [
     "removes duplicates from a list", "converts Celsius to Fahrenheit", "returns the n-th Fibonacci number",
     "checks whether a word is a palindrome", "sums the digits of an integer", "merges two dictionaries",
     "finds the average of a list of numbers", "counts how often each word occurs in a sentence",
+    "finds the second largest number in a list", "checks whether two words are anagrams", "flattens a nested list",
+    "capitalises each word in a sentence", "returns the greatest common divisor of two numbers",
+    "converts a binary string to an integer", "counts the lines in a text file", "returns the longest word in a sentence",
+    "checks whether a year is a leap year", "returns the first n prime numbers", "computes the median of a list",
+    "rotates a list by k positions", "removes punctuation from a string", "transposes a matrix",
+    "finds an item in a sorted list with binary search", "converts a number to Roman numerals",
+    "counts the words in a string", "returns the items two lists have in common", "sorts a list with bubble sort",
 ]
 MATH = [
     "What is 17 times 23? Show your steps.", "A shop sells pens at 3 dollars each. How much do 14 pens cost?",
@@ -102,6 +137,10 @@ MATH = [
     "A recipe needs 2 eggs for 4 people. How many eggs for 10 people?", "What is the sum of the first ten whole numbers?",
     "Convert 3 hours and 15 minutes to minutes.", "What is 144 divided by 12?",
 ]
+MATH += [f"What is {a} times {b}? Show your steps." for a, b in ((12, 34), (46, 19), (75, 8), (103, 7), (58, 62))]
+MATH += [f"What is {p} percent of {n}?" for p, n in ((15, 80), (40, 350), (12, 500), (75, 96))]
+MATH += [f"Solve for x: {a}x - {b} = {c}." for a, b, c in ((5, 4, 21), (2, 9, 15), (7, 3, 46))]
+MATH += [f"A box holds {a} apples. How many apples are in {b} boxes?" for a, b in ((12, 9), (24, 6), (18, 15))]
 # Free-form prompts written apart from the lists above: never trained on (bench/eagle3_speed.py times them).
 HELD_OUT = [
     "What are some good habits for staying healthy?", "Tell me a short story about a dragon who learns to cook.",
@@ -126,12 +165,17 @@ def log(msg: str) -> None:
 
 
 # ---- stage 1-2: the target, and the text it writes -------------------------------------------------------
-def target_artifact(gguf: Path, work: Path) -> Path:
+def target_artifact(gguf: Path, work: Path, generator: str = "int4") -> Path:
+    """The decodert export that writes the training text: ``int4`` (the default: 16 rows at a time on the
+    fastest decode step the placement finds, ~450 tok/s on 2 cores against ~60 for fp32 at batch 8) or
+    ``fp32``. The labels are transformers' fp32 greedy tokens either way (stage 3)."""
     from decodert.export.pipeline import export_model
+    from decodert.export.quantize.quant import QuantConfig
 
-    folder = work / "target"
+    folder = work / ("target" if generator == "fp32" else f"target-{generator}")
     if not (folder / "manifest.json").is_file():
-        export_model(gguf, folder, max_seq=1024, max_batch=8, progress=False)
+        quant = QuantConfig(bits=4, accuracy_level=4) if generator == "int4" else None
+        export_model(gguf, folder, max_seq=1024, max_batch=16 if quant else 8, progress=False, quant=quant)
     return folder
 
 
@@ -144,11 +188,11 @@ def generate_text(target: Path, prompts: list[str], gen: int, path: Path) -> lis
         from decodert.runtime.decoding.sampling import SamplingParams
         from decodert.runtime.llm import LLM, Request
 
-        llm = LLM.load(target, backend="ort")
+        llm = LLM.load(target, backend="ort", placement="auto")
         chat = lambda text: llm.encode(llm.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)  # noqa: E731
         t0, tokens = time.perf_counter(), 0
-        for i in range(0, len(todo), 32):  # in chunks, cached as they finish
-            part = todo[i:i + 32]
+        for i in range(0, len(todo), 64):  # in chunks, cached as they finish
+            part = todo[i:i + 64]
             ids = [chat(p).tolist() for p in part]
             rs = llm.generate_many([Request(p, SamplingParams(max_new_tokens=gen, temperature=0.0)) for p in ids])
             cached += [{"prompt": p, "ids": q, "answer": list(map(int, r.token_ids))} for p, q, r in zip(part, ids, rs)]
@@ -461,6 +505,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--prompts", type=int, default=len(train_prompts()), help="training prompts used (default: all built-in ones)")
     p.add_argument("--gen", type=int, default=192, help="max answer tokens")
+    p.add_argument("--generator", choices=("int4", "fp32"), default="int4", help="the export that writes the text")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--ttt", type=int, default=3, help="training-time-test steps (draft steps trained)")
     p.add_argument("--batch", type=int, default=4)
@@ -496,9 +541,10 @@ def main(argv: list[str] | None = None) -> int:
         from decodert.export.fetch import smollm2_gguf
 
         args.gguf = smollm2_gguf()
-    target = target_artifact(args.gguf, args.work)
+    target = target_artifact(args.gguf, args.work, args.generator)
     t0 = time.perf_counter()
-    rows = generate_text(target, HELD_OUT + prompts, args.gen, args.work / f"text-{args.gen}.json")  # held-out first: cached first
+    text = args.work / (f"text-{args.gen}.json" if args.generator == "fp32" else f"text-{args.generator}-{args.gen}.json")
+    rows = generate_text(target, HELD_OUT + prompts, args.gen, text)  # held-out first: cached first
     t_gen = time.perf_counter() - t0
     log(f"text: {len(rows)} answers, {sum(len(r['answer']) for r in rows)} tokens ({t_gen:.0f} s)")
 
@@ -508,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         args.hf = make_hf_folder(args.gguf, args.work / "hf")
     target_cfg = json.loads((args.hf / "config.json").read_text())
     layer_ids = aux_layer_ids(target_cfg["num_hidden_layers"])
-    feat_path = args.work / f"features-{args.gen}.pt"
+    feat_path = text.with_name(text.name.replace("text-", "features-")).with_suffix(".pt")
     t0 = time.perf_counter()
     cached = torch.load(feat_path) if feat_path.is_file() else {}
     if cached.get("layer_ids") != layer_ids:

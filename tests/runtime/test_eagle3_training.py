@@ -143,7 +143,8 @@ def test_one_epoch_run_writes_the_published_layout(tmp_path, capsys, monkeypatch
     folder = make_tiny_checkpoint("llama", tmp_path / "tiny", num_hidden_layers=8, tie_word_embeddings=True)
     out = tmp_path / "head"
     assert T.main(["--gguf", str(folder), "--hf", str(folder), "--work", str(tmp_path / "work"), "--out", str(out),
-                   "--prompts", "6", "--gen", "6", "--epochs", "1", "--ttt", "2", "--draft-vocab", "64", "--threads", "1"]) == 0
+                   "--prompts", "6", "--gen", "6", "--generator", "fp32", "--epochs", "1", "--ttt", "2",
+                   "--draft-vocab", "64", "--threads", "1"]) == 0
     torch.set_num_threads(threads)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"

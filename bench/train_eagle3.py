@@ -2,17 +2,18 @@
 as a head folder in the published EAGLE-3 layout (config.json + model.safetensors).
 
     python bench/train_eagle3.py [--gguf SmolLM2-135M-Instruct.Q4_1.gguf] [--hf HF-FOLDER] [--work /tmp/decodert-eagle3]
-                                 [--out ~/.cache/decodert-bench/smollm2-eagle3-head] [--prompts 532]
+                                 [--out ~/.cache/decodert-bench/smollm2-eagle3-head] [--prompts 3812] [--generator int4]
                                  [--gen 192] [--epochs 4] [--ttt 3] [--draft-vocab 8192] [--batch 4] [--threads 2]
 
-Stages, each cached under --work (delete a file to redo that stage): ``target/`` the decodert fp32
-export of the GGUF (generation), ``hf/`` transformers' float32 view of the same GGUF (features),
-``text-GEN.json`` the prompts' greedy chat answers (decodert ``generate_many``, temperature 0),
-``features-GEN.pt`` the target's aux hidden states and its greedy next token at every position. Training
+Stages, each cached under --work (delete a file to redo that stage): ``target-int4/`` the decodert int4
+export of the GGUF that writes the text (``target/``, fp32, with ``--generator fp32``), ``hf/`` transformers'
+float32 view of the same GGUF (features), ``text-int4-GEN.json`` the prompts' greedy chat answers (decodert
+``generate_many``, temperature 0), ``features-int4-GEN.pt`` the fp32 target's aux hidden states and its greedy
+next token at every position (the labels). Training
 then takes a few minutes an epoch on 2 cores; the head is written to --out with ``training.json``
 (the data, the held-out acceptance per draft step) beside it.
 
-Prompts: ``train_prompts()`` builds a few hundred varied chat requests (templates x topics, how-to,
+Prompts: ``train_prompts()`` builds 3812 varied chat requests (templates x topics, how-to,
 code and arithmetic requests); every tenth is held out (acceptance on ``val``). ``HELD_OUT`` are free-form
 prompts written apart from the templates and topics (``free``): never trained on; bench/eagle3_speed.py
 measures end-to-end speed on them.

@@ -511,6 +511,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttt", type=int, default=3, help="training-time-test steps (draft steps trained)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--init", type=Path, default=None,
+                   help="go on training this head folder (one this script wrote from the same data) instead of a new head")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=49)
@@ -586,13 +588,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg = head_config(target_cfg, len(keep), layer_ids)
     head = make_head(cfg, embed, weights["model.norm.weight"].float(), keep)
     del weights
+    if args.init is not None:
+        start = load_file(str(args.init / "model.safetensors"))
+        if not torch.equal(start.pop("d2t"), d2t) or start.pop("t2d").shape != t2d.shape:
+            raise SystemExit(f"--init {args.init}: its draft vocabulary is not this data's (another --draft-vocab or data)")
+        head.load_state_dict(start)
+        log(f"  going on from {args.init}")
     t0 = time.perf_counter()
     history = train(head, cfg, embed, train_rows, val_rows, args, t2d_index, keep)
     t_train = time.perf_counter() - t0
     free = evaluate(head, cfg, embed, free_rows, args.ttt, t2d_index, keep)
     val = history[-1] if history else {}
     est = estimate(free["accepted"], args.verify_cost, args.head_cost)
-    extra = {"prompts": n_train, "train_rows": len(train_rows), "val_rows": len(val_rows), "free_rows": len(free_rows),
+    extra = {"prompts": n_train, "init": str(args.init) if args.init else None, "train_rows": len(train_rows),
+             "val_rows": len(val_rows), "free_rows": len(free_rows),
              "answer_tokens": sum(len(r["answer"]) for r in rows), "draft_vocab_coverage": coverage,
              "transformers_decodert_agreement": agree, "epochs": args.epochs, "ttt": args.ttt, "lr": args.lr,
              "history": history, "free": free, "seconds": {"generate": t_gen, "features": t_feat, "train": t_train,

@@ -105,9 +105,10 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
     if quant is not None and not eagle3:
         raise DecodertError(f"{src}: --quant for a draft head is built for EAGLE-3 heads only (this is "
                             f"{'an MTP layer' if mtp else config.get('model_type')}); export it without --quant")
-    if quant is not None and target.target != "ort":
-        raise DecodertError(f"{target_artifact}: a quantized head runs on the ort target only (MatMulNBits); "
-                            f"this target is {target.target}")
+    if quant is not None:
+        from decodert.export.lowering.targets import get_target
+
+        get_target(target.target).check_quantized_head()
     out.mkdir(parents=True, exist_ok=True)
     if eagle3:
         record = _export_eagle3(src, out, config, target, target_artifact, dtype, quant)

@@ -70,6 +70,12 @@ class Target:
             raise DecodertError(f"--kv-dtype {low.kv.name} on --target {self.name}: {problem}")
         return low
 
+    def check_quantized_head(self) -> None:
+        """A one-line error where a draft head's quantized linears (MatMulNBits, export/heads/own_kv.py) would not
+        run beside this target's graphs."""
+        if self.weight_layout.name != "nbits":
+            raise DecodertError(f"a quantized head runs on the ort target only (MatMulNBits); this target is {self.name}")
+
     def check_lora_slots(self, slots: int) -> None:
         """A one-line error when ``--lora-slots`` asks this target for adapter inputs it does not take."""
         if slots and not self.lora_inputs:

@@ -127,7 +127,8 @@ class MtpDrafter:
         caught up, its first draft (the head's token after the pending one: what a proposal now would start
         with), which a plain step judges in hindsight, so the head's acceptance is known without verifying."""
         t0 = time.perf_counter()
-        rows, token, _ = self._catch_up(seqs, range(len(seqs)))
+        rows, token, _ = self._catch_up(seqs, range(len(seqs)), last=True)  # last: a row whose entries a slot's
+        # earlier request left in place (the same tokens) still gets its first draft, and a proposal its reuse
         self.follow_seconds += time.perf_counter() - t0
         return {r[0]: int(token[i]) for i, r in enumerate(rows)}
 

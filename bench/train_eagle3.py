@@ -166,6 +166,11 @@ def log(msg: str) -> None:
 
 
 # ---- stage 1-2: the target, and the text it writes -------------------------------------------------------
+def generator_tag(generator: str) -> str:
+    """The part of the cached stages' names that says which export wrote the text (none for fp32, the old path)."""
+    return "" if generator == "fp32" else f"-{generator}"
+
+
 def target_artifact(gguf: Path, work: Path, generator: str = "int4") -> Path:
     """The decodert export that writes the training text: ``int4`` (the default: 16 rows at a time on the
     fastest decode step the placement finds, ~450 tok/s on 2 cores against ~60 for fp32 at batch 8) or
@@ -173,7 +178,7 @@ def target_artifact(gguf: Path, work: Path, generator: str = "int4") -> Path:
     from decodert.export.pipeline import export_model
     from decodert.export.quantize.quant import QuantConfig
 
-    folder = work / ("target" if generator == "fp32" else f"target-{generator}")
+    folder = work / f"target{generator_tag(generator)}"
     if not (folder / "manifest.json").is_file():
         quant = QuantConfig(bits=4, accuracy_level=4) if generator == "int4" else None
         export_model(gguf, folder, max_seq=1024, max_batch=16 if quant else 8, progress=False, quant=quant)
@@ -546,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         args.gguf = smollm2_gguf()
     target = target_artifact(args.gguf, args.work, args.generator)
     t0 = time.perf_counter()
-    text = args.work / (f"text-{args.gen}.json" if args.generator == "fp32" else f"text-{args.generator}-{args.gen}.json")
+    text = args.work / f"text{generator_tag(args.generator)}-{args.gen}.json"
     rows = generate_text(target, HELD_OUT + prompts, args.gen, text)  # held-out first: cached first
     t_gen = time.perf_counter() - t0
     log(f"text: {len(rows)} answers, {sum(len(r['answer']) for r in rows)} tokens ({t_gen:.0f} s)")
@@ -557,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         args.hf = make_hf_folder(args.gguf, args.work / "hf")
     target_cfg = json.loads((args.hf / "config.json").read_text())
     layer_ids = aux_layer_ids(target_cfg["num_hidden_layers"])
-    feat_path = text.with_name(text.name.replace("text-", "features-")).with_suffix(".pt")
+    feat_path = args.work / f"features{generator_tag(args.generator)}-{args.gen}.pt"
     t0 = time.perf_counter()
     cached = torch.load(feat_path) if feat_path.is_file() else {}
     if cached.get("layer_ids") != layer_ids:

@@ -102,12 +102,12 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
     if not eagle3 and target.hidden_layers:
         raise DecodertError(f"{target_artifact}: its hidden-state outputs are layer features (--hidden-layers), which "
                             "only an EAGLE-3 head reads; export the target again with --hidden-states alone")
-    if quant is not None and not eagle3:
-        raise DecodertError(f"{src}: --quant for a draft head is built for EAGLE-3 heads only (this is "
-                            f"{'an MTP layer' if mtp else config.get('model_type')}); export it without --quant")
     if quant is not None:
         from decodert.export.lowering.targets import get_target
 
+        if not eagle3:
+            raise DecodertError(f"{src}: --quant for a draft head is built for EAGLE-3 heads only (this is "
+                                f"{'an MTP layer' if mtp else config.get('model_type')}); export it without --quant")
         get_target(target.target).check_quantized_head()
     out.mkdir(parents=True, exist_ok=True)
     if eagle3:

@@ -19,7 +19,8 @@ import dataclasses
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from decodert.export.quantize.quant import QuantConfig, quantize
+from decodert.export.quantize.quant import QuantConfig, WeightQuant, quantize
+from decodert.export.quantize.weight_layouts import NBITS
 from decodert.models.rope import RopeSpec
 from decodert.plugins.onnx_builder import GraphBuilder
 
@@ -48,13 +49,7 @@ def add_weights(g: GraphBuilder, weights: dict[str, np.ndarray], dtype: str,
     for name, w in weights.items():
         if quant is not None and name in quantized:
             qw = quantize(np.asarray(w, np.float32), quant)
-            q = qw.q.reshape(qw.n, qw.blocks, quant.block_size * quant.bits // 8)
-            g.add_initializer(numpy_helper.from_array(q, f"{name}.q"))
-            g.add_initializer(numpy_helper.from_array(qw.scales.reshape(-1).astype(NP[dtype]), f"{name}.scales"))
-            if not quant.symmetric:
-                zp = numpy_helper.from_array(qw.zero_points.reshape(-1), f"{name}.zero_points")
-                assert zp.data_type == TensorProto.UINT8
-                g.add_initializer(zp)
+            NBITS.write(_Initializers(g), name, qw, WeightQuant(quant.bits, quant.block_size, quant.symmetric, "rtn"), dtype)
             shapes[name] = (qw.n, qw.k)
         elif name.endswith("norm"):
             g.add_initializer(numpy_helper.from_array(w.astype(np.float32).reshape(-1), name))
@@ -65,6 +60,24 @@ def add_weights(g: GraphBuilder, weights: dict[str, np.ndarray], dtype: str,
         else:
             g.add_initializer(numpy_helper.from_array(np.ascontiguousarray(w.T).astype(NP[dtype]), name))
     return shapes
+
+
+class _Initializers:
+    """The writer export/quantize/weight_layouts.py writes a layout through (artifact/weights.py's ``add`` /
+    ``add_raw``), onto a graph's initializers: a head's weights live in head.bin beside its graph."""
+
+    def __init__(self, g: GraphBuilder) -> None:
+        self.g = g
+
+    def add(self, name: str, array: np.ndarray, dtype: str) -> None:
+        self.g.add_initializer(numpy_helper.from_array(np.ascontiguousarray(array.astype(NP[dtype])), name))
+
+    def add_raw(self, name: str, data: np.ndarray, data_type: int, dims: tuple[int, ...]) -> None:
+        tensor = numpy_helper.from_array(np.ascontiguousarray(data).reshape(dims), name)
+        if tensor.data_type != data_type:
+            raise ValueError(f"{name}: {TensorProto.DataType.Name(tensor.data_type)}, the layout declares "
+                             f"{TensorProto.DataType.Name(data_type)}")
+        self.g.add_initializer(tensor)
 
 
 @dataclasses.dataclass

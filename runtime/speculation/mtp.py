@@ -96,9 +96,9 @@ class MtpDrafter:
         self.cache: HeadCache | None = None  # made for the first target cache seen (its slots and max_seq)
         self.seconds_per_token = 0.0  # EMA, measured
         self.follow_seconds = 0.0  # spent catching up at steps that did not draft (measured, reported by nobody yet)
-        # slot -> (target length L, the head's token after t_L, its hidden_out at L-1, the HeadCache tokens it settled):
-        # the last catch-up's output, which a proposal in the same step reuses instead of running the pair L-1 again
-        self._last: dict[int, tuple[int, int, np.ndarray, np.ndarray]] = {}
+        # slot -> (the head's token after t_L, its hidden_out at L-1, the HeadCache tokens 0..L it settled): the last
+        # catch-up's output, which a proposal in the same step reuses instead of running the pair L-1 again
+        self._last: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
 
     def _head_cache(self, target: Any) -> HeadCache:
         if self.cache is None or len(self.cache.lengths) != target.slots or self.cache.keys.shape[2] != target.max_seq:
@@ -127,8 +127,8 @@ class MtpDrafter:
         caught up, its first draft (the head's token after the pending one: what a proposal now would start
         with), which a plain step judges in hindsight, so the head's acceptance is known without verifying."""
         t0 = time.perf_counter()
-        rows, token, _ = self._catch_up(seqs, range(len(seqs)), last=True)  # last: a row whose entries a slot's
-        # earlier request left in place (the same tokens) still gets its first draft, and a proposal its reuse
+        # last: a row whose entries a slot's earlier request left in place (the same tokens) still gets its draft
+        rows, token, _ = self._catch_up(seqs, range(len(seqs)), last=True)
         self.follow_seconds += time.perf_counter() - t0
         return {r[0]: int(token[i]) for i, r in enumerate(rows)}
 
@@ -142,12 +142,13 @@ class MtpDrafter:
                 return None
             target, slot = at
             length, last = int(target.lengths[slot]), self._last.get(slot)
-            if (last is None or last[0] != length or length != seqs[j].length - 1 or self.cache.tokens[slot] is not last[3]
+            if (last is None or self.cache.tokens[slot] is not last[2] or len(last[2]) != length + 1
+                    or length != seqs[j].length - 1
                     or self.cache.kept(slot, seqs[j].history[: seqs[j].length], length) != length):
                 return None
             rows.append((j, slot, length, length, None))
-            tokens.append(last[1])
-            hidden.append(last[2])
+            tokens.append(last[0])
+            hidden.append(last[1])
         return (rows, np.array(tokens, np.int64), np.stack(hidden)) if rows else None
 
     def propose(self, seqs: Seq[Any], limits: Seq[int]) -> tuple[list[np.ndarray], list[int]]:
@@ -217,7 +218,7 @@ class MtpDrafter:
         for i, (j, slot, length, held, _) in enumerate(rows):
             cache.write(slot, held, k[i, :, : n[i]], v[i, :, : n[i]])
             cache.settle(slot, length, seqs[j].history)
-            self._last[slot] = (length, int(token[i]), np.array(hidden_out[i]), cache.tokens[slot])
+            self._last[slot] = (int(token[i]), np.array(hidden_out[i]), cache.tokens[slot])
         return rows, token, hidden_out
 
     def release(self, seq: Any) -> None:

@@ -234,7 +234,7 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
     for drafter, members in _by_drafter(seqs, limits).items():  # a head with a K/V of its own follows every pass
         if hasattr(drafter, "follow"):
             got = drafter.follow([seqs[j] for j in members])
-            firsts.update((members[i], token) for i, token in (got or {}).items())
+            firsts.update((members[i], token) for i, token in got.items())
     drafts, keys = _look(seqs, limits)
     width = plan(speculator.costs, seqs, drafts, keys, limits, drain)
     n = len(seqs)

@@ -257,6 +257,18 @@ def log_softmax(row: np.ndarray) -> np.ndarray:
         return z - np.log(np.exp(z).sum())
 
 
+def top_probability(logits: np.ndarray) -> np.ndarray:
+    """The softmax maximum of each row of logits [B, V] -> [B] float64 (NaN scores count as -inf; a row with
+    no finite score gives 0): how sure a draft head is of its argmax."""
+    scores = np.asarray(logits, dtype=np.float64)
+    scores = np.where(np.isnan(scores), -np.inf, scores)
+    top = scores.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = np.exp(scores - top).sum(axis=-1)
+    out = 1.0 / total
+    return np.where(np.isfinite(top[..., 0]) & np.isfinite(out), out, 0.0)
+
+
 def log_normalise(probs: np.ndarray) -> np.ndarray:
     """log(probs / sum) of unnormalised probabilities [V] (0 -> -inf)."""
     with np.errstate(divide="ignore"):

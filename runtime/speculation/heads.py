@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import numpy as np
 
 from decodert.artifact.heads import HEAD_METHODS, target_embedding
 from decodert.errors import DecodertError
 from decodert.runtime.backends.kv_cache import contiguous_runs
+from decodert.runtime.decoding.sampling import top_probability
 
 
 def head_drafter(backend: Any, folder: str | Path, record: dict) -> Any:
@@ -53,14 +54,20 @@ class HeadDrafter:
         self.scale = self.dtype(spec.embed_scale) if spec.embed_scale is not None else None
         self.reads = sorted(set(int(i) for i in record["reads"]["kv_layers"].values()))
         self.seconds_per_token = 0.0  # EMA, measured
+        self.confidences: list[np.ndarray] = []  # the last proposal's: the head's probability of each draft, per row
         self._bindings: dict[tuple[int, ...], tuple[Any, dict[str, np.ndarray]]] = {}
 
     def _embeds(self, tokens: np.ndarray) -> np.ndarray:
         rows = np.asarray(self.embed[tokens], self.dtype)
         return rows * self.scale if self.scale is not None else rows
 
-    def propose(self, seqs: Seq[Any], limits: Seq[int]) -> tuple[list[np.ndarray], list[int]]:
+    def propose(self, seqs: Seq[Any], limits: Seq[int],
+                keep: Callable[[np.ndarray], bool] | None = None) -> tuple[list[np.ndarray], list[int]]:
+        """Chained drafts (up to ``limits[j]``) and, in ``confidences``, the head's probability of each.
+        ``keep(probs)``: False where the last of a row's drafts with these probabilities is not worth
+        verifying (its chain ends before it; the head stops once every row of a run has ended)."""
         drafts = [np.zeros(0, np.int64) for _ in seqs]
+        self.confidences = [np.zeros(0) for _ in seqs]
         t0, made = time.perf_counter(), 0
         rows = []  # (j, slot, L, hidden)
         for j, (seq, k) in enumerate(zip(seqs, limits)):
@@ -83,15 +90,24 @@ class HeadDrafter:
             buf["hidden"][:] = np.stack([h for *_, h in group])
             buf["past_lengths"][:] = [length for _, _, length, _ in group]
             last = np.array([seqs[j].last_token for j, *_ in group], np.int64)
-            tokens = np.zeros((len(group), k), np.int64)
+            tokens, probs = np.zeros((len(group), k), np.int64), np.zeros((len(group), k))
+            ends = np.array([limits[j] for j, *_ in group])  # drafts each row keeps
             for step in range(k):
                 buf["token_embeds"][:] = self._embeds(last)
                 self.session.run_with_iobinding(io)
                 last = tokens[:, step] = buf["next_token"]
+                probs[:, step] = top_probability(buf["logits"])
                 buf["hidden"][:] = buf["hidden_out"]  # the next step's h
                 made += len(group)
+                if keep is not None:
+                    for r in range(len(group)):
+                        if ends[r] > step and not keep(probs[r, : step + 1]):
+                            ends[r] = step
+                if not (ends > step + 1).any():
+                    break
             for r, (j, *_) in enumerate(group):
-                drafts[j] = tokens[r, : limits[j]].copy()
+                drafts[j] = tokens[r, : ends[r]].copy()
+                self.confidences[j] = probs[r, : ends[r]].copy()
         per_token = (time.perf_counter() - t0) / max(made, 1)
         self.seconds_per_token = per_token if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per_token
         return drafts, [1] * len(seqs)

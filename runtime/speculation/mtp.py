@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import numpy as np
 
 from decodert.artifact.heads import head_embedding
 from decodert.errors import DecodertError
 from decodert.runtime.backends.kv_cache import common_prefix
+from decodert.runtime.decoding.sampling import top_probability
 
 
 class HeadCache:
@@ -96,9 +97,11 @@ class MtpDrafter:
         self.cache: HeadCache | None = None  # made for the first target cache seen (its slots and max_seq)
         self.seconds_per_token = 0.0  # EMA, measured
         self.follow_seconds = 0.0  # spent catching up at steps that did not draft (measured, reported by nobody yet)
-        # slot -> (the head's token after t_L, its hidden_out at L-1, the HeadCache tokens 0..L it settled): the last
-        # catch-up's output, which a proposal in the same step reuses instead of running the pair L-1 again
-        self._last: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+        # slot -> (the head's token after t_L, its probability, its hidden_out at L-1, the HeadCache tokens 0..L it
+        # settled): the last catch-up's output, which a proposal in the same step reuses instead of running the pair
+        # L-1 again
+        self._last: dict[int, tuple[int, float, np.ndarray, np.ndarray]] = {}
+        self.confidences: list[np.ndarray] = []  # the last proposal's: the head's probability of each draft, per row
 
     def _head_cache(self, target: Any) -> HeadCache:
         if self.cache is None or len(self.cache.lengths) != target.slots or self.cache.keys.shape[2] != target.max_seq:
@@ -112,75 +115,94 @@ class MtpDrafter:
         return {"token_embeds": embeds, "hidden": hidden}
 
     def _run(self, embeds: np.ndarray, hidden: np.ndarray, at: np.ndarray, starts: np.ndarray, n: np.ndarray,
-             slots: list[int], chained: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """One call: pairs [B, S] at positions at..at+n-1 over the head's entries -> (next_token, hidden_out,
-        new keys, new values)."""
+             slots: list[int], chained: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """One call: pairs [B, S] at positions at..at+n-1 over the head's entries -> (next_token, its
+        probability, hidden_out, new keys, new values)."""
         keys, values = self.cache.past(slots, int(at.max()))
-        _, token, hidden_out, k, v = self.session.run(None, {
+        logits, token, hidden_out, k, v = self.session.run(None, {
             **self._inputs(embeds, hidden, chained), "past_lengths": at, "past_starts": starts, "seq_lengths": n,
             "past_key.0": keys, "past_value.0": values})
-        return token, hidden_out, k, v
+        return token, top_probability(logits), hidden_out, k, v
 
-    def follow(self, seqs: Seq[Any]) -> dict[int, int]:
+    def follow(self, seqs: Seq[Any]) -> dict[int, tuple[int, float]]:
         """Catch the rows up with the target's last pass (runtime/speculation/speculative.step calls it at every
         step, drafted or not: the target's hidden rows are those of its last pass only). Returns, per row index
         caught up, its first draft (the head's token after the pending one: what a proposal now would start
-        with), which a plain step judges in hindsight, so the head's acceptance is known without verifying."""
+        with) and the head's probability for it; a plain step judges the draft in hindsight, so the head's
+        acceptance is known without verifying, and the planner prices the pass with the probability."""
         t0 = time.perf_counter()
         # last: a row whose entries a slot's earlier request left in place (the same tokens) still gets its draft
-        rows, token, _ = self._catch_up(seqs, range(len(seqs)), last=True)
+        rows, token, prob, _ = self._catch_up(seqs, range(len(seqs)), last=True)
         self.follow_seconds += time.perf_counter() - t0
-        return {r[0]: int(token[i]) for i, r in enumerate(rows)}
+        return {r[0]: (int(token[i]), float(prob[i])) for i, r in enumerate(rows)}
 
-    def _followed(self, seqs: Seq[Any], wanted: Seq[int]) -> tuple[list, Any, Any] | None:
+    def _followed(self, seqs: Seq[Any], wanted: Seq[int]) -> tuple[list, Any, Any, Any] | None:
         """``_catch_up(seqs, wanted, last=True)``'s result from this step's ``follow`` where every wanted row is
         still where that catch-up left it (the same target length, entries and tokens); else None."""
-        rows, tokens, hidden = [], [], []
+        rows, tokens, probs, hidden = [], [], [], []
         for j in wanted:
             at = getattr(seqs[j].spec, "at", None)
             if at is None or self.cache is None:
                 return None
             target, slot = at
             length, last = int(target.lengths[slot]), self._last.get(slot)
-            if (last is None or self.cache.tokens[slot] is not last[2] or len(last[2]) != length + 1
+            if (last is None or self.cache.tokens[slot] is not last[3] or len(last[3]) != length + 1
                     or length != seqs[j].length - 1
                     or self.cache.kept(slot, seqs[j].history[: seqs[j].length], length) != length):
                 return None
             rows.append((j, slot, length, length, None))
             tokens.append(last[0])
-            hidden.append(last[1])
-        return (rows, np.array(tokens, np.int64), np.stack(hidden)) if rows else None
+            probs.append(last[1])
+            hidden.append(last[2])
+        return (rows, np.array(tokens, np.int64), np.array(probs), np.stack(hidden)) if rows else None
 
-    def propose(self, seqs: Seq[Any], limits: Seq[int]) -> tuple[list[np.ndarray], list[int]]:
+    def propose(self, seqs: Seq[Any], limits: Seq[int],
+                keep: Callable[[np.ndarray], bool] | None = None) -> tuple[list[np.ndarray], list[int]]:
+        """Chained drafts (up to ``limits[j]``) and, in ``confidences``, the head's probability of each.
+        ``keep(probs)``: False where the last of a row's drafts with these probabilities is not worth
+        verifying (its chain ends before it; the head stops calling once every row has ended)."""
         drafts = [np.zeros(0, np.int64) for _ in seqs]
+        self.confidences = [np.zeros(0) for _ in seqs]
         t0 = time.perf_counter()
         wanted = [j for j, k in enumerate(limits) if k > 0]
-        rows, token, hidden_out = self._followed(seqs, wanted) or self._catch_up(seqs, wanted, last=True)
+        rows, token, prob, hidden_out = self._followed(seqs, wanted) or self._catch_up(seqs, wanted, last=True)
         if not rows:
             return drafts, [1] * len(seqs)
         cache, slots, b = self.cache, [r[1] for r in rows], len(rows)
-        steps = max(limits[r[0]] for r in rows)
-        tokens = np.zeros((b, steps), np.int64)
-        tokens[:, 0] = token
+        ends = np.array([limits[r[0]] for r in rows])  # drafts each row keeps
+        steps = int(ends.max())
+        tokens, probs = np.zeros((b, steps), np.int64), np.zeros((b, steps))
+        tokens[:, 0], probs[:, 0] = token, prob
         position = np.array([r[2] for r in rows], np.int64)  # step 2's pair sits at L
         ones = np.ones(b, np.int64)
-        for step in range(1, steps):
-            embeds = np.asarray(self.embed[tokens[:, step - 1]], self.dtype)[:, None]
-            token, hidden_out, k, v = self._run(embeds, hidden_out[:, None], position, cache.starts[slots], ones, slots,
-                                                chained=True)
+        chained = 0
+        for step in range(steps):
+            if keep is not None:
+                for i in range(b):
+                    if ends[i] > step and not keep(probs[i, : step + 1]):
+                        ends[i] = step
+            if step + 1 >= steps or not (ends > step + 1).any():
+                break
+            embeds = np.asarray(self.embed[tokens[:, step]], self.dtype)[:, None]
+            token, prob, hidden_out, k, v = self._run(embeds, hidden_out[:, None], position, cache.starts[slots], ones,
+                                                      slots, chained=True)
             for i, slot in enumerate(slots):  # scratch: read by the next step, overwritten by the next catch-up
                 cache.write(slot, int(position[i]), k[i], v[i])
-            tokens[:, step] = token
+            tokens[:, step + 1], probs[:, step + 1] = token, prob
             position = position + 1
+            chained += 1
         for i, r in enumerate(rows):
-            drafts[r[0]] = tokens[i, : limits[r[0]]].copy()
-        per_token = (time.perf_counter() - t0) / (b * steps)
-        self.seconds_per_token = per_token if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per_token
+            drafts[r[0]] = tokens[i, : ends[i]].copy()
+            self.confidences[r[0]] = probs[i, : ends[i]].copy()
+        if chained:  # the first draft came with the catch-up: a chained call is what one more token costs
+            per_token = (time.perf_counter() - t0) / chained
+            self.seconds_per_token = per_token if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per_token
         return drafts, [1] * len(seqs)
 
-    def _catch_up(self, seqs: Seq[Any], wanted: Seq[int], last: bool = False) -> tuple[list, Any, Any]:
+    def _catch_up(self, seqs: Seq[Any], wanted: Seq[int], last: bool = False) -> tuple[list, Any, Any, Any]:
         """Run the pairs of positions M..L-1 of the rows ``wanted`` (``last``: at least the pair at L-1, whose
-        output drafts d1) -> (rows (j, slot, L, M, hidden rows), next_token, hidden_out at each row's L-1)."""
+        output drafts d1) -> (rows (j, slot, L, M, hidden rows), next_token, its probability, hidden_out at each
+        row's L-1)."""
         rows = []
         for j in wanted:
             seq = seqs[j]
@@ -205,7 +227,7 @@ class MtpDrafter:
                 held = first
             rows.append((j, slot, length, held, computed[held - first : length - first]))
         if not rows:
-            return rows, None, None
+            return rows, None, None, None
         cache, slots = self.cache, [r[1] for r in rows]
         width, b, h, w = max(len(r[4]) for r in rows), len(rows), self.embed.shape[1], rows[0][4].shape[-1]
         embeds, hidden = np.zeros((b, width, h), self.dtype), np.zeros((b, width, w), self.dtype)  # w: the rows' width
@@ -213,13 +235,13 @@ class MtpDrafter:
         for i, (j, _, length, held, computed) in enumerate(rows):
             hidden[i, : n[i]] = computed
             embeds[i, : n[i]] = self.embed[seqs[j].history[held + 1 : length + 1]]  # the token after each position
-        token, hidden_out, k, v = self._run(embeds, hidden, np.array([r[3] for r in rows], np.int64),
-                                            cache.starts[slots], n, slots)
+        token, prob, hidden_out, k, v = self._run(embeds, hidden, np.array([r[3] for r in rows], np.int64),
+                                                  cache.starts[slots], n, slots)
         for i, (j, slot, length, held, _) in enumerate(rows):
             cache.write(slot, held, k[i, :, : n[i]], v[i, :, : n[i]])
             cache.settle(slot, length, seqs[j].history)
-            self._last[slot] = (int(token[i]), np.array(hidden_out[i]), cache.tokens[slot])
-        return rows, token, hidden_out
+            self._last[slot] = (int(token[i]), float(prob[i]), np.array(hidden_out[i]), cache.tokens[slot])
+        return rows, token, prob, hidden_out
 
     def release(self, seq: Any) -> None:
         pass

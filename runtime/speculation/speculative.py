@@ -39,7 +39,7 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.artifact.heads import HEAD_METHOD_NAMES
 from decodert.runtime.speculation.drafters import Drafter, NgramDrafter
-from decodert.runtime.speculation.planner import StepCosts, plan
+from decodert.runtime.speculation.planner import Calibration, StepCosts, draft_floor, plan
 from decodert.runtime.decoding.generate import Sequence, decode_step
 from decodert.runtime.decoding.metrics import Metrics
 from decodert.runtime.decoding.sampling import apply_processors, draw, greedy, make_distribution
@@ -100,6 +100,7 @@ class Speculator:
         self._draft: Drafter | None = None
         self._head = head  # a head's drafter (made at load: the backend keeps hidden states from the first pass)
         self._ngram: dict[tuple[int, int], NgramDrafter] = {}
+        self._calibrations: dict[int, Calibration] = {}  # id(head drafter) -> its probability's acceptance
         self._making = threading.Lock()  # requests on server threads ask at once: one drafter (one draft cache) each kind
 
     def drafter(self, config: SpeculativeConfig) -> Drafter:
@@ -128,6 +129,13 @@ class Speculator:
 
                 self._draft = DraftModelDrafter(self._draft_backend)
             return self._draft
+
+    def calibration(self, drafter: Drafter) -> Calibration:
+        """How often ``drafter``'s drafts are accepted given its probability for them (a head's; every row's)."""
+        got = self._calibrations.get(id(drafter))
+        if got is None:
+            got = self._calibrations[id(drafter)] = Calibration()
+        return got
 
     def state(self, config: SpeculativeConfig, seq: Sequence) -> "RowState":
         return RowState(self, config, self.drafter(config), seq)
@@ -158,7 +166,9 @@ class RowState:
         self.distribution = None if p.greedy else make_distribution(p.temperature, p.top_k, p.top_p, p.min_p)
         self.stats: dict[int, list[float]] = {}  # proposal kind -> [accepted, evaluated] (decayed sums)
         self.passes = self.proposed = self.accepted = 0
-        self.pending: list[tuple[int, int, list[int]]] = []  # (kind, first position, draft) not verified yet
+        self.pending: list[tuple[int, int, list[int], list[float] | None]] = []  # (kind, first position, draft,
+        # a head's probability of each) not verified yet
+        self.confidence: np.ndarray | None = None  # a head's probability of each draft of this step's pass
         self.at: tuple[Any, int] | None = None  # (target cache, slot) of the row this step
 
     def acceptance(self, key: int) -> float:
@@ -176,11 +186,18 @@ class RowState:
         self.stats[key] = [keep * acc + weight * accepted, keep * seen + weight * evaluated]
         self.speculator.observe(self.drafter, key, accepted, evaluated, weight)
 
-    def remember(self, key: int, start: int, draft: np.ndarray) -> None:
+    def remember(self, key: int, start: int, draft: np.ndarray, probs: Seq[float] | None = None) -> None:
         """A draft for positions ``start``.. that this step did not verify (prompt lookup's, or the first
-        token a following head would draft): judged in hindsight (``hindsight``) once the row has generated
-        those positions."""
-        self.pending.append((key, start, draft.tolist()))
+        token a following head would draft, with the head's ``probs`` for it): judged in hindsight
+        (``hindsight``) once the row has generated those positions."""
+        self.pending.append((key, start, draft.tolist(), None if probs is None else list(probs)))
+
+    def calibrate(self, probs: Seq[float], accepted: int, evaluated: int) -> None:
+        """A head's drafts with these probabilities: the first ``evaluated`` were compared with the target's
+        tokens, the first ``accepted`` of them kept (``Calibration``)."""
+        calibration = self.speculator.calibration(self.drafter)
+        for i in range(min(evaluated, len(probs))):
+            calibration.observe(float(probs[i]), i < accepted)
 
     def hindsight(self, seq: Sequence) -> None:
         """Learn from the remembered drafts the generated tokens now settle: how many of each a
@@ -190,13 +207,15 @@ class RowState:
         soon as it starts to be right (before, its estimate stayed where it was, and a reply that
         repeated itself was decoded plainly to the end)."""
         keep = []
-        for key, start, draft in self.pending:
+        for key, start, draft, probs in self.pending:
             known = seq.history[start : min(seq.length, start + len(draft))].tolist()
             hit = next((i for i, (a, b) in enumerate(zip(known, draft)) if a != b), len(known))
             if hit < len(known) or len(known) == len(draft):
                 self.learn(key, len(draft), hit, HINDSIGHT)
+                if probs is not None:  # exact for greedy rows, as a verify would judge it for sampled ones
+                    self.calibrate(probs, hit, hit + (hit < len(draft)))
             elif not seq.done:
-                keep.append((key, start, draft))
+                keep.append((key, start, draft, probs))
         self.pending = keep
 
     def idle(self, key: int) -> None:
@@ -230,13 +249,16 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
         if s.spec is not None:
             s.spec.at = (cache, slot)
     limits = [_row_limit(s, width_max) if s.spec is not None else 0 for s in seqs]
-    firsts: dict[int, int] = {}  # row -> the first draft its head would propose now (judged in hindsight if not asked)
+    # row -> (the first draft its head would propose now, the head's probability): judged in hindsight if not asked
+    firsts: dict[int, tuple[int, float]] = {}
     for drafter, members in _by_drafter(seqs, limits).items():  # a head with a K/V of its own follows every pass
         if hasattr(drafter, "follow"):
             got = drafter.follow([seqs[j] for j in members])
-            firsts.update((members[i], token) for i, token in got.items())
+            firsts.update((members[i], first) for i, first in got.items())
     drafts, keys = _look(seqs, limits)
-    width = plan(speculator.costs, seqs, drafts, keys, limits, drain)
+    first = [speculator.calibration(seqs[j].spec.drafter)(firsts[j][1]) if j in firsts else None
+             for j in range(len(seqs))]
+    width, tokens_per_second = plan(speculator.costs, seqs, drafts, keys, limits, drain, first)
     n = len(seqs)
     if width == 1:  # plain decode step
         for j in spec_rows:
@@ -244,14 +266,14 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
             if keys[j] is not None and len(drafts[j]):  # prompt lookup: judged once the tokens are known
                 seqs[j].spec.remember(keys[j], seqs[j].length, drafts[j])
             elif j in firsts:  # a head that followed the pass: its first draft judged once the step settles it
-                seqs[j].spec.remember(1, seqs[j].length, np.array([firsts[j]], np.int64))
+                seqs[j].spec.remember(1, seqs[j].length, np.array([firsts[j][0]], np.int64), [firsts[j][1]])
             elif keys[j] is None and limits[j]:  # a model drafter was not asked: drift to what rows saw
                 seqs[j].spec.idle(1)
         t0 = time.perf_counter()
         deltas = decode_step(backend, cache, slots, seqs)
         speculator.costs.record(n, 1, time.perf_counter() - t0)
         return deltas
-    drafts = _draft(seqs, drafts, keys, limits, width)
+    drafts = _draft(seqs, drafts, keys, limits, width, tokens_per_second)
     drafts = [d[: s.guide.check(d)] if s.guide is not None and len(d) else d  # cut what the grammar rejects
               for s, d in zip(seqs, drafts)]
     ids = [np.concatenate([[s.last_token], d]).astype(np.int64) for s, d in zip(seqs, drafts)]
@@ -330,15 +352,27 @@ def _by_drafter(seqs: Seq[Sequence], limits: list[int]) -> dict[Any, list[int]]:
 
 
 def _draft(seqs: Seq[Sequence], drafts: list[np.ndarray], keys: list[int | None], limits: list[int],
-           width: int) -> list[np.ndarray]:
-    """Cut looked-up drafts to the width; ask the model drafters for theirs."""
+           width: int, tokens_per_second: float = 0.0) -> list[np.ndarray]:
+    """Cut looked-up drafts to the width; ask the model drafters for theirs. A head that says how sure it
+    is (``confidences``) ends a row's chain where one more token's calibrated chance of acceptance is
+    below what it costs at the plan's rate (planner.draft_floor; adaptive rows only)."""
     out = [d[: width - 1] for d in drafts]
     for drafter, rows in _by_drafter(seqs, limits).items():
         rows = [j for j in rows if keys[j] is None]
-        if rows:
-            got, _ = drafter.propose([seqs[j] for j in rows], [min(limits[j], width - 1) for j in rows])
-            for j, d in zip(rows, got):
-                out[j] = d
+        if not rows:
+            continue
+        sure = hasattr(drafter, "confidences")
+        keep = None
+        if sure and tokens_per_second > 0 and all(seqs[j].spec.config.adaptive for j in rows):
+            speculator = seqs[rows[0]].spec.speculator
+            calibration = speculator.calibration(drafter)
+            floor = draft_floor(speculator.costs, len(seqs), tokens_per_second, drafter.seconds_per_token)
+            keep = lambda probs: calibration.chain(probs) >= floor  # noqa: E731
+        asked, ask = [seqs[j] for j in rows], [min(limits[j], width - 1) for j in rows]
+        got, _ = drafter.propose(asked, ask) if keep is None else drafter.propose(asked, ask, keep=keep)
+        for i, (j, d) in enumerate(zip(rows, got)):
+            out[j] = d
+            seqs[j].spec.confidence = drafter.confidences[i] if sure else None
     return out
 
 
@@ -385,5 +419,8 @@ def _learn(seq: Sequence, key: int | None, proposed: int, accepted: int) -> None
     spec.accepted += accepted
     if proposed:
         spec.learn(key if key is not None else 1, proposed, accepted)
+        if spec.confidence is not None:  # drafts after a finished row's end were not compared
+            spec.calibrate(spec.confidence[:proposed], accepted, accepted + (accepted < proposed and not seq.done))
+    spec.confidence = None
     if seq.done:
         spec.drafter.release(seq)

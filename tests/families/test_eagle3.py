@@ -395,10 +395,65 @@ def test_plain_steps_judge_the_heads_first_draft_and_proposals_reuse_the_catch_u
 
     seen = llm.engine.speculator.seen
     before = seen.get((id(drafter), 1), (0.0, 0.0))[1]
-    monkeypatch.setattr(speculative, "plan", lambda *a, **k: 1)  # plain steps only: nothing is verified
+    calibration = llm.engine.speculator.calibration(drafter)
+    counted = calibration.seen.sum()
+    monkeypatch.setattr(speculative, "plan", lambda *a, **k: (1, 0.0))  # plain steps only: nothing is verified
     assert llm.generate(PROMPTS[1], max_new_tokens=12, speculative="eagle3").token_ids == plain[1][:12]
     judged = seen[(id(drafter), 1)][1] - before * (1 - 0.02 * speculative.HINDSIGHT) ** 11
     assert judged > 8 * speculative.HINDSIGHT * 0.9  # ~one hindsight judgement per plain step after the first
+    # and each judged draft's probability taught the calibration whether drafts that sure are accepted
+    assert calibration.seen.sum() - counted * calibration.KEEP ** 11 > 8 * 0.9
+
+
+def test_the_chain_ends_where_the_heads_confidence_says_and_stays_exact(drafting, monkeypatch):
+    """``propose(keep=...)``: the head reports its probability of each draft (the softmax maximum of its logits)
+    and stops calling once no row's next draft is worth it; adaptive decoding cuts chains by the calibrated
+    probability and still gives plain decoding's tokens."""
+    from decodert.runtime.decoding.sampling import top_probability
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, plain = drafting
+    drafter = llm.engine.speculator.drafter(SpeculativeConfig("eagle3"))
+    calls, logits = [], []
+    run = drafter.session.run
+
+    def counted_run(*a, **k):
+        out = run(*a, **k)
+        calls.append(1)
+        logits.append(out[0])
+        return out
+
+    monkeypatch.setattr(drafter.session, "run", counted_run)
+    seen: list = []
+    propose = drafter.propose
+
+    def one_only(seqs, limits, keep=None):  # the first draft only, whatever the limits
+        got = propose(seqs, limits, keep=lambda probs: len(probs) < 2)
+        seen.append((list(limits), [len(d) for d in got[0]], [c.copy() for c in drafter.confidences], len(calls)))
+        return got
+
+    monkeypatch.setattr(drafter, "propose", one_only)
+    three = SpeculativeConfig("eagle3", draft_len=3, adaptive=False)
+    assert llm.generate(PROMPTS[0], max_new_tokens=16, speculative=three).token_ids == plain[0][:16]
+    assert seen and all(lengths == [1] for _, lengths, _, _ in seen)
+    assert all(len(c[0]) == 1 and 0 < c[0][0] <= 1 for _, _, c, _ in seen)
+    # the probability is the softmax maximum of the logits of the call that drafted it (the follow's: no chained call)
+    last = seen[-1]
+    assert np.isclose(last[2][0][0], top_probability(logits[last[3] - 1])[0])
+
+    def none_kept(seqs, limits, keep=None):
+        return propose(seqs, limits, keep=lambda probs: False)
+
+    monkeypatch.setattr(drafter, "propose", none_kept)
+    before = len(calls)
+    got = llm.generate(PROMPTS[1], max_new_tokens=12, speculative=three)
+    assert got.token_ids == plain[1][:12]
+    follows = len(calls) - before  # every call was a follow: nothing chained, and no draft verified
+    assert got.metrics.acceptance_rate == 0.0 and follows <= 12
+
+    monkeypatch.setattr(drafter, "propose", propose)
+    for prompt, want in zip(PROMPTS, plain):  # the real rule: calibrated chance against the cost floor
+        assert llm.generate(prompt, max_new_tokens=len(want), speculative="eagle3").token_ids == want
 
 
 def test_sessions_and_prefix_hits_stay_exact(drafting, case):

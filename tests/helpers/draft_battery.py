@@ -90,8 +90,8 @@ def proposals(drafter: Any) -> Iterator[list]:
     seen: list = []
     propose = drafter.propose
 
-    def spy(seqs, limits):
-        drafts, keys = propose(seqs, limits)
+    def spy(seqs, limits, **kw):
+        drafts, keys = propose(seqs, limits, **kw)
         c = drafter.cache
         for seq, draft in zip(seqs, drafts):
             cache, slot = seq.spec.at

@@ -16,7 +16,8 @@ from decodert.runtime.speculation.drafters import (NgramDrafter, longest_suffix_
                                        voted_continuation)
 from decodert.runtime.llm import LLM, Request  # noqa: E402
 from decodert.runtime.decoding.sampling import SamplingParams, make_distribution  # noqa: E402
-from decodert.runtime.speculation.planner import StepCosts, expected_tokens  # noqa: E402
+from decodert.runtime.speculation.planner import (Calibration, StepCosts, chain_tokens, draft_floor,  # noqa: E402
+                                                  expected_tokens, plan)
 from decodert.runtime.speculation.speculative import SpeculativeConfig  # noqa: E402
 
 TOK = make_tokenizer()
@@ -353,4 +354,38 @@ def test_speculative_sampling_has_plain_sampling_distribution():
 def test_expected_tokens():
     assert expected_tokens(0.0, 5) == 1 and expected_tokens(1.0, 3) == 4
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert chain_tokens(None, 0.5, 2) == pytest.approx(1.75) and chain_tokens(0.9, 0.5, 0) == 1
+    assert chain_tokens(0.9, 0.5, 2) == pytest.approx(1 + 0.9 * 1.5)  # 1 + a1 + a1 * a
+
+
+def test_calibration_starts_at_the_heads_word_and_learns_the_truth():
+    cal = Calibration()
+    assert cal(0.95) == pytest.approx(0.95) and cal(0.05) == pytest.approx(0.05) and cal(1.0) == pytest.approx(0.95)
+    rng = np.random.default_rng(0)
+    for _ in range(600):  # an overconfident head: what it gives 0.9 is accepted 60% of the time
+        cal.observe(0.93, bool(rng.random() < 0.6))
+    assert cal(0.91) == pytest.approx(0.6, abs=0.07) and cal(0.15) == pytest.approx(0.15)  # other tenths untouched
+    assert cal.chain([0.93, 0.93]) == pytest.approx(cal(0.93) ** 2) and cal.chain([]) == 1.0
+
+
+def test_a_heads_first_draft_prices_the_pass_and_the_floor_its_chain():
+    """The planner takes a head's calibrated chance for the draft it has made already: a sure one is verified, an
+    unsure one is not, at the same row estimate; the floor is the plan's rate times one more token's cost."""
+    costs = StepCosts()
+    for width, seconds in ((1, 1.0), (2, 1.1), (3, 1.2)):
+        for _ in range(3):
+            costs.record(1, width, seconds)
+
+    class Row:
+        spec = type("Spec", (), {"config": SpeculativeConfig("eagle3"), "acceptance": lambda self, key: 0.3,
+                                 "drafter": type("D", (), {"seconds_per_token": 0.05})()})()
+        params = SamplingParams(max_new_tokens=100)
+        generated: list = []
+
+    args = (costs, [Row()], [np.zeros(0, np.int64)], [None], [2])
+    assert plan(*args, first=[0.9])[0] > 1
+    assert plan(*args, first=[0.05])[0] == 1
+    width, tps = plan(*args, first=[0.9])
+    assert tps == pytest.approx(chain_tokens(0.9, 0.3, width - 1) / (costs.estimate(1, width) + 0.05 * (width - 2)))
+    assert draft_floor(costs, 1, tps, 0.05) == pytest.approx(tps * (0.1 * 1.0 + 0.05))  # slope: 0.1 a token
 

@@ -142,6 +142,73 @@ MATH += [f"What is {a} times {b}? Show your steps." for a, b in ((12, 34), (46, 
 MATH += [f"What is {p} percent of {n}?" for p, n in ((15, 80), (40, 350), (12, 500), (75, 96))]
 MATH += [f"Solve for x: {a}x - {b} = {c}." for a, b, c in ((5, 4, 21), (2, 9, 15), (7, 3, 46))]
 MATH += [f"A box holds {a} apples. How many apples are in {b} boxes?" for a, b in ((12, 9), (24, 6), (18, 15))]
+# The third set (2026-12-08): everyday-chat genres (habits, packing, a day in a job, what makes a good X, ideas,
+# why, how a thing works, letters, stories with a character, differences, how a process goes), each with fills of
+# its own and four phrasings. It shares genres with HELD_OUT, never a subject; HELD_OUT_2's genres are in no list.
+CHAT = {
+    "What are some good habits for {x}?": [
+        "saving money", "studying", "sleeping well", "working from home", "learning an instrument", "keeping a tidy room",
+        "writing every day", "staying focused at school", "reading more books", "looking after my eyes",
+        "a new manager", "a healthy garden", "remembering names", "making the mornings easier", "using a computer safely",
+        "keeping in touch with old friends", "running a small shop", "being on time", "learning to cook", "travelling cheaply"],
+    "What should I pack for {x}?": [
+        "a beach holiday", "a business trip", "a ski trip", "a long flight", "a music festival", "a school trip",
+        "a day of hiking", "a visit to my grandparents", "a week in a big city", "a picnic in the park", "a fishing trip",
+        "a first day at a new job", "a train journey across Europe", "a sailing weekend", "a sleepover", "a hospital stay",
+        "a road trip with a dog", "a trip to the desert", "a cycling tour", "a winter holiday in the mountains"],
+    "Describe a day in the life of {x}.": [
+        "a baker", "a nurse", "an astronaut", "a farmer", "a zookeeper", "a firefighter", "a librarian", "a fisherman",
+        "a chef", "a pilot", "a postman", "a gardener", "a beekeeper", "a train driver", "a museum curator", "a vet",
+        "a street musician", "a bus driver", "a park ranger", "a shepherd", "a deep-sea diver", "a taxi driver",
+        "a newspaper reporter", "a potter", "a mountain guide"],
+    "What makes a good {x}?": [
+        "leader", "friend", "doctor", "neighbour", "coach", "parent", "story", "city park", "manager", "team member",
+        "student", "book", "breakfast", "holiday", "speech", "photograph", "password", "website", "restaurant", "song",
+        "film", "board game", "job interview", "museum", "apology"],
+    "Give me ideas for {x}.": [
+        "a sunny Saturday", "a birthday present for my dad", "a school science fair", "a family dinner",
+        "a quiet evening at home", "a picnic", "a class party", "a long car journey", "a snowy day with friends",
+        "a small garden", "a short film", "a charity event", "a themed party", "a weekend in the countryside",
+        "a cheap date", "a new hobby", "a blog post", "a school play", "a team-building day", "a healthy lunch box"],
+    "Why do {x}?": [
+        "cats purr", "we yawn", "stars twinkle", "onions make us cry", "birds sing in the morning", "we dream",
+        "ice cubes float", "apples turn brown", "we get hiccups", "the seasons change", "balloons float", "dogs wag their tails",
+        "we get goosebumps", "bubbles look round", "some people snore", "boats float", "fireflies glow", "bees make honey",
+        "our voices sound different on recordings", "shadows change during the day"],
+    "How does {x} work?": [
+        "a microwave oven", "a washing machine", "a thermostat", "a bicycle gear", "a camera", "a lift", "a toaster",
+        "a jet engine", "a lock and key", "a vacuum cleaner", "a light bulb", "a dishwasher", "a heat pump",
+        "a touchscreen", "an electric kettle", "a parachute", "a hot-air balloon", "a wind turbine", "a pencil sharpener",
+        "a smoke alarm", "a hearing aid", "a barcode scanner", "a traffic light", "a submarine", "a zip"],
+    "Write a letter to {x}.": [
+        "my grandmother about my new school", "a pen pal about my town", "my neighbour about a lost cat",
+        "my future self about this year", "a friend about a book I loved", "the mayor about a new playground",
+        "a company about a broken toaster", "my teacher to say thank you", "a new student to welcome them",
+        "an author I admire", "my brother who moved abroad", "a local newspaper about litter", "a hotel about my stay",
+        "a friend who is in hospital", "my landlord about a leaking tap", "a zoo asking to visit as a class",
+        "a football club about tickets", "a scientist about their discovery", "my old school about a reunion",
+        "a shop about an order that never came"],
+    "Tell me a short story about {x}.": [
+        "a robot who learns to paint", "a cat who wants to fly", "a young wizard who loses his wand",
+        "a brave mouse who saves a village", "an old sailor who finds a map", "a shy giraffe who joins a band",
+        "a snowman who visits the city", "a knight who is afraid of the dark", "a girl who can talk to trees",
+        "a clock that stops time", "a lost puppy in a big city", "two rival bakers", "a boy who builds a rocket",
+        "a turtle who wants to win a race", "a ghost who is lonely", "a princess who becomes a detective",
+        "a farmer and a magic seed", "a fox who opens a café", "a star that falls into a garden", "a forgetful giant"],
+    "What is the difference between {x}?": [
+        "a virus and a bacterium", "a lake and a pond", "speed and velocity", "a frog and a toad",
+        "a comet and an asteroid", "a crocodile and an alligator", "a hurricane and a tornado", "a fruit and a vegetable",
+        "a city and a town", "an ocean and a sea", "a poem and a song", "a monkey and an ape", "a rabbit and a hare",
+        "a moth and a butterfly", "a cold and the flu", "a loan and a gift", "a mountain and a hill",
+        "a planet and a star", "a novel and a short story", "a canoe and a kayak"],
+    "Explain how {x}.": [
+        "a seed grows into a tree", "a letter travels through the post", "an election works", "a rainbow forms",
+        "bread rises", "a caterpillar becomes a butterfly", "a court trial works", "a bank loan works",
+        "a city gets its clean water", "a book gets published", "a cake bakes in the oven", "a cloud makes rain",
+        "a plane stays in the air", "a wound heals", "a mobile phone call reaches another person", "paper is made",
+        "a newspaper is printed", "a river shapes a valley", "cheese is made", "a ship finds its way at sea"],
+}
+CHAT_PHRASINGS = ["{q}", "{q} Keep it short.", "{q} Please answer in a friendly way.", "Quick question: {q}"]
 # Free-form prompts written apart from the lists above: never trained on (bench/eagle3_speed.py times them).
 HELD_OUT = [
     "What are some good habits for staying healthy?", "Tell me a short story about a dragon who learns to cook.",
@@ -153,12 +220,24 @@ HELD_OUT = [
 ]
 
 
+# Free-form prompts in genres no list above has (reported beside HELD_OUT; never trained on).
+HELD_OUT_2 = [
+    "Plan a three-day trip to Lisbon.", "What are the pros and cons of working in an open-plan office?",
+    "Write a product description for a reusable water bottle.", "Suggest a weekly meal plan for a student.",
+    "Write a riddle and give its answer.", "Write a review of an imaginary seaside restaurant.",
+    "What questions should I ask when buying a used car?", "Create a simple workout plan for beginners.",
+    "Write a limerick about a forgetful cat.", "Summarise the plot of a made-up detective novel.",
+    "Argue for and against school uniforms.", "Write a job advert for a lifeguard.",
+]
+
 def train_prompts() -> list[str]:
     """Every built-in training prompt, in a fixed shuffled order (so --prompts N takes a mix of every kind)."""
     prompts = [t.format(t=topic) for topic in TOPICS for t in TEMPLATES]
     prompts += [f"How do I {h}?" for h in HOW_TO] + [f"Write a Python function that {c}." for c in CODE] + MATH
     random.Random(49).shuffle(prompts)  # fixed seed: the same order in every run
-    return prompts
+    chat = [f.format(q=q.format(x=x)) for q, fills in CHAT.items() for x in fills for f in CHAT_PHRASINGS]
+    random.Random(50).shuffle(chat)  # after the first sets: their every-tenth validation split stays as it was
+    return prompts + chat
 
 
 def log(msg: str) -> None:
@@ -469,6 +548,15 @@ def draft_vocab(features: list[dict], size: int, vocab: int):
     return keep, d2t, t2d, coverage
 
 
+def vocab_coverage(features: list[dict], t2d) -> float:
+    """The fraction of the answers' next tokens a draft vocabulary (t2d [vocab] bool) holds."""
+    held = total = 0
+    for f in features:
+        nxt = f["next"][f["mask"]]
+        held, total = held + int(t2d[nxt].sum()), total + len(nxt)
+    return held / max(total, 1)
+
+
 def head_config(target_cfg: dict, draft_size: int, layer_ids: list[int]) -> dict:
     rope_theta = (target_cfg.get("rope_parameters") or {}).get("rope_theta", target_cfg.get("rope_theta", 10000.0))
     return {
@@ -544,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts > len(prompts):
         log(f"  only {len(prompts)} built-in prompts: using all of them")
     prompts = prompts[:args.prompts]
-    assert not set(prompts) & set(HELD_OUT)
+    assert not set(prompts) & set(HELD_OUT + HELD_OUT_2)
     if args.gguf is None:
         from decodert.export.fetch import smollm2_gguf
 
@@ -552,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     target = target_artifact(args.gguf, args.work, args.generator)
     t0 = time.perf_counter()
     text = args.work / f"text{generator_tag(args.generator)}-{args.gen}.json"
-    rows = generate_text(target, HELD_OUT + prompts, args.gen, text)  # held-out first: cached first
+    rows = generate_text(target, HELD_OUT + HELD_OUT_2 + prompts, args.gen, text)  # held-out first: cached first
     t_gen = time.perf_counter() - t0
     log(f"text: {len(rows)} answers, {sum(len(r['answer']) for r in rows)} tokens ({t_gen:.0f} s)")
 
@@ -576,46 +664,56 @@ def main(argv: list[str] | None = None) -> int:
     agree = feature_agreement(features, rows)
     log(f"features: layers {layer_ids} ({t_feat:.0f} s); transformers' greedy tokens = decodert's at {agree:.4f} of answer tokens")
 
-    n_train, n_free = len(prompts), len(HELD_OUT)
-    free_rows, ours = features[:n_free], features[n_free:]
+    n_train, n_free, n_free2 = len(prompts), len(HELD_OUT), len(HELD_OUT_2)
+    free_rows, free2_rows = features[:n_free], features[n_free:n_free + n_free2]
+    ours = features[n_free + n_free2:]
     train_rows = [f for i, f in enumerate(ours) if i % 10 != 9]
     val_rows = [f for i, f in enumerate(ours) if i % 10 == 9]  # every tenth prompt: held out
     V = target_cfg["vocab_size"]
     keep, d2t, t2d, coverage = draft_vocab(train_rows, min(args.draft_vocab, V), V)
+    from safetensors.torch import load_file
+
+    start = None
+    if args.init is not None:  # going on: the head keeps its own draft vocabulary (this data's coverage reported)
+        start = load_file(str(args.init / "model.safetensors"))
+        if start["t2d"].shape != t2d.shape or start["d2t"].shape != d2t.shape:
+            raise SystemExit(f"--init {args.init}: its draft vocabulary has another size (--draft-vocab) or target")
+        t2d = start.pop("t2d")
+        keep = t2d.nonzero().flatten()
+        d2t = start.pop("d2t")
+        coverage = vocab_coverage(train_rows, t2d)
     t2d_index = torch.full((V,), -1, dtype=torch.int64)
     t2d_index[keep] = torch.arange(len(keep))
     log(f"draft vocabulary: {len(keep)} tokens, {coverage:.4f} of the training answers' next tokens")
-
-    from safetensors.torch import load_file
 
     weights = load_file(str(args.hf / "model.safetensors"))
     embed = weights["model.embed_tokens.weight"].float()
     cfg = head_config(target_cfg, len(keep), layer_ids)
     head = make_head(cfg, embed, weights["model.norm.weight"].float(), keep)
     del weights
-    if args.init is not None:
-        start = load_file(str(args.init / "model.safetensors"))
-        if not torch.equal(start.pop("d2t"), d2t) or start.pop("t2d").shape != t2d.shape:
-            raise SystemExit(f"--init {args.init}: its draft vocabulary is not this data's (another --draft-vocab or data)")
+    if start is not None:
         head.load_state_dict(start)
         log(f"  going on from {args.init}")
     t0 = time.perf_counter()
     history = train(head, cfg, embed, train_rows, val_rows, args, t2d_index, keep)
     t_train = time.perf_counter() - t0
     free = evaluate(head, cfg, embed, free_rows, args.ttt, t2d_index, keep)
+    free2 = evaluate(head, cfg, embed, free2_rows, args.ttt, t2d_index, keep)
     val = history[-1] if history else {}
     est = estimate(free["accepted"], args.verify_cost, args.head_cost)
     extra = {"prompts": n_train, "init": str(args.init) if args.init else None, "train_rows": len(train_rows),
-             "val_rows": len(val_rows), "free_rows": len(free_rows),
+             "val_rows": len(val_rows), "free_rows": len(free_rows), "free2_rows": len(free2_rows),
              "answer_tokens": sum(len(r["answer"]) for r in rows), "draft_vocab_coverage": coverage,
              "transformers_decodert_agreement": agree, "epochs": args.epochs, "ttt": args.ttt, "lr": args.lr,
-             "history": history, "free": free, "seconds": {"generate": t_gen, "features": t_feat, "train": t_train,
+             "history": history, "free": free, "free2": free2, "seconds": {"generate": t_gen, "features": t_feat, "train": t_train,
                                                           "total": time.perf_counter() - t_all}}
     save_head(head, cfg, d2t, t2d, args.out, extra)
     log(f"held-out (val, {val.get('positions', 0)} positions): step acc {fmt(val.get('step_acc', []))}, "
         f"accepted/pass {fmt(val.get('accepted', []))}")
     log(f"held-out free-form ({free['positions']} positions): step acc {fmt(free['step_acc'])}, "
         f"accepted/pass {fmt(free['accepted'])}")
+    log(f"held-out free-form, genres in no training list ({free2['positions']} positions): step acc "
+        f"{fmt(free2['step_acc'])}, accepted/pass {fmt(free2['accepted'])}")
     log(f"estimated speed-up for k = 1..{args.ttt} drafts (verify {args.verify_cost}, head {args.head_cost} decode steps): {fmt(est)}")
     log(f"head written to {args.out} ({time.perf_counter() - t_all:.0f} s in all)")
     return 0

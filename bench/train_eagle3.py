@@ -2,7 +2,7 @@
 as a head folder in the published EAGLE-3 layout (config.json + model.safetensors).
 
     python bench/train_eagle3.py [--gguf SmolLM2-135M-Instruct.Q4_1.gguf] [--hf HF-FOLDER] [--work /tmp/decodert-eagle3]
-                                 [--out ~/.cache/decodert-bench/smollm2-eagle3-head] [--prompts 3812] [--generator int4]
+                                 [--out ~/.cache/decodert-bench/smollm2-eagle3-head] [--prompts 4752] [--generator int4]
                                  [--gen 192] [--epochs 4] [--ttt 3] [--draft-vocab 8192] [--batch 4] [--threads 2]
 
 Stages, each cached under --work (delete a file to redo that stage): ``target-int4/`` the decodert int4
@@ -13,10 +13,11 @@ next token at every position (the labels). Training
 then takes a few minutes an epoch on 2 cores; the head is written to --out with ``training.json``
 (the data, the held-out acceptance per draft step) beside it.
 
-Prompts: ``train_prompts()`` builds 3812 varied chat requests (templates x topics, how-to,
-code and arithmetic requests); every tenth is held out (acceptance on ``val``). ``HELD_OUT`` are free-form
-prompts written apart from the templates and topics (``free``): never trained on; bench/eagle3_speed.py
-measures end-to-end speed on them.
+Prompts: ``train_prompts()`` builds 4752 varied chat requests (templates x topics, how-to,
+code and arithmetic requests: 3812; then 940 everyday-chat requests, ``CHAT``); every tenth is held out
+(acceptance on ``val``). ``HELD_OUT`` are free-form prompts written apart from the lists (``free``): never
+trained on (``CHAT`` shares some of their genres, none of their subjects); bench/eagle3_speed.py measures
+end-to-end speed on them. ``HELD_OUT_2`` (``free2``) are in genres no list has.
 
 The semantics (what the runtime must match; learnt from the EAGLE-3 paper and the published trainers'
 and servers' descriptions, written here from scratch):
@@ -605,7 +606,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--init", type=Path, default=None,
-                   help="go on training this head folder (one this script wrote from the same data) instead of a new head")
+                   help="go on training this head folder (one this script wrote; it keeps its draft vocabulary) instead of a new head")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=49)

@@ -166,15 +166,18 @@ def test_one_epoch_run_writes_the_published_layout(tmp_path, capsys, monkeypatch
     assert w["t2d"].nonzero().flatten().tolist() == targets.tolist()
     info = json.loads((out / "training.json").read_text())
     assert len(info["free"]["step_acc"]) == 2 and info["free_rows"] == len(T.HELD_OUT)
+    assert len(info["free2"]["step_acc"]) == 2 and info["free2_rows"] == len(T.HELD_OUT_2)
     assert "estimated speed-up" in capsys.readouterr().out
-    # --init goes on training that head (same data: the same draft vocabulary); another vocabulary is refused
-    common = ["--gguf", str(folder), "--hf", str(folder), "--work", str(tmp_path / "work"), "--prompts", "6", "--gen", "6",
+    # --init goes on training that head on more data, keeping its draft vocabulary; another size is refused
+    common = ["--gguf", str(folder), "--hf", str(folder), "--work", str(tmp_path / "work"), "--prompts", "8", "--gen", "6",
               "--generator", "fp32", "--epochs", "1", "--ttt", "2", "--threads", "1", "--init", str(out)]
     assert T.main(common + ["--out", str(tmp_path / "again"), "--draft-vocab", "64"]) == 0
     torch.set_num_threads(threads)
     assert "going on from" in capsys.readouterr().out
     assert json.loads((tmp_path / "again" / "training.json").read_text())["init"] == str(out)
-    with pytest.raises(SystemExit, match="its draft vocabulary is not this data's"):
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert torch.equal(again["d2t"], w["d2t"]) and torch.equal(again["t2d"], w["t2d"])
+    with pytest.raises(SystemExit, match="its draft vocabulary has another size"):
         T.main(common + ["--out", str(tmp_path / "other"), "--draft-vocab", "16"])
     torch.set_num_threads(threads)
 

@@ -3,13 +3,15 @@
 
     python bench/eagle3_speed.py --target out/smollm2-hs --head out/smollm2-eagle3
                                  [--gguf SmolLM2.gguf] [--head-folder ~/.cache/decodert-bench/smollm2-eagle3-head]
-                                 [--modes plain,eagle3,ngram] [--prompts N] [--repeats 3] [--gen 128] [--threads 2] [--json out.json]
+                                 [--modes plain,eagle3,ngram] [--prompt-set held-out|held-out-2] [--prompts N]
+                                 [--repeats 3] [--gen 128] [--threads 2] [--json out.json]
 
 ``--target`` is a decodert artifact exported with ``--hidden-layers eagle3`` and ``--head`` the head artifact
 (``decodert export HEAD_FOLDER --target-artifact TARGET -o HEAD``); with ``--gguf`` / ``--head-folder``
 missing ones are exported first through the CLI. Every repeat runs every mode in a fresh worker process
 (load, one untimed warm-up prompt that is not measured, then every held-out prompt of
-bench/train_eagle3.py ``HELD_OUT``, batch 1, greedy), rotating which mode goes first. Reported: decode
+bench/train_eagle3.py ``HELD_OUT``, or ``HELD_OUT_2`` (genres no training list has) with ``--prompt-set
+held-out-2``, batch 1, greedy), rotating which mode goes first. Reported: decode
 tok/s (tokens after the first / time after the first, summed over the prompts; the median over repeats),
 the speed-up over plain, tokens per verify pass, and whether every reply's tokens equal plain decoding's
 in every repeat (exit status 1 where they do not).
@@ -41,6 +43,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gguf", type=Path, default=None, help="export --target from this checkpoint when it is missing")
     p.add_argument("--head-folder", type=Path, default=None, help="export --head from this head folder when it is missing")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
+    p.add_argument("--prompt-set", choices=("held-out", "held-out-2"), default="held-out",
+                   help="train_eagle3's HELD_OUT, or HELD_OUT_2 (genres in no training list)")
     p.add_argument("--prompts", type=int, default=None, help="the first N held-out prompts (default: all)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gen", type=int, default=128)
@@ -142,15 +146,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_worker(json.loads(args.worker))))
         return 0
     sys.path.insert(0, str(Path(__file__).parent))
-    from train_eagle3 import HELD_OUT, train_prompts
+    from train_eagle3 import HELD_OUT, HELD_OUT_2, train_prompts
 
-    assert not set(HELD_OUT) & set(train_prompts())
+    prompts = HELD_OUT if args.prompt_set == "held-out" else HELD_OUT_2
+    assert not set(prompts) & set(train_prompts())
     export_missing(args)
     runs: dict[str, list[list[dict]]] = {m: [] for m in args.modes}
     for r in range(args.repeats):
         order = args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]
         for mode in order:
-            runs[mode].append(in_worker(mode, HELD_OUT[: args.prompts], args))
+            runs[mode].append(in_worker(mode, prompts[: args.prompts], args))
         log(f"  repeat {r + 1}/{args.repeats} done (load avg {os.getloadavg()[0]:.2f})")
     table, same = report(runs)
     log(table)

@@ -190,6 +190,7 @@ def test_speed_script_refuses_bad_arguments(tmp_path, capsys):
                       (["--target", str(target), "--head", str(head), "--modes", "plain,medusa"], "unknown medusa"),
                       (["--target", str(target), "--head", str(head), "--modes", "eagle3"], "must include plain"),
                       (["--target", str(target), "--head", str(head), "--repeats", "0"], "--repeats must be at least 1"),
+                      (["--target", str(target), "--head", str(head), "--prompt-set", "mine"], "invalid choice: 'mine'"),
                       (["--target", str(target), "--head", str(head), "--prompts", "0"], "--prompts must be at least 1")):
         with pytest.raises(SystemExit) as e:
             eagle3_speed.parse(argv)

@@ -274,6 +274,9 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
         speculator.costs.record(n, 1, time.perf_counter() - t0)
         return deltas
     drafts = _draft(seqs, drafts, keys, limits, width, tokens_per_second)
+    for j, (token, prob) in firsts.items():  # a head row whose chain ended before its first draft: judged later
+        if not len(drafts[j]):
+            seqs[j].spec.remember(1, seqs[j].length, np.array([token], np.int64), [prob])
     drafts = [d[: s.guide.check(d)] if s.guide is not None and len(d) else d  # cut what the grammar rejects
               for s, d in zip(seqs, drafts)]
     ids = [np.concatenate([[s.last_token], d]).astype(np.int64) for s, d in zip(seqs, drafts)]

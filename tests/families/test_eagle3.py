@@ -445,11 +445,14 @@ def test_the_chain_ends_where_the_heads_confidence_says_and_stays_exact(drafting
         return propose(seqs, limits, keep=lambda probs: False)
 
     monkeypatch.setattr(drafter, "propose", none_kept)
-    before = len(calls)
+    before, calibration = len(calls), llm.engine.speculator.calibration(drafter)
+    counted = calibration.seen.sum()
     got = llm.generate(PROMPTS[1], max_new_tokens=12, speculative=three)
     assert got.token_ids == plain[1][:12]
     follows = len(calls) - before  # every call was a follow: nothing chained, and no draft verified
     assert got.metrics.acceptance_rate == 0.0 and follows <= 12
+    # the first drafts nobody verified are judged in hindsight all the same
+    assert calibration.seen.sum() - counted * calibration.KEEP ** 11 > 8 * 0.9
 
     monkeypatch.setattr(drafter, "propose", propose)
     for prompt, want in zip(PROMPTS, plain):  # the real rule: calibrated chance against the cost floor

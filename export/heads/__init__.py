@@ -75,8 +75,9 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
                 quant: Any = None) -> dict:
     """Export the head checkpoint ``src`` (or the MTP layers of the target checkpoint ``src``) for the target
     artifact ``target_artifact`` into ``out_dir``; returns head.json's record. ``dtype``: the target's unless given
-    (fp32 | fp16). ``quant`` (a QuantConfig; EAGLE-3 heads for an ort target): the head's linears block-quantized,
-    so that a drafted token reads a quarter (int8) or an eighth (int4) of the bytes."""
+    (fp32 | fp16). ``quant`` (a QuantConfig; EAGLE-3 and MTP heads for an ort target): the head's linears
+    block-quantized, so that a drafted token reads a quarter (int8) or an eighth (int4) of the bytes (an MTP
+    layer's lm_head is the target's whole vocabulary: most of its bytes)."""
     src, out = Path(src), Path(out_dir)
     try:
         config = json.loads((src / "config.json").read_text())
@@ -105,19 +106,27 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
     if quant is not None:
         from decodert.export.lowering.targets import get_target
 
-        if not eagle3:
-            raise DecodertError(f"{src}: --quant for a draft head is built for EAGLE-3 heads only (this is "
-                                f"{'an MTP layer' if mtp else config.get('model_type')}); export it without --quant")
+        if not eagle3 and not mtp:
+            raise DecodertError(f"{src}: --quant for a draft head is built for EAGLE-3 and MTP heads only (this is "
+                                f"{config.get('model_type')}); export it without --quant")
         get_target(target.target).check_quantized_head()
     out.mkdir(parents=True, exist_ok=True)
     if eagle3:
         record = _export_eagle3(src, out, config, target, target_artifact, dtype, quant)
     elif mtp:
-        record = _export_mtp(src, out, config, target, target_artifact, dtype)
+        record = _export_mtp(src, out, config, target, target_artifact, dtype, quant)
     else:
         record = _export_assistant(src, out, config, target, target_artifact, dtype)
     (out / HEAD_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def _quant_record(quant: Any) -> dict:
+    """head.json's ``quant`` entry (none for a float head)."""
+    if quant is None:
+        return {}
+    return {"quant": {"bits": quant.bits, "block_size": quant.block_size, "symmetric": quant.symmetric,
+                      "accuracy_level": quant.accuracy_level, "lm_head": quant.lm_head}}
 
 
 def _target_record(target, tspec) -> dict:
@@ -150,7 +159,7 @@ def _export_assistant(src: Path, out: Path, config: dict, target, target_artifac
 _EMBED_ROWS_CHECKED = 64  # rows of the embedding compared with the target's: the head is the target checkpoint's
 
 
-def _export_mtp(src: Path, out: Path, config: dict, target, target_artifact, dtype: str) -> dict:
+def _export_mtp(src: Path, out: Path, config: dict, target, target_artifact, dtype: str, quant: Any = None) -> dict:
     """The MTP layer of the checkpoint ``src`` (the one ``target_artifact`` was exported from: its family, sizes and
     the first rows of its embedding must be the target's) -> head.onnx with the target's lm_head."""
     from decodert.export.heads.qwen3_5_mtp import build_mtp_graph, mtp_contract
@@ -189,10 +198,10 @@ def _export_mtp(src: Path, out: Path, config: dict, target, target_artifact, dty
         gate, up = (np.stack([weights.pop(f"experts.{w}.{j}") for j in range(n)]) for w in ("gate", "up"))
         weights["experts.gate_up"] = np.stack([gate, up], axis=2).reshape(n, -1, spec.hidden_size)
         weights["experts.down"] = np.stack([weights.pop(f"experts.down.{j}") for j in range(n)])
-    onnx.save_model(build_mtp_graph(spec, weights, dtype, target.max_seq), out / HEAD_GRAPH,
+    onnx.save_model(build_mtp_graph(spec, weights, dtype, target.max_seq, quant), out / HEAD_GRAPH,
                     save_as_external_data=True, location="head.bin", size_threshold=1024)
     onnx.checker.check_model(str(out / HEAD_GRAPH), full_check=True)
-    return {"format": "decodert-head", "version": 1, "family": "qwen3_5_mtp", "dtype": dtype,
+    return {"format": "decodert-head", "version": 1, "family": "qwen3_5_mtp", "dtype": dtype, **_quant_record(quant),
             "max_seq": target.max_seq, "target": _target_record(target, tspec),
             "reads": {"hidden": "hidden_state", "kv_layers": {}},
             "cache": {"layers": 1, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
@@ -243,8 +252,7 @@ def _export_eagle3(src: Path, out: Path, config: dict, target, target_artifact, 
                     save_as_external_data=True, location="head.bin", size_threshold=1024)
     onnx.checker.check_model(str(out / HEAD_GRAPH), full_check=True)
     return {"format": "decodert-head", "version": 1, "family": "eagle3", "dtype": dtype,
-            **({"quant": {"bits": quant.bits, "block_size": quant.block_size, "symmetric": quant.symmetric,
-                          "accuracy_level": quant.accuracy_level, "lm_head": quant.lm_head}} if quant else {}),
+            **_quant_record(quant),
             "max_seq": target.max_seq, "target": _target_record(target, tspec),
             "reads": {"hidden": "hidden_state", "hidden_layers": list(ids), "kv_layers": {}},
             "cache": {"layers": 1, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},

@@ -33,6 +33,7 @@ import onnx
 from decodert.export.heads.own_kv import (ONNX_FLOAT, HeadOps, add_weights, attend, cache_inputs, cache_outputs,
                                           last_rows, positions, rope)
 from decodert.models.families.qwen3_5 import MtpSpec
+from decodert.export.quantize.quant import QuantConfig
 from decodert.plugins.onnx_builder import GraphBuilder
 from decodert.plugins.ops import moe as moe_op
 
@@ -48,14 +49,20 @@ def mtp_contract(spec: MtpSpec, dtype: str) -> dict[str, list[dict]]:
     return {"inputs": inputs, "outputs": outputs}
 
 
-def build_mtp_graph(spec: MtpSpec, weights: dict[str, np.ndarray], dtype: str, max_seq: int) -> onnx.ModelProto:
-    """The graph above; ``weights``: canonical name (MTP_WEIGHTS) -> float32 array, norms already (1 + w)."""
-    g = GraphBuilder("decodert_qwen3_5_mtp_head", {"": 21})
+LINEARS = ("fc", "q", "k", "v", "o", "gate", "up", "down", "shared.gate", "shared.up", "shared.down", "lm_head")
+
+
+def build_mtp_graph(spec: MtpSpec, weights: dict[str, np.ndarray], dtype: str, max_seq: int,
+                    quant: QuantConfig | None = None) -> onnx.ModelProto:
+    """The graph above; ``weights``: canonical name (MTP_WEIGHTS) -> float32 array, norms already (1 + w).
+    ``quant``: the linears (``LINEARS`` present; lm_head, the target's, unless ``quant.lm_head`` is false)
+    block-quantized (MatMulNBits); the router, the shared expert's gate row and the experts stay float."""
+    g = GraphBuilder("decodert_qwen3_5_mtp_head", {"": 21, "com.microsoft": 1} if quant else {"": 21})
     contract = mtp_contract(spec, dtype)
     for io in contract["inputs"]:
         g.input(io["name"], io["dtype"], io["shape"])
-    add_weights(g, weights, dtype)
-    ops = HeadOps(g, dtype, spec.rms_norm_eps)
+    linears = frozenset(n for n in LINEARS if quant is not None and n in weights and (n != "lm_head" or quant.lm_head))
+    ops = HeadOps(g, dtype, spec.rms_norm_eps, quant, add_weights(g, weights, dtype, quant, linears))
     norm, linear = ops.norm, ops.linear
     d, heads, kv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     rot = spec.rope.rotary_dim or spec.head_dim

@@ -23,7 +23,10 @@ where width 1 is a plain decode step: when acceptance collapses (free-form text)
 stops costing anything but the n-gram search. A prompt-lookup draft a plain step did not verify
 is judged in hindsight against the tokens generated next, so estimates keep learning while a row
 decodes plainly and speculation resumes when the text starts repeating; a draft model's row,
-whose drafts cost a pass to ask, drifts back to what all rows saw instead.
+whose drafts cost a pass to ask, drifts back to what all rows saw instead. A draft head also gives
+its probability for each draft: calibrated by what the target accepted (planner.Calibration), it
+prices the head's first draft and ends each row's chain where one more token is worth less than it
+costs (planner.draft_floor).
 """
 
 from __future__ import annotations

@@ -75,9 +75,9 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
                 quant: Any = None) -> dict:
     """Export the head checkpoint ``src`` (or the MTP layers of the target checkpoint ``src``) for the target
     artifact ``target_artifact`` into ``out_dir``; returns head.json's record. ``dtype``: the target's unless given
-    (fp32 | fp16). ``quant`` (a QuantConfig; EAGLE-3 and MTP heads for an ort target): the head's linears
-    block-quantized, so that a drafted token reads a quarter (int8) or an eighth (int4) of the bytes (an MTP
-    layer's lm_head is the target's whole vocabulary: most of its bytes)."""
+    (fp32 | fp16). ``quant`` (a QuantConfig; an ort target): the head's linears block-quantized, so that a drafted
+    token reads a quarter (int8) or an eighth (int4) of the bytes (an MTP layer's lm_head is the target's whole
+    vocabulary: most of its bytes; Gemma 4's assistant's is its embedding, which stays float)."""
     src, out = Path(src), Path(out_dir)
     try:
         config = json.loads((src / "config.json").read_text())
@@ -106,9 +106,6 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
     if quant is not None:
         from decodert.export.lowering.targets import get_target
 
-        if not eagle3 and not mtp:
-            raise DecodertError(f"{src}: --quant for a draft head is built for EAGLE-3 and MTP heads only (this is "
-                                f"{config.get('model_type')}); export it without --quant")
         get_target(target.target).check_quantized_head()
     out.mkdir(parents=True, exist_ok=True)
     if eagle3:
@@ -116,7 +113,7 @@ def export_head(src: str | Path, out_dir: str | Path, target_artifact: str | Pat
     elif mtp:
         record = _export_mtp(src, out, config, target, target_artifact, dtype, quant)
     else:
-        record = _export_assistant(src, out, config, target, target_artifact, dtype)
+        record = _export_assistant(src, out, config, target, target_artifact, dtype, quant)
     (out / HEAD_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
@@ -134,7 +131,7 @@ def _target_record(target, tspec) -> dict:
             "vocab_size": tspec.vocab_size}
 
 
-def _export_assistant(src: Path, out: Path, config: dict, target, target_artifact, dtype: str) -> dict:
+def _export_assistant(src: Path, out: Path, config: dict, target, target_artifact, dtype: str, quant: Any = None) -> dict:
     from decodert.export.heads.gemma4_assistant import build_head_graph, head_contract
 
     spec = assistant_family.spec_from_hf(config)
@@ -145,10 +142,11 @@ def _export_assistant(src: Path, out: Path, config: dict, target, target_artifac
     sources = assistant_family.source_layers(tspec, spec)
     dims = {i: tspec.head_dim_of(i) for i in sources.values()}
     weights = _read_weights(src, assistant_family.weight_names(spec))
-    model = build_head_graph(spec, weights, sources, dims, dtype, target.max_seq)
+    quant = dataclasses.replace(quant, lm_head=False) if quant is not None else None  # its lm_head: the embedding
+    model = build_head_graph(spec, weights, sources, dims, dtype, target.max_seq, quant)
     onnx.save_model(model, out / HEAD_GRAPH, save_as_external_data=True, location="head.bin", size_threshold=1024)
     onnx.checker.check_model(str(out / HEAD_GRAPH), full_check=True)
-    return {"format": "decodert-head", "version": 1, "family": "gemma4_assistant", "dtype": dtype,
+    return {"format": "decodert-head", "version": 1, "family": "gemma4_assistant", "dtype": dtype, **_quant_record(quant),
             "max_seq": target.max_seq, "target": _target_record(target, tspec),
             "reads": {"hidden": "hidden_state", "kv_layers": {k: int(v) for k, v in sources.items()}},
             "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(spec).items()

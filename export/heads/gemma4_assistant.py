@@ -19,11 +19,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from decodert.export.heads.own_kv import NP, ONNX_FLOAT, HeadOps, add_weights
+from decodert.export.quantize.quant import QuantConfig
 from decodert.models.families.gemma4_assistant import AssistantSpec
 from decodert.plugins.onnx_builder import GraphBuilder
-
-NP = {"fp32": np.float32, "fp16": np.float16}
-ONNX_FLOAT = {"fp32": 1, "fp16": 10}
 
 
 def head_contract(spec: AssistantSpec, sources: dict[str, int], dims: dict[int, int], dtype: str,
@@ -43,21 +42,30 @@ def head_contract(spec: AssistantSpec, sources: dict[str, int], dims: dict[int, 
     return {"inputs": inputs, "outputs": outputs}
 
 
+LINEARS = ("pre_projection", "post_projection", "q", "o", "gate", "up", "down")  # a layer's as layers.{i}.NAME
+
+
 def build_head_graph(spec: AssistantSpec, weights: dict[str, np.ndarray], sources: dict[str, int],
-                     dims: dict[int, int], dtype: str, max_seq: int) -> onnx.ModelProto:
-    """The graph above; ``weights``: canonical name -> float32 array (models/families/gemma4_assistant.weight_names)."""
-    g = GraphBuilder("decodert_gemma4_assistant_head", {"": 21})
+                     dims: dict[int, int], dtype: str, max_seq: int, quant: QuantConfig | None = None) -> onnx.ModelProto:
+    """The graph above; ``weights``: canonical name -> float32 array (models/families/gemma4_assistant.weight_names).
+    ``quant``: the linears (``LINEARS``) block-quantized (MatMulNBits); the embedding, which the logits read as the
+    lm_head (tied), and the centroids stay in the head's dtype."""
+    g = GraphBuilder("decodert_gemma4_assistant_head", {"": 21, "com.microsoft": 1} if quant else {"": 21})
     contract = head_contract(spec, sources, dims, dtype, max_seq)
     for io in contract["inputs"]:
         g.input(io["name"], io["dtype"], io["shape"])
-    f = NP[dtype]
-    for name, w in weights.items():
+    own = {"token_ordering", "embed"}  # written here; every other weight as add_weights writes a head's
+    for name in own & weights.keys():
+        w = weights[name]
         if name == "token_ordering":
             g.add_initializer(numpy_helper.from_array(w.astype(np.int64).reshape(spec.num_centroids, -1), name))
-        elif name.endswith(("norm", "layer_scalar")):  # norms and scalars in float32 (transformers: .float())
-            g.add_initializer(numpy_helper.from_array(w.astype(np.float32).reshape(-1), name))
-        else:  # a linear weight [out, in] stored transposed for MatMul (embed stays [V, hidden]: gathered too)
-            g.add_initializer(numpy_helper.from_array((w if name == "embed" else w.T).astype(f), name))
+        else:  # [V, hidden] as it is: gathered (ordered logits) and multiplied transposed
+            g.add_initializer(numpy_helper.from_array(w.astype(NP[dtype]), name))
+    for name in (n for n in weights if n.endswith("layer_scalar")):  # scalars in float32 (transformers: .float())
+        g.add_initializer(numpy_helper.from_array(weights[name].astype(np.float32).reshape(-1), name))
+    rest = {n: w for n, w in weights.items() if n not in own and not n.endswith("layer_scalar")}
+    linears = frozenset(n for n in rest if quant is not None and n.rsplit(".", 1)[-1] in LINEARS)
+    ops = HeadOps(g, dtype, spec.rms_norm_eps, quant, add_weights(g, rest, dtype, quant, linears))
     for kind, rope in (("full_attention", spec.rope), ("sliding_attention", spec.local_rope)):
         dim = next((d for k, d in zip(spec.kinds, spec.head_dims) if k == kind), None)
         if dim is not None:
@@ -65,17 +73,7 @@ def build_head_graph(spec: AssistantSpec, weights: dict[str, np.ndarray], source
             g.add_initializer(numpy_helper.from_array(np.concatenate([cos, cos], -1), f"rope.{kind}.cos"))
             g.add_initializer(numpy_helper.from_array(np.concatenate([sin, sin], -1), f"rope.{kind}.sin"))
 
-    def norm(x: str, weight: str | None, eps: float = spec.rms_norm_eps) -> str:  # float32 in, float32 out
-        ms = g.op("ReduceMean", g.op("Mul", x, x), g.const([-1]), keepdims=1)
-        y = g.op("Mul", x, g.op("Pow", g.op("Add", ms, g.const(np.float32(eps))), g.const(np.float32(-0.5))))
-        return y if weight is None else g.op("Mul", y, weight)
-
-    def linear(x: str, weight: str) -> str:  # x float32 [.., in] -> float32 [.., out] (in the weights' dtype)
-        y = g.op("MatMul", x if dtype == "fp32" else g.op("Cast", x, to=ONNX_FLOAT[dtype]), weight)
-        return y if dtype == "fp32" else g.op("Cast", y, to=1)
-
-    def f32(x: str) -> str:
-        return x if dtype == "fp32" else g.op("Cast", x, to=1)
+    norm, linear, f32 = ops.norm, ops.linear, ops.f32
 
     lengths = "past_lengths"
     keys = g.op("ReduceMax", lengths, g.const([0]), keepdims=1)  # [1] the positions any row reads

@@ -3,7 +3,9 @@
 One small interface (``Drafter``): ``propose(seqs, limits)`` returns up to ``limits[j]`` draft
 ids per row (may be empty) and a key naming the kind of proposal (the acceptance of each kind
 is tracked apart: a 4-token n-gram match is right more often than a 1-token one);
-``release(seq)`` forgets a finished row.
+``release(seq)`` forgets a finished row. A draft head (runtime/speculation/heads.py, mtp.py) also
+takes ``propose(..., keep=)`` and leaves its probability of each draft in ``confidences``
+(speculative.py's confidence rule).
 
 - ``NgramDrafter`` (prompt lookup): the longest suffix of the row's tokens (prompt + generated,
   ``max_ngram`` down to ``min_ngram`` tokens) that occurred before; the tokens that followed it

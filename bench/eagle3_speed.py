@@ -3,7 +3,7 @@
 
     python bench/eagle3_speed.py --target out/smollm2-hs --head out/smollm2-eagle3
                                  [--gguf SmolLM2.gguf] [--head-folder ~/.cache/decodert-bench/smollm2-eagle3-head]
-                                 [--modes plain,eagle3,ngram] [--prompt-set held-out|held-out-2] [--prompts N]
+                                 [--modes plain,eagle3,eagle3-alone,ngram] [--prompt-set held-out|held-out-2] [--prompts N]
                                  [--repeats 3] [--gen 128] [--threads 2] [--json out.json]
 
 ``--target`` is a decodert artifact exported with ``--hidden-layers eagle3`` and ``--head`` the head artifact
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("plain", "eagle3", "ngram")
+MODES = ("plain", "eagle3", "eagle3-alone", "ngram")  # eagle3-alone: the head without prompt lookup beside it
 WARM_UP = "List four colours of the rainbow."
 
 
@@ -91,8 +91,10 @@ def run_worker(spec: dict) -> list[dict]:
     from decodert.runtime.llm import LLM
 
     mode = spec["mode"]
-    llm = LLM.load(spec["target"], backend="ort", draft=spec["head"] if mode == "eagle3" else None)
-    speculative = None if mode == "plain" else mode
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm = LLM.load(spec["target"], backend="ort", draft=spec["head"] if mode.startswith("eagle3") else None)
+    speculative = {"plain": None, "eagle3-alone": SpeculativeConfig("eagle3", prompt_lookup=False)}.get(mode, mode)
     chat = lambda text: llm.encode(llm.apply_chat_template([{"role": "user", "content": text}]), add_bos=False)  # noqa: E731
     llm.generate(chat(WARM_UP), max_new_tokens=spec["gen"], temperature=0.0, speculative=speculative)
     out = []

@@ -42,7 +42,7 @@ import numpy as np
 from decodert.errors import DecodertError
 from decodert.artifact.heads import HEAD_METHOD_NAMES
 from decodert.runtime.speculation.drafters import Drafter, NgramDrafter
-from decodert.runtime.speculation.planner import Calibration, StepCosts, draft_floor, plan
+from decodert.runtime.speculation.planner import Calibration, StepCosts, chain_tokens, draft_floor, expected_tokens, plan
 from decodert.runtime.decoding.generate import Sequence, decode_step
 from decodert.runtime.decoding.metrics import Metrics
 from decodert.runtime.decoding.sampling import apply_processors, draw, greedy, make_distribution
@@ -60,13 +60,16 @@ class SpeculativeConfig:
     way; each head answers to its own method) |
     "auto" (the head when one is loaded, else the draft model, else prompt lookup); ``draft_len``:
     most tokens drafted per step; ``max_ngram`` / ``min_ngram``: the match lengths prompt lookup
-    tries; ``adaptive``: pick the draft length from measured acceptance and step costs."""
+    tries; ``adaptive``: pick the draft length from measured acceptance and step costs;
+    ``prompt_lookup`` (a head's rows, adaptive): prompt lookup drafts beside the head, and a step
+    verifies whichever of the two drafts promises more tokens a second."""
 
     method: str = "ngram"
     draft_len: int = 8
     max_ngram: int = 4
     min_ngram: int = 1
     adaptive: bool = True
+    prompt_lookup: bool = True
 
     def validate(self) -> "SpeculativeConfig":
         if self.method not in METHODS:
@@ -119,12 +122,9 @@ class Speculator:
                 raise DecodertError(f"speculative='{method}' does not draft with the loaded head; it is a "
                                     f"speculative='{head_method}' head")
             return self._head
+        if method == "ngram":
+            return self.lookup(config)
         with self._making:
-            if method == "ngram":
-                key = (config.max_ngram, config.min_ngram)
-                if key not in self._ngram:
-                    self._ngram[key] = NgramDrafter(*key)
-                return self._ngram[key]
             if self._draft_backend is None:
                 raise DecodertError("speculative='draft' needs a draft model: LLM.load(path, draft=ARTIFACT) (--draft)")
             if self._draft is None:
@@ -132,6 +132,14 @@ class Speculator:
 
                 self._draft = DraftModelDrafter(self._draft_backend)
             return self._draft
+
+    def lookup(self, config: SpeculativeConfig) -> NgramDrafter:
+        """The prompt-lookup drafter of ``config``'s match lengths (one per lengths, shared by every row)."""
+        key = (config.max_ngram, config.min_ngram)
+        with self._making:
+            if key not in self._ngram:
+                self._ngram[key] = NgramDrafter(*key)
+            return self._ngram[key]
 
     def calibration(self, drafter: Drafter) -> Calibration:
         """How often ``drafter``'s drafts are accepted given its probability for them (a head's; every row's)."""
@@ -261,11 +269,17 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
     drafts, keys = _look(seqs, limits)
     first = [speculator.calibration(seqs[j].spec.drafter)(firsts[j][1]) if j in firsts else None
              for j in range(len(seqs))]
+    beside = _beside_the_head(speculator, seqs, limits, drafts, keys, first)  # row -> its lookup, where it won
+    lookups = {j: got for j, got in beside.items() if got is not None}
     width, tokens_per_second = plan(speculator.costs, seqs, drafts, keys, limits, drain, first)
     n = len(seqs)
     if width == 1:  # plain decode step
         for j in spec_rows:
             seqs[j].spec.passes += 1
+            if j in beside:  # a head row that looked up: its lookup judged in hindsight, then its head's draft
+                draft, kind = beside[j] or (drafts[j], keys[j])
+                seqs[j].spec.remember(kind, seqs[j].length, draft)
+                keys[j] = None
             if keys[j] is not None and len(drafts[j]):  # prompt lookup: judged once the tokens are known
                 seqs[j].spec.remember(keys[j], seqs[j].length, drafts[j])
             elif j in firsts:  # a head that followed the pass: its first draft judged once the step settles it
@@ -277,9 +291,12 @@ def step(backend: Any, cache: Any, slots: Seq[int], seqs: Seq[Sequence], drain: 
         speculator.costs.record(n, 1, time.perf_counter() - t0)
         return deltas
     drafts = _draft(seqs, drafts, keys, limits, width, tokens_per_second)
-    for j, (token, prob) in firsts.items():  # a head row whose chain ended before its first draft: judged later
-        if not len(drafts[j]):
+    for j, (token, prob) in firsts.items():  # a head row that verifies no draft of its head: judged later
+        if not len(drafts[j]) or keys[j] is not None:
             seqs[j].spec.remember(1, seqs[j].length, np.array([token], np.int64), [prob])
+    for j, (draft, kind) in lookups.items():  # a lookup the head's draft beat: judged later
+        if keys[j] is None:
+            seqs[j].spec.remember(kind, seqs[j].length, draft)
     drafts = [d[: s.guide.check(d)] if s.guide is not None and len(d) else d  # cut what the grammar rejects
               for s, d in zip(seqs, drafts)]
     ids = [np.concatenate([[s.last_token], d]).astype(np.int64) for s, d in zip(seqs, drafts)]
@@ -347,6 +364,42 @@ def _look(seqs: Seq[Sequence], limits: list[int]) -> tuple[list[np.ndarray], lis
             for j in rows:
                 keys[j] = None
     return drafts, keys
+
+
+def _beside_the_head(speculator: Speculator, seqs: Seq[Sequence], limits: list[int], drafts: list[np.ndarray],
+                     keys: list[int | None], first: list[float | None]) -> dict[int, tuple[np.ndarray, int] | None]:
+    """Prompt lookup for a head's rows (``prompt_lookup``, adaptive, a head that followed the pass): where the
+    lookup's draft, at its kind's acceptance and no head call, promises more tokens a second than the head's
+    chain (its first draft's calibrated chance, then the row's acceptance, a head call per later token), the
+    row verifies it (``drafts`` / ``keys`` / ``first`` set in place, as prompt lookup's rows). -> row -> (its lookup, kind)
+    where the head's draft won, None where the lookup did, for every head row that looked up; the draft not
+    verified is judged in hindsight. On text that repeats itself lookup drafts are long and right; on free
+    text the head is the better guess."""
+    out: dict[int, tuple[np.ndarray, int] | None] = {}
+    n = len(seqs)
+    base = speculator.costs.estimate(n, 1)
+    rows = [j for j, s in enumerate(seqs) if s.spec is not None and keys[j] is None and first[j] is not None
+            and limits[j] > 0 and s.spec.config.prompt_lookup and s.spec.config.adaptive]
+    if base is None or not rows:
+        return out
+    got, kinds = speculator.lookup(seqs[rows[0]].spec.config).propose([seqs[j] for j in rows], [limits[j] for j in rows])
+    for j, draft, kind in zip(rows, got, kinds):
+        if not len(draft):
+            continue
+        spec = seqs[j].spec
+        head_a, look_a, cost = spec.acceptance(1), spec.acceptance(kind), spec.drafter.seconds_per_token
+
+        def best(tokens: Any, most: int, calls: Any) -> float:
+            return max(tokens(k) / ((speculator.costs.estimate(n, k + 1) or base) + calls(k)) for k in range(1, most + 1))
+
+        head = best(lambda k: chain_tokens(first[j], head_a, k), limits[j], lambda k: cost * (k - 1))
+        look = best(lambda k: expected_tokens(look_a, k), len(draft), lambda k: 0.0)
+        if look > head:
+            drafts[j], keys[j], first[j] = draft, kind, None  # the head's first draft no longer prices the pass
+            out[j] = None
+        else:
+            out[j] = (draft, kind)
+    return out
 
 
 def _by_drafter(seqs: Seq[Sequence], limits: list[int]) -> dict[Any, list[int]]:

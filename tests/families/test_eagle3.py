@@ -629,3 +629,37 @@ def test_a_smollm2_head_in_the_published_layout(smollm2_gguf, tmp_path):
         plain = [llm.generate(p, max_new_tokens=12).token_ids for p in prompts]
         assert llm.generate(prompts[0], max_new_tokens=12, speculative=fixed).token_ids == plain[0]
         assert [r.token_ids for r in llm.generate(prompts, max_new_tokens=12, speculative=fixed)] == plain
+
+
+def test_prompt_lookup_drafts_beside_the_head_where_it_promises_more(drafting, monkeypatch):
+    """A head row also looks the prompt up (``prompt_lookup``): on a reply that repeats itself (the tiny random
+    target loops) the lookup's drafts are verified instead of the random head's, which is never right, so more
+    tokens come a pass; tokens stay plain decoding's, and with ``prompt_lookup=False`` only the head drafts."""
+    from decodert.runtime.speculation import speculative
+    from decodert.runtime.speculation.speculative import SpeculativeConfig
+
+    llm, _ = drafting
+    prompt = PROMPTS[0] * 3
+    plain = llm.generate(prompt, max_new_tokens=48).token_ids
+    assert len(set(plain[-24:])) < 12  # it repeats itself: prompt lookup has something to find
+    verified: list = []
+    learn = speculative._learn
+
+    def spy(seq, key, proposed, accepted):
+        verified.append((key, proposed, accepted))
+        return learn(seq, key, proposed, accepted)
+
+    monkeypatch.setattr(speculative, "_learn", spy)
+    costs = llm.engine.speculator.costs  # given, not timed: a verify of w tokens costs 1 + 0.05 (w - 1) decode steps
+    monkeypatch.setattr(costs, "estimate", lambda rows, width: 1.0 + 0.05 * (width - 1))
+    monkeypatch.setattr(costs, "slope", lambda rows: 0.05)
+    runs = {}
+    for lookup in (True, False):
+        verified.clear()
+        got = llm.generate(prompt, max_new_tokens=48, speculative=SpeculativeConfig("eagle3", prompt_lookup=lookup))
+        assert got.token_ids == plain
+        runs[lookup] = (list(verified), got.metrics.accepted_per_step)
+    with_lookup, alone = runs[True][0], runs[False][0]
+    assert any(key not in (None, 1) and accepted for key, _, accepted in with_lookup)  # lookup drafts, accepted
+    assert all(key in (None, 1) for key, proposed, _ in alone if proposed)  # the head's own only
+    assert runs[True][1] > runs[False][1]

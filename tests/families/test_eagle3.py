@@ -23,7 +23,8 @@ import transformers
 from safetensors.torch import save_file
 from transformers.models.llama import modeling_llama
 
-from draft_battery import (PROMPTS, forced_drafts, fp16_head_stays_exact, greedy_drafting_is_plain, proposals,
+from draft_battery import (PROMPTS, catch_up_outputs, forced_drafts, fp16_head_stays_exact, greedy_drafting_is_plain,
+                           int4_head_stays_exact, proposals,
                            sessions_and_prefix_hits_stay_exact)
 from tiny import _randomise, make_tiny_checkpoint  # noqa: E402
 
@@ -520,22 +521,6 @@ def test_an_fp16_target_and_its_head_stay_exact(llama, tmp_path):
     fp16_head_stays_exact(llama.src, llama.head_src, tmp_path, "eagle3", hidden_layers="eagle3")
 
 
-def _head_outputs(head, pairs: int = 3, seed: int = 0):
-    """head.onnx's logits and hidden_out for one catch-up call of ``pairs`` random pairs (no held entries)."""
-    record = json.loads((head / "head.json").read_text())
-    spec = record["spec"]
-    h, f, kv, d = spec["hidden_size"], 3 * spec["target_hidden_size"], record["cache"]["num_kv_heads"], record["cache"]["head_dim"]
-    rng = np.random.default_rng(seed)
-    feeds = {"token_embeds": rng.standard_normal((1, pairs, h), np.float32),
-             "features": rng.standard_normal((1, pairs, f), np.float32), "hidden": np.zeros((1, pairs, h), np.float32),
-             "past_lengths": np.zeros(1, np.int64), "past_starts": np.zeros(1, np.int64),
-             "seq_lengths": np.array([pairs], np.int64), "past_key.0": np.zeros((1, kv, 1, d), np.float32),
-             "past_value.0": np.zeros((1, kv, 1, d), np.float32)}
-    session = ort.InferenceSession(str(head / HEAD_GRAPH), providers=["CPUExecutionProvider"])
-    logits, _, hidden, *_ = session.run(None, feeds)
-    return logits, hidden
-
-
 def test_a_quantized_head_is_close_to_the_float_one_and_stays_exact(llama, tmp_path, capsys):
     """``--quant int8|int4`` on a head export: its linears as MatMulNBits (a drafted token reads a quarter / an
     eighth of the bytes), recorded in head.json; int8's logits within 2% of the float head's range, and greedy
@@ -543,24 +528,18 @@ def test_a_quantized_head_is_close_to_the_float_one_and_stays_exact(llama, tmp_p
     trt target, and the GGUF-only options, are refused in one line."""
     from decodert.cli import main
     from decodert.export.quantize.quant import QuantConfig
-    from decodert.runtime.llm import LLM
 
-    want, want_hidden = _head_outputs(llama.head)
+    want, want_hidden = catch_up_outputs(llama.head)
     rec = export_head(llama.head_src, tmp_path / "h8", llama.art, quant=QuantConfig(bits=8, accuracy_level=0))
     assert rec["quant"]["bits"] == 8
     graph = onnx.load(str(tmp_path / "h8" / HEAD_GRAPH), load_external_data=False)
     ops = [n.op_type for n in graph.graph.node]
     assert ops.count("MatMulNBits") == 9 and "MatMul" in ops  # the nine linears; attention's products stay float
-    got, hidden = _head_outputs(tmp_path / "h8")
+    got, hidden = catch_up_outputs(tmp_path / "h8")
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
     assert np.abs(hidden - want_hidden).max() < 0.02 * np.abs(want_hidden).max()
 
-    assert main(["export", str(llama.head_src), "--target-artifact", str(llama.art), "-o", str(tmp_path / "h4"),
-                 "--quant", "int4"]) == 0
-    assert "int4 linears" in capsys.readouterr().out
-    with LLM.load(llama.art, backend="ort", draft=tmp_path / "h4", prefix_cache_mb=0) as llm:
-        plain = [llm.generate(p, max_new_tokens=20).token_ids for p in PROMPTS]
-        greedy_drafting_is_plain(llm, plain, "eagle3", refused="mtp")
+    assert "int4 linears" in int4_head_stays_exact(llama.head_src, llama.art, tmp_path / "h4", "eagle3", "mtp", capsys, 20)
     assert main(["export", str(llama.head_src), "--target-artifact", str(llama.art), "-o", str(tmp_path / "hq"),
                  "--quant", "int4", "--keep-q8"]) == 2
     assert "--keep-q8 / --keep-q4-1 are for GGUF targets" in capsys.readouterr().err

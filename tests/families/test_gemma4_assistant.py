@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from draft_battery import PROMPTS, greedy_drafting_is_plain, sessions_and_prefix_hits_stay_exact
+from draft_battery import PROMPTS, greedy_drafting_is_plain, int4_head_stays_exact, sessions_and_prefix_hits_stay_exact
 from tiny import _randomise, make_tiny_checkpoint  # noqa: E402
 
 from decodert.errors import DecodertError  # noqa: E402
@@ -341,9 +341,7 @@ def test_a_quantized_assistant_is_close_to_the_float_one_and_stays_exact(target,
     MatMulNBits; the embedding, which the logits read as the lm_head, stays float (head.json: lm_head false).
     int8's logits within 2% of the float head's range on random inputs over a random cache; greedy drafting
     with the int4 head is still plain decoding."""
-    from decodert.cli import main
     from decodert.export.quantize.quant import QuantConfig
-    from decodert.runtime.llm import LLM
 
     root, _, _, art = target
     head_src, _ = make_head(root, "head-q")
@@ -365,8 +363,4 @@ def test_a_quantized_assistant_is_close_to_the_float_one_and_stays_exact(target,
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
     assert np.abs(hidden - want_hidden).max() < 0.02 * np.abs(want_hidden).max()
 
-    assert main(["export", str(head_src), "--target-artifact", str(art), "-o", str(tmp_path / "h4"), "--quant", "int4"]) == 0
-    capsys.readouterr()
-    with LLM.load(art, backend="ort", draft=tmp_path / "h4", prefix_cache_mb=0) as llm:
-        plain = [llm.generate(p, max_new_tokens=12).token_ids for p in PROMPTS]
-        greedy_drafting_is_plain(llm, plain, "assistant", refused="mtp", tokens=12)
+    int4_head_stays_exact(head_src, art, tmp_path / "h4", "assistant", "mtp", capsys)

@@ -22,7 +22,8 @@ from safetensors.numpy import load_file, save_file
 from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35moe
 
-from draft_battery import (PROMPTS, forced_drafts, fp16_head_stays_exact, greedy_drafting_is_plain, proposals,
+from draft_battery import (PROMPTS, catch_up_outputs, forced_drafts, fp16_head_stays_exact, greedy_drafting_is_plain,
+                           int4_head_stays_exact, proposals,
                            sessions_and_prefix_hits_stay_exact)
 from tiny import _randomise, make_tiny_checkpoint  # noqa: E402
 
@@ -472,33 +473,16 @@ def test_drafting_is_exact_and_the_references_dense_and_moe(any_target):
         assert draft == _reference_chain(model, ref, history, start, len(draft))[0]
 
 
-def _mtp_outputs(head, pairs: int = 3, seed: int = 0):
-    """head.onnx's logits and hidden_out for one catch-up call of ``pairs`` random pairs (no held entries)."""
-    record = json.loads((head / "head.json").read_text())
-    h, kv, d = record["spec"]["hidden_size"], record["cache"]["num_kv_heads"], record["cache"]["head_dim"]
-    rng = np.random.default_rng(seed)
-    feeds = {"token_embeds": rng.standard_normal((1, pairs, h), np.float32),
-             "hidden": rng.standard_normal((1, pairs, h), np.float32),
-             "past_lengths": np.zeros(1, np.int64), "past_starts": np.zeros(1, np.int64),
-             "seq_lengths": np.array([pairs], np.int64), "past_key.0": np.zeros((1, kv, 1, d), np.float32),
-             "past_value.0": np.zeros((1, kv, 1, d), np.float32)}
-    session = ort.InferenceSession(str(head / HEAD_GRAPH), providers=["CPUExecutionProvider"])
-    logits, _, hidden, *_ = session.run(None, feeds)
-    return logits, hidden
-
-
 def test_a_quantized_mtp_head_is_close_to_the_float_one_and_stays_exact(any_target, tmp_path, capsys):
     """``--quant int8|int4`` on an MTP head (dense and MoE): its linears, the target's lm_head among them (the
     whole vocabulary: most of the head's bytes), as MatMulNBits; the router, the shared expert's gate row and
     the experts stay float. int8's logits within 2% of the float head's range; greedy drafting with the int4 head
     is still plain decoding."""
-    from decodert.cli import main
     from decodert.export.quantize.quant import QuantConfig
-    from decodert.runtime.llm import LLM
     import onnx
 
     _, src, _, _, art, head, _ = any_target
-    want, want_hidden = _mtp_outputs(head)
+    want, want_hidden = catch_up_outputs(head)
     rec = export_head(src, tmp_path / "h8", art, quant=QuantConfig(bits=8, accuracy_level=0))
     assert rec["quant"]["bits"] == 8 and rec["quant"]["lm_head"] is True
     graph = onnx.load(str(tmp_path / "h8" / HEAD_GRAPH), load_external_data=False)
@@ -506,12 +490,8 @@ def test_a_quantized_mtp_head_is_close_to_the_float_one_and_stays_exact(any_targ
     dense = {"fc", "q", "k", "v", "o", "lm_head"}
     assert quantized == dense | ({"shared.gate", "shared.up", "shared.down"} if rec["spec"]["moe"] else {"gate", "up", "down"})
     assert sum(n.op_type == "MatMulNBits" for n in graph.graph.node) == 9
-    got, hidden = _mtp_outputs(tmp_path / "h8")
+    got, hidden = catch_up_outputs(tmp_path / "h8")
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
     assert np.abs(hidden - want_hidden).max() < 0.02 * np.abs(want_hidden).max()
 
-    assert main(["export", str(src), "--target-artifact", str(art), "-o", str(tmp_path / "h4"), "--quant", "int4"]) == 0
-    capsys.readouterr()
-    with LLM.load(art, backend="ort", draft=tmp_path / "h4", prefix_cache_mb=0) as llm:
-        plain = [llm.generate(p, max_new_tokens=12).token_ids for p in PROMPTS]
-        greedy_drafting_is_plain(llm, plain, "mtp", refused="assistant", tokens=12)
+    int4_head_stays_exact(src, art, tmp_path / "h4", "mtp", "assistant", capsys)

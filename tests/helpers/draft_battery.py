@@ -9,6 +9,8 @@ a family's tiny checkpoints: these are plain functions over a loaded target and 
     fp16_head_stays_exact(src, head_src, tmp_path, "eagle3", hidden_layers="eagle3")
     with proposals(drafter) as seen: ...                                # every proposal: drafts and the head's cache
     got, seen = forced_drafts(llm, drafter, "eagle3", PROMPTS[0], plain[0], vocab=512)
+    logits, hidden = catch_up_outputs(head)                             # one catch-up call of random pairs
+    printed = int4_head_stays_exact(head_src, art, tmp_path / "h4", "eagle3", "mtp", capsys)  # --quant int4 via the CLI
 
 A head's own checks (its reference chain, the K/V its cache keeps) run over what ``proposals`` and ``forced_drafts``
 record; the greedy, session, prefix-cache and fp16 checks are the same for every head but for the method's name.
@@ -16,6 +18,7 @@ record; the greedy, session, prefix-cache and fp16 checks are the same for every
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -134,3 +137,41 @@ def forced_drafts(llm: Any, drafter: Any, method: str, prompt: list, want: list,
     finally:
         drafter.propose = propose
     return got, seen
+
+
+def catch_up_outputs(head: Path, pairs: int = 3, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A head artifact with its own K/V (EAGLE-3, MTP): head.onnx's logits and hidden_out for one catch-up call of
+    ``pairs`` random pairs, no held entries (EAGLE-3: random features, zero hidden; MTP: a random hidden)."""
+    import onnxruntime as ort
+
+    record = json.loads((head / "head.json").read_text())
+    spec, cache = record["spec"], record["cache"]
+    h, kv, d = spec["hidden_size"], cache["num_kv_heads"], cache["head_dim"]
+    rng = np.random.default_rng(seed)
+    feeds = {"token_embeds": rng.standard_normal((1, pairs, h), np.float32)}
+    if record["family"] == "eagle3":
+        feeds["features"] = rng.standard_normal((1, pairs, 3 * spec["target_hidden_size"]), np.float32)
+        feeds["hidden"] = np.zeros((1, pairs, h), np.float32)
+    else:
+        feeds["hidden"] = rng.standard_normal((1, pairs, h), np.float32)
+    feeds.update({"past_lengths": np.zeros(1, np.int64), "past_starts": np.zeros(1, np.int64),
+                  "seq_lengths": np.array([pairs], np.int64), "past_key.0": np.zeros((1, kv, 1, d), np.float32),
+                  "past_value.0": np.zeros((1, kv, 1, d), np.float32)})
+    session = ort.InferenceSession(str(head / record["graph"]["file"]), providers=["CPUExecutionProvider"])
+    logits, _, hidden, *_ = session.run(None, feeds)
+    return logits, hidden
+
+
+def int4_head_stays_exact(head_src: Path, art: Path, out: Path, method: str, refused: str, capsys: Any,
+                          tokens: int = 12) -> str:
+    """``decodert export HEAD --target-artifact ART -o OUT --quant int4``, then greedy drafting with that head is plain
+    decoding (``greedy_drafting_is_plain``). Returns what the export printed."""
+    from decodert.cli import main
+    from decodert.runtime.llm import LLM
+
+    assert main(["export", str(head_src), "--target-artifact", str(art), "-o", str(out), "--quant", "int4"]) == 0
+    printed = capsys.readouterr().out
+    with LLM.load(art, backend="ort", draft=out, prefix_cache_mb=0) as llm:
+        plain = [llm.generate(p, max_new_tokens=tokens).token_ids for p in PROMPTS]
+        greedy_drafting_is_plain(llm, plain, method, refused=refused, tokens=tokens)
+    return printed

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Protocol, Sequence as Seq
+from typing import Any, Callable, Protocol, Sequence as Seq
 
 import numpy as np
 
@@ -39,6 +39,18 @@ class Drafter(Protocol):
 
     def release(self, seq: Any) -> None:
         ...
+
+
+def end_chains(ends: np.ndarray, probs: np.ndarray, step: int, keep: Callable[[np.ndarray], bool] | None) -> bool:
+    """A head's chains after it drafted token ``step`` of each row (``probs`` [rows, > step]: its probability of
+    each draft): a row whose draft ``step`` is not worth verifying (``keep(probs[row, :step + 1])`` false) ends
+    before it (``ends`` [rows], the drafts each row keeps, set in place). True while a row wants a draft after
+    ``step``."""
+    if keep is not None:
+        for i in range(len(ends)):
+            if ends[i] > step and not keep(probs[i, : step + 1]):
+                ends[i] = step
+    return bool((ends > step + 1).any())
 
 
 def suffix_matches(history: np.ndarray, max_n: int, min_n: int) -> tuple[np.ndarray, int]:

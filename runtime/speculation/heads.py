@@ -22,6 +22,7 @@ from decodert.artifact.heads import HEAD_METHODS, target_embedding
 from decodert.errors import DecodertError
 from decodert.runtime.backends.kv_cache import contiguous_runs
 from decodert.runtime.decoding.sampling import top_probability
+from decodert.runtime.speculation.drafters import end_chains
 
 
 def head_drafter(backend: Any, folder: str | Path, record: dict) -> Any:
@@ -99,11 +100,7 @@ class HeadDrafter:
                 probs[:, step] = top_probability(buf["logits"])
                 buf["hidden"][:] = buf["hidden_out"]  # the next step's h
                 made += len(group)
-                if keep is not None:
-                    for r in range(len(group)):
-                        if ends[r] > step and not keep(probs[r, : step + 1]):
-                            ends[r] = step
-                if not (ends > step + 1).any():
+                if not end_chains(ends, probs, step, keep):
                     break
             for r, (j, *_) in enumerate(group):
                 drafts[j] = tokens[r, : ends[r]].copy()

@@ -39,6 +39,7 @@ from decodert.artifact.heads import head_embedding
 from decodert.errors import DecodertError
 from decodert.runtime.backends.kv_cache import common_prefix
 from decodert.runtime.decoding.sampling import top_probability
+from decodert.runtime.speculation.drafters import end_chains
 
 
 class HeadCache:
@@ -177,11 +178,7 @@ class MtpDrafter:
         ones = np.ones(b, np.int64)
         chained = 0
         for step in range(steps):
-            if keep is not None:
-                for i in range(b):
-                    if ends[i] > step and not keep(probs[i, : step + 1]):
-                        ends[i] = step
-            if step + 1 >= steps or not (ends > step + 1).any():
+            if not end_chains(ends, probs, step, keep):
                 break
             embeds = np.asarray(self.embed[tokens[:, step]], self.dtype)[:, None]
             token, prob, hidden_out, k, v = self._run(embeds, hidden_out[:, None], position, cache.starts[slots], ones,

@@ -383,14 +383,17 @@ def _beside_the_head(speculator: Speculator, seqs: Seq[Sequence], limits: list[i
     if base is None or not rows:
         return out
     got, kinds = speculator.lookup(seqs[rows[0]].spec.config).propose([seqs[j] for j in rows], [limits[j] for j in rows])
+    widest = max(max(limits[j], len(d)) for j, d in zip(rows, got))
+    seconds = {w: speculator.costs.estimate(n, w) or base for w in range(2, widest + 2)}  # a pass of width w
+
+    def best(tokens: Any, most: int, calls: Any) -> float:
+        return max(tokens(k) / (seconds[k + 1] + calls(k)) for k in range(1, most + 1))
+
     for j, draft, kind in zip(rows, got, kinds):
         if not len(draft):
             continue
         spec = seqs[j].spec
         head_a, look_a, cost = spec.acceptance(1), spec.acceptance(kind), spec.drafter.seconds_per_token
-
-        def best(tokens: Any, most: int, calls: Any) -> float:
-            return max(tokens(k) / ((speculator.costs.estimate(n, k + 1) or base) + calls(k)) for k in range(1, most + 1))
 
         head = best(lambda k: chain_tokens(first[j], head_a, k), limits[j], lambda k: cost * (k - 1))
         look = best(lambda k: expected_tokens(look_a, k), len(draft), lambda k: 0.0)
